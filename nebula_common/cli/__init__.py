@@ -1,0 +1,1 @@
+"""Nebula command-line interface."""

@@ -1,0 +1,25 @@
+"""The `nebula` command: one sub-command group per module, registered here."""
+
+from __future__ import annotations
+
+import typer
+
+from nebula_common.cli import demo, local, pki, wan
+
+app = typer.Typer(
+    help="Nebula: train one model across remote clusters joined by slow WAN links.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(pki.app, name="pki")
+app.add_typer(wan.app, name="wan")
+app.add_typer(local.app, name="local")
+app.command("demo")(demo.demo)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

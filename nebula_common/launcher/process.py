@@ -1,0 +1,102 @@
+"""One service process: started with its env, ports read from its first stdout line, stopped gracefully."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from nebula_common.errors import NebulaError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+class ServiceStartError(NebulaError):
+    pass
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    log_dir: Path
+    popen: subprocess.Popen[bytes] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stdout_path(self) -> Path:
+        return self.log_dir / f"{self.name}.out"
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    def start(self) -> None:
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        with open(self.stdout_path, "wb") as out, open(self.log_path, "ab") as err:
+            self.popen = subprocess.Popen(  # noqa: S603 - our own console entry points
+                self.command, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+
+    def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Wait for the JSON line announcing the ports; fail fast if the process dies."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen is not None and self.popen.poll() is not None:
+                raise ServiceStartError(
+                    f"{self.name} exited with code {self.popen.returncode} during start-up; "
+                    f"last log lines:\n{self.tail()}"
+                )
+            text = self.stdout_path.read_text() if self.stdout_path.exists() else ""
+            if text.endswith("\n"):
+                self.info = json.loads(text.splitlines()[0])
+                return self.info
+            time.sleep(0.05)
+        raise ServiceStartError(f"{self.name} did not report its ports within {timeout:.0f}s:\n{self.tail()}")
+
+    def tail(self, lines: int = 15) -> str:
+        if not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM for a graceful drain, SIGKILL if it does not exit in time."""
+        if self.popen is None or self.popen.poll() is not None:
+            return None if self.popen is None else self.popen.returncode
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            return self.popen.wait(5)
+
+
+def wait_healthy(address: str, service: str = "", timeout: float = 30.0) -> None:
+    """Block until ``address`` answers grpc.health.v1 SERVING for ``service``."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                last = exc.code().name
+            time.sleep(0.1)
+    raise ServiceStartError(f"{address} ({service or 'server'}) not healthy within {timeout:.0f}s: {last}")
+
+
+def console_command(module: str, *args: str) -> list[str]:
+    """Run a service module with this interpreter, so the launcher works from any venv."""
+    return [sys.executable, "-m", module, *args]

@@ -1,0 +1,464 @@
+"""On-disk layout of the dev PKI, and the only code that writes it.
+
+Layout under a PKI root::
+
+    <root>/<cluster>/ca.crt              PEM CA certificate
+    <root>/<cluster>/ca.key              PEM PKCS#8 CA key (0600)
+    <root>/<cluster>/switch.crt          PEM leaf of the cluster's switch
+    <root>/<cluster>/switch.key          PEM PKCS#8 leaf key (0600)
+    <root>/<cluster>/trust/<peer>.crt    a peer cluster's CA, trusted on the WAN
+    <root>/<cluster>/trust-bundle.pem    all trust/*.crt concatenated (gRPC root_certificates)
+
+A cluster never trusts its own CA on the WAN: only the peer's switch should be able to connect,
+and a cluster-local certificate has no business on the inter-cluster link.
+
+Every write goes to a temporary file in the target directory, is fsynced, then ``os.replace``d
+into place, so a crash leaves either the old or the new file, never a torn one. Key files are
+created with mode 0600 from their first byte, so they are never readable by others, even briefly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import NamedTuple
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from nebula_common.pki.ca import DEFAULT_LEAF_VALIDITY, create_ca, issue_certificate
+from nebula_common.pki.identity import Identity, identity_from_certificate, validate_cluster_id
+
+__all__ = [
+    "ClusterPaths",
+    "PkiError",
+    "PkiLayout",
+    "add_trust",
+    "init_pki",
+    "load_layout",
+]
+
+_KEY_MODE = 0o600
+_LOCK_NAME = ".pki.lock"
+_CERT_MODE = 0o644
+
+
+class PkiError(Exception):
+    """The PKI on disk is missing, incomplete, inconsistent, or would be overwritten."""
+
+
+@dataclass(frozen=True)
+class ClusterPaths:
+    """Where one cluster's PKI material lives. Pure path arithmetic: nothing is read or checked."""
+
+    cluster_id: str
+    dir: Path
+    ca_cert: Path
+    ca_key: Path
+    switch_cert: Path
+    switch_key: Path
+    trust_dir: Path
+    trust_bundle: Path
+
+    @classmethod
+    def for_cluster(cls, root: Path, cluster_id: str) -> ClusterPaths:
+        """Paths for ``cluster_id`` under ``root`` (the id is validated so it cannot escape root)."""
+        validate_cluster_id(cluster_id)
+        base = Path(root) / cluster_id
+        return cls(
+            cluster_id=cluster_id,
+            dir=base,
+            ca_cert=base / "ca.crt",
+            ca_key=base / "ca.key",
+            switch_cert=base / "switch.crt",
+            switch_key=base / "switch.key",
+            trust_dir=base / "trust",
+            trust_bundle=base / "trust-bundle.pem",
+        )
+
+    @property
+    def switch_identity(self) -> Identity:
+        """The identity this cluster's switch certificate must carry."""
+        return Identity(self.cluster_id, "switch")
+
+    def trust_cert(self, peer_cluster_id: str) -> Path:
+        """Where the CA of ``peer_cluster_id`` is stored when this cluster trusts it."""
+        return self.trust_dir / f"{validate_cluster_id(peer_cluster_id)}.crt"
+
+    def required_files(self, peers: Iterable[str]) -> list[Path]:
+        """Every file that must exist for this cluster's PKI to be complete, given its peers."""
+        return [
+            self.ca_cert,
+            self.ca_key,
+            self.switch_cert,
+            self.switch_key,
+            *(self.trust_cert(peer) for peer in peers),
+            self.trust_bundle,
+        ]
+
+
+class PkiLayout:
+    """A loaded PKI root: the set of clusters it was loaded for and their paths."""
+
+    def __init__(self, root: Path, cluster_ids: Sequence[str], *, created: bool = False) -> None:
+        self.root = Path(root)
+        self.cluster_ids: tuple[str, ...] = tuple(cluster_ids)
+        #: True when this layout was just generated, False when an existing one was reused.
+        self.created = created
+        self._paths = {cid: ClusterPaths.for_cluster(self.root, cid) for cid in self.cluster_ids}
+
+    def cluster(self, cluster_id: str) -> ClusterPaths:
+        """Paths of one cluster of this layout; unknown clusters are an error, not a guess."""
+        try:
+            return self._paths[cluster_id]
+        except KeyError:
+            raise PkiError(
+                f"cluster {cluster_id!r} is not part of the PKI layout at {self.root} "
+                f"(clusters: {', '.join(self.cluster_ids)})"
+            ) from None
+
+    def __repr__(self) -> str:
+        return f"PkiLayout(root={str(self.root)!r}, clusters={self.cluster_ids!r}, created={self.created})"
+
+
+# --------------------------------------------------------------------------------------------------
+# Atomic file writes
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Persist a rename: without syncing the directory, the new entry may vanish on power loss."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes, *, mode: int) -> None:
+    """Write ``data`` to ``path`` atomically; the temp file is created with ``mode`` (no umask race)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    # O_EXCL: never follow or reuse a pre-existing file (e.g. a planted symlink) at the temp name.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
+    try:
+        try:
+            os.fchmod(fd, mode)  # the umask may have stripped bits from a public file; be exact
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _cert_pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _fingerprint(cert: x509.Certificate) -> bytes:
+    return cert.fingerprint(hashes.SHA256())
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading and checking
+
+
+def _read_cert(path: Path) -> x509.Certificate:
+    try:
+        return x509.load_pem_x509_certificate(path.read_bytes())
+    except FileNotFoundError:
+        raise PkiError(f"missing certificate {path}") from None
+    except ValueError as exc:
+        raise PkiError(f"{path} is not a PEM certificate: {exc}") from exc
+
+
+def _read_key(path: Path) -> ec.EllipticCurvePrivateKey:
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except FileNotFoundError:
+        raise PkiError(f"missing private key {path}") from None
+    except (ValueError, TypeError) as exc:
+        raise PkiError(f"{path} is not an unencrypted PEM private key: {exc}") from exc
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise PkiError(f"{path} is not an ECDSA private key")
+    return key
+
+
+def _ca_problem(cert: x509.Certificate) -> str | None:
+    """Why ``cert`` cannot serve as a trust anchor, or None if it can."""
+    try:
+        constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+    except x509.ExtensionNotFound:
+        return "it has no basicConstraints extension, so it is not a CA certificate"
+    if not constraints.ca:
+        return "it is not a CA certificate (basicConstraints CA=false)"
+    try:
+        usage = cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    except x509.ExtensionNotFound:
+        usage = None
+    if usage is not None and not usage.key_cert_sign:
+        return "its keyUsage does not allow signing certificates"
+    try:
+        cert.verify_directly_issued_by(cert)
+    except (InvalidSignature, ValueError, TypeError) as exc:
+        return f"it is not a self-signed root CA ({exc.__class__.__name__})"
+    if cert.not_valid_after_utc <= datetime.now(UTC):
+        return f"it expired at {cert.not_valid_after_utc.isoformat()}"
+    return None
+
+
+def _check_cluster(paths: ClusterPaths, peers: Sequence[str]) -> None:
+    """Raise ``PkiError`` unless ``paths`` holds a complete, self-consistent PKI for its cluster.
+
+    Catching a mismatched key, a foreign leaf, or a stale bundle here turns what would be an
+    opaque TLS handshake failure at run time into an error naming the offending file.
+    """
+    for required in paths.required_files(peers):
+        if not required.is_file():
+            raise PkiError(f"PKI for cluster {paths.cluster_id!r} is incomplete: missing {required}")
+
+    ca_cert = _read_cert(paths.ca_cert)
+    if (problem := _ca_problem(ca_cert)) is not None:
+        raise PkiError(f"{paths.ca_cert} cannot be used as the cluster CA: {problem}")
+    if _read_key(paths.ca_key).public_key() != ca_cert.public_key():
+        raise PkiError(f"{paths.ca_key} does not match {paths.ca_cert}")
+
+    switch_cert = _read_cert(paths.switch_cert)
+    try:
+        switch_cert.verify_directly_issued_by(ca_cert)
+    except (InvalidSignature, ValueError, TypeError) as exc:
+        raise PkiError(f"{paths.switch_cert} was not issued by {paths.ca_cert} ({exc})") from exc
+    try:
+        identity = identity_from_certificate(switch_cert)
+    except ValueError as exc:
+        raise PkiError(f"{paths.switch_cert}: {exc}") from exc
+    if identity != paths.switch_identity:
+        raise PkiError(f"{paths.switch_cert} names {identity.uri}, expected {paths.switch_identity.uri}")
+    if _read_key(paths.switch_key).public_key() != switch_cert.public_key():
+        raise PkiError(f"{paths.switch_key} does not match {paths.switch_cert}")
+
+    trusted: set[bytes] = set()
+    for trust_file in sorted(paths.trust_dir.glob("*.crt")):
+        cert = _read_cert(trust_file)
+        if (problem := _ca_problem(cert)) is not None:
+            raise PkiError(f"trusted certificate {trust_file} is unusable: {problem}")
+        trusted.add(_fingerprint(cert))
+    if not trusted:
+        raise PkiError(f"cluster {paths.cluster_id!r} trusts no peer CA: {paths.trust_dir} has no *.crt")
+    if _fingerprint(ca_cert) in trusted:
+        raise PkiError(
+            f"{paths.trust_dir} contains cluster {paths.cluster_id!r}'s own CA; it must not be trusted"
+        )
+    try:
+        bundle = {_fingerprint(c) for c in x509.load_pem_x509_certificates(paths.trust_bundle.read_bytes())}
+    except ValueError as exc:
+        raise PkiError(f"{paths.trust_bundle} is not a PEM certificate bundle: {exc}") from exc
+    if bundle != trusted:
+        raise PkiError(
+            f"{paths.trust_bundle} does not match the certificates in {paths.trust_dir}; it is stale"
+        )
+
+
+def _validate_clusters(clusters: Sequence[str], *, minimum: int) -> tuple[str, ...]:
+    if isinstance(clusters, str):
+        raise TypeError("clusters must be a sequence of cluster ids, not a single string")
+    ids = tuple(clusters)
+    for cid in ids:
+        validate_cluster_id(cid)
+    duplicates = sorted({cid for cid in ids if ids.count(cid) > 1})
+    if duplicates:
+        raise ValueError(f"duplicate cluster ids: {', '.join(duplicates)}")
+    if len(ids) < minimum:
+        raise ValueError(f"need at least {minimum} distinct cluster(s), got {len(ids)}: {list(ids)}")
+    return ids
+
+
+def _peers(cluster_id: str, clusters: Sequence[str]) -> list[str]:
+    return [peer for peer in clusters if peer != cluster_id]
+
+
+def load_layout(root: Path, clusters: Sequence[str]) -> PkiLayout:
+    """Load and verify an existing PKI for ``clusters`` under ``root``.
+
+    Each cluster must trust every other listed cluster; a single cluster may be loaded on its own
+    (a switch only needs its own directory). Expiry of the switch leaf is not checked here so that
+    tooling can still load and display an expired layout.
+    """
+    ids = _validate_clusters(clusters, minimum=1)
+    layout = PkiLayout(root, ids)
+    for cid in ids:
+        _check_cluster(layout.cluster(cid), _peers(cid, ids))
+    return layout
+
+
+class _ClusterMaterial(NamedTuple):
+    ca_cert: x509.Certificate
+    ca_key: ec.EllipticCurvePrivateKey
+    switch_cert: x509.Certificate
+    switch_key: ec.EllipticCurvePrivateKey
+
+
+@contextlib.contextmanager
+def _exclusive(root: Path) -> Iterator[None]:
+    """Serialise writers of one PKI root across processes.
+
+    Two ``nebula demo`` runs starting at once would otherwise both generate CAs and interleave
+    their files into a layout where, say, a's switch certificate was signed by the other run's CA.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _write_bundle(paths: ClusterPaths) -> None:
+    """Rebuild trust-bundle.pem from trust/*.crt (sorted, so the output is deterministic)."""
+    pem = b"".join(_cert_pem(_read_cert(p)) for p in sorted(paths.trust_dir.glob("*.crt")))
+    _atomic_write(paths.trust_bundle, pem, mode=_CERT_MODE)
+
+
+def init_pki(
+    root: Path,
+    clusters: Sequence[str],
+    *,
+    leaf_validity: timedelta = DEFAULT_LEAF_VALIDITY,
+    force: bool = False,
+) -> PkiLayout:
+    """Create (or reuse) a dev PKI: a CA per cluster, a switch leaf each, and pairwise trust.
+
+    Without ``force`` a complete, consistent existing layout is returned untouched (so callers like
+    ``nebula demo`` may call this on every start), while any partial or inconsistent layout is an
+    error: silently replacing a CA would break every peer that already trusts it. An existing but
+    expired switch certificate is also an error, because reusing it would only fail later in a TLS
+    handshake with a far less helpful message. ``force=True`` regenerates everything for the listed
+    clusters; CAs of other organisations already in ``trust/`` are kept.
+    """
+    ids = _validate_clusters(clusters, minimum=2)
+    _require_positive_validity(leaf_validity)
+    root = Path(root)
+    with _exclusive(root):
+        return _init_locked(root, ids, leaf_validity=leaf_validity, force=force)
+
+
+def _init_locked(root: Path, ids: tuple[str, ...], *, leaf_validity: timedelta, force: bool) -> PkiLayout:
+    """Body of :func:`init_pki`; must run under :func:`_exclusive` so the existence check holds."""
+    layout = PkiLayout(root, ids)
+
+    if not force:
+        existing = [
+            path
+            for cid in ids
+            for path in layout.cluster(cid).required_files(_peers(cid, ids))
+            if path.exists() or path.is_symlink()
+        ]
+        if existing:
+            try:
+                loaded = load_layout(root, ids)
+            except PkiError as exc:
+                raise PkiError(
+                    f"{exc}. Refusing to overwrite the existing PKI at {root}; "
+                    "rerun with force=True (nebula pki init --force) to regenerate all of it"
+                ) from exc
+            now = datetime.now(UTC)
+            for cid in ids:
+                cert = _read_cert(loaded.cluster(cid).switch_cert)
+                if cert.not_valid_after_utc <= now:
+                    raise PkiError(
+                        f"switch certificate {loaded.cluster(cid).switch_cert} expired at "
+                        f"{cert.not_valid_after_utc.isoformat()}; rerun with force=True "
+                        "(nebula pki init --force) to regenerate the PKI"
+                    )
+            return loaded
+
+    # Generate everything in memory first so a failure (e.g. bad input) writes nothing.
+    material: dict[str, _ClusterMaterial] = {}
+    for cid in ids:
+        ca_cert, ca_key = create_ca(cid)
+        leaf_cert, leaf_key = issue_certificate(
+            ca_cert, ca_key, Identity(cid, "switch"), validity=leaf_validity
+        )
+        material[cid] = _ClusterMaterial(ca_cert, ca_key, leaf_cert, leaf_key)
+
+    for cid in ids:
+        paths = layout.cluster(cid)
+        ca_cert, ca_key, leaf_cert, leaf_key = material[cid]
+        paths.dir.mkdir(parents=True, exist_ok=True)
+        paths.trust_dir.mkdir(exist_ok=True)
+        # A file named after our own cluster in trust/ would put our own CA on the WAN trust list.
+        own = paths.trust_dir / f"{cid}.crt"
+        if own.exists():
+            own.unlink()
+        _atomic_write(paths.ca_key, _key_pem(ca_key), mode=_KEY_MODE)
+        _atomic_write(paths.ca_cert, _cert_pem(ca_cert), mode=_CERT_MODE)
+        _atomic_write(paths.switch_key, _key_pem(leaf_key), mode=_KEY_MODE)
+        _atomic_write(paths.switch_cert, _cert_pem(leaf_cert), mode=_CERT_MODE)
+        for peer in _peers(cid, ids):
+            _atomic_write(paths.trust_cert(peer), _cert_pem(material[peer].ca_cert), mode=_CERT_MODE)
+        _write_bundle(paths)
+
+    loaded = load_layout(root, ids)
+    loaded.created = True
+    return loaded
+
+
+def _require_positive_validity(validity: timedelta) -> None:
+    if validity <= timedelta(0):
+        raise ValueError(f"leaf validity must be positive, got {validity}")
+
+
+def add_trust(root: Path, cluster_id: str, peer_cluster_id: str, peer_ca_pem: bytes) -> Path:
+    """Make ``cluster_id`` trust ``peer_cluster_id``'s CA on the WAN; returns the file written.
+
+    This is the manual trust exchange between organisations that do not share a PKI root: each
+    side hands the other its ``ca.crt`` out of band. The PEM must hold exactly one self-signed,
+    unexpired CA certificate: a leaf here would not work as an anchor, and a bundle could smuggle in
+    extra anchors. Replacing an existing ``trust/<peer>.crt`` is allowed (that is CA rotation).
+    """
+    validate_cluster_id(cluster_id)
+    validate_cluster_id(peer_cluster_id)
+    if cluster_id == peer_cluster_id:
+        raise PkiError(f"cluster {cluster_id!r} must not trust its own CA on the WAN")
+    paths = ClusterPaths.for_cluster(Path(root), cluster_id)
+    if not paths.ca_cert.is_file():
+        raise PkiError(f"no PKI for cluster {cluster_id!r}: missing {paths.ca_cert} (run init first)")
+    try:
+        certs = x509.load_pem_x509_certificates(peer_ca_pem)
+    except ValueError as exc:
+        raise PkiError(f"CA for peer {peer_cluster_id!r} is not PEM certificate data: {exc}") from exc
+    if len(certs) != 1:
+        raise PkiError(f"expected exactly one CA certificate for peer {peer_cluster_id!r}, got {len(certs)}")
+    peer_ca = certs[0]
+    if (problem := _ca_problem(peer_ca)) is not None:
+        raise PkiError(f"refusing to trust the certificate given for peer {peer_cluster_id!r}: {problem}")
+    if _fingerprint(peer_ca) == _fingerprint(_read_cert(paths.ca_cert)):
+        raise PkiError(
+            f"the certificate given for peer {peer_cluster_id!r} is cluster {cluster_id!r}'s own CA"
+        )
+    target = paths.trust_cert(peer_cluster_id)
+    with _exclusive(Path(root)):
+        _atomic_write(target, _cert_pem(peer_ca), mode=_CERT_MODE)
+        _write_bundle(paths)
+    return target

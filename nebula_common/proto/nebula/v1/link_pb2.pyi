@@ -1,0 +1,49 @@
+from nebula_common.proto.nebula.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Handshake(_message.Message):
+    __slots__ = ("protocol_version", "cluster_id", "software_version")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    cluster_id: str
+    software_version: str
+    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., software_version: _Optional[str] = ...) -> None: ...
+
+class RoutedFrame(_message.Message):
+    __slots__ = ("job_id", "edge", "frame")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EDGE_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    edge: str
+    frame: _tensor_pb2.TensorFrame
+    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., frame: _Optional[_Union[_tensor_pb2.TensorFrame, _Mapping]] = ...) -> None: ...
+
+class RouteClose(_message.Message):
+    __slots__ = ("job_id", "edge", "reason", "error")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EDGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    edge: str
+    reason: str
+    error: bool
+    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., reason: _Optional[str] = ..., error: _Optional[bool] = ...) -> None: ...
+
+class LinkMessage(_message.Message):
+    __slots__ = ("hello", "frame", "close")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    hello: Handshake
+    frame: RoutedFrame
+    close: RouteClose
+    def __init__(self, hello: _Optional[_Union[Handshake, _Mapping]] = ..., frame: _Optional[_Union[RoutedFrame, _Mapping]] = ..., close: _Optional[_Union[RouteClose, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,75 @@
+from nebula_common.proto.nebula.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EdgeOpen(_message.Message):
+    __slots__ = ("job_id", "edge")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EDGE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    edge: str
+    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ...) -> None: ...
+
+class EdgeClose(_message.Message):
+    __slots__ = ("reason", "error")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    error: bool
+    def __init__(self, reason: _Optional[str] = ..., error: _Optional[bool] = ...) -> None: ...
+
+class EdgeReady(_message.Message):
+    __slots__ = ("peer_cluster",)
+    PEER_CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    peer_cluster: str
+    def __init__(self, peer_cluster: _Optional[str] = ...) -> None: ...
+
+class EdgeMessage(_message.Message):
+    __slots__ = ("open", "frame", "close", "ready")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    open: EdgeOpen
+    frame: _tensor_pb2.TensorFrame
+    close: EdgeClose
+    ready: EdgeReady
+    def __init__(self, open: _Optional[_Union[EdgeOpen, _Mapping]] = ..., frame: _Optional[_Union[_tensor_pb2.TensorFrame, _Mapping]] = ..., close: _Optional[_Union[EdgeClose, _Mapping]] = ..., ready: _Optional[_Union[EdgeReady, _Mapping]] = ...) -> None: ...
+
+class GetLinkStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LinkCounters(_message.Message):
+    __slots__ = ("bytes", "payload_bytes", "raw_bytes", "frames")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    payload_bytes: int
+    raw_bytes: int
+    frames: int
+    def __init__(self, bytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., frames: _Optional[int] = ...) -> None: ...
+
+class LinkStatus(_message.Message):
+    __slots__ = ("cluster_id", "expected_peer", "connected", "verified_peer_identity", "link_role", "sent", "received")
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_PEER_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_PEER_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    LINK_ROLE_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    cluster_id: str
+    expected_peer: str
+    connected: bool
+    verified_peer_identity: str
+    link_role: str
+    sent: LinkCounters
+    received: LinkCounters
+    def __init__(self, cluster_id: _Optional[str] = ..., expected_peer: _Optional[str] = ..., connected: _Optional[bool] = ..., verified_peer_identity: _Optional[str] = ..., link_role: _Optional[str] = ..., sent: _Optional[_Union[LinkCounters, _Mapping]] = ..., received: _Optional[_Union[LinkCounters, _Mapping]] = ...) -> None: ...

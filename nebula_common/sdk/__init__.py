@@ -1,0 +1,1 @@
+"""Typed clients for Nebula services, for scripts, the CLI and other services."""

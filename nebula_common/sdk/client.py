@@ -1,0 +1,159 @@
+"""Typed client for one Nebula deployment: log in per cluster, submit a split job, watch it.
+
+Each cluster's half of a job is submitted with a token from THAT cluster's
+auth service: the SDK holds one session per cluster and never reuses a token
+across clusters, so each organisation keeps control of its own hardware.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from nebula_common.errors import AuthenticationError, InvalidRequestError, NebulaError, PermissionDeniedError
+from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from nebula_common.rpc import bearer_metadata, insecure_channel
+from nebula_common.sdk.auth_client import AuthClient
+from nebula_common.sdk.jobs import AbnetJob
+
+_STATUS_ERRORS: dict[grpc.StatusCode, type[NebulaError]] = {
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+}
+TERMINAL = {trainer_pb2.STAGE_STATE_SUCCEEDED, trainer_pb2.STAGE_STATE_FAILED, trainer_pb2.STAGE_STATE_CANCELLED}
+
+
+def _raise_for(exc: grpc.RpcError, what: str) -> None:
+    error = _STATUS_ERRORS.get(exc.code(), NebulaError)
+    raise error(f"{what}: {exc.details()}") from exc
+
+
+@dataclass(frozen=True)
+class ClusterEndpoints:
+    """Where one cluster's internal services listen (as seen from the operator's machine)."""
+
+    cluster_id: str
+    auth: str
+    trainer: str
+    switch: str
+    metrics: dict[str, str] = field(default_factory=dict)
+
+
+class ClusterSession:
+    """A logged-in handle on one cluster."""
+
+    def __init__(self, endpoints: ClusterEndpoints, token: str, username: str) -> None:
+        self.endpoints = endpoints
+        self.username = username
+        self._token = token
+        self._trainer_channel = insecure_channel(endpoints.trainer)
+        self._switch_channel = insecure_channel(endpoints.switch)
+        self.trainer = trainer_pb2_grpc.TrainerStub(self._trainer_channel)
+        self.relay = relay_pb2_grpc.RelayStub(self._switch_channel)
+
+    @classmethod
+    def login(cls, endpoints: ClusterEndpoints, username: str, password: str) -> ClusterSession:
+        with AuthClient(endpoints.auth) as auth:
+            result = auth.login(username, password)
+        return cls(endpoints, result.token, username)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return bearer_metadata(self._token)
+
+    def assign(self, spec: trainer_pb2.StageSpec) -> trainer_pb2.AssignStageResponse:
+        try:
+            return self.trainer.AssignStage(
+                trainer_pb2.AssignStageRequest(spec=spec), metadata=self.metadata, timeout=30
+            )
+        except grpc.RpcError as exc:
+            _raise_for(exc, f"cluster {self.endpoints.cluster_id} refused stage {spec.stage!r}")
+            raise
+
+    def watch(self, job_id: str) -> Iterator[trainer_pb2.StageStatus]:
+        try:
+            yield from self.trainer.WatchStage(trainer_pb2.WatchStageRequest(job_id=job_id), metadata=self.metadata)
+        except grpc.RpcError as exc:
+            _raise_for(exc, f"watching job {job_id} on cluster {self.endpoints.cluster_id}")
+
+    def cancel(self, job_id: str) -> None:
+        try:
+            self.trainer.CancelStage(trainer_pb2.CancelStageRequest(job_id=job_id), metadata=self.metadata, timeout=10)
+        except grpc.RpcError as exc:
+            _raise_for(exc, f"cancelling job {job_id} on cluster {self.endpoints.cluster_id}")
+
+    def link_status(self) -> relay_pb2.LinkStatus:
+        return self.relay.GetLinkStatus(relay_pb2.GetLinkStatusRequest(), timeout=10)
+
+    def close(self) -> None:
+        self._trainer_channel.close()
+        self._switch_channel.close()
+
+
+@dataclass
+class StageUpdate:
+    cluster_id: str
+    status: trainer_pb2.StageStatus
+
+
+class JobHandle:
+    """A submitted split job; iterate ``updates()`` for live status from both clusters."""
+
+    def __init__(self, job: AbnetJob, stages: dict[str, ClusterSession]) -> None:
+        self.job = job
+        self.stages = stages
+        self.final: dict[str, trainer_pb2.StageStatus] = {}
+
+    def updates(self) -> Iterator[StageUpdate]:
+        """Merge both stages' status streams; ends when both stages reach a terminal state."""
+        merged: queue.Queue[StageUpdate | BaseException | None] = queue.Queue()
+
+        def pump(stage: str, session: ClusterSession) -> None:
+            try:
+                for status in session.watch(self.job.job_id):
+                    merged.put(StageUpdate(session.endpoints.cluster_id, status))
+            except BaseException as exc:
+                merged.put(exc)
+            finally:
+                merged.put(None)
+
+        threads = [
+            threading.Thread(target=pump, args=(stage, session), daemon=True) for stage, session in self.stages.items()
+        ]
+        for thread in threads:
+            thread.start()
+        remaining = len(threads)
+        while remaining:
+            item = merged.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            if item.status.state in TERMINAL:
+                self.final[item.status.stage] = item.status
+            yield item
+
+    def cancel(self) -> None:
+        for session in self.stages.values():
+            session.cancel(self.job.job_id)
+
+
+def submit_abnet(job: AbnetJob, source: ClusterSession, target: ClusterSession) -> JobHandle:
+    """Start the encoder stage in ``source`` and the decoder stage in ``target``.
+
+    If the target cluster refuses, the already-started source stage is cancelled
+    so no half-job keeps running on anyone's hardware.
+    """
+    source.assign(job.stage_spec("encoder"))
+    try:
+        target.assign(job.stage_spec("decoder"))
+    except NebulaError:
+        source.cancel(job.job_id)
+        raise
+    return JobHandle(job, {"encoder": source, "decoder": target})

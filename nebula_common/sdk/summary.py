@@ -1,0 +1,128 @@
+"""What a finished split job did: losses, timings, and bytes on the WAN as the switches counted them."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from nebula_common.proto.nebula.v1 import trainer_pb2
+from nebula_common.sdk.client import ClusterSession, JobHandle
+from nebula_common.sdk.jobs import AbnetJob
+
+
+def scrape_counter(url: str, name: str, labels: dict[str, str]) -> float | None:
+    """Read one counter sample from a Prometheus endpoint (None if absent)."""
+    with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 - our own loopback endpoint
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return None
+
+
+@dataclass
+class JobSummary:
+    job_id: str
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    wait_seconds: dict[str, float] = field(default_factory=dict)
+    stage_states: dict[str, str] = field(default_factory=dict)
+    stage_messages: dict[str, str] = field(default_factory=dict)
+    train_seconds: float = 0.0
+    total_seconds: float = 0.0
+    wan: dict[str, dict[str, Any]] = field(default_factory=dict)
+    peer_identities: dict[str, str] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def steps_done(self) -> int:
+        return len(self.step_seconds)
+
+    @property
+    def mean_step_seconds(self) -> float:
+        return sum(self.step_seconds) / len(self.step_seconds) if self.step_seconds else 0.0
+
+    @property
+    def succeeded(self) -> bool:
+        return bool(self.stage_states) and all(s == "SUCCEEDED" for s in self.stage_states.values())
+
+    def fill_wan(self, source: ClusterSession, target: ClusterSession) -> None:
+        """Take WAN byte counts from both switches and cross-check them with their Prometheus counters."""
+        status = {s.endpoints.cluster_id: (s, s.link_status()) for s in (source, target)}
+        src_id, dst_id = source.endpoints.cluster_id, target.endpoints.cluster_id
+        for cluster, (_, link) in status.items():
+            self.peer_identities[cluster] = link.verified_peer_identity
+        for direction, sender, receiver in (("forward", src_id, dst_id), ("backward", dst_id, src_id)):
+            session, link = status[sender]
+            sent = link.sent
+            received = status[receiver][1].received
+            entry: dict[str, Any] = {
+                "from": sender,
+                "to": receiver,
+                "bytes": sent.bytes,
+                "payload_bytes": sent.payload_bytes,
+                "raw_bytes": sent.raw_bytes,
+                "frames": sent.frames,
+                "bytes_received_by_peer": received.bytes,
+                "compression_ratio": (sent.raw_bytes / sent.payload_bytes) if sent.payload_bytes else 0.0,
+                "wire_ratio": (sent.raw_bytes / sent.bytes) if sent.bytes else 0.0,
+            }
+            url = session.endpoints.metrics.get(f"switch-{sender}")
+            if url:
+                value = scrape_counter(url, "nebula_switch_wan_bytes_total", {"direction": "sent"})
+                entry["prometheus_bytes"] = int(value) if value is not None else None
+            self.wan[direction] = entry
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id,
+            "steps": self.steps_done,
+            "steps_requested": self.steps,
+            "succeeded": self.succeeded,
+            "stage_states": self.stage_states,
+            "stage_messages": self.stage_messages,
+            "loss_per_step": self.losses,
+            "initial_loss": self.losses[0] if self.losses else None,
+            "final_loss": self.losses[-1] if self.losses else None,
+            "train_wall_seconds": self.train_seconds,
+            "wall_seconds": self.total_seconds,
+            "mean_step_seconds": self.mean_step_seconds,
+            "wait_seconds": self.wait_seconds,
+            "wan": self.wan,
+            "peer_identities": self.peer_identities,
+            "settings": self.settings,
+        }
+
+
+def summarize(
+    job: AbnetJob,
+    handle: JobHandle,
+    on_step: Callable[[trainer_pb2.StageStatus], None] | None = None,
+) -> JobSummary:
+    """Follow a job to its end, collecting the loss-owning stage's per-step numbers."""
+    import time
+
+    summary = JobSummary(job_id=job.job_id, steps=job.steps)
+    started = time.perf_counter()
+    last_step: dict[str, int] = {}
+    for update in handle.updates():
+        status = update.status
+        stage = status.stage
+        summary.stage_states[stage] = trainer_pb2.StageState.Name(status.state).removeprefix("STAGE_STATE_")
+        summary.stage_messages[stage] = status.message
+        if status.steps_done > last_step.get(stage, 0):
+            last_step[stage] = status.steps_done
+            summary.wait_seconds[stage] = summary.wait_seconds.get(stage, 0.0) + status.wait_seconds
+            if status.HasField("loss"):
+                summary.losses.append(status.loss)
+                summary.step_seconds.append(status.step_seconds)
+                if on_step is not None:
+                    on_step(status)
+    summary.train_seconds = time.perf_counter() - started
+    return summary

@@ -1,0 +1,354 @@
+"""Asyncio TCP proxy that makes a loopback or LAN hop behave like a slow WAN link.
+
+Nebula's whole point is training across clusters joined by thin, long links, so the two
+switch gateways must be tested against a link with realistic bandwidth and latency. Kernel
+tools (``tc netem``) need root and are per-interface; this proxy needs neither and shapes
+each direction of each connection independently, the way a full-duplex WAN circuit does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import itertools
+import logging
+import math
+import numbers
+import signal
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+# Reading in bounded chunks keeps serialization granularity fine enough (16 KiB is ~2 ms at
+# 60 Mbit/s) that delivery looks like a steady stream rather than bursts.
+_CHUNK_BYTES = 16 * 1024
+# Slack above the bandwidth-delay product so the reader always has the next chunk queued
+# before the link would otherwise go idle, without letting a fast sender park megabytes here.
+_QUEUE_SLACK_BYTES = 256 * 1024
+_CONNECT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """One direction's link characteristics; the same shape is applied to both directions."""
+
+    bandwidth_mbit: float
+    delay_ms: float
+
+    def __post_init__(self) -> None:
+        # numbers.Real admits numpy scalars from configs; bool is excluded because accepting True
+        # as "1 Mbit/s" would hide a caller bug.
+        for name in ("bandwidth_mbit", "delay_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"LinkShape.{name} must be a number, got {value!r}")
+        if not math.isfinite(self.bandwidth_mbit) or self.bandwidth_mbit <= 0:
+            raise ValueError(
+                f"LinkShape.bandwidth_mbit must be a finite number > 0, got {self.bandwidth_mbit!r}"
+            )
+        if not math.isfinite(self.delay_ms) or self.delay_ms < 0:
+            raise ValueError(f"LinkShape.delay_ms must be a finite number >= 0, got {self.delay_ms!r}")
+
+    @property
+    def bits_per_second(self) -> float:
+        return self.bandwidth_mbit * 1e6
+
+    @property
+    def delay_s(self) -> float:
+        return self.delay_ms / 1000.0
+
+    @property
+    def queue_limit_bytes(self) -> int:
+        """Bytes a direction may hold: enough to keep the pipe full, small enough to back-pressure."""
+        bdp = self.bits_per_second / 8.0 * self.delay_s
+        return math.ceil(bdp) + _QUEUE_SLACK_BYTES
+
+
+def parse_address(value: str, name: str = "address", *, allow_port_zero: bool = False) -> tuple[str, int]:
+    """Split ``host:port`` (or ``[v6]:port``) so CLI typos fail before any socket is opened."""
+    text = value.strip()
+    host: str
+    port_text: str
+    if text.startswith("["):
+        end = text.find("]")
+        if end == -1 or text[end + 1 : end + 2] != ":":
+            raise ValueError(f"malformed {name} {value!r}: expected [IPV6]:PORT")
+        host, port_text = text[1:end], text[end + 2 :]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"malformed {name} {value!r}: {host!r} is not an IPv6 address") from None
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host:
+            raise ValueError(f"malformed {name} {value!r}: expected HOST:PORT, e.g. 127.0.0.1:7000")
+        if ":" in host:
+            raise ValueError(f"malformed {name} {value!r}: wrap IPv6 hosts in brackets, e.g. [::1]:7000")
+    if not port_text.isdigit():
+        raise ValueError(f"malformed {name} {value!r}: port {port_text!r} is not a number")
+    port = int(port_text)
+    low = 0 if allow_port_zero else 1
+    if not low <= port <= 65535:
+        raise ValueError(f"malformed {name} {value!r}: port must be in {low}..65535, got {port}")
+    return host, port
+
+
+def _set_nodelay(writer: asyncio.StreamWriter) -> None:
+    # Nagle would hold back small trailing segments and add latency the emulator did not model.
+    sock = writer.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Abort with RST so the peer sees a broken link, not a clean (and misleading) end of stream."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+class _Direction:
+    """Shapes one half of a connection: a reader stamps chunks, a writer releases them on time."""
+
+    def __init__(
+        self,
+        src: asyncio.StreamReader,
+        dst: asyncio.StreamWriter,
+        shape: LinkShape,
+        on_delivered: Callable[[int], None],
+    ) -> None:
+        self._src = src
+        self._dst = dst
+        self._bits_per_s = shape.bits_per_second
+        self._delay_s = shape.delay_s
+        self._limit = shape.queue_limit_bytes
+        self._on_delivered = on_delivered
+        self._queue: asyncio.Queue[tuple[float, bytes | None]] = asyncio.Queue()
+        self._in_flight = 0
+        self._room = asyncio.Event()
+        # The serialization clock: when the link finishes sending what is already queued.
+        self._last_depart = 0.0
+
+    async def read_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            # Waiting *before* reading leaves data in the kernel, so TCP flow control pushes back
+            # on the sender instead of this process buffering without bound.
+            while self._in_flight + _CHUNK_BYTES > self._limit:
+                self._room.clear()
+                await self._room.wait()
+            chunk = await self._src.read(_CHUNK_BYTES)
+            start = max(loop.time(), self._last_depart)
+            if not chunk:
+                # EOF travels the wire behind the data, so it too waits out the propagation delay.
+                self._queue.put_nowait((start + self._delay_s, None))
+                return
+            self._last_depart = start + len(chunk) * 8 / self._bits_per_s
+            self._in_flight += len(chunk)
+            self._queue.put_nowait((self._last_depart + self._delay_s, chunk))
+
+    async def write_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            deliver_at, chunk = await self._queue.get()
+            wait = deliver_at - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if self._dst.is_closing():
+                raise ConnectionResetError("peer connection closed while data was in flight")
+            if chunk is None:
+                if self._dst.can_write_eof():
+                    self._dst.write_eof()
+                else:
+                    self._dst.close()
+                return
+            self._dst.write(chunk)
+            self._on_delivered(len(chunk))
+            await self._dst.drain()
+            self._in_flight -= len(chunk)
+            self._room.set()
+
+
+class WanEmulator:
+    """TCP proxy from ``listen`` to ``target`` that shapes each direction to ``shape``."""
+
+    def __init__(
+        self,
+        target_host: str,
+        target_port: int,
+        shape: LinkShape,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
+    ) -> None:
+        self.target_host = target_host
+        self.target_port = target_port
+        self.shape = shape
+        self.listen_host = listen_host
+        self._listen_port = listen_port
+        self._server: asyncio.Server | None = None
+        self._closing = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._ids = itertools.count(1)
+        self._bytes_upstream = 0
+        self._bytes_downstream = 0
+        self._connections_total = 0
+
+    @property
+    def port(self) -> int:
+        """Bound port once started (the requested port before, which may be 0)."""
+        return self._listen_port
+
+    @property
+    def bytes_upstream(self) -> int:
+        """Bytes delivered client -> target, counted when handed to the target socket."""
+        return self._bytes_upstream
+
+    @property
+    def bytes_downstream(self) -> int:
+        """Bytes delivered target -> client, counted when handed to the client socket."""
+        return self._bytes_downstream
+
+    @property
+    def connections_total(self) -> int:
+        """Client connections accepted, including ones whose target could not be reached."""
+        return self._connections_total
+
+    async def start(self) -> int:
+        if self._server is not None or self._closing:
+            raise RuntimeError("WanEmulator can only be started once")
+        self._server = await asyncio.start_server(self._on_client, self.listen_host, self._listen_port)
+        self._listen_port = self._server.sockets[0].getsockname()[1]
+        logger.info(
+            "WAN emulator listening on %s:%d -> %s:%d (%g Mbit/s, %g ms one-way)",
+            self.listen_host,
+            self._listen_port,
+            self.target_host,
+            self.target_port,
+            self.shape.bandwidth_mbit,
+            self.shape.delay_ms,
+        )
+        return self._listen_port
+
+    async def stop(self) -> None:
+        self._closing = True
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if server is not None:
+            await server.wait_closed()
+
+    async def __aenter__(self) -> WanEmulator:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A plain callback (not a coroutine) so the task is created and tracked synchronously;
+        # otherwise stop() could miss a connection accepted in the same loop iteration.
+        self._connections_total += 1
+        if self._closing:
+            _reset(writer)
+            return
+        conn_id = next(self._ids)
+        task = asyncio.get_running_loop().create_task(
+            self._serve(conn_id, reader, writer), name=f"wan-conn-{conn_id}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(
+        self, conn_id: int, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
+    ) -> None:
+        peer = client_writer.get_extra_info("peername")
+        _set_nodelay(client_writer)
+        try:
+            target_reader, target_writer = await asyncio.wait_for(
+                asyncio.open_connection(self.target_host, self.target_port), _CONNECT_TIMEOUT_S
+            )
+        except (OSError, TimeoutError) as exc:
+            logger.warning(
+                "WAN emulator conn %d from %s: cannot reach target %s:%d (%s); closing client",
+                conn_id,
+                peer,
+                self.target_host,
+                self.target_port,
+                exc or type(exc).__name__,
+            )
+            _reset(client_writer)
+            return
+        except BaseException:
+            _reset(client_writer)
+            raise
+        _set_nodelay(target_writer)
+
+        def count_up(n: int) -> None:
+            self._bytes_upstream += n
+
+        def count_down(n: int) -> None:
+            self._bytes_downstream += n
+
+        up = _Direction(client_reader, target_writer, self.shape, count_up)
+        down = _Direction(target_reader, client_writer, self.shape, count_down)
+        clean = False
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(up.read_loop(), name=f"wan-conn-{conn_id}-up-read")
+                group.create_task(up.write_loop(), name=f"wan-conn-{conn_id}-up-write")
+                group.create_task(down.read_loop(), name=f"wan-conn-{conn_id}-down-read")
+                group.create_task(down.write_loop(), name=f"wan-conn-{conn_id}-down-write")
+            clean = True
+        except* OSError as group_exc:
+            logger.debug("WAN emulator conn %d from %s reset: %s", conn_id, peer, group_exc.exceptions)
+        except* Exception:
+            logger.exception("WAN emulator conn %d from %s failed", conn_id, peer)
+        finally:
+            if not clean:
+                # Covers resets, unexpected errors and cancellation by stop(): no awaiting here.
+                _reset(client_writer)
+                _reset(target_writer)
+        for writer in (client_writer, target_writer):
+            writer.close()
+        for writer in (client_writer, target_writer):
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+def run_emulator_forever(target: str, listen: str, shape: LinkShape) -> None:
+    """Blocking entry point for the CLI: serve until SIGINT/SIGTERM, then shut down cleanly."""
+    target_host, target_port = parse_address(target, "target address")
+    listen_host, listen_port = parse_address(listen, "listen address", allow_port_zero=True)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        installed: list[signal.Signals] = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError):
+                # No loop signal support (e.g. Windows): Ctrl-C cancels main() via asyncio.run.
+                pass
+        try:
+            async with WanEmulator(target_host, target_port, shape, listen_host, listen_port):
+                await stop.wait()
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())

@@ -1,0 +1,200 @@
+"""Process entry point of the auth service (``nebula-auth``).
+
+The service listens only on the cluster-internal network, so its gRPC port is
+plaintext; the first admin is seeded from a file at start-up because there is
+deliberately no open sign-up endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from argon2 import PasswordHasher
+from prometheus_client import start_http_server
+from pydantic import ValidationError
+
+from nebula_common.errors import InvalidRequestError
+from nebula_common.logging import configure_logging
+from nebula_common.proto.nebula.v1 import auth_pb2_grpc
+from nebula_common.rpc import ServiceServer, create_server
+from services.auth import metrics
+from services.auth.config import AuthSettings
+from services.auth.passwords import hash_password, make_hasher, validate_new_account
+from services.auth.servicer import AuthServicer
+from services.auth.store import AccountExistsError, AccountStore
+from services.auth.tokens import TokenIssuer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "nebula.v1.Auth"
+DB_FILE_NAME = "accounts.db"
+STOP_GRACE_SECONDS = 5.0
+
+
+@dataclass
+class AuthServer(ServiceServer):
+    """The auth gRPC server plus what must be released with it (database, metrics endpoint)."""
+
+    store: AccountStore | None = None
+    metrics_httpd: WSGIServer | None = None
+
+    @property
+    def grpc_port(self) -> int:
+        return self.ports["grpc"]
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_httpd.server_port if self.metrics_httpd is not None else None
+
+    async def stop(self, grace: float = 2.0) -> None:
+        await super().stop(grace)
+        if self.metrics_httpd is not None:
+            self.metrics_httpd.shutdown()
+            self.metrics_httpd.server_close()
+            self.metrics_httpd = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+def ensure_bootstrap_admin(store: AccountStore, settings: AuthSettings, hasher: PasswordHasher) -> bool:
+    """Create the configured admin from its password file if it does not exist yet.
+
+    Returns True when an account was created. An existing account is never
+    touched, so rotating the file later cannot silently reset a password.
+    """
+    if settings.admin_password_file is None:
+        return False
+    username = settings.admin_username
+    existing = store.get(username)
+    if existing is not None:
+        if existing.role != "admin":
+            logger.warning(
+                "bootstrap admin name belongs to a non-admin account",
+                extra={"fields": {"username": username, "role": existing.role}},
+            )
+        return False
+    try:
+        password = settings.admin_password_file.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise RuntimeError(f"cannot read admin password file {settings.admin_password_file}: {exc}") from exc
+    try:
+        validate_new_account(username, password, "admin")
+    except InvalidRequestError as exc:
+        raise RuntimeError(f"bootstrap admin from {settings.admin_password_file} rejected: {exc}") from exc
+    try:
+        store.create(username, hash_password(password, hasher), "admin")
+    except AccountExistsError:
+        return False  # another replica seeded it between our check and insert
+    metrics.ACCOUNTS_CREATED.inc()
+    logger.info(
+        "account created",
+        extra={
+            "fields": {
+                "event": "account_created",
+                "cluster_id": settings.cluster_id,
+                "username": username,
+                "role": "admin",
+                "created_by": "bootstrap",
+            }
+        },
+    )
+    return True
+
+
+def _build(settings: AuthSettings) -> tuple[AccountStore, TokenIssuer, AuthServicer]:
+    """Blocking set-up (files, key generation, argon2) kept off the event loop."""
+    settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    hasher = make_hasher(
+        time_cost=settings.argon2_time_cost,
+        memory_cost_kib=settings.argon2_memory_cost_kib,
+        parallelism=settings.argon2_parallelism,
+    )
+    store = AccountStore(settings.data_dir / DB_FILE_NAME)
+    try:
+        issuer = TokenIssuer(settings.data_dir, settings.cluster_id, settings.token_ttl_seconds)
+        ensure_bootstrap_admin(store, settings, hasher)
+        servicer = AuthServicer(store, issuer, hasher)
+    except BaseException:
+        store.close()
+        raise
+    return store, issuer, servicer
+
+
+def _metrics_host(listen: str) -> str:
+    """Serve metrics on the same interface as gRPC, so a loopback-only service stays loopback-only."""
+    host = listen.rsplit(":", 1)[0] if ":" in listen else listen
+    return host.strip("[]") or "0.0.0.0"
+
+
+async def run_auth_server(settings: AuthSettings) -> AuthServer:
+    """Open the data dir, seed the admin, and start serving; the caller owns ``stop()``."""
+    store, issuer, servicer = await asyncio.to_thread(_build, settings)
+    base = create_server([SERVICE_NAME])
+    server = AuthServer(server=base.server, health=base.health, service_names=base.service_names, store=store)
+    try:
+        auth_pb2_grpc.add_AuthServicer_to_server(servicer, server.server)
+        server.add_insecure_port("grpc", settings.listen)
+        if settings.metrics_port >= 0:
+            httpd, _thread = start_http_server(settings.metrics_port, addr=_metrics_host(settings.listen))
+            server.metrics_httpd = httpd
+            server.ports["metrics"] = httpd.server_port
+        await server.start()
+    except BaseException:
+        await server.stop(0)
+        raise
+    logger.info(
+        "auth service started",
+        extra={
+            "fields": {
+                "cluster_id": settings.cluster_id,
+                "issuer": issuer.issuer,
+                "kid": issuer.kid,
+                "grpc_port": server.grpc_port,
+                "metrics_port": server.metrics_port,
+                "accounts": store.count(),
+            }
+        },
+    )
+    return server
+
+
+async def _serve(settings: AuthSettings) -> None:
+    server = await run_auth_server(settings)
+    # One JSON line on stdout is how the launcher learns the ports we bound.
+    ready = {"service": "auth", "grpc_port": server.grpc_port, "metrics_port": server.metrics_port}
+    sys.stdout.write(json.dumps(ready) + "\n")
+    sys.stdout.flush()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        logger.info("auth service stopping")
+        await server.stop(STOP_GRACE_SECONDS)
+
+
+def main() -> None:
+    try:
+        settings = AuthSettings()
+    except ValidationError as exc:
+        sys.stderr.write(f"nebula-auth: invalid configuration: {exc}\n")
+        raise SystemExit(2) from None
+    configure_logging("auth", settings.log_level)
+    try:
+        asyncio.run(_serve(settings))
+    except (RuntimeError, OSError, ValueError) as exc:
+        logger.error("auth service failed", extra={"fields": {"error": str(exc)}})
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Signing tokens for one cluster's accounts.
+
+Tokens are ES256 JWTs: asymmetric, so the switch and trainer verify them with
+the public key alone and a compromised verifier cannot mint tokens. The signing
+key lives next to the account database and survives restarts, so tokens issued
+before a restart stay valid and verifiers need not refetch keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jwt
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from jwt.algorithms import ECAlgorithm
+
+from nebula_common.auth.verifier import ALGORITHM, AUDIENCE, TokenVerifier, issuer_for
+
+logger = logging.getLogger(__name__)
+
+KEY_FILE_NAME = "signing-key.pem"
+DEFAULT_TTL_SECONDS = 3600
+
+
+@dataclass(frozen=True)
+class IssuedToken:
+    token: str
+    expires_at: int
+    jti: str
+
+
+def key_id(public_key: ec.EllipticCurvePublicKey) -> str:
+    """Stable id of a public key: first 16 hex chars of SHA-256 over its DER encoding."""
+    der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(der).hexdigest()[:16]
+
+
+def load_or_create_signing_key(path: Path) -> ec.EllipticCurvePrivateKey:
+    """Load the P-256 key at ``path``, creating it (0600, atomically) on first start.
+
+    The new key is written to a temporary file and hard-linked into place, which
+    fails instead of overwriting if another process won the race; we then load
+    the winner's key so both agree.
+    """
+    if not path.exists():
+        _create_key_file(path)
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        logger.warning(
+            "signing key file is readable by group or others",
+            extra={"fields": {"path": str(path), "mode": oct(mode)}},
+        )
+    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or not isinstance(key.curve, ec.SECP256R1):
+        raise ValueError(f"{path} does not hold an EC P-256 private key")
+    return key
+
+
+def _create_key_file(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pem = ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(pem)
+            handle.flush()
+            os.fsync(handle.fileno())
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the new directory entry durable so a crash cannot lose a key tokens were signed with."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class TokenIssuer:
+    """Issues ES256 tokens for the accounts of ``cluster_id``."""
+
+    def __init__(self, data_dir: Path, cluster_id: str, ttl_seconds: int = DEFAULT_TTL_SECONDS) -> None:
+        if ttl_seconds <= 0:
+            raise ValueError("token ttl_seconds must be positive")
+        self._cluster_id = cluster_id
+        self._issuer = issuer_for(cluster_id)
+        self._ttl = ttl_seconds
+        self._key_path = Path(data_dir) / KEY_FILE_NAME
+        self._private_key = load_or_create_signing_key(self._key_path)
+        self._public_key = self._private_key.public_key()
+        self._kid = key_id(self._public_key)
+
+    @property
+    def cluster_id(self) -> str:
+        return self._cluster_id
+
+    @property
+    def issuer(self) -> str:
+        return self._issuer
+
+    @property
+    def kid(self) -> str:
+        return self._kid
+
+    @property
+    def key_path(self) -> Path:
+        return self._key_path
+
+    def issue(self, username: str, role: str, *, now: float | None = None) -> IssuedToken:
+        """Sign a token for ``username``; ``now`` is overridable so tests can mint old tokens."""
+        issued_at = int(time.time() if now is None else now)
+        expires_at = issued_at + self._ttl
+        jti = secrets.token_urlsafe(16)
+        claims: dict[str, Any] = {
+            "iss": self._issuer,
+            "aud": AUDIENCE,
+            "sub": username,
+            "role": role,
+            "cluster": self._cluster_id,
+            "iat": issued_at,
+            "nbf": issued_at,
+            "exp": expires_at,
+            "jti": jti,
+        }
+        token = jwt.encode(claims, self._private_key, algorithm=ALGORITHM, headers={"kid": self._kid})
+        return IssuedToken(token=token, expires_at=expires_at, jti=jti)
+
+    def jwks(self) -> dict[str, Any]:
+        """The public signing keys as a JWK set (RFC 7517)."""
+        jwk = ECAlgorithm.to_jwk(self._public_key, as_dict=True)
+        jwk.update({"kid": self._kid, "use": "sig", "alg": ALGORITHM})
+        return {"keys": [jwk]}
+
+    def verifier(self) -> TokenVerifier:
+        """A verifier for this issuer's own tokens, without a network round trip."""
+        return TokenVerifier(self._cluster_id, json.dumps(self.jwks()))

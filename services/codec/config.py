@@ -1,0 +1,57 @@
+"""Codec service settings, read from ``NEBULA_CODEC_*`` environment variables.
+
+Defaults suit a local run and tests (loopback, ephemeral ports); deployments set
+``NEBULA_CODEC_LISTEN`` and ``NEBULA_CODEC_METRICS_PORT`` explicitly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+METRICS_DISABLED = -1
+"""``metrics_port`` value that turns the Prometheus endpoint off."""
+
+
+class CodecSettings(BaseSettings):
+    """Where the codec service listens and how it reports."""
+
+    model_config = SettingsConfigDict(env_prefix="NEBULA_CODEC_", extra="ignore")
+
+    listen: str = Field(default="127.0.0.1:0", min_length=1, description="gRPC listen address host:port.")
+    metrics_port: int = Field(
+        default=0,
+        ge=METRICS_DISABLED,
+        le=65535,
+        description="Prometheus port: 0 picks a free port, -1 disables the endpoint.",
+    )
+    cluster_id: str = Field(default="local", min_length=1, description="Cluster this instance serves.")
+    log_level: str = Field(default="INFO", description="Python logging level name.")
+
+    @field_validator("listen")
+    @classmethod
+    def _listen_has_port(cls, value: str) -> str:
+        host, sep, port = value.strip().rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"listen must be host:port, got {value!r}")
+        return value.strip()
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        level = value.strip().upper()
+        if level not in logging.getLevelNamesMapping():
+            raise ValueError(f"unknown log level {value!r}")
+        return level
+
+    @property
+    def metrics_enabled(self) -> bool:
+        return self.metrics_port != METRICS_DISABLED
+
+    @property
+    def listen_host(self) -> str:
+        """Host part of ``listen`` without IPv6 brackets; the metrics endpoint binds the same interface."""
+        host = self.listen.rpartition(":")[0]
+        return host[1:-1] if host.startswith("[") and host.endswith("]") else host

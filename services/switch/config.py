@@ -1,0 +1,50 @@
+"""Switch settings, read from NEBULA_SWITCH_* environment variables (containers set them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+CLUSTER_ID_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
+
+
+class SwitchSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="NEBULA_SWITCH_", extra="forbid")
+
+    cluster_id: str = Field(pattern=CLUSTER_ID_PATTERN, description="This cluster's id.")
+    peer_cluster_id: str = Field(
+        pattern=CLUSTER_ID_PATTERN, description="The only cluster whose switch may connect to the WAN port."
+    )
+    internal_listen: str = Field("127.0.0.1:0", description="Cluster-internal port for local trainers.")
+    wan_listen: str = Field("127.0.0.1:0", description="WAN port (mTLS only) for the peer switch.")
+    peer_address: str | None = Field(None, description="host:port at which the peer's WAN port is reached.")
+    link_role: Literal["auto", "dial", "accept"] = Field(
+        "auto", description="auto: the cluster whose id sorts first dials, the other accepts."
+    )
+    tls_cert: Path = Field(description="PEM certificate of this switch (SAN names cluster and role).")
+    tls_key: Path = Field(description="PEM private key of this switch.")
+    trust_bundle: Path = Field(description="PEM CA certificates of the peer cluster(s) trusted on the WAN.")
+    auth_address: str = Field(description="host:port of this cluster's auth service (token keys).")
+    metrics_port: int = Field(0, ge=-1, le=65535, description="Prometheus port; 0 picks one, -1 disables.")
+    log_level: str = "INFO"
+    route_buffer_messages: int = Field(
+        512, ge=8, description="Frames buffered per (job, edge) before back-pressure reaches the WAN link."
+    )
+
+    @field_validator("peer_cluster_id")
+    @classmethod
+    def _peer_differs(cls, value: str, info) -> str:  # noqa: ANN001 - pydantic's ValidationInfo
+        if value == info.data.get("cluster_id"):
+            raise ValueError("peer_cluster_id must differ from cluster_id")
+        return value
+
+    def dials(self) -> bool:
+        """Whether this switch opens the WAN link (otherwise it waits for the peer)."""
+        if self.link_role == "dial":
+            return True
+        if self.link_role == "accept":
+            return False
+        return self.peer_address is not None and self.cluster_id < self.peer_cluster_id

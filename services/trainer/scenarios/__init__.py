@@ -1,0 +1,1 @@
+"""Training scenarios a trainer can run as one stage of a split model."""

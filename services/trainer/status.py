@@ -1,0 +1,63 @@
+"""Thread-safe status of a running stage, watched by any number of gRPC streams.
+
+The training loop runs on a plain thread; watchers live on the asyncio loop.
+Every update is kept (up to a bound) so a watcher sees each step's numbers,
+even one that attaches late or polls slowly, and never misses the final state.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from nebula_common.proto.nebula.v1 import trainer_pb2
+
+TERMINAL_STATES = frozenset(
+    {
+        trainer_pb2.STAGE_STATE_SUCCEEDED,
+        trainer_pb2.STAGE_STATE_FAILED,
+        trainer_pb2.STAGE_STATE_CANCELLED,
+    }
+)
+HISTORY_LIMIT = 100_000
+
+
+class StatusBoard:
+    def __init__(self, job_id: str, stage: str) -> None:
+        self._condition = threading.Condition()
+        first = trainer_pb2.StageStatus(job_id=job_id, stage=stage, state=trainer_pb2.STAGE_STATE_PENDING)
+        self._history: list[trainer_pb2.StageStatus] = [first]
+        self._dropped = 0  # updates evicted from the front of the history
+
+    @property
+    def _version(self) -> int:
+        return self._dropped + len(self._history)
+
+    def update(self, **fields: object) -> None:
+        with self._condition:
+            status = trainer_pb2.StageStatus()
+            status.CopyFrom(self._history[-1])
+            if "loss" not in fields:
+                status.ClearField("loss")
+            for name, value in fields.items():
+                setattr(status, name, value)
+            self._history.append(status)
+            if len(self._history) > HISTORY_LIMIT:
+                del self._history[0]
+                self._dropped += 1
+            self._condition.notify_all()
+
+    def latest(self) -> trainer_pb2.StageStatus:
+        with self._condition:
+            return self._history[-1]
+
+    def since(self, version: int, timeout: float) -> tuple[int, list[trainer_pb2.StageStatus]]:
+        """Updates after ``version`` (waiting up to ``timeout`` for one), and the new version."""
+        with self._condition:
+            self._condition.wait_for(lambda: self._version > version, timeout)
+            start = max(version - self._dropped, 0)
+            return self._version, list(self._history[start:])
+
+    @property
+    def finished(self) -> bool:
+        with self._condition:
+            return self._history[-1].state in TERMINAL_STATES

@@ -1,0 +1,217 @@
+"""Codec service over a real gRPC channel: round trips, error mapping, health, metrics, entry point."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY
+
+from nebula_common.codec import available_codecs, encode_tensor
+from nebula_common.codec.wire import raw_to_tensor, tensor_to_raw
+from nebula_common.proto.nebula.v1 import codec_pb2, codec_pb2_grpc
+from nebula_common.rpc import insecure_channel
+from services.codec.config import CodecSettings
+from services.codec.server import CodecServer, run_codec_server
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+Check = Callable[[codec_pb2_grpc.CodecStub, grpc.aio.Channel, CodecServer], Awaitable[None]]
+
+
+def _serve(check: Check, metrics_port: int = -1) -> None:
+    """Start the real server on an ephemeral port, run ``check`` against it, always stop it."""
+
+    async def run() -> None:
+        settings = CodecSettings(listen="127.0.0.1:0", metrics_port=metrics_port)
+        server = await run_codec_server(settings)
+        try:
+            async with insecure_channel(f"127.0.0.1:{server.ports['grpc']}", aio=True) as channel:
+                await check(codec_pb2_grpc.CodecStub(channel), channel, server)
+        finally:
+            await server.stop(0)
+
+    asyncio.run(run())
+
+
+def _raw(tensor: torch.Tensor) -> codec_pb2.RawTensor:
+    dtype, shape, data = tensor_to_raw(tensor)
+    return codec_pb2.RawTensor(dtype=dtype, shape=shape, data=data)
+
+
+async def _expect_invalid(call: Awaitable[object]) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return info.value.details() or ""
+
+
+def _sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def _encode_requests(codec: str, outcome: str) -> float:
+    return _sample("nebula_codec_requests_total", method="Encode", codec=codec, outcome=outcome)
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "bf16", "int8"])
+def test_encode_decode_round_trip(spec: str) -> None:
+    tensor = torch.randn(3, 7, 5)
+
+    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, __: CodecServer) -> None:
+        encoded = await stub.Encode(codec_pb2.EncodeRequest(codec=spec.upper(), tensor=_raw(tensor)))
+        reference = encode_tensor(tensor, spec)
+        assert encoded.header == reference.header
+        assert encoded.payload == reference.payload
+        decoded = await stub.Decode(codec_pb2.DecodeRequest(header=encoded.header, payload=encoded.payload))
+        assert (decoded.tensor.dtype, list(decoded.tensor.shape)) == ("float32", [3, 7, 5])
+        result = raw_to_tensor(decoded.tensor.dtype, decoded.tensor.shape, decoded.tensor.data)
+        tolerance = {"none": 0.0, "fp16": 1e-2, "bf16": 5e-2, "int8": 5e-2}[spec]
+        assert float((result - tensor).abs().max()) <= tolerance
+
+    _serve(check)
+
+
+def test_bad_spec_is_invalid_argument_naming_the_codec() -> None:
+    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, __: CodecServer) -> None:
+        raw = _raw(torch.ones(4))
+        details = await _expect_invalid(stub.Encode(codec_pb2.EncodeRequest(codec="zstd9", tensor=raw)))
+        assert "zstd9" in details and "fp16" in details  # names the bad codec and lists known ones
+        details = await _expect_invalid(stub.Encode(codec_pb2.EncodeRequest(codec="fp16(0.5)", tensor=raw)))
+        assert "fp16 takes no arguments" in details
+        header = encode_tensor(torch.ones(4), "fp16").header
+        header.codec = "zstd9"
+        details = await _expect_invalid(stub.Decode(codec_pb2.DecodeRequest(header=header, payload=b"")))
+        assert "codec" in details and "zstd9" in details
+
+    _serve(check)
+
+
+def test_bad_raw_tensor_and_corrupt_payload_are_invalid_argument() -> None:
+    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, __: CodecServer) -> None:
+        short = codec_pb2.RawTensor(dtype="float32", shape=[4], data=b"\x00" * 15)
+        details = await _expect_invalid(stub.Encode(codec_pb2.EncodeRequest(codec="fp16", tensor=short)))
+        assert "tensor.data" in details
+        wrong_dtype = codec_pb2.RawTensor(dtype="int32", shape=[4], data=b"\x00" * 16)
+        details = await _expect_invalid(
+            stub.Encode(codec_pb2.EncodeRequest(codec="fp16", tensor=wrong_dtype))
+        )
+        assert "tensor.dtype" in details
+        negative = codec_pb2.RawTensor(dtype="float32", shape=[-4], data=b"")
+        details = await _expect_invalid(stub.Encode(codec_pb2.EncodeRequest(codec="fp16", tensor=negative)))
+        assert "tensor.shape" in details
+        nan = _raw(torch.tensor([1.0, float("nan")]))
+        details = await _expect_invalid(stub.Encode(codec_pb2.EncodeRequest(codec="int8", tensor=nan)))
+        assert "nan" in details
+        encoded = encode_tensor(torch.randn(16), "int8")
+        corrupt = encoded.payload[:-1] + bytes([encoded.payload[-1] ^ 1])
+        details = await _expect_invalid(
+            stub.Decode(codec_pb2.DecodeRequest(header=encoded.header, payload=corrupt))
+        )
+        assert "checksum" in details
+        details = await _expect_invalid(stub.Decode(codec_pb2.DecodeRequest()))
+        assert "dtype" in details
+
+    _serve(check)
+
+
+def test_list_codecs() -> None:
+    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, __: CodecServer) -> None:
+        response = await stub.ListCodecs(codec_pb2.ListCodecsRequest())
+        assert list(response.codecs) == available_codecs()
+        assert {"none", "fp16", "bf16", "int8"} <= set(response.codecs)
+
+    _serve(check)
+
+
+def test_health_reports_serving() -> None:
+    async def check(_: codec_pb2_grpc.CodecStub, channel: grpc.aio.Channel, __: CodecServer) -> None:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("nebula.v1.Codec", ""):
+            response = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+    _serve(check)
+
+
+def test_metrics_are_counted_and_exported() -> None:
+    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, server: CodecServer) -> None:
+        ok_before = _encode_requests("int8", "ok")
+        bad_before = _encode_requests("invalid", "invalid_argument")
+        in_before = _sample("nebula_codec_bytes_in_total", method="Encode")
+        out_before = _sample("nebula_codec_bytes_out_total", method="Encode")
+        seconds_before = _sample("nebula_codec_seconds_count", method="Encode")
+
+        await stub.Encode(codec_pb2.EncodeRequest(codec="int8", tensor=_raw(torch.ones(100))))
+        await _expect_invalid(stub.Encode(codec_pb2.EncodeRequest(codec="nope", tensor=_raw(torch.ones(1)))))
+
+        assert _encode_requests("int8", "ok") == ok_before + 1
+        assert _encode_requests("invalid", "invalid_argument") == bad_before + 1
+        assert _sample("nebula_codec_bytes_in_total", method="Encode") == in_before + 404
+        assert _sample("nebula_codec_bytes_out_total", method="Encode") == out_before + 104
+        assert _sample("nebula_codec_seconds_count", method="Encode") == seconds_before + 2
+
+        url = f"http://127.0.0.1:{server.ports['metrics']}/metrics"
+        body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+        assert 'nebula_codec_requests_total{codec="int8",method="Encode",outcome="ok"}' in body
+
+    _serve(check, metrics_port=0)
+
+
+def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEBULA_CODEC_LISTEN", "[::]:7001")
+    monkeypatch.setenv("NEBULA_CODEC_METRICS_PORT", "-1")
+    monkeypatch.setenv("NEBULA_CODEC_LOG_LEVEL", "debug")
+    settings = CodecSettings()
+    assert (settings.listen, settings.listen_host, settings.metrics_enabled) == ("[::]:7001", "::", False)
+    assert settings.log_level == "DEBUG"
+    for field, value in (("metrics_port", -2), ("listen", "nohost"), ("log_level", "LOUD")):
+        with pytest.raises(ValueError, match=field):
+            CodecSettings(**{field: value})
+
+
+def test_main_announces_ports_and_stops_on_sigterm() -> None:
+    env = {**os.environ, "NEBULA_CODEC_LISTEN": "127.0.0.1:0", "NEBULA_CODEC_METRICS_PORT": "0"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.codec.server"],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        with selectors.DefaultSelector() as selector:
+            selector.register(process.stdout, selectors.EVENT_READ)
+            if not selector.select(timeout=30):
+                pytest.fail("nebula-codec printed no startup line within 30 s")
+        announcement = json.loads(process.stdout.readline())
+        assert announcement["service"] == "codec"
+        assert announcement["grpc_port"] > 0 and announcement["metrics_port"] > 0
+
+        with grpc.insecure_channel(f"127.0.0.1:{announcement['grpc_port']}") as channel:
+            response = codec_pb2_grpc.CodecStub(channel).ListCodecs(codec_pb2.ListCodecsRequest(), timeout=10)
+            assert "int8" in response.codecs
+
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) == 0
+        assert process.stdout.read() == ""  # exactly one line on stdout
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
