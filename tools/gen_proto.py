@@ -53,7 +53,9 @@ def generate(into: Path) -> None:
 
 def stub_files(base: Path) -> dict[str, str]:
     stubs = base / "nebula" / "v1"
-    return {p.name: p.read_text() for p in sorted(stubs.iterdir()) if p.is_file() and p.suffix in {".py", ".pyi"}}
+    return {
+        p.name: p.read_text() for p in sorted(stubs.iterdir()) if p.is_file() and p.suffix in {".py", ".pyi"}
+    }
 
 
 def main() -> int:
@@ -72,8 +74,12 @@ def main() -> int:
             for name in sorted(set(current) | set(fresh)):
                 if current.get(name) != fresh.get(name):
                     diff = difflib.unified_diff(
-                        current.get(name, "").splitlines(), fresh.get(name, "").splitlines(),
-                        f"committed/{name}", f"generated/{name}", lineterm="", n=1,
+                        current.get(name, "").splitlines(),
+                        fresh.get(name, "").splitlines(),
+                        f"committed/{name}",
+                        f"generated/{name}",
+                        lineterm="",
+                        n=1,
                     )
                     print("\n".join(list(diff)[:20]))
             print("generated stubs are stale: run `make proto` and commit the result", file=sys.stderr)

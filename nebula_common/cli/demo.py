@@ -14,7 +14,6 @@ from rich.table import Table
 
 from nebula_common.errors import NebulaError
 from nebula_common.launcher import LocalDeployment
-from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterSession, submit_abnet
 from nebula_common.sdk.jobs import AbnetJob
@@ -35,7 +34,9 @@ def _create_account(deployment: LocalDeployment, cluster: str, username: str) ->
 
 def demo(
     steps: int = typer.Option(60, min=1, help="Optimizer steps."),
-    bandwidth_mbit: float = typer.Option(60.0, min=0.001, help="Emulated WAN bandwidth per direction (Mbit/s)."),
+    bandwidth_mbit: float = typer.Option(
+        60.0, min=0.001, help="Emulated WAN bandwidth per direction (Mbit/s)."
+    ),
     delay_ms: float = typer.Option(20.0, min=0.0, help="Emulated one-way WAN delay (ms)."),
     codec_forward: str = typer.Option("none", help="Codec for activations (a->b), e.g. fp16, int8."),
     codec_backward: str = typer.Option("none", help="Codec for activation gradients (b->a)."),
@@ -106,12 +107,16 @@ def _train(job: AbnetJob, source: ClusterSession, target: ClusterSession) -> Job
     )
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("train", total=job.steps, loss="-", step_ms="-")
-        return summarize(job, handle, on_step=lambda status: progress.update(
-            task,
-            completed=status.steps_done,
-            loss=f"{status.loss:.4f}" if status.HasField("loss") else "-",
-            step_ms=f"{status.step_seconds * 1000:.0f}",
-        ))
+        return summarize(
+            job,
+            handle,
+            on_step=lambda status: progress.update(
+                task,
+                completed=status.steps_done,
+                loss=f"{status.loss:.4f}" if status.HasField("loss") else "-",
+                step_ms=f"{status.step_seconds * 1000:.0f}",
+            ),
+        )
 
 
 def _print_summary(summary: JobSummary) -> None:

@@ -44,7 +44,12 @@ def up(
             f"description in {run_dir / 'deployment.json'}. Ctrl-C stops everything."
         )
         while not stop.wait(1.0):
-            dead = [p.name for s in deployment.cluster_state.values() for p in s.processes() if p.popen.poll() is not None]
+            dead = [
+                p.name
+                for s in deployment.cluster_state.values()
+                for p in s.processes()
+                if p.popen.poll() is not None
+            ]
             if dead:
                 console.print(f"[red]process(es) exited: {', '.join(dead)}; see {deployment.log_dir}[/]")
                 raise typer.Exit(1)

@@ -239,7 +239,9 @@ class LocalDeployment:
         clusters = {}
         for cluster, state in self.cluster_state.items():
             clusters[cluster] = {
-                "processes": {p.name: {**p.info, "pid": p.popen.pid if p.popen else None} for p in state.processes()},
+                "processes": {
+                    p.name: {**p.info, "pid": p.popen.pid if p.popen else None} for p in state.processes()
+                },
                 "admin_password_file": str(self.run_dir / cluster / "admin-password"),
             }
         return {

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nebula_common.errors import NebulaError
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 class ServiceStartError(NebulaError):
@@ -42,8 +42,13 @@ class ServiceProcess:
     def start(self) -> None:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         with open(self.stdout_path, "wb") as out, open(self.log_path, "ab") as err:
-            self.popen = subprocess.Popen(  # noqa: S603 - our own console entry points
-                self.command, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True
+            self.popen = subprocess.Popen(
+                self.command,
+                env=env,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
 
     def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:

@@ -30,7 +30,7 @@ TRUST_DOMAIN = "nebula"
 #: Parent DNS domain of every certificate's DNS SAN; it never has to resolve, it is only matched.
 DNS_SUFFIX = "nebula.internal"
 #: Roles a certificate may carry. Kept closed so a typo cannot create an identity nobody authorizes.
-KNOWN_ROLES: frozenset[str] = frozenset({"switch"})
+KNOWN_ROLES: frozenset[str] = frozenset({"switch", "service", "operator"})
 
 _CLUSTER_ID_RE = re.compile(r"[a-z][a-z0-9-]{0,30}")
 _URI_RE = re.compile(rf"spiffe://{TRUST_DOMAIN}/cluster/(?P<cluster>[^/]+)/(?P<role>[^/]+)")

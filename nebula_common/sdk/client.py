@@ -25,7 +25,11 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[NebulaError]] = {
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
 }
-TERMINAL = {trainer_pb2.STAGE_STATE_SUCCEEDED, trainer_pb2.STAGE_STATE_FAILED, trainer_pb2.STAGE_STATE_CANCELLED}
+TERMINAL = {
+    trainer_pb2.STAGE_STATE_SUCCEEDED,
+    trainer_pb2.STAGE_STATE_FAILED,
+    trainer_pb2.STAGE_STATE_CANCELLED,
+}
 
 
 def _raise_for(exc: grpc.RpcError, what: str) -> None:
@@ -77,13 +81,17 @@ class ClusterSession:
 
     def watch(self, job_id: str) -> Iterator[trainer_pb2.StageStatus]:
         try:
-            yield from self.trainer.WatchStage(trainer_pb2.WatchStageRequest(job_id=job_id), metadata=self.metadata)
+            yield from self.trainer.WatchStage(
+                trainer_pb2.WatchStageRequest(job_id=job_id), metadata=self.metadata
+            )
         except grpc.RpcError as exc:
             _raise_for(exc, f"watching job {job_id} on cluster {self.endpoints.cluster_id}")
 
     def cancel(self, job_id: str) -> None:
         try:
-            self.trainer.CancelStage(trainer_pb2.CancelStageRequest(job_id=job_id), metadata=self.metadata, timeout=10)
+            self.trainer.CancelStage(
+                trainer_pb2.CancelStageRequest(job_id=job_id), metadata=self.metadata, timeout=10
+            )
         except grpc.RpcError as exc:
             _raise_for(exc, f"cancelling job {job_id} on cluster {self.endpoints.cluster_id}")
 
@@ -123,7 +131,8 @@ class JobHandle:
                 merged.put(None)
 
         threads = [
-            threading.Thread(target=pump, args=(stage, session), daemon=True) for stage, session in self.stages.items()
+            threading.Thread(target=pump, args=(stage, session), daemon=True)
+            for stage, session in self.stages.items()
         ]
         for thread in threads:
             thread.start()

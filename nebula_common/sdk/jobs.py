@@ -15,7 +15,9 @@ class AbnetJob(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    job_id: str = Field(default_factory=lambda: f"abnet-{uuid.uuid4().hex[:8]}", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    job_id: str = Field(
+        default_factory=lambda: f"abnet-{uuid.uuid4().hex[:8]}", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+    )
     steps: int = Field(60, ge=1, le=1_000_000)
     codec_forward: str = "none"
     codec_backward: str = "none"
@@ -41,7 +43,9 @@ class AbnetJob(BaseModel):
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads {self.n_heads} must divide d_model {self.d_model}")
         if self.batch_size % self.micro_batches:
-            raise ValueError(f"batch_size {self.batch_size} must be a multiple of micro_batches {self.micro_batches}")
+            raise ValueError(
+                f"batch_size {self.batch_size} must be a multiple of micro_batches {self.micro_batches}"
+            )
         return self
 
     def stage_spec(self, stage: str) -> trainer_pb2.StageSpec:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 CLUSTER_ID_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
@@ -36,7 +36,7 @@ class SwitchSettings(BaseSettings):
 
     @field_validator("peer_cluster_id")
     @classmethod
-    def _peer_differs(cls, value: str, info) -> str:  # noqa: ANN001 - pydantic's ValidationInfo
+    def _peer_differs(cls, value: str, info: ValidationInfo) -> str:
         if value == info.data.get("cluster_id"):
             raise ValueError("peer_cluster_id must differ from cluster_id")
         return value

@@ -74,7 +74,9 @@ class PeerLink:
     def hello(self) -> link_pb2.LinkMessage:
         return link_pb2.LinkMessage(
             hello=link_pb2.Handshake(
-                protocol_version=PROTOCOL_VERSION, cluster_id=self.cluster_id, software_version=SOFTWARE_VERSION
+                protocol_version=PROTOCOL_VERSION,
+                cluster_id=self.cluster_id,
+                software_version=SOFTWARE_VERSION,
             )
         )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -31,7 +32,9 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
         self.router = router
         self.verifier = verifier
 
-    async def OpenEdge(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: ANN001, N802
+    async def OpenEdge(
+        self, request_iterator: AsyncIterator[relay_pb2.EdgeMessage], context: grpc.aio.ServicerContext
+    ) -> None:
         token = bearer_token_from_metadata(context.invocation_metadata())
         if token is None:
             AUTH_REFUSALS.labels("internal", "no-token").inc()
@@ -44,7 +47,9 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
 
         first = await context.read()
         if first is grpc.aio.EOF or first.WhichOneof("body") != "open":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message on an edge must be 'open'")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the first message on an edge must be 'open'"
+            )
         job_id, edge = first.open.job_id, first.open.edge
         if not job_id or not edge:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.job_id and open.edge are required")
@@ -62,7 +67,9 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             if not await self.link.wait_connected(LINK_WAIT_S):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no WAN link to the peer cluster")
             await context.write(
-                relay_pb2.EdgeMessage(ready=relay_pb2.EdgeReady(peer_cluster=self.link.expected_peer.cluster_id))
+                relay_pb2.EdgeMessage(
+                    ready=relay_pb2.EdgeReady(peer_cluster=self.link.expected_peer.cluster_id)
+                )
             )
             await self._pump(context, route)
         finally:
@@ -77,7 +84,9 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 message = await context.read()
                 if message is grpc.aio.EOF:
                     await self.link.send(
-                        link_pb2.LinkMessage(close=link_pb2.RouteClose(job_id=job_id, edge=edge, reason="closed"))
+                        link_pb2.LinkMessage(
+                            close=link_pb2.RouteClose(job_id=job_id, edge=edge, reason="closed")
+                        )
                     )
                     break
                 kind = message.WhichOneof("body")
@@ -91,13 +100,18 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                     await self.link.send(
                         link_pb2.LinkMessage(
                             close=link_pb2.RouteClose(
-                                job_id=job_id, edge=edge, reason=message.close.reason, error=message.close.error
+                                job_id=job_id,
+                                edge=edge,
+                                reason=message.close.reason,
+                                error=message.close.error,
                             )
                         )
                     )
                     break
                 else:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind!r} on an open edge")
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind!r} on an open edge"
+                    )
             # The local side is done sending; keep delivering until the peer closes too.
             await downstream
         finally:
@@ -112,7 +126,9 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             if message.WhichOneof("body") == "close":
                 return
 
-    async def GetLinkStatus(self, request, context) -> relay_pb2.LinkStatus:  # noqa: ANN001, N802
+    async def GetLinkStatus(
+        self, request: relay_pb2.GetLinkStatusRequest, context: grpc.aio.ServicerContext
+    ) -> relay_pb2.LinkStatus:
         state = self.link.state
         return relay_pb2.LinkStatus(
             cluster_id=self.cluster_id,

@@ -87,7 +87,9 @@ async def run_switch(settings: SwitchSettings) -> RunningSwitch:
     if settings.dials():
         if settings.peer_address is None:
             raise ValueError("NEBULA_SWITCH_PEER_ADDRESS is required when this switch dials the link")
-        credentials = channel_credentials_from_files(settings.tls_cert, settings.tls_key, settings.trust_bundle)
+        credentials = channel_credentials_from_files(
+            settings.tls_cert, settings.tls_key, settings.trust_bundle
+        )
         dialer = asyncio.create_task(
             link.dial_forever(settings.peer_address, credentials, channel_options(link.expected_peer)),
             name="wan-dialer",

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 
 from nebula_common.pki import peer_identity
-from nebula_common.proto.nebula.v1 import link_pb2_grpc
+from nebula_common.proto.nebula.v1 import link_pb2, link_pb2_grpc
 from services.switch.link import HANDSHAKE_TIMEOUT_S, HandshakeError, PeerLink
 from services.switch.metrics import AUTH_REFUSALS
 
@@ -19,7 +20,9 @@ class SwitchLinkServicer(link_pb2_grpc.SwitchLinkServicer):
     def __init__(self, link: PeerLink) -> None:
         self.link = link
 
-    async def Link(self, request_iterator, context: grpc.aio.ServicerContext) -> None:  # noqa: ANN001, N802
+    async def Link(
+        self, request_iterator: AsyncIterator[link_pb2.LinkMessage], context: grpc.aio.ServicerContext
+    ) -> None:
         try:
             certified = peer_identity(context)
             self.link.check_identity(certified)

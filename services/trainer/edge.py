@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -70,7 +71,7 @@ class EdgeConnection:
         if self._close_reason is not None:
             raise EdgeClosedError(self._close_reason)
 
-    def _requests(self):  # noqa: ANN202 - generator consumed by grpc
+    def _requests(self) -> Iterator[relay_pb2.EdgeMessage]:
         while True:
             item = self._outgoing.get()
             if item is _CLOSED:
@@ -137,7 +138,9 @@ class EdgeConnection:
         try:
             item = self._incoming.get(timeout=timeout)
         except queue.Empty:
-            raise EdgeClosedError(f"no tensor for step {step} micro-batch {micro_batch} in {timeout:.0f}s") from None
+            raise EdgeClosedError(
+                f"no tensor for step {step} micro-batch {micro_batch} in {timeout:.0f}s"
+            ) from None
         finally:
             self.stats.wait_seconds += time.perf_counter() - started
         if item is _CLOSED:

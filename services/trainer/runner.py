@@ -14,11 +14,12 @@ import threading
 import time
 
 import torch
+from torch import nn
 
 from nebula_common.proto.nebula.v1 import tensor_pb2, trainer_pb2
-from services.trainer.edge import EdgeConnection, EdgeClosedError
+from services.trainer.edge import EdgeClosedError, EdgeConnection
 from services.trainer.metrics import LOSS, STEP_SECONDS, STEPS_TOTAL, WAIT_SECONDS
-from services.trainer.scenarios.abnet import build_stage
+from services.trainer.scenarios.abnet import DecoderStage, build_stage
 from services.trainer.scenarios.numbers import SourceShard, TargetShard, example_ids
 from services.trainer.status import StatusBoard
 
@@ -126,7 +127,14 @@ class StageRunner:
         cfg = self.spec.abnet
         return example_ids(cfg.seed, step, micro_batch, cfg.micro_batches, self._micro_batch_size())
 
-    def _encoder_step(self, model, optimizer, edge: EdgeConnection, shard: SourceShard, step: int) -> None:  # noqa: ANN001
+    def _encoder_step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        edge: EdgeConnection,
+        shard: SourceShard,
+        step: int,
+    ) -> None:
         micro_batches = self.spec.abnet.micro_batches
         optimizer.zero_grad(set_to_none=True)
         outputs = []
@@ -137,12 +145,21 @@ class StageRunner:
         for mb in range(micro_batches):
             grad = edge.receive(BACKWARD, step, mb)
             if grad.shape != outputs[mb].shape:
-                raise EdgeClosedError(f"gradient shape {tuple(grad.shape)} != activation {tuple(outputs[mb].shape)}")
+                raise EdgeClosedError(
+                    f"gradient shape {tuple(grad.shape)} != activation {tuple(outputs[mb].shape)}"
+                )
             outputs[mb].backward(grad.to(outputs[mb].dtype))
         optimizer.step()
         return None
 
-    def _decoder_step(self, model, optimizer, edge: EdgeConnection, shard: TargetShard, step: int) -> float:  # noqa: ANN001
+    def _decoder_step(
+        self,
+        model: DecoderStage,
+        optimizer: torch.optim.Optimizer,
+        edge: EdgeConnection,
+        shard: TargetShard,
+        step: int,
+    ) -> float:
         micro_batches = self.spec.abnet.micro_batches
         optimizer.zero_grad(set_to_none=True)
         total = 0.0

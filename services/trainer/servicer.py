@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -45,7 +46,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r} on this trainer")
         return runner
 
-    async def AssignStage(self, request, context) -> trainer_pb2.AssignStageResponse:  # noqa: ANN001, N802
+    async def AssignStage(
+        self, request: trainer_pb2.AssignStageRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.AssignStageResponse:
         principal, token = await self._authenticate(context)
         spec = request.spec
         try:
@@ -71,7 +74,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         runner.join()
         STAGES_RUNNING.dec()
 
-    async def WatchStage(self, request, context):  # noqa: ANN001, ANN201, N802
+    async def WatchStage(
+        self, request: trainer_pb2.WatchStageRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[trainer_pb2.StageStatus]:
         runner = await self._owned_runner(request.job_id, context)
         version = 0
         while True:
@@ -81,7 +86,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 if status.state in TERMINAL_STATES:
                     return
 
-    async def CancelStage(self, request, context) -> trainer_pb2.CancelStageResponse:  # noqa: ANN001, N802
+    async def CancelStage(
+        self, request: trainer_pb2.CancelStageRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.CancelStageResponse:
         runner = await self._owned_runner(request.job_id, context)
         runner.cancel()
         return trainer_pb2.CancelStageResponse()

@@ -40,7 +40,8 @@ def validate_stage_spec(spec: trainer_pb2.StageSpec) -> None:
         problems.append("abnet.micro_batches must be >= 1")
     elif cfg.batch_size < cfg.micro_batches or cfg.batch_size % cfg.micro_batches:
         problems.append(
-            f"abnet.batch_size {cfg.batch_size} must be a positive multiple of micro_batches {cfg.micro_batches}"
+            f"abnet.batch_size {cfg.batch_size} must be a positive multiple of "
+            f"micro_batches {cfg.micro_batches}"
         )
     if not 0 < cfg.learning_rate < 1:
         problems.append(f"abnet.learning_rate {cfg.learning_rate} must be in (0, 1)")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -31,7 +31,7 @@ def make_user(deployment: LocalDeployment, cluster: str, username: str) -> tuple
 
 
 @pytest.fixture(scope="session")
-def new_user(deployment: LocalDeployment):  # noqa: ANN201 - returns a factory
+def new_user(deployment: LocalDeployment) -> Callable[[str, str], ClusterSession]:
     """Factory fixture: ``new_user(cluster, username) -> ClusterSession`` for a fresh account."""
     return lambda cluster, username: make_user(deployment, cluster, username)[0]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -60,9 +62,13 @@ def test_wan_port_serves_only_the_switch_link(deployment: LocalDeployment) -> No
     paths = load_layout(deployment.pki_dir, ["a", "b"]).cluster("a")
     assert paths.dir == layout_a
     with grpc.secure_channel(
-        wan_address(deployment, "b"), channel_credentials(paths), options=channel_options(Identity("b", "switch"))
+        wan_address(deployment, "b"),
+        channel_credentials(paths),
+        options=channel_options(Identity("b", "switch")),
     ) as channel:
-        assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+        assert (
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+        )
         with pytest.raises(grpc.RpcError) as refused:
             relay_pb2_grpc.RelayStub(channel).GetLinkStatus(relay_pb2.GetLinkStatusRequest(), timeout=5)
     assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -73,7 +79,9 @@ def open_edge_code(deployment: LocalDeployment, cluster: str, metadata: tuple) -
     with grpc.insecure_channel(address) as channel:
         stub = relay_pb2_grpc.RelayStub(channel)
         call = stub.OpenEdge(
-            iter([relay_pb2.EdgeMessage(open=relay_pb2.EdgeOpen(job_id="j", edge="e"))]), metadata=metadata, timeout=5
+            iter([relay_pb2.EdgeMessage(open=relay_pb2.EdgeOpen(job_id="j", edge="e"))]),
+            metadata=metadata,
+            timeout=5,
         )
         with pytest.raises(grpc.RpcError) as refused:
             list(call)
@@ -114,14 +122,21 @@ def test_invalid_stage_spec_is_refused_with_the_field_named(sessions: dict[str, 
 
 
 def test_one_account_cannot_watch_or_cancel_another_accounts_stage(
-    new_user, sessions: dict[str, ClusterSession]  # noqa: ANN001
+    new_user: Callable[[str, str], ClusterSession],
+    sessions: dict[str, ClusterSession],
 ) -> None:
     job = AbnetJob(job_id="owned-by-alice", steps=2, batch_size=16)
     sessions["a"].assign(job.stage_spec("encoder"))
     mallory = new_user("a", "mallory")
     for call in (
-        lambda: list(mallory.trainer.WatchStage(trainer_pb2.WatchStageRequest(job_id=job.job_id), metadata=mallory.metadata, timeout=5)),
-        lambda: mallory.trainer.CancelStage(trainer_pb2.CancelStageRequest(job_id=job.job_id), metadata=mallory.metadata, timeout=5),
+        lambda: list(
+            mallory.trainer.WatchStage(
+                trainer_pb2.WatchStageRequest(job_id=job.job_id), metadata=mallory.metadata, timeout=5
+            )
+        ),
+        lambda: mallory.trainer.CancelStage(
+            trainer_pb2.CancelStageRequest(job_id=job.job_id), metadata=mallory.metadata, timeout=5
+        ),
     ):
         with pytest.raises(grpc.RpcError) as refused:
             call()

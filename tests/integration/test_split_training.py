@@ -8,7 +8,7 @@ from nebula_common.launcher import LocalDeployment
 from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.sdk.client import ClusterSession, submit_abnet
 from nebula_common.sdk.jobs import AbnetJob
-from nebula_common.sdk.summary import scrape_counter, summarize
+from nebula_common.sdk.summary import JobSummary, scrape_counter, summarize
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -21,7 +21,9 @@ def sent_delta(before: dict, after: dict, cluster: str, field: str) -> int:
     return getattr(after[cluster].sent, field) - getattr(before[cluster].sent, field)
 
 
-def run_job(sessions: dict[str, ClusterSession], job: AbnetJob):  # noqa: ANN201
+def run_job(
+    sessions: dict[str, ClusterSession], job: AbnetJob
+) -> tuple[JobSummary, dict[str, relay_pb2.LinkStatus], dict[str, relay_pb2.LinkStatus]]:
     before = link_snapshot(sessions)
     summary = summarize(job, submit_abnet(job, sessions["a"], sessions["b"]))
     after = link_snapshot(sessions)
@@ -53,7 +55,10 @@ def test_split_job_trains_and_switches_count_every_byte(
     # The Prometheus counters are the same numbers the RPC reports.
     for cluster in ("a", "b"):
         url = deployment.endpoints(cluster).metrics[f"switch-{cluster}"]
-        assert scrape_counter(url, "nebula_switch_wan_bytes_total", {"direction": "sent"}) == after[cluster].sent.bytes
+        assert (
+            scrape_counter(url, "nebula_switch_wan_bytes_total", {"direction": "sent"})
+            == after[cluster].sent.bytes
+        )
 
     # Each switch verified the other's identity from its certificate.
     assert after["a"].verified_peer_identity == "spiffe://nebula/cluster/b/switch"

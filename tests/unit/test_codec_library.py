@@ -60,10 +60,11 @@ def _check_close(codec: str, original: torch.Tensor, decoded: torch.Tensor, payl
     elif codec == "int8":
         (scale,) = struct.unpack("<f", payload[:4])
         absmax = float(x.abs().amax()) if x.numel() else 0.0
-        # Rounding to the grid costs scale/2; decoding back into a half dtype adds its own rounding.
-        slack = 0.0 if original.dtype in (torch.float32, torch.float64) else 1e-2 * absmax
+        # Rounding to the grid costs scale/2; float32 arithmetic adds ~2^-24 * absmax, and
+        # decoding back into a half dtype adds that dtype's rounding.
+        slack = 1e-6 * absmax if original.dtype in (torch.float32, torch.float64) else 1e-2 * absmax
         error = float((x - y).abs().amax()) if x.numel() else 0.0
-        assert error <= scale / 2 + slack + 1e-7
+        assert error <= scale / 2 + slack
 
 
 # --- codecs -----------------------------------------------------------------------------------------
@@ -536,7 +537,7 @@ def test_empty_payload_gets_one_empty_last_chunk() -> None:
 
 
 def test_megabyte_tensor_round_trips_through_256k_frames() -> None:
-    x = torch.randn(512, 512)  # 1 MiB of float32
+    x = _make((512, 512), torch.float32, seed=4)  # 1 MiB of float32
     assembler = FrameAssembler()
     for frame_id, spec in enumerate(["none", "fp16", "int8"]):
         encoded = encode_tensor(x, spec, frame_id=frame_id, job_id="j")

@@ -18,8 +18,18 @@ SOURCE_VOCAB = ["<pad>", "<bos>", "<eos>", *"0123456789"]
 SOURCE_LEN = 4
 
 _ONES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-_TEENS = ["ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
-          "nineteen"]
+_TEENS = [
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+]
 _TENS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
 TARGET_VOCAB = ["<pad>", "<bos>", "<eos>", *_ONES, *_TEENS, *_TENS[2:], "hundred", "thousand"]
 TARGET_LEN = 8  # BOS + up to 6 words + EOS ("seven thousand seven hundred seventy seven")
@@ -49,7 +59,9 @@ def number_to_words(n: int) -> list[str]:
     return words
 
 
-def example_ids(seed: int, step: int, micro_batch: int, micro_batches: int, micro_batch_size: int) -> torch.Tensor:
+def example_ids(
+    seed: int, step: int, micro_batch: int, micro_batches: int, micro_batch_size: int
+) -> torch.Tensor:
     """Example ids of one micro-batch; both clusters derive the same ids from the shared seed."""
     epoch_size = MAX_NUMBER + 1
     offset = ((step * micro_batches + micro_batch) * micro_batch_size) % epoch_size

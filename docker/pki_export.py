@@ -1,0 +1,88 @@
+"""Hand each container only its own secrets (run by compose's one-shot ``pki-init`` after ``nebula pki init``).
+
+``nebula pki init --dir /pki`` keeps every cluster's CA key, switch key and trust bundle in one
+tree. No service should mount that tree: a switch that can read a CA key can mint certificates.
+This script copies, per cluster ``<c>``:
+
+    /pki/<c>/switch.crt        -> <out>/switch-<c>/tls.crt
+    /pki/<c>/switch.key        -> <out>/switch-<c>/tls.key
+    /pki/<c>/trust-bundle.pem  -> <out>/switch-<c>/trust-bundle.pem
+    /pki/<c>/admin-password    -> <out>/auth-<c>/admin-password   (generated once if absent)
+
+The names match the Kubernetes Secrets (``nebula-switch-tls``: tls.crt, tls.key, trust-bundle.pem),
+so the services' NEBULA_* settings are the same in compose and in k8s. Each ``<out>/<svc>-<c>`` is
+its own named volume, mounted read-only into that one service. Files are written atomically with
+mode 0400 and owned by ``--uid`` (the services' user). The admin password is never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+from pathlib import Path
+
+
+def _write(path: Path, data: bytes, mode: int, uid: int | None, gid: int | None) -> None:
+    """Write atomically: temp file created with ``mode`` from its first byte, chown, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+        if uid is not None:
+            os.fchown(fd, uid, gid if gid is not None else uid)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _admin_password(cluster_dir: Path) -> bytes:
+    """The cluster's bootstrap admin password; created once, reused on every later run."""
+    path = cluster_dir / "admin-password"
+    if not path.exists():
+        _write(path, secrets.token_urlsafe(24).encode(), 0o600, None, None)
+        print(f"pki-init: generated bootstrap admin password for cluster {cluster_dir.name}")
+    return path.read_bytes().strip()
+
+
+def export(pki: Path, out: Path, clusters: list[str], uid: int | None, gid: int | None) -> None:
+    for cluster in clusters:
+        src = pki / cluster
+        switch_files = {
+            "tls.crt": src / "switch.crt",
+            "tls.key": src / "switch.key",
+            "trust-bundle.pem": src / "trust-bundle.pem",
+        }
+        missing = [str(p) for p in switch_files.values() if not p.is_file()]
+        if missing:
+            raise SystemExit(f"pki-init: missing PKI files (run `nebula pki init` first): {missing}")
+        switch_out = out / f"switch-{cluster}"
+        auth_out = out / f"auth-{cluster}"
+        for target in (switch_out, auth_out):
+            if not target.is_dir():
+                raise SystemExit(f"pki-init: {target} is not mounted (expected a named volume there)")
+        for name, source in switch_files.items():
+            _write(switch_out / name, source.read_bytes(), 0o400, uid, gid)
+        _write(auth_out / "admin-password", _admin_password(src), 0o400, uid, gid)
+        print(f"pki-init: cluster {cluster}: exported {switch_out} and {auth_out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pki", type=Path, required=True, help="root written by `nebula pki init --dir`")
+    parser.add_argument("--out", type=Path, required=True, help="parent of the per-service volumes")
+    parser.add_argument("--clusters", required=True, help="comma-separated cluster ids, e.g. a,b")
+    parser.add_argument("--uid", type=int, default=None, help="owner of the exported files")
+    parser.add_argument("--gid", type=int, default=None, help="group of the exported files (default: uid)")
+    args = parser.parse_args(argv)
+    clusters = [c.strip() for c in args.clusters.split(",") if c.strip()]
+    os.umask(0o077)
+    export(args.pki, args.out, clusters, args.uid, args.gid)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

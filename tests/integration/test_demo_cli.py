@@ -1,0 +1,66 @@
+"""`nebula demo` as a user runs it: a real deployment, a JSON summary, exit 0; bad options exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def nebula(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nebula_common.cli.app", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+
+
+def test_demo_writes_a_summary_with_wan_bytes_and_verified_peers(tmp_path: Path) -> None:
+    out = tmp_path / "summary.json"
+    result = nebula(
+        "demo",
+        "--steps",
+        "6",
+        "--codec-forward",
+        "fp16",
+        "--codec-backward",
+        "int8",
+        "--bandwidth-mbit",
+        "100",
+        "--delay-ms",
+        "5",
+        "--json",
+        str(out),
+        "--run-dir",
+        str(tmp_path / "run"),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(out.read_text())
+    assert summary["succeeded"] and summary["steps"] == 6 and len(summary["loss_per_step"]) == 6
+    assert summary["final_loss"] < summary["initial_loss"]
+    forward, backward = summary["wan"]["forward"], summary["wan"]["backward"]
+    assert forward["bytes"] == forward["prometheus_bytes"] == forward["bytes_received_by_peer"]
+    assert backward["bytes"] == backward["prometheus_bytes"] == backward["bytes_received_by_peer"]
+    assert forward["compression_ratio"] == pytest.approx(2.0)
+    assert backward["compression_ratio"] == pytest.approx(4.0, rel=1e-3)
+    assert summary["peer_identities"] == {
+        "a": "spiffe://nebula/cluster/b/switch",
+        "b": "spiffe://nebula/cluster/a/switch",
+    }
+    # Every process was stopped: no stray services left behind by the demo.
+    assert "summary written to" in result.stdout
+
+
+def test_demo_rejects_an_unknown_codec_before_starting_anything(tmp_path: Path) -> None:
+    result = nebula("demo", "--codec-forward", "zip9", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "zip9" in result.stdout + result.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,57 @@
+"""The launcher reports a dead or misconfigured service clearly instead of hanging."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_service_that_dies_at_start_up_is_reported_with_its_log(tmp_path: Path) -> None:
+    process = ServiceProcess(
+        name="broken",
+        command=[
+            sys.executable,
+            "-c",
+            "import sys; print('boom: bad setting', file=sys.stderr); sys.exit(3)",
+        ],
+        env={},
+        log_dir=tmp_path,
+    )
+    process.start()
+    started = time.monotonic()
+    with pytest.raises(ServiceStartError, match=r"broken exited with code 3[\s\S]*boom: bad setting"):
+        process.wait_ready(timeout=30)
+    assert time.monotonic() - started < 10
+
+
+def test_ports_are_read_from_the_first_stdout_line(tmp_path: Path) -> None:
+    script = "import json, time; print(json.dumps({'grpc_port': 1234}), flush=True); time.sleep(60)"
+    process = ServiceProcess(name="svc", command=[sys.executable, "-c", script], env={}, log_dir=tmp_path)
+    process.start()
+    try:
+        assert process.wait_ready(timeout=30) == {"grpc_port": 1234}
+    finally:
+        assert process.stop(timeout=5) is not None
+
+
+@pytest.mark.parametrize(
+    ("module", "missing"),
+    [
+        ("services.switch.server", "cluster_id"),
+        ("services.trainer.server", "switch_address"),
+        ("services.auth.server", "NEBULA_AUTH_CLUSTER_ID"),
+    ],
+)
+def test_services_refuse_to_start_without_required_settings(module: str, missing: str) -> None:
+    env = {"PATH": "/usr/bin:/bin", "NEBULA_TRAINER_CLUSTER_ID": "a"}
+    result = subprocess.run(console_command(module), env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert missing in result.stderr

@@ -1,0 +1,141 @@
+"""The switch's link rules, pinned without the WAN: handshake checks, identity checks, routing, counters."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from pydantic import ValidationError
+
+from nebula_common.pki import Identity
+from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, tensor_pb2
+from services.switch.config import SwitchSettings
+from services.switch.link import PROTOCOL_VERSION, HandshakeError, PeerLink
+from services.switch.metrics import DirectionCounters
+from services.switch.routing import RouteInUseError, Router
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def hello(cluster: str, version: int = PROTOCOL_VERSION) -> link_pb2.LinkMessage:
+    return link_pb2.LinkMessage(hello=link_pb2.Handshake(protocol_version=version, cluster_id=cluster))
+
+
+def make_link() -> PeerLink:
+    return PeerLink("a", "b", Router(buffer_messages=8))
+
+
+def test_handshake_must_agree_with_the_certificate() -> None:
+    link = make_link()
+    link.check_hello(hello("b"), Identity("b", "switch"))
+    with pytest.raises(HandshakeError, match="claims cluster 'c' but its certificate says 'b'"):
+        link.check_hello(hello("c"), Identity("b", "switch"))
+
+
+def test_handshake_refuses_another_protocol_version_and_non_hello_first_message() -> None:
+    link = make_link()
+    with pytest.raises(HandshakeError, match="protocol 2"):
+        link.check_hello(hello("b", version=2), Identity("b", "switch"))
+    frame = link_pb2.LinkMessage(frame=link_pb2.RoutedFrame(job_id="j", edge="e"))
+    with pytest.raises(HandshakeError, match="did not start with a handshake"):
+        link.check_hello(frame, Identity("b", "switch"))
+
+
+@pytest.mark.parametrize(
+    "certified", [Identity("c", "switch"), Identity("b", "operator"), Identity("a", "switch")]
+)
+def test_only_the_configured_peer_switch_may_link(certified: Identity) -> None:
+    with pytest.raises(PermissionError, match="only spiffe://nebula/cluster/b/switch may connect"):
+        make_link().check_identity(certified)
+
+
+def test_counters_account_headers_chunks_and_raw_size() -> None:
+    counters = DirectionCounters("sent")
+    header = tensor_pb2.TensorHeader(frame_id=1, raw_size=4096, payload_size=1024)
+    chunk = tensor_pb2.TensorChunk(frame_id=1, data=b"x" * 1024, last=True)
+    messages = [
+        link_pb2.LinkMessage(frame=link_pb2.RoutedFrame(frame=tensor_pb2.TensorFrame(header=header))),
+        link_pb2.LinkMessage(frame=link_pb2.RoutedFrame(frame=tensor_pb2.TensorFrame(chunk=chunk))),
+        hello("a"),
+    ]
+    for message in messages:
+        counters.count(message)
+    assert counters.frames == 1
+    assert counters.raw_bytes == 4096
+    assert counters.payload_bytes == 1024
+    assert counters.bytes == sum(m.ByteSize() for m in messages)
+
+
+def test_router_buffers_until_the_trainer_attaches_and_refuses_a_second_attach() -> None:
+    async def scenario() -> None:
+        router = Router(buffer_messages=8)
+        key = ("job", "encoder->decoder")
+        early = relay_pb2.EdgeMessage(
+            frame=tensor_pb2.TensorFrame(header=tensor_pb2.TensorHeader(frame_id=7))
+        )
+        await router.deliver(key, early)
+        route = router.attach(key, owner="alice")
+        assert (await route.inbound.get()).frame.header.frame_id == 7
+        with pytest.raises(RouteInUseError, match="already open"):
+            router.attach(key, owner="mallory")
+        assert router.open_routes() == 1
+
+    asyncio.run(scenario())
+
+
+def test_router_drops_buffered_frames_of_an_edge_closed_before_anyone_opened_it() -> None:
+    async def scenario() -> None:
+        router = Router(buffer_messages=8)
+        key = ("job", "e")
+        await router.deliver(key, relay_pb2.EdgeMessage(frame=tensor_pb2.TensorFrame()))
+        await router.deliver(key, relay_pb2.EdgeMessage(close=relay_pb2.EdgeClose(reason="cancelled")))
+        route = router.attach(key, owner="alice")
+        assert route.inbound.empty()
+
+    asyncio.run(scenario())
+
+
+def test_link_loss_closes_every_attached_edge_with_an_error() -> None:
+    async def scenario() -> None:
+        router = Router(buffer_messages=2)
+        route = router.attach(("job", "e"), owner="alice")
+        for _ in range(2):
+            route.inbound.put_nowait(relay_pb2.EdgeMessage(frame=tensor_pb2.TensorFrame()))
+        await router.fail_all("link lost")  # even with a full buffer the close gets through
+        messages = [route.inbound.get_nowait() for _ in range(route.inbound.qsize())]
+        assert messages[-1].close.error and messages[-1].close.reason == "link lost"
+
+    asyncio.run(scenario())
+
+
+def switch_env(**overrides: str) -> dict[str, str]:
+    env = {
+        "cluster_id": "a",
+        "peer_cluster_id": "b",
+        "tls_cert": "/pki/a/switch.crt",
+        "tls_key": "/pki/a/switch.key",
+        "trust_bundle": "/pki/a/trust-bundle.pem",
+        "auth_address": "127.0.0.1:1",
+    }
+    env.update(overrides)
+    return env
+
+
+def test_settings_decide_who_dials() -> None:
+    assert SwitchSettings(**switch_env(peer_address="wan:7000")).dials()
+    assert not SwitchSettings(
+        **switch_env(cluster_id="c", peer_cluster_id="b", peer_address="wan:7000")
+    ).dials()
+    assert not SwitchSettings(**switch_env()).dials()  # nowhere to dial
+    assert SwitchSettings(**switch_env(link_role="dial", peer_address="x:1")).dials()
+
+
+def test_settings_refuse_a_peer_equal_to_itself_and_name_missing_fields() -> None:
+    with pytest.raises(ValidationError, match="peer_cluster_id must differ"):
+        SwitchSettings(**switch_env(peer_cluster_id="a"))
+    env = switch_env()
+    del env["trust_bundle"]
+    with pytest.raises(ValidationError, match="trust_bundle"):
+        SwitchSettings(**env)
+    with pytest.raises(ValidationError, match="cluster_id"):
+        SwitchSettings(**switch_env(cluster_id="Bad Id"))

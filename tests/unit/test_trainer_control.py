@@ -1,0 +1,77 @@
+"""Trainer-side checks that need no cluster: spec validation and the status history watchers read."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from nebula_common.errors import InvalidRequestError
+from nebula_common.proto.nebula.v1 import trainer_pb2
+from nebula_common.sdk.jobs import AbnetJob
+from services.trainer.status import StatusBoard
+from services.trainer.validation import validate_stage_spec
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def good_spec() -> trainer_pb2.StageSpec:
+    return AbnetJob(job_id="job-1", steps=3, codec_forward="fp16").stage_spec("encoder")
+
+
+def test_a_good_spec_passes() -> None:
+    validate_stage_spec(good_spec())
+
+
+@pytest.mark.parametrize(
+    ("mutate", "named"),
+    [
+        (lambda s: setattr(s, "job_id", "bad id!"), "job_id"),
+        (lambda s: setattr(s, "scenario", "gan"), "scenario 'gan'"),
+        (lambda s: setattr(s, "stage", "middle"), "stage 'middle'"),
+        (lambda s: setattr(s, "steps", 0), "steps 0"),
+        (lambda s: setattr(s, "codec_forward", "zip9"), "codec_forward"),
+        (lambda s: setattr(s, "codec_backward", "fp16(0.5)"), "codec_backward"),
+        (lambda s: setattr(s.abnet, "n_heads", 3), "n_heads 3"),
+        (lambda s: setattr(s.abnet, "micro_batches", 3), "micro_batches 3"),
+        (lambda s: setattr(s.abnet, "learning_rate", 2.0), "learning_rate"),
+    ],
+)
+def test_each_bad_field_is_named(mutate: Callable[[trainer_pb2.StageSpec], None], named: str) -> None:
+    spec = good_spec()
+    mutate(spec)
+    with pytest.raises(InvalidRequestError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        validate_stage_spec(spec)
+
+
+def test_all_problems_are_reported_at_once() -> None:
+    spec = good_spec()
+    spec.steps = 0
+    spec.stage = "middle"
+    with pytest.raises(InvalidRequestError) as error:
+        validate_stage_spec(spec)
+    assert "steps" in str(error.value) and "stage" in str(error.value)
+
+
+def test_status_history_gives_every_step_to_a_slow_watcher() -> None:
+    board = StatusBoard("job", "decoder")
+    board.update(state=trainer_pb2.STAGE_STATE_RUNNING)
+    for step in range(1, 6):
+        board.update(steps_done=step, loss=1.0 / step)
+    board.update(state=trainer_pb2.STAGE_STATE_SUCCEEDED)
+    version, updates = board.since(0, timeout=0)
+    assert [u.steps_done for u in updates if u.HasField("loss")] == [1, 2, 3, 4, 5]
+    assert updates[-1].state == trainer_pb2.STAGE_STATE_SUCCEEDED
+    assert not updates[-1].HasField("loss")  # the loss belongs to the step update, not the final state
+    assert board.finished
+    assert board.since(version, timeout=0) == (version, [])
+
+
+def test_watcher_wakes_up_on_the_next_update() -> None:
+    board = StatusBoard("job", "encoder")
+    version, _ = board.since(0, timeout=0)
+    timer = threading.Timer(0.05, lambda: board.update(steps_done=1))
+    timer.start()
+    new_version, updates = board.since(version, timeout=5)
+    assert new_version == version + 1 and updates[0].steps_done == 1
