@@ -8,6 +8,10 @@ against the same grpc.health.v1 service instead. Configuration, all optional exc
     NEBULA_HEALTH_TIMEOUT  seconds before the probe gives up (default 2)
 
 Only 127.0.0.1 is probed: the check runs inside the service's own network namespace.
+
+``healthcheck.py --listening PORT`` instead checks, without opening a connection, that some socket
+in this network namespace listens on TCP PORT (for the WAN emulator, which speaks no gRPC and would
+dial the far switch for every probe connection).
 """
 
 from __future__ import annotations
@@ -16,7 +20,31 @@ import os
 import sys
 
 
-def main() -> int:
+def _listening(port: int) -> bool:
+    """Whether /proc/net/tcp{,6} shows a LISTEN (state 0A) socket on ``port``."""
+    suffix = f":{port:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as handle:
+                rows = handle.readlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 3 and fields[1].endswith(suffix) and fields[3] == "0A":
+                return True
+    return False
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--listening" and argv[1].isdigit():
+        if _listening(int(argv[1])):
+            return 0
+        print(f"healthcheck: nothing listens on TCP port {argv[1]}", file=sys.stderr)
+        return 1
+    if argv:
+        print("usage: healthcheck.py [--listening PORT]", file=sys.stderr)
+        return 2
     port = os.environ.get("NEBULA_HEALTH_PORT", "").strip()
     if not port.isdigit():
         print("healthcheck: NEBULA_HEALTH_PORT is not set to a port number", file=sys.stderr)
@@ -44,4 +72,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -25,6 +25,8 @@ _SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_time_ms", 20_000),
+    # gRPC enables SO_REUSEPORT by default, which lets a second server silently share a fixed port.
+    ("grpc.so_reuseport", 0),
 ]
 
 

@@ -56,6 +56,7 @@ class PeerLink:
         self._outbound: asyncio.Queue[link_pb2.LinkMessage] = asyncio.Queue(maxsize=256)
         self._connected = asyncio.Event()
         self._session_lock = asyncio.Lock()
+        self._current_session: asyncio.Task[None] | None = None
         self._stopping = False
 
     # ----- used by the relay servicer -------------------------------------------------
@@ -69,6 +70,14 @@ class PeerLink:
     async def send(self, message: link_pb2.LinkMessage) -> None:
         """Queue a message for the peer; waits while the link is saturated (back-pressure)."""
         await self._outbound.put(message)
+
+    def send_nowait(self, message: link_pb2.LinkMessage) -> bool:
+        """Best-effort queueing for cleanup paths that must not block; False if the queue is full."""
+        try:
+            self._outbound.put_nowait(message)
+        except asyncio.QueueFull:
+            return False
+        return True
 
     # ----- the session, shared by both roles -------------------------------------------
     def hello(self) -> link_pb2.LinkMessage:
@@ -101,7 +110,17 @@ class PeerLink:
             )
 
     async def run_session(self, read: ReadFn, write: WriteFn, certified: Identity, role: str) -> None:
-        """Pump frames both ways until either side ends; only one session runs at a time."""
+        """Pump frames both ways until either side ends; only one session runs at a time.
+
+        A new session supersedes the current one: when a peer reconnects, the old stream is
+        usually a dead TCP flow that keepalive has not noticed yet, and waiting for it would
+        stall every job for tens of seconds.
+        """
+        me = asyncio.current_task()
+        stale = self._current_session
+        if stale is not None and stale is not me and not stale.done():
+            stale.cancel()
+        self._current_session = me
         async with self._session_lock:
             self.state = LinkState(connected=True, peer_identity=certified.uri, role=role)
             self._connected.set()
@@ -119,11 +138,20 @@ class PeerLink:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task
+                if self._current_session is me:
+                    self._current_session = None
                 self._connected.clear()
+                self._purge_outbound()
                 self.state = LinkState(connected=False, role=role)
                 LINK_UP.set(0)
                 log.warning("WAN link down", extra={"fields": {"peer": certified.uri}})
                 await self.router.fail_all("WAN link to the peer cluster was lost")
+
+    def _purge_outbound(self) -> None:
+        """Drop frames queued for a link that is gone: their edges are failed, and a half-sent
+        tensor replayed on the next session would only confuse the peer's reassembly."""
+        while not self._outbound.empty():
+            self._outbound.get_nowait()
 
     async def _pump_out(self, write: WriteFn) -> None:
         while True:

@@ -63,6 +63,7 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             "edge opened",
             extra={"fields": {"job_id": job_id, "edge": edge, "account": principal.username}},
         )
+        finished_cleanly = False
         try:
             if not await self.link.wait_connected(LINK_WAIT_S):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no WAN link to the peer cluster")
@@ -72,7 +73,20 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 )
             )
             await self._pump(context, route)
+            finished_cleanly = True
         finally:
+            if not finished_cleanly:
+                # The trainer vanished (cancelled call, crash): tell the peer so its side stops waiting.
+                self.link.send_nowait(
+                    link_pb2.LinkMessage(
+                        close=link_pb2.RouteClose(
+                            job_id=job_id,
+                            edge=edge,
+                            reason="the other cluster's stage disconnected",
+                            error=True,
+                        )
+                    )
+                )
             self.router.detach(key)
             EDGES_OPEN.set(self.router.open_routes())
 

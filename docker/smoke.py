@@ -1,0 +1,112 @@
+"""Host-side smoke test of the compose deployment through the SDK (published 127.0.0.1 ports only).
+
+    export NEBULA_ADMIN_PASSWORD_A="$(podman-compose exec auth-a cat /etc/nebula/admin/admin-password)"
+    export NEBULA_ADMIN_PASSWORD_B="$(podman-compose exec auth-b cat /etc/nebula/admin/admin-password)"
+    .venv/bin/python docker/smoke.py --steps 20
+
+1. waits until both switches report the WAN link up (GetLinkStatus) and prints the verified peers;
+2. each cluster's admin creates a user in its own cluster (tokens never cross clusters);
+3. submits the ABNet job (encoder in a, decoder in b) and follows it to the end;
+4. prints a JSON summary (losses, step times, WAN bytes, Prometheus cross-check) and exits 0 on success.
+
+The ports are the ones docker-compose.yml publishes; override with --host-ports-a/--host-ports-b.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import time
+
+from nebula_common.sdk.auth_client import AuthClient
+from nebula_common.sdk.client import ClusterEndpoints, ClusterSession, submit_abnet
+from nebula_common.sdk.jobs import AbnetJob
+from nebula_common.sdk.summary import summarize
+
+HOST = "127.0.0.1"
+# switch internal, trainer, auth, switch metrics (see docker-compose.yml)
+DEFAULT_PORTS = {"a": "17400,17500,17600,19100", "b": "27400,27500,27600,29100"}
+
+
+def endpoints(cluster: str, ports: str) -> ClusterEndpoints:
+    switch, trainer, auth, metrics = (int(p) for p in ports.split(","))
+    return ClusterEndpoints(
+        cluster_id=cluster,
+        auth=f"{HOST}:{auth}",
+        trainer=f"{HOST}:{trainer}",
+        switch=f"{HOST}:{switch}",
+        metrics={f"switch-{cluster}": f"http://{HOST}:{metrics}/metrics"},
+    )
+
+
+def create_user(ep: ClusterEndpoints, admin_password: str, username: str) -> ClusterSession:
+    password = secrets.token_urlsafe(18)
+    with AuthClient(ep.auth) as auth:
+        admin = auth.login("admin", admin_password)
+        auth.create_account(admin.token, username, password, role="user")
+    return ClusterSession.login(ep, username, password)
+
+
+def wait_link(sessions: list[ClusterSession], timeout: float) -> float:
+    started = time.perf_counter()
+    while True:
+        states = [s.link_status() for s in sessions]
+        if all(st.connected for st in states):
+            for st in states:
+                print(
+                    f"switch {st.cluster_id}: link up as {st.link_role}, "
+                    f"verified peer {st.verified_peer_identity}",
+                    file=sys.stderr,
+                )
+            return time.perf_counter() - started
+        if time.perf_counter() - started > timeout:
+            raise SystemExit(f"WAN link not up after {timeout:.0f}s: {states}")
+        time.sleep(0.5)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Smoke-test the compose deployment from the host.")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--codec-forward", default="none")
+    parser.add_argument("--codec-backward", default="none")
+    parser.add_argument("--host-ports-a", default=DEFAULT_PORTS["a"], help="switch,trainer,auth,metrics")
+    parser.add_argument("--host-ports-b", default=DEFAULT_PORTS["b"], help="switch,trainer,auth,metrics")
+    parser.add_argument("--link-timeout", type=float, default=60.0)
+    args = parser.parse_args()
+
+    passwords = {c: os.environ.get(f"NEBULA_ADMIN_PASSWORD_{c.upper()}", "").strip() for c in "ab"}
+    if not all(passwords.values()):
+        raise SystemExit("set NEBULA_ADMIN_PASSWORD_A and NEBULA_ADMIN_PASSWORD_B (see the docstring)")
+    eps = {"a": endpoints("a", args.host_ports_a), "b": endpoints("b", args.host_ports_b)}
+
+    suffix = secrets.token_hex(3)
+    source = create_user(eps["a"], passwords["a"], f"smoke-a-{suffix}")
+    target = create_user(eps["b"], passwords["b"], f"smoke-b-{suffix}")
+    link_wait = wait_link([source, target], args.link_timeout)
+
+    job = AbnetJob(steps=args.steps, codec_forward=args.codec_forward, codec_backward=args.codec_backward)
+    started = time.perf_counter()
+    handle = submit_abnet(job, source, target)
+    summary = summarize(
+        job,
+        handle,
+        on_step=lambda st: print(
+            f"step {st.steps_done}/{job.steps} loss {st.loss:.4f} {st.step_seconds * 1000:.0f} ms",
+            file=sys.stderr,
+        ),
+    )
+    summary.fill_wan(source, target)
+    summary.total_seconds = time.perf_counter() - started
+    out = summary.to_json()
+    out["link_wait_seconds"] = link_wait
+    print(json.dumps(out, indent=2))
+    for session in (source, target):
+        session.close()
+    return 0 if summary.succeeded else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
