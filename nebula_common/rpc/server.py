@@ -8,6 +8,7 @@ for tensor payloads, and a graceful stop that drains in-flight calls.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from nebula_common.metrics import MetricsEndpoint, start_metrics_endpoint
 
 GRPC_MESSAGE_LIMIT = 64 * 1024 * 1024
 """Largest single gRPC message we accept; tensor payloads are chunked well below it."""
@@ -38,6 +41,7 @@ class ServiceServer:
     health: health.aio.HealthServicer
     service_names: list[str]
     ports: dict[str, int] = field(default_factory=dict)
+    metrics: MetricsEndpoint | None = None
 
     def add_insecure_port(self, name: str, address: str) -> int:
         """Bind a plaintext port (cluster-internal listeners only) and remember it under ``name``."""
@@ -55,6 +59,18 @@ class ServiceServer:
         self.ports[name] = port
         return port
 
+    def start_metrics(self, port: int, listen: str) -> int | None:
+        """Serve Prometheus metrics next to this server (see ``start_metrics_endpoint``)."""
+        self.metrics = start_metrics_endpoint(port, listen)
+        if self.metrics is None:
+            return None
+        self.ports["metrics"] = self.metrics.port
+        return self.metrics.port
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics.port if self.metrics is not None else None
+
     async def start(self) -> None:
         await self.server.start()
         for name in ("", *self.service_names):
@@ -65,6 +81,9 @@ class ServiceServer:
         for name in ("", *self.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace)
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.stop)
+            self.metrics = None
 
 
 def create_server(

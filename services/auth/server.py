@@ -8,21 +8,18 @@ deliberately no open sign-up endpoint.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import signal
 import sys
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
 
 from argon2 import PasswordHasher
-from prometheus_client import start_http_server
 from pydantic import ValidationError
 
 from nebula_common.errors import InvalidRequestError
 from nebula_common.logging import configure_logging
 from nebula_common.proto.nebula.v1 import auth_pb2_grpc
 from nebula_common.rpc import ServiceServer, create_server
+from nebula_common.rpc.lifecycle import serve_until_signalled
 from services.auth import metrics
 from services.auth.config import AuthSettings
 from services.auth.passwords import hash_password, make_hasher, validate_new_account
@@ -39,25 +36,16 @@ STOP_GRACE_SECONDS = 5.0
 
 @dataclass
 class AuthServer(ServiceServer):
-    """The auth gRPC server plus what must be released with it (database, metrics endpoint)."""
+    """The auth gRPC server plus the account database it must close when it stops."""
 
     store: AccountStore | None = None
-    metrics_httpd: WSGIServer | None = None
 
     @property
     def grpc_port(self) -> int:
         return self.ports["grpc"]
 
-    @property
-    def metrics_port(self) -> int | None:
-        return self.metrics_httpd.server_port if self.metrics_httpd is not None else None
-
     async def stop(self, grace: float = 2.0) -> None:
         await super().stop(grace)
-        if self.metrics_httpd is not None:
-            self.metrics_httpd.shutdown()
-            self.metrics_httpd.server_close()
-            self.metrics_httpd = None
         if self.store is not None:
             self.store.close()
             self.store = None
@@ -127,12 +115,6 @@ def _build(settings: AuthSettings) -> tuple[AccountStore, TokenIssuer, AuthServi
     return store, issuer, servicer
 
 
-def _metrics_host(listen: str) -> str:
-    """Serve metrics on the same interface as gRPC, so a loopback-only service stays loopback-only."""
-    host = listen.rsplit(":", 1)[0] if ":" in listen else listen
-    return host.strip("[]") or "0.0.0.0"
-
-
 async def run_auth_server(settings: AuthSettings) -> AuthServer:
     """Open the data dir, seed the admin, and start serving; the caller owns ``stop()``."""
     store, issuer, servicer = await asyncio.to_thread(_build, settings)
@@ -141,10 +123,7 @@ async def run_auth_server(settings: AuthSettings) -> AuthServer:
     try:
         auth_pb2_grpc.add_AuthServicer_to_server(servicer, server.server)
         server.add_insecure_port("grpc", settings.listen)
-        if settings.metrics_port >= 0:
-            httpd, _thread = start_http_server(settings.metrics_port, addr=_metrics_host(settings.listen))
-            server.metrics_httpd = httpd
-            server.ports["metrics"] = httpd.server_port
+        server.start_metrics(settings.metrics_port, settings.listen)
         await server.start()
     except BaseException:
         await server.stop(0)
@@ -167,19 +146,8 @@ async def run_auth_server(settings: AuthSettings) -> AuthServer:
 
 async def _serve(settings: AuthSettings) -> None:
     server = await run_auth_server(settings)
-    # One JSON line on stdout is how the launcher learns the ports we bound.
     ready = {"service": "auth", "grpc_port": server.grpc_port, "metrics_port": server.metrics_port}
-    sys.stdout.write(json.dumps(ready) + "\n")
-    sys.stdout.flush()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        logger.info("auth service stopping")
-        await server.stop(STOP_GRACE_SECONDS)
+    await serve_until_signalled(ready, lambda: server.stop(STOP_GRACE_SECONDS))
 
 
 def main() -> None:

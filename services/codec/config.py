@@ -11,8 +11,7 @@ import logging
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-METRICS_DISABLED = -1
-"""``metrics_port`` value that turns the Prometheus endpoint off."""
+from nebula_common.metrics import METRICS_DISABLED
 
 
 class CodecSettings(BaseSettings):
@@ -45,13 +44,3 @@ class CodecSettings(BaseSettings):
         if level not in logging.getLevelNamesMapping():
             raise ValueError(f"unknown log level {value!r}")
         return level
-
-    @property
-    def metrics_enabled(self) -> bool:
-        return self.metrics_port != METRICS_DISABLED
-
-    @property
-    def listen_host(self) -> str:
-        """Host part of ``listen`` without IPv6 brackets; the metrics endpoint binds the same interface."""
-        host = self.listen.rpartition(":")[0]
-        return host[1:-1] if host.startswith("[") and host.endswith("]") else host

@@ -9,20 +9,15 @@ service is. Everything else goes to stderr as JSON logs.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import signal
 import sys
-from dataclasses import dataclass
-from threading import Thread
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import start_http_server
 from pydantic import ValidationError
 
 from nebula_common.logging import configure_logging
 from nebula_common.proto.nebula.v1 import codec_pb2_grpc
 from nebula_common.rpc import ServiceServer, create_server
+from nebula_common.rpc.lifecycle import serve_until_signalled
 from services.codec.config import CodecSettings
 from services.codec.servicer import CodecServicer
 
@@ -32,34 +27,13 @@ SERVICE_NAME = "nebula.v1.Codec"
 STOP_GRACE_SECONDS = 5.0
 
 
-@dataclass
-class CodecServer(ServiceServer):
-    """A ServiceServer that also owns the Prometheus HTTP endpoint, so stopping one stops both."""
-
-    metrics_http: WSGIServer | None = None
-    metrics_thread: Thread | None = None
-
-    async def stop(self, grace: float = 2.0) -> None:
-        await super().stop(grace)
-        if self.metrics_http is not None:
-            await asyncio.to_thread(self.metrics_http.shutdown)
-            self.metrics_http.server_close()
-            self.metrics_http = None
-
-
-async def run_codec_server(settings: CodecSettings) -> CodecServer:
+async def run_codec_server(settings: CodecSettings) -> ServiceServer:
     """Build, bind and start the codec service; ports end up in ``.ports`` ("grpc", "metrics")."""
-    base = create_server([SERVICE_NAME])
-    server = CodecServer(
-        server=base.server, health=base.health, service_names=base.service_names, ports=base.ports
-    )
+    server = create_server([SERVICE_NAME])
     codec_pb2_grpc.add_CodecServicer_to_server(CodecServicer(), server.server)
     try:
         server.add_insecure_port("grpc", settings.listen)
-        if settings.metrics_enabled:
-            http_server, thread = start_http_server(settings.metrics_port, addr=settings.listen_host)
-            server.metrics_http, server.metrics_thread = http_server, thread
-            server.ports["metrics"] = http_server.server_port
+        server.start_metrics(settings.metrics_port, settings.listen)
         await server.start()
     except BaseException:
         # Do not leak a bound port or a metrics thread when startup fails half-way.
@@ -74,23 +48,8 @@ async def run_codec_server(settings: CodecSettings) -> CodecServer:
 
 async def _serve(settings: CodecSettings) -> None:
     server = await run_codec_server(settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    announcement = {
-        "service": "codec",
-        "grpc_port": server.ports["grpc"],
-        "metrics_port": server.ports.get("metrics"),
-    }
-    sys.stdout.write(json.dumps(announcement) + "\n")
-    sys.stdout.flush()
-    try:
-        await stop.wait()
-        logger.info("stopping codec service")
-    finally:
-        await server.stop(STOP_GRACE_SECONDS)
-    logger.info("codec service stopped")
+    ready = {"service": "codec", "grpc_port": server.ports["grpc"], "metrics_port": server.metrics_port}
+    await serve_until_signalled(ready, lambda: server.stop(STOP_GRACE_SECONDS))
 
 
 def main() -> int:

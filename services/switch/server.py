@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import signal
 import sys
 from dataclasses import dataclass
 
 from nebula_common.auth import TokenVerifier
 from nebula_common.logging import configure_logging
-from nebula_common.metrics import start_metrics_server
 from nebula_common.pki import (
     channel_credentials_from_files,
     channel_options,
@@ -25,6 +22,7 @@ from nebula_common.pki import (
 )
 from nebula_common.proto.nebula.v1 import link_pb2_grpc, relay_pb2_grpc
 from nebula_common.rpc import ServiceServer, create_server
+from nebula_common.rpc.lifecycle import serve_until_signalled
 from services.switch.config import SwitchSettings
 from services.switch.link import PeerLink
 from services.switch.relay_servicer import RelayServicer
@@ -41,7 +39,6 @@ class RunningSwitch:
     wan: ServiceServer
     link: PeerLink
     dialer: asyncio.Task[None] | None
-    metrics_port: int
 
     @property
     def internal_port(self) -> int:
@@ -94,28 +91,20 @@ async def run_switch(settings: SwitchSettings) -> RunningSwitch:
             link.dial_forever(settings.peer_address, credentials, channel_options(link.expected_peer)),
             name="wan-dialer",
         )
-    metrics_port = start_metrics_server(settings.metrics_port)
-    return RunningSwitch(internal=internal, wan=wan, link=link, dialer=dialer, metrics_port=metrics_port)
+    internal.start_metrics(settings.metrics_port, settings.internal_listen)
+    return RunningSwitch(internal=internal, wan=wan, link=link, dialer=dialer)
 
 
 async def _serve(settings: SwitchSettings) -> None:
     running = await run_switch(settings)
-    ports = {
+    ready = {
         "service": "switch",
         "cluster_id": settings.cluster_id,
         "internal_port": running.internal_port,
         "wan_port": running.wan_port,
-        "metrics_port": running.metrics_port,
+        "metrics_port": running.internal.metrics_port,
     }
-    print(json.dumps(ports), flush=True)
-    log.info("switch serving", extra={"fields": ports})
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("switch stopping")
-    await running.stop()
+    await serve_until_signalled(ready, running.stop)
 
 
 def main() -> None:

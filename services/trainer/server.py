@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import signal
 import sys
 
 import torch
 
 from nebula_common.auth import TokenVerifier
 from nebula_common.logging import configure_logging
-from nebula_common.metrics import start_metrics_server
 from nebula_common.proto.nebula.v1 import trainer_pb2_grpc
 from nebula_common.rpc import ServiceServer, create_server
+from nebula_common.rpc.lifecycle import serve_until_signalled
 from services.trainer.config import TrainerSettings
 from services.trainer.servicer import TrainerServicer
 
@@ -22,7 +20,7 @@ log = logging.getLogger(__name__)
 AUTH_WAIT_S = 30.0
 
 
-async def run_trainer(settings: TrainerSettings) -> tuple[ServiceServer, TrainerServicer, int]:
+async def run_trainer(settings: TrainerSettings) -> tuple[ServiceServer, TrainerServicer]:
     torch.set_num_threads(settings.torch_threads)
     verifier = await TokenVerifier.from_auth_service_async(
         settings.auth_address, settings.cluster_id, timeout=AUTH_WAIT_S
@@ -32,30 +30,27 @@ async def run_trainer(settings: TrainerSettings) -> tuple[ServiceServer, Trainer
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, service.server)
     service.add_insecure_port("grpc", settings.listen)
     await service.start()
-    metrics_port = start_metrics_server(settings.metrics_port)
-    return service, servicer, metrics_port
+    service.start_metrics(settings.metrics_port, settings.listen)
+    return service, servicer
 
 
 async def _serve(settings: TrainerSettings) -> None:
-    service, servicer, metrics_port = await run_trainer(settings)
-    ports = {
+    service, servicer = await run_trainer(settings)
+
+    async def stop() -> None:
+        for runner in servicer.runners.values():
+            runner.cancel()
+        await service.stop()
+        for runner in servicer.runners.values():
+            await asyncio.to_thread(runner.join, 10.0)
+
+    ready = {
         "service": "trainer",
         "cluster_id": settings.cluster_id,
         "grpc_port": service.ports["grpc"],
-        "metrics_port": metrics_port,
+        "metrics_port": service.metrics_port,
     }
-    print(json.dumps(ports), flush=True)
-    log.info("trainer serving", extra={"fields": ports})
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    for runner in servicer.runners.values():
-        runner.cancel()
-    await service.stop()
-    for runner in servicer.runners.values():
-        await asyncio.to_thread(runner.join, 10.0)
+    await serve_until_signalled(ready, stop)
 
 
 def main() -> None:

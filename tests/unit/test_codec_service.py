@@ -21,16 +21,17 @@ from prometheus_client import REGISTRY
 
 from nebula_common.codec import available_codecs, encode_tensor
 from nebula_common.codec.wire import raw_to_tensor, tensor_to_raw
+from nebula_common.metrics import listen_host
 from nebula_common.proto.nebula.v1 import codec_pb2, codec_pb2_grpc
-from nebula_common.rpc import insecure_channel
+from nebula_common.rpc import ServiceServer, insecure_channel
 from services.codec.config import CodecSettings
-from services.codec.server import CodecServer, run_codec_server
+from services.codec.server import run_codec_server
 
 pytestmark = pytest.mark.timeout(60)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-Check = Callable[[codec_pb2_grpc.CodecStub, grpc.aio.Channel, CodecServer], Awaitable[None]]
+Check = Callable[[codec_pb2_grpc.CodecStub, grpc.aio.Channel, ServiceServer], Awaitable[None]]
 
 
 def _serve(check: Check, metrics_port: int = -1) -> None:
@@ -72,7 +73,7 @@ def _encode_requests(codec: str, outcome: str) -> float:
 def test_encode_decode_round_trip(spec: str) -> None:
     tensor = torch.randn(3, 7, 5)
 
-    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, __: CodecServer) -> None:
+    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, __: ServiceServer) -> None:
         encoded = await stub.Encode(codec_pb2.EncodeRequest(codec=spec.upper(), tensor=_raw(tensor)))
         reference = encode_tensor(tensor, spec)
         assert encoded.header == reference.header
@@ -87,7 +88,7 @@ def test_encode_decode_round_trip(spec: str) -> None:
 
 
 def test_bad_spec_is_invalid_argument_naming_the_codec() -> None:
-    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, __: CodecServer) -> None:
+    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, __: ServiceServer) -> None:
         raw = _raw(torch.ones(4))
         details = await _expect_invalid(stub.Encode(codec_pb2.EncodeRequest(codec="zstd9", tensor=raw)))
         assert "zstd9" in details and "fp16" in details  # names the bad codec and lists known ones
@@ -102,7 +103,7 @@ def test_bad_spec_is_invalid_argument_naming_the_codec() -> None:
 
 
 def test_bad_raw_tensor_and_corrupt_payload_are_invalid_argument() -> None:
-    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, __: CodecServer) -> None:
+    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, __: ServiceServer) -> None:
         short = codec_pb2.RawTensor(dtype="float32", shape=[4], data=b"\x00" * 15)
         details = await _expect_invalid(stub.Encode(codec_pb2.EncodeRequest(codec="fp16", tensor=short)))
         assert "tensor.data" in details
@@ -130,7 +131,7 @@ def test_bad_raw_tensor_and_corrupt_payload_are_invalid_argument() -> None:
 
 
 def test_list_codecs() -> None:
-    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, __: CodecServer) -> None:
+    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, __: ServiceServer) -> None:
         response = await stub.ListCodecs(codec_pb2.ListCodecsRequest())
         assert list(response.codecs) == available_codecs()
         assert {"none", "fp16", "bf16", "int8"} <= set(response.codecs)
@@ -139,7 +140,7 @@ def test_list_codecs() -> None:
 
 
 def test_health_reports_serving() -> None:
-    async def check(_: codec_pb2_grpc.CodecStub, channel: grpc.aio.Channel, __: CodecServer) -> None:
+    async def check(_: codec_pb2_grpc.CodecStub, channel: grpc.aio.Channel, __: ServiceServer) -> None:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("nebula.v1.Codec", ""):
             response = await health.Check(health_pb2.HealthCheckRequest(service=service))
@@ -149,7 +150,7 @@ def test_health_reports_serving() -> None:
 
 
 def test_metrics_are_counted_and_exported() -> None:
-    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, server: CodecServer) -> None:
+    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, server: ServiceServer) -> None:
         ok_before = _encode_requests("int8", "ok")
         bad_before = _encode_requests("invalid", "invalid_argument")
         in_before = _sample("nebula_codec_bytes_in_total", method="Encode")
@@ -177,7 +178,7 @@ def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NEBULA_CODEC_METRICS_PORT", "-1")
     monkeypatch.setenv("NEBULA_CODEC_LOG_LEVEL", "debug")
     settings = CodecSettings()
-    assert (settings.listen, settings.listen_host, settings.metrics_enabled) == ("[::]:7001", "::", False)
+    assert (settings.listen, listen_host(settings.listen), settings.metrics_port) == ("[::]:7001", "::", -1)
     assert settings.log_level == "DEBUG"
     for field, value in (("metrics_port", -2), ("listen", "nohost"), ("log_level", "LOUD")):
         with pytest.raises(ValueError, match=field):

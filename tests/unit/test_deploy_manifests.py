@@ -1,0 +1,501 @@
+"""Static checks of the container deployment: docker/Dockerfile, docker-compose.yml and k8s/.
+
+Fast and engine-free: nothing is built or started. They catch drift between the manifests and the
+code (every NEBULA_* variable must be a field of that service's settings class, and the values must
+pass its validation) and guard the security properties docs/architecture.md promises: only the
+switches touch the WAN, internal ports are never exposed, containers run non-root and read-only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+yaml = pytest.importorskip(
+    "yaml", reason="pyyaml is needed to parse docker-compose.yml and k8s/ (add it to the dev extras)"
+)
+
+from services.auth.config import AuthSettings  # noqa: E402
+from services.codec.config import CodecSettings  # noqa: E402
+from services.switch.config import SwitchSettings  # noqa: E402
+from services.trainer.config import TrainerSettings  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+K8S = ROOT / "k8s"
+OVERLAYS = {"a": K8S / "overlays" / "cluster-a", "b": K8S / "overlays" / "cluster-b"}
+
+# console script -> (settings class, env prefix, gRPC port, health service name)
+SERVICES: dict[str, tuple[type, str, int, str]] = {
+    "nebula-switch": (SwitchSettings, "NEBULA_SWITCH_", 7400, "nebula.v1.Relay"),
+    "nebula-trainer": (TrainerSettings, "NEBULA_TRAINER_", 7500, "nebula.v1.Trainer"),
+    "nebula-auth": (AuthSettings, "NEBULA_AUTH_", 7600, "nebula.v1.Auth"),
+    "nebula-codec": (CodecSettings, "NEBULA_CODEC_", 7700, "nebula.v1.Codec"),
+}
+# NEBULA_* names that belong to no settings class: docker/healthcheck.py and nebula_common/metrics.py.
+NON_SETTINGS_VARS = {"NEBULA_HEALTH_PORT", "NEBULA_HEALTH_SERVICE", "NEBULA_HEALTH_TIMEOUT", "NEBULA_METRICS_HOST"}
+WAN_PORT = 7443
+METRICS_PORT = 9100
+RUNTIME_UID = 10001
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def _compose_services() -> dict[str, dict[str, Any]]:
+    return _compose()["services"]
+
+
+def _is_one_shot(svc: dict[str, Any]) -> bool:
+    return str(svc.get("restart", "")) == "no"
+
+
+def _long_running() -> dict[str, dict[str, Any]]:
+    return {name: svc for name, svc in _compose_services().items() if not _is_one_shot(svc)}
+
+
+def _command(svc_or_container: dict[str, Any]) -> list[str]:
+    command = svc_or_container.get("command") or []
+    return [command] if isinstance(command, str) else list(command)
+
+
+def _compose_env(svc: dict[str, Any]) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {key: str(value) for key, value in env.items()}
+
+
+def _networks(svc: dict[str, Any]) -> set[str]:
+    networks = svc.get("networks") or []
+    return set(networks) if isinstance(networks, list) else set(networks.keys())
+
+
+def _published(svc: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """(host ip, host port, container port) of every ports: entry, short or long syntax."""
+    result = []
+    for entry in svc.get("ports") or []:
+        if isinstance(entry, dict):
+            result.append((entry.get("host_ip", ""), int(entry["published"]), int(entry["target"])))
+            continue
+        parts = str(entry).split("/")[0].split(":")
+        if len(parts) == 3:
+            result.append((parts[0], int(parts[1]), int(parts[2])))
+        elif len(parts) == 2:
+            result.append(("", int(parts[0]), int(parts[1])))
+        else:
+            result.append(("", 0, int(parts[0])))
+    return result
+
+
+def _volume_mounts(svc: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """(source, target, read_only) of every volumes: entry in short syntax."""
+    mounts = []
+    for entry in svc.get("volumes") or []:
+        parts = str(entry).split(":")
+        mounts.append((parts[0], parts[1], len(parts) > 2 and "ro" in parts[2].split(",")))
+    return mounts
+
+
+def _check_env_names(where: str, command: list[str], names: set[str]) -> None:
+    settings_cls, prefix, _, _ = SERVICES[command[0]]
+    fields = {prefix + name.upper() for name in settings_cls.model_fields}
+    for name in sorted(names):
+        if not name.startswith("NEBULA_") or name in NON_SETTINGS_VARS:
+            continue
+        assert name in fields, (
+            f"{where}: {name} is not a field of {settings_cls.__name__} "
+            f"(known: {sorted(fields)}); a typo or a renamed setting?"
+        )
+    required = {prefix + name.upper() for name, f in settings_cls.model_fields.items() if f.is_required()}
+    assert required <= names, f"{where}: required settings not set: {sorted(required - names)}"
+
+
+def _build_settings(monkeypatch: pytest.MonkeyPatch, command: list[str], env: dict[str, str]) -> Any:
+    """Construct the service's settings exactly as the process would, from these variables only."""
+    settings_cls = SERVICES[command[0]][0]
+    with monkeypatch.context() as patch:
+        for key in [k for k in os.environ if k.startswith("NEBULA_")]:
+            patch.delenv(key)
+        for key, value in env.items():
+            patch.setenv(key, value)
+        return settings_cls()
+
+
+def _load_k8s_docs() -> list[tuple[Path, dict[str, Any]]]:
+    docs = []
+    for path in sorted(K8S.rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is not None:
+                docs.append((path, doc))
+    return docs
+
+
+def _k8s_kind(kind: str) -> list[tuple[Path, dict[str, Any]]]:
+    return [(path, doc) for path, doc in _load_k8s_docs() if doc.get("kind") == kind]
+
+
+def _overlay_config(cluster: str) -> dict[str, str]:
+    """The nebula-cluster ConfigMap literals an overlay sets (it replaces the base's)."""
+    kustomization = yaml.safe_load((OVERLAYS[cluster] / "kustomization.yaml").read_text())
+    (generator,) = [g for g in kustomization["configMapGenerator"] if g["name"] == "nebula-cluster"]
+    assert generator.get("behavior") == "replace"
+    return dict(literal.split("=", 1) for literal in generator["literals"])
+
+
+def _k8s_env(container: dict[str, Any], config: dict[str, str]) -> dict[str, str]:
+    """The container's environment with configMapKeyRef resolved against ``config``."""
+    env = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = str(item["value"])
+            continue
+        ref = item["valueFrom"]["configMapKeyRef"]
+        assert ref["name"] == "nebula-cluster", f"{item['name']}: unexpected ConfigMap {ref['name']}"
+        if ref["key"] in config:
+            env[item["name"]] = config[ref["key"]]
+        else:
+            assert ref.get("optional"), f"{item['name']}: key {ref['key']} missing and not optional"
+    return env
+
+
+def _deployments() -> dict[str, dict[str, Any]]:
+    return {doc["metadata"]["name"]: doc for _, doc in _k8s_kind("Deployment")}
+
+
+def _containers() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(deployment name, pod spec, container) for every container of every Deployment."""
+    result = []
+    for name, deployment in _deployments().items():
+        pod = deployment["spec"]["template"]["spec"]
+        for container in pod["containers"] + pod.get("initContainers", []):
+            result.append((name, pod, container))
+    return result
+
+
+# ----------------------------------------------------------------------------- Dockerfile
+
+
+def test_dockerfile_uses_only_the_local_base_and_pins_torch_first() -> None:
+    text = DOCKERFILE.read_text()
+    stages = re.findall(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?", text, flags=re.MULTILINE | re.IGNORECASE)
+    names = {alias.lower() for _, alias in stages if alias}
+    for image, _ in stages:
+        assert image == "python:3.11-slim" or image.lower() in names, f"unexpected base image {image}"
+    assert len(stages) >= 2, "expected a multi-stage build"
+    torch = text.index('pip install "torch==${TORCH_VERSION}"')
+    project = text.index("pip install .")
+    assert torch < project, "torch must be installed (pinned) before the project"
+    assert re.search(r"^ARG TORCH_VERSION=\d+\.\d+\.\d+$", text, flags=re.MULTILINE)
+    assert re.search(r"^ARG PIP_FIND_LINKS=$", text, flags=re.MULTILINE)
+    runtime = text[text.rindex("FROM ") :]
+    assert f"USER {RUNTIME_UID}" in runtime
+    assert "HEALTHCHECK" in runtime and "healthcheck.py" in runtime
+    assert "NEBULA_METRICS_HOST=0.0.0.0" in runtime
+
+
+def test_dockerignore_keeps_the_venv_and_runs_out_of_the_context() -> None:
+    entries = set((ROOT / ".dockerignore").read_text().split())
+    assert {".git", ".venv", "runs", "**/__pycache__", ".pytest_cache"} <= entries
+
+
+# ----------------------------------------------------------------------------- compose
+
+
+def test_compose_builds_one_image_and_never_pulls() -> None:
+    services = _compose_services()
+    builders = [name for name, svc in services.items() if "build" in svc]
+    assert len(builders) == 1, f"exactly one service should build the shared image, got {builders}"
+    build = services[builders[0]]["build"]
+    assert build["dockerfile"] == "docker/Dockerfile"
+    assert build["args"]["PIP_FIND_LINKS"] == "${PIP_FIND_LINKS:-}"
+    for name, svc in services.items():
+        assert svc["image"] == "localhost/nebula:dev", name
+        if name not in builders:
+            assert svc.get("pull_policy") == "never", f"{name} would try to pull from a registry"
+
+
+def test_only_switches_and_the_wan_emulator_are_on_the_wan() -> None:
+    services = _compose_services()
+    on_wan = {name for name, svc in services.items() if "wan" in _networks(svc)}
+    switches = {name for name, svc in services.items() if _command(svc)[:1] == ["nebula-switch"]}
+    assert switches == {"switch-a", "switch-b"}
+    assert on_wan == switches | {"wan-emulator"}
+    assert _networks(services["wan-emulator"]) == {"wan"}
+    for cluster in ("a", "b"):
+        assert _networks(services[f"switch-{cluster}"]) == {f"cluster_{cluster}", "wan"}
+        for role in ("auth", "codec", "trainer"):
+            assert _networks(services[f"{role}-{cluster}"]) == {f"cluster_{cluster}"}, f"{role}-{cluster}"
+    assert services["pki-init"].get("network_mode") == "none"
+
+
+def test_every_long_running_service_has_a_healthcheck() -> None:
+    for name, svc in _long_running().items():
+        check = svc.get("healthcheck")
+        assert check and not check.get("disable") and check.get("test"), f"{name} has no healthcheck"
+        command = _command(svc)
+        if command[0] in SERVICES:
+            _, _, port, service = SERVICES[command[0]]
+            env = _compose_env(svc)
+            assert env["NEBULA_HEALTH_PORT"] == str(port), name
+            assert env["NEBULA_HEALTH_SERVICE"] == service, name
+
+
+def test_nothing_is_published_beyond_loopback_and_never_the_wan_port() -> None:
+    allowed = {"nebula-switch": {7400, METRICS_PORT}, "nebula-trainer": {7500}, "nebula-auth": {7600}}
+    host_ports = []
+    for name, svc in _compose_services().items():
+        published = _published(svc)
+        for host_ip, host_port, container_port in published:
+            assert host_ip == "127.0.0.1", f"{name} publishes {container_port} beyond loopback"
+            assert container_port != WAN_PORT, f"{name} publishes the WAN port to the host"
+            assert container_port in allowed.get(_command(svc)[0], set()), (
+                f"{name} publishes {container_port}, which the SDK on the host does not need"
+            )
+            host_ports.append(host_port)
+    assert len(host_ports) == len(set(host_ports)), "two services publish the same host port"
+    assert host_ports, "the SDK on the host needs the trainer, auth and switch ports"
+
+
+def test_compose_services_are_hardened() -> None:
+    for name, svc in _compose_services().items():
+        assert svc.get("read_only") is True, f"{name}: root filesystem must be read-only"
+        assert svc.get("cap_drop") == ["ALL"], f"{name}: must drop all capabilities"
+        assert "no-new-privileges:true" in svc.get("security_opt", []), name
+        assert svc["deploy"]["resources"]["limits"]["memory"], f"{name}: no memory limit"
+        if _is_one_shot(svc):
+            continue
+        assert str(svc.get("user")).split(":")[0] == str(RUNTIME_UID), f"{name} must run as {RUNTIME_UID}"
+        assert not svc.get("cap_add"), f"{name} must not add capabilities"
+        assert any(str(t).startswith("/tmp") for t in svc.get("tmpfs", [])), f"{name}: no tmpfs for /tmp"
+    pki = _compose_services()["pki-init"]
+    assert pki.get("cap_add") == ["CHOWN"], "pki-init needs CHOWN only, to hand files to the services"
+
+
+def test_secrets_reach_only_their_own_service() -> None:
+    services = _compose_services()
+    pki_users = [name for name, svc in services.items() if any(src == "pki" for src, _, _ in _volume_mounts(svc))]
+    assert pki_users == ["pki-init"], "only pki-init may mount the CA store"
+    for name, svc in services.items():
+        if name == "pki-init":
+            continue
+        for source, target, read_only in _volume_mounts(svc):
+            if source.endswith(("-tls", "-admin")):
+                assert read_only, f"{name} mounts {source} writable"
+                assert source.startswith(name + "-"), f"{name} mounts another service's secrets {source}"
+                assert target.startswith("/etc/nebula/")
+            elif source.endswith("-data"):
+                assert source == f"{name}-data" and name.startswith("auth-"), f"{name} mounts {source}"
+            else:
+                pytest.fail(f"{name} mounts unexpected volume {source}")
+    declared = set(_compose()["volumes"])
+    used = {src for svc in services.values() for src, _, _ in _volume_mounts(svc)}
+    assert used == declared
+
+
+def test_compose_env_names_are_settings_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = set()
+    for name, svc in _compose_services().items():
+        command = _command(svc)
+        env = _compose_env(svc)
+        if command[0] not in SERVICES:
+            owned = {k for k in env if k.startswith("NEBULA_")} - NON_SETTINGS_VARS
+            assert not owned, f"{name} runs no Nebula service but sets {owned}"
+            continue
+        seen.add(command[0])
+        _check_env_names(f"compose {name}", command, set(env))
+        settings = _build_settings(monkeypatch, command, env)  # values pass the service's validation
+        assert settings.cluster_id == name.rsplit("-", 1)[1]
+        assert settings.metrics_port == METRICS_PORT
+    assert seen == set(SERVICES)
+
+
+def test_compose_wan_link_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
+    services = _compose_services()
+    a = _build_settings(monkeypatch, ["nebula-switch"], _compose_env(services["switch-a"]))
+    b = _build_settings(monkeypatch, ["nebula-switch"], _compose_env(services["switch-b"]))
+    assert (a.peer_cluster_id, b.peer_cluster_id) == ("b", "a")
+    assert a.dials() and not b.dials(), "cluster a sorts first: it dials, b accepts"
+    assert a.peer_address == "wan-emulator:7000"
+    emulator = _command(services["wan-emulator"])
+    assert emulator[emulator.index("--target") + 1] == f"switch-b:{WAN_PORT}"
+    assert emulator[emulator.index("--listen") + 1] == "0.0.0.0:7000"
+    assert b.wan_listen.endswith(f":{WAN_PORT}")
+    for cluster in ("a", "b"):
+        trainer = _compose_env(services[f"trainer-{cluster}"])
+        assert trainer["NEBULA_TRAINER_SWITCH_ADDRESS"] == f"switch-{cluster}:7400"
+        assert trainer["NEBULA_TRAINER_AUTH_ADDRESS"] == f"auth-{cluster}:7600"
+        switch = _compose_env(services[f"switch-{cluster}"])
+        assert switch["NEBULA_SWITCH_AUTH_ADDRESS"] == f"auth-{cluster}:7600"
+
+
+def test_compose_start_order() -> None:
+    services = _compose_services()
+
+    def deps(name: str) -> dict[str, str]:
+        return {dep: spec["condition"] for dep, spec in (services[name].get("depends_on") or {}).items()}
+
+    for name in services:
+        for dep, condition in deps(name).items():
+            expected = "service_completed_successfully" if dep == "pki-init" else "service_healthy"
+            assert condition == expected, f"{name} -> {dep}: {condition}"
+    for cluster in ("a", "b"):
+        assert {"pki-init", f"auth-{cluster}"} <= set(deps(f"switch-{cluster}"))
+        assert {f"auth-{cluster}", f"switch-{cluster}"} <= set(deps(f"trainer-{cluster}"))
+        assert "pki-init" in deps(f"auth-{cluster}")
+    assert "switch-b" in deps("wan-emulator") and "wan-emulator" in deps("switch-a")
+
+
+# ----------------------------------------------------------------------------- Kubernetes
+
+
+def test_every_k8s_yaml_parses_and_has_a_kind() -> None:
+    docs = _load_k8s_docs()
+    assert docs
+    for path, doc in docs:
+        assert doc.get("apiVersion") and doc.get("kind"), f"{path}: not a Kubernetes/kustomize object"
+    kinds = {doc["kind"] for _, doc in docs}
+    assert {"Deployment", "Service", "NetworkPolicy", "PersistentVolumeClaim", "Kustomization"} <= kinds
+    assert set(_deployments()) == {"nebula-switch", "nebula-trainer", "nebula-auth", "nebula-codec"}
+
+
+def test_k8s_containers_are_non_root_read_only_and_bounded() -> None:
+    for name, pod, container in _containers():
+        pod_ctx = pod["securityContext"]
+        assert pod_ctx["runAsNonRoot"] is True and pod_ctx["runAsUser"] == RUNTIME_UID, name
+        assert pod_ctx["seccompProfile"]["type"] == "RuntimeDefault", name
+        assert pod.get("automountServiceAccountToken") is False, name
+        # Service links would inject NEBULA_<SERVICE>_* variables next to our settings.
+        assert pod.get("enableServiceLinks") is False, name
+        ctx = container["securityContext"]
+        assert ctx["readOnlyRootFilesystem"] is True, name
+        assert ctx["allowPrivilegeEscalation"] is False, name
+        assert ctx["capabilities"]["drop"] == ["ALL"] and not ctx["capabilities"].get("add"), name
+        resources = container["resources"]
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(resources[kind]), f"{name}: {kind}"
+        mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+        assert "/tmp" in mounts, f"{name}: read-only root needs a writable /tmp"
+
+
+def test_k8s_probes_are_native_grpc_on_the_service_port() -> None:
+    for name, _, container in _containers():
+        _, _, port, service = SERVICES[container["command"][0]]
+        for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+            grpc = container[probe]["grpc"]
+            assert grpc == {"port": port, "service": service}, f"{name} {probe}"
+        ports = {p["containerPort"] for p in container["ports"]}
+        assert {port, METRICS_PORT} <= ports, name
+
+
+def test_k8s_env_names_are_settings_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = set()
+    for cluster in OVERLAYS:
+        config = _overlay_config(cluster)
+        for name, _, container in _containers():
+            command = container["command"]
+            env = _k8s_env(container, config)
+            declared = {item["name"] for item in container.get("env", [])}
+            _check_env_names(f"k8s {name} (cluster {cluster})", command, declared)
+            settings = _build_settings(monkeypatch, command, env)
+            assert settings.cluster_id == cluster
+            assert settings.metrics_port == METRICS_PORT
+            seen.add(command[0])
+    assert seen == set(SERVICES)
+
+
+def test_k8s_overlays_wire_the_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    (switch,) = [c for n, _, c in _containers() if n == "nebula-switch"]
+    a = _build_settings(monkeypatch, ["nebula-switch"], _k8s_env(switch, _overlay_config("a")))
+    b = _build_settings(monkeypatch, ["nebula-switch"], _k8s_env(switch, _overlay_config("b")))
+    assert (a.cluster_id, a.peer_cluster_id, b.cluster_id, b.peer_cluster_id) == ("a", "b", "b", "a")
+    assert a.dials() and a.peer_address.endswith(f":{WAN_PORT}")
+    assert not b.dials() and b.peer_address is None
+    assert a.wan_listen == b.wan_listen == f"0.0.0.0:{WAN_PORT}"
+
+
+def test_k8s_secrets_are_mounted_read_only() -> None:
+    deployments = _deployments()
+    expected = {
+        "nebula-switch": ("nebula-switch-tls", {"tls.crt", "tls.key", "trust-bundle.pem"}),
+        "nebula-auth": ("nebula-auth-admin", {"admin-password"}),
+    }
+    for name, (secret, keys) in expected.items():
+        pod = deployments[name]["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if "secret" in v]
+        assert volume["secret"]["secretName"] == secret
+        assert {item["key"] for item in volume["secret"]["items"]} == keys
+        assert volume["secret"]["defaultMode"] & 0o007 == 0, f"{secret} readable by others"
+        (container,) = pod["containers"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount["readOnly"] is True
+        env = {item["name"]: item.get("value", "") for item in container["env"]}
+        for value in env.values():
+            if value.startswith("/etc/nebula/"):
+                assert value.startswith(mount["mountPath"] + "/") and value.rsplit("/", 1)[1] in keys
+    auth = deployments["nebula-auth"]["spec"]["template"]["spec"]
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in auth["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == ["nebula-auth-data"]
+    for _, doc in _k8s_kind("Secret"):
+        pytest.fail(f"secret {doc['metadata']['name']} committed to k8s/: create it at deploy time")
+
+
+def test_only_the_switch_wan_port_leaves_the_cluster() -> None:
+    services = {doc["metadata"]["name"]: doc["spec"] for _, doc in _k8s_kind("Service")}
+    for name, spec in services.items():
+        if name == "nebula-switch-wan":
+            assert spec["type"] in {"LoadBalancer", "NodePort"}
+            assert [p["port"] for p in spec["ports"]] == [WAN_PORT]
+        else:
+            assert spec.get("type", "ClusterIP") == "ClusterIP", f"{name} must stay cluster-internal"
+            assert WAN_PORT not in {p["port"] for p in spec["ports"]}
+
+
+def test_network_policies_deny_by_default() -> None:
+    policies = {doc["metadata"]["name"]: doc["spec"] for _, doc in _k8s_kind("NetworkPolicy")}
+    defaults = [
+        spec
+        for spec in policies.values()
+        if spec["podSelector"] == {} and spec["policyTypes"] == ["Ingress"] and not spec.get("ingress")
+    ]
+    assert defaults, "no default-deny ingress NetworkPolicy"
+    wide_open = []
+    for name, spec in policies.items():
+        for rule in spec.get("ingress", []):
+            ports = {p["port"] for p in rule.get("ports", [])}
+            assert ports, f"{name}: a rule without ports allows every port"
+            sources = rule.get("from")
+            if not sources:
+                wide_open.append((name, ports, spec["podSelector"]))
+                continue
+            for source in sources:
+                assert set(source) == {"podSelector"}, f"{name}: ingress from outside the namespace"
+    assert wide_open == [
+        ("nebula-allow-switch-wan", {WAN_PORT}, {"matchLabels": {"app.kubernetes.io/name": "nebula-switch"}})
+    ], "only the switch WAN port may accept traffic from anywhere"
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_kustomize_builds(overlay: str) -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed; the YAML structure is still checked above")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(OVERLAYS[overlay])], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"nebula"}
+    (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert config["data"]["cluster_id"] == overlay
