@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -9,7 +10,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from nebula_common.proto.nebula.v1 import trainer_pb2
+from nebula_common.proto.nebula.v1 import relay_pb2, trainer_pb2
 from nebula_common.sdk.client import ClusterSession, JobHandle
 from nebula_common.sdk.jobs import AbnetJob
 
@@ -23,6 +24,24 @@ def scrape_counter(url: str, name: str, labels: dict[str, str]) -> float | None:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return float(sample.value)
     return None
+
+
+def settled_link_status(
+    sessions: list[ClusterSession], timeout: float = 5.0
+) -> dict[str, relay_pb2.LinkStatus]:
+    """Both switches' link status once every byte one sent has been received by the other.
+
+    When a job ends, its final close messages may still be crossing the WAN;
+    reading the counters at that instant would show the two sides disagreeing.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        status = {s.endpoints.cluster_id: s.link_status() for s in sessions}
+        first, second = status.values()
+        settled = first.sent.bytes == second.received.bytes and second.sent.bytes == first.received.bytes
+        if settled or time.monotonic() > deadline:
+            return status
+        time.sleep(0.05)
 
 
 @dataclass
@@ -54,7 +73,8 @@ class JobSummary:
 
     def fill_wan(self, source: ClusterSession, target: ClusterSession) -> None:
         """Take WAN byte counts from both switches and cross-check them with their Prometheus counters."""
-        status = {s.endpoints.cluster_id: (s, s.link_status()) for s in (source, target)}
+        links = settled_link_status([source, target])
+        status = {s.endpoints.cluster_id: (s, links[s.endpoints.cluster_id]) for s in (source, target)}
         src_id, dst_id = source.endpoints.cluster_id, target.endpoints.cluster_id
         for cluster, (_, link) in status.items():
             self.peer_identities[cluster] = link.verified_peer_identity
@@ -106,8 +126,6 @@ def summarize(
     on_step: Callable[[trainer_pb2.StageStatus], None] | None = None,
 ) -> JobSummary:
     """Follow a job to its end, collecting the loss-owning stage's per-step numbers."""
-    import time
-
     summary = JobSummary(job_id=job.job_id, steps=job.steps)
     started = time.perf_counter()
     last_step: dict[str, int] = {}

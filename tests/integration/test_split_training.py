@@ -8,13 +8,13 @@ from nebula_common.launcher import LocalDeployment
 from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.sdk.client import ClusterSession, submit_abnet
 from nebula_common.sdk.jobs import AbnetJob
-from nebula_common.sdk.summary import JobSummary, scrape_counter, summarize
+from nebula_common.sdk.summary import JobSummary, scrape_counter, settled_link_status, summarize
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
 def link_snapshot(sessions: dict[str, ClusterSession]) -> dict[str, relay_pb2.LinkStatus]:
-    return {cluster: session.link_status() for cluster, session in sessions.items()}
+    return settled_link_status(list(sessions.values()))
 
 
 def sent_delta(before: dict, after: dict, cluster: str, field: str) -> int:

