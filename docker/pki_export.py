@@ -1,4 +1,4 @@
-"""Hand each container only its own secrets (run by compose's one-shot ``pki-init`` after ``nebula pki init``).
+"""Give each container only its own secrets (compose one-shot `pki-init`, after `nebula pki init`).
 
 ``nebula pki init --dir /pki`` keeps every cluster's CA key, switch key and trust bundle in one
 tree. No service should mount that tree: a switch that can read a CA key can mint certificates.

@@ -96,7 +96,13 @@ class ClusterSession:
             _raise_for(exc, f"cancelling job {job_id} on cluster {self.endpoints.cluster_id}")
 
     def link_status(self) -> relay_pb2.LinkStatus:
-        return self.relay.GetLinkStatus(relay_pb2.GetLinkStatusRequest(), timeout=10)
+        try:
+            return self.relay.GetLinkStatus(
+                relay_pb2.GetLinkStatusRequest(), metadata=self.metadata, timeout=10
+            )
+        except grpc.RpcError as exc:
+            _raise_for(exc, f"link status of cluster {self.endpoints.cluster_id}")
+            raise
 
     def close(self) -> None:
         self._trainer_channel.close()

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from nebula_common.auth import TokenVerifier
+from nebula_common.auth import Principal, TokenVerifier
 from nebula_common.errors import AuthenticationError
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, relay_pb2_grpc
 from nebula_common.rpc import bearer_token_from_metadata
@@ -35,16 +35,7 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
     async def OpenEdge(
         self, request_iterator: AsyncIterator[relay_pb2.EdgeMessage], context: grpc.aio.ServicerContext
     ) -> None:
-        token = bearer_token_from_metadata(context.invocation_metadata())
-        if token is None:
-            AUTH_REFUSALS.labels("internal", "no-token").inc()
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
-        try:
-            principal = self.verifier.verify(token)
-        except AuthenticationError as exc:
-            AUTH_REFUSALS.labels("internal", "bad-token").inc()
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"invalid token: {exc}")
-
+        principal = await self._authenticate(context)
         first = await context.read()
         if first is grpc.aio.EOF or first.WhichOneof("body") != "open":
             await context.abort(
@@ -89,6 +80,19 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 )
             self.router.detach(key)
             EDGES_OPEN.set(self.router.open_routes())
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> Principal:
+        """Every Relay call needs a token of THIS cluster: the port is only meant for its own trainers."""
+        token = bearer_token_from_metadata(context.invocation_metadata())
+        if token is None:
+            AUTH_REFUSALS.labels("internal", "no-token").inc()
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
+        try:
+            return self.verifier.verify(token)
+        except AuthenticationError as exc:
+            AUTH_REFUSALS.labels("internal", "bad-token").inc()
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"invalid token: {exc}")
+        raise AssertionError("unreachable: abort raises")
 
     async def _pump(self, context: grpc.aio.ServicerContext, route: Route) -> None:
         job_id, edge = route.key
@@ -143,6 +147,7 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
     async def GetLinkStatus(
         self, request: relay_pb2.GetLinkStatusRequest, context: grpc.aio.ServicerContext
     ) -> relay_pb2.LinkStatus:
+        await self._authenticate(context)
         state = self.link.state
         return relay_pb2.LinkStatus(
             cluster_id=self.cluster_id,

@@ -36,7 +36,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             return self.verifier.verify(token), token
         except AuthenticationError as exc:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"invalid token: {exc}")
-        raise AssertionError("unreachable")
+        raise AssertionError("unreachable: abort raises")
 
     async def _owned_runner(self, job_id: str, context: grpc.aio.ServicerContext) -> StageRunner:
         principal, _ = await self._authenticate(context)

@@ -97,6 +97,18 @@ def test_switch_refuses_edges_without_a_valid_token_of_its_cluster(
     assert open_edge_code(deployment, "a", sessions["b"].metadata) == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_link_status_needs_a_token_of_the_switchs_cluster(
+    deployment: LocalDeployment, sessions: dict[str, ClusterSession]
+) -> None:
+    with grpc.insecure_channel(deployment.endpoints("a").switch) as channel:
+        stub = relay_pb2_grpc.RelayStub(channel)
+        for metadata in ((), sessions["b"].metadata):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.GetLinkStatus(relay_pb2.GetLinkStatusRequest(), metadata=metadata, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert stub.GetLinkStatus(relay_pb2.GetLinkStatusRequest(), metadata=sessions["a"].metadata).connected
+
+
 def test_trainer_runs_nothing_without_a_token_of_its_own_cluster(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession]
 ) -> None:

@@ -16,15 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-yaml = pytest.importorskip(
-    "yaml", reason="pyyaml is needed to parse docker-compose.yml and k8s/ (add it to the dev extras)"
-)
-
-from services.auth.config import AuthSettings  # noqa: E402
-from services.codec.config import CodecSettings  # noqa: E402
-from services.switch.config import SwitchSettings  # noqa: E402
-from services.trainer.config import TrainerSettings  # noqa: E402
+from services.auth.config import AuthSettings
+from services.codec.config import CodecSettings
+from services.switch.config import SwitchSettings
+from services.trainer.config import TrainerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"

@@ -59,6 +59,7 @@ class RelayServicer:
 
     def GetLinkStatus(self, request, context):
         """Snapshot of the WAN link: state, verified peer identity, byte counters.
+        Also requires `authorization: Bearer <token>` of this cluster.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
