@@ -36,12 +36,11 @@ SERVICES: dict[str, tuple[type, str, int, str]] = {
     "nebula-auth": (AuthSettings, "NEBULA_AUTH_", 7600, "nebula.v1.Auth"),
     "nebula-codec": (CodecSettings, "NEBULA_CODEC_", 7700, "nebula.v1.Codec"),
 }
-# NEBULA_* names that belong to no settings class (docker/healthcheck.py; the image's metrics host).
+# NEBULA_* names that belong to no settings class (read by docker/healthcheck.py).
 NON_SETTINGS_VARS = {
     "NEBULA_HEALTH_PORT",
     "NEBULA_HEALTH_SERVICE",
     "NEBULA_HEALTH_TIMEOUT",
-    "NEBULA_METRICS_HOST",
 }
 WAN_PORT = 7443
 METRICS_PORT = 9100
