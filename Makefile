@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install proto check-proto demo test test-unit test-integration lint format bench clean
+.PHONY: install proto check-proto demo test test-unit test-integration lint format clean
 
 install: $(STAMP)
 
