@@ -7,6 +7,7 @@ further codecs plug in with ``register_codec``.
 from nebula_common.codec import floating, quantization  # noqa: F401  (registers the built-in codecs)
 from nebula_common.codec.base import Codec, CodecError
 from nebula_common.codec.registry import available_codecs, get_codec, parse_direction_pair, register_codec
+from nebula_common.codec.stream import TensorStreamDecoder, TensorStreamEncoder
 from nebula_common.codec.wire import (
     EncodedTensor,
     FrameAssembler,
@@ -21,6 +22,8 @@ __all__ = [
     "CodecError",
     "EncodedTensor",
     "FrameAssembler",
+    "TensorStreamDecoder",
+    "TensorStreamEncoder",
     "WireFormatError",
     "available_codecs",
     "decode_tensor",

@@ -13,13 +13,19 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
 import torch
 
-from nebula_common.codec import EncodedTensor, FrameAssembler, decode_tensor, encode_tensor, to_frames
+from nebula_common.codec import (
+    EncodedTensor,
+    FrameAssembler,
+    TensorStreamDecoder,
+    TensorStreamEncoder,
+    to_frames,
+)
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, tensor_pb2
 from nebula_common.rpc import bearer_metadata, insecure_channel
 
@@ -108,21 +114,22 @@ class EdgeConnection:
     def send(
         self,
         tensor: torch.Tensor,
-        codec: str,
+        encoder: TensorStreamEncoder,
         direction: int,
         step: int,
         micro_batch: int,
+        sample_ids: Sequence[int] | None = None,
     ) -> tensor_pb2.TensorHeader:
         """Encode and queue a tensor; returns once its frames are queued (not delivered)."""
         if self._close_reason is not None:
             raise EdgeClosedError(self._close_reason)
-        encoded = encode_tensor(
-            tensor.detach(),
-            codec,
+        encoded = encoder.encode(
+            tensor,
+            step=step,
+            sample_ids=sample_ids,
             job_id=self.job_id,
             edge=self.edge,
             direction=direction,
-            step=step,
             micro_batch=micro_batch,
             frame_id=next(self._frame_ids),
         )
@@ -132,7 +139,15 @@ class EdgeConnection:
         self.stats.raw_bytes_sent += encoded.header.raw_size
         return encoded.header
 
-    def receive(self, direction: int, step: int, micro_batch: int, timeout: float = 300.0) -> torch.Tensor:
+    def receive(
+        self,
+        decoder: TensorStreamDecoder,
+        direction: int,
+        step: int,
+        micro_batch: int,
+        sample_ids: Sequence[int] | None = None,
+        timeout: float = 300.0,
+    ) -> torch.Tensor:
         """Block until the next tensor arrives; it must be the one the schedule expects."""
         started = time.perf_counter()
         try:
@@ -156,7 +171,7 @@ class EdgeConnection:
             )
         self.stats.bytes_received += header.payload_size
         self.stats.raw_bytes_received += header.raw_size
-        return decode_tensor(header, item.payload)
+        return decoder.decode(header, item.payload, sample_ids=sample_ids)
 
     def close(self, reason: str = "finished", error: bool = False, timeout: float = 30.0) -> None:
         """Close our side and wait (bounded) for the peer to close its side too."""

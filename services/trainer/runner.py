@@ -16,6 +16,7 @@ import time
 import torch
 from torch import nn
 
+from nebula_common.codec import TensorStreamDecoder, TensorStreamEncoder
 from nebula_common.proto.nebula.v1 import tensor_pb2, trainer_pb2
 from services.trainer.edge import EdgeClosedError, EdgeConnection
 from services.trainer.metrics import LOSS, STEP_SECONDS, STEPS_TOTAL, WAIT_SECONDS
@@ -61,6 +62,11 @@ class StageRunner:
             cfg = spec.abnet
             model = build_stage(spec.stage, cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.seed)
             optimizer = torch.optim.Adam(model.parameters(), lr=cfg.learning_rate)
+            # The encoder stage sends forward and receives backward; the decoder the reverse.
+            self._forward_encoder = TensorStreamEncoder(spec.codec_forward or "none")
+            self._forward_decoder = TensorStreamDecoder(spec.codec_forward or "none")
+            self._backward_encoder = TensorStreamEncoder(spec.codec_backward or "none")
+            self._backward_decoder = TensorStreamDecoder(spec.codec_backward or "none")
             edge = EdgeConnection(self.switch_address, self.token, spec.job_id, spec.edge)
             self._edge = edge
             if self._cancelled.is_set():
@@ -139,11 +145,12 @@ class StageRunner:
         optimizer.zero_grad(set_to_none=True)
         outputs = []
         for mb in range(micro_batches):
-            states = model(shard.batch(self._ids(step, mb)))
-            edge.send(states, self.spec.codec_forward, FORWARD, step, mb)
+            ids = self._ids(step, mb)
+            states = model(shard.batch(ids))
+            edge.send(states, self._forward_encoder, FORWARD, step, mb, ids.tolist())
             outputs.append(states)
         for mb in range(micro_batches):
-            grad = edge.receive(BACKWARD, step, mb)
+            grad = edge.receive(self._backward_decoder, BACKWARD, step, mb)
             if grad.shape != outputs[mb].shape:
                 raise EdgeClosedError(
                     f"gradient shape {tuple(grad.shape)} != activation {tuple(outputs[mb].shape)}"
@@ -164,10 +171,11 @@ class StageRunner:
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for mb in range(micro_batches):
-            memory = edge.receive(FORWARD, step, mb).requires_grad_(True)
-            loss = model.loss(memory, shard.batch(self._ids(step, mb))) / micro_batches
+            ids = self._ids(step, mb)
+            memory = edge.receive(self._forward_decoder, FORWARD, step, mb, ids.tolist()).requires_grad_(True)
+            loss = model.loss(memory, shard.batch(ids)) / micro_batches
             loss.backward()
-            edge.send(memory.grad, self.spec.codec_backward, BACKWARD, step, mb)
+            edge.send(memory.grad, self._backward_encoder, BACKWARD, step, mb, ids.tolist())
             total += loss.item()
         optimizer.step()
         return total
