@@ -1,0 +1,154 @@
+"""Build docker/monitoring/nebula-dashboard.json (Grafana) from one readable panel list.
+
+Why generated: a dashboard is hundreds of lines of JSON where the interesting
+part is ten PromQL queries. Keeping those queries here, next to their titles,
+makes them reviewable; `tests/integration/test_dashboards.py` checks that
+every metric they name is exported by a live deployment.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent.parent / "docker" / "monitoring" / "nebula-dashboard.json"
+
+# (title, unit, [(PromQL, legend)], panel width)
+PANELS: list[tuple[str, str, list[tuple[str, str]], int]] = [
+    (
+        "WAN throughput (bits/s)",
+        "bps",
+        [
+            (
+                "sum by (cluster, direction) (rate(nebula_switch_wan_bytes_total[1m])) * 8",
+                "{{cluster}} {{direction}}",
+            )
+        ],
+        12,
+    ),
+    (
+        "Compression ratio on the WAN (raw / payload)",
+        "none",
+        [
+            (
+                'sum by (cluster) (rate(nebula_switch_wan_raw_bytes_total{direction="sent"}[5m]))'
+                ' / sum by (cluster) (rate(nebula_switch_wan_payload_bytes_total{direction="sent"}[5m]))',
+                "{{cluster}} sent",
+            )
+        ],
+        12,
+    ),
+    ("WAN link up", "none", [("nebula_switch_link_up", "{{cluster}}")], 6),
+    ("Open job edges", "none", [("nebula_switch_edges_open", "{{cluster}}")], 6),
+    (
+        "Frames relayed / s",
+        "ops",
+        [
+            (
+                "sum by (cluster, direction) (rate(nebula_switch_frames_relayed_total[1m]))",
+                "{{cluster}} {{direction}}",
+            )
+        ],
+        12,
+    ),
+    (
+        "Refused calls / s (by reason)",
+        "ops",
+        [
+            (
+                "sum by (cluster, port, reason) (rate(nebula_switch_refusals_total[5m]))",
+                "{{cluster}} {{port}} {{reason}}",
+            )
+        ],
+        12,
+    ),
+    ("Training loss", "none", [("nebula_trainer_loss", "{{job_id}} {{stage}}")], 12),
+    (
+        "Step time p50 / p95",
+        "s",
+        [
+            (
+                "histogram_quantile(0.5, sum by (le, stage) (rate(nebula_trainer_step_seconds_bucket[5m])))",
+                "p50 {{stage}}",
+            ),
+            (
+                "histogram_quantile(0.95, sum by (le, stage) (rate(nebula_trainer_step_seconds_bucket[5m])))",
+                "p95 {{stage}}",
+            ),
+        ],
+        12,
+    ),
+    (
+        "Fraction of step time waiting for the other cluster",
+        "percentunit",
+        [
+            (
+                "sum by (stage) (rate(nebula_trainer_wait_seconds_total[5m]))"
+                " / sum by (stage) (rate(nebula_trainer_step_seconds_sum[5m]))",
+                "{{stage}}",
+            )
+        ],
+        12,
+    ),
+    (
+        "Logins / s (by outcome)",
+        "ops",
+        [("sum by (cluster, outcome) (rate(nebula_auth_logins_total[5m]))", "{{cluster}} {{outcome}}")],
+        12,
+    ),
+]
+
+
+def build() -> dict:
+    panels = []
+    x = y = 0
+    for index, (title, unit, queries, width) in enumerate(PANELS, start=1):
+        if x + width > 24:
+            x, y = 0, y + 8
+        panels.append(
+            {
+                "id": index,
+                "type": "timeseries",
+                "title": title,
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "gridPos": {"x": x, "y": y, "w": width, "h": 8},
+                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                "targets": [
+                    {"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend}
+                    for i, (expr, legend) in enumerate(queries)
+                ],
+            }
+        )
+        x += width
+    return {
+        "title": "Nebula: WAN link, training, access",
+        "uid": "nebula-overview",
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-30m", "to": "now"},
+        "refresh": "10s",
+        "tags": ["nebula"],
+        "templating": {
+            "list": [
+                {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus"}
+            ]
+        },
+        "panels": panels,
+    }
+
+
+def main() -> int:
+    text = json.dumps(build(), indent=2) + "\n"
+    if "--check" in sys.argv:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT} is stale: run `python tools/build_dashboard.py`", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
