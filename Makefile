@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install proto check-proto demo test test-unit test-integration lint format clean
+.PHONY: install proto check-proto demo test test-unit test-integration lint format clean bench
 
 install: $(STAMP)
 
@@ -26,6 +26,13 @@ check-proto: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/nebula demo --json runs/demo-summary.json
+
+# Codec benchmark on one core: JSON + markdown in bench-results/ (a few minutes; never part of `make test`).
+bench: $(STAMP)
+	$(BIN)/nebula codec bench --out bench-results
+	$(BIN)/python bench/runtime/pipeline_schedules.py --out bench-results/runtime
+	$(BIN)/python bench/runtime/electra_wait.py --out bench-results/runtime
+	$(BIN)/python bench/runtime/abnet_bleu.py --out bench-results/runtime
 
 test: $(STAMP)
 	$(BIN)/python tools/gen_proto.py --check

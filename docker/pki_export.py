@@ -7,12 +7,17 @@ This script copies, per cluster ``<c>``:
     /pki/<c>/switch.crt        -> <out>/switch-<c>/tls.crt
     /pki/<c>/switch.key        -> <out>/switch-<c>/tls.key
     /pki/<c>/trust-bundle.pem  -> <out>/switch-<c>/trust-bundle.pem
+    /pki/<c>/trust/<peer>.crl.pem -> <out>/switch-<c>/peer-crl.pem  (the peer CA's CRL)
     /pki/<c>/admin-password    -> <out>/auth-<c>/admin-password   (generated once if absent)
 
 The names match the Kubernetes Secrets (``nebula-switch-tls``: tls.crt, tls.key, trust-bundle.pem),
 so the services' NEBULA_* settings are the same in compose and in k8s. Each ``<out>/<svc>-<c>`` is
 its own named volume, mounted read-only into that one service. Files are written atomically with
 mode 0400 and owned by ``--uid`` (the services' user). The admin password is never printed.
+
+The peer CRL has one fixed name (``peer-crl.pem``) so every switch's NEBULA_SWITCH_PEER_CRL is the
+same path in compose and k8s. The switch re-reads it every second, so after ``nebula pki revoke``
+re-running pki-init (an atomic rename of the file) is enough to refuse the revoked peer.
 """
 
 from __future__ import annotations
@@ -48,6 +53,14 @@ def _admin_password(cluster_dir: Path) -> bytes:
     return path.read_bytes().strip()
 
 
+def _peer(cluster: str, clusters: list[str]) -> str:
+    """The one cluster this cluster's switch links to (the WAN link joins exactly two)."""
+    peers = [c for c in clusters if c != cluster]
+    if len(peers) != 1:
+        raise SystemExit(f"pki-init: a switch links exactly one peer; clusters {clusters} give {peers}")
+    return peers[0]
+
+
 def export(pki: Path, out: Path, clusters: list[str], uid: int | None, gid: int | None) -> None:
     for cluster in clusters:
         src = pki / cluster
@@ -55,6 +68,7 @@ def export(pki: Path, out: Path, clusters: list[str], uid: int | None, gid: int 
             "tls.crt": src / "switch.crt",
             "tls.key": src / "switch.key",
             "trust-bundle.pem": src / "trust-bundle.pem",
+            "peer-crl.pem": src / "trust" / f"{_peer(cluster, clusters)}.crl.pem",
         }
         missing = [str(p) for p in switch_files.values() if not p.is_file()]
         if missing:

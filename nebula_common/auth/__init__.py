@@ -1,5 +1,5 @@
 """Token verification shared by every service that acts for a cluster's accounts."""
 
-from nebula_common.auth.verifier import Principal, TokenVerifier
+from nebula_common.auth.verifier import KeySnapshot, Principal, Revocation, TokenVerifier
 
-__all__ = ["Principal", "TokenVerifier"]
+__all__ = ["KeySnapshot", "Principal", "Revocation", "TokenVerifier"]

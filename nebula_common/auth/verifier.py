@@ -7,12 +7,25 @@ service. Everything that could let a foreign or forged token through is pinned
 here: the algorithm (ES256 only, so ``none`` and HS256-with-the-public-key
 forgeries fail), the issuer (``nebula-auth/<cluster>``), the audience and the
 signing key id.
+
+Revocation without a round trip per call: the same GetSigningKeys reply carries the cluster's
+token revocations (disabled, deleted accounts, password changes: "tokens of this account issued
+before T are invalid") under an epoch that only grows. A verifier built from the auth service
+refetches keys and revocations on a background thread every ``BACKGROUND_REFRESH_SECONDS``, so
+a disabled account's token is refused everywhere within a few seconds; ``verify`` itself never
+waits on the network except for the rate-limited refetch on an unknown key id.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import grpc
@@ -30,7 +43,20 @@ ISSUER_PREFIX = "nebula-auth/"
 LEEWAY_SECONDS = 30
 """Clock skew tolerated on exp/nbf/iat: the clusters' clocks are not perfectly in sync."""
 
+REFRESH_INTERVAL_SECONDS = 10.0
+"""Least time between two key refetches: an unknown kid is either a rotation (refetch once) or
+garbage (must not turn every forged token into a call to the auth service)."""
+
+BACKGROUND_REFRESH_SECONDS = 2.0
+"""How often a verifier built from the auth service refetches keys and revocations: the bound on
+how long a disabled account's token keeps working (plus one fetch), at one small call per period."""
+
+FETCH_TIMEOUT_SECONDS = 2.0
+"""Deadline of one refetch, so a hung auth service cannot pile up work in the refresh thread."""
+
 REQUIRED_CLAIMS = ("iss", "aud", "sub", "role", "cluster", "iat", "nbf", "exp", "jti")
+
+log = logging.getLogger(__name__)
 
 
 def issuer_for(cluster_id: str) -> str:
@@ -47,15 +73,168 @@ class Principal:
     cluster_id: str
 
 
-class TokenVerifier:
-    """Checks tokens of one cluster against that cluster's published signing keys."""
+@dataclass(frozen=True)
+class Revocation:
+    """Tokens of one account whose ``iat`` is before ``not_before_ms`` are refused, saying ``reason``."""
 
-    def __init__(self, issuer_cluster_id: str, jwks_json: str) -> None:
+    not_before_ms: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class KeySnapshot:
+    """One GetSigningKeys answer: the key set plus the revocations in force at ``revocation_epoch``."""
+
+    jwks_json: str
+    revocation_epoch: int = 0
+    revocations: Mapping[str, Revocation] = field(default_factory=dict)
+
+    @classmethod
+    def from_reply(cls, reply: auth_pb2.SigningKeys) -> KeySnapshot:
+        revocations: dict[str, Revocation] = {}
+        for entry in reply.revocations:
+            if not entry.username:
+                raise ValueError("token revocation without a username")
+            revocations[entry.username] = Revocation(
+                int(entry.not_before_ms), entry.reason or "token revoked"
+            )
+        return cls(str(reply.jwks_json), int(reply.revocation_epoch), revocations)
+
+
+@dataclass(frozen=True)
+class _State:
+    """Everything ``verify`` reads, swapped as one object so a reader never sees half an update."""
+
+    keys: dict[str, jwt.PyJWK]
+    epoch: int
+    revocations: Mapping[str, Revocation]
+
+
+class TokenVerifier:
+    """Checks tokens of one cluster against that cluster's published signing keys and revocations."""
+
+    def __init__(
+        self,
+        issuer_cluster_id: str,
+        jwks_json: str,
+        *,
+        refresh: Callable[[], KeySnapshot] | None = None,
+        refresh_interval_s: float = REFRESH_INTERVAL_SECONDS,
+        revocation_epoch: int = 0,
+        revocations: Mapping[str, Revocation] | None = None,
+    ) -> None:
         if not issuer_cluster_id:
             raise ValueError("issuer_cluster_id must not be empty")
         self._cluster_id = issuer_cluster_id
         self._issuer = issuer_for(issuer_cluster_id)
-        self._keys = _parse_jwks(jwks_json)
+        self._state = _State(
+            _parse_jwks(jwks_json), revocation_epoch, MappingProxyType(dict(revocations or {}))
+        )
+        self._refresh = refresh
+        self._refresh_interval_s = refresh_interval_s
+        self._last_refresh = float("-inf")  # the first unknown kid may refetch at once
+        self._refresh_lock = threading.Lock()
+        self._kid_fetch_lock = threading.Lock()
+        self._last_success = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+
+    def apply(self, snapshot: KeySnapshot) -> bool:
+        """Adopt a newer key set and revocation list; True if the key ids changed.
+
+        A snapshot older than the revocations already enforced (lower epoch) is refused with
+        ValueError: it would make revoked tokens valid again.
+        """
+        keys = _parse_jwks(snapshot.jwks_json)
+        with self._refresh_lock:
+            current = self._state
+            if snapshot.revocation_epoch < current.epoch:
+                raise ValueError(
+                    f"revocation epoch went back from {current.epoch} to {snapshot.revocation_epoch}"
+                )
+            self._state = _State(
+                keys, snapshot.revocation_epoch, MappingProxyType(dict(snapshot.revocations))
+            )
+            self._last_success = time.monotonic()
+        return set(keys) != set(current.keys)
+
+    def _refresh_keys(self) -> bool:
+        """Refetch the key set after a rotation; at most once per interval. True if keys changed."""
+        if self._refresh is None:
+            return False
+        with self._kid_fetch_lock:
+            now = time.monotonic()
+            if now - self._last_refresh < self._refresh_interval_s:
+                return False
+            self._last_refresh = now
+        try:
+            return self.apply(self._refresh())
+        except (NebulaError, ValueError) as exc:
+            log.warning("token key refetch failed: %s", exc)
+            return False
+
+    def refresh_now(self) -> None:
+        """Fetch keys and revocations once (the background thread's step); raises on failure."""
+        if self._refresh is None:
+            raise NebulaError("this verifier has no auth service to refresh from")
+        self.apply(self._refresh())
+
+    def start_background_refresh(self, interval_s: float = BACKGROUND_REFRESH_SECONDS) -> None:
+        """Refetch keys and revocations every ``interval_s`` on a daemon thread until :meth:`close`.
+
+        The thread holds the verifier only weakly, so a verifier dropped without ``close`` (the
+        trainer never closes its own) still stops being polled once garbage collected.
+        """
+        if self._refresh is None:
+            raise ValueError("background refresh needs a refresh source")
+        if interval_s <= 0:
+            raise ValueError("refresh interval must be positive")
+        if self._thread is not None:
+            return
+        stop, ref = self._stop, weakref.ref(self)
+
+        def run() -> None:
+            while not stop.wait(interval_s):
+                verifier = ref()
+                if verifier is None:
+                    return
+                verifier._background_step()
+                del verifier
+
+        self._thread = threading.Thread(target=run, name=f"token-refresh-{self._cluster_id}", daemon=True)
+        self._thread.start()
+
+    def _background_step(self) -> None:
+        try:
+            self.refresh_now()
+        except (NebulaError, ValueError) as exc:
+            # Keep enforcing the last known revocations; say so once per outage, not every period.
+            if not self._failing:
+                log.warning("token revocation refresh failing, enforcing the last known list: %s", exc)
+            self._failing = True
+            return
+        if self._failing:
+            log.info("token revocation refresh recovered (epoch %d)", self._state.epoch)
+        self._failing = False
+
+    def close(self) -> None:
+        """Stop the background refresh and release the connection to the auth service."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=FETCH_TIMEOUT_SECONDS + 1.0)
+        closer = getattr(self._refresh, "close", None)
+        if callable(closer):
+            closer()
+
+    @property
+    def revocation_epoch(self) -> int:
+        return self._state.epoch
+
+    @property
+    def revocations_age_s(self) -> float:
+        """Seconds since keys and revocations were last fetched successfully (or built)."""
+        return time.monotonic() - self._last_success
 
     @property
     def cluster_id(self) -> str:
@@ -67,7 +246,7 @@ class TokenVerifier:
 
     @property
     def key_ids(self) -> frozenset[str]:
-        return frozenset(self._keys)
+        return frozenset(self._state.keys)
 
     @classmethod
     def from_auth_service(cls, address: str, cluster_id: str, timeout: float = 5.0) -> TokenVerifier:
@@ -88,6 +267,11 @@ class TokenVerifier:
         finally:
             channel.close()
         return cls._from_reply(address, cluster_id, reply)
+
+    @staticmethod
+    def _refresher(address: str, cluster_id: str) -> AuthKeySource:
+        """A blocking fetch of keys and revocations (background thread, and unknown kids)."""
+        return AuthKeySource(address, cluster_id)
 
     @classmethod
     async def from_auth_service_async(
@@ -116,7 +300,19 @@ class TokenVerifier:
             raise AuthenticationError(
                 f"auth service at {address} issues tokens as {reply.issuer!r}, expected {expected!r}"
             )
-        return cls(cluster_id, reply.jwks_json)
+        try:
+            snapshot = KeySnapshot.from_reply(reply)
+        except ValueError as exc:
+            raise AuthenticationError(f"auth service at {address} sent invalid revocations: {exc}") from exc
+        verifier = cls(
+            cluster_id,
+            snapshot.jwks_json,
+            refresh=cls._refresher(address, cluster_id),
+            revocation_epoch=snapshot.revocation_epoch,
+            revocations=snapshot.revocations,
+        )
+        verifier.start_background_refresh()
+        return verifier
 
     def verify(self, token: str) -> Principal:
         """Return the token's principal, or raise AuthenticationError saying why it is rejected."""
@@ -137,7 +333,9 @@ class TokenVerifier:
         kid = header.get("kid")
         if not isinstance(kid, str) or not kid:
             raise AuthenticationError("token has no signing key id")
-        key = self._keys.get(kid)
+        key = self._state.keys.get(kid)
+        if key is None and self._refresh_keys():
+            key = self._state.keys.get(kid)
         if key is None:
             raise AuthenticationError(f"unknown signing key id {kid!r} for issuer {self._issuer}")
 
@@ -163,7 +361,17 @@ class TokenVerifier:
             raise AuthenticationError(f"token lacks required claim {exc.claim!r}") from exc
         except jwt.PyJWTError as exc:
             raise AuthenticationError(f"malformed token: {exc}") from exc
-        return self._principal(claims)
+        principal = self._principal(claims)
+        self._check_revocation(principal.username, claims["iat"])
+        return principal
+
+    def _check_revocation(self, username: str, issued_at: Any) -> None:
+        """Refuse a token issued before its account was disabled, deleted or given a new password."""
+        revocation = self._state.revocations.get(username)
+        if revocation is None:
+            return
+        if not isinstance(issued_at, int | float) or issued_at * 1000 < revocation.not_before_ms:
+            raise AuthenticationError(f"token revoked: {revocation.reason}")
 
     def _check_issuer(self, iss: Any) -> None:
         if iss == self._issuer:
@@ -213,6 +421,32 @@ def _parse_jwks(jwks_json: str) -> dict[str, jwt.PyJWK]:
         except jwt.PyJWTError as exc:
             raise ValueError(f"signing key {kid!r} is invalid: {exc}") from exc
     return keys
+
+
+class AuthKeySource:
+    """Fetches keys and revocations from one auth service over a channel kept open between polls.
+
+    Blocking; used from the verifier's refresh thread and (rate-limited) from ``verify`` on an
+    unknown key id. Each call has a short deadline so an unreachable service costs at most that.
+    """
+
+    def __init__(self, address: str, cluster_id: str) -> None:
+        self._address = address
+        self._cluster_id = cluster_id
+        self._channel = insecure_channel(address)
+        self._stub = auth_pb2_grpc.AuthStub(self._channel)
+
+    def __call__(self) -> KeySnapshot:
+        try:
+            reply = self._stub.GetSigningKeys(auth_pb2.GetSigningKeysRequest(), timeout=FETCH_TIMEOUT_SECONDS)
+        except grpc.RpcError as exc:
+            raise _fetch_error(self._address, exc) from exc
+        if reply.issuer != issuer_for(self._cluster_id):
+            raise NebulaError(f"auth service at {self._address} now issues as {reply.issuer!r}")
+        return KeySnapshot.from_reply(reply)
+
+    def close(self) -> None:
+        self._channel.close()
 
 
 def _fetch_error(address: str, exc: grpc.RpcError) -> NebulaError:

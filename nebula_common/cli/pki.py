@@ -12,8 +12,15 @@ from cryptography.hazmat.primitives import hashes
 from rich.console import Console
 from rich.markup import escape
 
-from nebula_common.pki.identity import validate_cluster_id
-from nebula_common.pki.store import ClusterPaths, PkiError, init_pki
+from nebula_common.pki.identity import KNOWN_ROLES, validate_cluster_id
+from nebula_common.pki.store import (
+    ClusterPaths,
+    PkiError,
+    init_pki,
+    issue_leaf,
+    renew_switch_certificate,
+    revoke_certificate,
+)
 
 app = typer.Typer(help="Certificates for the clusters' switches.", no_args_is_help=True)
 
@@ -148,3 +155,93 @@ def show(
         console.print(f"\n[yellow]cluster {cluster} trusts no peer CA yet[/]")
     for path in trusted:
         _describe(console, f"trusted CA of peer {path.stem}", path)
+
+
+def _serial_of(serial: str | None, cert: Path | None) -> int:
+    if (serial is None) == (cert is None):
+        raise typer.BadParameter(
+            "give exactly one of --serial (hex, as `nebula pki show` prints it) or --cert"
+        )
+    if cert is not None:
+        try:
+            return x509.load_pem_x509_certificate(cert.read_bytes()).serial_number
+        except FileNotFoundError:
+            raise _fail(f"missing certificate {cert}") from None
+        except ValueError as exc:
+            raise _fail(f"{cert} is not a PEM certificate: {exc}") from None
+    assert serial is not None
+    try:
+        value = int(serial.replace(":", ""), 16)
+    except ValueError:
+        raise typer.BadParameter(f"--serial must be hexadecimal, got {serial!r}") from None
+    if value <= 0:
+        raise typer.BadParameter("--serial must be positive")
+    return value
+
+
+@app.command()
+def revoke(
+    pki_dir: Annotated[Path, typer.Option("--dir", help="PKI root directory.")],
+    cluster: Annotated[
+        str, typer.Option(help="Cluster whose CA issued the certificate.", callback=_check_cluster)
+    ],
+    serial: Annotated[str | None, typer.Option(help="Serial number in hex.")] = None,
+    cert: Annotated[Path | None, typer.Option(help="PEM certificate to revoke.")] = None,
+    reason: Annotated[str, typer.Option(help="Why (recorded in the CA's audit log).")] = "",
+) -> None:
+    """Revoke a certificate: re-sign the CA's CRL and copy it to every peer that trusts this CA.
+
+    Peer switches poll their copy every second: new connections with the certificate fail and an
+    existing link that authenticated with it is closed.
+    """
+    number = _serial_of(serial, cert)
+    try:
+        written = revoke_certificate(pki_dir, cluster, number, reason=reason)
+    except (PkiError, OSError) as exc:
+        raise _fail(str(exc)) from None
+    console = Console()
+    console.print(f"revoked serial {number:x} of cluster {cluster}; wrote:", soft_wrap=True)
+    for path in written:
+        console.print(f"  {escape(str(path))}", soft_wrap=True)
+
+
+@app.command()
+def renew(
+    pki_dir: Annotated[Path, typer.Option("--dir", help="PKI root directory.")],
+    cluster: Annotated[
+        str, typer.Option(help="Cluster whose switch certificate to renew.", callback=_check_cluster)
+    ],
+    validity_hours: Annotated[float, typer.Option(min=0.001, help="Lifetime of the new certificate.")] = 24.0,
+) -> None:
+    """Give a cluster's switch a new key and certificate; a running switch hot-reloads them."""
+    try:
+        cert_obj = renew_switch_certificate(pki_dir, cluster, validity=timedelta(hours=validity_hours))
+    except (PkiError, OSError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    Console().print(
+        f"renewed switch of cluster {cluster}: serial {cert_obj.serial_number:x}, "
+        f"valid until {cert_obj.not_valid_after_utc.isoformat()}",
+        soft_wrap=True,
+    )
+
+
+@app.command()
+def issue(
+    pki_dir: Annotated[Path, typer.Option("--dir", help="PKI root directory.")],
+    cluster: Annotated[
+        str, typer.Option(help="Cluster whose CA issues the certificate.", callback=_check_cluster)
+    ],
+    role: Annotated[str, typer.Option(help=f"One of: {', '.join(sorted(KNOWN_ROLES))}.")],
+    out: Annotated[Path, typer.Option(help="Directory for <role>.crt and <role>.key.")],
+    validity_hours: Annotated[float, typer.Option(min=0.001, help="Lifetime of the certificate.")] = 24.0,
+) -> None:
+    """Issue a leaf for a service or operator (spiffe://nebula/cluster/<id>/<role>)."""
+    if role not in KNOWN_ROLES:
+        raise typer.BadParameter(f"--role must be one of {', '.join(sorted(KNOWN_ROLES))}, got {role!r}")
+    try:
+        cert_path, key_path = issue_leaf(
+            pki_dir, cluster, role, out, validity=timedelta(hours=validity_hours)
+        )
+    except (PkiError, OSError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    Console().print(f"wrote {escape(str(cert_path))} and {escape(str(key_path))}", soft_wrap=True)

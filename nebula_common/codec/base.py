@@ -3,9 +3,19 @@
 A codec turns a dense floating-point tensor into bytes for the WAN and back. Every
 hop that handles a frame (switches, the codec service, the receiving trainer) only
 has the header, so a codec must be fully determined by its spec string and must be
-able to say, from shape and dtype alone, exactly how many bytes it produces: that
-is what lets receivers reject truncated or padded payloads before decoding them and
-lets every hop account compression ratios without decoding.
+able to bound, from shape and dtype alone, how many bytes it produces: that is what
+lets receivers reject truncated or padded payloads before decoding them.
+
+The size contract has two kinds of codec:
+
+* fixed-size (``variable_size = False``, every codec except ``zstd``): the payload
+  is *exactly* ``encoded_size(shape, dtype)`` bytes, so a receiver rejects any other
+  length before decoding, and the ratio is known before encoding;
+* variable-size (``variable_size = True``): ``encoded_size`` is a strict *upper
+  bound*; the receiver rejects anything longer before decoding, and the codec's own
+  decoder must then check the payload's internal structure exactly (zstd checks the
+  frame's declared content size and hands the result to its inner fixed-size codec,
+  which checks its exact length), so validation is never weaker than for fixed codecs.
 """
 
 from __future__ import annotations
@@ -44,6 +54,36 @@ _NUMPY_NATIVE_INT: dict[int, np.dtype] = {
 
 class CodecError(ValueError):
     """A codec spec, input tensor or payload is invalid; the message says what and why."""
+
+
+def reconstruction_error(original: torch.Tensor, decoded: torch.Tensor) -> dict[str, float]:
+    """Relative L2 error ``||x - y|| / ||x||`` and max absolute error of a decoded tensor.
+
+    Computed in float64 so the metric itself adds no error; an all-zero original
+    gives a relative error of 0 when reproduced exactly and inf otherwise.
+    """
+    x = original.detach().to(torch.float64).reshape(-1)
+    y = decoded.detach().to(torch.float64).reshape(-1)
+    if x.numel() == 0:
+        return {"rel_l2": 0.0, "max_abs": 0.0}
+    diff = x - y
+    norm = float(torch.linalg.vector_norm(x))
+    err = float(torch.linalg.vector_norm(diff))
+    rel = err / norm if norm > 0 else (0.0 if err == 0 else math.inf)
+    return {"rel_l2": rel, "max_abs": float(diff.abs().max())}
+
+
+def matrix_view(shape: Sequence[int]) -> tuple[int, int] | None:
+    """The (rows, cols) matrix low-rank codecs factorise: all leading dims become rows.
+
+    An activation ``[batch, seq, hidden]`` is the ``(batch*seq) x hidden`` matrix
+    whose rank is bounded by ``hidden``. Scalars, vectors and empty tensors have no
+    useful factorisation (None).
+    """
+    dims = [int(dim) for dim in shape]
+    if len(dims) < 2 or numel(dims) == 0:
+        return None
+    return numel(dims[:-1]), dims[-1]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -142,31 +182,81 @@ class Codec(ABC):
     spec: str
     """Canonical spec string; ``get_codec(codec.spec)`` returns an equivalent codec."""
 
-    def encode(self, tensor: torch.Tensor) -> bytes:
-        """Encode a CPU floating-point tensor of any shape (including 0-dim, empty, non-contiguous)."""
-        return self._encode(check_input(tensor))
+    variable_size: bool = False
+    """True when ``encoded_size`` is only an upper bound (entropy coders); see the module doc."""
+
+    wire: bool = True
+    """False for spec values that configure a stream (``ef``, ``delta``, ``start``, ``auto``)
+    rather than name a byte format; they never appear in a tensor header."""
+
+    def encode(self, tensor: torch.Tensor, state: dict[str, object] | None = None) -> bytes:
+        """Encode a CPU floating-point tensor of any shape (including 0-dim, empty, non-contiguous).
+
+        ``state`` is an optional per-stream dict a stateful codec may use to carry
+        information between calls on the same edge (``powersgd`` keeps its warm-start
+        factor there); stateless codecs ignore it, and decoding never needs it.
+        """
+        self._require_wire()
+        return self._encode_with_state(check_input(tensor), state)
 
     def decode(self, payload: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Decode ``payload`` into a tensor of the original ``shape`` and ``dtype``.
 
-        The payload length must equal ``encoded_size(shape, dtype)``; anything else
-        means truncation or corruption, so it is rejected before any decoding.
+        A fixed-size codec's payload must be exactly ``encoded_size(shape, dtype)``
+        bytes and a variable-size codec's at most that; anything else means
+        truncation or corruption, so it is rejected before any decoding.
         """
+        self._require_wire()
         dtype_name(dtype)
         shape = tuple(int(dim) for dim in shape)
         if any(dim < 0 for dim in shape):
             raise CodecError(f"shape {list(shape)} has a negative dimension")
         expected = self.encoded_size(shape, dtype)
-        if len(payload) != expected:
+        if self.variable_size:
+            if len(payload) > expected:
+                raise CodecError(
+                    f"{self.spec} payload for shape {list(shape)} {dtype_name(dtype)} may be at most "
+                    f"{expected} bytes, got {len(payload)}"
+                )
+        elif len(payload) != expected:
             raise CodecError(
                 f"{self.spec} payload for shape {list(shape)} {dtype_name(dtype)} must be "
                 f"{expected} bytes, got {len(payload)}"
             )
         return self._decode(payload, shape, dtype)
 
+    def plan_note(self, shape: Sequence[int], dtype: torch.dtype) -> str:
+        """Why this codec will not use its preferred layout for ``shape`` ("" when it will).
+
+        Low-rank and top-k codecs fall back to their inner codec when their layout
+        would be larger; the note says so (with the break-even rank) so callers can
+        record it instead of guessing why the ratio is worse than expected.
+        """
+        return ""
+
+    def cost_terms(self, shape: Sequence[int], dtype: torch.dtype) -> list[tuple[str, float]]:
+        """Work this codec does on ``shape``, as (component, units) pairs for cost models.
+
+        The codec service calibrates seconds per unit for each component on its own
+        host and predicts a spec's encode/decode time as the sum over its terms; an
+        elementwise codec's unit is one element, a factorisation's is its flop count.
+        """
+        return [(self.spec, float(numel(shape)))]
+
+    def _require_wire(self) -> None:
+        if not self.wire:
+            raise CodecError(
+                f"{self.spec!r} configures a tensor stream and has no byte format of its own; "
+                "use TensorStreamEncoder/TensorStreamDecoder (nebula_common.codec.stream)"
+            )
+
+    def _encode_with_state(self, tensor: torch.Tensor, state: dict[str, object] | None) -> bytes:
+        """Stateful codecs override this; the default ignores ``state``."""
+        return self._encode(tensor)
+
     @abstractmethod
     def encoded_size(self, shape: Sequence[int], dtype: torch.dtype) -> int:
-        """Exact payload size in bytes for a tensor of ``shape`` and ``dtype``."""
+        """Payload size in bytes for ``shape``/``dtype``: exact, or an upper bound if ``variable_size``."""
 
     @abstractmethod
     def _encode(self, tensor: torch.Tensor) -> bytes:

@@ -3,6 +3,9 @@
 ``none`` is the baseline the compression ratios are measured against. ``fp16`` and
 ``bf16`` halve float32 traffic: fp16 keeps more mantissa (about 3 significant
 digits) but has a narrow range, bf16 keeps float32's range with fewer digits.
+
+``fp16(inner)`` / ``bf16(inner)`` store a transform codec's parts in half precision:
+``fp16(svd(0.6))`` is the paper's formula (5), C_FP16(C_SVD(X)).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from nebula_common.codec.base import (
     tensor_to_bytes,
     value_range,
 )
-from nebula_common.codec.registry import register_codec
+from nebula_common.codec.registry import format_spec, register_codec
+from nebula_common.codec.transform import check_inner, wrap_transform
 
 FP16_MAX = torch.finfo(torch.float16).max
 """65504: the largest finite float16, where fp16 saturates."""
@@ -100,6 +104,20 @@ class Bf16Codec(_HalfCodec):
     wire_dtype = torch.bfloat16
 
 
+def _fp16(inner: Codec | None = None) -> Codec:
+    inner = check_inner("fp16", inner)
+    if inner is None:
+        return Fp16Codec()
+    return wrap_transform("fp16", inner, Fp16Codec(), format_spec("fp16", inner.spec))
+
+
+def _bf16(inner: Codec | None = None) -> Codec:
+    inner = check_inner("bf16", inner)
+    if inner is None:
+        return Bf16Codec()
+    return wrap_transform("bf16", inner, Bf16Codec(), format_spec("bf16", inner.spec))
+
+
 register_codec("none", NoneCodec)
-register_codec("fp16", Fp16Codec)
-register_codec("bf16", Bf16Codec)
+register_codec("fp16", _fp16)
+register_codec("bf16", _bf16)

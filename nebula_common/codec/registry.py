@@ -1,16 +1,19 @@
 """Codec spec strings and the open registry that turns them into codecs.
 
-A spec is a small expression, ``name`` or ``name(arg, ...)``, where an argument is
-a number or another spec: ``fp16``, ``topk(0.01)``, ``fp16(svd(0.6))``. It travels
+A spec is a small expression, ``name`` or ``name(arg, ..., key=value, ...)``, where a
+positional argument is a number or another spec and a keyword argument's value is a
+number or a bare word: ``fp16``, ``topk(0.01)``, ``fp16(svd(0.6))``,
+``int8(scale=block,block=64)``. It travels
 in every tensor header, so the parser is strict (a spec must mean exactly one
 thing), bounded (headers come from the network) and canonicalising (``" FP16 "``
 and ``"fp16"`` name the same codec and produce the same header).
 
 Codecs register a factory under a name. The factory is called with the parsed
 arguments: numbers as ``int``/``float`` and nested specs already resolved to
-``Codec`` instances. Arity is checked against the factory's signature before the
-call, so a codec that takes no arguments rejects ``fp16(0.5)`` with a clear error
-instead of silently ignoring the argument.
+``Codec`` instances, keyword arguments as Python keyword arguments. Arity is
+checked against the factory's signature before the call, so a codec that takes
+no arguments rejects ``none(0.5)`` with a clear error instead of silently
+ignoring the argument, and an unknown option is named.
 """
 
 from __future__ import annotations
@@ -40,23 +43,45 @@ _registry: dict[str, CodecFactory] = {}
 _registry_lock = threading.Lock()
 
 
+KwargValue = int | float | str
+"""A keyword argument's value: a number or a bare lower-case word (``scale=row``)."""
+
+
 @dataclass(frozen=True)
 class SpecNode:
-    """One parsed ``name(args...)`` term; ``str()`` gives the canonical spelling."""
+    """One parsed ``name(args..., key=value...)`` term; ``str()`` gives the canonical spelling.
+
+    Keyword arguments are kept sorted by key, so ``int8(block=64,scale=block)`` and
+    ``int8(scale=block, block=64)`` are one spec with one header string.
+    """
 
     name: str
     args: tuple[int | float | SpecNode, ...] = ()
+    kwargs: tuple[tuple[str, KwargValue], ...] = ()
 
     def __str__(self) -> str:
-        if not self.args:
+        if not self.args and not self.kwargs:
             return self.name
-        return f"{self.name}({','.join(_format_arg(arg) for arg in self.args)})"
+        parts = [_format_arg(arg) for arg in self.args]
+        parts += [f"{key}={_format_arg(value)}" for key, value in self.kwargs]
+        return f"{self.name}({','.join(parts)})"
 
 
-def _format_arg(arg: int | float | SpecNode) -> str:
+def _format_arg(arg: int | float | str | SpecNode) -> str:
     # repr() of a float is the shortest string that round-trips, so canonical
     # specs re-parse to the identical tree.
     return repr(arg) if isinstance(arg, float) else str(arg)
+
+
+def format_spec(name: str, *args: int | float | str, **kwargs: KwargValue | None) -> str:
+    """Canonical spelling of ``name(args..., key=value...)``, dropping keyword values that are None.
+
+    Codec classes use this to build their ``spec`` so it always matches what the
+    parser produces for the same arguments (including the sorted keyword order).
+    """
+    positional = tuple(parse_spec(arg) if isinstance(arg, str) else arg for arg in args)
+    keywords = tuple(sorted((k, v) for k, v in kwargs.items() if v is not None))
+    return str(SpecNode(name, positional, keywords))
 
 
 class _Parser:
@@ -96,12 +121,21 @@ class _Parser:
             return SpecNode(name)
         self.pos += 1
         args: list[int | float | SpecNode] = []
+        kwargs: dict[str, KwargValue] = {}
         self.skip_space()
         if self.pos < len(self.text) and self.text[self.pos] == ")":
             # "fp16()" would be a second spelling of "fp16"; a spec must have exactly one.
             raise self.error(f"empty argument list; write {name!r} without parentheses")
         while True:
-            args.append(self.arg(depth))
+            keyword = self.keyword()
+            if keyword is not None:
+                if keyword in kwargs:
+                    raise self.error(f"keyword {keyword!r} given twice to {name}")
+                kwargs[keyword] = self.kwarg_value(keyword)
+            elif kwargs:
+                raise self.error(f"positional argument after keyword arguments of {name}")
+            else:
+                args.append(self.arg(depth))
             self.skip_space()
             if self.pos >= len(self.text):
                 raise self.error(f"missing ')' after arguments of {name}")
@@ -110,14 +144,43 @@ class _Parser:
                 continue
             if self.text[self.pos] == ")":
                 self.pos += 1
-                return SpecNode(name, tuple(args))
+                return SpecNode(name, tuple(args), tuple(sorted(kwargs.items())))
             raise self.error(f"expected ',' or ')' in arguments of {name}, found {self.text[self.pos]!r}")
+
+    def keyword(self) -> str | None:
+        """Consume ``NAME =`` and return NAME if the next argument is a keyword argument."""
+        self.skip_space()
+        match = _NAME_RE.match(self.text, self.pos)
+        if match is None:
+            return None
+        after = match.end()
+        while after < len(self.text) and self.text[after].isspace():
+            after += 1
+        if after >= len(self.text) or self.text[after] != "=":
+            return None
+        self.pos = after + 1
+        return match.group()
+
+    def kwarg_value(self, keyword: str) -> KwargValue:
+        self.skip_space()
+        if _NUMBER_RE.match(self.text, self.pos) is not None:
+            return self.number()
+        match = _NAME_RE.match(self.text, self.pos)
+        if match is None:
+            raise self.error(f"keyword {keyword!r} needs a number or a word")
+        self.pos = match.end()
+        return match.group()
 
     def arg(self, depth: int) -> int | float | SpecNode:
         self.skip_space()
+        if _NUMBER_RE.match(self.text, self.pos) is None:
+            return self.spec(depth + 1)
+        return self.number()
+
+    def number(self) -> int | float:
         match = _NUMBER_RE.match(self.text, self.pos)
         if match is None:
-            return self.spec(depth + 1)
+            raise self.error("expected a number")
         literal = match.group()
         self.pos = match.end()
         if "." not in literal and "e" not in literal:
@@ -179,14 +242,27 @@ def _build(canonical: str) -> Codec:
     # Arity first, so "fp16(svd(0.6))" says fp16 takes no arguments rather than complaining about svd.
     _check_arity(node, factory)
     args = [_build(str(arg)) if isinstance(arg, SpecNode) else arg for arg in node.args]
-    codec = factory(*args)
+    codec = factory(*args, **dict(node.kwargs))
     if not isinstance(codec, Codec):
         raise CodecError(f"factory for codec {node.name!r} returned {type(codec).__name__}, not a Codec")
     if codec.spec != str(node):
-        # The header carries codec.spec; if it did not re-parse to this codec, the
-        # receiver would decode with something other than what the sender used.
-        raise CodecError(f"codec {node.name!r} reports spec {codec.spec!r} but was built from {str(node)!r}")
+        # A codec may shorten its spec (drop default keywords: "int8(scale=tensor)" is
+        # "int8"), but the header carries codec.spec, so it must re-parse to a codec
+        # with that very spec; otherwise the receiver would decode with something
+        # other than what the sender used.
+        reported = _reparse(codec.spec)
+        if reported is None or reported.name != node.name or _build(codec.spec).spec != codec.spec:
+            raise CodecError(
+                f"codec {node.name!r} reports spec {codec.spec!r} but was built from {str(node)!r}"
+            )
     return codec
+
+
+def _reparse(spec: object) -> SpecNode | None:
+    try:
+        return parse_spec(spec)  # type: ignore[arg-type]
+    except CodecError:
+        return None
 
 
 def _check_arity(node: SpecNode, factory: CodecFactory) -> None:
@@ -195,11 +271,16 @@ def _check_arity(node: SpecNode, factory: CodecFactory) -> None:
     except (TypeError, ValueError):
         return  # Builtins without a signature validate their own arguments.
     try:
-        signature.bind(*node.args)
+        signature.bind(*node.args, **dict(node.kwargs))
     except TypeError:
         params = [p.name for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
         if not params:
             raise CodecError(f"{node.name} takes no arguments, got {str(node)!r}") from None
+        unknown = [key for key, _ in node.kwargs if key not in params]
+        if unknown:
+            raise CodecError(
+                f"{node.name} has no option {unknown[0]!r} (options: {', '.join(params)}) in {str(node)!r}"
+            ) from None
         raise CodecError(
             f"{node.name} takes arguments ({', '.join(params)}), got {len(node.args)} in {str(node)!r}"
         ) from None

@@ -9,6 +9,7 @@ error, never as a crash in torch or numpy and never as a silently wrong tensor.
 
 from __future__ import annotations
 
+import struct
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,42 @@ MAX_PAYLOAD_BYTES = MAX_ELEMENTS * 8
 HEADER_FIELDS = frozenset({"job_id", "edge", "direction", "step", "micro_batch", "frame_id"})
 """Routing fields callers may set through ``encode_tensor``; the rest are derived from the tensor."""
 
+CHECKSUM_VERSION = 1
+"""``TensorHeader.checksum_version`` this library writes and requires: the CRC-32 covers the
+decode-relevant header fields as well as the payload (``header_checksum``). Version 0 (the
+payload-only CRC of earlier releases) let a header edited from shape [4,4] to [2,8], or from
+float16 to bfloat16, decode silently wrong, so it is refused."""
+
+_CHECKSUM_DOMAIN = b"nebula.v1.TensorHeader/crc1\0"
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+
+
+def header_checksum(header: tensor_pb2.TensorHeader, payload: bytes | memoryview) -> int:
+    """CRC-32 over the decode-relevant header fields, then the payload (checksum_version 1).
+
+    Covered, in this order and encoding: a domain tag; dtype and codec as UTF-8, each
+    NUL-terminated; the number of dimensions and each dimension (little-endian
+    int64); payload_size and raw_size (little-endian uint64); delta (one byte) and
+    delta_base_checksum (uint64). Routing fields (job, edge, direction, step,
+    micro-batch, frame id) are not covered: the receiver checks them against its
+    schedule, and switches may rely on them without recomputing the CRC.
+    """
+    meta = b"".join(
+        [
+            _CHECKSUM_DOMAIN,
+            header.dtype.encode() + b"\0",
+            header.codec.encode() + b"\0",
+            _U64.pack(len(header.shape)),
+            b"".join(_I64.pack(dim) for dim in header.shape),
+            _U64.pack(header.payload_size),
+            _U64.pack(header.raw_size),
+            b"\1" if header.delta else b"\0",
+            _U64.pack(header.delta_base_checksum),
+        ]
+    )
+    return zlib.crc32(payload, zlib.crc32(meta))
+
 
 class WireFormatError(CodecError):
     """A header, payload or frame sequence is malformed; the message names the field."""
@@ -55,14 +92,32 @@ class EncodedTensor:
 
     header: tensor_pb2.TensorHeader
     payload: bytes
+    note: str = ""
+    """Why the codec did not use its preferred layout (e.g. low rank fell back to its inner codec)."""
+
+    @property
+    def ratio(self) -> float:
+        """Encoded bytes / raw bytes (0.25 for int8 of float32); 0 for an empty tensor."""
+        raw = self.header.raw_size
+        return self.header.payload_size / raw if raw else 0.0
 
 
-def encode_tensor(tensor: torch.Tensor, spec: str, **header_fields: Any) -> EncodedTensor:
+def encode_tensor(
+    tensor: torch.Tensor,
+    spec: str,
+    *,
+    state: dict[str, object] | None = None,
+    delta_base_checksum: int | None = None,
+    **header_fields: Any,
+) -> EncodedTensor:
     """Encode ``tensor`` with the codec ``spec`` and build its header.
 
     dtype, shape, codec (canonical spec), payload_size, checksum and raw_size are
     derived here so they cannot disagree with the payload; routing fields (job_id,
     edge, direction, step, micro_batch, frame_id) come from ``header_fields``.
+    ``state`` is the per-stream codec state (see ``Codec.encode``);
+    ``delta_base_checksum`` marks the payload as a difference from the receiver's
+    per-sample cache whose CRC-32 it is (set by ``TensorStreamEncoder``).
     """
     unknown = set(header_fields) - HEADER_FIELDS
     if unknown:
@@ -71,27 +126,30 @@ def encode_tensor(tensor: torch.Tensor, spec: str, **header_fields: Any) -> Enco
         )
     codec = get_codec(spec)
     tensor = check_input(tensor)
-    payload = codec.encode(tensor)
+    payload = codec.encode(tensor, state)
     shape = tuple(tensor.shape)
-    expected = codec.encoded_size(shape, tensor.dtype)
-    if len(payload) != expected:
+    bound = codec.encoded_size(shape, tensor.dtype)
+    if len(payload) > bound or (not codec.variable_size and len(payload) != bound):
         # A codec whose size prediction is wrong would have every receiver reject its frames.
-        raise CodecError(
-            f"codec {codec.spec} produced {len(payload)} bytes but its encoded_size is {expected}"
-        )
+        kind = "upper bound" if codec.variable_size else "encoded_size"
+        raise CodecError(f"codec {codec.spec} produced {len(payload)} bytes but its {kind} is {bound}")
     header = tensor_pb2.TensorHeader(
         dtype=dtype_name(tensor.dtype),
         shape=shape,
         codec=codec.spec,
         payload_size=len(payload),
-        checksum=zlib.crc32(payload),
         raw_size=tensor.numel() * tensor.element_size(),
+        checksum_version=CHECKSUM_VERSION,
+        delta=delta_base_checksum is not None,
+        delta_base_checksum=delta_base_checksum or 0,
         **header_fields,
     )
-    return EncodedTensor(header=header, payload=payload)
+    header.checksum = header_checksum(header, payload)
+    return EncodedTensor(header=header, payload=payload, note=codec.plan_note(shape, tensor.dtype))
 
 
-def _validate_shape(shape: Sequence[int], field: str = "shape") -> tuple[int, ...]:
+def validate_shape(shape: Sequence[int], field: str = "shape") -> tuple[int, ...]:
+    """Check a declared shape against the wire limits (dims, sign, element count); names ``field``."""
     dims = tuple(int(dim) for dim in shape)
     if len(dims) > MAX_DIMS:
         raise WireFormatError(f"{field}: {len(dims)} dimensions, more than the {MAX_DIMS} allowed")
@@ -104,7 +162,8 @@ def _validate_shape(shape: Sequence[int], field: str = "shape") -> tuple[int, ..
     return dims
 
 
-def _validate_dtype(name: str, field: str = "dtype") -> torch.dtype:
+def validate_dtype(name: str, field: str = "dtype") -> torch.dtype:
+    """Resolve a declared dtype name, as a WireFormatError naming ``field`` when unsupported."""
     try:
         return dtype_from_name(name)
     except CodecError as exc:
@@ -117,12 +176,22 @@ def decode_tensor(header: tensor_pb2.TensorHeader, payload: bytes) -> torch.Tens
     Checks run cheapest first and the checksum last, so a corrupt header is
     reported as such rather than as a checksum mismatch.
     """
-    dtype = _validate_dtype(header.dtype)
-    shape = _validate_shape(header.shape)
+    if header.checksum_version != CHECKSUM_VERSION:
+        raise WireFormatError(
+            f"checksum_version: header has {header.checksum_version} but this receiver requires "
+            f"{CHECKSUM_VERSION} (a CRC that also covers dtype, shape, codec and sizes)"
+        )
+    dtype = validate_dtype(header.dtype)
+    shape = validate_shape(header.shape)
     try:
         codec = get_codec(header.codec)
     except CodecError as exc:
         raise WireFormatError(f"codec: {exc}") from None
+    if not codec.wire:
+        raise WireFormatError(
+            f"codec: {codec.spec!r} configures a stream and never names a payload format; the sender "
+            "must put the wire codec in the header"
+        )
     raw_size = numel(shape) * element_size(dtype)
     if header.raw_size != raw_size:
         raise WireFormatError(
@@ -133,21 +202,37 @@ def decode_tensor(header: tensor_pb2.TensorHeader, payload: bytes) -> torch.Tens
         raise WireFormatError(
             f"payload_size: header says {header.payload_size} bytes but the payload has {len(payload)}"
         )
-    expected = codec.encoded_size(shape, dtype)
-    if header.payload_size != expected:
+    try:
+        expected = codec.encoded_size(shape, dtype)
+    except CodecError as exc:
+        raise WireFormatError(f"codec: {exc}") from None
+    if codec.variable_size:
+        if header.payload_size > expected:
+            raise WireFormatError(
+                f"payload_size: header says {header.payload_size} bytes but codec {codec.spec} encodes "
+                f"shape {list(shape)} of {header.dtype} in at most {expected}"
+            )
+    elif header.payload_size != expected:
         raise WireFormatError(
             f"payload_size: header says {header.payload_size} bytes but codec {codec.spec} encodes "
             f"shape {list(shape)} of {header.dtype} in {expected}"
         )
-    checksum = zlib.crc32(payload)
+    if not header.delta and header.delta_base_checksum:
+        raise WireFormatError("delta_base_checksum: set on a frame whose delta flag is false")
+    checksum = header_checksum(header, payload)
     if checksum != header.checksum:
         raise WireFormatError(
-            f"checksum: payload CRC-32 is {checksum:#010x} but header says {header.checksum:#010x}"
+            f"checksum: CRC-32 of header fields and payload is {checksum:#010x} but header says "
+            f"{header.checksum:#010x} (payload or a decode-relevant header field was altered)"
         )
     try:
         return codec.decode(payload, shape, dtype)
     except CodecError as exc:
         raise WireFormatError(f"payload: {exc}") from None
+    except (RuntimeError, ValueError, IndexError, OverflowError) as exc:
+        # Codecs validate their payloads explicitly; this net turns anything they
+        # missed into the same named error instead of a crash in numpy or torch.
+        raise WireFormatError(f"payload: {codec.spec} payload is inconsistent: {exc}") from None
 
 
 def to_frames(
@@ -277,8 +362,8 @@ def raw_to_tensor(dtype: str, shape: Sequence[int], data: bytes) -> torch.Tensor
     the same limits as headers so an oversized or inconsistent request is rejected
     before anything is allocated.
     """
-    torch_dtype = _validate_dtype(dtype, "tensor.dtype")
-    dims = _validate_shape(shape, "tensor.shape")
+    torch_dtype = validate_dtype(dtype, "tensor.dtype")
+    dims = validate_shape(shape, "tensor.shape")
     expected = numel(dims) * element_size(torch_dtype)
     if len(data) != expected:
         raise WireFormatError(

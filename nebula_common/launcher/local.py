@@ -8,6 +8,9 @@ under mutual TLS. The layout of the run directory:
     <run>/pki/...              CAs, switch certificates, trust bundles
     <run>/<cluster>/auth/      the auth service's SQLite and signing key
     <run>/<cluster>/admin-password   bootstrap admin password (0600)
+    <run>/<cluster>/switch/    the switch's audit log, seal and audit key
+    <run>/<cluster>/data/      the data service: accounts/<owner>/{datasets,inbox}, audit log
+    <run>/<cluster>/trainer/   the trainer's data dir (stage checkpoints)
     <run>/logs/<svc>-<cluster>.log   JSON logs of each process
 """
 
@@ -53,9 +56,10 @@ class ClusterProcesses:
     codec: ServiceProcess | None = None
     switch: ServiceProcess | None = None
     trainer: ServiceProcess | None = None
+    data: ServiceProcess | None = None
 
     def processes(self) -> list[ServiceProcess]:
-        return [p for p in (self.auth, self.codec, self.switch, self.trainer) if p is not None]
+        return [p for p in (self.auth, self.codec, self.data, self.switch, self.trainer) if p is not None]
 
 
 @dataclass
@@ -151,6 +155,20 @@ class LocalDeployment:
         )
         wait_healthy(self.address(state.auth), "nebula.v1.Auth")
         wait_healthy(self.address(state.codec), "nebula.v1.Codec")
+        # The data service fetches its token keys from auth at start-up, so it follows auth.
+        state.data = self._launch(
+            f"data-{cluster}",
+            "services.data.server",
+            "NEBULA_DATA_",
+            {
+                **common,
+                "CLUSTER_ID": cluster,
+                "LISTEN": f"{LOOPBACK}:0",
+                "AUTH_ADDRESS": self.address(state.auth),
+                "DATA_DIR": str(cluster_dir / "data"),
+            },
+        )
+        wait_healthy(self.address(state.data), "nebula.v1.Data")
 
     def _start_switch(self, cluster: str, layout: Any, peer_address: str | None) -> None:
         peer = next(c for c in self.clusters if c != cluster)
@@ -166,6 +184,11 @@ class LocalDeployment:
             "TLS_KEY": str(paths.switch_key),
             "TRUST_BUNDLE": str(paths.trust_bundle),
             "AUTH_ADDRESS": self.address(state.auth),
+            "DATA_DIR": str(self.run_dir / cluster / "switch"),
+            "PEER_CRL": str(paths.trust_crl(peer)),
+            # Dev PKI on one machine: the switch may renew itself from its CA before expiry.
+            "CA_CERT": str(paths.ca_cert),
+            "CA_KEY": str(paths.ca_key),
         }
         if peer_address is not None:
             env["PEER_ADDRESS"] = peer_address
@@ -184,6 +207,7 @@ class LocalDeployment:
                 "LISTEN": f"{LOOPBACK}:0",
                 "SWITCH_ADDRESS": f"{LOOPBACK}:{state.switch.info['internal_port']}",  # type: ignore[union-attr]
                 "AUTH_ADDRESS": self.address(state.auth),
+                "DATA_DIR": str(self.run_dir / cluster / "trainer"),
             },
         )
         wait_healthy(self.address(state.trainer), "nebula.v1.Trainer")
@@ -219,6 +243,10 @@ class LocalDeployment:
             raise LocalDeploymentError("service not started")
         return f"{LOOPBACK}:{process.info['grpc_port']}"
 
+    def data_address(self, cluster: str) -> str:
+        """host:port of ``cluster``'s data service (datasets, grants, ReadBatch)."""
+        return self.address(self.cluster_state[cluster].data)
+
     def endpoints(self, cluster: str) -> ClusterEndpoints:
         state = self.cluster_state[cluster]
         metrics = {
@@ -232,6 +260,7 @@ class LocalDeployment:
             trainer=self.address(state.trainer),
             switch=f"{LOOPBACK}:{state.switch.info['internal_port']}",  # type: ignore[union-attr]
             metrics=metrics,
+            codec=self.address(state.codec),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -263,7 +292,7 @@ class LocalDeployment:
             order += [getattr(s, attr) for s in self.cluster_state.values() if getattr(s, attr) is not None]
         if self.emulator is not None:
             order.append(self.emulator)
-        for attr in ("codec", "auth"):
+        for attr in ("data", "codec", "auth"):
             order += [getattr(s, attr) for s in self.cluster_state.values() if getattr(s, attr) is not None]
         for process in order:
             process.stop()

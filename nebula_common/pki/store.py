@@ -8,6 +8,9 @@ Layout under a PKI root::
     <root>/<cluster>/switch.key          PEM PKCS#8 leaf key (0600)
     <root>/<cluster>/trust/<peer>.crt    a peer cluster's CA, trusted on the WAN
     <root>/<cluster>/trust-bundle.pem    all trust/*.crt concatenated (gRPC root_certificates)
+    <root>/<cluster>/crl.pem             CRL signed by this cluster's CA (``nebula pki revoke``)
+    <root>/<cluster>/trust/<peer>.crl.pem    the peer CA's CRL, loaded by this cluster's switch
+    <root>/<cluster>/audit/              audit log of CA operations (issue, renew, revoke)
 
 A cluster never trusts its own CA on the WAN: only the peer's switch should be able to connect,
 and a cluster-local certificate has no business on the inter-cluster link.
@@ -42,8 +45,12 @@ __all__ = [
     "PkiError",
     "PkiLayout",
     "add_trust",
+    "atomic_write",
     "init_pki",
+    "issue_leaf",
     "load_layout",
+    "renew_switch_certificate",
+    "revoke_certificate",
 ]
 
 _KEY_MODE = 0o600
@@ -67,6 +74,8 @@ class ClusterPaths:
     switch_key: Path
     trust_dir: Path
     trust_bundle: Path
+    crl: Path
+    audit_dir: Path
 
     @classmethod
     def for_cluster(cls, root: Path, cluster_id: str) -> ClusterPaths:
@@ -82,6 +91,8 @@ class ClusterPaths:
             switch_key=base / "switch.key",
             trust_dir=base / "trust",
             trust_bundle=base / "trust-bundle.pem",
+            crl=base / "crl.pem",
+            audit_dir=base / "audit",
         )
 
     @property
@@ -92,6 +103,10 @@ class ClusterPaths:
     def trust_cert(self, peer_cluster_id: str) -> Path:
         """Where the CA of ``peer_cluster_id`` is stored when this cluster trusts it."""
         return self.trust_dir / f"{validate_cluster_id(peer_cluster_id)}.crt"
+
+    def trust_crl(self, peer_cluster_id: str) -> Path:
+        """Where the CRL of ``peer_cluster_id``'s CA is kept for this cluster's switch to load."""
+        return self.trust_dir / f"{validate_cluster_id(peer_cluster_id)}.crl.pem"
 
     def required_files(self, peers: Iterable[str]) -> list[Path]:
         """Every file that must exist for this cluster's PKI to be complete, given its peers."""
@@ -163,6 +178,11 @@ def _atomic_write(path: Path, data: bytes, *, mode: int) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+def atomic_write(path: Path, data: bytes, *, mode: int) -> None:
+    """Public name of the crash-safe writer, for other security state (CRLs, audit seals, keys)."""
+    _atomic_write(path, data, mode=mode)
 
 
 def _cert_pem(cert: x509.Certificate) -> bytes:
@@ -391,6 +411,8 @@ def _init_locked(root: Path, ids: tuple[str, ...], *, leaf_validity: timedelta, 
                         f"{cert.not_valid_after_utc.isoformat()}; rerun with force=True "
                         "(nebula pki init --force) to regenerate the PKI"
                     )
+            for cid in ids:
+                _ensure_crl(loaded, cid)
             return loaded
 
     # Generate everything in memory first so a failure (e.g. bad input) writes nothing.
@@ -421,6 +443,13 @@ def _init_locked(root: Path, ids: tuple[str, ...], *, leaf_validity: timedelta, 
 
     loaded = load_layout(root, ids)
     loaded.created = True
+    for cid in ids:
+        paths = loaded.cluster(cid)
+        # A regenerated CA starts with an empty revocation list, published to every peer.
+        paths.crl.unlink(missing_ok=True)
+        _ensure_crl(loaded, cid)
+        leaf = _read_cert(paths.switch_cert)
+        _audit_ca(paths, "cert.issue", leaf, detail={"by": "pki init"})
     return loaded
 
 
@@ -462,3 +491,135 @@ def add_trust(root: Path, cluster_id: str, peer_cluster_id: str, peer_ca_pem: by
         _atomic_write(target, _cert_pem(peer_ca), mode=_CERT_MODE)
         _write_bundle(paths)
     return target
+
+
+# --------------------------------------------------------------------------------------------------
+# Revocation, renewal and further leaves
+
+
+def _audit_ca(paths: ClusterPaths, event: str, cert: x509.Certificate, *, detail: dict[str, object]) -> None:
+    """Record a CA operation in ``<cluster>/audit/audit.log`` (sealed at once: CA operations are rare)."""
+    from nebula_common.audit import open_service_audit  # the audit package imports this module
+
+    try:
+        identity = identity_from_certificate(cert).uri
+    except ValueError:
+        identity = ""
+    with open_service_audit(paths.audit_dir, service="pki", cluster=paths.cluster_id, seal_every=1) as audit:
+        audit.append(
+            event,
+            details={
+                "serial": f"{cert.serial_number:x}",
+                "identity": identity,
+                "not_after": cert.not_valid_after_utc.isoformat(),
+                **detail,
+            },
+        )
+
+
+def _publish_crl(root: Path, cluster_id: str, pem: bytes) -> list[Path]:
+    """Copy ``cluster_id``'s CRL next to its CA in every other cluster of ``root`` that trusts it."""
+    own_ca = _fingerprint(_read_cert(ClusterPaths.for_cluster(root, cluster_id).ca_cert))
+    written = []
+    for other in sorted(p for p in root.iterdir() if p.is_dir() and p.name != cluster_id):
+        try:
+            peer_paths = ClusterPaths.for_cluster(root, other.name)
+        except ValueError:
+            continue
+        trusted = peer_paths.trust_cert(cluster_id)
+        if trusted.is_file() and _fingerprint(_read_cert(trusted)) == own_ca:
+            _atomic_write(peer_paths.trust_crl(cluster_id), pem, mode=_CERT_MODE)
+            written.append(peer_paths.trust_crl(cluster_id))
+    return written
+
+
+def _ensure_crl(layout: PkiLayout, cluster_id: str) -> None:
+    """Give a cluster an (empty) CRL if it has none yet, and make sure its peers hold a copy."""
+    from nebula_common.pki.crl import build_crl
+
+    paths = layout.cluster(cluster_id)
+    if not paths.crl.is_file():
+        crl = build_crl(_read_cert(paths.ca_cert), _read_key(paths.ca_key), {}, number=1)
+        _atomic_write(paths.crl, crl.public_bytes(serialization.Encoding.PEM), mode=_CERT_MODE)
+    pem = paths.crl.read_bytes()
+    for peer in layout.cluster_ids:
+        if peer == cluster_id:
+            continue
+        copy = layout.cluster(peer).trust_crl(cluster_id)
+        if not copy.is_file() or copy.read_bytes() != pem:
+            _atomic_write(copy, pem, mode=_CERT_MODE)
+
+
+def revoke_certificate(root: Path, cluster_id: str, serial: int, *, reason: str = "") -> list[Path]:
+    """Add ``serial`` (a certificate issued by ``cluster_id``'s CA) to that CA's CRL and publish it.
+
+    Returns the files written: the cluster's own ``crl.pem`` and each peer's ``trust/<id>.crl.pem``
+    (the copy the peer's switch loads within about a second). Revoking twice is harmless.
+    """
+    from nebula_common.pki.crl import build_crl, crl_entries, crl_number
+
+    if serial <= 0:
+        raise PkiError(f"certificate serial must be a positive integer, got {serial}")
+    root = Path(root)
+    paths = ClusterPaths.for_cluster(root, cluster_id)
+    with _exclusive(root):
+        ca_cert, ca_key = _read_cert(paths.ca_cert), _read_key(paths.ca_key)
+        entries: dict[int, datetime] = {}
+        number = 1
+        if paths.crl.is_file():
+            try:
+                existing = x509.load_pem_x509_crl(paths.crl.read_bytes())
+            except ValueError as exc:
+                raise PkiError(f"{paths.crl} is not a PEM CRL: {exc}") from exc
+            entries, number = crl_entries(existing), crl_number(existing) + 1
+        entries.setdefault(serial, datetime.now(UTC))
+        pem = build_crl(ca_cert, ca_key, entries, number=number).public_bytes(serialization.Encoding.PEM)
+        _atomic_write(paths.crl, pem, mode=_CERT_MODE)
+        written = [paths.crl, *_publish_crl(root, cluster_id, pem)]
+        with contextlib.suppress(OSError):
+            from nebula_common.audit import open_service_audit
+
+            with open_service_audit(
+                paths.audit_dir, service="pki", cluster=cluster_id, seal_every=1
+            ) as audit:
+                audit.append(
+                    "cert.revoke",
+                    details={"serial": f"{serial:x}", "reason": reason, "crl_number": number},
+                )
+    return written
+
+
+def renew_switch_certificate(root: Path, cluster_id: str, *, validity: timedelta) -> x509.Certificate:
+    """Issue ``cluster_id``'s switch a fresh key and certificate (a running switch hot-reloads them).
+
+    The key is written before the certificate; a switch that reads between the two writes sees a
+    key that does not match the certificate, rejects the pair and retries, so it never serves a
+    mismatched pair.
+    """
+    _require_positive_validity(validity)
+    root = Path(root)
+    paths = ClusterPaths.for_cluster(root, cluster_id)
+    with _exclusive(root):
+        ca_cert, ca_key = _read_cert(paths.ca_cert), _read_key(paths.ca_key)
+        cert, key = issue_certificate(ca_cert, ca_key, paths.switch_identity, validity=validity)
+        _atomic_write(paths.switch_key, _key_pem(key), mode=_KEY_MODE)
+        _atomic_write(paths.switch_cert, _cert_pem(cert), mode=_CERT_MODE)
+        _audit_ca(paths, "cert.renew", cert, detail={"by": "nebula pki renew"})
+    return cert
+
+
+def issue_leaf(
+    root: Path, cluster_id: str, role: str, out_dir: Path, *, validity: timedelta = DEFAULT_LEAF_VALIDITY
+) -> tuple[Path, Path]:
+    """Issue a service or operator certificate of ``cluster_id`` into ``out_dir``; (cert, key) paths."""
+    _require_positive_validity(validity)
+    identity = Identity(cluster_id, role)
+    paths = ClusterPaths.for_cluster(Path(root), cluster_id)
+    ca_cert, ca_key = _read_cert(paths.ca_cert), _read_key(paths.ca_key)
+    cert, key = issue_certificate(ca_cert, ca_key, identity, validity=validity)
+    out_dir = Path(out_dir)
+    cert_path, key_path = out_dir / f"{role}.crt", out_dir / f"{role}.key"
+    _atomic_write(key_path, _key_pem(key), mode=_KEY_MODE)
+    _atomic_write(cert_path, _cert_pem(cert), mode=_CERT_MODE)
+    _audit_ca(paths, "cert.issue", cert, detail={"by": "nebula pki issue", "role": role})
+    return cert_path, key_path

@@ -42,6 +42,8 @@ _ERRORS: dict[grpc.StatusCode, type[NebulaError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
     grpc.StatusCode.ALREADY_EXISTS: AccountExistsError,
     grpc.StatusCode.UNAVAILABLE: ServiceUnavailableError,
+    grpc.StatusCode.NOT_FOUND: InvalidRequestError,
+    grpc.StatusCode.FAILED_PRECONDITION: InvalidRequestError,
     grpc.StatusCode.DEADLINE_EXCEEDED: ServiceUnavailableError,
 }
 
@@ -59,6 +61,20 @@ class AccountInfo:
     role: str
     cluster_id: str
     created_at: int
+    disabled: bool = False
+    locked_until: int = 0
+    """Seconds since the Unix epoch while locked after failed logins; 0 otherwise."""
+
+    @classmethod
+    def from_proto(cls, reply: auth_pb2.Account) -> AccountInfo:
+        return cls(
+            username=reply.username,
+            role=reply.role,
+            cluster_id=reply.cluster_id,
+            created_at=reply.created_at,
+            disabled=reply.disabled,
+            locked_until=reply.locked_until,
+        )
 
 
 @dataclass(frozen=True)
@@ -98,9 +114,56 @@ class AuthClient:
                 request, metadata=bearer_metadata(admin_token), timeout=self._timeout
             )
         )
-        return AccountInfo(
-            username=reply.username, role=reply.role, cluster_id=reply.cluster_id, created_at=reply.created_at
+        return AccountInfo.from_proto(reply)
+
+    def list_accounts(self, admin_token: str) -> list[AccountInfo]:
+        reply = self._call(
+            lambda: self._stub.ListAccounts(
+                auth_pb2.ListAccountsRequest(), metadata=bearer_metadata(admin_token), timeout=self._timeout
+            )
         )
+        return [AccountInfo.from_proto(a) for a in reply.accounts]
+
+    def disable_account(self, admin_token: str, username: str) -> AccountInfo:
+        ref = auth_pb2.AccountRef(username=username)
+        meta = bearer_metadata(admin_token)
+        return AccountInfo.from_proto(
+            self._call(lambda: self._stub.DisableAccount(ref, metadata=meta, timeout=self._timeout))
+        )
+
+    def enable_account(self, admin_token: str, username: str) -> AccountInfo:
+        ref = auth_pb2.AccountRef(username=username)
+        meta = bearer_metadata(admin_token)
+        return AccountInfo.from_proto(
+            self._call(lambda: self._stub.EnableAccount(ref, metadata=meta, timeout=self._timeout))
+        )
+
+    def delete_account(self, admin_token: str, username: str) -> None:
+        ref = auth_pb2.AccountRef(username=username)
+        meta = bearer_metadata(admin_token)
+        self._call(lambda: self._stub.DeleteAccount(ref, metadata=meta, timeout=self._timeout))
+
+    def change_password(
+        self, token: str, username: str, new_password: str, current_password: str = ""
+    ) -> AccountInfo:
+        """Own password (give ``current_password``) or, with an admin token, anyone's."""
+        request = auth_pb2.ChangePasswordRequest(
+            username=username, current_password=current_password, new_password=new_password
+        )
+        meta = bearer_metadata(token)
+        return AccountInfo.from_proto(
+            self._call(lambda: self._stub.ChangePassword(request, metadata=meta, timeout=self._timeout))
+        )
+
+    def rotate_signing_key(self, admin_token: str) -> tuple[str, str]:
+        """(old kid, new kid); the old key stays published for one token lifetime."""
+        meta = bearer_metadata(admin_token)
+        reply = self._call(
+            lambda: self._stub.RotateSigningKey(
+                auth_pb2.RotateSigningKeyRequest(), metadata=meta, timeout=self._timeout
+            )
+        )
+        return reply.old_kid, reply.new_kid
 
     def verify(self, token: str) -> TokenStatus:
         """Ask the service about ``token``; services that can should verify locally with TokenVerifier."""

@@ -11,14 +11,18 @@ import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
+from nebula_common.codec import CodecError
+from nebula_common.codec.advice_client import AdviceUnavailableError
 from nebula_common.errors import AuthenticationError, InvalidRequestError, NebulaError, PermissionDeniedError
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from nebula_common.rpc import bearer_metadata, insecure_channel
 from nebula_common.sdk.auth_client import AuthClient
-from nebula_common.sdk.jobs import AbnetJob
+from nebula_common.sdk.codec_advice import LinkProfile, needs_advice, resolve_auto_codecs
+from nebula_common.sdk.jobs import ProgramJob
 
 _STATUS_ERRORS: dict[grpc.StatusCode, type[NebulaError]] = {
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
@@ -46,6 +50,7 @@ class ClusterEndpoints:
     trainer: str
     switch: str
     metrics: dict[str, str] = field(default_factory=dict)
+    codec: str = ""
 
 
 class ClusterSession:
@@ -65,6 +70,11 @@ class ClusterSession:
         with AuthClient(endpoints.auth) as auth:
             result = auth.login(username, password)
         return cls(endpoints, result.token, username)
+
+    @property
+    def token(self) -> str:
+        """This cluster's token for this account (never sent to any other cluster)."""
+        return self._token
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -95,6 +105,21 @@ class ClusterSession:
         except grpc.RpcError as exc:
             _raise_for(exc, f"cancelling job {job_id} on cluster {self.endpoints.cluster_id}")
 
+    def list_checkpoints(self, job_id: str, stage: str) -> list[int]:
+        """Steps at which this cluster holds a checkpoint of ``stage`` of ``job_id`` ([] if none)."""
+        try:
+            response = self.trainer.ListCheckpoints(
+                trainer_pb2.ListCheckpointsRequest(job_id=job_id, stage=stage),
+                metadata=self.metadata,
+                timeout=10,
+            )
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return []
+            _raise_for(exc, f"listing checkpoints on cluster {self.endpoints.cluster_id}")
+            raise
+        return list(response.steps)
+
     def link_status(self) -> relay_pb2.LinkStatus:
         try:
             return self.relay.GetLinkStatus(
@@ -115,10 +140,20 @@ class StageUpdate:
     status: trainer_pb2.StageStatus
 
 
+class SubmittedJob(Protocol):
+    """What a handle needs of a job: any job model (AbnetJob, ProgramJob) has these."""
+
+    @property
+    def job_id(self) -> str: ...
+
+    @property
+    def steps(self) -> int: ...
+
+
 class JobHandle:
     """A submitted split job; iterate ``updates()`` for live status from both clusters."""
 
-    def __init__(self, job: AbnetJob, stages: dict[str, ClusterSession]) -> None:
+    def __init__(self, job: SubmittedJob, stages: dict[str, ClusterSession]) -> None:
         self.job = job
         self.stages = stages
         self.final: dict[str, trainer_pb2.StageStatus] = {}
@@ -159,7 +194,7 @@ class JobHandle:
             session.cancel(self.job.job_id)
 
 
-def submit_abnet(job: AbnetJob, source: ClusterSession, target: ClusterSession) -> JobHandle:
+def submit_abnet(job: SubmittedJob, source: ClusterSession, target: ClusterSession) -> JobHandle:
     """Start the encoder stage in ``source`` and the decoder stage in ``target``.
 
     If the target cluster refuses, the already-started source stage is cancelled
@@ -172,3 +207,52 @@ def submit_abnet(job: AbnetJob, source: ClusterSession, target: ClusterSession) 
         source.cancel(job.job_id)
         raise
     return JobHandle(job, {"encoder": source, "decoder": target})
+
+
+def submit_job(
+    job: ProgramJob, sessions: dict[str, ClusterSession], link: LinkProfile | None = None
+) -> JobHandle:
+    """Start every stage of a program job in its cluster, upstream first, each with that cluster's token.
+
+    ``sessions`` maps cluster id -> a logged-in session of that cluster. If any
+    cluster refuses its stage, the stages already started are cancelled. A codec
+    of `auto` is resolved first, once, by the source cluster's codec service for
+    ``link`` (see ``codec_advice``), so both clusters get the same concrete codecs.
+    """
+    clusters = job.clusters()
+    missing = sorted(set(clusters.values()) - set(sessions))
+    if missing:
+        raise InvalidRequestError(f"no session for cluster(s) {', '.join(missing)} named in the job spec")
+    if needs_advice(job):
+        source = sessions[next(iter(clusters.values()))]
+        if link is None or not source.endpoints.codec:
+            raise InvalidRequestError(
+                "codec 'auto' needs the link's bandwidth and RTT and the source cluster's codec service "
+                "address to ask for advice"
+            )
+        try:
+            resolve_auto_codecs(job, source.endpoints.codec, link, token=source.token)
+        except (CodecError, AdviceUnavailableError) as exc:
+            raise NebulaError(f"codec advice failed: {exc}") from exc
+    started: list[ClusterSession] = []
+    stages: dict[str, ClusterSession] = {}
+    for stage, cluster in clusters.items():
+        session = sessions[cluster]
+        try:
+            session.assign(job.stage_spec(stage))
+        except NebulaError:
+            for done in started:
+                done.cancel(job.job_id)
+            raise
+        started.append(session)
+        stages[stage] = session
+    return JobHandle(job, stages)
+
+
+def common_checkpoint_step(job_id: str, stages: dict[str, ClusterSession]) -> int | None:
+    """The latest step at which every cluster holds its stage's checkpoint (None if there is none)."""
+    common: set[int] | None = None
+    for stage, session in stages.items():
+        held = set(session.list_checkpoints(job_id, stage))
+        common = held if common is None else common & held
+    return max(common) if common else None

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import re
 import uuid
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from nebula_common.codec import CodecError, get_codec
+from nebula_common.codec import CodecError, canonical_spec
+from nebula_common.jobspec import LoadedJob
 from nebula_common.proto.nebula.v1 import trainer_pb2
 
 
@@ -34,7 +37,7 @@ class AbnetJob(BaseModel):
     @classmethod
     def _known_codec(cls, value: str) -> str:
         try:
-            return get_codec(value).spec
+            return canonical_spec(value)  # wire codecs, ef/delta/start options, or "auto"
         except CodecError as exc:
             raise ValueError(str(exc)) from exc
 
@@ -65,5 +68,96 @@ class AbnetJob(BaseModel):
                 micro_batches=self.micro_batches,
                 learning_rate=self.learning_rate,
                 seed=self.seed,
+            ),
+        )
+
+
+class ProgramJob:
+    """A user program job (YAML spec + one module per stage), ready to be split into stage specs.
+
+    Each stage's spec carries only that stage's module source and options, so a
+    cluster never receives, imports or holds another cluster's stage.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedJob,
+        job_id: str | None = None,
+        *,
+        resume_job_id: str = "",
+        resume_step: int = 0,
+    ) -> None:
+        self.loaded = loaded
+        self.spec = loaded.spec
+        self.job_id = job_id or loaded.job_id()
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", self.job_id):
+            raise ValueError(f"job_id {self.job_id!r} must be 1-128 chars of [A-Za-z0-9._-]")
+        if resume_step > self.spec.steps:
+            raise ValueError(f"resume_step {resume_step} is past the job's last step {self.spec.steps}")
+        self.resume_job_id = resume_job_id
+        self.resume_step = resume_step
+        self.codec_forward = self.spec.edge.codec.forward
+        self.codec_backward = self.spec.edge.codec.backward
+        self.codec_choice = json.dumps({"source": "configured"})
+
+    def set_codecs(self, forward: str, backward: str, choice_json: str) -> None:
+        """Use these concrete codecs in every stage spec (how `auto` gets resolved before submission)."""
+        self.codec_forward, self.codec_backward, self.codec_choice = forward, backward, choice_json
+
+    @property
+    def steps(self) -> int:
+        return self.spec.steps
+
+    @property
+    def edge(self) -> str:
+        return self.spec.edge.name
+
+    def clusters(self) -> dict[str, str]:
+        """Stage name -> cluster id, upstream first."""
+        return {stage.name: stage.cluster for stage in self.spec.stages}
+
+    def stage_spec(self, stage_name: str) -> trainer_pb2.StageSpec:
+        spec = self.spec
+        index = next((i for i, s in enumerate(spec.stages) if s.name == stage_name), None)
+        if index is None:
+            raise ValueError(f"no stage {stage_name!r} in job {spec.name!r}")
+        stage = spec.stages[index]
+        module = self.loaded.modules[stage.name]
+        return trainer_pb2.StageSpec(
+            job_id=self.job_id,
+            scenario="program",
+            stage=stage.name,
+            edge=spec.edge.name,
+            steps=spec.steps,
+            codec_forward=self.codec_forward,
+            codec_backward=self.codec_backward,
+            codec_choice=self.codec_choice,
+            program=trainer_pb2.ProgramStage(
+                role="upstream" if index == 0 else "downstream",
+                module_source=module.source,
+                module_name=module.path.name,
+                options_json=json.dumps(stage.options),
+                batch_size=spec.data.batch_size,
+                micro_batches=spec.data.micro_batches,
+                num_examples=spec.data.examples,
+                schedule=spec.pipeline.schedule,
+                max_in_flight=spec.pipeline.max_in_flight,
+                seed=spec.seed,
+                stage_index=index,
+                optimizer=trainer_pb2.OptimizerConfig(
+                    name=spec.optimizer.name,
+                    learning_rate=spec.optimizer.lr,
+                    weight_decay=spec.optimizer.weight_decay,
+                    momentum=spec.optimizer.momentum,
+                    lr_schedule=spec.lr_schedule.name,
+                    warmup_steps=spec.lr_schedule.warmup_steps,
+                ),
+                checkpoint_interval=spec.checkpoint.interval,
+                resume_job_id=self.resume_job_id,
+                resume_step=self.resume_step,
+                mode=spec.pipeline.mode,
+                sync_lag=spec.pipeline.sync_lag,
+                replicas=stage.replicas,
+                payload=spec.edge.payload,
             ),
         )

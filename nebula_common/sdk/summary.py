@@ -11,8 +11,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from nebula_common.proto.nebula.v1 import relay_pb2, trainer_pb2
-from nebula_common.sdk.client import ClusterSession, JobHandle
-from nebula_common.sdk.jobs import AbnetJob
+from nebula_common.sdk.client import ClusterSession, JobHandle, SubmittedJob
 
 
 def scrape_counter(url: str, name: str, labels: dict[str, str]) -> float | None:
@@ -49,8 +48,11 @@ class JobSummary:
     job_id: str
     steps: int
     losses: list[float] = field(default_factory=list)
+    local_losses: dict[str, list[float]] = field(default_factory=dict)  # one_way upstream's own loss
     step_seconds: list[float] = field(default_factory=list)
     wait_seconds: dict[str, float] = field(default_factory=dict)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    checkpoint_steps: dict[str, int] = field(default_factory=dict)
     stage_states: dict[str, str] = field(default_factory=dict)
     stage_messages: dict[str, str] = field(default_factory=dict)
     train_seconds: float = 0.0
@@ -108,12 +110,18 @@ class JobSummary:
             "stage_states": self.stage_states,
             "stage_messages": self.stage_messages,
             "loss_per_step": self.losses,
+            "local_loss_per_step": self.local_losses,
             "initial_loss": self.losses[0] if self.losses else None,
             "final_loss": self.losses[-1] if self.losses else None,
             "train_wall_seconds": self.train_seconds,
             "wall_seconds": self.total_seconds,
             "mean_step_seconds": self.mean_step_seconds,
             "wait_seconds": self.wait_seconds,
+            "wait_fraction": {
+                stage: (self.wait_seconds[stage] / total) if total else 0.0
+                for stage, total in self.stage_seconds.items()
+            },
+            "checkpoint_steps": self.checkpoint_steps,
             "wan": self.wan,
             "peer_identities": self.peer_identities,
             "settings": self.settings,
@@ -121,7 +129,7 @@ class JobSummary:
 
 
 def summarize(
-    job: AbnetJob,
+    job: SubmittedJob,
     handle: JobHandle,
     on_step: Callable[[trainer_pb2.StageStatus], None] | None = None,
 ) -> JobSummary:
@@ -137,6 +145,10 @@ def summarize(
         if status.steps_done > last_step.get(stage, 0):
             last_step[stage] = status.steps_done
             summary.wait_seconds[stage] = summary.wait_seconds.get(stage, 0.0) + status.wait_seconds
+            summary.stage_seconds[stage] = summary.stage_seconds.get(stage, 0.0) + status.step_seconds
+            summary.checkpoint_steps[stage] = int(status.checkpoint_step)
+            if status.HasField("local_loss"):
+                summary.local_losses.setdefault(stage, []).append(status.local_loss)
             if status.HasField("loss"):
                 summary.losses.append(status.loss)
                 summary.step_seconds.append(status.step_seconds)

@@ -33,6 +33,12 @@ class AuthSettings(BaseSettings):
     argon2_time_cost: int = DEFAULT_TIME_COST
     argon2_memory_cost_kib: int = DEFAULT_MEMORY_COST_KIB
     argon2_parallelism: int = DEFAULT_PARALLELISM
+    max_failed_logins: int = 5
+    """Consecutive wrong passwords after which an account is locked."""
+    lockout_seconds: int = 300
+    """How long a locked account refuses logins (an admin's EnableAccount lifts it early)."""
+    audit_seal_interval_s: float = 5.0
+    """Seal the audit log (data_dir/audit.log) at least this often while events arrive."""
 
     @model_validator(mode="before")
     @classmethod
@@ -63,6 +69,22 @@ class AuthSettings(BaseSettings):
     def _check_ttl(cls, value: int) -> int:
         if value <= 0:
             raise ValueError(f"{ENV_PREFIX}TOKEN_TTL_SECONDS must be positive")
+        return value
+
+    @field_validator("max_failed_logins", "lockout_seconds")
+    @classmethod
+    def _check_lockout(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(
+                f"{ENV_PREFIX}MAX_FAILED_LOGINS and {ENV_PREFIX}LOCKOUT_SECONDS must be at least 1"
+            )
+        return value
+
+    @field_validator("audit_seal_interval_s")
+    @classmethod
+    def _check_seal_interval(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError(f"{ENV_PREFIX}AUDIT_SEAL_INTERVAL_S must be positive")
         return value
 
     @field_validator("metrics_port")

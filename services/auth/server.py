@@ -15,9 +15,12 @@ from dataclasses import dataclass
 from argon2 import PasswordHasher
 from pydantic import ValidationError
 
+from nebula_common.audit import AuditLog, open_service_audit
+from nebula_common.audit.servicer import AuditServicer
+from nebula_common.auth.verifier import Principal
 from nebula_common.errors import InvalidRequestError
 from nebula_common.logging import configure_logging
-from nebula_common.proto.nebula.v1 import auth_pb2_grpc
+from nebula_common.proto.nebula.v1 import audit_pb2_grpc, auth_pb2_grpc
 from nebula_common.rpc import ServiceServer, create_server
 from nebula_common.rpc.lifecycle import serve_until_signalled
 from services.auth import metrics
@@ -30,6 +33,7 @@ from services.auth.tokens import TokenIssuer
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "nebula.v1.Auth"
+AUDIT_SERVICE_NAME = "nebula.v1.AuditLog"
 DB_FILE_NAME = "accounts.db"
 STOP_GRACE_SECONDS = 5.0
 
@@ -39,6 +43,7 @@ class AuthServer(ServiceServer):
     """The auth gRPC server plus the account database it must close when it stops."""
 
     store: AccountStore | None = None
+    audit: AuditLog | None = None
 
     @property
     def grpc_port(self) -> int:
@@ -49,9 +54,14 @@ class AuthServer(ServiceServer):
         if self.store is not None:
             self.store.close()
             self.store = None
+        if self.audit is not None:
+            await asyncio.to_thread(self.audit.close)  # seals the tail
+            self.audit = None
 
 
-def ensure_bootstrap_admin(store: AccountStore, settings: AuthSettings, hasher: PasswordHasher) -> bool:
+def ensure_bootstrap_admin(
+    store: AccountStore, settings: AuthSettings, hasher: PasswordHasher, audit: AuditLog | None = None
+) -> bool:
     """Create the configured admin from its password file if it does not exist yet.
 
     Returns True when an account was created. An existing account is never
@@ -81,6 +91,8 @@ def ensure_bootstrap_admin(store: AccountStore, settings: AuthSettings, hasher: 
     except AccountExistsError:
         return False  # another replica seeded it between our check and insert
     metrics.ACCOUNTS_CREATED.inc()
+    if audit is not None:
+        audit.append("account.create", account="bootstrap", details={"target": username, "role": "admin"})
     logger.info(
         "account created",
         extra={
@@ -96,7 +108,7 @@ def ensure_bootstrap_admin(store: AccountStore, settings: AuthSettings, hasher: 
     return True
 
 
-def _build(settings: AuthSettings) -> tuple[AccountStore, TokenIssuer, AuthServicer]:
+def _build(settings: AuthSettings) -> tuple[AccountStore, TokenIssuer, AuthServicer, AuditLog]:
     """Blocking set-up (files, key generation, argon2) kept off the event loop."""
     settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     hasher = make_hasher(
@@ -104,24 +116,58 @@ def _build(settings: AuthSettings) -> tuple[AccountStore, TokenIssuer, AuthServi
         memory_cost_kib=settings.argon2_memory_cost_kib,
         parallelism=settings.argon2_parallelism,
     )
-    store = AccountStore(settings.data_dir / DB_FILE_NAME)
+    audit = open_service_audit(
+        settings.data_dir,
+        service="auth",
+        cluster=settings.cluster_id,
+        seal_interval_s=settings.audit_seal_interval_s,
+    )
+    try:
+        store = AccountStore(settings.data_dir / DB_FILE_NAME)
+    except BaseException:
+        audit.close()
+        raise
     try:
         issuer = TokenIssuer(settings.data_dir, settings.cluster_id, settings.token_ttl_seconds)
-        ensure_bootstrap_admin(store, settings, hasher)
-        servicer = AuthServicer(store, issuer, hasher)
+        ensure_bootstrap_admin(store, settings, hasher, audit)
+        servicer = AuthServicer(
+            store,
+            issuer,
+            audit,
+            hasher,
+            max_failed_logins=settings.max_failed_logins,
+            lockout_seconds=settings.lockout_seconds,
+        )
     except BaseException:
         store.close()
+        audit.close()
         raise
-    return store, issuer, servicer
+    return store, issuer, servicer, audit
 
 
 async def run_auth_server(settings: AuthSettings) -> AuthServer:
     """Open the data dir, seed the admin, and start serving; the caller owns ``stop()``."""
-    store, issuer, servicer = await asyncio.to_thread(_build, settings)
-    base = create_server([SERVICE_NAME])
-    server = AuthServer(server=base.server, health=base.health, service_names=base.service_names, store=store)
+    store, issuer, servicer, audit = await asyncio.to_thread(_build, settings)
+    base = create_server([SERVICE_NAME, AUDIT_SERVICE_NAME])
+    server = AuthServer(
+        server=base.server, health=base.health, service_names=base.service_names, store=store, audit=audit
+    )
+
+    async def account_is_live_admin(principal: Principal) -> str | None:
+        # A token outlives a disabled, demoted or deleted account: re-read the account itself.
+        record = await asyncio.to_thread(store.get, principal.username)
+        if record is None or record.disabled or record.role != "admin":
+            return "account is no longer an enabled admin"
+        return None
+
     try:
         auth_pb2_grpc.add_AuthServicer_to_server(servicer, server.server)
+        audit_pb2_grpc.add_AuditLogServicer_to_server(
+            AuditServicer(
+                audit, servicer.current_verifier, "auth", settings.cluster_id, account_is_live_admin
+            ),
+            server.server,
+        )
         server.add_insecure_port("grpc", settings.listen)
         server.start_metrics(settings.metrics_port, settings.listen)
         await server.start()

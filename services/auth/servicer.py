@@ -9,12 +9,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import time
 from typing import NoReturn
 
 import grpc
 from argon2 import PasswordHasher
 
-from nebula_common.auth.verifier import Principal, TokenVerifier
+from nebula_common.audit import AuditLog
+from nebula_common.auth.verifier import LEEWAY_SECONDS, KeySnapshot, Principal, Revocation, TokenVerifier
 from nebula_common.errors import AuthenticationError, InvalidRequestError
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
 from nebula_common.rpc import bearer_token_from_metadata
@@ -26,9 +29,10 @@ from services.auth.passwords import (
     hash_password,
     needs_rehash,
     validate_new_account,
+    validate_password,
     verify_password,
 )
-from services.auth.store import AccountExistsError, AccountRecord, AccountStore
+from services.auth.store import AccountExistsError, AccountRecord, AccountStore, TokenRevocationRecord
 from services.auth.tokens import TokenIssuer
 
 logger = logging.getLogger(__name__)
@@ -42,14 +46,53 @@ class AuthServicer(auth_pb2_grpc.AuthServicer):
         self,
         store: AccountStore,
         issuer: TokenIssuer,
+        audit: AuditLog,
         hasher: PasswordHasher = DEFAULT_HASHER,
+        *,
+        max_failed_logins: int = 5,
+        lockout_seconds: int = 300,
     ) -> None:
+        self._max_failed_logins = max_failed_logins
+        self._lockout_seconds = lockout_seconds
         self._store = store
+        self._audit = audit
         self._issuer = issuer
         self._verifier: TokenVerifier = issuer.verifier()
         self._hasher = hasher
         self._dummy = DummyHash(hasher)
-        self._jwks_json = _compact_json(issuer.jwks())
+        self._sync_verifier()
+
+    def _revocations(self) -> tuple[int, list[TokenRevocationRecord]]:
+        """Revocations that still cover unexpired tokens (blocking: SQLite)."""
+        return self._store.revocations(horizon_s=self._issuer.ttl_seconds + LEEWAY_SECONDS)
+
+    def _sync_verifier(self) -> None:
+        """Give this service's own verifier the current keys and revocations (blocking: SQLite).
+
+        The auth service enforces revocations on its own calls (VerifyToken, ChangePassword)
+        exactly like the switch, trainer and data service, just without the polling delay.
+        """
+        epoch, entries = self._revocations()
+        snapshot = KeySnapshot(
+            _compact_json(self._issuer.jwks()),
+            epoch,
+            {e.username: Revocation(e.not_before_ms, e.reason) for e in entries},
+        )
+        try:
+            self._verifier.apply(snapshot)
+        except ValueError:
+            # A concurrent revocation already applied a newer epoch, which includes this one.
+            logger.debug("own verifier already at a newer revocation epoch than %d", epoch)
+
+    async def _revoke_tokens(self, username: str, reason: str) -> None:
+        """Invalidate every token of ``username`` issued until now, here and (within seconds) everywhere."""
+        epoch = await asyncio.to_thread(self._store.revoke_tokens, username, reason)
+        await asyncio.to_thread(self._sync_verifier)
+        await self._record("token.revoke", account=username, details={"reason": reason, "epoch": epoch})
+
+    def current_verifier(self) -> TokenVerifier:
+        """The verifier for this service's own tokens (it changes when signing keys rotate)."""
+        return self._verifier
 
     async def CreateAccount(
         self, request: auth_pb2.CreateAccountRequest, context: grpc.aio.ServicerContext
@@ -67,6 +110,9 @@ class AuthServicer(auth_pb2_grpc.AuthServicer):
         except AccountExistsError as exc:
             await _abort(context, grpc.StatusCode.ALREADY_EXISTS, str(exc))
         metrics.ACCOUNTS_CREATED.inc()
+        await self._record(
+            "account.create", account=admin.username, details={"target": record.username, "role": record.role}
+        )
         logger.info(
             "account created",
             extra={
@@ -89,6 +135,12 @@ class AuthServicer(auth_pb2_grpc.AuthServicer):
         record, reason = await self._check_credentials(username, password)
         if record is None:
             metrics.LOGINS.labels(outcome="failure").inc()
+            await self._record(
+                "login",
+                outcome="failure",
+                account=username[:64],
+                details={"reason": reason, "peer": context.peer()},
+            )
             logger.warning(
                 "login failed",
                 extra={
@@ -102,11 +154,17 @@ class AuthServicer(auth_pb2_grpc.AuthServicer):
                 },
             )
             await _abort(context, grpc.StatusCode.UNAUTHENTICATED, LOGIN_FAILED)
+        await self._wait_past_revocation(record.username)
         if needs_rehash(record.password_hash, self._hasher):
             # Upgrade hashes made with weaker parameters while we hold the plaintext.
             new_hash = await asyncio.to_thread(hash_password, password, self._hasher)
             await asyncio.to_thread(self._store.set_password_hash, record.username, new_hash)
         issued = self._issuer.issue(record.username, record.role)
+        await self._record(
+            "login",
+            account=record.username,
+            details={"role": record.role, "jti": issued.jti, "kid": self._issuer.kid, "peer": context.peer()},
+        )
         metrics.LOGINS.labels(outcome="success").inc()
         metrics.TOKENS_ISSUED.inc()
         logger.info(
@@ -124,6 +182,21 @@ class AuthServicer(auth_pb2_grpc.AuthServicer):
             },
         )
         return auth_pb2.LoginResponse(token=issued.token, expires_at=issued.expires_at)
+
+    async def _wait_past_revocation(self, username: str) -> None:
+        """Delay a login until its token's whole-second ``iat`` is not caught by a fresh revocation.
+
+        Tokens carry ``iat`` in whole seconds, so a token issued in the same second as a
+        revocation (re-enabled account, new password) would look older than it; waiting for the
+        next second (at most one, and only right after a revocation) keeps the new token valid.
+        """
+        _, entries = await asyncio.to_thread(self._revocations)
+        for entry in entries:
+            if entry.username == username:
+                delay = math.ceil(entry.not_before_ms / 1000) - time.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                return
 
     async def VerifyToken(
         self, request: auth_pb2.VerifyTokenRequest, context: grpc.aio.ServicerContext
@@ -143,20 +216,168 @@ class AuthServicer(auth_pb2_grpc.AuthServicer):
     async def GetSigningKeys(
         self, request: auth_pb2.GetSigningKeysRequest, context: grpc.aio.ServicerContext
     ) -> auth_pb2.SigningKeys:
-        return auth_pb2.SigningKeys(jwks_json=self._jwks_json, issuer=self._issuer.issuer)
+        # Recomputed per call: rotation adds keys, and retired keys drop out after a token lifetime;
+        # likewise revocations older than a token lifetime drop out (they cover only expired tokens).
+        epoch, entries = await asyncio.to_thread(self._revocations)
+        return auth_pb2.SigningKeys(
+            jwks_json=_compact_json(self._issuer.jwks()),
+            issuer=self._issuer.issuer,
+            revocation_epoch=epoch,
+            revocations=[
+                auth_pb2.TokenRevocation(username=e.username, not_before_ms=e.not_before_ms, reason=e.reason)
+                for e in entries
+            ],
+        )
 
     async def _check_credentials(self, username: str, password: str) -> tuple[AccountRecord | None, str]:
         """Return the account when the password matches, else None and a reason for the log only."""
         if not username or not password or len(password) > MAX_PASSWORD_LENGTH:
             return None, "malformed credentials"
         record = await asyncio.to_thread(self._store.get, username)
-        if record is None or record.disabled:
-            # Same argon2 work as a real check, so response time does not reveal the account exists.
+        if record is None or record.disabled or record.locked():
+            # Same argon2 work as a real check, so response time does not reveal the account exists
+            # (or that it is locked: a locked account must not become a password oracle either).
             await asyncio.to_thread(self._dummy.verify, password)
-            return None, "unknown user" if record is None else "account disabled"
+            if record is None:
+                return None, "unknown user"
+            return None, "account disabled" if record.disabled else "account locked"
         if not await asyncio.to_thread(verify_password, record.password_hash, password, self._hasher):
+            updated = await asyncio.to_thread(
+                self._store.record_failure,
+                username,
+                max_failures=self._max_failed_logins,
+                lockout_seconds=self._lockout_seconds,
+            )
+            if updated is not None and updated.locked() and updated.failed_logins == self._max_failed_logins:
+                await self._record(
+                    "account.lock",
+                    outcome="refused",
+                    account=username,
+                    details={"failed_logins": updated.failed_logins, "locked_until": updated.locked_until},
+                )
             return None, "wrong password"
+        if record.failed_logins:
+            await asyncio.to_thread(self._store.record_success, username)
         return record, ""
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> tuple[Principal, AccountRecord]:
+        """A valid token of this cluster whose account still exists and is enabled."""
+        token = bearer_token_from_metadata(context.invocation_metadata())
+        if token is None:
+            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
+        try:
+            principal = self._verifier.verify(token)
+        except AuthenticationError as exc:
+            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        record = await asyncio.to_thread(self._store.get, principal.username)
+        if record is None or record.disabled:
+            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "account is disabled or no longer exists")
+        return principal, record
+
+    async def ListAccounts(
+        self, request: auth_pb2.ListAccountsRequest, context: grpc.aio.ServicerContext
+    ) -> auth_pb2.ListAccountsResponse:
+        await self._require_admin(context)
+        records = await asyncio.to_thread(self._store.list)
+        return auth_pb2.ListAccountsResponse(accounts=[self._account(r) for r in records])
+
+    async def _existing(self, username: str, context: grpc.aio.ServicerContext) -> AccountRecord:
+        record = await asyncio.to_thread(self._store.get, username)
+        if record is None:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, f"no account {username!r}")
+        return record
+
+    async def _refuse_last_admin(self, record: AccountRecord, context: grpc.aio.ServicerContext) -> None:
+        if (
+            record.role == "admin"
+            and not record.disabled
+            and await asyncio.to_thread(self._store.count_admins) <= 1
+        ):
+            await _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{record.username!r} is the last enabled admin of cluster {self._issuer.cluster_id}",
+            )
+
+    async def DisableAccount(
+        self, request: auth_pb2.AccountRef, context: grpc.aio.ServicerContext
+    ) -> auth_pb2.Account:
+        admin = await self._require_admin(context)
+        record = await self._existing(request.username, context)
+        await self._refuse_last_admin(record, context)
+        await asyncio.to_thread(self._store.set_disabled, record.username, True)
+        await self._revoke_tokens(record.username, "account disabled")
+        await self._record("account.disable", account=admin.username, details={"target": record.username})
+        return self._account(await self._existing(record.username, context))
+
+    async def EnableAccount(
+        self, request: auth_pb2.AccountRef, context: grpc.aio.ServicerContext
+    ) -> auth_pb2.Account:
+        admin = await self._require_admin(context)
+        record = await self._existing(request.username, context)
+        await asyncio.to_thread(self._store.set_disabled, record.username, False)
+        await self._record("account.enable", account=admin.username, details={"target": record.username})
+        return self._account(await self._existing(record.username, context))
+
+    async def DeleteAccount(
+        self, request: auth_pb2.AccountRef, context: grpc.aio.ServicerContext
+    ) -> auth_pb2.DeleteAccountResponse:
+        admin = await self._require_admin(context)
+        record = await self._existing(request.username, context)
+        await self._refuse_last_admin(record, context)
+        await asyncio.to_thread(self._store.delete, record.username)
+        await self._revoke_tokens(record.username, "account deleted")
+        await self._record("account.delete", account=admin.username, details={"target": record.username})
+        return auth_pb2.DeleteAccountResponse()
+
+    async def ChangePassword(
+        self, request: auth_pb2.ChangePasswordRequest, context: grpc.aio.ServicerContext
+    ) -> auth_pb2.Account:
+        principal, caller = await self._authenticate(context)
+        is_admin = principal.role == "admin" and caller.role == "admin"
+        if principal.username != request.username and not is_admin:
+            # Another account's existence is not the caller's business: same answer as a missing one.
+            await _abort(context, grpc.StatusCode.NOT_FOUND, f"no account {request.username!r}")
+        target = await self._existing(request.username, context)
+        try:
+            validate_password(request.new_password)
+        except InvalidRequestError as exc:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if principal.username == request.username and not is_admin:
+            ok = await asyncio.to_thread(
+                verify_password,
+                target.password_hash,
+                request.current_password[:MAX_PASSWORD_LENGTH],
+                self._hasher,
+            )
+            if not ok:
+                await self._record(
+                    "account.password",
+                    outcome="failure",
+                    account=principal.username,
+                    details={"target": target.username, "reason": "wrong current password"},
+                )
+                await _abort(context, grpc.StatusCode.PERMISSION_DENIED, "current password is wrong")
+        new_hash = await asyncio.to_thread(hash_password, request.new_password, self._hasher)
+        await asyncio.to_thread(self._store.set_password_hash, target.username, new_hash)
+        # Whoever held the old password may hold a token from it: those tokens end here.
+        await self._revoke_tokens(target.username, "password changed")
+        await self._record(
+            "account.password", account=principal.username, details={"target": target.username}
+        )
+        return self._account(await self._existing(target.username, context))
+
+    async def RotateSigningKey(
+        self, request: auth_pb2.RotateSigningKeyRequest, context: grpc.aio.ServicerContext
+    ) -> auth_pb2.RotateSigningKeyResponse:
+        admin = await self._require_admin(context)
+        old_kid, new_kid = await asyncio.to_thread(self._issuer.rotate)
+        self._verifier = self._issuer.verifier()
+        await asyncio.to_thread(self._sync_verifier)
+        await self._record(
+            "token.key_rotate", account=admin.username, details={"old_kid": old_kid, "new_kid": new_kid}
+        )
+        return auth_pb2.RotateSigningKeyResponse(old_kid=old_kid, new_kid=new_kid)
 
     async def _require_admin(self, context: grpc.aio.ServicerContext) -> Principal:
         token = bearer_token_from_metadata(context.invocation_metadata())
@@ -174,9 +395,15 @@ class AuthServicer(auth_pb2_grpc.AuthServicer):
             await _abort(
                 context,
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"creating accounts requires an admin of cluster {self._issuer.cluster_id}",
+                f"managing accounts requires an admin of cluster {self._issuer.cluster_id}",
             )
         return principal
+
+    async def _record(
+        self, event: str, *, outcome: str = "ok", account: str = "", details: dict[str, object] | None = None
+    ) -> None:
+        """Append to the audit log off the event loop (the write is fsynced)."""
+        await asyncio.to_thread(self._audit.append, event, outcome=outcome, account=account, details=details)
 
     def _account(self, record: AccountRecord) -> auth_pb2.Account:
         return auth_pb2.Account(
@@ -184,6 +411,8 @@ class AuthServicer(auth_pb2_grpc.AuthServicer):
             role=record.role,
             cluster_id=self._issuer.cluster_id,
             created_at=record.created_at,
+            disabled=record.disabled,
+            locked_until=record.locked_until if record.locked() else 0,
         )
 
 

@@ -25,11 +25,14 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from jwt.algorithms import ECAlgorithm
 
-from nebula_common.auth.verifier import ALGORITHM, AUDIENCE, TokenVerifier, issuer_for
+from nebula_common.auth.verifier import ALGORITHM, AUDIENCE, LEEWAY_SECONDS, TokenVerifier, issuer_for
+from nebula_common.pki.store import atomic_write
 
 logger = logging.getLogger(__name__)
 
 KEY_FILE_NAME = "signing-key.pem"
+RETIRED_KEYS_FILE_NAME = "retired-signing-keys.json"
+"""Public halves of rotated-out keys, kept while tokens they signed can still be valid."""
 DEFAULT_TTL_SECONDS = 3600
 
 
@@ -105,9 +108,11 @@ class TokenIssuer:
         self._issuer = issuer_for(cluster_id)
         self._ttl = ttl_seconds
         self._key_path = Path(data_dir) / KEY_FILE_NAME
+        self._retired_path = Path(data_dir) / RETIRED_KEYS_FILE_NAME
         self._private_key = load_or_create_signing_key(self._key_path)
         self._public_key = self._private_key.public_key()
         self._kid = key_id(self._public_key)
+        self._retired = self._load_retired()
 
     @property
     def cluster_id(self) -> str:
@@ -116,6 +121,10 @@ class TokenIssuer:
     @property
     def issuer(self) -> str:
         return self._issuer
+
+    @property
+    def ttl_seconds(self) -> int:
+        return self._ttl
 
     @property
     def kid(self) -> str:
@@ -144,12 +153,59 @@ class TokenIssuer:
         token = jwt.encode(claims, self._private_key, algorithm=ALGORITHM, headers={"kid": self._kid})
         return IssuedToken(token=token, expires_at=expires_at, jti=jti)
 
-    def jwks(self) -> dict[str, Any]:
-        """The public signing keys as a JWK set (RFC 7517)."""
-        jwk = ECAlgorithm.to_jwk(self._public_key, as_dict=True)
-        jwk.update({"kid": self._kid, "use": "sig", "alg": ALGORITHM})
-        return {"keys": [jwk]}
+    def jwks(self, *, now: float | None = None) -> dict[str, Any]:
+        """The public signing keys as a JWK set (RFC 7517): the current key first, then retired keys
+        that may still have valid tokens out there (retired less than a token lifetime + leeway ago)."""
+        moment = time.time() if now is None else now
+        keys = [_public_jwk(self._public_key, self._kid)]
+        horizon = self._ttl + LEEWAY_SECONDS
+        keys += [
+            {k: v for k, v in entry.items() if k != "retired_at"}
+            for entry in self._retired
+            if moment - float(entry["retired_at"]) <= horizon
+        ]
+        return {"keys": keys}
+
+    def rotate(self) -> tuple[str, str]:
+        """Start signing with a fresh key; the old public key stays published for one token lifetime.
+
+        Order matters for crash safety: the retired list (with the old public key) is written before
+        the new private key replaces the old one, so no moment exists where tokens signed by the old
+        key could not be verified. Returns (old kid, new kid).
+        """
+        old_kid = self._kid
+        retired = [*self._retired, {**_public_jwk(self._public_key, old_kid), "retired_at": time.time()}]
+        horizon = self._ttl + LEEWAY_SECONDS
+        retired = [e for e in retired if time.time() - float(e["retired_at"]) <= horizon]
+        atomic_write(self._retired_path, json.dumps({"keys": retired}, sort_keys=True).encode(), mode=0o600)
+        new_key = ec.generate_private_key(ec.SECP256R1())
+        pem = new_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        atomic_write(self._key_path, pem, mode=0o600)
+        self._private_key, self._public_key = new_key, new_key.public_key()
+        self._kid = key_id(self._public_key)
+        self._retired = retired
+        return old_kid, self._kid
+
+    def _load_retired(self) -> list[dict[str, Any]]:
+        try:
+            document = json.loads(self._retired_path.read_bytes())
+        except FileNotFoundError:
+            return []
+        except ValueError as exc:
+            raise ValueError(f"{self._retired_path} is not valid JSON: {exc}") from exc
+        keys = document.get("keys") if isinstance(document, dict) else None
+        if not isinstance(keys, list) or not all(isinstance(k, dict) and "retired_at" in k for k in keys):
+            raise ValueError(f"{self._retired_path} must hold {{'keys': [jwk with retired_at, ...]}}")
+        return keys
 
     def verifier(self) -> TokenVerifier:
         """A verifier for this issuer's own tokens, without a network round trip."""
         return TokenVerifier(self._cluster_id, json.dumps(self.jwks()))
+
+
+def _public_jwk(public_key: ec.EllipticCurvePublicKey, kid: str) -> dict[str, Any]:
+    jwk = ECAlgorithm.to_jwk(public_key, as_dict=True)
+    jwk.update({"kid": kid, "use": "sig", "alg": ALGORITHM})
+    return jwk

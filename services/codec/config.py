@@ -7,6 +7,7 @@ Defaults suit a local run and tests (loopback, ephemeral ports); deployments set
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -28,6 +29,26 @@ class CodecSettings(BaseSettings):
     )
     cluster_id: str = Field(default="local", min_length=1, description="Cluster this instance serves.")
     log_level: str = Field(default="INFO", description="Python logging level name.")
+    calibration_cache: str = Field(
+        default="",
+        description=(
+            "JSON file caching this host's codec calibration for Advise: empty means "
+            "$XDG_CACHE_HOME/nebula/codec-calibration.json, 'off' disables the cache."
+        ),
+    )
+    calibrate_at_start: bool = Field(
+        default=True,
+        description="Calibrate codec costs at start-up (in the background); otherwise on the first Advise.",
+    )
+    torch_threads: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description="Intra-op threads for codec work; 1 keeps requests from oversubscribing cores.",
+    )
+    max_tensor_bytes: int = Field(
+        default=1 << 30, ge=1, description="Largest raw tensor one streaming call may carry, in bytes."
+    )
 
     @field_validator("listen")
     @classmethod
@@ -44,3 +65,14 @@ class CodecSettings(BaseSettings):
         if level not in logging.getLevelNamesMapping():
             raise ValueError(f"unknown log level {value!r}")
         return level
+
+    def calibration_path(self) -> Path | None:
+        """Where the calibration is cached, or None when caching is off."""
+        value = self.calibration_cache.strip()
+        if value.lower() == "off":
+            return None
+        if not value:
+            from nebula_common.codec.calibration import default_cache_path
+
+            return default_cache_path()
+        return Path(value)

@@ -12,8 +12,10 @@ import asyncio
 import logging
 import sys
 
+import torch
 from pydantic import ValidationError
 
+from nebula_common.codec.calibration import Calibrator
 from nebula_common.logging import configure_logging
 from nebula_common.proto.nebula.v1 import codec_pb2_grpc
 from nebula_common.rpc import ServiceServer, create_server
@@ -28,9 +30,18 @@ STOP_GRACE_SECONDS = 5.0
 
 
 async def run_codec_server(settings: CodecSettings) -> ServiceServer:
-    """Build, bind and start the codec service; ports end up in ``.ports`` ("grpc", "metrics")."""
+    """Build, bind and start the codec service; ports end up in ``.ports`` ("grpc", "metrics").
+
+    The host calibration Advise relies on starts here, on a background thread, from
+    the cache when one for this host exists.
+    """
+    torch.set_num_threads(settings.torch_threads)
+    calibrator = Calibrator(settings.calibration_path())
+    if settings.calibrate_at_start:
+        calibrator.start()  # in the background: health reports SERVING at once, Advise waits for it
     server = create_server([SERVICE_NAME])
-    codec_pb2_grpc.add_CodecServicer_to_server(CodecServicer(), server.server)
+    servicer = CodecServicer(calibrator=calibrator, max_tensor_bytes=settings.max_tensor_bytes)
+    codec_pb2_grpc.add_CodecServicer_to_server(servicer, server.server)
     try:
         server.add_insecure_port("grpc", settings.listen)
         server.start_metrics(settings.metrics_port, settings.listen)

@@ -33,12 +33,43 @@ class SwitchSettings(BaseSettings):
     route_buffer_messages: int = Field(
         512, ge=8, description="Frames buffered per (job, edge) before back-pressure reaches the WAN link."
     )
+    data_dir: Path = Field(description="Writable directory for the audit log, its seal and the audit key.")
+    audit_seal_interval_s: float = Field(5.0, gt=0, description="Seal the audit log at least this often.")
+    peer_crl: Path | None = Field(
+        None,
+        description="PEM CRL of the peer cluster's CA (trust/<peer>.crl.pem). Without it revoked peer "
+        "certificates are accepted until they expire; the switch warns at start-up.",
+    )
+    crl_refresh_s: float = Field(1.0, gt=0, le=300, description="How often the peer CRL file is checked.")
+    ca_cert: Path | None = Field(None, description="This cluster's CA certificate (enables self-renewal).")
+    ca_key: Path | None = Field(
+        None, description="This cluster's CA key (enables self-renewal; dev PKI only)."
+    )
+    cert_check_interval_s: float = Field(
+        5.0, gt=0, le=3600, description="How often the certificate files are checked for changes and expiry."
+    )
+    renew_before_fraction: float = Field(
+        1 / 3,
+        gt=0,
+        lt=1,
+        description="Renew when less than this fraction of the certificate's lifetime is left.",
+    )
+    cert_warn_before_s: float = Field(
+        3600.0, ge=0, description="Log a warning while the certificate expires within this many seconds."
+    )
 
     @field_validator("peer_cluster_id")
     @classmethod
     def _peer_differs(cls, value: str, info: ValidationInfo) -> str:
         if value == info.data.get("cluster_id"):
             raise ValueError("peer_cluster_id must differ from cluster_id")
+        return value
+
+    @field_validator("ca_key")
+    @classmethod
+    def _ca_pair(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if (value is None) != (info.data.get("ca_cert") is None):
+            raise ValueError("ca_cert and ca_key must be set together (both enable self-renewal)")
         return value
 
     def dials(self) -> bool:

@@ -13,15 +13,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
+from cryptography import x509
 
+from nebula_common.audit import AuditLog
 from nebula_common.pki import Identity
 from nebula_common.proto.nebula.v1 import link_pb2, link_pb2_grpc, relay_pb2
-from services.switch.metrics import LINK_UP, DirectionCounters
+from services.switch.metrics import AUTH_REFUSALS, LINK_UP, DirectionCounters
+from services.switch.revocation import RevocationList
 from services.switch.routing import Router
+from services.switch.transfers import StepTotals, TransferKey, TransferLedger
 
 PROTOCOL_VERSION = 1
 SOFTWARE_VERSION = "nebula/0.1.0"
@@ -30,6 +36,8 @@ log = logging.getLogger(__name__)
 
 ReadFn = Callable[[], Awaitable[object]]
 WriteFn = Callable[[link_pb2.LinkMessage], Awaitable[None]]
+CredentialsFn = Callable[[], grpc.ChannelCredentials]
+ProbeFn = Callable[[], Awaitable[x509.Certificate]]
 
 
 class HandshakeError(Exception):
@@ -41,15 +49,63 @@ class LinkState:
     connected: bool = False
     peer_identity: str = ""
     role: str = ""
+    #: Serial of the certificate the peer authenticated this session with (0 when unknown).
+    peer_serial: int = 0
+    #: Sessions established since start: a rotation that kept the link up leaves this unchanged.
+    sessions: int = 0
+
+
+async def fetch_server_certificate(
+    address: str, cert: Path, key: Path, bundle: Path, server_name: str, timeout: float = HANDSHAKE_TIMEOUT_S
+) -> x509.Certificate:
+    """Complete a TLS handshake with the peer's WAN port and return the certificate it presented.
+
+    gRPC's client API does not expose the server's certificate, but the dialer must know its serial
+    to enforce revocation. This probe uses the same trust bundle, client certificate and pinned
+    name as the real channel. Limit: an attacker holding a revoked server key who can also forward
+    this probe to the genuine switch could pass the probe; short certificate lifetimes bound that.
+    """
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(bundle))
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(str(cert), str(key))
+    context.set_alpn_protocols(["h2"])
+    host, _, port = address.rpartition(":")
+    _, writer = await asyncio.wait_for(
+        asyncio.open_connection(host.strip("[]"), int(port), ssl=context, server_hostname=server_name),
+        timeout,
+    )
+    try:
+        ssl_object = writer.get_extra_info("ssl_object")
+        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+    if not der:
+        raise HandshakeError(f"peer at {address} presented no certificate")
+    return x509.load_der_x509_certificate(der)
 
 
 class PeerLink:
     """The switch's one link to its peer, surviving reconnects of the underlying stream."""
 
-    def __init__(self, cluster_id: str, peer_cluster_id: str, router: Router) -> None:
+    def __init__(
+        self,
+        cluster_id: str,
+        peer_cluster_id: str,
+        router: Router,
+        *,
+        audit: AuditLog | None = None,
+        revocation: RevocationList | None = None,
+    ) -> None:
         self.cluster_id = cluster_id
         self.expected_peer = Identity(cluster_id=peer_cluster_id, role="switch")
         self.router = router
+        self.audit = audit
+        self.revocation = revocation
+        self.ledger = TransferLedger(self._emit_transfer)
+        self._sessions = 0
+        self._close_session = asyncio.Event()
         self.sent = DirectionCounters("sent")
         self.received = DirectionCounters("received")
         self.state = LinkState()
@@ -109,7 +165,62 @@ class PeerLink:
                 f"peer certificate names {certified.uri}, but only {self.expected_peer.uri} may connect"
             )
 
-    async def run_session(self, read: ReadFn, write: WriteFn, certified: Identity, role: str) -> None:
+    def record(
+        self, event: str, *, outcome: str = "ok", account: str = "", job_id: str = "", **details: object
+    ) -> None:
+        """Append to the switch's audit log (no-op when the link runs without one, as in unit tests)."""
+        if self.audit is not None:
+            self.audit.append(event, outcome=outcome, account=account, job_id=job_id, details=details)
+
+    def refuse(self, layer: str, reason: str, **details: object) -> None:
+        """Count and audit a refused peer: every refusal leaves a record, whatever the layer."""
+        AUTH_REFUSALS.labels("wan", layer).inc()
+        self.record("link.refused", outcome="refused", layer=layer, reason=reason, **details)
+
+    def _emit_transfer(self, key: TransferKey, totals: StepTotals) -> None:
+        job_id, edge, direction = key
+        route = self.router.get((job_id, edge))
+        self.record(
+            "transfer",
+            account=route.owner if route is not None else "",
+            job_id=job_id,
+            edge=edge,
+            direction=direction,
+            step=totals.step,
+            frames=totals.frames,
+            payload_bytes=totals.payload_bytes,
+            raw_bytes=totals.raw_bytes,
+            wire_bytes=totals.wire_bytes,
+            codec=",".join(sorted(totals.codecs)),
+            peer=self.state.peer_identity or self.expected_peer.uri,
+        )
+
+    def is_revoked(self, cert: x509.Certificate | None) -> bool:
+        return cert is not None and self.revocation is not None and self.revocation.is_revoked(cert)
+
+    def enforce_revocation(self) -> bool:
+        """Close the live session if its peer certificate is now revoked; True if one was closed."""
+        serial = self.state.peer_serial
+        session = self._current_session
+        if not serial or self.revocation is None or serial not in self.revocation.revoked:
+            return False
+        if session is None or session.done():
+            return False
+        self.refuse(
+            "revoked", "peer certificate revoked during the session; link closed", serial=f"{serial:x}"
+        )
+        log.warning("closing the WAN link: the peer's certificate %x was revoked", serial)
+        self._close_session.set()  # ends the session; the dialer then retries (and its probe refuses)
+        return True
+
+    async def run_session(
+        self,
+        read: ReadFn,
+        write: WriteFn,
+        certified: Identity,
+        role: str,
+        peer_cert: x509.Certificate | None = None,
+    ) -> None:
         """Pump frames both ways until either side ends; only one session runs at a time.
 
         A new session supersedes the current one: when a peer reconnects, the old stream is
@@ -122,19 +233,30 @@ class PeerLink:
             stale.cancel()
         self._current_session = me
         async with self._session_lock:
-            self.state = LinkState(connected=True, peer_identity=certified.uri, role=role)
+            serial = peer_cert.serial_number if peer_cert is not None else 0
+            self._sessions += 1
+            self.state = LinkState(
+                connected=True,
+                peer_identity=certified.uri,
+                role=role,
+                peer_serial=serial,
+                sessions=self._sessions,
+            )
             self._connected.set()
             LINK_UP.set(1)
+            self.record("link.up", peer=certified.uri, role=role, peer_serial=f"{serial:x}")
             log.info("WAN link up", extra={"fields": {"peer": certified.uri, "role": role}})
             writer = asyncio.create_task(self._pump_out(write), name="link-writer")
             reader = asyncio.create_task(self._pump_in(read), name="link-reader")
+            self._close_session = asyncio.Event()
+            closer = asyncio.create_task(self._close_session.wait(), name="link-closer")
             try:
-                done, _ = await asyncio.wait({writer, reader}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({writer, reader, closer}, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    if task.exception() is not None:
+                    if task is not closer and task.exception() is not None:
                         log.warning("WAN link session ended: %r", task.exception())
             finally:
-                for task in (writer, reader):
+                for task in (writer, reader, closer):
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task
@@ -142,8 +264,11 @@ class PeerLink:
                     self._current_session = None
                 self._connected.clear()
                 self._purge_outbound()
-                self.state = LinkState(connected=False, role=role)
+                self.ledger.flush_all()
+                self.state = LinkState(connected=False, role=role, sessions=self._sessions)
                 LINK_UP.set(0)
+                with contextlib.suppress(Exception):
+                    self.record("link.down", peer=certified.uri, role=role, peer_serial=f"{serial:x}")
                 log.warning("WAN link down", extra={"fields": {"peer": certified.uri}})
                 await self.router.fail_all("WAN link to the peer cluster was lost")
 
@@ -158,6 +283,7 @@ class PeerLink:
             message = await self._outbound.get()
             await write(message)
             self.sent.count(message)
+            self.ledger.observe("sent", message)
 
     async def _pump_in(self, read: ReadFn) -> None:
         while True:
@@ -167,6 +293,7 @@ class PeerLink:
             if not isinstance(message, link_pb2.LinkMessage):
                 raise HandshakeError("unexpected object on the link")
             self.received.count(message)
+            self.ledger.observe("received", message)
             kind = message.WhichOneof("body")
             if kind == "frame":
                 routed = message.frame
@@ -185,14 +312,29 @@ class PeerLink:
     async def dial_forever(
         self,
         address: str,
-        credentials: grpc.ChannelCredentials,
+        credentials: CredentialsFn,
         options: list[tuple[str, object]],
+        probe: ProbeFn | None = None,
     ) -> None:
-        """Keep one link to the peer up, reconnecting with capped exponential backoff."""
+        """Keep one link to the peer up, reconnecting with capped exponential backoff.
+
+        ``credentials`` is called on every attempt so a renewed certificate is used at the next
+        reconnect; ``probe`` (when given) learns the certificate the peer presents, so a revoked
+        peer is refused before the link starts and the session can be closed if it is revoked later.
+        """
         backoff = 0.2
         while not self._stopping:
             try:
-                async with grpc.aio.secure_channel(address, credentials, options=options) as channel:
+                peer_cert = await probe() if probe is not None else None
+                if self.is_revoked(peer_cert):
+                    assert peer_cert is not None
+                    self.refuse(
+                        "revoked",
+                        "peer presented a revoked certificate",
+                        serial=f"{peer_cert.serial_number:x}",
+                    )
+                    raise HandshakeError(f"peer certificate {peer_cert.serial_number:x} is revoked")
+                async with grpc.aio.secure_channel(address, credentials(), options=options) as channel:
                     stub = link_pb2_grpc.SwitchLinkStub(channel)
                     call = stub.Link()
                     await call.write(self.hello())
@@ -201,13 +343,19 @@ class PeerLink:
                         raise HandshakeError("peer closed the link during the handshake")
                     # TLS already verified the server's certificate names the expected peer
                     # (target-name override); the handshake must agree with it.
-                    self.check_hello(reply, self.expected_peer)
+                    try:
+                        self.check_hello(reply, self.expected_peer)
+                    except HandshakeError as exc:
+                        self.refuse("handshake", str(exc))
+                        raise
                     backoff = 0.2
-                    await self.run_session(call.read, call.write, self.expected_peer, "dialer")
+                    await self.run_session(call.read, call.write, self.expected_peer, "dialer", peer_cert)
                     call.cancel()
             except asyncio.CancelledError:
                 raise
-            except (grpc.aio.AioRpcError, HandshakeError, TimeoutError, OSError) as exc:
+            except (grpc.aio.AioRpcError, HandshakeError, TimeoutError, OSError, ssl.SSLError) as exc:
+                if isinstance(exc, ssl.SSLError):
+                    self.refuse("tls", f"peer's TLS certificate refused: {exc}")
                 detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                 log.warning("cannot link to peer at %s: %s (retry in %.1fs)", address, detail, backoff)
             await asyncio.sleep(backoff)

@@ -17,6 +17,7 @@ from nebula_common.auth import Principal, TokenVerifier
 from nebula_common.errors import AuthenticationError
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, relay_pb2_grpc
 from nebula_common.rpc import bearer_token_from_metadata
+from services.switch.certs import CertificateManager
 from services.switch.link import PeerLink
 from services.switch.metrics import AUTH_REFUSALS, EDGES_OPEN
 from services.switch.routing import Route, RouteInUseError, Router
@@ -26,11 +27,19 @@ log = logging.getLogger(__name__)
 
 
 class RelayServicer(relay_pb2_grpc.RelayServicer):
-    def __init__(self, cluster_id: str, link: PeerLink, router: Router, verifier: TokenVerifier) -> None:
+    def __init__(
+        self,
+        cluster_id: str,
+        link: PeerLink,
+        router: Router,
+        verifier: TokenVerifier,
+        certificates: CertificateManager | None = None,
+    ) -> None:
         self.cluster_id = cluster_id
         self.link = link
         self.router = router
         self.verifier = verifier
+        self.certificates = certificates
 
     async def OpenEdge(
         self, request_iterator: AsyncIterator[relay_pb2.EdgeMessage], context: grpc.aio.ServicerContext
@@ -48,7 +57,16 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
         try:
             route = self.router.attach(key, owner=principal.username)
         except RouteInUseError as exc:
+            self.link.record(
+                "edge.open",
+                outcome="refused",
+                account=principal.username,
+                job_id=job_id,
+                edge=edge,
+                reason=str(exc),
+            )
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        self.link.record("edge.open", account=principal.username, job_id=job_id, edge=edge)
         EDGES_OPEN.set(self.router.open_routes())
         log.info(
             "edge opened",
@@ -78,6 +96,14 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                         )
                     )
                 )
+            self.link.ledger.flush_edge(job_id, edge)
+            self.link.record(
+                "edge.close",
+                outcome="ok" if finished_cleanly else "failure",
+                account=principal.username,
+                job_id=job_id,
+                edge=edge,
+            )
             self.router.detach(key)
             EDGES_OPEN.set(self.router.open_routes())
 
@@ -86,11 +112,15 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
         token = bearer_token_from_metadata(context.invocation_metadata())
         if token is None:
             AUTH_REFUSALS.labels("internal", "no-token").inc()
+            self.link.record(
+                "relay.refused", outcome="refused", reason="missing bearer token", address=context.peer()
+            )
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
         try:
             return self.verifier.verify(token)
         except AuthenticationError as exc:
             AUTH_REFUSALS.labels("internal", "bad-token").inc()
+            self.link.record("relay.refused", outcome="refused", reason=str(exc), address=context.peer())
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"invalid token: {exc}")
         raise AssertionError("unreachable: abort raises")
 
@@ -157,4 +187,17 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             link_role=state.role,
             sent=self.link.sent.to_proto(),
             received=self.link.received.to_proto(),
+            peer_certificate_serial=f"{state.peer_serial:x}" if state.peer_serial else "",
+            link_sessions=state.sessions,
+            **self._own_certificate(),
         )
+
+    def _own_certificate(self) -> dict[str, object]:
+        if self.certificates is None:
+            return {}
+        material = self.certificates.current
+        return {
+            "certificate_serial": f"{material.serial:x}",
+            "certificate_not_after": int(material.cert.not_valid_after_utc.timestamp()),
+            "certificate_generation": material.generation,
+        }

@@ -32,10 +32,18 @@ class Route:
     created_at: float = field(default_factory=lambda: asyncio.get_running_loop().time())
 
 
+JOB_OWNERS_REMEMBERED = 100_000
+"""Job ids whose owning account the switch remembers (oldest forgotten first); far above live jobs."""
+
+
 class Router:
     def __init__(self, buffer_messages: int) -> None:
         self._buffer_messages = buffer_messages
         self._routes: dict[RouteKey, Route] = {}
+        # job id -> account that first attached an edge of it. A job's edges belong to one account,
+        # so once claimed, no other account of this cluster can attach to (and read) any of its edges,
+        # even after the owner's stream ended (a restarted stage re-attaches under the same account).
+        self._job_owners: dict[str, str] = {}
 
     def _get_or_create(self, key: RouteKey) -> Route:
         route = self._routes.get(key)
@@ -46,12 +54,24 @@ class Router:
 
     def attach(self, key: RouteKey, owner: str) -> Route:
         """Bind the local end of an edge to a trainer stream opened by account ``owner``."""
+        claimed_by = self._job_owners.get(key[0])
+        if claimed_by is not None and claimed_by != owner:
+            # Same answer as a busy edge: another account's job is not ours to confirm or deny.
+            raise RouteInUseError(f"edge {key[1]!r} of job {key[0]!r} is not available to this account")
         route = self._get_or_create(key)
         if route.attached:
             raise RouteInUseError(f"edge {key[1]!r} of job {key[0]!r} is already open on this switch")
         route.attached = True
         route.owner = owner
+        if claimed_by is None:
+            self._job_owners[key[0]] = owner
+            while len(self._job_owners) > JOB_OWNERS_REMEMBERED:
+                del self._job_owners[next(iter(self._job_owners))]
         return route
+
+    def get(self, key: RouteKey) -> Route | None:
+        """The route for ``key`` if one exists (attached or still buffering)."""
+        return self._routes.get(key)
 
     def detach(self, key: RouteKey) -> None:
         self._routes.pop(key, None)

@@ -2,6 +2,9 @@
 
 They are two servers, not two ports of one, because gRPC registers services
 per server: the Relay API must not be reachable on the WAN port at all.
+Alongside them one maintenance task reloads the peer CRL (closing a link whose
+peer was just revoked) and checks, renews and hot-reloads this switch's own
+certificate.
 """
 
 from __future__ import annotations
@@ -11,22 +14,25 @@ import contextlib
 import logging
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
+from cryptography import x509
+
+from nebula_common.audit import AuditLog, open_service_audit
+from nebula_common.audit.servicer import AuditServicer
 from nebula_common.auth import TokenVerifier
 from nebula_common.logging import configure_logging
-from nebula_common.pki import (
-    channel_credentials_from_files,
-    channel_options,
-    server_credentials_from_files,
-    server_options,
-)
-from nebula_common.proto.nebula.v1 import link_pb2_grpc, relay_pb2_grpc
+from nebula_common.pki import Identity, channel_options, server_options
+from nebula_common.proto.nebula.v1 import audit_pb2_grpc, link_pb2_grpc, relay_pb2_grpc
 from nebula_common.rpc import ServiceServer, create_server
 from nebula_common.rpc.lifecycle import serve_until_signalled
+from services.switch.certs import CertificateManager
 from services.switch.config import SwitchSettings
-from services.switch.link import PeerLink
+from services.switch.link import PeerLink, fetch_server_certificate
 from services.switch.relay_servicer import RelayServicer
+from services.switch.revocation import RevocationList
 from services.switch.routing import Router
+from services.switch.tls_refusals import StderrTap
 from services.switch.wan_servicer import SwitchLinkServicer
 
 log = logging.getLogger(__name__)
@@ -39,6 +45,11 @@ class RunningSwitch:
     wan: ServiceServer
     link: PeerLink
     dialer: asyncio.Task[None] | None
+    audit: AuditLog
+    certificates: CertificateManager
+    revocation: RevocationList | None
+    maintenance: asyncio.Task[None]
+    verifier: TokenVerifier
 
     @property
     def internal_port(self) -> int:
@@ -50,33 +61,100 @@ class RunningSwitch:
 
     async def stop(self, grace: float = 2.0) -> None:
         self.link.stop()
-        if self.dialer is not None:
-            self.dialer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.dialer
+        for task in (self.dialer, self.maintenance):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await asyncio.gather(self.wan.stop(grace), self.internal.stop(grace))
+        await asyncio.to_thread(self.audit.close)  # seals the tail
+        await asyncio.to_thread(self.verifier.close)  # ends the key/revocation polling of auth
+
+
+async def _maintain(settings: SwitchSettings, link: PeerLink, certs: CertificateManager) -> None:
+    """Poll the peer CRL (enforcing it on the live link) and the own certificate, forever."""
+    loop = asyncio.get_running_loop()
+    next_cert_check = loop.time() + settings.cert_check_interval_s
+    while True:
+        await asyncio.sleep(min(settings.crl_refresh_s, settings.cert_check_interval_s))
+        try:
+            if link.revocation is not None:
+                loaded = await asyncio.to_thread(link.revocation.refresh)
+                if loaded is not None:
+                    link.record("crl.reload", crl_number=loaded.number, revoked=len(loaded.revoked))
+                link.enforce_revocation()
+            if loop.time() >= next_cert_check:
+                next_cert_check = loop.time() + settings.cert_check_interval_s
+                await asyncio.to_thread(certs.check)
+        except Exception:  # one bad poll must not end revocation enforcement for good
+            log.exception("switch maintenance step failed")
 
 
 async def run_switch(settings: SwitchSettings) -> RunningSwitch:
     verifier = await TokenVerifier.from_auth_service_async(
         settings.auth_address, settings.cluster_id, timeout=AUTH_WAIT_S
     )
-    router = Router(settings.route_buffer_messages)
-    link = PeerLink(settings.cluster_id, settings.peer_cluster_id, router)
+    audit = await asyncio.to_thread(
+        open_service_audit,
+        settings.data_dir,
+        service="switch",
+        cluster=settings.cluster_id,
+        seal_interval_s=settings.audit_seal_interval_s,
+        # Records reach the kernel at once (a crashed process loses none); fsync happens at each seal
+        # so the relay's event loop never waits on the disk per transfer record.
+        fsync_each=False,
+    )
+    try:
+        return await _start(settings, verifier, audit)
+    except BaseException:
+        audit.close()
+        verifier.close()
+        raise
 
-    internal = create_server(["nebula.v1.Relay"])
+
+async def _start(settings: SwitchSettings, verifier: TokenVerifier, audit: AuditLog) -> RunningSwitch:
+    revocation = None
+    if settings.peer_crl is not None:
+        revocation = RevocationList(settings.peer_crl, settings.trust_bundle)
+    else:
+        log.warning("no NEBULA_SWITCH_PEER_CRL: revoked peer certificates are accepted until they expire")
+    certs = CertificateManager(
+        settings.tls_cert,
+        settings.tls_key,
+        settings.trust_bundle,
+        Identity(settings.cluster_id, "switch"),
+        audit=audit,
+        ca_cert_path=settings.ca_cert,
+        ca_key_path=settings.ca_key,
+        renew_before_fraction=settings.renew_before_fraction,
+        warn_before=timedelta(seconds=settings.cert_warn_before_s),
+    )
+    router = Router(settings.route_buffer_messages)
+    link = PeerLink(settings.cluster_id, settings.peer_cluster_id, router, audit=audit, revocation=revocation)
+    material = certs.current
+    audit.append(
+        "switch.start",
+        details={
+            "certificate_serial": f"{material.serial:x}",
+            "certificate_not_after": material.cert.not_valid_after_utc.isoformat(),
+            "peer": link.expected_peer.uri,
+            "peer_crl": str(settings.peer_crl or ""),
+            "self_renewal": settings.ca_key is not None,
+        },
+    )
+
+    internal = create_server(["nebula.v1.Relay", "nebula.v1.AuditLog"])
     relay_pb2_grpc.add_RelayServicer_to_server(
-        RelayServicer(settings.cluster_id, link, router, verifier), internal.server
+        RelayServicer(settings.cluster_id, link, router, verifier, certs), internal.server
+    )
+    audit_pb2_grpc.add_AuditLogServicer_to_server(
+        AuditServicer(audit, verifier, "switch", settings.cluster_id), internal.server
     )
     internal.add_insecure_port("internal", settings.internal_listen)
 
     wan = create_server(["nebula.v1.SwitchLink"], options=server_options())
     link_pb2_grpc.add_SwitchLinkServicer_to_server(SwitchLinkServicer(link), wan.server)
-    wan.add_secure_port(
-        "wan",
-        settings.wan_listen,
-        server_credentials_from_files(settings.tls_cert, settings.tls_key, settings.trust_bundle),
-    )
+    wan.add_secure_port("wan", settings.wan_listen, certs.server_credentials())
     await internal.start()
     await wan.start()
 
@@ -84,19 +162,41 @@ async def run_switch(settings: SwitchSettings) -> RunningSwitch:
     if settings.dials():
         if settings.peer_address is None:
             raise ValueError("NEBULA_SWITCH_PEER_ADDRESS is required when this switch dials the link")
-        credentials = channel_credentials_from_files(
-            settings.tls_cert, settings.tls_key, settings.trust_bundle
-        )
+        address = settings.peer_address
+
+        async def probe() -> x509.Certificate:
+            return await fetch_server_certificate(
+                address, certs.cert_path, certs.key_path, certs.bundle_path, link.expected_peer.dns_name
+            )
+
         dialer = asyncio.create_task(
-            link.dial_forever(settings.peer_address, credentials, channel_options(link.expected_peer)),
+            link.dial_forever(
+                address,
+                certs.channel_credentials,
+                channel_options(link.expected_peer),
+                probe=probe if revocation is not None else None,
+            ),
             name="wan-dialer",
         )
+    maintenance = asyncio.create_task(_maintain(settings, link, certs), name="switch-maintenance")
     internal.start_metrics(settings.metrics_port, settings.internal_listen)
-    return RunningSwitch(internal=internal, wan=wan, link=link, dialer=dialer)
+    return RunningSwitch(
+        internal=internal,
+        wan=wan,
+        link=link,
+        dialer=dialer,
+        audit=audit,
+        certificates=certs,
+        revocation=revocation,
+        maintenance=maintenance,
+        verifier=verifier,
+    )
 
 
 async def _serve(settings: SwitchSettings) -> None:
     running = await run_switch(settings)
+    # TLS refusals happen inside gRPC core; its stderr report is the only trace, so audit that.
+    StderrTap(lambda reason: running.link.refuse("tls", reason))
     ready = {
         "service": "switch",
         "cluster_id": settings.cluster_id,

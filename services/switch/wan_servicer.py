@@ -1,4 +1,10 @@
-"""SwitchLink servicer: the WAN port's only RPC, for the peer switch to attach its link."""
+"""SwitchLink servicer: the WAN port's only RPC, for the peer switch to attach its link.
+
+By the time this runs, gRPC's TLS stack has verified the peer's chain, validity window and the
+CA's name constraint. What remains is checked here, before a single frame is relayed: the
+certificate names exactly the configured peer switch (cluster *and* role), it is not on the peer
+CA's revocation list, and the handshake agrees with it. Every refusal is audited.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +13,21 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from cryptography import x509
 
 from nebula_common.pki import peer_identity
 from nebula_common.proto.nebula.v1 import link_pb2, link_pb2_grpc
 from services.switch.link import HANDSHAKE_TIMEOUT_S, HandshakeError, PeerLink
-from services.switch.metrics import AUTH_REFUSALS
 
 log = logging.getLogger(__name__)
+
+
+def _peer_certificate(context: grpc.aio.ServicerContext) -> x509.Certificate | None:
+    pems = (context.auth_context() or {}).get("x509_pem_cert") or []
+    try:
+        return x509.load_pem_x509_certificate(pems[0]) if pems else None
+    except ValueError:
+        return None
 
 
 class SwitchLinkServicer(link_pb2_grpc.SwitchLinkServicer):
@@ -23,19 +37,28 @@ class SwitchLinkServicer(link_pb2_grpc.SwitchLinkServicer):
     async def Link(
         self, request_iterator: AsyncIterator[link_pb2.LinkMessage], context: grpc.aio.ServicerContext
     ) -> None:
+        cert = _peer_certificate(context)
+        serial = f"{cert.serial_number:x}" if cert is not None else ""
         try:
             certified = peer_identity(context)
             self.link.check_identity(certified)
         except PermissionError as exc:
-            AUTH_REFUSALS.labels("wan", "identity").inc()
+            self.link.refuse("identity", str(exc), address=context.peer(), serial=serial)
             log.warning("refused WAN link: %s", exc, extra={"fields": {"peer": context.peer()}})
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        if self.link.is_revoked(cert):
+            reason = f"peer certificate {serial} is revoked"
+            self.link.refuse("revoked", reason, address=context.peer(), serial=serial, identity=certified.uri)
+            log.warning("refused WAN link: %s", reason, extra={"fields": {"peer": context.peer()}})
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
         try:
             hello = await asyncio.wait_for(context.read(), HANDSHAKE_TIMEOUT_S)
             self.link.check_hello(hello, certified)
         except (HandshakeError, TimeoutError) as exc:
-            AUTH_REFUSALS.labels("wan", "handshake").inc()
+            self.link.refuse(
+                "handshake", str(exc) or "no handshake in time", address=context.peer(), serial=serial
+            )
             log.warning("refused WAN link from %s: %s", certified.uri, exc)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"handshake refused: {exc}")
         await context.write(self.link.hello())
-        await self.link.run_session(context.read, context.write, certified, "acceptor")
+        await self.link.run_session(context.read, context.write, certified, "acceptor", cert)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -15,4 +18,10 @@ class TrainerSettings(BaseSettings):
     auth_address: str = Field(description="host:port of this cluster's auth service.")
     metrics_port: int = Field(0, ge=-1, le=65535, description="Prometheus port; 0 picks one, -1 disables.")
     torch_threads: int = Field(1, ge=1, le=256, description="Intra-op threads for torch on this trainer.")
+    data_dir: Path | None = Field(
+        None, description="Where stage checkpoints go (default: <tmp>/nebula-trainer-<cluster_id>)."
+    )
     log_level: str = "INFO"
+
+    def resolved_data_dir(self) -> Path:
+        return self.data_dir or Path(tempfile.gettempdir()) / f"nebula-trainer-{self.cluster_id}"

@@ -8,6 +8,7 @@ transfer), and a receiver thread reassembles incoming frames into tensors.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -55,6 +56,7 @@ class EdgeConnection:
         edge: str,
         *,
         send_queue_frames: int = 64,
+        receive_queue_tensors: int = 0,
         ready_timeout: float = 90.0,
     ) -> None:
         self.job_id = job_id
@@ -62,7 +64,10 @@ class EdgeConnection:
         self.stats = EdgeStats()
         self._frame_ids = itertools.count(1)
         self._outgoing: queue.Queue[object] = queue.Queue(maxsize=send_queue_frames)
-        self._incoming: queue.Queue[object] = queue.Queue()
+        # Bounded (receive_queue_tensors > 0): a receiver that falls behind stops reading the stream,
+        # and gRPC flow control carries the back-pressure through the switches to the sender.
+        self._incoming: queue.Queue[object] = queue.Queue(maxsize=receive_queue_tensors)
+        self._torn_down = threading.Event()
         self._channel = insecure_channel(switch_address)
         stub = relay_pb2_grpc.RelayStub(self._channel)
         self._outgoing.put(relay_pb2.EdgeMessage(open=relay_pb2.EdgeOpen(job_id=job_id, edge=edge)))
@@ -93,8 +98,8 @@ class EdgeConnection:
                     self._ready.set()
                 elif kind == "frame":
                     encoded = assembler.feed(message.frame)
-                    if encoded is not None:
-                        self._incoming.put(encoded)
+                    if encoded is not None and not self._deliver(encoded):
+                        break
                 elif kind == "close":
                     self._close_reason = message.close.reason or "peer closed the edge"
                     if message.close.error:
@@ -109,7 +114,27 @@ class EdgeConnection:
             if self._close_reason is None:
                 self._close_reason = "edge stream ended"
             self._ready.set()
-            self._incoming.put(_CLOSED)
+            self._put_closed()
+
+    def _put_closed(self) -> None:
+        """Wake any receive() for good, even on a full queue after teardown (its tensors are moot then)."""
+        while True:
+            try:
+                self._incoming.put_nowait(_CLOSED)
+                return
+            except queue.Full:
+                with contextlib.suppress(queue.Empty):
+                    self._incoming.get_nowait()
+
+    def _deliver(self, item: object) -> bool:
+        """Queue an incoming item, waiting while the queue is full; False once the edge is torn down."""
+        while not self._torn_down.is_set():
+            try:
+                self._incoming.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def send(
         self,
@@ -159,7 +184,7 @@ class EdgeConnection:
         finally:
             self.stats.wait_seconds += time.perf_counter() - started
         if item is _CLOSED:
-            self._incoming.put(_CLOSED)
+            self._put_closed()
             raise EdgeClosedError(self._close_reason or "edge closed")
         if not isinstance(item, EncodedTensor):
             raise EdgeClosedError("internal error: unexpected item on the edge queue")
@@ -179,6 +204,7 @@ class EdgeConnection:
         self._outgoing.put(close)
         self._outgoing.put(_CLOSED)
         self._receiver.join(timeout)
+        self._torn_down.set()
         self._call.cancel()
         self._channel.close()
 
@@ -191,5 +217,6 @@ class EdgeConnection:
                 break
         if self._close_reason is None:
             self._close_reason = reason
+        self._torn_down.set()
         self._call.cancel()
         self._channel.close()

@@ -105,7 +105,13 @@ class StageRunner:
             self.board.update(state=trainer_pb2.STAGE_STATE_FAILED, message=f"{type(exc).__name__}: {exc}")
 
     def _report_step(
-        self, step: int, elapsed: float, waited: float, loss: float | None, edge: EdgeConnection
+        self,
+        step: int,
+        elapsed: float,
+        waited: float,
+        loss: float | None,
+        edge: EdgeConnection,
+        **extra: object,
     ) -> None:
         labels = (self.spec.job_id, self.spec.stage)
         STEP_SECONDS.labels(*labels).observe(elapsed)
@@ -119,6 +125,7 @@ class StageRunner:
             bytes_received=edge.stats.bytes_received,
             raw_bytes_sent=edge.stats.raw_bytes_sent,
             raw_bytes_received=edge.stats.raw_bytes_received,
+            **extra,
         )
         if loss is not None:
             LOSS.labels(*labels).set(loss)

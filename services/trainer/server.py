@@ -8,9 +8,11 @@ import sys
 
 import torch
 
+from nebula_common.audit import open_service_audit
+from nebula_common.audit.servicer import AuditServicer
 from nebula_common.auth import TokenVerifier
 from nebula_common.logging import configure_logging
-from nebula_common.proto.nebula.v1 import trainer_pb2_grpc
+from nebula_common.proto.nebula.v1 import audit_pb2, audit_pb2_grpc, trainer_pb2_grpc
 from nebula_common.rpc import ServiceServer, create_server
 from nebula_common.rpc.lifecycle import serve_until_signalled
 from services.trainer.config import TrainerSettings
@@ -18,6 +20,7 @@ from services.trainer.servicer import TrainerServicer
 
 log = logging.getLogger(__name__)
 AUTH_WAIT_S = 30.0
+AUDIT_SERVICE_NAME = audit_pb2.DESCRIPTOR.services_by_name["AuditLog"].full_name
 
 
 async def run_trainer(settings: TrainerSettings) -> tuple[ServiceServer, TrainerServicer]:
@@ -25,9 +28,18 @@ async def run_trainer(settings: TrainerSettings) -> tuple[ServiceServer, Trainer
     verifier = await TokenVerifier.from_auth_service_async(
         settings.auth_address, settings.cluster_id, timeout=AUTH_WAIT_S
     )
-    service = create_server(["nebula.v1.Trainer"])
-    servicer = TrainerServicer(settings.cluster_id, verifier, settings.switch_address)
+    data_dir = settings.resolved_data_dir()
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Submits and stage starts/stops are rare: fsync each record so none is lost in a crash.
+    audit = await asyncio.to_thread(
+        open_service_audit, data_dir, service="trainer", cluster=settings.cluster_id
+    )
+    service = create_server(["nebula.v1.Trainer", AUDIT_SERVICE_NAME])
+    servicer = TrainerServicer(settings.cluster_id, verifier, settings.switch_address, data_dir, audit)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, service.server)
+    audit_pb2_grpc.add_AuditLogServicer_to_server(
+        AuditServicer(audit, verifier, "trainer", settings.cluster_id), service.server
+    )
     service.add_insecure_port("grpc", settings.listen)
     await service.start()
     service.start_metrics(settings.metrics_port, settings.listen)
@@ -43,6 +55,7 @@ async def _serve(settings: TrainerSettings) -> None:
         await service.stop()
         for runner in servicer.runners.values():
             await asyncio.to_thread(runner.join, 10.0)
+        await asyncio.to_thread(servicer.audit.close)  # seals the tail of the log
 
     ready = {
         "service": "trainer",

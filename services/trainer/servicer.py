@@ -1,19 +1,28 @@
-"""Trainer control servicer: thin mapping from RPCs to StageRunner and domain errors to status codes."""
+"""Trainer control servicer: thin mapping from RPCs to stage runners and domain errors to status codes.
+
+Every decision about a job is audited here (submit, start, stop, cancel, and every refusal), in
+the trainer's own hash-chained log: the cluster that owns the hardware keeps the record of what
+ran on it and on whose authority.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 
+from nebula_common.audit import AuditLog
 from nebula_common.auth import Principal, TokenVerifier
 from nebula_common.errors import AuthenticationError, InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2, trainer_pb2_grpc
 from nebula_common.rpc import bearer_token_from_metadata
 from services.trainer.metrics import STAGES_RUNNING
 from services.trainer.runner import StageRunner
+from services.trainer.runtime.checkpoint import CheckpointError, CheckpointStore
+from services.trainer.runtime.stage import ProgramRunner
 from services.trainer.status import TERMINAL_STATES
 from services.trainer.validation import validate_stage_spec
 
@@ -21,63 +30,167 @@ log = logging.getLogger(__name__)
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self, cluster_id: str, verifier: TokenVerifier, switch_address: str) -> None:
+    def __init__(
+        self,
+        cluster_id: str,
+        verifier: TokenVerifier,
+        switch_address: str,
+        data_dir: Path,
+        audit: AuditLog,
+    ) -> None:
         self.cluster_id = cluster_id
         self.verifier = verifier
         self.switch_address = switch_address
+        self.checkpoints = CheckpointStore(data_dir)
+        self.audit = audit
         self.runners: dict[str, StageRunner] = {}
         self.owners: dict[str, str] = {}
 
-    async def _authenticate(self, context: grpc.aio.ServicerContext) -> tuple[Principal, str]:
+    async def _record(self, event: str, **fields: object) -> None:
+        await asyncio.to_thread(self.audit.append, event, **fields)  # type: ignore[arg-type]
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext, action: str) -> tuple[Principal, str]:
         token = bearer_token_from_metadata(context.invocation_metadata())
-        if token is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
-        try:
-            return self.verifier.verify(token), token
-        except AuthenticationError as exc:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"invalid token: {exc}")
+        reason = "missing bearer token"
+        if token is not None:
+            try:
+                return self.verifier.verify(token), token
+            except AuthenticationError as exc:
+                reason = f"invalid token: {exc}"
+        await self._record("auth.refused", outcome="refused", details={"action": action, "reason": reason})
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
         raise AssertionError("unreachable: abort raises")
 
-    async def _owned_runner(self, job_id: str, context: grpc.aio.ServicerContext) -> StageRunner:
-        principal, _ = await self._authenticate(context)
+    async def _owned_runner(
+        self, job_id: str, context: grpc.aio.ServicerContext, action: str
+    ) -> tuple[Principal, StageRunner]:
+        principal, _ = await self._authenticate(context, action)
         runner = self.runners.get(job_id)
         # Another account's job is reported as absent, not forbidden: its existence is not ours to reveal.
         if runner is None or (self.owners[job_id] != principal.username and principal.role != "admin"):
+            await self._record(
+                action,
+                outcome="refused",
+                account=principal.username,
+                job_id=job_id,
+                details={"reason": "not found"},
+            )
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r} on this trainer")
-        return runner
+        return principal, runner
 
     async def AssignStage(
         self, request: trainer_pb2.AssignStageRequest, context: grpc.aio.ServicerContext
     ) -> trainer_pb2.AssignStageResponse:
-        principal, token = await self._authenticate(context)
+        principal, token = await self._authenticate(context, "job.submit")
         spec = request.spec
+        account, job_id = principal.username, spec.job_id
+        submitted = {
+            "stage": spec.stage,
+            "scenario": spec.scenario,
+            "codec_forward": spec.codec_forward,
+            "codec_backward": spec.codec_backward,
+            "codec_choice": spec.codec_choice,
+        }
+        # The one place a StageSpec is accepted: every check (and any future policy) runs here,
+        # before a runner exists.
         try:
             validate_stage_spec(spec)
         except InvalidRequestError as exc:
+            await self._record(
+                "job.submit", outcome="refused", account=account, job_id=job_id, details={"reason": str(exc)}
+            )
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if spec.job_id in self.runners:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"job {spec.job_id!r} already exists here")
-        runner = StageRunner(spec, token, self.switch_address)
+        if job_id in self.runners:
+            # Same answer whoever holds the id: job ids are global here, like account names, and the
+            # reply must not tell another account anything about the job that has it.
+            await self._record(
+                "job.submit",
+                outcome="refused",
+                account=account,
+                job_id=job_id,
+                details={"reason": "id taken"},
+            )
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"job id {job_id!r} is not available on this trainer"
+            )
+        resume = spec.program.resume_job_id if spec.scenario == "program" else ""
+        if resume:
+            held = self.checkpoints.steps(account, resume, spec.stage)
+            submitted["resume"] = {"job_id": resume, "step": spec.program.resume_step}
+            if spec.program.resume_step not in held:
+                await self._record(
+                    "job.submit",
+                    outcome="refused",
+                    account=account,
+                    job_id=job_id,
+                    details={**submitted, "reason": "no such checkpoint for this account"},
+                )
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"no checkpoint of job {resume!r} stage {spec.stage!r} at step "
+                    f"{spec.program.resume_step} for this account on cluster {self.cluster_id}",
+                )
+        await self._record("job.submit", account=account, job_id=job_id, details=submitted)
+        runner = self._make_runner(spec, token, principal.username)
         self.runners[spec.job_id] = runner
         self.owners[spec.job_id] = principal.username
+        runner.board.update(
+            codec_forward=spec.codec_forward,
+            codec_backward=spec.codec_backward,
+            codec_choice=spec.codec_choice,
+        )
         runner.start()
         STAGES_RUNNING.inc()
-        asyncio.get_running_loop().run_in_executor(None, self._track_finish, runner)
+        await self._record("stage.start", account=account, job_id=job_id, details={"stage": spec.stage})
+        asyncio.get_running_loop().run_in_executor(None, self._track_finish, runner, account)
         log.info(
             "stage assigned",
             extra={"fields": {"job_id": spec.job_id, "stage": spec.stage, "account": principal.username}},
         )
         return trainer_pb2.AssignStageResponse(job_id=spec.job_id, authorised_by=principal.username)
 
-    @staticmethod
-    def _track_finish(runner: StageRunner) -> None:
+    def _make_runner(self, spec: trainer_pb2.StageSpec, token: str, owner: str) -> StageRunner:
+        if spec.scenario == "program":
+            return ProgramRunner(spec, token, self.switch_address, self.checkpoints.root, owner)
+        return StageRunner(spec, token, self.switch_address)
+
+    async def ListCheckpoints(
+        self, request: trainer_pb2.ListCheckpointsRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.ListCheckpointsResponse:
+        principal, _ = await self._authenticate(context, "checkpoint.list")
+        # Only the caller's own namespace is ever looked at: another account's checkpoints do not exist here.
+        try:
+            steps = self.checkpoints.steps(principal.username, request.job_id, request.stage)
+        except CheckpointError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not steps:
+            await self._record(
+                "checkpoint.list", outcome="refused", account=principal.username, job_id=request.job_id
+            )
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoints of job {request.job_id!r} here")
+        return trainer_pb2.ListCheckpointsResponse(steps=steps)
+
+    def _track_finish(self, runner: StageRunner, account: str) -> None:
         runner.join()
         STAGES_RUNNING.dec()
+        final = runner.board.latest()
+        self.audit.append(
+            "stage.stop",
+            outcome="ok" if final.state == trainer_pb2.STAGE_STATE_SUCCEEDED else "error",
+            account=account,
+            job_id=final.job_id,
+            details={
+                "stage": final.stage,
+                "state": trainer_pb2.StageState.Name(final.state),
+                "steps_done": final.steps_done,
+                "message": final.message,
+            },
+        )
 
     async def WatchStage(
         self, request: trainer_pb2.WatchStageRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[trainer_pb2.StageStatus]:
-        runner = await self._owned_runner(request.job_id, context)
+        _, runner = await self._owned_runner(request.job_id, context, "job.watch")
         version = 0
         while True:
             version, updates = await asyncio.to_thread(runner.board.since, version, 1.0)
@@ -89,6 +202,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def CancelStage(
         self, request: trainer_pb2.CancelStageRequest, context: grpc.aio.ServicerContext
     ) -> trainer_pb2.CancelStageResponse:
-        runner = await self._owned_runner(request.job_id, context)
+        principal, runner = await self._owned_runner(request.job_id, context, "job.cancel")
         runner.cancel()
+        await self._record("job.cancel", account=principal.username, job_id=request.job_id)
         return trainer_pb2.CancelStageResponse()

@@ -36,8 +36,9 @@ class StatusBoard:
         with self._condition:
             status = trainer_pb2.StageStatus()
             status.CopyFrom(self._history[-1])
-            if "loss" not in fields:
-                status.ClearField("loss")
+            for per_step in ("loss", "local_loss"):  # per-step values never carry over to the next update
+                if per_step not in fields:
+                    status.ClearField(per_step)
             for name, value in fields.items():
                 setattr(status, name, value)
             self._history.append(status)

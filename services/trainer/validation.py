@@ -2,23 +2,35 @@
 
 from __future__ import annotations
 
+import json
 import re
 
-from nebula_common.codec import CodecError, get_codec
+from nebula_common.codec import CodecError
+from nebula_common.codec.stream import canonical_spec
 from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2
+from services.trainer.runtime.schedule import SCHEDULES
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 STAGES = ("encoder", "decoder")
+SCENARIOS = ("abnet", "program")
+ROLES = ("upstream", "downstream")
+MODES = ("backprop", "one_way")
+PAYLOADS = ("float", "int64")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
 
 
 def validate_stage_spec(spec: trainer_pb2.StageSpec) -> None:
     problems: list[str] = []
     if not _ID.match(spec.job_id):
         problems.append(f"job_id {spec.job_id!r} must be 1-128 chars of [A-Za-z0-9._-]")
-    if spec.scenario != "abnet":
-        problems.append(f"scenario {spec.scenario!r} is not supported (supported: 'abnet')")
-    if spec.stage not in STAGES:
+    if spec.scenario not in SCENARIOS:
+        problems.append(f"scenario {spec.scenario!r} is not supported (supported: {', '.join(SCENARIOS)})")
+    if spec.scenario == "program":
+        if not _ID.match(spec.stage):
+            problems.append(f"stage {spec.stage!r} must be 1-128 chars of [A-Za-z0-9._-]")
+    elif spec.stage not in STAGES:
         problems.append(f"stage {spec.stage!r} must be one of {', '.join(STAGES)}")
     if not spec.edge:
         problems.append("edge is required")
@@ -26,10 +38,89 @@ def validate_stage_spec(spec: trainer_pb2.StageSpec) -> None:
         problems.append(f"steps {spec.steps} must be in 1..1000000")
     for name in ("codec_forward", "codec_backward"):
         try:
-            get_codec(getattr(spec, name) or "none")
+            if canonical_spec(getattr(spec, name) or "none") == "auto":
+                # Both clusters must use the same concrete codec, so advice is taken once, at submission.
+                problems.append(
+                    f"{name}: 'auto' must be resolved by the submitter (the SDK asks the codec service)"
+                )
         except CodecError as exc:
             problems.append(f"{name}: {exc}")
-    cfg = spec.abnet
+    if spec.scenario == "program":
+        problems += _program_problems(spec.program)
+        if spec.program.payload == "int64" and (spec.codec_forward or "none") != "none":
+            problems.append("codec_forward must be none for an int64 payload (a lossy codec changes ids)")
+        if spec.program.mode == "one_way" and (spec.codec_backward or "none") != "none":
+            problems.append("codec_backward must be none on a one_way edge (it carries only the sync tensor)")
+    else:
+        problems += _abnet_problems(spec.abnet)
+    if problems:
+        raise InvalidRequestError("invalid stage spec: " + "; ".join(problems))
+
+
+def _program_problems(cfg: trainer_pb2.ProgramStage) -> list[str]:
+    problems: list[str] = []
+    if cfg.role not in ROLES:
+        problems.append(f"program.role {cfg.role!r} must be one of {', '.join(ROLES)}")
+    if not cfg.module_source.strip():
+        problems.append("program.module_source is empty")
+    else:
+        try:
+            compile(cfg.module_source, cfg.module_name or "<stage>", "exec")
+        except SyntaxError as exc:
+            problems.append(f"program.module_source: line {exc.lineno}: syntax error: {exc.msg}")
+    try:
+        options = json.loads(cfg.options_json or "{}")
+        if not isinstance(options, dict):
+            problems.append("program.options_json must be a JSON object")
+    except ValueError as exc:
+        problems.append(f"program.options_json: {exc}")
+    if cfg.micro_batches < 1:
+        problems.append("program.micro_batches must be >= 1")
+    elif cfg.batch_size < cfg.micro_batches or cfg.batch_size % cfg.micro_batches:
+        problems.append(
+            f"program.batch_size {cfg.batch_size} must be a positive multiple of "
+            f"micro_batches {cfg.micro_batches}"
+        )
+    if cfg.num_examples < 1:
+        problems.append("program.num_examples must be >= 1")
+    if cfg.schedule not in SCHEDULES:
+        problems.append(f"program.schedule {cfg.schedule!r} must be one of {', '.join(SCHEDULES)}")
+    if not 1 <= cfg.max_in_flight <= 256:
+        problems.append(f"program.max_in_flight {cfg.max_in_flight} must be in 1..256")
+    opt = cfg.optimizer
+    if opt.name not in OPTIMIZERS:
+        problems.append(f"program.optimizer.name {opt.name!r} must be one of {', '.join(OPTIMIZERS)}")
+    if not 0 < opt.learning_rate < 10:
+        problems.append(f"program.optimizer.learning_rate {opt.learning_rate} must be in (0, 10)")
+    if opt.lr_schedule not in LR_SCHEDULES:
+        problems.append(
+            f"program.optimizer.lr_schedule {opt.lr_schedule!r} must be one of {', '.join(LR_SCHEDULES)}"
+        )
+    mode = cfg.mode or "backprop"
+    if mode not in MODES:
+        problems.append(f"program.mode {cfg.mode!r} must be one of {', '.join(MODES)}")
+    if cfg.sync_lag > 64:
+        problems.append(f"program.sync_lag {cfg.sync_lag} must be in 0..64")
+    if cfg.replicas > 64:
+        problems.append(f"program.replicas {cfg.replicas} must be in 0..64")
+    elif cfg.replicas > 1:
+        if cfg.role != "downstream":
+            problems.append("program.replicas: data parallelism is supported on the downstream stage only")
+        micro = cfg.batch_size // cfg.micro_batches if cfg.micro_batches else 0
+        if micro % cfg.replicas:
+            problems.append(f"program.replicas {cfg.replicas} must divide the micro-batch size {micro}")
+    payload = cfg.payload or "float"
+    if payload not in PAYLOADS:
+        problems.append(f"program.payload {cfg.payload!r} must be one of {', '.join(PAYLOADS)}")
+    elif payload == "int64" and mode != "one_way":
+        problems.append("program.payload int64 needs program.mode one_way (ids carry no gradient)")
+    if cfg.resume_job_id and not _ID.match(cfg.resume_job_id):
+        problems.append(f"program.resume_job_id {cfg.resume_job_id!r} must be 1-128 chars of [A-Za-z0-9._-]")
+    return problems
+
+
+def _abnet_problems(cfg: trainer_pb2.AbnetConfig) -> list[str]:
+    problems: list[str] = []
     if not 8 <= cfg.d_model <= 4096:
         problems.append(f"abnet.d_model {cfg.d_model} must be in 8..4096")
     elif cfg.n_heads < 1 or cfg.d_model % cfg.n_heads:
@@ -45,5 +136,4 @@ def validate_stage_spec(spec: trainer_pb2.StageSpec) -> None:
         )
     if not 0 < cfg.learning_rate < 1:
         problems.append(f"abnet.learning_rate {cfg.learning_rate} must be in (0, 1)")
-    if problems:
-        raise InvalidRequestError("invalid stage spec: " + "; ".join(problems))
+    return problems

@@ -55,6 +55,12 @@ def test_demo_writes_a_summary_with_wan_bytes_and_verified_peers(tmp_path: Path)
         "a": "spiffe://nebula/cluster/b/switch",
         "b": "spiffe://nebula/cluster/a/switch",
     }
+    # The demo is an ordinary spec job: each stage checkpointed its final step on its own cluster.
+    assert summary["checkpoint_steps"] == {"encoder": 6, "decoder": 6}
+    for cluster, stage in (("a", "encoder"), ("b", "decoder")):
+        account = f"researcher-{cluster}"  # each cluster's own account owns its stage's checkpoints
+        trainer_dir = tmp_path / "run" / cluster / "trainer"
+        assert (trainer_dir / "accounts" / account / "jobs" / summary["job_id"] / stage / "step-6").is_dir()
     # Every process was stopped: no stray services left behind by the demo.
     assert "summary written to" in result.stdout
 
@@ -63,4 +69,11 @@ def test_demo_rejects_an_unknown_codec_before_starting_anything(tmp_path: Path) 
     result = nebula("demo", "--codec-forward", "zip9", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert result.returncode == 2
     assert "zip9" in result.stdout + result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_demo_rejects_an_unknown_scenario_before_starting_anything(tmp_path: Path) -> None:
+    result = nebula("demo", "--scenario", "gan", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "gan" in result.stdout + result.stderr
     assert not (tmp_path / "run").exists()

@@ -38,7 +38,7 @@ def test_local_up_runs_until_interrupted_and_leaves_nothing_behind(tmp_path: Pat
     assert description.exists(), up.communicate(timeout=30)[0]
     deployment = json.loads(description.read_text())
     pids = [p["pid"] for c in deployment["clusters"].values() for p in c["processes"].values()]
-    assert len(pids) == 8 and all(alive(pid) for pid in pids)
+    assert len(pids) == 10 and all(alive(pid) for pid in pids)  # auth, codec, data, switch, trainer x2
     assert (run_dir / "pki" / "a" / "switch.crt").exists()
     assert oct((run_dir / "a" / "admin-password").stat().st_mode & 0o777) == "0o600"
 

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -19,7 +19,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
-from nebula_common.codec import available_codecs, encode_tensor
+from nebula_common.codec import CodecError, available_codecs, decode_tensor, encode_tensor, to_frames
+from nebula_common.codec.advice import job_advice_request, request_to_proto, result_from_proto
+from nebula_common.codec.advice_client import AdviceUnavailableError, advise_specs, advise_specs_sync
 from nebula_common.codec.wire import raw_to_tensor, tensor_to_raw
 from nebula_common.metrics import listen_host
 from nebula_common.proto.nebula.v1 import codec_pb2, codec_pb2_grpc
@@ -34,11 +36,20 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 Check = Callable[[codec_pb2_grpc.CodecStub, grpc.aio.Channel, ServiceServer], Awaitable[None]]
 
 
-def _serve(check: Check, metrics_port: int = -1) -> None:
-    """Start the real server on an ephemeral port, run ``check`` against it, always stop it."""
+def _serve(check: Check, metrics_port: int = -1, calibration_cache: str = "off") -> None:
+    """Start the real server on an ephemeral port, run ``check`` against it, always stop it.
+
+    Calibration runs on the first Advise only (tests that never ask for advice do
+    not pay for it) and is not cached unless a test says where.
+    """
 
     async def run() -> None:
-        settings = CodecSettings(listen="127.0.0.1:0", metrics_port=metrics_port)
+        settings = CodecSettings(
+            listen="127.0.0.1:0",
+            metrics_port=metrics_port,
+            calibration_cache=calibration_cache,
+            calibrate_at_start=False,
+        )
         server = await run_codec_server(settings)
         try:
             async with insecure_channel(f"127.0.0.1:{server.ports['grpc']}", aio=True) as channel:
@@ -93,7 +104,9 @@ def test_bad_spec_is_invalid_argument_naming_the_codec() -> None:
         details = await _expect_invalid(stub.Encode(codec_pb2.EncodeRequest(codec="zstd9", tensor=raw)))
         assert "zstd9" in details and "fp16" in details  # names the bad codec and lists known ones
         details = await _expect_invalid(stub.Encode(codec_pb2.EncodeRequest(codec="fp16(0.5)", tensor=raw)))
-        assert "fp16 takes no arguments" in details
+        assert "fp16's argument must be" in details
+        details = await _expect_invalid(stub.Encode(codec_pb2.EncodeRequest(codec="ef(int8)", tensor=raw)))
+        assert "configures a trainer stream" in details
         header = encode_tensor(torch.ones(4), "fp16").header
         header.codec = "zstd9"
         details = await _expect_invalid(stub.Decode(codec_pb2.DecodeRequest(header=header, payload=b"")))
@@ -186,7 +199,12 @@ def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_main_announces_ports_and_stops_on_sigterm() -> None:
-    env = {**os.environ, "NEBULA_CODEC_LISTEN": "127.0.0.1:0", "NEBULA_CODEC_METRICS_PORT": "0"}
+    env = {
+        **os.environ,
+        "NEBULA_CODEC_LISTEN": "127.0.0.1:0",
+        "NEBULA_CODEC_METRICS_PORT": "0",
+        "NEBULA_CODEC_CALIBRATION_CACHE": "off",
+    }
     process = subprocess.Popen(
         [sys.executable, "-m", "services.codec.server"],
         cwd=REPO_ROOT,
@@ -216,3 +234,150 @@ def test_main_announces_ports_and_stops_on_sigterm() -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+# --- streaming and advice ---------------------------------------------------------------------------
+
+
+def test_encode_and_decode_streams_carry_large_tensors_in_chunks() -> None:
+    # 4 MiB of float32: larger than one chunk, sent in uneven pieces; two tensors on one call.
+    tensors = [torch.randn(1024, 1024), torch.randn(3, 5)]
+    specs = ["fp16(svd(0.1))", "zstd(int8)"]
+
+    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, __: ServiceServer) -> None:
+        async def requests() -> AsyncIterator[codec_pb2.EncodeStreamRequest]:
+            for spec, tensor in zip(specs, tensors, strict=True):
+                dtype, shape, data = tensor_to_raw(tensor)
+                yield codec_pb2.EncodeStreamRequest(
+                    start=codec_pb2.EncodeStart(codec=spec, dtype=dtype, shape=shape)
+                )
+                for offset in range(0, len(data), 300_001):
+                    yield codec_pb2.EncodeStreamRequest(data=data[offset : offset + 300_001])
+
+        frames = [frame async for frame in stub.EncodeStream(requests())]
+        headers = [frame.header for frame in frames if frame.HasField("header")]
+        assert [h.codec for h in headers] == specs and [h.frame_id for h in headers] == [1, 2]
+        for header, tensor, spec in zip(headers, tensors, specs, strict=True):
+            assert header.payload_size == len(encode_tensor(tensor, spec).payload)
+        parts = [part async for part in stub.DecodeStream(frames)]
+        infos = [i for i, p in enumerate(parts) if p.HasField("info")]
+        assert len(infos) == 2
+        for number, start in enumerate(infos):
+            info = parts[start].info
+            end = infos[number + 1] if number + 1 < len(infos) else len(parts)
+            data = b"".join(p.data for p in parts[start + 1 : end])
+            assert info.size == len(data) and info.frame_id == number + 1
+            decoded = raw_to_tensor(info.dtype, info.shape, data)
+            reference = encode_tensor(tensors[number], specs[number])
+            assert torch.equal(decoded, decode_tensor(reference.header, reference.payload))
+
+    _serve(check)
+
+
+def test_malformed_streams_end_with_invalid_argument_naming_the_problem() -> None:
+    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, __: ServiceServer) -> None:
+        start = codec_pb2.EncodeStart(codec="int8", dtype="float32", shape=[4])
+
+        async def collect(call: object) -> None:
+            async for _ in call:  # type: ignore[attr-defined]
+                pass
+
+        cases = [
+            ([codec_pb2.EncodeStreamRequest(data=b"1234")], "before a start"),
+            (
+                [codec_pb2.EncodeStreamRequest(start=start), codec_pb2.EncodeStreamRequest(data=bytes(20))],
+                "20 bytes",
+            ),
+            (
+                [codec_pb2.EncodeStreamRequest(start=start), codec_pb2.EncodeStreamRequest(data=bytes(8))],
+                "ended after 8",
+            ),
+            (
+                [
+                    codec_pb2.EncodeStreamRequest(
+                        start=codec_pb2.EncodeStart(codec="delta(int8)", dtype="float32")
+                    )
+                ],
+                "trainer stream",
+            ),
+            (
+                [codec_pb2.EncodeStreamRequest(start=codec_pb2.EncodeStart(codec="int8", dtype="int3"))],
+                "start.dtype",
+            ),
+        ]
+        for messages, expected in cases:
+            details = await _expect_invalid(collect(stub.EncodeStream(iter(messages))))
+            assert expected in details, (expected, details)
+        frames = list(to_frames(encode_tensor(torch.randn(100), "int8"), chunk_size=64))
+        details = await _expect_invalid(collect(stub.DecodeStream(iter(frames[:-1]))))
+        assert "middle of a frame" in details
+        frames[0].header.shape[:] = [50, 2]
+        details = await _expect_invalid(collect(stub.DecodeStream(iter(frames))))
+        assert "checksum" in details
+
+    _serve(check)
+
+
+def test_advise_ranks_specs_from_a_cached_host_calibration(tmp_path: Path) -> None:
+    cache = tmp_path / "calibration.json"
+    request = job_advice_request(
+        bandwidth_bps=60e6,
+        rtt_seconds=0.04,
+        edge="encoder->decoder",
+        activation_shape=(64, 12, 128),
+        micro_batches=2,
+        compute_seconds=0.02,
+    )
+    request.candidates = ["none", "fp16", "int8", "fp16(svd(0.9))", "fp16(lowrank(8))"]
+
+    async def check(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, __: ServiceServer) -> None:
+        response = await stub.Advise(request_to_proto(request), timeout=120)
+        result = result_from_proto(response)
+        assert [d.direction for d in result.directions] == ["forward", "backward"]
+        for direction in result.directions:
+            assert direction.error_source == "synthetic"
+            ranked = [(not o.within_budget, o.direction_seconds) for o in direction.options]
+            assert ranked == sorted(ranked)
+            none = next(o for o in direction.options if o.spec == "none")
+            assert none.ratio == 1.0 and none.rel_error == 0.0
+            svd = next(o for o in direction.options if o.spec == "fp16(svd(0.9))")
+            assert "sent whole with fp16" in svd.note and svd.ratio == pytest.approx(0.5, abs=1e-4)
+            for option in direction.options:
+                assert option.encode_seconds > 0 and option.decode_seconds > 0
+                assert option.transfer_seconds == pytest.approx(option.encoded_bytes * 8 / 60e6)
+        assert result.predicted_step_seconds < result.baseline_step_seconds
+        assert result.forward_spec != "none"
+        details = await _expect_invalid(stub.Advise(codec_pb2.AdviseRequest(bandwidth_bps=0)))
+        assert "bandwidth_bps" in details
+
+    _serve(check, calibration_cache=str(cache))
+    saved = json.loads(cache.read_text())
+    assert "LowRankTransform" in saved["fits"] and saved["host"]
+
+    async def cached(stub: codec_pb2_grpc.CodecStub, _: grpc.aio.Channel, __: ServiceServer) -> None:
+        response = await stub.Advise(request_to_proto(request), timeout=120)
+        assert response.calibration_cached
+
+    _serve(cached, calibration_cache=str(cache))
+
+
+def test_advice_client_calls_the_service_sync_and_async() -> None:
+    request = job_advice_request(
+        bandwidth_bps=10e6, rtt_seconds=0.1, edge="e", activation_shape=(8, 4, 16), micro_batches=1
+    )
+    request.candidates = ["none", "int8"]
+
+    async def check(_: codec_pb2_grpc.CodecStub, __: grpc.aio.Channel, server: ServiceServer) -> None:
+        address = f"127.0.0.1:{server.ports['grpc']}"
+        result = await advise_specs(address, request)
+        assert (result.forward_spec, result.backward_spec) == ("int8", "int8")
+        sync = await asyncio.to_thread(advise_specs_sync, address, request)
+        assert sync.forward_spec == "int8"
+        bad = job_advice_request(bandwidth_bps=1e6, rtt_seconds=0.0, edge="e", activation_shape=(4,))
+        bad.candidates = ["ef(int8)"]
+        with pytest.raises(CodecError, match="stream option"):
+            await advise_specs(address, bad)
+
+    _serve(check)
+    with pytest.raises(AdviceUnavailableError, match="could not advise"):
+        advise_specs_sync("127.0.0.1:1", request, timeout=2)

@@ -8,6 +8,7 @@ switches touch the WAN, internal ports are never exposed, containers run non-roo
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -18,8 +19,10 @@ from typing import Any
 import pytest
 import yaml
 
+from nebula_common.pki import init_pki
 from services.auth.config import AuthSettings
 from services.codec.config import CodecSettings
+from services.data.config import DataSettings
 from services.switch.config import SwitchSettings
 from services.trainer.config import TrainerSettings
 
@@ -35,6 +38,7 @@ SERVICES: dict[str, tuple[type, str, int, str]] = {
     "nebula-trainer": (TrainerSettings, "NEBULA_TRAINER_", 7500, "nebula.v1.Trainer"),
     "nebula-auth": (AuthSettings, "NEBULA_AUTH_", 7600, "nebula.v1.Auth"),
     "nebula-codec": (CodecSettings, "NEBULA_CODEC_", 7700, "nebula.v1.Codec"),
+    "nebula-data": (DataSettings, "NEBULA_DATA_", 7800, "nebula.v1.Data"),
 }
 # NEBULA_* names that belong to no settings class (read by docker/healthcheck.py).
 NON_SETTINGS_VARS = {
@@ -298,7 +302,9 @@ def test_secrets_reach_only_their_own_service() -> None:
                 assert source.startswith(name + "-"), f"{name} mounts another service's secrets {source}"
                 assert target.startswith("/etc/nebula/")
             elif source.endswith("-data"):
-                assert source == f"{name}-data" and name.startswith("auth-"), f"{name} mounts {source}"
+                # auth keeps accounts and keys; the switch its audit log and key; data the datasets.
+                owner_ok = name.startswith(("auth-", "switch-", "data-"))
+                assert source == f"{name}-data" and owner_ok, f"{name} mounts {source}"
             else:
                 pytest.fail(f"{name} mounts unexpected volume {source}")
     declared = set(_compose()["volumes"])
@@ -340,6 +346,37 @@ def test_compose_wan_link_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
         assert trainer["NEBULA_TRAINER_AUTH_ADDRESS"] == f"auth-{cluster}:7600"
         switch = _compose_env(services[f"switch-{cluster}"])
         assert switch["NEBULA_SWITCH_AUTH_ADDRESS"] == f"auth-{cluster}:7600"
+    # Revocation is enforced: each switch reads its peer's CRL from its own read-only TLS volume.
+    for cluster, settings in (("a", a), ("b", b)):
+        assert settings.peer_crl is not None, f"switch-{cluster} has no NEBULA_SWITCH_PEER_CRL"
+        mounts = {target: source for source, target, _ in _volume_mounts(services[f"switch-{cluster}"])}
+        assert mounts[str(settings.peer_crl.parent)] == f"switch-{cluster}-tls"
+    init = " ".join(_command(services["pki-init"]))
+    assert "pki_export.py" in init and "--clusters a,b" in init
+
+
+def test_pki_export_hands_each_switch_its_peers_crl(tmp_path: Path) -> None:
+    """Run docker/pki_export.py on a real PKI: switch-a gets b's CRL and vice versa, nothing else."""
+    layout = init_pki(tmp_path / "pki", ["a", "b"])
+    out = tmp_path / "export"
+    for volume in ("switch-a", "switch-b", "auth-a", "auth-b"):
+        (out / volume).mkdir(parents=True)
+    spec = importlib.util.spec_from_file_location("pki_export", ROOT / "docker" / "pki_export.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--pki", str(tmp_path / "pki"), "--out", str(out), "--clusters", "a,b"]) == 0
+    for cluster, peer in (("a", "b"), ("b", "a")):
+        volume = out / f"switch-{cluster}"
+        assert sorted(p.name for p in volume.iterdir()) == [
+            "peer-crl.pem",
+            "tls.crt",
+            "tls.key",
+            "trust-bundle.pem",
+        ]
+        assert (volume / "peer-crl.pem").read_bytes() == layout.cluster(cluster).trust_crl(peer).read_bytes()
+        assert (volume / "peer-crl.pem").read_bytes() == layout.cluster(peer).crl.read_bytes()
+        assert (volume / "peer-crl.pem").stat().st_mode & 0o777 == 0o400
 
 
 def test_compose_start_order() -> None:
@@ -369,7 +406,7 @@ def test_every_k8s_yaml_parses_and_has_a_kind() -> None:
         assert doc.get("apiVersion") and doc.get("kind"), f"{path}: not a Kubernetes/kustomize object"
     kinds = {doc["kind"] for _, doc in docs}
     assert {"Deployment", "Service", "NetworkPolicy", "PersistentVolumeClaim", "Kustomization"} <= kinds
-    assert set(_deployments()) == {"nebula-switch", "nebula-trainer", "nebula-auth", "nebula-codec"}
+    assert set(_deployments()) == set(SERVICES)
 
 
 def test_k8s_containers_are_non_root_read_only_and_bounded() -> None:
@@ -425,12 +462,13 @@ def test_k8s_overlays_wire_the_link(monkeypatch: pytest.MonkeyPatch) -> None:
     assert a.dials() and a.peer_address.endswith(f":{WAN_PORT}")
     assert not b.dials() and b.peer_address is None
     assert a.wan_listen == b.wan_listen == f"0.0.0.0:{WAN_PORT}"
+    assert a.peer_crl == b.peer_crl == Path("/etc/nebula/tls/peer-crl.pem"), "switch enforces no CRL"
 
 
 def test_k8s_secrets_are_mounted_read_only() -> None:
     deployments = _deployments()
     expected = {
-        "nebula-switch": ("nebula-switch-tls", {"tls.crt", "tls.key", "trust-bundle.pem"}),
+        "nebula-switch": ("nebula-switch-tls", {"tls.crt", "tls.key", "trust-bundle.pem", "peer-crl.pem"}),
         "nebula-auth": ("nebula-auth-admin", {"admin-password"}),
     }
     for name, (secret, keys) in expected.items():

@@ -310,7 +310,20 @@ def test_init_pki_layout_permissions_and_trust(tmp_path: Path) -> None:
     expected = {
         f"{c}/{name}"
         for c, peer in (("a", "b"), ("b", "a"))
-        for name in ("ca.crt", "ca.key", "switch.crt", "switch.key", f"trust/{peer}.crt", "trust-bundle.pem")
+        for name in (
+            "ca.crt",
+            "ca.key",
+            "switch.crt",
+            "switch.key",
+            f"trust/{peer}.crt",
+            "trust-bundle.pem",
+            "crl.pem",  # this CA's (empty) revocation list ...
+            f"trust/{peer}.crl.pem",  # ... and the peer's, which this cluster's switch loads
+            "audit/audit.log",  # CA operations (the switch certificate's issue)
+            "audit/audit.log.seal",
+            "audit/audit-key.pem",
+            "audit/audit-key.pub.pem",
+        )
     }
     expected.add(".pki.lock")  # serialises concurrent writers of this root
     assert {str(p.relative_to(tmp_path)) for p in _all_files(tmp_path)} == expected  # no temp files left

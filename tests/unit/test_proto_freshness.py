@@ -35,7 +35,7 @@ def test_a_proto_change_makes_the_stubs_stale(tmp_path: Path, monkeypatch: pytes
         (protos / "nebula" / "v1" / source.name).write_text(source.read_text())
     tensor = protos / "nebula" / "v1" / "tensor.proto"
     tensor.write_text(
-        tensor.read_text().replace("uint64 frame_id = 12;", "uint64 frame_id = 12;\n  bool extra = 13;")
+        tensor.read_text().replace("uint64 frame_id = 12;", "uint64 frame_id = 12;\n  bool extra = 999;")
     )
     monkeypatch.setattr(gen, "PROTO_ROOT", protos)
     out = tmp_path / "out"

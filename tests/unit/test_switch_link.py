@@ -76,7 +76,7 @@ def test_router_buffers_until_the_trainer_attaches_and_refuses_a_second_attach()
         await router.deliver(key, early)
         route = router.attach(key, owner="alice")
         assert (await route.inbound.get()).frame.header.frame_id == 7
-        with pytest.raises(RouteInUseError, match="already open"):
+        with pytest.raises(RouteInUseError, match=r"already open|not available to this account"):
             router.attach(key, owner="mallory")
         assert router.open_routes() == 1
 
@@ -116,6 +116,7 @@ def switch_env(**overrides: str) -> dict[str, str]:
         "tls_key": "/pki/a/switch.key",
         "trust_bundle": "/pki/a/trust-bundle.pem",
         "auth_address": "127.0.0.1:1",
+        "data_dir": "/var/lib/nebula/switch",
     }
     env.update(overrides)
     return env
@@ -139,3 +140,9 @@ def test_settings_refuse_a_peer_equal_to_itself_and_name_missing_fields() -> Non
         SwitchSettings(**env)
     with pytest.raises(ValidationError, match="cluster_id"):
         SwitchSettings(**switch_env(cluster_id="Bad Id"))
+    with pytest.raises(ValidationError, match="ca_cert and ca_key must be set together"):
+        SwitchSettings(**switch_env(ca_key="/pki/a/ca.key"))
+    env = switch_env()
+    del env["data_dir"]
+    with pytest.raises(ValidationError, match="data_dir"):
+        SwitchSettings(**env)

@@ -54,6 +54,36 @@ class AuthStub:
                 request_serializer=nebula_dot_v1_dot_auth__pb2.GetSigningKeysRequest.SerializeToString,
                 response_deserializer=nebula_dot_v1_dot_auth__pb2.SigningKeys.FromString,
                 _registered_method=True)
+        self.ListAccounts = channel.unary_unary(
+                '/nebula.v1.Auth/ListAccounts',
+                request_serializer=nebula_dot_v1_dot_auth__pb2.ListAccountsRequest.SerializeToString,
+                response_deserializer=nebula_dot_v1_dot_auth__pb2.ListAccountsResponse.FromString,
+                _registered_method=True)
+        self.DisableAccount = channel.unary_unary(
+                '/nebula.v1.Auth/DisableAccount',
+                request_serializer=nebula_dot_v1_dot_auth__pb2.AccountRef.SerializeToString,
+                response_deserializer=nebula_dot_v1_dot_auth__pb2.Account.FromString,
+                _registered_method=True)
+        self.EnableAccount = channel.unary_unary(
+                '/nebula.v1.Auth/EnableAccount',
+                request_serializer=nebula_dot_v1_dot_auth__pb2.AccountRef.SerializeToString,
+                response_deserializer=nebula_dot_v1_dot_auth__pb2.Account.FromString,
+                _registered_method=True)
+        self.DeleteAccount = channel.unary_unary(
+                '/nebula.v1.Auth/DeleteAccount',
+                request_serializer=nebula_dot_v1_dot_auth__pb2.AccountRef.SerializeToString,
+                response_deserializer=nebula_dot_v1_dot_auth__pb2.DeleteAccountResponse.FromString,
+                _registered_method=True)
+        self.ChangePassword = channel.unary_unary(
+                '/nebula.v1.Auth/ChangePassword',
+                request_serializer=nebula_dot_v1_dot_auth__pb2.ChangePasswordRequest.SerializeToString,
+                response_deserializer=nebula_dot_v1_dot_auth__pb2.Account.FromString,
+                _registered_method=True)
+        self.RotateSigningKey = channel.unary_unary(
+                '/nebula.v1.Auth/RotateSigningKey',
+                request_serializer=nebula_dot_v1_dot_auth__pb2.RotateSigningKeyRequest.SerializeToString,
+                response_deserializer=nebula_dot_v1_dot_auth__pb2.RotateSigningKeyResponse.FromString,
+                _registered_method=True)
 
 
 class AuthServicer:
@@ -81,7 +111,55 @@ class AuthServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetSigningKeys(self, request, context):
-        """The public keys tokens are signed with, as a JWK set.
+        """The public keys tokens are signed with, as a JWK set, plus the token
+        revocations verifiers enforce locally (disabled, deleted accounts and
+        password changes). Verifiers poll it every few seconds; no token needed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAccounts(self, request, context):
+        """All accounts of this cluster. Requires an admin token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DisableAccount(self, request, context):
+        """Refuse logins (and admin-checked calls) of an account. Requires an admin
+        token; the last enabled admin cannot be disabled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EnableAccount(self, request, context):
+        """Allow logins again; also clears a lockout. Requires an admin token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteAccount(self, request, context):
+        """Remove an account for good. Requires an admin token; the last enabled
+        admin cannot be deleted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ChangePassword(self, request, context):
+        """Change a password: an account's own token plus its current password, or
+        an admin token for any account (current_password then ignored).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RotateSigningKey(self, request, context):
+        """Start signing with a new key; the old public key stays in GetSigningKeys
+        for one token lifetime. Requires an admin token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -109,6 +187,36 @@ def add_AuthServicer_to_server(servicer, server):
                     servicer.GetSigningKeys,
                     request_deserializer=nebula_dot_v1_dot_auth__pb2.GetSigningKeysRequest.FromString,
                     response_serializer=nebula_dot_v1_dot_auth__pb2.SigningKeys.SerializeToString,
+            ),
+            'ListAccounts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAccounts,
+                    request_deserializer=nebula_dot_v1_dot_auth__pb2.ListAccountsRequest.FromString,
+                    response_serializer=nebula_dot_v1_dot_auth__pb2.ListAccountsResponse.SerializeToString,
+            ),
+            'DisableAccount': grpc.unary_unary_rpc_method_handler(
+                    servicer.DisableAccount,
+                    request_deserializer=nebula_dot_v1_dot_auth__pb2.AccountRef.FromString,
+                    response_serializer=nebula_dot_v1_dot_auth__pb2.Account.SerializeToString,
+            ),
+            'EnableAccount': grpc.unary_unary_rpc_method_handler(
+                    servicer.EnableAccount,
+                    request_deserializer=nebula_dot_v1_dot_auth__pb2.AccountRef.FromString,
+                    response_serializer=nebula_dot_v1_dot_auth__pb2.Account.SerializeToString,
+            ),
+            'DeleteAccount': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteAccount,
+                    request_deserializer=nebula_dot_v1_dot_auth__pb2.AccountRef.FromString,
+                    response_serializer=nebula_dot_v1_dot_auth__pb2.DeleteAccountResponse.SerializeToString,
+            ),
+            'ChangePassword': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChangePassword,
+                    request_deserializer=nebula_dot_v1_dot_auth__pb2.ChangePasswordRequest.FromString,
+                    response_serializer=nebula_dot_v1_dot_auth__pb2.Account.SerializeToString,
+            ),
+            'RotateSigningKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateSigningKey,
+                    request_deserializer=nebula_dot_v1_dot_auth__pb2.RotateSigningKeyRequest.FromString,
+                    response_serializer=nebula_dot_v1_dot_auth__pb2.RotateSigningKeyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +327,168 @@ class Auth:
             '/nebula.v1.Auth/GetSigningKeys',
             nebula_dot_v1_dot_auth__pb2.GetSigningKeysRequest.SerializeToString,
             nebula_dot_v1_dot_auth__pb2.SigningKeys.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAccounts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nebula.v1.Auth/ListAccounts',
+            nebula_dot_v1_dot_auth__pb2.ListAccountsRequest.SerializeToString,
+            nebula_dot_v1_dot_auth__pb2.ListAccountsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DisableAccount(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nebula.v1.Auth/DisableAccount',
+            nebula_dot_v1_dot_auth__pb2.AccountRef.SerializeToString,
+            nebula_dot_v1_dot_auth__pb2.Account.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EnableAccount(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nebula.v1.Auth/EnableAccount',
+            nebula_dot_v1_dot_auth__pb2.AccountRef.SerializeToString,
+            nebula_dot_v1_dot_auth__pb2.Account.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteAccount(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nebula.v1.Auth/DeleteAccount',
+            nebula_dot_v1_dot_auth__pb2.AccountRef.SerializeToString,
+            nebula_dot_v1_dot_auth__pb2.DeleteAccountResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChangePassword(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nebula.v1.Auth/ChangePassword',
+            nebula_dot_v1_dot_auth__pb2.ChangePasswordRequest.SerializeToString,
+            nebula_dot_v1_dot_auth__pb2.Account.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateSigningKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nebula.v1.Auth/RotateSigningKey',
+            nebula_dot_v1_dot_auth__pb2.RotateSigningKeyRequest.SerializeToString,
+            nebula_dot_v1_dot_auth__pb2.RotateSigningKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from nebula_common.proto.nebula.v1 import tensor_pb2 as nebula_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15nebula/v1/codec.proto\x12\tnebula.v1\x1a\x16nebula/v1/tensor.proto\"7\n\tRawTensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"D\n\rEncodeRequest\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x14.nebula.v1.RawTensor\"J\n\x0e\x45ncodeResponse\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.nebula.v1.TensorHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"I\n\rDecodeRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.nebula.v1.TensorHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"6\n\x0e\x44\x65\x63odeResponse\x12$\n\x06tensor\x18\x01 \x01(\x0b\x32\x14.nebula.v1.RawTensor\"\x13\n\x11ListCodecsRequest\"$\n\x12ListCodecsResponse\x12\x0e\n\x06\x63odecs\x18\x01 \x03(\t2\xd0\x01\n\x05\x43odec\x12=\n\x06\x45ncode\x12\x18.nebula.v1.EncodeRequest\x1a\x19.nebula.v1.EncodeResponse\x12=\n\x06\x44\x65\x63ode\x12\x18.nebula.v1.DecodeRequest\x1a\x19.nebula.v1.DecodeResponse\x12I\n\nListCodecs\x12\x1c.nebula.v1.ListCodecsRequest\x1a\x1d.nebula.v1.ListCodecsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15nebula/v1/codec.proto\x12\tnebula.v1\x1a\x16nebula/v1/tensor.proto\"7\n\tRawTensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"D\n\rEncodeRequest\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x14.nebula.v1.RawTensor\"J\n\x0e\x45ncodeResponse\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.nebula.v1.TensorHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"I\n\rDecodeRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.nebula.v1.TensorHeader\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"6\n\x0e\x44\x65\x63odeResponse\x12$\n\x06tensor\x18\x01 \x01(\x0b\x32\x14.nebula.v1.RawTensor\"\x13\n\x11ListCodecsRequest\"$\n\x12ListCodecsResponse\x12\x0e\n\x06\x63odecs\x18\x01 \x03(\t\":\n\x0b\x45ncodeStart\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"V\n\x13\x45ncodeStreamRequest\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.nebula.v1.EncodeStartH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"M\n\rRawTensorInfo\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x10\n\x08\x66rame_id\x18\x04 \x01(\x04\"Q\n\rRawTensorPart\x12(\n\x04info\x18\x01 \x01(\x0b\x32\x18.nebula.v1.RawTensorInfoH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x99\x01\n\nEdgeTensor\x12\x0c\n\x04\x65\x64ge\x18\x01 \x01(\t\x12\'\n\tdirection\x18\x02 \x01(\x0e\x32\x14.nebula.v1.Direction\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x10\n\x08per_step\x18\x05 \x01(\r\x12$\n\x06sample\x18\x06 \x01(\x0b\x32\x14.nebula.v1.RawTensor\"\xb5\x01\n\rAdviseRequest\x12\x15\n\rbandwidth_bps\x18\x01 \x01(\x01\x12\x13\n\x0brtt_seconds\x18\x02 \x01(\x01\x12&\n\x07tensors\x18\x03 \x03(\x0b\x32\x15.nebula.v1.EdgeTensor\x12\x17\n\x0f\x63ompute_seconds\x18\x04 \x01(\x01\x12\x14\n\x0c\x65rror_budget\x18\x05 \x01(\x01\x12\x12\n\ncandidates\x18\x06 \x03(\t\x12\r\n\x05top_n\x18\x07 \x01(\r\"\xde\x01\n\x0b\x43odecAdvice\x12\x0c\n\x04spec\x18\x01 \x01(\t\x12\r\n\x05ratio\x18\x02 \x01(\x01\x12\x15\n\rencoded_bytes\x18\x03 \x01(\x04\x12\x11\n\trel_error\x18\x04 \x01(\x01\x12\x16\n\x0e\x65ncode_seconds\x18\x05 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x06 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x07 \x01(\x01\x12\x19\n\x11\x64irection_seconds\x18\x08 \x01(\x01\x12\x15\n\rwithin_budget\x18\t \x01(\x08\x12\x0c\n\x04note\x18\n \x01(\t\"\xc6\x01\n\x0f\x44irectionAdvice\x12\x0c\n\x04\x65\x64ge\x18\x01 \x01(\t\x12\'\n\tdirection\x18\x02 \x01(\x0e\x32\x14.nebula.v1.Direction\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\'\n\x07options\x18\x04 \x03(\x0b\x32\x16.nebula.v1.CodecAdvice\x12\x14\n\x0c\x65rror_source\x18\x05 \x01(\t\x12\x14\n\x0c\x65rror_budget\x18\x06 \x01(\x01\x12\x18\n\x10\x62\x61seline_seconds\x18\x07 \x01(\x01\"\xcc\x01\n\x0e\x41\x64viseResponse\x12.\n\ndirections\x18\x01 \x03(\x0b\x32\x1a.nebula.v1.DirectionAdvice\x12\x1e\n\x16predicted_step_seconds\x18\x02 \x01(\x01\x12\x1d\n\x15\x62\x61seline_step_seconds\x18\x03 \x01(\x01\x12\x18\n\x10\x63\x61libration_host\x18\x04 \x01(\t\x12\x15\n\rcalibrated_at\x18\x05 \x01(\x01\x12\x1a\n\x12\x63\x61libration_cached\x18\x06 \x01(\x08\x32\xa1\x03\n\x05\x43odec\x12=\n\x06\x45ncode\x12\x18.nebula.v1.EncodeRequest\x1a\x19.nebula.v1.EncodeResponse\x12=\n\x06\x44\x65\x63ode\x12\x18.nebula.v1.DecodeRequest\x1a\x19.nebula.v1.DecodeResponse\x12I\n\nListCodecs\x12\x1c.nebula.v1.ListCodecsRequest\x1a\x1d.nebula.v1.ListCodecsResponse\x12J\n\x0c\x45ncodeStream\x12\x1e.nebula.v1.EncodeStreamRequest\x1a\x16.nebula.v1.TensorFrame(\x01\x30\x01\x12\x44\n\x0c\x44\x65\x63odeStream\x12\x16.nebula.v1.TensorFrame\x1a\x18.nebula.v1.RawTensorPart(\x01\x30\x01\x12=\n\x06\x41\x64vise\x12\x18.nebula.v1.AdviseRequest\x1a\x19.nebula.v1.AdviseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,6 +46,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTCODECSREQUEST']._serialized_end=413
   _globals['_LISTCODECSRESPONSE']._serialized_start=415
   _globals['_LISTCODECSRESPONSE']._serialized_end=451
-  _globals['_CODEC']._serialized_start=454
-  _globals['_CODEC']._serialized_end=662
+  _globals['_ENCODESTART']._serialized_start=453
+  _globals['_ENCODESTART']._serialized_end=511
+  _globals['_ENCODESTREAMREQUEST']._serialized_start=513
+  _globals['_ENCODESTREAMREQUEST']._serialized_end=599
+  _globals['_RAWTENSORINFO']._serialized_start=601
+  _globals['_RAWTENSORINFO']._serialized_end=678
+  _globals['_RAWTENSORPART']._serialized_start=680
+  _globals['_RAWTENSORPART']._serialized_end=761
+  _globals['_EDGETENSOR']._serialized_start=764
+  _globals['_EDGETENSOR']._serialized_end=917
+  _globals['_ADVISEREQUEST']._serialized_start=920
+  _globals['_ADVISEREQUEST']._serialized_end=1101
+  _globals['_CODECADVICE']._serialized_start=1104
+  _globals['_CODECADVICE']._serialized_end=1326
+  _globals['_DIRECTIONADVICE']._serialized_start=1329
+  _globals['_DIRECTIONADVICE']._serialized_end=1527
+  _globals['_ADVISERESPONSE']._serialized_start=1530
+  _globals['_ADVISERESPONSE']._serialized_end=1734
+  _globals['_CODEC']._serialized_start=1737
+  _globals['_CODEC']._serialized_end=2154
 # @@protoc_insertion_point(module_scope)

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from nebula_common.proto.nebula.v1 import codec_pb2 as nebula_dot_v1_dot_codec__pb2
+from nebula_common.proto.nebula.v1 import tensor_pb2 as nebula_dot_v1_dot_tensor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -49,6 +50,21 @@ class CodecStub:
                 request_serializer=nebula_dot_v1_dot_codec__pb2.ListCodecsRequest.SerializeToString,
                 response_deserializer=nebula_dot_v1_dot_codec__pb2.ListCodecsResponse.FromString,
                 _registered_method=True)
+        self.EncodeStream = channel.stream_stream(
+                '/nebula.v1.Codec/EncodeStream',
+                request_serializer=nebula_dot_v1_dot_codec__pb2.EncodeStreamRequest.SerializeToString,
+                response_deserializer=nebula_dot_v1_dot_tensor__pb2.TensorFrame.FromString,
+                _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/nebula.v1.Codec/DecodeStream',
+                request_serializer=nebula_dot_v1_dot_tensor__pb2.TensorFrame.SerializeToString,
+                response_deserializer=nebula_dot_v1_dot_codec__pb2.RawTensorPart.FromString,
+                _registered_method=True)
+        self.Advise = channel.unary_unary(
+                '/nebula.v1.Codec/Advise',
+                request_serializer=nebula_dot_v1_dot_codec__pb2.AdviseRequest.SerializeToString,
+                response_deserializer=nebula_dot_v1_dot_codec__pb2.AdviseResponse.FromString,
+                _registered_method=True)
 
 
 class CodecServicer:
@@ -75,6 +91,39 @@ class CodecServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EncodeStream(self, request_iterator, context):
+        """Encode a sequence of tensors of any size: per tensor, the client sends an
+        EncodeStreamRequest with `start`, then the raw bytes in `data` parts (any
+        split; they must add up to exactly numel * element size); the service
+        answers each tensor with its TensorFrames (header, then <= 256 KiB chunks,
+        the last marked `last`), ready to send on the WAN as-is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeStream(self, request_iterator, context):
+        """Decode a sequence of tensors: the client sends TensorFrames (a header,
+        then its chunks); for each completed frame the service validates and
+        decodes it and answers with one RawTensorPart `info`, then the raw bytes in
+        <= 256 KiB `data` parts. Any invalid frame ends the call with
+        INVALID_ARGUMENT naming the field.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Advise(self, request, context):
+        """Rank codec specs for a link and a job's tensors by predicted step time.
+        Costs come from a calibration this service ran on its own host (and
+        cached); ratios are exact for fixed-size codecs; errors are measured on
+        the sample tensors given in the request, or on synthetic activation-like
+        data of the same shape when none is given (then `error_source` says so).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CodecServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +141,21 @@ def add_CodecServicer_to_server(servicer, server):
                     servicer.ListCodecs,
                     request_deserializer=nebula_dot_v1_dot_codec__pb2.ListCodecsRequest.FromString,
                     response_serializer=nebula_dot_v1_dot_codec__pb2.ListCodecsResponse.SerializeToString,
+            ),
+            'EncodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.EncodeStream,
+                    request_deserializer=nebula_dot_v1_dot_codec__pb2.EncodeStreamRequest.FromString,
+                    response_serializer=nebula_dot_v1_dot_tensor__pb2.TensorFrame.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=nebula_dot_v1_dot_tensor__pb2.TensorFrame.FromString,
+                    response_serializer=nebula_dot_v1_dot_codec__pb2.RawTensorPart.SerializeToString,
+            ),
+            'Advise': grpc.unary_unary_rpc_method_handler(
+                    servicer.Advise,
+                    request_deserializer=nebula_dot_v1_dot_codec__pb2.AdviseRequest.FromString,
+                    response_serializer=nebula_dot_v1_dot_codec__pb2.AdviseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +239,87 @@ class Codec:
             '/nebula.v1.Codec/ListCodecs',
             nebula_dot_v1_dot_codec__pb2.ListCodecsRequest.SerializeToString,
             nebula_dot_v1_dot_codec__pb2.ListCodecsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EncodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/nebula.v1.Codec/EncodeStream',
+            nebula_dot_v1_dot_codec__pb2.EncodeStreamRequest.SerializeToString,
+            nebula_dot_v1_dot_tensor__pb2.TensorFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/nebula.v1.Codec/DecodeStream',
+            nebula_dot_v1_dot_tensor__pb2.TensorFrame.SerializeToString,
+            nebula_dot_v1_dot_codec__pb2.RawTensorPart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Advise(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nebula.v1.Codec/Advise',
+            nebula_dot_v1_dot_codec__pb2.AdviseRequest.SerializeToString,
+            nebula_dot_v1_dot_codec__pb2.AdviseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,7 +17,7 @@ DIRECTION_FORWARD: Direction
 DIRECTION_BACKWARD: Direction
 
 class TensorHeader(_message.Message):
-    __slots__ = ("job_id", "edge", "direction", "step", "micro_batch", "dtype", "shape", "codec", "payload_size", "checksum", "raw_size", "frame_id")
+    __slots__ = ("job_id", "edge", "direction", "step", "micro_batch", "dtype", "shape", "codec", "payload_size", "checksum", "raw_size", "frame_id", "checksum_version", "delta", "delta_base_checksum")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EDGE_FIELD_NUMBER: _ClassVar[int]
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,9 @@ class TensorHeader(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     RAW_SIZE_FIELD_NUMBER: _ClassVar[int]
     FRAME_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     edge: str
     direction: Direction
@@ -42,7 +45,10 @@ class TensorHeader(_message.Message):
     checksum: int
     raw_size: int
     frame_id: int
-    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., payload_size: _Optional[int] = ..., checksum: _Optional[int] = ..., raw_size: _Optional[int] = ..., frame_id: _Optional[int] = ...) -> None: ...
+    checksum_version: int
+    delta: bool
+    delta_base_checksum: int
+    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., payload_size: _Optional[int] = ..., checksum: _Optional[int] = ..., raw_size: _Optional[int] = ..., frame_id: _Optional[int] = ..., checksum_version: _Optional[int] = ..., delta: _Optional[bool] = ..., delta_base_checksum: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("frame_id", "offset", "data", "last")

@@ -1,7 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -40,7 +41,7 @@ class AbnetConfig(_message.Message):
     def __init__(self, d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., n_layers: _Optional[int] = ..., batch_size: _Optional[int] = ..., micro_batches: _Optional[int] = ..., learning_rate: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class StageSpec(_message.Message):
-    __slots__ = ("job_id", "scenario", "stage", "edge", "steps", "codec_forward", "codec_backward", "abnet")
+    __slots__ = ("job_id", "scenario", "stage", "edge", "steps", "codec_forward", "codec_backward", "abnet", "program", "codec_choice")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SCENARIO_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +50,8 @@ class StageSpec(_message.Message):
     CODEC_FORWARD_FIELD_NUMBER: _ClassVar[int]
     CODEC_BACKWARD_FIELD_NUMBER: _ClassVar[int]
     ABNET_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    CODEC_CHOICE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     scenario: str
     stage: str
@@ -57,7 +60,67 @@ class StageSpec(_message.Message):
     codec_forward: str
     codec_backward: str
     abnet: AbnetConfig
-    def __init__(self, job_id: _Optional[str] = ..., scenario: _Optional[str] = ..., stage: _Optional[str] = ..., edge: _Optional[str] = ..., steps: _Optional[int] = ..., codec_forward: _Optional[str] = ..., codec_backward: _Optional[str] = ..., abnet: _Optional[_Union[AbnetConfig, _Mapping]] = ...) -> None: ...
+    program: ProgramStage
+    codec_choice: str
+    def __init__(self, job_id: _Optional[str] = ..., scenario: _Optional[str] = ..., stage: _Optional[str] = ..., edge: _Optional[str] = ..., steps: _Optional[int] = ..., codec_forward: _Optional[str] = ..., codec_backward: _Optional[str] = ..., abnet: _Optional[_Union[AbnetConfig, _Mapping]] = ..., program: _Optional[_Union[ProgramStage, _Mapping]] = ..., codec_choice: _Optional[str] = ...) -> None: ...
+
+class OptimizerConfig(_message.Message):
+    __slots__ = ("name", "learning_rate", "weight_decay", "momentum", "lr_schedule", "warmup_steps")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    LR_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    learning_rate: float
+    weight_decay: float
+    momentum: float
+    lr_schedule: str
+    warmup_steps: int
+    def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., momentum: _Optional[float] = ..., lr_schedule: _Optional[str] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
+
+class ProgramStage(_message.Message):
+    __slots__ = ("role", "module_source", "module_name", "options_json", "batch_size", "micro_batches", "num_examples", "schedule", "max_in_flight", "seed", "stage_index", "optimizer", "checkpoint_interval", "resume_job_id", "resume_step", "mode", "sync_lag", "replicas", "payload")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODULE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MODULE_NAME_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    RESUME_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_LAG_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    module_source: str
+    module_name: str
+    options_json: str
+    batch_size: int
+    micro_batches: int
+    num_examples: int
+    schedule: str
+    max_in_flight: int
+    seed: int
+    stage_index: int
+    optimizer: OptimizerConfig
+    checkpoint_interval: int
+    resume_job_id: str
+    resume_step: int
+    mode: str
+    sync_lag: int
+    replicas: int
+    payload: str
+    def __init__(self, role: _Optional[str] = ..., module_source: _Optional[str] = ..., module_name: _Optional[str] = ..., options_json: _Optional[str] = ..., batch_size: _Optional[int] = ..., micro_batches: _Optional[int] = ..., num_examples: _Optional[int] = ..., schedule: _Optional[str] = ..., max_in_flight: _Optional[int] = ..., seed: _Optional[int] = ..., stage_index: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., checkpoint_interval: _Optional[int] = ..., resume_job_id: _Optional[str] = ..., resume_step: _Optional[int] = ..., mode: _Optional[str] = ..., sync_lag: _Optional[int] = ..., replicas: _Optional[int] = ..., payload: _Optional[str] = ...) -> None: ...
 
 class AssignStageRequest(_message.Message):
     __slots__ = ("spec",)
@@ -80,7 +143,7 @@ class WatchStageRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("job_id", "stage", "state", "steps_done", "loss", "step_seconds", "wait_seconds", "bytes_sent", "bytes_received", "raw_bytes_sent", "raw_bytes_received", "message")
+    __slots__ = ("job_id", "stage", "state", "steps_done", "loss", "step_seconds", "wait_seconds", "bytes_sent", "bytes_received", "raw_bytes_sent", "raw_bytes_received", "message", "checkpoint_step", "compute_seconds", "local_loss", "codec_forward", "codec_backward", "codec_choice")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +156,12 @@ class StageStatus(_message.Message):
     RAW_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FORWARD_FIELD_NUMBER: _ClassVar[int]
+    CODEC_BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    CODEC_CHOICE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     stage: str
     state: StageState
@@ -105,7 +174,13 @@ class StageStatus(_message.Message):
     raw_bytes_sent: int
     raw_bytes_received: int
     message: str
-    def __init__(self, job_id: _Optional[str] = ..., stage: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., steps_done: _Optional[int] = ..., loss: _Optional[float] = ..., step_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., raw_bytes_sent: _Optional[int] = ..., raw_bytes_received: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    checkpoint_step: int
+    compute_seconds: float
+    local_loss: float
+    codec_forward: str
+    codec_backward: str
+    codec_choice: str
+    def __init__(self, job_id: _Optional[str] = ..., stage: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., steps_done: _Optional[int] = ..., loss: _Optional[float] = ..., step_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., raw_bytes_sent: _Optional[int] = ..., raw_bytes_received: _Optional[int] = ..., message: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., local_loss: _Optional[float] = ..., codec_forward: _Optional[str] = ..., codec_backward: _Optional[str] = ..., codec_choice: _Optional[str] = ...) -> None: ...
 
 class CancelStageRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -116,3 +191,17 @@ class CancelStageRequest(_message.Message):
 class CancelStageResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ListCheckpointsRequest(_message.Message):
+    __slots__ = ("job_id", "stage")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    stage: str
+    def __init__(self, job_id: _Optional[str] = ..., stage: _Optional[str] = ...) -> None: ...
+
+class ListCheckpointsResponse(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, steps: _Optional[_Iterable[int]] = ...) -> None: ...

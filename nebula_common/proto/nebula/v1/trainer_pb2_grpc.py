@@ -49,6 +49,11 @@ class TrainerStub:
                 request_serializer=nebula_dot_v1_dot_trainer__pb2.CancelStageRequest.SerializeToString,
                 response_deserializer=nebula_dot_v1_dot_trainer__pb2.CancelStageResponse.FromString,
                 _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/nebula.v1.Trainer/ListCheckpoints',
+                request_serializer=nebula_dot_v1_dot_trainer__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=nebula_dot_v1_dot_trainer__pb2.ListCheckpointsResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -76,6 +81,15 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCheckpoints(self, request, context):
+        """Steps at which this trainer holds a complete checkpoint of a job's stage
+        (NOT_FOUND for another account's job), so a client can pick a step that
+        every cluster has before resuming.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +107,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.CancelStage,
                     request_deserializer=nebula_dot_v1_dot_trainer__pb2.CancelStageRequest.FromString,
                     response_serializer=nebula_dot_v1_dot_trainer__pb2.CancelStageResponse.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=nebula_dot_v1_dot_trainer__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=nebula_dot_v1_dot_trainer__pb2.ListCheckpointsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +195,33 @@ class Trainer:
             '/nebula.v1.Trainer/CancelStage',
             nebula_dot_v1_dot_trainer__pb2.CancelStageRequest.SerializeToString,
             nebula_dot_v1_dot_trainer__pb2.CancelStageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nebula.v1.Trainer/ListCheckpoints',
+            nebula_dot_v1_dot_trainer__pb2.ListCheckpointsRequest.SerializeToString,
+            nebula_dot_v1_dot_trainer__pb2.ListCheckpointsResponse.FromString,
             options,
             channel_credentials,
             insecure,

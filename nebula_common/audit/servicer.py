@@ -1,0 +1,114 @@
+"""The admin-only ``nebula.v1.AuditLog`` gRPC API, served by every service that keeps a log.
+
+Only admins of this cluster may read the log: it names accounts, jobs and peers, which is exactly
+what one tenant must not learn about another. The file read runs in a worker thread so a large
+log never stalls the service's event loop (on the switch, that loop relays training traffic).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import NoReturn
+
+import grpc
+
+from nebula_common.audit.log import AuditLog
+from nebula_common.audit.query import DEFAULT_LIMIT, MAX_LIMIT, AuditFilter, query_log
+from nebula_common.auth.verifier import Principal, TokenVerifier
+from nebula_common.errors import AuthenticationError
+from nebula_common.proto.nebula.v1 import audit_pb2, audit_pb2_grpc
+from nebula_common.rpc import bearer_token_from_metadata
+
+__all__ = ["AccountCheck", "AuditServicer"]
+
+AccountCheck = Callable[[Principal], Awaitable[str | None]]
+"""Optional extra check of an admin (e.g. the auth service re-reads the account); returns a refusal."""
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+    await context.abort(code, details)
+    raise RuntimeError("context.abort returned instead of raising")
+
+
+class AuditServicer(audit_pb2_grpc.AuditLogServicer):
+    def __init__(
+        self,
+        audit: AuditLog,
+        verifier: Callable[[], TokenVerifier] | TokenVerifier,
+        service: str,
+        cluster_id: str,
+        account_check: AccountCheck | None = None,
+    ) -> None:
+        self._audit = audit
+        self._verifier = verifier
+        self._service = service
+        self._cluster_id = cluster_id
+        self._account_check = account_check
+
+    async def _require_admin(self, context: grpc.aio.ServicerContext) -> Principal:
+        token = bearer_token_from_metadata(context.invocation_metadata())
+        if token is None:
+            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
+        verifier = self._verifier if isinstance(self._verifier, TokenVerifier) else self._verifier()
+        try:
+            principal = verifier.verify(token)
+        except AuthenticationError as exc:
+            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, f"invalid token: {exc}")
+        if principal.role != "admin":
+            await _abort(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"reading the audit log requires an admin of cluster {self._cluster_id}",
+            )
+        if self._account_check is not None and (refusal := await self._account_check(principal)):
+            await _abort(context, grpc.StatusCode.PERMISSION_DENIED, refusal)
+        return principal
+
+    async def Query(
+        self, request: audit_pb2.AuditQuery, context: grpc.aio.ServicerContext
+    ) -> audit_pb2.AuditRecords:
+        principal = await self._require_admin(context)
+        limit = request.limit or DEFAULT_LIMIT
+        if limit > MAX_LIMIT:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"limit must be at most {MAX_LIMIT}")
+        if request.since_unix < 0 or request.until_unix < 0:
+            await _abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "since_unix/until_unix must not be negative"
+            )
+        where = AuditFilter(
+            account=request.account,
+            job_id=request.job_id,
+            event=request.event,
+            since_unix=request.since_unix,
+            until_unix=request.until_unix,
+        )
+        result = await asyncio.to_thread(query_log, self._audit.path, where, limit)
+        # Reading the log is itself security-relevant: who looked, and for what.
+        await asyncio.to_thread(
+            self._audit.append,
+            "audit.query",
+            account=principal.username,
+            details={
+                "filter": {k: v for k, v in where.__dict__.items() if v},
+                "returned": len(result.records),
+            },
+        )
+        return audit_pb2.AuditRecords(
+            records_json=[json.dumps(r, sort_keys=True, separators=(",", ":")) for r in result.records],
+            truncated=result.truncated,
+            total_records=result.total_records,
+        )
+
+    async def GetAuditKey(
+        self, request: audit_pb2.GetAuditKeyRequest, context: grpc.aio.ServicerContext
+    ) -> audit_pb2.AuditKey:
+        await self._require_admin(context)
+        return audit_pb2.AuditKey(
+            public_key_pem=self._audit.public_pem().decode(),
+            key_id=self._audit.key_id,
+            log_id=self._audit.log_id,
+            service=self._service,
+            cluster_id=self._cluster_id,
+        )

@@ -1,0 +1,158 @@
+"""`nebula codec`: inspect codec specs, ask for advice, and run the codec benchmark."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from nebula_common.codec import CodecError, available_codecs, canonical_spec, get_codec
+from nebula_common.codec.advice import advise, job_advice_request
+from nebula_common.codec.base import dtype_from_name, numel
+from nebula_common.codec.calibration import Calibrator, default_cache_path
+
+app = typer.Typer(help="Codec specs, advice and benchmarks.", no_args_is_help=True)
+console = Console()
+status_console = Console(stderr=True)
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
+    except ValueError:
+        raise typer.BadParameter(f"shape must be comma-separated integers, got {text!r}") from None
+    if any(dim < 0 for dim in dims):
+        raise typer.BadParameter(f"shape {text!r} has a negative dimension")
+    return dims
+
+
+@app.command("list")
+def list_codecs() -> None:
+    """Registered codec names (wire codecs and stream options)."""
+    for name in available_codecs():
+        console.print(name)
+
+
+@app.command("inspect")
+def inspect_spec(
+    spec: str = typer.Argument(..., help="Codec spec, e.g. 'fp16(svd(0.6))' or 'start(ef(int8),1000)'."),
+    shape: str = typer.Option("64,12,128", help="Tensor shape, e.g. 64,12,128."),
+    dtype: str = typer.Option("float32", help="Tensor dtype."),
+) -> None:
+    """Canonical spelling, exact encoded size and ratio for a shape, and any fallback note."""
+    try:
+        canonical = canonical_spec(spec)
+        torch_dtype = dtype_from_name(dtype)
+    except CodecError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    dims = _shape(shape)
+    console.print(f"canonical: {canonical}")
+    codec = get_codec(canonical)
+    while not codec.wire and getattr(codec, "inner", None) is not None:
+        codec = codec.inner  # type: ignore[attr-defined]
+    if not codec.wire:
+        console.print("auto is resolved by the codec service's Advise at job start")
+        return
+    raw = numel(dims) * torch.empty((), dtype=torch_dtype).element_size()
+    size = codec.encoded_size(dims, torch_dtype)
+    kind = "at most" if codec.variable_size else "exactly"
+    ratio = size / raw if raw else 0.0
+    console.print(
+        f"wire codec {codec.spec}: {kind} {size} bytes for {list(dims)} {dtype} ({raw} raw), "
+        f"ratio {ratio:.4f}"
+    )
+    note = codec.plan_note(dims, torch_dtype)
+    if note:
+        console.print(f"[yellow]{note}[/]")
+
+
+@app.command("advise")
+def advise_command(
+    shape: str = typer.Option("64,12,128", help="Activation shape per micro-batch (gradients match it)."),
+    bandwidth_mbit: float = typer.Option(60.0, min=0.001, help="Link bandwidth per direction (Mbit/s)."),
+    rtt_ms: float = typer.Option(40.0, min=0.0, help="Round-trip time (ms)."),
+    micro_batches: int = typer.Option(2, min=1, help="Micro-batches per step."),
+    compute_ms: float = typer.Option(0.0, min=0.0, help="Compute time per micro-batch (ms)."),
+    error_budget: float = typer.Option(
+        0.0, min=0.0, help="Max relative L2 error (0: per-direction defaults)."
+    ),
+    address: str = typer.Option(
+        "", help="Ask this codec service (host:port) instead of calibrating locally."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+) -> None:
+    """Rank codec specs for a link and tensor shape by predicted step time."""
+    request = job_advice_request(
+        bandwidth_bps=bandwidth_mbit * 1e6,
+        rtt_seconds=rtt_ms / 1e3,
+        edge="encoder->decoder",
+        activation_shape=_shape(shape),
+        micro_batches=micro_batches,
+        compute_seconds=compute_ms / 1e3,
+        error_budget=error_budget,
+    )
+    try:
+        if address:
+            from nebula_common.codec.advice_client import advise_specs_sync
+
+            result = advise_specs_sync(address, request)
+        else:
+            calibrator = Calibrator(default_cache_path())
+            calibrator.start()
+            result = advise(request, calibrator)
+    except CodecError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if json_out:
+        console.print_json(json.dumps(_result_json(result)))
+        return
+    for direction in result.directions:
+        table = Table(
+            title=f"{direction.edge} {direction.direction} {list(direction.shape)} "
+            f"({direction.error_source} error)"
+        )
+        for column in ("spec", "ratio", "rel. error", "encode ms", "decode ms", "wire ms", "per step ms"):
+            table.add_column(column, justify="right" if column != "spec" else "left")
+        for option in direction.options:
+            table.add_row(
+                option.spec if option.within_budget else f"[dim]{option.spec} (over budget)[/]",
+                f"{option.ratio:.4f}",
+                f"{option.rel_error:.4f}",
+                f"{option.encode_seconds * 1e3:.2f}",
+                f"{option.decode_seconds * 1e3:.2f}",
+                f"{option.transfer_seconds * 1e3:.2f}",
+                f"{option.direction_seconds * 1e3:.2f}",
+            )
+        console.print(table)
+    console.print(
+        f"predicted step {result.predicted_step_seconds * 1e3:.1f} ms with "
+        f"{result.forward_spec} + {result.backward_spec} (none: {result.baseline_step_seconds * 1e3:.1f} ms)"
+    )
+
+
+def _result_json(result: object) -> dict[str, object]:
+    from dataclasses import asdict
+
+    return asdict(result)  # type: ignore[call-overload]
+
+
+@app.command("bench")
+def bench(
+    json_out: bool = typer.Option(False, "--json", help="Print the JSON result to stdout."),
+    out: Path = typer.Option(Path("bench-results"), help="Directory for codecs.json and codecs.md."),
+    quick: bool = typer.Option(False, help="Fewer repetitions (smoke run; numbers are noisier)."),
+) -> None:
+    """Run the codec benchmark on one core; write JSON + markdown; print the table (or JSON)."""
+    from nebula_common.codec import benchmark
+
+    with status_console.status("benchmarking codecs on one core (a few minutes) ..."):
+        result = benchmark.run(quick=quick)
+    json_path, md_path = benchmark.write(result, out)
+    if json_out:
+        print(json.dumps(result, indent=2))
+    else:
+        console.print(benchmark.to_markdown(result))
+    status_console.print(f"written {json_path} and {md_path}", style="dim")

@@ -1,0 +1,40 @@
+"""Fine-tuning, cluster S: frozen pre-trained Spanish encoder + trainable adapters; states go to T.
+
+Only Spanish sentences live here. ``load_eval_examples`` is the held-out
+split's Spanish side: after training, the runtime encodes each of its batches
+once and sends the states to T, which decodes them.
+"""
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from nebula_common.jobspec.adapters import AbnetEncoder, LanguageModel, load_pretrained
+from nebula_common.jobspec.text_data import encode, side, side_tokenizer, split_pairs
+
+
+def build(options: dict[str, Any]) -> nn.Module:
+    vocab = side_tokenizer("es", options["vocab_size"], options["held_out_percent"]).get_vocab_size()
+    plm = LanguageModel(
+        vocab, options["length"], options["d_model"], options["n_heads"], options["n_layers"], causal=False
+    )
+    return AbnetEncoder(load_pretrained(plm, options.get("pretrained")), options["bottleneck"])
+
+
+def _encoded(options: dict[str, Any], held_out: bool) -> list[list[int]]:
+    train, held = split_pairs(options["held_out_percent"])
+    tokenizer = side_tokenizer("es", options["vocab_size"], options["held_out_percent"])
+    return encode(tokenizer, side(held if held_out else train, "es"), options["length"], bos=False)
+
+
+def load_examples(options: dict[str, Any]) -> list[list[int]]:
+    return _encoded(options, held_out=False)
+
+
+def load_eval_examples(options: dict[str, Any]) -> list[list[int]]:
+    return _encoded(options, held_out=True)
+
+
+def collate(examples: list[list[int]]) -> torch.Tensor:
+    return torch.tensor(examples, dtype=torch.long)

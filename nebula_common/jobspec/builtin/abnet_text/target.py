@@ -1,0 +1,77 @@
+"""Fine-tuning, cluster T: frozen pre-trained English decoder + cross-attention adapters, loss, BLEU.
+
+Only English sentences live here. Each example is (English text, token ids):
+the ids train the decoder, the text is the BLEU reference. After training the
+runtime hands ``decode`` each held-out batch's encoder states from S (sent once
+per batch); decoding is greedy and stays in T, and so does ``score``.
+"""
+
+from typing import Any
+
+import sacrebleu
+import torch
+from torch import nn
+
+from nebula_common.jobspec.adapters import AbnetDecoder, LanguageModel, load_pretrained
+from nebula_common.jobspec.text_data import decode as decode_ids
+from nebula_common.jobspec.text_data import encode, side, side_tokenizer, split_pairs
+
+Example = tuple[str, list[int]]
+
+
+def build(options: dict[str, Any]) -> nn.Module:
+    tokenizer = side_tokenizer("en", options["vocab_size"], options["held_out_percent"])
+    plm = LanguageModel(
+        tokenizer.get_vocab_size(),
+        options["length"],
+        options["d_model"],
+        options["n_heads"],
+        options["n_layers"],
+        causal=True,
+    )
+    model = AbnetDecoder(
+        load_pretrained(plm, options.get("pretrained")), options["n_heads"], options["bottleneck"]
+    )
+    model.tokenizer = tokenizer
+    model.max_length = options["length"]
+    return model
+
+
+def _examples(options: dict[str, Any], held_out: bool) -> list[Example]:
+    train, held = split_pairs(options["held_out_percent"])
+    english = side(held if held_out else train, "en")
+    tokenizer = side_tokenizer("en", options["vocab_size"], options["held_out_percent"])
+    return list(zip(english, encode(tokenizer, english, options["length"], bos=True), strict=True))
+
+
+def load_examples(options: dict[str, Any]) -> list[Example]:
+    return _examples(options, held_out=False)
+
+
+def load_eval_examples(options: dict[str, Any]) -> list[Example]:
+    return _examples(options, held_out=True)
+
+
+def collate(examples: list[Example]) -> torch.Tensor:
+    return torch.tensor([ids for _, ids in examples], dtype=torch.long)
+
+
+def loss(model: nn.Module, memory: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return model.loss(memory, target)
+
+
+def decode(model: nn.Module, memory: torch.Tensor, target: torch.Tensor) -> list[str]:
+    """Greedy translations of one held-out batch (the target ids are not looked at)."""
+    ids = model.greedy(memory, model.max_length)
+    return [decode_ids(model.tokenizer, row[1:].tolist()) for row in ids]
+
+
+def score(hypotheses: list[str], examples: list[Example]) -> dict[str, float]:
+    """Corpus BLEU (sacrebleu, 13a tokenisation, lower-cased like the tokenizer) against the references."""
+    if len(hypotheses) != len(examples):
+        raise ValueError(f"{len(hypotheses)} hypotheses for {len(examples)} references")
+    references = [text for text, _ in examples]
+    bleu = sacrebleu.corpus_bleu(hypotheses, [references], lowercase=True)
+    chrf = sacrebleu.corpus_chrf(hypotheses, [references])
+    exact = sum(h.lower() == r.lower() for h, r in zip(hypotheses, references, strict=True))
+    return {"bleu": bleu.score, "chrf": chrf.score, "exact_match": exact / max(len(references), 1)}

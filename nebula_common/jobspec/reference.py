@@ -1,0 +1,106 @@
+"""The same job trained unsplit in one process: the yardstick for the split run, and a hot-start source.
+
+Both stages live in this process and the loss backpropagates straight through
+the cut, with the micro-batches of each step run one after the other. With
+codec ``none``, a split run across clusters (any schedule) must reproduce these
+per-step losses and final parameters; a run here can also produce the per-stage
+state dicts a cross-cluster job starts from (the paper's Figure 8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from nebula_common.jobspec.runtime import OptimSettings, StageProgram, example_ids, load_program
+from nebula_common.jobspec.spec import LoadedJob, required_functions
+
+
+@dataclass
+class UnsplitResult:
+    losses: list[float] = field(default_factory=list)
+    local_losses: list[float] = field(default_factory=list)  # one_way: the upstream stage's own loss
+    state_dicts: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+def optim_settings(job: LoadedJob) -> OptimSettings:
+    spec = job.spec
+    return OptimSettings(
+        name=spec.optimizer.name,
+        lr=spec.optimizer.lr,
+        weight_decay=spec.optimizer.weight_decay,
+        momentum=spec.optimizer.momentum,
+        schedule=spec.lr_schedule.name,
+        warmup_steps=spec.lr_schedule.warmup_steps,
+    )
+
+
+def build_programs(job: LoadedJob) -> tuple[StageProgram, StageProgram]:
+    spec = job.spec
+    programs = []
+    for index, stage in enumerate(spec.stages):
+        required = required_functions("downstream" if index else "upstream", spec.pipeline.mode)
+        module = job.modules[stage.name]
+        programs.append(
+            StageProgram(
+                load_program(module.source, str(module.path), required),
+                dict(stage.options),
+                seed=spec.seed,
+                stage_index=index,
+                num_examples=spec.data.examples,
+                optim=optim_settings(job),
+                total_steps=spec.steps,
+            )
+        )
+    return programs[0], programs[1]
+
+
+def run_unsplit(job: LoadedJob, steps: int | None = None) -> UnsplitResult:
+    """Train ``steps`` (default: the spec's) steps of the whole model in this process.
+
+    In one_way mode (ELECTRA) the upstream stage backpropagates its own loss and
+    the downstream stage trains on the upstream output with no gradient across
+    the cut; data-parallel replicas are one process here, with the combined batch.
+    """
+    spec = job.spec
+    upstream, downstream = build_programs(job)
+    micro_batches = spec.data.micro_batches
+    size = spec.data.batch_size // micro_batches
+    one_way = spec.pipeline.mode == "one_way"
+    result = UnsplitResult()
+    for step in range(spec.steps if steps is None else steps):
+        total = local = 0.0
+        for mb in range(micro_batches):
+            ids = example_ids(spec.seed, spec.data.examples, step, mb, micro_batches, size)
+            if one_way:
+                states, own = upstream.produce(upstream.batch(ids))
+                own = own / micro_batches
+                own.backward()
+                local += own.item()
+            else:
+                states = upstream.forward(upstream.batch(ids))
+            loss = downstream.loss(states, downstream.batch(ids)) / micro_batches
+            loss.backward()
+            total += loss.item()
+        upstream.finish_step()
+        downstream.finish_step()
+        result.losses.append(total)
+        if one_way:
+            result.local_losses.append(local)
+    result.state_dicts = {
+        spec.stages[0].name: upstream.model.state_dict(),
+        spec.stages[1].name: downstream.model.state_dict(),
+    }
+    return result
+
+
+def save_state_dicts(result: UnsplitResult, directory: Path) -> dict[str, Path]:
+    """Write each stage's parameters as a plain torch state dict (``<stage>.pt``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for stage, state in result.state_dicts.items():
+        paths[stage] = directory / f"{stage}.pt"
+        torch.save(state, paths[stage])
+    return paths

@@ -1,0 +1,319 @@
+"""The job spec a user writes (YAML): a validated model, loaded with errors that name the field.
+
+Why a real config model: a spec mistake found after one cluster already started
+its stage wastes two organisations' hardware and leaves a half-job behind. So
+the whole spec, the stage modules it points at (read and compiled, not run) and
+the codec of every edge are checked before anything is sent anywhere.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from nebula_common.codec import CodecError, get_codec
+from nebula_common.errors import InvalidRequestError
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+UPSTREAM_FUNCTIONS = ("build", "load_examples", "collate")
+DOWNSTREAM_FUNCTIONS = ("build", "load_examples", "collate", "loss")
+# One-way edges (ELECTRA): the upstream stage trains on its own loss and sends what it produced.
+ONE_WAY_UPSTREAM_FUNCTIONS = ("build", "load_examples", "collate", "produce")
+MAX_EXACT_ID = 1 << 24  # int64 payloads travel as float32, exact below 2**24
+
+
+def required_functions(role: str, mode: str) -> tuple[str, ...]:
+    """Functions a stage module must define, by its role (upstream/downstream) and the pipeline mode."""
+    if role == "downstream":
+        return DOWNSTREAM_FUNCTIONS
+    return ONE_WAY_UPSTREAM_FUNCTIONS if mode == "one_way" else UPSTREAM_FUNCTIONS
+
+
+class SpecError(InvalidRequestError):
+    """A job spec (or a module it names) is invalid; the message names the file and field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class OptimizerSpec(_Strict):
+    name: Literal["adam", "adamw", "sgd"] = "adam"
+    lr: float = Field(1e-3, gt=0, lt=10)
+    weight_decay: float = Field(0.0, ge=0, lt=1)
+    momentum: float = Field(0.0, ge=0, lt=1)
+
+
+class LrScheduleSpec(_Strict):
+    name: Literal["constant", "linear_warmup", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+
+
+class DataSpec(_Strict):
+    batch_size: int = Field(ge=1, le=1_000_000)
+    micro_batches: int = Field(1, ge=1, le=4096)
+    examples: int = Field(ge=1, description="Examples each cluster's shard holds; ids are 0..examples-1.")
+
+    @model_validator(mode="after")
+    def _even_split(self) -> DataSpec:
+        if self.batch_size % self.micro_batches:
+            raise ValueError(
+                f"batch_size {self.batch_size} must be a multiple of micro_batches {self.micro_batches}"
+            )
+        return self
+
+
+class PipelineSpec(_Strict):
+    schedule: Literal["gpipe", "1f1b"] = "gpipe"
+    max_in_flight: int = Field(4, ge=1, le=256)
+    mode: Literal["backprop", "one_way"] = Field(
+        "backprop",
+        description="backprop: activations forward, their gradients back (ABNet). one_way: the upstream "
+        "stage trains on its own loss and only its output crosses (ELECTRA generator -> discriminator); "
+        "after each optimizer step the downstream stage returns a small sync tensor.",
+    )
+    sync_lag: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="one_way: optimizer steps the upstream stage may run ahead of the downstream one "
+        "(0 = lockstep; 1 lets the generator compute step s+1 while the discriminator trains on step s).",
+    )
+
+
+class CheckpointSpec(_Strict):
+    interval: int = Field(0, ge=0, description="Checkpoint every N steps; 0 = only at the end.")
+
+
+class StageDecl(_Strict):
+    name: str = Field(pattern=_NAME)
+    cluster: str = Field(pattern=r"^[a-z][a-z0-9-]{0,30}$")
+    module: str = Field(min_length=1, description="Path of the stage's Python module, relative to the spec.")
+    options: dict[str, Any] = Field(default_factory=dict)
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Data-parallel processes of this stage inside its cluster (torch.distributed, DDP); "
+        "rank 0 talks to the switch and scatters each micro-batch's rows to the others.",
+    )
+
+    @field_validator("options")
+    @classmethod
+    def _json_options(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"options must be plain YAML data (numbers, strings, lists, maps): {exc}"
+            ) from exc
+        return value
+
+
+class CodecPair(_Strict):
+    forward: str = "none"
+    backward: str = "none"
+
+    @field_validator("forward", "backward")
+    @classmethod
+    def _known_codec(cls, value: str) -> str:
+        try:
+            return get_codec(value).spec
+        except CodecError as exc:
+            raise ValueError(str(exc)) from exc
+
+
+class EdgeDecl(_Strict):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    source: str = Field(alias="from")
+    target: str = Field(alias="to")
+    codec: CodecPair = Field(default_factory=CodecPair)
+    payload: Literal["float", "int64"] = Field(
+        "float",
+        description="What the upstream stage sends: float activations, or int64 ids (token ids, "
+        "one_way mode only; carried exactly as float32 while every id is below 2**24).",
+    )
+
+    @property
+    def name(self) -> str:
+        return f"{self.source}->{self.target}"
+
+
+class JobSpec(_Strict):
+    """A two-stage cross-cluster pipeline: stage 0 upstream, stage 1 downstream (owns the loss)."""
+
+    name: str = Field(pattern=_NAME)
+    steps: int = Field(ge=1, le=10_000_000)
+    seed: int = Field(0, ge=0, le=2**62)
+    data: DataSpec
+    pipeline: PipelineSpec = Field(default_factory=PipelineSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    lr_schedule: LrScheduleSpec = Field(default_factory=LrScheduleSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    stages: list[StageDecl] = Field(min_length=2, max_length=2)
+    edges: list[EdgeDecl] = Field(min_length=1, max_length=1)
+
+    @model_validator(mode="after")
+    def _topology(self) -> JobSpec:
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"stages: names must be unique, got {names}")
+        clusters = [s.cluster for s in self.stages]
+        if len(set(clusters)) != len(clusters):
+            raise ValueError(f"stages: each stage must run in a different cluster, got {clusters}")
+        edge = self.edges[0]
+        if (edge.source, edge.target) != (names[0], names[1]):
+            raise ValueError(
+                f"edges.0: must go from the first stage to the second ({names[0]} -> {names[1]}), "
+                f"got {edge.source} -> {edge.target}"
+            )
+        one_way = self.pipeline.mode == "one_way"
+        if one_way and edge.codec.backward != "none":
+            raise ValueError(
+                "edges.0.codec.backward: a one_way edge carries only the per-step sync tensor back; "
+                f"it must be none, got {edge.codec.backward!r}"
+            )
+        if edge.payload == "int64":
+            if not one_way:
+                raise ValueError(
+                    "edges.0.payload: int64 ids have no gradient; they need pipeline.mode one_way"
+                )
+            if edge.codec.forward != "none":
+                raise ValueError(
+                    "edges.0.codec.forward: an int64 payload (ids) must use codec none; a lossy codec "
+                    f"would change ids, got {edge.codec.forward!r}"
+                )
+        if self.stages[0].replicas != 1:
+            raise ValueError(
+                "stages.0.replicas: data parallelism is supported on the downstream (second) stage only"
+            )
+        micro_batch = self.data.batch_size // self.data.micro_batches
+        replicas = self.stages[1].replicas
+        if micro_batch % replicas:
+            raise ValueError(
+                f"stages.1.replicas: each micro-batch ({micro_batch} examples) is split evenly across "
+                f"replicas; {replicas} does not divide it"
+            )
+        return self
+
+    @property
+    def edge(self) -> EdgeDecl:
+        return self.edges[0]
+
+
+@dataclass(frozen=True)
+class StageModule:
+    """One stage's module as it will be shipped: only to the cluster that runs the stage."""
+
+    path: Path
+    source: str
+
+
+@dataclass(frozen=True)
+class LoadedJob:
+    spec: JobSpec
+    modules: dict[str, StageModule]
+    spec_path: Path | None = None
+
+    def job_id(self) -> str:
+        return f"{self.spec.name}-{uuid.uuid4().hex[:8]}"
+
+
+def _format_validation(error: ValidationError, origin: str) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"{origin}: {where}: {message}")
+    return "\n".join(lines)
+
+
+def _check_module(stage: StageDecl, index: int, path: Path, origin: str, mode: str) -> StageModule:
+    field = f"stages.{index}.module"
+    if not path.is_file():
+        raise SpecError(f"{origin}: {field}: no such file {path}")
+    source = path.read_text(encoding="utf-8")
+    try:
+        tree = ast.parse(source, filename=str(path))
+    except SyntaxError as exc:
+        raise SpecError(f"{origin}: {field}: {path}:{exc.lineno}: syntax error: {exc.msg}") from exc
+    defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
+    defined |= {
+        target.id
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    required = required_functions("upstream" if index == 0 else "downstream", mode)
+    missing = [name for name in required if name not in defined]
+    if missing:
+        role = "downstream (loss-owning)" if index else f"upstream ({mode} pipeline)"
+        raise SpecError(
+            f"{origin}: {field}: {path} must define {', '.join(missing)} "
+            f"(a {role} stage defines {', '.join(required)})"
+        )
+    return StageModule(path=path, source=source)
+
+
+def parse_spec(data: Any, *, base_dir: Path, origin: str = "spec") -> LoadedJob:
+    """Validate spec data (already parsed YAML) and read the stage modules it names."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{origin}: the spec must be a mapping at the top level, got {type(data).__name__}")
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(_format_validation(exc, origin)) from None
+    modules = {
+        stage.name: _check_module(stage, i, (base_dir / stage.module).resolve(), origin, spec.pipeline.mode)
+        for i, stage in enumerate(spec.stages)
+    }
+    return LoadedJob(spec=spec, modules=modules)
+
+
+def load_spec(path: Path, overrides: dict[str, Any] | None = None) -> LoadedJob:
+    """Read a YAML job spec; ``overrides`` (dotted keys, e.g. ``data.micro_batches``) win over the file."""
+    origin = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecError(f"{origin}: cannot read the spec: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{origin}: not valid YAML: {exc}") from exc
+    if isinstance(data, dict):
+        for dotted, value in (overrides or {}).items():
+            _set_dotted(data, dotted, value, origin)
+    loaded = parse_spec(data, base_dir=path.resolve().parent, origin=origin)
+    return LoadedJob(spec=loaded.spec, modules=loaded.modules, spec_path=path)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any, origin: str) -> None:
+    parts = dotted.split(".")
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        key: Any = int(part) if re.fullmatch(r"\d+", part) and isinstance(node, list) else part
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            if isinstance(node, dict):
+                node = node.setdefault(part, {})
+            else:
+                raise SpecError(f"{origin}: override {dotted}: no {'.'.join(parts[: i + 1])}") from None
+    last = parts[-1]
+    if isinstance(node, list) and re.fullmatch(r"\d+", last):
+        node[int(last)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise SpecError(f"{origin}: override {dotted}: cannot set inside a {type(node).__name__}")

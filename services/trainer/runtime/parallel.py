@@ -1,0 +1,267 @@
+"""Data parallelism of one stage inside its cluster: rank 0 (the trainer's stage thread) plus spawned ranks.
+
+Why this shape: only rank 0 holds the job's edge to the switch (one stream per
+edge, one place that checks the schedule), so ranks 1..n-1 never see the WAN.
+For every micro-batch that arrives, rank 0 scatters its rows; each rank builds
+the matching rows of its own data shard (same cluster, same example ids),
+computes the loss through DDP (which averages parameter gradients across ranks
+on the last micro-batch of a step), and in backprop mode rank 0 gathers the
+gradients of the received rows to send back. At each step boundary every rank
+steps its optimizer and the ranks all-reduce a counter, so the replicas have
+synced before rank 0 syncs with the other cluster (the paper's Figure 6).
+
+Rank 0 lives in the trainer process, which may run other jobs' stages at the
+same time, so it must not claim torch.distributed's process-global default
+group: each job builds its own gloo process group on a private TCPStore (the
+same construction ``torch.distributed.new_group`` performs internally). The
+other ranks are ``torch.multiprocessing`` spawn children of the trainer, on the
+same host. Losses must be means over a batch's examples: with equal row chunks
+the mean of the ranks' means is then the combined batch's mean, which is what
+makes n ranks equal one rank with the combined batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from nebula_common.jobspec.runtime import StageProgram, example_ids
+
+log = logging.getLogger(__name__)
+HOST = "127.0.0.1"
+CMD_STOP, CMD_MICRO_BATCH, CMD_STEP = 0, 1, 2
+_HEADER = 16  # cmd, step, micro_batch, dtype index, ndim, up to 11 dims
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)
+_GLOO = dist.ProcessGroup.BackendType.GLOO
+
+
+class DataParallelError(RuntimeError):
+    """A replica failed to start, or a collective failed (a replica died or timed out)."""
+
+
+def make_process_group(store: dist.Store, rank: int, world: int, timeout: float) -> dist.ProcessGroup:
+    """A gloo process group that is not the process-global default one (see the module docstring)."""
+    span = datetime.timedelta(seconds=timeout)
+    backend = dist.ProcessGroupGloo(store, rank, world, span)
+    group = dist.ProcessGroup(store, rank, world)
+    group._set_default_backend(_GLOO)
+    group._register_backend(torch.device("cpu"), _GLOO, backend)
+    return group
+
+
+class _LossModule(nn.Module):
+    """DDP syncs gradients of what runs through its forward, so the user's loss() is that forward."""
+
+    def __init__(self, program: StageProgram) -> None:
+        super().__init__()
+        self.model = program.model
+        self._loss: Callable[[torch.Tensor, Any], torch.Tensor] = program.loss
+
+    def forward(self, received: torch.Tensor, batch: Any) -> torch.Tensor:
+        return self._loss(received, batch)
+
+
+class ReplicaCompute:
+    """One rank's share of a micro-batch: loss through DDP, gradient of the received rows (backprop)."""
+
+    def __init__(
+        self, program: StageProgram, group: dist.ProcessGroup, micro_batches: int, backprop: bool
+    ) -> None:
+        self.program = program
+        self.micro_batches = micro_batches
+        self.backprop = backprop
+        self.ddp = DistributedDataParallel(_LossModule(program), process_group=group, broadcast_buffers=False)
+
+    def run(self, rows: torch.Tensor, ids: list[int], last: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        received = rows.requires_grad_(True) if self.backprop else rows
+        # Accumulate locally; DDP all-reduces the accumulated gradients once, in the last backward.
+        sync = contextlib.nullcontext() if last else self.ddp.no_sync()
+        with sync:
+            loss = self.ddp(received, self.program.batch(ids)) / self.micro_batches
+            loss.backward()
+        return loss.detach().reshape(1), received.grad if self.backprop else None
+
+
+def _rows(ids: list[int], rank: int, world: int) -> list[int]:
+    size = len(ids) // world
+    return ids[rank * size : (rank + 1) * size]
+
+
+def _scatter_options() -> dist.ScatterOptions:
+    options = dist.ScatterOptions()
+    options.rootRank = 0
+    return options
+
+
+def _gather_options() -> dist.GatherOptions:
+    options = dist.GatherOptions()
+    options.rootRank = 0
+    return options
+
+
+class DataParallelGroup:
+    """Rank 0 of a data-parallel stage: starts ranks 1..n-1 and drives them micro-batch by micro-batch."""
+
+    def __init__(
+        self,
+        spec_bytes: bytes,
+        program: StageProgram,
+        *,
+        replicas: int,
+        micro_batches: int,
+        backprop: bool,
+        data_dir: Path,
+        owner: str,
+        timeout: float = 300.0,
+    ) -> None:
+        if replicas < 2:
+            raise ValueError("a data-parallel group needs at least 2 replicas")
+        self.replicas = replicas
+        self.program = program
+        self.micro_batches = micro_batches
+        self.backprop = backprop
+        self._stopped = False
+        span = datetime.timedelta(seconds=timeout)
+        self._store = dist.TCPStore(HOST, 0, replicas, is_master=True, timeout=span, wait_for_workers=False)
+        threads = max(1, (os.cpu_count() or 1) // replicas)
+        context = mp.get_context("spawn")
+        self._processes = [
+            context.Process(
+                target=replica_main,
+                args=(spec_bytes, rank, replicas, self._store.port, str(data_dir), owner, threads, timeout),
+                name=f"nebula-replica-{rank}",
+                daemon=True,
+            )
+            for rank in range(1, replicas)
+        ]
+        for process in self._processes:
+            process.start()
+        try:
+            self.group = make_process_group(dist.PrefixStore("dp/", self._store), 0, replicas, timeout)
+            self.compute = ReplicaCompute(program, self.group, micro_batches, backprop)
+        except Exception as exc:
+            self.abort()
+            raise DataParallelError(f"data-parallel replicas did not start: {exc}") from exc
+
+    def _broadcast_header(
+        self, cmd: int, step: int, micro_batch: int = 0, tensor: torch.Tensor | None = None
+    ) -> None:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[:3] = torch.tensor([cmd, step, micro_batch])
+        if tensor is not None:
+            if tensor.dim() > _HEADER - 5:
+                raise DataParallelError(f"cannot scatter a tensor of {tensor.dim()} dimensions")
+            header[3] = _DTYPES.index(tensor.dtype)
+            header[4] = tensor.dim()
+            header[5 : 5 + tensor.dim()] = torch.tensor(tensor.shape)
+        self.group.broadcast(header, 0).wait()
+
+    def micro_batch(
+        self, step: int, micro_batch: int, received: torch.Tensor, ids: list[int]
+    ) -> tuple[float, torch.Tensor | None]:
+        """Scatter a received micro-batch, compute every rank's share; (mean loss, gradient of received)."""
+        if received.dtype not in _DTYPES:
+            raise DataParallelError(f"cannot scatter dtype {received.dtype}")
+        received = received.detach().contiguous()
+        self._broadcast_header(CMD_MICRO_BATCH, step, micro_batch, received)
+        chunks = [chunk.contiguous() for chunk in received.chunk(self.replicas)]
+        mine = torch.empty_like(chunks[0])
+        self.group.scatter([mine], [chunks], _scatter_options()).wait()
+        last = micro_batch == self.micro_batches - 1
+        loss, grad = self.compute.run(mine, _rows(ids, 0, self.replicas), last)
+        gathered: torch.Tensor | None = None
+        if self.backprop and grad is not None:
+            parts = [torch.empty_like(grad) for _ in range(self.replicas)]
+            self.group.gather([parts], [grad], _gather_options()).wait()
+            # The combined loss is the mean of the ranks' losses: each rank's rows get 1/n of its gradient.
+            gathered = torch.cat(parts) / self.replicas
+        self.group.allreduce([loss]).wait()
+        return float(loss.item()) / self.replicas, gathered
+
+    def finish_step(self, step: int) -> None:
+        """Every rank steps its optimizer; a counter all-reduce confirms all replicas are at this step."""
+        self._broadcast_header(CMD_STEP, step)
+        self.program.finish_step()
+        done = torch.tensor([float(step + 1)])
+        self.group.allreduce([done]).wait()
+        if int(done.item()) != (step + 1) * self.replicas:
+            raise DataParallelError(f"replicas out of step after step {step}: counter {done.item()}")
+
+    def stop(self) -> None:
+        """Tell the replicas to exit and wait for them."""
+        if self._stopped:
+            return
+        self._broadcast_header(CMD_STOP, 0)
+        for process in self._processes:
+            process.join(30)
+        self.abort()
+
+    def abort(self) -> None:
+        """End every replica process now (our own children, by handle); safe to repeat."""
+        self._stopped = True
+        for process in self._processes:
+            if process.is_alive():
+                process.terminate()
+        for process in self._processes:
+            process.join(10)
+
+
+def replica_main(
+    spec_bytes: bytes,
+    rank: int,
+    world: int,
+    port: int,
+    data_dir: str,
+    owner: str,
+    threads: int,
+    timeout: float,
+) -> None:
+    """Entry point of ranks 1..n-1 (a spawned process): build the stage, then follow rank 0's commands."""
+    from nebula_common.proto.nebula.v1 import trainer_pb2
+    from services.trainer.runtime.checkpoint import CheckpointStore
+    from services.trainer.runtime.stage import build_program
+
+    torch.set_num_threads(threads)
+    spec = trainer_pb2.StageSpec.FromString(spec_bytes)
+    cfg = spec.program
+    program = build_program(spec)
+    if cfg.resume_job_id:
+        CheckpointStore(Path(data_dir)).load(cfg.resume_job_id, spec.stage, cfg.resume_step, owner, program)
+    span = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore(HOST, port, world, is_master=False, timeout=span)
+    group = make_process_group(dist.PrefixStore("dp/", store), rank, world, timeout)
+    backprop = (cfg.mode or "backprop") == "backprop"
+    compute = ReplicaCompute(program, group, cfg.micro_batches, backprop)
+    size = cfg.batch_size // cfg.micro_batches
+    while True:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        group.broadcast(header, 0).wait()
+        cmd, step, micro_batch = (int(v) for v in header[:3])
+        if cmd == CMD_STOP:
+            return
+        if cmd == CMD_STEP:
+            program.finish_step()
+            done = torch.tensor([float(step + 1)])
+            group.allreduce([done]).wait()
+            continue
+        ndim = int(header[4])
+        shape = [int(v) for v in header[5 : 5 + ndim]]
+        shape[0] //= world
+        mine = torch.empty(shape, dtype=_DTYPES[int(header[3])])
+        group.scatter([mine], [], _scatter_options()).wait()
+        ids = example_ids(cfg.seed, cfg.num_examples, step, micro_batch, cfg.micro_batches, size)
+        loss, grad = compute.run(mine, _rows(ids, rank, world), micro_batch == cfg.micro_batches - 1)
+        if backprop and grad is not None:
+            group.gather([], [grad], _gather_options()).wait()
+        group.allreduce([loss]).wait()

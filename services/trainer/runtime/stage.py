@@ -1,0 +1,339 @@
+"""One stage of a user program on this trainer: the cross-cluster pipeline loop.
+
+backprop mode (ABNet): the upstream stage runs its schedule's forwards and
+backwards (GPipe or 1F1B), sending activations through an async bounded queue
+and applying gradients in micro-batch order as they return; the downstream
+stage turns each arriving activation into a loss, backpropagates, and sends the
+activation's gradient straight back.
+
+one_way mode (ELECTRA, the paper's Scenario I): the upstream stage (generator)
+trains on its own loss and sends only what it produced (e.g. corrupted token
+ids); no gradient crosses. After each optimizer step the downstream stage (the
+root discriminator, whose data-parallel replicas have synced first) returns a
+small sync tensor ``[step + 1, loss]``; the upstream stage may run at most
+``sync_lag`` steps ahead of the last sync it received, so both sides stay on
+the same pace while the generator's next step overlaps the discriminator's.
+
+Both sides step their optimizer once per step, at the same step boundaries, and
+checkpoint there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from nebula_common.codec import TensorStreamDecoder, TensorStreamEncoder
+from nebula_common.jobspec.runtime import OptimSettings, ProgramError, StageProgram, example_ids, load_program
+from nebula_common.jobspec.spec import MAX_EXACT_ID, required_functions
+from nebula_common.proto.nebula.v1 import tensor_pb2, trainer_pb2
+from services.trainer.edge import EdgeClosedError, EdgeConnection
+from services.trainer.runner import StageCancelled, StageRunner
+from services.trainer.runtime.checkpoint import CheckpointStore
+from services.trainer.runtime.parallel import DataParallelGroup
+from services.trainer.runtime.schedule import Op, downstream_ops, upstream_ops
+from services.trainer.runtime.transfer import AsyncSender
+
+FORWARD = tensor_pb2.DIRECTION_FORWARD
+BACKWARD = tensor_pb2.DIRECTION_BACKWARD
+log = logging.getLogger(__name__)
+
+
+def build_program(spec: trainer_pb2.StageSpec) -> StageProgram:
+    """Load this stage's module (only this stage's) and build its model, shard and optimizer."""
+    cfg = spec.program
+    required = required_functions(cfg.role, cfg.mode or "backprop")
+    module = load_program(cfg.module_source, cfg.module_name or f"<{spec.stage}>", required)
+    opt = cfg.optimizer
+    return StageProgram(
+        module,
+        json.loads(cfg.options_json or "{}"),
+        seed=cfg.seed,
+        stage_index=cfg.stage_index,
+        num_examples=cfg.num_examples,
+        optim=OptimSettings(
+            name=opt.name,
+            lr=opt.learning_rate,
+            weight_decay=opt.weight_decay,
+            momentum=opt.momentum,
+            schedule=opt.lr_schedule,
+            warmup_steps=opt.warmup_steps,
+        ),
+        total_steps=spec.steps,
+    )
+
+
+class ProgramRunner(StageRunner):
+    """Runs a ``scenario: program`` stage; reuses the base runner's lifecycle, status and metrics."""
+
+    def __init__(
+        self, spec: trainer_pb2.StageSpec, token: str, switch_address: str, data_dir: Path, owner: str
+    ) -> None:
+        super().__init__(spec, token, switch_address)
+        self.store = CheckpointStore(data_dir)
+        self.owner = owner
+        self._sender: AsyncSender | None = None
+        self._dp: DataParallelGroup | None = None
+        self._one_way = spec.program.mode == "one_way"
+        self._int_payload = spec.program.payload == "int64"
+
+    def _run(self) -> None:
+        try:
+            self._run_stage()
+        finally:
+            if self._dp is not None:
+                self._dp.abort()  # after a clean stop() this only reaps; otherwise it ends the replicas
+
+    def _run_stage(self) -> None:
+        spec, cfg = self.spec, self.spec.program
+        edge: EdgeConnection | None = None
+        try:
+            program = build_program(spec)
+            start = 0
+            if cfg.resume_job_id:
+                self.store.load(cfg.resume_job_id, spec.stage, cfg.resume_step, self.owner, program)
+                start = int(cfg.resume_step)
+            upstream = cfg.role == "upstream"
+            if cfg.replicas > 1:
+                self._dp = DataParallelGroup(
+                    spec.SerializeToString(),
+                    program,
+                    replicas=cfg.replicas,
+                    micro_batches=cfg.micro_batches,
+                    backprop=not self._one_way,
+                    data_dir=self.store.root,
+                    owner=self.owner,
+                )
+            codec_out = spec.codec_forward if upstream else spec.codec_backward
+            codec_in = spec.codec_backward if upstream else spec.codec_forward
+            self._encoder = TensorStreamEncoder(codec_out or "none")
+            self._decoder = TensorStreamDecoder(codec_in or "none")
+            edge = EdgeConnection(
+                self.switch_address,
+                self.token,
+                spec.job_id,
+                spec.edge,
+                # one_way: the upstream holds up to sync_lag + 1 unread syncs while it keeps sending.
+                receive_queue_tensors=max(2 * cfg.max_in_flight, cfg.sync_lag + 2),
+            )
+            self._edge = edge
+            if self._cancelled.is_set():
+                raise StageCancelled
+            sender = AsyncSender(edge, cfg.max_in_flight)
+            self._sender = sender
+            self.board.update(state=trainer_pb2.STAGE_STATE_RUNNING, steps_done=start)
+            log.info("program stage running", extra={"fields": {"job_id": spec.job_id, "stage": spec.stage}})
+            for step in range(start, spec.steps):
+                if self._cancelled.is_set():
+                    raise StageCancelled
+                started = time.perf_counter()
+                waited_before = edge.stats.wait_seconds + sender.blocked_seconds
+                extra: dict[str, object] = {}
+                loss: float | None = None
+                if upstream and self._one_way:
+                    extra["local_loss"] = self._upstream_one_way_step(program, sender, step)
+                    program.finish_step()
+                    self._await_syncs(edge, start, step)
+                elif upstream:
+                    self._upstream_step(program, edge, sender, step)
+                    program.finish_step()
+                else:
+                    loss = self._downstream_step(program, edge, sender, step)
+                    if self._dp is not None:
+                        self._dp.finish_step(step)  # replicas sync first ...
+                    else:
+                        program.finish_step()
+                    if self._one_way:  # ... then the root syncs with the upstream stage
+                        sync = torch.tensor([float(step + 1), loss])
+                        sender.send(sync, self._encoder, BACKWARD, step, 0, [])
+                elapsed = time.perf_counter() - started
+                waited = edge.stats.wait_seconds + sender.blocked_seconds - waited_before
+                done = step + 1
+                extra["compute_seconds"] = max(elapsed - waited, 0.0)
+                if done == spec.steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
+                    self.store.save(spec.job_id, spec.stage, self.owner, done, program)
+                    extra["checkpoint_step"] = done
+                self._report_step(step, elapsed, waited, loss, edge, **extra)
+            if not self._one_way and callable(getattr(program.module, "load_eval_examples", None)):
+                self._evaluate(program, edge, sender, upstream)
+            sender.flush()
+            sender.stop()
+            if self._dp is not None:
+                self._dp.stop()
+            edge.close("finished")
+            self.board.update(state=trainer_pb2.STAGE_STATE_SUCCEEDED)
+        except StageCancelled:
+            if edge is not None:
+                edge.abort("cancelled")
+            self.board.update(state=trainer_pb2.STAGE_STATE_CANCELLED, message="cancelled")
+        except EdgeClosedError as exc:
+            if self._cancelled.is_set():
+                self.board.update(state=trainer_pb2.STAGE_STATE_CANCELLED, message="cancelled")
+                return
+            log.error("stage failed: %s", exc)
+            if edge is not None:
+                edge.abort(str(exc))
+            self.board.update(state=trainer_pb2.STAGE_STATE_FAILED, message=str(exc))
+        except Exception as exc:
+            log.exception("program stage crashed")
+            if edge is not None:
+                edge.abort(f"{type(exc).__name__}: {exc}")
+            self.board.update(state=trainer_pb2.STAGE_STATE_FAILED, message=f"{type(exc).__name__}: {exc}")
+
+    def _evaluate(
+        self, program: StageProgram, edge: EdgeConnection, sender: AsyncSender, upstream: bool
+    ) -> None:
+        """Held-out evaluation after the last step (backprop jobs whose modules define it).
+
+        Both modules define ``load_eval_examples(options)``; the downstream one also
+        ``decode(model, received, batch) -> list[str]`` and ``score(outputs, examples) -> dict``.
+        The upstream stage sends each eval batch's output once (frames of step ``steps``,
+        micro-batch = batch index, example ids after the training ids), with no gradient
+        back; the downstream decodes each (e.g. greedy, autoregressively, all locally),
+        scores where its references live, writes ``eval.json`` into its own job directory,
+        and returns the batch count so the upstream knows it finished.
+        """
+        cfg, module = self.spec.program, program.module
+        if not upstream and not (callable(getattr(module, "decode", None)) and callable(module.score)):
+            raise ProgramError("an evaluating downstream module must define decode() and score()")
+        started = time.perf_counter()
+        examples = module.load_eval_examples(program.options)
+        size = cfg.batch_size // cfg.micro_batches
+        step = self.spec.steps
+        outputs: list[str] = []
+        batches = 0
+        program.model.eval()
+        with torch.no_grad():
+            for batches, first in enumerate(range(0, len(examples), size), start=1):
+                chunk = examples[first : first + size]
+                ids = list(range(cfg.num_examples + first, cfg.num_examples + first + len(chunk)))
+                if upstream:
+                    out = program.forward(module.collate(chunk))
+                    sender.send(out, self._encoder, FORWARD, step, batches - 1, ids)
+                    continue
+                received = edge.receive(self._decoder, FORWARD, step, batches - 1, ids)
+                decoded = module.decode(program.model, received, module.collate(chunk))
+                if not (isinstance(decoded, list) and len(decoded) == len(chunk)):
+                    raise ProgramError(f"decode() must return a list of {len(chunk)} outputs")
+                outputs.extend(str(text) for text in decoded)
+        if upstream:
+            done = edge.receive(self._decoder, BACKWARD, step, 0, [])
+            if done.numel() != 1 or round(float(done[0])) != batches:
+                raise EdgeClosedError(f"eval mismatch: sent {batches} batches, peer reports {done.tolist()}")
+            return
+        metrics = module.score(outputs, examples)
+        record = {
+            "job_id": self.spec.job_id,
+            "stage": self.spec.stage,
+            "examples": len(examples),
+            "batches": batches,
+            "eval_seconds": time.perf_counter() - started,
+            "metrics": {name: float(value) for name, value in dict(metrics).items()},
+            "outputs": outputs,
+        }
+        directory = self.store.stage_dir(self.owner, self.spec.job_id, self.spec.stage)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "eval.json").write_text(json.dumps(record, indent=1, ensure_ascii=False))
+        log.info("evaluation done", extra={"fields": {"job_id": self.spec.job_id, **record["metrics"]}})
+        sender.send(torch.tensor([float(batches)]), self._encoder, BACKWARD, step, 0, [])
+
+    def _ids(self, step: int, micro_batch: int) -> list[int]:
+        cfg = self.spec.program
+        size = cfg.batch_size // cfg.micro_batches
+        return example_ids(cfg.seed, cfg.num_examples, step, micro_batch, cfg.micro_batches, size)
+
+    def _upstream_step(
+        self, program: StageProgram, edge: EdgeConnection, sender: AsyncSender, step: int
+    ) -> None:
+        cfg = self.spec.program
+        outputs: dict[int, torch.Tensor] = {}
+        for op in upstream_ops(cfg.schedule, cfg.micro_batches, cfg.max_in_flight):
+            if op.kind == "F":
+                ids = self._ids(step, op.micro_batch)
+                outputs[op.micro_batch] = out = program.forward(program.batch(ids))
+                sender.send(out, self._encoder, FORWARD, step, op.micro_batch, ids)
+            else:
+                out = outputs.pop(op.micro_batch)
+                grad = edge.receive(
+                    self._decoder, BACKWARD, step, op.micro_batch, self._ids(step, op.micro_batch)
+                )
+                if grad.shape != out.shape:
+                    raise EdgeClosedError(
+                        f"gradient shape {tuple(grad.shape)} != activation {tuple(out.shape)}"
+                    )
+                out.backward(grad.to(out.dtype))
+
+    def _upstream_one_way_step(self, program: StageProgram, sender: AsyncSender, step: int) -> float:
+        """Generator side: produce, send at once (the WAN overlaps the backward), train on the own loss."""
+        micro_batches = self.spec.program.micro_batches
+        total = 0.0
+        for micro_batch in range(micro_batches):
+            ids = self._ids(step, micro_batch)
+            out, own = program.produce(program.batch(ids))
+            sender.send(self._to_wire(out), self._encoder, FORWARD, step, micro_batch, ids)
+            own = own / micro_batches
+            own.backward()
+            total += own.item()
+        return total
+
+    def _await_syncs(self, edge: EdgeConnection, start: int, step: int) -> None:
+        """After ``step``: wait for the sync of ``step - sync_lag``; after the last step, for all left."""
+        lag = self.spec.program.sync_lag
+        last = self.spec.steps - 1
+        due = range(step - lag, last + 1) if step == last else range(step - lag, step - lag + 1)
+        for synced in due:
+            if synced < start:
+                continue
+            value = edge.receive(self._decoder, BACKWARD, synced, 0, [])
+            if value.numel() < 1 or int(value[0].item()) != synced + 1:
+                raise EdgeClosedError(f"sync mismatch: expected step {synced + 1}, got {value.tolist()}")
+
+    def _to_wire(self, out: torch.Tensor) -> torch.Tensor:
+        """int64 payloads travel as float32 (the codec library encodes floating tensors only)."""
+        if not self._int_payload:
+            if not out.is_floating_point():
+                raise ProgramError(
+                    f"produce() returned {out.dtype} but the edge payload is float (edges.0.payload: int64?)"
+                )
+            return out
+        if out.is_floating_point() or out.is_complex():
+            raise ProgramError(f"the edge payload is int64 but produce() returned {out.dtype}")
+        if out.numel() and int(out.abs().max()) >= MAX_EXACT_ID:
+            raise ProgramError(
+                f"int64 payload values must be below 2**24 to travel exactly, got {int(out.abs().max())}"
+            )
+        return out.to(torch.float32)
+
+    def _downstream_step(
+        self, program: StageProgram, edge: EdgeConnection, sender: AsyncSender, step: int
+    ) -> float:
+        cfg = self.spec.program
+        backprop = not self._one_way
+        total = 0.0
+        for op in downstream_ops(cfg.micro_batches):
+            if op.kind != "F":
+                continue  # each micro-batch's backward is sent right after its forward, below
+            ids = self._ids(step, op.micro_batch)
+            received = edge.receive(self._decoder, FORWARD, step, op.micro_batch, ids)
+            if self._int_payload:
+                received = received.round().to(torch.int64)
+            if self._dp is not None:
+                value, grad = self._dp.micro_batch(step, op.micro_batch, received, ids)
+            else:
+                memory = received.requires_grad_(True) if backprop else received
+                loss = program.loss(memory, program.batch(ids)) / cfg.micro_batches
+                loss.backward()
+                value, grad = loss.item(), memory.grad
+            if backprop:
+                if grad is None:
+                    raise ProgramError("loss() does not depend on the received tensor: no gradient to return")
+                sender.send(grad, self._encoder, BACKWARD, step, op.micro_batch, ids)
+            total += value
+        return total
+
+
+__all__ = ["Op", "ProgramRunner", "build_program"]

@@ -1,0 +1,99 @@
+"""Async sends with a bounded in-flight queue: compute overlaps encoding and the WAN, with back-pressure.
+
+A send hands the tensor to a sender thread and returns at once; if
+``max_in_flight`` tensors are already waiting to be encoded and queued, the
+caller blocks (that time counts as waiting for the other cluster). Tensors are
+encoded in order by one thread, so each (edge, direction) codec stream sees its
+tensors in schedule order, as stateful codecs require.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nebula_common.codec import TensorStreamEncoder
+from services.trainer.edge import EdgeClosedError, EdgeConnection
+
+
+@dataclass
+class _Send:
+    tensor: torch.Tensor
+    encoder: TensorStreamEncoder
+    direction: int
+    step: int
+    micro_batch: int
+    sample_ids: list[int]
+
+
+_STOP = object()
+
+
+class AsyncSender:
+    def __init__(self, edge: EdgeConnection, max_in_flight: int) -> None:
+        self.edge = edge
+        self.blocked_seconds = 0.0
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=max_in_flight)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, name=f"send-{edge.edge}", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                if self._error is None and isinstance(item, _Send):
+                    self.edge.send(
+                        item.tensor,
+                        item.encoder,
+                        item.direction,
+                        item.step,
+                        item.micro_batch,
+                        item.sample_ids,
+                    )
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            if isinstance(self._error, EdgeClosedError):
+                raise EdgeClosedError(str(self._error))
+            raise EdgeClosedError(f"send failed: {type(self._error).__name__}: {self._error}")
+
+    def send(
+        self,
+        tensor: torch.Tensor,
+        encoder: TensorStreamEncoder,
+        direction: int,
+        step: int,
+        micro_batch: int,
+        sample_ids: Sequence[int],
+    ) -> None:
+        self._raise_if_failed()
+        item = _Send(tensor.detach(), encoder, direction, step, micro_batch, list(sample_ids))
+        started = time.perf_counter()
+        self._queue.put(item)
+        self.blocked_seconds += time.perf_counter() - started
+
+    def flush(self) -> None:
+        """Wait until every queued tensor is encoded and handed to the edge stream."""
+        started = time.perf_counter()
+        self._queue.join()
+        self.blocked_seconds += time.perf_counter() - started
+        self._raise_if_failed()
+
+    def stop(self) -> None:
+        try:
+            self._queue.put(_STOP, timeout=5)
+        except queue.Full:
+            return
+        self._thread.join(5)

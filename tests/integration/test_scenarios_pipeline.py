@@ -1,0 +1,154 @@
+"""Cross-cluster pipelining on the real deployment: split == unsplit, any schedule; resume is exact.
+
+The yardstick is the same job trained unsplit in this process
+(``run_unsplit``): with codec ``none`` the split run must reproduce its per-step
+losses (within 1e-5) and its final parameters, which the test reads back from
+the trainers' checkpoints as plain torch state dicts, without Nebula.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nebula_common.errors import NebulaError
+from nebula_common.jobspec import LoadedJob, load_spec
+from nebula_common.jobspec.reference import UnsplitResult, run_unsplit
+from nebula_common.launcher import LocalDeployment
+from nebula_common.sdk.client import ClusterSession, common_checkpoint_step, submit_job
+from nebula_common.sdk.jobs import ProgramJob
+from nebula_common.sdk.summary import JobSummary, summarize
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digit_sum" / "job.yaml"
+
+
+def example(**overrides: Any) -> LoadedJob:
+    base = {"edges.0.codec.forward": "none", "edges.0.codec.backward": "none", "steps": 6}
+    return load_spec(EXAMPLE, {**base, **overrides})
+
+
+def run(job: ProgramJob, sessions: dict[str, ClusterSession]) -> JobSummary:
+    summary = summarize(job, submit_job(job, sessions))
+    assert summary.succeeded, summary.stage_messages
+    return summary
+
+
+def final_state(
+    deployment: LocalDeployment, job: ProgramJob, step: int
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Each stage's parameters from its own cluster's checkpoint: plain torch.load, no Nebula code."""
+    states = {}
+    for stage, cluster in job.clusters().items():
+        # Checkpoints live in the submitting account's namespace: accounts/<owner>/jobs/...
+        (path,) = (deployment.run_dir / cluster / "trainer" / "accounts").glob(
+            f"*/jobs/{job.job_id}/{stage}/step-{step}/model.pt"
+        )
+        states[stage] = torch.load(path, weights_only=True)
+    return states
+
+
+def assert_matches(summary: JobSummary, states: dict, reference: UnsplitResult, first_step: int = 0) -> None:
+    expected = reference.losses[first_step:]
+    assert len(summary.losses) == len(expected)
+    for step, (got, want) in enumerate(zip(summary.losses, expected, strict=True), start=first_step):
+        assert abs(got - want) < 1e-5, f"step {step}: split loss {got} != unsplit {want}"
+    for stage, state in states.items():
+        assert state.keys() == reference.state_dicts[stage].keys()
+        for name, tensor in state.items():
+            torch.testing.assert_close(tensor, reference.state_dicts[stage][name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipelined_split_run_equals_the_sequential_unsplit_run(
+    schedule: str, deployment: LocalDeployment, sessions: dict[str, ClusterSession]
+) -> None:
+    loaded = example(**{"pipeline.schedule": schedule, "data.micro_batches": 4, "pipeline.max_in_flight": 2})
+    reference = run_unsplit(loaded)  # one process, micro-batches one after the other
+    job = ProgramJob(loaded)
+    summary = run(job, sessions)
+    assert_matches(summary, final_state(deployment, job, 6), reference)
+    assert reference.losses[-1] != reference.losses[0]  # it trained: equality is not of two no-ops
+
+
+def test_resume_continues_the_exact_step_sequence(
+    deployment: LocalDeployment, sessions: dict[str, ClusterSession]
+) -> None:
+    reference = run_unsplit(example(**{"checkpoint.interval": 3}))
+    first = ProgramJob(example(**{"checkpoint.interval": 3, "steps": 3}))
+    run(first, sessions)
+    stages = {stage: sessions[cluster] for stage, cluster in first.clusters().items()}
+    step = common_checkpoint_step(first.job_id, stages)
+    assert step == 3
+    resumed = ProgramJob(example(**{"checkpoint.interval": 3}), resume_job_id=first.job_id, resume_step=step)
+    summary = run(resumed, sessions)
+    assert_matches(summary, final_state(deployment, resumed, 6), reference, first_step=3)
+
+
+def test_resume_needs_a_checkpoint_of_the_same_account(
+    new_user: Any, sessions: dict[str, ClusterSession]
+) -> None:
+    first = ProgramJob(example(**{"steps": 2}))
+    run(first, sessions)
+    other = {"a": new_user("a", "carol"), "b": new_user("b", "dave")}
+    stages = {stage: other[cluster] for stage, cluster in first.clusters().items()}
+    assert common_checkpoint_step(first.job_id, stages) is None
+    with pytest.raises(NebulaError, match="no checkpoint"):
+        submit_job(ProgramJob(example(), resume_job_id=first.job_id, resume_step=2), other)
+
+
+def nebula_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nebula_common.cli.app", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+
+
+def test_job_submit_runs_the_example_on_a_running_deployment(
+    deployment: LocalDeployment, tmp_path: Path
+) -> None:
+    description = tmp_path / "deployment.json"
+    deployment.write_description(description)
+    out = tmp_path / "summary.json"
+    submit = ["job", "submit", str(EXAMPLE), "--deployment", str(description)]
+    result = nebula_cli(*submit, "--set", "steps=12", "--json", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(out.read_text())
+    assert summary["succeeded"] and summary["steps"] == 12
+    assert summary["checkpoint_steps"] == {"reader": 12, "head": 12}  # interval 10 and the final step
+    assert summary["settings"]["codec_forward"] == "fp16"  # the spec's codecs reached the stages
+    assert 0.0 <= summary["wait_fraction"]["reader"] <= 1.0
+
+
+def test_job_submit_refuses_a_bad_spec_naming_the_field(deployment: LocalDeployment, tmp_path: Path) -> None:
+    description = tmp_path / "deployment.json"
+    deployment.write_description(description)
+    submit = ["job", "submit", str(EXAMPLE), "--deployment", str(description)]
+    result = nebula_cli(*submit, "--set", "pipeline.schedule=zigzag", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "pipeline.schedule" in result.stdout
+
+
+def test_data_parallel_downstream_with_two_ranks_equals_one_rank_with_the_combined_batch(
+    deployment: LocalDeployment, sessions: dict[str, ClusterSession]
+) -> None:
+    """backprop mode with the loss-owning stage on 2 processes: rank 0 scatters rows, gathers their gradients.
+
+    SGD, because Adam turns float-reassociation noise in near-zero gradients into full-size steps.
+    """
+    optimizer = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+    loaded = example(**{"stages.1.replicas": 2, "optimizer": optimizer, "pipeline.schedule": "1f1b"})
+    reference = run_unsplit(loaded)  # one process, the combined batch
+    job = ProgramJob(loaded)
+    summary = run(job, sessions)
+    assert_matches(summary, final_state(deployment, job, 6), reference)
+    assert reference.losses[-1] != reference.losses[0]

@@ -1,0 +1,111 @@
+"""Disabling an account ends its tokens at every verifier of the cluster within seconds.
+
+On the real processes: the account reads its dataset, asks the trainer and the switch; an admin
+disables it; each of the three services refuses the *same, unexpired* token within a few seconds
+(their verifiers poll auth's revocations, no call per request); re-enabling lets a fresh login work
+again while the old token stays refused.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from nebula_common.launcher import LocalDeployment
+from nebula_common.proto.nebula.v1 import (
+    data_pb2,
+    data_pb2_grpc,
+    relay_pb2,
+    relay_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
+from nebula_common.rpc import bearer_metadata
+from nebula_common.sdk.auth_client import AuthClient
+from nebula_common.sdk.data_client import DataClient
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+REFUSAL_DEADLINE_S = 5.0
+"""Verifiers poll every 2 s; 5 s leaves room for one slow poll on a loaded test machine."""
+
+
+def _probes(deployment: LocalDeployment, token: str) -> dict[str, Callable[[], None]]:
+    """One authenticated call per verifying service; each raises grpc.RpcError when refused."""
+    endpoints = deployment.endpoints("a")
+    metadata = bearer_metadata(token)
+
+    def data() -> None:
+        with grpc.insecure_channel(deployment.data_address("a")) as channel:
+            data_pb2_grpc.DataStub(channel).ReadBatch(
+                data_pb2.ReadBatchRequest(dataset=data_pb2.DatasetRef(name="corpus"), example_ids=[0]),
+                metadata=metadata,
+                timeout=10,
+            )
+
+    def trainer() -> None:
+        with grpc.insecure_channel(endpoints.trainer) as channel:
+            trainer_pb2_grpc.TrainerStub(channel).ListCheckpoints(
+                trainer_pb2.ListCheckpointsRequest(job_id="no-such-job", stage="s0"),
+                metadata=metadata,
+                timeout=10,
+            )
+
+    def switch() -> None:
+        with grpc.insecure_channel(endpoints.switch) as channel:
+            relay_pb2_grpc.RelayStub(channel).GetLinkStatus(
+                relay_pb2.GetLinkStatusRequest(), metadata=metadata, timeout=10
+            )
+
+    return {"data": data, "trainer": trainer, "switch": switch}
+
+
+def _refusal(probe: Callable[[], None]) -> str | None:
+    """The UNAUTHENTICATED detail if ``probe`` is refused for its token, else None (authorised)."""
+    try:
+        probe()
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+            return str(exc.details())
+        # NOT_FOUND for a job that does not exist is an authorised answer.
+        assert exc.code() == grpc.StatusCode.NOT_FOUND, (exc.code(), exc.details())
+    return None
+
+
+def test_disabled_account_is_refused_everywhere_within_seconds(deployment: LocalDeployment) -> None:
+    password = secrets.token_urlsafe(16)
+    with AuthClient(deployment.endpoints("a").auth) as auth:
+        admin = auth.login("admin", deployment.cluster_state["a"].admin_password).token
+        auth.create_account(admin, "revoked-rita", password)
+        token = auth.login("revoked-rita", password).token
+        with DataClient(deployment.data_address("a"), token) as data:
+            data.upload_records("corpus", [{"text": "one"}, {"text": "two"}])
+            assert data.read_batch("corpus", [0]) == [{"text": "one"}]
+        probes = _probes(deployment, token)
+        assert {name: _refusal(probe) for name, probe in probes.items()} == dict.fromkeys(probes)
+
+        auth.disable_account(admin, "revoked-rita")
+        disabled_at = time.monotonic()
+        refused_after: dict[str, float] = {}
+        while len(refused_after) < len(probes):
+            for name, probe in probes.items():
+                if name not in refused_after and (reason := _refusal(probe)) is not None:
+                    assert "token revoked: account disabled" in reason, (name, reason)
+                    refused_after[name] = time.monotonic() - disabled_at
+            elapsed = time.monotonic() - disabled_at
+            assert elapsed < REFUSAL_DEADLINE_S, f"still accepted after {elapsed:.1f} s: {refused_after}"
+            time.sleep(0.1)
+        print(f"refused after disable (s): { {k: round(v, 2) for k, v in refused_after.items()} }")
+
+        auth.enable_account(admin, "revoked-rita")
+        fresh = auth.login("revoked-rita", password).token
+        fresh_probes = _probes(deployment, fresh)
+        assert {name: _refusal(probe) for name, probe in fresh_probes.items()} == dict.fromkeys(fresh_probes)
+        with DataClient(deployment.data_address("a"), fresh) as data:
+            assert data.read_batch("corpus", [1]) == [{"text": "two"}]
+        # The token from before the disable stays dead: re-enabling is not an amnesty.
+        assert all(_refusal(probe) is not None for probe in probes.values())

@@ -1,0 +1,102 @@
+"""The advisor and the host calibration behind it, in-process (the service tests cover the RPC)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nebula_common.codec import CodecError
+from nebula_common.codec.advice import (
+    AdviceRequest,
+    EdgeTensor,
+    advise,
+    default_candidates,
+    job_advice_request,
+    synthetic_sample,
+)
+from nebula_common.codec.calibration import CALIBRATION_VERSION, Calibrator, host_fingerprint
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(scope="module")
+def calibrator(tmp_path_factory: pytest.TempPathFactory) -> Calibrator:
+    calibrator = Calibrator(tmp_path_factory.mktemp("calibration") / "cal.json")
+    calibrator.run_now()
+    return calibrator
+
+
+def test_calibration_predicts_more_time_for_more_work(calibrator: Calibrator) -> None:
+    small = calibrator.predict("fp16(lowrank(8))", (256, 128), torch.float32)
+    large = calibrator.predict("fp16(lowrank(8))", (4096, 1024), torch.float32)
+    assert 0 < small[0] < large[0] and 0 < small[1] < large[1]
+    svd = calibrator.predict("fp16(svd(0.1))", (4096, 1024), torch.float32)
+    assert svd[0] > large[0]  # the paper's problem: a full SVD costs far more than a rank-k sketch
+    # A component nobody calibrated yet (another zstd level) is measured on first use and cached.
+    assert "zstd-9" not in calibrator.get().fits
+    assert calibrator.predict("zstd(int8,9)", (64, 64), torch.float32)[0] > 0
+    assert calibrator.cache_path is not None
+    assert "zstd-9" in json.loads(calibrator.cache_path.read_text())["fits"]
+
+
+def test_calibration_cache_is_reused_only_on_the_same_host(tmp_path: Path, calibrator: Calibrator) -> None:
+    assert calibrator.cache_path is not None
+    cached = Calibrator(calibrator.cache_path).run_now()
+    assert cached.cached and cached.host == host_fingerprint()
+    other = tmp_path / "other.json"
+    data = json.loads(calibrator.cache_path.read_text())
+    data["host"] = "another-machine"
+    other.write_text(json.dumps(data))
+    assert data["version"] == CALIBRATION_VERSION
+    fresh = Calibrator(other)
+    fresh_calibration = fresh.get(60)
+    assert not fresh_calibration.cached  # a foreign cache is ignored and replaced
+    assert json.loads(other.read_text())["host"] == host_fingerprint()
+
+
+def test_advice_uses_a_given_sample_and_respects_the_error_budget(calibrator: Calibrator) -> None:
+    generator = torch.Generator().manual_seed(4)
+    sample = torch.randn(256, 6, generator=generator) @ torch.randn(6, 64, generator=generator)
+    request = AdviceRequest(
+        bandwidth_bps=1e6,  # a very slow link: bytes dominate
+        rtt_seconds=0.0,
+        error_budget=0.01,
+        candidates=["none", "fp16", "int8", "int4", "fp16(lowrank(6))", "topk(0.01)"],
+        tensors=[EdgeTensor("e", "forward", (256, 64), sample=sample)],
+    )
+    result = advise(request, calibrator)
+    (direction,) = result.directions
+    assert direction.error_source == "sample"
+    best = direction.best
+    assert best.spec == "fp16(lowrank(6))" and best.rel_error < 1e-3  # exact low rank wins on a slow link
+    over = [o for o in direction.options if not o.within_budget]
+    assert {o.spec for o in over} >= {"topk(0.01)", "int4"}
+    assert direction.options.index(over[0]) > direction.options.index(best)
+
+
+def test_advice_request_validation_names_the_field(calibrator: Calibrator) -> None:
+    good = job_advice_request(bandwidth_bps=1e6, rtt_seconds=0.01, edge="e", activation_shape=(4, 4))
+    for change, message in (
+        ({"bandwidth_bps": -1.0}, "bandwidth_bps"),
+        ({"rtt_seconds": float("nan")}, "rtt_seconds"),
+        ({"tensors": []}, "at least one"),
+    ):
+        bad = AdviceRequest(**{**good.__dict__, **change})  # type: ignore[arg-type]
+        with pytest.raises(CodecError, match=message):
+            advise(bad, calibrator)
+    mismatched = AdviceRequest(
+        bandwidth_bps=1e6, rtt_seconds=0, tensors=[EdgeTensor("e", "forward", (4, 4), sample=torch.ones(2))]
+    )
+    with pytest.raises(CodecError, match="does not match"):
+        advise(mismatched, calibrator)
+
+
+def test_default_candidates_only_offer_low_rank_where_it_pays() -> None:
+    tall = default_candidates((64, 12, 128), "forward")
+    assert "fp16(lowrank(16))" in tall and "fp16(svd(0.6))" in tall
+    assert not any("lowrank" in spec for spec in default_candidates((16, 8), "forward"))
+    assert any("topk" in spec for spec in default_candidates((16, 8), "backward"))
+    assert synthetic_sample((10_000, 1000), "forward").numel() <= 1 << 20

@@ -1,0 +1,120 @@
+"""The switch's certificate manager, CRL loader, TLS-refusal parser and transfer ledger, on real files."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+
+from nebula_common.audit import open_service_audit
+from nebula_common.pki import Identity, create_ca, init_pki
+from nebula_common.pki.crl import CrlError, build_crl
+from nebula_common.pki.store import revoke_certificate
+from nebula_common.proto.nebula.v1 import link_pb2, tensor_pb2
+from services.switch.certs import CertificateManager
+from services.switch.revocation import RevocationList
+from services.switch.tls_refusals import parse_refusal
+from services.switch.transfers import StepTotals, TransferKey, TransferLedger
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_switch_renews_itself_before_expiry_and_serves_the_new_pair(tmp_path: Path) -> None:
+    layout = init_pki(tmp_path / "pki", ["a", "b"], leaf_validity=timedelta(hours=3))
+    a = layout.cluster("a")
+    with open_service_audit(tmp_path / "data", service="switch", cluster="a") as audit:
+        manager = CertificateManager(
+            a.switch_cert,
+            a.switch_key,
+            a.trust_bundle,
+            Identity("a", "switch"),
+            audit=audit,
+            ca_cert_path=a.ca_cert,
+            ca_key_path=a.ca_key,
+        )
+        first = manager.current
+        assert manager.check() is None  # nothing due, nothing changed
+        manager.server_credentials()  # what the WAN server is built with: generation 1
+        assert manager._fetch() is None  # the server already has generation 1
+        # Two hours later less than a third of the lifetime is left: renewal is due.
+        renewed = manager.check(now=datetime.now(UTC) + timedelta(hours=2, minutes=30))
+        assert renewed is not None and renewed.serial != first.serial and renewed.generation == 2
+        assert renewed.lifetime() == first.lifetime()
+        assert manager._fetch() is not None and manager._fetch() is None  # handed to gRPC exactly once
+        on_disk = a.switch_cert.read_bytes()
+        assert on_disk == renewed.cert_pem
+        # A half-written rotation (new key, old certificate) is never served.
+        a.switch_key.write_bytes(
+            serialization.load_pem_private_key(first.key_pem, None).private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+        assert manager.check() is None and manager.current.serial == renewed.serial
+    events = [
+        json.loads(line)["event"] for line in (tmp_path / "data" / "audit.log").read_text().splitlines()
+    ]
+    assert events.count("cert.renew") == 1 and events.count("cert.reload") == 1
+
+
+def test_crl_must_be_signed_by_the_trusted_peer_ca_and_lists_revocations(tmp_path: Path) -> None:
+    layout = init_pki(tmp_path, ["a", "b"])
+    b = layout.cluster("b")
+    crl = RevocationList(b.trust_crl("a"), b.trust_bundle)
+    assert crl.revoked == frozenset()
+    revoke_certificate(tmp_path, "a", 0xABC, reason="test")
+    assert crl.refresh() is not None and crl.revoked == {0xABC}
+    # A CRL signed by some other CA (claiming to be a's) is refused; the last good list stays.
+    rogue_ca, rogue_key = create_ca("a")
+    forged = build_crl(rogue_ca, rogue_key, {}, number=99)
+    b.trust_crl("a").write_bytes(forged.public_bytes(serialization.Encoding.PEM))
+    assert crl.refresh() is None and crl.revoked == {0xABC}
+    with pytest.raises(CrlError, match="not validly signed"):
+        RevocationList(b.trust_crl("a"), b.trust_bundle)
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        (
+            b"I1123 03:03:47.849865 11453 ssl_transport_security.cc:2563] Handshake failed with error "
+            b"SSL_ERROR_SSL: error:1000007d:SSL routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: "
+            b"certificate has expired",
+            "CERTIFICATE_VERIFY_FAILED: certificate has expired",
+        ),
+        (b'{"severity": "INFO", "message": "WAN link up"}', None),
+    ],
+)
+def test_tls_refusal_lines_are_recognised(line: bytes, reason: str | None) -> None:
+    assert parse_refusal(line) == reason
+
+
+def test_transfer_ledger_emits_one_summary_per_step_and_direction() -> None:
+    emitted: list[tuple[TransferKey, StepTotals]] = []
+    ledger = TransferLedger(lambda key, totals: emitted.append((key, totals)))
+
+    def frame(step: int, frame_id: int) -> list[link_pb2.LinkMessage]:
+        header = tensor_pb2.TensorHeader(
+            step=step, frame_id=frame_id, codec="fp16", raw_size=400, payload_size=200
+        )
+        chunk = tensor_pb2.TensorChunk(frame_id=frame_id, data=b"x" * 200, last=True)
+        return [
+            link_pb2.LinkMessage(
+                frame=link_pb2.RoutedFrame(job_id="j", edge="e", frame=tensor_pb2.TensorFrame(header=header))
+            ),
+            link_pb2.LinkMessage(
+                frame=link_pb2.RoutedFrame(job_id="j", edge="e", frame=tensor_pb2.TensorFrame(chunk=chunk))
+            ),
+        ]
+
+    for step in range(3):
+        for micro, message in enumerate(frame(step, 2 * step + 1) + frame(step, 2 * step + 2)):
+            ledger.observe("sent", message)
+            del micro
+    ledger.observe("sent", link_pb2.LinkMessage(close=link_pb2.RouteClose(job_id="j", edge="e")))
+    assert [(k, t.step, t.frames, t.payload_bytes, t.raw_bytes) for k, t in emitted] == [
+        (("j", "e", "sent"), step, 2, 400, 800) for step in range(3)
+    ]
+    assert all(t.codecs == {"fp16"} for _, t in emitted)
