@@ -59,6 +59,7 @@ def stage_file(deployment: LocalDeployment, job: ProgramJob, stage: str, name: s
 def run(job: ProgramJob, sessions: dict[str, ClusterSession]) -> tuple[JobSummary, float]:
     started = time.perf_counter()
     summary = summarize(job, submit_job(job, sessions))
+    summary.fill_wan(sessions["a"], sessions["b"])
     if not summary.succeeded:
         raise RuntimeError(f"job {job.job_id} failed: {summary.stage_messages}")
     return summary, time.perf_counter() - started
@@ -66,8 +67,8 @@ def run(job: ProgramJob, sessions: dict[str, ClusterSession]) -> tuple[JobSummar
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pretrain-steps", type=int, default=150)
-    parser.add_argument("--steps", type=int, default=200, help="Fine-tuning steps per codec.")
+    parser.add_argument("--pretrain-steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=800, help="Fine-tuning steps per codec.")
     parser.add_argument("--bandwidth-mbit", type=float, default=60.0)
     parser.add_argument("--delay-ms", type=float, default=20.0)
     parser.add_argument("--out", type=Path, default=Path("bench-results") / "runtime")
@@ -96,6 +97,9 @@ def main() -> None:
             ],
         }
         print(json.dumps({"pretrain": pre}), flush=True)
+        seen = {
+            d: (pre_summary.wan[d]["bytes"], pre_summary.wan[d]["raw_bytes"]) for d in ("forward", "backward")
+        }
         for forward, backward in CODECS:
             overrides = {
                 "steps": args.steps,
@@ -107,7 +111,10 @@ def main() -> None:
             job = ProgramJob(load_spec(JOB_DIR / "job.yaml", overrides))
             summary, wall = run(job, sessions)
             record = json.loads(stage_file(deployment, job, "decoder", "eval.json").read_text())
-            result = summary.to_json()
+            # the switches count per link (cumulative over jobs): this job's bytes are the difference
+            wan = {d: (summary.wan[d]["bytes"], summary.wan[d]["raw_bytes"]) for d in ("forward", "backward")}
+            job_wan = {d: {"bytes": wan[d][0] - seen[d][0], "raw_bytes": wan[d][1] - seen[d][1]} for d in wan}
+            seen = wan
             rows.append(
                 {
                     "codec_forward": forward,
@@ -121,7 +128,7 @@ def main() -> None:
                     "train_seconds": summary.train_seconds,
                     "eval_seconds": record["eval_seconds"],
                     "wall_seconds": wall,
-                    "wan": result.get("wan", {}),
+                    "wan": job_wan,
                     "samples": [
                         {"es": p.spanish, "en": p.english, "hypothesis": h}
                         for p, h in list(zip(held, record["outputs"], strict=True))[:8]
@@ -156,8 +163,7 @@ def main() -> None:
     ]
     for row in rows:
         wan = row["wan"]
-        fwd = next((v["bytes"] for k, v in wan.items() if "forward" in k), 0)
-        bwd = next((v["bytes"] for k, v in wan.items() if "backward" in k), 0)
+        fwd, bwd = wan["forward"]["bytes"], wan["backward"]["bytes"]
         lines.append(
             f"| {row['codec_forward']} | {row['codec_backward']} | {row['bleu']:.2f} | {row['chrf']:.1f} | "
             f"{row['loss_first']:.3f} -> {row['loss_last']:.3f} | {row['mean_step_ms']:.0f} | "

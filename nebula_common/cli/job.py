@@ -138,7 +138,7 @@ def follow(
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console, disable=quiet) as progress:
-        task = progress.add_task("train", total=job.steps, completed=job.resume_step, loss="-", step_ms="-")
+        task = progress.add_task("train", total=job.steps, completed=job.start_step, loss="-", step_ms="-")
         on_step: Callable[[trainer_pb2.StageStatus], None] = lambda status: progress.update(  # noqa: E731
             task,
             completed=status.steps_done,
@@ -159,6 +159,7 @@ def follow(
         "codec_backward": job.codec_backward,
         "codec_choice": json.loads(job.codec_choice),
         "resumed_from": f"{job.resume_job_id}@{job.resume_step}" if job.resume_job_id else None,
+        "hot_start_steps": job.initial_step if job.initial_states else None,
     }
     return summary
 
@@ -222,8 +223,16 @@ def submit(
         None, min=0.001, help="WAN bandwidth for `codec: auto` advice (default: the deployment's emulator)."
     ),
     link_rtt_ms: float = typer.Option(None, min=0.0, help="WAN round-trip time for `codec: auto` advice."),
+    hot_start_steps: int = typer.Option(
+        None,
+        min=1,
+        help="Hot start (paper Fig. 8): train the first N steps unsplit here, then continue split; each "
+        "cluster gets only its stage's model/optimizer/scheduler state.",
+    ),
 ) -> None:
     """Validate the spec and its modules, then run each stage in its cluster and follow the job."""
+    if resume and hot_start_steps:
+        raise typer.BadParameter("--resume and --hot-start-steps are exclusive: a job starts from one state")
     if resume and credentials is None:
         raise typer.BadParameter(
             "--resume needs --credentials: checkpoints belong to the accounts that made them"
@@ -234,7 +243,14 @@ def submit(
         console.print(f"[red]invalid job spec[/]\n{exc}")
         raise typer.Exit(2) from exc
     try:
-        job = ProgramJob(loaded)
+        if hot_start_steps:
+            console.print(f"hot start: training steps 0..{hot_start_steps - 1} unsplit in this process")
+            job, local = ProgramJob.hot_started(loaded, hot_start_steps)
+            console.print(
+                f"hot start: loss {local.losses[0]:.4f} -> {local.losses[-1]:.4f}; continuing split"
+            )
+        else:
+            job = ProgramJob(loaded)
         sessions = sessions_for(deployment, credentials, set(job.clusters().values()))
         if resume:
             stages = {stage: sessions[cluster] for stage, cluster in job.clusters().items()}

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from nebula_common.jobspec.hot_start import encode_state_dicts
 from nebula_common.jobspec.runtime import OptimSettings, StageProgram, example_ids, load_program
 from nebula_common.jobspec.spec import LoadedJob, required_functions
 
@@ -23,6 +25,10 @@ class UnsplitResult:
     losses: list[float] = field(default_factory=list)
     local_losses: list[float] = field(default_factory=list)  # one_way: the upstream stage's own loss
     state_dicts: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    # What a hot start needs besides the parameters, so the continuation is the same step sequence.
+    optimizer_states: dict[str, dict[str, Any]] = field(default_factory=dict)
+    scheduler_states: dict[str, dict[str, Any]] = field(default_factory=dict)
+    steps: int = 0
 
 
 def optim_settings(job: LoadedJob) -> OptimSettings:
@@ -89,11 +95,26 @@ def run_unsplit(job: LoadedJob, steps: int | None = None) -> UnsplitResult:
         result.losses.append(total)
         if one_way:
             result.local_losses.append(local)
-    result.state_dicts = {
-        spec.stages[0].name: upstream.model.state_dict(),
-        spec.stages[1].name: downstream.model.state_dict(),
-    }
+    pairs = ((spec.stages[0].name, upstream), (spec.stages[1].name, downstream))
+    result.state_dicts = {name: program.model.state_dict() for name, program in pairs}
+    result.optimizer_states = {name: program.optimizer.state_dict() for name, program in pairs}
+    result.scheduler_states = {name: program.scheduler.state_dict() for name, program in pairs}
+    result.steps = len(result.losses)
     return result
+
+
+def hot_start_states(result: UnsplitResult) -> dict[str, bytes]:
+    """Each stage's ``ProgramStage.initial_state`` bytes after this run (model, optimizer, scheduler)."""
+    return {
+        stage: encode_state_dicts(
+            stage,
+            result.steps,
+            model=model,
+            optimizer=result.optimizer_states[stage],
+            scheduler=result.scheduler_states[stage],
+        )
+        for stage, model in result.state_dicts.items()
+    }
 
 
 def save_state_dicts(result: UnsplitResult, directory: Path) -> dict[str, Path]:

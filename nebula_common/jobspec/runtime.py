@@ -16,7 +16,7 @@ import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -112,6 +112,14 @@ class OptimSettings:
     warmup_steps: int
 
 
+class ExampleSource(Protocol):
+    """Examples read batch by batch from elsewhere (a granted dataset): never held whole by the stage."""
+
+    def __len__(self) -> int: ...
+
+    def batch(self, example_ids: Sequence[int]) -> list[Any]: ...
+
+
 class StageProgram:
     """One stage of a job inside one process: the user's functions, its model, data shard and optimizer."""
 
@@ -125,6 +133,7 @@ class StageProgram:
         num_examples: int,
         optim: OptimSettings,
         total_steps: int,
+        examples_source: ExampleSource | None = None,
     ) -> None:
         self.module = module
         self.options = options
@@ -134,13 +143,17 @@ class StageProgram:
         if not isinstance(model, nn.Module):
             raise ProgramError(f"build() must return a torch.nn.Module, got {type(model).__name__}")
         self.model = model
-        examples = module.load_examples(options)
+        examples: Sequence[Any] | ExampleSource = (
+            examples_source if examples_source is not None else module.load_examples(options)
+        )
         if len(examples) != num_examples:
+            origin = "the granted dataset has" if examples_source is not None else "load_examples() returned"
             raise ProgramError(
-                f"load_examples() returned {len(examples)} examples but the spec says data.examples = "
+                f"{origin} {len(examples)} examples but the spec says data.examples = "
                 f"{num_examples}; both clusters must index the same example ids"
             )
         self.examples = examples
+        self._source = examples_source
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(trainable, optim.name, optim.lr, optim.weight_decay, optim.momentum)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -148,6 +161,8 @@ class StageProgram:
         )
 
     def batch(self, ids: Sequence[int]) -> Batch:
+        if self._source is not None:  # one read per micro-batch; the owner's grant is checked each time
+            return self.module.collate(self._source.batch([int(i) for i in ids]))
         return self.module.collate([self.examples[i] for i in ids])
 
     def forward(self, batch: Batch) -> torch.Tensor:

@@ -105,6 +105,12 @@ class StageDecl(_Strict):
         description="Data-parallel processes of this stage inside its cluster (torch.distributed, DDP); "
         "rank 0 talks to the switch and scatters each micro-batch's rows to the others.",
     )
+    dataset: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9][a-z0-9._-]{2,63}/[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+        description="OWNER/NAME of a dataset in this stage's cluster's data service to train on instead of "
+        "load_examples(): read batch by batch through the service, so the owner's grant governs every batch.",
+    )
 
     @field_validator("options")
     @classmethod

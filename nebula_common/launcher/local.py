@@ -208,6 +208,7 @@ class LocalDeployment:
                 "SWITCH_ADDRESS": f"{LOOPBACK}:{state.switch.info['internal_port']}",  # type: ignore[union-attr]
                 "AUTH_ADDRESS": self.address(state.auth),
                 "DATA_DIR": str(self.run_dir / cluster / "trainer"),
+                "DATA_SERVICE_ADDRESS": self.data_address(cluster),
             },
         )
         wait_healthy(self.address(state.trainer), "nebula.v1.Trainer")

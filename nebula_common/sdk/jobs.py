@@ -9,8 +9,14 @@ import uuid
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from nebula_common.codec import CodecError, canonical_spec
+from nebula_common.errors import InvalidRequestError
 from nebula_common.jobspec import LoadedJob
+from nebula_common.jobspec.reference import UnsplitResult, hot_start_states, run_unsplit
 from nebula_common.proto.nebula.v1 import trainer_pb2
+from nebula_common.rpc.server import GRPC_MESSAGE_LIMIT
+
+# A StageSpec travels in one AssignStage message; keep headroom below the 64 MiB gRPC limit for framing.
+MAX_STAGE_SPEC_BYTES = GRPC_MESSAGE_LIMIT - 64 * 1024
 
 
 class AbnetJob(BaseModel):
@@ -86,6 +92,8 @@ class ProgramJob:
         *,
         resume_job_id: str = "",
         resume_step: int = 0,
+        initial_states: dict[str, bytes] | None = None,
+        initial_step: int = 0,
     ) -> None:
         self.loaded = loaded
         self.spec = loaded.spec
@@ -96,9 +104,58 @@ class ProgramJob:
             raise ValueError(f"resume_step {resume_step} is past the job's last step {self.spec.steps}")
         self.resume_job_id = resume_job_id
         self.resume_step = resume_step
+        self.initial_states = dict(initial_states or {})
+        self.initial_step = initial_step
         self.codec_forward = self.spec.edge.codec.forward
         self.codec_backward = self.spec.edge.codec.backward
         self.codec_choice = json.dumps({"source": "configured"})
+        if self.initial_states:
+            self._check_hot_start()
+
+    @classmethod
+    def hot_started(
+        cls, loaded: LoadedJob, steps: int, job_id: str | None = None
+    ) -> tuple[ProgramJob, UnsplitResult]:
+        """Train the first ``steps`` steps unsplit in this process, then a job that continues them split.
+
+        The paper's Figure 8: a model pre-trained in one cluster is handed on to two.
+        Each stage's spec carries only its own model, optimizer and scheduler state.
+        """
+        if not 1 <= steps < loaded.spec.steps:
+            raise InvalidRequestError(
+                f"hot start: {steps} unsplit steps must be in 1..{loaded.spec.steps - 1} "
+                f"(the job has {loaded.spec.steps} steps and at least one must run split)"
+            )
+        result = run_unsplit(loaded, steps)
+        return cls(loaded, job_id, initial_states=hot_start_states(result), initial_step=steps), result
+
+    def _check_hot_start(self) -> None:
+        """Refuse a hot start the trainers could not take, before anything is sent to either cluster."""
+        names = [stage.name for stage in self.spec.stages]
+        if sorted(self.initial_states) != sorted(names):
+            raise InvalidRequestError(
+                f"hot start: need the state of every stage ({', '.join(names)}), "
+                f"got {', '.join(sorted(self.initial_states)) or 'none'}"
+            )
+        if self.resume_job_id:
+            raise InvalidRequestError("hot start and resume are exclusive: a stage starts from one state")
+        if not 1 <= self.initial_step < self.spec.steps:
+            raise InvalidRequestError(
+                f"hot start: initial_step {self.initial_step} must be in 1..{self.spec.steps - 1}"
+            )
+        for name in names:
+            size = self.stage_spec(name).ByteSize()
+            if size > MAX_STAGE_SPEC_BYTES:
+                raise InvalidRequestError(
+                    f"hot start: stage {name!r} spec with its initial state is {size:,} bytes; a stage "
+                    f"spec must stay under {MAX_STAGE_SPEC_BYTES:,} bytes (the 64 MiB gRPC message limit "
+                    "less framing): shrink the stage, or train it split from the start"
+                )
+
+    @property
+    def start_step(self) -> int:
+        """The first step the clusters run (after a resume or a hot start; 0 otherwise)."""
+        return self.initial_step if self.initial_states else self.resume_step
 
     def set_codecs(self, forward: str, backward: str, choice_json: str) -> None:
         """Use these concrete codecs in every stage spec (how `auto` gets resolved before submission)."""
@@ -158,6 +215,9 @@ class ProgramJob:
                 mode=spec.pipeline.mode,
                 sync_lag=spec.pipeline.sync_lag,
                 replicas=stage.replicas,
+                dataset=stage.dataset or "",
                 payload=spec.edge.payload,
+                initial_state=self.initial_states.get(stage.name, b""),
+                initial_step=self.initial_step if self.initial_states else 0,
             ),
         )

@@ -21,6 +21,9 @@ class TrainerSettings(BaseSettings):
     data_dir: Path | None = Field(
         None, description="Where stage checkpoints go (default: <tmp>/nebula-trainer-<cluster_id>)."
     )
+    data_service_address: str | None = Field(
+        None, description="host:port of this cluster's data service (stages that train on granted datasets)."
+    )
     log_level: str = "INFO"
 
     def resolved_data_dir(self) -> Path:

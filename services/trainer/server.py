@@ -35,7 +35,14 @@ async def run_trainer(settings: TrainerSettings) -> tuple[ServiceServer, Trainer
         open_service_audit, data_dir, service="trainer", cluster=settings.cluster_id
     )
     service = create_server(["nebula.v1.Trainer", AUDIT_SERVICE_NAME])
-    servicer = TrainerServicer(settings.cluster_id, verifier, settings.switch_address, data_dir, audit)
+    servicer = TrainerServicer(
+        settings.cluster_id,
+        verifier,
+        settings.switch_address,
+        data_dir,
+        audit,
+        data_service_address=settings.data_service_address,
+    )
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, service.server)
     audit_pb2_grpc.add_AuditLogServicer_to_server(
         AuditServicer(audit, verifier, "trainer", settings.cluster_id), service.server

@@ -8,6 +8,7 @@ ran on it and on whose authority.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -37,12 +38,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         switch_address: str,
         data_dir: Path,
         audit: AuditLog,
+        data_service_address: str | None = None,
     ) -> None:
         self.cluster_id = cluster_id
         self.verifier = verifier
         self.switch_address = switch_address
         self.checkpoints = CheckpointStore(data_dir)
         self.audit = audit
+        self.data_service_address = data_service_address
         self.runners: dict[str, StageRunner] = {}
         self.owners: dict[str, str] = {}
 
@@ -90,7 +93,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             "codec_forward": spec.codec_forward,
             "codec_backward": spec.codec_backward,
             "codec_choice": spec.codec_choice,
+            "dataset": spec.program.dataset if spec.scenario == "program" else "",
         }
+        if spec.scenario == "program" and spec.program.initial_state:
+            state = spec.program.initial_state
+            # A digest, never the weights: the record proves which state started the stage.
+            submitted["hot_start"] = {
+                "step": spec.program.initial_step,
+                "bytes": len(state),
+                "sha256": hashlib.sha256(state).hexdigest(),
+            }
         # The one place a StageSpec is accepted: every check (and any future policy) runs here,
         # before a runner exists.
         try:
@@ -151,7 +163,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def _make_runner(self, spec: trainer_pb2.StageSpec, token: str, owner: str) -> StageRunner:
         if spec.scenario == "program":
-            return ProgramRunner(spec, token, self.switch_address, self.checkpoints.root, owner)
+            return ProgramRunner(
+                spec, token, self.switch_address, self.checkpoints.root, owner, self.data_service_address
+            )
         return StageRunner(spec, token, self.switch_address)
 
     async def ListCheckpoints(

@@ -10,7 +10,9 @@ from nebula_common.codec.stream import canonical_spec
 from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from services.trainer.runtime.schedule import SCHEDULES
+from services.trainer.runtime.stage import hot_start_problems
 
+_DATASET = re.compile(r"^[a-z0-9][a-z0-9._-]{2,63}/[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 STAGES = ("encoder", "decoder")
 SCENARIOS = ("abnet", "program")
@@ -47,6 +49,7 @@ def validate_stage_spec(spec: trainer_pb2.StageSpec) -> None:
             problems.append(f"{name}: {exc}")
     if spec.scenario == "program":
         problems += _program_problems(spec.program)
+        problems += hot_start_problems(spec)
         if spec.program.payload == "int64" and (spec.codec_forward or "none") != "none":
             problems.append("codec_forward must be none for an int64 payload (a lossy codec changes ids)")
         if spec.program.mode == "one_way" and (spec.codec_backward or "none") != "none":
@@ -114,6 +117,12 @@ def _program_problems(cfg: trainer_pb2.ProgramStage) -> list[str]:
         problems.append(f"program.payload {cfg.payload!r} must be one of {', '.join(PAYLOADS)}")
     elif payload == "int64" and mode != "one_way":
         problems.append("program.payload int64 needs program.mode one_way (ids carry no gradient)")
+    if cfg.dataset:
+        if not _DATASET.match(cfg.dataset):
+            problems.append(f"program.dataset {cfg.dataset!r} must be OWNER/NAME")
+        if cfg.replicas > 1:
+            # Replicas would each need the grant; one reader keeps every batch read audited once.
+            problems.append("program.dataset: a stage that trains on a granted dataset runs on one process")
     if cfg.resume_job_id and not _ID.match(cfg.resume_job_id):
         problems.append(f"program.resume_job_id {cfg.resume_job_id!r} must be 1-128 chars of [A-Za-z0-9._-]")
     return problems

@@ -91,6 +91,37 @@ def test_resume_continues_the_exact_step_sequence(
     assert_matches(summary, final_state(deployment, resumed, 6), reference, first_step=3)
 
 
+def test_hot_start_continues_an_unsplit_run_split_exactly(
+    deployment: LocalDeployment, sessions: dict[str, ClusterSession]
+) -> None:
+    """Paper Fig. 8: steps 0-2 unsplit in this process, steps 3-5 across the clusters == 6 steps unsplit.
+
+    Adam moments and the warmup position travel with the weights; without them step 3 would differ.
+    """
+    reference = run_unsplit(example())
+    job, local = ProgramJob.hot_started(example(), 3)
+    assert local.losses == reference.losses[:3]
+    summary = run(job, sessions)
+    assert_matches(summary, final_state(deployment, job, 6), reference, first_step=3)
+
+
+def test_hot_start_with_swapped_stage_states_fails_naming_the_stage(
+    sessions: dict[str, ClusterSession],
+) -> None:
+    good, _ = ProgramJob.hot_started(example(**{"steps": 2}), 1)
+    states = good.initial_states
+    swapped = ProgramJob(
+        example(**{"steps": 2}),
+        initial_states={"reader": states["head"], "head": states["reader"]},
+        initial_step=1,
+    )
+    summary = summarize(swapped, submit_job(swapped, sessions))
+    assert not summary.succeeded
+    assert (
+        "initial_state was made for stage 'head', not for stage 'reader'" in summary.stage_messages["reader"]
+    )
+
+
 def test_resume_needs_a_checkpoint_of_the_same_account(
     new_user: Any, sessions: dict[str, ClusterSession]
 ) -> None:
@@ -127,6 +158,20 @@ def test_job_submit_runs_the_example_on_a_running_deployment(
     assert summary["checkpoint_steps"] == {"reader": 12, "head": 12}  # interval 10 and the final step
     assert summary["settings"]["codec_forward"] == "fp16"  # the spec's codecs reached the stages
     assert 0.0 <= summary["wait_fraction"]["reader"] <= 1.0
+
+
+def test_job_submit_hot_start_trains_unsplit_then_split(deployment: LocalDeployment, tmp_path: Path) -> None:
+    description = tmp_path / "deployment.json"
+    deployment.write_description(description)
+    out = tmp_path / "summary.json"
+    submit = ["job", "submit", str(EXAMPLE), "--deployment", str(description), "--set", "steps=4"]
+    result = nebula_cli(*submit, "--hot-start-steps", "2", "--json", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "hot start: training steps 0..1 unsplit" in result.stdout
+    summary = json.loads(out.read_text())
+    assert summary["succeeded"] and summary["settings"]["hot_start_steps"] == 2
+    assert summary["checkpoint_steps"] == {"reader": 4, "head": 4}
+    assert len(summary["loss_per_step"]) == 2  # only steps 2 and 3 ran across the clusters
 
 
 def test_job_submit_refuses_a_bad_spec_naming_the_field(deployment: LocalDeployment, tmp_path: Path) -> None:

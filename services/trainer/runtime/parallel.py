@@ -230,14 +230,14 @@ def replica_main(
     """Entry point of ranks 1..n-1 (a spawned process): build the stage, then follow rank 0's commands."""
     from nebula_common.proto.nebula.v1 import trainer_pb2
     from services.trainer.runtime.checkpoint import CheckpointStore
-    from services.trainer.runtime.stage import build_program
+    from services.trainer.runtime.stage import build_program, load_starting_state
 
     torch.set_num_threads(threads)
     spec = trainer_pb2.StageSpec.FromString(spec_bytes)
     cfg = spec.program
     program = build_program(spec)
-    if cfg.resume_job_id:
-        CheckpointStore(Path(data_dir)).load(cfg.resume_job_id, spec.stage, cfg.resume_step, owner, program)
+    # Every replica starts from the same state as rank 0 (a checkpoint, or the hot-start state in the spec).
+    load_starting_state(spec, program, CheckpointStore(Path(data_dir)), owner)
     span = datetime.timedelta(seconds=timeout)
     store = dist.TCPStore(HOST, port, world, is_master=False, timeout=span)
     group = make_process_group(dist.PrefixStore("dp/", store), rank, world, timeout)

@@ -28,7 +28,16 @@ from pathlib import Path
 import torch
 
 from nebula_common.codec import TensorStreamDecoder, TensorStreamEncoder
-from nebula_common.jobspec.runtime import OptimSettings, ProgramError, StageProgram, example_ids, load_program
+from nebula_common.data.batches import GrantedBatchSource
+from nebula_common.jobspec.hot_start import load_stage_state
+from nebula_common.jobspec.runtime import (
+    ExampleSource,
+    OptimSettings,
+    ProgramError,
+    StageProgram,
+    example_ids,
+    load_program,
+)
 from nebula_common.jobspec.spec import MAX_EXACT_ID, required_functions
 from nebula_common.proto.nebula.v1 import tensor_pb2, trainer_pb2
 from services.trainer.edge import EdgeClosedError, EdgeConnection
@@ -41,9 +50,50 @@ from services.trainer.runtime.transfer import AsyncSender
 FORWARD = tensor_pb2.DIRECTION_FORWARD
 BACKWARD = tensor_pb2.DIRECTION_BACKWARD
 log = logging.getLogger(__name__)
+READY_STEP = 2**64 - 1
+"""Step number of the start barrier's tensor: outside every real step, so schedules never confuse them."""
+START_TIMEOUT_S = 600.0
 
 
-def build_program(spec: trainer_pb2.StageSpec) -> StageProgram:
+def hot_start_problems(spec: trainer_pb2.StageSpec) -> list[str]:
+    """What is wrong with a stage spec's hot-start fields (empty: nothing), each naming the field.
+
+    Cheap checks only (no unpickling): the state itself is checked against the
+    built model when the stage starts, where a mismatch names the tensor.
+    """
+    cfg = spec.program
+    if not cfg.initial_state:
+        return (
+            [f"program.initial_step {cfg.initial_step} needs program.initial_state"]
+            if cfg.initial_step
+            else []
+        )
+    problems = []
+    if cfg.resume_job_id:
+        problems.append("program.initial_state and program.resume_job_id are exclusive (one starting state)")
+    if not 1 <= cfg.initial_step < spec.steps:
+        problems.append(f"program.initial_step {cfg.initial_step} must be in 1..{spec.steps - 1} (steps - 1)")
+    return problems
+
+
+def load_starting_state(
+    spec: trainer_pb2.StageSpec, program: StageProgram, store: CheckpointStore, owner: str
+) -> int:
+    """Load a resume checkpoint or a hot-start state into a freshly built stage; the first step to run."""
+    cfg = spec.program
+    problems = hot_start_problems(spec)
+    if problems:
+        raise ProgramError("; ".join(problems))
+    if cfg.initial_state:
+        load_stage_state(program, cfg.initial_state, spec.stage, int(cfg.initial_step))
+        return int(cfg.initial_step)
+    if cfg.resume_job_id:
+        store.load(cfg.resume_job_id, spec.stage, cfg.resume_step, owner, program)
+        return int(cfg.resume_step)
+    return 0
+
+
+def build_program(spec: trainer_pb2.StageSpec, examples_source: ExampleSource | None = None) -> StageProgram:
     """Load this stage's module (only this stage's) and build its model, shard and optimizer."""
     cfg = spec.program
     required = required_functions(cfg.role, cfg.mode or "backprop")
@@ -64,6 +114,7 @@ def build_program(spec: trainer_pb2.StageSpec) -> StageProgram:
             warmup_steps=opt.warmup_steps,
         ),
         total_steps=spec.steps,
+        examples_source=examples_source,
     )
 
 
@@ -71,15 +122,61 @@ class ProgramRunner(StageRunner):
     """Runs a ``scenario: program`` stage; reuses the base runner's lifecycle, status and metrics."""
 
     def __init__(
-        self, spec: trainer_pb2.StageSpec, token: str, switch_address: str, data_dir: Path, owner: str
+        self,
+        spec: trainer_pb2.StageSpec,
+        token: str,
+        switch_address: str,
+        data_dir: Path,
+        owner: str,
+        data_service_address: str | None = None,
     ) -> None:
         super().__init__(spec, token, switch_address)
+        self.data_service_address = data_service_address
         self.store = CheckpointStore(data_dir)
         self.owner = owner
         self._sender: AsyncSender | None = None
         self._dp: DataParallelGroup | None = None
         self._one_way = spec.program.mode == "one_way"
         self._int_payload = spec.program.payload == "int64"
+
+    def _granted_examples(self) -> GrantedBatchSource | None:
+        """The granted dataset this stage trains on, read through its owner's data service."""
+        dataset = self.spec.program.dataset
+        if not dataset:
+            return None
+        if not self.data_service_address:
+            raise ProgramError(
+                f"stage {self.spec.stage!r} trains on dataset {dataset!r} but this trainer has no "
+                "data service (NEBULA_TRAINER_DATA_SERVICE_ADDRESS)"
+            )
+        return GrantedBatchSource(self.data_service_address, self.token, dataset)
+
+    def _start_barrier(self, edge: EdgeConnection, upstream: bool) -> None:
+        """Start step ``start`` only once the other cluster's stage is built and ready.
+
+        Building a stage can take seconds (module import, model build, checkpoint load,
+        spawning data-parallel replicas). Without this barrier the upstream would start
+        stepping and count that start-up as time spent waiting for the other cluster,
+        which would hide the steady-state balance the wait metrics exist to show. The
+        downstream announces readiness with one tiny tensor on the backward direction,
+        outside every step and through a stateless codec, so no codec state is touched.
+        """
+        started = time.perf_counter()
+        if upstream:
+            edge.receive(TensorStreamDecoder("none"), BACKWARD, READY_STEP, 0, timeout=START_TIMEOUT_S)
+        else:
+            edge.send(torch.zeros(1), TensorStreamEncoder("none"), BACKWARD, READY_STEP, 0)
+        edge.stats.wait_seconds = 0.0  # the barrier is start-up, not training wait
+        log.info(
+            "stage ready",
+            extra={
+                "fields": {
+                    "job_id": self.spec.job_id,
+                    "stage": self.spec.stage,
+                    "waited_for_peer_seconds": round(time.perf_counter() - started, 3),
+                }
+            },
+        )
 
     def _run(self) -> None:
         try:
@@ -92,22 +189,10 @@ class ProgramRunner(StageRunner):
         spec, cfg = self.spec, self.spec.program
         edge: EdgeConnection | None = None
         try:
-            program = build_program(spec)
-            start = 0
-            if cfg.resume_job_id:
-                self.store.load(cfg.resume_job_id, spec.stage, cfg.resume_step, self.owner, program)
-                start = int(cfg.resume_step)
             upstream = cfg.role == "upstream"
-            if cfg.replicas > 1:
-                self._dp = DataParallelGroup(
-                    spec.SerializeToString(),
-                    program,
-                    replicas=cfg.replicas,
-                    micro_batches=cfg.micro_batches,
-                    backprop=not self._one_way,
-                    data_dir=self.store.root,
-                    owner=self.owner,
-                )
+            # The edge opens first, so that anything failing below (a bad module, a missing grant, a
+            # checkpoint that will not load) reaches the other cluster as an error close at once,
+            # instead of leaving its stage waiting for tensors that will never come.
             codec_out = spec.codec_forward if upstream else spec.codec_backward
             codec_in = spec.codec_backward if upstream else spec.codec_forward
             self._encoder = TensorStreamEncoder(codec_out or "none")
@@ -123,6 +208,19 @@ class ProgramRunner(StageRunner):
             self._edge = edge
             if self._cancelled.is_set():
                 raise StageCancelled
+            program = build_program(spec, self._granted_examples())
+            start = load_starting_state(spec, program, self.store, self.owner)
+            if cfg.replicas > 1:
+                self._dp = DataParallelGroup(
+                    spec.SerializeToString(),
+                    program,
+                    replicas=cfg.replicas,
+                    micro_batches=cfg.micro_batches,
+                    backprop=not self._one_way,
+                    data_dir=self.store.root,
+                    owner=self.owner,
+                )
+            self._start_barrier(edge, upstream)
             sender = AsyncSender(edge, cfg.max_in_flight)
             self._sender = sender
             self.board.update(state=trainer_pb2.STAGE_STATE_RUNNING, steps_done=start)
@@ -336,4 +434,4 @@ class ProgramRunner(StageRunner):
         return total
 
 
-__all__ = ["Op", "ProgramRunner", "build_program"]
+__all__ = ["Op", "ProgramRunner", "build_program", "hot_start_problems", "load_starting_state"]

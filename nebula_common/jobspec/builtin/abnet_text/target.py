@@ -10,6 +10,7 @@ from typing import Any
 
 import sacrebleu
 import torch
+from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 from torch import nn
 
 from nebula_common.jobspec.adapters import AbnetDecoder, LanguageModel, load_pretrained
@@ -73,5 +74,8 @@ def score(hypotheses: list[str], examples: list[Example]) -> dict[str, float]:
     references = [text for text, _ in examples]
     bleu = sacrebleu.corpus_bleu(hypotheses, [references], lowercase=True)
     chrf = sacrebleu.corpus_chrf(hypotheses, [references])
-    exact = sum(h.lower() == r.lower() for h, r in zip(hypotheses, references, strict=True))
+    tokenize = Tokenizer13a()  # "log out ." and "Log out." tokenise alike
+    exact = sum(
+        tokenize(h.lower()) == tokenize(r.lower()) for h, r in zip(hypotheses, references, strict=True)
+    )
     return {"bleu": bleu.score, "chrf": chrf.score, "exact_match": exact / max(len(references), 1)}
