@@ -198,17 +198,16 @@ class JobSpec(_Strict):
                     "edges.0.codec.forward: an int64 payload (ids) must use codec none; a lossy codec "
                     f"would change ids, got {edge.codec.forward!r}"
                 )
-        if self.stages[0].replicas != 1:
-            raise ValueError(
-                "stages.0.replicas: data parallelism is supported on the downstream (second) stage only"
-            )
+        if one_way and self.stages[0].replicas != 1:
+            # The generator trains on its own loss, which may sample: replicas would not reproduce it.
+            raise ValueError("stages.0.replicas: a one_way upstream (first) stage runs on one process")
         micro_batch = self.data.batch_size // self.data.micro_batches
-        replicas = self.stages[1].replicas
-        if micro_batch % replicas:
-            raise ValueError(
-                f"stages.1.replicas: each micro-batch ({micro_batch} examples) is split evenly across "
-                f"replicas; {replicas} does not divide it"
-            )
+        for index, stage in enumerate(self.stages):
+            if micro_batch % stage.replicas:
+                raise ValueError(
+                    f"stages.{index}.replicas: each micro-batch ({micro_batch} examples) is split evenly "
+                    f"across replicas; {stage.replicas} does not divide it"
+                )
         return self
 
     @property

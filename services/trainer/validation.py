@@ -107,8 +107,9 @@ def _program_problems(cfg: trainer_pb2.ProgramStage) -> list[str]:
     if cfg.replicas > 64:
         problems.append(f"program.replicas {cfg.replicas} must be in 0..64")
     elif cfg.replicas > 1:
-        if cfg.role != "downstream":
-            problems.append("program.replicas: data parallelism is supported on the downstream stage only")
+        if cfg.role == "upstream" and (cfg.mode or "backprop") == "one_way":
+            # A one_way upstream trains on its own loss, which may sample: replicas would not reproduce it.
+            problems.append("program.replicas: a one_way upstream stage runs on one process")
         micro = cfg.batch_size // cfg.micro_batches if cfg.micro_batches else 0
         if micro % cfg.replicas:
             problems.append(f"program.replicas {cfg.replicas} must divide the micro-batch size {micro}")

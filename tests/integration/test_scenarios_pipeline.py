@@ -197,3 +197,20 @@ def test_data_parallel_downstream_with_two_ranks_equals_one_rank_with_the_combin
     summary = run(job, sessions)
     assert_matches(summary, final_state(deployment, job, 6), reference)
     assert reference.losses[-1] != reference.losses[0]
+
+
+def test_data_parallel_upstream_with_two_ranks_equals_one_rank_with_the_combined_batch(
+    deployment: LocalDeployment, sessions: dict[str, ClusterSession]
+) -> None:
+    """backprop mode, first stage on 2 processes: rank 0 gathers output rows, scatters their gradients.
+
+    1F1B, so earlier micro-batches' backwards interleave with later forwards; SGD as in the downstream test.
+    """
+    optimizer = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+    overrides = {"stages.0.replicas": 2, "optimizer": optimizer, "pipeline.schedule": "1f1b"}
+    loaded = example(**overrides, **{"data.micro_batches": 4, "pipeline.max_in_flight": 2})
+    reference = run_unsplit(loaded)  # one process, the combined batch
+    job = ProgramJob(loaded)
+    summary = run(job, sessions)
+    assert_matches(summary, final_state(deployment, job, 6), reference)
+    assert reference.losses[-1] != reference.losses[0]

@@ -200,7 +200,7 @@ def test_dockerfile_uses_only_the_local_base_and_pins_torch_first() -> None:
         assert image == "python:3.11-slim" or image.lower() in names, f"unexpected base image {image}"
     assert len(stages) >= 2, "expected a multi-stage build"
     torch = text.index('pip install "torch==${TORCH_VERSION}"')
-    project = text.index("pip install .")
+    project = text.index('pip install ".[text]"')  # the project, with the built-in jobs' text extra
     assert torch < project, "torch must be installed (pinned) before the project"
     assert re.search(r"^ARG TORCH_VERSION=\d+\.\d+\.\d+$", text, flags=re.MULTILINE)
     assert re.search(r"^ARG PIP_FIND_LINKS=$", text, flags=re.MULTILINE)
@@ -541,3 +541,16 @@ def test_kustomize_builds(overlay: str) -> None:
     assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"nebula"}
     (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
     assert config["data"]["cluster_id"] == overlay
+
+
+def test_every_console_script_is_copied_into_the_runtime_image() -> None:
+    """A service whose entry point is missing from the image dies at start with 'failed to exec pid1'."""
+    import tomllib
+
+    scripts = tomllib.loads((DOCKERFILE.parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    runtime = DOCKERFILE.read_text()[DOCKERFILE.read_text().rindex("FROM ") :]
+    copied = " ".join(
+        line for line in runtime.replace("\\\n", " ").splitlines() if line.startswith("COPY --from=build")
+    )
+    missing = [name for name in scripts if f"/usr/local/bin/{name} " not in copied + " "]
+    assert not missing, f"console scripts not copied into the runtime image: {missing}"

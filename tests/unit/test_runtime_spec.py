@@ -10,6 +10,7 @@ import yaml
 from nebula_common.jobspec import SpecError, load_spec
 from nebula_common.jobspec.builtin import builtin_spec
 from nebula_common.sdk.jobs import ProgramJob
+from services.trainer.validation import validate_stage_spec
 
 pytestmark = pytest.mark.timeout(30)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digit_sum"
@@ -131,7 +132,7 @@ def test_the_electra_job_splits_into_one_way_stage_specs_with_replicas() -> None
         ({"edges.0.codec.backward": "int8"}, "edges.0.codec.backward", "sync tensor"),
         ({"edges.0.codec.forward": "fp16"}, "edges.0.codec.forward", "int64 payload"),
         ({"pipeline.mode": "backprop"}, "edges.0.payload", "one_way"),
-        ({"stages.0.replicas": 2}, "stages.0.replicas", "downstream"),
+        ({"stages.0.replicas": 2}, "stages.0.replicas", "one_way upstream"),
         ({"stages.1.replicas": 3}, "stages.1.replicas", "does not divide"),
         ({"stages.1.replicas": 0}, "stages.1.replicas", "greater than or equal to 1"),
         ({"pipeline.sync_lag": -1}, "pipeline.sync_lag", "greater than or equal to 0"),
@@ -151,3 +152,13 @@ def test_a_one_way_upstream_module_must_define_produce(tmp_path: Path) -> None:
         )
     with pytest.raises(SpecError, match=r"stages\.0\.module: .* must define produce"):
         load_spec(tmp_path / "job.yaml")
+
+
+def test_a_backprop_upstream_stage_may_run_on_several_replicas() -> None:
+    """The spec and the trainer's own check of the stage spec accept it; the row split is still checked."""
+    job = ProgramJob(load_spec(EXAMPLE / "job.yaml", {"stages.0.replicas": 2}))
+    reader = job.stage_spec("reader")
+    assert (reader.program.role, reader.program.replicas) == ("upstream", 2)
+    validate_stage_spec(reader)  # raises on any problem
+    with pytest.raises(SpecError, match=r"stages\.0\.replicas: .* 3 does not divide it"):
+        load_spec(EXAMPLE / "job.yaml", {"stages.0.replicas": 3})

@@ -18,6 +18,15 @@ other ranks are ``torch.multiprocessing`` spawn children of the trainer, on the
 same host. Losses must be means over a batch's examples: with equal row chunks
 the mean of the ranks' means is then the combined batch's mean, which is what
 makes n ranks equal one rank with the combined batch.
+
+An upstream stage (backprop mode) runs on n ranks too: for each forward rank 0
+broadcasts the micro-batch, every rank runs its rows of it and rank 0 gathers
+the output rows into the activation it sends; for each backward rank 0
+scatters the received gradient rows back to the ranks that produced them. Its
+parameter gradients are summed across ranks at the step boundary rather than
+by DDP's reducer, because DDP starts syncing at the backward that follows the
+last micro-batch's forward, and under 1F1B earlier micro-batches' backwards
+still come after that forward.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from nebula_common.jobspec.runtime import StageProgram, example_ids
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
-CMD_STOP, CMD_MICRO_BATCH, CMD_STEP = 0, 1, 2
+CMD_STOP, CMD_MICRO_BATCH, CMD_STEP, CMD_FORWARD, CMD_BACKWARD = 0, 1, 2, 3, 4
 _HEADER = 16  # cmd, step, micro_batch, dtype index, ndim, up to 11 dims
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)
 _GLOO = dist.ProcessGroup.BackendType.GLOO
@@ -93,6 +102,55 @@ class ReplicaCompute:
         return loss.detach().reshape(1), received.grad if self.backprop else None
 
 
+class UpstreamCompute:
+    """A rank's share of an upstream micro-batch: output rows now, their backward once the gradient comes."""
+
+    def __init__(self, program: StageProgram, group: dist.ProcessGroup) -> None:
+        self.program = program
+        self.group = group
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    def forward(self, micro_batch: int, ids: list[int]) -> torch.Tensor:
+        """Run this rank's rows and keep the graph until their gradient arrives; a detached copy to gather."""
+        out = self.program.forward(self.program.batch(ids))
+        if out.dtype not in _DTYPES:
+            raise DataParallelError(f"cannot gather dtype {out.dtype}")
+        self._outputs[micro_batch] = out
+        return out.detach().contiguous()
+
+    def backward(self, micro_batch: int, grad: torch.Tensor) -> None:
+        out = self._outputs.pop(micro_batch)
+        if grad.shape != out.shape:
+            raise DataParallelError(f"gradient rows {tuple(grad.shape)} != output rows {tuple(out.shape)}")
+        out.backward(grad.to(out.dtype))
+
+    def sum_gradients(self) -> None:
+        """Sum the ranks' parameter gradients (each rank holds its rows' share of the combined batch's).
+
+        A parameter that got no gradient on any rank keeps ``None``, as in the
+        unsplit run, so the optimizer skips it there too.
+        """
+        params = [p for p in self.program.model.parameters() if p.requires_grad]
+        present = torch.tensor([0.0 if p.grad is None else 1.0 for p in params])
+        self.group.allreduce([present]).wait()
+        synced = [p for p, flag in zip(params, present.tolist(), strict=True) if flag > 0]
+        for param in synced:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            elif param.grad.is_sparse:
+                raise DataParallelError(
+                    "sparse gradients are not supported on a data-parallel upstream stage"
+                )
+        for dtype in sorted({p.grad.dtype for p in synced}, key=str):  # type: ignore[union-attr]
+            grads = [p.grad for p in synced if p.grad is not None and p.grad.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.group.allreduce([flat]).wait()
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+
+
 def _rows(ids: list[int], rank: int, world: int) -> list[int]:
     size = len(ids) // world
     return ids[rank * size : (rank + 1) * size]
@@ -113,6 +171,9 @@ def _gather_options() -> dist.GatherOptions:
 class DataParallelGroup:
     """Rank 0 of a data-parallel stage: starts ranks 1..n-1 and drives them micro-batch by micro-batch."""
 
+    compute: ReplicaCompute  # downstream stages only
+    up: UpstreamCompute  # upstream stages only
+
     def __init__(
         self,
         spec_bytes: bytes,
@@ -123,6 +184,7 @@ class DataParallelGroup:
         backprop: bool,
         data_dir: Path,
         owner: str,
+        upstream: bool = False,
         timeout: float = 300.0,
     ) -> None:
         if replicas < 2:
@@ -131,7 +193,11 @@ class DataParallelGroup:
         self.program = program
         self.micro_batches = micro_batches
         self.backprop = backprop
+        self.upstream = upstream
+        if upstream and not backprop:
+            raise ValueError("a one_way upstream stage runs on one process")
         self._stopped = False
+        self._shapes: dict[int, torch.Size] = {}
         span = datetime.timedelta(seconds=timeout)
         self._store = dist.TCPStore(HOST, 0, replicas, is_master=True, timeout=span, wait_for_workers=False)
         threads = max(1, (os.cpu_count() or 1) // replicas)
@@ -149,7 +215,10 @@ class DataParallelGroup:
             process.start()
         try:
             self.group = make_process_group(dist.PrefixStore("dp/", self._store), 0, replicas, timeout)
-            self.compute = ReplicaCompute(program, self.group, micro_batches, backprop)
+            if upstream:
+                self.up = UpstreamCompute(program, self.group)
+            else:
+                self.compute = ReplicaCompute(program, self.group, micro_batches, backprop)
         except Exception as exc:
             self.abort()
             raise DataParallelError(f"data-parallel replicas did not start: {exc}") from exc
@@ -189,9 +258,35 @@ class DataParallelGroup:
         self.group.allreduce([loss]).wait()
         return float(loss.item()) / self.replicas, gathered
 
+    def forward(self, step: int, micro_batch: int, ids: list[int]) -> torch.Tensor:
+        """Upstream: every rank runs its rows of the micro-batch; the gathered activation to send."""
+        self._broadcast_header(CMD_FORWARD, step, micro_batch)
+        mine = self.up.forward(micro_batch, _rows(ids, 0, self.replicas))
+        parts = [torch.empty_like(mine) for _ in range(self.replicas)]
+        self.group.gather([parts], [mine], _gather_options()).wait()
+        out = torch.cat(parts)
+        self._shapes[micro_batch] = out.shape
+        return out
+
+    def backward(self, step: int, micro_batch: int, grad: torch.Tensor) -> None:
+        """Upstream: scatter the received gradient's rows to the ranks that made them; all backpropagate."""
+        shape = self._shapes.pop(micro_batch)
+        if grad.shape != shape:
+            raise DataParallelError(f"gradient shape {tuple(grad.shape)} != activation {tuple(shape)}")
+        if grad.dtype not in _DTYPES:
+            raise DataParallelError(f"cannot scatter dtype {grad.dtype}")
+        grad = grad.detach().contiguous()
+        self._broadcast_header(CMD_BACKWARD, step, micro_batch, grad)
+        chunks = [chunk.contiguous() for chunk in grad.chunk(self.replicas)]
+        mine = torch.empty_like(chunks[0])
+        self.group.scatter([mine], [chunks], _scatter_options()).wait()
+        self.up.backward(micro_batch, mine)
+
     def finish_step(self, step: int) -> None:
         """Every rank steps its optimizer; a counter all-reduce confirms all replicas are at this step."""
         self._broadcast_header(CMD_STEP, step)
+        if self.upstream:
+            self.up.sum_gradients()
         self.program.finish_step()
         done = torch.tensor([float(step + 1)])
         self.group.allreduce([done]).wait()
@@ -242,7 +337,9 @@ def replica_main(
     store = dist.TCPStore(HOST, port, world, is_master=False, timeout=span)
     group = make_process_group(dist.PrefixStore("dp/", store), rank, world, timeout)
     backprop = (cfg.mode or "backprop") == "backprop"
-    compute = ReplicaCompute(program, group, cfg.micro_batches, backprop)
+    upstream = cfg.role == "upstream"
+    up = UpstreamCompute(program, group) if upstream else None
+    compute = None if upstream else ReplicaCompute(program, group, cfg.micro_batches, backprop)
     size = cfg.batch_size // cfg.micro_batches
     while True:
         header = torch.zeros(_HEADER, dtype=torch.int64)
@@ -251,16 +348,27 @@ def replica_main(
         if cmd == CMD_STOP:
             return
         if cmd == CMD_STEP:
+            if up is not None:
+                up.sum_gradients()
             program.finish_step()
             done = torch.tensor([float(step + 1)])
             group.allreduce([done]).wait()
+            continue
+        ids = example_ids(cfg.seed, cfg.num_examples, step, micro_batch, cfg.micro_batches, size)
+        if cmd == CMD_FORWARD and up is not None:
+            out = up.forward(micro_batch, _rows(ids, rank, world))
+            group.gather([], [out], _gather_options()).wait()
             continue
         ndim = int(header[4])
         shape = [int(v) for v in header[5 : 5 + ndim]]
         shape[0] //= world
         mine = torch.empty(shape, dtype=_DTYPES[int(header[3])])
         group.scatter([mine], [], _scatter_options()).wait()
-        ids = example_ids(cfg.seed, cfg.num_examples, step, micro_batch, cfg.micro_batches, size)
+        if cmd == CMD_BACKWARD and up is not None:
+            up.backward(micro_batch, mine)
+            continue
+        if compute is None:
+            raise DataParallelError(f"command {cmd} does not apply to an upstream replica")
         loss, grad = compute.run(mine, _rows(ids, rank, world), micro_batch == cfg.micro_batches - 1)
         if backprop and grad is not None:
             group.gather([], [grad], _gather_options()).wait()

@@ -219,6 +219,7 @@ class ProgramRunner(StageRunner):
                     backprop=not self._one_way,
                     data_dir=self.store.root,
                     owner=self.owner,
+                    upstream=upstream,
                 )
             self._start_barrier(edge, upstream)
             sender = AsyncSender(edge, cfg.max_in_flight)
@@ -238,7 +239,10 @@ class ProgramRunner(StageRunner):
                     self._await_syncs(edge, start, step)
                 elif upstream:
                     self._upstream_step(program, edge, sender, step)
-                    program.finish_step()
+                    if self._dp is not None:
+                        self._dp.finish_step(step)  # the replicas sum their gradients and step together
+                    else:
+                        program.finish_step()
                 else:
                     loss = self._downstream_step(program, edge, sender, step)
                     if self._dp is not None:
@@ -352,13 +356,19 @@ class ProgramRunner(StageRunner):
         for op in upstream_ops(cfg.schedule, cfg.micro_batches, cfg.max_in_flight):
             if op.kind == "F":
                 ids = self._ids(step, op.micro_batch)
-                outputs[op.micro_batch] = out = program.forward(program.batch(ids))
+                if self._dp is not None:  # every rank runs its rows; rank 0 sends them gathered
+                    out = self._dp.forward(step, op.micro_batch, ids)
+                else:
+                    outputs[op.micro_batch] = out = program.forward(program.batch(ids))
                 sender.send(out, self._encoder, FORWARD, step, op.micro_batch, ids)
             else:
-                out = outputs.pop(op.micro_batch)
                 grad = edge.receive(
                     self._decoder, BACKWARD, step, op.micro_batch, self._ids(step, op.micro_batch)
                 )
+                if self._dp is not None:  # each rank backpropagates the rows it produced
+                    self._dp.backward(step, op.micro_batch, grad)
+                    continue
+                out = outputs.pop(op.micro_batch)
                 if grad.shape != out.shape:
                     raise EdgeClosedError(
                         f"gradient shape {tuple(grad.shape)} != activation {tuple(out.shape)}"
