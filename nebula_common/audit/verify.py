@@ -129,6 +129,10 @@ def verify_log(
             False, bad.line - 1, sealed_through, sealed_at, verifier.key_id, bad.line, bad.reason
         )
 
+    def tampered(first_bad: int | None, reason: str) -> VerifyResult:
+        """A failed verdict that still reports how far the log checked out (read at call time)."""
+        return VerifyResult(False, count, sealed_through, sealed_at, verifier.key_id, first_bad, reason)
+
     try:
         for line_no, raw in enumerate(raw_lines, 1):
             if not raw.endswith(b"\n"):
@@ -182,33 +186,17 @@ def verify_log(
         return fail(bad)
 
     if count == 0:
-        return VerifyResult(False, 0, 0, "", verifier.key_id, 1, f"audit log {path} is empty")
+        return tampered(1, f"audit log {path} is empty")
 
     # The external seal: the only thing that notices records cut off the end of the file.
     try:
         document = json.loads(seal_path.read_bytes())
     except FileNotFoundError:
         if require_seal_file:
-            return VerifyResult(
-                False,
-                count,
-                sealed_through,
-                sealed_at,
-                verifier.key_id,
-                count + 1,
-                f"seal file {seal_path} is missing, so truncation cannot be ruled out",
-            )
+            return tampered(count + 1, f"seal file {seal_path} is missing, so truncation cannot be ruled out")
         document = None
     except ValueError as exc:
-        return VerifyResult(
-            False,
-            count,
-            sealed_through,
-            sealed_at,
-            verifier.key_id,
-            None,
-            f"seal file {seal_path} is not valid JSON ({exc})",
-        )
+        return tampered(None, f"seal file {seal_path} is not valid JSON ({exc})")
     if document is not None:
         try:
             payload = seal_payload(
@@ -216,64 +204,25 @@ def verify_log(
             )
             signature = str(document["sig"])
         except (KeyError, TypeError, ValueError) as exc:
-            return VerifyResult(
-                False,
-                count,
-                sealed_through,
-                sealed_at,
-                verifier.key_id,
-                None,
-                f"seal file {seal_path} is malformed ({exc!r})",
-            )
+            return tampered(None, f"seal file {seal_path} is malformed ({exc!r})")
         if not verifier.valid(payload, signature):
-            return VerifyResult(
-                False,
-                count,
-                sealed_through,
-                sealed_at,
-                verifier.key_id,
-                None,
-                f"seal file {seal_path} has no valid signature by key {verifier.key_id}",
-            )
+            return tampered(None, f"seal file {seal_path} has no valid signature by key {verifier.key_id}")
         if payload["log_id"] != log_id:
-            return VerifyResult(
-                False,
-                count,
-                sealed_through,
-                sealed_at,
-                verifier.key_id,
-                1,
-                f"seal file {seal_path} belongs to another log ({payload['log_id']})",
-            )
+            return tampered(1, f"seal file {seal_path} belongs to another log ({payload['log_id']})")
         sealed = payload["count"]
         if sealed > count:
-            return VerifyResult(
-                False,
-                count,
-                sealed_through,
-                sealed_at,
-                verifier.key_id,
+            return tampered(
                 count + 1,
                 f"log ends at record {count} but its seal of {payload['ts']} covers {sealed} "
                 f"records: records {count + 1}..{sealed} were removed (truncated)",
             )
         if sealed < 1 or hashes[sealed - 1] != payload["head"]:
-            return VerifyResult(
-                False,
-                count,
-                sealed_through,
-                sealed_at,
-                verifier.key_id,
+            return tampered(
                 max(sealed, 1),
                 f"record {sealed} does not match the hash its seal signed: the log was rewritten",
             )
         if sealed < last_seal_line:
-            return VerifyResult(
-                False,
-                count,
-                sealed_through,
-                sealed_at,
-                verifier.key_id,
+            return tampered(
                 sealed + 1,
                 f"seal file covers {sealed} records but the log holds a seal at record "
                 f"{last_seal_line}: the seal file was rolled back",
@@ -284,13 +233,5 @@ def verify_log(
     if max_seal_age is not None:
         moment = now or datetime.now(UTC)
         if not sealed_at or moment - _parse_time(sealed_at) > max_seal_age:
-            return VerifyResult(
-                False,
-                count,
-                sealed_through,
-                sealed_at,
-                verifier.key_id,
-                None,
-                f"newest seal ({sealed_at or 'none'}) is older than {max_seal_age}",
-            )
+            return tampered(None, f"newest seal ({sealed_at or 'none'}) is older than {max_seal_age}")
     return VerifyResult(True, count, sealed_through, sealed_at, verifier.key_id)

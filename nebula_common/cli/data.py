@@ -8,8 +8,9 @@ or a prompt (never a flag, so it stays out of shell history and ``ps``).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 from rich.console import Console
@@ -19,6 +20,8 @@ from rich.table import Table
 from nebula_common.errors import NebulaError
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.data_client import DataClient, DatasetInfo
+
+T = TypeVar("T")
 
 app = typer.Typer(help="Datasets in your own namespace, and grants that let others read batches.")
 console = Console()
@@ -36,6 +39,15 @@ def _client(address: str, auth: str, user: str) -> DataClient:
     except NebulaError as exc:
         raise _fail(f"login to {auth} as {user} failed: {exc}") from None
     return DataClient(address, token)
+
+
+def _call(address: str, auth: str, user: str, operation: Callable[[DataClient], T]) -> T:
+    """Log in, run one data-service call, and turn a refusal into a clear error and exit code 1."""
+    with _client(address, auth, user) as client:
+        try:
+            return operation(client)
+        except NebulaError as exc:
+            raise _fail(str(exc)) from None
 
 
 def _fail(message: str) -> typer.Exit:
@@ -61,11 +73,7 @@ def upload(
     user: User,
 ) -> None:
     """Upload a JSON Lines file (one JSON value per line) as a new dataset of yours."""
-    with _client(address, auth, user) as client:
-        try:
-            info = client.upload_file(name, file)
-        except NebulaError as exc:
-            raise _fail(str(exc)) from None
+    info = _call(address, auth, user, lambda c: c.upload_file(name, file))
     console.print(f"{info.ref}: {info.records} records, sha256 {info.sha256}")
 
 
@@ -78,22 +86,14 @@ def import_(
     user: User,
 ) -> None:
     """Create a dataset from a file already in your inbox (<data dir>/accounts/<you>/inbox/)."""
-    with _client(address, auth, user) as client:
-        try:
-            info = client.import_file(name, inbox_path)
-        except NebulaError as exc:
-            raise _fail(str(exc)) from None
+    info = _call(address, auth, user, lambda c: c.import_file(name, inbox_path))
     console.print(f"{info.ref}: {info.records} records, sha256 {info.sha256}")
 
 
 @app.command("list")
 def list_(address: Address, auth: Auth, user: User) -> None:
     """Your datasets, and the datasets other accounts granted you."""
-    with _client(address, auth, user) as client:
-        try:
-            owned, granted = client.list()
-        except NebulaError as exc:
-            raise _fail(str(exc)) from None
+    owned, granted = _call(address, auth, user, lambda c: c.list())
     _show(owned, "yours")
     _show(granted, "granted to you")
 
@@ -106,11 +106,7 @@ def delete(
     user: User,
 ) -> None:
     """Delete one of your datasets and every grant on it."""
-    with _client(address, auth, user) as client:
-        try:
-            client.delete(dataset)
-        except NebulaError as exc:
-            raise _fail(str(exc)) from None
+    _call(address, auth, user, lambda c: c.delete(dataset))
     console.print(f"deleted {dataset}")
 
 
@@ -123,11 +119,7 @@ def download(
     user: User,
 ) -> None:
     """Download one of YOUR datasets (grantees read batches only)."""
-    with _client(address, auth, user) as client:
-        try:
-            size = client.download(dataset, out)
-        except NebulaError as exc:
-            raise _fail(str(exc)) from None
+    size = _call(address, auth, user, lambda c: c.download(dataset, out))
     console.print(f"wrote {size} bytes to {out}")
 
 
@@ -141,11 +133,7 @@ def grant(
     expires_at: Annotated[int, typer.Option(min=0, help="Unix time the grant ends; 0: until revoked.")] = 0,
 ) -> None:
     """Let another account's stages read batches of your dataset (never the file)."""
-    with _client(address, auth, user) as client:
-        try:
-            info = client.grant(name, grantee, expires_at)
-        except NebulaError as exc:
-            raise _fail(str(exc)) from None
+    info = _call(address, auth, user, lambda c: c.grant(name, grantee, expires_at))
     console.print(f"granted {info.owner}/{info.name} to {info.grantee}")
 
 
@@ -158,11 +146,7 @@ def revoke(
     user: User,
 ) -> None:
     """Withdraw a grant; takes effect on the grantee's next batch."""
-    with _client(address, auth, user) as client:
-        try:
-            revoked = client.revoke(name, grantee)
-        except NebulaError as exc:
-            raise _fail(str(exc)) from None
+    revoked = _call(address, auth, user, lambda c: c.revoke(name, grantee))
     console.print(f"revoked {grantee}" if revoked else f"{grantee} held no grant on {name}")
 
 
@@ -174,11 +158,7 @@ def grants(
     user: User,
 ) -> None:
     """Who may currently read batches of your dataset."""
-    with _client(address, auth, user) as client:
-        try:
-            current = client.grants(dataset)
-        except NebulaError as exc:
-            raise _fail(str(exc)) from None
+    current = _call(address, auth, user, lambda c: c.grants(dataset))
     for g in current:
         console.print(
             f"{g.grantee}\tsince {g.granted_at}\t{'until ' + str(g.expires_at) if g.expires_at else ''}"
@@ -200,10 +180,6 @@ def read(
         raise _fail(f"ids {ids!r} must be comma-separated non-negative integers") from None
     if not wanted or min(wanted) < 0:
         raise _fail(f"ids {ids!r} must be comma-separated non-negative integers")
-    with _client(address, auth, user) as client:
-        try:
-            records = client.read_batch_json(dataset, wanted)
-        except NebulaError as exc:
-            raise _fail(str(exc)) from None
+    records = _call(address, auth, user, lambda c: c.read_batch_json(dataset, wanted))
     for record in records:
         typer.echo(record)
