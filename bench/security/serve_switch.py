@@ -1,7 +1,7 @@
 """Run one real switch (cluster b, accepting cluster a) plus its auth service for TLS scanners.
 
 Used by ``bench/security/testssl.sh``: creates a throw-away dev PKI under ``--dir``, starts the
-auth service and the switch exactly as their processes do (``run_auth_server``/``run_switch``),
+auth service and the switch exactly as their processes do (``start_service``),
 prints one JSON line with the WAN port, and serves until SIGINT/SIGTERM. The scanner then talks
 to the same dynamic-credential WAN listener production uses, not a test double.
 """
@@ -17,9 +17,10 @@ from pathlib import Path
 
 from nebula_common.pki import init_pki
 from services.auth.config import AuthSettings
-from services.auth.server import run_auth_server
+from nebula_common.service.host import start_service
+from services.auth.server import SERVICE as AUTH_SERVICE
 from services.switch.config import SwitchSettings
-from services.switch.server import run_switch
+from services.switch.server import SERVICE as SWITCH_SERVICE
 
 
 async def serve(work: Path, wan_listen: str) -> None:
@@ -27,11 +28,13 @@ async def serve(work: Path, wan_listen: str) -> None:
     b = layout.cluster("b")
     password = work / "admin-password"
     password.write_text(secrets.token_urlsafe(16))
-    auth = await run_auth_server(
+    auth = await start_service(
+        AUTH_SERVICE,
         AuthSettings(cluster_id="b", data_dir=work / "auth", admin_password_file=password, metrics_port=-1)
     )
     try:
-        switch = await run_switch(
+        switch = await start_service(
+            SWITCH_SERVICE,
             SwitchSettings(
                 cluster_id="b",
                 peer_cluster_id="a",
@@ -40,7 +43,7 @@ async def serve(work: Path, wan_listen: str) -> None:
                 tls_cert=b.switch_cert,
                 tls_key=b.switch_key,
                 trust_bundle=b.trust_bundle,
-                auth_address=f"127.0.0.1:{auth.grpc_port}",
+                auth_address=f"127.0.0.1:{auth.ports['grpc_port']}",
                 data_dir=work / "switch",
                 metrics_port=-1,
             )
@@ -50,7 +53,7 @@ async def serve(work: Path, wan_listen: str) -> None:
             print(
                 json.dumps(
                     {
-                        "wan_port": switch.wan_port,
+                        "wan_port": switch.handle.wan_port,
                         "server_name": "switch.b.nebula.internal",
                         "client_cert": str(a.switch_cert),
                         "client_key": str(a.switch_key),
@@ -65,9 +68,9 @@ async def serve(work: Path, wan_listen: str) -> None:
                 loop.add_signal_handler(signum, stop.set)
             await stop.wait()
         finally:
-            await switch.stop(0.5)
+            await switch.stop()
     finally:
-        await auth.stop(0.5)
+        await auth.stop()
 
 
 def main() -> None:

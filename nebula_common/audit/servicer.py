@@ -9,22 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
 from typing import NoReturn
 
 import grpc
 
 from nebula_common.audit.log import AuditLog
 from nebula_common.audit.query import DEFAULT_LIMIT, MAX_LIMIT, AuditFilter, query_log
-from nebula_common.auth.verifier import Principal, TokenVerifier
-from nebula_common.errors import AuthenticationError
+from nebula_common.auth.interceptor import caller
+from nebula_common.auth.verifier import Principal
 from nebula_common.proto.nebula.v1 import audit_pb2, audit_pb2_grpc
-from nebula_common.rpc import bearer_token_from_metadata
 
-__all__ = ["AccountCheck", "AuditServicer"]
-
-AccountCheck = Callable[[Principal], Awaitable[str | None]]
-"""Optional extra check of an admin (e.g. the auth service re-reads the account); returns a refusal."""
+__all__ = ["AuditServicer"]
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
@@ -33,38 +28,15 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, detai
 
 
 class AuditServicer(audit_pb2_grpc.AuditLogServicer):
-    def __init__(
-        self,
-        audit: AuditLog,
-        verifier: Callable[[], TokenVerifier] | TokenVerifier,
-        service: str,
-        cluster_id: str,
-        account_check: AccountCheck | None = None,
-    ) -> None:
+    """Both methods are admin-only (``nebula_common.auth.policy``): the token interceptor enforces it."""
+
+    def __init__(self, audit: AuditLog, service: str, cluster_id: str) -> None:
         self._audit = audit
-        self._verifier = verifier
         self._service = service
         self._cluster_id = cluster_id
-        self._account_check = account_check
 
     async def _require_admin(self, context: grpc.aio.ServicerContext) -> Principal:
-        token = bearer_token_from_metadata(context.invocation_metadata())
-        if token is None:
-            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
-        verifier = self._verifier if isinstance(self._verifier, TokenVerifier) else self._verifier()
-        try:
-            principal = verifier.verify(token)
-        except AuthenticationError as exc:
-            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, f"invalid token: {exc}")
-        if principal.role != "admin":
-            await _abort(
-                context,
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"reading the audit log requires an admin of cluster {self._cluster_id}",
-            )
-        if self._account_check is not None and (refusal := await self._account_check(principal)):
-            await _abort(context, grpc.StatusCode.PERMISSION_DENIED, refusal)
-        return principal
+        return caller().principal
 
     async def Query(
         self, request: audit_pb2.AuditQuery, context: grpc.aio.ServicerContext

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -70,6 +71,22 @@ def inspect_spec(
         console.print(f"[yellow]{note}[/]")
 
 
+def _login(auth: str, user: str) -> str:
+    """A token for the codec service, which refuses calls without one."""
+    if not auth or not user:
+        raise typer.BadParameter("--address needs --auth and --user (the codec service checks tokens)")
+    from nebula_common.errors import NebulaError
+    from nebula_common.sdk.auth_client import AuthClient
+
+    password = os.environ.get("NEBULA_PASSWORD") or typer.prompt(f"password for {user}", hide_input=True)
+    try:
+        with AuthClient(auth) as client:
+            return client.login(user, password).token
+    except NebulaError as exc:
+        console.print(f"[red]login to {auth} as {user} failed: {exc}[/]")
+        raise typer.Exit(1) from None
+
+
 @app.command("advise")
 def advise_command(
     shape: str = typer.Option("64,12,128", help="Activation shape per micro-batch (gradients match it)."),
@@ -83,6 +100,8 @@ def advise_command(
     address: str = typer.Option(
         "", help="Ask this codec service (host:port) instead of calibrating locally."
     ),
+    auth: str = typer.Option("", help="With --address: host:port of the same cluster's auth service."),
+    user: str = typer.Option("", help="With --address: your account there (password: $NEBULA_PASSWORD)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Rank codec specs for a link and tensor shape by predicted step time."""
@@ -99,7 +118,7 @@ def advise_command(
         if address:
             from nebula_common.codec.advice_client import advise_specs_sync
 
-            result = advise_specs_sync(address, request)
+            result = advise_specs_sync(address, request, token=_login(auth, user))
         else:
             calibrator = Calibrator(default_cache_path())
             calibrator.start()

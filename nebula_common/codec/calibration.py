@@ -145,6 +145,10 @@ def probe_for(key: str) -> tuple[str, tuple[tuple[int, int], ...]]:
     return key, ((256, 256), (1024, 512))
 
 
+class CalibrationStopped(RuntimeError):
+    """The calibrator was closed before a calibration finished (the service is stopping)."""
+
+
 class Calibrator:
     """Runs (or loads) the host calibration once, in the background, and fits components on demand."""
 
@@ -155,18 +159,41 @@ class Calibrator:
         self._calibration: Calibration | None = None
         self._error: BaseException | None = None
         self._started = False
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Calibrate (or load the cache) on a daemon thread so service start-up is not delayed; idempotent."""
         with self._lock:
-            if self._started:
+            if self._started or self._stopping.is_set():
                 return
             self._started = True
-        threading.Thread(target=self._run, name="codec-calibration", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="codec-calibration", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop a calibration in progress (between two measurements) and wait for its thread.
+
+        A process must not exit while this thread is inside torch: the interpreter
+        tears torch down under it and the C++ runtime aborts ("terminate called
+        without an active exception"). Waiters on ``get`` are woken with an error.
+        """
+        self._stopping.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("codec calibration did not stop within %.0f s", timeout)
+        if not self._ready.is_set():
+            self._error = CalibrationStopped("the codec service is stopping")
+            self._ready.set()
 
     def _run(self) -> None:
         try:
             self._calibration = self._load() or self._measure_all()
+        except CalibrationStopped as exc:
+            log.info("codec calibration stopped: %s", exc)
+            self._error = exc
         except BaseException as exc:  # reported to every Advise caller instead of dying silently
             log.exception("codec calibration failed")
             self._error = exc
@@ -214,6 +241,8 @@ class Calibrator:
         calibration = Calibration(host=host_fingerprint(), created=time.time())
         started = time.perf_counter()
         for key in PROBES:
+            if self._stopping.is_set():
+                raise CalibrationStopped("calibration stopped before it finished")
             calibration.fits[key] = _measure(key, calibration)
         log.info(
             "codec calibration done", extra={"fields": {"seconds": round(time.perf_counter() - started, 3)}}

@@ -140,7 +140,7 @@ class LocalDeployment:
         common = {"LOG_LEVEL": self.log_level}
         state.auth = self._launch(
             f"auth-{cluster}",
-            "services.auth.server",
+            "services.auth",
             "NEBULA_AUTH_",
             {
                 **common,
@@ -150,15 +150,18 @@ class LocalDeployment:
                 "ADMIN_PASSWORD_FILE": str(password_file),
             },
         )
-        state.codec = self._launch(
-            f"codec-{cluster}", "services.codec.server", "NEBULA_CODEC_", {**common, "CLUSTER_ID": cluster}
-        )
         wait_healthy(self.address(state.auth), "nebula.v1.Auth")
+        # Codec and data check tokens with auth's keys, fetched at start-up, so they follow auth.
+        state.codec = self._launch(
+            f"codec-{cluster}",
+            "services.codec",
+            "NEBULA_CODEC_",
+            {**common, "CLUSTER_ID": cluster, "AUTH_ADDRESS": self.address(state.auth)},
+        )
         wait_healthy(self.address(state.codec), "nebula.v1.Codec")
-        # The data service fetches its token keys from auth at start-up, so it follows auth.
         state.data = self._launch(
             f"data-{cluster}",
-            "services.data.server",
+            "services.data",
             "NEBULA_DATA_",
             {
                 **common,
@@ -192,14 +195,14 @@ class LocalDeployment:
         }
         if peer_address is not None:
             env["PEER_ADDRESS"] = peer_address
-        state.switch = self._launch(f"switch-{cluster}", "services.switch.server", "NEBULA_SWITCH_", env)
+        state.switch = self._launch(f"switch-{cluster}", "services.switch", "NEBULA_SWITCH_", env)
         wait_healthy(f"{LOOPBACK}:{state.switch.info['internal_port']}", "nebula.v1.Relay")
 
     def _start_trainer(self, cluster: str) -> None:
         state = self.cluster_state[cluster]
         state.trainer = self._launch(
             f"trainer-{cluster}",
-            "services.trainer.server",
+            "services.trainer",
             "NEBULA_TRAINER_",
             {
                 "LOG_LEVEL": self.log_level,

@@ -32,7 +32,9 @@ DNS_SUFFIX = "nebula.internal"
 #: Roles a certificate may carry. Kept closed so a typo cannot create an identity nobody authorizes.
 KNOWN_ROLES: frozenset[str] = frozenset({"switch", "service", "operator"})
 
-_CLUSTER_ID_RE = re.compile(r"[a-z][a-z0-9-]{0,30}")
+CLUSTER_ID_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
+"""The one cluster-id rule: a lowercase DNS label, so it fits SPIFFE URIs, DNS names and token issuers."""
+_CLUSTER_ID_RE = re.compile(CLUSTER_ID_PATTERN)
 _URI_RE = re.compile(rf"spiffe://{TRUST_DOMAIN}/cluster/(?P<cluster>[^/]+)/(?P<role>[^/]+)")
 
 

@@ -17,10 +17,10 @@ import grpc
 from argon2 import PasswordHasher
 
 from nebula_common.audit import AuditLog
+from nebula_common.auth.interceptor import caller as current_caller
 from nebula_common.auth.verifier import LEEWAY_SECONDS, KeySnapshot, Principal, Revocation, TokenVerifier
 from nebula_common.errors import AuthenticationError, InvalidRequestError
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
-from nebula_common.rpc import bearer_token_from_metadata
 from services.auth import metrics
 from services.auth.passwords import (
     DEFAULT_HASHER,
@@ -261,18 +261,26 @@ class AuthServicer(auth_pb2_grpc.AuthServicer):
         return record, ""
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> tuple[Principal, AccountRecord]:
-        """A valid token of this cluster whose account still exists and is enabled."""
-        token = bearer_token_from_metadata(context.invocation_metadata())
-        if token is None:
-            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
-        try:
-            principal = self._verifier.verify(token)
-        except AuthenticationError as exc:
-            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        """The verified caller (see ``account_check``) and their account record, re-read for this call."""
+        principal = current_caller().principal
         record = await asyncio.to_thread(self._store.get, principal.username)
-        if record is None or record.disabled:
+        if record is None or record.disabled:  # disabled or deleted since the interceptor looked
             await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "account is disabled or no longer exists")
         return principal, record
+
+    async def account_check(self, principal: Principal) -> str | None:
+        """Interceptor hook: a token outlives a disabled or deleted account, so re-read the account."""
+        record = await asyncio.to_thread(self._store.get, principal.username)
+        if record is None or record.disabled:
+            return "account is disabled or no longer exists"
+        return None
+
+    async def admin_check(self, principal: Principal) -> str | None:
+        """Interceptor hook for admin methods: the token's role and the account's current role must agree."""
+        record = await asyncio.to_thread(self._store.get, principal.username)
+        if principal.role != "admin" or record is None or record.role != "admin":
+            return f"this call requires an admin of cluster {self._issuer.cluster_id}"
+        return None
 
     async def ListAccounts(
         self, request: auth_pb2.ListAccountsRequest, context: grpc.aio.ServicerContext
@@ -380,24 +388,8 @@ class AuthServicer(auth_pb2_grpc.AuthServicer):
         return auth_pb2.RotateSigningKeyResponse(old_kid=old_kid, new_kid=new_kid)
 
     async def _require_admin(self, context: grpc.aio.ServicerContext) -> Principal:
-        token = bearer_token_from_metadata(context.invocation_metadata())
-        if token is None:
-            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
-        try:
-            principal = self._verifier.verify(token)
-        except AuthenticationError as exc:
-            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, str(exc))
-        # A token outlives a disabled or removed account; re-check the account itself.
-        record = await asyncio.to_thread(self._store.get, principal.username)
-        if record is None or record.disabled:
-            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "account is disabled or no longer exists")
-        if principal.role != "admin" or record.role != "admin":
-            await _abort(
-                context,
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"managing accounts requires an admin of cluster {self._issuer.cluster_id}",
-            )
-        return principal
+        """The admin the token interceptor verified (admin methods are listed in ``auth.policy``)."""
+        return current_caller().principal
 
     async def _record(
         self, event: str, *, outcome: str = "ok", account: str = "", details: dict[str, object] | None = None

@@ -6,29 +6,21 @@ Defaults suit a local run and tests (loopback, ephemeral ports); deployments set
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
-from nebula_common.metrics import METRICS_DISABLED
+from nebula_common.service.settings import HostPort, ServiceSettings
 
 
-class CodecSettings(BaseSettings):
-    """Where the codec service listens and how it reports."""
+class CodecSettings(ServiceSettings):
+    """Where the codec service listens, whom it trusts for tokens, and how it calibrates."""
 
-    model_config = SettingsConfigDict(env_prefix="NEBULA_CODEC_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="NEBULA_CODEC_")
 
-    listen: str = Field(default="127.0.0.1:0", min_length=1, description="gRPC listen address host:port.")
-    metrics_port: int = Field(
-        default=0,
-        ge=METRICS_DISABLED,
-        le=65535,
-        description="Prometheus port: 0 picks a free port, -1 disables the endpoint.",
-    )
-    cluster_id: str = Field(default="local", min_length=1, description="Cluster this instance serves.")
-    log_level: str = Field(default="INFO", description="Python logging level name.")
+    listen: HostPort = Field(default="127.0.0.1:0", description="gRPC listen address host:port.")
+    auth_address: HostPort = Field(description="host:port of this cluster's auth service (token keys).")
     calibration_cache: str = Field(
         default="",
         description=(
@@ -49,22 +41,6 @@ class CodecSettings(BaseSettings):
     max_tensor_bytes: int = Field(
         default=1 << 30, ge=1, description="Largest raw tensor one streaming call may carry, in bytes."
     )
-
-    @field_validator("listen")
-    @classmethod
-    def _listen_has_port(cls, value: str) -> str:
-        host, sep, port = value.strip().rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"listen must be host:port, got {value!r}")
-        return value.strip()
-
-    @field_validator("log_level")
-    @classmethod
-    def _known_level(cls, value: str) -> str:
-        level = value.strip().upper()
-        if level not in logging.getLevelNamesMapping():
-            raise ValueError(f"unknown log level {value!r}")
-        return level
 
     def calibration_path(self) -> Path | None:
         """Where the calibration is cached, or None when caching is off."""

@@ -5,20 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from nebula_common.service.settings import HostPort, ServiceSettings
 
 
-class DataSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="NEBULA_DATA_", extra="forbid")
+class DataSettings(ServiceSettings):
+    """Each account's datasets, served to its own trainers and to grantees."""
 
-    cluster_id: str = Field(pattern=r"^[a-z][a-z0-9-]{0,30}$", description="This cluster's id.")
-    listen: str = Field("127.0.0.1:0", description="Cluster-internal port (SDK, trainers).")
-    auth_address: str = Field(description="host:port of this cluster's auth service (token keys).")
+    model_config = SettingsConfigDict(env_prefix="NEBULA_DATA_")
+
+    listen: HostPort = Field("127.0.0.1:0", description="Cluster-internal port (SDK, trainers).")
+    auth_address: HostPort = Field(description="host:port of this cluster's auth service (token keys).")
     data_dir: Path = Field(
         description="Holds accounts/<owner>/datasets, accounts/<owner>/inbox and the audit log; must persist."
     )
-    metrics_port: int = Field(0, ge=-1, le=65535, description="Prometheus port; 0 picks one, -1 disables.")
-    log_level: str = "INFO"
     max_dataset_bytes: int = Field(
         4 * 1024**3, ge=1, description="Largest dataset (JSON Lines bytes) an upload or import may create."
     )

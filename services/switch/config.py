@@ -5,31 +5,32 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
 
-CLUSTER_ID_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
+from nebula_common.service.settings import ClusterId, HostPort, ServiceSettings
 
 
-class SwitchSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="NEBULA_SWITCH_", extra="forbid")
+class SwitchSettings(ServiceSettings):
+    """The cluster's gateway: its internal relay port, its mTLS WAN port and its certificates."""
 
-    cluster_id: str = Field(pattern=CLUSTER_ID_PATTERN, description="This cluster's id.")
-    peer_cluster_id: str = Field(
-        pattern=CLUSTER_ID_PATTERN, description="The only cluster whose switch may connect to the WAN port."
+    model_config = SettingsConfigDict(env_prefix="NEBULA_SWITCH_")
+
+    peer_cluster_id: ClusterId = Field(
+        description="The only cluster whose switch may connect to the WAN port."
     )
-    internal_listen: str = Field("127.0.0.1:0", description="Cluster-internal port for local trainers.")
-    wan_listen: str = Field("127.0.0.1:0", description="WAN port (mTLS only) for the peer switch.")
-    peer_address: str | None = Field(None, description="host:port at which the peer's WAN port is reached.")
+    internal_listen: HostPort = Field("127.0.0.1:0", description="Cluster-internal port for local trainers.")
+    wan_listen: HostPort = Field("127.0.0.1:0", description="WAN port (mTLS only) for the peer switch.")
+    peer_address: HostPort | None = Field(
+        None, description="host:port at which the peer's WAN port is reached."
+    )
     link_role: Literal["auto", "dial", "accept"] = Field(
         "auto", description="auto: the cluster whose id sorts first dials, the other accepts."
     )
     tls_cert: Path = Field(description="PEM certificate of this switch (SAN names cluster and role).")
     tls_key: Path = Field(description="PEM private key of this switch.")
     trust_bundle: Path = Field(description="PEM CA certificates of the peer cluster(s) trusted on the WAN.")
-    auth_address: str = Field(description="host:port of this cluster's auth service (token keys).")
-    metrics_port: int = Field(0, ge=-1, le=65535, description="Prometheus port; 0 picks one, -1 disables.")
-    log_level: str = "INFO"
+    auth_address: HostPort = Field(description="host:port of this cluster's auth service (token keys).")
     route_buffer_messages: int = Field(
         512, ge=8, description="Frames buffered per (job, edge) before back-pressure reaches the WAN link."
     )
@@ -71,6 +72,12 @@ class SwitchSettings(BaseSettings):
         if (value is None) != (info.data.get("ca_cert") is None):
             raise ValueError("ca_cert and ca_key must be set together (both enable self-renewal)")
         return value
+
+    @model_validator(mode="after")
+    def _dialer_knows_where(self) -> SwitchSettings:
+        if self.link_role == "dial" and self.peer_address is None:
+            raise ValueError("link_role 'dial' needs peer_address (where the peer's WAN port is reached)")
+        return self
 
     def dials(self) -> bool:
         """Whether this switch opens the WAN link (otherwise it waits for the peer)."""

@@ -14,12 +14,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from nebula_common.auth import Principal, TokenVerifier
-from nebula_common.errors import AuthenticationError
+from nebula_common.auth.interceptor import caller
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, relay_pb2_grpc
-from nebula_common.rpc import bearer_token_from_metadata
 from services.switch.certs import CertificateManager
 from services.switch.link import PeerLink
-from services.switch.metrics import AUTH_REFUSALS, EDGES_OPEN
+from services.switch.metrics import EDGES_OPEN
 from services.switch.routing import Route, RouteInUseError, Router
 
 LINK_WAIT_S = 60.0
@@ -108,21 +107,8 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             EDGES_OPEN.set(self.router.open_routes())
 
     async def _authenticate(self, context: grpc.aio.ServicerContext) -> Principal:
-        """Every Relay call needs a token of THIS cluster: the port is only meant for its own trainers."""
-        token = bearer_token_from_metadata(context.invocation_metadata())
-        if token is None:
-            AUTH_REFUSALS.labels("internal", "no-token").inc()
-            self.link.record(
-                "relay.refused", outcome="refused", reason="missing bearer token", address=context.peer()
-            )
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
-        try:
-            return self.verifier.verify(token)
-        except AuthenticationError as exc:
-            AUTH_REFUSALS.labels("internal", "bad-token").inc()
-            self.link.record("relay.refused", outcome="refused", reason=str(exc), address=context.peer())
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"invalid token: {exc}")
-        raise AssertionError("unreachable: abort raises")
+        """The account the token interceptor verified: this port is only for this cluster's trainers."""
+        return caller().principal
 
     async def _pump(self, context: grpc.aio.ServicerContext, route: Route) -> None:
         job_id, edge = route.key

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,12 +19,12 @@ from cryptography import x509
 
 from nebula_common.audit import AuditLog, open_service_audit
 from nebula_common.audit.servicer import AuditServicer
-from nebula_common.auth import TokenVerifier
-from nebula_common.logging import configure_logging
+from nebula_common.auth.interceptor import TokenAuthInterceptor
 from nebula_common.pki import Identity, channel_options, server_options
 from nebula_common.proto.nebula.v1 import audit_pb2_grpc, link_pb2_grpc, relay_pb2_grpc
 from nebula_common.rpc import ServiceServer, create_server
-from nebula_common.rpc.lifecycle import serve_until_signalled
+from nebula_common.service.host import ServiceDefinition, Started, acquire_in_thread
+from nebula_common.service.resources import token_verifier
 from services.switch.certs import CertificateManager
 from services.switch.config import SwitchSettings
 from services.switch.link import PeerLink, fetch_server_certificate
@@ -36,20 +35,19 @@ from services.switch.tls_refusals import StderrTap
 from services.switch.wan_servicer import SwitchLinkServicer
 
 log = logging.getLogger(__name__)
-AUTH_WAIT_S = 30.0
+STOP_GRACE_SECONDS = 2.0
 
 
 @dataclass
 class RunningSwitch:
+    """In-process handle of a started switch (tests and tools reach its link and servers here)."""
+
     internal: ServiceServer
     wan: ServiceServer
     link: PeerLink
-    dialer: asyncio.Task[None] | None
     audit: AuditLog
     certificates: CertificateManager
     revocation: RevocationList | None
-    maintenance: asyncio.Task[None]
-    verifier: TokenVerifier
 
     @property
     def internal_port(self) -> int:
@@ -59,16 +57,11 @@ class RunningSwitch:
     def wan_port(self) -> int:
         return self.wan.ports["wan"]
 
-    async def stop(self, grace: float = 2.0) -> None:
-        self.link.stop()
-        for task in (self.dialer, self.maintenance):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        await asyncio.gather(self.wan.stop(grace), self.internal.stop(grace))
-        await asyncio.to_thread(self.audit.close)  # seals the tail
-        await asyncio.to_thread(self.verifier.close)  # ends the key/revocation polling of auth
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _maintain(settings: SwitchSettings, link: PeerLink, certs: CertificateManager) -> None:
@@ -90,29 +83,26 @@ async def _maintain(settings: SwitchSettings, link: PeerLink, certs: Certificate
             log.exception("switch maintenance step failed")
 
 
-async def run_switch(settings: SwitchSettings) -> RunningSwitch:
-    verifier = await TokenVerifier.from_auth_service_async(
-        settings.auth_address, settings.cluster_id, timeout=AUTH_WAIT_S
-    )
-    audit = await asyncio.to_thread(
-        open_service_audit,
-        settings.data_dir,
-        service="switch",
-        cluster=settings.cluster_id,
-        seal_interval_s=settings.audit_seal_interval_s,
-        # Records reach the kernel at once (a crashed process loses none); fsync happens at each seal
-        # so the relay's event loop never waits on the disk per transfer record.
-        fsync_each=False,
-    )
-    try:
-        return await _start(settings, verifier, audit)
-    except BaseException:
-        audit.close()
-        verifier.close()
-        raise
+async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStack) -> Started[RunningSwitch]:
+    """Token keys, audit log, certificates, both servers, then the dialer and maintenance tasks.
 
-
-async def _start(settings: SwitchSettings, verifier: TokenVerifier, audit: AuditLog) -> RunningSwitch:
+    Stopped in reverse: background tasks first, then the link, then both servers
+    drain, then the audit log is sealed and the verifier closed.
+    """
+    verifier = await token_verifier(stack, settings.auth_address, settings.cluster_id)
+    audit = await acquire_in_thread(
+        stack,
+        lambda: open_service_audit(
+            settings.data_dir,
+            service="switch",
+            cluster=settings.cluster_id,
+            seal_interval_s=settings.audit_seal_interval_s,
+            # Records reach the kernel at once (a crashed process loses none); fsync happens at each seal
+            # so the relay's event loop never waits on the disk per transfer record.
+            fsync_each=False,
+        ),
+        AuditLog.close,
+    )
     revocation = None
     if settings.peer_crl is not None:
         revocation = RevocationList(settings.peer_crl, settings.trust_bundle)
@@ -142,26 +132,27 @@ async def _start(settings: SwitchSettings, verifier: TokenVerifier, audit: Audit
             "self_renewal": settings.ca_key is not None,
         },
     )
-
-    internal = create_server(["nebula.v1.Relay", "nebula.v1.AuditLog"])
+    internal = create_server(
+        ["nebula.v1.Relay", "nebula.v1.AuditLog"],
+        interceptors=[TokenAuthInterceptor("switch", verifier, audit=audit)],
+    )
+    stack.push_async_callback(internal.stop, STOP_GRACE_SECONDS)
     relay_pb2_grpc.add_RelayServicer_to_server(
         RelayServicer(settings.cluster_id, link, router, verifier, certs), internal.server
     )
     audit_pb2_grpc.add_AuditLogServicer_to_server(
-        AuditServicer(audit, verifier, "switch", settings.cluster_id), internal.server
+        AuditServicer(audit, "switch", settings.cluster_id), internal.server
     )
     internal.add_insecure_port("internal", settings.internal_listen)
-
     wan = create_server(["nebula.v1.SwitchLink"], options=server_options())
+    stack.push_async_callback(wan.stop, STOP_GRACE_SECONDS)
     link_pb2_grpc.add_SwitchLinkServicer_to_server(SwitchLinkServicer(link), wan.server)
     wan.add_secure_port("wan", settings.wan_listen, certs.server_credentials())
     await internal.start()
     await wan.start()
-
-    dialer = None
+    stack.callback(link.stop)
     if settings.dials():
-        if settings.peer_address is None:
-            raise ValueError("NEBULA_SWITCH_PEER_ADDRESS is required when this switch dials the link")
+        assert settings.peer_address is not None  # SwitchSettings refuses a dialer without one
         address = settings.peer_address
 
         async def probe() -> x509.Certificate:
@@ -178,44 +169,24 @@ async def _start(settings: SwitchSettings, verifier: TokenVerifier, audit: Audit
             ),
             name="wan-dialer",
         )
+        stack.push_async_callback(_cancel, dialer)
     maintenance = asyncio.create_task(_maintain(settings, link, certs), name="switch-maintenance")
+    stack.push_async_callback(_cancel, maintenance)
     internal.start_metrics(settings.metrics_port, settings.internal_listen)
-    return RunningSwitch(
-        internal=internal,
-        wan=wan,
-        link=link,
-        dialer=dialer,
-        audit=audit,
-        certificates=certs,
-        revocation=revocation,
-        maintenance=maintenance,
-        verifier=verifier,
+    running = RunningSwitch(
+        internal=internal, wan=wan, link=link, audit=audit, certificates=certs, revocation=revocation
     )
-
-
-async def _serve(settings: SwitchSettings) -> None:
-    running = await run_switch(settings)
-    # TLS refusals happen inside gRPC core; its stderr report is the only trace, so audit that.
-    StderrTap(lambda reason: running.link.refuse("tls", reason))
-    ready = {
-        "service": "switch",
-        "cluster_id": settings.cluster_id,
+    ports = {
         "internal_port": running.internal_port,
         "wan_port": running.wan_port,
-        "metrics_port": running.internal.metrics_port,
+        "metrics_port": internal.metrics_port,
     }
-    await serve_until_signalled(ready, running.stop)
+    return Started(running, ports)
 
 
-def main() -> None:
-    try:
-        settings = SwitchSettings()
-    except Exception as exc:
-        print(f"nebula-switch: invalid configuration:\n{exc}", file=sys.stderr)
-        sys.exit(2)
-    configure_logging("switch", settings.log_level)
-    asyncio.run(_serve(settings))
+def _tap_tls_refusals(running: RunningSwitch) -> None:
+    """TLS refusals happen inside gRPC core; its stderr report is the only trace, so audit that."""
+    StderrTap(lambda reason: running.link.refuse("tls", reason))
 
 
-if __name__ == "__main__":
-    main()
+SERVICE = ServiceDefinition("switch", SwitchSettings, start_switch, on_serve=_tap_tls_refusals)

@@ -6,25 +6,29 @@ import tempfile
 from pathlib import Path
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from nebula_common.service.settings import HostPort, ServiceSettings
 
 
-class TrainerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="NEBULA_TRAINER_", extra="forbid")
+class TrainerSettings(ServiceSettings):
+    """One cluster's compute: where it listens and which of its cluster's services it uses."""
 
-    cluster_id: str = Field(pattern=r"^[a-z][a-z0-9-]{0,30}$", description="This cluster's id.")
-    listen: str = Field("127.0.0.1:0", description="Cluster-internal control port (SDK -> trainer).")
-    switch_address: str = Field(description="host:port of this cluster's switch internal port.")
-    auth_address: str = Field(description="host:port of this cluster's auth service.")
-    metrics_port: int = Field(0, ge=-1, le=65535, description="Prometheus port; 0 picks one, -1 disables.")
+    model_config = SettingsConfigDict(env_prefix="NEBULA_TRAINER_")
+
+    listen: HostPort = Field("127.0.0.1:0", description="Cluster-internal control port (SDK -> trainer).")
+    switch_address: HostPort = Field(description="host:port of this cluster's switch internal port.")
+    auth_address: HostPort = Field(description="host:port of this cluster's auth service.")
     torch_threads: int = Field(1, ge=1, le=256, description="Intra-op threads for torch on this trainer.")
     data_dir: Path | None = Field(
         None, description="Where stage checkpoints go (default: <tmp>/nebula-trainer-<cluster_id>)."
     )
-    data_service_address: str | None = Field(
+    data_service_address: HostPort | None = Field(
         None, description="host:port of this cluster's data service (stages that train on granted datasets)."
     )
-    log_level: str = "INFO"
+    stop_grace_s: float = Field(
+        10.0, gt=0, description="On stop, how long running stages get to end before the process exits."
+    )
 
     def resolved_data_dir(self) -> Path:
         return self.data_dir or Path(tempfile.gettempdir()) / f"nebula-trainer-{self.cluster_id}"

@@ -1,40 +1,58 @@
-"""Trainer process: the control API of one cluster's compute, running stages on threads."""
+"""The trainer service (``nebula-trainer``): the control API of one cluster's compute.
+
+Stages run on threads of this process. On stop, running stages are cancelled
+and joined (each within ``stop_grace_s``) before the audit log is sealed, so no
+stage thread is inside torch when the interpreter exits.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import sys
+import time
 
 import torch
 
-from nebula_common.audit import open_service_audit
+from nebula_common.audit import AuditLog, open_service_audit
 from nebula_common.audit.servicer import AuditServicer
-from nebula_common.auth import TokenVerifier
-from nebula_common.logging import configure_logging
+from nebula_common.auth.interceptor import TokenAuthInterceptor
 from nebula_common.proto.nebula.v1 import audit_pb2, audit_pb2_grpc, trainer_pb2_grpc
-from nebula_common.rpc import ServiceServer, create_server
-from nebula_common.rpc.lifecycle import serve_until_signalled
+from nebula_common.rpc import create_server
+from nebula_common.service.host import ServiceDefinition, Started, acquire_in_thread
+from nebula_common.service.resources import token_verifier
 from services.trainer.config import TrainerSettings
 from services.trainer.servicer import TrainerServicer
 
 log = logging.getLogger(__name__)
-AUTH_WAIT_S = 30.0
 AUDIT_SERVICE_NAME = audit_pb2.DESCRIPTOR.services_by_name["AuditLog"].full_name
+STOP_GRACE_SECONDS = 2.0
 
 
-async def run_trainer(settings: TrainerSettings) -> tuple[ServiceServer, TrainerServicer]:
+def _stop_stages(servicer: TrainerServicer, grace: float) -> None:
+    """Cancel every stage, then wait (``grace`` seconds in all) for their threads to end."""
+    runners = list(servicer.runners.values())
+    for runner in runners:
+        runner.cancel()
+    deadline = time.monotonic() + grace
+    for runner in runners:
+        runner.join(max(0.0, deadline - time.monotonic()))
+
+
+async def start_trainer(
+    settings: TrainerSettings, stack: contextlib.AsyncExitStack
+) -> Started[TrainerServicer]:
+    """Token keys and the audit log, then the server; stages are stopped before the log is sealed."""
     torch.set_num_threads(settings.torch_threads)
-    verifier = await TokenVerifier.from_auth_service_async(
-        settings.auth_address, settings.cluster_id, timeout=AUTH_WAIT_S
-    )
+    verifier = await token_verifier(stack, settings.auth_address, settings.cluster_id)
     data_dir = settings.resolved_data_dir()
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Submits and stage starts/stops are rare: fsync each record so none is lost in a crash.
-    audit = await asyncio.to_thread(
-        open_service_audit, data_dir, service="trainer", cluster=settings.cluster_id
+    audit = await acquire_in_thread(
+        stack,
+        lambda: open_service_audit(data_dir, service="trainer", cluster=settings.cluster_id),
+        AuditLog.close,
     )
-    service = create_server(["nebula.v1.Trainer", AUDIT_SERVICE_NAME])
     servicer = TrainerServicer(
         settings.cluster_id,
         verifier,
@@ -43,45 +61,20 @@ async def run_trainer(settings: TrainerSettings) -> tuple[ServiceServer, Trainer
         audit,
         data_service_address=settings.data_service_address,
     )
-    trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, service.server)
-    audit_pb2_grpc.add_AuditLogServicer_to_server(
-        AuditServicer(audit, verifier, "trainer", settings.cluster_id), service.server
+    stack.push_async_callback(asyncio.to_thread, _stop_stages, servicer, settings.stop_grace_s)
+    server = create_server(
+        ["nebula.v1.Trainer", AUDIT_SERVICE_NAME],
+        interceptors=[TokenAuthInterceptor("trainer", verifier, audit=audit)],
     )
-    service.add_insecure_port("grpc", settings.listen)
-    await service.start()
-    service.start_metrics(settings.metrics_port, settings.listen)
-    return service, servicer
+    stack.push_async_callback(server.stop, STOP_GRACE_SECONDS)
+    trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server.server)
+    audit_pb2_grpc.add_AuditLogServicer_to_server(
+        AuditServicer(audit, "trainer", settings.cluster_id), server.server
+    )
+    server.add_insecure_port("grpc", settings.listen)
+    server.start_metrics(settings.metrics_port, settings.listen)
+    await server.start()
+    return Started(servicer, {"grpc_port": server.ports["grpc"], "metrics_port": server.metrics_port})
 
 
-async def _serve(settings: TrainerSettings) -> None:
-    service, servicer = await run_trainer(settings)
-
-    async def stop() -> None:
-        for runner in servicer.runners.values():
-            runner.cancel()
-        await service.stop()
-        for runner in servicer.runners.values():
-            await asyncio.to_thread(runner.join, 10.0)
-        await asyncio.to_thread(servicer.audit.close)  # seals the tail of the log
-
-    ready = {
-        "service": "trainer",
-        "cluster_id": settings.cluster_id,
-        "grpc_port": service.ports["grpc"],
-        "metrics_port": service.metrics_port,
-    }
-    await serve_until_signalled(ready, stop)
-
-
-def main() -> None:
-    try:
-        settings = TrainerSettings()
-    except Exception as exc:
-        print(f"nebula-trainer: invalid configuration:\n{exc}", file=sys.stderr)
-        sys.exit(2)
-    configure_logging("trainer", settings.log_level)
-    asyncio.run(_serve(settings))
-
-
-if __name__ == "__main__":
-    main()
+SERVICE = ServiceDefinition("trainer", TrainerSettings, start_trainer)

@@ -17,9 +17,9 @@ import grpc
 
 from nebula_common.audit import AuditLog
 from nebula_common.auth import Principal, TokenVerifier
-from nebula_common.errors import AuthenticationError, InvalidRequestError
+from nebula_common.auth.interceptor import caller
+from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2, trainer_pb2_grpc
-from nebula_common.rpc import bearer_token_from_metadata
 from services.trainer.metrics import STAGES_RUNNING
 from services.trainer.runner import StageRunner
 from services.trainer.runtime.checkpoint import CheckpointError, CheckpointStore
@@ -53,16 +53,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         await asyncio.to_thread(self.audit.append, event, **fields)  # type: ignore[arg-type]
 
     async def _authenticate(self, context: grpc.aio.ServicerContext, action: str) -> tuple[Principal, str]:
-        token = bearer_token_from_metadata(context.invocation_metadata())
-        reason = "missing bearer token"
-        if token is not None:
-            try:
-                return self.verifier.verify(token), token
-            except AuthenticationError as exc:
-                reason = f"invalid token: {exc}"
-        await self._record("auth.refused", outcome="refused", details={"action": action, "reason": reason})
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
-        raise AssertionError("unreachable: abort raises")
+        """The caller the token interceptor verified, and their token (stages act on their behalf)."""
+        current = caller()
+        return current.principal, current.token
 
     async def _owned_runner(
         self, job_id: str, context: grpc.aio.ServicerContext, action: str

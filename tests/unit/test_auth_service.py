@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,41 +22,26 @@ from pydantic import ValidationError
 from nebula_common.auth import Principal, TokenVerifier
 from nebula_common.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
+from nebula_common.rpc import ServiceServer
 from nebula_common.sdk.auth_client import AccountExistsError, AuthClient
+from nebula_common.service.settings import describe_validation_error
 from services.auth.config import AuthSettings
-from services.auth.server import AuthServer, run_auth_server
+from services.auth.server import SERVICE as AUTH_SERVICE
+from tests.support.service_thread import ServiceThread
 
 ADMIN_PASSWORD = "bootstrap-admin-secret"
 USER_PASSWORD = "alice-has-a-long-password"
 
 
-class ServerThread:
+class ServerThread(ServiceThread[ServiceServer]):
     """An auth server running on a private event loop in a daemon thread."""
 
     def __init__(self, settings: AuthSettings) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        try:
-            self.server: AuthServer = asyncio.run_coroutine_threadsafe(
-                run_auth_server(settings), self._loop
-            ).result(timeout=30)
-        except BaseException:
-            self._shutdown_loop()
-            raise
+        super().__init__(AUTH_SERVICE, settings)
 
     @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.server.grpc_port}"
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(0.5), self._loop).result(timeout=30)
-        self._shutdown_loop()
-
-    def _shutdown_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
+    def server(self) -> ServiceServer:
+        return self.handle
 
 
 def _settings(data_dir: Path, password_file: Path | None) -> AuthSettings:
@@ -244,8 +228,8 @@ def test_restart_keeps_accounts_and_signing_key(data_dir: Path, password_file: P
         with AuthClient(second.address) as sdk:
             assert sdk.login("alice", USER_PASSWORD).token
             assert sdk.login("admin", ADMIN_PASSWORD).token
-        assert second.server.store is not None
-        assert second.server.store.count() == 2
+            admin_token = sdk.login("admin", ADMIN_PASSWORD).token
+            assert sorted(a.username for a in sdk.list_accounts(admin_token)) == ["admin", "alice"]
     finally:
         second.stop()
 
@@ -254,8 +238,11 @@ def test_restart_keeps_accounts_and_signing_key(data_dir: Path, password_file: P
 def test_missing_cluster_id_names_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NEBULA_AUTH_CLUSTER_ID", raising=False)
     monkeypatch.setenv("NEBULA_AUTH_DATA_DIR", str(tmp_path))
-    with pytest.raises(ValidationError, match="NEBULA_AUTH_CLUSTER_ID"):
+    with pytest.raises(ValidationError) as raised:
         AuthSettings()
+    assert describe_validation_error(AuthSettings, raised.value) == (
+        "NEBULA_AUTH_CLUSTER_ID: required but not set"
+    )
 
 
 @pytest.mark.timeout(60)

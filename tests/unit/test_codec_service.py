@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import selectors
@@ -10,7 +11,8 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -25,11 +27,69 @@ from nebula_common.codec.advice_client import AdviceUnavailableError, advise_spe
 from nebula_common.codec.wire import raw_to_tensor, tensor_to_raw
 from nebula_common.metrics import listen_host
 from nebula_common.proto.nebula.v1 import codec_pb2, codec_pb2_grpc
-from nebula_common.rpc import ServiceServer, insecure_channel
+from nebula_common.rpc import ServiceServer, bearer_metadata
+from nebula_common.sdk.auth_client import AuthClient
+from nebula_common.service.host import start_service
+from services.auth.config import AuthSettings
+from services.auth.server import SERVICE as AUTH_SERVICE
 from services.codec.config import CodecSettings
-from services.codec.server import run_codec_server
+from services.codec.server import SERVICE as CODEC_SERVICE
+from tests.support.service_thread import ServiceThread
 
 pytestmark = pytest.mark.timeout(60)
+
+ADMIN_PASSWORD = "codec-test-admin-password"
+
+
+@dataclass(frozen=True)
+class AuthFixture:
+    address: str
+    token: str
+
+
+@pytest.fixture(scope="module")
+def auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthFixture]:
+    """Cluster a's real auth service: the codec service checks every call's token with its keys."""
+    work = tmp_path_factory.mktemp("codec-auth")
+    (work / "admin-password").write_text(ADMIN_PASSWORD)
+    running = ServiceThread(
+        AUTH_SERVICE,
+        AuthSettings(
+            cluster_id="a",
+            data_dir=work / "auth",
+            admin_password_file=work / "admin-password",
+            metrics_port=-1,
+            argon2_time_cost=1,
+            argon2_memory_cost_kib=1024,
+        ),
+    )
+    try:
+        with AuthClient(running.address) as client:
+            yield AuthFixture(running.address, client.login("admin", ADMIN_PASSWORD).token)
+    finally:
+        running.stop()
+
+
+class _WithToken:
+    """A stub whose every call carries the bearer token (the service refuses calls without one)."""
+
+    def __init__(self, stub: codec_pb2_grpc.CodecStub, token: str) -> None:
+        self._stub = stub
+        self._metadata = bearer_metadata(token)
+
+    def __getattr__(self, method: str) -> Callable[..., object]:
+        return functools.partial(getattr(self._stub, method), metadata=self._metadata)
+
+
+_AUTH: list[AuthFixture] = []
+"""The module's auth fixture, for ``_serve`` (set by the autouse fixture below)."""
+
+
+@pytest.fixture(autouse=True)
+def _codec_auth(auth: AuthFixture) -> Iterator[None]:
+    _AUTH.append(auth)
+    yield
+    _AUTH.pop()
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,18 +104,23 @@ def _serve(check: Check, metrics_port: int = -1, calibration_cache: str = "off")
     """
 
     async def run() -> None:
+        auth = _AUTH[-1]
         settings = CodecSettings(
+            cluster_id="a",
+            auth_address=auth.address,
             listen="127.0.0.1:0",
             metrics_port=metrics_port,
             calibration_cache=calibration_cache,
             calibrate_at_start=False,
         )
-        server = await run_codec_server(settings)
+        running = await start_service(CODEC_SERVICE, settings)
         try:
-            async with insecure_channel(f"127.0.0.1:{server.ports['grpc']}", aio=True) as channel:
-                await check(codec_pb2_grpc.CodecStub(channel), channel, server)
+            address = f"127.0.0.1:{running.ports['grpc_port']}"
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = _WithToken(codec_pb2_grpc.CodecStub(channel), auth.token)
+                await check(stub, channel, running.handle)  # type: ignore[arg-type]
         finally:
-            await server.stop(0)
+            await running.stop()
 
     asyncio.run(run())
 
@@ -190,6 +255,8 @@ def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NEBULA_CODEC_LISTEN", "[::]:7001")
     monkeypatch.setenv("NEBULA_CODEC_METRICS_PORT", "-1")
     monkeypatch.setenv("NEBULA_CODEC_LOG_LEVEL", "debug")
+    monkeypatch.setenv("NEBULA_CODEC_CLUSTER_ID", "a")
+    monkeypatch.setenv("NEBULA_CODEC_AUTH_ADDRESS", "auth:7300")
     settings = CodecSettings()
     assert (settings.listen, listen_host(settings.listen), settings.metrics_port) == ("[::]:7001", "::", -1)
     assert settings.log_level == "DEBUG"
@@ -198,15 +265,17 @@ def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
             CodecSettings(**{field: value})
 
 
-def test_main_announces_ports_and_stops_on_sigterm() -> None:
+def test_main_announces_ports_and_stops_on_sigterm(auth: AuthFixture) -> None:
     env = {
         **os.environ,
+        "NEBULA_CODEC_CLUSTER_ID": "a",
+        "NEBULA_CODEC_AUTH_ADDRESS": auth.address,
         "NEBULA_CODEC_LISTEN": "127.0.0.1:0",
         "NEBULA_CODEC_METRICS_PORT": "0",
         "NEBULA_CODEC_CALIBRATION_CACHE": "off",
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.codec.server"],
+        [sys.executable, "-m", "services.codec"],
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -224,8 +293,14 @@ def test_main_announces_ports_and_stops_on_sigterm() -> None:
         assert announcement["grpc_port"] > 0 and announcement["metrics_port"] > 0
 
         with grpc.insecure_channel(f"127.0.0.1:{announcement['grpc_port']}") as channel:
-            response = codec_pb2_grpc.CodecStub(channel).ListCodecs(codec_pb2.ListCodecsRequest(), timeout=10)
+            stub = codec_pb2_grpc.CodecStub(channel)
+            response = stub.ListCodecs(
+                codec_pb2.ListCodecsRequest(), metadata=bearer_metadata(auth.token), timeout=10
+            )
             assert "int8" in response.codecs
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ListCodecs(codec_pb2.ListCodecsRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=20) == 0
@@ -369,14 +444,17 @@ def test_advice_client_calls_the_service_sync_and_async() -> None:
 
     async def check(_: codec_pb2_grpc.CodecStub, __: grpc.aio.Channel, server: ServiceServer) -> None:
         address = f"127.0.0.1:{server.ports['grpc']}"
-        result = await advise_specs(address, request)
+        token = _AUTH[-1].token
+        result = await advise_specs(address, request, token=token)
         assert (result.forward_spec, result.backward_spec) == ("int8", "int8")
-        sync = await asyncio.to_thread(advise_specs_sync, address, request)
+        sync = await asyncio.to_thread(advise_specs_sync, address, request, token=token)
         assert sync.forward_spec == "int8"
         bad = job_advice_request(bandwidth_bps=1e6, rtt_seconds=0.0, edge="e", activation_shape=(4,))
         bad.candidates = ["ef(int8)"]
         with pytest.raises(CodecError, match="stream option"):
-            await advise_specs(address, bad)
+            await advise_specs(address, bad, token=token)
+        with pytest.raises(AdviceUnavailableError, match="UNAUTHENTICATED"):
+            await advise_specs(address, request)
 
     _serve(check)
     with pytest.raises(AdviceUnavailableError, match="could not advise"):

@@ -45,13 +45,44 @@ def test_ports_are_read_from_the_first_stdout_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("module", "missing"),
     [
-        ("services.switch.server", "cluster_id"),
-        ("services.trainer.server", "switch_address"),
-        ("services.auth.server", "NEBULA_AUTH_CLUSTER_ID"),
+        ("services.switch", "NEBULA_SWITCH_CLUSTER_ID: required but not set"),
+        ("services.trainer", "NEBULA_TRAINER_SWITCH_ADDRESS: required but not set"),
+        ("services.auth", "NEBULA_AUTH_CLUSTER_ID: required but not set"),
+        ("services.codec", "NEBULA_CODEC_AUTH_ADDRESS: required but not set"),
+        ("services.data", "NEBULA_DATA_CLUSTER_ID: required but not set"),
     ],
 )
 def test_services_refuse_to_start_without_required_settings(module: str, missing: str) -> None:
     env = {"PATH": "/usr/bin:/bin", "NEBULA_TRAINER_CLUSTER_ID": "a"}
     result = subprocess.run(console_command(module), env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode != 0
+    assert result.returncode == 2, result.stderr
     assert missing in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("module", "env", "named"),
+    [
+        ("services.codec", {"NEBULA_CODEC_CLUSTER_ID": "A b"}, "NEBULA_CODEC_CLUSTER_ID"),
+        (
+            "services.codec",
+            {"NEBULA_CODEC_CLUSTER_ID": "a", "NEBULA_CODEC_AUTH_ADDRESS": "nohost"},
+            "AUTH_ADDRESS",
+        ),
+        (
+            "services.data",
+            {"NEBULA_DATA_CLUSTER_ID": "a", "NEBULA_DATA_LOG_LEVEL": "LOUD"},
+            "NEBULA_DATA_LOG_LEVEL",
+        ),
+    ],
+)
+def test_services_name_the_bad_setting(module: str, env: dict[str, str], named: str) -> None:
+    result = subprocess.run(
+        console_command(module),
+        env={"PATH": "/usr/bin:/bin", **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert named in result.stderr and "Traceback" not in result.stderr

@@ -13,11 +13,9 @@ protocol version or cipher suite and checks what the server agreed to:
 
 from __future__ import annotations
 
-import asyncio
 import re
 import shutil
 import subprocess
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,7 +24,9 @@ import pytest
 from nebula_common.pki import ClusterPaths, Identity, init_pki
 from services.auth.config import AuthSettings
 from services.switch.config import SwitchSettings
-from services.switch.server import RunningSwitch, run_switch
+from services.switch.server import SERVICE as SWITCH_SERVICE
+from services.switch.server import RunningSwitch
+from tests.support.service_thread import ServiceThread
 from tests.unit.test_auth_service import ServerThread
 
 pytestmark = [
@@ -52,22 +52,15 @@ class Handshake:
         return self.returncode != 0 and self.cipher in ("(NONE)", "0000", "")
 
 
-class SwitchThread:
+class SwitchThread(ServiceThread[RunningSwitch]):
     """Cluster b's switch on a private event loop in a daemon thread, as its process runs it."""
 
     def __init__(self, settings: SwitchSettings) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        self.running: RunningSwitch = asyncio.run_coroutine_threadsafe(
-            run_switch(settings), self._loop
-        ).result(timeout=40)
+        super().__init__(SWITCH_SERVICE, settings)
 
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.running.stop(0.5), self._loop).result(timeout=30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
+    @property
+    def running(self) -> RunningSwitch:
+        return self.handle
 
 
 @pytest.fixture(scope="module")

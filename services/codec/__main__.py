@@ -1,0 +1,16 @@
+"""``python -m services.codec`` / ``nebula-codec``.
+
+Kept import-light so signals are handled from the very start (see ``run_service_main``).
+"""
+
+import sys
+
+from nebula_common.service.host import run_service_main
+
+
+def main() -> int:
+    return run_service_main("codec", "services.codec.server:SERVICE")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

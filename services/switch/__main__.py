@@ -1,0 +1,16 @@
+"""``python -m services.switch`` / ``nebula-switch``.
+
+Kept import-light so signals are handled from the very start (see ``run_service_main``).
+"""
+
+import sys
+
+from nebula_common.service.host import run_service_main
+
+
+def main() -> int:
+    return run_service_main("switch", "services.switch.server:SERVICE")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
