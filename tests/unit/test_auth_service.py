@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,39 +24,10 @@ from nebula_common.errors import AuthenticationError, InvalidRequestError, Permi
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
 from nebula_common.sdk.auth_client import AccountExistsError, AuthClient
 from services.auth.config import AuthSettings
-from services.auth.server import AuthServer, run_auth_server
+from tests.support.accounts import ADMIN_PASSWORD
+from tests.support.servers import AuthServerThread
 
-ADMIN_PASSWORD = "bootstrap-admin-secret"
 USER_PASSWORD = "alice-has-a-long-password"
-
-
-class ServerThread:
-    """An auth server running on a private event loop in a daemon thread."""
-
-    def __init__(self, settings: AuthSettings) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        try:
-            self.server: AuthServer = asyncio.run_coroutine_threadsafe(
-                run_auth_server(settings), self._loop
-            ).result(timeout=30)
-        except BaseException:
-            self._shutdown_loop()
-            raise
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.server.grpc_port}"
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(0.5), self._loop).result(timeout=30)
-        self._shutdown_loop()
-
-    def _shutdown_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
 
 
 def _settings(data_dir: Path, password_file: Path | None) -> AuthSettings:
@@ -83,14 +53,14 @@ def data_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def auth(data_dir: Path, password_file: Path) -> Iterator[ServerThread]:
-    running = ServerThread(_settings(data_dir, password_file))
+def auth(data_dir: Path, password_file: Path) -> Iterator[AuthServerThread]:
+    running = AuthServerThread(_settings(data_dir, password_file))
     yield running
     running.stop()
 
 
 @pytest.fixture
-def client(auth: ServerThread) -> Iterator[AuthClient]:
+def client(auth: AuthServerThread) -> Iterator[AuthClient]:
     with AuthClient(auth.address) as sdk:
         yield sdk
 
@@ -113,7 +83,9 @@ def test_admin_login(client: AuthClient) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_admin_creates_user_who_logs_in_and_verifies_locally(auth: ServerThread, client: AuthClient) -> None:
+def test_admin_creates_user_who_logs_in_and_verifies_locally(
+    auth: AuthServerThread, client: AuthClient
+) -> None:
     created = _metric("nebula_auth_accounts_created_total")
     admin_token = client.login("admin", ADMIN_PASSWORD).token
     account = client.create_account(admin_token, "alice", USER_PASSWORD)
@@ -130,7 +102,7 @@ def test_admin_creates_user_who_logs_in_and_verifies_locally(auth: ServerThread,
 
 
 @pytest.mark.timeout(60)
-def test_verifier_refuses_auth_service_of_other_cluster(auth: ServerThread) -> None:
+def test_verifier_refuses_auth_service_of_other_cluster(auth: AuthServerThread) -> None:
     with pytest.raises(AuthenticationError, match="nebula-auth/a"):
         TokenVerifier.from_auth_service(auth.address, "b")
 
@@ -144,7 +116,7 @@ def test_verify_token_reports_reason_instead_of_failing(client: AuthClient) -> N
 
 
 @pytest.mark.timeout(60)
-def test_create_account_without_token_unauthenticated(auth: ServerThread, client: AuthClient) -> None:
+def test_create_account_without_token_unauthenticated(auth: AuthServerThread, client: AuthClient) -> None:
     with pytest.raises(AuthenticationError, match="missing bearer token"):
         client.create_account("", "bob", USER_PASSWORD)
     with pytest.raises(AuthenticationError, match="malformed token"):
@@ -226,7 +198,7 @@ def test_password_stored_as_argon2id_hash(client: AuthClient, data_dir: Path) ->
 
 @pytest.mark.timeout(60)
 def test_restart_keeps_accounts_and_signing_key(data_dir: Path, password_file: Path) -> None:
-    first = ServerThread(_settings(data_dir, password_file))
+    first = AuthServerThread(_settings(data_dir, password_file))
     try:
         with AuthClient(first.address) as sdk:
             admin_token = sdk.login("admin", ADMIN_PASSWORD).token
@@ -236,7 +208,7 @@ def test_restart_keeps_accounts_and_signing_key(data_dir: Path, password_file: P
     finally:
         first.stop()
 
-    second = ServerThread(_settings(data_dir, None))
+    second = AuthServerThread(_settings(data_dir, None))
     try:
         verifier = TokenVerifier.from_auth_service(second.address, "a")
         assert verifier.key_ids == old_keys
@@ -259,7 +231,7 @@ def test_missing_cluster_id_names_the_variable(tmp_path: Path, monkeypatch: pyte
 
 
 @pytest.mark.timeout(60)
-def test_health_serving(auth: ServerThread) -> None:
+def test_health_serving(auth: AuthServerThread) -> None:
     with grpc.insecure_channel(auth.address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="nebula.v1.Auth"), timeout=10
@@ -270,7 +242,7 @@ def test_health_serving(auth: ServerThread) -> None:
 @pytest.mark.timeout(60)
 def test_metrics_endpoint_exports_auth_counters(data_dir: Path, password_file: Path) -> None:
     settings = _settings(data_dir, password_file).model_copy(update={"metrics_port": 0})
-    running = ServerThread(settings)
+    running = AuthServerThread(settings)
     try:
         port = running.server.metrics_port
         assert port is not None
