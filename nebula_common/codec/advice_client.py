@@ -1,6 +1,11 @@
 """Ask a cluster's codec service which codec specs to use for a job (``codec: auto``).
 
-The trainer resolves ``auto`` once, at job start::
+The SDK resolves ``auto`` once, at submission, before any stage starts
+(``nebula_common.sdk.codec_advice.resolve_auto_codecs``, called by ``submit_job``):
+it asks the source cluster's codec service and writes the answer into both stage
+specs, because two services calibrated on two hosts could disagree and a decoder
+refuses frames of another codec. A trainer refuses a stage whose codec is still
+``auto`` (``services/trainer/validation.py``). The call it makes::
 
     request = job_advice_request(
         bandwidth_bps=60e6, rtt_seconds=0.04, edge="encoder->decoder",

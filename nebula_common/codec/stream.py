@@ -455,7 +455,8 @@ def canonical_spec(spec: str) -> str:
     """Validate any codec spec value a job may carry (wire codec, stream options, or ``auto``).
 
     Returns the canonical spelling. Unlike ``parse_stream_spec`` it accepts
-    ``auto``, which the trainer resolves with the codec service at job start.
+    ``auto``, which the SDK resolves with the source cluster's codec service at submission
+    (``nebula_common.sdk.codec_advice``); a trainer refuses a stage still carrying it.
     """
     codec = get_codec(spec)
     if isinstance(codec, StreamOption) and codec.kind == AUTO:

@@ -9,7 +9,7 @@ import pytest
 
 from nebula_common.launcher import LocalDeployment
 from nebula_common.sdk.client import ClusterSession
-from tests.integration.helpers import make_user
+from tests.support.accounts import make_user
 
 
 @pytest.fixture(scope="session")

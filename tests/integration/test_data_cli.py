@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -11,17 +10,9 @@ from pathlib import Path
 import pytest
 
 from nebula_common.launcher import LocalDeployment
-from nebula_common.sdk.auth_client import AuthClient
+from tests.support.accounts import create_account
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
-
-
-def account(deployment: LocalDeployment, username: str) -> str:
-    password = secrets.token_urlsafe(16)
-    with AuthClient(deployment.endpoints("a").auth) as auth:
-        admin = auth.login("admin", deployment.cluster_state["a"].admin_password)
-        auth.create_account(admin.token, username, password)
-    return password
 
 
 def nebula_data(
@@ -47,7 +38,7 @@ def nebula_data(
 def test_owner_grants_a_grantee_who_reads_batches_until_revoked(
     deployment: LocalDeployment, tmp_path: Path
 ) -> None:
-    owner_pw, reader_pw = account(deployment, "olga"), account(deployment, "rita")
+    owner_pw, reader_pw = create_account(deployment, "a", "olga"), create_account(deployment, "a", "rita")
     source = tmp_path / "rows.jsonl"
     source.write_text("".join(json.dumps({"id": i, "text": f"row {i}"}) + "\n" for i in range(5)))
 

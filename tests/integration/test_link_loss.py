@@ -15,7 +15,7 @@ from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.client import ClusterSession, submit_abnet
 from nebula_common.sdk.jobs import AbnetJob
 from nebula_common.sdk.summary import summarize
-from tests.integration.helpers import make_user
+from tests.support.accounts import make_user
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -69,5 +69,8 @@ def test_electra_with_replicated_discriminator_equals_the_unsplit_run(
         state = checkpoint(deployment, job, stage, 5)
         assert state.keys() == reference.state_dicts[stage].keys()
         for name, tensor in state.items():
-            torch.testing.assert_close(tensor, reference.state_dicts[stage][name], rtol=1e-5, atol=1e-6)
+            # Replicas average their gradients by an all-reduce, which sums in another order than one
+            # big batch does; Adam divides by sqrt(v) and turns those 1e-7 rounding differences into
+            # ~1e-5 parameter differences after 5 steps. Still far below what one wrong step moves.
+            torch.testing.assert_close(tensor, reference.state_dicts[stage][name], rtol=1e-4, atol=2e-5)
     assert reference.losses[-1] < reference.losses[0]  # it trained: equality is not of two no-ops

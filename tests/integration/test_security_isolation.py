@@ -39,6 +39,7 @@ from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.data_client import DataClient, DatasetNotFoundError
 from nebula_common.sdk.jobs import ProgramJob
+from tests.support.accounts import admin_token, create_account
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -49,23 +50,16 @@ RECORDS = [{"id": i, "text": f"private sentence {i}"} for i in range(50)]
 def _account(deployment: LocalDeployment, cluster: str, prefix: str) -> tuple[str, str]:
     """A fresh account of ``cluster`` (created by its admin): (username, token)."""
     username = f"{prefix}-{secrets.token_hex(3)}"
-    password = secrets.token_urlsafe(16)
+    password = create_account(deployment, cluster, username)
     with AuthClient(deployment.endpoints(cluster).auth) as auth:
-        admin = auth.login("admin", deployment.cluster_state[cluster].admin_password)
-        auth.create_account(admin.token, username, password)
         return username, auth.login(username, password).token
-
-
-def _admin_token(deployment: LocalDeployment, cluster: str) -> str:
-    with AuthClient(deployment.endpoints(cluster).auth) as auth:
-        return auth.login("admin", deployment.cluster_state[cluster].admin_password).token
 
 
 def _data_audit(deployment: LocalDeployment, cluster: str, **query: Any) -> list[dict[str, Any]]:
     with grpc.insecure_channel(deployment.data_address(cluster)) as channel:
         reply = audit_pb2_grpc.AuditLogStub(channel).Query(
             audit_pb2.AuditQuery(**query),
-            metadata=bearer_metadata(_admin_token(deployment, cluster)),
+            metadata=bearer_metadata(admin_token(deployment, cluster)),
             timeout=10,
         )
     return [json.loads(r) for r in reply.records_json]

@@ -10,57 +10,27 @@ import pytest
 from typer.testing import CliRunner
 
 from nebula_common.cli.app import app
-from nebula_common.pki import init_pki
+from nebula_common.pki import PkiLayout
 from nebula_common.sdk.auth_client import AuthClient
-from services.auth.config import AuthSettings
-from services.switch.config import SwitchSettings
-from tests.unit.test_auth_service import ServerThread
-from tests.unit.test_mtls_suites import SwitchThread
+from tests.support.accounts import ADMIN_PASSWORD, auth_settings
+from tests.support.servers import accepting_switch, running_auth
 
 pytestmark = pytest.mark.timeout(60)
-ADMIN_PASSWORD = "bootstrap-admin-secret"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, pki_ab: PkiLayout) -> Iterator[tuple[str, str, str]]:
     """A running auth + switch of cluster b; yields (switch internal address, admin token, user token)."""
     work = tmp_path_factory.mktemp("audit-cli")
-    b = init_pki(work / "pki", ["a", "b"]).cluster("b")
-    (work / "admin-password").write_text(ADMIN_PASSWORD)
-    auth = ServerThread(
-        AuthSettings(
-            cluster_id="b",
-            data_dir=work / "auth",
-            admin_password_file=work / "admin-password",
-            metrics_port=-1,
-            argon2_time_cost=1,
-            argon2_memory_cost_kib=1024,
-        )
-    )
-    try:
-        switch = SwitchThread(
-            SwitchSettings(
-                cluster_id="b",
-                peer_cluster_id="a",
-                link_role="accept",
-                tls_cert=b.switch_cert,
-                tls_key=b.switch_key,
-                trust_bundle=b.trust_bundle,
-                auth_address=auth.address,
-                data_dir=work / "switch",
-                metrics_port=-1,
-            )
-        )
-        try:
-            with AuthClient(auth.address) as client:
-                admin = client.login("admin", ADMIN_PASSWORD).token
-                client.create_account(admin, "uma-user", "uma-has-a-long-password")
-                user = client.login("uma-user", "uma-has-a-long-password").token
-            yield f"127.0.0.1:{switch.running.internal_port}", admin, user
-        finally:
-            switch.stop()
-    finally:
-        auth.stop()
+    with (
+        running_auth(auth_settings(work, "b")) as auth,
+        accepting_switch(work, pki_ab.cluster("b"), "a", auth.address) as switch,
+        AuthClient(auth.address) as client,
+    ):
+        admin = client.login("admin", ADMIN_PASSWORD).token
+        client.create_account(admin, "uma-user", "uma-has-a-long-password")
+        user = client.login("uma-user", "uma-has-a-long-password").token
+        yield switch.internal_address, admin, user
 
 
 def _query(address: str, token: str, *args: str) -> tuple[int, list[dict[str, object]], str]:

@@ -13,11 +13,10 @@ from nebula_common.audit import SealVerifier, verify_log
 from nebula_common.auth import KeySnapshot, TokenVerifier
 from nebula_common.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError
 from nebula_common.sdk.auth_client import AuthClient
-from services.auth.config import AuthSettings
-from tests.unit.test_auth_service import ServerThread
+from tests.support.accounts import ADMIN_PASSWORD, auth_settings
+from tests.support.servers import AuthServerThread, running_auth
 
 pytestmark = pytest.mark.timeout(60)
-ADMIN_PASSWORD = "bootstrap-admin-secret"
 ALICE_PASSWORD = "alice-has-a-long-password"
 
 
@@ -27,27 +26,16 @@ def data_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def auth(tmp_path: Path, data_dir: Path) -> Iterator[ServerThread]:
-    password_file = tmp_path / "admin-password"
-    password_file.write_text(ADMIN_PASSWORD)
-    settings = AuthSettings(
-        cluster_id="a",
-        data_dir=data_dir,
-        admin_password_file=password_file,
-        metrics_port=-1,
-        argon2_time_cost=1,
-        argon2_memory_cost_kib=1024,
-        max_failed_logins=3,
-        lockout_seconds=2,
-        token_ttl_seconds=600,
+def auth(tmp_path: Path, data_dir: Path) -> Iterator[AuthServerThread]:
+    settings = auth_settings(
+        tmp_path, "a", data_dir=data_dir, max_failed_logins=3, lockout_seconds=2, token_ttl_seconds=600
     )
-    running = ServerThread(settings)
-    yield running
-    running.stop()
+    with running_auth(settings) as running:
+        yield running
 
 
 @pytest.fixture
-def client(auth: ServerThread) -> Iterator[AuthClient]:
+def client(auth: AuthServerThread) -> Iterator[AuthClient]:
     with AuthClient(auth.address) as sdk:
         yield sdk
 
@@ -62,7 +50,7 @@ def _events(data_dir: Path) -> list[tuple[str, str, str]]:
 
 
 def test_account_lifecycle_is_enforced_and_audited(
-    client: AuthClient, auth: ServerThread, data_dir: Path
+    client: AuthClient, auth: AuthServerThread, data_dir: Path
 ) -> None:
     admin = client.login("admin", ADMIN_PASSWORD).token
     client.create_account(admin, "alice", ALICE_PASSWORD)
@@ -146,7 +134,7 @@ def test_repeated_failures_lock_the_account_for_a_while(client: AuthClient, data
 
 
 def test_signing_key_rotation_keeps_old_tokens_and_verifiers_refetch_once(
-    client: AuthClient, auth: ServerThread, data_dir: Path
+    client: AuthClient, auth: AuthServerThread, data_dir: Path
 ) -> None:
     admin = client.login("admin", ADMIN_PASSWORD).token
     fetches: list[float] = []
@@ -184,7 +172,9 @@ def _header(kid: str) -> str:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
-def test_revocations_reach_remote_verifiers_within_seconds(client: AuthClient, auth: ServerThread) -> None:
+def test_revocations_reach_remote_verifiers_within_seconds(
+    client: AuthClient, auth: AuthServerThread
+) -> None:
     """Disable/delete/password change end old tokens at a remote verifier via its background poll."""
     admin = client.login("admin", ADMIN_PASSWORD).token
     client.create_account(admin, "dave-user", ALICE_PASSWORD)

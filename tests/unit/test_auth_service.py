@@ -22,26 +22,13 @@ from pydantic import ValidationError
 from nebula_common.auth import Principal, TokenVerifier
 from nebula_common.errors import AuthenticationError, InvalidRequestError, PermissionDeniedError
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
-from nebula_common.rpc import ServiceServer
 from nebula_common.sdk.auth_client import AccountExistsError, AuthClient
 from nebula_common.service.settings import describe_validation_error
 from services.auth.config import AuthSettings
-from services.auth.server import SERVICE as AUTH_SERVICE
-from tests.support.service_thread import ServiceThread
+from tests.support.accounts import ADMIN_PASSWORD
+from tests.support.servers import AuthServerThread
 
-ADMIN_PASSWORD = "bootstrap-admin-secret"
 USER_PASSWORD = "alice-has-a-long-password"
-
-
-class ServerThread(ServiceThread[ServiceServer]):
-    """An auth server running on a private event loop in a daemon thread."""
-
-    def __init__(self, settings: AuthSettings) -> None:
-        super().__init__(AUTH_SERVICE, settings)
-
-    @property
-    def server(self) -> ServiceServer:
-        return self.handle
 
 
 def _settings(data_dir: Path, password_file: Path | None) -> AuthSettings:
@@ -67,14 +54,14 @@ def data_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def auth(data_dir: Path, password_file: Path) -> Iterator[ServerThread]:
-    running = ServerThread(_settings(data_dir, password_file))
+def auth(data_dir: Path, password_file: Path) -> Iterator[AuthServerThread]:
+    running = AuthServerThread(_settings(data_dir, password_file))
     yield running
     running.stop()
 
 
 @pytest.fixture
-def client(auth: ServerThread) -> Iterator[AuthClient]:
+def client(auth: AuthServerThread) -> Iterator[AuthClient]:
     with AuthClient(auth.address) as sdk:
         yield sdk
 
@@ -97,7 +84,9 @@ def test_admin_login(client: AuthClient) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_admin_creates_user_who_logs_in_and_verifies_locally(auth: ServerThread, client: AuthClient) -> None:
+def test_admin_creates_user_who_logs_in_and_verifies_locally(
+    auth: AuthServerThread, client: AuthClient
+) -> None:
     created = _metric("nebula_auth_accounts_created_total")
     admin_token = client.login("admin", ADMIN_PASSWORD).token
     account = client.create_account(admin_token, "alice", USER_PASSWORD)
@@ -114,7 +103,7 @@ def test_admin_creates_user_who_logs_in_and_verifies_locally(auth: ServerThread,
 
 
 @pytest.mark.timeout(60)
-def test_verifier_refuses_auth_service_of_other_cluster(auth: ServerThread) -> None:
+def test_verifier_refuses_auth_service_of_other_cluster(auth: AuthServerThread) -> None:
     with pytest.raises(AuthenticationError, match="nebula-auth/a"):
         TokenVerifier.from_auth_service(auth.address, "b")
 
@@ -128,7 +117,7 @@ def test_verify_token_reports_reason_instead_of_failing(client: AuthClient) -> N
 
 
 @pytest.mark.timeout(60)
-def test_create_account_without_token_unauthenticated(auth: ServerThread, client: AuthClient) -> None:
+def test_create_account_without_token_unauthenticated(auth: AuthServerThread, client: AuthClient) -> None:
     with pytest.raises(AuthenticationError, match="missing bearer token"):
         client.create_account("", "bob", USER_PASSWORD)
     with pytest.raises(AuthenticationError, match="malformed token"):
@@ -210,7 +199,7 @@ def test_password_stored_as_argon2id_hash(client: AuthClient, data_dir: Path) ->
 
 @pytest.mark.timeout(60)
 def test_restart_keeps_accounts_and_signing_key(data_dir: Path, password_file: Path) -> None:
-    first = ServerThread(_settings(data_dir, password_file))
+    first = AuthServerThread(_settings(data_dir, password_file))
     try:
         with AuthClient(first.address) as sdk:
             admin_token = sdk.login("admin", ADMIN_PASSWORD).token
@@ -220,7 +209,7 @@ def test_restart_keeps_accounts_and_signing_key(data_dir: Path, password_file: P
     finally:
         first.stop()
 
-    second = ServerThread(_settings(data_dir, None))
+    second = AuthServerThread(_settings(data_dir, None))
     try:
         verifier = TokenVerifier.from_auth_service(second.address, "a")
         assert verifier.key_ids == old_keys
@@ -246,7 +235,7 @@ def test_missing_cluster_id_names_the_variable(tmp_path: Path, monkeypatch: pyte
 
 
 @pytest.mark.timeout(60)
-def test_health_serving(auth: ServerThread) -> None:
+def test_health_serving(auth: AuthServerThread) -> None:
     with grpc.insecure_channel(auth.address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="nebula.v1.Auth"), timeout=10
@@ -257,7 +246,7 @@ def test_health_serving(auth: ServerThread) -> None:
 @pytest.mark.timeout(60)
 def test_metrics_endpoint_exports_auth_counters(data_dir: Path, password_file: Path) -> None:
     settings = _settings(data_dir, password_file).model_copy(update={"metrics_port": 0})
-    running = ServerThread(settings)
+    running = AuthServerThread(settings)
     try:
         port = running.server.metrics_port
         assert port is not None

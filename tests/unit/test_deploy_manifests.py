@@ -199,11 +199,14 @@ def test_dockerfile_uses_only_the_local_base_and_pins_torch_first() -> None:
     for image, _ in stages:
         assert image == "python:3.11-slim" or image.lower() in names, f"unexpected base image {image}"
     assert len(stages) >= 2, "expected a multi-stage build"
-    torch = text.index('pip install "torch==${TORCH_VERSION}"')
-    project = text.index('pip install ".[text]"')  # the project, with the built-in jobs' text extra
+    torch = text.index('--index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}"')
+    # The project, with the built-in jobs' text extra, at the locked versions `make install` uses.
+    project = text.index('pip install -c constraints.txt ".[text]"')
     assert torch < project, "torch must be installed (pinned) before the project"
+    assert re.search(r"^COPY constraints\.txt .*\./$", text, flags=re.MULTILINE)
     assert re.search(r"^ARG TORCH_VERSION=\d+\.\d+\.\d+$", text, flags=re.MULTILINE)
     assert re.search(r"^ARG PIP_FIND_LINKS=$", text, flags=re.MULTILINE)
+    assert re.search(r"^ARG TORCH_INDEX_URL=$", text, flags=re.MULTILINE)  # empty: PyPI (CUDA build)
     runtime = text[text.rindex("FROM ") :]
     assert f"USER {RUNTIME_UID}" in runtime
     assert "HEALTHCHECK" in runtime and "healthcheck.py" in runtime
@@ -224,6 +227,7 @@ def test_compose_builds_one_image_and_never_pulls() -> None:
     build = services[builders[0]]["build"]
     assert build["dockerfile"] == "docker/Dockerfile"
     assert build["args"]["PIP_FIND_LINKS"] == "${PIP_FIND_LINKS:-}"
+    assert build["args"]["TORCH_INDEX_URL"] == "${TORCH_INDEX_URL:-}"
     for name, svc in services.items():
         assert svc["image"] == "localhost/nebula:dev", name
         if name not in builders:

@@ -21,13 +21,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from nebula_common.pki import ClusterPaths, Identity, init_pki
-from services.auth.config import AuthSettings
-from services.switch.config import SwitchSettings
-from services.switch.server import SERVICE as SWITCH_SERVICE
-from services.switch.server import RunningSwitch
-from tests.support.service_thread import ServiceThread
-from tests.unit.test_auth_service import ServerThread
+from nebula_common.pki import ClusterPaths, Identity, PkiLayout
+from tests.support.accounts import auth_settings
+from tests.support.servers import accepting_switch, running_auth
 
 pytestmark = [
     pytest.mark.timeout(90),
@@ -52,21 +48,9 @@ class Handshake:
         return self.returncode != 0 and self.cipher in ("(NONE)", "0000", "")
 
 
-class SwitchThread(ServiceThread[RunningSwitch]):
-    """Cluster b's switch on a private event loop in a daemon thread, as its process runs it."""
-
-    def __init__(self, settings: SwitchSettings) -> None:
-        super().__init__(SWITCH_SERVICE, settings)
-
-    @property
-    def running(self) -> RunningSwitch:
-        return self.handle
-
-
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> tuple[ClusterPaths, ClusterPaths]:
-    layout = init_pki(tmp_path_factory.mktemp("pki"), ["a", "b"])
-    return layout.cluster("a"), layout.cluster("b")
+def pki(pki_ab: PkiLayout) -> tuple[ClusterPaths, ClusterPaths]:
+    return pki_ab.cluster("a"), pki_ab.cluster("b")
 
 
 @pytest.fixture(scope="module")
@@ -74,32 +58,11 @@ def wan_port(
     tmp_path_factory: pytest.TempPathFactory, pki: tuple[ClusterPaths, ClusterPaths]
 ) -> Iterator[int]:
     work = tmp_path_factory.mktemp("switch-b")
-    password = work / "admin-password"
-    password.write_text("bootstrap-admin-secret")
-    auth = ServerThread(
-        AuthSettings(cluster_id="b", data_dir=work / "auth", admin_password_file=password, metrics_port=-1)
-    )
-    _, b = pki
-    try:
-        switch = SwitchThread(
-            SwitchSettings(
-                cluster_id="b",
-                peer_cluster_id="a",
-                link_role="accept",
-                tls_cert=b.switch_cert,
-                tls_key=b.switch_key,
-                trust_bundle=b.trust_bundle,
-                auth_address=auth.address,
-                data_dir=work / "switch",
-                metrics_port=-1,
-            )
-        )
-        try:
-            yield switch.running.wan_port
-        finally:
-            switch.stop()
-    finally:
-        auth.stop()
+    with (
+        running_auth(auth_settings(work, "b")) as auth,
+        accepting_switch(work, pki[1], "a", auth.address) as switch,
+    ):
+        yield switch.running.wan_port
 
 
 def s_client(port: int, client: ClusterPaths, *args: str) -> Handshake:
