@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install lock proto check-proto demo test test-unit test-integration lint format clean bench
+.PHONY: install lock proto check-proto demo test test-unit test-integration test-stop lint format clean bench
 
 install: $(STAMP)
 
@@ -69,6 +69,10 @@ test: $(STAMP)
 
 test-unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit $(PYTEST_ARGS)
+
+# SIGTERM at every moment of every service's life, each case 20 times (about 6 minutes on 2 cores).
+test-stop: $(STAMP)
+	NEBULA_STOP_REPEAT=20 $(BIN)/pytest -q tests/integration/test_service_stop.py $(PYTEST_ARGS)
 
 test-integration: $(STAMP)
 	$(BIN)/pytest -q tests/integration $(PYTEST_ARGS)

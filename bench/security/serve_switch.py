@@ -16,8 +16,8 @@ import signal
 from pathlib import Path
 
 from nebula_common.pki import init_pki
-from services.auth.config import AuthSettings
 from nebula_common.service.host import start_service
+from services.auth.config import AuthSettings
 from services.auth.server import SERVICE as AUTH_SERVICE
 from services.switch.config import SwitchSettings
 from services.switch.server import SERVICE as SWITCH_SERVICE

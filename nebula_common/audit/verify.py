@@ -118,6 +118,12 @@ def verify_log(
     prev = GENESIS_PREV
     log_id = ""
     hashes: list[str] = []
+    # Read the seal before the log: a live service appends a record before it seals it, so a seal
+    # read first never covers more than the log read after it (the reverse order races a live log).
+    try:
+        seal_bytes: bytes | None = seal_path.read_bytes()
+    except FileNotFoundError:
+        seal_bytes = None
     try:
         with open(path, "rb") as handle:
             raw_lines = handle.readlines()
@@ -190,7 +196,9 @@ def verify_log(
 
     # The external seal: the only thing that notices records cut off the end of the file.
     try:
-        document = json.loads(seal_path.read_bytes())
+        if seal_bytes is None:
+            raise FileNotFoundError(seal_path)
+        document = json.loads(seal_bytes)
     except FileNotFoundError:
         if require_seal_file:
             return tampered(count + 1, f"seal file {seal_path} is missing, so truncation cannot be ruled out")

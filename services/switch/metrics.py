@@ -29,8 +29,10 @@ FRAMES_RELAYED = Counter("nebula_switch_frames_relayed", "Tensor frames relayed 
 LINK_UP = Gauge("nebula_switch_link_up", "1 while an authenticated link to the peer switch is up.")
 EDGES_OPEN = Gauge("nebula_switch_edges_open", "Local trainer edge streams currently open.")
 AUTH_REFUSALS = Counter(
-    "nebula_switch_refusals", "Calls refused by the switch, by reason.", ["port", "reason"]
+    "nebula_switch_refusals", "WAN link attempts refused by the switch, by layer.", ["port", "reason"]
 )
+for _layer in ("tls", "identity", "handshake", "revoked"):
+    AUTH_REFUSALS.labels("wan", _layer)  # export zeros from the start: dashboards and alerts see the series
 
 
 @dataclass
