@@ -39,9 +39,9 @@ from nebula_common.proto.nebula.v1 import (
 )
 from nebula_common.rpc import bearer_metadata
 from nebula_common.sdk.auth_client import AuthClient
-from nebula_common.sdk.client import ClusterSession, submit_abnet
-from nebula_common.sdk.jobs import AbnetJob
+from nebula_common.sdk.client import ClusterSession, submit_job
 from services.switch.link import fetch_server_certificate
+from tests.support.jobs import numbers_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -298,8 +298,8 @@ def test_job_keeps_running_across_certificate_rotation_of_both_switches(
 ) -> None:
     _wait_for(lambda: _status(sessions["a"]).connected and _status(sessions["b"]).connected, 30, "link up")
     before = {c: _status(s) for c, s in sessions.items()}
-    job = AbnetJob(steps=30, batch_size=32, micro_batches=1)
-    handle = submit_abnet(job, sessions["a"], sessions["b"])
+    job = numbers_job(steps=30, data__batch_size=32, data__micro_batches=1)
+    handle = submit_job(job, sessions)
     rotated: dict[str, x509.Certificate] = {}
     rotated_at_step = -1
     steps_seen: dict[str, list[int]] = {"encoder": [], "decoder": []}
