@@ -1,6 +1,6 @@
 """One stage of a user program on this trainer: the cross-cluster pipeline loop.
 
-backprop mode (ABNet): the upstream stage runs its schedule's forwards and
+backprop mode (the numbers and abnet jobs): the upstream stage runs its schedule's forwards and
 backwards (GPipe or 1F1B), sending activations through an async bounded queue
 and applying gradients in micro-batch order as they return; the downstream
 stage turns each arriving activation into a loss, backpropagates, and sends the
