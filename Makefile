@@ -57,7 +57,7 @@ demo: $(STAMP)
 
 # Codec benchmark on one core: JSON + markdown in bench-results/ (a few minutes; never part of `make test`).
 bench: $(STAMP)
-	$(BIN)/nebula codec bench --out bench-results
+	$(BIN)/python bench/codecs/benchmark.py --out bench-results
 	$(BIN)/python bench/runtime/pipeline_schedules.py --out bench-results/runtime
 	$(BIN)/python bench/runtime/electra_wait.py --out bench-results/runtime
 	$(BIN)/python bench/runtime/abnet_bleu.py --out bench-results/runtime

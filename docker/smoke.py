@@ -6,7 +6,7 @@
 
 1. waits until both switches report the WAN link up (GetLinkStatus) and prints the verified peers;
 2. each cluster's admin creates a user in its own cluster (tokens never cross clusters);
-3. submits the ABNet job (encoder in a, decoder in b) and follows it to the end;
+3. submits the built-in numbers job (the demo's: encoder in a, decoder in b) and follows it to the end;
 4. prints a JSON summary (losses, step times, WAN bytes, Prometheus cross-check) and exits 0 on success.
 
 The ports are the ones docker-compose.yml publishes; override with --host-ports-a/--host-ports-b.
@@ -21,9 +21,11 @@ import secrets
 import sys
 import time
 
+from nebula_common.jobspec import load_spec
+from nebula_common.jobspec.builtin import builtin_spec
 from nebula_common.sdk.auth_client import AuthClient
-from nebula_common.sdk.client import ClusterEndpoints, ClusterSession, submit_abnet
-from nebula_common.sdk.jobs import AbnetJob
+from nebula_common.sdk.client import ClusterEndpoints, ClusterSession, submit_job
+from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.summary import summarize
 
 HOST = "127.0.0.1"
@@ -87,9 +89,14 @@ def main() -> int:
     target = create_user(eps["b"], passwords["b"], f"smoke-b-{suffix}")
     link_wait = wait_link([source, target], args.link_timeout)
 
-    job = AbnetJob(steps=args.steps, codec_forward=args.codec_forward, codec_backward=args.codec_backward)
+    overrides = {
+        "steps": args.steps,
+        "edges.0.codec.forward": args.codec_forward,
+        "edges.0.codec.backward": args.codec_backward,
+    }
+    job = ProgramJob(load_spec(builtin_spec("numbers"), overrides))
     started = time.perf_counter()
-    handle = submit_abnet(job, source, target)
+    handle = submit_job(job, {"a": source, "b": target})
     summary = summarize(
         job,
         handle,

@@ -26,15 +26,15 @@ from typing import Any
 
 from nebula_common.jobspec import load_spec
 from nebula_common.jobspec.builtin import BUILTIN_DIR
-from nebula_common.jobspec.text_data import all_pairs, split_pairs
 from nebula_common.launcher import LocalDeployment
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.summary import JobSummary, summarize
+from nebula_common.zoo.text_data import all_pairs, split_pairs
 
 CODECS = (("none", "none"), ("fp16", "int8"), ("int8", "int8"))
-JOB_DIR = BUILTIN_DIR / "abnet_text"
+JOB_DIR = BUILTIN_DIR / "abnet"
 
 
 def login(deployment: LocalDeployment, cluster: str) -> ClusterSession:

@@ -1,10 +1,13 @@
-"""`nebula codec`: inspect codec specs, ask for advice, and run the codec benchmark."""
+"""`nebula codec`: inspect codec specs and ask for advice.
+
+The codec benchmark is not a command of the installed CLI: it trains a built-in job, so it lives
+with the other benchmarks in the source tree (``make bench``, ``bench/codecs/benchmark.py``).
+"""
 
 from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import torch
 import typer
@@ -16,9 +19,8 @@ from nebula_common.codec.advice import advise, job_advice_request
 from nebula_common.codec.base import dtype_from_name, numel
 from nebula_common.codec.calibration import Calibrator, default_cache_path
 
-app = typer.Typer(help="Codec specs, advice and benchmarks.", no_args_is_help=True)
+app = typer.Typer(help="Codec specs and advice.", no_args_is_help=True)
 console = Console()
-status_console = Console(stderr=True)
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -156,22 +158,3 @@ def _result_json(result: object) -> dict[str, object]:
     from dataclasses import asdict
 
     return asdict(result)  # type: ignore[call-overload]
-
-
-@app.command("bench")
-def bench(
-    json_out: bool = typer.Option(False, "--json", help="Print the JSON result to stdout."),
-    out: Path = typer.Option(Path("bench-results"), help="Directory for codecs.json and codecs.md."),
-    quick: bool = typer.Option(False, help="Fewer repetitions (smoke run; numbers are noisier)."),
-) -> None:
-    """Run the codec benchmark on one core; write JSON + markdown; print the table (or JSON)."""
-    from nebula_common.codec import benchmark
-
-    with status_console.status("benchmarking codecs on one core (a few minutes) ..."):
-        result = benchmark.run(quick=quick)
-    json_path, md_path = benchmark.write(result, out)
-    if json_out:
-        print(json.dumps(result, indent=2))
-    else:
-        console.print(benchmark.to_markdown(result))
-    status_console.print(f"written {json_path} and {md_path}", style="dim")

@@ -25,7 +25,8 @@ from nebula_common.sdk.codec_advice import LinkProfile
 from nebula_common.sdk.jobs import ProgramJob
 
 console = Console()
-SCENARIO_JOBS = {"abnet": "numbers", "electra": "electra"}
+DEMO_JOBS = ("numbers", "electra")
+"""Built-in jobs that run from scratch in a couple of minutes on a laptop (``abnet`` needs its text data)."""
 
 
 def _create_account(deployment: LocalDeployment, cluster: str, username: str) -> ClusterSession:
@@ -44,7 +45,7 @@ def _pipeline(job: ProgramJob) -> str:
 
 
 def demo(
-    scenario: str = typer.Option("abnet", help=f"Which built-in job: {', '.join(SCENARIO_JOBS)}."),
+    job_name: str = typer.Option("numbers", "--job", help=f"Which built-in job: {', '.join(DEMO_JOBS)}."),
     steps: int = typer.Option(None, min=1, help="Optimizer steps (default: the job's, 60)."),
     bandwidth_mbit: float = typer.Option(
         60.0, min=0.001, help="Emulated WAN bandwidth per direction (Mbit/s)."
@@ -58,7 +59,7 @@ def demo(
         None, min=1, help="Micro-batches per step (pipelined across the WAN; default: the job's)."
     ),
     batch_size: int = typer.Option(None, min=1, help="Examples per step (default: the job's, 128)."),
-    schedule: str = typer.Option(None, help="Pipeline schedule across the WAN: gpipe or 1f1b (abnet)."),
+    schedule: str = typer.Option(None, help="Pipeline schedule across the WAN: gpipe or 1f1b (numbers)."),
     replicas: int = typer.Option(
         None, min=1, help="Data-parallel processes of the downstream stage (electra: discriminators, 2)."
     ),
@@ -66,8 +67,8 @@ def demo(
     run_dir: Path = typer.Option(None, help="Where PKI, data and logs go (default runs/demo-<time>)."),
 ) -> None:
     """Run a built-in split job across two simulated clusters and print what crossed the WAN."""
-    if scenario not in SCENARIO_JOBS:
-        raise typer.BadParameter(f"--scenario {scenario!r}: expected one of {', '.join(SCENARIO_JOBS)}")
+    if job_name not in DEMO_JOBS:
+        raise typer.BadParameter(f"--job {job_name!r}: expected one of {', '.join(DEMO_JOBS)}")
     given: dict[str, Any] = {
         "steps": steps,
         "data.micro_batches": micro_batches,
@@ -79,13 +80,13 @@ def demo(
     }
     overrides = {key: value for key, value in given.items() if value is not None}  # else the spec's value
     try:
-        job = ProgramJob(load_spec(builtin_spec(SCENARIO_JOBS[scenario]), overrides))
+        job = ProgramJob(load_spec(builtin_spec(job_name), overrides))
     except (SpecError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from exc
     codecs = job.spec.edge.codec
     run_dir = run_dir or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     console.print(
-        f"[bold]Nebula demo[/] ({scenario}): clusters a and b, WAN {bandwidth_mbit:g} Mbit/s, "
+        f"[bold]Nebula demo[/] ({job_name}): clusters a and b, WAN {bandwidth_mbit:g} Mbit/s, "
         f"{delay_ms:g} ms one-way; codecs forward={codecs.forward} backward={codecs.backward}; "
         f"{_pipeline(job)}; run dir {run_dir}"
     )
@@ -105,7 +106,7 @@ def demo(
             deployment.stop()
     summary.total_seconds = time.perf_counter() - started
     summary.settings.update(
-        scenario=scenario, bandwidth_mbit=bandwidth_mbit, delay_ms=delay_ms, run_dir=str(run_dir)
+        job=job_name, bandwidth_mbit=bandwidth_mbit, delay_ms=delay_ms, run_dir=str(run_dir)
     )
     print_summary(summary)
     if json_path is not None:

@@ -141,7 +141,7 @@ class StageUpdate:
 
 
 class SubmittedJob(Protocol):
-    """What a handle needs of a job: any job model (AbnetJob, ProgramJob) has these."""
+    """What a handle needs of a job (``ProgramJob`` has it): the id both clusters know, its length."""
 
     @property
     def job_id(self) -> str: ...
@@ -192,21 +192,6 @@ class JobHandle:
     def cancel(self) -> None:
         for session in self.stages.values():
             session.cancel(self.job.job_id)
-
-
-def submit_abnet(job: SubmittedJob, source: ClusterSession, target: ClusterSession) -> JobHandle:
-    """Start the encoder stage in ``source`` and the decoder stage in ``target``.
-
-    If the target cluster refuses, the already-started source stage is cancelled
-    so no half-job keeps running on anyone's hardware.
-    """
-    source.assign(job.stage_spec("encoder"))
-    try:
-        target.assign(job.stage_spec("decoder"))
-    except NebulaError:
-        source.cancel(job.job_id)
-        raise
-    return JobHandle(job, {"encoder": source, "decoder": target})
 
 
 def submit_job(

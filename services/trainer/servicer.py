@@ -21,7 +21,6 @@ from nebula_common.auth.interceptor import caller
 from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2, trainer_pb2_grpc
 from services.trainer.metrics import STAGES_RUNNING
-from services.trainer.runner import StageRunner
 from services.trainer.runtime.checkpoint import CheckpointError, CheckpointStore
 from services.trainer.runtime.stage import ProgramRunner
 from services.trainer.status import TERMINAL_STATES
@@ -46,7 +45,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.checkpoints = CheckpointStore(data_dir)
         self.audit = audit
         self.data_service_address = data_service_address
-        self.runners: dict[str, StageRunner] = {}
+        self.runners: dict[str, ProgramRunner] = {}
         self.owners: dict[str, str] = {}
 
     async def _record(self, event: str, **fields: object) -> None:
@@ -59,7 +58,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def _owned_runner(
         self, job_id: str, context: grpc.aio.ServicerContext, action: str
-    ) -> tuple[Principal, StageRunner]:
+    ) -> tuple[Principal, ProgramRunner]:
         principal, _ = await self._authenticate(context, action)
         runner = self.runners.get(job_id)
         # Another account's job is reported as absent, not forbidden: its existence is not ours to reveal.
@@ -82,13 +81,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         account, job_id = principal.username, spec.job_id
         submitted = {
             "stage": spec.stage,
-            "scenario": spec.scenario,
             "codec_forward": spec.codec_forward,
             "codec_backward": spec.codec_backward,
             "codec_choice": spec.codec_choice,
-            "dataset": spec.program.dataset if spec.scenario == "program" else "",
+            "dataset": spec.program.dataset,
         }
-        if spec.scenario == "program" and spec.program.initial_state:
+        if spec.program.initial_state:
             state = spec.program.initial_state
             # A digest, never the weights: the record proves which state started the stage.
             submitted["hot_start"] = {
@@ -118,7 +116,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"job id {job_id!r} is not available on this trainer"
             )
-        resume = spec.program.resume_job_id if spec.scenario == "program" else ""
+        resume = spec.program.resume_job_id
         if resume:
             held = self.checkpoints.steps(account, resume, spec.stage)
             submitted["resume"] = {"job_id": resume, "step": spec.program.resume_step}
@@ -154,12 +152,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         )
         return trainer_pb2.AssignStageResponse(job_id=spec.job_id, authorised_by=principal.username)
 
-    def _make_runner(self, spec: trainer_pb2.StageSpec, token: str, owner: str) -> StageRunner:
-        if spec.scenario == "program":
-            return ProgramRunner(
-                spec, token, self.switch_address, self.checkpoints.root, owner, self.data_service_address
-            )
-        return StageRunner(spec, token, self.switch_address)
+    def _make_runner(self, spec: trainer_pb2.StageSpec, token: str, owner: str) -> ProgramRunner:
+        return ProgramRunner(
+            spec, token, self.switch_address, self.checkpoints.root, owner, self.data_service_address
+        )
 
     async def ListCheckpoints(
         self, request: trainer_pb2.ListCheckpointsRequest, context: grpc.aio.ServicerContext
@@ -177,7 +173,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoints of job {request.job_id!r} here")
         return trainer_pb2.ListCheckpointsResponse(steps=steps)
 
-    def _track_finish(self, runner: StageRunner, account: str) -> None:
+    def _track_finish(self, runner: ProgramRunner, account: str) -> None:
         runner.join()
         STAGES_RUNNING.dec()
         final = runner.board.latest()

@@ -9,13 +9,11 @@ from nebula_common.codec import CodecError
 from nebula_common.codec.stream import canonical_spec
 from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2
+from services.trainer.runtime.program import hot_start_problems
 from services.trainer.runtime.schedule import SCHEDULES
-from services.trainer.runtime.stage import hot_start_problems
 
 _DATASET = re.compile(r"^[a-z0-9][a-z0-9._-]{2,63}/[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-STAGES = ("encoder", "decoder")
-SCENARIOS = ("abnet", "program")
 ROLES = ("upstream", "downstream")
 MODES = ("backprop", "one_way")
 PAYLOADS = ("float", "int64")
@@ -24,16 +22,12 @@ LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
 
 
 def validate_stage_spec(spec: trainer_pb2.StageSpec) -> None:
+    """Raise ``InvalidRequestError`` naming every bad field at once, so a submitter fixes them in one go."""
     problems: list[str] = []
     if not _ID.match(spec.job_id):
         problems.append(f"job_id {spec.job_id!r} must be 1-128 chars of [A-Za-z0-9._-]")
-    if spec.scenario not in SCENARIOS:
-        problems.append(f"scenario {spec.scenario!r} is not supported (supported: {', '.join(SCENARIOS)})")
-    if spec.scenario == "program":
-        if not _ID.match(spec.stage):
-            problems.append(f"stage {spec.stage!r} must be 1-128 chars of [A-Za-z0-9._-]")
-    elif spec.stage not in STAGES:
-        problems.append(f"stage {spec.stage!r} must be one of {', '.join(STAGES)}")
+    if not _ID.match(spec.stage):
+        problems.append(f"stage {spec.stage!r} must be 1-128 chars of [A-Za-z0-9._-]")
     if not spec.edge:
         problems.append("edge is required")
     if not 1 <= spec.steps <= 1_000_000:
@@ -47,15 +41,12 @@ def validate_stage_spec(spec: trainer_pb2.StageSpec) -> None:
                 )
         except CodecError as exc:
             problems.append(f"{name}: {exc}")
-    if spec.scenario == "program":
-        problems += _program_problems(spec.program)
-        problems += hot_start_problems(spec)
-        if spec.program.payload == "int64" and (spec.codec_forward or "none") != "none":
-            problems.append("codec_forward must be none for an int64 payload (a lossy codec changes ids)")
-        if spec.program.mode == "one_way" and (spec.codec_backward or "none") != "none":
-            problems.append("codec_backward must be none on a one_way edge (it carries only the sync tensor)")
-    else:
-        problems += _abnet_problems(spec.abnet)
+    problems += _program_problems(spec.program)
+    problems += hot_start_problems(spec)
+    if spec.program.payload == "int64" and (spec.codec_forward or "none") != "none":
+        problems.append("codec_forward must be none for an int64 payload (a lossy codec changes ids)")
+    if spec.program.mode == "one_way" and (spec.codec_backward or "none") != "none":
+        problems.append("codec_backward must be none on a one_way edge (it carries only the sync tensor)")
     if problems:
         raise InvalidRequestError("invalid stage spec: " + "; ".join(problems))
 
@@ -126,24 +117,4 @@ def _program_problems(cfg: trainer_pb2.ProgramStage) -> list[str]:
             problems.append("program.dataset: a stage that trains on a granted dataset runs on one process")
     if cfg.resume_job_id and not _ID.match(cfg.resume_job_id):
         problems.append(f"program.resume_job_id {cfg.resume_job_id!r} must be 1-128 chars of [A-Za-z0-9._-]")
-    return problems
-
-
-def _abnet_problems(cfg: trainer_pb2.AbnetConfig) -> list[str]:
-    problems: list[str] = []
-    if not 8 <= cfg.d_model <= 4096:
-        problems.append(f"abnet.d_model {cfg.d_model} must be in 8..4096")
-    elif cfg.n_heads < 1 or cfg.d_model % cfg.n_heads:
-        problems.append(f"abnet.n_heads {cfg.n_heads} must be >= 1 and divide d_model {cfg.d_model}")
-    if not 1 <= cfg.n_layers <= 48:
-        problems.append(f"abnet.n_layers {cfg.n_layers} must be in 1..48")
-    if cfg.micro_batches < 1:
-        problems.append("abnet.micro_batches must be >= 1")
-    elif cfg.batch_size < cfg.micro_batches or cfg.batch_size % cfg.micro_batches:
-        problems.append(
-            f"abnet.batch_size {cfg.batch_size} must be a positive multiple of "
-            f"micro_batches {cfg.micro_batches}"
-        )
-    if not 0 < cfg.learning_rate < 1:
-        problems.append(f"abnet.learning_rate {cfg.learning_rate} must be in (0, 1)")
     return problems

@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nebula_common.launcher import LocalDeployment
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc
-from nebula_common.sdk.client import ClusterSession, submit_abnet
-from nebula_common.sdk.jobs import AbnetJob
+from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.summary import summarize
+from tests.support.jobs import numbers_job
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docker" / "monitoring" / "nebula-dashboard.json"
@@ -46,8 +46,8 @@ def test_dashboard_json_is_generated_from_the_panel_list() -> None:
 def test_every_dashboard_metric_is_exported(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession]
 ) -> None:
-    job = AbnetJob(steps=2, batch_size=16)
-    assert summarize(job, submit_abnet(job, sessions["a"], sessions["b"])).succeeded
+    job = numbers_job(steps=2, data__batch_size=16)
+    assert summarize(job, submit_job(job, sessions)).succeeded
     # Provoke a refusal: labelled counters only appear once they have counted something.
     with grpc.insecure_channel(deployment.endpoints("a").switch) as channel, pytest.raises(grpc.RpcError):
         relay_pb2_grpc.RelayStub(channel).GetLinkStatus(relay_pb2.GetLinkStatusRequest(), timeout=5)

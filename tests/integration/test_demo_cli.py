@@ -44,6 +44,7 @@ def test_demo_writes_a_summary_with_wan_bytes_and_verified_peers(tmp_path: Path)
     )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(out.read_text())
+    assert summary["settings"]["job"] == "numbers"  # the default demo job
     assert summary["succeeded"] and summary["steps"] == 6 and len(summary["loss_per_step"]) == 6
     assert summary["final_loss"] < summary["initial_loss"]
     forward, backward = summary["wan"]["forward"], summary["wan"]["backward"]
@@ -72,8 +73,8 @@ def test_demo_rejects_an_unknown_codec_before_starting_anything(tmp_path: Path) 
     assert not (tmp_path / "run").exists()
 
 
-def test_demo_rejects_an_unknown_scenario_before_starting_anything(tmp_path: Path) -> None:
-    result = nebula("demo", "--scenario", "gan", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+def test_demo_rejects_an_unknown_job_before_starting_anything(tmp_path: Path) -> None:
+    result = nebula("demo", "--job", "gan", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert result.returncode == 2
     assert "gan" in result.stdout + result.stderr
     assert not (tmp_path / "run").exists()

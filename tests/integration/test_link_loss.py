@@ -12,10 +12,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nebula_common.launcher import LocalDeployment
 from nebula_common.proto.nebula.v1 import trainer_pb2
-from nebula_common.sdk.client import ClusterSession, submit_abnet
-from nebula_common.sdk.jobs import AbnetJob
+from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.summary import summarize
 from tests.support.accounts import make_user
+from tests.support.jobs import numbers_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -39,8 +39,8 @@ def wait_link(session: ClusterSession, up: bool, timeout: float = 30.0) -> None:
 def test_wan_cut_fails_both_stages_then_the_link_recovers(own_deployment: LocalDeployment) -> None:
     a = make_user(own_deployment, "a", "alice")
     b = make_user(own_deployment, "b", "bob")
-    job = AbnetJob(steps=100_000, batch_size=32)
-    handle = submit_abnet(job, a, b)
+    job = numbers_job(steps=100_000, data__batch_size=32)
+    handle = submit_job(job, {"a": a, "b": b})
     updates = handle.updates()
     for update in updates:  # let it train a few steps first
         if update.status.steps_done >= 3:
@@ -59,8 +59,8 @@ def test_wan_cut_fails_both_stages_then_the_link_recovers(own_deployment: LocalD
     own_deployment.emulator.start()  # same port: the dialer's backoff finds it again
     wait_link(a, up=True)
     wait_link(b, up=True)
-    retry = AbnetJob(steps=3, batch_size=32)
-    summary = summarize(retry, submit_abnet(retry, a, b))
+    retry = numbers_job(steps=3, data__batch_size=32)
+    summary = summarize(retry, submit_job(retry, {"a": a, "b": b}))
     assert summary.succeeded, summary.stage_messages
 
 

@@ -13,7 +13,7 @@ from nebula_common.pki import Identity, channel_credentials, channel_options, cr
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, trainer_pb2
 from nebula_common.rpc import bearer_metadata
 from nebula_common.sdk.client import ClusterSession
-from nebula_common.sdk.jobs import AbnetJob
+from tests.support.jobs import numbers_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -112,7 +112,7 @@ def test_link_status_needs_a_token_of_the_switchs_cluster(
 def test_trainer_runs_nothing_without_a_token_of_its_own_cluster(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession]
 ) -> None:
-    spec = AbnetJob(job_id="foreign-token", steps=1).stage_spec("encoder")
+    spec = numbers_job("foreign-token", steps=1).stage_spec("encoder")
     request = trainer_pb2.AssignStageRequest(spec=spec)
     for metadata in ((), bearer_metadata("garbage"), sessions["b"].metadata):
         with pytest.raises(grpc.RpcError) as refused:
@@ -121,23 +121,23 @@ def test_trainer_runs_nothing_without_a_token_of_its_own_cluster(
 
 
 def test_invalid_stage_spec_is_refused_with_the_field_named(sessions: dict[str, ClusterSession]) -> None:
-    spec = AbnetJob(job_id="bad-spec", steps=1).stage_spec("encoder")
+    spec = numbers_job("bad-spec", steps=1).stage_spec("encoder")
     spec.codec_forward = "zip9"
-    spec.abnet.n_heads = 3
+    spec.program.micro_batches = 3
     with pytest.raises(grpc.RpcError) as refused:
         sessions["a"].trainer.AssignStage(
             trainer_pb2.AssignStageRequest(spec=spec), metadata=sessions["a"].metadata, timeout=10
         )
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "codec_forward" in refused.value.details()
-    assert "n_heads" in refused.value.details()
+    assert "micro_batches 3" in refused.value.details()
 
 
 def test_one_account_cannot_watch_or_cancel_another_accounts_stage(
     new_user: Callable[[str, str], ClusterSession],
     sessions: dict[str, ClusterSession],
 ) -> None:
-    job = AbnetJob(job_id="owned-by-alice", steps=2, batch_size=16)
+    job = numbers_job("owned-by-alice", steps=2, data__batch_size=16)
     sessions["a"].assign(job.stage_spec("encoder"))
     mallory = new_user("a", "mallory")
     for call in (

@@ -39,9 +39,10 @@ from nebula_common.proto.nebula.v1 import (
 )
 from nebula_common.rpc import bearer_metadata
 from nebula_common.sdk.auth_client import AuthClient
-from nebula_common.sdk.client import ClusterSession, submit_abnet
-from nebula_common.sdk.jobs import AbnetJob
+from nebula_common.sdk.client import ClusterSession, submit_job
 from services.switch.link import fetch_server_certificate
+from services.trainer.runtime.stage import READY_STEP
+from tests.support.jobs import numbers_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -298,8 +299,8 @@ def test_job_keeps_running_across_certificate_rotation_of_both_switches(
 ) -> None:
     _wait_for(lambda: _status(sessions["a"]).connected and _status(sessions["b"]).connected, 30, "link up")
     before = {c: _status(s) for c, s in sessions.items()}
-    job = AbnetJob(steps=30, batch_size=32, micro_batches=1)
-    handle = submit_abnet(job, sessions["a"], sessions["b"])
+    job = numbers_job(steps=30, data__batch_size=32, data__micro_batches=1)
+    handle = submit_job(job, sessions)
     rotated: dict[str, x509.Certificate] = {}
     rotated_at_step = -1
     steps_seen: dict[str, list[int]] = {"encoder": [], "decoder": []}
@@ -339,8 +340,12 @@ def test_job_keeps_running_across_certificate_rotation_of_both_switches(
         )
     )
     assert served.serial_number == rotated["b"].serial_number
-    # Every step crossed the WAN exactly once in each direction, as b's switch accounted it.
+    # Every step crossed the WAN exactly once in each direction, as b's switch accounted it; before
+    # step 0, b's decoder sent the one start-barrier tensor saying it was built and ready.
     transfers = _audit(deployment, "b", event="transfer", job_id=job.job_id)
     for direction in ("received", "sent"):
         steps = [r["details"]["step"] for r in transfers if r["details"]["direction"] == direction]
+        if direction == "sent":
+            assert steps.count(READY_STEP) == 1, steps
+            steps.remove(READY_STEP)
         assert sorted(steps) == list(range(job.steps)), (direction, steps)

@@ -1,4 +1,4 @@
-"""The real two-cluster ABNet job: loss falls, and the WAN byte counts agree with the codecs."""
+"""The numbers job across two real clusters: loss falls, and the WAN byte counts agree with the codecs."""
 
 from __future__ import annotations
 
@@ -6,11 +6,14 @@ import pytest
 
 from nebula_common.launcher import LocalDeployment
 from nebula_common.proto.nebula.v1 import relay_pb2
-from nebula_common.sdk.client import ClusterSession, submit_abnet
-from nebula_common.sdk.jobs import AbnetJob
+from nebula_common.sdk.client import ClusterSession, submit_job
+from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.summary import JobSummary, scrape_counter, settled_link_status, summarize
+from tests.support.jobs import numbers_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+# Before step 0 the decoder sends the encoder one float32 (codec none) saying it is built and ready.
+START_BARRIER_BYTES = 4
 
 
 def link_snapshot(sessions: dict[str, ClusterSession]) -> dict[str, relay_pb2.LinkStatus]:
@@ -22,10 +25,10 @@ def sent_delta(before: dict, after: dict, cluster: str, field: str) -> int:
 
 
 def run_job(
-    sessions: dict[str, ClusterSession], job: AbnetJob
+    sessions: dict[str, ClusterSession], job: ProgramJob
 ) -> tuple[JobSummary, dict[str, relay_pb2.LinkStatus], dict[str, relay_pb2.LinkStatus]]:
     before = link_snapshot(sessions)
-    summary = summarize(job, submit_abnet(job, sessions["a"], sessions["b"]))
+    summary = summarize(job, submit_job(job, sessions))
     after = link_snapshot(sessions)
     return summary, before, after
 
@@ -33,7 +36,7 @@ def run_job(
 def test_split_job_trains_and_switches_count_every_byte(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession]
 ) -> None:
-    job = AbnetJob(steps=25, micro_batches=2, batch_size=64)
+    job = numbers_job(steps=25, data__micro_batches=2, data__batch_size=64)
     summary, before, after = run_job(sessions, job)
 
     assert summary.succeeded, summary.stage_messages
@@ -49,7 +52,7 @@ def test_split_job_trains_and_switches_count_every_byte(
     expected_raw = 25 * 2 * 32 * 4 * 128 * 4
     assert sent_delta(before, after, "a", "raw_bytes") == expected_raw
     assert sent_delta(before, after, "a", "payload_bytes") == expected_raw
-    assert sent_delta(before, after, "b", "payload_bytes") == expected_raw
+    assert sent_delta(before, after, "b", "payload_bytes") == expected_raw + START_BARRIER_BYTES
     assert sent_delta(before, after, "a", "frames") == 50
 
     # The Prometheus counters are the same numbers the RPC reports.
@@ -67,9 +70,12 @@ def test_split_job_trains_and_switches_count_every_byte(
 
 
 def test_codecs_shrink_wan_bytes_by_their_ratio(sessions: dict[str, ClusterSession]) -> None:
-    plain, plain_before, plain_after = run_job(sessions, AbnetJob(steps=4, batch_size=64))
+    plain, plain_before, plain_after = run_job(sessions, numbers_job(steps=4, data__batch_size=64))
     packed, packed_before, packed_after = run_job(
-        sessions, AbnetJob(steps=4, batch_size=64, codec_forward="fp16", codec_backward="int8")
+        sessions,
+        numbers_job(
+            steps=4, data__batch_size=64, edges__0__codec__forward="fp16", edges__0__codec__backward="int8"
+        ),
     )
     assert plain.succeeded and packed.succeeded, (plain.stage_messages, packed.stage_messages)
 
@@ -84,4 +90,5 @@ def test_codecs_shrink_wan_bytes_by_their_ratio(sessions: dict[str, ClusterSessi
     # Payload accounting is exact: fp16 is 2 bytes/value, int8 is 1 byte/value plus a 4-byte scale.
     values = 4 * 2 * 32 * 4 * 128
     assert sent_delta(packed_before, packed_after, "a", "payload_bytes") == values * 2
-    assert sent_delta(packed_before, packed_after, "b", "payload_bytes") == values + 8 * 4
+    backward = values + 8 * 4 + START_BARRIER_BYTES
+    assert sent_delta(packed_before, packed_after, "b", "payload_bytes") == backward

@@ -20,7 +20,7 @@ from nebula_common.jobspec.reference import hot_start_states, run_unsplit
 from nebula_common.jobspec.runtime import ProgramError, StageProgram
 from nebula_common.sdk.jobs import MAX_STAGE_SPEC_BYTES, ProgramJob
 from services.trainer.runtime.checkpoint import CheckpointStore
-from services.trainer.runtime.stage import build_program, hot_start_problems, load_starting_state
+from services.trainer.runtime.program import build_program, hot_start_problems, load_starting_state
 
 pytestmark = pytest.mark.timeout(60)
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digit_sum" / "job.yaml"

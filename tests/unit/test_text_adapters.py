@@ -21,7 +21,7 @@ SMALL = {
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    job = load_spec(BUILTIN_DIR / "abnet_text" / "pretrain.yaml", SMALL)
+    job = load_spec(BUILTIN_DIR / "abnet" / "pretrain.yaml", SMALL)
     result = run_unsplit(job)
     assert all(math.isfinite(x) for x in result.losses + result.local_losses)
     return save_state_dicts(result, tmp_path_factory.mktemp("pretrained"))
@@ -29,7 +29,7 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def test_frozen_pretrained_weights_do_not_change_while_adapters_do(pretrained: dict[str, Path]) -> None:
     overrides = {f"stages.{i}.options.pretrained": str(pretrained[s]) for i, s in enumerate(pretrained)}
-    job = load_spec(BUILTIN_DIR / "abnet_text" / "job.yaml", {**SMALL, **overrides})
+    job = load_spec(BUILTIN_DIR / "abnet" / "job.yaml", {**SMALL, **overrides})
     before = {
         stage: {k: v.clone() for k, v in m.model.state_dict().items()}
         for stage, m in zip(("encoder", "decoder"), build_programs(job), strict=True)
@@ -45,7 +45,7 @@ def test_frozen_pretrained_weights_do_not_change_while_adapters_do(pretrained: d
 
 
 def test_greedy_decoding_and_bleu_on_held_out_pairs(pretrained: dict[str, Path]) -> None:
-    job = load_spec(BUILTIN_DIR / "abnet_text" / "job.yaml", SMALL)
+    job = load_spec(BUILTIN_DIR / "abnet" / "job.yaml", SMALL)
     source, target = build_programs(job)
     spanish = source.module.load_eval_examples(source.options)[:8]
     english = target.module.load_eval_examples(target.options)[:8]
@@ -65,4 +65,4 @@ def test_a_checkpoint_of_another_shape_is_refused(pretrained: dict[str, Path]) -
         "stages.0.options.pretrained": str(pretrained["encoder"]),
     }
     with pytest.raises(Exception, match="pretrained checkpoint"):
-        build_programs(load_spec(BUILTIN_DIR / "abnet_text" / "job.yaml", overrides))
+        build_programs(load_spec(BUILTIN_DIR / "abnet" / "job.yaml", overrides))

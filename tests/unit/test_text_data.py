@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from nebula_common.jobspec import text_data
-from nebula_common.jobspec.text_data import BOS, EOS, PAD, Pair, TextDataError
+from nebula_common.zoo import text_data
+from nebula_common.zoo.text_data import BOS, EOS, PAD, Pair, TextDataError
 
 
 def test_pairs_are_real_translations_and_the_split_is_disjoint_and_deterministic() -> None:

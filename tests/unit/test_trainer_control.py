@@ -8,8 +8,10 @@ from collections.abc import Callable
 import pytest
 
 from nebula_common.errors import InvalidRequestError
+from nebula_common.jobspec import load_spec
+from nebula_common.jobspec.builtin import builtin_spec
 from nebula_common.proto.nebula.v1 import trainer_pb2
-from nebula_common.sdk.jobs import AbnetJob
+from nebula_common.sdk.jobs import ProgramJob
 from services.trainer.status import StatusBoard
 from services.trainer.validation import validate_stage_spec
 
@@ -17,7 +19,8 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def good_spec() -> trainer_pb2.StageSpec:
-    return AbnetJob(job_id="job-1", steps=3, codec_forward="fp16").stage_spec("encoder")
+    loaded = load_spec(builtin_spec("numbers"), {"steps": 3, "edges.0.codec.forward": "fp16"})
+    return ProgramJob(loaded, job_id="job-1").stage_spec("encoder")
 
 
 def test_a_good_spec_passes() -> None:
@@ -28,14 +31,14 @@ def test_a_good_spec_passes() -> None:
     ("mutate", "named"),
     [
         (lambda s: setattr(s, "job_id", "bad id!"), "job_id"),
-        (lambda s: setattr(s, "scenario", "gan"), "scenario 'gan'"),
-        (lambda s: setattr(s, "stage", "middle"), "stage 'middle'"),
+        (lambda s: setattr(s, "stage", "mid stage!"), "stage 'mid stage!'"),
+        (lambda s: setattr(s.program, "role", "middle"), "program.role 'middle'"),
+        (lambda s: setattr(s.program, "module_source", "def build(:"), "program.module_source: line 1"),
         (lambda s: setattr(s, "steps", 0), "steps 0"),
         (lambda s: setattr(s, "codec_forward", "zip9"), "codec_forward"),
         (lambda s: setattr(s, "codec_backward", "fp16(0.5)"), "codec_backward"),
-        (lambda s: setattr(s.abnet, "n_heads", 3), "n_heads 3"),
-        (lambda s: setattr(s.abnet, "micro_batches", 3), "micro_batches 3"),
-        (lambda s: setattr(s.abnet, "learning_rate", 2.0), "learning_rate"),
+        (lambda s: setattr(s.program, "micro_batches", 3), "micro_batches 3"),
+        (lambda s: setattr(s.program.optimizer, "learning_rate", 20.0), "learning_rate"),
     ],
 )
 def test_each_bad_field_is_named(mutate: Callable[[trainer_pb2.StageSpec], None], named: str) -> None:
@@ -48,7 +51,7 @@ def test_each_bad_field_is_named(mutate: Callable[[trainer_pb2.StageSpec], None]
 def test_all_problems_are_reported_at_once() -> None:
     spec = good_spec()
     spec.steps = 0
-    spec.stage = "middle"
+    spec.stage = "mid stage!"
     with pytest.raises(InvalidRequestError) as error:
         validate_stage_spec(spec)
     assert "steps" in str(error.value) and "stage" in str(error.value)

@@ -325,7 +325,7 @@ def replica_main(
     """Entry point of ranks 1..n-1 (a spawned process): build the stage, then follow rank 0's commands."""
     from nebula_common.proto.nebula.v1 import trainer_pb2
     from services.trainer.runtime.checkpoint import CheckpointStore
-    from services.trainer.runtime.stage import build_program, load_starting_state
+    from services.trainer.runtime.program import build_program, load_starting_state
 
     torch.set_num_threads(threads)
     spec = trainer_pb2.StageSpec.FromString(spec_bytes)

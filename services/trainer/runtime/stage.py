@@ -1,6 +1,6 @@
 """One stage of a user program on this trainer: the cross-cluster pipeline loop.
 
-backprop mode (ABNet): the upstream stage runs its schedule's forwards and
+backprop mode (the numbers and abnet jobs): the upstream stage runs its schedule's forwards and
 backwards (GPipe or 1F1B), sending activations through an async bounded queue
 and applying gradients in micro-batch order as they return; the downstream
 stage turns each arriving activation into a loss, backpropagates, and sends the
@@ -29,23 +29,18 @@ import torch
 
 from nebula_common.codec import TensorStreamDecoder, TensorStreamEncoder
 from nebula_common.data.batches import GrantedBatchSource
-from nebula_common.jobspec.hot_start import load_stage_state
-from nebula_common.jobspec.runtime import (
-    ExampleSource,
-    OptimSettings,
-    ProgramError,
-    StageProgram,
-    example_ids,
-    load_program,
-)
-from nebula_common.jobspec.spec import MAX_EXACT_ID, required_functions
+from nebula_common.jobspec.runtime import ProgramError, StageProgram, example_ids
+from nebula_common.jobspec.spec import MAX_EXACT_ID
 from nebula_common.proto.nebula.v1 import tensor_pb2, trainer_pb2
 from services.trainer.edge import EdgeClosedError, EdgeConnection
-from services.trainer.runner import StageCancelled, StageRunner
+from services.trainer.metrics import LOSS, STEP_SECONDS, STEPS_TOTAL, WAIT_SECONDS
 from services.trainer.runtime.checkpoint import CheckpointStore
+from services.trainer.runtime.lifecycle import StageLifecycle
 from services.trainer.runtime.parallel import DataParallelGroup
-from services.trainer.runtime.schedule import Op, downstream_ops, upstream_ops
+from services.trainer.runtime.program import build_program, load_starting_state
+from services.trainer.runtime.schedule import downstream_ops, upstream_ops
 from services.trainer.runtime.transfer import AsyncSender
+from services.trainer.status import StatusBoard
 
 FORWARD = tensor_pb2.DIRECTION_FORWARD
 BACKWARD = tensor_pb2.DIRECTION_BACKWARD
@@ -55,71 +50,12 @@ READY_STEP = 2**64 - 1
 START_TIMEOUT_S = 600.0
 
 
-def hot_start_problems(spec: trainer_pb2.StageSpec) -> list[str]:
-    """What is wrong with a stage spec's hot-start fields (empty: nothing), each naming the field.
+class ProgramRunner:
+    """Runs one stage of a user program: the training loop, inside a ``StageLifecycle``.
 
-    Cheap checks only (no unpickling): the state itself is checked against the
-    built model when the stage starts, where a mismatch names the tensor.
+    The lifecycle owns the thread, cancellation and the terminal state; this class only
+    trains, reports each step (status board and Prometheus) and closes its edge cleanly.
     """
-    cfg = spec.program
-    if not cfg.initial_state:
-        return (
-            [f"program.initial_step {cfg.initial_step} needs program.initial_state"]
-            if cfg.initial_step
-            else []
-        )
-    problems = []
-    if cfg.resume_job_id:
-        problems.append("program.initial_state and program.resume_job_id are exclusive (one starting state)")
-    if not 1 <= cfg.initial_step < spec.steps:
-        problems.append(f"program.initial_step {cfg.initial_step} must be in 1..{spec.steps - 1} (steps - 1)")
-    return problems
-
-
-def load_starting_state(
-    spec: trainer_pb2.StageSpec, program: StageProgram, store: CheckpointStore, owner: str
-) -> int:
-    """Load a resume checkpoint or a hot-start state into a freshly built stage; the first step to run."""
-    cfg = spec.program
-    problems = hot_start_problems(spec)
-    if problems:
-        raise ProgramError("; ".join(problems))
-    if cfg.initial_state:
-        load_stage_state(program, cfg.initial_state, spec.stage, int(cfg.initial_step))
-        return int(cfg.initial_step)
-    if cfg.resume_job_id:
-        store.load(cfg.resume_job_id, spec.stage, cfg.resume_step, owner, program)
-        return int(cfg.resume_step)
-    return 0
-
-
-def build_program(spec: trainer_pb2.StageSpec, examples_source: ExampleSource | None = None) -> StageProgram:
-    """Load this stage's module (only this stage's) and build its model, shard and optimizer."""
-    cfg = spec.program
-    required = required_functions(cfg.role, cfg.mode or "backprop")
-    module = load_program(cfg.module_source, cfg.module_name or f"<{spec.stage}>", required)
-    opt = cfg.optimizer
-    return StageProgram(
-        module,
-        json.loads(cfg.options_json or "{}"),
-        seed=cfg.seed,
-        stage_index=cfg.stage_index,
-        num_examples=cfg.num_examples,
-        optim=OptimSettings(
-            name=opt.name,
-            lr=opt.learning_rate,
-            weight_decay=opt.weight_decay,
-            momentum=opt.momentum,
-            schedule=opt.lr_schedule,
-            warmup_steps=opt.warmup_steps,
-        ),
-        total_steps=spec.steps,
-        examples_source=examples_source,
-    )
-
-
-class ProgramRunner(StageRunner):
-    """Runs a ``scenario: program`` stage; reuses the base runner's lifecycle, status and metrics."""
 
     def __init__(
         self,
@@ -130,7 +66,10 @@ class ProgramRunner(StageRunner):
         owner: str,
         data_service_address: str | None = None,
     ) -> None:
-        super().__init__(spec, token, switch_address)
+        self.spec = spec
+        self.token = token
+        self.switch_address = switch_address
+        self.lifecycle = StageLifecycle(spec.job_id, spec.stage, self._run_stage, cleanup=self._reap_replicas)
         self.data_service_address = data_service_address
         self.store = CheckpointStore(data_dir)
         self.owner = owner
@@ -138,6 +77,25 @@ class ProgramRunner(StageRunner):
         self._dp: DataParallelGroup | None = None
         self._one_way = spec.program.mode == "one_way"
         self._int_payload = spec.program.payload == "int64"
+
+    @property
+    def board(self) -> StatusBoard:
+        """The stage's status history, which every WatchStage stream reads."""
+        return self.lifecycle.board
+
+    def start(self) -> None:
+        self.lifecycle.start()
+
+    def cancel(self) -> None:
+        """Stop at once, even while blocked waiting for the other cluster."""
+        self.lifecycle.cancel()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.lifecycle.join(timeout)
+
+    def _reap_replicas(self) -> None:
+        if self._dp is not None:
+            self._dp.abort()  # after a clean stop() this only reaps; otherwise it ends the replicas
 
     def _granted_examples(self) -> GrantedBatchSource | None:
         """The granted dataset this stage trains on, read through its owner's data service."""
@@ -178,113 +136,113 @@ class ProgramRunner(StageRunner):
             },
         )
 
-    def _run(self) -> None:
-        try:
-            self._run_stage()
-        finally:
-            if self._dp is not None:
-                self._dp.abort()  # after a clean stop() this only reaps; otherwise it ends the replicas
-
     def _run_stage(self) -> None:
+        """The stage's body: returns when every step (and the evaluation) is done and the edge closed."""
         spec, cfg = self.spec, self.spec.program
-        edge: EdgeConnection | None = None
-        try:
-            upstream = cfg.role == "upstream"
-            # The edge opens first, so that anything failing below (a bad module, a missing grant, a
-            # checkpoint that will not load) reaches the other cluster as an error close at once,
-            # instead of leaving its stage waiting for tensors that will never come.
-            codec_out = spec.codec_forward if upstream else spec.codec_backward
-            codec_in = spec.codec_backward if upstream else spec.codec_forward
-            self._encoder = TensorStreamEncoder(codec_out or "none")
-            self._decoder = TensorStreamDecoder(codec_in or "none")
-            edge = EdgeConnection(
-                self.switch_address,
-                self.token,
-                spec.job_id,
-                spec.edge,
-                # one_way: the upstream holds up to sync_lag + 1 unread syncs while it keeps sending.
-                receive_queue_tensors=max(2 * cfg.max_in_flight, cfg.sync_lag + 2),
+        upstream = cfg.role == "upstream"
+        # The edge opens first, so that anything failing below (a bad module, a missing grant, a
+        # checkpoint that will not load) reaches the other cluster as an error close at once,
+        # instead of leaving its stage waiting for tensors that will never come.
+        codec_out = spec.codec_forward if upstream else spec.codec_backward
+        codec_in = spec.codec_backward if upstream else spec.codec_forward
+        self._encoder = TensorStreamEncoder(codec_out or "none")
+        self._decoder = TensorStreamDecoder(codec_in or "none")
+        edge = EdgeConnection(
+            self.switch_address,
+            self.token,
+            spec.job_id,
+            spec.edge,
+            # one_way: the upstream holds up to sync_lag + 1 unread syncs while it keeps sending.
+            receive_queue_tensors=max(2 * cfg.max_in_flight, cfg.sync_lag + 2),
+        )
+        self.lifecycle.attach_abort(edge.abort)
+        program = build_program(spec, self._granted_examples())
+        start = load_starting_state(spec, program, self.store, self.owner)
+        if cfg.replicas > 1:
+            self._dp = DataParallelGroup(
+                spec.SerializeToString(),
+                program,
+                replicas=cfg.replicas,
+                micro_batches=cfg.micro_batches,
+                backprop=not self._one_way,
+                data_dir=self.store.root,
+                owner=self.owner,
+                upstream=upstream,
             )
-            self._edge = edge
-            if self._cancelled.is_set():
-                raise StageCancelled
-            program = build_program(spec, self._granted_examples())
-            start = load_starting_state(spec, program, self.store, self.owner)
-            if cfg.replicas > 1:
-                self._dp = DataParallelGroup(
-                    spec.SerializeToString(),
-                    program,
-                    replicas=cfg.replicas,
-                    micro_batches=cfg.micro_batches,
-                    backprop=not self._one_way,
-                    data_dir=self.store.root,
-                    owner=self.owner,
-                    upstream=upstream,
-                )
-            self._start_barrier(edge, upstream)
-            sender = AsyncSender(edge, cfg.max_in_flight)
-            self._sender = sender
-            self.board.update(state=trainer_pb2.STAGE_STATE_RUNNING, steps_done=start)
-            log.info("program stage running", extra={"fields": {"job_id": spec.job_id, "stage": spec.stage}})
-            for step in range(start, spec.steps):
-                if self._cancelled.is_set():
-                    raise StageCancelled
-                started = time.perf_counter()
-                waited_before = edge.stats.wait_seconds + sender.blocked_seconds
-                extra: dict[str, object] = {}
-                loss: float | None = None
-                if upstream and self._one_way:
-                    extra["local_loss"] = self._upstream_one_way_step(program, sender, step)
-                    program.finish_step()
-                    self._await_syncs(edge, start, step)
-                elif upstream:
-                    self._upstream_step(program, edge, sender, step)
-                    if self._dp is not None:
-                        self._dp.finish_step(step)  # the replicas sum their gradients and step together
-                    else:
-                        program.finish_step()
+        self._start_barrier(edge, upstream)
+        sender = AsyncSender(edge, cfg.max_in_flight)
+        self._sender = sender
+        self.board.update(state=trainer_pb2.STAGE_STATE_RUNNING, steps_done=start)
+        log.info("program stage running", extra={"fields": {"job_id": spec.job_id, "stage": spec.stage}})
+        for step in range(start, spec.steps):
+            self.lifecycle.raise_if_cancelled()
+            started = time.perf_counter()
+            waited_before = edge.stats.wait_seconds + sender.blocked_seconds
+            extra: dict[str, object] = {}
+            loss: float | None = None
+            if upstream and self._one_way:
+                extra["local_loss"] = self._upstream_one_way_step(program, sender, step)
+                program.finish_step()
+                self._await_syncs(edge, start, step)
+            elif upstream:
+                self._upstream_step(program, edge, sender, step)
+                if self._dp is not None:
+                    self._dp.finish_step(step)  # the replicas sum their gradients and step together
                 else:
-                    loss = self._downstream_step(program, edge, sender, step)
-                    if self._dp is not None:
-                        self._dp.finish_step(step)  # replicas sync first ...
-                    else:
-                        program.finish_step()
-                    if self._one_way:  # ... then the root syncs with the upstream stage
-                        sync = torch.tensor([float(step + 1), loss])
-                        sender.send(sync, self._encoder, BACKWARD, step, 0, [])
-                elapsed = time.perf_counter() - started
-                waited = edge.stats.wait_seconds + sender.blocked_seconds - waited_before
-                done = step + 1
-                extra["compute_seconds"] = max(elapsed - waited, 0.0)
-                if done == spec.steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
-                    self.store.save(spec.job_id, spec.stage, self.owner, done, program)
-                    extra["checkpoint_step"] = done
-                self._report_step(step, elapsed, waited, loss, edge, **extra)
-            if not self._one_way and callable(getattr(program.module, "load_eval_examples", None)):
-                self._evaluate(program, edge, sender, upstream)
-            sender.flush()
-            sender.stop()
-            if self._dp is not None:
-                self._dp.stop()
-            edge.close("finished")
-            self.board.update(state=trainer_pb2.STAGE_STATE_SUCCEEDED)
-        except StageCancelled:
-            if edge is not None:
-                edge.abort("cancelled")
-            self.board.update(state=trainer_pb2.STAGE_STATE_CANCELLED, message="cancelled")
-        except EdgeClosedError as exc:
-            if self._cancelled.is_set():
-                self.board.update(state=trainer_pb2.STAGE_STATE_CANCELLED, message="cancelled")
-                return
-            log.error("stage failed: %s", exc)
-            if edge is not None:
-                edge.abort(str(exc))
-            self.board.update(state=trainer_pb2.STAGE_STATE_FAILED, message=str(exc))
-        except Exception as exc:
-            log.exception("program stage crashed")
-            if edge is not None:
-                edge.abort(f"{type(exc).__name__}: {exc}")
-            self.board.update(state=trainer_pb2.STAGE_STATE_FAILED, message=f"{type(exc).__name__}: {exc}")
+                    program.finish_step()
+            else:
+                loss = self._downstream_step(program, edge, sender, step)
+                if self._dp is not None:
+                    self._dp.finish_step(step)  # replicas sync first ...
+                else:
+                    program.finish_step()
+                if self._one_way:  # ... then the root syncs with the upstream stage
+                    sync = torch.tensor([float(step + 1), loss])
+                    sender.send(sync, self._encoder, BACKWARD, step, 0, [])
+            elapsed = time.perf_counter() - started
+            waited = edge.stats.wait_seconds + sender.blocked_seconds - waited_before
+            done = step + 1
+            extra["compute_seconds"] = max(elapsed - waited, 0.0)
+            if done == spec.steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
+                self.store.save(spec.job_id, spec.stage, self.owner, done, program)
+                extra["checkpoint_step"] = done
+            self._report_step(step, elapsed, waited, loss, edge, **extra)
+        if not self._one_way and callable(getattr(program.module, "load_eval_examples", None)):
+            self._evaluate(program, edge, sender, upstream)
+        sender.flush()
+        sender.stop()
+        if self._dp is not None:
+            self._dp.stop()
+        edge.close("finished")
+
+    def _report_step(
+        self,
+        step: int,
+        elapsed: float,
+        waited: float,
+        loss: float | None,
+        edge: EdgeConnection,
+        **extra: object,
+    ) -> None:
+        """One step's numbers to the status board (what watchers see) and to Prometheus."""
+        labels = (self.spec.job_id, self.spec.stage)
+        STEP_SECONDS.labels(*labels).observe(elapsed)
+        WAIT_SECONDS.labels(*labels).inc(waited)
+        STEPS_TOTAL.labels(*labels).inc()
+        fields: dict[str, object] = dict(
+            steps_done=step + 1,
+            step_seconds=elapsed,
+            wait_seconds=waited,
+            bytes_sent=edge.stats.bytes_sent,
+            bytes_received=edge.stats.bytes_received,
+            raw_bytes_sent=edge.stats.raw_bytes_sent,
+            raw_bytes_received=edge.stats.raw_bytes_received,
+            **extra,
+        )
+        if loss is not None:
+            LOSS.labels(*labels).set(loss)
+            fields["loss"] = loss
+        self.board.update(**fields)
 
     def _evaluate(
         self, program: StageProgram, edge: EdgeConnection, sender: AsyncSender, upstream: bool
@@ -444,4 +402,4 @@ class ProgramRunner(StageRunner):
         return total
 
 
-__all__ = ["Op", "ProgramRunner", "build_program", "hot_start_problems", "load_starting_state"]
+__all__ = ["ProgramRunner"]

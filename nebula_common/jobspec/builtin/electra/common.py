@@ -12,13 +12,11 @@ import math
 import torch
 from torch import nn
 
-from services.trainer.scenarios.numbers import EOS, MAX_NUMBER, PAD, TARGET_VOCAB, number_to_words
+from nebula_common.zoo.numbers import BOS, EOS, MAX_NUMBER, PAD, TARGET_INDEX, TARGET_VOCAB, number_to_words
 
-BOS = 1
 MASK = len(TARGET_VOCAB)  # one extra id, only ever seen by the generator
 VOCAB = len(TARGET_VOCAB) + 1
 LENGTH = 8  # BOS + up to 6 words + EOS
-_INDEX = {word: i for i, word in enumerate(TARGET_VOCAB)}
 
 
 def corpus() -> list[list[str]]:
@@ -27,7 +25,7 @@ def corpus() -> list[list[str]]:
 
 
 def token_ids(examples: list[list[str]]) -> torch.Tensor:
-    rows = [[BOS, *(_INDEX[w] for w in words), EOS] for words in examples]
+    rows = [[BOS, *(TARGET_INDEX[w] for w in words), EOS] for words in examples]
     return torch.tensor([r + [PAD] * (LENGTH - len(r)) for r in rows], dtype=torch.long)
 
 

@@ -4,8 +4,8 @@ from typing import Any
 
 import torch
 
-from services.trainer.scenarios.abnet import EncoderStage
-from services.trainer.scenarios.numbers import MAX_NUMBER, PAD, SOURCE_LEN, SOURCE_VOCAB
+from nebula_common.zoo.numbers import MAX_NUMBER, PAD, SOURCE_LEN, SOURCE_VOCAB
+from nebula_common.zoo.seq2seq import EncoderStage
 
 
 def build(options: dict[str, Any]) -> torch.nn.Module:

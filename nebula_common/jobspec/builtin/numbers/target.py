@@ -4,18 +4,8 @@ from typing import Any
 
 import torch
 
-from services.trainer.scenarios.abnet import DecoderStage
-from services.trainer.scenarios.numbers import (
-    BOS,
-    EOS,
-    MAX_NUMBER,
-    PAD,
-    TARGET_LEN,
-    TARGET_VOCAB,
-    number_to_words,
-)
-
-_INDEX = {word: i for i, word in enumerate(TARGET_VOCAB)}
+from nebula_common.zoo.numbers import BOS, EOS, MAX_NUMBER, PAD, TARGET_INDEX, TARGET_LEN, number_to_words
+from nebula_common.zoo.seq2seq import DecoderStage
 
 
 def build(options: dict[str, Any]) -> torch.nn.Module:
@@ -27,7 +17,7 @@ def load_examples(options: dict[str, Any]) -> list[list[str]]:
 
 
 def collate(examples: list[list[str]]) -> torch.Tensor:
-    rows = [[BOS, *(_INDEX[w] for w in words), EOS] for words in examples]
+    rows = [[BOS, *(TARGET_INDEX[w] for w in words), EOS] for words in examples]
     return torch.tensor([r + [PAD] * (TARGET_LEN - len(r)) for r in rows], dtype=torch.long)
 
 

@@ -22,47 +22,25 @@ STAGE_STATE_SUCCEEDED: StageState
 STAGE_STATE_FAILED: StageState
 STAGE_STATE_CANCELLED: StageState
 
-class AbnetConfig(_message.Message):
-    __slots__ = ("d_model", "n_heads", "n_layers", "batch_size", "micro_batches", "learning_rate", "seed")
-    D_MODEL_FIELD_NUMBER: _ClassVar[int]
-    N_HEADS_FIELD_NUMBER: _ClassVar[int]
-    N_LAYERS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
-    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
-    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    d_model: int
-    n_heads: int
-    n_layers: int
-    batch_size: int
-    micro_batches: int
-    learning_rate: float
-    seed: int
-    def __init__(self, d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., n_layers: _Optional[int] = ..., batch_size: _Optional[int] = ..., micro_batches: _Optional[int] = ..., learning_rate: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
-
 class StageSpec(_message.Message):
-    __slots__ = ("job_id", "scenario", "stage", "edge", "steps", "codec_forward", "codec_backward", "abnet", "program", "codec_choice")
+    __slots__ = ("job_id", "stage", "edge", "steps", "codec_forward", "codec_backward", "program", "codec_choice")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
-    SCENARIO_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     EDGE_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FORWARD_FIELD_NUMBER: _ClassVar[int]
     CODEC_BACKWARD_FIELD_NUMBER: _ClassVar[int]
-    ABNET_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
     CODEC_CHOICE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    scenario: str
     stage: str
     edge: str
     steps: int
     codec_forward: str
     codec_backward: str
-    abnet: AbnetConfig
     program: ProgramStage
     codec_choice: str
-    def __init__(self, job_id: _Optional[str] = ..., scenario: _Optional[str] = ..., stage: _Optional[str] = ..., edge: _Optional[str] = ..., steps: _Optional[int] = ..., codec_forward: _Optional[str] = ..., codec_backward: _Optional[str] = ..., abnet: _Optional[_Union[AbnetConfig, _Mapping]] = ..., program: _Optional[_Union[ProgramStage, _Mapping]] = ..., codec_choice: _Optional[str] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., stage: _Optional[str] = ..., edge: _Optional[str] = ..., steps: _Optional[int] = ..., codec_forward: _Optional[str] = ..., codec_backward: _Optional[str] = ..., program: _Optional[_Union[ProgramStage, _Mapping]] = ..., codec_choice: _Optional[str] = ...) -> None: ...
 
 class OptimizerConfig(_message.Message):
     __slots__ = ("name", "learning_rate", "weight_decay", "momentum", "lr_schedule", "warmup_steps")

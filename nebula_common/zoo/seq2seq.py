@@ -1,8 +1,8 @@
-"""ABNet-style split seq2seq model: an encoder stage and a decoder stage in different clusters.
+"""A small transformer seq2seq model for the numbers task, cut at the encoder output into two stages.
 
 Only the encoder's output states cross the WAN (forward), and only their
-gradients come back (backward). Each trainer builds just its own stage; the
-two stages share nothing but the configuration and the seed.
+gradients come back (backward). Each cluster builds just its own stage (the
+runtime seeds it); the two stages share nothing but their options.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from services.trainer.scenarios.numbers import PAD, SOURCE_LEN, SOURCE_VOCAB, TARGET_LEN, TARGET_VOCAB
+from nebula_common.zoo.numbers import PAD, SOURCE_LEN, SOURCE_VOCAB, TARGET_LEN, TARGET_VOCAB
 
 
 def _positional(length: int, d_model: int) -> torch.Tensor:
@@ -67,13 +67,3 @@ class DecoderStage(nn.Module):
         return nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1), ignore_index=PAD
         )
-
-
-def build_stage(stage: str, d_model: int, n_heads: int, n_layers: int, seed: int) -> nn.Module:
-    """Build one stage with parameters seeded per stage, so a re-run is bit-identical."""
-    torch.manual_seed(seed + (0 if stage == "encoder" else 1))
-    if stage == "encoder":
-        return EncoderStage(d_model, n_heads, n_layers)
-    if stage == "decoder":
-        return DecoderStage(d_model, n_heads, n_layers)
-    raise ValueError(f"unknown ABNet stage {stage!r}; expected 'encoder' or 'decoder'")

@@ -1,4 +1,4 @@
-"""ABNet (the paper's Scenario II) as small torch modules: pre-trained LMs, adapters, greedy decoding.
+"""ABNet (the paper's Scenario II, the built-in `abnet` job) as torch modules: LMs, adapters, decoding.
 
 The encoder side (cluster S) is a pre-LN transformer pre-trained as a masked LM;
 the decoder side (cluster T) a causal LM. Fine-tuning freezes both and trains only:
@@ -23,7 +23,7 @@ import math
 import torch
 from torch import nn
 
-from nebula_common.jobspec.text_data import BOS, EOS, MASK, PAD
+from nebula_common.zoo.text_data import BOS, EOS, MASK, PAD
 
 
 def _check_dims(d_model: int, n_heads: int) -> None:
@@ -148,7 +148,7 @@ def load_pretrained(model: LanguageModel, path: str | None) -> LanguageModel:
     return model
 
 
-class AbnetEncoder(nn.Module):
+class AdapterTransformerEncoder(nn.Module):
     """Cluster S: the frozen pre-trained encoder with a trainable adapter after each sub-layer."""
 
     def __init__(self, plm: LanguageModel, bottleneck: int) -> None:
@@ -179,7 +179,7 @@ def memory_padding(memory: torch.Tensor) -> torch.Tensor:
     return padding
 
 
-class AbnetDecoder(nn.Module):
+class AdapterTransformerDecoder(nn.Module):
     """Cluster T: the frozen pre-trained causal LM with a trainable cross-attention adapter per block."""
 
     def __init__(self, plm: LanguageModel, n_heads: int, bottleneck: int) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nebula_common.jobspec.adapters import AbnetEncoder, LanguageModel, load_pretrained
-from nebula_common.jobspec.text_data import encode, side, side_tokenizer, split_pairs
+from nebula_common.zoo.adapters import AdapterTransformerEncoder, LanguageModel, load_pretrained
+from nebula_common.zoo.text_data import encode, side, side_tokenizer, split_pairs
 
 
 def build(options: dict[str, Any]) -> nn.Module:
@@ -19,7 +19,7 @@ def build(options: dict[str, Any]) -> nn.Module:
     plm = LanguageModel(
         vocab, options["length"], options["d_model"], options["n_heads"], options["n_layers"], causal=False
     )
-    return AbnetEncoder(load_pretrained(plm, options.get("pretrained")), options["bottleneck"])
+    return AdapterTransformerEncoder(load_pretrained(plm, options.get("pretrained")), options["bottleneck"])
 
 
 def _encoded(options: dict[str, Any], held_out: bool) -> list[list[int]]:

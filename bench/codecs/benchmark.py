@@ -1,4 +1,6 @@
-"""The codec benchmark behind ``make bench`` / ``nebula codec bench``: speed, error, and the issue's targets.
+"""The codec benchmark behind ``make bench``: speed, error, and the issue's targets.
+
+    .venv/bin/python bench/codecs/benchmark.py --out bench-results [--quick] [--json]
 
 Everything runs on one core (``torch.set_num_threads(1)``) so numbers are per-core
 and comparable across machines with different core counts. Sections:
@@ -6,8 +8,8 @@ and comparable across machines with different core counts. Sections:
 * throughput: encode + decode of 1, 4 and 16 MB float32 tensors per codec, in GB/s
   of float32 input (median of several runs, after a warm-up run);
 * error: relative L2 error and ratio per codec on real activations and
-  activation-gradients captured from the reference ABNet job (the trainer's own
-  stages and data, trained briefly so they are not just initialisation noise),
+  activation-gradients captured from the built-in ``numbers`` job (its own stage
+  modules and data, trained briefly so they are not just initialisation noise),
   and on heavy-tailed synthetic data (activations with outlier channels,
   gradients from a Gaussian scale mixture);
 * low rank: ``lowrank(k)``/``powersgd(k)`` vs a full ``torch.linalg.svd`` truncated to
@@ -17,15 +19,19 @@ and comparable across machines with different core counts. Sections:
 * targets: the issue's targets, met or not, with the measured values.
 
 Timing belongs here, never in unit tests: a loaded CI machine would make a timed
-test flaky without telling us anything.
+test flaky without telling us anything. Why a script under ``bench/`` and not a
+module of the codec package: it trains a built-in job, and the codec library
+must not depend on jobs; nothing installed imports it.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +43,10 @@ from nebula_common.codec.advice import BACKWARD, FORWARD, synthetic_sample
 from nebula_common.codec.base import reconstruction_error
 from nebula_common.codec.registry import get_codec
 from nebula_common.codec.transform import TransformCodec
+from nebula_common.jobspec import load_spec
+from nebula_common.jobspec.builtin import builtin_spec
+from nebula_common.jobspec.reference import build_programs
+from nebula_common.jobspec.runtime import example_ids
 
 MB = 1 << 20
 THROUGHPUT_SPECS = [
@@ -121,32 +131,27 @@ def throughput(sizes_mb: tuple[int, ...], specs: list[str], quick: bool) -> list
 
 
 def capture_reference_tensors(steps: int = 25) -> dict[str, torch.Tensor]:
-    """Activations and activation-gradients of the reference ABNet job after ``steps`` local steps.
+    """Activations and activation-gradients of the built-in ``numbers`` job after ``steps`` local steps.
 
-    Runs the trainer's own stages on the trainer's own data in one process (no
-    WAN), exactly the tensors the encoder sends forward and the decoder sends back.
+    Builds that job's own stage modules (the same code the trainers run) in one
+    process, without the WAN, and trains them as one model cut at the edge, so
+    these are exactly the tensors the encoder sends forward and the decoder sends back.
     """
-    from services.trainer.scenarios.abnet import build_stage
-    from services.trainer.scenarios.numbers import SourceShard, TargetShard, example_ids
-
-    d_model, heads, layers, batch, seed = 128, 4, 2, 128, 0
-    encoder = build_stage("encoder", d_model, heads, layers, seed)
-    decoder = build_stage("decoder", d_model, heads, layers, seed)
-    params = list(encoder.parameters()) + list(decoder.parameters())
-    optimizer = torch.optim.Adam(params, lr=1e-3)
-    source, target = SourceShard(), TargetShard()
+    overrides = {"steps": steps, "data.batch_size": 128, "data.micro_batches": 1}
+    loaded = load_spec(builtin_spec("numbers"), overrides)
+    upstream, downstream = build_programs(loaded)
+    spec = loaded.spec
     activation = gradient = torch.empty(0)
     for step in range(steps):
-        ids = example_ids(seed, step, 0, 1, batch)
-        optimizer.zero_grad(set_to_none=True)
-        states = encoder(source.batch(ids))
+        ids = example_ids(spec.seed, spec.data.examples, step, 0, 1, spec.data.batch_size)
+        states = upstream.forward(upstream.batch(ids))
         memory = states.detach().requires_grad_(True)
-        loss = decoder.loss(memory, target.batch(ids))  # type: ignore[operator]
-        loss.backward()
+        downstream.loss(memory, downstream.batch(ids)).backward()
         states.backward(memory.grad)
-        optimizer.step()
+        upstream.finish_step()
+        downstream.finish_step()
         activation, gradient = states.detach().clone(), memory.grad.detach().clone()  # type: ignore[union-attr]
-    return {"abnet activations": activation, "abnet activation-gradients": gradient}
+    return {"numbers activations": activation, "numbers activation-gradients": gradient}
 
 
 def errors(datasets: dict[str, torch.Tensor], specs: list[str]) -> list[dict[str, Any]]:
@@ -345,7 +350,7 @@ def run(quick: bool = False, sizes_mb: tuple[int, ...] = (1, 4, 16)) -> dict[str
     started = time.perf_counter()
     try:
         captured = capture_reference_tensors(8 if quick else 25)
-        activation = captured["abnet activations"]
+        activation = captured["numbers activations"]
         datasets = {
             **captured,
             "heavy-tailed activations (outlier channels) 1024x1024": synthetic_sample((1024, 1024), FORWARD),
@@ -353,7 +358,7 @@ def run(quick: bool = False, sizes_mb: tuple[int, ...] = (1, 4, 16)) -> dict[str
         }
         act_matrix = activation.reshape(-1, activation.shape[-1])
         matrices = {
-            "abnet activations": (act_matrix, [8, 16]),
+            "numbers activations": (act_matrix, [8, 16]),
             "activation-like": (synthetic_sample((4096, 1024), FORWARD, max_elements=None), [64, 128]),
         }
         result: dict[str, Any] = {
@@ -406,7 +411,7 @@ def to_markdown(result: dict[str, Any]) -> str:
         "# Codec benchmark",
         "",
         f"One core; torch {host['torch']}, Python {host['python']}, {host['machine']}. "
-        f"Run time {result['seconds']:.0f} s. Generated by `make bench` (`nebula codec bench`).",
+        f"Run time {result['seconds']:.0f} s. Generated by `make bench` (`bench/codecs/benchmark.py`).",
         "",
         "## Encode + decode throughput (GB/s of float32 input, one core)",
         "",
@@ -484,3 +489,20 @@ def write(result: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
     json_path.write_text(json.dumps(result, indent=2))
     md_path.write_text(to_markdown(result))
     return json_path, md_path
+
+
+def main() -> None:
+    """Run the benchmark and write ``codecs.json`` and ``codecs.md``; print the table (or the JSON)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="directory for the report")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run; noisier)")
+    parser.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
+    args = parser.parse_args()
+    result = run(quick=args.quick)
+    json_path, md_path = write(result, args.out)
+    print(json.dumps(result, indent=2) if args.json else to_markdown(result))
+    print(f"written {json_path} and {md_path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -17,11 +17,11 @@ import torch
 
 from nebula_common.jobspec import load_spec
 from nebula_common.jobspec.builtin import BUILTIN_DIR
-from nebula_common.jobspec.text_data import split_pairs
 from nebula_common.launcher import LocalDeployment
 from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.summary import summarize
+from nebula_common.zoo.text_data import split_pairs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 SMALL = {
@@ -41,13 +41,13 @@ def stage_file(deployment: LocalDeployment, job: ProgramJob, stage: str, name: s
 def test_pretrain_finetune_and_cross_cluster_bleu(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession]
 ) -> None:
-    pretrain = ProgramJob(load_spec(BUILTIN_DIR / "abnet_text" / "pretrain.yaml", SMALL))
+    pretrain = ProgramJob(load_spec(BUILTIN_DIR / "abnet" / "pretrain.yaml", SMALL))
     summary = summarize(pretrain, submit_job(pretrain, sessions))
     assert summary.succeeded, summary.stage_messages
     plm = {s: stage_file(deployment, pretrain, s, "step-3/model.pt") for s in ("encoder", "decoder")}
 
     overrides = {**SMALL, **{f"stages.{i}.options.pretrained": str(plm[s]) for i, s in enumerate(plm)}}
-    job = ProgramJob(load_spec(BUILTIN_DIR / "abnet_text" / "job.yaml", overrides))
+    job = ProgramJob(load_spec(BUILTIN_DIR / "abnet" / "job.yaml", overrides))
     summary = summarize(job, submit_job(job, sessions))
     assert summary.succeeded, summary.stage_messages
     assert all(math.isfinite(x) for x in summary.losses)

@@ -13,9 +13,9 @@ import torch
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 from torch import nn
 
-from nebula_common.jobspec.adapters import AbnetDecoder, LanguageModel, load_pretrained
-from nebula_common.jobspec.text_data import decode as decode_ids
-from nebula_common.jobspec.text_data import encode, side, side_tokenizer, split_pairs
+from nebula_common.zoo.adapters import AdapterTransformerDecoder, LanguageModel, load_pretrained
+from nebula_common.zoo.text_data import decode as decode_ids
+from nebula_common.zoo.text_data import encode, side, side_tokenizer, split_pairs
 
 Example = tuple[str, list[int]]
 
@@ -30,7 +30,7 @@ def build(options: dict[str, Any]) -> nn.Module:
         options["n_layers"],
         causal=True,
     )
-    model = AbnetDecoder(
+    model = AdapterTransformerDecoder(
         load_pretrained(plm, options.get("pretrained")), options["n_heads"], options["bottleneck"]
     )
     model.tokenizer = tokenizer

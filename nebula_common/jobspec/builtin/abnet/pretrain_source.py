@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nebula_common.jobspec.adapters import LanguageModel, mlm_loss
-from nebula_common.jobspec.text_data import encode, side, side_tokenizer, split_pairs
+from nebula_common.zoo.adapters import LanguageModel, mlm_loss
+from nebula_common.zoo.text_data import encode, side, side_tokenizer, split_pairs
 
 
 def build(options: dict[str, Any]) -> nn.Module:

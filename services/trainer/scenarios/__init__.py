@@ -1,1 +1,0 @@
-"""Training scenarios a trainer can run as one stage of a split model."""
