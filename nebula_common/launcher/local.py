@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.errors import NebulaError
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command, wait_healthy
 from nebula_common.pki import init_pki
-from nebula_common.sdk.client import ClusterEndpoints
 
 LOOPBACK = "127.0.0.1"
 
