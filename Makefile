@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install lock proto check-proto demo test test-unit test-integration test-stop lint format clean bench
+.PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-stop lint format clean bench
 
 install: $(STAMP)
 
@@ -52,6 +52,10 @@ proto: $(STAMP)
 check-proto: $(STAMP)
 	$(BIN)/python tools/gen_proto.py --check
 
+# Imports point down only (library -> services -> sdk/cli/launcher) and form no circle.
+check-layers: $(STAMP)
+	$(BIN)/python tools/check_layers.py
+
 demo: $(STAMP)
 	$(BIN)/nebula demo --json runs/demo-summary.json
 
@@ -64,6 +68,7 @@ bench: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python tools/gen_proto.py --check
+	$(BIN)/python tools/check_layers.py
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 

@@ -40,7 +40,7 @@ from types import TracebackType
 from typing import Any
 
 from nebula_common.audit.signing import AuditSigner, canonical_json
-from nebula_common.pki.store import atomic_write
+from nebula_common.durable import atomic_write
 
 __all__ = [
     "FORMAT_VERSION",

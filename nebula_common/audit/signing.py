@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from nebula_common.pki.store import atomic_write
+from nebula_common.durable import atomic_write, create_new
 
 __all__ = [
     "PRIVATE_KEY_NAME",
@@ -68,8 +67,8 @@ class AuditSigner:
     def load_or_create(cls, directory: Path) -> AuditSigner:
         """Load ``<directory>/audit-key.pem`` or create it (0600) with its public twin (0644).
 
-        Creation is idempotent under a race: the private key is linked into place with ``os.link``
-        which fails if another process won, and then the winner's key is loaded.
+        Creation is idempotent under a race: :func:`~nebula_common.durable.create_new` links the
+        private key into place, which fails if another process won, and then the winner's key is loaded.
         """
         directory = Path(directory)
         key_path = directory / PRIVATE_KEY_NAME
@@ -79,14 +78,7 @@ class AuditSigner:
             pem = key.private_bytes(
                 serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
             )
-            staging = directory / f".{PRIVATE_KEY_NAME}.{os.getpid()}.new"
-            atomic_write(staging, pem, mode=0o600)
-            try:
-                os.link(staging, key_path)
-            except FileExistsError:
-                pass
-            finally:
-                staging.unlink(missing_ok=True)
+            create_new(key_path, pem, mode=0o600)  # False: another process won; its key is loaded
         try:
             loaded = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
         except (ValueError, TypeError) as exc:

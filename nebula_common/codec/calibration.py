@@ -27,6 +27,7 @@ import torch
 
 from nebula_common.codec.base import numel
 from nebula_common.codec.registry import get_codec
+from nebula_common.durable import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -266,10 +267,8 @@ class Calibrator:
         if self.cache_path is None:
             return
         try:
-            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.cache_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(calibration.to_json(), indent=1))
-            tmp.replace(self.cache_path)
+            # Unique temp name + atomic replace: concurrent services sharing a cache never tear it.
+            atomic_write(self.cache_path, json.dumps(calibration.to_json(), indent=1).encode(), mode=0o644)
         except OSError as exc:  # a read-only filesystem costs a re-calibration next start, nothing more
             log.warning("could not cache codec calibration at %s: %s", self.cache_path, exc)
 

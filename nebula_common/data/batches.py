@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
+from nebula_common.clients.data import DataClient, DatasetInfo, parse_dataset_ref
 from nebula_common.errors import InvalidRequestError
-from nebula_common.sdk.data_client import DataClient, DatasetInfo, parse_dataset_ref
 
 
 class GrantedBatchSource:

@@ -17,17 +17,17 @@ under mutual TLS. The layout of the run directory:
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nebula_common.clients.endpoints import ClusterEndpoints
+from nebula_common.durable import atomic_write
 from nebula_common.errors import NebulaError
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command, wait_healthy
 from nebula_common.pki import init_pki
-from nebula_common.sdk.client import ClusterEndpoints
 
 LOOPBACK = "127.0.0.1"
 
@@ -43,9 +43,8 @@ def free_port() -> int:
 
 
 def _write_secret(path: Path, value: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(value)
+    """Write a secret file readable by its owner only (0600 even if the file already existed)."""
+    atomic_write(path, value.encode(), mode=0o600)
 
 
 @dataclass

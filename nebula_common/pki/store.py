@@ -15,9 +15,10 @@ Layout under a PKI root::
 A cluster never trusts its own CA on the WAN: only the peer's switch should be able to connect,
 and a cluster-local certificate has no business on the inter-cluster link.
 
-Every write goes to a temporary file in the target directory, is fsynced, then ``os.replace``d
-into place, so a crash leaves either the old or the new file, never a torn one. Key files are
-created with mode 0600 from their first byte, so they are never readable by others, even briefly.
+Every write goes through :func:`nebula_common.durable.atomic_write` (temporary file in the target
+directory, fsynced, then ``os.replace``d into place), so a crash leaves either the old or the new
+file, never a torn one. Key files are created with mode 0600 from their first byte, so they are
+never readable by others, even briefly.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import secrets
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -37,7 +37,10 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from nebula_common.audit import open_service_audit
+from nebula_common.durable import atomic_write
 from nebula_common.pki.ca import DEFAULT_LEAF_VALIDITY, create_ca, issue_certificate
+from nebula_common.pki.crl import build_crl, crl_entries, crl_number
 from nebula_common.pki.identity import Identity, identity_from_certificate, validate_cluster_id
 
 __all__ = [
@@ -45,7 +48,6 @@ __all__ = [
     "PkiError",
     "PkiLayout",
     "add_trust",
-    "atomic_write",
     "init_pki",
     "issue_leaf",
     "load_layout",
@@ -145,44 +147,7 @@ class PkiLayout:
 
 
 # --------------------------------------------------------------------------------------------------
-# Atomic file writes
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Persist a rename: without syncing the directory, the new entry may vanish on power loss."""
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes, *, mode: int) -> None:
-    """Write ``data`` to ``path`` atomically; the temp file is created with ``mode`` (no umask race)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    # O_EXCL: never follow or reuse a pre-existing file (e.g. a planted symlink) at the temp name.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
-    try:
-        try:
-            os.fchmod(fd, mode)  # the umask may have stripped bits from a public file; be exact
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write(path: Path, data: bytes, *, mode: int) -> None:
-    """Public name of the crash-safe writer, for other security state (CRLs, audit seals, keys)."""
-    _atomic_write(path, data, mode=mode)
+# Encoding
 
 
 def _cert_pem(cert: x509.Certificate) -> bytes:
@@ -357,7 +322,7 @@ def _exclusive(root: Path) -> Iterator[None]:
 def _write_bundle(paths: ClusterPaths) -> None:
     """Rebuild trust-bundle.pem from trust/*.crt (sorted, so the output is deterministic)."""
     pem = b"".join(_cert_pem(_read_cert(p)) for p in sorted(paths.trust_dir.glob("*.crt")))
-    _atomic_write(paths.trust_bundle, pem, mode=_CERT_MODE)
+    atomic_write(paths.trust_bundle, pem, mode=_CERT_MODE)
 
 
 def init_pki(
@@ -433,12 +398,12 @@ def _init_locked(root: Path, ids: tuple[str, ...], *, leaf_validity: timedelta, 
         own = paths.trust_dir / f"{cid}.crt"
         if own.exists():
             own.unlink()
-        _atomic_write(paths.ca_key, _key_pem(ca_key), mode=_KEY_MODE)
-        _atomic_write(paths.ca_cert, _cert_pem(ca_cert), mode=_CERT_MODE)
-        _atomic_write(paths.switch_key, _key_pem(leaf_key), mode=_KEY_MODE)
-        _atomic_write(paths.switch_cert, _cert_pem(leaf_cert), mode=_CERT_MODE)
+        atomic_write(paths.ca_key, _key_pem(ca_key), mode=_KEY_MODE)
+        atomic_write(paths.ca_cert, _cert_pem(ca_cert), mode=_CERT_MODE)
+        atomic_write(paths.switch_key, _key_pem(leaf_key), mode=_KEY_MODE)
+        atomic_write(paths.switch_cert, _cert_pem(leaf_cert), mode=_CERT_MODE)
         for peer in _peers(cid, ids):
-            _atomic_write(paths.trust_cert(peer), _cert_pem(material[peer].ca_cert), mode=_CERT_MODE)
+            atomic_write(paths.trust_cert(peer), _cert_pem(material[peer].ca_cert), mode=_CERT_MODE)
         _write_bundle(paths)
 
     loaded = load_layout(root, ids)
@@ -488,7 +453,7 @@ def add_trust(root: Path, cluster_id: str, peer_cluster_id: str, peer_ca_pem: by
         )
     target = paths.trust_cert(peer_cluster_id)
     with _exclusive(Path(root)):
-        _atomic_write(target, _cert_pem(peer_ca), mode=_CERT_MODE)
+        atomic_write(target, _cert_pem(peer_ca), mode=_CERT_MODE)
         _write_bundle(paths)
     return target
 
@@ -499,8 +464,6 @@ def add_trust(root: Path, cluster_id: str, peer_cluster_id: str, peer_ca_pem: by
 
 def _audit_ca(paths: ClusterPaths, event: str, cert: x509.Certificate, *, detail: dict[str, object]) -> None:
     """Record a CA operation in ``<cluster>/audit/audit.log`` (sealed at once: CA operations are rare)."""
-    from nebula_common.audit import open_service_audit  # the audit package imports this module
-
     try:
         identity = identity_from_certificate(cert).uri
     except ValueError:
@@ -528,26 +491,24 @@ def _publish_crl(root: Path, cluster_id: str, pem: bytes) -> list[Path]:
             continue
         trusted = peer_paths.trust_cert(cluster_id)
         if trusted.is_file() and _fingerprint(_read_cert(trusted)) == own_ca:
-            _atomic_write(peer_paths.trust_crl(cluster_id), pem, mode=_CERT_MODE)
+            atomic_write(peer_paths.trust_crl(cluster_id), pem, mode=_CERT_MODE)
             written.append(peer_paths.trust_crl(cluster_id))
     return written
 
 
 def _ensure_crl(layout: PkiLayout, cluster_id: str) -> None:
     """Give a cluster an (empty) CRL if it has none yet, and make sure its peers hold a copy."""
-    from nebula_common.pki.crl import build_crl
-
     paths = layout.cluster(cluster_id)
     if not paths.crl.is_file():
         crl = build_crl(_read_cert(paths.ca_cert), _read_key(paths.ca_key), {}, number=1)
-        _atomic_write(paths.crl, crl.public_bytes(serialization.Encoding.PEM), mode=_CERT_MODE)
+        atomic_write(paths.crl, crl.public_bytes(serialization.Encoding.PEM), mode=_CERT_MODE)
     pem = paths.crl.read_bytes()
     for peer in layout.cluster_ids:
         if peer == cluster_id:
             continue
         copy = layout.cluster(peer).trust_crl(cluster_id)
         if not copy.is_file() or copy.read_bytes() != pem:
-            _atomic_write(copy, pem, mode=_CERT_MODE)
+            atomic_write(copy, pem, mode=_CERT_MODE)
 
 
 def revoke_certificate(root: Path, cluster_id: str, serial: int, *, reason: str = "") -> list[Path]:
@@ -556,8 +517,6 @@ def revoke_certificate(root: Path, cluster_id: str, serial: int, *, reason: str 
     Returns the files written: the cluster's own ``crl.pem`` and each peer's ``trust/<id>.crl.pem``
     (the copy the peer's switch loads within about a second). Revoking twice is harmless.
     """
-    from nebula_common.pki.crl import build_crl, crl_entries, crl_number
-
     if serial <= 0:
         raise PkiError(f"certificate serial must be a positive integer, got {serial}")
     root = Path(root)
@@ -574,18 +533,16 @@ def revoke_certificate(root: Path, cluster_id: str, serial: int, *, reason: str 
             entries, number = crl_entries(existing), crl_number(existing) + 1
         entries.setdefault(serial, datetime.now(UTC))
         pem = build_crl(ca_cert, ca_key, entries, number=number).public_bytes(serialization.Encoding.PEM)
-        _atomic_write(paths.crl, pem, mode=_CERT_MODE)
+        atomic_write(paths.crl, pem, mode=_CERT_MODE)
         written = [paths.crl, *_publish_crl(root, cluster_id, pem)]
-        with contextlib.suppress(OSError):
-            from nebula_common.audit import open_service_audit
-
-            with open_service_audit(
-                paths.audit_dir, service="pki", cluster=cluster_id, seal_every=1
-            ) as audit:
-                audit.append(
-                    "cert.revoke",
-                    details={"serial": f"{serial:x}", "reason": reason, "crl_number": number},
-                )
+        with (
+            contextlib.suppress(OSError),
+            open_service_audit(paths.audit_dir, service="pki", cluster=cluster_id, seal_every=1) as audit,
+        ):
+            audit.append(
+                "cert.revoke",
+                details={"serial": f"{serial:x}", "reason": reason, "crl_number": number},
+            )
     return written
 
 
@@ -602,8 +559,8 @@ def renew_switch_certificate(root: Path, cluster_id: str, *, validity: timedelta
     with _exclusive(root):
         ca_cert, ca_key = _read_cert(paths.ca_cert), _read_key(paths.ca_key)
         cert, key = issue_certificate(ca_cert, ca_key, paths.switch_identity, validity=validity)
-        _atomic_write(paths.switch_key, _key_pem(key), mode=_KEY_MODE)
-        _atomic_write(paths.switch_cert, _cert_pem(cert), mode=_CERT_MODE)
+        atomic_write(paths.switch_key, _key_pem(key), mode=_KEY_MODE)
+        atomic_write(paths.switch_cert, _cert_pem(cert), mode=_CERT_MODE)
         _audit_ca(paths, "cert.renew", cert, detail={"by": "nebula pki renew"})
     return cert
 
@@ -619,7 +576,7 @@ def issue_leaf(
     cert, key = issue_certificate(ca_cert, ca_key, identity, validity=validity)
     out_dir = Path(out_dir)
     cert_path, key_path = out_dir / f"{role}.crt", out_dir / f"{role}.key"
-    _atomic_write(key_path, _key_pem(key), mode=_KEY_MODE)
-    _atomic_write(cert_path, _cert_pem(cert), mode=_CERT_MODE)
+    atomic_write(key_path, _key_pem(key), mode=_KEY_MODE)
+    atomic_write(cert_path, _cert_pem(cert), mode=_CERT_MODE)
     _audit_ca(paths, "cert.issue", cert, detail={"by": "nebula pki issue", "role": role})
     return cert_path, key_path

@@ -10,17 +10,18 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
 
+from nebula_common.clients.auth import AuthClient
+from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.codec import CodecError
 from nebula_common.codec.advice_client import AdviceUnavailableError
 from nebula_common.errors import AuthenticationError, InvalidRequestError, NebulaError, PermissionDeniedError
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from nebula_common.rpc import bearer_metadata, insecure_channel
-from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.codec_advice import LinkProfile, needs_advice, resolve_auto_codecs
 from nebula_common.sdk.jobs import ProgramJob
 
@@ -39,18 +40,6 @@ TERMINAL = {
 def _raise_for(exc: grpc.RpcError, what: str) -> None:
     error = _STATUS_ERRORS.get(exc.code(), NebulaError)
     raise error(f"{what}: {exc.details()}") from exc
-
-
-@dataclass(frozen=True)
-class ClusterEndpoints:
-    """Where one cluster's internal services listen (as seen from the operator's machine)."""
-
-    cluster_id: str
-    auth: str
-    trainer: str
-    switch: str
-    metrics: dict[str, str] = field(default_factory=dict)
-    codec: str = ""
 
 
 class ClusterSession:

@@ -8,11 +8,9 @@ before a restart stay valid and verifiers need not refetch keys.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
 import secrets
 import stat
 import time
@@ -26,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from jwt.algorithms import ECAlgorithm
 
 from nebula_common.auth.verifier import ALGORITHM, AUDIENCE, LEEWAY_SECONDS, TokenVerifier, issuer_for
-from nebula_common.pki.store import atomic_write
+from nebula_common.durable import atomic_write, create_new
 
 logger = logging.getLogger(__name__)
 
@@ -71,31 +69,11 @@ def load_or_create_signing_key(path: Path) -> ec.EllipticCurvePrivateKey:
 
 
 def _create_key_file(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write a fresh P-256 key to ``path`` (0600) unless another process just created one."""
     pem = ec.generate_private_key(ec.SECP256R1()).private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(pem)
-            handle.flush()
-            os.fsync(handle.fileno())
-        with contextlib.suppress(FileExistsError):
-            os.link(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the new directory entry durable so a crash cannot lose a key tokens were signed with."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    create_new(path, pem, mode=0o600)  # False: a racing process won; its key is loaded by the caller
 
 
 class TokenIssuer:

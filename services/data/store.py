@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from nebula_common.durable import atomic_write, fsync_dir
 from nebula_common.errors import InvalidRequestError, NebulaError
-from nebula_common.pki.store import atomic_write
 
 NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 """Dataset and account names as path components: no separators, no leading dot (so never ``..``)."""
@@ -141,7 +141,7 @@ class DatasetStore:
                     if final.exists():
                         raise DatasetExistsError(f"dataset {owner}/{name} already exists") from exc
                     raise
-            _fsync_dir(parent)
+            fsync_dir(parent)
             return info
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -368,7 +368,7 @@ class DatasetStore:
         with self._lock:
             self.require(owner, name)
             os.rename(directory, trash)
-        _fsync_dir(directory.parent)
+        fsync_dir(directory.parent)
         shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -394,11 +394,3 @@ def _unpack_pair(data: bytes) -> tuple[int, int]:
     if len(data) != 16:
         raise NebulaError("dataset index is truncated")
     return int.from_bytes(data[:8], "little"), int.from_bytes(data[8:], "little")
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

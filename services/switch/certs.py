@@ -35,8 +35,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from prometheus_client import Gauge
 
 from nebula_common.audit import AuditLog
+from nebula_common.durable import atomic_write
 from nebula_common.pki import Identity, identity_from_certificate, issue_certificate
-from nebula_common.pki.store import atomic_write
 
 log = logging.getLogger(__name__)
 
