@@ -84,3 +84,12 @@ class AuditServicer(audit_pb2_grpc.AuditLogServicer):
             service=self._service,
             cluster_id=self._cluster_id,
         )
+
+
+AUDIT_SERVICE_NAME = audit_pb2.DESCRIPTOR.services_by_name["AuditLog"].full_name
+"""The name every service that keeps a log serves its ``AuditLog`` API under."""
+
+
+def add_audit_api(server: grpc.aio.Server, audit: AuditLog, service: str, cluster_id: str) -> None:
+    """Serve ``audit`` read-only to this cluster's admins on ``server`` (list AUDIT_SERVICE_NAME too)."""
+    audit_pb2_grpc.add_AuditLogServicer_to_server(AuditServicer(audit, service, cluster_id), server)

@@ -13,13 +13,14 @@ import logging
 
 from argon2 import PasswordHasher
 
-from nebula_common.audit import AuditLog, open_service_audit
-from nebula_common.audit.servicer import AuditServicer
+from nebula_common.audit import AuditLog
+from nebula_common.audit.servicer import AUDIT_SERVICE_NAME, add_audit_api
 from nebula_common.auth.interceptor import TokenAuthInterceptor
 from nebula_common.errors import InvalidRequestError
-from nebula_common.proto.nebula.v1 import audit_pb2_grpc, auth_pb2_grpc
-from nebula_common.rpc import ServiceServer, create_server
+from nebula_common.proto.nebula.v1 import auth_pb2_grpc
+from nebula_common.rpc import ServiceServer
 from nebula_common.service.host import ServiceDefinition, Started, acquire_in_thread
+from nebula_common.service.resources import grpc_server, service_audit, start_internal
 from services.auth import metrics
 from services.auth.config import AuthSettings
 from services.auth.passwords import hash_password, make_hasher, validate_new_account
@@ -30,7 +31,6 @@ from services.auth.tokens import TokenIssuer
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "nebula.v1.Auth"
-AUDIT_SERVICE_NAME = "nebula.v1.AuditLog"
 DB_FILE_NAME = "accounts.db"
 STOP_GRACE_SECONDS = 5.0
 
@@ -100,15 +100,12 @@ async def start_auth(settings: AuthSettings, stack: contextlib.AsyncExitStack) -
         parallelism=settings.argon2_parallelism,
     )
     settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    audit = await acquire_in_thread(
+    audit = await service_audit(
         stack,
-        lambda: open_service_audit(
-            settings.data_dir,
-            service="auth",
-            cluster=settings.cluster_id,
-            seal_interval_s=settings.audit_seal_interval_s,
-        ),
-        AuditLog.close,
+        settings.data_dir,
+        service="auth",
+        cluster=settings.cluster_id,
+        seal_interval_s=settings.audit_seal_interval_s,
     )
     store = await acquire_in_thread(stack, lambda: _open_store(settings), AccountStore.close)
     issuer = await asyncio.to_thread(
@@ -130,15 +127,12 @@ async def start_auth(settings: AuthSettings, stack: contextlib.AsyncExitStack) -
         account_check=servicer.account_check,
         admin_check=servicer.admin_check,
     )
-    server = create_server([SERVICE_NAME, AUDIT_SERVICE_NAME], interceptors=[interceptor])
-    stack.push_async_callback(server.stop, STOP_GRACE_SECONDS)
-    auth_pb2_grpc.add_AuthServicer_to_server(servicer, server.server)
-    audit_pb2_grpc.add_AuditLogServicer_to_server(
-        AuditServicer(audit, "auth", settings.cluster_id), server.server
+    server = grpc_server(
+        stack, [SERVICE_NAME, AUDIT_SERVICE_NAME], grace=STOP_GRACE_SECONDS, interceptors=[interceptor]
     )
-    server.add_insecure_port("grpc", settings.listen)
-    server.start_metrics(settings.metrics_port, settings.listen)
-    await server.start()
+    auth_pb2_grpc.add_AuthServicer_to_server(servicer, server.server)
+    add_audit_api(server.server, audit, "auth", settings.cluster_id)
+    ports = await start_internal(server, settings.listen, settings.metrics_port)
     logger.info(
         "auth service started",
         extra={
@@ -146,13 +140,12 @@ async def start_auth(settings: AuthSettings, stack: contextlib.AsyncExitStack) -
                 "cluster_id": settings.cluster_id,
                 "issuer": issuer.issuer,
                 "kid": issuer.kid,
-                "grpc_port": server.ports["grpc"],
-                "metrics_port": server.metrics_port,
+                **ports,
                 "accounts": store.count(),
             }
         },
     )
-    return Started(server, {"grpc_port": server.ports["grpc"], "metrics_port": server.metrics_port})
+    return Started(server, ports)
 
 
 SERVICE = ServiceDefinition("auth", AuthSettings, start_auth)

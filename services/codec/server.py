@@ -18,9 +18,9 @@ import torch
 from nebula_common.auth.interceptor import TokenAuthInterceptor
 from nebula_common.codec.calibration import Calibrator
 from nebula_common.proto.nebula.v1 import codec_pb2_grpc
-from nebula_common.rpc import ServiceServer, create_server
+from nebula_common.rpc import ServiceServer
 from nebula_common.service.host import ServiceDefinition, Started
-from nebula_common.service.resources import token_verifier
+from nebula_common.service.resources import grpc_server, start_internal, token_verifier
 from services.codec.config import CodecSettings
 from services.codec.servicer import CodecServicer
 
@@ -43,18 +43,17 @@ async def start_codec(settings: CodecSettings, stack: contextlib.AsyncExitStack)
     stack.push_async_callback(asyncio.to_thread, calibrator.close)
     if settings.calibrate_at_start:
         calibrator.start()  # in the background: health reports SERVING at once, Advise waits for it
-    server = create_server([SERVICE_NAME], interceptors=[TokenAuthInterceptor("codec", verifier)])
-    stack.push_async_callback(server.stop, STOP_GRACE_SECONDS)
+    server = grpc_server(
+        stack,
+        [SERVICE_NAME],
+        grace=STOP_GRACE_SECONDS,
+        interceptors=[TokenAuthInterceptor("codec", verifier)],
+    )
     servicer = CodecServicer(calibrator=calibrator, max_tensor_bytes=settings.max_tensor_bytes)
     codec_pb2_grpc.add_CodecServicer_to_server(servicer, server.server)
-    server.add_insecure_port("grpc", settings.listen)
-    server.start_metrics(settings.metrics_port, settings.listen)
-    await server.start()
-    logger.info(
-        "codec service started",
-        extra={"fields": {"cluster_id": settings.cluster_id, "ports": dict(server.ports)}},
-    )
-    return Started(server, {"grpc_port": server.ports["grpc"], "metrics_port": server.metrics_port})
+    ports = await start_internal(server, settings.listen, settings.metrics_port)
+    logger.info("codec service started", extra={"fields": {"cluster_id": settings.cluster_id, **ports}})
+    return Started(server, ports)
 
 
 SERVICE = ServiceDefinition("codec", CodecSettings, start_codec)

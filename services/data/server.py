@@ -10,13 +10,12 @@ import asyncio
 import contextlib
 import logging
 
-from nebula_common.audit import AuditLog, open_service_audit
-from nebula_common.audit.servicer import AuditServicer
+from nebula_common.audit.servicer import AUDIT_SERVICE_NAME, add_audit_api
 from nebula_common.auth.interceptor import TokenAuthInterceptor
-from nebula_common.proto.nebula.v1 import audit_pb2_grpc, data_pb2_grpc
-from nebula_common.rpc import ServiceServer, create_server
-from nebula_common.service.host import ServiceDefinition, Started, acquire_in_thread
-from nebula_common.service.resources import token_verifier
+from nebula_common.proto.nebula.v1 import data_pb2_grpc
+from nebula_common.rpc import ServiceServer
+from nebula_common.service.host import ServiceDefinition, Started
+from nebula_common.service.resources import grpc_server, service_audit, start_internal, token_verifier
 from services.data.config import DataSettings
 from services.data.servicer import DataServicer
 from services.data.store import DatasetStore
@@ -24,7 +23,6 @@ from services.data.store import DatasetStore
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "nebula.v1.Data"
-AUDIT_SERVICE_NAME = "nebula.v1.AuditLog"
 STOP_GRACE_SECONDS = 5.0
 
 
@@ -35,37 +33,29 @@ async def start_data(settings: DataSettings, stack: contextlib.AsyncExitStack) -
     store = await asyncio.to_thread(
         DatasetStore, settings.data_dir, max_dataset_bytes=settings.max_dataset_bytes
     )
-    audit = await acquire_in_thread(
+    audit = await service_audit(
         stack,
-        lambda: open_service_audit(
-            settings.data_dir,
-            service="data",
-            cluster=settings.cluster_id,
-            seal_interval_s=settings.audit_seal_interval_s,
-            # Each ReadBatch is audited; fsync at each seal keeps a batch from waiting on the disk.
-            fsync_each=False,
-        ),
-        AuditLog.close,
+        settings.data_dir,
+        service="data",
+        cluster=settings.cluster_id,
+        seal_interval_s=settings.audit_seal_interval_s,
+        # Each ReadBatch is audited; fsync at each seal keeps a batch from waiting on the disk.
+        fsync_each=False,
     )
-    server = create_server(
-        [SERVICE_NAME, AUDIT_SERVICE_NAME], interceptors=[TokenAuthInterceptor("data", verifier, audit=audit)]
+    server = grpc_server(
+        stack,
+        [SERVICE_NAME, AUDIT_SERVICE_NAME],
+        grace=STOP_GRACE_SECONDS,
+        interceptors=[TokenAuthInterceptor("data", verifier, audit=audit)],
     )
-    stack.push_async_callback(server.stop, STOP_GRACE_SECONDS)
     data_pb2_grpc.add_DataServicer_to_server(
-        DataServicer(store, audit, verifier, max_batch_examples=settings.max_batch_examples), server.server
+        DataServicer(store, audit, max_batch_examples=settings.max_batch_examples), server.server
     )
-    audit_pb2_grpc.add_AuditLogServicer_to_server(
-        AuditServicer(audit, "data", settings.cluster_id), server.server
-    )
-    server.add_insecure_port("grpc", settings.listen)
-    server.start_metrics(settings.metrics_port, settings.listen)
-    await server.start()
+    add_audit_api(server.server, audit, "data", settings.cluster_id)
+    ports = await start_internal(server, settings.listen, settings.metrics_port)
     await asyncio.to_thread(audit.append, "data.start", details={"listen": settings.listen})
-    log.info(
-        "data service started",
-        extra={"fields": {"cluster_id": settings.cluster_id, "grpc_port": server.ports["grpc"]}},
-    )
-    return Started(server, {"grpc_port": server.ports["grpc"], "metrics_port": server.metrics_port})
+    log.info("data service started", extra={"fields": {"cluster_id": settings.cluster_id, **ports}})
+    return Started(server, ports)
 
 
 SERVICE = ServiceDefinition("data", DataSettings, start_data)

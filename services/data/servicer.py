@@ -23,7 +23,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from nebula_common.audit import AuditLog
-from nebula_common.auth import Principal, TokenVerifier
+from nebula_common.auth import Principal
 from nebula_common.auth.interceptor import caller as current_caller
 from nebula_common.errors import AuthenticationError, InvalidRequestError, NebulaError, PermissionDeniedError
 from nebula_common.proto.nebula.v1 import data_pb2, data_pb2_grpc
@@ -83,20 +83,14 @@ class DataServicer(data_pb2_grpc.DataServicer):
         self,
         store: DatasetStore,
         audit: AuditLog,
-        verifier: TokenVerifier,
         *,
         max_batch_examples: int,
     ) -> None:
         self._store = store
         self._audit = audit
-        self._verifier = verifier
         self._max_batch_examples = max_batch_examples
 
     # ------------------------------------------------------------------ plumbing
-    async def _caller(self, context: grpc.aio.ServicerContext, method: str) -> Principal:
-        """The account the token interceptor verified (it refused and audited calls without one)."""
-        return current_caller().principal
-
     async def _record(self, event: str, *, outcome: str = "ok", account: str = "", **details: Any) -> None:
         await asyncio.to_thread(self._audit.append, event, outcome=outcome, account=account, details=details)
 
@@ -163,7 +157,7 @@ class DataServicer(data_pb2_grpc.DataServicer):
         request_iterator: AsyncIterator[data_pb2.UploadDatasetRequest],
         context: grpc.aio.ServicerContext,
     ) -> data_pb2.Dataset:
-        caller = await self._caller(context, "upload")
+        caller = current_caller().principal
         first = await context.read()
         if first is grpc.aio.EOF or first.WhichOneof("body") != "header":
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the first message must be 'header'")
@@ -200,7 +194,7 @@ class DataServicer(data_pb2_grpc.DataServicer):
     async def ImportDataset(
         self, request: data_pb2.ImportDatasetRequest, context: grpc.aio.ServicerContext
     ) -> data_pb2.Dataset:
-        caller = await self._caller(context, "import")
+        caller = current_caller().principal
 
         def create() -> DatasetInfo:
             check_name(request.name, "dataset name")
@@ -219,7 +213,7 @@ class DataServicer(data_pb2_grpc.DataServicer):
     async def ListDatasets(
         self, request: data_pb2.ListDatasetsRequest, context: grpc.aio.ServicerContext
     ) -> data_pb2.ListDatasetsResponse:
-        caller = await self._caller(context, "list")
+        caller = current_caller().principal
 
         def listing() -> tuple[list[DatasetInfo], list[DatasetInfo]]:
             return self._store.list_owned(caller.username), self._store.list_granted_to(caller.username)
@@ -234,7 +228,7 @@ class DataServicer(data_pb2_grpc.DataServicer):
     async def DeleteDataset(
         self, request: data_pb2.DatasetRef, context: grpc.aio.ServicerContext
     ) -> data_pb2.DeleteDatasetResponse:
-        caller = await self._caller(context, "delete")
+        caller = current_caller().principal
 
         def delete() -> None:
             owner, name = self._own(caller.username, request, "delete")
@@ -246,7 +240,7 @@ class DataServicer(data_pb2_grpc.DataServicer):
     async def DownloadDataset(
         self, request: data_pb2.DatasetRef, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[data_pb2.DownloadChunk]:
-        caller = await self._caller(context, "download")
+        caller = current_caller().principal
         owner, name = await self._run(
             context,
             "download",
@@ -265,7 +259,7 @@ class DataServicer(data_pb2_grpc.DataServicer):
     async def Grant(
         self, request: data_pb2.GrantRequest, context: grpc.aio.ServicerContext
     ) -> data_pb2.GrantInfo:
-        caller = await self._caller(context, "grant")
+        caller = current_caller().principal
         target = {"dataset": f"{caller.username}/{request.name}", "grantee": request.grantee}
 
         def grant() -> GrantRecord:
@@ -280,7 +274,7 @@ class DataServicer(data_pb2_grpc.DataServicer):
     async def Revoke(
         self, request: data_pb2.RevokeRequest, context: grpc.aio.ServicerContext
     ) -> data_pb2.RevokeResponse:
-        caller = await self._caller(context, "revoke")
+        caller = current_caller().principal
         target = {"dataset": f"{caller.username}/{request.name}", "grantee": request.grantee}
 
         def revoke() -> bool:
@@ -293,7 +287,7 @@ class DataServicer(data_pb2_grpc.DataServicer):
     async def ListGrants(
         self, request: data_pb2.DatasetRef, context: grpc.aio.ServicerContext
     ) -> data_pb2.ListGrantsResponse:
-        caller = await self._caller(context, "list_grants")
+        caller = current_caller().principal
 
         def listing() -> list[GrantRecord]:
             owner, name = self._own(caller.username, request, "list the grants of")
@@ -313,7 +307,7 @@ class DataServicer(data_pb2_grpc.DataServicer):
     async def ReadBatch(
         self, request: data_pb2.ReadBatchRequest, context: grpc.aio.ServicerContext
     ) -> data_pb2.Batch:
-        caller = await self._caller(context, "read")
+        caller = current_caller().principal
         owner = request.dataset.owner or caller.username
         name = request.dataset.name
         ids = list(request.example_ids)

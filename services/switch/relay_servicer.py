@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from nebula_common.auth import Principal, TokenVerifier
 from nebula_common.auth.interceptor import caller
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, relay_pb2_grpc
 from services.switch.certs import CertificateManager
@@ -31,19 +30,17 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
         cluster_id: str,
         link: PeerLink,
         router: Router,
-        verifier: TokenVerifier,
         certificates: CertificateManager | None = None,
     ) -> None:
         self.cluster_id = cluster_id
         self.link = link
         self.router = router
-        self.verifier = verifier
         self.certificates = certificates
 
     async def OpenEdge(
         self, request_iterator: AsyncIterator[relay_pb2.EdgeMessage], context: grpc.aio.ServicerContext
     ) -> None:
-        principal = await self._authenticate(context)
+        principal = caller().principal  # verified by the token interceptor: this cluster's accounts only
         first = await context.read()
         if first is grpc.aio.EOF or first.WhichOneof("body") != "open":
             await context.abort(
@@ -106,10 +103,6 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             self.router.detach(key)
             EDGES_OPEN.set(self.router.open_routes())
 
-    async def _authenticate(self, context: grpc.aio.ServicerContext) -> Principal:
-        """The account the token interceptor verified: this port is only for this cluster's trainers."""
-        return caller().principal
-
     async def _pump(self, context: grpc.aio.ServicerContext, route: Route) -> None:
         job_id, edge = route.key
         downstream = asyncio.create_task(self._downstream(context, route))
@@ -163,7 +156,6 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
     async def GetLinkStatus(
         self, request: relay_pb2.GetLinkStatusRequest, context: grpc.aio.ServicerContext
     ) -> relay_pb2.LinkStatus:
-        await self._authenticate(context)
         state = self.link.state
         return relay_pb2.LinkStatus(
             cluster_id=self.cluster_id,

@@ -17,14 +17,14 @@ from datetime import timedelta
 
 from cryptography import x509
 
-from nebula_common.audit import AuditLog, open_service_audit
-from nebula_common.audit.servicer import AuditServicer
+from nebula_common.audit import AuditLog
+from nebula_common.audit.servicer import AUDIT_SERVICE_NAME, add_audit_api
 from nebula_common.auth.interceptor import TokenAuthInterceptor
 from nebula_common.pki import Identity, channel_options, server_options
-from nebula_common.proto.nebula.v1 import audit_pb2_grpc, link_pb2_grpc, relay_pb2_grpc
-from nebula_common.rpc import ServiceServer, create_server
-from nebula_common.service.host import ServiceDefinition, Started, acquire_in_thread
-from nebula_common.service.resources import token_verifier
+from nebula_common.proto.nebula.v1 import link_pb2_grpc, relay_pb2_grpc
+from nebula_common.rpc import ServiceServer
+from nebula_common.service.host import ServiceDefinition, Started
+from nebula_common.service.resources import grpc_server, service_audit, token_verifier
 from services.switch.certs import CertificateManager
 from services.switch.config import SwitchSettings
 from services.switch.link import PeerLink, fetch_server_certificate
@@ -90,18 +90,15 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     drain, then the audit log is sealed and the verifier closed.
     """
     verifier = await token_verifier(stack, settings.auth_address, settings.cluster_id)
-    audit = await acquire_in_thread(
+    audit = await service_audit(
         stack,
-        lambda: open_service_audit(
-            settings.data_dir,
-            service="switch",
-            cluster=settings.cluster_id,
-            seal_interval_s=settings.audit_seal_interval_s,
-            # Records reach the kernel at once (a crashed process loses none); fsync happens at each seal
-            # so the relay's event loop never waits on the disk per transfer record.
-            fsync_each=False,
-        ),
-        AuditLog.close,
+        settings.data_dir,
+        service="switch",
+        cluster=settings.cluster_id,
+        seal_interval_s=settings.audit_seal_interval_s,
+        # Records reach the kernel at once (a crashed process loses none); fsync happens at each seal
+        # so the relay's event loop never waits on the disk per transfer record.
+        fsync_each=False,
     )
     revocation = None
     if settings.peer_crl is not None:
@@ -132,20 +129,20 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
             "self_renewal": settings.ca_key is not None,
         },
     )
-    internal = create_server(
-        ["nebula.v1.Relay", "nebula.v1.AuditLog"],
+    internal = grpc_server(
+        stack,
+        ["nebula.v1.Relay", AUDIT_SERVICE_NAME],
+        grace=STOP_GRACE_SECONDS,
         interceptors=[TokenAuthInterceptor("switch", verifier, audit=audit)],
     )
-    stack.push_async_callback(internal.stop, STOP_GRACE_SECONDS)
     relay_pb2_grpc.add_RelayServicer_to_server(
-        RelayServicer(settings.cluster_id, link, router, verifier, certs), internal.server
+        RelayServicer(settings.cluster_id, link, router, certs), internal.server
     )
-    audit_pb2_grpc.add_AuditLogServicer_to_server(
-        AuditServicer(audit, "switch", settings.cluster_id), internal.server
-    )
+    add_audit_api(internal.server, audit, "switch", settings.cluster_id)
     internal.add_insecure_port("internal", settings.internal_listen)
-    wan = create_server(["nebula.v1.SwitchLink"], options=server_options())
-    stack.push_async_callback(wan.stop, STOP_GRACE_SECONDS)
+    # The WAN port has no token interceptor: the peer switch holds no token of this cluster; mTLS and
+    # the certificate's SPIFFE identity authenticate it (services/switch/link.py).
+    wan = grpc_server(stack, ["nebula.v1.SwitchLink"], grace=STOP_GRACE_SECONDS, options=server_options())
     link_pb2_grpc.add_SwitchLinkServicer_to_server(SwitchLinkServicer(link), wan.server)
     wan.add_secure_port("wan", settings.wan_listen, certs.server_credentials())
     await internal.start()

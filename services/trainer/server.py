@@ -14,18 +14,15 @@ import time
 
 import torch
 
-from nebula_common.audit import AuditLog, open_service_audit
-from nebula_common.audit.servicer import AuditServicer
+from nebula_common.audit.servicer import AUDIT_SERVICE_NAME, add_audit_api
 from nebula_common.auth.interceptor import TokenAuthInterceptor
-from nebula_common.proto.nebula.v1 import audit_pb2, audit_pb2_grpc, trainer_pb2_grpc
-from nebula_common.rpc import create_server
-from nebula_common.service.host import ServiceDefinition, Started, acquire_in_thread
-from nebula_common.service.resources import token_verifier
+from nebula_common.proto.nebula.v1 import trainer_pb2_grpc
+from nebula_common.service.host import ServiceDefinition, Started
+from nebula_common.service.resources import grpc_server, service_audit, start_internal, token_verifier
 from services.trainer.config import TrainerSettings
 from services.trainer.servicer import TrainerServicer
 
 log = logging.getLogger(__name__)
-AUDIT_SERVICE_NAME = audit_pb2.DESCRIPTOR.services_by_name["AuditLog"].full_name
 STOP_GRACE_SECONDS = 2.0
 
 
@@ -48,33 +45,24 @@ async def start_trainer(
     data_dir = settings.resolved_data_dir()
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Submits and stage starts/stops are rare: fsync each record so none is lost in a crash.
-    audit = await acquire_in_thread(
-        stack,
-        lambda: open_service_audit(data_dir, service="trainer", cluster=settings.cluster_id),
-        AuditLog.close,
-    )
+    audit = await service_audit(stack, data_dir, service="trainer", cluster=settings.cluster_id)
     servicer = TrainerServicer(
         settings.cluster_id,
-        verifier,
         settings.switch_address,
         data_dir,
         audit,
         data_service_address=settings.data_service_address,
     )
     stack.push_async_callback(asyncio.to_thread, _stop_stages, servicer, settings.stop_grace_s)
-    server = create_server(
+    server = grpc_server(
+        stack,
         ["nebula.v1.Trainer", AUDIT_SERVICE_NAME],
+        grace=STOP_GRACE_SECONDS,
         interceptors=[TokenAuthInterceptor("trainer", verifier, audit=audit)],
     )
-    stack.push_async_callback(server.stop, STOP_GRACE_SECONDS)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server.server)
-    audit_pb2_grpc.add_AuditLogServicer_to_server(
-        AuditServicer(audit, "trainer", settings.cluster_id), server.server
-    )
-    server.add_insecure_port("grpc", settings.listen)
-    server.start_metrics(settings.metrics_port, settings.listen)
-    await server.start()
-    return Started(servicer, {"grpc_port": server.ports["grpc"], "metrics_port": server.metrics_port})
+    add_audit_api(server.server, audit, "trainer", settings.cluster_id)
+    return Started(servicer, await start_internal(server, settings.listen, settings.metrics_port))
 
 
 SERVICE = ServiceDefinition("trainer", TrainerSettings, start_trainer)

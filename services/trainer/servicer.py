@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from nebula_common.audit import AuditLog
-from nebula_common.auth import Principal, TokenVerifier
+from nebula_common.auth import Principal
 from nebula_common.auth.interceptor import caller
 from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2, trainer_pb2_grpc
@@ -33,14 +33,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(
         self,
         cluster_id: str,
-        verifier: TokenVerifier,
         switch_address: str,
         data_dir: Path,
         audit: AuditLog,
         data_service_address: str | None = None,
     ) -> None:
         self.cluster_id = cluster_id
-        self.verifier = verifier
         self.switch_address = switch_address
         self.checkpoints = CheckpointStore(data_dir)
         self.audit = audit
@@ -51,7 +49,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def _record(self, event: str, **fields: object) -> None:
         await asyncio.to_thread(self.audit.append, event, **fields)  # type: ignore[arg-type]
 
-    async def _authenticate(self, context: grpc.aio.ServicerContext, action: str) -> tuple[Principal, str]:
+    @staticmethod
+    def _authenticate() -> tuple[Principal, str]:
         """The caller the token interceptor verified, and their token (stages act on their behalf)."""
         current = caller()
         return current.principal, current.token
@@ -59,7 +58,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def _owned_runner(
         self, job_id: str, context: grpc.aio.ServicerContext, action: str
     ) -> tuple[Principal, ProgramRunner]:
-        principal, _ = await self._authenticate(context, action)
+        principal, _ = self._authenticate()
         runner = self.runners.get(job_id)
         # Another account's job is reported as absent, not forbidden: its existence is not ours to reveal.
         if runner is None or (self.owners[job_id] != principal.username and principal.role != "admin"):
@@ -76,7 +75,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def AssignStage(
         self, request: trainer_pb2.AssignStageRequest, context: grpc.aio.ServicerContext
     ) -> trainer_pb2.AssignStageResponse:
-        principal, token = await self._authenticate(context, "job.submit")
+        principal, token = self._authenticate()
         spec = request.spec
         account, job_id = principal.username, spec.job_id
         submitted = {
@@ -160,7 +159,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def ListCheckpoints(
         self, request: trainer_pb2.ListCheckpointsRequest, context: grpc.aio.ServicerContext
     ) -> trainer_pb2.ListCheckpointsResponse:
-        principal, _ = await self._authenticate(context, "checkpoint.list")
+        principal, _ = self._authenticate()
         # Only the caller's own namespace is ever looked at: another account's checkpoints do not exist here.
         try:
             steps = self.checkpoints.steps(principal.username, request.job_id, request.stage)

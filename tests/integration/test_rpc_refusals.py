@@ -8,7 +8,9 @@ methods and gRPC health/reflection may answer without a token.
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -17,16 +19,17 @@ from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.descriptor import MethodDescriptor
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-import nebula_common.proto.nebula.v1 as _protos  # noqa: F401  (registers nothing by itself)
 from nebula_common.auth.policy import PUBLIC_METHODS, is_public
 from nebula_common.launcher import LocalDeployment
-from nebula_common.proto.nebula.v1 import (  # noqa: F401  (register the descriptors)
+from nebula_common.proto.nebula.v1 import (  # noqa: F401  (importing registers the descriptors)
     audit_pb2,
+    audit_pb2_grpc,
     auth_pb2,
     codec_pb2,
     data_pb2,
     relay_pb2,
     trainer_pb2,
+    trainer_pb2_grpc,
 )
 from nebula_common.rpc import bearer_metadata
 from nebula_common.sdk.auth_client import AuthClient
@@ -144,3 +147,35 @@ def test_a_valid_token_gets_past_the_check_on_every_port(deployment: LocalDeploy
         method = pool.FindMethodByName(read_only[port])
         with grpc.insecure_channel(address) as channel:
             _call(channel, method, bearer_metadata(token))
+
+
+def test_refusals_are_audited_and_counted(deployment: LocalDeployment) -> None:
+    """Each refusal leaves an ``auth.refused`` record (method, reason, peer) and a metric sample."""
+    address = _ports(deployment)["trainer"]
+    since = time.time() - 1
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            trainer_pb2_grpc.TrainerStub(channel).ListCheckpoints(
+                trainer_pb2.ListCheckpointsRequest(job_id="x"),
+                metadata=bearer_metadata("garbage"),
+                timeout=10,
+            )
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with AuthClient(deployment.endpoints("a").auth) as client:
+            admin = client.login("admin", deployment.cluster_state["a"].admin_password).token
+        reply = audit_pb2_grpc.AuditLogStub(channel).Query(
+            audit_pb2.AuditQuery(event="auth.refused", since_unix=int(since)),
+            metadata=bearer_metadata(admin),
+            timeout=10,
+        )
+    details = [json.loads(record)["details"] for record in reply.records_json]
+    assert any(
+        d["method"] == "/nebula.v1.Trainer/ListCheckpoints"
+        and d["reason"].startswith("invalid token")
+        and d["peer"]
+        for d in details
+    ), details
+    metrics_url = deployment.endpoints("a").metrics["trainer-a"]
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        body = response.read().decode()
+    assert 'nebula_rpc_refusals_total{method="ListCheckpoints",reason="bad-token",service="trainer"}' in body

@@ -105,3 +105,16 @@ def test_default_candidates_only_offer_low_rank_where_it_pays() -> None:
     assert not any("lowrank" in spec for spec in default_candidates((16, 8), "forward"))
     assert any("topk" in spec for spec in default_candidates((16, 8), "backward"))
     assert synthetic_sample((10_000, 1000), "forward").numel() <= 1 << 20
+
+
+def test_closing_a_calibration_in_progress_stops_its_thread_and_wakes_waiters() -> None:
+    """A stopping codec service must not exit while calibration runs torch on its thread."""
+    calibrator = Calibrator(None)
+    calibrator.start()
+    calibrator.close(timeout=60)
+    thread = calibrator._thread
+    assert thread is not None and not thread.is_alive()
+    with pytest.raises(RuntimeError, match=r"codec calibration failed: .*stop"):
+        calibrator.get(timeout=1)
+    calibrator.start()  # a late Advise after close does not restart the work
+    assert calibrator._thread is thread
