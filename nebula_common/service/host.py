@@ -116,7 +116,7 @@ async def acquire_in_thread(
 
 
 async def serve(
-    definition: ServiceDefinition[S, H], settings: S, *, stop_requested: bool = False
+    definition: ServiceDefinition[S, H], settings: S, *, early_signals: list[int] | None = None
 ) -> RunningService[H] | None:
     """Start, announce, run until SIGINT/SIGTERM, then stop.
 
@@ -126,7 +126,7 @@ async def serve(
     stopping = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stopping.set)
-    if stop_requested:
+    if early_signals:  # caught by run_service_main's handler before the loop's replaced it
         stopping.set()
     log.info("starting", extra={"fields": {"service": definition.name, "cluster_id": settings.cluster_id}})
     starting = asyncio.create_task(start_service(definition, settings), name=f"start-{definition.name}")
@@ -199,7 +199,7 @@ def _run(name: str, definition_ref: str, signals: list[int]) -> int:
         log.info("stop requested before start-up")
         return EXIT_OK
     try:
-        asyncio.run(serve(definition, settings, stop_requested=bool(signals)))
+        asyncio.run(serve(definition, settings, early_signals=signals))
     except (OSError, RuntimeError, ValueError, TimeoutError, NebulaError) as exc:
         # Expected failures (a port taken, auth unreachable, a bad certificate): one clear line.
         log.error("%s service failed: %s", name, exc, extra={"fields": {"error": str(exc)}})
