@@ -305,6 +305,11 @@ class PeerLink:
                     close=relay_pb2.EdgeClose(reason=close.reason, error=close.error)
                 )
                 await self.router.deliver((close.job_id, close.edge), edge_message)
+            elif kind == "routed":
+                routed_item = message.routed
+                if routed_item.item.WhichOneof("body") not in ("frame", "signal", "ack", "close"):
+                    raise HandshakeError("peer routed an item that may not cross the link")
+                await self.router.deliver((routed_item.job_id, routed_item.edge), routed_item.item)
             else:
                 raise HandshakeError(f"unexpected {kind!r} message after the handshake")
 

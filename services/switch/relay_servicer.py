@@ -135,6 +135,12 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                         )
                     )
                     break
+                elif kind in ("signal", "ack"):
+                    await self.link.send(
+                        link_pb2.LinkMessage(
+                            routed=link_pb2.RoutedItem(job_id=job_id, edge=edge, item=message)
+                        )
+                    )
                 else:
                     await context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind!r} on an open edge"

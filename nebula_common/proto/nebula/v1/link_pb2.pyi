@@ -1,3 +1,4 @@
+from nebula_common.proto.nebula.v1 import relay_pb2 as _relay_pb2
 from nebula_common.proto.nebula.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -38,12 +39,24 @@ class RouteClose(_message.Message):
     error: bool
     def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., reason: _Optional[str] = ..., error: _Optional[bool] = ...) -> None: ...
 
+class RoutedItem(_message.Message):
+    __slots__ = ("job_id", "edge", "item")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EDGE_FIELD_NUMBER: _ClassVar[int]
+    ITEM_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    edge: str
+    item: _relay_pb2.EdgeMessage
+    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., item: _Optional[_Union[_relay_pb2.EdgeMessage, _Mapping]] = ...) -> None: ...
+
 class LinkMessage(_message.Message):
-    __slots__ = ("hello", "frame", "close")
+    __slots__ = ("hello", "frame", "close", "routed")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_FIELD_NUMBER: _ClassVar[int]
     hello: Handshake
     frame: RoutedFrame
     close: RouteClose
-    def __init__(self, hello: _Optional[_Union[Handshake, _Mapping]] = ..., frame: _Optional[_Union[RoutedFrame, _Mapping]] = ..., close: _Optional[_Union[RouteClose, _Mapping]] = ...) -> None: ...
+    routed: RoutedItem
+    def __init__(self, hello: _Optional[_Union[Handshake, _Mapping]] = ..., frame: _Optional[_Union[RoutedFrame, _Mapping]] = ..., close: _Optional[_Union[RouteClose, _Mapping]] = ..., routed: _Optional[_Union[RoutedItem, _Mapping]] = ...) -> None: ...

@@ -1,18 +1,33 @@
 from nebula_common.proto.nebula.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SignalKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SIGNAL_KIND_UNSPECIFIED: _ClassVar[SignalKind]
+    SIGNAL_KIND_READY: _ClassVar[SignalKind]
+    SIGNAL_KIND_SYNC: _ClassVar[SignalKind]
+    SIGNAL_KIND_EVAL_DONE: _ClassVar[SignalKind]
+SIGNAL_KIND_UNSPECIFIED: SignalKind
+SIGNAL_KIND_READY: SignalKind
+SIGNAL_KIND_SYNC: SignalKind
+SIGNAL_KIND_EVAL_DONE: SignalKind
+
 class EdgeOpen(_message.Message):
-    __slots__ = ("job_id", "edge")
+    __slots__ = ("job_id", "edge", "reconnect")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EDGE_FIELD_NUMBER: _ClassVar[int]
+    RECONNECT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     edge: str
-    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ...) -> None: ...
+    reconnect: bool
+    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., reconnect: _Optional[bool] = ...) -> None: ...
 
 class EdgeClose(_message.Message):
     __slots__ = ("reason", "error")
@@ -23,22 +38,66 @@ class EdgeClose(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., error: _Optional[bool] = ...) -> None: ...
 
 class EdgeReady(_message.Message):
-    __slots__ = ("peer_cluster",)
+    __slots__ = ("peer_cluster", "max_window_bytes", "link_up")
     PEER_CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LINK_UP_FIELD_NUMBER: _ClassVar[int]
     peer_cluster: str
-    def __init__(self, peer_cluster: _Optional[str] = ...) -> None: ...
+    max_window_bytes: int
+    link_up: bool
+    def __init__(self, peer_cluster: _Optional[str] = ..., max_window_bytes: _Optional[int] = ..., link_up: _Optional[bool] = ...) -> None: ...
+
+class EdgeSignal(_message.Message):
+    __slots__ = ("seq", "direction", "kind", "step", "values")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    direction: _tensor_pb2.Direction
+    kind: SignalKind
+    step: int
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seq: _Optional[int] = ..., direction: _Optional[_Union[_tensor_pb2.Direction, str]] = ..., kind: _Optional[_Union[SignalKind, str]] = ..., step: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EdgeAck(_message.Message):
+    __slots__ = ("direction", "received", "max_bytes", "resume")
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    direction: _tensor_pb2.Direction
+    received: int
+    max_bytes: int
+    resume: bool
+    def __init__(self, direction: _Optional[_Union[_tensor_pb2.Direction, str]] = ..., received: _Optional[int] = ..., max_bytes: _Optional[int] = ..., resume: _Optional[bool] = ...) -> None: ...
+
+class LinkNotice(_message.Message):
+    __slots__ = ("up", "reason")
+    UP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    up: bool
+    reason: str
+    def __init__(self, up: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class EdgeMessage(_message.Message):
-    __slots__ = ("open", "frame", "close", "ready")
+    __slots__ = ("open", "frame", "close", "ready", "signal", "ack", "notice")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_FIELD_NUMBER: _ClassVar[int]
     open: EdgeOpen
     frame: _tensor_pb2.TensorFrame
     close: EdgeClose
     ready: EdgeReady
-    def __init__(self, open: _Optional[_Union[EdgeOpen, _Mapping]] = ..., frame: _Optional[_Union[_tensor_pb2.TensorFrame, _Mapping]] = ..., close: _Optional[_Union[EdgeClose, _Mapping]] = ..., ready: _Optional[_Union[EdgeReady, _Mapping]] = ...) -> None: ...
+    signal: EdgeSignal
+    ack: EdgeAck
+    notice: LinkNotice
+    def __init__(self, open: _Optional[_Union[EdgeOpen, _Mapping]] = ..., frame: _Optional[_Union[_tensor_pb2.TensorFrame, _Mapping]] = ..., close: _Optional[_Union[EdgeClose, _Mapping]] = ..., ready: _Optional[_Union[EdgeReady, _Mapping]] = ..., signal: _Optional[_Union[EdgeSignal, _Mapping]] = ..., ack: _Optional[_Union[EdgeAck, _Mapping]] = ..., notice: _Optional[_Union[LinkNotice, _Mapping]] = ...) -> None: ...
 
 class GetLinkStatusRequest(_message.Message):
     __slots__ = ()
