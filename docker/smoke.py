@@ -8,6 +8,8 @@
 2. each cluster's admin creates a user in its own cluster (tokens never cross clusters);
 3. submits the built-in numbers job (the demo's: encoder in a, decoder in b) and follows it to the end;
 4. prints a JSON summary (losses, step times, WAN bytes, Prometheus cross-check) and exits 0 on success.
+   The switches count WAN bytes over the link's life, so the script reads them before and after the
+   job and reports this job's share (the counters are not reset between runs on one `up`).
 
 The ports are the ones docker-compose.yml publishes; override with --host-ports-a/--host-ports-b.
 """
@@ -26,7 +28,7 @@ from nebula_common.jobspec.builtin import builtin_spec
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterEndpoints, ClusterSession, submit_job
 from nebula_common.sdk.jobs import ProgramJob
-from nebula_common.sdk.summary import summarize
+from nebula_common.sdk.summary import JobSummary, summarize
 
 HOST = "127.0.0.1"
 # switch internal, trainer, auth, switch metrics (see docker-compose.yml)
@@ -69,6 +71,25 @@ def wait_link(sessions: list[ClusterSession], timeout: float) -> float:
         time.sleep(0.5)
 
 
+_COUNTS = ("bytes", "payload_bytes", "raw_bytes", "frames", "bytes_received_by_peer", "prometheus_bytes")
+
+
+def job_wan(before: dict, after: dict) -> dict:
+    """This job's WAN bytes: the link's cumulative counters after the job minus those before it."""
+    out = {}
+    for direction, entry in after.items():
+        start = before.get(direction, {})
+        delta = dict(entry)
+        for key in _COUNTS:
+            if isinstance(entry.get(key), int) and isinstance(start.get(key), int):
+                delta[key] = entry[key] - start[key]
+        raw, payload, wire = delta["raw_bytes"], delta["payload_bytes"], delta["bytes"]
+        delta["compression_ratio"] = raw / payload if payload else 0.0
+        delta["wire_ratio"] = raw / wire if wire else 0.0
+        out[direction] = delta
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description="Smoke-test the compose deployment from the host.")
     parser.add_argument("--steps", type=int, default=20)
@@ -95,6 +116,8 @@ def main() -> int:
         "edges.0.codec.backward": args.codec_backward,
     }
     job = ProgramJob(load_spec(builtin_spec("numbers"), overrides))
+    baseline = JobSummary(job_id="", steps=0)
+    baseline.fill_wan(source, target)
     started = time.perf_counter()
     handle = submit_job(job, {"a": source, "b": target})
     summary = summarize(
@@ -106,6 +129,7 @@ def main() -> int:
         ),
     )
     summary.fill_wan(source, target)
+    summary.wan = job_wan(baseline.wan, summary.wan)
     summary.total_seconds = time.perf_counter() - started
     out = summary.to_json()
     out["link_wait_seconds"] = link_wait
