@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-stop lint format clean bench
+.PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-stop lint format clean bench smoke-containers
 
 install: $(STAMP)
 
@@ -81,6 +81,12 @@ test-stop: $(STAMP)
 
 test-integration: $(STAMP)
 	$(BIN)/pytest -q tests/integration $(PYTEST_ARGS)
+
+# Two clusters in containers (podman-compose + docker-compose.yml) running the numbers job, then down -v.
+# Needs podman (docker/README.md); about 2.5 min with a cached image. Never part of `make test` or CI.
+SMOKE_ARGS ?= --steps 60
+smoke-containers: $(STAMP)
+	bash docker/run-smoke.sh $(SMOKE_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Container smoke test, start to finish: build the image, start both simulated clusters with
+# docker-compose.yml, wait until every service is healthy, run docker/smoke.py (the built-in numbers
+# job, encoder in a, decoder in b), then `down -v`. Prints each phase's time; exits non-zero on failure.
+#
+#   make smoke-containers                     # = bash docker/run-smoke.sh --steps 60
+#   bash docker/run-smoke.sh --steps 30 --codec-forward int8 --codec-backward fp16
+#
+# Needs podman + podman-compose (bash /work/shared/containers/setup-podman.sh on these machines) and
+# the host venv (`make install`) for the SDK. Not part of `make test` or .ci/run.
+# COMPOSE (default podman-compose), PYTHON (default .venv/bin/python), HEALTH_TIMEOUT (default 180 s)
+# and KEEP=1 (leave the deployment up) can be set in the environment. Arguments go to smoke.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+COMPOSE=${COMPOSE:-podman-compose}
+PYTHON=${PYTHON:-.venv/bin/python}
+HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-180}
+[ "$#" -gt 0 ] || set -- --steps 60
+
+start=$SECONDS
+phase=$SECONDS
+lap() { echo "run-smoke: $1 $((SECONDS - phase)) s (total $((SECONDS - start)) s)" >&2; phase=$SECONDS; }
+
+cleanup() {
+  status=$?
+  if [ "$status" -ne 0 ]; then
+    echo "run-smoke: FAILED (exit $status); container states and log tails follow" >&2
+    podman ps -a --format '{{.Names}} {{.Status}}' >&2 || true
+    for c in $(podman ps -a --filter label=io.podman.compose.project=nebula --format '{{.Names}}'); do
+      echo "--- $c" >&2
+      podman logs --tail 5 "$c" >&2 || true
+    done
+  fi
+  if [ "${KEEP:-0}" != 1 ]; then
+    phase=$SECONDS
+    $COMPOSE down -v >/dev/null 2>&1 || true
+    lap "down -v"
+  fi
+  exit "$status"
+}
+
+$COMPOSE build
+lap "build"
+
+trap cleanup EXIT
+$COMPOSE up -d
+lap "up -d"
+
+# podman 4.3 runs healthchecks only when asked (no systemd timers), so ask until all pass.
+deadline=$((SECONDS + HEALTH_TIMEOUT))
+while :; do
+  unhealthy=()
+  for c in $(podman ps -a --filter label=io.podman.compose.project=nebula --format '{{.Names}}'); do
+    case "$c" in *pki-init*) continue ;; esac
+    podman healthcheck run "$c" >/dev/null 2>&1 || unhealthy+=("$c")
+  done
+  [ "${#unhealthy[@]}" -eq 0 ] && break
+  if [ "$SECONDS" -gt "$deadline" ]; then
+    echo "run-smoke: not healthy after ${HEALTH_TIMEOUT} s: ${unhealthy[*]}" >&2
+    exit 1
+  fi
+  sleep 1
+done
+lap "every service healthy"
+
+NEBULA_ADMIN_PASSWORD_A="$($COMPOSE exec -T auth-a cat /etc/nebula/admin/admin-password)"
+NEBULA_ADMIN_PASSWORD_B="$($COMPOSE exec -T auth-b cat /etc/nebula/admin/admin-password)"
+export NEBULA_ADMIN_PASSWORD_A NEBULA_ADMIN_PASSWORD_B
+"$PYTHON" docker/smoke.py "$@"
+lap "smoke.py $*"
