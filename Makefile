@@ -83,7 +83,7 @@ test-integration: $(STAMP)
 	$(BIN)/pytest -q tests/integration $(PYTEST_ARGS)
 
 # Two clusters in containers (podman-compose + docker-compose.yml) running the numbers job, then down -v.
-# Needs podman (docker/README.md); about 2.5 min with a cached image. Never part of `make test` or CI.
+# Needs podman (docker/README.md); 1-2.5 min with the image built, 4.5 min without. Not in make test or CI.
 SMOKE_ARGS ?= --steps 60
 smoke-containers: $(STAMP)
 	bash docker/run-smoke.sh $(SMOKE_ARGS)
