@@ -40,7 +40,7 @@ from nebula_common.proto.nebula.v1 import (
 from nebula_common.rpc import bearer_metadata
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterSession, submit_job
-from services.switch.link import fetch_server_certificate
+from services.switch.link import PROTOCOL_VERSION, fetch_server_certificate
 from services.trainer.runtime.stage import READY_STEP
 from tests.support.jobs import numbers_job
 
@@ -97,10 +97,12 @@ def _try_link(
         job_id=job_id, edge="probe", step=0, frame_id=1, codec="none", raw_size=4
     )
     messages = [
-        link_pb2.LinkMessage(hello=link_pb2.Handshake(protocol_version=1, cluster_id="a")),
+        link_pb2.LinkMessage(hello=link_pb2.Handshake(protocol_version=PROTOCOL_VERSION, cluster_id="a")),
         link_pb2.LinkMessage(
-            frame=link_pb2.RoutedFrame(
-                job_id=job_id, edge="probe", frame=tensor_pb2.TensorFrame(header=header)
+            routed=link_pb2.RoutedItem(
+                job_id=job_id,
+                edge="probe",
+                item=relay_pb2.EdgeMessage(frame=tensor_pb2.TensorFrame(header=header)),
             )
         ),
     ]
