@@ -24,12 +24,18 @@ from services.switch.metrics import EDGES_OPEN
 from services.switch.routing import Attachment, Route, RouteInUseError, RouteLimitError, Router
 
 log = logging.getLogger(__name__)
+EOF_GRACE_S = 1.0
+"""How long an edge whose trainer half-closed without a close waits to learn whether it was cancelled."""
 
 # How a trainer stream ended, for the audit record and for what the peer is told.
 FINISHED = "finished"  # the trainer closed its side and the peer's close was delivered
 SUPERSEDED = "superseded"  # a reconnect of the same account took the route over
 CLOSED_BY_SWITCH = "closed_by_switch"  # a bound was exceeded; both sides were told why
 FAILED = "failed"  # crash, cancel, or a broken stream: the peer gets an error close
+
+
+class TrainerVanished(Exception):
+    """The trainer's call was cancelled (a crash, a kill): not an orderly end of its side."""
 
 
 class RelayServicer(relay_pb2_grpc.RelayServicer):
@@ -90,6 +96,8 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 )
             )
             outcome = await self._pump(context, route, attachment)
+        except TrainerVanished:
+            outcome = FAILED
         finally:
             close = None
             if outcome == FAILED:
@@ -143,6 +151,11 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 continue
             message = await context.read()
             if message is grpc.aio.EOF:
+                # A cancelled call (a crash, a kill) also reads as EOF here, before gRPC cancels this
+                # handler; give the cancellation a moment to arrive so the peer hears of an error.
+                await asyncio.sleep(EOF_GRACE_S)
+                if context.cancelled() or context.done():
+                    raise TrainerVanished("the trainer's stream was cancelled")
                 self.router.accept_local(
                     route, attachment, relay_pb2.EdgeMessage(close=relay_pb2.EdgeClose(reason="closed"))
                 )
