@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import socket
@@ -26,6 +27,7 @@ from nebula_common.pki import PkiLayout
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, tensor_pb2
 from nebula_common.rpc import bearer_metadata
 from nebula_common.sdk.auth_client import AuthClient
+from nebula_common.wan.emulator import LinkShape, WanEmulator
 from services.switch.config import SwitchSettings
 from tests.support.accounts import ADMIN_PASSWORD, auth_settings
 from tests.support.servers import AuthServerThread, SwitchThread, running_auth
@@ -98,13 +100,22 @@ class Pair:
 
 @contextmanager
 def switch_pair(
-    tmp_path: Path, pki: PkiLayout, clusters: dict[str, Cluster], **overrides: Any
+    tmp_path: Path,
+    pki: PkiLayout,
+    clusters: dict[str, Cluster],
+    shape: LinkShape | None = None,
+    **overrides: Any,
 ) -> Iterator[Pair]:
-    """Switch b accepting, switch a dialing it directly (no emulator), both with ``overrides``."""
+    """Switch b accepting, switch a dialing it (through a WAN emulator of ``shape`` if given)."""
     b = SwitchThread(
         switch_settings(tmp_path, pki, "b", "a", clusters["b"].auth.address, link_role="accept", **overrides)
     )
+    emulator = None
     try:
+        wan_port = b.running.wan_port
+        if shape is not None:
+            emulator = WanEmulator("127.0.0.1", wan_port, shape)
+            wan_port = asyncio.run_coroutine_threadsafe(emulator.start(), b._loop).result(10)
         a = SwitchThread(
             switch_settings(
                 tmp_path,
@@ -113,7 +124,7 @@ def switch_pair(
                 "b",
                 clusters["a"].auth.address,
                 link_role="dial",
-                peer_address=f"127.0.0.1:{b.running.wan_port}",
+                peer_address=f"127.0.0.1:{wan_port}",
                 **overrides,
             )
         )
@@ -123,6 +134,8 @@ def switch_pair(
         finally:
             a.stop()
     finally:
+        if emulator is not None:
+            asyncio.run_coroutine_threadsafe(emulator.stop(), b._loop).result(10)
         b.stop()
 
 
@@ -350,6 +363,42 @@ def test_a_receiver_that_never_reads_is_closed_without_delaying_another_route(
         assert [r for r in pair.audit("b", "route.closed") if r["job_id"] == "slow" and r["account"] == "bob"]
         slow_receiver.finish()
         sender.finish()
+
+
+def test_a_small_item_of_one_job_is_not_queued_behind_a_large_tensor_of_another(
+    tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster]
+) -> None:
+    shape = LinkShape(bandwidth_mbit=40.0, delay_ms=5.0)  # 15 MiB take about 3 s
+    with switch_pair(tmp_path, pki_ab, clusters, shape=shape) as pair:
+        ends = {}
+        for account, job in (("alice", "big"), ("bob", "small")):
+            ends[job] = (
+                EdgeClient(pair.a, clusters["a"].tokens[account], job),
+                EdgeClient(pair.b, clusters["b"].tokens[account], job),
+            )
+            for end in ends[job]:
+                end.expect("ready")
+        big_sender, big_receiver = ends["big"]
+        small_sender, small_receiver = ends["small"]
+        for chunk_id in range(1, 61):
+            big_sender.send(frame(chunk_id, payload=256 * 1024))
+        wait_for(
+            lambda: pair.a.running.router.buffered_out > 2 << 20, 20, "the large tensor to queue at switch a"
+        )
+        sent = time.monotonic()
+        for frame_id in (1001, 1002, 1003):
+            small_sender.send(frame(frame_id))
+        for _ in range(3):
+            small_receiver.expect("frame", timeout=30)
+        chunks = [big_receiver.expect("frame", timeout=60).frame.chunk.frame_id for _ in range(60)]
+        assert chunks == list(range(1, 61))  # in order within the route
+        small_last = small_receiver.received[-1][1]  # arrival times, taken by the reader threads
+        big_last = big_receiver.received[-1][1]
+        # Behind the queued tensor (over 2 MiB at 40 Mbit/s) the small frames would wait > 0.4 s more.
+        assert small_last < big_last - 0.4, (small_last - sent, big_last - sent)
+        for pair_ends in ends.values():
+            for end in pair_ends:
+                end.finish()
 
 
 def test_a_link_session_that_ends_notifies_attached_routes_which_stay_attached(
