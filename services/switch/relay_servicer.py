@@ -100,7 +100,7 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             outcome = FAILED
         finally:
             close = None
-            if outcome == FAILED:
+            if outcome == FAILED and not attachment.local_closed:
                 # The trainer vanished (cancelled call, crash): tell the peer so its side stops waiting.
                 close = relay_pb2.EdgeClose(reason="the other cluster's stage disconnected", error=True)
             self.router.end_stream(route, attachment, close)
@@ -156,6 +156,7 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 await asyncio.sleep(EOF_GRACE_S)
                 if context.cancelled() or context.done():
                     raise TrainerVanished("the trainer's stream was cancelled")
+                attachment.local_closed = True
                 self.router.accept_local(
                     route, attachment, relay_pb2.EdgeMessage(close=relay_pb2.EdgeClose(reason="closed"))
                 )
@@ -164,6 +165,7 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             if kind in ("frame", "signal", "ack"):
                 self.router.accept_local(route, attachment, message)
             elif kind == "close":
+                attachment.local_closed = True
                 self.router.accept_local(route, attachment, message)
                 return
             else:

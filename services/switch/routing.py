@@ -97,6 +97,7 @@ class Attachment:
         self.owner = owner
         self.wake = asyncio.Event()  # items toward the trainer, or the stream must end
         self.superseded = False
+        self.local_closed = False  # the trainer sent its close (or ended its stream orderly)
 
 
 @dataclass(eq=False)
