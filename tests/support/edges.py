@@ -107,6 +107,8 @@ class SwitchPair:
 def switch_pair(work: Path, pki: PkiLayout) -> Iterator[SwitchPair]:
     """Clusters a and b, each an auth server and a switch; a dials b over mTLS. Admin tokens of each."""
     with ExitStack() as stack:
+        for cluster in "ab":
+            (work / cluster).mkdir(parents=True, exist_ok=True)
         auths = {c: stack.enter_context(running_auth(auth_settings(work / c, c))) for c in "ab"}
         b = stack.enter_context(accepting_switch(work / "b", pki.cluster("b"), "a", auths["b"].address))
         paths = pki.cluster("a")

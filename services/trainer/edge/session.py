@@ -175,6 +175,7 @@ class EdgeSession:
         self.retransmitted_messages = 0
         self.acks_sent = 0
         self.max_in_transit_bytes = 0
+        self.max_over_grant_bytes = -(1 << 62)  # receiver: max (end of a received message - our grant)
         self._timer = threading.Thread(target=self._tick, name=f"{name}-timer", daemon=True)
 
     # ------------------------------------------------------------------ lifecycle
@@ -448,8 +449,10 @@ class EdgeSession:
 
     # ------------------------------------------------------------------ receiving half
 
-    def _accept_bytes_locked(self, size: int) -> None:
-        self._assembly_bytes += size
+    def _check_credit_locked(self) -> None:
+        """Record how far the peer's position is from our grant (the contract keeps it <= 0)."""
+        over = self._held_bytes + self._assembly_bytes - self._granted
+        self.max_over_grant_bytes = max(self.max_over_grant_bytes, over)
 
     def _on_frame_locked(self, message: relay_pb2.EdgeMessage) -> None:
         frame = message.frame
@@ -470,6 +473,7 @@ class EdgeSession:
             # A new header (or a replayed one for the frame being assembled) starts the frame afresh.
             self._assembly = _Assembly(header=header, payload=bytearray(header.payload_size))
             self._assembly_bytes = size
+            self._check_credit_locked()
             self._maybe_ack_locked(False)
             return
         if part != "chunk":
@@ -497,6 +501,7 @@ class EdgeSession:
         assembly.payload[assembly.received : end] = chunk.data
         assembly.received = end
         self._assembly_bytes += size
+        self._check_credit_locked()
         if not chunk.last:
             self._maybe_ack_locked(False)
             return
@@ -511,6 +516,7 @@ class EdgeSession:
         if signal.direction != self.receive_direction:
             raise _ProtocolError(f"peer sent a signal of direction {signal.direction} on our receive side")
         self._assembly_bytes = signal.ByteSize()
+        self._check_credit_locked()
         self._complete_locked(signal)
 
     def _complete_locked(self, item: EncodedTensor | relay_pb2.EdgeSignal) -> None:
