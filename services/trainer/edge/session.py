@@ -572,8 +572,8 @@ class EdgeSession:
                 if self._queue:
                     was_full = len(self._queue) >= self.settings.receive_queue_items
                     item = self._queue.popleft()
-                    if was_full:
-                        self._maybe_ack_locked(False)
+                    if was_full and self._grant_locked() > self._granted:
+                        self._send_ack_locked(resume=False, force=True)  # the stage read: credit again
                     return item
                 reason = self._terminal_reason_locked()
                 if reason is not None:
