@@ -39,6 +39,9 @@ class ScriptedTransport:
     def close(self, reason: str, error: bool) -> None:
         self.closes.append((reason, error))
 
+    def wait_close_sent(self, timeout: float) -> None:
+        pass
+
     def shutdown(self) -> None:
         pass
 

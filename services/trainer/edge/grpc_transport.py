@@ -60,6 +60,7 @@ class GrpcEdgeTransport:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._closing = False
+        self._close_sent = threading.Event()
         self._outgoing: queue.Queue[object] | None = None  # the live stream's queue, once ready
         self._call: grpc.Call | None = None
         self._channel: grpc.Channel | None = None
@@ -71,11 +72,12 @@ class GrpcEdgeTransport:
         )
         self._thread.start()
 
-    @staticmethod
-    def _requests(outgoing: queue.Queue[object]) -> Iterator[relay_pb2.EdgeMessage]:
+    def _requests(self, outgoing: queue.Queue[object]) -> Iterator[relay_pb2.EdgeMessage]:
         while True:
             item = outgoing.get()
             if item is _END:
+                if self._closing:
+                    self._close_sent.set()  # gRPC asked for more after the close: it is written
                 return
             assert isinstance(item, relay_pb2.EdgeMessage)
             yield item
@@ -155,6 +157,11 @@ class GrpcEdgeTransport:
                 )
                 self._outgoing.put(_END)
                 self._outgoing = None
+            else:
+                self._close_sent.set()  # no live stream: nothing to wait for
+
+    def wait_close_sent(self, timeout: float) -> None:
+        self._close_sent.wait(timeout)
 
     def shutdown(self) -> None:
         self._stopping.set()

@@ -82,6 +82,9 @@ class MemoryTransport:
             self.index, relay_pb2.EdgeMessage(close=relay_pb2.EdgeClose(reason=reason, error=error))
         )
 
+    def wait_close_sent(self, timeout: float) -> None:
+        pass  # carried at once
+
     def shutdown(self) -> None:
         if self._stopped:
             return

@@ -82,6 +82,9 @@ class Transport(Protocol):
     def close(self, reason: str, error: bool) -> None:
         """Send EdgeClose and stop reconnecting; keep delivering until the peer closes."""
 
+    def wait_close_sent(self, timeout: float) -> None:
+        """Wait (bounded) until the EdgeClose is handed to the wire (or cannot be)."""
+
     def shutdown(self) -> None:
         """Tear down now (idempotent)."""
 
@@ -148,6 +151,7 @@ class EdgeSession:
         self._down_since: float | None = None
         self._outage_total = 0.0
         self._failed: str | None = None
+        self._last_down_reason = ""
         self._peer_closed: str | None = None
         self._closing = False
         self._window = self.settings.window_bytes
@@ -192,8 +196,10 @@ class EdgeSession:
                     break
                 self._cond.wait(min(left, 0.25))
             if self._failed is None and not self._ever_ready:
-                reason = self._peer_closed or (
-                    f"switch did not open edge {self.name!r} within {self.settings.ready_timeout_s:.0f}s"
+                last = f" (last error: {self._last_down_reason})" if self._last_down_reason else ""
+                limit = self.settings.ready_timeout_s
+                reason = (
+                    self._peer_closed or f"switch did not open edge {self.name!r} within {limit:.0f}s{last}"
                 )
                 self._fail_locked(reason)
             if self._failed is not None:
@@ -213,6 +219,7 @@ class EdgeSession:
         return self._outage_total + current
 
     def _set_down_locked(self, reason: str) -> None:
+        self._last_down_reason = reason
         if self._link_up or self._down_since is None:
             if self._down_since is None:
                 self._down_since = self._clock()
@@ -245,6 +252,15 @@ class EdgeSession:
             self._fail_locked(reason)
         if first and tell_peer:
             self.transport.close(reason, True)
+            # Tear down once the close is on the wire (or in 2 s), without holding up the caller.
+            threading.Thread(
+                target=self._shutdown_after_close, name=f"{self.name}-abort", daemon=True
+            ).start()
+        else:
+            self.transport.shutdown()
+
+    def _shutdown_after_close(self) -> None:
+        self.transport.wait_close_sent(2.0)
         self.transport.shutdown()
 
     def _terminal_reason_locked(self) -> str | None:
@@ -324,13 +340,11 @@ class EdgeSession:
                 elif kind == "ready":
                     pass  # transports route ready through on_ready
             except _ProtocolError as exc:
-                self._fail_locked(str(exc))
-                failed = True
+                violation: str | None = str(exc)
             else:
-                failed = False
-        if failed:
-            self.transport.close(str(self._failed), True)
-            self.transport.shutdown()
+                violation = None
+        if violation is not None:
+            self.fail(violation)
 
     # ------------------------------------------------------------------ sending half
 
