@@ -85,7 +85,8 @@ class GrpcEdgeTransport:
     def _run(self, handler: TransportHandler) -> None:
         backoff = self.backoff_initial_s
         ever_ready = False
-        while not self._stopping.is_set():
+        peer_closed = False
+        while not self._stopping.is_set() and not peer_closed:
             outgoing: queue.Queue[object] = queue.Queue()
             outgoing.put(
                 relay_pb2.EdgeMessage(
@@ -114,12 +115,12 @@ class GrpcEdgeTransport:
                         handler.on_ready(message.ready)
                         continue
                     handler.on_message(message)
-                    if kind == "close":
-                        self._stopping.set()
-                        break
+                    # After the peer's close keep the stream: our own close still goes out on it, and
+                    # the switch ends the call once it has both (a clean close in its audit log).
+                    peer_closed = peer_closed or kind == "close"
             except grpc.RpcError as exc:
                 code = exc.code()
-                if self._stopping.is_set():
+                if self._stopping.is_set() or peer_closed:
                     break
                 if code in FATAL_CODES:
                     handler.on_failed(f"switch refused edge {self.edge!r}: {code.name}: {exc.details()}")
@@ -132,7 +133,7 @@ class GrpcEdgeTransport:
                 outgoing.put(_END)
                 call.cancel()
                 channel.close()
-            if self._stopping.is_set() or self._closing:
+            if self._stopping.is_set() or self._closing or peer_closed:
                 break
             log.warning(
                 "edge stream to the switch lost; reconnecting",

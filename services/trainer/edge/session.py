@@ -63,8 +63,11 @@ class EdgeSettings:
     """Largest tensor payload a peer may announce; a larger header fails the edge."""
     max_outage_s: float = 300.0
     """How long the link (or the stream to the switch) may stay down before the edge fails."""
-    retransmit_s: float = 3.0
-    """Rewind when unacknowledged items see no ack progress this long (doubles up to 10x)."""
+    retransmit_s: float = 30.0
+    """Rewind when unacknowledged items see no ack progress this long (doubles up to 10x). A safety
+    net only: over gRPC items are lost only with a link notice or a reconnect, which resume at once,
+    and a receiver that sees a gap asks for a replay itself. Kept long because a receiver whose
+    queue is full legitimately leaves a partly sent frame unacknowledged (a rewind resends it)."""
     receive_queue_items: int = 64
     """Completed items (tensors, signals) held for the stage; while full, no new credit is granted."""
     ready_timeout_s: float = 90.0
