@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -61,6 +62,7 @@ class GrpcEdgeTransport:
         self._stopping = threading.Event()
         self._closing = False
         self._close_sent = threading.Event()
+        self._call_ended = threading.Event()  # the live call ended after we closed
         self._outgoing: queue.Queue[object] | None = None  # the live stream's queue, once ready
         self._call: grpc.Call | None = None
         self._channel: grpc.Channel | None = None
@@ -130,6 +132,8 @@ class GrpcEdgeTransport:
             finally:
                 with self._lock:
                     self._outgoing = None
+                    if self._closing:
+                        self._call_ended.set()
                 outgoing.put(_END)
                 call.cancel()
                 channel.close()
@@ -158,11 +162,19 @@ class GrpcEdgeTransport:
                 )
                 self._outgoing.put(_END)
                 self._outgoing = None
-            else:
-                self._close_sent.set()  # no live stream: nothing to wait for
+            else:  # no live stream: nothing to wait for
+                self._close_sent.set()
+                self._call_ended.set()
 
     def wait_close_sent(self, timeout: float) -> None:
-        self._close_sent.wait(timeout)
+        """Wait (bounded) until our EdgeClose is written and the switch has ended the call.
+
+        Cancelling right after writing could reach the switch before it reads the close, and the
+        peer would then learn "the other cluster's stage disconnected" instead of our reason.
+        """
+        deadline = time.monotonic() + timeout
+        if self._close_sent.wait(timeout):
+            self._call_ended.wait(max(0.0, deadline - time.monotonic()))
 
     def shutdown(self) -> None:
         self._stopping.set()
