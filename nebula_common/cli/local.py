@@ -11,7 +11,10 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from nebula_common.errors import NebulaError
 from nebula_common.launcher import LocalDeployment
+from nebula_common.launcher.process import ServiceStartError
+from nebula_common.launcher.supervisor import RestartPolicy
 
 app = typer.Typer(help="Run simulated clusters locally.", no_args_is_help=True)
 console = Console()
@@ -21,17 +24,49 @@ def default_run_dir(kind: str) -> Path:
     return Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _print_event(event: dict) -> None:
+    name, what, detail = event["service"], event["event"], event["detail"]
+    if what == "crash-loop":
+        console.print(f"[bold red]{name} is crash-looping and was given up on[/]: {detail}")
+    elif what == "died":
+        console.print(f"[yellow]{name} died[/] ({detail})")
+    elif what == "restarted":
+        console.print(f"[green]{name} restarted[/] (restart {event['restarts']}, {detail})")
+    else:
+        console.print(f"[red]{name}: {what}[/] {detail}")
+
+
 @app.command("up")
 def up(
-    run_dir: Path = typer.Option(None, help="Where PKI, data and logs go (default runs/local-<time>)."),
+    run_dir: Path = typer.Option(
+        None, help="Where PKI, data and logs go (default runs/local-<time>); an existing one is reused."
+    ),
     bandwidth_mbit: float = typer.Option(60.0, min=0.001, help="Emulated WAN bandwidth per direction."),
     delay_ms: float = typer.Option(20.0, min=0.0, help="Emulated one-way WAN delay."),
+    max_restarts: int = typer.Option(
+        5, min=0, help="Give up on a service that dies more often than this within a minute."
+    ),
 ) -> None:
-    """Start clusters a and b (auth, codec, switch, trainer each) with the WAN emulator between switches."""
+    """Start clusters a and b (auth, codec, data, switch, trainer each) and the WAN emulator between them.
+
+    A service that dies is restarted on the same ports (capped exponential backoff); one that keeps
+    dying is given up on and reported while the rest keep running. Ctrl-C stops everything.
+    """
     run_dir = run_dir or default_run_dir("local")
-    deployment = LocalDeployment(run_dir=run_dir, bandwidth_mbit=bandwidth_mbit, delay_ms=delay_ms)
-    console.print(f"starting two clusters in [bold]{run_dir}[/] ...")
-    deployment.start()
+    deployment = LocalDeployment(
+        run_dir=run_dir,
+        bandwidth_mbit=bandwidth_mbit,
+        delay_ms=delay_ms,
+        restart_policy=RestartPolicy(max_restarts=max_restarts),
+        on_event=_print_event,
+    )
+    reused = " (reusing its secrets, accounts and data)" if (run_dir / "pki").exists() else ""
+    console.print(f"starting two clusters in [bold]{run_dir}[/]{reused} ...")
+    try:
+        deployment.start()
+    except (NebulaError, ServiceStartError) as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(1) from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -43,16 +78,12 @@ def up(
             f"[green]up[/]: PKI in {deployment.pki_dir}, logs in {deployment.log_dir}; "
             f"description in {run_dir / 'deployment.json'}. Ctrl-C stops everything."
         )
-        while not stop.wait(1.0):
-            dead = [
-                p.name
-                for s in deployment.cluster_state.values()
-                for p in s.processes()
-                if p.popen.poll() is not None
-            ]
-            if dead:
-                console.print(f"[red]process(es) exited: {', '.join(dead)}; see {deployment.log_dir}[/]")
-                raise typer.Exit(1)
+        supervisor = deployment.supervisor
+        seen = supervisor.generation if supervisor is not None else 0
+        while not stop.wait(0.5):
+            if supervisor is not None and supervisor.generation != seen:
+                seen = supervisor.generation
+                deployment.write_description(run_dir / "deployment.json")  # new pids, restart counts
     finally:
         console.print("stopping ...")
         deployment.stop()

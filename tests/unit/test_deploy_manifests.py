@@ -432,6 +432,27 @@ def test_k8s_containers_are_non_root_read_only_and_bounded() -> None:
         assert "/tmp" in mounts, f"{name}: read-only root needs a writable /tmp"
 
 
+def test_crashed_services_are_restarted_by_compose_and_kubernetes() -> None:
+    """Crashes heal: compose restarts every long-running service, Kubernetes every pod.
+
+    ``unless-stopped`` (not ``on-failure``): a service killed by a signal or OOM, or one that exits 0
+    unexpectedly, comes back too, while one an operator stopped stays stopped.
+    """
+    services = _compose_services()
+    one_shot = sorted(name for name, svc in services.items() if _is_one_shot(svc))
+    assert one_shot == ["pki-init"], one_shot
+    for name, svc in _long_running().items():
+        assert svc.get("restart") == "unless-stopped", f"{name}: restart is {svc.get('restart')!r}"
+    deployments = _deployments()
+    assert {c["command"][0] for _, _, c in _containers()} == set(SERVICES)
+    for name, deployment in deployments.items():
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod.get("restartPolicy", "Always") == "Always", name
+        for container in pod["containers"]:
+            for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+                assert "grpc" in container.get(probe, {}), f"{name}: {probe} missing"
+
+
 def test_k8s_probes_are_native_grpc_on_the_service_port() -> None:
     for name, _, container in _containers():
         _, _, port, service = SERVICES[container["command"][0]]
