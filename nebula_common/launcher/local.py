@@ -389,7 +389,11 @@ class LocalDeployment:
             log_dir=self.log_dir,
         )
         process.start()
-        info = process.wait_ready()
+        try:
+            info = process.wait_ready()
+        except BaseException:  # not yet in cluster_state, so stop() would not know it
+            process.stop()
+            raise
         # Pin the ports it picked, so a restart binds the same ones and its peers find it again.
         for key, setting in pins.items():
             port = info.get(key)
