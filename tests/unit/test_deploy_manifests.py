@@ -343,6 +343,7 @@ def test_compose_wan_link_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
     emulator = _command(services["wan-emulator"])
     assert emulator[emulator.index("--target") + 1] == f"switch-b:{WAN_PORT}"
     assert emulator[emulator.index("--listen") + 1] == "0.0.0.0:7000"
+    assert emulator[emulator.index("--control") + 1].startswith("127.0.0.1:")  # fault controls, loopback only
     assert b.wan_listen.endswith(f":{WAN_PORT}")
     for cluster in ("a", "b"):
         trainer = _compose_env(services[f"trainer-{cluster}"])
