@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -13,6 +14,7 @@ from rich.console import Console
 
 from nebula_common.errors import NebulaError
 from nebula_common.launcher import LocalDeployment
+from nebula_common.launcher.local import running_deployment_pid
 from nebula_common.launcher.process import ServiceStartError
 from nebula_common.launcher.supervisor import RestartPolicy
 
@@ -87,3 +89,23 @@ def up(
     finally:
         console.print("stopping ...")
         deployment.stop()
+
+
+@app.command("down")
+def down(
+    run_dir: Path = typer.Option(..., help="Run directory of the running `nebula local up`."),
+    timeout: float = typer.Option(90.0, min=1.0, help="Seconds to wait for everything to stop."),
+) -> None:
+    """Stop the `nebula local up` running on RUN_DIR (as Ctrl-C would: every process, no restarts)."""
+    pid = running_deployment_pid(run_dir)
+    if pid is None:
+        typer.echo(f"no deployment is running in {run_dir}")
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while running_deployment_pid(run_dir) is not None:
+        if time.monotonic() > deadline:
+            typer.echo(f"Error: `nebula local up` (pid {pid}) still running after {timeout:.0f}s", err=True)
+            raise typer.Exit(1)
+        time.sleep(0.2)
+    typer.echo(f"stopped the deployment in {run_dir} (pid {pid})")

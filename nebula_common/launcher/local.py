@@ -129,6 +129,21 @@ def _lock_run_dir(run_dir: Path) -> IO[str]:
     return handle
 
 
+def running_deployment_pid(run_dir: Path) -> int | None:
+    """The pid of the `nebula local up` holding ``run_dir``'s lock, or None if none holds it."""
+    path = run_dir / LOCK_FILE
+    if not path.exists():
+        return None
+    with path.open("r", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            text = handle.read().strip()
+            return int(text) if text.isdigit() else None
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return None
+
+
 def _write_secret(path: Path, value: str) -> None:
     """Write a secret file readable by its owner only (0600 even if the file already existed)."""
     atomic_write(path, value.encode(), mode=0o600)

@@ -143,5 +143,16 @@ def test_local_up_restarts_a_killed_service_and_a_second_up_keeps_the_admin_pass
     try:
         assert password_file.read_text() == password  # not overwritten
         assert admin_login(second, "a", password)  # the old password still logs in
-    finally:
+    except BaseException:
         stop_up(up, list(all_pids(second).values()))
+        raise
+    down = subprocess.run(
+        [sys.executable, "-m", "nebula_common.cli.app", "local", "down", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert down.returncode == 0 and "stopped the deployment" in down.stdout, down.stdout + down.stderr
+    output, _ = up.communicate(timeout=30)
+    assert up.returncode == 0, output
+    assert not [pid for pid in all_pids(second).values() if alive(pid)]
