@@ -140,7 +140,11 @@ class Supervisor:
                 return
             if watch.state == "backoff":
                 if now >= watch.retry_at:
-                    process.start()
+                    try:
+                        process.start()
+                    except OSError as exc:  # e.g. out of processes: counts towards the crash loop
+                        self._died(watch, f"cannot start: {exc}", now)
+                        return
                     with self._lock:
                         watch.state, watch.since = "starting", now
                 return
