@@ -78,7 +78,9 @@ def up(
         console.print_json(json.dumps(description))
         console.print(
             f"[green]up[/]: PKI in {deployment.pki_dir}, logs in {deployment.log_dir}; "
-            f"description in {run_dir / 'deployment.json'}. Ctrl-C stops everything."
+            f"description in {run_dir / 'deployment.json'}. Dead services are restarted. WAN faults: "
+            f"`nebula wan cut|restore|reset --run-dir {run_dir}`. Ctrl-C (or `nebula local down "
+            f"--run-dir {run_dir}`) stops everything."
         )
         supervisor = deployment.supervisor
         seen = supervisor.generation if supervisor is not None else 0
