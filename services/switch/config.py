@@ -52,6 +52,13 @@ class SwitchSettings(ServiceSettings):
     route_tombstone_s: float = Field(
         60.0, gt=0, description="How long items for a route the switch closed are dropped without a trace."
     )
+    link_window_bytes: int = Field(
+        1 << 20,
+        ge=0,
+        description="Fixed HTTP/2 receive window of the WAN link (0: gRPC's BDP-probed default, which grew "
+        "to ~4 MiB in tests). Bounds what waits first-in first-out below the switch's fair scheduler; "
+        "caps one link's throughput at window / RTT (1 MiB: 84 Mbit/s at 100 ms RTT).",
+    )
     wan_handshake_timeout_s: float = Field(
         10.0,
         gt=0,

@@ -25,7 +25,8 @@ holds in its own buffers, per route and direction (W = ``max_window_bytes``, S =
 * route with no attached trainer: at most INITIAL_WINDOW_BYTES + S bytes, ``UNATTACHED_MAX_ITEMS`` items
   and ``unattached_timeout_s`` seconds;
 * per switch: ``max_attached_routes`` x 2 x (W + S) + ``max_unattached_routes`` x (INITIAL_WINDOW_BYTES
-  + S), plus ``TOMBSTONES_MAX`` remembered keys and ``CONTROL_MAX`` pending closes (defaults:
+  + S), plus ``TOMBSTONES_MAX`` remembered keys, ``CONTROL_MAX`` pending closes and the link's
+  HTTP/2 window (``link_window_bytes``) each way (defaults:
   256 x 2 x 8.06 MiB + 256 x 1.06 MiB = 4.3 GiB worst case; conforming trainers keep at most one
   window per direction in transit across both switches). Acks are coalesced, one per route and direction.
 

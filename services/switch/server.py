@@ -84,6 +84,18 @@ async def _maintain(settings: SwitchSettings, link: PeerLink, certs: Certificate
             log.exception("switch maintenance step failed")
 
 
+def _window_options(settings: SwitchSettings) -> list[tuple[str, object]]:
+    """A fixed HTTP/2 window on the link (no BDP probing), when configured.
+
+    Everything the link writer has handed to gRPC is first-in first-out below the scheduler (HTTP/2
+    window, socket buffers, the path); a fixed window bounds it, at the price of capping one link's
+    throughput at window / RTT.
+    """
+    if not settings.link_window_bytes:
+        return []
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", settings.link_window_bytes)]
+
+
 async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStack) -> Started[RunningSwitch]:
     """Token keys, audit log, certificates, both servers, then the dialer and maintenance tasks.
 
@@ -158,6 +170,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     wan_options = [
         *server_options(),
         ("grpc.server_handshake_timeout_ms", int(settings.wan_handshake_timeout_s * 1000)),
+        *_window_options(settings),
     ]
     wan = grpc_server(stack, ["nebula.v1.SwitchLink"], grace=STOP_GRACE_SECONDS, options=wan_options)
     link_pb2_grpc.add_SwitchLinkServicer_to_server(SwitchLinkServicer(link), wan.server)
@@ -178,7 +191,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
             link.dial_forever(
                 address,
                 certs.channel_credentials,
-                channel_options(link.expected_peer),
+                [*channel_options(link.expected_peer), *_window_options(settings)],
                 probe=probe if revocation is not None else None,
             ),
             name="wan-dialer",
