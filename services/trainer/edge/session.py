@@ -299,6 +299,12 @@ class EdgeSession:
         with self._cond:
             if self._failed is not None:
                 return
+            if self._ever_ready and self._pointer > self._first_index:
+                # Our stream to the switch was re-opened: what we sent on the broken one may be lost,
+                # and the peer (whose link stayed up) gets no notice that would make it ask for a
+                # replay. Resend everything unacknowledged; the peer ignores what it already holds.
+                self.retransmitted_messages += self._pointer - self._first_index
+                self._pointer = self._first_index
             self._ever_ready = True
             if ready.max_window_bytes:
                 self._window = max(1, min(self.settings.window_bytes, ready.max_window_bytes))
