@@ -287,6 +287,9 @@ class EdgeSession:
             deadline = self._clock() + timeout
             while self._peer_closed is None and self._failed is None and self._clock() < deadline:
                 self._cond.wait(0.25)
+            peer_closed = self._peer_closed is not None
+        if peer_closed:  # both closes are out: let the switch end the call cleanly (bounded)
+            self.transport.wait_close_sent(5.0)
         self.transport.shutdown()
         with self._cond:
             if self._failed is None:
