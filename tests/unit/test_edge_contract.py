@@ -141,7 +141,6 @@ def test_credit_is_never_exceeded_with_a_slow_receiver(open_pair: Pair) -> None:
     sender.join(30)
     assert not errors, errors
     assert down.session.max_over_grant_bytes <= 0  # never a byte beyond the absolute credit
-    assert up.session.retransmitted_messages == 0
     close_both(up, down)
 
 

@@ -224,3 +224,18 @@ def test_a_one_way_stage_refuses_a_produce_dtype_its_edge_payload_does_not_decla
         ProgramError, match=r"the edge payload is int64 but produce\(\) returned torch.float32"
     ):
         runner._check_payload(torch.zeros(3))
+
+
+def test_a_reopened_stream_resends_what_is_unacknowledged_without_waiting_for_the_peer() -> None:
+    """The peer's link stayed up, so no notice makes it ask for a replay: the sender resends itself."""
+    edge, transport = sender()
+    transport.take()
+    edge.send_tensor(torch.ones(4), 0, 0)
+    edge.send_tensor(torch.ones(4), 0, 1)
+    original = transport.take()
+    transport.deliver(ack(1, INITIAL_WINDOW_BYTES))  # the peer holds frame 1
+    edge.session.on_down("stream to the switch reset")
+    edge.session.on_ready(relay_pb2.EdgeReady(max_window_bytes=1 << 20, link_up=True))
+    resent = transport.take()
+    assert [m for m in resent if m.HasField("frame")] == original[2:]  # frame 2 only
+    assert [m.ack.resume for m in resent if m.HasField("ack")] == [True]

@@ -287,6 +287,9 @@ class EdgeSession:
             deadline = self._clock() + timeout
             while self._peer_closed is None and self._failed is None and self._clock() < deadline:
                 self._cond.wait(0.25)
+            peer_closed = self._peer_closed is not None
+        if peer_closed:  # both closes are out: let the switch end the call cleanly (bounded)
+            self.transport.wait_close_sent(5.0)
         self.transport.shutdown()
         with self._cond:
             if self._failed is None:
@@ -299,6 +302,12 @@ class EdgeSession:
         with self._cond:
             if self._failed is not None:
                 return
+            if self._ever_ready and self._pointer > self._first_index:
+                # Our stream to the switch was re-opened: what we sent on the broken one may be lost,
+                # and the peer (whose link stayed up) gets no notice that would make it ask for a
+                # replay. Resend everything unacknowledged; the peer ignores what it already holds.
+                self.retransmitted_messages += self._pointer - self._first_index
+                self._pointer = self._first_index
             self._ever_ready = True
             if ready.max_window_bytes:
                 self._window = max(1, min(self.settings.window_bytes, ready.max_window_bytes))
