@@ -35,7 +35,8 @@ class SwitchSettings(ServiceSettings):
         8 << 20,
         ge=64 * 1024,
         description="Largest receive window (bytes) a trainer may grant on a route; the switch holds at "
-        "most this much (+64 KiB for acks and close) per route and direction and closes a route above it.",
+        "most twice this much (a window of replays behind one of originals, +64 KiB for acks and close) "
+        "per route and direction and closes a route above it.",
     )
     unattached_timeout_s: float = Field(
         120.0, gt=0, description="How long a route may buffer items before a local trainer attaches to it."
@@ -44,7 +45,7 @@ class SwitchSettings(ServiceSettings):
         32, ge=1, description="Edges one account may have open on this switch at once."
     )
     max_attached_routes: int = Field(
-        256, ge=1, description="Edges open on this switch at once, all accounts."
+        128, ge=1, description="Edges open on this switch at once, all accounts."
     )
     max_unattached_routes: int = Field(
         256, ge=1, description="Routes the peer may create that no local trainer has attached to yet."

@@ -144,11 +144,6 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
     ) -> None:
         """Read the trainer's items eagerly into the route's buffer toward the peer (never the link)."""
         while not attachment.superseded and route.closed_reason is None:
-            if not route.space.is_set():
-                # Only a trainer older than edge protocol 2 gets here: back-pressure it, it cannot be
-                # trusted with credit it does not know about.
-                await route.space.wait()
-                continue
             message = await context.read()
             if message is grpc.aio.EOF:
                 # A cancelled call (a crash, a kill) also reads as EOF here, before gRPC cancels this

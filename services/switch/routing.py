@@ -19,16 +19,18 @@ Memory bound. Sizes are the contract's wire sizes (``ByteSize()`` of the TensorF
 unit credit is counted in; acks, closes and notices count their EdgeMessage size) of the items a switch
 holds in its own buffers, per route and direction (W = ``max_window_bytes``, S = ``SLACK_BYTES``):
 
-* attached route: at most W + S bytes and ``ATTACHED_MAX_ITEMS`` items toward the trainer, and W + S bytes
-  toward the peer (a protocol-2 trainer sending past that is cheating credit and its route is closed; a
-  trainer that never spoke protocol 2 is back-pressured instead);
+* attached route: at most 2W + S bytes (``REPLAY_FACTOR``: right after a resume or a reconnect a window
+  of replays may sit behind a window of originals) and ``ATTACHED_MAX_ITEMS`` items toward the trainer,
+  and 2W + S bytes toward the peer (a trainer sending past that is cheating credit and its route is
+  closed);
 * route with no attached trainer: at most INITIAL_WINDOW_BYTES + S bytes, ``UNATTACHED_MAX_ITEMS`` items
   and ``unattached_timeout_s`` seconds;
-* per switch: ``max_attached_routes`` x 2 x (W + S) + ``max_unattached_routes`` x (INITIAL_WINDOW_BYTES
+* per switch: ``max_attached_routes`` x 2 x (2W + S) + ``max_unattached_routes`` x (INITIAL_WINDOW_BYTES
   + S), plus ``TOMBSTONES_MAX`` remembered keys, ``CONTROL_MAX`` pending closes and the link's
   HTTP/2 window (``link_window_bytes``) each way (defaults:
-  256 x 2 x 8.06 MiB + 256 x 1.06 MiB = 4.3 GiB worst case; conforming trainers keep at most one
-  window per direction in transit across both switches). Acks are coalesced, one per route and direction.
+  128 x 2 x 16.06 MiB + 256 x 1.06 MiB = 4.3 GiB worst case; conforming trainers keep at most one
+  window per direction in transit across both switches, so a healthy route holds at most W here).
+  Acks are coalesced, one per route and direction.
 
 A route over any bound is closed: an error close naming this switch, the bound and the numbers goes to
 the sender (across the link) and to the local trainer if one is attached, buffered items are dropped,
@@ -58,6 +60,9 @@ ATTACHED_MAX_ITEMS = 65536
 TOMBSTONES_MAX = 4096
 CONTROL_MAX = 4096
 JOB_OWNERS_REMEMBERED = 100_000
+REPLAY_FACTOR = 2
+"""Windows a route may hold per direction: right after a resume or a reconnect the sender replays up to
+one window while originals of the same items may still be buffered here (receivers drop the copies)."""
 """Job ids whose owning account the switch remembers (oldest forgotten first); far above live jobs."""
 
 Record = Callable[..., None]
@@ -76,9 +81,14 @@ class Limits:
     max_window_bytes: int = 8 << 20
     unattached_timeout_s: float = 120.0
     max_routes_per_account: int = 32
-    max_attached_routes: int = 256
+    max_attached_routes: int = 128
     max_unattached_routes: int = 256
     tombstone_s: float = 60.0
+
+    @property
+    def route_bound_bytes(self) -> int:
+        """Bytes one route may hold per direction: a window of replays behind a window of originals."""
+        return REPLAY_FACTOR * self.max_window_bytes + SLACK_BYTES
 
 
 def item_size(message: relay_pb2.EdgeMessage) -> int:
@@ -116,9 +126,6 @@ class Route:
     outbound: deque[tuple[relay_pb2.EdgeMessage, int]] = field(default_factory=deque)
     outbound_bytes: int = 0
     in_ready: bool = False
-    space: asyncio.Event = field(default_factory=asyncio.Event)  # set while outbound is below the window
-    #: The local trainer sent an ack or a signal: it speaks edge protocol 2 (credit, resume).
-    v2: bool = False
     #: Why the switch closed the route itself (None while open).
     closed_reason: str | None = None
 
@@ -231,7 +238,6 @@ class Router:
             return False
         kind = message.WhichOneof("body")
         if kind == "ack":
-            route.v2 = True
             old = self._acks.pop(route.key, None)
             if old is not None:
                 self.buffered_out -= old[1]
@@ -240,22 +246,19 @@ class Router:
             self.buffered_out += merged[1]
             self.outbound_wake.set()
             return True
-        if kind == "signal":
-            route.v2 = True
         size = item_size(message)
         self._push_outbound(route, message, size)
-        bound = self.limits.max_window_bytes + SLACK_BYTES
+        bound = self.limits.route_bound_bytes
         if route.outbound_bytes > bound:
-            if route.v2:
-                self.close_route(
-                    route,
-                    "credit",
-                    f"{route.outbound_bytes} bytes sent by the local trainer are waiting for the link, "
-                    f"above the route's bound of {bound} (max_window_bytes {self.limits.max_window_bytes}"
-                    f" + slack {SLACK_BYTES}): the trainer sent beyond the credit it was granted",
-                )
-                return False
-            route.space.clear()  # a trainer older than edge protocol 2: back-pressure, not a close
+            self.close_route(
+                route,
+                "credit",
+                f"{route.outbound_bytes} bytes sent by the local trainer are waiting for the link, "
+                f"above the route's bound of {bound} ({REPLAY_FACTOR} x max_window_bytes "
+                f"{self.limits.max_window_bytes} + slack {SLACK_BYTES}): the trainer sent beyond the "
+                "credit it was granted",
+            )
+            return False
         return True
 
     def _push_outbound(self, route: Route, message: relay_pb2.EdgeMessage, size: int) -> None:
@@ -353,15 +356,15 @@ class Router:
     def _within_bounds(self, route: Route) -> bool:
         """Close ``route`` if its buffer toward the trainer exceeds a bound; True if it is within."""
         if route.attachment is not None:
-            bound = self.limits.max_window_bytes + SLACK_BYTES
+            bound = self.limits.route_bound_bytes
             if route.inbound_bytes > bound:
                 self.close_route(
                     route,
                     "window",
                     f"{route.inbound_bytes} bytes buffered for the receiving trainer, above the route's "
-                    f"bound of {bound} (max_window_bytes {self.limits.max_window_bytes} + slack "
-                    f"{SLACK_BYTES}): the sender exceeded the credit of the receiver, or the receiver "
-                    "does not read",
+                    f"bound of {bound} ({REPLAY_FACTOR} x max_window_bytes {self.limits.max_window_bytes}"
+                    f" + slack {SLACK_BYTES}): the sender exceeded the credit of the receiver, or the "
+                    "receiver does not read",
                 )
                 return False
             if route.inbound_items > ATTACHED_MAX_ITEMS:
@@ -456,9 +459,7 @@ class Router:
             self._tombstones.popitem(last=False)
 
     def _new_route(self, key: RouteKey) -> Route:
-        route = Route(key=key, created_at=self._clock())
-        route.space.set()
-        return route
+        return Route(key=key, created_at=self._clock())
 
     def _drop_inbound(self, route: Route, keep_close: bool = False) -> None:
         kept: deque[tuple[relay_pb2.EdgeMessage, int]] = deque()
@@ -484,7 +485,6 @@ class Router:
                 route.outbound_bytes -= size
                 self.buffered_out -= size
         route.outbound = kept
-        route.space.set()
         ack = self._acks.pop(route.key, None)
         if ack is not None:
             self.buffered_out -= ack[1]
@@ -510,8 +510,6 @@ class Router:
                 self._ready.append(route)
             else:
                 route.in_ready = False
-            if route.outbound_bytes <= self.limits.max_window_bytes:
-                route.space.set()
             return link_pb2.LinkMessage(
                 routed=link_pb2.RoutedItem(job_id=route.key[0], edge=route.key[1], item=message)
             )
@@ -524,8 +522,7 @@ class Router:
     def link_down(self, reason: str) -> None:
         """The session ended: purge buffers both ways (trainers replay) and tell attached trainers.
 
-        Routes stay attached. A trainer that never spoke edge protocol 2 cannot replay, so its edge
-        is failed with an error close as before; unattached routes are dropped.
+        Routes stay attached; unattached routes are dropped.
         """
         self.link_up = False
         for route in list(self._ready):
@@ -536,22 +533,17 @@ class Router:
                 self._drop_inbound(route)
                 del self._routes[key]
                 continue
-            if route.v2:
-                self._drop_inbound(route, keep_close=True)
-                self._push_inbound(
-                    route, relay_pb2.EdgeMessage(notice=relay_pb2.LinkNotice(up=False, reason=reason))
-                )
-            else:
-                self._push_inbound(
-                    route, relay_pb2.EdgeMessage(close=relay_pb2.EdgeClose(reason=reason, error=True))
-                )
+            self._drop_inbound(route, keep_close=True)
+            self._push_inbound(
+                route, relay_pb2.EdgeMessage(notice=relay_pb2.LinkNotice(up=False, reason=reason))
+            )
         self._acks.clear()
 
     def link_came_up(self) -> None:
-        """A session is up: attached protocol-2 trainers get a notice (and resume with an ack)."""
+        """A session is up: attached trainers get a notice (and resume with an ack)."""
         self.link_up = True
         for route in self._routes.values():
-            if route.attachment is not None and route.v2:
+            if route.attachment is not None:
                 # Items sent during the outage are replayed by the trainer after the peer's resume ack.
                 self._purge_outbound(route)
                 self._push_inbound(route, relay_pb2.EdgeMessage(notice=relay_pb2.LinkNotice(up=True)))

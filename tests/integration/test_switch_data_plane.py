@@ -521,7 +521,7 @@ def test_a_trainer_sending_beyond_its_credit_while_the_link_is_down_is_closed(
         ready = cheater.expect("ready", timeout=20).ready  # at once, although no link is up
         assert not ready.link_up and ready.max_window_bytes == 65536
         cheater.send(ack())
-        for chunk_id in range(1, 10):
+        for chunk_id in range(1, 16):
             cheater.send(frame(chunk_id, payload=16 * 1024))
         close = cheater.expect("close", timeout=20).close
         assert close.error and "bound credit" in close.reason and "switch 'a'" in close.reason, close.reason
