@@ -122,10 +122,11 @@ def test_wan_fault_controls_on_the_running_deployment(heal: LocalDeployment) -> 
     result = CliRunner().invoke(app, ["wan", "status", "--run-dir", str(heal.run_dir)])
     assert result.exit_code == 0 and '"cut": false' in result.output, result.output
 
-    assert heal.wan.reset_connections() >= 1  # the switches' link, RST like a lost NAT entry
-    wait_link(a, up=False)
+    # Cut first, then reset: reset alone lets the dialer redial at once (its backoff starts at 0.2 s).
     result = CliRunner().invoke(app, ["wan", "cut", "--run-dir", str(heal.run_dir)])
     assert result.exit_code == 0 and '"cut": true' in result.output, result.output
+    assert heal.wan.reset_connections() >= 1  # the switches' link, RST like a lost NAT entry
+    wait_link(a, up=False)
     # While cut, the dialer's new connection is accepted but never reaches the peer: the link stays
     # down for a whole observation window (several redial attempts).
     deadline = time.monotonic() + 3.0

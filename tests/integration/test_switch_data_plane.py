@@ -104,9 +104,13 @@ def switch_pair(
     pki: PkiLayout,
     clusters: dict[str, Cluster],
     shape: LinkShape | None = None,
+    a_overrides: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> Iterator[Pair]:
-    """Switch b accepting, switch a dialing it (through a WAN emulator of ``shape`` if given)."""
+    """Switch b accepting, switch a dialing it (through a WAN emulator of ``shape`` if given).
+
+    ``overrides`` are settings of both switches; ``a_overrides`` replace some of them for switch a only.
+    """
     b = SwitchThread(
         switch_settings(tmp_path, pki, "b", "a", clusters["b"].auth.address, link_role="accept", **overrides)
     )
@@ -125,7 +129,7 @@ def switch_pair(
                 clusters["a"].auth.address,
                 link_role="dial",
                 peer_address=f"127.0.0.1:{wan_port}",
-                **overrides,
+                **{**overrides, **(a_overrides or {})},
             )
         )
         try:
@@ -338,7 +342,11 @@ def test_a_receiver_that_never_reads_is_closed_without_delaying_another_route(
     tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster]
 ) -> None:
     with (
-        switch_pair(tmp_path, pki_ab, clusters, max_window_bytes=1 << 20) as pair,
+        # The bound under test is the receiving switch's: the sending switch's own (which a burst of
+        # this credit-ignoring client could trip first) is set far above the 30 MiB sent.
+        switch_pair(
+            tmp_path, pki_ab, clusters, max_window_bytes=1 << 20, a_overrides={"max_window_bytes": 64 << 20}
+        ) as pair,
         edge_pair(pair, clusters, "alice", "healthy") as (ha, hb),
     ):
         healthy = Stream(ha, hb)
