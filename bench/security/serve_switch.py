@@ -30,7 +30,7 @@ async def serve(work: Path, wan_listen: str) -> None:
     password.write_text(secrets.token_urlsafe(16))
     auth = await start_service(
         AUTH_SERVICE,
-        AuthSettings(cluster_id="b", data_dir=work / "auth", admin_password_file=password, metrics_port=-1)
+        AuthSettings(cluster_id="b", data_dir=work / "auth", admin_password_file=password, metrics_port=-1),
     )
     try:
         switch = await start_service(
@@ -46,7 +46,7 @@ async def serve(work: Path, wan_listen: str) -> None:
                 auth_address=f"127.0.0.1:{auth.ports['grpc_port']}",
                 data_dir=work / "switch",
                 metrics_port=-1,
-            )
+            ),
         )
         try:
             a = layout.cluster("a")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -11,7 +12,11 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from nebula_common.errors import NebulaError
 from nebula_common.launcher import LocalDeployment
+from nebula_common.launcher.local import running_deployment_pid
+from nebula_common.launcher.process import ServiceStartError
+from nebula_common.launcher.supervisor import RestartPolicy
 
 app = typer.Typer(help="Run simulated clusters locally.", no_args_is_help=True)
 console = Console()
@@ -21,17 +26,49 @@ def default_run_dir(kind: str) -> Path:
     return Path("runs") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _print_event(event: dict) -> None:
+    name, what, detail = event["service"], event["event"], event["detail"]
+    if what == "crash-loop":
+        console.print(f"[bold red]{name} is crash-looping and was given up on[/]: {detail}")
+    elif what == "died":
+        console.print(f"[yellow]{name} died[/] ({detail})")
+    elif what == "restarted":
+        console.print(f"[green]{name} restarted[/] (restart {event['restarts']}, {detail})")
+    else:
+        console.print(f"[red]{name}: {what}[/] {detail}")
+
+
 @app.command("up")
 def up(
-    run_dir: Path = typer.Option(None, help="Where PKI, data and logs go (default runs/local-<time>)."),
+    run_dir: Path = typer.Option(
+        None, help="Where PKI, data and logs go (default runs/local-<time>); an existing one is reused."
+    ),
     bandwidth_mbit: float = typer.Option(60.0, min=0.001, help="Emulated WAN bandwidth per direction."),
     delay_ms: float = typer.Option(20.0, min=0.0, help="Emulated one-way WAN delay."),
+    max_restarts: int = typer.Option(
+        5, min=0, help="Give up on a service that dies more often than this within a minute."
+    ),
 ) -> None:
-    """Start clusters a and b (auth, codec, switch, trainer each) with the WAN emulator between switches."""
+    """Start clusters a and b (auth, codec, data, switch, trainer each) and the WAN emulator between them.
+
+    A service that dies is restarted on the same ports (capped exponential backoff); one that keeps
+    dying is given up on and reported while the rest keep running. Ctrl-C stops everything.
+    """
     run_dir = run_dir or default_run_dir("local")
-    deployment = LocalDeployment(run_dir=run_dir, bandwidth_mbit=bandwidth_mbit, delay_ms=delay_ms)
-    console.print(f"starting two clusters in [bold]{run_dir}[/] ...")
-    deployment.start()
+    deployment = LocalDeployment(
+        run_dir=run_dir,
+        bandwidth_mbit=bandwidth_mbit,
+        delay_ms=delay_ms,
+        restart_policy=RestartPolicy(max_restarts=max_restarts),
+        on_event=_print_event,
+    )
+    reused = " (reusing its secrets, accounts and data)" if (run_dir / "pki").exists() else ""
+    console.print(f"starting two clusters in [bold]{run_dir}[/]{reused} ...")
+    try:
+        deployment.start()
+    except (NebulaError, ServiceStartError) as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(1) from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -41,18 +78,36 @@ def up(
         console.print_json(json.dumps(description))
         console.print(
             f"[green]up[/]: PKI in {deployment.pki_dir}, logs in {deployment.log_dir}; "
-            f"description in {run_dir / 'deployment.json'}. Ctrl-C stops everything."
+            f"description in {run_dir / 'deployment.json'}. Dead services are restarted. WAN faults: "
+            f"`nebula wan cut|restore|reset --run-dir {run_dir}`. Ctrl-C (or `nebula local down "
+            f"--run-dir {run_dir}`) stops everything."
         )
-        while not stop.wait(1.0):
-            dead = [
-                p.name
-                for s in deployment.cluster_state.values()
-                for p in s.processes()
-                if p.popen.poll() is not None
-            ]
-            if dead:
-                console.print(f"[red]process(es) exited: {', '.join(dead)}; see {deployment.log_dir}[/]")
-                raise typer.Exit(1)
+        supervisor = deployment.supervisor
+        seen = supervisor.generation if supervisor is not None else 0
+        while not stop.wait(0.5):
+            if supervisor is not None and supervisor.generation != seen:
+                seen = supervisor.generation
+                deployment.write_description(run_dir / "deployment.json")  # new pids, restart counts
     finally:
         console.print("stopping ...")
         deployment.stop()
+
+
+@app.command("down")
+def down(
+    run_dir: Path = typer.Option(..., help="Run directory of the running `nebula local up`."),
+    timeout: float = typer.Option(90.0, min=1.0, help="Seconds to wait for everything to stop."),
+) -> None:
+    """Stop the `nebula local up` running on RUN_DIR (as Ctrl-C would: every process, no restarts)."""
+    pid = running_deployment_pid(run_dir)
+    if pid is None:
+        typer.echo(f"no deployment is running in {run_dir}")
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while running_deployment_pid(run_dir) is not None:
+        if time.monotonic() > deadline:
+            typer.echo(f"Error: `nebula local up` (pid {pid}) still running after {timeout:.0f}s", err=True)
+            raise typer.Exit(1)
+        time.sleep(0.2)
+    typer.echo(f"stopped the deployment in {run_dir} (pid {pid})")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
+from nebula_common.wan.control import WanControl, WanControlError, control_attacher, read_token
 from nebula_common.wan.emulator import LinkShape, parse_address, run_emulator_forever
 
 app = typer.Typer(help="Emulated WAN link between two switches.", no_args_is_help=True)
@@ -66,17 +69,115 @@ def emulate(
     delay_ms: Annotated[
         float, typer.Option(help="One-way propagation delay, ms.", callback=_check_delay)
     ] = 20.0,
+    control: Annotated[
+        str | None,
+        typer.Option(
+            help="HOST:PORT (loopback) of a control port for `nebula wan cut|restore|reset|status`.",
+            callback=lambda v: _check_listen(v) if v is not None else None,
+        ),
+    ] = None,
+    control_token_file: Annotated[
+        Path | None, typer.Option(help="File holding the token control requests must carry.")
+    ] = None,
 ) -> None:
     """Forward LISTEN to TARGET through a shaped link until interrupted (Ctrl-C / SIGTERM)."""
     shape = LinkShape(bandwidth_mbit=bandwidth_mbit, delay_ms=delay_ms)
+    attach = None
+    if control is not None:
+        try:
+            token = read_token(control_token_file) if control_token_file is not None else None
+        except WanControlError as exc:
+            typer.echo(f"Error: {exc}", err=True)
+            raise typer.Exit(code=2) from None
+        attach = control_attacher(control, token)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     typer.echo(
         f"Emulating WAN link {listen} -> {target}: {bandwidth_mbit:g} Mbit/s and {delay_ms:g} ms "
         "one-way delay in each direction (Ctrl-C to stop)"
     )
     try:
-        run_emulator_forever(target=target, listen=listen, shape=shape)
+        run_emulator_forever(target=target, listen=listen, shape=shape, attach=attach)
     except OSError as exc:
         # Target problems are per-connection and only logged, so an OSError here means the bind failed.
         typer.echo(f"Error: cannot listen on {listen}: {exc}", err=True)
         raise typer.Exit(code=1) from None
+
+
+RunDirOption = Annotated[
+    Path | None,
+    typer.Option(help="Run directory of a running `nebula local up` (reads its deployment.json)."),
+]
+ControlOption = Annotated[
+    str | None, typer.Option(help="HOST:PORT of an emulator's control port (instead of --run-dir).")
+]
+TokenFileOption = Annotated[Path | None, typer.Option(help="Control token file (with --control).")]
+
+
+def _control(run_dir: Path | None, control: str | None, token_file: Path | None) -> WanControl:
+    """The control client for a running deployment's emulator, or for an explicit control port."""
+    if (run_dir is None) == (control is None):
+        raise WanControlError("give exactly one of --run-dir (a running `nebula local up`) or --control")
+    if control is not None:
+        return WanControl.from_token_file(control, token_file)
+    assert run_dir is not None
+    description = run_dir / "deployment.json"
+    try:
+        wan = json.loads(description.read_text())["wan_emulator"]
+        address, token_path = wan["control"], wan.get("control_token_file")
+    except FileNotFoundError:
+        raise WanControlError(
+            f"{description} not found: is `nebula local up --run-dir {run_dir}` running?"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise WanControlError(f"{description} names no WAN emulator control port ({exc!r})") from None
+    return WanControl.from_token_file(address, Path(token_path) if token_path else None)
+
+
+def _run(action: str, run_dir: Path | None, control: str | None, token_file: Path | None) -> None:
+    try:
+        client = _control(run_dir, control, token_file)
+        result: Any
+        if action == "cut":
+            result = client.cut()
+        elif action == "restore":
+            result = client.restore()
+        elif action == "reset":
+            result = {"reset": client.reset_connections(), **client.status()}
+        else:
+            result = client.status()
+    except WanControlError as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(code=1) from None
+    typer.echo(json.dumps(result, indent=2))
+
+
+@app.command()
+def cut(
+    run_dir: RunDirOption = None, control: ControlOption = None, token_file: TokenFileOption = None
+) -> None:
+    """Cut the emulated WAN both ways: connections stay open, nothing passes, until `restore`."""
+    _run("cut", run_dir, control, token_file)
+
+
+@app.command()
+def restore(
+    run_dir: RunDirOption = None, control: ControlOption = None, token_file: TokenFileOption = None
+) -> None:
+    """End a cut: held bytes and held connections continue."""
+    _run("restore", run_dir, control, token_file)
+
+
+@app.command()
+def reset(
+    run_dir: RunDirOption = None, control: ControlOption = None, token_file: TokenFileOption = None
+) -> None:
+    """RST every connection the emulator carries (a middlebox losing its state); it keeps listening."""
+    _run("reset", run_dir, control, token_file)
+
+
+@app.command()
+def status(
+    run_dir: RunDirOption = None, control: ControlOption = None, token_file: TokenFileOption = None
+) -> None:
+    """Whether the emulated link is cut, its connections and byte counters (JSON)."""
+    _run("status", run_dir, control, token_file)

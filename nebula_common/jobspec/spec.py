@@ -27,7 +27,6 @@ UPSTREAM_FUNCTIONS = ("build", "load_examples", "collate")
 DOWNSTREAM_FUNCTIONS = ("build", "load_examples", "collate", "loss")
 # One-way edges (ELECTRA): the upstream stage trains on its own loss and sends what it produced.
 ONE_WAY_UPSTREAM_FUNCTIONS = ("build", "load_examples", "collate", "produce")
-MAX_EXACT_ID = 1 << 24  # int64 payloads travel as float32, exact below 2**24
 
 
 def required_functions(role: str, mode: str) -> tuple[str, ...]:
@@ -146,7 +145,7 @@ class EdgeDecl(_Strict):
     payload: Literal["float", "int64"] = Field(
         "float",
         description="What the upstream stage sends: float activations, or int64 ids (token ids, "
-        "one_way mode only; carried exactly as float32 while every id is below 2**24).",
+        "one_way mode only; carried exactly as int64 bytes, whatever the float codec).",
     )
 
     @property

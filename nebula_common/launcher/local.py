@@ -12,24 +12,44 @@ under mutual TLS. The layout of the run directory:
     <run>/<cluster>/data/      the data service: accounts/<owner>/{datasets,inbox}, audit log
     <run>/<cluster>/trainer/   the trainer's data dir (stage checkpoints)
     <run>/logs/<svc>-<cluster>.log   JSON logs of each process
+    <run>/logs/supervisor.jsonl      one JSON line per service death, restart or crash loop
+    <run>/wan-control-token          token for the WAN emulator's control port (0600)
+
+Starting again on an existing run directory reuses everything in it (PKI, admin passwords, accounts,
+signing keys, audit keys, datasets, checkpoints) and overwrites nothing; a partial or corrupt run
+directory is refused with a message naming the file (see ``check_run_dir``). One deployment at a time
+per run directory (a lock file). While it is up, a supervisor restarts any process that dies, on the
+same ports (``nebula_common/launcher/supervisor.py``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import secrets
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.durable import atomic_write
 from nebula_common.errors import NebulaError
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command, wait_healthy
+from nebula_common.launcher.supervisor import RestartPolicy, Supervisor
 from nebula_common.pki import init_pki
+from nebula_common.pki.store import PkiError
+from nebula_common.wan.control import WanControl
 
 LOOPBACK = "127.0.0.1"
+LOCK_FILE = ".nebula-local.lock"
+CONTROL_TOKEN_FILE = "wan-control-token"
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+# Ready-line port -> the setting that binds it, so a restarted service comes back on the same port.
+_LISTEN_PINS = {"grpc_port": "LISTEN", "metrics_port": "METRICS_PORT"}
+_SWITCH_PINS = {"internal_port": "INTERNAL_LISTEN", "wan_port": "WAN_LISTEN", "metrics_port": "METRICS_PORT"}
 
 
 class LocalDeploymentError(NebulaError):
@@ -42,9 +62,96 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def check_run_dir(run_dir: Path, clusters: tuple[str, ...]) -> dict[str, str | None]:
+    """Check an existing run directory before anything is started or written.
+
+    Returns each cluster's admin password to reuse (None: none yet, a new one is made). Raises
+    LocalDeploymentError naming the file when the directory is partial or corrupt, e.g. an account
+    database whose admin password file is gone (a new password would not match the stored hash).
+    """
+    if run_dir.exists() and not run_dir.is_dir():
+        raise LocalDeploymentError(f"run directory {run_dir} exists and is not a directory")
+    passwords: dict[str, str | None] = {}
+    for cluster in clusters:
+        password_file = run_dir / cluster / "admin-password"
+        database = run_dir / cluster / "auth" / "accounts.db"
+        if database.exists():
+            try:
+                with database.open("rb") as db:
+                    head = db.read(len(_SQLITE_MAGIC))
+            except OSError as exc:
+                raise LocalDeploymentError(f"cannot read {database}: {exc.strerror or exc}") from None
+            if head and head != _SQLITE_MAGIC:
+                raise LocalDeploymentError(
+                    f"{database} is not a SQLite database (corrupt run directory); "
+                    "restore it from a backup or start in a new --run-dir"
+                )
+        if password_file.exists() or password_file.is_symlink():
+            if not password_file.is_file():
+                raise LocalDeploymentError(f"{password_file} is not a regular file")
+            try:
+                password = password_file.read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise LocalDeploymentError(f"cannot read {password_file}: {exc}") from None
+            if not password:
+                raise LocalDeploymentError(
+                    f"{password_file} is empty; the admin's password is lost. Restore the file or start "
+                    "in a new --run-dir (nothing was changed)"
+                )
+            passwords[cluster] = password
+        elif database.exists():
+            raise LocalDeploymentError(
+                f"{password_file} is missing but cluster {cluster!r} already has accounts ({database}); "
+                "a new admin password would not match the stored one. Restore the file or start in a "
+                "new --run-dir (nothing was changed)"
+            )
+        else:
+            passwords[cluster] = None
+    return passwords
+
+
+def _lock_run_dir(run_dir: Path) -> IO[str]:
+    """Hold an exclusive lock on the run directory for the deployment's life (one `up` per dir)."""
+    handle = (run_dir / LOCK_FILE).open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise LocalDeploymentError(
+            f"run directory {run_dir} is in use by another deployment (pid {holder}); stop it first"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def running_deployment_pid(run_dir: Path) -> int | None:
+    """The pid of the `nebula local up` holding ``run_dir``'s lock, or None if none holds it."""
+    path = run_dir / LOCK_FILE
+    if not path.exists():
+        return None
+    with path.open("r", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            text = handle.read().strip()
+            return int(text) if text.isdigit() else None
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return None
+
+
 def _write_secret(path: Path, value: str) -> None:
     """Write a secret file readable by its owner only (0600 even if the file already existed)."""
     atomic_write(path, value.encode(), mode=0o600)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex((LOOPBACK, port)) == 0
 
 
 @dataclass
@@ -71,6 +178,25 @@ class LocalDeployment:
     cluster_state: dict[str, ClusterProcesses] = field(default_factory=dict)
     emulator: ServiceProcess | None = None
     emulator_port: int = 0
+    control_port: int = 0
+    # Restart dead processes while up (None: the default policy). supervise=False turns it off.
+    supervise: bool = True
+    restart_policy: RestartPolicy | None = None
+    on_event: Callable[[dict[str, Any]], None] | None = None
+    supervisor: Supervisor | None = None
+    _lock: IO[str] | None = None
+    _passwords: dict[str, str | None] = field(default_factory=dict)
+
+    @property
+    def control_token_file(self) -> Path:
+        return self.run_dir / CONTROL_TOKEN_FILE
+
+    @property
+    def wan(self) -> WanControl:
+        """Fault controls of the running WAN emulator: ``cut()``, ``restore()``, ``reset_connections()``."""
+        if not self.control_port:
+            raise LocalDeploymentError("the WAN emulator is not running")
+        return WanControl.from_token_file(f"{LOOPBACK}:{self.control_port}", self.control_token_file)
 
     @property
     def pki_dir(self) -> Path:
@@ -90,9 +216,21 @@ class LocalDeployment:
     def start(self) -> None:
         if len(set(self.clusters)) != 2:
             raise LocalDeploymentError(f"need two distinct cluster ids, got {self.clusters}")
+        self._passwords = check_run_dir(self.run_dir, self.clusters)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.log_dir.mkdir(exist_ok=True)
-        layout = init_pki(self.pki_dir, list(self.clusters))
+        self._lock = _lock_run_dir(self.run_dir)
+        try:
+            self._passwords = check_run_dir(self.run_dir, self.clusters)  # again, now under the lock
+            self.log_dir.mkdir(exist_ok=True)
+            try:
+                layout = init_pki(self.pki_dir, list(self.clusters))
+            except PkiError as exc:
+                raise LocalDeploymentError(f"PKI in {self.pki_dir}: {exc}") from None
+            if not self.control_token_file.exists():
+                _write_secret(self.control_token_file, secrets.token_urlsafe(24))
+        except BaseException:
+            self._release_lock()
+            raise
         try:
             for cluster in self.clusters:
                 self._start_cluster_services(cluster)
@@ -100,7 +238,9 @@ class LocalDeployment:
             # The acceptor's WAN port must exist before the emulator can forward to it.
             self._start_switch(acceptor, layout, peer_address=None)
             self.emulator_port = free_port()
+            self.control_port = free_port()
             acceptor_wan = self.cluster_state[acceptor].switch.info["wan_port"]  # type: ignore[union-attr]
+            emulator_port = self.emulator_port
             self.emulator = ServiceProcess(
                 name="wan-emulator",
                 command=console_command(
@@ -115,25 +255,58 @@ class LocalDeployment:
                     str(self.bandwidth_mbit),
                     "--delay-ms",
                     str(self.delay_ms),
+                    "--control",
+                    f"{LOOPBACK}:{self.control_port}",
+                    "--control-token-file",
+                    str(self.control_token_file),
                 ),
                 env={},
                 log_dir=self.log_dir,
+                ready_probe=lambda: _listening(emulator_port),
             )
             self.emulator.start()
             self._wait_listening(self.emulator, self.emulator_port)
+            self._wait_listening(self.emulator, self.control_port)
             self._start_switch(dialer, layout, peer_address=f"{LOOPBACK}:{self.emulator_port}")
             for cluster in self.clusters:
                 self._start_trainer(cluster)
+            if self.supervise:
+                self.supervisor = Supervisor(
+                    self.all_processes(),
+                    self.restart_policy,
+                    event_log=self.log_dir / "supervisor.jsonl",
+                    on_event=self.on_event,
+                )
+                self.supervisor.start()
         except BaseException:
             self.stop()
             raise
 
+    def all_processes(self) -> list[ServiceProcess]:
+        """Every process of the deployment, the WAN emulator included."""
+        processes = [p for state in self.cluster_state.values() for p in state.processes()]
+        return processes + ([self.emulator] if self.emulator is not None else [])
+
+    def process(self, name: str) -> ServiceProcess:
+        """A process by name: ``auth-a``, ``switch-b``, ``wan-emulator``, ..."""
+        for process in self.all_processes():
+            if process.name == name:
+                return process
+        raise LocalDeploymentError(f"no process named {name!r}")
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the descriptor releases the flock
+            self._lock = None
+
     def _start_cluster_services(self, cluster: str) -> None:
-        password = secrets.token_urlsafe(18)
         cluster_dir = self.run_dir / cluster
         (cluster_dir / "auth").mkdir(parents=True, exist_ok=True)
         password_file = cluster_dir / "admin-password"
-        _write_secret(password_file, password)
+        password = self._passwords.get(cluster)
+        if password is None:  # a new cluster; an existing password file is never rewritten
+            password = secrets.token_urlsafe(18)
+            _write_secret(password_file, password)
         state = ClusterProcesses(cluster_id=cluster, admin_password=password)
         self.cluster_state[cluster] = state
         common = {"LOG_LEVEL": self.log_level}
@@ -148,6 +321,7 @@ class LocalDeployment:
                 "DATA_DIR": str(cluster_dir / "auth"),
                 "ADMIN_PASSWORD_FILE": str(password_file),
             },
+            _LISTEN_PINS,
         )
         wait_healthy(self.address(state.auth), "nebula.v1.Auth")
         # Codec and data check tokens with auth's keys, fetched at start-up, so they follow auth.
@@ -156,6 +330,7 @@ class LocalDeployment:
             "services.codec",
             "NEBULA_CODEC_",
             {**common, "CLUSTER_ID": cluster, "AUTH_ADDRESS": self.address(state.auth)},
+            _LISTEN_PINS,
         )
         wait_healthy(self.address(state.codec), "nebula.v1.Codec")
         state.data = self._launch(
@@ -169,6 +344,7 @@ class LocalDeployment:
                 "AUTH_ADDRESS": self.address(state.auth),
                 "DATA_DIR": str(cluster_dir / "data"),
             },
+            _LISTEN_PINS,
         )
         wait_healthy(self.address(state.data), "nebula.v1.Data")
 
@@ -194,7 +370,9 @@ class LocalDeployment:
         }
         if peer_address is not None:
             env["PEER_ADDRESS"] = peer_address
-        state.switch = self._launch(f"switch-{cluster}", "services.switch", "NEBULA_SWITCH_", env)
+        state.switch = self._launch(
+            f"switch-{cluster}", "services.switch", "NEBULA_SWITCH_", env, _SWITCH_PINS
+        )
         wait_healthy(f"{LOOPBACK}:{state.switch.info['internal_port']}", "nebula.v1.Relay")
 
     def _start_trainer(self, cluster: str) -> None:
@@ -212,10 +390,13 @@ class LocalDeployment:
                 "DATA_DIR": str(self.run_dir / cluster / "trainer"),
                 "DATA_SERVICE_ADDRESS": self.data_address(cluster),
             },
+            _LISTEN_PINS,
         )
         wait_healthy(self.address(state.trainer), "nebula.v1.Trainer")
 
-    def _launch(self, name: str, module: str, prefix: str, settings: dict[str, str]) -> ServiceProcess:
+    def _launch(
+        self, name: str, module: str, prefix: str, settings: dict[str, str], pins: dict[str, str]
+    ) -> ServiceProcess:
         process = ServiceProcess(
             name=name,
             command=console_command(module),
@@ -223,7 +404,17 @@ class LocalDeployment:
             log_dir=self.log_dir,
         )
         process.start()
-        process.wait_ready()
+        try:
+            info = process.wait_ready()
+        except BaseException:  # not yet in cluster_state, so stop() would not know it
+            process.stop()
+            raise
+        # Pin the ports it picked, so a restart binds the same ones and its peers find it again.
+        for key, setting in pins.items():
+            port = info.get(key)
+            if isinstance(port, int) and port > 0:
+                value = str(port) if setting == "METRICS_PORT" else f"{LOOPBACK}:{port}"
+                process.env[prefix + setting] = value
         return process
 
     @staticmethod
@@ -267,29 +458,49 @@ class LocalDeployment:
         )
 
     def describe(self) -> dict[str, Any]:
-        """Everything an operator needs to poke at the running deployment."""
+        """Everything an operator needs to poke at the running deployment (pids, restarts, ports)."""
+        supervision = self.supervisor.status() if self.supervisor is not None else {}
+
+        def entry(p: ServiceProcess) -> dict[str, Any]:
+            status = supervision.get(p.name, {"state": "running", "restarts": 0, "last_exit": None})
+            return {**p.info, "pid": p.pid, **status}
+
         clusters = {}
         for cluster, state in self.cluster_state.items():
             clusters[cluster] = {
-                "processes": {
-                    p.name: {**p.info, "pid": p.popen.pid if p.popen else None} for p in state.processes()
-                },
+                "processes": {p.name: entry(p) for p in state.processes()},
                 "admin_password_file": str(self.run_dir / cluster / "admin-password"),
             }
+        emulator = entry(self.emulator) if self.emulator is not None else {}
         return {
             "run_dir": str(self.run_dir),
             "pki_dir": str(self.pki_dir),
             "log_dir": str(self.log_dir),
+            "supervisor_log": str(self.log_dir / "supervisor.jsonl"),
             "wan_emulator": {
                 "port": self.emulator_port,
                 "bandwidth_mbit": self.bandwidth_mbit,
                 "delay_ms": self.delay_ms,
+                "control": f"{LOOPBACK}:{self.control_port}",
+                "control_token_file": str(self.control_token_file),
+                "pid": emulator.get("pid"),
+                "state": emulator.get("state"),
+                "restarts": emulator.get("restarts", 0),
             },
             "clusters": clusters,
         }
 
     def stop(self) -> None:
-        """Stop trainers first (they close their edges), then switches, emulator, codec, auth."""
+        """Stop trainers first (they close their edges), then switches, emulator, codec, auth.
+
+        The supervisor stops first and every process is marked unwanted before any is signalled,
+        so nothing is restarted while the deployment goes down.
+        """
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        for process in self.all_processes():
+            with process.lock:
+                process.wanted = False
         order: list[ServiceProcess] = []
         for attr in ("trainer", "switch"):
             order += [getattr(s, attr) for s in self.cluster_state.values() if getattr(s, attr) is not None]
@@ -297,8 +508,11 @@ class LocalDeployment:
             order.append(self.emulator)
         for attr in ("data", "codec", "auth"):
             order += [getattr(s, attr) for s in self.cluster_state.values() if getattr(s, attr) is not None]
-        for process in order:
-            process.stop()
+        try:
+            for process in order:
+                process.stop()
+        finally:
+            self._release_lock()
 
     def write_description(self, path: Path) -> None:
-        path.write_text(json.dumps(self.describe(), indent=2))
+        atomic_write(path, json.dumps(self.describe(), indent=2).encode(), mode=0o644)

@@ -7,7 +7,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,16 @@ class ServiceProcess:
     log_dir: Path
     popen: subprocess.Popen[bytes] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    # False once stop() was asked for: a supervisor must not restart a process stopped on purpose.
+    # ``lock`` makes "is it dead, and was that wanted?" one question (see Supervisor).
+    wanted: bool = False
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    # For a process that prints no JSON ports line (the WAN emulator): True once it is ready.
+    ready_probe: Callable[[], bool] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen is not None else None
 
     @property
     def stdout_path(self) -> Path:
@@ -41,7 +53,7 @@ class ServiceProcess:
 
     def start(self) -> None:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
-        with open(self.stdout_path, "wb") as out, open(self.log_path, "ab") as err:
+        with self.lock, open(self.stdout_path, "wb") as out, open(self.log_path, "ab") as err:
             self.popen = subprocess.Popen(
                 self.command,
                 env=env,
@@ -50,6 +62,17 @@ class ServiceProcess:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
+            self.wanted = True
+
+    def poll_ready(self) -> dict[str, Any] | None:
+        """The ports line if the process has written it (non-blocking), else None."""
+        if self.ready_probe is not None:
+            return self.info if self.ready_probe() else None
+        text = self.stdout_path.read_text() if self.stdout_path.exists() else ""
+        if not text.endswith("\n"):
+            return None
+        self.info = json.loads(text.splitlines()[0])
+        return self.info
 
     def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
         """Wait for the JSON line announcing the ports; fail fast if the process dies."""
@@ -60,10 +83,9 @@ class ServiceProcess:
                     f"{self.name} exited with code {self.popen.returncode} during start-up; "
                     f"last log lines:\n{self.tail()}"
                 )
-            text = self.stdout_path.read_text() if self.stdout_path.exists() else ""
-            if text.endswith("\n"):
-                self.info = json.loads(text.splitlines()[0])
-                return self.info
+            info = self.poll_ready()
+            if info is not None:
+                return info
             time.sleep(0.05)
         raise ServiceStartError(f"{self.name} did not report its ports within {timeout:.0f}s:\n{self.tail()}")
 
@@ -73,10 +95,12 @@ class ServiceProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM for a graceful drain, SIGKILL if it does not exit in time."""
-        if self.popen is None or self.popen.poll() is not None:
-            return None if self.popen is None else self.popen.returncode
-        self.popen.send_signal(signal.SIGTERM)
+        """SIGTERM for a graceful drain, SIGKILL if it does not exit in time (never restarted)."""
+        with self.lock:
+            self.wanted = False
+            if self.popen is None or self.popen.poll() is not None:
+                return None if self.popen is None else self.popen.returncode
+            self.popen.send_signal(signal.SIGTERM)
         try:
             return self.popen.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -20,4 +20,3 @@ def bearer_token_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | Non
                 token = text[len(BEARER_PREFIX) :].strip()
                 return token or None
     return None
-

@@ -4,6 +4,22 @@ Nebula's whole point is training across clusters joined by thin, long links, so 
 switch gateways must be tested against a link with realistic bandwidth and latency. Kernel
 tools (``tc netem``) need root and are per-interface; this proxy needs neither and shapes
 each direction of each connection independently, the way a full-duplex WAN circuit does.
+
+Fault controls, so link faults are scripted and repeatable (``nebula wan cut|restore|reset``):
+
+- ``cut()``: the path goes dark both ways. Connections stay open and nothing passes: the proxy stops
+  reading (so the senders' kernel buffers fill and TCP back-pressure stops them, as unacknowledged
+  segments would) and stops delivering what it already holds. Bytes in flight are *held*, not dropped:
+  the proxy terminates TCP on both sides, so a dropped byte could never be retransmitted and would
+  corrupt the (TLS) stream, whereas on a real cut TCP retransmits every lost segment once the path is
+  back. New connections are accepted but pass nothing, and the far end is not even dialled (on a real
+  cut the SYN would not arrive either) until the path returns. A connection whose endpoints give up
+  during the cut (keepalive timeout) dies from their side, as it would on a real WAN.
+- ``restore()``: held bytes continue, each no earlier than one propagation delay after the restore;
+  held connections dial the far end.
+- ``reset_connections()``: every connection the proxy carries is aborted with a TCP RST on both
+  sides, like a NAT or middlebox that lost its state; the listener stays up, so endpoints may
+  reconnect at once (unless the path is cut).
 """
 
 from __future__ import annotations
@@ -18,7 +34,7 @@ import numbers
 import signal
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -114,6 +130,31 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
+class _LinkState:
+    """Whether the emulated path is up; every direction of every connection waits on it."""
+
+    def __init__(self) -> None:
+        self._up = asyncio.Event()
+        self._up.set()
+        self.restored_at = 0.0
+
+    @property
+    def up(self) -> bool:
+        return self._up.is_set()
+
+    def cut(self) -> None:
+        self._up.clear()
+
+    def restore(self) -> None:
+        if not self._up.is_set():
+            self.restored_at = asyncio.get_running_loop().time()
+            self._up.set()
+
+    async def wait_up(self) -> None:
+        if not self._up.is_set():
+            await self._up.wait()
+
+
 class _Direction:
     """Shapes one half of a connection: a reader stamps chunks, a writer releases them on time."""
 
@@ -123,6 +164,7 @@ class _Direction:
         dst: asyncio.StreamWriter,
         shape: LinkShape,
         on_delivered: Callable[[int], None],
+        link: _LinkState,
     ) -> None:
         self._src = src
         self._dst = dst
@@ -130,6 +172,7 @@ class _Direction:
         self._delay_s = shape.delay_s
         self._limit = shape.queue_limit_bytes
         self._on_delivered = on_delivered
+        self._link = link
         self._queue: asyncio.Queue[tuple[float, bytes | None]] = asyncio.Queue()
         self._in_flight = 0
         self._room = asyncio.Event()
@@ -144,7 +187,11 @@ class _Direction:
             while self._in_flight + _CHUNK_BYTES > self._limit:
                 self._room.clear()
                 await self._room.wait()
+            # While the path is cut nothing is read, so the sender's kernel buffers fill up.
+            await self._link.wait_up()
             chunk = await self._src.read(_CHUNK_BYTES)
+            # A chunk read just before a cut departs once the path is back.
+            await self._link.wait_up()
             start = max(loop.time(), self._last_depart)
             if not chunk:
                 # EOF travels the wire behind the data, so it too waits out the propagation delay.
@@ -158,9 +205,15 @@ class _Direction:
         loop = asyncio.get_running_loop()
         while True:
             deliver_at, chunk = await self._queue.get()
-            wait = deliver_at - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
+            while True:
+                wait = deliver_at - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if self._link.up:
+                    break
+                # Held during a cut: it arrives no earlier than one propagation delay after the restore.
+                await self._link.wait_up()
+                deliver_at = max(deliver_at, self._link.restored_at + self._delay_s)
             if self._dst.is_closing():
                 raise ConnectionResetError("peer connection closed while data was in flight")
             if chunk is None:
@@ -199,6 +252,10 @@ class WanEmulator:
         self._bytes_upstream = 0
         self._bytes_downstream = 0
         self._connections_total = 0
+        self._link: _LinkState | None = None
+        self._cut_requested = False
+        self._cuts_total = 0
+        self._resets_total = 0
 
     @property
     def port(self) -> int:
@@ -220,9 +277,83 @@ class WanEmulator:
         """Client connections accepted, including ones whose target could not be reached."""
         return self._connections_total
 
+    @property
+    def is_cut(self) -> bool:
+        """True between ``cut()`` and ``restore()``."""
+        return self._cut_requested
+
+    @property
+    def connections_open(self) -> int:
+        """Client connections the proxy currently carries (including ones held by a cut)."""
+        return len(self._tasks)
+
+    @property
+    def cuts_total(self) -> int:
+        return self._cuts_total
+
+    @property
+    def resets_total(self) -> int:
+        """Connections aborted by ``reset_connections()`` so far."""
+        return self._resets_total
+
+    def _link_state(self) -> _LinkState:
+        # Created lazily inside the running loop (asyncio primitives bind to it on first use).
+        if self._link is None:
+            self._link = _LinkState()
+            if self._cut_requested:
+                self._link.cut()
+        return self._link
+
+    def cut(self) -> None:
+        """Stop forwarding both ways: connections stay open, nothing passes (see the module doc)."""
+        if not self._cut_requested:
+            self._cuts_total += 1
+            logger.warning("WAN emulator: link CUT (connections held open, nothing passes)")
+        self._cut_requested = True
+        if self._link is not None:
+            self._link.cut()
+
+    def restore(self) -> None:
+        """End a cut: held bytes continue after one propagation delay, held connections dial out."""
+        if self._cut_requested:
+            logger.warning("WAN emulator: link RESTORED")
+        self._cut_requested = False
+        if self._link is not None:
+            self._link.restore()
+
+    def reset_connections(self) -> int:
+        """Abort every carried connection with a TCP RST on both sides; returns how many.
+
+        Must be called in the emulator's event loop (the control server does). The listener keeps
+        accepting, so endpoints may reconnect at once.
+        """
+        tasks = [task for task in self._tasks if not task.done()]
+        for task in tasks:
+            task.cancel()  # _serve's cleanup aborts both sockets with RST
+        self._resets_total += len(tasks)
+        logger.warning("WAN emulator: reset %d connection(s)", len(tasks))
+        return len(tasks)
+
+    def status(self) -> dict[str, object]:
+        """A JSON-friendly snapshot for the control port and tests."""
+        return {
+            "listen": f"{self.listen_host}:{self._listen_port}",
+            "target": f"{self.target_host}:{self.target_port}",
+            "bandwidth_mbit": self.shape.bandwidth_mbit,
+            "delay_ms": self.shape.delay_ms,
+            "cut": self.is_cut,
+            "connections_open": self.connections_open,
+            "connections_total": self.connections_total,
+            "cuts_total": self.cuts_total,
+            "resets_total": self.resets_total,
+            "bytes_upstream": self.bytes_upstream,
+            "bytes_downstream": self.bytes_downstream,
+        }
+
     async def start(self) -> int:
         if self._server is not None or self._closing:
             raise RuntimeError("WanEmulator can only be started once")
+        self._link_state()
         self._server = await asyncio.start_server(self._on_client, self.listen_host, self._listen_port)
         self._listen_port = self._server.sockets[0].getsockname()[1]
         logger.info(
@@ -275,7 +406,10 @@ class WanEmulator:
     ) -> None:
         peer = client_writer.get_extra_info("peername")
         _set_nodelay(client_writer)
+        link = self._link_state()
         try:
+            # During a cut the connection is accepted but the far end is not dialled until restore.
+            await link.wait_up()
             target_reader, target_writer = await asyncio.wait_for(
                 asyncio.open_connection(self.target_host, self.target_port), _CONNECT_TIMEOUT_S
             )
@@ -301,8 +435,8 @@ class WanEmulator:
         def count_down(n: int) -> None:
             self._bytes_downstream += n
 
-        up = _Direction(client_reader, target_writer, self.shape, count_up)
-        down = _Direction(target_reader, client_writer, self.shape, count_down)
+        up = _Direction(client_reader, target_writer, self.shape, count_up, link)
+        down = _Direction(target_reader, client_writer, self.shape, count_down, link)
         clean = False
         try:
             async with asyncio.TaskGroup() as group:
@@ -327,8 +461,18 @@ class WanEmulator:
                 await writer.wait_closed()
 
 
-def run_emulator_forever(target: str, listen: str, shape: LinkShape) -> None:
-    """Blocking entry point for the CLI: serve until SIGINT/SIGTERM, then shut down cleanly."""
+def run_emulator_forever(
+    target: str,
+    listen: str,
+    shape: LinkShape,
+    *,
+    attach: Callable[[WanEmulator], Awaitable[Callable[[], Awaitable[None]]]] | None = None,
+) -> None:
+    """Blocking entry point for the CLI: serve until SIGINT/SIGTERM, then shut down cleanly.
+
+    ``attach`` runs once the emulator listens, in its event loop (the control port uses it) and
+    returns a coroutine function that undoes it at shutdown.
+    """
     target_host, target_port = parse_address(target, "target address")
     listen_host, listen_port = parse_address(listen, "listen address", allow_port_zero=True)
 
@@ -344,8 +488,13 @@ def run_emulator_forever(target: str, listen: str, shape: LinkShape) -> None:
                 # No loop signal support (e.g. Windows): Ctrl-C cancels main() via asyncio.run.
                 pass
         try:
-            async with WanEmulator(target_host, target_port, shape, listen_host, listen_port):
-                await stop.wait()
+            async with WanEmulator(target_host, target_port, shape, listen_host, listen_port) as emulator:
+                detach = await attach(emulator) if attach is not None else None
+                try:
+                    await stop.wait()
+                finally:
+                    if detach is not None:
+                        await detach()
         finally:
             for sig in installed:
                 loop.remove_signal_handler(sig)

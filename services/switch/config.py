@@ -31,8 +31,41 @@ class SwitchSettings(ServiceSettings):
     tls_key: Path = Field(description="PEM private key of this switch.")
     trust_bundle: Path = Field(description="PEM CA certificates of the peer cluster(s) trusted on the WAN.")
     auth_address: HostPort = Field(description="host:port of this cluster's auth service (token keys).")
-    route_buffer_messages: int = Field(
-        512, ge=8, description="Frames buffered per (job, edge) before back-pressure reaches the WAN link."
+    max_window_bytes: int = Field(
+        8 << 20,
+        ge=64 * 1024,
+        description="Largest receive window (bytes) a trainer may grant on a route; the switch holds at "
+        "most twice this much (a window of replays behind one of originals, +64 KiB for acks and close) "
+        "per route and direction and closes a route above it.",
+    )
+    unattached_timeout_s: float = Field(
+        120.0, gt=0, description="How long a route may buffer items before a local trainer attaches to it."
+    )
+    max_routes_per_account: int = Field(
+        32, ge=1, description="Edges one account may have open on this switch at once."
+    )
+    max_attached_routes: int = Field(
+        128, ge=1, description="Edges open on this switch at once, all accounts."
+    )
+    max_unattached_routes: int = Field(
+        256, ge=1, description="Routes the peer may create that no local trainer has attached to yet."
+    )
+    route_tombstone_s: float = Field(
+        60.0, gt=0, description="How long items for a route the switch closed are dropped without a trace."
+    )
+    link_window_bytes: int = Field(
+        1 << 20,
+        ge=0,
+        description="Fixed HTTP/2 receive window of the WAN link (0: gRPC's BDP-probed default, which grew "
+        "to ~4 MiB in tests). Bounds what waits first-in first-out below the switch's fair scheduler; "
+        "caps one link's throughput at window / RTT (1 MiB: 84 Mbit/s at 100 ms RTT).",
+    )
+    wan_handshake_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=120,
+        description="A connection to the WAN port that has not finished TLS and HTTP/2 set-up by then "
+        "is dropped.",
     )
     data_dir: Path = Field(description="Writable directory for the audit log, its seal and the audit key.")
     audit_seal_interval_s: float = Field(5.0, gt=0, description="Seal the audit log at least this often.")

@@ -1,11 +1,24 @@
-"""The WAN link to the peer switch: handshake, identity checks, and the frame pumps.
+"""The WAN link to the peer switch: handshake, identity checks, liveness and the item pumps.
 
-One bidirectional gRPC stream carries every job's frames. The cluster whose id
-sorts first dials (through the WAN, via mTLS); the other accepts. Either way
-the session is the same code: read LinkMessages, hand frames to the router;
-take outgoing messages from one queue and write them. Identity comes from the
-peer's verified certificate only: the handshake's claimed cluster id must
-match it, or the link is refused.
+One bidirectional gRPC stream carries every job's items (link protocol 2: RoutedItem, Ping, Pong).
+The cluster whose id sorts first dials (through the WAN, via mTLS); the other accepts. Either way the
+session is the same code: the reader hands each item to the router, which never waits (it buffers
+per route, or closes a route over its bound); the writer takes the router's next message (acks first,
+then one item per route in round robin). Identity comes from the peer's verified certificate only: the
+handshake's claimed cluster id must match it, or the link is refused.
+
+Liveness from the measured round-trip time (RFC 6298). Each side sends a Ping, at most one outstanding,
+at the keepalive interval; the peer answers with a Pong ahead of any queued item. Each Pong is an RTT
+sample R: the first sets SRTT = R, RTTVAR = R/2; later ones RTTVAR = 3/4 RTTVAR + 1/4 |SRTT - R|,
+SRTT = 7/8 SRTT + 1/8 R. Then RTO = SRTT + max(10 ms, 4 RTTVAR) (1 s before the first sample), and
+
+    keepalive interval = clamp(4 RTO, 1 s, 10 s)
+    dead-peer timeout  = clamp(3 x interval + 4 RTO, 10 s, 60 s)
+
+The peer is dead when nothing at all (item, Ping or Pong) has arrived for the dead-peer timeout; the
+session then ends and the routes get a LinkNotice (``Router.link_down``). The 10 s floor keeps a busy
+2-core host's scheduling stalls from cutting a healthy link; the RTT lowers nothing below it but raises
+it on slow or jittery paths (a 2 s RTT path waits 10 x 3 + 4 x RTO).
 """
 
 from __future__ import annotations
@@ -14,6 +27,8 @@ import asyncio
 import contextlib
 import logging
 import ssl
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +38,15 @@ from cryptography import x509
 
 from nebula_common.audit import AuditLog
 from nebula_common.pki import Identity
-from nebula_common.proto.nebula.v1 import link_pb2, link_pb2_grpc, relay_pb2
-from services.switch.metrics import AUTH_REFUSALS, LINK_UP, DirectionCounters
+from nebula_common.proto.nebula.v1 import link_pb2, link_pb2_grpc
+from services.switch.metrics import AUTH_REFUSALS, LINK_RTT, LINK_UP, DirectionCounters
 from services.switch.revocation import RevocationList
 from services.switch.routing import Router
 from services.switch.transfers import StepTotals, TransferKey, TransferLedger
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+ROUTED_KINDS = ("frame", "signal", "ack", "close")
+"""Edge items that may cross the link (never open, ready or notice)."""
 SOFTWARE_VERSION = "nebula/0.1.0"
 HANDSHAKE_TIMEOUT_S = 10.0
 log = logging.getLogger(__name__)
@@ -42,6 +59,51 @@ ProbeFn = Callable[[], Awaitable[x509.Certificate]]
 
 class HandshakeError(Exception):
     """The peer's handshake contradicts its certificate or our protocol."""
+
+
+class DeadPeerError(Exception):
+    """Nothing arrived from the peer for the dead-peer timeout."""
+
+
+def _clamp(value: float, low: float, high: float) -> float:
+    return max(low, min(high, value))
+
+
+@dataclass
+class RttEstimator:
+    """Smoothed round-trip time and its variation, as RFC 6298 section 2 computes them."""
+
+    srtt: float | None = None
+    rttvar: float = 0.0
+    granularity: float = 0.010
+
+    def sample(self, rtt: float) -> None:
+        if self.srtt is None:
+            self.srtt, self.rttvar = rtt, rtt / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
+            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+
+    def rto(self) -> float:
+        if self.srtt is None:
+            return 1.0
+        return self.srtt + max(self.granularity, 4 * self.rttvar)
+
+
+@dataclass(frozen=True)
+class LivenessPolicy:
+    """Clamps around the RTT-derived keepalive interval and dead-peer timeout (see the module doc)."""
+
+    interval_min_s: float = 1.0
+    interval_max_s: float = 10.0
+    dead_min_s: float = 10.0
+    dead_max_s: float = 60.0
+
+    def interval(self, rtt: RttEstimator) -> float:
+        return _clamp(4 * rtt.rto(), self.interval_min_s, self.interval_max_s)
+
+    def dead_after(self, rtt: RttEstimator) -> float:
+        return _clamp(3 * self.interval(rtt) + 4 * rtt.rto(), self.dead_min_s, self.dead_max_s)
 
 
 @dataclass
@@ -97,11 +159,22 @@ class PeerLink:
         *,
         audit: AuditLog | None = None,
         revocation: RevocationList | None = None,
+        liveness: LivenessPolicy | None = None,
     ) -> None:
         self.cluster_id = cluster_id
         self.expected_peer = Identity(cluster_id=peer_cluster_id, role="switch")
         self.router = router
+        if router.record is None:
+            router.record = self.record
+        if not router.cluster_id:
+            router.cluster_id = cluster_id
         self.audit = audit
+        self.liveness = liveness or LivenessPolicy()
+        self.rtt = RttEstimator()
+        self._priority: deque[link_pb2.LinkMessage] = deque()  # pings and pongs, ahead of every item
+        self._ping_nonce = 0
+        self._ping_outstanding: tuple[int, float] | None = None
+        self._last_received = 0.0
         self.revocation = revocation
         self.ledger = TransferLedger(self._emit_transfer)
         self._sessions = 0
@@ -109,7 +182,6 @@ class PeerLink:
         self.sent = DirectionCounters("sent")
         self.received = DirectionCounters("received")
         self.state = LinkState()
-        self._outbound: asyncio.Queue[link_pb2.LinkMessage] = asyncio.Queue(maxsize=256)
         self._connected = asyncio.Event()
         self._session_lock = asyncio.Lock()
         self._current_session: asyncio.Task[None] | None = None
@@ -123,17 +195,9 @@ class PeerLink:
             return False
         return True
 
-    async def send(self, message: link_pb2.LinkMessage) -> None:
-        """Queue a message for the peer; waits while the link is saturated (back-pressure)."""
-        await self._outbound.put(message)
-
-    def send_nowait(self, message: link_pb2.LinkMessage) -> bool:
-        """Best-effort queueing for cleanup paths that must not block; False if the queue is full."""
-        try:
-            self._outbound.put_nowait(message)
-        except asyncio.QueueFull:
-            return False
-        return True
+    @property
+    def connected(self) -> bool:
+        return self.state.connected
 
     # ----- the session, shared by both roles -------------------------------------------
     def hello(self) -> link_pb2.LinkMessage:
@@ -246,44 +310,102 @@ class PeerLink:
             LINK_UP.set(1)
             self.record("link.up", peer=certified.uri, role=role, peer_serial=f"{serial:x}")
             log.info("WAN link up", extra={"fields": {"peer": certified.uri, "role": role}})
+            self._priority.clear()
+            self._ping_outstanding = None
+            self._last_received = time.monotonic()
+            self.router.link_came_up()
             writer = asyncio.create_task(self._pump_out(write), name="link-writer")
             reader = asyncio.create_task(self._pump_in(read), name="link-reader")
+            keepalive = asyncio.create_task(self._keepalive(), name="link-keepalive")
             self._close_session = asyncio.Event()
             closer = asyncio.create_task(self._close_session.wait(), name="link-closer")
+            reason = "the WAN link session ended"
             try:
-                done, _ = await asyncio.wait({writer, reader, closer}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {writer, reader, keepalive, closer}, return_when=asyncio.FIRST_COMPLETED
+                )
                 for task in done:
-                    if task is not closer and task.exception() is not None:
+                    if task is closer:
+                        reason = "the WAN link session was closed by this switch"
+                    elif task.exception() is not None:
                         log.warning("WAN link session ended: %r", task.exception())
+                        reason = f"the WAN link to the peer cluster was lost: {task.exception()}"
+                    elif task is reader:
+                        reason = "the peer switch ended the WAN link session"
+            except asyncio.CancelledError:
+                reason = "the WAN link session was replaced or stopped"
+                raise
             finally:
-                for task in (writer, reader, closer):
+                for task in (writer, reader, keepalive, closer):
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task
                 if self._current_session is me:
                     self._current_session = None
                 self._connected.clear()
-                self._purge_outbound()
+                self._priority.clear()
                 self.ledger.flush_all()
                 self.state = LinkState(connected=False, role=role, sessions=self._sessions)
                 LINK_UP.set(0)
                 with contextlib.suppress(Exception):
                     self.record("link.down", peer=certified.uri, role=role, peer_serial=f"{serial:x}")
                 log.warning("WAN link down", extra={"fields": {"peer": certified.uri}})
-                await self.router.fail_all("WAN link to the peer cluster was lost")
+                # Buffers are purged both ways (the trainers replay) and attached routes told.
+                self.router.link_down(reason)
 
-    def _purge_outbound(self) -> None:
-        """Drop frames queued for a link that is gone: their edges are failed, and a half-sent
-        tensor replayed on the next session would only confuse the peer's reassembly."""
-        while not self._outbound.empty():
-            self._outbound.get_nowait()
+    def _next_message(self) -> link_pb2.LinkMessage | None:
+        if self._priority:
+            return self._priority.popleft()
+        return self.router.next_outbound()
 
     async def _pump_out(self, write: WriteFn) -> None:
+        wake = self.router.outbound_wake
         while True:
-            message = await self._outbound.get()
+            message = self._next_message()
+            if message is None:
+                wake.clear()
+                message = self._next_message()  # anything queued between the check and the clear
+                if message is None:
+                    await wake.wait()
+                    continue
+            if message.WhichOneof("body") == "ping":
+                self._ping_outstanding = (message.ping.nonce, time.monotonic())
             await write(message)
             self.sent.count(message)
             self.ledger.observe("sent", message)
+
+    def _queue_priority(self, message: link_pb2.LinkMessage) -> None:
+        self._priority.append(message)
+        self.router.outbound_wake.set()
+
+    async def _keepalive(self) -> None:
+        """Ping at the RTT-derived interval; end the session when the peer has gone silent."""
+        next_ping = time.monotonic()
+        while True:
+            now = time.monotonic()
+            dead_after = self.liveness.dead_after(self.rtt)
+            silent = now - self._last_received
+            if silent > dead_after:
+                raise DeadPeerError(
+                    f"nothing received from the peer switch for {silent:.1f} s (dead-peer timeout "
+                    f"{dead_after:.1f} s from SRTT {self.rtt.srtt or 0:.3f} s)"
+                )
+            if now >= next_ping:
+                if self._ping_outstanding is None and not any(
+                    m.WhichOneof("body") == "ping" for m in self._priority
+                ):
+                    self._ping_nonce += 1
+                    self._queue_priority(link_pb2.LinkMessage(ping=link_pb2.Ping(nonce=self._ping_nonce)))
+                next_ping = now + self.liveness.interval(self.rtt)
+            await asyncio.sleep(max(0.01, min(next_ping, self._last_received + dead_after) - now))
+
+    def _on_pong(self, nonce: int) -> None:
+        outstanding = self._ping_outstanding
+        if outstanding is None or outstanding[0] != nonce:
+            return
+        self._ping_outstanding = None
+        self.rtt.sample(time.monotonic() - outstanding[1])
+        LINK_RTT.set(self.rtt.srtt or 0.0)
 
     async def _pump_in(self, read: ReadFn) -> None:
         while True:
@@ -292,24 +414,19 @@ class PeerLink:
                 return
             if not isinstance(message, link_pb2.LinkMessage):
                 raise HandshakeError("unexpected object on the link")
+            self._last_received = time.monotonic()
             self.received.count(message)
             self.ledger.observe("received", message)
             kind = message.WhichOneof("body")
-            if kind == "frame":
-                routed = message.frame
-                edge_message = relay_pb2.EdgeMessage(frame=routed.frame)
-                await self.router.deliver((routed.job_id, routed.edge), edge_message)
-            elif kind == "close":
-                close = message.close
-                edge_message = relay_pb2.EdgeMessage(
-                    close=relay_pb2.EdgeClose(reason=close.reason, error=close.error)
-                )
-                await self.router.deliver((close.job_id, close.edge), edge_message)
-            elif kind == "routed":
-                routed_item = message.routed
-                if routed_item.item.WhichOneof("body") not in ("frame", "signal", "ack", "close"):
+            if kind == "routed":
+                routed = message.routed
+                if routed.item.WhichOneof("body") not in ROUTED_KINDS:
                     raise HandshakeError("peer routed an item that may not cross the link")
-                await self.router.deliver((routed_item.job_id, routed_item.edge), routed_item.item)
+                self.router.deliver((routed.job_id, routed.edge), routed.item)  # never waits
+            elif kind == "ping":
+                self._queue_priority(link_pb2.LinkMessage(pong=link_pb2.Pong(nonce=message.ping.nonce)))
+            elif kind == "pong":
+                self._on_pong(message.pong.nonce)
             else:
                 raise HandshakeError(f"unexpected {kind!r} message after the handshake")
 

@@ -33,6 +33,34 @@ AUTH_REFUSALS = Counter(
 )
 for _layer in ("tls", "identity", "handshake", "revoked"):
     AUTH_REFUSALS.labels("wan", _layer)  # export zeros from the start: dashboards and alerts see the series
+ROUTES_CLOSED = Counter(
+    "nebula_switch_routes_closed",
+    "Routes the switch closed itself because a bound was exceeded, by bound.",
+    ["reason"],
+)
+for _bound in (
+    "window",
+    "items",
+    "credit",
+    "unattached_bytes",
+    "unattached_items",
+    "unattached_timeout",
+    "unattached_routes",
+):
+    ROUTES_CLOSED.labels(_bound)
+ITEMS_DROPPED = Counter(
+    "nebula_switch_items_dropped", "Items from the peer dropped because their route was closed by the switch."
+)
+BUFFERED_BYTES = Gauge(
+    "nebula_switch_buffered_bytes",
+    "Bytes of edge items this switch holds in its route buffers (to_trainers: from the peer; to_peer: "
+    "from local trainers, waiting for the link).",
+    ["direction"],
+)
+LINK_RTT = Gauge(
+    "nebula_switch_link_rtt_seconds",
+    "Smoothed round-trip time to the peer switch (RFC 6298 SRTT, Ping/Pong).",
+)
 
 
 @dataclass
@@ -49,9 +77,9 @@ class DirectionCounters:
         size = message.ByteSize()
         self.bytes += size
         WAN_BYTES.labels(self.direction).inc(size)
-        if message.WhichOneof("body") != "frame":
+        if message.WhichOneof("body") != "routed" or message.routed.item.WhichOneof("body") != "frame":
             return
-        part = message.frame.frame
+        part = message.routed.item.frame
         if part.HasField("chunk"):
             payload = len(part.chunk.data)
             self.payload_bytes += payload

@@ -1,7 +1,10 @@
 """Relay servicer: the internal port where local trainers open their job edges.
 
 The switch never decodes tensors; it checks who is asking (a token from this
-cluster's auth service), binds the stream to (job, edge), and moves frames.
+cluster's auth service), binds the stream to (job, edge), and moves items: the
+trainer's stream is read eagerly into the route's bounded buffer toward the peer
+(``Router.accept_local``), and the route's buffer from the peer is written to the
+trainer by a task of its own, so no stream ever waits on the link or on another.
 """
 
 from __future__ import annotations
@@ -14,14 +17,25 @@ from collections.abc import AsyncIterator
 import grpc
 
 from nebula_common.auth.interceptor import caller
-from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, relay_pb2_grpc
+from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc
 from services.switch.certs import CertificateManager
 from services.switch.link import PeerLink
 from services.switch.metrics import EDGES_OPEN
-from services.switch.routing import Route, RouteInUseError, Router
+from services.switch.routing import Attachment, Route, RouteInUseError, RouteLimitError, Router
 
-LINK_WAIT_S = 60.0
 log = logging.getLogger(__name__)
+EOF_GRACE_S = 1.0
+"""How long an edge whose trainer half-closed without a close waits to learn whether it was cancelled."""
+
+# How a trainer stream ended, for the audit record and for what the peer is told.
+FINISHED = "finished"  # the trainer closed its side and the peer's close was delivered
+SUPERSEDED = "superseded"  # a reconnect of the same account took the route over
+CLOSED_BY_SWITCH = "closed_by_switch"  # a bound was exceeded; both sides were told why
+FAILED = "failed"  # crash, cancel, or a broken stream: the peer gets an error close
+
+
+class TrainerVanished(Exception):
+    """The trainer's call was cancelled (a crash, a kill): not an orderly end of its side."""
 
 
 class RelayServicer(relay_pb2_grpc.RelayServicer):
@@ -46,115 +60,124 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "the first message on an edge must be 'open'"
             )
-        job_id, edge = first.open.job_id, first.open.edge
+        job_id, edge, reconnect = first.open.job_id, first.open.edge, first.open.reconnect
         if not job_id or not edge:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.job_id and open.edge are required")
         key = (job_id, edge)
+        account = principal.username
         try:
-            route = self.router.attach(key, owner=principal.username)
-        except RouteInUseError as exc:
+            route, attachment = self.router.attach(key, owner=account, reconnect=reconnect)
+        except (RouteInUseError, RouteLimitError) as exc:
             self.link.record(
-                "edge.open",
-                outcome="refused",
-                account=principal.username,
-                job_id=job_id,
-                edge=edge,
-                reason=str(exc),
+                "edge.open", outcome="refused", account=account, job_id=job_id, edge=edge, reason=str(exc)
             )
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        self.link.record("edge.open", account=principal.username, job_id=job_id, edge=edge)
+            code = (
+                grpc.StatusCode.RESOURCE_EXHAUSTED
+                if isinstance(exc, RouteLimitError)
+                else grpc.StatusCode.ALREADY_EXISTS
+            )
+            await context.abort(code, str(exc))
+        self.link.record("edge.open", account=account, job_id=job_id, edge=edge, reconnect=reconnect)
         EDGES_OPEN.set(self.router.open_routes())
         log.info(
             "edge opened",
-            extra={"fields": {"job_id": job_id, "edge": edge, "account": principal.username}},
+            extra={"fields": {"job_id": job_id, "edge": edge, "account": account, "reconnect": reconnect}},
         )
-        finished_cleanly = False
+        outcome = FAILED
         try:
-            if not await self.link.wait_connected(LINK_WAIT_S):
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "no WAN link to the peer cluster")
+            # Ready at once, whatever the link's state: a LinkNotice follows when it comes (back) up.
             await context.write(
                 relay_pb2.EdgeMessage(
-                    ready=relay_pb2.EdgeReady(peer_cluster=self.link.expected_peer.cluster_id)
-                )
-            )
-            await self._pump(context, route)
-            finished_cleanly = True
-        finally:
-            if not finished_cleanly:
-                # The trainer vanished (cancelled call, crash): tell the peer so its side stops waiting.
-                self.link.send_nowait(
-                    link_pb2.LinkMessage(
-                        close=link_pb2.RouteClose(
-                            job_id=job_id,
-                            edge=edge,
-                            reason="the other cluster's stage disconnected",
-                            error=True,
-                        )
+                    ready=relay_pb2.EdgeReady(
+                        peer_cluster=self.link.expected_peer.cluster_id,
+                        max_window_bytes=self.router.max_window_bytes,
+                        link_up=self.router.link_up,
                     )
                 )
-            self.link.ledger.flush_edge(job_id, edge)
+            )
+            outcome = await self._pump(context, route, attachment)
+        except TrainerVanished:
+            outcome = FAILED
+        finally:
+            close = None
+            if outcome == FAILED and not attachment.local_closed:
+                # The trainer vanished (cancelled call, crash): tell the peer so its side stops waiting.
+                close = relay_pb2.EdgeClose(reason="the other cluster's stage disconnected", error=True)
+            self.router.end_stream(route, attachment, close)
+            if outcome != SUPERSEDED:
+                self.link.ledger.flush_edge(job_id, edge)
             self.link.record(
                 "edge.close",
-                outcome="ok" if finished_cleanly else "failure",
-                account=principal.username,
+                outcome="ok" if outcome in (FINISHED, SUPERSEDED) else "failure",
+                account=account,
                 job_id=job_id,
                 edge=edge,
+                ended=outcome,
             )
-            self.router.detach(key)
             EDGES_OPEN.set(self.router.open_routes())
 
-    async def _pump(self, context: grpc.aio.ServicerContext, route: Route) -> None:
-        job_id, edge = route.key
-        downstream = asyncio.create_task(self._downstream(context, route))
+    async def _pump(self, context: grpc.aio.ServicerContext, route: Route, attachment: Attachment) -> str:
+        reader = asyncio.create_task(self._upstream(context, route, attachment))
+        writer = asyncio.create_task(self._downstream(context, route, attachment))
         try:
-            while True:
-                message = await context.read()
-                if message is grpc.aio.EOF:
-                    await self.link.send(
-                        link_pb2.LinkMessage(
-                            close=link_pb2.RouteClose(job_id=job_id, edge=edge, reason="closed")
-                        )
-                    )
-                    break
-                kind = message.WhichOneof("body")
-                if kind == "frame":
-                    await self.link.send(
-                        link_pb2.LinkMessage(
-                            frame=link_pb2.RoutedFrame(job_id=job_id, edge=edge, frame=message.frame)
-                        )
-                    )
-                elif kind == "close":
-                    await self.link.send(
-                        link_pb2.LinkMessage(
-                            close=link_pb2.RouteClose(
-                                job_id=job_id,
-                                edge=edge,
-                                reason=message.close.reason,
-                                error=message.close.error,
-                            )
-                        )
-                    )
-                    break
-                elif kind in ("signal", "ack"):
-                    await self.link.send(
-                        link_pb2.LinkMessage(
-                            routed=link_pb2.RoutedItem(job_id=job_id, edge=edge, item=message)
-                        )
-                    )
-                else:
-                    await context.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind!r} on an open edge"
-                    )
-            # The local side is done sending; keep delivering until the peer closes too.
-            await downstream
+            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+            if reader in done:
+                reader.result()  # an abort (invalid item) propagates
+            if attachment.superseded:
+                return SUPERSEDED
+            if route.closed_reason is not None and writer in done:
+                return CLOSED_BY_SWITCH
+            # The local side is done sending (or the peer closed): wait for the other half.
+            await asyncio.wait({reader, writer}, return_when=asyncio.ALL_COMPLETED)
+            reader.result()
+            if attachment.superseded:
+                return SUPERSEDED
+            return CLOSED_BY_SWITCH if route.closed_reason is not None else FINISHED
         finally:
-            downstream.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await downstream
+            for task in (reader, writer):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
-    async def _downstream(self, context: grpc.aio.ServicerContext, route: Route) -> None:
-        while True:
-            message = await route.inbound.get()
+    async def _upstream(
+        self, context: grpc.aio.ServicerContext, route: Route, attachment: Attachment
+    ) -> None:
+        """Read the trainer's items eagerly into the route's buffer toward the peer (never the link)."""
+        while not attachment.superseded and route.closed_reason is None:
+            message = await context.read()
+            if message is grpc.aio.EOF:
+                # A cancelled call (a crash, a kill) also reads as EOF here, before gRPC cancels this
+                # handler; give the cancellation a moment to arrive so the peer hears of an error.
+                await asyncio.sleep(EOF_GRACE_S)
+                if context.cancelled() or context.done():
+                    raise TrainerVanished("the trainer's stream was cancelled")
+                attachment.local_closed = True
+                self.router.accept_local(
+                    route, attachment, relay_pb2.EdgeMessage(close=relay_pb2.EdgeClose(reason="closed"))
+                )
+                return
+            kind = message.WhichOneof("body")
+            if kind in ("frame", "signal", "ack"):
+                self.router.accept_local(route, attachment, message)
+            elif kind == "close":
+                attachment.local_closed = True
+                self.router.accept_local(route, attachment, message)
+                return
+            else:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind!r} on an open edge")
+
+    async def _downstream(
+        self, context: grpc.aio.ServicerContext, route: Route, attachment: Attachment
+    ) -> None:
+        """Write the route's items to the trainer until a close went out or the stream was superseded."""
+        while not attachment.superseded:
+            message = self.router.pop_inbound(route, attachment)
+            if message is None:
+                attachment.wake.clear()
+                message = self.router.pop_inbound(route, attachment)
+                if message is None:
+                    await attachment.wake.wait()
+                    continue
             await context.write(message)
             if message.WhichOneof("body") == "close":
                 return

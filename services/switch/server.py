@@ -30,7 +30,7 @@ from services.switch.config import SwitchSettings
 from services.switch.link import PeerLink, fetch_server_certificate
 from services.switch.relay_servicer import RelayServicer
 from services.switch.revocation import RevocationList
-from services.switch.routing import Router
+from services.switch.routing import Limits, Router
 from services.switch.tls_refusals import StderrTap
 from services.switch.wan_servicer import SwitchLinkServicer
 
@@ -45,6 +45,7 @@ class RunningSwitch:
     internal: ServiceServer
     wan: ServiceServer
     link: PeerLink
+    router: Router
     audit: AuditLog
     certificates: CertificateManager
     revocation: RevocationList | None
@@ -83,6 +84,18 @@ async def _maintain(settings: SwitchSettings, link: PeerLink, certs: Certificate
             log.exception("switch maintenance step failed")
 
 
+def _window_options(settings: SwitchSettings) -> list[tuple[str, object]]:
+    """A fixed HTTP/2 window on the link (no BDP probing), when configured.
+
+    Everything the link writer has handed to gRPC is first-in first-out below the scheduler (HTTP/2
+    window, socket buffers, the path); a fixed window bounds it, at the price of capping one link's
+    throughput at window / RTT.
+    """
+    if not settings.link_window_bytes:
+        return []
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", settings.link_window_bytes)]
+
+
 async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStack) -> Started[RunningSwitch]:
     """Token keys, audit log, certificates, both servers, then the dialer and maintenance tasks.
 
@@ -116,7 +129,17 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         renew_before_fraction=settings.renew_before_fraction,
         warn_before=timedelta(seconds=settings.cert_warn_before_s),
     )
-    router = Router(settings.route_buffer_messages)
+    router = Router(
+        Limits(
+            max_window_bytes=settings.max_window_bytes,
+            unattached_timeout_s=settings.unattached_timeout_s,
+            max_routes_per_account=settings.max_routes_per_account,
+            max_attached_routes=settings.max_attached_routes,
+            max_unattached_routes=settings.max_unattached_routes,
+            tombstone_s=settings.route_tombstone_s,
+        ),
+        cluster_id=settings.cluster_id,
+    )
     link = PeerLink(settings.cluster_id, settings.peer_cluster_id, router, audit=audit, revocation=revocation)
     material = certs.current
     audit.append(
@@ -142,7 +165,14 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     internal.add_insecure_port("internal", settings.internal_listen)
     # The WAN port has no token interceptor: the peer switch holds no token of this cluster; mTLS and
     # the certificate's SPIFFE identity authenticate it (services/switch/link.py).
-    wan = grpc_server(stack, ["nebula.v1.SwitchLink"], grace=STOP_GRACE_SECONDS, options=server_options())
+    # A client that connects and never finishes TLS (and HTTP/2 settings) is dropped after
+    # wan_handshake_timeout_s instead of gRPC's default 120 s.
+    wan_options = [
+        *server_options(),
+        ("grpc.server_handshake_timeout_ms", int(settings.wan_handshake_timeout_s * 1000)),
+        *_window_options(settings),
+    ]
+    wan = grpc_server(stack, ["nebula.v1.SwitchLink"], grace=STOP_GRACE_SECONDS, options=wan_options)
     link_pb2_grpc.add_SwitchLinkServicer_to_server(SwitchLinkServicer(link), wan.server)
     wan.add_secure_port("wan", settings.wan_listen, certs.server_credentials())
     await internal.start()
@@ -161,7 +191,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
             link.dial_forever(
                 address,
                 certs.channel_credentials,
-                channel_options(link.expected_peer),
+                [*channel_options(link.expected_peer), *_window_options(settings)],
                 probe=probe if revocation is not None else None,
             ),
             name="wan-dialer",
@@ -169,9 +199,17 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         stack.push_async_callback(_cancel, dialer)
     maintenance = asyncio.create_task(_maintain(settings, link, certs), name="switch-maintenance")
     stack.push_async_callback(_cancel, maintenance)
+    sweeper = asyncio.create_task(router.run_sweeper(), name="route-sweeper")
+    stack.push_async_callback(_cancel, sweeper)
     internal.start_metrics(settings.metrics_port, settings.internal_listen)
     running = RunningSwitch(
-        internal=internal, wan=wan, link=link, audit=audit, certificates=certs, revocation=revocation
+        internal=internal,
+        wan=wan,
+        link=link,
+        router=router,
+        audit=audit,
+        certificates=certs,
+        revocation=revocation,
     )
     ports = {
         "internal_port": running.internal_port,

@@ -1,9 +1,9 @@
 """Per-(job, edge, direction, step) summaries of what crossed the WAN, for the audit log.
 
-Derived from frame headers only (job, step, codec, payload and raw sizes) and chunk lengths: the
-switch never decodes a tensor to account for it. A step's summary is written when a later step's
-first frame appears on the same (job, edge, direction), when the edge closes, or when the link
-ends, so each step yields exactly one record per direction.
+Derived from the RoutedItem frames on the link: headers only (job, step, codec, payload and raw
+sizes) and chunk lengths: the switch never decodes a tensor to account for it. A step's summary is
+written when a later step's first frame appears on the same (job, edge, direction), when the edge
+closes, or when the link ends, so each step yields exactly one record per direction.
 """
 
 from __future__ import annotations
@@ -39,14 +39,16 @@ class TransferLedger:
         self._frames: dict[tuple[str, str, int], TransferKey] = {}
 
     def observe(self, direction: str, message: link_pb2.LinkMessage) -> None:
-        kind = message.WhichOneof("body")
+        if message.WhichOneof("body") != "routed":
+            return
+        routed = message.routed
+        kind = routed.item.WhichOneof("body")
         if kind == "close":
-            self.flush_edge(message.close.job_id, message.close.edge)
+            self.flush_edge(routed.job_id, routed.edge)
             return
         if kind != "frame":
             return
-        routed = message.frame
-        part = routed.frame
+        part = routed.item.frame
         if part.HasField("header"):
             header = part.header
             key = (routed.job_id, routed.edge, direction)

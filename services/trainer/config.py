@@ -26,6 +26,20 @@ class TrainerSettings(ServiceSettings):
     data_service_address: HostPort | None = Field(
         None, description="host:port of this cluster's data service (stages that train on granted datasets)."
     )
+    edge_max_outage_s: float = Field(
+        300.0,
+        gt=0,
+        description="How long a job edge waits for a lost WAN link (or its switch) to come back before the "
+        "stage fails; shorter outages only pause training.",
+    )
+    edge_window_bytes: int = Field(
+        16 << 20,
+        ge=1 << 20,
+        description="Receive window per job edge (bytes beyond what it holds; the switch may cap it lower).",
+    )
+    edge_max_frame_bytes: int = Field(
+        1 << 30, ge=1 << 20, description="Largest tensor payload a peer may announce on a job edge."
+    )
     stop_grace_s: float = Field(
         10.0, gt=0, description="On stop, how long running stages get to end before the process exits."
     )

@@ -20,6 +20,7 @@ from nebula_common.proto.nebula.v1 import trainer_pb2_grpc
 from nebula_common.service.host import ServiceDefinition, Started
 from nebula_common.service.resources import grpc_server, service_audit, start_internal, token_verifier
 from services.trainer.config import TrainerSettings
+from services.trainer.edge import EdgeSettings
 from services.trainer.servicer import TrainerServicer
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,11 @@ async def start_trainer(
         data_dir,
         audit,
         data_service_address=settings.data_service_address,
+        edge_settings=EdgeSettings(
+            window_bytes=settings.edge_window_bytes,
+            max_frame_bytes=settings.edge_max_frame_bytes,
+            max_outage_s=settings.edge_max_outage_s,
+        ),
     )
     stack.push_async_callback(asyncio.to_thread, _stop_stages, servicer, settings.stop_grace_s)
     server = grpc_server(

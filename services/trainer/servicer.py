@@ -20,6 +20,7 @@ from nebula_common.auth import Principal
 from nebula_common.auth.interceptor import caller
 from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2, trainer_pb2_grpc
+from services.trainer.edge import EdgeSettings
 from services.trainer.metrics import STAGES_RUNNING
 from services.trainer.runtime.checkpoint import CheckpointError, CheckpointStore
 from services.trainer.runtime.stage import ProgramRunner
@@ -37,7 +38,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         data_dir: Path,
         audit: AuditLog,
         data_service_address: str | None = None,
+        edge_settings: EdgeSettings | None = None,
     ) -> None:
+        self.edge_settings = edge_settings or EdgeSettings()
         self.cluster_id = cluster_id
         self.switch_address = switch_address
         self.checkpoints = CheckpointStore(data_dir)
@@ -153,7 +156,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def _make_runner(self, spec: trainer_pb2.StageSpec, token: str, owner: str) -> ProgramRunner:
         return ProgramRunner(
-            spec, token, self.switch_address, self.checkpoints.root, owner, self.data_service_address
+            spec,
+            token,
+            self.switch_address,
+            self.checkpoints.root,
+            owner,
+            self.data_service_address,
+            edge_settings=self.edge_settings,
         )
 
     async def ListCheckpoints(

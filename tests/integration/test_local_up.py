@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -52,3 +53,106 @@ def test_local_up_runs_until_interrupted_and_leaves_nothing_behind(tmp_path: Pat
         while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive(pid), f"process {pid} survived the shutdown"
+
+
+def start_up(
+    run_dir: Path, previous_pids: frozenset[int] = frozenset()
+) -> tuple[subprocess.Popen[str], dict]:
+    """Start `nebula local up` on ``run_dir``; wait for a deployment.json naming none of ``previous_pids``."""
+    up = subprocess.Popen(
+        [sys.executable, "-m", "nebula_common.cli.app", "local", "up", "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    description = run_dir / "deployment.json"
+
+    def current() -> dict | None:
+        try:
+            data = json.loads(description.read_text())
+        except (OSError, ValueError):
+            return None
+        if previous_pids & set(all_pids(data).values()):
+            return None  # still the previous deployment's description
+        return data
+
+    deadline = time.monotonic() + 90
+    while (data := current()) is None and time.monotonic() < deadline and up.poll() is None:
+        time.sleep(0.2)
+    if data is None:
+        up.kill()
+        raise AssertionError(f"no deployment.json within 90s:\n{up.communicate(timeout=30)[0]}")
+    return up, data
+
+
+def all_pids(description: dict) -> dict[str, int]:
+    pids = {n: p["pid"] for c in description["clusters"].values() for n, p in c["processes"].items()}
+    return pids | {"wan-emulator": description["wan_emulator"]["pid"]}
+
+
+def stop_up(up: subprocess.Popen[str], pids: list[int]) -> str:
+    up.send_signal(signal.SIGINT)
+    output, _ = up.communicate(timeout=60)
+    assert up.returncode == 0, output
+    for pid in pids:
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(pid), f"process {pid} survived the shutdown"
+    return output
+
+
+def admin_login(description: dict, cluster: str, password: str) -> str:
+    from nebula_common.sdk.auth_client import AuthClient
+
+    port = description["clusters"][cluster]["processes"][f"auth-{cluster}"]["grpc_port"]
+    with AuthClient(f"127.0.0.1:{port}") as auth:
+        return auth.login("admin", password).token
+
+
+def test_local_up_restarts_a_killed_service_and_a_second_up_keeps_the_admin_password(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    up, first = start_up(run_dir)
+    try:
+        before = all_pids(first)
+        os.kill(before["codec-a"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        entry: dict = {}
+        while time.monotonic() < deadline and up.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                entry = json.loads((run_dir / "deployment.json").read_text())["clusters"]["a"]["processes"]
+                entry = entry["codec-a"]
+                if entry.get("restarts") == 1 and entry.get("state") == "running":
+                    break
+            time.sleep(0.2)
+        assert up.poll() is None, "nebula local up exited after one service died"
+        assert entry.get("restarts") == 1 and entry["last_exit"] == "signal SIGKILL", entry
+        assert entry["pid"] != before["codec-a"] and alive(entry["pid"])
+        assert entry["grpc_port"] == first["clusters"]["a"]["processes"]["codec-a"]["grpc_port"]
+        assert all(alive(pid) for name, pid in before.items() if name != "codec-a")
+        after = all_pids(json.loads((run_dir / "deployment.json").read_text()))
+    except BaseException:
+        up.kill()
+        raise
+    output = stop_up(up, list(after.values()))
+    assert "codec-a died" in output and "codec-a restarted" in output, output
+
+    password_file = run_dir / "a" / "admin-password"
+    password = password_file.read_text()
+    up, second = start_up(run_dir, previous_pids=frozenset(after.values()))
+    try:
+        assert password_file.read_text() == password  # not overwritten
+        assert admin_login(second, "a", password)  # the old password still logs in
+    except BaseException:
+        stop_up(up, list(all_pids(second).values()))
+        raise
+    down = subprocess.run(
+        [sys.executable, "-m", "nebula_common.cli.app", "local", "down", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert down.returncode == 0 and "stopped the deployment" in down.stdout, down.stdout + down.stderr
+    output, _ = up.communicate(timeout=30)
+    assert up.returncode == 0, output
+    assert not [pid for pid in all_pids(second).values() if alive(pid)]

@@ -12,8 +12,8 @@ from nebula_common.sdk.summary import JobSummary, scrape_counter, settled_link_s
 from tests.support.jobs import numbers_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
-# Before step 0 the decoder sends the encoder one float32 (codec none) saying it is built and ready.
-START_BARRIER_BYTES = 4
+# Before step 0 the decoder sends the encoder a READY signal: control, not tensor payload, so the
+# payload counters below hold exactly the activations and gradients.
 
 
 def link_snapshot(sessions: dict[str, ClusterSession]) -> dict[str, relay_pb2.LinkStatus]:
@@ -52,7 +52,7 @@ def test_split_job_trains_and_switches_count_every_byte(
     expected_raw = 25 * 2 * 32 * 4 * 128 * 4
     assert sent_delta(before, after, "a", "raw_bytes") == expected_raw
     assert sent_delta(before, after, "a", "payload_bytes") == expected_raw
-    assert sent_delta(before, after, "b", "payload_bytes") == expected_raw + START_BARRIER_BYTES
+    assert sent_delta(before, after, "b", "payload_bytes") == expected_raw
     assert sent_delta(before, after, "a", "frames") == 50
 
     # The Prometheus counters are the same numbers the RPC reports.
@@ -90,5 +90,5 @@ def test_codecs_shrink_wan_bytes_by_their_ratio(sessions: dict[str, ClusterSessi
     # Payload accounting is exact: fp16 is 2 bytes/value, int8 is 1 byte/value plus a 4-byte scale.
     values = 4 * 2 * 32 * 4 * 128
     assert sent_delta(packed_before, packed_after, "a", "payload_bytes") == values * 2
-    backward = values + 8 * 4 + START_BARRIER_BYTES
+    backward = values + 8 * 4
     assert sent_delta(packed_before, packed_after, "b", "payload_bytes") == backward

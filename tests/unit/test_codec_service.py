@@ -91,6 +91,7 @@ def _codec_auth(auth: AuthFixture) -> Iterator[None]:
     yield
     _AUTH.pop()
 
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 Check = Callable[[codec_pb2_grpc.CodecStub, grpc.aio.Channel, ServiceServer], Awaitable[None]]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nebula_common.errors import InvalidRequestError
-from nebula_common.proto.nebula.v1 import relay_pb2
+from nebula_common.proto.nebula.v1 import relay_pb2, tensor_pb2
 from services.data.store import (
     DatasetExistsError,
     DatasetFormatError,
@@ -131,14 +131,15 @@ def test_imports_read_only_regular_files_inside_the_callers_inbox(
 
 def test_the_switch_keeps_a_jobs_edges_for_the_account_that_first_attached() -> None:
     async def scenario() -> None:
-        router = Router(8)
-        router.attach(("job", "e"), owner="alice")
-        router.detach(("job", "e"))
+        router = Router()
+        route, attachment = router.attach(("job", "e"), owner="alice")
+        router.end_stream(route, attachment, None)
         # Between two of alice's streams, another account cannot take over the job's edges.
         for edge in ("e", "other-edge"):
             with pytest.raises(RouteInUseError, match="not available to this account"):
                 router.attach(("job", edge), owner="mallory")
-        await router.deliver(("job", "e"), relay_pb2.EdgeMessage())
-        assert router.attach(("job", "e"), owner="alice").inbound.qsize() == 1
+        router.deliver(("job", "e"), relay_pb2.EdgeMessage(frame=tensor_pb2.TensorFrame()))
+        route, _ = router.attach(("job", "e"), owner="alice")
+        assert len(route.inbound) == 1
 
     asyncio.run(scenario())

@@ -343,6 +343,7 @@ def test_compose_wan_link_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
     emulator = _command(services["wan-emulator"])
     assert emulator[emulator.index("--target") + 1] == f"switch-b:{WAN_PORT}"
     assert emulator[emulator.index("--listen") + 1] == "0.0.0.0:7000"
+    assert emulator[emulator.index("--control") + 1].startswith("127.0.0.1:")  # fault controls, loopback only
     assert b.wan_listen.endswith(f":{WAN_PORT}")
     for cluster in ("a", "b"):
         trainer = _compose_env(services[f"trainer-{cluster}"])
@@ -430,6 +431,27 @@ def test_k8s_containers_are_non_root_read_only_and_bounded() -> None:
             assert {"cpu", "memory"} <= set(resources[kind]), f"{name}: {kind}"
         mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
         assert "/tmp" in mounts, f"{name}: read-only root needs a writable /tmp"
+
+
+def test_crashed_services_are_restarted_by_compose_and_kubernetes() -> None:
+    """Crashes heal: compose restarts every long-running service, Kubernetes every pod.
+
+    ``unless-stopped`` (not ``on-failure``): a service killed by a signal or OOM, or one that exits 0
+    unexpectedly, comes back too, while one an operator stopped stays stopped.
+    """
+    services = _compose_services()
+    one_shot = sorted(name for name, svc in services.items() if _is_one_shot(svc))
+    assert one_shot == ["pki-init"], one_shot
+    for name, svc in _long_running().items():
+        assert svc.get("restart") == "unless-stopped", f"{name}: restart is {svc.get('restart')!r}"
+    deployments = _deployments()
+    assert {c["command"][0] for _, _, c in _containers()} == set(SERVICES)
+    for name, deployment in deployments.items():
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod.get("restartPolicy", "Always") == "Always", name
+        for container in pod["containers"]:
+            for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+                assert "grpc" in container.get(probe, {}), f"{name}: {probe} missing"
 
 
 def test_k8s_probes_are_native_grpc_on_the_service_port() -> None:

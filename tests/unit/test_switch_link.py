@@ -17,12 +17,16 @@ from services.switch.routing import RouteInUseError, Router
 pytestmark = pytest.mark.timeout(30)
 
 
+def routed(item: relay_pb2.EdgeMessage) -> link_pb2.LinkMessage:
+    return link_pb2.LinkMessage(routed=link_pb2.RoutedItem(job_id="j", edge="e", item=item))
+
+
 def hello(cluster: str, version: int = PROTOCOL_VERSION) -> link_pb2.LinkMessage:
     return link_pb2.LinkMessage(hello=link_pb2.Handshake(protocol_version=version, cluster_id=cluster))
 
 
 def make_link() -> PeerLink:
-    return PeerLink("a", "b", Router(buffer_messages=8))
+    return PeerLink("a", "b", Router())
 
 
 def test_handshake_must_agree_with_the_certificate() -> None:
@@ -34,9 +38,9 @@ def test_handshake_must_agree_with_the_certificate() -> None:
 
 def test_handshake_refuses_another_protocol_version_and_non_hello_first_message() -> None:
     link = make_link()
-    with pytest.raises(HandshakeError, match="protocol 2"):
-        link.check_hello(hello("b", version=2), Identity("b", "switch"))
-    frame = link_pb2.LinkMessage(frame=link_pb2.RoutedFrame(job_id="j", edge="e"))
+    with pytest.raises(HandshakeError, match="protocol 1, this switch speaks 2"):
+        link.check_hello(hello("b", version=1), Identity("b", "switch"))
+    frame = link_pb2.LinkMessage(routed=link_pb2.RoutedItem(job_id="j", edge="e"))
     with pytest.raises(HandshakeError, match="did not start with a handshake"):
         link.check_hello(frame, Identity("b", "switch"))
 
@@ -54,8 +58,9 @@ def test_counters_account_headers_chunks_and_raw_size() -> None:
     header = tensor_pb2.TensorHeader(frame_id=1, raw_size=4096, payload_size=1024)
     chunk = tensor_pb2.TensorChunk(frame_id=1, data=b"x" * 1024, last=True)
     messages = [
-        link_pb2.LinkMessage(frame=link_pb2.RoutedFrame(frame=tensor_pb2.TensorFrame(header=header))),
-        link_pb2.LinkMessage(frame=link_pb2.RoutedFrame(frame=tensor_pb2.TensorFrame(chunk=chunk))),
+        routed(relay_pb2.EdgeMessage(frame=tensor_pb2.TensorFrame(header=header))),
+        routed(relay_pb2.EdgeMessage(frame=tensor_pb2.TensorFrame(chunk=chunk))),
+        routed(relay_pb2.EdgeMessage(ack=relay_pb2.EdgeAck(received=1, max_bytes=10))),
         hello("a"),
     ]
     for message in messages:
@@ -68,16 +73,19 @@ def test_counters_account_headers_chunks_and_raw_size() -> None:
 
 def test_router_buffers_until_the_trainer_attaches_and_refuses_a_second_attach() -> None:
     async def scenario() -> None:
-        router = Router(buffer_messages=8)
+        router = Router()
         key = ("job", "encoder->decoder")
         early = relay_pb2.EdgeMessage(
             frame=tensor_pb2.TensorFrame(header=tensor_pb2.TensorHeader(frame_id=7))
         )
-        await router.deliver(key, early)
-        route = router.attach(key, owner="alice")
-        assert (await route.inbound.get()).frame.header.frame_id == 7
+        router.deliver(key, early)
+        route, attachment = router.attach(key, owner="alice")
+        message = router.pop_inbound(route, attachment)
+        assert message is not None and message.frame.header.frame_id == 7
         with pytest.raises(RouteInUseError, match=r"already open|not available to this account"):
             router.attach(key, owner="mallory")
+        with pytest.raises(RouteInUseError, match="already open"):
+            router.attach(key, owner="alice")  # without reconnect: refused as a second opener
         assert router.open_routes() == 1
 
     asyncio.run(scenario())
@@ -85,25 +93,13 @@ def test_router_buffers_until_the_trainer_attaches_and_refuses_a_second_attach()
 
 def test_router_drops_buffered_frames_of_an_edge_closed_before_anyone_opened_it() -> None:
     async def scenario() -> None:
-        router = Router(buffer_messages=8)
+        router = Router()
         key = ("job", "e")
-        await router.deliver(key, relay_pb2.EdgeMessage(frame=tensor_pb2.TensorFrame()))
-        await router.deliver(key, relay_pb2.EdgeMessage(close=relay_pb2.EdgeClose(reason="cancelled")))
-        route = router.attach(key, owner="alice")
-        assert route.inbound.empty()
-
-    asyncio.run(scenario())
-
-
-def test_link_loss_closes_every_attached_edge_with_an_error() -> None:
-    async def scenario() -> None:
-        router = Router(buffer_messages=2)
-        route = router.attach(("job", "e"), owner="alice")
-        for _ in range(2):
-            route.inbound.put_nowait(relay_pb2.EdgeMessage(frame=tensor_pb2.TensorFrame()))
-        await router.fail_all("link lost")  # even with a full buffer the close gets through
-        messages = [route.inbound.get_nowait() for _ in range(route.inbound.qsize())]
-        assert messages[-1].close.error and messages[-1].close.reason == "link lost"
+        router.deliver(key, relay_pb2.EdgeMessage(frame=tensor_pb2.TensorFrame()))
+        router.deliver(key, relay_pb2.EdgeMessage(close=relay_pb2.EdgeClose(reason="cancelled")))
+        route, attachment = router.attach(key, owner="alice")
+        assert router.pop_inbound(route, attachment) is None
+        assert router.buffered_in == 0
 
     asyncio.run(scenario())
 

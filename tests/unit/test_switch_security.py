@@ -13,7 +13,7 @@ from nebula_common.audit import open_service_audit
 from nebula_common.pki import Identity, create_ca, init_pki
 from nebula_common.pki.crl import CrlError, build_crl
 from nebula_common.pki.store import revoke_certificate
-from nebula_common.proto.nebula.v1 import link_pb2, tensor_pb2
+from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, tensor_pb2
 from services.switch.certs import CertificateManager
 from services.switch.revocation import RevocationList
 from services.switch.tls_refusals import parse_refusal
@@ -91,6 +91,10 @@ def test_tls_refusal_lines_are_recognised(line: bytes, reason: str | None) -> No
     assert parse_refusal(line) == reason
 
 
+def routed(item: relay_pb2.EdgeMessage) -> link_pb2.LinkMessage:
+    return link_pb2.LinkMessage(routed=link_pb2.RoutedItem(job_id="j", edge="e", item=item))
+
+
 def test_transfer_ledger_emits_one_summary_per_step_and_direction() -> None:
     emitted: list[tuple[TransferKey, StepTotals]] = []
     ledger = TransferLedger(lambda key, totals: emitted.append((key, totals)))
@@ -101,19 +105,16 @@ def test_transfer_ledger_emits_one_summary_per_step_and_direction() -> None:
         )
         chunk = tensor_pb2.TensorChunk(frame_id=frame_id, data=b"x" * 200, last=True)
         return [
-            link_pb2.LinkMessage(
-                frame=link_pb2.RoutedFrame(job_id="j", edge="e", frame=tensor_pb2.TensorFrame(header=header))
-            ),
-            link_pb2.LinkMessage(
-                frame=link_pb2.RoutedFrame(job_id="j", edge="e", frame=tensor_pb2.TensorFrame(chunk=chunk))
-            ),
+            routed(relay_pb2.EdgeMessage(frame=tensor_pb2.TensorFrame(header=header))),
+            routed(relay_pb2.EdgeMessage(frame=tensor_pb2.TensorFrame(chunk=chunk))),
+            routed(relay_pb2.EdgeMessage(signal=relay_pb2.EdgeSignal(seq=frame_id + 100))),  # not counted
         ]
 
     for step in range(3):
         for micro, message in enumerate(frame(step, 2 * step + 1) + frame(step, 2 * step + 2)):
             ledger.observe("sent", message)
             del micro
-    ledger.observe("sent", link_pb2.LinkMessage(close=link_pb2.RouteClose(job_id="j", edge="e")))
+    ledger.observe("sent", routed(relay_pb2.EdgeMessage(close=relay_pb2.EdgeClose(reason="finished"))))
     assert [(k, t.step, t.frames, t.payload_bytes, t.raw_bytes) for k, t in emitted] == [
         (("j", "e", "sent"), step, 2, 400, 800) for step in range(3)
     ]

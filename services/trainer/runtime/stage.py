@@ -8,9 +8,9 @@ activation's gradient straight back.
 
 one_way mode (ELECTRA, the paper's Scenario I): the upstream stage (generator)
 trains on its own loss and sends only what it produced (e.g. corrupted token
-ids); no gradient crosses. After each optimizer step the downstream stage (the
-root discriminator, whose data-parallel replicas have synced first) returns a
-small sync tensor ``[step + 1, loss]``; the upstream stage may run at most
+ids, which travel exactly as int64); no gradient crosses. After each optimizer
+step the downstream stage (the root discriminator, whose data-parallel replicas
+have synced first) returns a SYNC signal for the step, values ``[loss]``; the upstream stage may run at most
 ``sync_lag`` steps ahead of the last sync it received, so both sides stay on
 the same pace while the generator's next step overlaps the discriminator's.
 
@@ -20,6 +20,7 @@ checkpoint there.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -27,12 +28,16 @@ from pathlib import Path
 
 import torch
 
-from nebula_common.codec import TensorStreamDecoder, TensorStreamEncoder
 from nebula_common.data.batches import GrantedBatchSource
 from nebula_common.jobspec.runtime import ProgramError, StageProgram, example_ids
-from nebula_common.jobspec.spec import MAX_EXACT_ID
-from nebula_common.proto.nebula.v1 import tensor_pb2, trainer_pb2
-from services.trainer.edge import EdgeClosedError, EdgeConnection
+from nebula_common.proto.nebula.v1 import relay_pb2, trainer_pb2
+from services.trainer.edge import (
+    EdgeClosedError,
+    EdgeConnection,
+    EdgeFactory,
+    EdgeSettings,
+    grpc_edge_factory,
+)
 from services.trainer.metrics import LOSS, STEP_SECONDS, STEPS_TOTAL, WAIT_SECONDS
 from services.trainer.runtime.checkpoint import CheckpointStore
 from services.trainer.runtime.lifecycle import StageLifecycle
@@ -42,12 +47,11 @@ from services.trainer.runtime.schedule import downstream_ops, upstream_ops
 from services.trainer.runtime.transfer import AsyncSender
 from services.trainer.status import StatusBoard
 
-FORWARD = tensor_pb2.DIRECTION_FORWARD
-BACKWARD = tensor_pb2.DIRECTION_BACKWARD
 log = logging.getLogger(__name__)
-READY_STEP = 2**64 - 1
-"""Step number of the start barrier's tensor: outside every real step, so schedules never confuse them."""
 START_TIMEOUT_S = 600.0
+READY = relay_pb2.SIGNAL_KIND_READY
+SYNC = relay_pb2.SIGNAL_KIND_SYNC
+EVAL_DONE = relay_pb2.SIGNAL_KIND_EVAL_DONE
 
 
 class ProgramRunner:
@@ -65,10 +69,15 @@ class ProgramRunner:
         data_dir: Path,
         owner: str,
         data_service_address: str | None = None,
+        *,
+        edge_factory: EdgeFactory | None = None,
+        edge_settings: EdgeSettings | None = None,
     ) -> None:
         self.spec = spec
         self.token = token
         self.switch_address = switch_address
+        self.edge_factory = edge_factory or grpc_edge_factory(switch_address, token)
+        self.edge_settings = edge_settings or EdgeSettings()
         self.lifecycle = StageLifecycle(spec.job_id, spec.stage, self._run_stage, cleanup=self._reap_replicas)
         self.data_service_address = data_service_address
         self.store = CheckpointStore(data_dir)
@@ -77,6 +86,8 @@ class ProgramRunner:
         self._dp: DataParallelGroup | None = None
         self._one_way = spec.program.mode == "one_way"
         self._int_payload = spec.program.payload == "int64"
+        self.edge: EdgeConnection | None = None
+        self.program: StageProgram | None = None  # once built (tests compare final parameters)
 
     @property
     def board(self) -> StatusBoard:
@@ -116,14 +127,14 @@ class ProgramRunner:
         spawning data-parallel replicas). Without this barrier the upstream would start
         stepping and count that start-up as time spent waiting for the other cluster,
         which would hide the steady-state balance the wait metrics exist to show. The
-        downstream announces readiness with one tiny tensor on the backward direction,
-        outside every step and through a stateless codec, so no codec state is touched.
+        downstream announces readiness with a READY signal on the backward direction
+        (a signal, not a tensor, so no codec state is touched).
         """
         started = time.perf_counter()
         if upstream:
-            edge.receive(TensorStreamDecoder("none"), BACKWARD, READY_STEP, 0, timeout=START_TIMEOUT_S)
+            edge.receive_signal(READY, 0, timeout=START_TIMEOUT_S)
         else:
-            edge.send(torch.zeros(1), TensorStreamEncoder("none"), BACKWARD, READY_STEP, 0)
+            edge.send_signal(READY, 0)
         edge.stats.wait_seconds = 0.0  # the barrier is start-up, not training wait
         log.info(
             "stage ready",
@@ -143,20 +154,12 @@ class ProgramRunner:
         # The edge opens first, so that anything failing below (a bad module, a missing grant, a
         # checkpoint that will not load) reaches the other cluster as an error close at once,
         # instead of leaving its stage waiting for tensors that will never come.
-        codec_out = spec.codec_forward if upstream else spec.codec_backward
-        codec_in = spec.codec_backward if upstream else spec.codec_forward
-        self._encoder = TensorStreamEncoder(codec_out or "none")
-        self._decoder = TensorStreamDecoder(codec_in or "none")
-        edge = EdgeConnection(
-            self.switch_address,
-            self.token,
-            spec.job_id,
-            spec.edge,
-            # one_way: the upstream holds up to sync_lag + 1 unread syncs while it keeps sending.
-            receive_queue_tensors=max(2 * cfg.max_in_flight, cfg.sync_lag + 2),
-        )
+        # one_way: the upstream holds up to sync_lag + 1 unread syncs while it keeps sending.
+        queue_items = max(2 * cfg.max_in_flight, cfg.sync_lag + 2) + 1
+        settings = dataclasses.replace(self.edge_settings, receive_queue_items=queue_items)
+        self.edge = edge = self.edge_factory(spec, settings)
         self.lifecycle.attach_abort(edge.abort)
-        program = build_program(spec, self._granted_examples())
+        self.program = program = build_program(spec, self._granted_examples())
         start = load_starting_state(spec, program, self.store, self.owner)
         if cfg.replicas > 1:
             self._dp = DataParallelGroup(
@@ -197,8 +200,7 @@ class ProgramRunner:
                 else:
                     program.finish_step()
                 if self._one_way:  # ... then the root syncs with the upstream stage
-                    sync = torch.tensor([float(step + 1), loss])
-                    sender.send(sync, self._encoder, BACKWARD, step, 0, [])
+                    sender.send_signal(SYNC, step, [loss])
             elapsed = time.perf_counter() - started
             waited = edge.stats.wait_seconds + sender.blocked_seconds - waited_before
             done = step + 1
@@ -255,7 +257,7 @@ class ProgramRunner:
         micro-batch = batch index, example ids after the training ids), with no gradient
         back; the downstream decodes each (e.g. greedy, autoregressively, all locally),
         scores where its references live, writes ``eval.json`` into its own job directory,
-        and returns the batch count so the upstream knows it finished.
+        and sends an EVAL_DONE signal with the batch count so the upstream knows it finished.
         """
         cfg, module = self.spec.program, program.module
         if not upstream and not (callable(getattr(module, "decode", None)) and callable(module.score)):
@@ -273,17 +275,17 @@ class ProgramRunner:
                 ids = list(range(cfg.num_examples + first, cfg.num_examples + first + len(chunk)))
                 if upstream:
                     out = program.forward(module.collate(chunk))
-                    sender.send(out, self._encoder, FORWARD, step, batches - 1, ids)
+                    sender.send(out, step, batches - 1, ids)
                     continue
-                received = edge.receive(self._decoder, FORWARD, step, batches - 1, ids)
+                received = edge.receive_tensor(step, batches - 1, ids)
                 decoded = module.decode(program.model, received, module.collate(chunk))
                 if not (isinstance(decoded, list) and len(decoded) == len(chunk)):
                     raise ProgramError(f"decode() must return a list of {len(chunk)} outputs")
                 outputs.extend(str(text) for text in decoded)
         if upstream:
-            done = edge.receive(self._decoder, BACKWARD, step, 0, [])
-            if done.numel() != 1 or round(float(done[0])) != batches:
-                raise EdgeClosedError(f"eval mismatch: sent {batches} batches, peer reports {done.tolist()}")
+            done = edge.receive_signal(EVAL_DONE, step)
+            if len(done) != 1 or done[0] != batches:
+                raise EdgeClosedError(f"eval mismatch: sent {batches} batches, peer reports {done}")
             return
         metrics = module.score(outputs, examples)
         record = {
@@ -299,7 +301,7 @@ class ProgramRunner:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "eval.json").write_text(json.dumps(record, indent=1, ensure_ascii=False))
         log.info("evaluation done", extra={"fields": {"job_id": self.spec.job_id, **record["metrics"]}})
-        sender.send(torch.tensor([float(batches)]), self._encoder, BACKWARD, step, 0, [])
+        sender.send_signal(EVAL_DONE, step, [float(batches)])
 
     def _ids(self, step: int, micro_batch: int) -> list[int]:
         cfg = self.spec.program
@@ -318,11 +320,9 @@ class ProgramRunner:
                     out = self._dp.forward(step, op.micro_batch, ids)
                 else:
                     outputs[op.micro_batch] = out = program.forward(program.batch(ids))
-                sender.send(out, self._encoder, FORWARD, step, op.micro_batch, ids)
+                sender.send(out, step, op.micro_batch, ids)
             else:
-                grad = edge.receive(
-                    self._decoder, BACKWARD, step, op.micro_batch, self._ids(step, op.micro_batch)
-                )
+                grad = edge.receive_tensor(step, op.micro_batch, self._ids(step, op.micro_batch))
                 if self._dp is not None:  # each rank backpropagates the rows it produced
                     self._dp.backward(step, op.micro_batch, grad)
                     continue
@@ -340,7 +340,7 @@ class ProgramRunner:
         for micro_batch in range(micro_batches):
             ids = self._ids(step, micro_batch)
             out, own = program.produce(program.batch(ids))
-            sender.send(self._to_wire(out), self._encoder, FORWARD, step, micro_batch, ids)
+            sender.send(self._check_payload(out), step, micro_batch, ids)
             own = own / micro_batches
             own.backward()
             total += own.item()
@@ -354,25 +354,21 @@ class ProgramRunner:
         for synced in due:
             if synced < start:
                 continue
-            value = edge.receive(self._decoder, BACKWARD, synced, 0, [])
-            if value.numel() < 1 or int(value[0].item()) != synced + 1:
-                raise EdgeClosedError(f"sync mismatch: expected step {synced + 1}, got {value.tolist()}")
+            values = edge.receive_signal(SYNC, synced)
+            if len(values) != 1:
+                raise EdgeClosedError(f"sync mismatch: step {synced} sync carries {values}, expected [loss]")
 
-    def _to_wire(self, out: torch.Tensor) -> torch.Tensor:
-        """int64 payloads travel as float32 (the codec library encodes floating tensors only)."""
+    def _check_payload(self, out: torch.Tensor) -> torch.Tensor:
+        """What produce() returns must be the dtype the edge payload declares (int64 travels exactly)."""
         if not self._int_payload:
             if not out.is_floating_point():
                 raise ProgramError(
                     f"produce() returned {out.dtype} but the edge payload is float (edges.0.payload: int64?)"
                 )
             return out
-        if out.is_floating_point() or out.is_complex():
+        if out.dtype != torch.int64:
             raise ProgramError(f"the edge payload is int64 but produce() returned {out.dtype}")
-        if out.numel() and int(out.abs().max()) >= MAX_EXACT_ID:
-            raise ProgramError(
-                f"int64 payload values must be below 2**24 to travel exactly, got {int(out.abs().max())}"
-            )
-        return out.to(torch.float32)
+        return out
 
     def _downstream_step(
         self, program: StageProgram, edge: EdgeConnection, sender: AsyncSender, step: int
@@ -384,9 +380,9 @@ class ProgramRunner:
             if op.kind != "F":
                 continue  # each micro-batch's backward is sent right after its forward, below
             ids = self._ids(step, op.micro_batch)
-            received = edge.receive(self._decoder, FORWARD, step, op.micro_batch, ids)
-            if self._int_payload:
-                received = received.round().to(torch.int64)
+            received = edge.receive_tensor(step, op.micro_batch, ids)
+            if self._int_payload and received.dtype != torch.int64:
+                raise EdgeClosedError(f"the edge payload is int64 but the peer sent {received.dtype}")
             if self._dp is not None:
                 value, grad = self._dp.micro_batch(step, op.micro_batch, received, ids)
             else:
@@ -397,7 +393,7 @@ class ProgramRunner:
             if backprop:
                 if grad is None:
                     raise ProgramError("loss() does not depend on the received tensor: no gradient to return")
-                sender.send(grad, self._encoder, BACKWARD, step, op.micro_batch, ids)
+                sender.send(grad, step, op.micro_batch, ids)
             total += value
         return total
 

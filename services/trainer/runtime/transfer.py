@@ -1,10 +1,10 @@
 """Async sends with a bounded in-flight queue: compute overlaps encoding and the WAN, with back-pressure.
 
-A send hands the tensor to a sender thread and returns at once; if
-``max_in_flight`` tensors are already waiting to be encoded and queued, the
-caller blocks (that time counts as waiting for the other cluster). Tensors are
-encoded in order by one thread, so each (edge, direction) codec stream sees its
-tensors in schedule order, as stateful codecs require.
+A send hands the tensor (or signal) to a sender thread and returns at once; if
+``max_in_flight`` items are already waiting to be encoded and queued, the caller
+blocks (that time counts as waiting for the other cluster). Items are handed to the
+edge in order by one thread, so the edge's codec stream sees its tensors in schedule
+order, as stateful codecs require, and signals keep their place among them.
 """
 
 from __future__ import annotations
@@ -17,18 +17,22 @@ from dataclasses import dataclass
 
 import torch
 
-from nebula_common.codec import TensorStreamEncoder
 from services.trainer.edge import EdgeClosedError, EdgeConnection
 
 
 @dataclass
 class _Send:
     tensor: torch.Tensor
-    encoder: TensorStreamEncoder
-    direction: int
     step: int
     micro_batch: int
     sample_ids: list[int]
+
+
+@dataclass
+class _Signal:
+    kind: int
+    step: int
+    values: list[float]
 
 
 _STOP = object()
@@ -49,15 +53,12 @@ class AsyncSender:
             try:
                 if item is _STOP:
                     return
-                if self._error is None and isinstance(item, _Send):
-                    self.edge.send(
-                        item.tensor,
-                        item.encoder,
-                        item.direction,
-                        item.step,
-                        item.micro_batch,
-                        item.sample_ids,
-                    )
+                if self._error is not None:
+                    continue
+                if isinstance(item, _Send):
+                    self.edge.send_tensor(item.tensor, item.step, item.micro_batch, item.sample_ids)
+                elif isinstance(item, _Signal):
+                    self.edge.send_signal(item.kind, item.step, item.values)
             except BaseException as exc:
                 self._error = exc
             finally:
@@ -69,23 +70,20 @@ class AsyncSender:
                 raise EdgeClosedError(str(self._error))
             raise EdgeClosedError(f"send failed: {type(self._error).__name__}: {self._error}")
 
-    def send(
-        self,
-        tensor: torch.Tensor,
-        encoder: TensorStreamEncoder,
-        direction: int,
-        step: int,
-        micro_batch: int,
-        sample_ids: Sequence[int],
-    ) -> None:
+    def _put(self, item: object) -> None:
         self._raise_if_failed()
-        item = _Send(tensor.detach(), encoder, direction, step, micro_batch, list(sample_ids))
         started = time.perf_counter()
         self._queue.put(item)
         self.blocked_seconds += time.perf_counter() - started
 
+    def send(self, tensor: torch.Tensor, step: int, micro_batch: int, sample_ids: Sequence[int]) -> None:
+        self._put(_Send(tensor.detach(), step, micro_batch, list(sample_ids)))
+
+    def send_signal(self, kind: int, step: int, values: Sequence[float] = ()) -> None:
+        self._put(_Signal(kind, step, [float(v) for v in values]))
+
     def flush(self) -> None:
-        """Wait until every queued tensor is encoded and handed to the edge stream."""
+        """Wait until every queued item is encoded and handed to the edge."""
         started = time.perf_counter()
         self._queue.join()
         self.blocked_seconds += time.perf_counter() - started

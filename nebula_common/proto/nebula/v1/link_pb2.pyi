@@ -1,5 +1,4 @@
 from nebula_common.proto.nebula.v1 import relay_pb2 as _relay_pb2
-from nebula_common.proto.nebula.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Mapping as _Mapping
@@ -17,28 +16,6 @@ class Handshake(_message.Message):
     software_version: str
     def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., software_version: _Optional[str] = ...) -> None: ...
 
-class RoutedFrame(_message.Message):
-    __slots__ = ("job_id", "edge", "frame")
-    JOB_ID_FIELD_NUMBER: _ClassVar[int]
-    EDGE_FIELD_NUMBER: _ClassVar[int]
-    FRAME_FIELD_NUMBER: _ClassVar[int]
-    job_id: str
-    edge: str
-    frame: _tensor_pb2.TensorFrame
-    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., frame: _Optional[_Union[_tensor_pb2.TensorFrame, _Mapping]] = ...) -> None: ...
-
-class RouteClose(_message.Message):
-    __slots__ = ("job_id", "edge", "reason", "error")
-    JOB_ID_FIELD_NUMBER: _ClassVar[int]
-    EDGE_FIELD_NUMBER: _ClassVar[int]
-    REASON_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    job_id: str
-    edge: str
-    reason: str
-    error: bool
-    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., reason: _Optional[str] = ..., error: _Optional[bool] = ...) -> None: ...
-
 class RoutedItem(_message.Message):
     __slots__ = ("job_id", "edge", "item")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
@@ -49,14 +26,26 @@ class RoutedItem(_message.Message):
     item: _relay_pb2.EdgeMessage
     def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., item: _Optional[_Union[_relay_pb2.EdgeMessage, _Mapping]] = ...) -> None: ...
 
+class Ping(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: int
+    def __init__(self, nonce: _Optional[int] = ...) -> None: ...
+
+class Pong(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: int
+    def __init__(self, nonce: _Optional[int] = ...) -> None: ...
+
 class LinkMessage(_message.Message):
-    __slots__ = ("hello", "frame", "close", "routed")
+    __slots__ = ("hello", "routed", "ping", "pong")
     HELLO_FIELD_NUMBER: _ClassVar[int]
-    FRAME_FIELD_NUMBER: _ClassVar[int]
-    CLOSE_FIELD_NUMBER: _ClassVar[int]
     ROUTED_FIELD_NUMBER: _ClassVar[int]
+    PING_FIELD_NUMBER: _ClassVar[int]
+    PONG_FIELD_NUMBER: _ClassVar[int]
     hello: Handshake
-    frame: RoutedFrame
-    close: RouteClose
     routed: RoutedItem
-    def __init__(self, hello: _Optional[_Union[Handshake, _Mapping]] = ..., frame: _Optional[_Union[RoutedFrame, _Mapping]] = ..., close: _Optional[_Union[RouteClose, _Mapping]] = ..., routed: _Optional[_Union[RoutedItem, _Mapping]] = ...) -> None: ...
+    ping: Ping
+    pong: Pong
+    def __init__(self, hello: _Optional[_Union[Handshake, _Mapping]] = ..., routed: _Optional[_Union[RoutedItem, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ...) -> None: ...

@@ -46,7 +46,7 @@ class SwitchLinkServicer:
 
     def Link(self, request_iterator, context):
         """The dialing switch sends Handshake first; the accepting switch answers with
-        its own Handshake, then both sides send RoutedFrame/RouteClose freely.
+        its own Handshake, then both sides send RoutedItem, Ping and Pong freely.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,59 @@
+"""The trainer's end of one job edge (edge protocol 2; see ``session`` for the delivery contract).
+
+* ``session``: sequence, credit, acks, replay and outage handling, transport-agnostic;
+* ``connection``: ``EdgeConnection``, the tensor/signal API the pipeline loop uses (it owns
+  the edge's codec streams);
+* ``grpc_transport``: the Relay.OpenEdge stream to this cluster's switch, reconnecting;
+* ``memory``: a connected in-memory pair with fault controls, for tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from nebula_common.proto.nebula.v1 import trainer_pb2
+from services.trainer.edge.connection import BACKWARD, FORWARD, EdgeConnection, EdgeStats
+from services.trainer.edge.grpc_transport import GrpcEdgeTransport
+from services.trainer.edge.session import INITIAL_WINDOW_BYTES, EdgeClosedError, EdgeSession, EdgeSettings
+
+EdgeFactory = Callable[[trainer_pb2.StageSpec, EdgeSettings], EdgeConnection]
+"""Opens a stage's edge end: (stage spec, settings) -> a started ``EdgeConnection``."""
+
+
+def stage_edge(spec: trainer_pb2.StageSpec, transport: object, settings: EdgeSettings) -> EdgeConnection:
+    """The edge end of ``spec``'s stage over ``transport``, with the spec's codecs."""
+    return EdgeConnection(
+        transport,  # type: ignore[arg-type]
+        job_id=spec.job_id,
+        edge=spec.edge,
+        upstream=spec.program.role == "upstream",
+        codec_forward=spec.codec_forward or "none",
+        codec_backward=spec.codec_backward or "none",
+        settings=settings,
+    )
+
+
+def grpc_edge_factory(switch_address: str, token: str) -> EdgeFactory:
+    """The default factory: the stage's edge through this cluster's switch."""
+
+    def open_edge(spec: trainer_pb2.StageSpec, settings: EdgeSettings) -> EdgeConnection:
+        transport = GrpcEdgeTransport(switch_address, token, spec.job_id, spec.edge)
+        return stage_edge(spec, transport, settings)
+
+    return open_edge
+
+
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "INITIAL_WINDOW_BYTES",
+    "EdgeClosedError",
+    "EdgeConnection",
+    "EdgeFactory",
+    "EdgeSession",
+    "EdgeSettings",
+    "EdgeStats",
+    "GrpcEdgeTransport",
+    "grpc_edge_factory",
+    "stage_edge",
+]

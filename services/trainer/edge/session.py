@@ -1,0 +1,657 @@
+"""The delivery contract of one job edge (edge protocol 2), independent of how messages travel.
+
+Each end of an edge sends one direction (the upstream stage FORWARD, the downstream
+stage BACKWARD) and receives the other. ``EdgeSession`` implements, for both halves,
+what ``proto/nebula/v1/relay.proto`` calls the delivery contract:
+
+* every outgoing item (a tensor frame -- its header and chunks -- or a signal) gets
+  the next number of the direction's sequence (``TensorHeader.frame_id`` /
+  ``EdgeSignal.seq``);
+* the sender transmits a message only while the cumulative wire size of the
+  direction through it is within the peer's absolute credit (``INITIAL_WINDOW_BYTES``
+  before the first ack), and keeps every unacknowledged item for replay;
+* the receiver accepts only the next item in sequence (duplicates and items after a
+  gap are ignored; a new header for the frame being assembled restarts it),
+  acknowledges coalesced (on each completed item, or when the grant grew by a quarter
+  window), grants at most one window beyond what it holds, and none while its queue
+  of completed items is full;
+* after every ready and every link-up notice both ends send a resume ack, and a sender
+  receiving one resends every item after ``received``, in order.
+
+Beyond the contract's minimum: a receiver that sees a gap (an item lost in flight
+without a link event) asks for a rewind with a resume ack, and a sender whose
+unacknowledged items see no progress for ``retransmit_s`` (doubling, capped) rewinds
+on its own, so a lost last item or a lost ack cannot stall the edge.
+
+Outages pause: while the link (or the stream to the switch) is down nothing is sent,
+and waits do not count the outage against their timeouts; an outage longer than
+``max_outage_s`` fails the edge with a clear reason. The transport (gRPC to the
+switch, or the in-memory pair of the tests) calls the ``on_*`` methods from its own
+thread; ``send`` on the transport must never block.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from nebula_common.codec import EncodedTensor, to_frames
+from nebula_common.proto.nebula.v1 import relay_pb2, tensor_pb2
+
+log = logging.getLogger(__name__)
+
+INITIAL_WINDOW_BYTES = 1 << 20
+"""Credit a sender has before the peer's first ack (relay.proto, delivery contract)."""
+
+
+class EdgeClosedError(RuntimeError):
+    """The edge ended (peer finished, failed, the link stayed down too long) while we expected an item."""
+
+
+@dataclass(frozen=True)
+class EdgeSettings:
+    """Tunables of one edge end (defaults fit production; tests shrink the timers)."""
+
+    window_bytes: int = 16 << 20
+    """Window this receiver grants beyond what it holds (capped by EdgeReady.max_window_bytes)."""
+    max_frame_bytes: int = 1 << 30
+    """Largest tensor payload a peer may announce; a larger header fails the edge."""
+    max_outage_s: float = 300.0
+    """How long the link (or the stream to the switch) may stay down before the edge fails."""
+    retransmit_s: float = 30.0
+    """Rewind when unacknowledged items see no ack progress this long (doubles up to 10x). A safety
+    net only: over gRPC items are lost only with a link notice or a reconnect, which resume at once,
+    and a receiver that sees a gap asks for a replay itself. Kept long because a receiver whose
+    queue is full legitimately leaves a partly sent frame unacknowledged (a rewind resends it)."""
+    receive_queue_items: int = 64
+    """Completed items (tensors, signals) held for the stage; while full, no new credit is granted."""
+    ready_timeout_s: float = 90.0
+    """How long the first open may take (switch reachable, edge authorised)."""
+
+
+class Transport(Protocol):
+    """How an edge session's messages travel (gRPC to the local switch, or an in-memory pair)."""
+
+    def start(self, handler: TransportHandler) -> None: ...
+
+    def send(self, message: relay_pb2.EdgeMessage) -> None:
+        """Best effort and non-blocking: a message sent while the link is down may be lost."""
+
+    def close(self, reason: str, error: bool) -> None:
+        """Send EdgeClose and stop reconnecting; keep delivering until the peer closes."""
+
+    def wait_close_sent(self, timeout: float) -> None:
+        """Wait (bounded) until the EdgeClose is handed to the wire (or cannot be)."""
+
+    def shutdown(self) -> None:
+        """Tear down now (idempotent)."""
+
+
+class TransportHandler(Protocol):
+    def on_ready(self, ready: relay_pb2.EdgeReady) -> None: ...
+
+    def on_message(self, message: relay_pb2.EdgeMessage) -> None: ...
+
+    def on_down(self, reason: str) -> None: ...
+
+    def on_failed(self, reason: str) -> None: ...
+
+
+@dataclass
+class _Outgoing:
+    seq: int
+    message: relay_pb2.EdgeMessage
+    end: int  # cumulative wire size of the direction through this message
+
+
+@dataclass
+class _Assembly:
+    header: tensor_pb2.TensorHeader
+    payload: bytearray
+    received: int = 0
+
+
+def wire_size(message: relay_pb2.EdgeMessage) -> int:
+    """The contract's wire size of an item's message: ByteSize() of its TensorFrame or EdgeSignal."""
+    kind = message.WhichOneof("body")
+    if kind == "frame":
+        return message.frame.ByteSize()
+    if kind == "signal":
+        return message.signal.ByteSize()
+    raise ValueError(f"{kind!r} is not a sequenced item")
+
+
+class EdgeSession:
+    """Sequence, credit, acks, replay and outage handling of one edge end (see the module doc)."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        send_direction: int,
+        settings: EdgeSettings | None = None,
+        name: str = "edge",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.transport = transport
+        self.name = name
+        self.settings = settings or EdgeSettings()
+        self.send_direction = send_direction
+        self.receive_direction = (
+            tensor_pb2.DIRECTION_BACKWARD
+            if send_direction == tensor_pb2.DIRECTION_FORWARD
+            else tensor_pb2.DIRECTION_FORWARD
+        )
+        self._clock = clock
+        self._cond = threading.Condition()
+        # --- link state
+        self._ever_ready = False
+        self._link_up = False
+        self._down_since: float | None = None
+        self._outage_total = 0.0
+        self._failed: str | None = None
+        self._last_down_reason = ""
+        self._peer_closed: str | None = None
+        self._closing = False
+        self._window = self.settings.window_bytes
+        # --- sending half
+        self._enqueue_lock = threading.Lock()
+        self._next_seq = 1
+        self._enqueued_bytes = 0
+        self._buffer: collections.deque[_Outgoing] = collections.deque()
+        self._first_index = 0  # absolute index of _buffer[0]
+        self._pointer = 0  # absolute index of the next message to transmit
+        self._credit = INITIAL_WINDOW_BYTES
+        self._acked = 0
+        self._last_progress = clock()
+        self._rto = self.settings.retransmit_s
+        # --- receiving half
+        self._expected = 1
+        self._held_bytes = 0  # cumulative wire size through the last complete item
+        self._assembly: _Assembly | None = None
+        self._assembly_bytes = 0
+        self._queue: collections.deque[EncodedTensor | relay_pb2.EdgeSignal] = collections.deque()
+        self._granted = INITIAL_WINDOW_BYTES
+        self._acked_sent = 0
+        self._gap_asked_for = 0
+        # --- counters (for tests and status)
+        self.retransmitted_messages = 0
+        self.acks_sent = 0
+        self.max_in_transit_bytes = 0
+        self.max_over_grant_bytes = -(1 << 62)  # receiver: max (end of a received message - our grant)
+        self._timer = threading.Thread(target=self._tick, name=f"{name}-timer", daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Open the transport and wait (bounded) for the first EdgeReady."""
+        self._timer.start()
+        self.transport.start(self)
+        deadline = self._clock() + self.settings.ready_timeout_s
+        with self._cond:
+            while not self._ever_ready and self._failed is None and self._peer_closed is None:
+                left = deadline - self._clock()
+                if left <= 0:
+                    break
+                self._cond.wait(min(left, 0.25))
+            if self._failed is None and not self._ever_ready:
+                last = f" (last error: {self._last_down_reason})" if self._last_down_reason else ""
+                limit = self.settings.ready_timeout_s
+                reason = (
+                    self._peer_closed or f"switch did not open edge {self.name!r} within {limit:.0f}s{last}"
+                )
+                self._fail_locked(reason)
+            if self._failed is not None:
+                raise EdgeClosedError(self._failed)
+
+    @property
+    def link_up(self) -> bool:
+        return self._link_up
+
+    def outage_seconds(self) -> float:
+        """Total time the link has been down since the session started (including a current outage)."""
+        with self._cond:
+            return self._outage_locked()
+
+    def _outage_locked(self) -> float:
+        current = self._clock() - self._down_since if self._down_since is not None else 0.0
+        return self._outage_total + current
+
+    def _set_down_locked(self, reason: str) -> None:
+        self._last_down_reason = reason
+        if self._link_up or self._down_since is None:
+            if self._down_since is None:
+                self._down_since = self._clock()
+            if self._link_up:
+                log.warning("edge link down", extra={"fields": {"edge": self.name, "reason": reason}})
+        self._link_up = False
+        self._cond.notify_all()
+
+    def _set_up_locked(self) -> None:
+        if self._down_since is not None:
+            self._outage_total += self._clock() - self._down_since
+            self._down_since = None
+        self._link_up = True
+        self._last_progress = self._clock()
+        # A fresh session: what was in flight may be lost. Ask the peer to replay after what we hold.
+        self._send_ack_locked(resume=True, force=True)
+        self._pump_locked()
+        self._cond.notify_all()
+
+    def _fail_locked(self, reason: str) -> None:
+        if self._failed is None:
+            self._failed = reason
+            log.warning("edge failed", extra={"fields": {"edge": self.name, "reason": reason}})
+        self._cond.notify_all()
+
+    def fail(self, reason: str, *, tell_peer: bool = True) -> None:
+        """End the edge with an error now (safe from any thread, repeatable)."""
+        with self._cond:
+            first = self._failed is None
+            self._fail_locked(reason)
+        if first and tell_peer:
+            self.transport.close(reason, True)
+            # Tear down once the close is on the wire (or in 2 s), without holding up the caller.
+            threading.Thread(
+                target=self._shutdown_after_close, name=f"{self.name}-abort", daemon=True
+            ).start()
+        else:
+            self.transport.shutdown()
+
+    def _shutdown_after_close(self) -> None:
+        self.transport.wait_close_sent(2.0)
+        self.transport.shutdown()
+
+    def _terminal_reason_locked(self) -> str | None:
+        return self._failed or self._peer_closed
+
+    def close(self, reason: str = "finished", timeout: float = 30.0) -> None:
+        """Wait until the peer holds all we sent, close our side, wait (bounded) for the peer's close."""
+        with self._cond:
+            self._closing = True
+            started, outage = self._clock(), self._outage_locked()
+            while self._buffer and self._terminal_reason_locked() is None:
+                if self._clock() - started - (self._outage_locked() - outage) > timeout:
+                    break
+                self._cond.wait(0.25)
+            failed = self._failed is not None
+        if failed:
+            self.transport.shutdown()
+            return
+        self.transport.close(reason, False)
+        with self._cond:
+            deadline = self._clock() + timeout
+            while self._peer_closed is None and self._failed is None and self._clock() < deadline:
+                self._cond.wait(0.25)
+            peer_closed = self._peer_closed is not None
+        if peer_closed:  # both closes are out: let the switch end the call cleanly (bounded)
+            self.transport.wait_close_sent(5.0)
+        self.transport.shutdown()
+        with self._cond:
+            if self._failed is None:
+                self._failed = f"edge closed: {reason}"
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ transport callbacks
+
+    def on_ready(self, ready: relay_pb2.EdgeReady) -> None:
+        with self._cond:
+            if self._failed is not None:
+                return
+            if self._ever_ready and self._pointer > self._first_index:
+                # Our stream to the switch was re-opened: what we sent on the broken one may be lost,
+                # and the peer (whose link stayed up) gets no notice that would make it ask for a
+                # replay. Resend everything unacknowledged; the peer ignores what it already holds.
+                self.retransmitted_messages += self._pointer - self._first_index
+                self._pointer = self._first_index
+            self._ever_ready = True
+            if ready.max_window_bytes:
+                self._window = max(1, min(self.settings.window_bytes, ready.max_window_bytes))
+            # A switch older than edge protocol 2 (max_window_bytes 0) never reports the link.
+            if ready.link_up or not ready.max_window_bytes:
+                self._set_up_locked()
+            else:
+                self._set_down_locked("peer link down at open")
+            self._cond.notify_all()
+
+    def on_down(self, reason: str) -> None:
+        with self._cond:
+            self._set_down_locked(reason)
+
+    def on_failed(self, reason: str) -> None:
+        with self._cond:
+            self._fail_locked(reason)
+
+    def on_message(self, message: relay_pb2.EdgeMessage) -> None:
+        kind = message.WhichOneof("body")
+        with self._cond:
+            if self._failed is not None:
+                return
+            try:
+                if kind == "frame":
+                    self._on_frame_locked(message)
+                elif kind == "signal":
+                    self._on_signal_locked(message)
+                elif kind == "ack":
+                    self._on_ack_locked(message.ack)
+                elif kind == "notice":
+                    if message.notice.up:
+                        self._set_up_locked()
+                    else:
+                        self._set_down_locked(message.notice.reason or "link down")
+                elif kind == "close":
+                    reason = message.close.reason or "peer closed the edge"
+                    if message.close.error:
+                        reason = f"peer side failed: {reason}"
+                    self._peer_closed = reason
+                    self._cond.notify_all()
+                elif kind == "ready":
+                    pass  # transports route ready through on_ready
+            except _ProtocolError as exc:
+                violation: str | None = str(exc)
+            else:
+                violation = None
+        if violation is not None:
+            self.fail(violation)
+
+    # ------------------------------------------------------------------ sending half
+
+    def enqueue_tensor(self, build: Callable[[int], EncodedTensor]) -> EncodedTensor:
+        """Number, frame and queue one tensor; ``build(frame_id)`` encodes it (once: replays reuse the bytes).
+
+        Returns when at most one window of our items is still waiting to be transmitted.
+        """
+        with self._enqueue_lock:
+            with self._cond:
+                self._raise_if_ended_locked()
+                seq = self._next_seq
+            encoded = build(seq)
+            if encoded.header.payload_size > self.settings.max_frame_bytes:
+                raise EdgeClosedError(
+                    f"tensor of {encoded.header.payload_size} bytes exceeds max_frame_bytes "
+                    f"{self.settings.max_frame_bytes} of edge {self.name!r}"
+                )
+            self._append([relay_pb2.EdgeMessage(frame=f) for f in to_frames(encoded)], seq)
+        self._wait_for_transmission()
+        return encoded
+
+    def enqueue_signal(self, kind: int, step: int, values: Sequence[float] = ()) -> None:
+        with self._enqueue_lock:
+            with self._cond:
+                self._raise_if_ended_locked()
+                seq = self._next_seq
+            signal = relay_pb2.EdgeSignal(
+                seq=seq, direction=self.send_direction, kind=kind, step=step, values=list(values)
+            )
+            self._append([relay_pb2.EdgeMessage(signal=signal)], seq)
+        self._wait_for_transmission()
+
+    def _append(self, messages: list[relay_pb2.EdgeMessage], seq: int) -> None:
+        with self._cond:
+            self._raise_if_ended_locked()
+            for message in messages:
+                self._enqueued_bytes += wire_size(message)
+                self._buffer.append(_Outgoing(seq, message, self._enqueued_bytes))
+            self._next_seq = seq + 1
+            self._pump_locked()
+
+    def _raise_if_ended_locked(self) -> None:
+        reason = self._terminal_reason_locked()
+        if reason is not None:
+            raise EdgeClosedError(reason)
+
+    def _wait_for_transmission(self) -> None:
+        """Back-pressure: hold the caller while more than a window of our items waits for credit."""
+        with self._cond:
+            while True:
+                self._raise_if_ended_locked()
+                pointer_end = self._sent_bytes_locked()
+                if self._enqueued_bytes - pointer_end <= self._window:
+                    return
+                self._cond.wait(0.25)
+
+    def _sent_bytes_locked(self) -> int:
+        """Cumulative wire size through the last transmitted message."""
+        index = self._pointer - self._first_index
+        if index <= 0:
+            return (
+                self._buffer[0].end - wire_size(self._buffer[0].message)
+                if self._buffer
+                else self._enqueued_bytes
+            )
+        return self._buffer[index - 1].end
+
+    def _pump_locked(self) -> None:
+        if not self._link_up or self._failed is not None:
+            return
+        while True:
+            index = self._pointer - self._first_index
+            if index >= len(self._buffer):
+                return
+            item = self._buffer[index]
+            if item.end > self._credit:
+                return
+            self.transport.send(item.message)
+            self._pointer += 1
+            in_transit = item.end - self._acked_bytes_locked()
+            self.max_in_transit_bytes = max(self.max_in_transit_bytes, in_transit)
+
+    def _acked_bytes_locked(self) -> int:
+        if not self._buffer:
+            return self._enqueued_bytes
+        first = self._buffer[0]
+        return first.end - wire_size(first.message)
+
+    def _on_ack_locked(self, ack: relay_pb2.EdgeAck) -> None:
+        progress = False
+        if ack.received > self._acked:
+            if ack.received >= self._next_seq:
+                raise _ProtocolError(
+                    f"peer acknowledged item {ack.received} but only {self._next_seq - 1} were sent"
+                )
+            self._acked = ack.received
+            progress = True
+        while self._buffer and self._buffer[0].seq <= self._acked:
+            self._buffer.popleft()
+            self._first_index += 1
+        if self._pointer < self._first_index:
+            self._pointer = self._first_index
+        if ack.max_bytes > self._credit:
+            self._credit = ack.max_bytes
+            progress = True
+        if ack.resume:
+            if self._pointer > self._first_index:
+                self.retransmitted_messages += self._pointer - self._first_index
+            self._pointer = self._first_index
+        if progress or ack.resume:
+            self._last_progress = self._clock()
+            self._rto = self.settings.retransmit_s
+        self._pump_locked()
+        self._cond.notify_all()
+
+    # ------------------------------------------------------------------ receiving half
+
+    def _check_credit_locked(self) -> None:
+        """Record how far the peer's position is from our grant (the contract keeps it <= 0)."""
+        over = self._held_bytes + self._assembly_bytes - self._granted
+        self.max_over_grant_bytes = max(self.max_over_grant_bytes, over)
+
+    def _on_frame_locked(self, message: relay_pb2.EdgeMessage) -> None:
+        frame = message.frame
+        part = frame.WhichOneof("part")
+        size = frame.ByteSize()
+        if part == "header":
+            header = frame.header
+            if header.frame_id != self._expected:
+                self._out_of_order_locked(header.frame_id)
+                return
+            if header.direction != self.receive_direction:
+                raise _ProtocolError(f"peer sent a frame of direction {header.direction} on our receive side")
+            if header.payload_size > self.settings.max_frame_bytes:
+                raise _ProtocolError(
+                    f"peer announced a tensor of {header.payload_size} bytes (frame {header.frame_id}, step "
+                    f"{header.step}), above this edge's max_frame_bytes {self.settings.max_frame_bytes}"
+                )
+            # A new header (or a replayed one for the frame being assembled) starts the frame afresh.
+            self._assembly = _Assembly(header=header, payload=bytearray(header.payload_size))
+            self._assembly_bytes = size
+            self._check_credit_locked()
+            self._maybe_ack_locked(False)
+            return
+        if part != "chunk":
+            raise _ProtocolError("peer sent a frame with neither header nor chunk")
+        chunk = frame.chunk
+        assembly = self._assembly
+        if (
+            assembly is None
+            or chunk.frame_id != assembly.header.frame_id
+            or chunk.offset != assembly.received
+        ):
+            if (
+                assembly is not None
+                and chunk.frame_id == assembly.header.frame_id
+                and chunk.offset > assembly.received
+            ):
+                self._out_of_order_locked(self._expected + 1)  # a chunk of this frame was lost in flight
+            return  # a stray chunk (of a replayed or abandoned frame): ignored
+        end = assembly.received + len(chunk.data)
+        if end > assembly.header.payload_size or (chunk.last and end != assembly.header.payload_size):
+            raise _ProtocolError(
+                f"invalid frame from peer: chunks of frame {chunk.frame_id} end at {end} bytes but "
+                f"{assembly.header.payload_size} were declared"
+            )
+        assembly.payload[assembly.received : end] = chunk.data
+        assembly.received = end
+        self._assembly_bytes += size
+        self._check_credit_locked()
+        if not chunk.last:
+            self._maybe_ack_locked(False)
+            return
+        self._assembly = None
+        self._complete_locked(EncodedTensor(header=assembly.header, payload=bytes(assembly.payload)))
+
+    def _on_signal_locked(self, message: relay_pb2.EdgeMessage) -> None:
+        signal = message.signal
+        if signal.seq != self._expected or self._assembly is not None:
+            self._out_of_order_locked(signal.seq)
+            return
+        if signal.direction != self.receive_direction:
+            raise _ProtocolError(f"peer sent a signal of direction {signal.direction} on our receive side")
+        self._assembly_bytes = signal.ByteSize()
+        self._check_credit_locked()
+        self._complete_locked(signal)
+
+    def _complete_locked(self, item: EncodedTensor | relay_pb2.EdgeSignal) -> None:
+        self._held_bytes += self._assembly_bytes
+        self._assembly_bytes = 0
+        self._expected += 1
+        self._gap_asked_for = 0
+        self._queue.append(item)
+        self._maybe_ack_locked(True)
+        self._cond.notify_all()
+
+    def _out_of_order_locked(self, seq: int) -> None:
+        if seq < self._expected:
+            self._send_ack_locked(resume=False, force=True)  # a replay: our ack may have been lost
+        elif self._gap_asked_for != self._expected:
+            # Something before it was lost in flight: ask for a replay once per gap.
+            self._gap_asked_for = self._expected
+            self._send_ack_locked(resume=True, force=True)
+
+    def _grant_locked(self) -> int:
+        if len(self._queue) >= self.settings.receive_queue_items:
+            return self._granted
+        return max(self._granted, self._held_bytes + self._assembly_bytes + self._window)
+
+    def _maybe_ack_locked(self, completed: bool) -> None:
+        grant = self._grant_locked()
+        if completed or grant - self._granted >= max(1, self._window // 4):
+            self._send_ack_locked(resume=False, force=completed)
+
+    def _send_ack_locked(self, *, resume: bool, force: bool) -> None:
+        if not self._link_up or self._failed is not None:
+            return
+        grant = self._grant_locked()
+        received = self._expected - 1
+        if not force and grant == self._granted and received == self._acked_sent:
+            return
+        self._granted = grant
+        self._acked_sent = received
+        self.acks_sent += 1
+        self.transport.send(
+            relay_pb2.EdgeMessage(
+                ack=relay_pb2.EdgeAck(
+                    direction=self.receive_direction, received=received, max_bytes=grant, resume=resume
+                )
+            )
+        )
+
+    def receive_item(self, timeout: float, what: str) -> EncodedTensor | relay_pb2.EdgeSignal:
+        """The next complete item; waits up to ``timeout`` seconds of link-up time."""
+        with self._cond:
+            started, outage = self._clock(), self._outage_locked()
+            while True:
+                if self._queue:
+                    was_full = len(self._queue) >= self.settings.receive_queue_items
+                    item = self._queue.popleft()
+                    if was_full and self._grant_locked() > self._granted:
+                        self._send_ack_locked(resume=False, force=True)  # the stage read: credit again
+                    return item
+                reason = self._terminal_reason_locked()
+                if reason is not None:
+                    raise EdgeClosedError(reason)
+                waited = self._clock() - started - (self._outage_locked() - outage)
+                if waited >= timeout:
+                    raise EdgeClosedError(f"no {what} in {timeout:.0f}s")
+                self._cond.wait(min(timeout - waited, 0.25))
+
+    # ------------------------------------------------------------------ timers
+
+    def _tick(self) -> None:
+        while True:
+            with self._cond:
+                if self._failed is not None:
+                    return
+                now = self._clock()
+                limit = self.settings.max_outage_s
+                if self._down_since is not None and now - self._down_since > limit and self._ever_ready:
+                    reason = (
+                        f"WAN link to the peer cluster down for {now - self._down_since:.0f} s "
+                        f"(limit {limit:g} s)"
+                    )
+                    failed = True
+                else:
+                    failed = False
+                    if (
+                        self._link_up
+                        and self._pointer > self._first_index
+                        and now - self._last_progress > self._rto
+                    ):
+                        self.retransmitted_messages += self._pointer - self._first_index
+                        self._pointer = self._first_index
+                        self._last_progress = now
+                        self._rto = min(self._rto * 2, self.settings.retransmit_s * 10)
+                        self._pump_locked()
+                    self._cond.wait(0.05)
+            if failed:
+                self.fail(reason, tell_peer=True)
+                return
+
+
+class _ProtocolError(Exception):
+    """The peer broke the delivery contract; the edge fails with this message."""
+
+
+__all__ = [
+    "INITIAL_WINDOW_BYTES",
+    "EdgeClosedError",
+    "EdgeSession",
+    "EdgeSettings",
+    "Transport",
+    "TransportHandler",
+    "wire_size",
+]

@@ -1,0 +1,224 @@
+"""Edge ends for trainer tests: in-memory pairs, pairs through two real switches, and pipeline runs.
+
+``run_stages`` runs both stages of a program job (e.g. the built-in ``numbers``) as real
+``ProgramRunner``s in this process, on an in-memory edge pair, and records what each stage
+received, so tests can check that every micro-batch was applied exactly once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from nebula_common.pki import PkiLayout
+from nebula_common.proto.nebula.v1 import trainer_pb2
+from nebula_common.sdk.auth_client import AuthClient
+from nebula_common.sdk.jobs import ProgramJob
+from services.switch.config import SwitchSettings
+from services.trainer.edge import EdgeConnection, EdgeSettings, GrpcEdgeTransport, stage_edge
+from services.trainer.edge.memory import MemoryLink
+from services.trainer.runtime.stage import ProgramRunner
+from tests.support.accounts import ADMIN_PASSWORD, auth_settings
+from tests.support.servers import SwitchThread, accepting_switch, running_auth
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``condition`` until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.01)
+
+
+def open_pair(
+    open_end: Callable[[int], EdgeConnection],
+) -> tuple[EdgeConnection, EdgeConnection]:
+    """Open both ends concurrently (each waits for its ready); returns (upstream, downstream)."""
+    ends: dict[int, EdgeConnection] = {}
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            ends[index] = open_end(index)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    if errors:
+        raise errors[0]
+    return ends[0], ends[1]
+
+
+def memory_pair(
+    link: MemoryLink,
+    settings: EdgeSettings,
+    codec_forward: str = "none",
+    codec_backward: str = "none",
+) -> tuple[EdgeConnection, EdgeConnection]:
+    def open_end(index: int) -> EdgeConnection:
+        return EdgeConnection(
+            link.ends[index],
+            job_id="job",
+            edge="up->down",
+            upstream=index == 0,
+            codec_forward=codec_forward,
+            codec_backward=codec_backward,
+            settings=settings,
+        )
+
+    return open_pair(open_end)
+
+
+@dataclass
+class SwitchPair:
+    addresses: tuple[str, str]
+    tokens: tuple[str, str]
+
+    def edge_pair(
+        self, job_id: str, settings: EdgeSettings, codec_forward: str = "none", codec_backward: str = "none"
+    ) -> tuple[EdgeConnection, EdgeConnection]:
+        def open_end(index: int) -> EdgeConnection:
+            transport = GrpcEdgeTransport(self.addresses[index], self.tokens[index], job_id, "up->down")
+            return EdgeConnection(
+                transport,
+                job_id=job_id,
+                edge="up->down",
+                upstream=index == 0,
+                codec_forward=codec_forward,
+                codec_backward=codec_backward,
+                settings=settings,
+            )
+
+        return open_pair(open_end)
+
+
+@contextmanager
+def switch_pair(work: Path, pki: PkiLayout) -> Iterator[SwitchPair]:
+    """Clusters a and b, each an auth server and a switch; a dials b over mTLS. Admin tokens of each."""
+    with ExitStack() as stack:
+        for cluster in "ab":
+            (work / cluster).mkdir(parents=True, exist_ok=True)
+        auths = {c: stack.enter_context(running_auth(auth_settings(work / c, c))) for c in "ab"}
+        b = stack.enter_context(accepting_switch(work / "b", pki.cluster("b"), "a", auths["b"].address))
+        paths = pki.cluster("a")
+        a = SwitchThread(
+            SwitchSettings(
+                cluster_id="a",
+                peer_cluster_id="b",
+                link_role="dial",
+                peer_address=f"127.0.0.1:{b.running.wan_port}",
+                tls_cert=paths.switch_cert,
+                tls_key=paths.switch_key,
+                trust_bundle=paths.trust_bundle,
+                auth_address=auths["a"].address,
+                data_dir=work / "a" / "switch",
+                metrics_port=-1,
+            )
+        )
+        stack.callback(a.stop)
+        wait_for(lambda: a.running.link.state.connected, 30, "the a-b switch link")
+        tokens = []
+        for cluster in "ab":
+            with AuthClient(auths[cluster].address) as client:
+                tokens.append(client.login("admin", ADMIN_PASSWORD).token)
+        yield SwitchPair((a.internal_address, b.internal_address), (tokens[0], tokens[1]))
+
+
+@dataclass
+class StageRun:
+    runner: ProgramRunner
+    received: list[tuple[int, int]] = field(default_factory=list)
+    received_tensors: list[torch.Tensor] = field(default_factory=list)
+    sent_tensors: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def board(self) -> list[trainer_pb2.StageStatus]:
+        return self.runner.board.since(0, 0)[1]
+
+    def losses(self) -> dict[int, float]:
+        return {int(s.steps_done) - 1: s.loss for s in self.board if s.HasField("loss")}
+
+    def local_losses(self) -> dict[int, float]:
+        return {int(s.steps_done) - 1: s.local_loss for s in self.board if s.HasField("local_loss")}
+
+    def parameters(self) -> list[torch.Tensor]:
+        assert self.runner.program is not None
+        return [p.detach().clone() for p in self.runner.program.model.parameters()]
+
+    @property
+    def final(self) -> trainer_pb2.StageStatus:
+        return self.runner.board.latest()
+
+
+def run_stages(
+    job: ProgramJob,
+    data_dir: Path,
+    link: MemoryLink,
+    settings: EdgeSettings,
+    *,
+    during: Callable[[StageRun, StageRun, MemoryLink], None] | None = None,
+    timeout: float = 240.0,
+) -> tuple[StageRun, StageRun]:
+    """Run both stages on ``link`` (in the job's stage order); returns (upstream, downstream)."""
+    names = [stage.name for stage in job.spec.stages]
+    runs: list[StageRun] = []
+    for index, name in enumerate(names):
+        spec = job.stage_spec(name)
+
+        def open_edge(
+            stage_spec: trainer_pb2.StageSpec, stage_settings: EdgeSettings, index: int = index
+        ) -> EdgeConnection:
+            edge = stage_edge(stage_spec, link.ends[index], stage_settings)
+            receive, send = edge.receive_tensor, edge.send_tensor
+
+            def recording(step: int, micro_batch: int, *args: object, **kwargs: object) -> torch.Tensor:
+                tensor = receive(step, micro_batch, *args, **kwargs)  # type: ignore[arg-type]
+                runs[index].received.append((step, micro_batch))
+                runs[index].received_tensors.append(tensor.clone())
+                return tensor
+
+            def sending(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
+                runs[index].sent_tensors.append(tensor.detach().clone())
+                return send(tensor, *args, **kwargs)  # type: ignore[arg-type]
+
+            edge.receive_tensor = recording  # type: ignore[method-assign]
+            edge.send_tensor = sending  # type: ignore[method-assign]
+            return edge
+
+        runner = ProgramRunner(
+            spec,
+            "token",
+            "unused:0",
+            data_dir / name,
+            "tester",
+            edge_factory=open_edge,
+            edge_settings=settings,
+        )
+        runs.append(StageRun(runner))
+    for run in runs:
+        run.runner.start()
+    if during is not None:
+        during(runs[0], runs[1], link)
+    for run in runs:
+        run.runner.join(timeout)
+        assert run.runner.board.finished, f"stage {run.final.stage} did not finish in {timeout:.0f}s"
+    return runs[0], runs[1]
+
+
+def wait_for_step(run: StageRun, steps_done: int, timeout: float = 60.0) -> None:
+    wait_for(
+        lambda: run.runner.board.latest().steps_done >= steps_done or run.runner.board.finished,
+        timeout,
+        f"stage {run.final.stage} to finish step {steps_done}",
+    )

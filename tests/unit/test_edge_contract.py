@@ -1,0 +1,170 @@
+"""Edge behaviours every transport must keep: order, signals, exact integers, close, credit.
+
+Parametrized over the in-memory pair and a pair through two real mTLS switches (clusters a and
+b, each with its own auth server; a dials b). Link cuts are not tested over gRPC here: the
+switch that sends LinkNotice lands separately.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from nebula_common.pki import PkiLayout
+from nebula_common.proto.nebula.v1 import relay_pb2
+from services.trainer.edge import EdgeClosedError, EdgeConnection, EdgeSettings
+from services.trainer.edge.memory import MemoryLink
+from tests.support.edges import SwitchPair, memory_pair, switch_pair, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+Pair = Callable[..., tuple[EdgeConnection, EdgeConnection]]
+SETTINGS = EdgeSettings(window_bytes=1 << 20, max_outage_s=30, retransmit_s=1.0, ready_timeout_s=30)
+READY, SYNC, EVAL_DONE = (
+    relay_pb2.SIGNAL_KIND_READY,
+    relay_pb2.SIGNAL_KIND_SYNC,
+    relay_pb2.SIGNAL_KIND_EVAL_DONE,
+)
+_jobs = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def switches(tmp_path_factory: pytest.TempPathFactory, pki_ab: PkiLayout) -> Iterator[SwitchPair]:
+    with switch_pair(tmp_path_factory.mktemp("switches"), pki_ab) as pair:
+        yield pair
+
+
+@pytest.fixture(params=["memory", "grpc"])
+def open_pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    opened: list[EdgeConnection] = []
+
+    def make(settings: EdgeSettings = SETTINGS, **codecs: str) -> tuple[EdgeConnection, EdgeConnection]:
+        if request.param == "memory":
+            pair = memory_pair(MemoryLink(max_window_bytes=settings.window_bytes), settings, **codecs)
+        else:
+            switches: SwitchPair = request.getfixturevalue("switches")
+            pair = switches.edge_pair(f"contract-{next(_jobs)}", settings, **codecs)
+        opened.extend(pair)
+        return pair
+
+    yield make
+    for edge in opened:
+        edge.abort("test over")
+
+
+def close_both(up: EdgeConnection, down: EdgeConnection) -> None:
+    closer = threading.Thread(target=down.close, daemon=True)
+    closer.start()
+    up.close()
+    closer.join(30)
+    assert not closer.is_alive()
+
+
+def test_tensors_and_signals_arrive_in_order_and_signals_exactly(open_pair: Pair) -> None:
+    up, down = open_pair()
+    down.send_signal(READY, 0)
+    assert up.receive_signal(READY, 0, timeout=30) == []
+    for step in range(5):
+        for micro_batch in range(3):
+            up.send_tensor(torch.full((4, 8), step * 10.0 + micro_batch), step, micro_batch)
+        down.send_signal(SYNC, step, [step + 0.1, 1e300, -2.5e-300])
+    for step in range(5):
+        for micro_batch in range(3):
+            got = down.receive_tensor(step, micro_batch, timeout=30)
+            assert torch.equal(got, torch.full((4, 8), step * 10.0 + micro_batch))
+        assert up.receive_signal(SYNC, step, timeout=30) == [step + 0.1, 1e300, -2.5e-300]
+    down.send_signal(EVAL_DONE, 5, [3.0])
+    with pytest.raises(EdgeClosedError, match="schedule mismatch: expected SIGNAL_KIND_SYNC"):
+        up.receive_signal(SYNC, 5, timeout=30)
+    close_both(up, down)
+
+
+def test_integer_tensors_travel_exactly_whatever_the_float_codec(open_pair: Pair) -> None:
+    up, down = open_pair(codec_forward="int8")
+    ids = torch.tensor([[0, 1, 2**24 + 1, 2**53 + 1], [-(2**62), 2**62 + 7, -1, 12345678901234]])
+    floats = torch.linspace(-1, 1, 64).reshape(8, 8)
+    up.send_tensor(ids, 0, 0)
+    up.send_tensor(floats, 0, 1)
+    got = down.receive_tensor(0, 0, timeout=30)
+    assert got.dtype == torch.int64 and torch.equal(got, ids)
+    lossy = down.receive_tensor(0, 1, timeout=30)
+    assert not torch.equal(lossy, floats)  # the float codec (int8) did apply to floats
+    torch.testing.assert_close(lossy, floats, atol=0.02, rtol=0)
+    close_both(up, down)
+
+
+def test_close_and_abort_reach_the_peer(open_pair: Pair) -> None:
+    up, down = open_pair()
+    up.send_tensor(torch.ones(3), 0, 0)
+    closer = threading.Thread(target=up.close, args=("finished",), daemon=True)
+    closer.start()
+    assert torch.equal(down.receive_tensor(0, 0, timeout=30), torch.ones(3))  # queued items first ...
+    with pytest.raises(EdgeClosedError, match="finished"):
+        down.receive_tensor(1, 0, timeout=30)  # ... then the close
+    down.close()
+    closer.join(30)
+
+    up, down = open_pair()
+    down.abort("out of memory")
+    with pytest.raises(EdgeClosedError, match="peer side failed: out of memory"):
+        up.receive_tensor(0, 0, timeout=30)
+
+
+def test_credit_is_never_exceeded_with_a_slow_receiver(open_pair: Pair) -> None:
+    settings = EdgeSettings(
+        window_bytes=1 << 20, max_outage_s=30, retransmit_s=5.0, ready_timeout_s=30, receive_queue_items=2
+    )
+    up, down = open_pair(settings)
+    tensors = [torch.full((256, 256), float(i)) for i in range(12)]  # 256 KiB each, 3 MiB in all
+    errors: list[BaseException] = []
+
+    def send_all() -> None:
+        try:
+            for i, tensor in enumerate(tensors):
+                up.send_tensor(tensor, i, 0)
+        except BaseException as exc:
+            errors.append(exc)
+
+    sender = threading.Thread(target=send_all, daemon=True)
+    sender.start()
+    # The receiver reads nothing yet: its queue fills, it stops granting, and the sender stalls.
+    wait_for(lambda: len(down.session._queue) >= 2, 30, "the receiver's queue to fill")
+    wait_for(lambda: sender.is_alive() and up.session.link_up, 30, "the sender to be held back")
+    received_bytes = down.session._held_bytes
+    assert received_bytes < sum(t.numel() * 4 for t in tensors)  # not everything was pushed through
+    for i, tensor in enumerate(tensors):
+        assert torch.equal(down.receive_tensor(i, 0, timeout=30), tensor)
+    sender.join(30)
+    assert not errors, errors
+    assert down.session.max_over_grant_bytes <= 0  # never a byte beyond the absolute credit
+    close_both(up, down)
+
+
+def test_a_header_above_max_frame_bytes_fails_the_edge() -> None:
+    link = MemoryLink()
+    small = EdgeSettings(max_frame_bytes=1 << 20, ready_timeout_s=10)
+    big = EdgeSettings(max_frame_bytes=1 << 30, ready_timeout_s=10)
+    ends: dict[int, EdgeConnection] = {}
+
+    def open_end(index: int) -> None:
+        ends[index] = EdgeConnection(
+            link.ends[index], job_id="j", edge="e", upstream=index == 0, settings=big if index == 0 else small
+        )
+
+    threads = [threading.Thread(target=open_end, args=(i,)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    up, down = ends[0], ends[1]
+    up.send_tensor(torch.zeros(300_000), 0, 0)  # 1.2 MB
+    with pytest.raises(
+        EdgeClosedError, match=r"announced a tensor of 1200000 bytes .* max_frame_bytes 1048576"
+    ):
+        down.receive_tensor(0, 0, timeout=10)
+    with pytest.raises(EdgeClosedError, match=r"peer side failed: .*max_frame_bytes"):
+        up.receive_tensor(0, 0, timeout=10)
