@@ -8,7 +8,7 @@ micro-batch lost or applied twice would change them.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nebula_common.launcher import LocalDeployment
 from nebula_common.proto.nebula.v1 import trainer_pb2
-from nebula_common.sdk.client import ClusterSession, submit_job
+from nebula_common.sdk.client import ClusterSession, JobHandle, submit_job
 from tests.support.accounts import make_user
 from tests.support.jobs import numbers_job
 
@@ -49,12 +49,23 @@ def final_parameters(deployment: LocalDeployment, cluster: str, owner: str, job_
     return torch.load(path / f"step-{STEPS}" / "model.pt", weights_only=True)
 
 
-def run_to_end(handle, on_step=None) -> dict[str, list[float]]:  # type: ignore[no-untyped-def]
+def decoder_step(status: trainer_pb2.StageStatus) -> bool:
+    """A running decoder's status after a completed step (one that carries that step's loss)."""
+    return (
+        status.stage == "decoder"
+        and bool(status.steps_done)
+        and status.state == trainer_pb2.STAGE_STATE_RUNNING
+    )
+
+
+def run_to_end(
+    handle: JobHandle, on_step: Callable[[trainer_pb2.StageStatus], None] | None = None
+) -> dict[int, float]:
     """Follow a job to its end; the downstream stage's loss at each step it reported."""
     losses: dict[int, float] = {}
     for update in handle.updates():
         status = update.status
-        if status.stage == "decoder" and status.steps_done and status.state == trainer_pb2.STAGE_STATE_RUNNING:
+        if decoder_step(status):
             losses[status.steps_done] = status.loss
         if on_step is not None:
             on_step(status)
@@ -86,7 +97,7 @@ def test_a_wan_outage_pauses_the_job_and_it_finishes_exactly_as_without_one(
     losses: dict[int, float] = {}
     for update in updates:
         status = update.status
-        if status.stage == "decoder" and status.steps_done and status.state == trainer_pb2.STAGE_STATE_RUNNING:
+        if decoder_step(status):
             losses[status.steps_done] = status.loss
         cut_after_a_few_steps(status)
         if cut:
@@ -100,7 +111,7 @@ def test_a_wan_outage_pauses_the_job_and_it_finishes_exactly_as_without_one(
     wan.restore()
     for update in updates:
         status = update.status
-        if status.stage == "decoder" and status.steps_done and status.state == trainer_pb2.STAGE_STATE_RUNNING:
+        if decoder_step(status):
             losses[status.steps_done] = status.loss
 
     assert {s.state for s in stormy.final.values()} == {trainer_pb2.STAGE_STATE_SUCCEEDED}, stormy.final
