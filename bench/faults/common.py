@@ -44,6 +44,8 @@ def proc_sample(pid: int) -> dict[str, int] | None:
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if "VmRSS" not in fields:  # a zombie (killed, not yet reaped)
+        return None
     return {
         "rss_kib": int(fields["VmRSS"].split()[0]),
         "threads": int(fields["Threads"].strip()),
@@ -81,7 +83,10 @@ class ProcessSampler:
             now = round(time.monotonic() - self.t0, 2)
             for name in self.names:
                 pid = self.deployment.process(name).pid
-                sample = proc_sample(pid) if pid else None
+                try:
+                    sample = proc_sample(pid) if pid else None
+                except (OSError, ValueError, KeyError):  # the process went away while being read
+                    sample = None
                 if sample is not None:
                     self.rows.append({"t": now, "name": name, "pid": pid, **sample})
             self._stop.wait(self.interval)
