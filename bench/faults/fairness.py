@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import PALETTE, Canvas, JobFollower, Plot, ProcessSampler, jain, load_info, md_table, write_json
 
+from nebula_common.errors import NebulaError
 from nebula_common.jobspec import load_spec
 from nebula_common.launcher import LocalDeployment
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, tensor_pb2
@@ -55,6 +57,7 @@ BANDWIDTH_MBIT, DELAY_MS = 60.0, 20.0
 SLOW_SLEEP_S = 0.5  # examples/slow_receiver/job.yaml, head stage option sleep_s
 SLOW_ALONE_STEPS = 6  # 4 micro-batches x 0.5 s: about 2 s a step
 SLOW_MIX_STEPS = 10_000  # runs for the whole mix; cancelled when the healthy jobs are done
+SUBMIT_FAILURES: list[dict[str, str]] = []
 ACCOUNTS = ("user0", "user1", "user2", "user3")
 # Stated bound (docs/architecture.md, "Memory bound"): 256 x 2 x (8 MiB + 64 KiB) + 256 x (1 MiB + 64 KiB)
 # of buffered items per switch with the defaults.
@@ -165,13 +168,27 @@ def run_jobs(
     timeout: float,
     background: tuple[str, ...] = (),
 ) -> dict[str, JobFollower]:
-    """Submit every job (all at once), wait for them; jobs labelled ``background`` are cancelled after."""
+    """Submit every job at once (in parallel), wait for them; ``background`` jobs are cancelled after.
+
+    A submission that fails is recorded in ``SUBMIT_FAILURES`` (label, reason) and left out.
+    """
     followers: dict[str, JobFollower] = {}
     handles = {}
-    for label, job, sessions in jobs:
-        handle = submit_job(job, sessions)
+
+    def submit(item: tuple[str, ProgramJob, dict[str, ClusterSession]]) -> None:
+        label, job, sessions = item
+        try:
+            handle = submit_job(job, sessions)
+        except NebulaError as exc:
+            SUBMIT_FAILURES.append({"job": label, "at": time.strftime("%H:%M:%S"), "reason": str(exc)})
+            return
         handles[label] = handle
         followers[label] = JobFollower(handle.job.job_id, handle.stages, give_up_s=timeout)
+
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        list(pool.map(submit, jobs))
+    followers = {label: followers[label] for label, _, _ in jobs if label in followers}
+    background = tuple(b for b in background if b in handles)
     deadline = time.monotonic() + timeout
     for label, follower in followers.items():
         if label not in background:
@@ -229,7 +246,7 @@ def audit_records(path: Path, event: str, prefix: str) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--flood", metavar="ADDRESS", help=argparse.SUPPRESS)  # the flooder subprocess
     parser.add_argument("--token-file", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -309,7 +326,7 @@ def main() -> None:
 
     alone_s = summary(alone)
     base = next(iter(alone_s.values()))["mean_step_s"]
-    slow_alone = summary(alone_slow)["user3/slow"]["mean_step_s"]
+    slow_alone = summary(alone_slow).get("user3/slow", {}).get("mean_step_s")
     hm, sm, fm = summary(healthy_mix), summary(slow_mix), summary(full_mix)
     healthy_labels = [k for k in fm if not k.endswith("slow")]
     per_job = []
@@ -377,8 +394,9 @@ def main() -> None:
         "switch_cpu_cores": cpu,
         "per_job": per_job,
         "fairness": fairness,
-        "slow_receiver": {"alone_s": slow_alone, "full_mix_s": fm["user3/slow"]["mean_step_s"]},
+        "slow_receiver": {"alone_s": slow_alone, "full_mix_s": fm.get("user3/slow", {}).get("mean_step_s")},
         "flooder": flooder,
+        "submit_failures": SUBMIT_FAILURES,
         "audit_route_closed": audit,
         "switch": switch_stats,
         "stated_bound_bytes": STATED_BOUND_BYTES,
@@ -474,9 +492,12 @@ def report(r: dict[str, Any]) -> str:
             f"itself used {r['flooder'].get('cpu_s')} CPU-s in {r['flooder'].get('seconds')} s on the same "
             "2 cores (an artifact of a one-machine benchmark: a real flooder sits in another cluster's "
             "network, not on the switch's host).",
+            f"- Submissions that failed: {len(r['submit_failures'])} "
+            f"{[(f['job'], f['reason'][:160]) for f in r['submit_failures']]}.",
             f"- Slow receiver: {ms(r['slow_receiver']['alone_s'])} ms per step alone, "
             f"{ms(r['slow_receiver']['full_mix_s'])} ms in the mix; "
-            f"final state {r['full_mix']['user3/slow']['state']}.",
+            f"final state {r['full_mix'].get('user3/slow', {}).get('state')} (cancelled on purpose when the "
+            "healthy jobs were done).",
             f"- Flooder: {r['flooder'].get('frames_sent')} frames sent, closed {len(closes)} time(s); "
             f"first close after {first.get('closed_after_s')} s, "
             f"reason: `{first.get('reason') or first.get('rpc_error')}`.",
