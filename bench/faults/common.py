@@ -124,6 +124,8 @@ class JobFollower:
     events: list[StageEvent] = field(default_factory=list)
     steps: dict[str, dict[int, float]] = field(default_factory=dict)
     losses: dict[int, float] = field(default_factory=dict)
+    #: stage -> {step: the step's wall time as the trainer measured it (StageStatus.step_seconds)}
+    reported: dict[str, dict[int, float]] = field(default_factory=dict)
     final: dict[str, trainer_pb2.StageStatus] = field(default_factory=dict)
     final_at: dict[str, float] = field(default_factory=dict)
     watch_errors: list[tuple[float, str, str]] = field(default_factory=list)
@@ -137,6 +139,7 @@ class JobFollower:
         ]
         for stage in self.stages:
             self.steps[stage] = {}
+            self.reported[stage] = {}
         for thread in self._threads:
             thread.start()
 
@@ -184,6 +187,8 @@ class JobFollower:
                     status.message,
                 )
             )
+            if status.steps_done and status.state == trainer_pb2.STAGE_STATE_RUNNING and status.step_seconds:
+                self.reported[stage].setdefault(status.steps_done, status.step_seconds)
             if status.steps_done and status.steps_done not in self.steps[stage]:
                 self.steps[stage][status.steps_done] = now
                 if loss is not None:
@@ -226,6 +231,12 @@ class JobFollower:
     def step_times(self, stage: str) -> list[float]:
         with self._lock:
             return [t for _, t in sorted(self.steps[stage].items())]
+
+    def mean_reported_step_seconds(self, stage: str, skip: int = 2) -> float | None:
+        """Mean of the step wall times the trainer reported (immune to late, batched status delivery)."""
+        with self._lock:
+            values = [v for s, v in self.reported[stage].items() if s > skip]
+        return sum(values) / len(values) if values else None
 
     def mean_step_seconds(self, stage: str, skip: int = 2) -> float | None:
         """Mean wall time between consecutive reported steps, the first ``skip`` (start-up) left out."""
