@@ -68,8 +68,8 @@ STATED_BOUND_BYTES = 256 * 2 * (W + S) + 256 * ((1 << 20) + S)
 class Flooder:
     """A raw Relay client of its own account: header-only frames on an edge nobody attaches, flat out."""
 
-    def __init__(self, address: str, token: str) -> None:
-        self.address, self.token = address, token
+    def __init__(self, address: str, token: str, rate: float = 0.0) -> None:
+        self.address, self.token, self.rate = address, token, rate
         self.closes: list[dict[str, Any]] = []
         self.sent = 0
         self._stop = threading.Event()
@@ -86,6 +86,8 @@ class Flooder:
             if stop.is_set() or self._stop.is_set():
                 return
             self.sent += 1
+            if self.rate and frame_id % 100 == 0:
+                time.sleep(100 / self.rate)
             yield relay_pb2.EdgeMessage(
                 frame=tensor_pb2.TensorFrame(header=tensor_pb2.TensorHeader(frame_id=frame_id, codec="none"))
             )
@@ -134,11 +136,11 @@ class Flooder:
         self._thread.join(10)
 
 
-def flood_process(address: str, token: str, result: Path) -> None:
+def flood_process(address: str, token: str, result: Path, rate: float) -> None:
     """The flooder as a process of its own (its CPU is not the benchmark's), until SIGTERM."""
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
-    flooder = Flooder(address, token).start()
+    flooder = Flooder(address, token, rate).start()
     done.wait()
     flooder.stop()
     times = os.times()
@@ -252,14 +254,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--flood-rate", type=float, default=0.0, help="flooder frames/s (0: flat out)")
+    parser.add_argument("--tag", default="", help="suffix of the output files (faults-fairness-TAG.*)")
     parser.add_argument("--flood", metavar="ADDRESS", help=argparse.SUPPRESS)  # the flooder subprocess
     parser.add_argument("--token-file", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.flood:
-        flood_process(args.flood, args.token_file.read_text().strip(), args.result)
+        flood_process(args.flood, args.token_file.read_text().strip(), args.result, args.flood_rate)
         return
-    run_dir = args.out / "run-fairness"
+    stem = "faults-fairness" + (f"-{args.tag}" if args.tag else "")
+    run_dir = args.out / f"run-{stem}"
     if run_dir.exists():
         shutil.rmtree(run_dir)
     started = time.time()
@@ -310,13 +315,21 @@ def main() -> None:
                 str(token_file),
                 "--result",
                 str(flood_result),
+                "--flood-rate",
+                str(args.flood_rate),
             ]
         )
-        time.sleep(2.0)  # the flood is on before the jobs start
-        slow = ("user3/slow", slow_job(SLOW_MIX_STEPS), users["user3"])
-        full_mix = run_jobs([slow, *healthy(15)], timeout, background=("user3/slow",))
-        flood.send_signal(signal.SIGTERM)
-        flood.wait(30)
+        try:
+            time.sleep(2.0)  # the flood is on before the jobs start
+            slow = ("user3/slow", slow_job(SLOW_MIX_STEPS), users["user3"])
+            full_mix = run_jobs([slow, *healthy(15)], timeout, background=("user3/slow",))
+        finally:
+            flood.send_signal(signal.SIGTERM)
+            try:
+                flood.wait(30)
+            except subprocess.TimeoutExpired:
+                flood.kill()
+                flood.wait(5)
         flooder = json.loads(flood_result.read_text()) if flood_result.exists() else {"error": "no result"}
         marks["full_mix_end"] = time.monotonic() - sampler.t0
         log(f"full mix: {summary(full_mix)}")
@@ -401,6 +414,7 @@ def main() -> None:
         "fairness": fairness,
         "slow_receiver": {"alone_s": slow_alone, "full_mix_s": fm.get("user3/slow", {}).get("mean_step_s")},
         "flooder": flooder,
+        "flood_rate": args.flood_rate or "flat out",
         "submit_failures": SUBMIT_FAILURES,
         "audit_route_closed": audit,
         "switch": switch_stats,
@@ -410,9 +424,9 @@ def main() -> None:
         "log": log_lines,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "faults-fairness.json", result)
-    render(args.out / "faults-fairness.png", samples, marks)
-    (args.out / "faults-fairness.md").write_text(report(result))
+    write_json(args.out / f"{stem}.json", result)
+    render(args.out / f"{stem}.png", samples, marks)
+    (args.out / f"{stem}.md").write_text(report(result, stem))
     print(report(result))
 
 
@@ -433,7 +447,7 @@ def render(path: Path, samples: list[dict[str, Any]], marks: dict[str, float]) -
     canvas.save(path)
 
 
-def report(r: dict[str, Any]) -> str:
+def report(r: dict[str, Any], stem: str = "faults-fairness") -> str:
     rows = [
         [
             p["job"],
@@ -504,7 +518,8 @@ def report(r: dict[str, Any]) -> str:
             f"{ms(r['slow_receiver']['full_mix_s'])} ms in the mix; "
             f"final state {r['full_mix'].get('user3/slow', {}).get('state')} (cancelled on purpose when the "
             "healthy jobs were done).",
-            f"- Flooder: {r['flooder'].get('frames_sent')} frames sent, closed {len(closes)} time(s); "
+            f"- Flooder ({r['flood_rate']} frames/s): {r['flooder'].get('frames_sent')} frames sent, "
+            f"closed {len(closes)} time(s); "
             f"first close after {first.get('closed_after_s')} s, "
             f"reason: `{first.get('reason') or first.get('rpc_error')}`.",
             f"- Audit `route.closed` for the flooder: switch a {len(audit['a'])} record(s), switch b "
@@ -516,7 +531,7 @@ def report(r: dict[str, Any]) -> str:
             f"{sw['switch-b']['fds_max']}; threads max a {sw['switch-a']['threads_max']}, "
             f"b {sw['switch-b']['threads_max']}.",
             "",
-            "![switch RSS and fds](faults-fairness.png)",
+            f"![switch RSS and fds]({stem}.png)",
             "",
             "Figure (no text: rendered without matplotlib): top, switch RSS; bottom, switch open fds; x = "
             "seconds, ticks every 10 s; red switch-a, orange switch-b; yellow span = 15 healthy jobs, "
