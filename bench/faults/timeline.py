@@ -24,6 +24,7 @@ Usage: ``python bench/faults/timeline.py [--out DIR] [--steps N]``; writes fault
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -256,35 +257,41 @@ def trainer_kill(
     return result
 
 
-def render(
-    path: Path, calm: JobFollower, stormy: JobFollower, faults: list[dict[str, Any]], sampler: ProcessSampler
-) -> None:
+def render(path: Path, r: dict[str, Any]) -> None:
+    """The PNG from a result: steps over time (faults shaded) above, RSS of switches and trainers below."""
     width, height = 1200, 560
     canvas = Canvas(width, height)
-    steps = stormy.steps["decoder"]
-    t_end = max([*steps.values(), stormy.t0 + 1]) - stormy.t0
+    timeline = r["step_timeline"]
+    decoder = sorted((int(s), t) for s, t in timeline["faulted"].items())
+    encoder = sorted((int(s), t) for s, t in timeline.get("faulted_encoder", {}).items())
+    reference = sorted((int(s), t) for s, t in timeline["reference"].items())
+    ended = [o["ended_at_s"] for o in r["faulted"]["outcome"].values()]
+    t_end = max([t for _, t in decoder] + ended + [1.0])
     xr = (0.0, t_end * 1.02)
-    top = Plot(canvas, (60, 20, width - 20, 330), xr, (0, max(steps, default=1)))
-    for fault in faults:
+    top = Plot(canvas, (60, 20, width - 20, 330), xr, (0, r["job"]["steps"]))
+    for fault in r["faults"]:
         colour = PALETTE["cut"] if fault["fault"].startswith("cut") else PALETTE["kill"]
         top.span(fault["start_s"], max(fault["end_s"], fault["start_s"] + 0.5), colour)
-        if fault.get("recovery_s") is not None:
-            top.span(fault["end_s"], fault["end_s"] + fault["recovery_s"], PALETTE["gap"])
-    calm_pts = [(t - calm.t0, s) for s, t in sorted(calm.steps["decoder"].items())]
-    top.points(calm_pts, PALETTE["grey"], r=1)
-    top.points([(t - stormy.t0, s) for s, t in sorted(steps.items())], PALETTE["blue"], r=2, join=True)
-    encoder = sorted(stormy.steps["encoder"].items())
-    top.points([(t - stormy.t0, s) for s, t in encoder], PALETTE["green"], r=1)
+        recovery = fault.get("recovery_s")
+        top.span(
+            fault["end_s"], fault["end_s"] + (recovery if recovery is not None else t_end), PALETTE["gap"]
+        )
+    top.points([(t, s) for s, t in reference], PALETTE["grey"], r=1)
+    top.points([(t, s) for s, t in decoder], PALETTE["blue"], r=2, join=True)
+    top.points([(t, s) for s, t in encoder], PALETTE["green"], r=1)
+    for t in ended:
+        top.vline(t, PALETTE["red"])
     top.xticks(10.0)
-    series = {n: sampler.series(n, "rss_kib") for n in ("switch-a", "switch-b", "trainer-a", "trainer-b")}
-    peak = max((v for s in series.values() for _, v in s), default=1)
+    offset = r.get("sampler_offset_s", 0.0)
+    names = ("switch-a", "switch-b", "trainer-a", "trainer-b")
+    series = {n: [(x["t"] + offset, x["rss_kib"]) for x in r["samples"] if x["name"] == n] for n in names}
+    peak = max((v for pts in series.values() for _, v in pts), default=1)
     bottom = Plot(canvas, (60, 360, width - 20, height - 20), xr, (0, peak * 1.05))
-    for fault in faults:
+    for fault in r["faults"]:
         colour = PALETTE["cut"] if fault["fault"].startswith("cut") else PALETTE["kill"]
         bottom.span(fault["start_s"], max(fault["end_s"], fault["start_s"] + 0.5), colour)
-    offset = sampler.t0 - stormy.t0
-    for name, colour in zip(series, ("red", "orange", "green", "purple"), strict=True):
-        bottom.points([(t + offset, v) for t, v in series[name]], PALETTE[colour], r=1, join=True)
+    for name, colour in zip(names, ("red", "orange", "green", "purple"), strict=True):
+        bottom.points([p for p in series[name] if p[0] <= xr[1]], PALETTE[colour], r=1, join=True)
     bottom.xticks(10.0)
     canvas.save(path)
 
@@ -297,7 +304,13 @@ def main() -> None:
     parser.add_argument("--skip-trainer-kills", action="store_true")
     parser.add_argument("--faults", default="cut1,cut2,kill-a,kill-b", help="which faults, in this order")
     parser.add_argument("--quick", action="store_true", help="smoke run: cuts of 3 s and 6 s")
+    parser.add_argument("--render", type=Path, help="only redraw the PNG and markdown from this JSON result")
     args = parser.parse_args()
+    if args.render:
+        result = json.loads(args.render.read_text())
+        render(args.render.with_suffix(".png"), result)
+        args.render.with_suffix(".md").write_text(report(result))
+        return
     run_dir = args.out / "run-timeline"
     if run_dir.exists():
         import shutil
@@ -417,11 +430,12 @@ def main() -> None:
             },
         },
         "samples": samples,
+        "sampler_offset_s": round(sampler.t0 - stormy.t0, 3),
         "log": lines,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "faults-timeline.json", result)
-    render(args.out / "faults-timeline.png", calm, stormy, faults, sampler)
+    render(args.out / "faults-timeline.png", result)
     (args.out / "faults-timeline.md").write_text(report(result))
     print(report(result))
 
@@ -495,7 +509,8 @@ def report(r: dict[str, Any]) -> str:
         "decoder steps (y) against seconds since submission (x, ticks every 10 s); blue = faulted run "
         "(green dots: its encoder), "
         "grey = reference run; pink spans = WAN cuts, light-blue spans = switch kill until the supervisor "
-        "reported it running, yellow = recovery (fault end to next step). Bottom, RSS over the same time: "
+        "reported it running, yellow = recovery (fault end to the next step of both stages; to the end "
+        "when there was none), red lines = the stages' end. Bottom, RSS over the same time: "
         "red switch-a, orange switch-b, green trainer-a, purple trainer-b.",
         "",
     ]
