@@ -254,12 +254,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--render", type=Path, help="only recompute the tables, PNG and markdown from a JSON")
     parser.add_argument("--flood-rate", type=float, default=0.0, help="flooder frames/s (0: flat out)")
     parser.add_argument("--tag", default="", help="suffix of the output files (faults-fairness-TAG.*)")
     parser.add_argument("--flood", metavar="ADDRESS", help=argparse.SUPPRESS)  # the flooder subprocess
     parser.add_argument("--token-file", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.render:
+        result = json.loads(args.render.read_text())
+        result["per_job"], result["fairness"] = derive(
+            result["alone"]["healthy"][next(iter(result["alone"]["healthy"]))]["mean_step_s"],
+            result["healthy_mix"],
+            result["slow_mix"],
+            result["full_mix"],
+        )
+        write_json(args.render, result)
+        render(args.render.with_suffix(".png"), result["samples"], result["marks_s"])
+        args.render.with_suffix(".md").write_text(report(result, args.render.stem))
+        return
     if args.flood:
         flood_process(args.flood, args.token_file.read_text().strip(), args.result, args.flood_rate)
         return
@@ -346,30 +359,7 @@ def main() -> None:
     base = next(iter(alone_s.values()))["mean_step_s"]
     slow_alone = summary(alone_slow).get("user3/slow", {}).get("mean_step_s")
     hm, sm, fm = summary(healthy_mix), summary(slow_mix), summary(full_mix)
-    healthy_labels = [k for k in fm if not k.endswith("slow")]
-    per_job = []
-    for label in healthy_labels:
-        mix = fm[label]["mean_step_s"]
-        ref = hm.get(label, {}).get("mean_step_s")
-        with_slow = sm.get(label, {}).get("mean_step_s")
-        per_job.append(
-            {
-                "job": label,
-                "alone_s": base,
-                "healthy_mix_s": ref,
-                "slow_mix_s": with_slow,
-                "full_mix_s": mix,
-                "full_mix_over_alone": round(mix / base, 2) if mix and base else None,
-                "slow_mix_over_healthy_mix": round(with_slow / ref, 3) if with_slow and ref else None,
-                "full_mix_over_healthy_mix": round(mix / ref, 3) if mix and ref else None,
-                "state": fm[label]["state"],
-            }
-        )
-
-    def fair(m: dict[str, dict[str, Any]]) -> float:
-        return jain([1 / m[k]["mean_step_s"] for k in healthy_labels if m.get(k, {}).get("mean_step_s")])
-
-    fairness = {"healthy_mix": fair(hm), "slow_mix": fair(sm), "full_mix": fair(fm)}
+    per_job, fairness = derive(base, hm, sm, fm)
     cpu: dict[str, dict[str, float]] = {}
     phases = (
         ("healthy_mix", "healthy_mix_start", "slow_mix_start"),
@@ -518,7 +508,8 @@ def report(r: dict[str, Any], stem: str = "faults-fairness") -> str:
             f"{ms(r['slow_receiver']['full_mix_s'])} ms in the mix; "
             f"final state {r['full_mix'].get('user3/slow', {}).get('state')} (cancelled on purpose when the "
             "healthy jobs were done).",
-            f"- Flooder ({r['flood_rate']} frames/s): {r['flooder'].get('frames_sent')} frames sent, "
+            f"- Flooder ({r.get('flood_rate', 'flat out')} frames/s): "
+            f"{r['flooder'].get('frames_sent')} frames sent, "
             f"closed {len(closes)} time(s); "
             f"first close after {first.get('closed_after_s')} s, "
             f"reason: `{first.get('reason') or first.get('rpc_error')}`.",
@@ -539,6 +530,40 @@ def report(r: dict[str, Any], stem: str = "faults-fairness") -> str:
             "",
         ]
     )
+
+
+def derive(
+    base: float | None, hm: dict[str, Any], sm: dict[str, Any], fm: dict[str, Any]
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Per healthy job: step times per phase and their ratios; Jain's index per phase."""
+    labels = [k for k in [*hm, *sm, *fm] if not k.endswith("slow")]
+    labels = list(dict.fromkeys(labels))
+
+    def step(m: dict[str, Any], label: str) -> float | None:
+        return m.get(label, {}).get("mean_step_s")
+
+    def ratio(a: float | None, b: float | None, digits: int = 3) -> float | None:
+        return round(a / b, digits) if a and b else None
+
+    per_job = [
+        {
+            "job": label,
+            "alone_s": base,
+            "healthy_mix_s": step(hm, label),
+            "slow_mix_s": step(sm, label),
+            "full_mix_s": step(fm, label),
+            "full_mix_over_alone": ratio(step(fm, label), base, 2),
+            "slow_mix_over_healthy_mix": ratio(step(sm, label), step(hm, label)),
+            "full_mix_over_healthy_mix": ratio(step(fm, label), step(hm, label)),
+            "state": fm.get(label, {}).get("state", "not admitted (its submission failed)"),
+        }
+        for label in labels
+    ]
+
+    def fair(m: dict[str, Any]) -> float:
+        return jain([1 / v for v in (step(m, k) for k in labels) if v])
+
+    return per_job, {"healthy_mix": fair(hm), "slow_mix": fair(sm), "full_mix": fair(fm)}
 
 
 def mib(stats: dict[str, Any]) -> str:
