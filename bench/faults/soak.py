@@ -23,6 +23,7 @@ Usage: ``SOAK_SECONDS=180 python bench/faults/soak.py [--out DIR]``; writes soak
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -90,7 +91,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=3)
     parser.add_argument("--job-deadline", type=float, default=360.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--render", type=Path, help="only rewrite the markdown from this JSON result")
     args = parser.parse_args()
+    if args.render:
+        args.render.with_suffix(".md").write_text(report(json.loads(args.render.read_text())))
+        return
     rng = random.Random(args.seed)
     run_dir = args.out / "run-soak"
     if run_dir.exists():
@@ -256,6 +261,22 @@ def main() -> None:
     print(report(result))
 
 
+def rss_per_job(r: dict[str, Any]) -> list[str]:
+    """How much each never-restarted process grew per job, first sample to last."""
+    lines = []
+    jobs = max(1, len(r["jobs"]))
+    for name in ("trainer-a", "trainer-b"):
+        rows = [x for x in r["samples"] if x["name"] == name]
+        if len({x["pid"] for x in rows}) != 1 or len(rows) < 2:
+            continue
+        grown = (rows[-1]["rss_kib"] - rows[0]["rss_kib"]) / 1024
+        lines.append(
+            f"- {name}: RSS {rows[0]['rss_kib'] / 1024:.0f} -> {rows[-1]['rss_kib'] / 1024:.0f} MiB over "
+            f"{len(r['jobs'])} jobs ({grown / jobs:.1f} MiB per job), not returned while idle at the end."
+        )
+    return [*lines, ""] if lines else []
+
+
 def report(r: dict[str, Any]) -> str:
     counts: dict[str, int] = {}
     for job in r["jobs"]:
@@ -263,7 +284,8 @@ def report(r: dict[str, Any]) -> str:
     reasons: dict[str, int] = {}
     for job in r["jobs"]:
         if job.get("state") != "succeeded":
-            key = f"{job.get('state')}: {job.get('reason') or '(no reason)'}"[:240]
+            reason = " ".join((job.get("reason") or "(no reason)").split())  # gRPC errors span lines
+            key = f"{job.get('state')}: {reason}"[:240]
             reasons[key] = reasons.get(key, 0) + 1
     growth_rows = []
     for name, g in r["growth"].items():
@@ -311,6 +333,7 @@ def report(r: dict[str, Any]) -> str:
             "",
             md_table(["process", "RSS MiB", "threads", "fds", "verdict"], growth_rows),
             "",
+            *rss_per_job(r),
         ]
     )
 
