@@ -13,7 +13,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-stop lint format clean bench smoke-containers
+.PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-stop lint format clean bench \
+	bench-faults soak smoke-containers
 
 install: $(STAMP)
 
@@ -65,6 +66,18 @@ bench: $(STAMP)
 	$(BIN)/python bench/runtime/pipeline_schedules.py --out bench-results/runtime
 	$(BIN)/python bench/runtime/electra_wait.py --out bench-results/runtime
 	$(BIN)/python bench/runtime/abnet_bleu.py --out bench-results/runtime
+
+# Fault benchmarks on real local deployments (about 10 minutes on 2 busy cores; never part of `make test`):
+# a job's timeline through WAN cuts and switch kills (and trainer kills: a known gap), then 16 jobs with a
+# slow receiver and a flooder through one switch pair. JSON + markdown + PNG in bench-results/.
+bench-faults: $(STAMP)
+	$(BIN)/python bench/faults/timeline.py --out bench-results
+	$(BIN)/python bench/faults/fairness.py --out bench-results
+
+# Jobs starting and ending under random WAN cuts and switch kills; ends with a no-growth verdict.
+SOAK_SECONDS ?= 600
+soak: $(STAMP)
+	SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python bench/faults/soak.py --out bench-results
 
 test: $(STAMP)
 	$(BIN)/python tools/gen_proto.py --check

@@ -183,11 +183,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def _track_finish(self, runner: ProgramRunner, account: str) -> None:
         runner.join()
+        runner.release()  # the status board stays; the model, optimizer and edge buffers go
         STAGES_RUNNING.dec()
         final = runner.board.latest()
         self.audit.append(
             "stage.stop",
-            outcome="ok" if final.state == trainer_pb2.STAGE_STATE_SUCCEEDED else "error",
+            outcome="ok" if final.state == trainer_pb2.STAGE_STATE_SUCCEEDED else "failure",
             account=account,
             job_id=final.job_id,
             details={

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Callable
 
 import grpc
@@ -134,6 +136,7 @@ def test_invalid_stage_spec_is_refused_with_the_field_named(sessions: dict[str, 
 
 
 def test_one_account_cannot_watch_or_cancel_another_accounts_stage(
+    deployment: LocalDeployment,
     new_user: Callable[[str, str], ClusterSession],
     sessions: dict[str, ClusterSession],
 ) -> None:
@@ -156,3 +159,16 @@ def test_one_account_cannot_watch_or_cancel_another_accounts_stage(
     sessions["a"].cancel(job.job_id)  # the owner can
     final = list(sessions["a"].watch(job.job_id))[-1]
     assert final.state == trainer_pb2.STAGE_STATE_CANCELLED
+    # ...and the trainer audits how the stage ended (written once the stage thread is done).
+    log = deployment.run_dir / "a" / "trainer" / "audit.log"
+    deadline = time.monotonic() + 30
+    while True:
+        stops = [
+            record
+            for record in map(json.loads, log.read_text().splitlines())
+            if record["event"] == "stage.stop" and record.get("job_id") == job.job_id
+        ]
+        if stops or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert [(r["outcome"], r["details"]["state"]) for r in stops] == [("failure", "STAGE_STATE_CANCELLED")]
