@@ -130,6 +130,11 @@ def test_an_outage_beyond_the_limit_fails_both_stages_with_the_reason(tmp_path: 
     for run in (up, down):
         assert run.final.state == trainer_pb2.STAGE_STATE_FAILED
         assert "WAN link to the peer cluster down for 1 s (limit 1 s)" in run.final.message, run.final.message
+    # A failed stage leaves no sender thread behind (it would hold the edge and its buffers for good).
+    for run in (up, down):
+        run.runner.join(30)
+        sender = run.runner._sender
+        assert sender is not None and not sender._thread.is_alive(), "the sender thread outlived its stage"
 
 
 def test_electra_one_way_syncs_and_exact_int64_ids_on_the_memory_edge(tmp_path: Path) -> None:

@@ -89,6 +89,12 @@ class StageLifecycle:
             self._abort = abort
         self.raise_if_cancelled()
 
+    def release(self) -> None:
+        """Forget the body's edge abort once the stage has ended, so the runner kept for its status
+        board does not keep the edge (and its buffers and codecs) alive."""
+        with self._lock:
+            self._abort = None
+
     def raise_if_cancelled(self) -> None:
         """The body's check between steps (a cancel between two steps has nothing to wake up)."""
         if self._cancelled.is_set():

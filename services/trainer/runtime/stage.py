@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -78,7 +79,7 @@ class ProgramRunner:
         self.switch_address = switch_address
         self.edge_factory = edge_factory or grpc_edge_factory(switch_address, token)
         self.edge_settings = edge_settings or EdgeSettings()
-        self.lifecycle = StageLifecycle(spec.job_id, spec.stage, self._run_stage, cleanup=self._reap_replicas)
+        self.lifecycle = StageLifecycle(spec.job_id, spec.stage, self._run_stage, cleanup=self._stop_helpers)
         self.data_service_address = data_service_address
         self.store = CheckpointStore(data_dir)
         self.owner = owner
@@ -111,12 +112,18 @@ class ProgramRunner:
         finished job would keep its model and its edge's retransmit buffer alive (the soak saw the
         trainers grow 6-8 MiB per job). Call only after the stage has ended.
         """
+        if self.program is not None:  # the stage module's unique sys.modules entry goes with it
+            sys.modules.pop(getattr(self.program.module, "__name__", ""), None)
         self.program = None
         self.edge = None
         self._sender = None
         self._dp = None
+        self.lifecycle.release()
 
-    def _reap_replicas(self) -> None:
+    def _stop_helpers(self) -> None:
+        """After the body, however it ended: no sender thread or replica outlives the stage."""
+        if self._sender is not None:
+            self._sender.stop(discard=True)  # after a clean stop() this returns at once
         if self._dp is not None:
             self._dp.abort()  # after a clean stop() this only reaps; otherwise it ends the replicas
 

@@ -89,7 +89,16 @@ class AsyncSender:
         self.blocked_seconds += time.perf_counter() - started
         self._raise_if_failed()
 
-    def stop(self) -> None:
+    def stop(self, discard: bool = False) -> None:
+        """End the sender thread; ``discard`` skips what is still queued (the edge is already gone).
+
+        A stage that fails or is cancelled never reaches its orderly ``stop()``; without this the
+        thread would wait on its queue forever, holding the edge and its retransmit buffer.
+        """
+        if not self._thread.is_alive():
+            return
+        if discard and self._error is None:
+            self._error = EdgeClosedError("stage ended")
         try:
             self._queue.put(_STOP, timeout=5)
         except queue.Full:
