@@ -83,7 +83,7 @@ class MemoryTransport:
         )
 
     def wait_close_sent(self, timeout: float) -> None:
-        pass  # carried at once
+        """Nothing to wait for: ``close`` handed the message to the link synchronously."""
 
     def shutdown(self) -> None:
         if self._stopped:

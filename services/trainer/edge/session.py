@@ -327,6 +327,8 @@ class EdgeSession:
             self._fail_locked(reason)
 
     def on_message(self, message: relay_pb2.EdgeMessage) -> None:
+        """An item from the peer or the switch. ``ready`` is not handled here: each transport turns
+        it into ``on_ready`` (with the switch's window and link state), so it is ignored below."""
         kind = message.WhichOneof("body")
         with self._cond:
             if self._failed is not None:
@@ -349,8 +351,6 @@ class EdgeSession:
                         reason = f"peer side failed: {reason}"
                     self._peer_closed = reason
                     self._cond.notify_all()
-                elif kind == "ready":
-                    pass  # transports route ready through on_ready
             except _ProtocolError as exc:
                 violation: str | None = str(exc)
             else:
