@@ -17,14 +17,16 @@ class Handshake(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., software_version: _Optional[str] = ...) -> None: ...
 
 class RoutedItem(_message.Message):
-    __slots__ = ("job_id", "edge", "item")
+    __slots__ = ("job_id", "edge", "item", "epoch")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EDGE_FIELD_NUMBER: _ClassVar[int]
     ITEM_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     edge: str
     item: _relay_pb2.EdgeMessage
-    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., item: _Optional[_Union[_relay_pb2.EdgeMessage, _Mapping]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., item: _Optional[_Union[_relay_pb2.EdgeMessage, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Ping(_message.Message):
     __slots__ = ("nonce",)

@@ -14,20 +14,24 @@ class SignalKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SIGNAL_KIND_READY: _ClassVar[SignalKind]
     SIGNAL_KIND_SYNC: _ClassVar[SignalKind]
     SIGNAL_KIND_EVAL_DONE: _ClassVar[SignalKind]
+    SIGNAL_KIND_RESUME: _ClassVar[SignalKind]
 SIGNAL_KIND_UNSPECIFIED: SignalKind
 SIGNAL_KIND_READY: SignalKind
 SIGNAL_KIND_SYNC: SignalKind
 SIGNAL_KIND_EVAL_DONE: SignalKind
+SIGNAL_KIND_RESUME: SignalKind
 
 class EdgeOpen(_message.Message):
-    __slots__ = ("job_id", "edge", "reconnect")
+    __slots__ = ("job_id", "edge", "reconnect", "epoch")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EDGE_FIELD_NUMBER: _ClassVar[int]
     RECONNECT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     edge: str
     reconnect: bool
-    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., reconnect: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., reconnect: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class EdgeClose(_message.Message):
     __slots__ = ("reason", "error")
@@ -38,14 +42,24 @@ class EdgeClose(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., error: _Optional[bool] = ...) -> None: ...
 
 class EdgeReady(_message.Message):
-    __slots__ = ("peer_cluster", "max_window_bytes", "link_up")
+    __slots__ = ("peer_cluster", "max_window_bytes", "link_up", "epoch")
     PEER_CLUSTER_FIELD_NUMBER: _ClassVar[int]
     MAX_WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
     LINK_UP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     peer_cluster: str
     max_window_bytes: int
     link_up: bool
-    def __init__(self, peer_cluster: _Optional[str] = ..., max_window_bytes: _Optional[int] = ..., link_up: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    def __init__(self, peer_cluster: _Optional[str] = ..., max_window_bytes: _Optional[int] = ..., link_up: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class EdgeRestart(_message.Message):
+    __slots__ = ("epoch", "reason")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    reason: str
+    def __init__(self, epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class EdgeSignal(_message.Message):
     __slots__ = ("seq", "direction", "kind", "step", "values")
@@ -82,7 +96,7 @@ class LinkNotice(_message.Message):
     def __init__(self, up: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class EdgeMessage(_message.Message):
-    __slots__ = ("open", "frame", "close", "ready", "signal", "ack", "notice")
+    __slots__ = ("open", "frame", "close", "ready", "signal", "ack", "notice", "restart")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +104,7 @@ class EdgeMessage(_message.Message):
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     NOTICE_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
     open: EdgeOpen
     frame: _tensor_pb2.TensorFrame
     close: EdgeClose
@@ -97,7 +112,8 @@ class EdgeMessage(_message.Message):
     signal: EdgeSignal
     ack: EdgeAck
     notice: LinkNotice
-    def __init__(self, open: _Optional[_Union[EdgeOpen, _Mapping]] = ..., frame: _Optional[_Union[_tensor_pb2.TensorFrame, _Mapping]] = ..., close: _Optional[_Union[EdgeClose, _Mapping]] = ..., ready: _Optional[_Union[EdgeReady, _Mapping]] = ..., signal: _Optional[_Union[EdgeSignal, _Mapping]] = ..., ack: _Optional[_Union[EdgeAck, _Mapping]] = ..., notice: _Optional[_Union[LinkNotice, _Mapping]] = ...) -> None: ...
+    restart: EdgeRestart
+    def __init__(self, open: _Optional[_Union[EdgeOpen, _Mapping]] = ..., frame: _Optional[_Union[_tensor_pb2.TensorFrame, _Mapping]] = ..., close: _Optional[_Union[EdgeClose, _Mapping]] = ..., ready: _Optional[_Union[EdgeReady, _Mapping]] = ..., signal: _Optional[_Union[EdgeSignal, _Mapping]] = ..., ack: _Optional[_Union[EdgeAck, _Mapping]] = ..., notice: _Optional[_Union[LinkNotice, _Mapping]] = ..., restart: _Optional[_Union[EdgeRestart, _Mapping]] = ...) -> None: ...
 
 class GetLinkStatusRequest(_message.Message):
     __slots__ = ()

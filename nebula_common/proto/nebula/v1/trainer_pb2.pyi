@@ -15,12 +15,14 @@ class StageState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STAGE_STATE_SUCCEEDED: _ClassVar[StageState]
     STAGE_STATE_FAILED: _ClassVar[StageState]
     STAGE_STATE_CANCELLED: _ClassVar[StageState]
+    STAGE_STATE_RECOVERING: _ClassVar[StageState]
 STAGE_STATE_UNSPECIFIED: StageState
 STAGE_STATE_PENDING: StageState
 STAGE_STATE_RUNNING: StageState
 STAGE_STATE_SUCCEEDED: StageState
 STAGE_STATE_FAILED: StageState
 STAGE_STATE_CANCELLED: StageState
+STAGE_STATE_RECOVERING: StageState
 
 class StageSpec(_message.Message):
     __slots__ = ("job_id", "stage", "edge", "steps", "codec_forward", "codec_backward", "program", "codec_choice")
@@ -127,7 +129,7 @@ class WatchStageRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("job_id", "stage", "state", "steps_done", "loss", "step_seconds", "wait_seconds", "bytes_sent", "bytes_received", "raw_bytes_sent", "raw_bytes_received", "message", "checkpoint_step", "compute_seconds", "local_loss", "codec_forward", "codec_backward", "codec_choice")
+    __slots__ = ("job_id", "stage", "state", "steps_done", "loss", "step_seconds", "wait_seconds", "bytes_sent", "bytes_received", "raw_bytes_sent", "raw_bytes_received", "message", "checkpoint_step", "compute_seconds", "local_loss", "codec_forward", "codec_backward", "codec_choice", "epoch", "resumed_from_step")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,8 @@ class StageStatus(_message.Message):
     CODEC_FORWARD_FIELD_NUMBER: _ClassVar[int]
     CODEC_BACKWARD_FIELD_NUMBER: _ClassVar[int]
     CODEC_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     stage: str
     state: StageState
@@ -164,7 +168,9 @@ class StageStatus(_message.Message):
     codec_forward: str
     codec_backward: str
     codec_choice: str
-    def __init__(self, job_id: _Optional[str] = ..., stage: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., steps_done: _Optional[int] = ..., loss: _Optional[float] = ..., step_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., raw_bytes_sent: _Optional[int] = ..., raw_bytes_received: _Optional[int] = ..., message: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., local_loss: _Optional[float] = ..., codec_forward: _Optional[str] = ..., codec_backward: _Optional[str] = ..., codec_choice: _Optional[str] = ...) -> None: ...
+    epoch: int
+    resumed_from_step: int
+    def __init__(self, job_id: _Optional[str] = ..., stage: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., steps_done: _Optional[int] = ..., loss: _Optional[float] = ..., step_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., raw_bytes_sent: _Optional[int] = ..., raw_bytes_received: _Optional[int] = ..., message: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., local_loss: _Optional[float] = ..., codec_forward: _Optional[str] = ..., codec_backward: _Optional[str] = ..., codec_choice: _Optional[str] = ..., epoch: _Optional[int] = ..., resumed_from_step: _Optional[int] = ...) -> None: ...
 
 class CancelStageRequest(_message.Message):
     __slots__ = ("job_id",)
