@@ -3,14 +3,21 @@
 Every decision about a job is audited here (submit, start, stop, cancel, and every refusal), in
 the trainer's own hash-chained log: the cluster that owns the hardware keeps the record of what
 ran on it and on whose authority.
+
+No thread is held per stage or per watcher: a stage's end is a callback from its own thread
+(``StageLifecycle.add_finish_callback``) and ``WatchStage`` awaits the status board on the loop.
+Audit appends (an fsync each) go to one dedicated thread, never to asyncio's small default
+executor, so they cannot queue behind anything else.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -48,9 +55,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.data_service_address = data_service_address
         self.runners: dict[str, ProgramRunner] = {}
         self.owners: dict[str, str] = {}
+        self._audit_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-audit")
 
     async def _record(self, event: str, **fields: object) -> None:
-        await asyncio.to_thread(self.audit.append, event, **fields)  # type: ignore[arg-type]
+        append = functools.partial(self.audit.append, event, **fields)  # type: ignore[arg-type]
+        await asyncio.get_running_loop().run_in_executor(self._audit_thread, append)
 
     @staticmethod
     def _authenticate() -> tuple[Principal, str]:
@@ -144,10 +153,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             codec_backward=spec.codec_backward,
             codec_choice=spec.codec_choice,
         )
-        runner.start()
-        STAGES_RUNNING.inc()
+        # Recorded before the thread starts, so a stage that ends at once cannot log its stop first.
         await self._record("stage.start", account=account, job_id=job_id, details={"stage": spec.stage})
-        asyncio.get_running_loop().run_in_executor(None, self._track_finish, runner, account)
+        self._launch(runner, account)
         log.info(
             "stage assigned",
             extra={"fields": {"job_id": spec.job_id, "stage": spec.stage, "account": principal.username}},
@@ -181,8 +189,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoints of job {request.job_id!r} here")
         return trainer_pb2.ListCheckpointsResponse(steps=steps)
 
-    def _track_finish(self, runner: ProgramRunner, account: str) -> None:
-        runner.join()
+    def _launch(self, runner: ProgramRunner, account: str) -> None:
+        """Start ``runner``'s thread; its end (``_stage_finished``) is a callback from that thread."""
+        runner.lifecycle.add_finish_callback(functools.partial(self._stage_finished, runner, account))
+        STAGES_RUNNING.inc()
+        runner.start()
+
+    def _stage_finished(self, runner: ProgramRunner, account: str) -> None:
+        """On the stage's own thread, after its terminal status: release it, count it, audit its end."""
         runner.release()  # the status board stays; the model, optimizer and edge buffers go
         STAGES_RUNNING.dec()
         final = runner.board.latest()
@@ -205,7 +219,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         _, runner = await self._owned_runner(request.job_id, context, "job.watch")
         version = 0
         while True:
-            version, updates = await asyncio.to_thread(runner.board.since, version, 1.0)
+            version, updates = await runner.board.wait_since(version)
             for status in updates:
                 yield status
                 if status.state in TERMINAL_STATES:

@@ -3,10 +3,17 @@
 The training loop runs on a plain thread; watchers live on the asyncio loop.
 Every update is kept (up to a bound) so a watcher sees each step's numbers,
 even one that attaches late or polls slowly, and never misses the final state.
+
+Watchers on the asyncio loop wait with ``wait_since``: the updating thread wakes
+them with ``loop.call_soon_threadsafe``, so a watcher holds no thread while it
+waits (a thread per watcher, or per poll, exhausted asyncio's default executor
+under many stages and stalled every other call of the trainer that needed it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 
 from nebula_common.proto.nebula.v1 import trainer_pb2
@@ -27,6 +34,7 @@ class StatusBoard:
         first = trainer_pb2.StageStatus(job_id=job_id, stage=stage, state=trainer_pb2.STAGE_STATE_PENDING)
         self._history: list[trainer_pb2.StageStatus] = [first]
         self._dropped = 0  # updates evicted from the front of the history
+        self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
 
     @property
     def _version(self) -> int:
@@ -46,6 +54,10 @@ class StatusBoard:
                 del self._history[0]
                 self._dropped += 1
             self._condition.notify_all()
+            waiters, self._waiters = self._waiters, set()
+        for loop, future in waiters:
+            with contextlib.suppress(RuntimeError):  # that watcher's loop is closed: nobody waits
+                loop.call_soon_threadsafe(_wake, future)
 
     def latest(self) -> trainer_pb2.StageStatus:
         with self._condition:
@@ -58,7 +70,28 @@ class StatusBoard:
             start = max(version - self._dropped, 0)
             return self._version, list(self._history[start:])
 
+    async def wait_since(self, version: int) -> tuple[int, list[trainer_pb2.StageStatus]]:
+        """Updates after ``version`` (waiting on the running loop, without a thread, for one)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._condition:
+                if self._version > version:
+                    start = max(version - self._dropped, 0)
+                    return self._version, list(self._history[start:])
+                waiter = (loop, loop.create_future())
+                self._waiters.add(waiter)
+            try:
+                await waiter[1]
+            finally:
+                with self._condition:
+                    self._waiters.discard(waiter)
+
     @property
     def finished(self) -> bool:
         with self._condition:
             return self._history[-1].state in TERMINAL_STATES
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():  # a cancelled watcher's future is already done
+        future.set_result(None)

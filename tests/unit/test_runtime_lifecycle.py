@@ -161,3 +161,27 @@ def test_a_failure_before_the_edge_opens_still_ends_failed() -> None:
     final = finish(lifecycle)
     assert final.state == trainer_pb2.STAGE_STATE_FAILED
     assert final.message == "FileNotFoundError: no checkpoint at step 4"
+
+
+def test_finish_callbacks_run_on_the_stage_thread_after_cleanup_even_if_one_raises() -> None:
+    events: list[tuple[str, str, int]] = []
+    holder: dict[str, StageLifecycle] = {}
+
+    def record(what: str) -> None:
+        events.append((what, threading.current_thread().name, holder["lifecycle"].board.latest().state))
+
+    def broken() -> None:
+        raise RuntimeError("a broken hook")
+
+    def body() -> None:
+        raise ValueError("bad batch")
+
+    lifecycle = holder["lifecycle"] = StageLifecycle(
+        "job-7", "encoder", body, cleanup=lambda: record("cleanup")
+    )
+    lifecycle.add_finish_callback(broken)
+    lifecycle.add_finish_callback(lambda: record("finished"))
+    lifecycle.start()
+    finish(lifecycle)
+    failed = trainer_pb2.STAGE_STATE_FAILED
+    assert events == [("cleanup", "stage-job-7", failed), ("finished", "stage-job-7", failed)]

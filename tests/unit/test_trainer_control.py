@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 
@@ -78,3 +79,28 @@ def test_watcher_wakes_up_on_the_next_update() -> None:
     timer.start()
     new_version, updates = board.since(version, timeout=5)
     assert new_version == version + 1 and updates[0].steps_done == 1
+
+
+def test_an_asyncio_watcher_is_woken_by_an_update_from_another_thread_without_a_thread_of_its_own() -> None:
+    board = StatusBoard("job", "encoder")
+
+    async def watch() -> list[int]:
+        version, first = await board.wait_since(0)  # the initial PENDING status is there at once
+        assert [u.state for u in first] == [trainer_pb2.STAGE_STATE_PENDING]
+        threads_before = threading.active_count()
+        steps: list[int] = []
+        updater = threading.Thread(target=lambda: [board.update(steps_done=s) for s in (1, 2, 3)])
+        waiting = asyncio.ensure_future(board.wait_since(version))
+        await asyncio.sleep(0)  # the watcher is parked on its future now
+        assert threading.active_count() == threads_before
+        updater.start()
+        while len(steps) < 3:
+            version, updates = await asyncio.wait_for(waiting, 10)
+            steps += [u.steps_done for u in updates]
+            waiting = asyncio.ensure_future(board.wait_since(version))
+        waiting.cancel()
+        updater.join(10)
+        return steps
+
+    assert asyncio.run(watch()) == [1, 2, 3]
+    assert not board._waiters  # a cancelled watcher leaves nothing behind

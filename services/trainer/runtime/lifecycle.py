@@ -39,6 +39,8 @@ class StageLifecycle:
     ``abort`` hooks (the stage's edge, once it is open) are called with the reason when the
     stage is cancelled or fails; ``cleanup`` runs after the terminal status is posted (e.g.
     reaping data-parallel replicas, which may take a while and must not delay the peer).
+    Finish callbacks (``add_finish_callback``) run last, on the stage's own thread, so whoever
+    keeps the stage learns of its end without parking a thread of its own in ``join()``.
     """
 
     def __init__(
@@ -56,11 +58,19 @@ class StageLifecycle:
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
         self._abort: Callable[[str], None] | None = None
+        self._on_finish: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._run, name=f"stage-{job_id}", daemon=True)
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+    def add_finish_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the stage thread once it has ended (terminal status posted, cleanup done).
+
+        Register before ``start()``. A callback that raises is logged; the others still run.
+        """
+        self._on_finish.append(callback)
 
     def start(self) -> None:
         self._thread.start()
@@ -110,8 +120,18 @@ class StageLifecycle:
         try:
             self._run_body()
         finally:
-            if self._cleanup is not None:
-                self._cleanup()
+            try:
+                if self._cleanup is not None:
+                    self._cleanup()
+            finally:
+                self._finished()
+
+    def _finished(self) -> None:
+        for callback in self._on_finish:
+            try:
+                callback()
+            except Exception:
+                log.exception("stage finish callback failed", extra={"fields": {"job_id": self.job_id}})
 
     def _run_body(self) -> None:
         fields = {"job_id": self.job_id, "stage": self.stage}
