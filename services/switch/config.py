@@ -44,6 +44,16 @@ class SwitchSettings(ServiceSettings):
     max_routes_per_account: int = Field(
         32, ge=1, description="Edges one account may have open on this switch at once."
     )
+    account_item_rate: float = Field(
+        2000.0,
+        gt=0,
+        description="Items (frames, 256 KiB chunks, signals, acks) a second the switch reads from one "
+        "account's edges, all together; above it the account's streams are not read for a while (gRPC "
+        "flow control pushes back on the sender). Nothing is closed and no other account is slowed.",
+    )
+    account_item_burst: int = Field(
+        4000, ge=1, description="Items one account may send at once above its rate before it is paced."
+    )
     max_attached_routes: int = Field(
         128, ge=1, description="Edges open on this switch at once, all accounts."
     )

@@ -57,6 +57,17 @@ BUFFERED_BYTES = Gauge(
     "from local trainers, waiting for the link).",
     ["direction"],
 )
+ITEMS_READ = Counter(
+    "nebula_switch_items_read",
+    "Items (frames, chunks, signals, acks) read from local trainers' edges, by account.",
+    ["account"],
+)
+THROTTLED_SECONDS = Counter(
+    "nebula_switch_throttled_seconds",
+    "Time the switch stopped reading an account's edges because it exceeded its item rate "
+    "(NEBULA_SWITCH_ACCOUNT_ITEM_RATE), by account.",
+    ["account"],
+)
 LINK_RTT = Gauge(
     "nebula_switch_link_rtt_seconds",
     "Smoothed round-trip time to the peer switch (RFC 6298 SRTT, Ping/Pong).",

@@ -22,6 +22,7 @@ from services.switch.certs import CertificateManager
 from services.switch.link import PeerLink
 from services.switch.metrics import EDGES_OPEN
 from services.switch.routing import Attachment, Route, RouteInUseError, RouteLimitError, Router
+from services.switch.throttle import AccountThrottle
 
 log = logging.getLogger(__name__)
 EOF_GRACE_S = 1.0
@@ -45,8 +46,10 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
         link: PeerLink,
         router: Router,
         certificates: CertificateManager | None = None,
+        throttle: AccountThrottle | None = None,
     ) -> None:
         self.cluster_id = cluster_id
+        self.throttle = throttle
         self.link = link
         self.router = router
         self.certificates = certificates
@@ -84,6 +87,7 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             extra={"fields": {"job_id": job_id, "edge": edge, "account": account, "reconnect": reconnect}},
         )
         outcome = FAILED
+        received: list[relay_pb2.EdgeClose] = []  # the close this stream was sent, if any
         try:
             # Ready at once, whatever the link's state: a LinkNotice follows when it comes (back) up.
             await context.write(
@@ -95,7 +99,7 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                     )
                 )
             )
-            outcome = await self._pump(context, route, attachment)
+            outcome = await self._pump(context, route, attachment, account, received)
         except TrainerVanished:
             outcome = FAILED
         finally:
@@ -106,6 +110,13 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             self.router.end_stream(route, attachment, close)
             if outcome != SUPERSEDED:
                 self.link.ledger.flush_edge(job_id, edge)
+            # One record names the account and why the edge ended: a close the switch sent (a bound
+            # of this switch, or the peer switch's close of the route, which only names the job).
+            why: dict[str, object] = {}
+            if route.closed_reason is not None:
+                why = {"reason": route.closed_reason, "closed_by": "this switch"}
+            elif received and received[0].error:
+                why = {"reason": received[0].reason, "closed_by": "peer"}
             self.link.record(
                 "edge.close",
                 outcome="ok" if outcome in (FINISHED, SUPERSEDED) else "failure",
@@ -113,12 +124,20 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 job_id=job_id,
                 edge=edge,
                 ended=outcome,
+                **why,
             )
             EDGES_OPEN.set(self.router.open_routes())
 
-    async def _pump(self, context: grpc.aio.ServicerContext, route: Route, attachment: Attachment) -> str:
-        reader = asyncio.create_task(self._upstream(context, route, attachment))
-        writer = asyncio.create_task(self._downstream(context, route, attachment))
+    async def _pump(
+        self,
+        context: grpc.aio.ServicerContext,
+        route: Route,
+        attachment: Attachment,
+        account: str,
+        received: list[relay_pb2.EdgeClose],
+    ) -> str:
+        reader = asyncio.create_task(self._upstream(context, route, attachment, account))
+        writer = asyncio.create_task(self._downstream(context, route, attachment, received))
         try:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
             if reader in done:
@@ -140,9 +159,12 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                     await task
 
     async def _upstream(
-        self, context: grpc.aio.ServicerContext, route: Route, attachment: Attachment
+        self, context: grpc.aio.ServicerContext, route: Route, attachment: Attachment, account: str
     ) -> None:
-        """Read the trainer's items eagerly into the route's buffer toward the peer (never the link)."""
+        """Read the trainer's items eagerly into the route's buffer toward the peer (never the link).
+
+        Eagerly up to the account's item rate: an account above it is not read for a while.
+        """
         while not attachment.superseded and route.closed_reason is None:
             message = await context.read()
             if message is grpc.aio.EOF:
@@ -156,6 +178,8 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                     route, attachment, relay_pb2.EdgeMessage(close=relay_pb2.EdgeClose(reason="closed"))
                 )
                 return
+            if self.throttle is not None:
+                await self.throttle.pace(account)
             kind = message.WhichOneof("body")
             if kind in ("frame", "signal", "ack"):
                 self.router.accept_local(route, attachment, message)
@@ -167,9 +191,14 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind!r} on an open edge")
 
     async def _downstream(
-        self, context: grpc.aio.ServicerContext, route: Route, attachment: Attachment
+        self,
+        context: grpc.aio.ServicerContext,
+        route: Route,
+        attachment: Attachment,
+        received: list[relay_pb2.EdgeClose],
     ) -> None:
-        """Write the route's items to the trainer until a close went out or the stream was superseded."""
+        """Write the route's items to the trainer until a close went out (kept in ``received``) or the
+        stream was superseded."""
         while not attachment.superseded:
             message = self.router.pop_inbound(route, attachment)
             if message is None:
@@ -180,6 +209,7 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                     continue
             await context.write(message)
             if message.WhichOneof("body") == "close":
+                received.append(message.close)
                 return
 
     async def GetLinkStatus(

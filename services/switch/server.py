@@ -31,6 +31,7 @@ from services.switch.link import PeerLink, fetch_server_certificate
 from services.switch.relay_servicer import RelayServicer
 from services.switch.revocation import RevocationList
 from services.switch.routing import Limits, Router
+from services.switch.throttle import AccountThrottle
 from services.switch.tls_refusals import StderrTap
 from services.switch.wan_servicer import SwitchLinkServicer
 
@@ -159,7 +160,14 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         interceptors=[TokenAuthInterceptor("switch", verifier, audit=audit)],
     )
     relay_pb2_grpc.add_RelayServicer_to_server(
-        RelayServicer(settings.cluster_id, link, router, certs), internal.server
+        RelayServicer(
+            settings.cluster_id,
+            link,
+            router,
+            certs,
+            AccountThrottle(settings.account_item_rate, settings.account_item_burst),
+        ),
+        internal.server,
     )
     add_audit_api(internal.server, audit, "switch", settings.cluster_id)
     internal.add_insecure_port("internal", settings.internal_listen)

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from nebula_common.pki import PkiLayout
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, tensor_pb2
@@ -335,6 +336,55 @@ def test_a_flooding_route_is_closed_and_audited_while_a_healthy_route_keeps_movi
         records = [r for r in pair.audit("b", "route.closed") if r["job_id"] == "flood"]
         assert records and records[0]["outcome"] == "refused", records
         assert records[0]["details"]["edge"] == "e" and "unattached_items" in records[0]["details"]["reason"]
+        flooder.finish()
+        # Switch b cannot know the account of a route nobody attached; switch a's record names both.
+        closes = wait_for(
+            lambda: [r for r in pair.audit("a", "edge.close") if r["job_id"] == "flood"],
+            20,
+            "switch a's edge.close record of the flooding route",
+        )
+        assert closes[0]["account"] == "mallory" and closes[0]["outcome"] == "failure", closes
+        assert closes[0]["details"]["closed_by"] == "peer", closes
+        assert "unattached_items" in closes[0]["details"]["reason"], closes
+
+
+def _sample(name: str, account: str) -> float:
+    return REGISTRY.get_sample_value(name, {"account": account}) or 0.0
+
+
+def test_an_account_above_its_item_rate_is_paced_without_slowing_another(
+    tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster]
+) -> None:
+    rate, burst = 300.0, 100
+    with (
+        switch_pair(tmp_path, pki_ab, clusters, account_item_rate=rate, account_item_burst=burst) as pair,
+        edge_pair(pair, clusters, "alice", "steady") as (ha, hb),
+    ):
+        healthy = Stream(ha, hb)  # 100 items a second, under the rate: never paced
+        wait_for(lambda: len(healthy.arrived) >= 20, 20, "the healthy route to move")
+        read_before = _sample("nebula_switch_items_read_total", "mallory")
+        paced_before = _sample("nebula_switch_throttled_seconds_total", "mallory")
+        alice_paced = _sample("nebula_switch_throttled_seconds_total", "alice")
+        flooder = EdgeClient(pair.a, clusters["a"].tokens["mallory"], "paced")
+        flooder.expect("ready")
+        started = time.monotonic()
+        for frame_id in range(1, 3001):  # all at once; fewer than the peer's unattached bound
+            flooder.send(frame(frame_id))
+        wait_for(
+            lambda: _sample("nebula_switch_items_read_total", "mallory") - read_before >= 600, 20, "reads"
+        )
+        elapsed = time.monotonic() - started
+        read = _sample("nebula_switch_items_read_total", "mallory") - read_before
+        # Read at the account's rate (plus its burst), not as fast as gRPC delivers them.
+        assert read <= burst + rate * elapsed + 5, (read, elapsed)
+        assert elapsed >= (600 - burst) / rate * 0.9, elapsed
+        assert _sample("nebula_switch_throttled_seconds_total", "mallory") > paced_before
+        assert flooder.inbox.empty(), "the paced stream was closed or answered"  # paced, never closed
+        after = len(healthy.arrived)
+        wait_for(lambda: len(healthy.arrived) >= after + 50, 20, "the healthy route to keep moving")
+        healthy.stop()
+        assert healthy.worst_latency() < 1.0, healthy.worst_latency()
+        assert _sample("nebula_switch_throttled_seconds_total", "alice") == alice_paced
         flooder.finish()
 
 
