@@ -40,6 +40,21 @@ class TrainerSettings(ServiceSettings):
     edge_max_frame_bytes: int = Field(
         1 << 30, ge=1 << 20, description="Largest tensor payload a peer may announce on a job edge."
     )
+    metrics_grace_s: float = Field(
+        60.0,
+        ge=0,
+        description="How long a finished stage's per-job metric series (labels job_id, stage) stay on "
+        "/metrics, so the last scrape sees its final values; 0 removes them at once.",
+    )
+    finished_ttl_s: float = Field(
+        3600.0,
+        gt=0,
+        description="How long a finished stage stays known (WatchStage shows its final status; its id "
+        "stays taken); after it the trainer forgets the stage.",
+    )
+    max_finished: int = Field(
+        1000, ge=1, description="Finished stages kept at most (the oldest are forgotten first)."
+    )
     stop_grace_s: float = Field(
         10.0, gt=0, description="On stop, how long running stages get to end before the process exits."
     )

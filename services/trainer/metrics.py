@@ -1,6 +1,16 @@
-"""Prometheus metrics of the trainer: what an operator watches per job and stage."""
+"""Prometheus metrics of the trainer: what an operator watches per job and stage.
+
+Per-job series (labels ``job_id``, ``stage``) leave ``/metrics`` a grace period after their stage
+ended (``SeriesReaper``): long enough for the last scrape to see the final values, short enough
+that a trainer running thousands of jobs does not export (and keep in memory) every one forever.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import heapq
+import threading
+import time
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -20,3 +30,54 @@ LOSS = Gauge(
     "nebula_trainer_loss", "Training loss of the last step (loss-owning stage only).", ["job_id", "stage"]
 )
 STAGES_RUNNING = Gauge("nebula_trainer_stages_running", "Stages currently running on this trainer.")
+PER_STAGE = (STEP_SECONDS, WAIT_SECONDS, STEPS_TOTAL, LOSS)
+
+
+def forget_stage(job_id: str, stage: str) -> None:
+    """Remove every per-stage series of (``job_id``, ``stage``) now (those it never had are skipped)."""
+    for metric in PER_STAGE:
+        with contextlib.suppress(KeyError):  # a stage that never stepped has no series
+            metric.remove(job_id, stage)
+
+
+class SeriesReaper:
+    """Forgets finished stages' series after a grace period, on one thread for the whole process.
+
+    One thread with a deadline heap instead of a timer per stage: a trainer that ends many stages
+    holds one thread, not one per stage still in its grace period.
+    """
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, str, str]] = []
+        self._serial = 0
+        self._condition = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def forget_after(self, job_id: str, stage: str, grace_s: float) -> None:
+        """Remove the stage's series ``grace_s`` seconds from now (at once if ``grace_s`` <= 0)."""
+        if grace_s <= 0:
+            forget_stage(job_id, stage)
+            return
+        with self._condition:
+            self._serial += 1
+            heapq.heappush(self._due, (time.monotonic() + grace_s, self._serial, job_id, stage))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="metrics-reaper", daemon=True)
+                self._thread.start()
+            self._condition.notify()
+
+    def pending(self) -> int:
+        with self._condition:
+            return len(self._due)
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not self._due or self._due[0][0] > time.monotonic():
+                    timeout = self._due[0][0] - time.monotonic() if self._due else None
+                    self._condition.wait(timeout)
+                _, _, job_id, stage = heapq.heappop(self._due)
+            forget_stage(job_id, stage)
+
+
+REAPER = SeriesReaper()

@@ -21,6 +21,7 @@ from nebula_common.service.host import ServiceDefinition, Started
 from nebula_common.service.resources import grpc_server, service_audit, start_internal, token_verifier
 from services.trainer.config import TrainerSettings
 from services.trainer.edge import EdgeSettings
+from services.trainer.retention import FinishedStages
 from services.trainer.servicer import TrainerServicer
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ async def start_trainer(
             max_frame_bytes=settings.edge_max_frame_bytes,
             max_outage_s=settings.edge_max_outage_s,
         ),
+        finished=FinishedStages(settings.finished_ttl_s, settings.max_finished),
+        metrics_grace_s=settings.metrics_grace_s,
     )
     stack.push_async_callback(asyncio.to_thread, _stop_stages, servicer, settings.stop_grace_s)
     server = grpc_server(

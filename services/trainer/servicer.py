@@ -28,7 +28,8 @@ from nebula_common.auth.interceptor import caller
 from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2, trainer_pb2_grpc
 from services.trainer.edge import EdgeSettings
-from services.trainer.metrics import STAGES_RUNNING
+from services.trainer.metrics import REAPER, STAGES_RUNNING
+from services.trainer.retention import FinishedStages
 from services.trainer.runtime.checkpoint import CheckpointError, CheckpointStore
 from services.trainer.runtime.stage import ProgramRunner
 from services.trainer.status import TERMINAL_STATES
@@ -46,7 +47,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         audit: AuditLog,
         data_service_address: str | None = None,
         edge_settings: EdgeSettings | None = None,
+        finished: FinishedStages | None = None,
+        metrics_grace_s: float = 60.0,
     ) -> None:
+        self.finished = finished or FinishedStages()
+        self.metrics_grace_s = metrics_grace_s
         self.edge_settings = edge_settings or EdgeSettings()
         self.cluster_id = cluster_id
         self.switch_address = switch_address
@@ -114,6 +119,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 "job.submit", outcome="refused", account=account, job_id=job_id, details={"reason": str(exc)}
             )
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._forget(self.finished.expire())
         if job_id in self.runners:
             # Same answer whoever holds the id: job ids are global here, like account names, and the
             # reply must not tell another account anything about the job that has it.
@@ -198,8 +204,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def _stage_finished(self, runner: ProgramRunner, account: str) -> None:
         """On the stage's own thread, after its terminal status: release it, count it, audit its end."""
         runner.release()  # the status board stays; the model, optimizer and edge buffers go
+        # The program's source and a hot start's weights are only needed to start it.
+        runner.spec.program.ClearField("module_source")
+        runner.spec.program.ClearField("initial_state")
         STAGES_RUNNING.dec()
         final = runner.board.latest()
+        REAPER.forget_after(final.job_id, final.stage, self.metrics_grace_s)
+        self._forget(self.finished.add(final.job_id))
         self.audit.append(
             "stage.stop",
             outcome="ok" if final.state == trainer_pb2.STAGE_STATE_SUCCEEDED else "failure",
@@ -212,6 +223,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 "message": final.message,
             },
         )
+
+    def _forget(self, job_ids: list[str]) -> None:
+        """Drop finished stages past their time or count: their final status is no longer served."""
+        for job_id in job_ids:
+            self.runners.pop(job_id, None)
+            self.owners.pop(job_id, None)
 
     async def WatchStage(
         self, request: trainer_pb2.WatchStageRequest, context: grpc.aio.ServicerContext
