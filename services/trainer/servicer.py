@@ -28,6 +28,7 @@ from nebula_common.auth.interceptor import caller
 from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2, trainer_pb2_grpc
 from services.trainer.edge import EdgeSettings
+from services.trainer.memory import return_freed_memory
 from services.trainer.metrics import REAPER, STAGES_RUNNING
 from services.trainer.retention import FinishedStages
 from services.trainer.runtime.checkpoint import CheckpointError, CheckpointStore
@@ -207,6 +208,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         # The program's source and a hot start's weights are only needed to start it.
         runner.spec.program.ClearField("module_source")
         runner.spec.program.ClearField("initial_state")
+        return_freed_memory()
         STAGES_RUNNING.dec()
         final = runner.board.latest()
         REAPER.forget_after(final.job_id, final.stage, self.metrics_grace_s)
