@@ -7,15 +7,17 @@ import time
 
 import pytest
 
-from services.switch.throttle import AccountThrottle, TokenBucket
+from services.switch.throttle import PAUSE_S, AccountThrottle, TokenBucket
 
 
-def test_a_bucket_gives_its_burst_then_paces_at_its_rate() -> None:
-    bucket = TokenBucket(rate=100.0, burst=3, stamp=0.0)
+def test_a_bucket_gives_its_burst_then_pauses_once_its_debt_is_worth_a_pause() -> None:
+    rate = 100.0
+    bucket = TokenBucket(rate=rate, burst=3, stamp=0.0)
     assert [bucket.take(0.0) for _ in range(3)] == [0.0, 0.0, 0.0]
-    assert bucket.take(0.0) == pytest.approx(0.01)  # one item of debt: 1/100 s
-    assert bucket.take(0.0) == pytest.approx(0.02)
-    assert bucket.take(0.03) == pytest.approx(0.0)  # 3 items refilled, 2 owed + this one
+    owed = int(PAUSE_S * rate)  # items of debt a reader may run up before it pauses
+    assert [bucket.take(0.0) for _ in range(owed - 1)] == [0.0] * (owed - 1)
+    assert bucket.take(0.0) == pytest.approx(PAUSE_S)  # the whole debt is waited off at once
+    assert bucket.take(PAUSE_S) == 0.0  # repaid: the next item is free of debt again
     assert bucket.take(10.0) == 0.0  # refill stops at the burst
     assert bucket.tokens == pytest.approx(2.0)
 
