@@ -79,7 +79,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         principal, _ = self._authenticate()
         runner = self.runners.get(job_id)
         # Another account's job is reported as absent, not forbidden: its existence is not ours to reveal.
-        if runner is None or (self.owners[job_id] != principal.username and principal.role != "admin"):
+        if runner is None or (self.owners.get(job_id) != principal.username and principal.role != "admin"):
             await self._record(
                 action,
                 outcome="refused",
