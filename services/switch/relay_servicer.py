@@ -85,7 +85,7 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             # The route belongs to a newer attempt: this stream is void from the start.
             self.link.record(
                 "edge.open",
-                outcome="stale",
+                outcome="refused",
                 account=account,
                 job_id=job_id,
                 edge=edge,
