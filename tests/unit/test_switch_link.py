@@ -142,3 +142,14 @@ def test_settings_refuse_a_peer_equal_to_itself_and_name_missing_fields() -> Non
     del env["data_dir"]
     with pytest.raises(ValidationError, match="data_dir"):
         SwitchSettings(**env)
+
+
+def test_the_orphan_timeout_defaults_to_two_minutes_reads_its_env_and_refuses_nonsense(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert SwitchSettings(**switch_env()).orphan_timeout_s == 120.0
+    monkeypatch.setenv("NEBULA_SWITCH_ORPHAN_TIMEOUT_S", "7.5")
+    assert SwitchSettings(**switch_env()).orphan_timeout_s == 7.5
+    monkeypatch.setenv("NEBULA_SWITCH_ORPHAN_TIMEOUT_S", "0")
+    with pytest.raises(ValueError, match="orphan_timeout_s"):
+        SwitchSettings(**switch_env())
