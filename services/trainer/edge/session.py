@@ -291,6 +291,13 @@ class EdgeSession:
             return renewed(self._error)
         return EdgeClosedError(self._failed or self._peer_closed or "edge closed")
 
+    @property
+    def failure(self) -> EdgeClosedError | None:
+        """How the edge ended (None while it has not): an ``EdgeRestartRequired`` or ``EdgeOutage``
+        here after ``close`` means the attempt was lost while closing."""
+        with self._cond:
+            return self._error
+
     def wait_link_up(self) -> None:
         """Block until the link is up, without a deadline; raises if the edge ends first (a cancel
         aborts the edge, so this is cancellable)."""
@@ -346,6 +353,7 @@ class EdgeSession:
         with self._cond:
             if self._failed is None:
                 self._failed = f"edge closed: {reason}"
+                self._error = EdgeClosedError(self._failed)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ transport callbacks

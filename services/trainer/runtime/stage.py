@@ -56,6 +56,7 @@ from services.trainer.edge import (
     EdgeRestartRequired,
     EdgeSettings,
     grpc_edge_factory,
+    renewed,
 )
 from services.trainer.metrics import LOSS, STEP_SECONDS, STEPS_TOTAL, WAIT_SECONDS
 from services.trainer.runtime.checkpoint import CheckpointStore
@@ -369,6 +370,9 @@ class ProgramRunner:
         if self._dp is not None:
             self._dp.stop()
         edge.close("finished")
+        lost = edge.session.failure
+        if isinstance(lost, EdgeRestartRequired | EdgeOutage):  # the peer restarted before it closed
+            raise renewed(lost)
 
     def _report_step(
         self,
