@@ -41,6 +41,12 @@ class SwitchSettings(ServiceSettings):
     unattached_timeout_s: float = Field(
         120.0, gt=0, description="How long a route may buffer items before a local trainer attaches to it."
     )
+    orphan_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="How long a route whose local trainer vanished (its stream ended without a close) is "
+        "kept for a reconnect or a restarted trainer before the peer is sent an error close.",
+    )
     max_routes_per_account: int = Field(
         32, ge=1, description="Edges one account may have open on this switch at once."
     )

@@ -168,6 +168,8 @@ class PeerLink:
             router.record = self.record
         if not router.cluster_id:
             router.cluster_id = cluster_id
+        if not router.peer_cluster_id:
+            router.peer_cluster_id = peer_cluster_id
         self.audit = audit
         self.liveness = liveness or LivenessPolicy()
         self.rtt = RttEstimator()
@@ -422,7 +424,8 @@ class PeerLink:
                 routed = message.routed
                 if routed.item.WhichOneof("body") not in ROUTED_KINDS:
                     raise HandshakeError("peer routed an item that may not cross the link")
-                self.router.deliver((routed.job_id, routed.edge), routed.item)  # never waits
+                # Never waits; drops items of an epoch the route has left behind.
+                self.router.deliver((routed.job_id, routed.edge), routed.item, routed.epoch)
             elif kind == "ping":
                 self._queue_priority(link_pb2.LinkMessage(pong=link_pb2.Pong(nonce=message.ping.nonce)))
             elif kind == "pong":

@@ -46,10 +46,18 @@ for _bound in (
     "unattached_items",
     "unattached_timeout",
     "unattached_routes",
+    "orphan_timeout",
 ):
     ROUTES_CLOSED.labels(_bound)
 ITEMS_DROPPED = Counter(
-    "nebula_switch_items_dropped", "Items from the peer dropped because their route was closed by the switch."
+    "nebula_switch_items_dropped",
+    "Items from the peer dropped because their route was closed by the switch, or because the local "
+    "trainer of their epoch vanished (its reconnect makes the peer replay them).",
+)
+STALE_ITEMS = Counter(
+    "nebula_switch_stale_items",
+    "Items from the peer dropped because their epoch is below their route's (an attempt already "
+    "replaced by a restart; relay.proto, 'Epochs').",
 )
 BUFFERED_BYTES = Gauge(
     "nebula_switch_buffered_bytes",

@@ -5,6 +5,11 @@ cluster's auth service), binds the stream to (job, edge), and moves items: the
 trainer's stream is read eagerly into the route's bounded buffer toward the peer
 (``Router.accept_local``), and the route's buffer from the peer is written to the
 trainer by a task of its own, so no stream ever waits on the link or on another.
+
+Epochs and vanished trainers (relay.proto's delivery contract): a stream opened below its route's
+epoch gets EdgeReady and at once EdgeRestart; a stream whose route moved to a higher epoch gets
+EdgeRestart as its last message; a stream that vanishes (no close) leaves its route orphaned for the
+router's orphan timeout instead of failing the peer at once.
 """
 
 from __future__ import annotations
@@ -21,7 +26,14 @@ from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc
 from services.switch.certs import CertificateManager
 from services.switch.link import PeerLink
 from services.switch.metrics import EDGES_OPEN
-from services.switch.routing import Attachment, Route, RouteInUseError, RouteLimitError, Router
+from services.switch.routing import (
+    Attachment,
+    Route,
+    RouteInUseError,
+    RouteLimitError,
+    Router,
+    StaleEpochError,
+)
 
 log = logging.getLogger(__name__)
 EOF_GRACE_S = 1.0
@@ -31,7 +43,8 @@ EOF_GRACE_S = 1.0
 FINISHED = "finished"  # the trainer closed its side and the peer's close was delivered
 SUPERSEDED = "superseded"  # a reconnect of the same account took the route over
 CLOSED_BY_SWITCH = "closed_by_switch"  # a bound was exceeded; both sides were told why
-FAILED = "failed"  # crash, cancel, or a broken stream: the peer gets an error close
+RESTARTED = "restarted"  # the route moved to a higher epoch: the trainer was sent EdgeRestart
+FAILED = "failed"  # crash, cancel, or a broken stream: the route is orphaned (the peer waits)
 
 
 class TrainerVanished(Exception):
@@ -61,12 +74,30 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "the first message on an edge must be 'open'"
             )
         job_id, edge, reconnect = first.open.job_id, first.open.edge, first.open.reconnect
+        epoch = first.open.epoch
         if not job_id or not edge:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.job_id and open.edge are required")
         key = (job_id, edge)
         account = principal.username
         try:
-            route, attachment = self.router.attach(key, owner=account, reconnect=reconnect)
+            route, attachment = self.router.attach(key, owner=account, reconnect=reconnect, epoch=epoch)
+        except StaleEpochError as exc:
+            # The route belongs to a newer attempt: this stream is void from the start.
+            self.link.record(
+                "edge.open",
+                outcome="refused",
+                account=account,
+                job_id=job_id,
+                edge=edge,
+                epoch=epoch,
+                route_epoch=exc.route_epoch,
+                reason=exc.reason,
+            )
+            await context.write(relay_pb2.EdgeMessage(ready=self._ready(exc.route_epoch)))
+            await context.write(
+                relay_pb2.EdgeMessage(restart=relay_pb2.EdgeRestart(epoch=exc.route_epoch, reason=exc.reason))
+            )
+            return
         except (RouteInUseError, RouteLimitError) as exc:
             self.link.record(
                 "edge.open", outcome="refused", account=account, job_id=job_id, edge=edge, reason=str(exc)
@@ -77,38 +108,39 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 else grpc.StatusCode.ALREADY_EXISTS
             )
             await context.abort(code, str(exc))
-        self.link.record("edge.open", account=account, job_id=job_id, edge=edge, reconnect=reconnect)
+        self.link.record(
+            "edge.open", account=account, job_id=job_id, edge=edge, reconnect=reconnect, epoch=epoch
+        )
         EDGES_OPEN.set(self.router.open_routes())
         log.info(
             "edge opened",
-            extra={"fields": {"job_id": job_id, "edge": edge, "account": account, "reconnect": reconnect}},
+            extra={
+                "fields": {
+                    "job_id": job_id,
+                    "edge": edge,
+                    "account": account,
+                    "reconnect": reconnect,
+                    "epoch": epoch,
+                }
+            },
         )
         outcome = FAILED
         try:
             # Ready at once, whatever the link's state: a LinkNotice follows when it comes (back) up.
-            await context.write(
-                relay_pb2.EdgeMessage(
-                    ready=relay_pb2.EdgeReady(
-                        peer_cluster=self.link.expected_peer.cluster_id,
-                        max_window_bytes=self.router.max_window_bytes,
-                        link_up=self.router.link_up,
-                    )
-                )
-            )
+            await context.write(relay_pb2.EdgeMessage(ready=self._ready(route.epoch)))
             outcome = await self._pump(context, route, attachment)
         except TrainerVanished:
             outcome = FAILED
         finally:
-            close = None
-            if outcome == FAILED and not attachment.local_closed:
-                # The trainer vanished (cancelled call, crash): tell the peer so its side stops waiting.
-                close = relay_pb2.EdgeClose(reason="the other cluster's stage disconnected", error=True)
-            self.router.end_stream(route, attachment, close)
+            # A trainer that vanished (cancelled call, crash) orphans its route: the peer is told only
+            # if nobody re-attaches within the orphan timeout (the router's sweeper).
+            vanished = outcome == FAILED and not attachment.local_closed
+            self.router.end_stream(route, attachment, None, vanished=vanished)
             if outcome != SUPERSEDED:
                 self.link.ledger.flush_edge(job_id, edge)
             self.link.record(
                 "edge.close",
-                outcome="ok" if outcome in (FINISHED, SUPERSEDED) else "failure",
+                outcome="ok" if outcome in (FINISHED, SUPERSEDED, RESTARTED) else "failure",
                 account=account,
                 job_id=job_id,
                 edge=edge,
@@ -125,6 +157,8 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 reader.result()  # an abort (invalid item) propagates
             if attachment.superseded:
                 return SUPERSEDED
+            if attachment.restart is not None and writer in done:
+                return RESTARTED
             if route.closed_reason is not None and writer in done:
                 return CLOSED_BY_SWITCH
             # The local side is done sending (or the peer closed): wait for the other half.
@@ -132,6 +166,8 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             reader.result()
             if attachment.superseded:
                 return SUPERSEDED
+            if attachment.restart is not None:
+                return RESTARTED
             return CLOSED_BY_SWITCH if route.closed_reason is not None else FINISHED
         finally:
             for task in (reader, writer):
@@ -164,13 +200,27 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 self.router.accept_local(route, attachment, message)
                 return
             else:
+                # A protocol error, not a vanished trainer: the peer is told at once.
+                attachment.local_closed = True
+                self.router.accept_local(
+                    route,
+                    attachment,
+                    relay_pb2.EdgeMessage(
+                        close=relay_pb2.EdgeClose(
+                            reason=f"the other cluster's stage sent an unexpected {kind!r} item", error=True
+                        )
+                    ),
+                )
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind!r} on an open edge")
 
     async def _downstream(
         self, context: grpc.aio.ServicerContext, route: Route, attachment: Attachment
     ) -> None:
-        """Write the route's items to the trainer until a close went out or the stream was superseded."""
+        """Write the route's items to the trainer until a close or a restart went out (or superseded)."""
         while not attachment.superseded:
+            if attachment.restart is not None:
+                await context.write(relay_pb2.EdgeMessage(restart=attachment.restart))
+                return
             message = self.router.pop_inbound(route, attachment)
             if message is None:
                 attachment.wake.clear()
@@ -181,6 +231,14 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             await context.write(message)
             if message.WhichOneof("body") == "close":
                 return
+
+    def _ready(self, epoch: int) -> relay_pb2.EdgeReady:
+        return relay_pb2.EdgeReady(
+            peer_cluster=self.link.expected_peer.cluster_id,
+            max_window_bytes=self.router.max_window_bytes,
+            link_up=self.router.link_up,
+            epoch=epoch,
+        )
 
     async def GetLinkStatus(
         self, request: relay_pb2.GetLinkStatusRequest, context: grpc.aio.ServicerContext

@@ -15,6 +15,25 @@ never holds up a small item of another. Within a route, frames, signals and clos
 End-to-end reliability (sequence numbers, acks, credit, replay) belongs to the two trainers (edge
 protocol 2, ``proto/nebula/v1/relay.proto``); the switch only enforces the bounds below.
 
+Epochs ("Epochs" in relay.proto). A route's epoch is the highest epoch seen from either side: a local
+``EdgeOpen.epoch`` or a ``RoutedItem.epoch`` from the peer. Every buffered item carries the epoch of the
+stream it came from and items crossing the link are tagged with it (a close the switch makes carries
+the route's epoch). When the epoch rises, buffered items of older epochs are discarded both ways and an
+attached trainer of an older epoch gets an ``EdgeRestart`` (its stream then ends and the route waits,
+unattached, for the restarted trainer); items from the peer below the route's epoch are dropped and
+counted (``nebula_switch_stale_items_total``). A local open below the route's epoch is answered by
+``EdgeReady`` and at once ``EdgeRestart`` (:class:`StaleEpochError`). Epoch 0 everywhere is the
+behaviour without epochs.
+
+A vanished trainer ("A vanished trainer" in relay.proto). A stream that ends without a close leaves
+its route **orphaned** for ``orphan_timeout_s`` instead of failing the peer: a reconnect (same epoch)
+or a restarted trainer (higher epoch) re-attaches and continues; on timeout the route is closed like
+any route over a bound (error close to the peer naming this cluster and the timeout, ``route.closed``
+audited with the owning account, ``nebula_switch_routes_closed_total{reason="orphan_timeout"}``).
+While orphaned, frames and signals of the vanished stream's epoch are not buffered (a reconnecting
+trainer's resume ack makes the peer replay them; a restarted one voids them); items of a higher epoch
+(the peer's RESUME), the peer's latest ack and its close are kept, within the unattached bounds.
+
 Memory bound. Sizes are the contract's wire sizes (``ByteSize()`` of the TensorFrame or EdgeSignal, the
 unit credit is counted in; acks, closes and notices count their EdgeMessage size) of the items a switch
 holds in its own buffers, per route and direction (W = ``max_window_bytes``, S = ``SLACK_BYTES``):
@@ -24,10 +43,12 @@ holds in its own buffers, per route and direction (W = ``max_window_bytes``, S =
   and 2W + S bytes toward the peer (a trainer sending past that is cheating credit and its route is
   closed);
 * route with no attached trainer: at most INITIAL_WINDOW_BYTES + S bytes, ``UNATTACHED_MAX_ITEMS`` items
-  and ``unattached_timeout_s`` seconds;
+  and ``unattached_timeout_s`` seconds (``orphan_timeout_s`` when its trainer vanished) toward the
+  trainer; toward the peer only what its last trainer queued, within the attached bound, draining;
 * per switch: ``max_attached_routes`` x 2 x (2W + S) + ``max_unattached_routes`` x (INITIAL_WINDOW_BYTES
-  + S), plus ``TOMBSTONES_MAX`` remembered keys, ``CONTROL_MAX`` pending closes and the link's
-  HTTP/2 window (``link_window_bytes``) each way (defaults:
+  + S) (a route kept for its owner after its trainer vanished or was restarted counts as attached for
+  the route limits until it is re-attached or times out), plus ``TOMBSTONES_MAX`` remembered keys,
+  ``CONTROL_MAX`` pending closes and the link's HTTP/2 window (``link_window_bytes``) each way (defaults:
   128 x 2 x 16.06 MiB + 256 x 1.06 MiB = 4.3 GiB worst case; conforming trainers keep at most one
   window per direction in transit across both switches, so a healthy route holds at most W here).
   Acks are coalesced, one per route and direction.
@@ -45,9 +66,10 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2
-from services.switch.metrics import BUFFERED_BYTES, ITEMS_DROPPED, ROUTES_CLOSED
+from services.switch.metrics import BUFFERED_BYTES, ITEMS_DROPPED, ROUTES_CLOSED, STALE_ITEMS
 
 RouteKey = tuple[str, str]
 
@@ -76,10 +98,28 @@ class RouteLimitError(Exception):
     """Opening the edge would exceed a route limit of the account or of the switch."""
 
 
+class StaleEpochError(Exception):
+    """A local stream opened with an epoch below its route's: it gets EdgeReady and at once EdgeRestart."""
+
+    def __init__(self, route_epoch: int, reason: str) -> None:
+        super().__init__(reason)
+        self.route_epoch = route_epoch
+        self.reason = reason
+
+
+class Item(NamedTuple):
+    """A buffered edge item: its wire size (what the bounds count) and the epoch of its stream."""
+
+    message: relay_pb2.EdgeMessage
+    size: int
+    epoch: int
+
+
 @dataclass(frozen=True)
 class Limits:
     max_window_bytes: int = 8 << 20
     unattached_timeout_s: float = 120.0
+    orphan_timeout_s: float = 120.0
     max_routes_per_account: int = 32
     max_attached_routes: int = 128
     max_unattached_routes: int = 256
@@ -104,11 +144,14 @@ def item_size(message: relay_pb2.EdgeMessage) -> int:
 class Attachment:
     """One local trainer stream attached to a route; replaced (superseded) by a reconnect."""
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, epoch: int = 0) -> None:
         self.owner = owner
+        self.epoch = epoch
         self.wake = asyncio.Event()  # items toward the trainer, or the stream must end
         self.superseded = False
         self.local_closed = False  # the trainer sent its close (or ended its stream orderly)
+        #: Set when the route moved to a higher epoch: the last message of this stream, then it ends.
+        self.restart: relay_pb2.EdgeRestart | None = None
 
 
 @dataclass(eq=False)
@@ -118,36 +161,57 @@ class Route:
     attachment: Attachment | None = None
     created_at: float = 0.0
     # toward the local trainer
-    inbound: deque[tuple[relay_pb2.EdgeMessage, int]] = field(default_factory=deque)
-    inbound_ack: tuple[relay_pb2.EdgeMessage, int] | None = None
+    inbound: deque[Item] = field(default_factory=deque)
+    inbound_ack: Item | None = None
     inbound_bytes: int = 0
     inbound_items: int = 0
     # toward the peer (acks go through the router's ack table, not here)
-    outbound: deque[tuple[relay_pb2.EdgeMessage, int]] = field(default_factory=deque)
+    outbound: deque[Item] = field(default_factory=deque)
     outbound_bytes: int = 0
     in_ready: bool = False
     #: Why the switch closed the route itself (None while open).
     closed_reason: str | None = None
+    #: The highest epoch either side has opened or sent (relay.proto, "Epochs").
+    epoch: int = 0
+    #: Why a route that had a trainer is kept without one for its owner: ORPHANED (the stream vanished)
+    #: or RESTARTED (the route's epoch rose past it); None otherwise.
+    detached: str | None = None
+    #: Epoch of the stream that left a detached route.
+    detached_epoch: int = 0
+    #: Since when no trainer is attached (the unattached and orphan timeouts count from here).
+    unattached_since: float = 0.0
 
     @property
     def attached(self) -> bool:
         return self.attachment is not None
 
 
-def _merge_ack(
-    old: tuple[relay_pb2.EdgeMessage, int] | None, new: relay_pb2.EdgeMessage
-) -> tuple[relay_pb2.EdgeMessage, int]:
-    """Only the newest ack matters (absolute credit); a pending resume must not be lost."""
-    if old is not None and old[0].ack.resume and not new.ack.resume:
+ORPHANED = "orphaned"
+RESTARTED = "restarted"
+
+
+def _merge_ack(old: Item | None, new: relay_pb2.EdgeMessage, epoch: int) -> Item:
+    """Only the newest ack matters (absolute credit); a pending resume of the same epoch must not be lost."""
+    if old is not None and old.epoch == epoch and old.message.ack.resume and not new.ack.resume:
         merged = relay_pb2.EdgeMessage()
         merged.CopyFrom(new)
         merged.ack.resume = True
         new = merged
-    return new, new.ByteSize()
+    return Item(new, new.ByteSize(), epoch)
 
 
 def _is_close(message: relay_pb2.EdgeMessage) -> bool:
     return message.WhichOneof("body") == "close"
+
+
+def _counts_as_item(message: relay_pb2.EdgeMessage) -> bool:
+    """Frames and signals count toward a route's item bound (acks, closes and notices do not)."""
+    return message.WhichOneof("body") in ("frame", "signal")
+
+
+def _held(route: Route) -> bool:
+    """A route that has a trainer, or is kept for the owner of one that vanished or restarted."""
+    return route.attachment is not None or route.detached is not None
 
 
 class Router:
@@ -161,6 +225,8 @@ class Router:
     ) -> None:
         self.limits = limits or Limits()
         self.cluster_id = cluster_id
+        #: The peer cluster's id, for EdgeRestart reasons (set by the PeerLink).
+        self.peer_cluster_id = ""
         self.record = record
         self._clock = clock
         self._routes: dict[RouteKey, Route] = {}
@@ -168,8 +234,9 @@ class Router:
         # so once claimed, no other account of this cluster can attach to (and read) any of its edges,
         # even after the owner's stream ended (a restarted stage re-attaches under the same account).
         self._job_owners: dict[str, str] = {}
-        self._tombstones: OrderedDict[RouteKey, float] = OrderedDict()
-        self._acks: OrderedDict[RouteKey, tuple[relay_pb2.EdgeMessage, int]] = OrderedDict()
+        # key -> (expiry, epoch of the closed route): items of a higher epoch start a new route.
+        self._tombstones: OrderedDict[RouteKey, tuple[float, int]] = OrderedDict()
+        self._acks: OrderedDict[RouteKey, Item] = OrderedDict()
         self._control: deque[link_pb2.LinkMessage] = deque(maxlen=CONTROL_MAX)
         self._ready: deque[Route] = deque()
         self.outbound_wake = asyncio.Event()
@@ -184,41 +251,61 @@ class Router:
         return self.limits.max_window_bytes
 
     # ----- local trainers --------------------------------------------------------------------
-    def attach(self, key: RouteKey, owner: str, reconnect: bool = False) -> tuple[Route, Attachment]:
-        """Bind the local end of an edge to a trainer stream opened by account ``owner``.
+    def attach(
+        self, key: RouteKey, owner: str, reconnect: bool = False, epoch: int = 0
+    ) -> tuple[Route, Attachment]:
+        """Bind the local end of an edge to a trainer stream opened by account ``owner`` at ``epoch``.
 
-        With ``reconnect`` a stream of the same account replaces the one attached (which then ends
-        quietly); buffered items stay. Without it a second opener is refused.
+        With ``reconnect`` a stream of the same account replaces the one attached at the same epoch
+        (which then ends quietly); buffered items stay. Without it a second opener is refused. An epoch
+        above the route's raises it: older buffered items are discarded both ways and a stream of the
+        older epoch still attached gets an EdgeRestart. An epoch below it raises
+        :class:`StaleEpochError` (nothing changes: the route belongs to the newer attempt).
         """
         claimed_by = self._job_owners.get(key[0])
         if claimed_by is not None and claimed_by != owner:
             # Same answer as a busy edge: another account's job is not ours to confirm or deny.
             raise RouteInUseError(f"edge {key[1]!r} of job {key[0]!r} is not available to this account")
         route = self._routes.get(key)
+        if route is not None and epoch < route.epoch:
+            raise StaleEpochError(
+                route.epoch,
+                f"edge {key[1]!r} of job {key[0]!r} is at epoch {route.epoch} on switch "
+                f"{self.cluster_id!r}; this stream opened at epoch {epoch}, an attempt already replaced",
+            )
         if route is not None and route.attachment is not None:
-            if not (reconnect and route.owner == owner):
-                raise RouteInUseError(f"edge {key[1]!r} of job {key[0]!r} is already open on this switch")
             previous = route.attachment
-            previous.superseded = True
-            previous.wake.set()
-        else:
-            attached = [r for r in self._routes.values() if r.attachment is not None]
-            mine = sum(1 for r in attached if r.owner == owner)
+            if previous.epoch < epoch and route.owner == owner:
+                # A restarted stage of the same account: the older attempt's stream is void.
+                self._raise_epoch(route, epoch, f"this cluster's stage reopened the edge at epoch {epoch}")
+            elif not (reconnect and route.owner == owner):
+                raise RouteInUseError(f"edge {key[1]!r} of job {key[0]!r} is already open on this switch")
+            else:
+                previous.superseded = True
+                previous.wake.set()
+        if route is None or route.attachment is None:
+            # Routes kept for their owner (orphaned or restarted) count as attached: re-attaching to
+            # one's own does not need room, but crashing repeatedly cannot pile up routes either.
+            held = [r for r in self._routes.values() if r is not route and _held(r)]
+            mine = sum(1 for r in held if r.owner == owner)
             if mine >= self.limits.max_routes_per_account:
                 raise RouteLimitError(
                     f"account {owner!r} already has {mine} edges open on switch {self.cluster_id!r}, "
                     f"the limit per account (max_routes_per_account = {self.limits.max_routes_per_account})"
                 )
-            if len(attached) >= self.limits.max_attached_routes:
+            if len(held) >= self.limits.max_attached_routes:
                 raise RouteLimitError(
-                    f"switch {self.cluster_id!r} already has {len(attached)} edges open, its limit "
+                    f"switch {self.cluster_id!r} already has {len(held)} edges open, its limit "
                     f"(max_attached_routes = {self.limits.max_attached_routes})"
                 )
             self._tombstones.pop(key, None)
             if route is None:
-                route = self._routes[key] = self._new_route(key)
-        attachment = Attachment(owner)
+                route = self._routes[key] = self._new_route(key, epoch)
+        if epoch > route.epoch:
+            self._raise_epoch(route, epoch, f"this cluster's stage reopened the edge at epoch {epoch}")
+        attachment = Attachment(owner, epoch)
         route.attachment = attachment
+        route.detached = None
         route.owner = owner
         if route.inbound or route.inbound_ack is not None:
             attachment.wake.set()
@@ -240,14 +327,14 @@ class Router:
         if kind == "ack":
             old = self._acks.pop(route.key, None)
             if old is not None:
-                self.buffered_out -= old[1]
-            merged = _merge_ack(old, message)
+                self.buffered_out -= old.size
+            merged = _merge_ack(old, message, attachment.epoch)
             self._acks[route.key] = merged
-            self.buffered_out += merged[1]
+            self.buffered_out += merged.size
             self.outbound_wake.set()
             return True
         size = item_size(message)
-        self._push_outbound(route, message, size)
+        self._push_outbound(route, Item(message, size, attachment.epoch))
         bound = self.limits.route_bound_bytes
         if route.outbound_bytes > bound:
             self.close_route(
@@ -261,10 +348,10 @@ class Router:
             return False
         return True
 
-    def _push_outbound(self, route: Route, message: relay_pb2.EdgeMessage, size: int) -> None:
-        route.outbound.append((message, size))
-        route.outbound_bytes += size
-        self.buffered_out += size
+    def _push_outbound(self, route: Route, item: Item) -> None:
+        route.outbound.append(item)
+        route.outbound_bytes += item.size
+        self.buffered_out += item.size
         if not route.in_ready:
             route.in_ready = True
             self._ready.append(route)
@@ -275,30 +362,46 @@ class Router:
         if route.attachment is not attachment:
             return None
         if route.inbound_ack is not None:
-            message, size = route.inbound_ack
+            item = route.inbound_ack
             route.inbound_ack = None
         elif route.inbound:
-            message, size = route.inbound.popleft()
-            if not _is_close(message) and message.WhichOneof("body") in ("frame", "signal"):
+            item = route.inbound.popleft()
+            if _counts_as_item(item.message):
                 route.inbound_items -= 1
         else:
             return None
-        route.inbound_bytes -= size
-        self.buffered_in -= size
-        return message
+        route.inbound_bytes -= item.size
+        self.buffered_in -= item.size
+        return item.message
 
-    def end_stream(self, route: Route, attachment: Attachment, close: relay_pb2.EdgeClose | None) -> None:
+    def end_stream(
+        self,
+        route: Route,
+        attachment: Attachment,
+        close: relay_pb2.EdgeClose | None,
+        *,
+        vanished: bool = False,
+    ) -> None:
         """The stream of ``attachment`` ended; ``close`` (if given) goes to the peer after purging.
 
-        The route leaves the table (a superseded stream's route stays: it belongs to its successor);
-        items already queued toward the peer still drain through the link writer.
+        The route leaves the table (a superseded or restarted stream's route stays: it belongs to its
+        successor); items already queued toward the peer still drain through the link writer. A
+        ``vanished`` stream (no close: a crash, a kill) leaves its route orphaned for its owner for
+        ``orphan_timeout_s`` and tells the peer nothing yet (relay.proto, "A vanished trainer").
         """
         if route.attachment is not attachment:
             return
         route.attachment = None
+        if vanished and route.closed_reason is None:
+            route.detached = ORPHANED
+            route.detached_epoch = attachment.epoch
+            route.unattached_since = self._clock()
+            # A reconnecting trainer's resume ack makes the peer replay these; a restarted one voids them.
+            self._drop_inbound(route)
+            return
         if close is not None and route.closed_reason is None:
             self._purge_outbound(route, keep_close=False)
-            self._push_outbound(route, relay_pb2.EdgeMessage(close=close), 0)
+            self._push_outbound(route, Item(relay_pb2.EdgeMessage(close=close), 0, attachment.epoch))
         self._drop_inbound(route)
         if self._routes.get(route.key) is route:
             del self._routes[route.key]
@@ -307,44 +410,65 @@ class Router:
         return sum(1 for route in self._routes.values() if route.attachment is not None)
 
     # ----- the peer --------------------------------------------------------------------------
-    def deliver(self, key: RouteKey, message: relay_pb2.EdgeMessage) -> None:
-        """Buffer an item from the peer for the local end; never waits (closes the route if over bound)."""
-        expiry = self._tombstones.get(key)
-        if expiry is not None:
-            if expiry > self._clock():
+    def deliver(self, key: RouteKey, message: relay_pb2.EdgeMessage, epoch: int = 0) -> None:
+        """Buffer an item of the peer's stream at ``epoch`` for the local end; never waits.
+
+        Closes the route if over a bound; drops (and counts) items below the route's epoch; an item
+        above it raises the route's epoch first.
+        """
+        tombstone = self._tombstones.get(key)
+        if tombstone is not None:
+            expiry, closed_epoch = tombstone
+            if expiry > self._clock() and epoch <= closed_epoch:
                 ITEMS_DROPPED.inc()
                 return
-            del self._tombstones[key]
+            del self._tombstones[key]  # expired, or a newer attempt of the edge: a new route
         kind = message.WhichOneof("body")
         route = self._routes.get(key)
         if route is None:
             if kind == "close":
                 return  # nobody here holds this edge: nothing to close
-            unattached = sum(1 for r in self._routes.values() if r.attachment is None)
+            unattached = sum(1 for r in self._routes.values() if not _held(r))
             if unattached >= self.limits.max_unattached_routes:
                 self._refuse_new(
                     key,
                     "unattached_routes",
                     f"{unattached} routes with no attached receiver already exist, the limit "
                     f"(max_unattached_routes = {self.limits.max_unattached_routes})",
+                    epoch,
                 )
                 return
-            route = self._routes[key] = self._new_route(key)
-        if kind == "close" and route.attachment is None:
-            # Nobody here ever opened this edge: drop what was buffered for it.
-            self._drop_inbound(route)
-            del self._routes[key]
+            route = self._routes[key] = self._new_route(key, epoch)
+        if epoch < route.epoch:
+            STALE_ITEMS.inc()
             return
+        if epoch > route.epoch:
+            self._raise_epoch(
+                route,
+                epoch,
+                f"cluster {self.peer_cluster_id or 'peer'!r}'s stage restarted edge {key[1]!r} of job "
+                f"{key[0]!r} at epoch {epoch}",
+            )
+        if route.attachment is None:
+            if kind == "close" and route.detached is None:
+                # Nobody here ever opened this edge: drop what was buffered for it.
+                self._drop_inbound(route)
+                del self._routes[key]
+                return
+            if route.detached == ORPHANED and epoch == route.detached_epoch and _counts_as_item(message):
+                # Not buffered: a reconnecting trainer's resume ack makes the peer replay it.
+                ITEMS_DROPPED.inc()
+                return
         if kind == "ack":
             old = route.inbound_ack
             if old is not None:
-                route.inbound_bytes -= old[1]
-                self.buffered_in -= old[1]
-            route.inbound_ack = _merge_ack(old, message)
-            size = route.inbound_ack[1]
+                route.inbound_bytes -= old.size
+                self.buffered_in -= old.size
+            route.inbound_ack = _merge_ack(old, message, epoch)
+            size = route.inbound_ack.size
         else:
             size = item_size(message)
-            route.inbound.append((message, size))
+            route.inbound.append(Item(message, size, epoch))
             if kind != "close":
                 route.inbound_items += 1
         route.inbound_bytes += size
@@ -352,6 +476,48 @@ class Router:
         if not self._within_bounds(route) or route.attachment is None:
             return
         route.attachment.wake.set()
+
+    def _raise_epoch(self, route: Route, epoch: int, reason: str) -> None:
+        """The route moves to ``epoch``: older items are void both ways, an older attachment restarts."""
+        route.epoch = epoch
+        self._discard_older(route, epoch)
+        attachment = route.attachment
+        if attachment is not None and attachment.epoch < epoch:
+            attachment.restart = relay_pb2.EdgeRestart(epoch=epoch, reason=reason)
+            attachment.wake.set()
+            route.attachment = None
+            route.detached = RESTARTED
+            route.detached_epoch = attachment.epoch
+            route.unattached_since = self._clock()
+
+    def _discard_older(self, route: Route, epoch: int) -> None:
+        """Drop buffered items (both directions, acks included) of epochs below ``epoch``."""
+        kept: deque[Item] = deque()
+        for item in route.inbound:
+            if item.epoch >= epoch:
+                kept.append(item)
+                continue
+            route.inbound_bytes -= item.size
+            self.buffered_in -= item.size
+            if _counts_as_item(item.message):
+                route.inbound_items -= 1
+        route.inbound = kept
+        if route.inbound_ack is not None and route.inbound_ack.epoch < epoch:
+            route.inbound_bytes -= route.inbound_ack.size
+            self.buffered_in -= route.inbound_ack.size
+            route.inbound_ack = None
+        kept = deque()
+        for item in route.outbound:
+            if item.epoch >= epoch:
+                kept.append(item)
+                continue
+            route.outbound_bytes -= item.size
+            self.buffered_out -= item.size
+        route.outbound = kept
+        ack = self._acks.get(route.key)
+        if ack is not None and ack.epoch < epoch:
+            del self._acks[route.key]
+            self.buffered_out -= ack.size
 
     def _within_bounds(self, route: Route) -> bool:
         """Close ``route`` if its buffer toward the trainer exceeds a bound; True if it is within."""
@@ -408,25 +574,25 @@ class Router:
         close = relay_pb2.EdgeClose(reason=reason, error=True)
         self._drop_inbound(route)
         self._purge_outbound(route, keep_close=False)
-        self._queue_control(route.key, close)
+        self._queue_control(route.key, close, route.epoch)
         if route.attachment is not None:
             message = relay_pb2.EdgeMessage(close=close)
             size = message.ByteSize()
-            route.inbound.append((message, size))
+            route.inbound.append(Item(message, size, route.epoch))
             route.inbound_bytes += size
             self.buffered_in += size
             route.attachment.wake.set()
         if self._routes.get(route.key) is route:
             del self._routes[route.key]
-        self._tombstone(route.key)
+        self._tombstone(route.key, route.epoch)
         self._closed(route.key, route.owner, label, reason)
 
-    def _refuse_new(self, key: RouteKey, label: str, detail: str) -> None:
+    def _refuse_new(self, key: RouteKey, label: str, detail: str, epoch: int) -> None:
         reason = (
             f"switch {self.cluster_id!r} refused edge {key[1]!r} of job {key[0]!r} (bound {label}): {detail}"
         )
-        self._queue_control(key, relay_pb2.EdgeClose(reason=reason, error=True))
-        self._tombstone(key)
+        self._queue_control(key, relay_pb2.EdgeClose(reason=reason, error=True), epoch)
+        self._tombstone(key, epoch)
         self._closed(key, "", label, reason)
 
     def _closed(self, key: RouteKey, account: str, label: str, reason: str) -> None:
@@ -442,60 +608,66 @@ class Router:
                 reason=reason,
             )
 
-    def _queue_control(self, key: RouteKey, close: relay_pb2.EdgeClose) -> None:
+    def _queue_control(self, key: RouteKey, close: relay_pb2.EdgeClose, epoch: int) -> None:
         self._control.append(
             link_pb2.LinkMessage(
                 routed=link_pb2.RoutedItem(
-                    job_id=key[0], edge=key[1], item=relay_pb2.EdgeMessage(close=close)
+                    job_id=key[0], edge=key[1], item=relay_pb2.EdgeMessage(close=close), epoch=epoch
                 )
             )
         )
         self.outbound_wake.set()
 
-    def _tombstone(self, key: RouteKey) -> None:
+    def _tombstone(self, key: RouteKey, epoch: int) -> None:
         self._tombstones.pop(key, None)
-        self._tombstones[key] = self._clock() + self.limits.tombstone_s
+        self._tombstones[key] = (self._clock() + self.limits.tombstone_s, epoch)
         while len(self._tombstones) > TOMBSTONES_MAX:
             self._tombstones.popitem(last=False)
 
-    def _new_route(self, key: RouteKey) -> Route:
-        return Route(key=key, created_at=self._clock())
+    def _new_route(self, key: RouteKey, epoch: int) -> Route:
+        now = self._clock()
+        return Route(key=key, created_at=now, unattached_since=now, epoch=epoch)
 
     def _drop_inbound(self, route: Route, keep_close: bool = False) -> None:
-        kept: deque[tuple[relay_pb2.EdgeMessage, int]] = deque()
-        for message, size in route.inbound:
-            if keep_close and _is_close(message):
-                kept.append((message, size))
+        kept: deque[Item] = deque()
+        for item in route.inbound:
+            if keep_close and _is_close(item.message):
+                kept.append(item)
             else:
-                route.inbound_bytes -= size
-                self.buffered_in -= size
+                route.inbound_bytes -= item.size
+                self.buffered_in -= item.size
         route.inbound = kept
         route.inbound_items = 0
         if route.inbound_ack is not None:
-            route.inbound_bytes -= route.inbound_ack[1]
-            self.buffered_in -= route.inbound_ack[1]
+            route.inbound_bytes -= route.inbound_ack.size
+            self.buffered_in -= route.inbound_ack.size
             route.inbound_ack = None
 
     def _purge_outbound(self, route: Route, keep_close: bool = True) -> None:
-        kept: deque[tuple[relay_pb2.EdgeMessage, int]] = deque()
-        for message, size in route.outbound:
-            if keep_close and _is_close(message):
-                kept.append((message, size))
+        kept: deque[Item] = deque()
+        for item in route.outbound:
+            if keep_close and _is_close(item.message):
+                kept.append(item)
             else:
-                route.outbound_bytes -= size
-                self.buffered_out -= size
+                route.outbound_bytes -= item.size
+                self.buffered_out -= item.size
         route.outbound = kept
         ack = self._acks.pop(route.key, None)
         if ack is not None:
-            self.buffered_out -= ack[1]
+            self.buffered_out -= ack.size
 
     # ----- the link writer -------------------------------------------------------------------
     def next_outbound(self) -> link_pb2.LinkMessage | None:
-        """The next message for the peer: acks, then closes of dropped routes, then round robin."""
+        """The next message for the peer: acks, then closes of dropped routes, then round robin.
+
+        Every item is tagged with the epoch of the stream it came from (``RoutedItem.epoch``).
+        """
         if self._acks:
-            (job_id, edge), (message, size) = self._acks.popitem(last=False)
-            self.buffered_out -= size
-            return link_pb2.LinkMessage(routed=link_pb2.RoutedItem(job_id=job_id, edge=edge, item=message))
+            (job_id, edge), item = self._acks.popitem(last=False)
+            self.buffered_out -= item.size
+            return link_pb2.LinkMessage(
+                routed=link_pb2.RoutedItem(job_id=job_id, edge=edge, item=item.message, epoch=item.epoch)
+            )
         if self._control:
             return self._control.popleft()
         while self._ready:
@@ -503,15 +675,17 @@ class Router:
             if not route.outbound:
                 route.in_ready = False
                 continue
-            message, size = route.outbound.popleft()
-            route.outbound_bytes -= size
-            self.buffered_out -= size
+            item = route.outbound.popleft()
+            route.outbound_bytes -= item.size
+            self.buffered_out -= item.size
             if route.outbound:
                 self._ready.append(route)
             else:
                 route.in_ready = False
             return link_pb2.LinkMessage(
-                routed=link_pb2.RoutedItem(job_id=route.key[0], edge=route.key[1], item=message)
+                routed=link_pb2.RoutedItem(
+                    job_id=route.key[0], edge=route.key[1], item=item.message, epoch=item.epoch
+                )
             )
         return None
 
@@ -522,7 +696,8 @@ class Router:
     def link_down(self, reason: str) -> None:
         """The session ended: purge buffers both ways (trainers replay) and tell attached trainers.
 
-        Routes stay attached; unattached routes are dropped.
+        Routes stay attached; routes kept for their owner (orphaned or restarted) stay with their epoch
+        and timeout; other unattached routes are dropped.
         """
         self.link_up = False
         for route in list(self._ready):
@@ -531,7 +706,8 @@ class Router:
             self._purge_outbound(route)
             if route.attachment is None:
                 self._drop_inbound(route)
-                del self._routes[key]
+                if route.detached is None:
+                    del self._routes[key]
                 continue
             self._drop_inbound(route, keep_close=True)
             self._push_inbound(
@@ -550,7 +726,7 @@ class Router:
 
     def _push_inbound(self, route: Route, message: relay_pb2.EdgeMessage) -> None:
         size = message.ByteSize()
-        route.inbound.append((message, size))
+        route.inbound.append(Item(message, size, route.epoch))
         route.inbound_bytes += size
         self.buffered_in += size
         if route.attachment is not None:
@@ -558,16 +734,28 @@ class Router:
 
     # ----- time ------------------------------------------------------------------------------
     def sweep(self) -> None:
-        """Expire tombstones and close routes left unattached for longer than allowed."""
+        """Expire tombstones and close routes left without a trainer for longer than allowed."""
         now = self._clock()
         while self._tombstones:
-            key, expiry = next(iter(self._tombstones.items()))
+            key, (expiry, _) = next(iter(self._tombstones.items()))
             if expiry > now:
                 break
             del self._tombstones[key]
         timeout = self.limits.unattached_timeout_s
+        orphan_timeout = self.limits.orphan_timeout_s
         for route in list(self._routes.values()):
-            if route.attachment is None and now - route.created_at > timeout:
+            if route.attachment is not None:
+                continue
+            waited = now - route.unattached_since
+            if route.detached == ORPHANED:
+                if waited > orphan_timeout:
+                    self.close_route(
+                        route,
+                        "orphan_timeout",
+                        f"the stage of cluster {self.cluster_id!r} vanished (its stream ended without a "
+                        f"close) and did not re-attach within {orphan_timeout:g} s (orphan_timeout_s)",
+                    )
+            elif waited > timeout:
                 self.close_route(
                     route,
                     "unattached_timeout",
@@ -576,7 +764,7 @@ class Router:
                 )
 
     async def run_sweeper(self) -> None:
-        period = min(1.0, self.limits.unattached_timeout_s / 4)
+        period = min(1.0, self.limits.unattached_timeout_s / 4, self.limits.orphan_timeout_s / 4)
         while True:
             await asyncio.sleep(period)
             self.sweep()

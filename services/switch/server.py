@@ -133,6 +133,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         Limits(
             max_window_bytes=settings.max_window_bytes,
             unattached_timeout_s=settings.unattached_timeout_s,
+            orphan_timeout_s=settings.orphan_timeout_s,
             max_routes_per_account=settings.max_routes_per_account,
             max_attached_routes=settings.max_attached_routes,
             max_unattached_routes=settings.max_unattached_routes,

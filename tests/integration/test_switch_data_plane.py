@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from nebula_common.pki import PkiLayout
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, tensor_pb2
@@ -155,13 +156,16 @@ class EdgeClient:
         *,
         reconnect: bool = False,
         read: bool = True,
+        epoch: int = 0,
     ) -> None:
         self._out: queue.Queue[relay_pb2.EdgeMessage | None] = queue.Queue()
         self.inbox: queue.Queue[tuple[relay_pb2.EdgeMessage | BaseException | None, float]] = queue.Queue()
         self.received: list[tuple[relay_pb2.EdgeMessage, float]] = []
         self._channel = grpc.insecure_channel(switch.internal_address)
         self._out.put(
-            relay_pb2.EdgeMessage(open=relay_pb2.EdgeOpen(job_id=job_id, edge=edge, reconnect=reconnect))
+            relay_pb2.EdgeMessage(
+                open=relay_pb2.EdgeOpen(job_id=job_id, edge=edge, reconnect=reconnect, epoch=epoch)
+            )
         )
         self.call = relay_pb2_grpc.RelayStub(self._channel).OpenEdge(
             self._requests(), metadata=bearer_metadata(token)
@@ -436,7 +440,7 @@ def test_a_link_session_that_ends_notifies_attached_routes_which_stay_attached(
         assert pair.a.running.router.get(("cut", "e")) is not None
 
 
-def test_reconnect_takes_the_route_over_and_a_crash_still_tells_the_peer(
+def test_reconnect_takes_the_route_over_and_a_crash_orphans_the_route_until_a_reconnect(
     tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster]
 ) -> None:
     with (
@@ -457,9 +461,17 @@ def test_reconnect_takes_the_route_over_and_a_crash_still_tells_the_peer(
         takeover.send(frame(3))
         assert da.expect("frame").frame.header.frame_id == 3  # the peer saw no close
         takeover.crash()
-        close = da.expect("close", timeout=30).close
-        assert close.error and "disconnected" in close.reason
-        for end in (second, other):
+        # The vanished stream orphans its route (relay.proto, "A vanished trainer"): the peer hears
+        # nothing, and a reconnect of the same account continues the edge.
+        route = pair.b.running.router.get(("takeover", "e"))
+        wait_for(lambda: route is not None and route.detached == "orphaned", 20, "the route to be orphaned")
+        again = EdgeClient(pair.b, clusters["b"].tokens["dave"], "takeover", reconnect=True)
+        again.expect("ready")
+        da.send(frame(8))
+        assert again.expect("frame").frame.header.frame_id == 8
+        again.send(frame(4))
+        assert da.expect("frame").frame.header.frame_id == 4  # still no close before it
+        for end in (second, other, again):
             end.finish()
 
 
@@ -561,3 +573,103 @@ def test_the_wan_port_drops_a_client_that_never_completes_tls(
         assert 1.5 <= elapsed <= 8.0, elapsed
     finally:
         switch.stop()
+
+
+def resume(seq: int = 1, steps: tuple[float, ...] = ()) -> relay_pb2.EdgeMessage:
+    """The first item of a direction in a new epoch (relay.proto, SIGNAL_KIND_RESUME)."""
+    return relay_pb2.EdgeMessage(
+        signal=relay_pb2.EdgeSignal(
+            seq=seq, direction=1, kind=relay_pb2.SIGNAL_KIND_RESUME, step=1, values=list(steps)
+        )
+    )
+
+
+def stale_items() -> float:
+    return REGISTRY.get_sample_value("nebula_switch_stale_items_total") or 0.0
+
+
+def test_a_restarted_trainer_rejoins_at_a_higher_epoch_and_its_peer_restarts_without_a_close(
+    tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster]
+) -> None:
+    with (
+        switch_pair(tmp_path, pki_ab, clusters) as pair,
+        edge_pair(pair, clusters, "carol", "rejoin") as (old_a, old_b),
+    ):
+        account = "carol"
+        old_a.send(frame(1))
+        assert old_b.expect("frame").frame.header.frame_id == 1
+        old_a.crash()  # trainer a is killed: no close
+        route_a = pair.a.running.router.get(("rejoin", "e"))
+        wait_for(
+            lambda: route_a is not None and route_a.detached == "orphaned", 20, "a's route to be orphaned"
+        )
+        # The restarted trainer a opens epoch 1 (before it sends anything, the peer is still at 0).
+        new_a = EdgeClient(pair.a, clusters["a"].tokens[account], "rejoin", epoch=1)
+        assert new_a.expect("ready").ready.epoch == 1
+        # b's old stream sends epoch-0 items that reach a after a moved on: dropped and counted.
+        before = stale_items()
+        old_b.send(frame(99))
+        old_b.send(ack())
+        wait_for(lambda: stale_items() >= before + 2, 20, "switch a to drop b's late epoch-0 items")
+        new_a.send(resume(steps=(10.0, 20.0)))
+        new_a.send(ack())
+        # The peer was never sent a close: its first news is the restart, naming cluster a's stage.
+        restart = old_b.expect("restart", skip=("ack",)).restart
+        assert restart.epoch == 1 and "cluster 'a'" in restart.reason, restart
+        assert old_b.next(20, "the end of b's old stream") is None  # the switch ended it, status OK
+        # A stream opened below the route's epoch is void from the start.
+        stale = EdgeClient(pair.b, clusters["b"].tokens[account], "rejoin", reconnect=True)
+        assert stale.expect("ready").ready.epoch == 1
+        assert stale.expect("restart").restart.epoch == 1
+        assert stale.next(20, "the end of the stale stream") is None
+        opened = [r for r in pair.audit("b", "edge.open") if r["job_id"] == "rejoin"]
+        assert [r["details"].get("route_epoch") for r in opened if r["outcome"] == "refused"] == [1], opened
+        # b reopens at epoch 1: a's RESUME waited for it; then items flow both ways.
+        new_b = EdgeClient(pair.b, clusters["b"].tokens[account], "rejoin", epoch=1)
+        assert new_b.expect("ready").ready.epoch == 1
+        got = new_b.expect("signal", skip=("ack",)).signal
+        assert got.kind == relay_pb2.SIGNAL_KIND_RESUME and list(got.values) == [10.0, 20.0]
+        new_b.send(resume(steps=(20.0,)))
+        new_b.send(ack())
+        got = new_a.expect("signal", skip=("ack",)).signal
+        assert got.kind == relay_pb2.SIGNAL_KIND_RESUME and list(got.values) == [20.0]
+        new_a.send(frame(2))
+        assert new_b.expect("frame", skip=("ack",)).frame.header.frame_id == 2
+        new_b.send(frame(2))
+        assert new_a.expect("frame", skip=("ack",)).frame.header.frame_id == 2
+        # Nothing of epoch 0 reached the new streams.
+        for end in (new_a, new_b):
+            kinds = [m.WhichOneof("body") for m, _ in end.received]
+            assert "close" not in kinds and "restart" not in kinds, kinds
+        assert [m.frame.header.frame_id for m, _ in new_a.received if m.WhichOneof("body") == "frame"] == [2]
+        for end in (new_a, new_b, stale):
+            end.finish()
+
+
+def test_an_orphaned_route_nobody_reattaches_is_closed_to_the_peer_and_audited(
+    tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster]
+) -> None:
+    with (
+        switch_pair(tmp_path, pki_ab, clusters, orphan_timeout_s=1.0) as pair,
+        edge_pair(pair, clusters, "bob", "gone") as (ga, gb),
+    ):
+        closed_before = (
+            REGISTRY.get_sample_value("nebula_switch_routes_closed_total", {"reason": "orphan_timeout"})
+            or 0.0
+        )
+        ga.crash()
+        crashed = time.monotonic()
+        close = gb.expect("close", timeout=30, skip=("ack",)).close
+        assert time.monotonic() - crashed >= 0.9  # not at once: after the orphan timeout
+        assert close.error and "cluster 'a'" in close.reason and "1 s" in close.reason, close.reason
+        assert "orphan_timeout" in close.reason, close.reason
+        records = wait_for(
+            lambda: [r for r in pair.audit("a", "route.closed") if r["job_id"] == "gone"],
+            10,
+            "the audit record",
+        )
+        assert records[0]["account"] == "bob" and records[0]["details"]["bound"] == "orphan_timeout"
+        assert (
+            REGISTRY.get_sample_value("nebula_switch_routes_closed_total", {"reason": "orphan_timeout"})
+            == closed_before + 1
+        )

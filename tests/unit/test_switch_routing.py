@@ -7,6 +7,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, tensor_pb2
 from services.switch.link import LivenessPolicy, PeerLink, RttEstimator
@@ -14,9 +15,13 @@ from services.switch.routing import (
     INITIAL_WINDOW_BYTES,
     SLACK_BYTES,
     UNATTACHED_MAX_ITEMS,
+    Attachment,
     Limits,
+    Route,
+    RouteInUseError,
     RouteLimitError,
     Router,
+    StaleEpochError,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -286,5 +291,337 @@ def test_a_silent_peer_ends_the_session_and_attached_routes_hear_of_it() -> None
         assert [n.notice.up for n in notices] == [False]
         assert "nothing received from the peer switch" in notices[-1].notice.reason
         assert not link.connected
+
+    run(scenario)
+
+
+# ----- epochs and vanished trainers (relay.proto, "Epochs" and "A vanished trainer") ----------------
+
+
+def signal(seq: int, kind: int = relay_pb2.SIGNAL_KIND_RESUME, step: int = 0) -> relay_pb2.EdgeMessage:
+    return relay_pb2.EdgeMessage(signal=relay_pb2.EdgeSignal(seq=seq, kind=kind, step=step))
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def inbound(router: Router, route: Route, attachment: Attachment) -> list[relay_pb2.EdgeMessage]:
+    out = []
+    while (message := router.pop_inbound(route, attachment)) is not None:
+        out.append(message)
+    return out
+
+
+def assert_empty(router: Router, route: Route) -> None:
+    """Every counter agrees with the (empty) buffers: nothing leaked by a discard."""
+    assert router.buffered_in == 0 and router.buffered_out == 0
+    assert route.inbound_bytes == 0 and route.inbound_items == 0 and route.outbound_bytes == 0
+    assert not route.inbound and not route.outbound and route.inbound_ack is None
+
+
+def test_epoch_zero_items_are_tagged_zero_and_a_switch_close_carries_the_routes_epoch() -> None:
+    async def scenario() -> None:
+        router = Router(Limits(max_window_bytes=100_000), cluster_id="a")
+        route, attachment = router.attach(KEY, "alice")
+        assert route.epoch == 0 and attachment.epoch == 0
+        router.accept_local(route, attachment, ack(0, resume=True))
+        router.accept_local(route, attachment, header(1))
+        assert [m.routed.epoch for m in drain(router)] == [0, 0]
+        restarted, at_three = router.attach(("j3", "e"), "alice", epoch=3)
+        assert restarted.epoch == 3
+        router.accept_local(restarted, at_three, ack(0, resume=True))
+        router.accept_local(restarted, at_three, signal(1))
+        assert [(m.routed.item.WhichOneof("body"), m.routed.epoch) for m in drain(router)] == [
+            ("ack", 3),
+            ("signal", 3),
+        ]
+        for frame_id in range(1, 16):  # beyond credit: the switch closes the route itself
+            router.accept_local(restarted, at_three, chunk(frame_id, 20_000))
+        (close,) = drain(router)
+        assert close.routed.item.close.error and close.routed.epoch == 3
+
+    run(scenario)
+
+
+def test_a_local_open_at_a_higher_epoch_discards_older_items_both_ways_and_restarts_the_old_stream() -> None:
+    async def scenario() -> None:
+        router = Router(cluster_id="a")
+        route, old = router.attach(KEY, "alice")
+        router.deliver(KEY, header(1))
+        router.deliver(KEY, signal(2))
+        router.deliver(KEY, ack(3))
+        router.accept_local(route, old, header(1))
+        router.accept_local(route, old, ack(4))
+        assert router.buffered_in > 0 and router.buffered_out > 0 and route.inbound_items == 2
+        with pytest.raises(RouteInUseError, match="not available"):
+            router.attach(KEY, "mallory", epoch=1)  # a higher epoch is no way into another's job
+        same, new = router.attach(KEY, "alice", epoch=1)
+        assert same is route and route.epoch == 1 and route.attachment is new and new.epoch == 1
+        assert_empty(router, route)  # epoch-0 items of both directions are gone, counters with them
+        assert old.restart is not None and old.restart.epoch == 1 and old.wake.is_set()
+        assert "epoch 1" in old.restart.reason and not old.superseded
+        assert router.pop_inbound(route, old) is None and not router.accept_local(route, old, header(2))
+        router.end_stream(route, old, None, vanished=True)  # the old stream ending changes nothing
+        assert router.get(KEY) is route and route.attachment is new and drain(router) == []
+        # The new epoch flows normally.
+        router.deliver(KEY, signal(1), epoch=1)
+        assert [m.signal.seq for m in inbound(router, route, new)] == [1]
+        router.accept_local(route, new, signal(1))
+        assert [m.routed.epoch for m in drain(router)] == [1]
+        assert_empty(router, route)
+
+    run(scenario)
+
+
+def test_a_local_open_below_the_routes_epoch_is_stale_and_changes_nothing() -> None:
+    async def scenario() -> None:
+        router = Router(cluster_id="a")
+        route, current = router.attach(KEY, "alice", epoch=2)
+        router.deliver(KEY, header(1), epoch=2)
+        for reconnect in (False, True):
+            with pytest.raises(StaleEpochError) as caught:
+                router.attach(KEY, "alice", reconnect=reconnect, epoch=1)
+            assert caught.value.route_epoch == 2 and "epoch 2" in caught.value.reason
+        assert route.attachment is current and not current.superseded and current.restart is None
+        assert [m.frame.header.frame_id for m in inbound(router, route, current)] == [1]
+
+    run(scenario)
+
+
+def test_items_from_the_peer_below_the_routes_epoch_are_dropped_and_counted() -> None:
+    async def scenario() -> None:
+        router = Router(cluster_id="b")
+        route, attachment = router.attach(KEY, "alice", epoch=1)
+        before = metric("nebula_switch_stale_items_total")
+        for message in (header(7), signal(8), ack(9), relay_pb2.EdgeMessage(close=relay_pb2.EdgeClose())):
+            router.deliver(KEY, message, epoch=0)
+        assert metric("nebula_switch_stale_items_total") == before + 4
+        assert_empty(router, route)
+        assert inbound(router, route, attachment) == [] and router.get(KEY) is route
+
+    run(scenario)
+
+
+def test_a_higher_epoch_from_the_peer_restarts_the_attached_trainer_and_keeps_its_resume_waiting() -> None:
+    async def scenario() -> None:
+        now = [0.0]
+        audit = Recorder()
+        router = Router(
+            Limits(unattached_timeout_s=5.0, orphan_timeout_s=50.0),
+            cluster_id="b",
+            record=audit,
+            clock=lambda: now[0],
+        )
+        router.peer_cluster_id = "a"
+        route, old = router.attach(KEY, "alice")
+        router.deliver(KEY, header(1))
+        router.deliver(KEY, ack(1))
+        router.accept_local(route, old, header(1))
+        router.accept_local(route, old, ack(2))
+        now[0] = 1.0
+        router.deliver(KEY, signal(1), epoch=2)  # cluster a's restarted stage: its RESUME
+        assert route.epoch == 2 and route.attachment is None and router.get(KEY) is route
+        assert old.restart is not None and old.restart.epoch == 2 and old.wake.is_set()
+        assert "cluster 'a'" in old.restart.reason and "epoch 2" in old.restart.reason
+        assert router.next_outbound() is None  # the old epoch's items toward a are void
+        assert (
+            route.inbound_items == 1
+            and route.inbound_bytes == router.buffered_in == signal(1).signal.ByteSize()
+        )
+        assert not router.accept_local(route, old, header(2))
+        router.end_stream(route, old, None)  # the old stream ends: the route stays for its successor
+        assert router.get(KEY) is route and drain(router) == []
+        router.deliver(KEY, header(2), epoch=0)  # late items of the old epoch: stale
+        assert route.inbound_items == 1
+        with pytest.raises(StaleEpochError):
+            router.attach(KEY, "alice", reconnect=True, epoch=0)
+        same, new = router.attach(KEY, "alice", epoch=2)
+        assert same is route
+        (resume,) = inbound(router, route, new)
+        assert resume.signal.kind == relay_pb2.SIGNAL_KIND_RESUME
+        assert_empty(router, route)
+        assert audit.records == []
+
+    run(scenario)
+
+
+def test_a_route_restarted_by_the_peer_is_bounded_like_an_unattached_route() -> None:
+    async def scenario() -> None:
+        now = [0.0]
+        router = Router(Limits(unattached_timeout_s=5.0), cluster_id="b", clock=lambda: now[0])
+        route, old = router.attach(KEY, "alice")
+        now[0] = 10.0
+        router.deliver(KEY, signal(1), epoch=1)
+        assert old.restart is not None and route.attachment is None
+        now[0] = 14.0
+        router.sweep()
+        assert router.get(KEY) is route  # the timeout counts from the restart, not the route's birth
+        now[0] = 15.5
+        router.sweep()
+        assert router.get(KEY) is None
+        (close,) = drain(router)
+        assert "unattached_timeout" in close.routed.item.close.reason and close.routed.epoch == 1
+        assert router.buffered_in == 0
+        # Bytes: the unattached bound, not the attached one.
+        route, old = router.attach(("big", "e"), "alice")
+        router.deliver(("big", "e"), chunk(1, INITIAL_WINDOW_BYTES + SLACK_BYTES), epoch=1)
+        assert (
+            router.get(("big", "e")) is None
+            and "unattached_bytes" in drain(router)[0].routed.item.close.reason
+        )
+        assert router.buffered_in == 0
+
+    run(scenario)
+
+
+def test_with_no_attachment_a_higher_epoch_replaces_older_buffered_items() -> None:
+    async def scenario() -> None:
+        router = Router(cluster_id="b")
+        router.deliver(KEY, header(1))
+        router.deliver(KEY, ack(1))
+        router.deliver(KEY, signal(1), epoch=1)
+        route = router.get(KEY)
+        assert route is not None and route.epoch == 1 and route.inbound_items == 1
+        assert route.inbound_ack is None and router.buffered_in == route.inbound_bytes
+        with pytest.raises(StaleEpochError):
+            router.attach(KEY, "alice")
+        _, attachment = router.attach(KEY, "alice", epoch=1)
+        assert [m.WhichOneof("body") for m in inbound(router, route, attachment)] == ["signal"]
+        assert_empty(router, route)
+
+    run(scenario)
+
+
+def test_a_higher_epoch_passes_the_tombstone_of_an_older_one() -> None:
+    async def scenario() -> None:
+        router = Router(Limits(unattached_timeout_s=1.0), cluster_id="b", clock=lambda: 0.0)
+        for frame_id in range(1, UNATTACHED_MAX_ITEMS + 2):
+            router.deliver(KEY, header(frame_id))
+        assert router.get(KEY) is None
+        drain(router)
+        router.deliver(KEY, header(1))  # tombstoned
+        assert router.get(KEY) is None
+        router.deliver(KEY, signal(1), epoch=1)  # a new attempt: a new route
+        route = router.get(KEY)
+        assert route is not None and route.epoch == 1 and route.inbound_items == 1
+
+    run(scenario)
+
+
+def test_a_vanished_trainer_orphans_its_route_and_a_reconnect_continues_it() -> None:
+    async def scenario() -> None:
+        now = [0.0]
+        router = Router(
+            Limits(orphan_timeout_s=30.0, unattached_timeout_s=1.0), cluster_id="a", clock=lambda: now[0]
+        )
+        route, first = router.attach(KEY, "alice")
+        router.deliver(KEY, header(1))
+        router.accept_local(route, first, header(1))
+        router.end_stream(route, first, None, vanished=True)
+        assert router.get(KEY) is route and route.detached == "orphaned"
+        # Nothing for the peer but what the trainer queued before it vanished: no close.
+        assert [m.routed.item.WhichOneof("body") for m in drain(router)] == ["frame"]
+        assert router.buffered_in == 0  # the reconnecting trainer's resume ack makes the peer replay
+        router.deliver(KEY, header(2))  # same epoch while orphaned: not buffered
+        router.deliver(KEY, ack(1))  # the peer's credit is kept
+        assert route.inbound_items == 0 and route.inbound_ack is not None
+        now[0] = 20.0  # past the unattached timeout, within the orphan timeout
+        router.sweep()
+        assert router.get(KEY) is route
+        router.link_down("cut")  # an orphan survives a link blip (buffers purged)
+        assert router.get(KEY) is route and router.buffered_in == 0
+        router.link_came_up()
+        same, second = router.attach(KEY, "alice", reconnect=True)
+        assert same is route and route.detached is None and route.attachment is second
+        router.deliver(KEY, header(3))
+        assert [m.frame.header.frame_id for m in inbound(router, route, second)] == [3]
+        router.accept_local(route, second, header(2))
+        assert [m.routed.item.frame.header.frame_id for m in drain(router)] == [2]
+        now[0] = 100.0
+        router.sweep()
+        assert router.get(KEY) is route  # attached again: no orphan timeout
+        assert_empty(router, route)
+
+    run(scenario)
+
+
+def test_a_restarted_trainer_continues_an_orphaned_route_at_a_higher_epoch() -> None:
+    async def scenario() -> None:
+        router = Router(cluster_id="a")
+        route, first = router.attach(KEY, "alice")
+        router.end_stream(route, first, None, vanished=True)
+        router.deliver(KEY, signal(1), epoch=1)  # the peer restarted too: its RESUME is kept
+        assert route.epoch == 1 and route.detached == "orphaned" and route.inbound_items == 1
+        router.deliver(KEY, signal(1), epoch=1)
+        assert route.inbound_items == 2  # the orphaned epoch was 0: epoch-1 items are buffered
+        same, restarted = router.attach(KEY, "alice", epoch=1)
+        assert same is route and route.detached is None
+        assert len(inbound(router, route, restarted)) == 2
+        assert_empty(router, route)
+
+    run(scenario)
+
+
+def test_an_orphan_nobody_reattaches_is_closed_to_the_peer_audited_and_counted() -> None:
+    async def scenario() -> None:
+        now = [0.0]
+        audit = Recorder()
+        router = Router(Limits(orphan_timeout_s=30.0), cluster_id="a", record=audit, clock=lambda: now[0])
+        route, attachment = router.attach(KEY, "alice", epoch=2)
+        now[0] = 5.0
+        router.end_stream(route, attachment, None, vanished=True)
+        before = metric("nebula_switch_routes_closed_total", reason="orphan_timeout")
+        now[0] = 34.0
+        router.sweep()
+        assert router.get(KEY) is route and drain(router) == []
+        now[0] = 35.5
+        router.sweep()
+        assert router.get(KEY) is None
+        (close,) = drain(router)
+        reason = close.routed.item.close.reason
+        assert close.routed.item.close.error and close.routed.epoch == 2
+        assert "cluster 'a'" in reason and "30 s" in reason and "orphan_timeout" in reason, reason
+        ((event, fields),) = audit.records
+        assert (
+            event == "route.closed" and fields["account"] == "alice" and fields["bound"] == "orphan_timeout"
+        )
+        assert metric("nebula_switch_routes_closed_total", reason="orphan_timeout") == before + 1
+        router.deliver(KEY, header(1), epoch=2)  # tombstoned
+        assert router.get(KEY) is None
+        _, again = router.attach(KEY, "alice", epoch=3)  # a later restart may still open it
+        assert again.epoch == 3
+
+    run(scenario)
+
+
+def test_a_clean_close_still_reaches_the_peer_at_once_and_orphans_count_against_route_limits() -> None:
+    async def scenario() -> None:
+        router = Router(Limits(max_routes_per_account=2), cluster_id="a")
+        route, attachment = router.attach(KEY, "alice", epoch=1)
+        router.end_stream(route, attachment, relay_pb2.EdgeClose(reason="cancelled", error=True))
+        (close,) = drain(router)
+        assert close.routed.item.close.reason == "cancelled" and close.routed.epoch == 1
+        assert router.get(KEY) is None
+        one, first = router.attach(("j1", "e"), "alice")
+        router.attach(("j2", "e"), "alice")
+        router.end_stream(one, first, None, vanished=True)
+        with pytest.raises(RouteLimitError, match="max_routes_per_account = 2"):
+            router.attach(("j3", "e"), "alice")  # the orphan is still held for alice
+        router.attach(("j1", "e"), "alice", reconnect=True)  # re-attaching to it needs no room
+
+    run(scenario)
+
+
+def test_the_peers_close_reaches_a_trainer_that_reattaches_to_its_orphan() -> None:
+    async def scenario() -> None:
+        router = Router(cluster_id="a")
+        route, first = router.attach(KEY, "alice")
+        router.end_stream(route, first, None, vanished=True)
+        router.deliver(KEY, relay_pb2.EdgeMessage(close=relay_pb2.EdgeClose(reason="finished")))
+        assert router.get(KEY) is route
+        _, second = router.attach(KEY, "alice", reconnect=True)
+        (message,) = inbound(router, route, second)
+        assert message.close.reason == "finished"
 
     run(scenario)
