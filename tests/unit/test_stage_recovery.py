@@ -10,6 +10,7 @@ same per-step losses and bit-identical final parameters).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,21 @@ import torch
 
 from nebula_common.jobspec import load_spec
 from nebula_common.jobspec.builtin import builtin_spec
+from nebula_common.pki import PkiLayout
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.jobs import ProgramJob
 from services.trainer.edge import EdgeSettings
 from services.trainer.edge.memory import MemoryLink, MemoryTransport
-from tests.support.edges import StageRun, finish, run_stages, stage_runner, wait_for, wait_for_step
+from tests.support.edges import (
+    StageRun,
+    SwitchPair,
+    finish,
+    run_stages,
+    stage_runner,
+    switch_pair,
+    wait_for,
+    wait_for_step,
+)
 from tests.support.jobs import numbers_job
 
 pytestmark = pytest.mark.timeout(300)
@@ -81,8 +92,10 @@ def vanish(run: StageRun) -> None:
     edge = run.runner.edge
     assert edge is not None
     transport = edge.session.transport
-    assert isinstance(transport, MemoryTransport)
-    transport.vanish()
+    if isinstance(transport, MemoryTransport):
+        transport.vanish()
+    else:  # a gRPC stream cancelled without a close, as when the process dies
+        transport.shutdown()
     run.runner.cancel()  # the "dead" runner's thread must not train on (its close goes nowhere)
     finish(run, 30)
 
@@ -94,11 +107,22 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[StageRun, Stage
     return runs
 
 
-@pytest.mark.parametrize("dead", [0, 1], ids=["upstream-restarts", "downstream-restarts"])
+@pytest.fixture(scope="module")
+def switches(tmp_path_factory: pytest.TempPathFactory, pki_ab: PkiLayout) -> Iterator[SwitchPair]:
+    with switch_pair(tmp_path_factory.mktemp("switches"), pki_ab) as pair:
+        yield pair
+
+
+@pytest.mark.parametrize(
+    ("dead", "edge"),
+    [(0, "memory"), (1, "memory"), (1, "grpc")],
+    ids=["upstream-restarts", "downstream-restarts", "downstream-restarts-grpc"],
+)
 def test_a_restarted_stage_rejoins_at_the_common_checkpoint_and_the_job_ends_as_uninterrupted(
-    reference: tuple[StageRun, StageRun], tmp_path: Path, dead: int
+    reference: tuple[StageRun, StageRun], tmp_path: Path, dead: int, edge: str, request: pytest.FixtureRequest
 ) -> None:
-    job, link = small_numbers(), MemoryLink()
+    job = small_numbers()
+    link: MemoryLink | SwitchPair = MemoryLink() if edge == "memory" else request.getfixturevalue("switches")
     runs = [stage_runner(job, index, tmp_path, link, SETTINGS) for index in (0, 1)]
     for run in runs:
         run.runner.start()
