@@ -142,7 +142,7 @@ def test_a_restarted_stage_rejoins_at_the_common_checkpoint_and_the_job_ends_as_
     assert RECOVERING in states(survivor) and survivor.epochs == [0, 1]
     assert "restarted" in next(s.message for s in survivor.board if s.state == RECOVERING)
     resumed = {run.final.resumed_from_step for run in pair}
-    assert len(resumed) == 1 and resumed.pop() in (4, 6)  # a checkpoint both held, not step 0
+    assert len(resumed) == 1 and resumed.pop() >= 2  # a checkpoint both held, not the job's start
     assert all(run.final.epoch == 1 for run in pair)
     # steps_done went back to the resume step when the new epoch started running.
     running = next(s for s in survivor.board if s.epoch == 1 and s.state == trainer_pb2.STAGE_STATE_RUNNING)
@@ -187,7 +187,7 @@ def test_a_one_way_job_recovers_from_a_restarted_generator(tmp_path: Path) -> No
     for run in pair:
         finish(run, 120)
     check_same_as(reference, pair)
-    assert runs[1].epochs == [0, 1] and restarted.final.resumed_from_step in (2, 4)
+    assert runs[1].epochs == [0, 1] and restarted.final.resumed_from_step >= 2
 
 
 def test_a_cancel_while_recovering_ends_cancelled_at_once(tmp_path: Path) -> None:
