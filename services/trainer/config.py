@@ -40,6 +40,12 @@ class TrainerSettings(ServiceSettings):
     edge_max_frame_bytes: int = Field(
         1 << 30, ge=1 << 20, description="Largest tensor payload a peer may announce on a job edge."
     )
+    max_recoveries: int = Field(
+        20,
+        ge=0,
+        description="How many times a stage may restart from the last common checkpoint (its trainer or the "
+        "other cluster's restarted, or an outage passed edge_max_outage_s) before it fails.",
+    )
     stop_grace_s: float = Field(
         10.0, gt=0, description="On stop, how long running stages get to end before the process exits."
     )

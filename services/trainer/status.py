@@ -18,6 +18,9 @@ TERMINAL_STATES = frozenset(
         trainer_pb2.STAGE_STATE_CANCELLED,
     }
 )
+"""A stage ends in one of these. RECOVERING is not among them: a recovering stage restarts from the last
+common checkpoint by itself and goes back to RUNNING (or ends FAILED/CANCELLED), so watchers keep
+watching it."""
 HISTORY_LIMIT = 100_000
 
 

@@ -141,6 +141,7 @@ class StageRun:
     received: list[tuple[int, int]] = field(default_factory=list)
     received_tensors: list[torch.Tensor] = field(default_factory=list)
     sent_tensors: list[torch.Tensor] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)  # of every edge the runner opened
 
     @property
     def board(self) -> list[trainer_pb2.StageStatus]:
@@ -161,6 +162,63 @@ class StageRun:
         return self.runner.board.latest()
 
 
+def stage_runner(
+    job: ProgramJob,
+    index: int,
+    data_dir: Path,
+    link: MemoryLink,
+    settings: EdgeSettings,
+    *,
+    epoch: int = 0,
+    on_epoch: Callable[[int], None] | None = None,
+) -> StageRun:
+    """A ``ProgramRunner`` (not started) for the job's ``index``-th stage on ``link``, recording its tensors.
+
+    Its data dir is ``data_dir / <stage name>``, so a runner made again for the same stage (a
+    restarted trainer, ``epoch > 0``) finds the checkpoints of the one before.
+    """
+    name = job.spec.stages[index].name
+    spec = job.stage_spec(name)
+    holder: list[StageRun] = []
+
+    def open_edge(
+        stage_spec: trainer_pb2.StageSpec, stage_settings: EdgeSettings, edge_epoch: int
+    ) -> EdgeConnection:
+        transport = link.ends[index] if edge_epoch == 0 else link.open_end(index, edge_epoch)
+        edge = stage_edge(stage_spec, transport, stage_settings, edge_epoch)
+        receive, send = edge.receive_tensor, edge.send_tensor
+        run = holder[0]
+
+        def recording(step: int, micro_batch: int, *args: object, **kwargs: object) -> torch.Tensor:
+            tensor = receive(step, micro_batch, *args, **kwargs)  # type: ignore[arg-type]
+            run.received.append((step, micro_batch))
+            run.received_tensors.append(tensor.clone())
+            return tensor
+
+        def sending(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
+            run.sent_tensors.append(tensor.detach().clone())
+            return send(tensor, *args, **kwargs)  # type: ignore[arg-type]
+
+        edge.receive_tensor = recording  # type: ignore[method-assign]
+        edge.send_tensor = sending  # type: ignore[method-assign]
+        run.epochs.append(edge_epoch)
+        return edge
+
+    runner = ProgramRunner(
+        spec,
+        "token",
+        "unused:0",
+        data_dir / name,
+        "tester",
+        edge_factory=open_edge,
+        edge_settings=settings,
+        epoch=epoch,
+        on_epoch=on_epoch,
+    )
+    holder.append(StageRun(runner))
+    return holder[0]
+
+
 def run_stages(
     job: ProgramJob,
     data_dir: Path,
@@ -171,49 +229,20 @@ def run_stages(
     timeout: float = 240.0,
 ) -> tuple[StageRun, StageRun]:
     """Run both stages on ``link`` (in the job's stage order); returns (upstream, downstream)."""
-    names = [stage.name for stage in job.spec.stages]
-    runs: list[StageRun] = []
-    for index, name in enumerate(names):
-        spec = job.stage_spec(name)
-
-        def open_edge(
-            stage_spec: trainer_pb2.StageSpec, stage_settings: EdgeSettings, index: int = index
-        ) -> EdgeConnection:
-            edge = stage_edge(stage_spec, link.ends[index], stage_settings)
-            receive, send = edge.receive_tensor, edge.send_tensor
-
-            def recording(step: int, micro_batch: int, *args: object, **kwargs: object) -> torch.Tensor:
-                tensor = receive(step, micro_batch, *args, **kwargs)  # type: ignore[arg-type]
-                runs[index].received.append((step, micro_batch))
-                runs[index].received_tensors.append(tensor.clone())
-                return tensor
-
-            def sending(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
-                runs[index].sent_tensors.append(tensor.detach().clone())
-                return send(tensor, *args, **kwargs)  # type: ignore[arg-type]
-
-            edge.receive_tensor = recording  # type: ignore[method-assign]
-            edge.send_tensor = sending  # type: ignore[method-assign]
-            return edge
-
-        runner = ProgramRunner(
-            spec,
-            "token",
-            "unused:0",
-            data_dir / name,
-            "tester",
-            edge_factory=open_edge,
-            edge_settings=settings,
-        )
-        runs.append(StageRun(runner))
+    runs = [stage_runner(job, index, data_dir, link, settings) for index in range(len(job.spec.stages))]
     for run in runs:
         run.runner.start()
     if during is not None:
         during(runs[0], runs[1], link)
     for run in runs:
-        run.runner.join(timeout)
-        assert run.runner.board.finished, f"stage {run.final.stage} did not finish in {timeout:.0f}s"
+        finish(run, timeout)
     return runs[0], runs[1]
+
+
+def finish(run: StageRun, timeout: float = 240.0) -> None:
+    """Wait for ``run``'s stage to end (any terminal state)."""
+    run.runner.join(timeout)
+    assert run.runner.board.finished, f"stage {run.final.stage} did not finish in {timeout:.0f}s"
 
 
 def wait_for_step(run: StageRun, steps_done: int, timeout: float = 60.0) -> None:

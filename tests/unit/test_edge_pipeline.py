@@ -3,8 +3,8 @@
 Both stages of a built-in job run as real ``ProgramRunner``s in threads of this process. A run
 with a link cut and restore in the middle, or with items lost at random, must train exactly like
 an uninterrupted run (same per-step losses, same final parameters), apply every micro-batch
-once, and keep stateful codecs consistent; an outage beyond ``max_outage_s`` fails both stages
-with a clear reason.
+once, and keep stateful codecs consistent; an outage beyond ``max_outage_s`` with no recoveries
+left fails both stages with a clear reason.
 """
 
 from __future__ import annotations
@@ -119,8 +119,13 @@ def test_stateful_codecs_stay_consistent_across_a_cut(tmp_path: Path) -> None:
         check_same_training(reference, run)
 
 
-def test_an_outage_beyond_the_limit_fails_both_stages_with_the_reason(tmp_path: Path) -> None:
-    settings = EdgeSettings(window_bytes=1 << 20, max_outage_s=1.0, retransmit_s=0.3, ready_timeout_s=30)
+def test_an_outage_beyond_the_limit_without_recoveries_left_fails_both_stages_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    """With recoveries allowed the stages restart from a checkpoint instead (test_stage_recovery.py)."""
+    settings = EdgeSettings(
+        window_bytes=1 << 20, max_outage_s=1.0, retransmit_s=0.3, ready_timeout_s=30, max_recoveries=0
+    )
 
     def cut_for_good(up: StageRun, down: StageRun, link: MemoryLink) -> None:
         wait_for_step(up, 2)
@@ -129,6 +134,7 @@ def test_an_outage_beyond_the_limit_fails_both_stages_with_the_reason(tmp_path: 
     up, down = run_stages(small_numbers(), tmp_path, MemoryLink(), settings, during=cut_for_good, timeout=60)
     for run in (up, down):
         assert run.final.state == trainer_pb2.STAGE_STATE_FAILED
+        assert "gave up after 0 recoveries" in run.final.message, run.final.message
         assert "WAN link to the peer cluster down for 1 s (limit 1 s)" in run.final.message, run.final.message
     # A failed stage leaves no sender thread behind (it would hold the edge and its buffers for good).
     for run in (up, down):

@@ -14,14 +14,24 @@ from collections.abc import Callable
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from services.trainer.edge.connection import BACKWARD, FORWARD, EdgeConnection, EdgeStats
 from services.trainer.edge.grpc_transport import GrpcEdgeTransport
-from services.trainer.edge.session import INITIAL_WINDOW_BYTES, EdgeClosedError, EdgeSession, EdgeSettings
+from services.trainer.edge.session import (
+    INITIAL_WINDOW_BYTES,
+    EdgeClosedError,
+    EdgeOutage,
+    EdgeRestartRequired,
+    EdgeSession,
+    EdgeSettings,
+    renewed,
+)
 
-EdgeFactory = Callable[[trainer_pb2.StageSpec, EdgeSettings], EdgeConnection]
-"""Opens a stage's edge end: (stage spec, settings) -> a started ``EdgeConnection``."""
+EdgeFactory = Callable[[trainer_pb2.StageSpec, EdgeSettings, int], EdgeConnection]
+"""Opens a stage's edge end: (stage spec, settings, epoch) -> a started ``EdgeConnection``."""
 
 
-def stage_edge(spec: trainer_pb2.StageSpec, transport: object, settings: EdgeSettings) -> EdgeConnection:
-    """The edge end of ``spec``'s stage over ``transport``, with the spec's codecs."""
+def stage_edge(
+    spec: trainer_pb2.StageSpec, transport: object, settings: EdgeSettings, epoch: int = 0
+) -> EdgeConnection:
+    """The edge end of ``spec``'s stage over ``transport`` (opened with ``epoch``), with the spec's codecs."""
     return EdgeConnection(
         transport,  # type: ignore[arg-type]
         job_id=spec.job_id,
@@ -30,15 +40,16 @@ def stage_edge(spec: trainer_pb2.StageSpec, transport: object, settings: EdgeSet
         codec_forward=spec.codec_forward or "none",
         codec_backward=spec.codec_backward or "none",
         settings=settings,
+        epoch=epoch,
     )
 
 
 def grpc_edge_factory(switch_address: str, token: str) -> EdgeFactory:
     """The default factory: the stage's edge through this cluster's switch."""
 
-    def open_edge(spec: trainer_pb2.StageSpec, settings: EdgeSettings) -> EdgeConnection:
-        transport = GrpcEdgeTransport(switch_address, token, spec.job_id, spec.edge)
-        return stage_edge(spec, transport, settings)
+    def open_edge(spec: trainer_pb2.StageSpec, settings: EdgeSettings, epoch: int) -> EdgeConnection:
+        transport = GrpcEdgeTransport(switch_address, token, spec.job_id, spec.edge, epoch=epoch)
+        return stage_edge(spec, transport, settings, epoch)
 
     return open_edge
 
@@ -50,10 +61,13 @@ __all__ = [
     "EdgeClosedError",
     "EdgeConnection",
     "EdgeFactory",
+    "EdgeOutage",
+    "EdgeRestartRequired",
     "EdgeSession",
     "EdgeSettings",
     "EdgeStats",
     "GrpcEdgeTransport",
     "grpc_edge_factory",
+    "renewed",
     "stage_edge",
 ]

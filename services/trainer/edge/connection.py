@@ -7,6 +7,11 @@ an outage resend those bytes, so stateful codecs (error feedback, delta) advance
 per tensor on both ends. Integer tensors (token ids) travel exactly, as raw bytes with
 codec ``none``, whatever the float codec is. Control signals (start barrier, one-way
 sync, evaluation done) travel as ``EdgeSignal`` items in the same sequence.
+
+One connection is one epoch of the edge (``EdgeOpen.epoch``). A stage that restarts from
+a checkpoint opens a new connection of a higher epoch, so its codec streams start fresh
+on both sides (error-feedback residuals and delta caches of the void attempt are gone
+at both ends alike, and both restart from the same checkpoint).
 """
 
 from __future__ import annotations
@@ -58,8 +63,10 @@ class EdgeConnection:
         codec_forward: str = "none",
         codec_backward: str = "none",
         settings: EdgeSettings | None = None,
+        epoch: int = 0,
     ) -> None:
         self.job_id = job_id
+        self.epoch = epoch
         self.edge = edge
         self.stats = EdgeStats()
         self.send_direction = FORWARD if upstream else BACKWARD
@@ -67,7 +74,7 @@ class EdgeConnection:
         out_spec, in_spec = (codec_forward, codec_backward) if upstream else (codec_backward, codec_forward)
         self._encoder = TensorStreamEncoder(out_spec or "none")
         self._decoder = TensorStreamDecoder(in_spec or "none")
-        self.session = EdgeSession(transport, self.send_direction, settings, name=edge)
+        self.session = EdgeSession(transport, self.send_direction, settings, name=edge, epoch=epoch)
         self.session.start()
 
     @property

@@ -9,6 +9,9 @@ stream), the transport tells the session (``on_down``: it stops sending and its
 outage clock runs) and re-opens with capped exponential backoff, with
 ``EdgeOpen(reconnect=True)``; the switch's ready resumes the session. Refusals that a
 retry cannot fix (authentication, permission, a bad request) fail the edge at once.
+Every open carries the transport's epoch (``EdgeOpen.epoch``); a reconnect stays in it,
+and the switch's ``EdgeRestart`` goes to the session like any other message (the session
+then shuts the transport down).
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ class GrpcEdgeTransport:
         *,
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 5.0,
+        epoch: int = 0,
     ) -> None:
+        self.epoch = epoch
         self.switch_address = switch_address
         self.token = token
         self.job_id = job_id
@@ -92,7 +97,9 @@ class GrpcEdgeTransport:
             outgoing: queue.Queue[object] = queue.Queue()
             outgoing.put(
                 relay_pb2.EdgeMessage(
-                    open=relay_pb2.EdgeOpen(job_id=self.job_id, edge=self.edge, reconnect=ever_ready)
+                    open=relay_pb2.EdgeOpen(
+                        job_id=self.job_id, edge=self.edge, reconnect=ever_ready, epoch=self.epoch
+                    )
                 )
             )
             channel = insecure_channel(self.switch_address)

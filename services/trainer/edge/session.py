@@ -25,7 +25,15 @@ on its own, so a lost last item or a lost ack cannot stall the edge.
 
 Outages pause: while the link (or the stream to the switch) is down nothing is sent,
 and waits do not count the outage against their timeouts; an outage longer than
-``max_outage_s`` fails the edge with a clear reason. The transport (gRPC to the
+``max_outage_s`` ends the edge with ``EdgeOutage`` (the stage then restarts from the
+last common checkpoint in a new epoch; no close is sent, the peer learns of the new
+epoch from its switch).
+
+Epochs (relay.proto, "Epochs"): a session belongs to one epoch (``EdgeOpen.epoch``). An
+``EdgeReady.epoch`` above it, or an ``EdgeRestart``, means the other side moved on: the
+edge ends with ``EdgeRestartRequired(epoch)`` and nothing more is sent on it. In a
+session of epoch > 0 the outage limit only runs once the link has been up (the stage
+waits for the link without a deadline before it exchanges RESUME signals). The transport (gRPC to the
 switch, or the in-memory pair of the tests) calls the ``on_*`` methods from its own
 thread; ``send`` on the transport must never block.
 """
@@ -53,6 +61,28 @@ class EdgeClosedError(RuntimeError):
     """The edge ended (peer finished, failed, the link stayed down too long) while we expected an item."""
 
 
+class EdgeRestartRequired(EdgeClosedError):
+    """The other side moved to a higher epoch: this attempt is void, reopen with ``epoch`` (or higher)."""
+
+    def __init__(self, epoch: int, reason: str) -> None:
+        super().__init__(reason)
+        self.epoch = epoch
+        self.reason = reason
+
+
+class EdgeOutage(EdgeClosedError):
+    """The link (or the stream to the switch) stayed down past ``max_outage_s``: this attempt is lost."""
+
+
+def renewed(error: EdgeClosedError) -> EdgeClosedError:
+    """A fresh exception of the same kind and content (to re-raise on another thread or call)."""
+    if isinstance(error, EdgeRestartRequired):
+        return EdgeRestartRequired(error.epoch, error.reason)
+    if isinstance(error, EdgeOutage):
+        return EdgeOutage(str(error))
+    return EdgeClosedError(str(error))
+
+
 @dataclass(frozen=True)
 class EdgeSettings:
     """Tunables of one edge end (defaults fit production; tests shrink the timers)."""
@@ -72,6 +102,8 @@ class EdgeSettings:
     """Completed items (tensors, signals) held for the stage; while full, no new credit is granted."""
     ready_timeout_s: float = 90.0
     """How long the first open may take (switch reachable, edge authorised)."""
+    max_recoveries: int = 20
+    """How many times a stage may restart from the common checkpoint (new epoch) before it fails."""
 
 
 class Transport(Protocol):
@@ -136,9 +168,11 @@ class EdgeSession:
         settings: EdgeSettings | None = None,
         name: str = "edge",
         clock: Callable[[], float] = time.monotonic,
+        epoch: int = 0,
     ) -> None:
         self.transport = transport
         self.name = name
+        self.epoch = epoch
         self.settings = settings or EdgeSettings()
         self.send_direction = send_direction
         self.receive_direction = (
@@ -150,10 +184,12 @@ class EdgeSession:
         self._cond = threading.Condition()
         # --- link state
         self._ever_ready = False
+        self._ever_up = False
         self._link_up = False
         self._down_since: float | None = None
         self._outage_total = 0.0
         self._failed: str | None = None
+        self._error: EdgeClosedError | None = None  # what waits raise once failed (kind + reason)
         self._last_down_reason = ""
         self._peer_closed: str | None = None
         self._closing = False
@@ -206,7 +242,7 @@ class EdgeSession:
                 )
                 self._fail_locked(reason)
             if self._failed is not None:
-                raise EdgeClosedError(self._failed)
+                raise self._error_locked()
 
     @property
     def link_up(self) -> bool:
@@ -236,23 +272,46 @@ class EdgeSession:
             self._outage_total += self._clock() - self._down_since
             self._down_since = None
         self._link_up = True
+        self._ever_up = True
         self._last_progress = self._clock()
         # A fresh session: what was in flight may be lost. Ask the peer to replay after what we hold.
         self._send_ack_locked(resume=True, force=True)
         self._pump_locked()
         self._cond.notify_all()
 
-    def _fail_locked(self, reason: str) -> None:
+    def _fail_locked(self, reason: str, error: EdgeClosedError | None = None) -> None:
         if self._failed is None:
             self._failed = reason
+            self._error = error or EdgeClosedError(reason)
             log.warning("edge failed", extra={"fields": {"edge": self.name, "reason": reason}})
         self._cond.notify_all()
 
-    def fail(self, reason: str, *, tell_peer: bool = True) -> None:
+    def _error_locked(self) -> EdgeClosedError:
+        if self._error is not None:
+            return renewed(self._error)
+        return EdgeClosedError(self._failed or self._peer_closed or "edge closed")
+
+    @property
+    def failure(self) -> EdgeClosedError | None:
+        """How the edge ended (None while it has not): an ``EdgeRestartRequired`` or ``EdgeOutage``
+        here after ``close`` means the attempt was lost while closing."""
+        with self._cond:
+            return self._error
+
+    def wait_link_up(self) -> None:
+        """Block until the link is up, without a deadline; raises if the edge ends first (a cancel
+        aborts the edge, so this is cancellable)."""
+        with self._cond:
+            while not self._link_up:
+                self._raise_if_ended_locked()
+                self._cond.wait(0.25)
+            self._raise_if_ended_locked()
+
+    def fail(self, reason: str, *, tell_peer: bool = True, error: EdgeClosedError | None = None) -> None:
         """End the edge with an error now (safe from any thread, repeatable)."""
         with self._cond:
             first = self._failed is None
-            self._fail_locked(reason)
+            self._fail_locked(reason, error)
         if first and tell_peer:
             self.transport.close(reason, True)
             # Tear down once the close is on the wire (or in 2 s), without holding up the caller.
@@ -294,11 +353,16 @@ class EdgeSession:
         with self._cond:
             if self._failed is None:
                 self._failed = f"edge closed: {reason}"
+                self._error = EdgeClosedError(self._failed)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ transport callbacks
 
     def on_ready(self, ready: relay_pb2.EdgeReady) -> None:
+        if ready.epoch > self.epoch:
+            why = f"the edge moved on to epoch {ready.epoch} (this stream: {self.epoch})"
+            self._restart(ready.epoch, why)
+            return
         with self._cond:
             if self._failed is not None:
                 return
@@ -318,6 +382,10 @@ class EdgeSession:
                 self._set_down_locked("peer link down at open")
             self._cond.notify_all()
 
+    def _restart(self, epoch: int, reason: str) -> None:
+        """The other side is in a higher epoch: end this attempt (nothing more is sent on it)."""
+        self.fail(reason, tell_peer=False, error=EdgeRestartRequired(epoch, reason))
+
     def on_down(self, reason: str) -> None:
         with self._cond:
             self._set_down_locked(reason)
@@ -330,6 +398,13 @@ class EdgeSession:
         """An item from the peer or the switch. ``ready`` is not handled here: each transport turns
         it into ``on_ready`` (with the switch's window and link state), so it is ignored below."""
         kind = message.WhichOneof("body")
+        if kind == "restart":
+            restart = message.restart
+            self._restart(
+                max(restart.epoch, self.epoch + 1),
+                restart.reason or f"the other side restarted at epoch {restart.epoch}",
+            )
+            return
         with self._cond:
             if self._failed is not None:
                 return
@@ -400,9 +475,10 @@ class EdgeSession:
             self._pump_locked()
 
     def _raise_if_ended_locked(self) -> None:
-        reason = self._terminal_reason_locked()
-        if reason is not None:
-            raise EdgeClosedError(reason)
+        if self._failed is not None:
+            raise self._error_locked()
+        if self._peer_closed is not None:
+            raise EdgeClosedError(self._peer_closed)
 
     def _wait_for_transmission(self) -> None:
         """Back-pressure: hold the caller while more than a window of our items waits for credit."""
@@ -601,9 +677,7 @@ class EdgeSession:
                     if was_full and self._grant_locked() > self._granted:
                         self._send_ack_locked(resume=False, force=True)  # the stage read: credit again
                     return item
-                reason = self._terminal_reason_locked()
-                if reason is not None:
-                    raise EdgeClosedError(reason)
+                self._raise_if_ended_locked()
                 waited = self._clock() - started - (self._outage_locked() - outage)
                 if waited >= timeout:
                     raise EdgeClosedError(f"no {what} in {timeout:.0f}s")
@@ -618,7 +692,9 @@ class EdgeSession:
                     return
                 now = self._clock()
                 limit = self.settings.max_outage_s
-                if self._down_since is not None and now - self._down_since > limit and self._ever_ready:
+                # A new epoch's session waits for the link without a deadline until it was up once.
+                armed = self._ever_ready and (self.epoch == 0 or self._ever_up)
+                if self._down_since is not None and now - self._down_since > limit and armed:
                     reason = (
                         f"WAN link to the peer cluster down for {now - self._down_since:.0f} s "
                         f"(limit {limit:g} s)"
@@ -638,7 +714,9 @@ class EdgeSession:
                         self._pump_locked()
                     self._cond.wait(0.05)
             if failed:
-                self.fail(reason, tell_peer=True)
+                # No close: the peer cannot be reached now, and it learns of our next epoch from its
+                # switch once the link is back (a close of this epoch would be void by then anyway).
+                self.fail(reason, tell_peer=False, error=EdgeOutage(reason))
                 return
 
 
@@ -649,9 +727,12 @@ class _ProtocolError(Exception):
 __all__ = [
     "INITIAL_WINDOW_BYTES",
     "EdgeClosedError",
+    "EdgeOutage",
+    "EdgeRestartRequired",
     "EdgeSession",
     "EdgeSettings",
     "Transport",
     "TransportHandler",
+    "renewed",
     "wire_size",
 ]

@@ -13,6 +13,12 @@ loop) only trains and returns; this module decides how it ended:
   the edge is aborted with the reason, so the other cluster's stage fails at
   once instead of waiting for tensors that will never come; the stage ends
   FAILED with that reason as its message.
+
+Recovery is the body's own business (``stage.py``): it catches ``EdgeRestartRequired`` and
+``EdgeOutage``, posts the non-terminal RECOVERING and starts a new attempt; only when it gives
+up (``max_recoveries``) or the edge ended otherwise does an ``EdgeClosedError`` reach this
+module, which then ends the stage FAILED as above (or CANCELLED when it was cancelled,
+including while recovering).
 """
 
 from __future__ import annotations

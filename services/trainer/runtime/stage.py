@@ -16,6 +16,20 @@ the same pace while the generator's next step overlaps the discriminator's.
 
 Both sides step their optimizer once per step, at the same step boundaries, and
 checkpoint there.
+
+Recovery (relay.proto, "Epochs"). Each attempt of the stage runs in an epoch of its
+edge (0 for a fresh job). When the edge ends with ``EdgeRestartRequired`` (the other
+cluster's stage restarted, or gave up an attempt) or ``EdgeOutage`` (the WAN stayed down
+past ``max_outage_s``), the attempt is torn down (sender, replicas, edge, model), the
+stage posts RECOVERING and opens the next epoch (max(own + 1, the required one)); it
+waits for the link without a deadline (a cancel still stops it), both stages exchange
+RESUME signals listing the checkpoint steps they hold, and both restart from the highest
+step in both lists (none: the job's own starting state), deleting their checkpoints of
+later steps (they belong to the void attempt). A runner built with ``epoch > 0`` (its
+trainer died and came back) starts that way. Stateful codecs restart fresh in every
+epoch on both sides (each epoch has its own ``EdgeConnection`` and codec streams).
+At most ``EdgeSettings.max_recoveries`` recoveries; a program error or the peer's error
+close still ends the stage FAILED.
 """
 
 from __future__ import annotations
@@ -23,8 +37,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,8 +52,11 @@ from services.trainer.edge import (
     EdgeClosedError,
     EdgeConnection,
     EdgeFactory,
+    EdgeOutage,
+    EdgeRestartRequired,
     EdgeSettings,
     grpc_edge_factory,
+    renewed,
 )
 from services.trainer.metrics import LOSS, STEP_SECONDS, STEPS_TOTAL, WAIT_SECONDS
 from services.trainer.runtime.checkpoint import CheckpointStore
@@ -53,13 +72,20 @@ START_TIMEOUT_S = 600.0
 READY = relay_pb2.SIGNAL_KIND_READY
 SYNC = relay_pb2.SIGNAL_KIND_SYNC
 EVAL_DONE = relay_pb2.SIGNAL_KIND_EVAL_DONE
+RESUME = relay_pb2.SIGNAL_KIND_RESUME
+RECOVERING = trainer_pb2.STAGE_STATE_RECOVERING
 
 
 class ProgramRunner:
     """Runs one stage of a user program: the training loop, inside a ``StageLifecycle``.
 
     The lifecycle owns the thread, cancellation and the terminal state; this class only
-    trains, reports each step (status board and Prometheus) and closes its edge cleanly.
+    trains, reports each step (status board and Prometheus) and closes its edge cleanly, and
+    restarts itself from the common checkpoint when its attempt is lost (see the module doc).
+
+    ``epoch``: 0 for a fresh job; > 0 for a stage whose trainer died (it starts RECOVERING).
+    ``on_epoch(e)`` is called on the stage thread right before a stream of epoch ``e > 0``
+    opens, so a persisted record holds ``e`` before any item of ``e`` is sent.
     """
 
     def __init__(
@@ -73,8 +99,15 @@ class ProgramRunner:
         *,
         edge_factory: EdgeFactory | None = None,
         edge_settings: EdgeSettings | None = None,
+        epoch: int = 0,
+        on_epoch: Callable[[int], None] | None = None,
     ) -> None:
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
         self.spec = spec
+        self.epoch = epoch
+        self.on_epoch = on_epoch
+        self.recoveries = 0
         self.token = token
         self.switch_address = switch_address
         self.edge_factory = edge_factory or grpc_edge_factory(switch_address, token)
@@ -167,7 +200,91 @@ class ProgramRunner:
         )
 
     def _run_stage(self) -> None:
-        """The stage's body: returns when every step (and the evaluation) is done and the edge closed."""
+        """The stage's body: attempts, one per epoch, until one finishes (or fails for good)."""
+        limit = self.edge_settings.max_recoveries
+        if self.epoch > 0:
+            self._post_recovering(
+                f"this stage's trainer restarted; resuming from the last common checkpoint "
+                f"(epoch {self.epoch})"
+            )
+        while True:
+            try:
+                self._attempt(self.epoch)
+                return
+            except (EdgeRestartRequired, EdgeOutage) as exc:
+                self.lifecycle.raise_if_cancelled()
+                self._end_attempt(str(exc))
+                if self.recoveries >= limit:
+                    raise EdgeClosedError(
+                        f"gave up after {limit} recoveries (max_recoveries, NEBULA_TRAINER_MAX_RECOVERIES); "
+                        f"the last attempt ended: {exc}"
+                    ) from exc
+                self.recoveries += 1
+                required = exc.epoch if isinstance(exc, EdgeRestartRequired) else 0
+                self.epoch = max(self.epoch + 1, required)
+                why = (
+                    f"the other cluster's stage restarted ({exc})"
+                    if isinstance(exc, EdgeRestartRequired)
+                    else str(exc)
+                )
+                log.warning(
+                    "stage recovering",
+                    extra={"fields": {"job_id": self.spec.job_id, "epoch": self.epoch, "reason": why}},
+                )
+                self._post_recovering(
+                    f"{why}; resuming from the last common checkpoint (epoch {self.epoch}, "
+                    f"recovery {self.recoveries} of at most {limit})"
+                )
+
+    def _post_recovering(self, message: str) -> None:
+        self.board.update(state=RECOVERING, epoch=self.epoch, message=message)
+
+    def _end_attempt(self, reason: str) -> None:
+        """Tear a lost attempt down: sender, replicas, edge and model go; the next epoch rebuilds them."""
+        if self._sender is not None:
+            self._sender.stop(discard=True)  # kept (stopped) until the next attempt replaces it
+        if self._dp is not None:
+            self._dp.abort()
+            self._dp = None
+        if self.edge is not None:
+            self.edge.session.fail(reason, tell_peer=False)  # already ended; makes sure the stream is shut
+            self.edge = None
+        if self.program is not None:
+            sys.modules.pop(getattr(self.program.module, "__name__", ""), None)
+            self.program = None
+
+    def _exchange_resume(self, edge: EdgeConnection, epoch: int) -> int | None:
+        """First items of a new epoch: both stages' checkpoint steps; returns the common step (or None).
+
+        Waits for the link first, without a deadline (the WAN may be down for long; a cancel
+        aborts the edge and ends the wait).
+        """
+        spec = self.spec
+        held = self.store.steps(self.owner, spec.job_id, spec.stage)
+        if not edge.session.link_up:
+            self.board.update(message=f"{self.board.latest().message}; waiting for the WAN link")
+            edge.session.wait_link_up()
+        edge.send_signal(RESUME, epoch, [float(step) for step in held])
+        values = edge.receive_signal(RESUME, epoch, timeout=START_TIMEOUT_S)
+        if any(v < 0 or v != int(v) for v in values):
+            raise EdgeClosedError(f"invalid RESUME from the peer: checkpoint steps {values}")
+        common = set(held) & {int(v) for v in values}
+        log.info(
+            "resume exchanged",
+            extra={"fields": {"job_id": spec.job_id, "epoch": epoch, "held": held, "peer": values}},
+        )
+        return max(common) if common else None
+
+    def _discard_checkpoints_after(self, step: int) -> None:
+        """Checkpoints past the restart step are of the void attempt: a later recovery must not pick them."""
+        spec = self.spec
+        directory = self.store.stage_dir(self.owner, spec.job_id, spec.stage)
+        for later in self.store.steps(self.owner, spec.job_id, spec.stage):
+            if later > step:
+                shutil.rmtree(directory / f"step-{later}", ignore_errors=True)
+
+    def _attempt(self, epoch: int) -> None:
+        """One attempt (epoch): returns when every step (and the evaluation) is done and the edge closed."""
         spec, cfg = self.spec, self.spec.program
         upstream = cfg.role == "upstream"
         # The edge opens first, so that anything failing below (a bad module, a missing grant, a
@@ -176,13 +293,27 @@ class ProgramRunner:
         # one_way: the upstream holds up to sync_lag + 1 unread syncs while it keeps sending.
         queue_items = max(2 * cfg.max_in_flight, cfg.sync_lag + 2) + 1
         settings = dataclasses.replace(self.edge_settings, receive_queue_items=queue_items)
-        self.edge = edge = self.edge_factory(spec, settings)
+        if epoch > 0 and self.on_epoch is not None:
+            self.on_epoch(epoch)
+        self.edge = edge = self.edge_factory(spec, settings, epoch)
         self.lifecycle.attach_abort(edge.abort)
+        start_spec = spec
+        if epoch > 0:
+            common = self._exchange_resume(edge, epoch)
+            if common is not None:  # restart from our own checkpoint (replicas load the same)
+                start_spec = trainer_pb2.StageSpec()
+                start_spec.CopyFrom(spec)
+                start_spec.program.ClearField("initial_state")
+                start_spec.program.ClearField("initial_step")
+                start_spec.program.resume_job_id = spec.job_id
+                start_spec.program.resume_step = common
         self.program = program = build_program(spec, self._granted_examples())
-        start = load_starting_state(spec, program, self.store, self.owner)
+        start = load_starting_state(start_spec, program, self.store, self.owner)
+        if epoch > 0:
+            self._discard_checkpoints_after(start)
         if cfg.replicas > 1:
             self._dp = DataParallelGroup(
-                spec.SerializeToString(),
+                start_spec.SerializeToString(),
                 program,
                 replicas=cfg.replicas,
                 micro_batches=cfg.micro_batches,
@@ -194,7 +325,11 @@ class ProgramRunner:
         self._start_barrier(edge, upstream)
         sender = AsyncSender(edge, cfg.max_in_flight)
         self._sender = sender
-        self.board.update(state=trainer_pb2.STAGE_STATE_RUNNING, steps_done=start)
+        status: dict[str, object] = dict(state=trainer_pb2.STAGE_STATE_RUNNING, steps_done=start, epoch=epoch)
+        if epoch > 0:
+            message = f"recovered: epoch {epoch} resumed from step {start}"
+            status.update(resumed_from_step=start, message=message)
+        self.board.update(**status)
         log.info("program stage running", extra={"fields": {"job_id": spec.job_id, "stage": spec.stage}})
         for step in range(start, spec.steps):
             self.lifecycle.raise_if_cancelled()
@@ -235,6 +370,9 @@ class ProgramRunner:
         if self._dp is not None:
             self._dp.stop()
         edge.close("finished")
+        lost = edge.session.failure
+        if isinstance(lost, EdgeRestartRequired | EdgeOutage):  # the peer restarted before it closed
+            raise renewed(lost)
 
     def _report_step(
         self,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.trainer.edge import EdgeClosedError, EdgeConnection
+from services.trainer.edge import EdgeClosedError, EdgeConnection, renewed
 
 
 @dataclass
@@ -67,7 +67,7 @@ class AsyncSender:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             if isinstance(self._error, EdgeClosedError):
-                raise EdgeClosedError(str(self._error))
+                raise renewed(self._error)
             raise EdgeClosedError(f"send failed: {type(self._error).__name__}: {self._error}")
 
     def _put(self, item: object) -> None:
