@@ -1,8 +1,9 @@
 """The trainer service (``nebula-trainer``): the control API of one cluster's compute.
 
-Stages run on threads of this process. On stop, running stages are cancelled
-and joined (each within ``stop_grace_s``) before the audit log is sealed, so no
-stage thread is inside torch when the interpreter exits.
+Stages run on threads of this process; each is recorded on disk (``records.py``), so after a
+crash or ``kill -9`` the restarted process resumes them before it serves (``restore.py``). On
+stop, running stages are cancelled and joined (each within ``stop_grace_s``) before the audit log
+is sealed, so no stage thread is inside torch when the interpreter exits.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from nebula_common.service.host import ServiceDefinition, Started
 from nebula_common.service.resources import grpc_server, service_audit, start_internal, token_verifier
 from services.trainer.config import TrainerSettings
 from services.trainer.edge import EdgeSettings
+from services.trainer.restore import restore_stages
 from services.trainer.servicer import TrainerServicer
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,8 @@ def _stop_stages(servicer: TrainerServicer, grace: float) -> None:
     deadline = time.monotonic() + grace
     for runner in runners:
         runner.join(max(0.0, deadline - time.monotonic()))
+    # How each ended goes into its record before the process exits (a restart shows it to watchers).
+    servicer.records.wait_ended(max(0.0, deadline - time.monotonic()) + 1.0)
 
 
 async def start_trainer(
@@ -60,6 +64,10 @@ async def start_trainer(
         ),
     )
     stack.push_async_callback(asyncio.to_thread, _stop_stages, servicer, settings.stop_grace_s)
+    # Before serving: a client re-watching its stage after this restart finds it (RECOVERING or ended).
+    restored = await restore_stages(servicer, verifier)
+    if any(restored.values()):
+        log.info("stages restored from their records", extra={"fields": restored})
     server = grpc_server(
         stack,
         ["nebula.v1.Trainer", AUDIT_SERVICE_NAME],

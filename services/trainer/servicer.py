@@ -22,6 +22,7 @@ from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2, trainer_pb2_grpc
 from services.trainer.edge import EdgeSettings
 from services.trainer.metrics import STAGES_RUNNING
+from services.trainer.records import StageRecord, StageRecords
 from services.trainer.runtime.checkpoint import CheckpointError, CheckpointStore
 from services.trainer.runtime.stage import ProgramRunner
 from services.trainer.status import TERMINAL_STATES
@@ -46,6 +47,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.checkpoints = CheckpointStore(data_dir)
         self.audit = audit
         self.data_service_address = data_service_address
+        self.records = StageRecords(data_dir, audit)
         self.runners: dict[str, ProgramRunner] = {}
         self.owners: dict[str, str] = {}
 
@@ -154,8 +156,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         )
         return trainer_pb2.AssignStageResponse(job_id=spec.job_id, authorised_by=principal.username)
 
-    def _make_runner(self, spec: trainer_pb2.StageSpec, token: str, owner: str) -> ProgramRunner:
-        return ProgramRunner(
+    def _make_runner(
+        self, spec: trainer_pb2.StageSpec, token: str, owner: str, record: StageRecord | None = None
+    ) -> ProgramRunner:
+        """The runner of a stage, remembered on disk first so that a restarted trainer can resume it.
+
+        A new stage gets a record at epoch 0; a restored one (``record``, see ``restore.py``) runs at
+        the epoch after its record's. The record follows the stage: each epoch before it is opened,
+        and its final status once it ends.
+        """
+        epoch = 0 if record is None else record.epoch + 1
+        record = record or self.records.create(spec, token, owner)
+        runner = ProgramRunner(
             spec,
             token,
             self.switch_address,
@@ -163,7 +175,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             owner,
             self.data_service_address,
             edge_settings=self.edge_settings,
+            epoch=epoch,
+            on_epoch=lambda epoch: self.records.set_epoch(record, epoch),
         )
+        self.records.track_end(record, runner.board)
+        return runner
 
     async def ListCheckpoints(
         self, request: trainer_pb2.ListCheckpointsRequest, context: grpc.aio.ServicerContext

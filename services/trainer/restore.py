@@ -1,0 +1,135 @@
+"""At trainer start: the stages this trainer ran before it was restarted, back from their records.
+
+Every stage that had not ended restarts by itself at the next epoch (``record.epoch + 1``): its
+runner negotiates with the other cluster's stage, over the edge, the last checkpoint both hold and
+continues from there, exactly-once (see "Epochs" in ``proto/nebula/v1/relay.proto``). Each such
+restore is audited (``stage.recover``) and its status is RECOVERING, with a message saying why,
+until it runs again. A stage that had ended comes back as its final status only, so a client that
+watches it after any restart still learns how it ended.
+
+A restored stage acts with the token its owner submitted it with (the switch checks it when the
+stage reopens its edge, the data service on every batch). A token that no longer verifies (expired:
+the auth service issues them for ``token_ttl_seconds``, 1 h by default; or revoked) cannot be
+renewed here, so that stage fails at once with a reason naming it, instead of failing later at the
+switch with a message that does not say why.
+
+Runs before the trainer serves: a client that re-watches after the restart finds its stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+
+import jwt
+
+from nebula_common.auth import TokenVerifier
+from nebula_common.errors import AuthenticationError
+from nebula_common.proto.nebula.v1 import trainer_pb2
+from services.trainer.metrics import STAGES_RUNNING
+from services.trainer.records import FinishedStage, StageRecord
+from services.trainer.runtime.stage import ProgramRunner
+from services.trainer.servicer import TrainerServicer
+
+log = logging.getLogger(__name__)
+
+
+def token_problem(verifier: TokenVerifier, record: StageRecord) -> str | None:
+    """Why the record's token can no longer act for its owner (None: it still can)."""
+    try:
+        principal = verifier.verify(record.token)
+    except AuthenticationError as exc:
+        reason = str(exc)
+        if reason == "token expired":
+            expiry = jwt.decode(record.token, options={"verify_signature": False}).get("exp")
+            if isinstance(expiry, int | float):
+                at = datetime.datetime.fromtimestamp(expiry, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+                reason = f"token expired at {at}"
+        return reason
+    if principal.username != record.owner:
+        return f"token is {principal.username!r}'s, the stage is {record.owner!r}'s"
+    return None
+
+
+async def restore_stages(servicer: TrainerServicer, verifier: TokenVerifier) -> dict[str, int]:
+    """Put every recorded stage back into ``servicer`` (see the module doc); counts by outcome."""
+    counts = {"resumed": 0, "ended": 0, "failed": 0}
+    records = await asyncio.to_thread(servicer.records.load_all)
+    for record in records:
+        if record.job_id in servicer.runners:  # two owners' records of one id: only by hand-made files
+            log.error("stage record %s skipped: job id %r is already restored", record.path, record.job_id)
+            continue
+        if record.terminal:
+            servicer.runners[record.job_id] = FinishedStage(record.final, record.owner)  # type: ignore[assignment, arg-type]
+            servicer.owners[record.job_id] = record.owner
+            counts["ended"] += 1
+            continue
+        problem = token_problem(verifier, record)
+        if problem is not None:
+            await _fail(servicer, record, f"cannot resume after the trainer restarted: the owner's {problem}")
+            counts["failed"] += 1
+            continue
+        runner = servicer._make_runner(record.spec, record.token, record.owner, record)
+        servicer.runners[record.job_id] = runner
+        servicer.owners[record.job_id] = record.owner
+        spec = record.spec
+        # The runner posts RECOVERING (and why) first thing on its thread; the codecs go on before it.
+        runner.board.update(
+            codec_forward=spec.codec_forward,
+            codec_backward=spec.codec_backward,
+            codec_choice=spec.codec_choice,
+        )
+        await servicer._record(
+            "stage.recover",
+            account=record.owner,
+            job_id=record.job_id,
+            details={"stage": record.stage, "epoch": record.epoch + 1, "previous_epoch": record.epoch},
+        )
+        _start(servicer, runner, record.owner)
+        counts["resumed"] += 1
+        log.info(
+            "stage restored",
+            extra={"fields": {"job_id": record.job_id, "stage": record.stage, "epoch": record.epoch + 1}},
+        )
+    return counts
+
+
+def _start(servicer: TrainerServicer, runner: ProgramRunner, owner: str) -> None:
+    """Start a restored runner the way ``AssignStage`` starts a new one, its end followed the same way.
+
+    The servicer's ``_launch`` (stage end as a callback from the stage's thread) where it has one;
+    otherwise a tracker in the default executor, as ``AssignStage`` does it.
+    """
+    launch = getattr(servicer, "_launch", None)
+    if launch is not None:
+        launch(runner, owner)
+        return
+    runner.start()
+    STAGES_RUNNING.inc()
+    asyncio.get_running_loop().run_in_executor(None, servicer._track_finish, runner, owner)
+
+
+async def _fail(servicer: TrainerServicer, record: StageRecord, message: str) -> None:
+    """A stage that cannot resume: its record ends FAILED with ``message``, which watchers see."""
+    final = trainer_pb2.StageStatus(
+        job_id=record.job_id,
+        stage=record.stage,
+        state=trainer_pb2.STAGE_STATE_FAILED,
+        message=message,
+        epoch=record.epoch,
+    )
+    await asyncio.to_thread(servicer.records.finish, record, final)
+    servicer.runners[record.job_id] = FinishedStage(final, record.owner)  # type: ignore[assignment]
+    servicer.owners[record.job_id] = record.owner
+    log.error("stage not restored: %s", message, extra={"fields": {"job_id": record.job_id}})
+    await servicer._record(
+        "stage.recover",
+        outcome="failure",
+        account=record.owner,
+        job_id=record.job_id,
+        details={"stage": record.stage, "epoch": record.epoch + 1, "reason": message},
+    )
+
+
+__all__ = ["restore_stages", "token_problem"]
