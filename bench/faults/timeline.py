@@ -233,7 +233,9 @@ def trainer_kill(
     name = f"trainer-{cluster}"
     handle = submit_job(numbers_job(**spec), sessions)
     follower = JobFollower(handle.job.job_id, handle.stages, give_up_s=TRAINER_KILL_WAIT_S + 60)
-    wait_until(lambda: follower.done_steps("decoder") >= GAP_STEPS or follower.final, 300, "a few steps")
+    # Past the first checkpoint, so the stages resume from a common checkpoint rather than step 0.
+    kill_at = max(GAP_STEPS, int(spec.get("checkpoint__interval") or 0) + GAP_STEPS)
+    wait_until(lambda: follower.done_steps("decoder") >= kill_at or follower.final, 300, f"step {kill_at}")
     step = follower.done_steps("decoder")
     start, end, old, new = kill_and_restart(deployment, name)
     entry: dict[str, Any] = {

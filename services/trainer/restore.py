@@ -70,7 +70,15 @@ async def restore_stages(servicer: TrainerServicer, verifier: TokenVerifier) -> 
             await _fail(servicer, record, f"cannot resume after the trainer restarted: the owner's {problem}")
             counts["failed"] += 1
             continue
-        runner = servicer._make_runner(record.spec, record.token, record.owner, record)
+        try:
+            runner = servicer._make_runner(record.spec, record.token, record.owner, record)
+        except Exception as exc:  # one stage that cannot be rebuilt must not keep the trainer down
+            log.exception("stage not restored", extra={"fields": {"job_id": record.job_id}})
+            await _fail(
+                servicer, record, f"cannot resume after the trainer restarted: {type(exc).__name__}: {exc}"
+            )
+            counts["failed"] += 1
+            continue
         servicer.runners[record.job_id] = runner
         servicer.owners[record.job_id] = record.owner
         spec = record.spec
@@ -119,7 +127,10 @@ async def _fail(servicer: TrainerServicer, record: StageRecord, message: str) ->
         message=message,
         epoch=record.epoch,
     )
-    await asyncio.to_thread(servicer.records.finish, record, final)
+    try:
+        await asyncio.to_thread(servicer.records.finish, record, final)
+    except OSError as exc:  # watchers still see the failure; only the next restart would not
+        log.error("cannot store the end of stage %s: %s", record.job_id, exc)
     servicer.runners[record.job_id] = FinishedStage(final, record.owner)  # type: ignore[assignment]
     servicer.owners[record.job_id] = record.owner
     log.error("stage not restored: %s", message, extra={"fields": {"job_id": record.job_id}})
