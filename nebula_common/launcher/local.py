@@ -52,6 +52,9 @@ LOCK_FILE = ".nebula-local.lock"
 CONTROL_TOKEN_FILE = "wan-control-token"
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 BIND_ATTEMPTS = 3
+# How long a starting process may take to listen. Its imports alone took over 30 s on 2 cores shared
+# by four test runs (a deployment then failed to start); the supervisor allows a restart 90 s.
+START_TIMEOUT_S = 90.0
 _BIND_FAILURE = re.compile(r"could not bind|address already in use", re.IGNORECASE)
 # Ready-line port -> the setting that binds it. The launcher picks each port (outside the ephemeral
 # range, ``ports.py``) and keeps it in the service's env, so a restart comes back on the same port.
@@ -409,7 +412,7 @@ class LocalDeployment:
             )
             process.start()
             try:
-                info = process.wait_ready()
+                info = process.wait_ready(START_TIMEOUT_S)
             except ServiceStartError as exc:  # not yet in cluster_state, so stop() would not know it
                 process.stop()
                 if attempt < BIND_ATTEMPTS and _BIND_FAILURE.search(str(exc)):
@@ -428,7 +431,7 @@ class LocalDeployment:
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     @staticmethod
-    def _wait_listening(process: ServiceProcess, port: int, timeout: float = 30.0) -> None:
+    def _wait_listening(process: ServiceProcess, port: int, timeout: float = START_TIMEOUT_S) -> None:
         import time
 
         deadline = time.monotonic() + timeout
