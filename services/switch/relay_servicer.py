@@ -145,6 +145,8 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 job_id=job_id,
                 edge=edge,
                 ended=outcome,
+                orphaned=vanished,
+                epoch=epoch,
             )
             EDGES_OPEN.set(self.router.open_routes())
 

@@ -669,6 +669,8 @@ def test_an_orphaned_route_nobody_reattaches_is_closed_to_the_peer_and_audited(
             "the audit record",
         )
         assert records[0]["account"] == "bob" and records[0]["details"]["bound"] == "orphan_timeout"
+        ended = [r for r in pair.audit("a", "edge.close") if r["job_id"] == "gone"]
+        assert ended and ended[0]["outcome"] == "failure" and ended[0]["details"]["orphaned"] is True, ended
         assert (
             REGISTRY.get_sample_value("nebula_switch_routes_closed_total", {"reason": "orphan_timeout"})
             == closed_before + 1

@@ -166,16 +166,18 @@ def stage_runner(
     job: ProgramJob,
     index: int,
     data_dir: Path,
-    link: MemoryLink,
+    link: MemoryLink | SwitchPair,
     settings: EdgeSettings,
     *,
     epoch: int = 0,
     on_epoch: Callable[[int], None] | None = None,
 ) -> StageRun:
-    """A ``ProgramRunner`` (not started) for the job's ``index``-th stage on ``link``, recording its tensors.
+    """A ``ProgramRunner`` (not started) for the job's ``index``-th stage, recording its tensors.
 
-    Its data dir is ``data_dir / <stage name>``, so a runner made again for the same stage (a
-    restarted trainer, ``epoch > 0``) finds the checkpoints of the one before.
+    Its edge runs on the in-memory ``link`` or, given a ``SwitchPair``, through two real switches
+    (stage ``index`` in cluster a or b). Its data dir is ``data_dir / <stage name>``, so a runner
+    made again for the same stage (a restarted trainer, ``epoch > 0``) finds the checkpoints of
+    the one before.
     """
     name = job.spec.stages[index].name
     spec = job.stage_spec(name)
@@ -184,7 +186,13 @@ def stage_runner(
     def open_edge(
         stage_spec: trainer_pb2.StageSpec, stage_settings: EdgeSettings, edge_epoch: int
     ) -> EdgeConnection:
-        transport = link.ends[index] if edge_epoch == 0 else link.open_end(index, edge_epoch)
+        transport: object
+        if isinstance(link, SwitchPair):
+            address, token = link.addresses[index], link.tokens[index]
+            job_id, name = stage_spec.job_id, stage_spec.edge
+            transport = GrpcEdgeTransport(address, token, job_id, name, epoch=edge_epoch)
+        else:
+            transport = link.ends[index] if edge_epoch == 0 else link.open_end(index, edge_epoch)
         edge = stage_edge(stage_spec, transport, stage_settings, edge_epoch)
         receive, send = edge.receive_tensor, edge.send_tensor
         run = holder[0]

@@ -16,18 +16,26 @@ import torch
 
 from nebula_common.pki import PkiLayout
 from nebula_common.proto.nebula.v1 import relay_pb2
-from services.trainer.edge import EdgeClosedError, EdgeConnection, EdgeSettings
+from services.trainer.edge import (
+    EdgeClosedError,
+    EdgeConnection,
+    EdgeRestartRequired,
+    EdgeSettings,
+    GrpcEdgeTransport,
+)
 from services.trainer.edge.memory import MemoryLink
+from tests.support import edges as edge_support
 from tests.support.edges import SwitchPair, memory_pair, switch_pair, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
 Pair = Callable[..., tuple[EdgeConnection, EdgeConnection]]
 SETTINGS = EdgeSettings(window_bytes=1 << 20, max_outage_s=30, retransmit_s=1.0, ready_timeout_s=30)
-READY, SYNC, EVAL_DONE = (
+READY, SYNC, EVAL_DONE, RESUME = (
     relay_pb2.SIGNAL_KIND_READY,
     relay_pb2.SIGNAL_KIND_SYNC,
     relay_pb2.SIGNAL_KIND_EVAL_DONE,
+    relay_pb2.SIGNAL_KIND_RESUME,
 )
 _jobs = itertools.count()
 
@@ -168,3 +176,66 @@ def test_a_header_above_max_frame_bytes_fails_the_edge() -> None:
         down.receive_tensor(0, 0, timeout=10)
     with pytest.raises(EdgeClosedError, match=r"peer side failed: .*max_frame_bytes"):
         up.receive_tensor(0, 0, timeout=10)
+
+
+@pytest.fixture(params=["memory", "grpc"])
+def open_end(request: pytest.FixtureRequest) -> Iterator[Callable[[int, int], EdgeConnection]]:
+    """``open_end(index, epoch)``: one end of this test's edge (0 upstream, 1 downstream) in ``epoch``."""
+    opened: list[EdgeConnection] = []
+    job = f"epochs-{next(_jobs)}"
+    link = MemoryLink(max_window_bytes=SETTINGS.window_bytes)
+    switches: SwitchPair | None = request.getfixturevalue("switches") if request.param == "grpc" else None
+
+    def make(index: int, epoch: int) -> EdgeConnection:
+        if switches is None:
+            transport: object = link.ends[index] if epoch == 0 else link.open_end(index, epoch)
+        else:
+            transport = GrpcEdgeTransport(
+                switches.addresses[index], switches.tokens[index], job, "up->down", epoch=epoch
+            )
+        edge = EdgeConnection(
+            transport,  # type: ignore[arg-type]
+            job_id=job,
+            edge="up->down",
+            upstream=index == 0,
+            settings=SETTINGS,
+            epoch=epoch,
+        )
+        opened.append(edge)
+        return edge
+
+    yield make
+    for edge in opened:
+        edge.abort("test over")
+
+
+def test_a_vanished_end_reopened_in_a_new_epoch_restarts_the_survivor(
+    open_end: Callable[[int, int], EdgeConnection],
+) -> None:
+    """A dead trainer (no close) comes back at epoch 1: the survivor is told, both exchange RESUME."""
+    up, down = edge_support.open_pair(lambda index: open_end(index, 0))
+    up.send_tensor(torch.ones(2), 0, 0)
+    assert torch.equal(down.receive_tensor(0, 0, timeout=30), torch.ones(2))
+    down.session.transport.shutdown()  # the process died: its stream ends without a close
+    raised: list[BaseException] = []
+
+    def survivor() -> None:
+        try:
+            up.receive_tensor(0, 0, timeout=60)
+        except BaseException as exc:
+            raised.append(exc)
+
+    waiting = threading.Thread(target=survivor, daemon=True)
+    waiting.start()
+    new_down = open_end(1, 1)
+    new_down.send_signal(RESUME, 1, [2.0, 4.0])
+    waiting.join(30)
+    assert len(raised) == 1 and isinstance(raised[0], EdgeRestartRequired), raised
+    assert raised[0].epoch == 1
+    new_up = open_end(0, 1)
+    assert new_up.receive_signal(RESUME, 1, timeout=30) == [2.0, 4.0]
+    new_up.send_signal(RESUME, 1, [4.0])
+    assert new_down.receive_signal(RESUME, 1, timeout=30) == [4.0]
+    new_up.send_tensor(torch.full((2,), 7.0), 4, 0)  # the new epoch's sequence starts afresh
+    assert torch.equal(new_down.receive_tensor(4, 0, timeout=30), torch.full((2,), 7.0))
+    close_both(new_up, new_down)

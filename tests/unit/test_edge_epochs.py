@@ -201,3 +201,22 @@ def test_memory_link_during_a_cut_a_new_epoch_stays_on_its_own_side() -> None:
     thread, raised = blocked_receive(down)
     thread.join(5)
     assert raised and isinstance(raised[0], EdgeRestartRequired)
+
+
+class SilentTransport(EpochTransport):
+    """A switch that never answers the open."""
+
+    def start(self, handler: TransportHandler) -> None:
+        self.handler = handler
+
+
+@pytest.mark.parametrize(("epoch", "kind"), [(0, EdgeClosedError), (1, EdgeOutage)])
+def test_an_unanswered_open_shuts_its_transport_and_is_an_outage_only_in_a_new_epoch(
+    epoch: int, kind: type[EdgeClosedError]
+) -> None:
+    transport = SilentTransport()
+    settings = EdgeSettings(ready_timeout_s=0.2)
+    with pytest.raises(EdgeClosedError, match="switch did not open edge 'e' within") as raised:
+        EdgeConnection(transport, job_id="j", edge="e", upstream=True, settings=settings, epoch=epoch)
+    assert type(raised.value) is kind
+    assert transport.shut  # no transport left re-dialling for an edge nobody holds

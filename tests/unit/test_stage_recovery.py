@@ -10,6 +10,8 @@ same per-step losses and bit-identical final parameters).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,11 +19,22 @@ import torch
 
 from nebula_common.jobspec import load_spec
 from nebula_common.jobspec.builtin import builtin_spec
-from nebula_common.proto.nebula.v1 import trainer_pb2
+from nebula_common.pki import PkiLayout
+from nebula_common.proto.nebula.v1 import relay_pb2, trainer_pb2
 from nebula_common.sdk.jobs import ProgramJob
-from services.trainer.edge import EdgeSettings
+from services.trainer.edge import EdgeConnection, EdgeSettings, stage_edge
 from services.trainer.edge.memory import MemoryLink, MemoryTransport
-from tests.support.edges import StageRun, finish, run_stages, stage_runner, wait_for, wait_for_step
+from services.trainer.edge.session import TransportHandler
+from tests.support.edges import (
+    StageRun,
+    SwitchPair,
+    finish,
+    run_stages,
+    stage_runner,
+    switch_pair,
+    wait_for,
+    wait_for_step,
+)
 from tests.support.jobs import numbers_job
 
 pytestmark = pytest.mark.timeout(300)
@@ -81,8 +94,10 @@ def vanish(run: StageRun) -> None:
     edge = run.runner.edge
     assert edge is not None
     transport = edge.session.transport
-    assert isinstance(transport, MemoryTransport)
-    transport.vanish()
+    if isinstance(transport, MemoryTransport):
+        transport.vanish()
+    else:  # a gRPC stream cancelled without a close, as when the process dies
+        transport.shutdown()
     run.runner.cancel()  # the "dead" runner's thread must not train on (its close goes nowhere)
     finish(run, 30)
 
@@ -94,11 +109,22 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[StageRun, Stage
     return runs
 
 
-@pytest.mark.parametrize("dead", [0, 1], ids=["upstream-restarts", "downstream-restarts"])
+@pytest.fixture(scope="module")
+def switches(tmp_path_factory: pytest.TempPathFactory, pki_ab: PkiLayout) -> Iterator[SwitchPair]:
+    with switch_pair(tmp_path_factory.mktemp("switches"), pki_ab) as pair:
+        yield pair
+
+
+@pytest.mark.parametrize(
+    ("dead", "edge"),
+    [(0, "memory"), (1, "memory"), (1, "grpc")],
+    ids=["upstream-restarts", "downstream-restarts", "downstream-restarts-grpc"],
+)
 def test_a_restarted_stage_rejoins_at_the_common_checkpoint_and_the_job_ends_as_uninterrupted(
-    reference: tuple[StageRun, StageRun], tmp_path: Path, dead: int
+    reference: tuple[StageRun, StageRun], tmp_path: Path, dead: int, edge: str, request: pytest.FixtureRequest
 ) -> None:
-    job, link = small_numbers(), MemoryLink()
+    job = small_numbers()
+    link: MemoryLink | SwitchPair = MemoryLink() if edge == "memory" else request.getfixturevalue("switches")
     runs = [stage_runner(job, index, tmp_path, link, SETTINGS) for index in (0, 1)]
     for run in runs:
         run.runner.start()
@@ -118,7 +144,7 @@ def test_a_restarted_stage_rejoins_at_the_common_checkpoint_and_the_job_ends_as_
     assert RECOVERING in states(survivor) and survivor.epochs == [0, 1]
     assert "restarted" in next(s.message for s in survivor.board if s.state == RECOVERING)
     resumed = {run.final.resumed_from_step for run in pair}
-    assert len(resumed) == 1 and resumed.pop() in (4, 6)  # a checkpoint both held, not step 0
+    assert len(resumed) == 1 and resumed.pop() >= 2  # a checkpoint both held, not the job's start
     assert all(run.final.epoch == 1 for run in pair)
     # steps_done went back to the resume step when the new epoch started running.
     running = next(s for s in survivor.board if s.epoch == 1 and s.state == trainer_pb2.STAGE_STATE_RUNNING)
@@ -163,7 +189,7 @@ def test_a_one_way_job_recovers_from_a_restarted_generator(tmp_path: Path) -> No
     for run in pair:
         finish(run, 120)
     check_same_as(reference, pair)
-    assert runs[1].epochs == [0, 1] and restarted.final.resumed_from_step in (2, 4)
+    assert runs[1].epochs == [0, 1] and restarted.final.resumed_from_step >= 2
 
 
 def test_a_cancel_while_recovering_ends_cancelled_at_once(tmp_path: Path) -> None:
@@ -213,3 +239,72 @@ def test_more_recoveries_than_max_recoveries_fail_with_the_reason(tmp_path: Path
         assert "gave up after 1 recoveries (max_recoveries" in run.final.message, run.final.message
         assert "WAN link to the peer cluster down" in run.final.message
         assert run.runner.recoveries == 1
+
+
+class SwitchDown:
+    """A transport to this cluster's switch while it is down: the open is never answered."""
+
+    def __init__(self) -> None:
+        self.shut = False
+
+    def start(self, handler: TransportHandler) -> None:
+        """Nothing answers."""
+
+    def send(self, message: relay_pb2.EdgeMessage) -> None:
+        """Lost: there is no stream."""
+
+    def close(self, reason: str, error: bool) -> None:
+        """Nothing to close."""
+
+    def wait_close_sent(self, timeout: float) -> None:
+        """Nothing was sent."""
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+def switch_down_first(run: StageRun, opens: int) -> list[SwitchDown]:
+    """Make ``run``'s first ``opens`` opens of an epoch > 0 meet a switch that is down."""
+    downs: list[SwitchDown] = []
+    factory = run.runner.edge_factory
+
+    def open_edge(spec: trainer_pb2.StageSpec, settings: EdgeSettings, epoch: int) -> EdgeConnection:
+        if epoch > 0 and len(downs) < opens:
+            downs.append(SwitchDown())
+            return stage_edge(spec, downs[-1], settings, epoch)
+        return factory(spec, settings, epoch)
+
+    run.runner.edge_factory = open_edge
+    return downs
+
+
+def test_a_recovering_stage_whose_switch_is_down_keeps_opening_until_it_answers(
+    reference: tuple[StageRun, StageRun], tmp_path: Path
+) -> None:
+    job, link = small_numbers(), MemoryLink()
+    runs = [stage_runner(job, index, tmp_path, link, SETTINGS) for index in (0, 1)]
+    for run in runs:
+        run.runner.start()
+    wait_for_step(runs[1], 3)
+    vanish(runs[1])
+    quick = dataclasses.replace(SETTINGS, ready_timeout_s=0.2)
+    restarted = stage_runner(job, 1, tmp_path, link, quick, epoch=1)
+    downs = switch_down_first(restarted, 2)
+    restarted.runner.start()
+    for run in (runs[0], restarted):
+        finish(run, 120)
+    check_same_as(reference, (runs[0], restarted))
+    assert len(downs) == 2 and all(down.shut for down in downs)  # each failed open was shut, not leaked
+    assert any("waiting for this cluster's switch" in s.message for s in restarted.board)
+    assert restarted.runner.recoveries == 0  # waiting for the switch is not another recovery
+
+
+def test_a_cancel_while_the_switch_is_down_ends_cancelled(tmp_path: Path) -> None:
+    quick = dataclasses.replace(SETTINGS, ready_timeout_s=0.2)
+    restarted = stage_runner(small_numbers(), 1, tmp_path, MemoryLink(), quick, epoch=1)
+    downs = switch_down_first(restarted, 1_000_000)
+    restarted.runner.start()
+    wait_for(lambda: len(downs) >= 2, 30, "the switch to be tried twice")
+    restarted.runner.cancel()
+    finish(restarted, 10)
+    assert restarted.final.state == trainer_pb2.STAGE_STATE_CANCELLED, restarted.final.message

@@ -224,7 +224,12 @@ class EdgeSession:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Open the transport and wait (bounded) for the first EdgeReady."""
+        """Open the transport and wait (bounded) for the first EdgeReady.
+
+        On failure the transport is shut down (it would otherwise keep re-dialling). In an epoch
+        > 0 a switch that did not answer in time raises ``EdgeOutage``: a recovering stage opens
+        again (its wait for the link has no deadline) instead of failing.
+        """
         self._timer.start()
         self.transport.start(self)
         deadline = self._clock() + self.settings.ready_timeout_s
@@ -237,12 +242,16 @@ class EdgeSession:
             if self._failed is None and not self._ever_ready:
                 last = f" (last error: {self._last_down_reason})" if self._last_down_reason else ""
                 limit = self.settings.ready_timeout_s
+                timed_out = self._peer_closed is None
                 reason = (
                     self._peer_closed or f"switch did not open edge {self.name!r} within {limit:.0f}s{last}"
                 )
-                self._fail_locked(reason)
-            if self._failed is not None:
-                raise self._error_locked()
+                self._fail_locked(reason, EdgeOutage(reason) if timed_out and self.epoch > 0 else None)
+            failed = self._failed is not None
+            error = self._error_locked() if failed else None
+        if error is not None:
+            self.transport.shutdown()
+            raise error
 
     @property
     def link_up(self) -> bool:

@@ -69,6 +69,7 @@ from services.trainer.status import StatusBoard
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0
+OPEN_RETRY_S = 5.0
 READY = relay_pb2.SIGNAL_KIND_READY
 SYNC = relay_pb2.SIGNAL_KIND_SYNC
 EVAL_DONE = relay_pb2.SIGNAL_KIND_EVAL_DONE
@@ -275,6 +276,27 @@ class ProgramRunner:
         )
         return max(common) if common else None
 
+    def _open_edge(self, settings: EdgeSettings, epoch: int) -> EdgeConnection:
+        """The attempt's edge. A recovering stage whose switch does not answer (it is down too) keeps
+        trying, without a deadline, in slices of at most ``OPEN_RETRY_S`` so a cancel ends it soon."""
+        if epoch == 0:
+            return self.edge_factory(self.spec, settings, epoch)
+        settings = dataclasses.replace(settings, ready_timeout_s=min(settings.ready_timeout_s, OPEN_RETRY_S))
+        told = False
+        while True:
+            self.lifecycle.raise_if_cancelled()
+            try:
+                return self.edge_factory(self.spec, settings, epoch)
+            except EdgeOutage as exc:
+                if not told:
+                    waiting = f"{self.board.latest().message}; waiting for this cluster's switch"
+                    self.board.update(message=waiting)
+                    told = True
+                log.warning(
+                    "recovering stage: switch did not answer; opening again",
+                    extra={"fields": {"job_id": self.spec.job_id, "epoch": epoch, "reason": str(exc)}},
+                )
+
     def _discard_checkpoints_after(self, step: int) -> None:
         """Checkpoints past the restart step are of the void attempt: a later recovery must not pick them."""
         spec = self.spec
@@ -295,7 +317,7 @@ class ProgramRunner:
         settings = dataclasses.replace(self.edge_settings, receive_queue_items=queue_items)
         if epoch > 0 and self.on_epoch is not None:
             self.on_epoch(epoch)
-        self.edge = edge = self.edge_factory(spec, settings, epoch)
+        self.edge = edge = self._open_edge(settings, epoch)
         self.lifecycle.attach_abort(edge.abort)
         start_spec = spec
         if epoch > 0:
