@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.errors import NebulaError
@@ -60,6 +61,8 @@ def start_trainer(
         data_dir=data_dir,
         metrics_port=-1,
         stop_grace_s=5.0,
+        # The trainer sets torch's (process-wide) thread count: keep this test process's own.
+        torch_threads=torch.get_num_threads(),
     )
     return ServiceThread(TRAINER_SERVICE, settings, timeout=30)
 
