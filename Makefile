@@ -68,8 +68,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/runtime/abnet_bleu.py --out bench-results/runtime
 
 # Fault benchmarks on real local deployments (about 10 minutes on 2 busy cores; never part of `make test`):
-# a job's timeline through WAN cuts and switch kills (and trainer kills: a known gap), then 16 jobs with a
-# slow receiver and a flooder through one switch pair. JSON + markdown + PNG in bench-results/.
+# a job's timeline through WAN cuts and switch kills (and, each in a job of its own, trainer kills), then
+# 16 jobs with a slow receiver and a flooder through one switch pair. JSON + markdown + PNG in bench-results/.
 bench-faults: $(STAMP)
 	$(BIN)/python bench/faults/timeline.py --out bench-results
 	$(BIN)/python bench/faults/fairness.py --out bench-results

@@ -145,7 +145,18 @@ def follow(
             loss=f"{status.loss:.4f}" if status.HasField("loss") else "-",
             step_ms=f"{status.step_seconds * 1000:.0f}",
         )
-        summary = summarize(job, handle, on_step=on_step)
+        shown: set[tuple[str, int]] = set()
+
+        def on_status(status: trainer_pb2.StageStatus) -> None:
+            """A stage that lost its attempt says so once per epoch, with why (its trainer restarted...)."""
+            if status.state != trainer_pb2.STAGE_STATE_RECOVERING or (status.stage, status.epoch) in shown:
+                return
+            shown.add((status.stage, status.epoch))
+            progress.console.print(
+                f"[yellow]{status.stage}: RECOVERING (epoch {status.epoch}): {status.message}[/]"
+            )
+
+        summary = summarize(job, handle, on_step=on_step, on_status=on_status)
     ordered = [sessions[c] for c in job.clusters().values()]
     summary.fill_wan(ordered[0], ordered[1])
     summary.settings = {

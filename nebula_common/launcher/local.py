@@ -15,8 +15,10 @@ under mutual TLS. The layout of the run directory:
     <run>/logs/supervisor.jsonl      one JSON line per service death, restart or crash loop
     <run>/wan-control-token          token for the WAN emulator's control port (0600)
 
-Starting again on an existing run directory reuses everything in it (PKI, admin passwords, accounts,
-signing keys, audit keys, datasets, checkpoints) and overwrites nothing; a partial or corrupt run
+Every service listens on ports the launcher picks outside the kernel's ephemeral range and keeps
+across restarts (``ports.py``). Starting again on an existing run directory reuses everything in it
+(PKI, admin passwords, accounts, signing keys, audit keys, datasets, checkpoints) and overwrites
+nothing; a partial or corrupt run
 directory is refused with a message naming the file (see ``check_run_dir``). One deployment at a time
 per run directory (a lock file). While it is up, a supervisor restarts any process that dies, on the
 same ports (``nebula_common/launcher/supervisor.py``).
@@ -27,6 +29,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import secrets
 import socket
 from collections.abc import Callable
@@ -37,6 +40,7 @@ from typing import IO, Any
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.durable import atomic_write
 from nebula_common.errors import NebulaError
+from nebula_common.launcher.ports import service_port
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command, wait_healthy
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor
 from nebula_common.pki import init_pki
@@ -47,19 +51,19 @@ LOOPBACK = "127.0.0.1"
 LOCK_FILE = ".nebula-local.lock"
 CONTROL_TOKEN_FILE = "wan-control-token"
 _SQLITE_MAGIC = b"SQLite format 3\x00"
-# Ready-line port -> the setting that binds it, so a restarted service comes back on the same port.
+BIND_ATTEMPTS = 3
+# How long a starting process may take to listen. Its imports alone took over 30 s on 2 cores shared
+# by four test runs (a deployment then failed to start); the supervisor allows a restart 90 s.
+START_TIMEOUT_S = 90.0
+_BIND_FAILURE = re.compile(r"could not bind|address already in use", re.IGNORECASE)
+# Ready-line port -> the setting that binds it. The launcher picks each port (outside the ephemeral
+# range, ``ports.py``) and keeps it in the service's env, so a restart comes back on the same port.
 _LISTEN_PINS = {"grpc_port": "LISTEN", "metrics_port": "METRICS_PORT"}
 _SWITCH_PINS = {"internal_port": "INTERNAL_LISTEN", "wan_port": "WAN_LISTEN", "metrics_port": "METRICS_PORT"}
 
 
 class LocalDeploymentError(NebulaError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
 
 
 def check_run_dir(run_dir: Path, clusters: tuple[str, ...]) -> dict[str, str | None]:
@@ -237,8 +241,8 @@ class LocalDeployment:
             dialer, acceptor = sorted(self.clusters)
             # The acceptor's WAN port must exist before the emulator can forward to it.
             self._start_switch(acceptor, layout, peer_address=None)
-            self.emulator_port = free_port()
-            self.control_port = free_port()
+            self.emulator_port = service_port()
+            self.control_port = service_port()
             acceptor_wan = self.cluster_state[acceptor].switch.info["wan_port"]  # type: ignore[union-attr]
             emulator_port = self.emulator_port
             self.emulator = ServiceProcess(
@@ -317,7 +321,6 @@ class LocalDeployment:
             {
                 **common,
                 "CLUSTER_ID": cluster,
-                "LISTEN": f"{LOOPBACK}:0",
                 "DATA_DIR": str(cluster_dir / "auth"),
                 "ADMIN_PASSWORD_FILE": str(password_file),
             },
@@ -340,7 +343,6 @@ class LocalDeployment:
             {
                 **common,
                 "CLUSTER_ID": cluster,
-                "LISTEN": f"{LOOPBACK}:0",
                 "AUTH_ADDRESS": self.address(state.auth),
                 "DATA_DIR": str(cluster_dir / "data"),
             },
@@ -356,8 +358,6 @@ class LocalDeployment:
             "LOG_LEVEL": self.log_level,
             "CLUSTER_ID": cluster,
             "PEER_CLUSTER_ID": peer,
-            "INTERNAL_LISTEN": f"{LOOPBACK}:0",
-            "WAN_LISTEN": f"{LOOPBACK}:0",
             "TLS_CERT": str(paths.switch_cert),
             "TLS_KEY": str(paths.switch_key),
             "TRUST_BUNDLE": str(paths.trust_bundle),
@@ -384,7 +384,6 @@ class LocalDeployment:
             {
                 "LOG_LEVEL": self.log_level,
                 "CLUSTER_ID": cluster,
-                "LISTEN": f"{LOOPBACK}:0",
                 "SWITCH_ADDRESS": f"{LOOPBACK}:{state.switch.info['internal_port']}",  # type: ignore[union-attr]
                 "AUTH_ADDRESS": self.address(state.auth),
                 "DATA_DIR": str(self.run_dir / cluster / "trainer"),
@@ -397,28 +396,42 @@ class LocalDeployment:
     def _launch(
         self, name: str, module: str, prefix: str, settings: dict[str, str], pins: dict[str, str]
     ) -> ServiceProcess:
-        process = ServiceProcess(
-            name=name,
-            command=console_command(module),
-            env={prefix + key: value for key, value in settings.items()},
-            log_dir=self.log_dir,
-        )
-        process.start()
-        try:
-            info = process.wait_ready()
-        except BaseException:  # not yet in cluster_state, so stop() would not know it
-            process.stop()
-            raise
-        # Pin the ports it picked, so a restart binds the same ones and its peers find it again.
-        for key, setting in pins.items():
-            port = info.get(key)
-            if isinstance(port, int) and port > 0:
-                value = str(port) if setting == "METRICS_PORT" else f"{LOOPBACK}:{port}"
-                process.env[prefix + setting] = value
-        return process
+        """Start a service on ports of its own, outside the ephemeral range (see ``ports.py``).
+
+        The ports go into its environment, so a restart binds the same ones and its peers find it
+        again. If another program took one of them between the check and the service's bind, the
+        start is retried with new ports (a bind failure only; any other failure is raised).
+        """
+        for attempt in range(1, BIND_ATTEMPTS + 1):
+            chosen = {setting: service_port() for setting in pins.values()}
+            env = {prefix + key: value for key, value in settings.items()}
+            for setting, port in chosen.items():
+                env[prefix + setting] = str(port) if setting == "METRICS_PORT" else f"{LOOPBACK}:{port}"
+            process = ServiceProcess(
+                name=name, command=console_command(module), env=env, log_dir=self.log_dir
+            )
+            process.start()
+            try:
+                info = process.wait_ready(START_TIMEOUT_S)
+            except ServiceStartError as exc:  # not yet in cluster_state, so stop() would not know it
+                process.stop()
+                if attempt < BIND_ATTEMPTS and _BIND_FAILURE.search(str(exc)):
+                    continue
+                raise
+            except BaseException:
+                process.stop()
+                raise
+            for key, setting in pins.items():
+                if info.get(key) not in (None, -1, chosen[setting]):
+                    process.stop()
+                    raise ServiceStartError(
+                        f"{name} reported {key} {info.get(key)}, but was told {chosen[setting]}"
+                    )
+            return process
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     @staticmethod
-    def _wait_listening(process: ServiceProcess, port: int, timeout: float = 30.0) -> None:
+    def _wait_listening(process: ServiceProcess, port: int, timeout: float = START_TIMEOUT_S) -> None:
         import time
 
         deadline = time.monotonic() + timeout

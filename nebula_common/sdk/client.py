@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -22,6 +23,7 @@ from nebula_common.codec.advice_client import AdviceUnavailableError
 from nebula_common.errors import AuthenticationError, InvalidRequestError, NebulaError, PermissionDeniedError
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from nebula_common.rpc import bearer_metadata, insecure_channel
+from nebula_common.rpc.channels import internal_channel_options
 from nebula_common.sdk.codec_advice import LinkProfile, needs_advice, resolve_auto_codecs
 from nebula_common.sdk.jobs import ProgramJob
 
@@ -30,11 +32,29 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[NebulaError]] = {
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
 }
+# A dropped stream (trainer killed, restarting or shutting down): re-open it.
+_RECONNECT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+WATCH_RECONNECT_S = 180.0
+WATCH_BACKOFF_S = (0.1, 2.0)
+# The SDK's channel to a trainer retries its connection at most this far apart, so a watch notices
+# a restarted trainer within about this long (gRPC's default backoff grows to 120 s).
+_TRAINER_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 TERMINAL = {
     trainer_pb2.STAGE_STATE_SUCCEEDED,
     trainer_pb2.STAGE_STATE_FAILED,
     trainer_pb2.STAGE_STATE_CANCELLED,
 }
+
+
+def _dropped(exc: grpc.RpcError) -> bool:
+    """The stream was lost (not refused): a killed peer's "Stream removed" may come as UNKNOWN."""
+    code = exc.code()
+    return code in _RECONNECT_CODES or (
+        code == grpc.StatusCode.UNKNOWN and "Stream removed" in (exc.details() or "")
+    )
 
 
 def _raise_for(exc: grpc.RpcError, what: str) -> None:
@@ -45,11 +65,23 @@ def _raise_for(exc: grpc.RpcError, what: str) -> None:
 class ClusterSession:
     """A logged-in handle on one cluster."""
 
-    def __init__(self, endpoints: ClusterEndpoints, token: str, username: str) -> None:
+    def __init__(
+        self,
+        endpoints: ClusterEndpoints,
+        token: str,
+        username: str,
+        *,
+        watch_reconnect_s: float = WATCH_RECONNECT_S,
+    ) -> None:
+        if watch_reconnect_s < 0:
+            raise ValueError(f"watch_reconnect_s must be >= 0, got {watch_reconnect_s}")
         self.endpoints = endpoints
         self.username = username
+        self.watch_reconnect_s = watch_reconnect_s
         self._token = token
-        self._trainer_channel = insecure_channel(endpoints.trainer)
+        self._trainer_channel = grpc.insecure_channel(
+            endpoints.trainer, options=internal_channel_options() + _TRAINER_CHANNEL_OPTIONS
+        )
         self._switch_channel = insecure_channel(endpoints.switch)
         self.trainer = trainer_pb2_grpc.TrainerStub(self._trainer_channel)
         self.relay = relay_pb2_grpc.RelayStub(self._switch_channel)
@@ -78,13 +110,47 @@ class ClusterSession:
             _raise_for(exc, f"cluster {self.endpoints.cluster_id} refused stage {spec.stage!r}")
             raise
 
-    def watch(self, job_id: str) -> Iterator[trainer_pb2.StageStatus]:
-        try:
-            yield from self.trainer.WatchStage(
-                trainer_pb2.WatchStageRequest(job_id=job_id), metadata=self.metadata
-            )
-        except grpc.RpcError as exc:
-            _raise_for(exc, f"watching job {job_id} on cluster {self.endpoints.cluster_id}")
+    def watch(self, job_id: str, reconnect_s: float | None = None) -> Iterator[trainer_pb2.StageStatus]:
+        """The stage's statuses until its final one, riding through a restart of its trainer.
+
+        A trainer that is killed or restarted drops the stream (UNAVAILABLE), and for a moment after
+        its restart may not know the stage yet (NOT_FOUND); the watch then re-opens with a backoff
+        (0.1 s doubling to 2 s) for up to ``reconnect_s`` (``watch_reconnect_s``, 180 s by default)
+        from the moment it lost the stream, which covers a supervisor's restart and the stage's
+        restore. Each re-opened stream repeats the stage's history; statuses already yielded are
+        skipped, so the caller sees every status once and the final one exactly once. NOT_FOUND on
+        the first call is not retried (a wrong job id must fail at once), nor is any other error.
+        """
+        budget = self.watch_reconnect_s if reconnect_s is None else reconnect_s
+        request = trainer_pb2.WatchStageRequest(job_id=job_id)
+        what = f"watching job {job_id} on cluster {self.endpoints.cluster_id}"
+        seen: set[bytes] = set()
+        lost_at: float | None = None  # when the stream was lost (None: it is up, or was never up)
+        delay = WATCH_BACKOFF_S[0]
+        while True:
+            try:
+                for status in self.trainer.WatchStage(request, metadata=self.metadata):
+                    lost_at, delay = None, WATCH_BACKOFF_S[0]
+                    key = status.SerializeToString(deterministic=True)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    yield status
+                    if status.state in TERMINAL:
+                        return
+                problem = "the stream ended before the stage did"
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if not _dropped(exc) and not (code == grpc.StatusCode.NOT_FOUND and seen):
+                    _raise_for(exc, what)
+                    raise
+                problem = f"{code.name}: {exc.details()}"
+            now = time.monotonic()
+            lost_at = now if lost_at is None else lost_at
+            if now - lost_at >= budget:
+                raise NebulaError(f"{what}: trainer unreachable for {budget:.0f} s (last: {problem})")
+            time.sleep(min(delay, max(0.0, lost_at + budget - now)))
+            delay = min(delay * 2, WATCH_BACKOFF_S[1])
 
     def cancel(self, job_id: str) -> None:
         try:

@@ -132,14 +132,21 @@ def summarize(
     job: SubmittedJob,
     handle: JobHandle,
     on_step: Callable[[trainer_pb2.StageStatus], None] | None = None,
+    on_status: Callable[[trainer_pb2.StageStatus], None] | None = None,
 ) -> JobSummary:
-    """Follow a job to its end, collecting the loss-owning stage's per-step numbers."""
+    """Follow a job to its end, collecting the loss-owning stage's per-step numbers.
+
+    ``on_step`` sees each step of the loss-owning stage; ``on_status`` every status of every stage
+    (e.g. to show a stage RECOVERING after its trainer restarted).
+    """
     summary = JobSummary(job_id=job.job_id, steps=job.steps)
     started = time.perf_counter()
     last_step: dict[str, int] = {}
     for update in handle.updates():
         status = update.status
         stage = status.stage
+        if on_status is not None:
+            on_status(status)
         summary.stage_states[stage] = trainer_pb2.StageState.Name(status.state).removeprefix("STAGE_STATE_")
         summary.stage_messages[stage] = status.message
         if status.steps_done > last_step.get(stage, 0):

@@ -1,8 +1,9 @@
 """The trainer service (``nebula-trainer``): the control API of one cluster's compute.
 
-Stages run on threads of this process. On stop, running stages are cancelled
-and joined (each within ``stop_grace_s``) before the audit log is sealed, so no
-stage thread is inside torch when the interpreter exits.
+Stages run on threads of this process; each is recorded on disk (``records.py``), so after a
+crash or ``kill -9`` the restarted process resumes them before it serves (``restore.py``). On
+stop, running stages are cancelled and joined (each within ``stop_grace_s``) before the audit log
+is sealed, so no stage thread is inside torch when the interpreter exits.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from nebula_common.service.host import ServiceDefinition, Started
 from nebula_common.service.resources import grpc_server, service_audit, start_internal, token_verifier
 from services.trainer.config import TrainerSettings
 from services.trainer.edge import EdgeSettings
+from services.trainer.restore import restore_stages
 from services.trainer.retention import FinishedStages
 from services.trainer.servicer import TrainerServicer
 
@@ -29,7 +31,11 @@ STOP_GRACE_SECONDS = 2.0
 
 
 def _stop_stages(servicer: TrainerServicer, grace: float) -> None:
-    """Cancel every stage, then wait (``grace`` seconds in all) for their threads to end."""
+    """Cancel every stage, then wait (``grace`` seconds in all) for their threads to end.
+
+    A stage thread stores its end in its record before it exits (a finish callback), so a restart
+    shows watchers how each ended.
+    """
     runners = list(servicer.runners.values())
     for runner in runners:
         runner.cancel()
@@ -63,6 +69,10 @@ async def start_trainer(
         metrics_grace_s=settings.metrics_grace_s,
     )
     stack.push_async_callback(asyncio.to_thread, _stop_stages, servicer, settings.stop_grace_s)
+    # Before serving: a client re-watching its stage after this restart finds it (RECOVERING or ended).
+    restored = await restore_stages(servicer, verifier)
+    if any(restored.values()):
+        log.info("stages restored from their records", extra={"fields": restored})
     server = grpc_server(
         stack,
         ["nebula.v1.Trainer", AUDIT_SERVICE_NAME],

@@ -30,6 +30,7 @@ from nebula_common.proto.nebula.v1 import trainer_pb2, trainer_pb2_grpc
 from services.trainer.edge import EdgeSettings
 from services.trainer.memory import return_freed_memory
 from services.trainer.metrics import REAPER, STAGES_RUNNING
+from services.trainer.records import StageRecord, StageRecords
 from services.trainer.retention import FinishedStages
 from services.trainer.runtime.checkpoint import CheckpointError, CheckpointStore
 from services.trainer.runtime.stage import ProgramRunner
@@ -59,6 +60,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.checkpoints = CheckpointStore(data_dir)
         self.audit = audit
         self.data_service_address = data_service_address
+        self.records = StageRecords(data_dir, audit)
         self.runners: dict[str, ProgramRunner] = {}
         self.owners: dict[str, str] = {}
         self._audit_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-audit")
@@ -169,8 +171,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         )
         return trainer_pb2.AssignStageResponse(job_id=spec.job_id, authorised_by=principal.username)
 
-    def _make_runner(self, spec: trainer_pb2.StageSpec, token: str, owner: str) -> ProgramRunner:
-        return ProgramRunner(
+    def _make_runner(
+        self, spec: trainer_pb2.StageSpec, token: str, owner: str, record: StageRecord | None = None
+    ) -> ProgramRunner:
+        """The runner of a stage, remembered on disk first so that a restarted trainer can resume it.
+
+        A new stage gets a record at epoch 0; a restored one (``record``, see ``restore.py``) runs at
+        the epoch after its record's. The record follows the stage: each epoch before it is opened,
+        and its final status once it ends.
+        """
+        epoch = 0 if record is None else record.epoch + 1
+        record = record or self.records.create(spec, token, owner)
+        runner = ProgramRunner(
             spec,
             token,
             self.switch_address,
@@ -178,7 +190,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             owner,
             self.data_service_address,
             edge_settings=self.edge_settings,
+            epoch=epoch,
+            on_epoch=lambda epoch: self.records.set_epoch(record, epoch),
         )
+        # First of the finish callbacks (``_launch`` adds the release after it): the end is on disk
+        # before the stage is released or forgotten.
+        runner.lifecycle.add_finish_callback(functools.partial(self.records.store_end, record, runner.board))
+        return runner
 
     async def ListCheckpoints(
         self, request: trainer_pb2.ListCheckpointsRequest, context: grpc.aio.ServicerContext
@@ -227,10 +245,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         )
 
     def _forget(self, job_ids: list[str]) -> None:
-        """Drop finished stages past their time or count: their final status is no longer served."""
+        """Drop finished stages past their time or count: their final status is no longer served, and
+        their records go, so neither memory nor the data dir grows with every job."""
         for job_id in job_ids:
             self.runners.pop(job_id, None)
-            self.owners.pop(job_id, None)
+            owner = self.owners.pop(job_id, None)
+            if owner is not None:  # its record goes too: a restart does not bring it back
+                self.records.remove(owner, job_id)
 
     async def WatchStage(
         self, request: trainer_pb2.WatchStageRequest, context: grpc.aio.ServicerContext

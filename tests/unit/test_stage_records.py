@@ -1,0 +1,181 @@
+"""Stage records on a trainer's disk: written safely, read back, damaged ones skipped, and restored.
+
+The resume of a running stage itself (a real runner at the next epoch, negotiating with its peer) is
+covered end to end by ``tests/integration/test_trainer_restart.py``; here: the records, the stages
+that had ended, a token that no longer verifies, and a damaged record next to good ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import stat
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from nebula_common.audit import AuditLog
+from nebula_common.audit.signing import AuditSigner
+from nebula_common.auth import TokenVerifier
+from nebula_common.jobspec import load_spec
+from nebula_common.jobspec.builtin import builtin_spec
+from nebula_common.proto.nebula.v1 import trainer_pb2
+from nebula_common.sdk.jobs import ProgramJob
+from services.auth.tokens import TokenIssuer
+from services.trainer.records import RECORDS_DIR, StageRecords
+from services.trainer.restore import restore_stages, token_problem
+from services.trainer.servicer import TrainerServicer
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def stage_spec(job_id: str = "job-1") -> trainer_pb2.StageSpec:
+    loaded = load_spec(builtin_spec("numbers"), {"steps": 3})
+    return ProgramJob(loaded, job_id=job_id).stage_spec("encoder")
+
+
+@pytest.fixture
+def issuer(tmp_path: Path) -> TokenIssuer:
+    return TokenIssuer(tmp_path / "auth", "a", ttl_seconds=600)
+
+
+@pytest.fixture
+def verifier(issuer: TokenIssuer) -> TokenVerifier:
+    return TokenVerifier("a", json.dumps(issuer.jwks()))
+
+
+@pytest.fixture
+def audit(tmp_path: Path) -> Iterator[AuditLog]:
+    log = AuditLog(
+        tmp_path / "trainer" / "audit.log",
+        AuditSigner.load_or_create(tmp_path / "trainer"),
+        service="trainer",
+        cluster="a",
+    )
+    yield log
+    log.close()
+
+
+def audit_events(audit: AuditLog) -> list[dict]:
+    return [json.loads(line) for line in audit.path.read_text().splitlines()]
+
+
+def test_a_record_is_private_atomic_and_round_trips(tmp_path: Path) -> None:
+    records = StageRecords(tmp_path)
+    record = records.create(stage_spec(), "token-of-alice", "alice")
+    assert record.path == tmp_path / RECORDS_DIR / "alice" / "job-1.json"
+    assert stat.S_IMODE(record.path.stat().st_mode) == 0o600  # it holds the owner's token
+    for directory in (tmp_path / RECORDS_DIR, record.path.parent):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert [p.name for p in record.path.parent.iterdir()] == ["job-1.json"]  # no temp file left
+    (back,) = records.load_all()
+    assert (back.owner, back.job_id, back.stage, back.token, back.epoch) == (
+        "alice",
+        "job-1",
+        "encoder",
+        "token-of-alice",
+        0,
+    )
+    assert back.spec == stage_spec() and not back.terminal
+
+
+def test_the_epoch_is_stored_before_use_and_never_goes_back(tmp_path: Path) -> None:
+    records = StageRecords(tmp_path)
+    record = records.create(stage_spec(), "t", "alice")
+    records.set_epoch(record, 2)
+    records.set_epoch(record, 1)  # late, out of order: ignored
+    (back,) = records.load_all()
+    assert back.epoch == 2 and back.state == trainer_pb2.STAGE_STATE_RECOVERING
+
+
+def test_an_ended_stage_keeps_its_final_status_and_drops_its_token(tmp_path: Path) -> None:
+    records = StageRecords(tmp_path)
+    record = records.create(stage_spec(), "secret-token", "alice")
+    final = trainer_pb2.StageStatus(
+        job_id="job-1", stage="encoder", state=trainer_pb2.STAGE_STATE_SUCCEEDED, steps_done=3
+    )
+    records.finish(record, final)
+    records.set_epoch(record, 5)  # after the end: ignored
+    assert "secret-token" not in record.path.read_text()
+    (back,) = records.load_all()
+    assert back.terminal and back.final == final and back.epoch == 0
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda p: p.write_bytes(b"\x00\xff{"), "not JSON"),
+        (lambda p: p.write_text("[1, 2]"), "not a JSON object"),
+        (lambda p: p.write_text(json.dumps({"format": 1})), "field 'owner'"),
+        (lambda p: _edit(p, epoch=-1), "field 'epoch'"),
+        (lambda p: _edit(p, state="STAGE_STATE_BORED"), "not a stage state"),
+        (lambda p: _edit(p, spec="not base64!"), "field 'spec'"),
+        (lambda p: _edit(p, token=""), "field 'token'"),
+        (lambda p: _edit(p, job_id="job-2"), "spec is for job 'job-1'"),
+        (lambda p: _edit(p, owner="bob"), "names owner 'bob' job 'job-1', but lies at alice/job-1.json"),
+        (lambda p: _edit(p, format=9), "format 9"),
+    ],
+)
+def test_a_damaged_record_is_skipped_audited_and_the_others_load(
+    tmp_path: Path, audit: AuditLog, damage: Callable[[Path], object], reason: str
+) -> None:
+    records = StageRecords(tmp_path, audit)
+    bad = records.create(stage_spec("job-1"), "t", "alice")
+    records.create(stage_spec("job-3"), "t", "alice")
+    damage(bad.path)
+    assert [r.job_id for r in records.load_all()] == ["job-3"]
+    (event,) = [e for e in audit_events(audit) if e["event"] == "stage.record"]
+    assert event["outcome"] == "failure" and event["job_id"] == "job-1" and event["account"] == "alice"
+    assert reason in event["details"]["reason"]
+
+
+def _edit(path: Path, **fields: object) -> None:
+    body = json.loads(path.read_text())
+    body.update(fields)
+    path.write_text(json.dumps(body))
+
+
+def test_a_token_that_no_longer_verifies_is_named(
+    tmp_path: Path, issuer: TokenIssuer, verifier: TokenVerifier
+) -> None:
+    records = StageRecords(tmp_path)
+    fresh = records.create(stage_spec(), issuer.issue("alice", "user").token, "alice")
+    assert token_problem(verifier, fresh) is None
+    old = issuer.issue("alice", "user", now=time.time() - 3600)
+    expired = records.create(stage_spec("job-2"), old.token, "alice")
+    at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(old.expires_at))
+    assert token_problem(verifier, expired) == f"token expired at {at}"
+    foreign = records.create(stage_spec("job-3"), issuer.issue("mallory", "user").token, "alice")
+    assert token_problem(verifier, foreign) == "token is 'mallory''s, the stage is 'alice''s"
+
+
+def test_restore_gives_back_ended_stages_and_fails_an_expired_one_with_its_reason(
+    tmp_path: Path, audit: AuditLog, issuer: TokenIssuer, verifier: TokenVerifier
+) -> None:
+    data_dir = tmp_path / "trainer"
+    before = StageRecords(data_dir)
+    done = before.create(stage_spec("job-1"), "t", "alice")
+    final = trainer_pb2.StageStatus(
+        job_id="job-1", stage="encoder", state=trainer_pb2.STAGE_STATE_CANCELLED, message="cancelled"
+    )
+    before.finish(done, final)
+    old = issuer.issue("bob", "user", now=time.time() - 3600).token
+    before.create(stage_spec("job-2"), old, "bob")
+
+    servicer = TrainerServicer("a", "127.0.0.1:1", data_dir, audit)
+    counts = asyncio.run(restore_stages(servicer, verifier))
+    assert counts == {"resumed": 0, "ended": 1, "failed": 1}
+    assert servicer.owners == {"job-1": "alice", "job-2": "bob"}
+    assert servicer.runners["job-1"].board.latest() == final
+    failed = servicer.runners["job-2"].board.latest()
+    assert failed.state == trainer_pb2.STAGE_STATE_FAILED
+    assert failed.message.startswith(
+        "cannot resume after the trainer restarted: the owner's token expired at"
+    )
+    (event,) = [e for e in audit_events(audit) if e["event"] == "stage.recover"]
+    assert event["outcome"] == "failure" and event["job_id"] == "job-2"
+    # ... and it stays failed across the next restart, without its token
+    (again,) = [r for r in StageRecords(data_dir).load_all() if r.job_id == "job-2"]
+    assert again.terminal and again.token == "" and again.final == failed
