@@ -83,7 +83,9 @@ def start_up(
         time.sleep(0.2)
     if data is None:
         up.kill()
-        raise AssertionError(f"no deployment.json within {START_DEADLINE_S:.0f} s:\n{up.communicate(timeout=30)[0]}")
+        raise AssertionError(
+            f"no deployment.json within {START_DEADLINE_S:.0f} s:\n{up.communicate(timeout=30)[0]}"
+        )
     return up, data
 
 
