@@ -181,13 +181,23 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
 
         Not refused: edges of a job the account already has running here, and edges whose route
         already exists for this account or was created by the peer (a re-attach, a reconnect, or the
-        receiving end of a live job): those are not what a flooder opens. The refusal is audited once
-        per backoff, counted every time.
+        receiving end of a live job), unless that job is the one penalized: its routes are the ones
+        a flooder would re-attach to (a stream cancelled after its close leaves its route orphaned
+        here). The refusal is audited once per backoff, counted every time.
         """
-        if self.penalties is None or (account, job_id) in self._running:
+        if self.penalties is None or self.penalties.job_penalized(account, job_id):
+            await self._refuse(context, account, job_id, edge)
+            return
+        if (account, job_id) in self._running:
             return
         existing = self.router.get((job_id, edge))
         if existing is not None and existing.owner in ("", account):
+            return
+        await self._refuse(context, account, job_id, edge)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, account: str, job_id: str, edge: str) -> None:
+        """Abort the call if ``account`` is backing off (nothing happens otherwise)."""
+        if self.penalties is None:
             return
         refusal = self.penalties.refusal(account)
         if refusal is None:

@@ -763,10 +763,11 @@ def test_a_flooder_is_closed_then_refused_while_other_edges_keep_working(
         )[0]
         assert penalty["account"] == "mallory" and penalty["details"]["bound"] == "unattached_items", penalty
         assert penalty["details"]["backoff_s"] == backoff and penalty["details"]["closed_by"] == "peer"
-        # Re-opening under new job ids (as the flooder does) is refused, naming the penalty.
+        # Re-opening the penalized job (its route may be kept orphaned here) or new job ids (as the
+        # flooder does) is refused, naming the penalty.
         refusals = []
-        for attempt in range(3):
-            again = EdgeClient(pair.a, clusters["a"].tokens["mallory"], f"flood-2-{attempt}")
+        for job in ("flood-1", "flood-2", "flood-3"):
+            again = EdgeClient(pair.a, clusters["a"].tokens["mallory"], job)
             refusals.append(_refused(again))
             again.finish()
         for refusal in refusals:
