@@ -60,6 +60,28 @@ class SwitchSettings(ServiceSettings):
     account_item_burst: int = Field(
         4000, ge=1, description="Items one account may send at once above its rate before it is paced."
     )
+    penalty_rate_factor: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="A job whose route was closed for a bound its sender exceeded (this switch's credit, "
+        "or the peer's window/items/unattached bounds) reads at this fraction of account_item_rate until "
+        "penalty_quiet_s pass without a new offence.",
+    )
+    penalty_backoff_min_s: float = Field(
+        1.0,
+        gt=0,
+        description="First backoff of an account whose route was closed for such a bound: its new edges "
+        "(of jobs it has no edge of running here) are refused with RESOURCE_EXHAUSTED for this long; "
+        "doubled per further strike.",
+    )
+    penalty_backoff_max_s: float = Field(60.0, gt=0, description="Cap of the doubling open backoff.")
+    penalty_quiet_s: float = Field(
+        300.0,
+        gt=0,
+        description="An account's strikes are forgotten this long after its last backoff ended (the "
+        "next offence starts again at penalty_backoff_min_s).",
+    )
     max_attached_routes: int = Field(
         128, ge=1, description="Edges open on this switch at once, all accounts."
     )
@@ -126,6 +148,15 @@ class SwitchSettings(ServiceSettings):
     def _dialer_knows_where(self) -> SwitchSettings:
         if self.link_role == "dial" and self.peer_address is None:
             raise ValueError("link_role 'dial' needs peer_address (where the peer's WAN port is reached)")
+        return self
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> SwitchSettings:
+        if self.penalty_backoff_min_s > self.penalty_backoff_max_s:
+            raise ValueError(
+                f"penalty_backoff_min_s ({self.penalty_backoff_min_s}) must not exceed "
+                f"penalty_backoff_max_s ({self.penalty_backoff_max_s})"
+            )
         return self
 
     def dials(self) -> bool:

@@ -76,6 +76,17 @@ THROTTLED_SECONDS = Counter(
     "(NEBULA_SWITCH_ACCOUNT_ITEM_RATE), by account.",
     ["account"],
 )
+PENALTIES = Counter(
+    "nebula_switch_penalties",
+    "Routes of this switch's accounts closed for a bound their sender exceeded (each one a strike toward "
+    "the account's open backoff and a reduced item rate for the job), by bound.",
+    ["bound"],
+)
+OPENS_REFUSED = Counter(
+    "nebula_switch_penalty_refusals",
+    "OpenEdge calls refused because the account is in a penalty backoff, by account.",
+    ["account"],
+)
 LINK_RTT = Gauge(
     "nebula_switch_link_rtt_seconds",
     "Smoothed round-trip time to the peer switch (RFC 6298 SRTT, Ping/Pong).",

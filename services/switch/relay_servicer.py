@@ -34,7 +34,7 @@ from services.switch.routing import (
     Router,
     StaleEpochError,
 )
-from services.switch.throttle import AccountThrottle
+from services.switch.throttle import AccountThrottle, Penalties, closed_bound, is_offence
 
 log = logging.getLogger(__name__)
 EOF_GRACE_S = 1.0
@@ -63,6 +63,10 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
     ) -> None:
         self.cluster_id = cluster_id
         self.throttle = throttle
+        self.penalties: Penalties | None = throttle.penalties if throttle is not None else None
+        # Edge streams open per (account, job): a job already running here is never refused by its
+        # account's penalty backoff (only edges of jobs new to this switch are).
+        self._running: dict[tuple[str, str], int] = {}
         self.link = link
         self.router = router
         self.certificates = certificates
@@ -82,6 +86,7 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.job_id and open.edge are required")
         key = (job_id, edge)
         account = principal.username
+        await self._refuse_if_backing_off(context, account, job_id, edge)
         try:
             route, attachment = self.router.attach(key, owner=account, reconnect=reconnect, epoch=epoch)
         except StaleEpochError as exc:
@@ -114,6 +119,8 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
         self.link.record(
             "edge.open", account=account, job_id=job_id, edge=edge, reconnect=reconnect, epoch=epoch
         )
+        running = (account, job_id)
+        self._running[running] = self._running.get(running, 0) + 1
         EDGES_OPEN.set(self.router.open_routes())
         log.info(
             "edge opened",
@@ -136,6 +143,10 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
         except TrainerVanished:
             outcome = FAILED
         finally:
+            if self._running[running] <= 1:
+                del self._running[running]
+            else:
+                self._running[running] -= 1
             # A trainer that vanished (cancelled call, crash) orphans its route: the peer is told only
             # if nobody re-attaches within the orphan timeout (the router's sweeper).
             vanished = outcome == FAILED and not attachment.local_closed
@@ -160,7 +171,87 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 orphaned=vanished,
                 epoch=epoch,
             )
+            self._penalize(account, job_id, edge, route.closed_reason, received)
             EDGES_OPEN.set(self.router.open_routes())
+
+    async def _refuse_if_backing_off(
+        self, context: grpc.aio.ServicerContext, account: str, job_id: str, edge: str
+    ) -> None:
+        """Refuse a new edge of an account in its penalty backoff (RESOURCE_EXHAUSTED, naming it).
+
+        Not refused: edges of a job the account already has running here, and edges whose route
+        already exists for this account or was created by the peer (a re-attach, a reconnect, or the
+        receiving end of a live job), unless that job is the one penalized: its routes are the ones
+        a flooder would re-attach to (a stream cancelled after its close leaves its route orphaned
+        here). The refusal is audited once per backoff, counted every time.
+        """
+        if self.penalties is None or self.penalties.job_penalized(account, job_id):
+            await self._refuse(context, account, job_id, edge)
+            return
+        if (account, job_id) in self._running:
+            return
+        existing = self.router.get((job_id, edge))
+        if existing is not None and existing.owner in ("", account):
+            return
+        await self._refuse(context, account, job_id, edge)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, account: str, job_id: str, edge: str) -> None:
+        """Abort the call if ``account`` is backing off (nothing happens otherwise)."""
+        if self.penalties is None:
+            return
+        refusal = self.penalties.refusal(account)
+        if refusal is None:
+            return
+        message = refusal.message(self.cluster_id)
+        if refusal.first:
+            self.link.record(
+                "edge.open",
+                outcome="refused",
+                account=account,
+                job_id=job_id,
+                edge=edge,
+                reason=message,
+                penalty="backoff",
+                backoff_s=refusal.backoff_s,
+                strikes=refusal.strikes,
+                bound=refusal.bound,
+                offending_job=refusal.job_id,
+            )
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+    def _penalize(
+        self,
+        account: str,
+        job_id: str,
+        edge: str,
+        closed_here: str | None,
+        received: list[relay_pb2.EdgeClose],
+    ) -> None:
+        """A route closed for a bound our sender exceeded (here, or at the peer) is a strike."""
+        if self.penalties is None:
+            return
+        if closed_here is not None:
+            bound, by_peer = closed_bound(closed_here), False
+        elif received and received[0].error:
+            bound, by_peer = closed_bound(received[0].reason), True
+        else:
+            return
+        if not is_offence(bound, by_peer):
+            return
+        assert bound is not None
+        state = self.penalties.offend(account, job_id, bound)
+        self.link.record(
+            "account.penalty",
+            outcome="refused",
+            account=account,
+            job_id=job_id,
+            edge=edge,
+            bound=bound,
+            closed_by="peer" if by_peer else "this switch",
+            strikes=state.strikes,
+            backoff_s=state.backoff_s,
+            rate_factor=self.penalties.rules.rate_factor,
+        )
 
     async def _pump(
         self,
@@ -217,7 +308,7 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 )
                 return
             if self.throttle is not None:
-                await self.throttle.pace(account)
+                await self.throttle.pace(account, route.key[0])
             kind = message.WhichOneof("body")
             if kind in ("frame", "signal", "ack"):
                 self.router.accept_local(route, attachment, message)

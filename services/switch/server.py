@@ -31,7 +31,7 @@ from services.switch.link import PeerLink, fetch_server_certificate
 from services.switch.relay_servicer import RelayServicer
 from services.switch.revocation import RevocationList
 from services.switch.routing import Limits, Router
-from services.switch.throttle import AccountThrottle
+from services.switch.throttle import AccountThrottle, Penalties, PenaltyRules
 from services.switch.tls_refusals import StderrTap
 from services.switch.wan_servicer import SwitchLinkServicer
 
@@ -166,7 +166,18 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
             link,
             router,
             certs,
-            AccountThrottle(settings.account_item_rate, settings.account_item_burst),
+            AccountThrottle(
+                settings.account_item_rate,
+                settings.account_item_burst,
+                Penalties(
+                    PenaltyRules(
+                        rate_factor=settings.penalty_rate_factor,
+                        backoff_min_s=settings.penalty_backoff_min_s,
+                        backoff_max_s=settings.penalty_backoff_max_s,
+                        quiet_s=settings.penalty_quiet_s,
+                    )
+                ),
+            ),
         ),
         internal.server,
     )

@@ -30,6 +30,7 @@ from nebula_common.rpc import bearer_metadata
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.wan.emulator import LinkShape, WanEmulator
 from services.switch.config import SwitchSettings
+from services.switch.routing import UNATTACHED_MAX_ITEMS
 from services.switch.throttle import PAUSE_S
 from tests.support.accounts import ADMIN_PASSWORD, auth_settings
 from tests.support.servers import AuthServerThread, SwitchThread, running_auth
@@ -725,3 +726,84 @@ def test_an_orphaned_route_nobody_reattaches_is_closed_to_the_peer_and_audited(
             REGISTRY.get_sample_value("nebula_switch_routes_closed_total", {"reason": "orphan_timeout"})
             == closed_before + 1
         )
+
+
+def _refused(client: EdgeClient) -> grpc.RpcError:
+    ended = client.next(20, "the refusal of an edge in a penalty backoff")
+    assert isinstance(ended, grpc.RpcError), f"wanted a refusal, got {ended!r}"
+    return ended
+
+
+def test_a_flooder_is_closed_then_refused_while_other_edges_keep_working(
+    tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster]
+) -> None:
+    """The flooder's account backs off (RESOURCE_EXHAUSTED naming the penalty, audited once); alice's
+    edge and mallory's own running job are never refused and keep moving."""
+    backoff = 6.0
+    with (
+        switch_pair(
+            tmp_path, pki_ab, clusters, penalty_backoff_min_s=backoff, penalty_backoff_max_s=30.0
+        ) as pair,
+        edge_pair(pair, clusters, "alice", "healthy") as (ha, hb),
+        edge_pair(pair, clusters, "mallory", "mallory-good") as (ma, mb),
+    ):
+        healthy, own = Stream(ha, hb), Stream(ma, mb)
+        wait_for(lambda: len(healthy.arrived) >= 10 and len(own.arrived) >= 10, 20, "both routes to move")
+        flooder = EdgeClient(pair.a, clusters["a"].tokens["mallory"], "flood-1")
+        flooder.expect("ready")
+        for frame_id in range(1, UNATTACHED_MAX_ITEMS + 100):
+            flooder.send(frame(frame_id))
+        close = flooder.expect("close", timeout=60).close
+        assert close.error and "unattached_items" in close.reason, close.reason
+        flooder.finish()
+        penalty = wait_for(
+            lambda: [r for r in pair.audit("a", "account.penalty") if r["job_id"] == "flood-1"],
+            20,
+            "switch a's account.penalty record",
+        )[0]
+        assert penalty["account"] == "mallory" and penalty["details"]["bound"] == "unattached_items", penalty
+        assert penalty["details"]["backoff_s"] == backoff and penalty["details"]["closed_by"] == "peer"
+        # Re-opening the penalized job (its route may be kept orphaned here) or new job ids (as the
+        # flooder does) is refused, naming the penalty.
+        refusals = []
+        for job in ("flood-1", "flood-2", "flood-3"):
+            again = EdgeClient(pair.a, clusters["a"].tokens["mallory"], job)
+            refusals.append(_refused(again))
+            again.finish()
+        for refusal in refusals:
+            assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refusal
+            assert "penalty backoff" in refusal.details() and "'mallory'" in refusal.details(), (
+                refusal.details()
+            )
+        records = [
+            r
+            for r in pair.audit("a", "edge.open")
+            if r["account"] == "mallory" and r["details"].get("penalty") == "backoff"
+        ]
+        assert len(records) == 1, records  # audited once per backoff, not once per refused call
+        assert REGISTRY.get_sample_value("nebula_switch_penalty_refusals_total", {"account": "mallory"}) >= 3
+        # Another account opens new edges as usual, and mallory's running job re-attaches (a reconnect).
+        other = EdgeClient(pair.a, clusters["a"].tokens["alice"], "alice-new")
+        other.expect("ready")
+        other.finish()
+        mine = len(own.arrived)
+        wait_for(lambda: len(own.arrived) >= mine + 10, 20, "mallory's running job to keep moving")
+        ma.crash()
+        back = EdgeClient(pair.a, clusters["a"].tokens["mallory"], "mallory-good", reconnect=True)
+        back.expect("ready")
+        back.finish()
+        # Alice's route never stalled; after the backoff mallory may open new edges again.
+        after = len(healthy.arrived)
+        wait_for(lambda: len(healthy.arrived) >= after + 10, 20, "alice's route to keep moving")
+        healthy.stop()
+        assert healthy.worst_latency() < 5.0, healthy.worst_latency()
+
+        def opens_again() -> bool:
+            client = EdgeClient(pair.a, clusters["a"].tokens["mallory"], f"later-{time.monotonic()}")
+            try:
+                message = client.next(20, "ready or a refusal")
+                return isinstance(message, relay_pb2.EdgeMessage) and message.WhichOneof("body") == "ready"
+            finally:
+                client.finish()
+
+        wait_for(opens_again, backoff + 20, "mallory's backoff to end")
