@@ -44,6 +44,11 @@ class EdgeStats:
     raw_bytes_sent: int = 0
     raw_bytes_received: int = 0
     wait_seconds: float = 0.0
+    retransmit_timeout_s: float = 0.0
+    """The sending half's current retransmit timeout (measured, with backoff; the cap before any sample)."""
+    srtt_s: float | None = None
+    """Smoothed round trip send -> ack of our items (None before the first sample)."""
+    retransmitted_messages: int = 0
 
 
 def _signal_name(kind: int) -> str:
@@ -76,6 +81,13 @@ class EdgeConnection:
         self._decoder = TensorStreamDecoder(in_spec or "none")
         self.session = EdgeSession(transport, self.send_direction, settings, name=edge, epoch=epoch)
         self.session.start()
+        self._refresh_timer_stats()
+
+    def _refresh_timer_stats(self) -> None:
+        """Copy the session's retransmit timer into ``stats`` (refreshed on every send and receive)."""
+        self.stats.retransmit_timeout_s = self.session.retransmit_timeout()
+        self.stats.srtt_s = self.session.rtt_estimate()[0]
+        self.stats.retransmitted_messages = self.session.retransmitted_messages
 
     @property
     def settings(self) -> EdgeSettings:
@@ -103,6 +115,7 @@ class EdgeConnection:
         encoded = self.session.enqueue_tensor(build)
         self.stats.bytes_sent += encoded.header.payload_size
         self.stats.raw_bytes_sent += encoded.header.raw_size
+        self._refresh_timer_stats()
         return encoded.header
 
     def send_signal(self, kind: int, step: int = 0, values: Sequence[float] = ()) -> None:
@@ -117,6 +130,7 @@ class EdgeConnection:
             return self.session.receive_item(timeout, what)
         finally:
             self.stats.wait_seconds += time.perf_counter() - started
+            self._refresh_timer_stats()
 
     def receive_tensor(
         self,

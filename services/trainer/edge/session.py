@@ -20,8 +20,19 @@ what ``proto/nebula/v1/relay.proto`` calls the delivery contract:
 
 Beyond the contract's minimum: a receiver that sees a gap (an item lost in flight
 without a link event) asks for a rewind with a resume ack, and a sender whose
-unacknowledged items see no progress for ``retransmit_s`` (doubling, capped) rewinds
-on its own, so a lost last item or a lost ack cannot stall the edge.
+unacknowledged items see no progress for its retransmit timeout (RTO) rewinds on its
+own, so a lost last item or a lost ack cannot stall the edge.
+
+The RTO derives from what the sender measures (``RetransmitTimer``): RFC 6298's SRTT
+and RTTVAR from send -> ack of items never replayed (Karn), plus the time the bytes in
+flight need at the smoothed ack throughput, so a large frame on a slow link is not
+rewound while it is still legitimately on the wire. It is clamped to
+[``min_retransmit_s``, ``retransmit_s``] (the cap, also used before any sample) and
+doubles on consecutive timeouts. After a timeout rewind, neither the timer nor a resume
+ack rewinds again until the resent bytes had time to arrive at the measured throughput
+(unless the link or the stream was re-established meanwhile): otherwise the receiver,
+restarting its assembly on the replayed header, would see the original chunks as gaps
+and ask for a rewind of the rewind.
 
 Outages pause: while the link (or the stream to the switch) is down nothing is sent,
 and waits do not count the outage against their timeouts; an outage longer than
@@ -94,10 +105,12 @@ class EdgeSettings:
     max_outage_s: float = 300.0
     """How long the link (or the stream to the switch) may stay down before the edge fails."""
     retransmit_s: float = 30.0
-    """Rewind when unacknowledged items see no ack progress this long (doubles up to 10x). A safety
-    net only: over gRPC items are lost only with a link notice or a reconnect, which resume at once,
-    and a receiver that sees a gap asks for a replay itself. Kept long because a receiver whose
-    queue is full legitimately leaves a partly sent frame unacknowledged (a rewind resends it)."""
+    """Cap of the retransmit timeout (and the timeout before any RTT sample): rewind when
+    unacknowledged items see no ack progress for the measured RTO (see the module doc; doubles on
+    consecutive timeouts up to 10x this). Over gRPC items are lost only with a link notice or a
+    reconnect, which resume at once, and a receiver that sees a gap asks for a replay itself."""
+    min_retransmit_s: float = 1.0
+    """Floor of the measured retransmit timeout (RFC 6298 recommends 1 s)."""
     receive_queue_items: int = 64
     """Completed items (tensors, signals) held for the stage; while full, no new credit is granted."""
     ready_timeout_s: float = 90.0
@@ -139,6 +152,55 @@ class _Outgoing:
     seq: int
     message: relay_pb2.EdgeMessage
     end: int  # cumulative wire size of the direction through this message
+    sent_at: float | None = None  # clock of the last transmission
+    replayed: bool = False  # transmitted more than once: no RTT sample from its item (Karn)
+
+
+class RetransmitTimer:
+    """RFC 6298 SRTT/RTTVAR plus a smoothed ack throughput: the sender's retransmit timeout.
+
+    ``rto(in_flight)`` = SRTT + 4*RTTVAR + in_flight / throughput, clamped to [floor, cap];
+    the cap before any sample. Not thread-safe: the session calls it under its lock.
+    """
+
+    THROUGHPUT_GAIN = 0.25
+
+    def __init__(self, floor: float, cap: float) -> None:
+        self.cap = cap
+        self.floor = min(floor, cap)
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+        self.throughput: float | None = None  # acked wire bytes per second, smoothed
+
+    def sample(self, rtt: float, acked_bytes: int, interval: float) -> None:
+        """One ack of items never replayed: ``rtt`` from the last one's send, ``acked_bytes`` over
+        ``interval`` seconds (since the earlier of the previous ack and the first one's send)."""
+        rtt = max(rtt, 0.0)
+        if self.srtt is None:
+            self.srtt, self.rttvar = rtt, rtt / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
+            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+        if interval > 0 and acked_bytes > 0:
+            rate = acked_bytes / interval
+            if self.throughput is None:
+                self.throughput = rate
+            else:
+                self.throughput += self.THROUGHPUT_GAIN * (rate - self.throughput)
+
+    def resend_seconds(self, in_flight: int) -> float:
+        """How long ``in_flight`` bytes take at the measured throughput (0 before any measure)."""
+        if in_flight <= 0 or not self.throughput:
+            return 0.0
+        return in_flight / self.throughput
+
+    def rto(self, in_flight: int) -> float:
+        if self.srtt is None:
+            return self.cap
+        if in_flight > 0 and not self.throughput:
+            return self.cap
+        base = self.srtt + 4 * self.rttvar + self.resend_seconds(in_flight)
+        return min(self.cap, max(self.floor, base))
 
 
 @dataclass
@@ -204,7 +266,10 @@ class EdgeSession:
         self._credit = INITIAL_WINDOW_BYTES
         self._acked = 0
         self._last_progress = clock()
-        self._rto = self.settings.retransmit_s
+        self._timer_state = RetransmitTimer(self.settings.min_retransmit_s, self.settings.retransmit_s)
+        self._backoff = 0  # consecutive retransmit timeouts without progress
+        self._last_ack_at: float | None = None
+        self._rewind_guard_until = float("-inf")  # after a timeout rewind: no further rewind before
         # --- receiving half
         self._expected = 1
         self._held_bytes = 0  # cumulative wire size through the last complete item
@@ -283,6 +348,7 @@ class EdgeSession:
         self._link_up = True
         self._ever_up = True
         self._last_progress = self._clock()
+        self._rewind_guard_until = float("-inf")  # a fresh link: a resume ack must be honoured
         # A fresh session: what was in flight may be lost. Ask the peer to replay after what we hold.
         self._send_ack_locked(resume=True, force=True)
         self._pump_locked()
@@ -381,6 +447,7 @@ class EdgeSession:
                 # replay. Resend everything unacknowledged; the peer ignores what it already holds.
                 self.retransmitted_messages += self._pointer - self._first_index
                 self._pointer = self._first_index
+                self._rewind_guard_until = float("-inf")
             self._ever_ready = True
             if ready.max_window_bytes:
                 self._window = max(1, min(self.settings.window_bytes, ready.max_window_bytes))
@@ -520,6 +587,14 @@ class EdgeSession:
             item = self._buffer[index]
             if item.end > self._credit:
                 return
+            now = self._clock()
+            if index == 0:
+                # Nothing was in flight: the retransmit timer starts now, not at the last ack (which
+                # may be long ago after an idle spell).
+                self._last_progress = max(self._last_progress, now)
+            if item.sent_at is not None:
+                item.replayed = True
+            item.sent_at = now
             self.transport.send(item.message)
             self._pointer += 1
             in_transit = item.end - self._acked_bytes_locked()
@@ -533,6 +608,7 @@ class EdgeSession:
 
     def _on_ack_locked(self, ack: relay_pb2.EdgeAck) -> None:
         progress = False
+        now = self._clock()
         if ack.received > self._acked:
             if ack.received >= self._next_seq:
                 raise _ProtocolError(
@@ -540,23 +616,100 @@ class EdgeSession:
                 )
             self._acked = ack.received
             progress = True
+        popped: list[_Outgoing] = []
         while self._buffer and self._buffer[0].seq <= self._acked:
-            self._buffer.popleft()
+            popped.append(self._buffer.popleft())
             self._first_index += 1
+        if popped:
+            self._sample_locked(popped, now)
         if self._pointer < self._first_index:
             self._pointer = self._first_index
         if ack.max_bytes > self._credit:
             self._credit = ack.max_bytes
             progress = True
-        if ack.resume:
+        rewind = ack.resume
+        if rewind and now < self._rewind_guard_until and not progress:
+            # Right after our own timeout rewind: most likely the receiver restarted its assembly on
+            # the replayed header and saw the original chunks as a gap. The replay is on its way; if
+            # it is lost too, the timer rewinds again.
+            rewind = False
+        if rewind:
             if self._pointer > self._first_index:
                 self.retransmitted_messages += self._pointer - self._first_index
             self._pointer = self._first_index
-        if progress or ack.resume:
-            self._last_progress = self._clock()
-            self._rto = self.settings.retransmit_s
+        if progress or rewind:
+            self._last_progress = now
+            self._backoff = 0
         self._pump_locked()
         self._cond.notify_all()
+
+    def _sample_locked(self, popped: list[_Outgoing], now: float) -> None:
+        """RTT and throughput from the items an ack retired (none if any was replayed: Karn)."""
+        previous, self._last_ack_at = self._last_ack_at, now
+        if any(item.replayed or item.sent_at is None for item in popped):
+            return
+        first_sent = popped[0].sent_at
+        last_sent = popped[-1].sent_at
+        assert first_sent is not None and last_sent is not None
+        start = first_sent if previous is None else max(previous, first_sent)
+        acked_bytes = sum(wire_size(item.message) for item in popped)
+        self._timer_state.sample(now - last_sent, acked_bytes, now - start)
+
+    def _in_flight_bytes_locked(self) -> int:
+        """Wire bytes transmitted and not yet acknowledged."""
+        return max(0, self._sent_bytes_locked() - self._acked_bytes_locked())
+
+    def _rto_locked(self) -> float:
+        base = self._timer_state.rto(self._in_flight_bytes_locked())
+        return min(base * (2**self._backoff), self.settings.retransmit_s * 10)
+
+    def retransmit_timeout(self) -> float:
+        """The current retransmit timeout in seconds (with the backoff of consecutive timeouts)."""
+        with self._cond:
+            return self._rto_locked()
+
+    def rtt_estimate(self) -> tuple[float | None, float, float | None]:
+        """(SRTT s, RTTVAR s, ack throughput bytes/s); None before the first sample."""
+        with self._cond:
+            timer = self._timer_state
+            return timer.srtt, timer.rttvar, timer.throughput
+
+    def poll_timers(self) -> None:
+        """Run the retransmit check now (the timer thread does this every 50 ms; tests with a fake
+        clock call it after moving the clock)."""
+        with self._cond:
+            if self._failed is None:
+                self._check_retransmit_locked(self._clock())
+
+    def _check_retransmit_locked(self, now: float) -> None:
+        if not self._link_up or self._pointer <= self._first_index:
+            return
+        if now < self._rewind_guard_until:
+            return
+        rto = self._rto_locked()
+        if now - self._last_progress <= rto:
+            return
+        in_flight = self._in_flight_bytes_locked()
+        timer = self._timer_state
+        log.info(
+            "edge retransmit timeout: rewinding",
+            extra={
+                "fields": {
+                    "edge": self.name,
+                    "rto_s": round(rto, 3),
+                    "srtt_s": None if timer.srtt is None else round(timer.srtt, 3),
+                    "inflight_bytes": in_flight,
+                    "throughput_bps": None if timer.throughput is None else round(timer.throughput),
+                    "backoff": self._backoff,
+                }
+            },
+        )
+        self.retransmitted_messages += self._pointer - self._first_index
+        self._pointer = self._first_index
+        self._last_progress = now
+        self._backoff += 1
+        self._rewind_guard_until = now + timer.resend_seconds(in_flight)
+        self._pump_locked()
 
     # ------------------------------------------------------------------ receiving half
 
@@ -711,16 +864,7 @@ class EdgeSession:
                     failed = True
                 else:
                     failed = False
-                    if (
-                        self._link_up
-                        and self._pointer > self._first_index
-                        and now - self._last_progress > self._rto
-                    ):
-                        self.retransmitted_messages += self._pointer - self._first_index
-                        self._pointer = self._first_index
-                        self._last_progress = now
-                        self._rto = min(self._rto * 2, self.settings.retransmit_s * 10)
-                        self._pump_locked()
+                    self._check_retransmit_locked(now)
                     self._cond.wait(0.05)
             if failed:
                 # No close: the peer cannot be reached now, and it learns of our next epoch from its
@@ -740,6 +884,7 @@ __all__ = [
     "EdgeRestartRequired",
     "EdgeSession",
     "EdgeSettings",
+    "RetransmitTimer",
     "Transport",
     "TransportHandler",
     "renewed",
