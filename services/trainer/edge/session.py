@@ -174,7 +174,7 @@ class RetransmitTimer:
 
     def sample(self, rtt: float, acked_bytes: int, interval: float) -> None:
         """One ack of items never replayed: ``rtt`` from the last one's send, ``acked_bytes`` over
-        ``interval`` seconds (since the earlier of the previous ack and the first one's send)."""
+        ``interval`` seconds (since the later of the previous ack and the first one's send)."""
         rtt = max(rtt, 0.0)
         if self.srtt is None:
             self.srtt, self.rttvar = rtt, rtt / 2
