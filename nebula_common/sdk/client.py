@@ -35,6 +35,9 @@ _STATUS_ERRORS: dict[grpc.StatusCode, type[NebulaError]] = {
 # A dropped stream (trainer killed, restarting or shutting down): re-open it.
 _RECONNECT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 WATCH_RECONNECT_S = 180.0
+TRAINER_WAIT_S = 30.0
+"""How long ``assign``/``cancel`` wait for a trainer that accepts no connection (one being restarted
+by its supervisor is back in seconds) before they fail naming it."""
 WATCH_BACKOFF_S = (0.1, 2.0)
 # The SDK's channel to a trainer retries its connection at most this far apart, so a watch notices
 # a restarted trainer within about this long (gRPC's default backoff grows to 120 s).
@@ -72,9 +75,13 @@ class ClusterSession:
         username: str,
         *,
         watch_reconnect_s: float = WATCH_RECONNECT_S,
+        trainer_wait_s: float = TRAINER_WAIT_S,
     ) -> None:
         if watch_reconnect_s < 0:
             raise ValueError(f"watch_reconnect_s must be >= 0, got {watch_reconnect_s}")
+        if trainer_wait_s < 0:
+            raise ValueError(f"trainer_wait_s must be >= 0, got {trainer_wait_s}")
+        self.trainer_wait_s = trainer_wait_s
         self.endpoints = endpoints
         self.username = username
         self.watch_reconnect_s = watch_reconnect_s
@@ -101,7 +108,20 @@ class ClusterSession:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return bearer_metadata(self._token)
 
+    def _await_trainer(self, what: str) -> None:
+        """Wait (bounded) until the trainer accepts a connection: a submit or cancel issued while its
+        supervisor restarts it goes through a few seconds later instead of failing "connection refused".
+        Only connecting is waited for; a call that reached the trainer is never retried."""
+        try:
+            grpc.channel_ready_future(self._trainer_channel).result(timeout=self.trainer_wait_s)
+        except grpc.FutureTimeoutError:
+            raise NebulaError(
+                f"{what}: cluster {self.endpoints.cluster_id}'s trainer at {self.endpoints.trainer} "
+                f"accepted no connection for {self.trainer_wait_s:g} s"
+            ) from None
+
     def assign(self, spec: trainer_pb2.StageSpec) -> trainer_pb2.AssignStageResponse:
+        self._await_trainer(f"cluster {self.endpoints.cluster_id} refused stage {spec.stage!r}")
         try:
             return self.trainer.AssignStage(
                 trainer_pb2.AssignStageRequest(spec=spec), metadata=self.metadata, timeout=30
@@ -153,6 +173,7 @@ class ClusterSession:
             delay = min(delay * 2, WATCH_BACKOFF_S[1])
 
     def cancel(self, job_id: str) -> None:
+        self._await_trainer(f"cancelling job {job_id} on cluster {self.endpoints.cluster_id}")
         try:
             self.trainer.CancelStage(
                 trainer_pb2.CancelStageRequest(job_id=job_id), metadata=self.metadata, timeout=10

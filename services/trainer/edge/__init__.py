@@ -21,6 +21,7 @@ from services.trainer.edge.session import (
     EdgeRestartRequired,
     EdgeSession,
     EdgeSettings,
+    EdgeTimeout,
     renewed,
 )
 
@@ -66,6 +67,7 @@ __all__ = [
     "EdgeSession",
     "EdgeSettings",
     "EdgeStats",
+    "EdgeTimeout",
     "GrpcEdgeTransport",
     "grpc_edge_factory",
     "renewed",

@@ -72,6 +72,10 @@ class EdgeClosedError(RuntimeError):
     """The edge ended (peer finished, failed, the link stayed down too long) while we expected an item."""
 
 
+class EdgeTimeout(EdgeClosedError):
+    """Nothing arrived within the receive's timeout (of link-up time); the edge itself is still open."""
+
+
 class EdgeRestartRequired(EdgeClosedError):
     """The other side moved to a higher epoch: this attempt is void, reopen with ``epoch`` (or higher)."""
 
@@ -842,7 +846,7 @@ class EdgeSession:
                 self._raise_if_ended_locked()
                 waited = self._clock() - started - (self._outage_locked() - outage)
                 if waited >= timeout:
-                    raise EdgeClosedError(f"no {what} in {timeout:.0f}s")
+                    raise EdgeTimeout(f"no {what} in {timeout:.0f}s")
                 self._cond.wait(min(timeout - waited, 0.25))
 
     # ------------------------------------------------------------------ timers

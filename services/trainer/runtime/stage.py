@@ -55,6 +55,7 @@ from services.trainer.edge import (
     EdgeOutage,
     EdgeRestartRequired,
     EdgeSettings,
+    EdgeTimeout,
     grpc_edge_factory,
     renewed,
 )
@@ -69,12 +70,25 @@ from services.trainer.status import StatusBoard
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0
+PEER_FINISHED_AFTER_S = 60.0
+"""A restarted stage that holds its final checkpoint and hears no RESUME for this long (link up)
+concludes the other cluster's stage had already finished (see ``PeerAlreadyFinished``)."""
 OPEN_RETRY_S = 5.0
 READY = relay_pb2.SIGNAL_KIND_READY
 SYNC = relay_pb2.SIGNAL_KIND_SYNC
 EVAL_DONE = relay_pb2.SIGNAL_KIND_EVAL_DONE
 RESUME = relay_pb2.SIGNAL_KIND_RESUME
 RECOVERING = trainer_pb2.STAGE_STATE_RECOVERING
+
+
+class PeerAlreadyFinished(Exception):
+    """A recovering stage that had done all its steps found its peer gone: the job had finished.
+
+    A stage ends its last step only once it has everything the other stage sends for it, and it
+    checkpoints then; if its trainer is killed after that (e.g. while closing the edge) and the other
+    stage, which had all it needed, finished meanwhile, nobody will ever answer its RESUME. Waiting
+    START_TIMEOUT_S and failing would report a finished job as failed.
+    """
 
 
 class ProgramRunner:
@@ -266,7 +280,15 @@ class ProgramRunner:
             self.board.update(message=f"{self.board.latest().message}; waiting for the WAN link")
             edge.session.wait_link_up()
         edge.send_signal(RESUME, epoch, [float(step) for step in held])
-        values = edge.receive_signal(RESUME, epoch, timeout=START_TIMEOUT_S)
+        finished = spec.steps in held  # every step done before this attempt began
+        try:
+            values = edge.receive_signal(
+                RESUME, epoch, timeout=PEER_FINISHED_AFTER_S if finished else START_TIMEOUT_S
+            )
+        except EdgeTimeout as exc:
+            if finished:
+                raise PeerAlreadyFinished from exc
+            raise
         if any(v < 0 or v != int(v) for v in values):
             raise EdgeClosedError(f"invalid RESUME from the peer: checkpoint steps {values}")
         common = set(held) & {int(v) for v in values}
@@ -321,7 +343,17 @@ class ProgramRunner:
         self.lifecycle.attach_abort(edge.abort)
         start_spec = spec
         if epoch > 0:
-            common = self._exchange_resume(edge, epoch)
+            try:
+                common = self._exchange_resume(edge, epoch)
+            except PeerAlreadyFinished:
+                edge.session.fail("finished", tell_peer=False)
+                self.board.update(
+                    state=trainer_pb2.STAGE_STATE_RUNNING,
+                    steps_done=spec.steps,
+                    message=f"all {spec.steps} steps were done before this attempt; the other cluster's "
+                    f"stage had finished (no RESUME in {PEER_FINISHED_AFTER_S:.0f} s)",
+                )
+                return
             if common is not None:  # restart from our own checkpoint (replicas load the same)
                 start_spec = trainer_pb2.StageSpec()
                 start_spec.CopyFrom(spec)
