@@ -176,8 +176,9 @@ class GrpcEdgeTransport:
     def wait_close_sent(self, timeout: float) -> None:
         """Wait (bounded) until our EdgeClose is written and the switch has ended the call.
 
-        Cancelling right after writing could reach the switch before it reads the close, and the
-        peer would then learn "the other cluster's stage disconnected" instead of our reason.
+        Cancelling right after writing could reach the switch before it reads the close: the switch
+        would then take the stream for a vanished trainer and keep its route orphaned (the peer learns
+        nothing until the orphan timeout) instead of passing our close and its reason on at once.
         """
         deadline = time.monotonic() + timeout
         if self._close_sent.wait(timeout):
