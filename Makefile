@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-stop lint format clean bench \
-	bench-faults soak smoke-containers
+	bench-faults bench-relay soak smoke-containers
 
 install: $(STAMP)
 
@@ -73,6 +73,12 @@ bench: $(STAMP)
 bench-faults: $(STAMP)
 	$(BIN)/python bench/faults/timeline.py --out bench-results
 	$(BIN)/python bench/faults/fairness.py --out bench-results
+
+# Relay throughput on loopback (a few minutes; never part of `make test`): the full path edge -> switch ->
+# mTLS link -> switch -> edge side by side with one TLS socket hop, TCP, one gRPC stream and gloo, on 1, 16 and
+# 64 MiB tensors, and the switches' CPU-seconds per GB. JSON + markdown in bench/results/relay/.
+bench-relay: $(STAMP)
+	nice -n 10 $(BIN)/python bench/wan/relay.py --out bench/results/relay
 
 # Jobs starting and ending under random WAN cuts and switch kills; ends with a no-growth verdict.
 SOAK_SECONDS ?= 600

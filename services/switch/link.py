@@ -7,6 +7,12 @@ per route, or closes a route over its bound); the writer takes the router's next
 then one item per route in round robin). Identity comes from the peer's verified certificate only: the
 handshake's claimed cluster id must match it, or the link is refused.
 
+Raw bytes on the stream (link framing, ``nebula_common/rpc/framing.py``). The Link method is served and
+called with identity (de)serializers: the switch parses small link messages itself and forwards a
+trainer's framed chunk (``LinkMessage.framed``) byte for byte, reading only its header, so no payload is
+decoded or re-encoded here. Each side announces ``Handshake.link_framing``; a peer that does not (an
+older switch) is sent each framed chunk as the equivalent classic ``routed`` message.
+
 Liveness from the measured round-trip time (RFC 6298). Each side sends a Ping, at most one outstanding,
 at the keepalive interval; the peer answers with a Pong ahead of any queued item. Each Pong is an RTT
 sample R: the first sets SRTT = R, RTTVAR = R/2; later ones RTTVAR = 3/4 RTTVAR + 1/4 |SRTT - R|,
@@ -38,10 +44,18 @@ from cryptography import x509
 
 from nebula_common.audit import AuditLog
 from nebula_common.pki import Identity
-from nebula_common.proto.nebula.v1 import link_pb2, link_pb2_grpc
+from nebula_common.proto.nebula.v1 import link_pb2
+from nebula_common.rpc.framing import (
+    LINK_FRAMING_VERSION,
+    FramedChunk,
+    FramingError,
+    as_routed_link_message,
+    is_framed,
+    parse_chunk,
+)
 from services.switch.metrics import AUTH_REFUSALS, LINK_RTT, LINK_UP, DirectionCounters
 from services.switch.revocation import RevocationList
-from services.switch.routing import Router
+from services.switch.routing import Outbound, Router
 from services.switch.transfers import StepTotals, TransferKey, TransferLedger
 
 PROTOCOL_VERSION = 2
@@ -49,10 +63,11 @@ ROUTED_KINDS = ("frame", "signal", "ack", "close")
 """Edge items that may cross the link (never open, ready or notice)."""
 SOFTWARE_VERSION = "nebula/0.1.0"
 HANDSHAKE_TIMEOUT_S = 10.0
+LINK_METHOD = "/nebula.v1.SwitchLink/Link"
 log = logging.getLogger(__name__)
 
 ReadFn = Callable[[], Awaitable[object]]
-WriteFn = Callable[[link_pb2.LinkMessage], Awaitable[None]]
+WriteFn = Callable[[bytes], Awaitable[None]]
 CredentialsFn = Callable[[], grpc.ChannelCredentials]
 ProbeFn = Callable[[], Awaitable[x509.Certificate]]
 
@@ -63,6 +78,16 @@ class HandshakeError(Exception):
 
 class DeadPeerError(Exception):
     """Nothing arrived from the peer for the dead-peer timeout."""
+
+
+def parse_link_message(raw: object) -> link_pb2.LinkMessage:
+    """A link message from the raw bytes read off the stream (a protocol error if they are not one)."""
+    if not isinstance(raw, bytes):
+        raise HandshakeError("unexpected object on the link")
+    try:
+        return link_pb2.LinkMessage.FromString(raw)
+    except Exception as exc:  # protobuf's DecodeError
+        raise HandshakeError(f"peer sent bytes that are not a link message: {exc}") from exc
 
 
 def _clamp(value: float, low: float, high: float) -> float:
@@ -115,6 +140,8 @@ class LinkState:
     peer_serial: int = 0
     #: Sessions established since start: a rotation that kept the link up leaves this unchanged.
     sessions: int = 0
+    #: The peer reads framed chunks (its Handshake.link_framing).
+    peer_framing: bool = False
 
 
 async def fetch_server_certificate(
@@ -208,6 +235,7 @@ class PeerLink:
                 protocol_version=PROTOCOL_VERSION,
                 cluster_id=self.cluster_id,
                 software_version=SOFTWARE_VERSION,
+                link_framing=LINK_FRAMING_VERSION,
             )
         )
 
@@ -286,8 +314,12 @@ class PeerLink:
         certified: Identity,
         role: str,
         peer_cert: x509.Certificate | None = None,
+        peer_framing: bool = False,
     ) -> None:
         """Pump frames both ways until either side ends; only one session runs at a time.
+
+        ``read`` returns the raw bytes of each message (or EOF), ``write`` takes raw bytes;
+        ``peer_framing`` is what the peer's handshake announced.
 
         A new session supersedes the current one: when a peer reconnects, the old stream is
         usually a dead TCP flow that keepalive has not noticed yet, and waiting for it would
@@ -307,6 +339,7 @@ class PeerLink:
                 role=role,
                 peer_serial=serial,
                 sessions=self._sessions,
+                peer_framing=peer_framing,
             )
             self._connected.set()
             LINK_UP.set(1)
@@ -355,7 +388,7 @@ class PeerLink:
                 # Buffers are purged both ways (the trainers replay) and attached routes told.
                 self.router.link_down(reason)
 
-    def _next_message(self) -> link_pb2.LinkMessage | None:
+    def _next_message(self) -> Outbound | None:
         if self._priority:
             return self._priority.popleft()
         return self.router.next_outbound()
@@ -370,9 +403,15 @@ class PeerLink:
                 if message is None:
                     await wake.wait()
                     continue
+            if isinstance(message, FramedChunk):
+                framed = self.state.peer_framing
+                await write(message.raw if framed else as_routed_link_message(message.raw))
+                self.sent.count_chunk(message)
+                self.ledger.observe_chunk("sent", message)
+                continue
             if message.WhichOneof("body") == "ping":
                 self._ping_outstanding = (message.ping.nonce, time.monotonic())
-            await write(message)
+            await write(message.SerializeToString())
             self.sent.count(message)
             self.ledger.observe("sent", message)
 
@@ -411,11 +450,20 @@ class PeerLink:
 
     async def _pump_in(self, read: ReadFn) -> None:
         while True:
-            message = await read()
-            if message is grpc.aio.EOF:
+            raw = await read()
+            if raw is grpc.aio.EOF:
                 return
-            if not isinstance(message, link_pb2.LinkMessage):
-                raise HandshakeError("unexpected object on the link")
+            if isinstance(raw, bytes) and is_framed(raw):
+                try:
+                    chunk = parse_chunk(raw)
+                except FramingError as exc:
+                    raise HandshakeError(f"peer sent an invalid framed chunk: {exc}") from exc
+                self._last_received = time.monotonic()
+                self.received.count_chunk(chunk)
+                self.ledger.observe_chunk("received", chunk)
+                self.router.deliver((chunk.job_id, chunk.edge), chunk, chunk.epoch)
+                continue
+            message = parse_link_message(raw)
             self._last_received = time.monotonic()
             self.received.count(message)
             self.ledger.observe("received", message)
@@ -460,21 +508,29 @@ class PeerLink:
                     )
                     raise HandshakeError(f"peer certificate {peer_cert.serial_number:x} is revoked")
                 async with grpc.aio.secure_channel(address, credentials(), options=options) as channel:
-                    stub = link_pb2_grpc.SwitchLinkStub(channel)
-                    call = stub.Link()
-                    await call.write(self.hello())
-                    reply = await asyncio.wait_for(call.read(), HANDSHAKE_TIMEOUT_S)
-                    if reply is grpc.aio.EOF:
+                    # Raw bytes both ways: messages are (de)serialized by the session itself.
+                    call = channel.stream_stream(LINK_METHOD)()
+                    await call.write(self.hello().SerializeToString())
+                    raw = await asyncio.wait_for(call.read(), HANDSHAKE_TIMEOUT_S)
+                    if raw is grpc.aio.EOF:
                         raise HandshakeError("peer closed the link during the handshake")
                     # TLS already verified the server's certificate names the expected peer
                     # (target-name override); the handshake must agree with it.
                     try:
+                        reply = parse_link_message(raw)
                         self.check_hello(reply, self.expected_peer)
                     except HandshakeError as exc:
                         self.refuse("handshake", str(exc))
                         raise
                     backoff = 0.2
-                    await self.run_session(call.read, call.write, self.expected_peer, "dialer", peer_cert)
+                    await self.run_session(
+                        call.read,
+                        call.write,
+                        self.expected_peer,
+                        "dialer",
+                        peer_cert,
+                        peer_framing=reply.hello.link_framing >= LINK_FRAMING_VERSION,
+                    )
                     call.cancel()
             except asyncio.CancelledError:
                 raise

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from prometheus_client import Counter, Gauge
 
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2
+from nebula_common.rpc.framing import FramedChunk
 
 WAN_BYTES = Counter(
     "nebula_switch_wan_bytes",
@@ -119,6 +120,15 @@ class DirectionCounters:
             self.raw_bytes += part.header.raw_size
             FRAMES_RELAYED.labels(self.direction).inc()
             WAN_RAW_BYTES.labels(self.direction).inc(part.header.raw_size)
+
+    def count_chunk(self, chunk: FramedChunk) -> None:
+        """A framed chunk: its bytes on the link and its payload (no header, so no frame is counted)."""
+        size = len(chunk.raw)
+        self.bytes += size
+        WAN_BYTES.labels(self.direction).inc(size)
+        payload = len(chunk.data)
+        self.payload_bytes += payload
+        WAN_PAYLOAD_BYTES.labels(self.direction).inc(payload)
 
     def to_proto(self) -> relay_pb2.LinkCounters:
         return relay_pb2.LinkCounters(

@@ -10,6 +10,13 @@ Epochs and vanished trainers (relay.proto's delivery contract): a stream opened 
 epoch gets EdgeReady and at once EdgeRestart; a stream whose route moved to a higher epoch gets
 EdgeRestart as its last message; a stream that vanishes (no close) leaves its route orphaned for the
 router's orphan timeout instead of failing the peer at once.
+
+Raw bytes (link framing, ``nebula_common/rpc/framing.py``). OpenEdge is served with identity
+serializers (``add_relay_to_server``): small items are parsed here as ``EdgeMessage``; a framed payload
+chunk is kept as the bytes it came in, checked only in its header (job, edge and epoch must be this
+stream's, else INVALID_ARGUMENT and an ``edge.refused`` audit record) and forwarded to the link as is.
+Toward a trainer that opened with ``link_framing`` the chunks from the peer go out unchanged too; an
+older trainer gets them as classic ``frame`` messages.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from nebula_common.auth.interceptor import caller
-from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc
+from nebula_common.proto.nebula.v1 import relay_pb2
+from nebula_common.rpc.framing import LINK_FRAMING_VERSION, FramedChunk, FramingError, is_framed, parse_chunk
 from services.switch.certs import CertificateManager
 from services.switch.link import PeerLink
 from services.switch.metrics import EDGES_OPEN
@@ -52,7 +60,21 @@ class TrainerVanished(Exception):
     """The trainer's call was cancelled (a crash, a kill): not an orderly end of its side."""
 
 
-class RelayServicer(relay_pb2_grpc.RelayServicer):
+def _serialize(message: relay_pb2.EdgeMessage) -> bytes:
+    return message.SerializeToString()
+
+
+def _parse(raw: object) -> relay_pb2.EdgeMessage | None:
+    """An EdgeMessage from raw request bytes; None if they are not one."""
+    if not isinstance(raw, bytes):
+        return None
+    try:
+        return relay_pb2.EdgeMessage.FromString(raw)
+    except Exception:  # protobuf's DecodeError
+        return None
+
+
+class RelayServicer:
     def __init__(
         self,
         cluster_id: str,
@@ -72,16 +94,18 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
         self.certificates = certificates
 
     async def OpenEdge(
-        self, request_iterator: AsyncIterator[relay_pb2.EdgeMessage], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> None:
         principal = caller().principal  # verified by the token interceptor: this cluster's accounts only
-        first = await context.read()
-        if first is grpc.aio.EOF or first.WhichOneof("body") != "open":
+        raw = await context.read()
+        first = None if raw is grpc.aio.EOF else _parse(raw)
+        if first is None or first.WhichOneof("body") != "open":
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "the first message on an edge must be 'open'"
             )
         job_id, edge, reconnect = first.open.job_id, first.open.edge, first.open.reconnect
         epoch = first.open.epoch
+        framing = first.open.link_framing >= LINK_FRAMING_VERSION
         if not job_id or not edge:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.job_id and open.edge are required")
         key = (job_id, edge)
@@ -101,9 +125,15 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 route_epoch=exc.route_epoch,
                 reason=exc.reason,
             )
-            await context.write(relay_pb2.EdgeMessage(ready=self._ready(exc.route_epoch)))
             await context.write(
-                relay_pb2.EdgeMessage(restart=relay_pb2.EdgeRestart(epoch=exc.route_epoch, reason=exc.reason))
+                _serialize(relay_pb2.EdgeMessage(ready=self._ready(exc.route_epoch, framing)))
+            )
+            await context.write(
+                _serialize(
+                    relay_pb2.EdgeMessage(
+                        restart=relay_pb2.EdgeRestart(epoch=exc.route_epoch, reason=exc.reason)
+                    )
+                )
             )
             return
         except (RouteInUseError, RouteLimitError) as exc:
@@ -138,8 +168,8 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
         received: list[relay_pb2.EdgeClose] = []  # the close this stream was sent, if any
         try:
             # Ready at once, whatever the link's state: a LinkNotice follows when it comes (back) up.
-            await context.write(relay_pb2.EdgeMessage(ready=self._ready(route.epoch)))
-            outcome = await self._pump(context, route, attachment, account, received)
+            await context.write(_serialize(relay_pb2.EdgeMessage(ready=self._ready(route.epoch, framing))))
+            outcome = await self._pump(context, route, attachment, account, received, framing)
         except TrainerVanished:
             outcome = FAILED
         finally:
@@ -260,9 +290,10 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
         attachment: Attachment,
         account: str,
         received: list[relay_pb2.EdgeClose],
+        framing: bool,
     ) -> str:
         reader = asyncio.create_task(self._upstream(context, route, attachment, account))
-        writer = asyncio.create_task(self._downstream(context, route, attachment, received))
+        writer = asyncio.create_task(self._downstream(context, route, attachment, received, framing))
         try:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
             if reader in done:
@@ -295,8 +326,8 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
         Eagerly up to the account's item rate: an account above it is not read for a while.
         """
         while not attachment.superseded and route.closed_reason is None:
-            message = await context.read()
-            if message is grpc.aio.EOF:
+            raw = await context.read()
+            if raw is grpc.aio.EOF:
                 # A cancelled call (a crash, a kill) also reads as EOF here, before gRPC cancels this
                 # handler; give the cancellation a moment to arrive so the peer hears of an error.
                 await asyncio.sleep(EOF_GRACE_S)
@@ -309,6 +340,16 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 return
             if self.throttle is not None:
                 await self.throttle.pace(account, route.key[0])
+            if isinstance(raw, bytes) and is_framed(raw):
+                chunk = await self._framed(context, route, attachment, account, raw)
+                self.router.accept_local(route, attachment, chunk)
+                continue
+            message = _parse(raw)
+            if message is None:
+                await self._refuse_item(
+                    context, route, attachment, account, "bytes that are not an edge message"
+                )
+                return
             kind = message.WhichOneof("body")
             if kind in ("frame", "signal", "ack"):
                 self.router.accept_local(route, attachment, message)
@@ -330,18 +371,76 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 )
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind!r} on an open edge")
 
+    async def _framed(
+        self,
+        context: grpc.aio.ServicerContext,
+        route: Route,
+        attachment: Attachment,
+        account: str,
+        raw: bytes,
+    ) -> FramedChunk:
+        """The framed chunk in ``raw``, if its header is valid and names this stream's job, edge and epoch.
+
+        Anything else is refused like a protocol error (the peer is told, INVALID_ARGUMENT): a
+        chunk tagged for another route would otherwise be forwarded into that route as if it
+        were its own.
+        """
+        try:
+            chunk = parse_chunk(raw)
+        except FramingError as exc:
+            await self._refuse_item(context, route, attachment, account, f"an invalid framed chunk ({exc})")
+            raise AssertionError("unreachable: the call was aborted") from exc
+        job_id, edge = route.key
+        if (chunk.job_id, chunk.edge, chunk.epoch) != (job_id, edge, attachment.epoch):
+            await self._refuse_item(
+                context,
+                route,
+                attachment,
+                account,
+                f"a framed chunk tagged job {chunk.job_id!r} edge {chunk.edge!r} epoch {chunk.epoch} on "
+                f"the stream of job {job_id!r} edge {edge!r} epoch {attachment.epoch}",
+            )
+        return chunk
+
+    async def _refuse_item(
+        self, context: grpc.aio.ServicerContext, route: Route, attachment: Attachment, account: str, what: str
+    ) -> None:
+        """Audit ``edge.refused``, send the peer an error close and abort the call (INVALID_ARGUMENT)."""
+        job_id, edge = route.key
+        self.link.record(
+            "edge.refused",
+            outcome="refused",
+            account=account,
+            job_id=job_id,
+            edge=edge,
+            reason=f"sent {what}",
+        )
+        attachment.local_closed = True
+        self.router.accept_local(
+            route,
+            attachment,
+            relay_pb2.EdgeMessage(
+                close=relay_pb2.EdgeClose(
+                    reason=f"the other cluster's stage sent {what}; its switch closed the edge", error=True
+                )
+            ),
+        )
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused: the stream sent {what}")
+
     async def _downstream(
         self,
         context: grpc.aio.ServicerContext,
         route: Route,
         attachment: Attachment,
         received: list[relay_pb2.EdgeClose],
+        framing: bool,
     ) -> None:
         """Write the route's items to the trainer until a close (kept in ``received``) or a restart
-        went out, or the stream was superseded."""
+        went out, or the stream was superseded. Framed chunks go out as they came (classic frames to
+        a trainer without link framing)."""
         while not attachment.superseded:
             if attachment.restart is not None:
-                await context.write(relay_pb2.EdgeMessage(restart=attachment.restart))
+                await context.write(_serialize(relay_pb2.EdgeMessage(restart=attachment.restart)))
                 return
             message = self.router.pop_inbound(route, attachment)
             if message is None:
@@ -350,17 +449,21 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
                 if message is None:
                     await attachment.wake.wait()
                     continue
-            await context.write(message)
+            if isinstance(message, FramedChunk):
+                await context.write(message.raw if framing else message.edge_message_bytes())
+                continue
+            await context.write(_serialize(message))
             if message.WhichOneof("body") == "close":
                 received.append(message.close)
                 return
 
-    def _ready(self, epoch: int) -> relay_pb2.EdgeReady:
+    def _ready(self, epoch: int, framing: bool) -> relay_pb2.EdgeReady:
         return relay_pb2.EdgeReady(
             peer_cluster=self.link.expected_peer.cluster_id,
             max_window_bytes=self.router.max_window_bytes,
             link_up=self.router.link_up,
             epoch=epoch,
+            link_framing=LINK_FRAMING_VERSION if framing else 0,
         )
 
     async def GetLinkStatus(
@@ -389,3 +492,20 @@ class RelayServicer(relay_pb2_grpc.RelayServicer):
             "certificate_not_after": int(material.cert.not_valid_after_utc.timestamp()),
             "certificate_generation": material.generation,
         }
+
+
+def add_relay_to_server(servicer: RelayServicer, server: grpc.aio.Server) -> None:
+    """Serve ``nebula.v1.Relay``: OpenEdge with raw-bytes serializers (items are parsed, or forwarded
+    as framed bytes, by the servicer), GetLinkStatus with the generated protobuf ones."""
+    handler = grpc.method_handlers_generic_handler(
+        "nebula.v1.Relay",
+        {
+            "OpenEdge": grpc.stream_stream_rpc_method_handler(servicer.OpenEdge),
+            "GetLinkStatus": grpc.unary_unary_rpc_method_handler(
+                servicer.GetLinkStatus,
+                request_deserializer=relay_pb2.GetLinkStatusRequest.FromString,
+                response_serializer=relay_pb2.LinkStatus.SerializeToString,
+            ),
+        },
+    )
+    server.add_generic_rpc_handlers((handler,))

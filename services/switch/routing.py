@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2
+from nebula_common.rpc.framing import FramedChunk
 from services.switch.metrics import BUFFERED_BYTES, ITEMS_DROPPED, ROUTES_CLOSED, STALE_ITEMS
 
 RouteKey = tuple[str, str]
@@ -107,10 +108,16 @@ class StaleEpochError(Exception):
         self.reason = reason
 
 
+EdgeItem = relay_pb2.EdgeMessage | FramedChunk
+"""An edge item as the router holds it: a parsed message, or a framed chunk kept as its wire bytes."""
+Outbound = link_pb2.LinkMessage | FramedChunk
+"""What the link writer sends: a link message, or a framed chunk forwarded byte for byte."""
+
+
 class Item(NamedTuple):
     """A buffered edge item: its wire size (what the bounds count) and the epoch of its stream."""
 
-    message: relay_pb2.EdgeMessage
+    message: EdgeItem
     size: int
     epoch: int
 
@@ -131,8 +138,10 @@ class Limits:
         return REPLAY_FACTOR * self.max_window_bytes + SLACK_BYTES
 
 
-def item_size(message: relay_pb2.EdgeMessage) -> int:
+def item_size(message: EdgeItem) -> int:
     """The size an item counts for: credit's wire size for frames and signals, else the message size."""
+    if isinstance(message, FramedChunk):
+        return message.frame_size
     kind = message.WhichOneof("body")
     if kind == "frame":
         return message.frame.ByteSize()
@@ -200,11 +209,11 @@ def _merge_ack(old: Item | None, new: relay_pb2.EdgeMessage, epoch: int) -> Item
     return Item(new, new.ByteSize(), epoch)
 
 
-def _is_close(message: relay_pb2.EdgeMessage) -> bool:
+def _is_close(message: EdgeItem) -> bool:
     return message.WhichOneof("body") == "close"
 
 
-def _counts_as_item(message: relay_pb2.EdgeMessage) -> bool:
+def _counts_as_item(message: EdgeItem) -> bool:
     """Frames and signals count toward a route's item bound (acks, closes and notices do not)."""
     return message.WhichOneof("body") in ("frame", "signal")
 
@@ -319,12 +328,13 @@ class Router:
         """The route for ``key`` if one exists (attached or still buffering)."""
         return self._routes.get(key)
 
-    def accept_local(self, route: Route, attachment: Attachment, message: relay_pb2.EdgeMessage) -> bool:
+    def accept_local(self, route: Route, attachment: Attachment, message: EdgeItem) -> bool:
         """Queue an item of the local trainer for the peer; False if the route is (now) closed."""
         if route.attachment is not attachment or route.closed_reason is not None:
             return False
         kind = message.WhichOneof("body")
         if kind == "ack":
+            assert isinstance(message, relay_pb2.EdgeMessage)
             old = self._acks.pop(route.key, None)
             if old is not None:
                 self.buffered_out -= old.size
@@ -357,7 +367,7 @@ class Router:
             self._ready.append(route)
         self.outbound_wake.set()
 
-    def pop_inbound(self, route: Route, attachment: Attachment) -> relay_pb2.EdgeMessage | None:
+    def pop_inbound(self, route: Route, attachment: Attachment) -> EdgeItem | None:
         """The next item for the local trainer (acks first), or None when there is none for it."""
         if route.attachment is not attachment:
             return None
@@ -410,7 +420,7 @@ class Router:
         return sum(1 for route in self._routes.values() if route.attachment is not None)
 
     # ----- the peer --------------------------------------------------------------------------
-    def deliver(self, key: RouteKey, message: relay_pb2.EdgeMessage, epoch: int = 0) -> None:
+    def deliver(self, key: RouteKey, message: EdgeItem, epoch: int = 0) -> None:
         """Buffer an item of the peer's stream at ``epoch`` for the local end; never waits.
 
         Closes the route if over a bound; drops (and counts) items below the route's epoch; an item
@@ -460,6 +470,7 @@ class Router:
                 ITEMS_DROPPED.inc()
                 return
         if kind == "ack":
+            assert isinstance(message, relay_pb2.EdgeMessage)
             old = route.inbound_ack
             if old is not None:
                 route.inbound_bytes -= old.size
@@ -657,10 +668,11 @@ class Router:
             self.buffered_out -= ack.size
 
     # ----- the link writer -------------------------------------------------------------------
-    def next_outbound(self) -> link_pb2.LinkMessage | None:
+    def next_outbound(self) -> Outbound | None:
         """The next message for the peer: acks, then closes of dropped routes, then round robin.
 
-        Every item is tagged with the epoch of the stream it came from (``RoutedItem.epoch``).
+        Every item is tagged with the epoch of the stream it came from (``RoutedItem.epoch``); a
+        framed chunk already carries its stream's job, edge and epoch and is returned as it came.
         """
         if self._acks:
             (job_id, edge), item = self._acks.popitem(last=False)
@@ -682,6 +694,8 @@ class Router:
                 self._ready.append(route)
             else:
                 route.in_ready = False
+            if isinstance(item.message, FramedChunk):
+                return item.message
             return link_pb2.LinkMessage(
                 routed=link_pb2.RoutedItem(
                     job_id=route.key[0], edge=route.key[1], item=item.message, epoch=item.epoch

@@ -21,19 +21,18 @@ from nebula_common.audit import AuditLog
 from nebula_common.audit.servicer import AUDIT_SERVICE_NAME, add_audit_api
 from nebula_common.auth.interceptor import TokenAuthInterceptor
 from nebula_common.pki import Identity, channel_options, server_options
-from nebula_common.proto.nebula.v1 import link_pb2_grpc, relay_pb2_grpc
 from nebula_common.rpc import ServiceServer
 from nebula_common.service.host import ServiceDefinition, Started
 from nebula_common.service.resources import grpc_server, service_audit, token_verifier
 from services.switch.certs import CertificateManager
 from services.switch.config import SwitchSettings
 from services.switch.link import PeerLink, fetch_server_certificate
-from services.switch.relay_servicer import RelayServicer
+from services.switch.relay_servicer import RelayServicer, add_relay_to_server
 from services.switch.revocation import RevocationList
 from services.switch.routing import Limits, Router
 from services.switch.throttle import AccountThrottle, Penalties, PenaltyRules
 from services.switch.tls_refusals import StderrTap
-from services.switch.wan_servicer import SwitchLinkServicer
+from services.switch.wan_servicer import SwitchLinkServicer, add_link_to_server
 
 log = logging.getLogger(__name__)
 STOP_GRACE_SECONDS = 2.0
@@ -160,7 +159,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         grace=STOP_GRACE_SECONDS,
         interceptors=[TokenAuthInterceptor("switch", verifier, audit=audit)],
     )
-    relay_pb2_grpc.add_RelayServicer_to_server(
+    add_relay_to_server(
         RelayServicer(
             settings.cluster_id,
             link,
@@ -193,7 +192,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         *_window_options(settings),
     ]
     wan = grpc_server(stack, ["nebula.v1.SwitchLink"], grace=STOP_GRACE_SECONDS, options=wan_options)
-    link_pb2_grpc.add_SwitchLinkServicer_to_server(SwitchLinkServicer(link), wan.server)
+    add_link_to_server(SwitchLinkServicer(link), wan.server)
     wan.add_secure_port("wan", settings.wan_listen, certs.server_credentials())
     await internal.start()
     await wan.start()

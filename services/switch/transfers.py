@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nebula_common.proto.nebula.v1 import link_pb2
+from nebula_common.rpc.framing import FramedChunk
 
 TransferKey = tuple[str, str, str]  # (job_id, edge, direction)
 
@@ -74,6 +75,18 @@ class TransferLedger:
             totals.wire_bytes += message.ByteSize()
             if chunk.last:
                 self._frames.pop(frame_key, None)
+
+    def observe_chunk(self, direction: str, chunk: FramedChunk) -> None:
+        """A framed chunk counts toward its frame's step totals like a classic chunk."""
+        frame_key = (chunk.job_id, chunk.edge, chunk.frame_id)
+        key = self._frames.get(frame_key)
+        if key is None or key not in self._open:
+            return
+        totals = self._open[key]
+        totals.payload_bytes += len(chunk.data)
+        totals.wire_bytes += len(chunk.raw)
+        if chunk.last:
+            self._frames.pop(frame_key, None)
 
     def flush_edge(self, job_id: str, edge: str) -> None:
         for key in [k for k in self._open if k[0] == job_id and k[1] == edge]:

@@ -4,6 +4,9 @@ By the time this runs, gRPC's TLS stack has verified the peer's chain, validity 
 CA's name constraint. What remains is checked here, before a single frame is relayed: the
 certificate names exactly the configured peer switch (cluster *and* role), it is not on the peer
 CA's revocation list, and the handshake agrees with it. Every refusal is audited.
+
+The method is registered with raw-bytes (identity) serializers (``add_link_to_server``): the session
+parses link messages itself and forwards framed chunks without re-encoding them (services/switch/link.py).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import grpc
 from cryptography import x509
 
 from nebula_common.pki import peer_identity
-from nebula_common.proto.nebula.v1 import link_pb2, link_pb2_grpc
-from services.switch.link import HANDSHAKE_TIMEOUT_S, HandshakeError, PeerLink
+from nebula_common.rpc.framing import LINK_FRAMING_VERSION
+from services.switch.link import HANDSHAKE_TIMEOUT_S, HandshakeError, PeerLink, parse_link_message
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +33,11 @@ def _peer_certificate(context: grpc.aio.ServicerContext) -> x509.Certificate | N
         return None
 
 
-class SwitchLinkServicer(link_pb2_grpc.SwitchLinkServicer):
+class SwitchLinkServicer:
     def __init__(self, link: PeerLink) -> None:
         self.link = link
 
-    async def Link(
-        self, request_iterator: AsyncIterator[link_pb2.LinkMessage], context: grpc.aio.ServicerContext
-    ) -> None:
+    async def Link(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         cert = _peer_certificate(context)
         serial = f"{cert.serial_number:x}" if cert is not None else ""
         try:
@@ -52,7 +53,10 @@ class SwitchLinkServicer(link_pb2_grpc.SwitchLinkServicer):
             log.warning("refused WAN link: %s", reason, extra={"fields": {"peer": context.peer()}})
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
         try:
-            hello = await asyncio.wait_for(context.read(), HANDSHAKE_TIMEOUT_S)
+            raw = await asyncio.wait_for(context.read(), HANDSHAKE_TIMEOUT_S)
+            if raw is grpc.aio.EOF:
+                raise HandshakeError("peer closed the link during the handshake")
+            hello = parse_link_message(raw)
             self.link.check_hello(hello, certified)
         except (HandshakeError, TimeoutError) as exc:
             self.link.refuse(
@@ -60,5 +64,20 @@ class SwitchLinkServicer(link_pb2_grpc.SwitchLinkServicer):
             )
             log.warning("refused WAN link from %s: %s", certified.uri, exc)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"handshake refused: {exc}")
-        await context.write(self.link.hello())
-        await self.link.run_session(context.read, context.write, certified, "acceptor", cert)
+        await context.write(self.link.hello().SerializeToString())
+        await self.link.run_session(
+            context.read,
+            context.write,
+            certified,
+            "acceptor",
+            cert,
+            peer_framing=hello.hello.link_framing >= LINK_FRAMING_VERSION,
+        )
+
+
+def add_link_to_server(servicer: SwitchLinkServicer, server: grpc.aio.Server) -> None:
+    """Serve ``nebula.v1.SwitchLink`` with raw-bytes serializers (the session parses messages itself)."""
+    handler = grpc.method_handlers_generic_handler(
+        "nebula.v1.SwitchLink", {"Link": grpc.stream_stream_rpc_method_handler(servicer.Link)}
+    )
+    server.add_generic_rpc_handlers((handler,))

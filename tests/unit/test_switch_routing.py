@@ -277,8 +277,8 @@ def test_a_silent_peer_ends_the_session_and_attached_routes_hear_of_it() -> None
             await asyncio.sleep(3600)
             return None
 
-        async def write(message: link_pb2.LinkMessage) -> None:
-            written.append(message)
+        async def write(raw: bytes) -> None:  # the link writes raw bytes (identity serializers)
+            written.append(link_pb2.LinkMessage.FromString(raw))
 
         from nebula_common.pki import Identity
 

@@ -79,7 +79,9 @@ class EdgeConnection:
         out_spec, in_spec = (codec_forward, codec_backward) if upstream else (codec_backward, codec_forward)
         self._encoder = TensorStreamEncoder(out_spec or "none")
         self._decoder = TensorStreamDecoder(in_spec or "none")
-        self.session = EdgeSession(transport, self.send_direction, settings, name=edge, epoch=epoch)
+        self.session = EdgeSession(
+            transport, self.send_direction, settings, name=edge, epoch=epoch, route=(job_id, edge)
+        )
         self.session.start()
         self._refresh_timer_stats()
 

@@ -12,6 +12,13 @@ retry cannot fix (authentication, permission, a bad request) fail the edge at on
 Every open carries the transport's epoch (``EdgeOpen.epoch``); a reconnect stays in it,
 and the switch's ``EdgeRestart`` goes to the session like any other message (the session
 then shuts the transport down).
+
+Link framing (``nebula_common/rpc/framing.py``): the stream is called with raw-bytes serializers. The
+open announces ``link_framing``; when the switch's ready confirms it, ``link_framing`` is True and the
+session hands framed chunks (bytes) to ``send``, which go out untouched, and framed chunks from the peer
+reach the session as ``FramedChunk`` views (no protobuf parse of the payload). Framed bytes sent while
+the live stream does not speak framing (a reconnect to an older switch) are converted to a classic
+frame message here.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ from collections.abc import Iterator
 
 import grpc
 
-from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc
+from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc import bearer_metadata, insecure_channel
+from nebula_common.rpc.framing import LINK_FRAMING_VERSION, FramedChunk, is_framed, parse_chunk
 from services.trainer.edge.session import TransportHandler
 
 log = logging.getLogger(__name__)
@@ -41,6 +49,16 @@ FATAL_CODES = frozenset(
     }
 )
 """Stream errors a reconnect cannot fix: the edge fails with the switch's message."""
+OPEN_EDGE = "/nebula.v1.Relay/OpenEdge"
+
+
+def _serialize(item: relay_pb2.EdgeMessage | bytes) -> bytes:
+    """Framed chunks are already wire bytes; everything else is a message serialized here."""
+    return item if isinstance(item, bytes) else item.SerializeToString()
+
+
+def _received(raw: bytes) -> relay_pb2.EdgeMessage | FramedChunk:
+    return parse_chunk(raw) if is_framed(raw) else relay_pb2.EdgeMessage.FromString(raw)
 
 
 class GrpcEdgeTransport:
@@ -69,6 +87,8 @@ class GrpcEdgeTransport:
         self._close_sent = threading.Event()
         self._call_ended = threading.Event()  # the live call ended after we closed
         self._outgoing: queue.Queue[object] | None = None  # the live stream's queue, once ready
+        #: The live stream speaks link framing (the switch's ready said so).
+        self.link_framing = False
         self._call: grpc.Call | None = None
         self._channel: grpc.Channel | None = None
         self._thread: threading.Thread | None = None
@@ -79,14 +99,14 @@ class GrpcEdgeTransport:
         )
         self._thread.start()
 
-    def _requests(self, outgoing: queue.Queue[object]) -> Iterator[relay_pb2.EdgeMessage]:
+    def _requests(self, outgoing: queue.Queue[object]) -> Iterator[relay_pb2.EdgeMessage | bytes]:
         while True:
             item = outgoing.get()
             if item is _END:
                 if self._closing:
                     self._close_sent.set()  # gRPC asked for more after the close: it is written
                 return
-            assert isinstance(item, relay_pb2.EdgeMessage)
+            assert isinstance(item, relay_pb2.EdgeMessage | bytes)
             yield item
 
     def _run(self, handler: TransportHandler) -> None:
@@ -98,14 +118,17 @@ class GrpcEdgeTransport:
             outgoing.put(
                 relay_pb2.EdgeMessage(
                     open=relay_pb2.EdgeOpen(
-                        job_id=self.job_id, edge=self.edge, reconnect=ever_ready, epoch=self.epoch
+                        job_id=self.job_id,
+                        edge=self.edge,
+                        reconnect=ever_ready,
+                        epoch=self.epoch,
+                        link_framing=LINK_FRAMING_VERSION,
                     )
                 )
             )
             channel = insecure_channel(self.switch_address)
-            call = relay_pb2_grpc.RelayStub(channel).OpenEdge(
-                self._requests(outgoing), metadata=bearer_metadata(self.token)
-            )
+            open_edge = channel.stream_stream(OPEN_EDGE, request_serializer=_serialize)  # raw replies
+            call = open_edge(self._requests(outgoing), metadata=bearer_metadata(self.token))
             with self._lock:
                 self._call, self._channel = call, channel
             if self._stopping.is_set():  # shut down while we were opening
@@ -113,12 +136,15 @@ class GrpcEdgeTransport:
             self.opens += 1
             reason = "the switch ended the edge stream"
             try:
-                for message in call:
+                for raw in call:
+                    message = _received(raw)
                     kind = message.WhichOneof("body")
                     if kind == "ready":
+                        assert isinstance(message, relay_pb2.EdgeMessage)
                         ever_ready = True
                         backoff = self.backoff_initial_s
                         with self._lock:
+                            self.link_framing = message.ready.link_framing >= LINK_FRAMING_VERSION
                             if not self._closing:
                                 self._outgoing = outgoing
                         handler.on_ready(message.ready)
@@ -154,10 +180,13 @@ class GrpcEdgeTransport:
             self._stopping.wait(backoff)
             backoff = min(backoff * 2, self.backoff_max_s)
 
-    def send(self, message: relay_pb2.EdgeMessage) -> None:
+    def send(self, message: relay_pb2.EdgeMessage | bytes) -> None:
         with self._lock:
-            if self._outgoing is not None:
-                self._outgoing.put(message)
+            if self._outgoing is None:
+                return
+            if isinstance(message, bytes) and not self.link_framing:
+                message = parse_chunk(message).edge_message_bytes()  # an older switch: a classic frame
+            self._outgoing.put(message)
 
     def close(self, reason: str, error: bool) -> None:
         """Send EdgeClose and half-close; the stream keeps delivering until the peer closes."""

@@ -47,6 +47,12 @@ session of epoch > 0 the outage limit only runs once the link has been up (the s
 waits for the link without a deadline before it exchanges RESUME signals). The transport (gRPC to the
 switch, or the in-memory pair of the tests) calls the ``on_*`` methods from its own
 thread; ``send`` on the transport must never block.
+
+Link framing: when the session knows its route (job, edge) and the transport's live stream speaks link
+framing (``transport.link_framing``), each payload chunk is built once as its final wire bytes
+(``nebula_common/rpc/framing.py``) in chunks of the window / 8 (256 KiB .. 4 MiB), and replays resend
+those bytes; chunks from the peer arrive as ``FramedChunk`` views and are copied once, into the frame's
+buffer, which becomes the payload without another copy.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from typing import Protocol
 
 from nebula_common.codec import EncodedTensor, to_frames
 from nebula_common.proto.nebula.v1 import relay_pb2, tensor_pb2
+from nebula_common.rpc.framing import FramedChunk, chunk_size_for, encode_chunk
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +135,10 @@ class Transport(Protocol):
 
     def start(self, handler: TransportHandler) -> None: ...
 
-    def send(self, message: relay_pb2.EdgeMessage) -> None:
-        """Best effort and non-blocking: a message sent while the link is down may be lost."""
+    def send(self, message: relay_pb2.EdgeMessage | bytes) -> None:
+        """Best effort and non-blocking: a message sent while the link is down may be lost.
+
+        ``bytes`` are a framed chunk, handed over only while ``link_framing`` is true."""
 
     def close(self, reason: str, error: bool) -> None:
         """Send EdgeClose and stop reconnecting; keep delivering until the peer closes."""
@@ -144,7 +153,7 @@ class Transport(Protocol):
 class TransportHandler(Protocol):
     def on_ready(self, ready: relay_pb2.EdgeReady) -> None: ...
 
-    def on_message(self, message: relay_pb2.EdgeMessage) -> None: ...
+    def on_message(self, message: relay_pb2.EdgeMessage | FramedChunk) -> None: ...
 
     def on_down(self, reason: str) -> None: ...
 
@@ -154,7 +163,8 @@ class TransportHandler(Protocol):
 @dataclass
 class _Outgoing:
     seq: int
-    message: relay_pb2.EdgeMessage
+    message: relay_pb2.EdgeMessage | bytes  # bytes: a framed chunk, sent as is
+    size: int  # the contract's wire size of the item's message (credit counts these)
     end: int  # cumulative wire size of the direction through this message
     sent_at: float | None = None  # clock of the last transmission
     replayed: bool = False  # transmitted more than once: no RTT sample from its item (Karn)
@@ -235,9 +245,12 @@ class EdgeSession:
         name: str = "edge",
         clock: Callable[[], float] = time.monotonic,
         epoch: int = 0,
+        route: tuple[str, str] | None = None,
     ) -> None:
         self.transport = transport
         self.name = name
+        #: (job id, edge) of this stream: with it, chunks may be sent framed (see the module doc).
+        self.route = route
         self.epoch = epoch
         self.settings = settings or EdgeSettings()
         self.send_direction = send_direction
@@ -474,9 +487,24 @@ class EdgeSession:
         with self._cond:
             self._fail_locked(reason)
 
-    def on_message(self, message: relay_pb2.EdgeMessage) -> None:
+    def on_message(self, message: relay_pb2.EdgeMessage | FramedChunk) -> None:
         """An item from the peer or the switch. ``ready`` is not handled here: each transport turns
         it into ``on_ready`` (with the switch's window and link state), so it is ignored below."""
+        if isinstance(message, FramedChunk):
+            with self._cond:
+                if self._failed is not None:
+                    return
+                try:
+                    self._on_chunk_locked(
+                        message.frame_id, message.offset, message.data, message.last, message.frame_size
+                    )
+                except _ProtocolError as exc:
+                    violation: str | None = str(exc)
+                else:
+                    violation = None
+            if violation is not None:
+                self.fail(violation)
+            return
         kind = message.WhichOneof("body")
         if kind == "restart":
             restart = message.restart
@@ -530,9 +558,33 @@ class EdgeSession:
                     f"tensor of {encoded.header.payload_size} bytes exceeds max_frame_bytes "
                     f"{self.settings.max_frame_bytes} of edge {self.name!r}"
                 )
-            self._append([relay_pb2.EdgeMessage(frame=f) for f in to_frames(encoded)], seq)
+            self._append(self._frame_messages(encoded), seq)
         self._wait_for_transmission()
         return encoded
+
+    def _frame_messages(self, encoded: EncodedTensor) -> list[tuple[relay_pb2.EdgeMessage | bytes, int]]:
+        """The header, then the payload's chunks: framed once when the stream speaks link framing."""
+        if self.route is None or not getattr(self.transport, "link_framing", False):
+            frames = [relay_pb2.EdgeMessage(frame=f) for f in to_frames(encoded)]
+            return [(m, wire_size(m)) for m in frames]
+        header = relay_pb2.EdgeMessage(frame=tensor_pb2.TensorFrame(header=encoded.header))
+        messages: list[tuple[relay_pb2.EdgeMessage | bytes, int]] = [(header, wire_size(header))]
+        job_id, edge = self.route
+        frame_id = encoded.header.frame_id
+        payload = memoryview(encoded.payload)
+        size = len(payload)
+        step = chunk_size_for(self._window)
+        offset = 0
+        while True:
+            end = min(offset + step, size)
+            last = end >= size
+            raw, frame_size = encode_chunk(
+                job_id, edge, self.epoch, frame_id, offset, payload[offset:end], last
+            )
+            messages.append((raw, frame_size))
+            if last:
+                return messages
+            offset = end
 
     def enqueue_signal(self, kind: int, step: int, values: Sequence[float] = ()) -> None:
         with self._enqueue_lock:
@@ -542,15 +594,16 @@ class EdgeSession:
             signal = relay_pb2.EdgeSignal(
                 seq=seq, direction=self.send_direction, kind=kind, step=step, values=list(values)
             )
-            self._append([relay_pb2.EdgeMessage(signal=signal)], seq)
+            message = relay_pb2.EdgeMessage(signal=signal)
+            self._append([(message, wire_size(message))], seq)
         self._wait_for_transmission()
 
-    def _append(self, messages: list[relay_pb2.EdgeMessage], seq: int) -> None:
+    def _append(self, messages: list[tuple[relay_pb2.EdgeMessage | bytes, int]], seq: int) -> None:
         with self._cond:
             self._raise_if_ended_locked()
-            for message in messages:
-                self._enqueued_bytes += wire_size(message)
-                self._buffer.append(_Outgoing(seq, message, self._enqueued_bytes))
+            for message, size in messages:
+                self._enqueued_bytes += size
+                self._buffer.append(_Outgoing(seq, message, size, self._enqueued_bytes))
             self._next_seq = seq + 1
             self._pump_locked()
 
@@ -574,11 +627,7 @@ class EdgeSession:
         """Cumulative wire size through the last transmitted message."""
         index = self._pointer - self._first_index
         if index <= 0:
-            return (
-                self._buffer[0].end - wire_size(self._buffer[0].message)
-                if self._buffer
-                else self._enqueued_bytes
-            )
+            return self._buffer[0].end - self._buffer[0].size if self._buffer else self._enqueued_bytes
         return self._buffer[index - 1].end
 
     def _pump_locked(self) -> None:
@@ -608,7 +657,7 @@ class EdgeSession:
         if not self._buffer:
             return self._enqueued_bytes
         first = self._buffer[0]
-        return first.end - wire_size(first.message)
+        return first.end - first.size
 
     def _on_ack_locked(self, ack: relay_pb2.EdgeAck) -> None:
         progress = False
@@ -656,7 +705,7 @@ class EdgeSession:
         last_sent = popped[-1].sent_at
         assert first_sent is not None and last_sent is not None
         start = first_sent if previous is None else max(previous, first_sent)
-        acked_bytes = sum(wire_size(item.message) for item in popped)
+        acked_bytes = sum(item.size for item in popped)
         self._timer_state.sample(now - last_sent, acked_bytes, now - start)
 
     def _in_flight_bytes_locked(self) -> int:
@@ -747,34 +796,33 @@ class EdgeSession:
         if part != "chunk":
             raise _ProtocolError("peer sent a frame with neither header nor chunk")
         chunk = frame.chunk
+        self._on_chunk_locked(chunk.frame_id, chunk.offset, chunk.data, chunk.last, size)
+
+    def _on_chunk_locked(
+        self, frame_id: int, offset: int, data: bytes | memoryview, last: bool, size: int
+    ) -> None:
+        """One payload chunk (classic or framed), copied once into the frame's preallocated buffer."""
         assembly = self._assembly
-        if (
-            assembly is None
-            or chunk.frame_id != assembly.header.frame_id
-            or chunk.offset != assembly.received
-        ):
-            if (
-                assembly is not None
-                and chunk.frame_id == assembly.header.frame_id
-                and chunk.offset > assembly.received
-            ):
+        if assembly is None or frame_id != assembly.header.frame_id or offset != assembly.received:
+            if assembly is not None and frame_id == assembly.header.frame_id and offset > assembly.received:
                 self._out_of_order_locked(self._expected + 1)  # a chunk of this frame was lost in flight
             return  # a stray chunk (of a replayed or abandoned frame): ignored
-        end = assembly.received + len(chunk.data)
-        if end > assembly.header.payload_size or (chunk.last and end != assembly.header.payload_size):
+        end = assembly.received + len(data)
+        if end > assembly.header.payload_size or (last and end != assembly.header.payload_size):
             raise _ProtocolError(
-                f"invalid frame from peer: chunks of frame {chunk.frame_id} end at {end} bytes but "
+                f"invalid frame from peer: chunks of frame {frame_id} end at {end} bytes but "
                 f"{assembly.header.payload_size} were declared"
             )
-        assembly.payload[assembly.received : end] = chunk.data
+        assembly.payload[assembly.received : end] = data
         assembly.received = end
         self._assembly_bytes += size
         self._check_credit_locked()
-        if not chunk.last:
+        if not last:
             self._maybe_ack_locked(False)
             return
         self._assembly = None
-        self._complete_locked(EncodedTensor(header=assembly.header, payload=bytes(assembly.payload)))
+        # The frame's buffer becomes the payload as is (no copy): nothing else holds it any more.
+        self._complete_locked(EncodedTensor(header=assembly.header, payload=assembly.payload))  # type: ignore[arg-type]
 
     def _on_signal_locked(self, message: relay_pb2.EdgeMessage) -> None:
         signal = message.signal

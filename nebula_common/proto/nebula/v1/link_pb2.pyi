@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Handshake(_message.Message):
-    __slots__ = ("protocol_version", "cluster_id", "software_version")
+    __slots__ = ("protocol_version", "cluster_id", "software_version", "link_framing")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LINK_FRAMING_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     cluster_id: str
     software_version: str
-    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., software_version: _Optional[str] = ...) -> None: ...
+    link_framing: int
+    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., software_version: _Optional[str] = ..., link_framing: _Optional[int] = ...) -> None: ...
 
 class RoutedItem(_message.Message):
     __slots__ = ("job_id", "edge", "item", "epoch")
@@ -41,13 +43,15 @@ class Pong(_message.Message):
     def __init__(self, nonce: _Optional[int] = ...) -> None: ...
 
 class LinkMessage(_message.Message):
-    __slots__ = ("hello", "routed", "ping", "pong")
+    __slots__ = ("hello", "routed", "ping", "pong", "framed")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ROUTED_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     PONG_FIELD_NUMBER: _ClassVar[int]
+    FRAMED_FIELD_NUMBER: _ClassVar[int]
     hello: Handshake
     routed: RoutedItem
     ping: Ping
     pong: Pong
-    def __init__(self, hello: _Optional[_Union[Handshake, _Mapping]] = ..., routed: _Optional[_Union[RoutedItem, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ...) -> None: ...
+    framed: _relay_pb2.FramedItem
+    def __init__(self, hello: _Optional[_Union[Handshake, _Mapping]] = ..., routed: _Optional[_Union[RoutedItem, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., framed: _Optional[_Union[_relay_pb2.FramedItem, _Mapping]] = ...) -> None: ...

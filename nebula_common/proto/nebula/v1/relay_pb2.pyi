@@ -22,16 +22,18 @@ SIGNAL_KIND_EVAL_DONE: SignalKind
 SIGNAL_KIND_RESUME: SignalKind
 
 class EdgeOpen(_message.Message):
-    __slots__ = ("job_id", "edge", "reconnect", "epoch")
+    __slots__ = ("job_id", "edge", "reconnect", "epoch", "link_framing")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EDGE_FIELD_NUMBER: _ClassVar[int]
     RECONNECT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LINK_FRAMING_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     edge: str
     reconnect: bool
     epoch: int
-    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., reconnect: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+    link_framing: int
+    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., reconnect: _Optional[bool] = ..., epoch: _Optional[int] = ..., link_framing: _Optional[int] = ...) -> None: ...
 
 class EdgeClose(_message.Message):
     __slots__ = ("reason", "error")
@@ -42,16 +44,18 @@ class EdgeClose(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., error: _Optional[bool] = ...) -> None: ...
 
 class EdgeReady(_message.Message):
-    __slots__ = ("peer_cluster", "max_window_bytes", "link_up", "epoch")
+    __slots__ = ("peer_cluster", "max_window_bytes", "link_up", "epoch", "link_framing")
     PEER_CLUSTER_FIELD_NUMBER: _ClassVar[int]
     MAX_WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
     LINK_UP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LINK_FRAMING_FIELD_NUMBER: _ClassVar[int]
     peer_cluster: str
     max_window_bytes: int
     link_up: bool
     epoch: int
-    def __init__(self, peer_cluster: _Optional[str] = ..., max_window_bytes: _Optional[int] = ..., link_up: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+    link_framing: int
+    def __init__(self, peer_cluster: _Optional[str] = ..., max_window_bytes: _Optional[int] = ..., link_up: _Optional[bool] = ..., epoch: _Optional[int] = ..., link_framing: _Optional[int] = ...) -> None: ...
 
 class EdgeRestart(_message.Message):
     __slots__ = ("epoch", "reason")
@@ -95,8 +99,20 @@ class LinkNotice(_message.Message):
     reason: str
     def __init__(self, up: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class FramedItem(_message.Message):
+    __slots__ = ("job_id", "edge", "item", "epoch")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EDGE_FIELD_NUMBER: _ClassVar[int]
+    ITEM_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    edge: str
+    item: EdgeMessage
+    epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., item: _Optional[_Union[EdgeMessage, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
 class EdgeMessage(_message.Message):
-    __slots__ = ("open", "frame", "close", "ready", "signal", "ack", "notice", "restart")
+    __slots__ = ("open", "frame", "close", "ready", "signal", "ack", "notice", "restart", "framed")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
     CLOSE_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +121,7 @@ class EdgeMessage(_message.Message):
     ACK_FIELD_NUMBER: _ClassVar[int]
     NOTICE_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
+    FRAMED_FIELD_NUMBER: _ClassVar[int]
     open: EdgeOpen
     frame: _tensor_pb2.TensorFrame
     close: EdgeClose
@@ -113,7 +130,8 @@ class EdgeMessage(_message.Message):
     ack: EdgeAck
     notice: LinkNotice
     restart: EdgeRestart
-    def __init__(self, open: _Optional[_Union[EdgeOpen, _Mapping]] = ..., frame: _Optional[_Union[_tensor_pb2.TensorFrame, _Mapping]] = ..., close: _Optional[_Union[EdgeClose, _Mapping]] = ..., ready: _Optional[_Union[EdgeReady, _Mapping]] = ..., signal: _Optional[_Union[EdgeSignal, _Mapping]] = ..., ack: _Optional[_Union[EdgeAck, _Mapping]] = ..., notice: _Optional[_Union[LinkNotice, _Mapping]] = ..., restart: _Optional[_Union[EdgeRestart, _Mapping]] = ...) -> None: ...
+    framed: FramedItem
+    def __init__(self, open: _Optional[_Union[EdgeOpen, _Mapping]] = ..., frame: _Optional[_Union[_tensor_pb2.TensorFrame, _Mapping]] = ..., close: _Optional[_Union[EdgeClose, _Mapping]] = ..., ready: _Optional[_Union[EdgeReady, _Mapping]] = ..., signal: _Optional[_Union[EdgeSignal, _Mapping]] = ..., ack: _Optional[_Union[EdgeAck, _Mapping]] = ..., notice: _Optional[_Union[LinkNotice, _Mapping]] = ..., restart: _Optional[_Union[EdgeRestart, _Mapping]] = ..., framed: _Optional[_Union[FramedItem, _Mapping]] = ...) -> None: ...
 
 class GetLinkStatusRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,500 @@
+"""How fast is the relay? The full data path against the transports it is built from, in ONE run.
+
+Paths, each moving the same tensors (float32, codec ``none``) from a sender to a receiver in
+another process on loopback, measured side by side so the ratios share the machine's load:
+
+* ``relay``: edge -> switch a -> mTLS link -> switch b -> edge (four processes: this one sends,
+  a spawned process receives; both switches and both auth services are real service processes);
+* ``tls``: one Python ``ssl`` TLS 1.3 socket hop (``sendall`` / ``recv_into``);
+* ``tcp``: one plain TCP socket hop;
+* ``grpc``: one plaintext gRPC stream of 4 MiB ``bytes`` messages (identity serializers);
+* ``gloo``: ``torch.distributed`` send/recv over the gloo backend.
+
+Each path sends ``count`` tensors back to back after one warm-up tensor; throughput is bytes over the
+time from the first send to the receiver holding the last tensor (``time.monotonic`` is one clock for
+every process of the machine). The switches' CPU seconds (user + system, ``/proc/<pid>/stat``) over
+the relay run give CPU-seconds per GB relayed.
+
+    make bench-relay           # or: .venv/bin/python bench/wan/relay.py --out bench/results/relay
+
+Writes ``relay.json`` and ``relay.md`` under ``--out``. Never part of ``make test``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import secrets
+import shutil
+import socket
+import ssl
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MIB = 1 << 20
+GRPC_MESSAGE = 4 * MIB
+SIZES_MIB = (1, 16, 64)
+PATHS = ("relay", "tls", "tcp", "grpc", "gloo")
+JOB = "bench/relay"
+EDGE = "up->down"
+
+
+def count_for(size_mib: int, total_mib: int) -> int:
+    """Tensors per size so each size moves about ``total_mib`` (at least 2 tensors)."""
+    return max(2, total_mib // size_mib)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (0.0 once it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# ----------------------------------------------------------------------------- receivers (spawned)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("sender closed early")
+        got += n
+
+
+def socket_receiver(port: int, tls: tuple[str, str] | None, size: int, count: int, done: Any) -> None:
+    """Accept one connection; receive ``count + 1`` tensors of ``size`` bytes into one reused buffer."""
+    import torch
+
+    server = socket.create_server(("127.0.0.1", port))
+    context = None
+    if tls is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        context.load_cert_chain(*tls)
+    done.put("listening")
+    conn, _ = server.accept()
+    if context is not None:
+        conn = context.wrap_socket(conn, server_side=True)
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    total = 0.0
+    for index in range(count + 1):
+        _recv_exact(conn, view)
+        total += float(torch.frombuffer(buffer, dtype=torch.float32)[0])
+        if index == 0:
+            conn.sendall(b"w")  # warm-up received
+    done.put(time.monotonic())
+    conn.sendall(b"d")
+    conn.close()
+    server.close()
+
+
+def grpc_receiver(port: int, size: int, count: int, done: Any) -> None:
+    """A plaintext gRPC server: one stream-unary call per tensor of 4 MiB ``bytes`` messages."""
+    from concurrent import futures
+
+    import grpc
+    import torch
+
+    received = [0]
+    buffer = bytearray(size)
+
+    def push(request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        offset = 0
+        for message in request_iterator:
+            buffer[offset : offset + len(message)] = message
+            offset += len(message)
+        torch.frombuffer(buffer, dtype=torch.float32)
+        received[0] += 1
+        if received[0] == count + 1:
+            done.put(time.monotonic())
+        return b""
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(push)}
+    )
+    options = [("grpc.max_receive_message_length", 64 * MIB)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), handlers=[handler], options=options)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    done.put("listening")
+    server.wait_for_termination(timeout=600)
+
+
+def gloo_receiver(port: int, size: int, count: int, done: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+    tensor = torch.empty(size // 4, dtype=torch.float32)
+    for _ in range(count + 1):
+        dist.recv(tensor, src=0)
+    done.put(time.monotonic())
+    dist.send(torch.zeros(1), dst=0)
+    dist.destroy_process_group()
+
+
+def relay_receiver(address: str, token: str, job: str, count: int, done: Any) -> None:
+    """The downstream stage: a real edge on switch b receiving ``count + 1`` tensors."""
+    from services.trainer.edge import EdgeConnection, GrpcEdgeTransport
+
+    edge = EdgeConnection(GrpcEdgeTransport(address, token, job, EDGE), job_id=job, edge=EDGE, upstream=False)
+    for step in range(count + 1):
+        edge.receive_tensor(step, 0, timeout=600)
+        if step == 0:
+            done.put("warm")
+    done.put(time.monotonic())
+    edge.close("finished", timeout=60)
+
+
+# ----------------------------------------------------------------------------- senders (this process)
+
+
+@dataclass
+class Timed:
+    seconds: float
+    bytes: int
+
+    @property
+    def mb_s(self) -> float:
+        return self.bytes / 1e6 / self.seconds
+
+
+def _spawn(target: Callable[..., None], *args: Any) -> tuple[Any, Any]:
+    context = mp.get_context("spawn")
+    done = context.Queue()
+    process = context.Process(target=target, args=(*args, done), daemon=True)
+    process.start()
+    return process, done
+
+
+def _expect(done: Any, value: str, process: Any, timeout: float = 120) -> None:
+    got = done.get(timeout=timeout)
+    if got != value:
+        raise RuntimeError(f"receiver said {got!r}, expected {value!r} (alive: {process.is_alive()})")
+
+
+def _finish(process: Any, timeout: float = 60) -> None:
+    process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+def bench_socket(tensor: Any, count: int, tls: tuple[str, str] | None) -> Timed:
+    size = tensor.numel() * 4
+    port = free_port()
+    process, done = _spawn(socket_receiver, port, tls, size, count)
+    try:
+        _expect(done, "listening", process)
+        sock = socket.create_connection(("127.0.0.1", port))
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            context.minimum_version = ssl.TLSVersion.TLSv1_3
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE  # the cost measured is the encryption, not the check
+            sock = context.wrap_socket(sock)
+        payload = memoryview(tensor.numpy()).cast("B")
+        sock.sendall(payload)
+        if sock.recv(1) != b"w":
+            raise RuntimeError("no warm-up acknowledgement")
+        start = time.monotonic()
+        for _ in range(count):
+            sock.sendall(payload)
+        end = done.get(timeout=600)
+        sock.recv(1)
+        sock.close()
+        return Timed(end - start, size * count)
+    finally:
+        _finish(process)
+
+
+def bench_grpc(tensor: Any, count: int) -> Timed:
+    import grpc
+
+    size = tensor.numel() * 4
+    port = free_port()
+    process, done = _spawn(grpc_receiver, port, size, count)
+    try:
+        _expect(done, "listening", process)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            push = channel.stream_unary("/bench.Sink/Push")
+
+            def messages() -> Iterator[bytes]:
+                data = tensor.numpy().tobytes()  # the sender's one copy into bytes, as a real client
+                for offset in range(0, size, GRPC_MESSAGE):
+                    yield data[offset : offset + GRPC_MESSAGE]
+
+            push(messages(), timeout=600)
+            start = time.monotonic()
+            for _ in range(count):
+                push(messages(), timeout=600)
+            end = done.get(timeout=600)
+        return Timed(end - start, size * count)
+    finally:
+        process.kill()
+        process.join()
+
+
+def bench_gloo(tensor: Any, count: int) -> Timed:
+    import torch
+    import torch.distributed as dist
+
+    size = tensor.numel() * 4
+    port = free_port()
+    process, done = _spawn(gloo_receiver, port, size, count)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+        dist.send(tensor, dst=1)
+        start = time.monotonic()
+        for _ in range(count):
+            dist.send(tensor, dst=1)
+        end = done.get(timeout=600)
+        dist.recv(torch.zeros(1), src=1)
+        dist.destroy_process_group()
+        return Timed(end - start, size * count)
+    finally:
+        _finish(process)
+
+
+class Deployment:
+    """Two clusters' auth services and switches as real service processes; switch a dials b."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.processes: list[Any] = []
+        self.switches: dict[str, Any] = {}
+        self.tokens: dict[str, str] = {}
+
+    def start(self) -> Deployment:
+        from nebula_common.launcher.ports import service_port
+        from nebula_common.launcher.process import ServiceProcess, console_command, wait_healthy
+        from nebula_common.pki import init_pki
+        from nebula_common.sdk.auth_client import AuthClient
+
+        pki = init_pki(self.root / "pki", ["a", "b"])
+        logs = self.root / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+
+        def launch(name: str, module: str, prefix: str, env: dict[str, str]) -> Any:
+            process = ServiceProcess(
+                name=name,
+                command=console_command(module),
+                env={prefix + k: v for k, v in env.items()},
+                log_dir=logs,
+            )
+            process.start()
+            self.processes.append(process)
+            process.wait_ready(120)
+            return process
+
+        auth_addresses = {}
+        for cluster in "ab":
+            password = secrets.token_urlsafe(18)
+            (self.root / cluster).mkdir(parents=True, exist_ok=True)
+            password_file = self.root / cluster / "admin-password"
+            password_file.write_text(password)
+            auth = launch(
+                f"auth-{cluster}",
+                "services.auth",
+                "NEBULA_AUTH_",
+                {
+                    "CLUSTER_ID": cluster,
+                    "DATA_DIR": str(self.root / cluster / "auth"),
+                    "ADMIN_PASSWORD_FILE": str(password_file),
+                    "LISTEN": f"127.0.0.1:{service_port()}",
+                    "METRICS_PORT": "-1",
+                    "LOG_LEVEL": "WARNING",
+                },
+            )
+            auth_addresses[cluster] = f"127.0.0.1:{auth.info['grpc_port']}"
+            wait_healthy(auth_addresses[cluster], "nebula.v1.Auth")
+            with AuthClient(auth_addresses[cluster]) as client:
+                self.tokens[cluster] = client.login("admin", password).token
+        wan_b = service_port()
+        for cluster, peer in (("b", "a"), ("a", "b")):
+            paths = pki.cluster(cluster)
+            env = {
+                "CLUSTER_ID": cluster,
+                "PEER_CLUSTER_ID": peer,
+                "TLS_CERT": str(paths.switch_cert),
+                "TLS_KEY": str(paths.switch_key),
+                "TRUST_BUNDLE": str(paths.trust_bundle),
+                "AUTH_ADDRESS": auth_addresses[cluster],
+                "DATA_DIR": str(self.root / cluster / "switch"),
+                "INTERNAL_LISTEN": f"127.0.0.1:{service_port()}",
+                "WAN_LISTEN": f"127.0.0.1:{wan_b if cluster == 'b' else service_port()}",
+                "METRICS_PORT": "-1",
+                "LOG_LEVEL": "WARNING",
+                "LINK_ROLE": "accept" if cluster == "b" else "dial",
+            }
+            if cluster == "a":
+                env["PEER_ADDRESS"] = f"127.0.0.1:{wan_b}"
+            self.switches[cluster] = launch(f"switch-{cluster}", "services.switch", "NEBULA_SWITCH_", env)
+        self.tls_pair = (str(pki.cluster("b").switch_cert), str(pki.cluster("b").switch_key))
+        return self
+
+    def internal(self, cluster: str) -> str:
+        return f"127.0.0.1:{self.switches[cluster].info['internal_port']}"
+
+    def switch_cpu(self) -> dict[str, float]:
+        return {c: cpu_seconds(p.pid) for c, p in self.switches.items()}
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            with contextlib.suppress(Exception):
+                process.stop()
+
+
+def bench_relay(
+    deployment: Deployment, tensor: Any, count: int, job_index: int
+) -> tuple[Timed, dict[str, float]]:
+    from services.trainer.edge import EdgeConnection, GrpcEdgeTransport
+
+    job = f"{JOB}-{job_index}"
+    size = tensor.numel() * 4
+    process, done = _spawn(relay_receiver, deployment.internal("b"), deployment.tokens["b"], job, count)
+    edge = None
+    try:
+        transport = GrpcEdgeTransport(deployment.internal("a"), deployment.tokens["a"], job, EDGE)
+        edge = EdgeConnection(transport, job_id=job, edge=EDGE, upstream=True)
+        edge.send_tensor(tensor, 0, 0)
+        _expect(done, "warm", process, timeout=300)
+        before = deployment.switch_cpu()
+        start = time.monotonic()
+        for step in range(1, count + 1):
+            edge.send_tensor(tensor, step, 0)
+        end = done.get(timeout=600)
+        after = deployment.switch_cpu()
+        edge.close("finished", timeout=60)
+        return Timed(end - start, size * count), {c: after[c] - before[c] for c in after}
+    finally:
+        if edge is not None:
+            edge.abort("benchmark ended")
+        _finish(process)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def load_info() -> dict[str, float]:
+    one, five, fifteen = os.getloadavg()
+    return {"loadavg_1m": round(one, 2), "loadavg_5m": round(five, 2), "loadavg_15m": round(fifteen, 2)}
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [
+        "# Relay throughput: the full path against single hops (one run, same load)",
+        "",
+        f"Command: `{result['command']}`  ",
+        f"Taken {result['taken']}; load before {result['load_before']}, after {result['load_after']}; "
+        f"{os.cpu_count()} cores.",
+        "",
+        "MB/s (10^6 bytes per second), receiver holding the last tensor; ratio = relay / TLS hop.",
+        "",
+        "| tensor | relay | TLS 1.3 hop | TCP | gRPC stream | gloo | relay / TLS | switch CPU-s per GB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        mb = row["mb_s"]
+
+        def cell(path: str, mb: dict[str, float] = mb) -> str:
+            return f"{mb[path]:.0f}" if path in mb else "-"
+
+        ratio = f"{mb['relay'] / mb['tls']:.2f}" if "relay" in mb and "tls" in mb else "-"
+        cpu = f"{row['switch_cpu_s_per_gb']:.2f}" if row.get("switch_cpu_s_per_gb") is not None else "-"
+        lines.append(
+            f"| {row['size_mib']} MiB x {row['count']} | {cell('relay')} | {cell('tls')} | {cell('tcp')} "
+            f"| {cell('grpc')} | {cell('gloo')} | {ratio} | {cpu} |"
+        )
+    lines += [
+        "",
+        "Switch CPU-s per GB: user + system CPU of both switch processes together during the relay run,",
+        "per 10^9 payload bytes relayed (each byte passes both switches).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/relay"))
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES_MIB), help="tensor sizes, MiB")
+    parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per size and path, MiB")
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    parser.add_argument("--name", default="relay", help="file stem of the JSON and markdown")
+    args = parser.parse_args()
+
+    import torch
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {
+        "command": "make bench-relay  # .venv/bin/python bench/wan/relay.py "
+        + " ".join(["--sizes", *map(str, args.sizes), "--total-mib", str(args.total_mib)]),
+        "taken": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "load_before": load_info(),
+        "rows": [],
+    }
+    root = Path(tempfile.mkdtemp(prefix="nebula-bench-relay-"))
+    deployment = Deployment(root)
+    try:
+        if "relay" in args.paths:
+            deployment.start()
+            print("deployment up", flush=True)
+        tls_pair = getattr(deployment, "tls_pair", None)
+        if tls_pair is None:
+            from nebula_common.pki import init_pki
+
+            paths = init_pki(root / "pki-tls", ["a", "b"]).cluster("b")
+            tls_pair = (str(paths.switch_cert), str(paths.switch_key))
+        for index, size_mib in enumerate(args.sizes):
+            count = count_for(size_mib, args.total_mib)
+            tensor = torch.randn(size_mib * MIB // 4)
+            row: dict[str, Any] = {"size_mib": size_mib, "count": count, "mb_s": {}}
+            for path in args.paths:
+                if path == "relay":
+                    timed, cpu = bench_relay(deployment, tensor, count, index)
+                    row["switch_cpu_s"] = cpu
+                    row["switch_cpu_s_per_gb"] = sum(cpu.values()) / (timed.bytes / 1e9)
+                elif path == "tls":
+                    timed = bench_socket(tensor, count, tls_pair)
+                elif path == "tcp":
+                    timed = bench_socket(tensor, count, None)
+                elif path == "grpc":
+                    timed = bench_grpc(tensor, count)
+                else:
+                    timed = bench_gloo(tensor, count)
+                row["mb_s"][path] = round(timed.mb_s, 1)
+                print(f"{size_mib} MiB x {count} {path}: {timed.mb_s:.0f} MB/s", flush=True)
+            result["rows"].append(row)
+    finally:
+        deployment.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    result["load_after"] = load_info()
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"{args.name}.md").write_text(render(result))
+    print(render(result))
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "bench-relay"
+    main()

@@ -1,0 +1,242 @@
+"""Framed chunks: a tensor chunk built once, as the exact bytes every hop of the data path carries.
+
+Link framing (``Handshake.link_framing`` / ``EdgeOpen.link_framing``). A payload chunk of edge
+protocol 2 is ``RoutedItem{job_id, edge, epoch, item: EdgeMessage{frame: TensorFrame{chunk}}}``. Field 9
+of both ``EdgeMessage`` and ``LinkMessage`` is such a ``RoutedItem`` (``framed``), so ONE byte string
+is at once a valid ``EdgeMessage`` (trainer -> switch, switch -> trainer) and a valid ``LinkMessage``
+(switch -> switch). The sending trainer builds it once; both switches forward it untouched with raw-bytes
+(identity) gRPC serializers, reading only the small header in front of the payload; the receiving
+trainer copies the payload out of a view of it into the tensor's buffer. Nothing re-encodes the
+payload on the way, and no hop runs protobuf over it.
+
+The bytes are ordinary protobuf (any parser reads them), written by hand so the payload is joined once
+with its headers instead of being copied by ``bytes(...)``, by the message constructor and again by
+``SerializeToString``. Fields are written in this order (protobuf allows any order) so the payload is
+last and the parser never scans it::
+
+    0x4a len  RoutedItem:  0x0a job_id  0x12 edge  0x20 epoch  0x1a len  EdgeMessage:
+        0x12 len  TensorFrame:  0x12 len  TensorChunk:  0x08 frame_id  0x10 offset  0x20 last  0x1a data
+
+Zero-valued scalars and empty strings are omitted, as proto3 serializers do, so ``frame_size`` equals
+``TensorFrame.ByteSize()`` of the same chunk: the wire size credit is counted in (relay.proto).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FRAMED_FIELD = 9
+"""Field number of ``framed`` in both EdgeMessage and LinkMessage."""
+FRAMED_TAG = (FRAMED_FIELD << 3) | 2
+LINK_FRAMING_VERSION = 1
+"""Value of ``link_framing`` a peer that reads and forwards framed chunks announces."""
+
+MIN_CHUNK_BYTES = 256 << 10
+MAX_CHUNK_BYTES = 4 << 20
+"""Bounds of the chunk size (the internal gRPC limit is 64 MiB; 4 MiB keeps one chunk well under it)."""
+
+
+class FramingError(ValueError):
+    """Bytes that claim to be a framed chunk but are not one (truncated, wrong fields)."""
+
+
+def chunk_size_for(window_bytes: int) -> int:
+    """Chunk size from the credit window: window / 8, clamped to [256 KiB, 4 MiB].
+
+    Eight chunks per window keep the sender transmitting while acks of the first chunks travel back;
+    bigger chunks cost fewer per-chunk steps (Python work on four processes); smaller ones let a
+    big tensor of one job interleave with other jobs' items at each switch.
+    """
+    return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, window_bytes // 8))
+
+
+def _varint(value: int) -> bytes:
+    if value < 0:
+        raise FramingError(f"negative value {value} cannot be a varint here")
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _field(tag: int, body: bytes) -> bytes:
+    return bytes((tag,)) + _varint(len(body)) + body
+
+
+def _read_varint(view: memoryview, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= end:
+            raise FramingError("framed chunk truncated inside a varint")
+        byte = view[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise FramingError("framed chunk has a varint longer than 10 bytes")
+
+
+def _fields(view: memoryview, pos: int, end: int) -> dict[int, int | tuple[int, int]]:
+    """Fields of one message between ``pos`` and ``end``: varints as ints, bytes as (start, stop)."""
+    found: dict[int, int | tuple[int, int]] = {}
+    while pos < end:
+        key, pos = _read_varint(view, pos, end)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _read_varint(view, pos, end)
+            found[number] = value
+        elif wire == 2:
+            length, pos = _read_varint(view, pos, end)
+            if pos + length > end:
+                raise FramingError(f"framed chunk truncated: field {number} needs {length} bytes")
+            found[number] = (pos, pos + length)
+            pos += length
+        else:
+            raise FramingError(f"framed chunk has field {number} of unexpected wire type {wire}")
+    return found
+
+
+def _span(found: dict[int, int | tuple[int, int]], number: int, what: str) -> tuple[int, int]:
+    value = found.get(number)
+    if not isinstance(value, tuple):
+        raise FramingError(f"framed chunk has no {what}")
+    return value
+
+
+def _int(found: dict[int, int | tuple[int, int]], number: int) -> int:
+    value = found.get(number, 0)
+    if isinstance(value, tuple):
+        raise FramingError(f"framed chunk field {number} should be a number")
+    return value
+
+
+@dataclass(frozen=True)
+class FramedChunk:
+    """A parsed framed chunk: routing tag, chunk fields and a view of the payload (not a copy).
+
+    ``raw`` is the whole framed message, forwarded as is; ``data`` is a memoryview into it.
+    """
+
+    raw: bytes
+    job_id: str
+    edge: str
+    epoch: int
+    frame_id: int
+    offset: int
+    last: bool
+    data: memoryview
+    frame_size: int
+    """``TensorFrame.ByteSize()`` of this chunk: its wire size for credit."""
+    item: tuple[int, int]
+    """Where the serialized ``EdgeMessage`` (the routed item) lies in ``raw``."""
+
+    def edge_message_bytes(self) -> bytes:
+        """The item as a classic serialized ``EdgeMessage`` (a copy), for a trainer without framing."""
+        return self.raw[self.item[0] : self.item[1]]
+
+    def WhichOneof(self, group: str) -> str:
+        """``"frame"``: a framed chunk stands where an ``EdgeMessage`` with a frame would."""
+        return "frame"
+
+
+def encode_chunk(
+    job_id: str, edge: str, epoch: int, frame_id: int, offset: int, data: bytes | memoryview, last: bool
+) -> tuple[bytes, int]:
+    """The framed message of one chunk (headers written by hand, the payload joined once) and its
+    wire size for credit (``TensorFrame.ByteSize()`` of the chunk)."""
+    chunk_head = bytearray()
+    if frame_id:
+        chunk_head += b"\x08" + _varint(frame_id)
+    if offset:
+        chunk_head += b"\x10" + _varint(offset)
+    if last:
+        chunk_head += b"\x20\x01"
+    size = len(data)
+    if size:
+        chunk_head += b"\x1a" + _varint(size)
+    chunk_len = len(chunk_head) + size
+    frame_head = b"\x12" + _varint(chunk_len)
+    frame_len = len(frame_head) + chunk_len
+    item_head = b"\x12" + _varint(frame_len)
+    item_len = len(item_head) + frame_len
+    routed = _field(0x0A, job_id.encode()) + _field(0x12, edge.encode())
+    if epoch:
+        routed += b"\x20" + _varint(epoch)
+    routed += b"\x1a" + _varint(item_len)
+    routed_len = len(routed) + item_len
+    head = bytes((FRAMED_TAG,)) + _varint(routed_len) + routed + item_head + frame_head + bytes(chunk_head)
+    return b"".join((head, data)), frame_len
+
+
+def is_framed(raw: bytes | memoryview) -> bool:
+    """True when ``raw`` (a serialized EdgeMessage or LinkMessage) starts with the framed field."""
+    return len(raw) > 0 and raw[0] == FRAMED_TAG
+
+
+def parse_chunk(raw: bytes) -> FramedChunk:
+    """Read a framed chunk's header and return it with a view of the payload; the payload is not copied."""
+    view = memoryview(raw)
+    end = len(view)
+    if not is_framed(raw):
+        raise FramingError("not a framed chunk (the first field is not 'framed')")
+    length, pos = _read_varint(view, 1, end)
+    if pos + length != end:
+        raise FramingError(f"framed chunk declares {length} bytes but {end - pos} follow")
+    routed = _fields(view, pos, end)
+    job_id = bytes(view[slice(*_span(routed, 1, "job_id"))]).decode()
+    edge = bytes(view[slice(*_span(routed, 2, "edge"))]).decode()
+    epoch = _int(routed, 4)
+    item = _fields(view, *_span(routed, 3, "item"))
+    frame_start, frame_end = _span(item, 2, "frame")
+    if set(item) != {2}:
+        raise FramingError("framed item is not a tensor frame")
+    frame = _fields(view, frame_start, frame_end)
+    if set(frame) != {2}:
+        raise FramingError("framed tensor frame is not a chunk")
+    chunk_start, chunk_end = _span(frame, 2, "chunk")
+    chunk = _fields(view, chunk_start, chunk_end)
+    data_span = chunk.get(3, (chunk_end, chunk_end))
+    if not isinstance(data_span, tuple):
+        raise FramingError("framed chunk data should be bytes")
+    return FramedChunk(
+        raw=raw,
+        job_id=job_id,
+        edge=edge,
+        epoch=epoch,
+        frame_id=_int(chunk, 1),
+        offset=_int(chunk, 2),
+        last=bool(_int(chunk, 4)),
+        data=view[data_span[0] : data_span[1]],
+        frame_size=frame_end - frame_start,
+        item=_span(routed, 3, "item"),
+    )
+
+
+def as_routed_link_message(raw: bytes) -> bytes:
+    """The same item as a classic ``LinkMessage.routed`` (field 4), for a peer without link framing."""
+    if not is_framed(raw):
+        raise FramingError("not a framed chunk")
+    return b"\x22" + raw[1:]
+
+
+__all__ = [
+    "FRAMED_FIELD",
+    "FRAMED_TAG",
+    "LINK_FRAMING_VERSION",
+    "MAX_CHUNK_BYTES",
+    "MIN_CHUNK_BYTES",
+    "FramedChunk",
+    "FramingError",
+    "as_routed_link_message",
+    "chunk_size_for",
+    "encode_chunk",
+    "is_framed",
+    "parse_chunk",
+]
