@@ -162,7 +162,9 @@ def relay_receiver(address: str, token: str, job: str, count: int, done: Any) ->
         edge.receive_tensor(step, 0, timeout=600)
         if step == 0:
             done.put("warm")
+            cpu = time.process_time()
     done.put(time.monotonic())
+    done.put(time.process_time() - cpu)
     edge.close("finished", timeout=60)
 
 
@@ -380,13 +382,17 @@ def bench_relay(
         edge.send_tensor(tensor, 0, 0)
         _expect(done, "warm", process, timeout=300)
         before = deployment.switch_cpu()
+        sender_cpu = time.process_time()
         start = time.monotonic()
         for step in range(1, count + 1):
             edge.send_tensor(tensor, step, 0)
         end = done.get(timeout=600)
         after = deployment.switch_cpu()
+        cpu = {c: after[c] - before[c] for c in after}
+        cpu["sender"] = time.process_time() - sender_cpu
+        cpu["receiver"] = done.get(timeout=60)
         edge.close("finished", timeout=60)
-        return Timed(end - start, size * count), {c: after[c] - before[c] for c in after}
+        return Timed(end - start, size * count), cpu
     finally:
         if edge is not None:
             edge.abort("benchmark ended")
@@ -411,8 +417,9 @@ def render(result: dict[str, Any]) -> str:
         "",
         "MB/s (10^6 bytes per second), receiver holding the last tensor; ratio = relay / TLS hop.",
         "",
-        "| tensor | relay | TLS 1.3 hop | TCP | gRPC stream | gloo | relay / TLS | switch CPU-s per GB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tensor | relay | TLS 1.3 hop | TCP | gRPC stream | gloo | relay / TLS | switch CPU-s per GB "
+        "| CPU-s per GB: switch a / b, sender, receiver |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         mb = row["mb_s"]
@@ -422,9 +429,16 @@ def render(result: dict[str, Any]) -> str:
 
         ratio = f"{mb['relay'] / mb['tls']:.2f}" if "relay" in mb and "tls" in mb else "-"
         cpu = f"{row['switch_cpu_s_per_gb']:.2f}" if row.get("switch_cpu_s_per_gb") is not None else "-"
+        gb = row["size_mib"] * MIB * row["count"] / 1e9
+        split = row.get("cpu_s")
+        parts = (
+            " / ".join(f"{split[k] / gb:.1f}" for k in ("a", "b", "sender", "receiver") if k in split)
+            if split
+            else "-"
+        )
         lines.append(
             f"| {row['size_mib']} MiB x {row['count']} | {cell('relay')} | {cell('tls')} | {cell('tcp')} "
-            f"| {cell('grpc')} | {cell('gloo')} | {ratio} | {cpu} |"
+            f"| {cell('grpc')} | {cell('gloo')} | {ratio} | {cpu} | {parts} |"
         )
     lines += [
         "",
@@ -473,8 +487,9 @@ def main() -> None:
             for path in args.paths:
                 if path == "relay":
                     timed, cpu = bench_relay(deployment, tensor, count, index)
-                    row["switch_cpu_s"] = cpu
-                    row["switch_cpu_s_per_gb"] = sum(cpu.values()) / (timed.bytes / 1e9)
+                    row["cpu_s"] = {k: round(v, 2) for k, v in cpu.items()}
+                    row["switch_cpu_s_per_gb"] = (cpu["a"] + cpu["b"]) / (timed.bytes / 1e9)
+                    print(f"  CPU s: {row['cpu_s']}", flush=True)
                 elif path == "tls":
                     timed = bench_socket(tensor, count, tls_pair)
                 elif path == "tcp":

@@ -4,7 +4,9 @@
   route keeps moving; a receiver that never reads is closed the same way without delaying anyone;
 * a link session that ends tells attached trainers (notice down, then up) and items flow again;
 * reconnect takeover, the per-account route limit, the unattached timeout, credit enforcement on the
-  sending side, and the WAN port's handshake timeout.
+  sending side, and the WAN port's handshake timeout;
+* link framing: a framed chunk crosses both switches byte for byte, reaches a trainer without framing
+  as a classic frame, and a chunk tagged for another route or epoch is refused and audited.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from prometheus_client import REGISTRY
 from nebula_common.pki import PkiLayout
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, tensor_pb2
 from nebula_common.rpc import bearer_metadata
+from nebula_common.rpc.framing import LINK_FRAMING_VERSION, encode_chunk, is_framed
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.wan.emulator import LinkShape, WanEmulator
 from services.switch.config import SwitchSettings
@@ -146,8 +149,21 @@ def switch_pair(
         b.stop()
 
 
+def _to_wire(message: relay_pb2.EdgeMessage | bytes) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def _from_wire(raw: bytes) -> relay_pb2.EdgeMessage | bytes:
+    """Framed chunks stay the bytes they arrived as (so tests can compare them); the rest is parsed."""
+    return raw if is_framed(raw) else relay_pb2.EdgeMessage.FromString(raw)
+
+
 class EdgeClient:
-    """A raw Relay.OpenEdge client standing in for a trainer; ``read=False`` never reads its stream."""
+    """A raw Relay.OpenEdge client standing in for a trainer; ``read=False`` never reads its stream.
+
+    With ``framing`` it opens with ``link_framing`` and may send framed chunks (bytes); framed chunks
+    it receives are kept as bytes.
+    """
 
     def __init__(
         self,
@@ -159,25 +175,36 @@ class EdgeClient:
         reconnect: bool = False,
         read: bool = True,
         epoch: int = 0,
+        framing: bool = False,
     ) -> None:
-        self._out: queue.Queue[relay_pb2.EdgeMessage | None] = queue.Queue()
+        self._out: queue.Queue[relay_pb2.EdgeMessage | bytes | None] = queue.Queue()
         self.inbox: queue.Queue[tuple[relay_pb2.EdgeMessage | BaseException | None, float]] = queue.Queue()
         self.received: list[tuple[relay_pb2.EdgeMessage, float]] = []
         self._channel = grpc.insecure_channel(switch.internal_address)
         self._out.put(
             relay_pb2.EdgeMessage(
-                open=relay_pb2.EdgeOpen(job_id=job_id, edge=edge, reconnect=reconnect, epoch=epoch)
+                open=relay_pb2.EdgeOpen(
+                    job_id=job_id,
+                    edge=edge,
+                    reconnect=reconnect,
+                    epoch=epoch,
+                    link_framing=LINK_FRAMING_VERSION if framing else 0,
+                )
             )
         )
-        self.call = relay_pb2_grpc.RelayStub(self._channel).OpenEdge(
-            self._requests(), metadata=bearer_metadata(token)
-        )
+        if framing:
+            open_edge = self._channel.stream_stream(
+                "/nebula.v1.Relay/OpenEdge", request_serializer=_to_wire, response_deserializer=_from_wire
+            )
+        else:
+            open_edge = relay_pb2_grpc.RelayStub(self._channel).OpenEdge
+        self.call = open_edge(self._requests(), metadata=bearer_metadata(token))
         self.ended: BaseException | None = None
         self.done = threading.Event()
         if read:
             threading.Thread(target=self._read, daemon=True).start()
 
-    def _requests(self) -> Iterator[relay_pb2.EdgeMessage]:
+    def _requests(self) -> Iterator[relay_pb2.EdgeMessage | bytes]:
         while (message := self._out.get()) is not None:
             yield message
 
@@ -191,7 +218,7 @@ class EdgeClient:
         finally:
             self.done.set()
 
-    def send(self, message: relay_pb2.EdgeMessage) -> None:
+    def send(self, message: relay_pb2.EdgeMessage | bytes) -> None:
         self._out.put(message)
 
     def next(self, timeout: float, what: str) -> relay_pb2.EdgeMessage | BaseException | None:
@@ -201,7 +228,16 @@ class EdgeClient:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
         if isinstance(message, relay_pb2.EdgeMessage):
             self.received.append((message, at))
-        return message
+        return message  # type: ignore[return-value]  # framed bytes on a framing client
+
+    def expect_framed(self, timeout: float = 20.0) -> bytes:
+        """The next message, which must be a framed chunk (acks are passed over)."""
+        while True:
+            message = self.next(timeout, "a framed chunk")
+            if isinstance(message, relay_pb2.EdgeMessage) and message.WhichOneof("body") == "ack":
+                continue
+            assert isinstance(message, bytes), f"wanted a framed chunk, got {message!r}"
+            return message
 
     def expect(self, kind: str, timeout: float = 20.0, skip: tuple[str, ...] = ()) -> relay_pb2.EdgeMessage:
         """The next message, which must be ``kind`` (messages of kinds in ``skip`` are passed over)."""
@@ -807,3 +843,57 @@ def test_a_flooder_is_closed_then_refused_while_other_edges_keep_working(
                 client.finish()
 
         wait_for(opens_again, backoff + 20, "mallory's backoff to end")
+
+
+def test_framed_chunks_cross_both_switches_byte_for_byte_and_reach_a_classic_trainer_as_frames(
+    tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster]
+) -> None:
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    with switch_pair(tmp_path, pki_ab, clusters) as pair:
+        assert pair.a.running.link.state.peer_framing and pair.b.running.link.state.peer_framing
+        token_a, token_b = clusters["a"].tokens["alice"], clusters["b"].tokens["alice"]
+        sender = EdgeClient(pair.a, token_a, "framed", framing=True)
+        framed_receiver = EdgeClient(pair.b, token_b, "framed", framing=True)
+        classic_sender = EdgeClient(pair.a, token_a, "classic", framing=True)
+        classic_receiver = EdgeClient(pair.b, token_b, "classic")  # an older trainer
+        for end in (sender, framed_receiver, classic_sender):
+            assert end.expect("ready").ready.link_framing == LINK_FRAMING_VERSION
+        assert classic_receiver.expect("ready").ready.link_framing == 0
+        raw, _ = encode_chunk("framed", "e", 0, 1, 0, payload, True)
+        sender.send(frame(1))
+        sender.send(raw)
+        framed_receiver.expect("frame")
+        assert framed_receiver.expect_framed() == raw  # the very bytes the sender built
+        classic_raw, _ = encode_chunk("classic", "e", 0, 1, 0, payload, True)
+        classic_sender.send(frame(1))
+        classic_sender.send(classic_raw)
+        classic_receiver.expect("frame")
+        chunk = classic_receiver.expect("frame").frame.chunk
+        assert (chunk.frame_id, chunk.offset, chunk.last, chunk.data) == (1, 0, True, payload)
+        sent = pair.a.running.link.sent
+        assert sent.payload_bytes == 2 * len(payload)
+        for end in (sender, framed_receiver, classic_sender, classic_receiver):
+            end.finish()
+
+
+@pytest.mark.parametrize(
+    ("job", "edge", "epoch"), [("another-job", "e", 0), ("tagged", "other-edge", 0), ("tagged", "e", 1)]
+)
+def test_a_framed_chunk_tagged_for_another_route_or_epoch_is_refused_and_audited(
+    tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster], job: str, edge: str, epoch: int
+) -> None:
+    with switch_pair(tmp_path, pki_ab, clusters) as pair:
+        sender = EdgeClient(pair.a, clusters["a"].tokens["alice"], "tagged", framing=True)
+        receiver = EdgeClient(pair.b, clusters["b"].tokens["alice"], "tagged", framing=True)
+        for end in (sender, receiver):
+            end.expect("ready")
+        sender.send(encode_chunk(job, edge, epoch, 1, 0, b"payload", True)[0])
+        ended = sender.next(20, "the refusal")
+        assert isinstance(ended, grpc.RpcError), ended
+        assert ended.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"tagged job {job!r} edge {edge!r} epoch {epoch}" in (ended.details() or "")
+        close = receiver.expect("close", skip=("notice",)).close
+        assert close.error and "framed chunk tagged" in close.reason
+        refused = pair.audit("a", "edge.refused")
+        assert len(refused) == 1 and refused[0]["account"] == "alice" and refused[0]["job_id"] == "tagged"
+        receiver.finish()

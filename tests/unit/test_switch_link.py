@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 from pydantic import ValidationError
 
 from nebula_common.pki import Identity
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, tensor_pb2
+from nebula_common.rpc.framing import LINK_FRAMING_VERSION, encode_chunk, parse_chunk
 from services.switch.config import SwitchSettings
 from services.switch.link import PROTOCOL_VERSION, HandshakeError, PeerLink
 from services.switch.metrics import DirectionCounters
@@ -153,3 +155,49 @@ def test_the_orphan_timeout_defaults_to_two_minutes_reads_its_env_and_refuses_no
     monkeypatch.setenv("NEBULA_SWITCH_ORPHAN_TIMEOUT_S", "0")
     with pytest.raises(ValueError, match="orphan_timeout_s"):
         SwitchSettings(**switch_env())
+
+
+@pytest.mark.parametrize("peer_framing", [True, False])
+def test_a_framed_chunk_goes_out_as_is_or_as_a_classic_routed_item_for_an_older_peer(
+    peer_framing: bool,
+) -> None:
+    """Link framing is negotiated: a peer whose handshake did not announce it gets ``routed`` items."""
+
+    async def scenario() -> list[bytes]:
+        router = Router(cluster_id="a")
+        link = PeerLink("a", "b", router)
+        route, attachment = router.attach(("j", "e"), "alice")
+        raw, _ = encode_chunk("j", "e", 0, 1, 0, b"x" * 1000, True)
+        written: list[bytes] = []
+        stop = asyncio.Event()
+
+        async def read() -> object:
+            await stop.wait()
+            return grpc.aio.EOF
+
+        async def write(message: bytes) -> None:
+            if link_pb2.LinkMessage.FromString(message).WhichOneof("body") != "ping":
+                written.append(message)
+                stop.set()
+
+        session = asyncio.create_task(
+            link.run_session(read, write, Identity("b", "switch"), "dialer", peer_framing=peer_framing)
+        )
+        assert await link.wait_connected(5)  # a session start purges what was queued before it
+        router.accept_local(route, attachment, parse_chunk(raw))
+        await asyncio.wait_for(session, 5)
+        return written
+
+    written = asyncio.run(scenario())
+    raw, _ = encode_chunk("j", "e", 0, 1, 0, b"x" * 1000, True)
+    message = link_pb2.LinkMessage.FromString(written[0])
+    if peer_framing:
+        assert written[0] == raw
+        assert message.WhichOneof("body") == "framed"
+    else:
+        assert message.WhichOneof("body") == "routed"
+        assert message.routed.item.frame.chunk.data == b"x" * 1000
+
+
+def test_the_hello_announces_link_framing() -> None:
+    assert make_link().hello().hello.link_framing == LINK_FRAMING_VERSION
