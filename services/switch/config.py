@@ -9,6 +9,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from nebula_common.service.settings import ClusterId, HostPort, ServiceSettings
+from services.switch.lanes import parse_connections
 
 
 class SwitchSettings(ServiceSettings):
@@ -98,6 +99,11 @@ class SwitchSettings(ServiceSettings):
         "to ~4 MiB in tests). Bounds what waits first-in first-out below the switch's fair scheduler; "
         "caps one link's throughput at window / RTT (1 MiB: 84 Mbit/s at 100 ms RTT).",
     )
+    link_connections: str = Field(
+        "1",
+        description="Connections the dialing switch stripes the link over: a number (1-16) or 'auto' "
+        "(start with one, add while throughput grows by more than 5%, drop one that does not help).",
+    )
     wan_handshake_timeout_s: float = Field(
         10.0,
         gt=0,
@@ -129,6 +135,16 @@ class SwitchSettings(ServiceSettings):
     cert_warn_before_s: float = Field(
         3600.0, ge=0, description="Log a warning while the certificate expires within this many seconds."
     )
+
+    @field_validator("link_connections")
+    @classmethod
+    def _connections(cls, value: str) -> str:
+        parse_connections(value)  # a clear error naming the value
+        return value.strip().lower()
+
+    def connections(self) -> int | None:
+        """The fixed connection count, or None for auto."""
+        return parse_connections(self.link_connections)
 
     @field_validator("peer_cluster_id")
     @classmethod

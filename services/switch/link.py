@@ -32,11 +32,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -53,7 +54,8 @@ from nebula_common.rpc.framing import (
     is_framed,
     parse_chunk,
 )
-from services.switch.metrics import AUTH_REFUSALS, LINK_RTT, LINK_UP, DirectionCounters
+from services.switch.lanes import LaneGapError, LaneTuner, ReorderBuffer
+from services.switch.metrics import AUTH_REFUSALS, LINK_CONNECTIONS, LINK_RTT, LINK_UP, DirectionCounters
 from services.switch.revocation import RevocationList
 from services.switch.routing import Outbound, Router
 from services.switch.transfers import StepTotals, TransferKey, TransferLedger
@@ -66,6 +68,9 @@ HANDSHAKE_TIMEOUT_S = 10.0
 LINK_METHOD = "/nebula.v1.SwitchLink/Link"
 log = logging.getLogger(__name__)
 
+LANE_SAMPLE_S = 0.1
+LANE_INTERVAL_S = 2.0
+"""The lane tuner's measurement interval (busy is sampled every LANE_SAMPLE_S within it)."""
 ReadFn = Callable[[], Awaitable[object]]
 WriteFn = Callable[[bytes], Awaitable[None]]
 CredentialsFn = Callable[[], grpc.ChannelCredentials]
@@ -132,6 +137,27 @@ class LivenessPolicy:
 
 
 @dataclass
+class _Lanes:
+    """The lanes of one session (see services/switch/lanes.py): marks, reordering, retiring, failure."""
+
+    session_id: bytes
+    marking: bool
+    reorder: ReorderBuffer[tuple[tuple[str, str], object, int]]
+    send_seq: int = 0
+    active: set[int] = field(default_factory=lambda: {0})
+    retiring: set[int] = field(default_factory=set)
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
+    failure: str = ""
+    #: Items written per lane (a lane's share of the striping, for status and tests).
+    written: dict[int, int] = field(default_factory=dict)
+
+    def fail(self, reason: str) -> None:
+        if not self.failed.is_set():
+            self.failure = reason
+            self.failed.set()
+
+
+@dataclass
 class LinkState:
     connected: bool = False
     peer_identity: str = ""
@@ -187,8 +213,13 @@ class PeerLink:
         audit: AuditLog | None = None,
         revocation: RevocationList | None = None,
         liveness: LivenessPolicy | None = None,
+        connections: int | None = 1,
     ) -> None:
         self.cluster_id = cluster_id
+        #: Connections the dialer keeps per session: a fixed count, or None to self-tune (lanes.py).
+        self.connections = connections
+        self._lanes: _Lanes | None = None
+        self._lane_channels: dict[int, tuple[grpc.aio.Channel, asyncio.Task[None]]] = {}
         self.expected_peer = Identity(cluster_id=peer_cluster_id, role="switch")
         self.router = router
         if router.record is None:
@@ -229,15 +260,23 @@ class PeerLink:
         return self.state.connected
 
     # ----- the session, shared by both roles -------------------------------------------
-    def hello(self) -> link_pb2.LinkMessage:
+    def hello(self, *, lanes: bool = True, session_id: bytes = b"", lane: int = 0) -> link_pb2.LinkMessage:
         return link_pb2.LinkMessage(
             hello=link_pb2.Handshake(
                 protocol_version=PROTOCOL_VERSION,
                 cluster_id=self.cluster_id,
                 software_version=SOFTWARE_VERSION,
                 link_framing=LINK_FRAMING_VERSION,
+                lanes=lanes,
+                session_id=session_id,
+                lane=lane,
             )
         )
+
+    def joins_current_session(self, session_id: bytes) -> bool:
+        """True if a further connection with ``session_id`` may join the running session as a lane."""
+        lanes = self._lanes
+        return lanes is not None and lanes.marking and bool(session_id) and lanes.session_id == session_id
 
     def check_hello(self, message: object, certified: Identity) -> None:
         """Refuse a peer whose handshake disagrees with its certificate or protocol."""
@@ -315,11 +354,14 @@ class PeerLink:
         role: str,
         peer_cert: x509.Certificate | None = None,
         peer_framing: bool = False,
+        session_id: bytes = b"",
+        marking: bool = False,
     ) -> None:
         """Pump frames both ways until either side ends; only one session runs at a time.
 
         ``read`` returns the raw bytes of each message (or EOF), ``write`` takes raw bytes;
-        ``peer_framing`` is what the peer's handshake announced.
+        ``peer_framing`` is what the peer's handshake announced. This connection is lane 0; with
+        ``marking`` (both ends announced lanes) further connections may join with ``run_lane``.
 
         A new session supersedes the current one: when a peer reconnects, the old stream is
         usually a dead TCP flow that keepalive has not noticed yet, and waiting for it would
@@ -348,20 +390,30 @@ class PeerLink:
             self._priority.clear()
             self._ping_outstanding = None
             self._last_received = time.monotonic()
+            lanes = self._lanes = _Lanes(
+                session_id=session_id,
+                marking=marking,
+                reorder=ReorderBuffer(lambda item: self.router.deliver(*item)),  # type: ignore[arg-type]
+            )
+            LINK_CONNECTIONS.set(1)
             self.router.link_came_up()
             writer = asyncio.create_task(self._pump_out(write), name="link-writer")
             reader = asyncio.create_task(self._pump_in(read), name="link-reader")
             keepalive = asyncio.create_task(self._keepalive(), name="link-keepalive")
             self._close_session = asyncio.Event()
             closer = asyncio.create_task(self._close_session.wait(), name="link-closer")
+            lane_lost = asyncio.create_task(lanes.failed.wait(), name="link-lane-lost")
             reason = "the WAN link session ended"
             try:
                 done, _ = await asyncio.wait(
-                    {writer, reader, keepalive, closer}, return_when=asyncio.FIRST_COMPLETED
+                    {writer, reader, keepalive, closer, lane_lost}, return_when=asyncio.FIRST_COMPLETED
                 )
                 for task in done:
                     if task is closer:
                         reason = "the WAN link session was closed by this switch"
+                    elif task is lane_lost:
+                        log.warning("WAN link session ended: %s", lanes.failure)
+                        reason = f"the WAN link to the peer cluster was lost: {lanes.failure}"
                     elif task.exception() is not None:
                         log.warning("WAN link session ended: %r", task.exception())
                         reason = f"the WAN link to the peer cluster was lost: {task.exception()}"
@@ -371,10 +423,14 @@ class PeerLink:
                 reason = "the WAN link session was replaced or stopped"
                 raise
             finally:
-                for task in (writer, reader, keepalive, closer):
+                lanes.fail("the session ended")  # ends every other lane of this session
+                for task in (writer, reader, keepalive, closer, lane_lost):
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await task
+                if self._lanes is lanes:
+                    self._lanes = None
+                LINK_CONNECTIONS.set(0)
                 if self._current_session is me:
                     self._current_session = None
                 self._connected.clear()
@@ -393,9 +449,77 @@ class PeerLink:
             return self._priority.popleft()
         return self.router.next_outbound()
 
-    async def _pump_out(self, write: WriteFn) -> None:
+    async def run_lane(self, lane: int, read: ReadFn, write: WriteFn) -> None:
+        """Carry the current session's items over one more connection until it is retired or lost.
+
+        A lane that fails (read or write error, EOF without a retiring mark) ends the whole session:
+        items written to it may be lost, a gap no other lane can fill (lanes.py). A lane that is
+        retired (``retire_lane``, or the peer's last mark) ends alone once both last marks crossed.
+        """
+        lanes = self._lanes
+        if lanes is None or not lanes.marking:
+            raise HandshakeError(f"lane {lane} has no session to join")
+        lanes.active.add(lane)
+        LINK_CONNECTIONS.set(len(lanes.active))
+        writer = asyncio.create_task(self._pump_out(write, lane), name=f"link-writer-{lane}")
+        reader = asyncio.create_task(self._pump_in(read, lane), name=f"link-reader-{lane}")
+        ended = asyncio.create_task(lanes.failed.wait(), name=f"link-lane-{lane}-session")
+        try:
+            pending: set[asyncio.Task[object]] = {writer, reader}  # type: ignore[arg-type]
+            while pending:
+                done, pending = await asyncio.wait({*pending, ended}, return_when=asyncio.FIRST_COMPLETED)
+                if ended in done:
+                    return
+                pending.discard(ended)
+                for task in done:
+                    error = task.exception()
+                    if error is not None:
+                        lanes.fail(f"connection {lane} of the link failed: {error}")
+                        return
+        except asyncio.CancelledError:
+            # The call was cancelled under us (the peer dropped this connection): unless the lane was
+            # being retired, what it carried may be lost, so the session must end.
+            if lane not in lanes.retiring:
+                lanes.fail(f"connection {lane} of the link was cancelled")
+            raise
+        finally:
+            for task in (writer, reader, ended):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            lanes.active.discard(lane)
+            lanes.retiring.discard(lane)
+            if self._lanes is lanes:
+                LINK_CONNECTIONS.set(len(lanes.active))
+
+    def lane_counts(self) -> dict[int, int]:
+        """Items written per connection in the current session ({} without lanes)."""
+        lanes = self._lanes
+        return dict(lanes.written) if lanes is not None else {}
+
+    async def drop_connection(self, lane: int) -> bool:
+        """Fault control: close one extra connection abruptly (no retiring). The session ends, the
+        link reconnects and the trainers replay (lanes.py). False if this switch has no such lane."""
+        entry = self._lane_channels.get(lane)
+        if entry is None:
+            return False
+        await entry[0].close()
+        return True
+
+    def retire_lane(self, lane: int) -> None:
+        """Stop sending on ``lane``: its writer sends a last mark, the peer answers with its own."""
+        lanes = self._lanes
+        if lanes is not None and lane in lanes.active and lane != 0:
+            lanes.retiring.add(lane)
+            self.router.outbound_wake.set()
+
+    async def _pump_out(self, write: WriteFn, lane: int = 0) -> None:
         wake = self.router.outbound_wake
+        lanes = self._lanes
         while True:
+            if lanes is not None and lane in lanes.retiring:
+                await write(link_pb2.LinkMessage(mark=link_pb2.LaneMark(last=True)).SerializeToString())
+                return
             message = self._next_message()
             if message is None:
                 wake.clear()
@@ -403,6 +527,16 @@ class PeerLink:
                 if message is None:
                     await wake.wait()
                     continue
+            if (
+                lanes is not None
+                and lanes.marking
+                and (isinstance(message, FramedChunk) or message.WhichOneof("body") == "routed")
+            ):
+                lanes.send_seq += 1
+                lanes.written[lane] = lanes.written.get(lane, 0) + 1
+                await write(
+                    link_pb2.LinkMessage(mark=link_pb2.LaneMark(seq=lanes.send_seq)).SerializeToString()
+                )
             if isinstance(message, FramedChunk):
                 framed = self.state.peer_framing
                 await write(message.raw if framed else as_routed_link_message(message.raw))
@@ -448,10 +582,27 @@ class PeerLink:
         self.rtt.sample(time.monotonic() - outstanding[1])
         LINK_RTT.set(self.rtt.srtt or 0.0)
 
-    async def _pump_in(self, read: ReadFn) -> None:
+    def _deliver(self, key: tuple[str, str], item: object, epoch: int, seq: int | None) -> None:
+        """Hand an item to the router, in lane-mark order when the session stripes over lanes."""
+        lanes = self._lanes
+        if lanes is None or not lanes.marking:
+            self.router.deliver(key, item, epoch)  # type: ignore[arg-type]
+            return
+        if seq is None:
+            raise HandshakeError("peer sent an item without its lane mark")
+        try:
+            lanes.reorder.put(seq, (key, item, epoch))
+        except LaneGapError as exc:
+            raise HandshakeError(str(exc)) from exc
+
+    async def _pump_in(self, read: ReadFn, lane: int = 0) -> None:
+        lanes = self._lanes
+        seq: int | None = None  # the lane mark of the next item on this connection
         while True:
             raw = await read()
             if raw is grpc.aio.EOF:
+                if lane:
+                    raise HandshakeError(f"the peer ended connection {lane} without retiring it")
                 return
             if isinstance(raw, bytes) and is_framed(raw):
                 try:
@@ -461,10 +612,25 @@ class PeerLink:
                 self._last_received = time.monotonic()
                 self.received.count_chunk(chunk)
                 self.ledger.observe_chunk("received", chunk)
-                self.router.deliver((chunk.job_id, chunk.edge), chunk, chunk.epoch)
+                self._deliver((chunk.job_id, chunk.edge), chunk, chunk.epoch, seq)
+                seq = None
                 continue
             message = parse_link_message(raw)
             self._last_received = time.monotonic()
+            if message.WhichOneof("body") == "mark":
+                if lanes is None or not lanes.marking:
+                    raise HandshakeError("peer sent a lane mark on a session without lanes")
+                if message.mark.last:
+                    if lane == 0:
+                        raise HandshakeError("peer tried to retire the session's first connection")
+                    if lane not in lanes.retiring:  # the peer retires it: answer with our own last mark
+                        lanes.retiring.add(lane)
+                        self.router.outbound_wake.set()
+                    return
+                if seq is not None:
+                    raise HandshakeError("peer sent two lane marks in a row")
+                seq = message.mark.seq
+                continue
             self.received.count(message)
             self.ledger.observe("received", message)
             kind = message.WhichOneof("body")
@@ -473,7 +639,8 @@ class PeerLink:
                 if routed.item.WhichOneof("body") not in ROUTED_KINDS:
                     raise HandshakeError("peer routed an item that may not cross the link")
                 # Never waits; drops items of an epoch the route has left behind.
-                self.router.deliver((routed.job_id, routed.edge), routed.item, routed.epoch)
+                self._deliver((routed.job_id, routed.edge), routed.item, routed.epoch, seq)
+                seq = None
             elif kind == "ping":
                 self._queue_priority(link_pb2.LinkMessage(pong=link_pb2.Pong(nonce=message.ping.nonce)))
             elif kind == "pong":
@@ -510,7 +677,9 @@ class PeerLink:
                 async with grpc.aio.secure_channel(address, credentials(), options=options) as channel:
                     # Raw bytes both ways: messages are (de)serialized by the session itself.
                     call = channel.stream_stream(LINK_METHOD)()
-                    await call.write(self.hello().SerializeToString())
+                    session_id = os.urandom(16)
+                    striping = self.connections != 1
+                    await call.write(self.hello(lanes=striping, session_id=session_id).SerializeToString())
                     raw = await asyncio.wait_for(call.read(), HANDSHAKE_TIMEOUT_S)
                     if raw is grpc.aio.EOF:
                         raise HandshakeError("peer closed the link during the handshake")
@@ -523,14 +692,36 @@ class PeerLink:
                         self.refuse("handshake", str(exc))
                         raise
                     backoff = 0.2
-                    await self.run_session(
-                        call.read,
-                        call.write,
-                        self.expected_peer,
-                        "dialer",
-                        peer_cert,
-                        peer_framing=reply.hello.link_framing >= LINK_FRAMING_VERSION,
+                    marking = striping and reply.hello.lanes and reply.hello.session_id == session_id
+                    session = asyncio.create_task(
+                        self.run_session(
+                            call.read,
+                            call.write,
+                            self.expected_peer,
+                            "dialer",
+                            peer_cert,
+                            peer_framing=reply.hello.link_framing >= LINK_FRAMING_VERSION,
+                            session_id=session_id,
+                            marking=marking,
+                        ),
+                        name="link-session",
                     )
+                    manager = None
+                    if marking:
+                        manager = asyncio.create_task(
+                            self._manage_lanes(address, credentials, options, session_id), name="link-lanes"
+                        )
+                    try:
+                        await session
+                    finally:
+                        if manager is not None:
+                            manager.cancel()
+                            with contextlib.suppress(asyncio.CancelledError, Exception):
+                                await manager
+                        if not session.done():  # we were cancelled: let the session wind down first
+                            session.cancel()
+                            with contextlib.suppress(asyncio.CancelledError, Exception):
+                                await session
                     call.cancel()
             except asyncio.CancelledError:
                 raise
@@ -541,6 +732,71 @@ class PeerLink:
                 log.warning("cannot link to peer at %s: %s (retry in %.1fs)", address, detail, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
+
+    async def _manage_lanes(
+        self, address: str, credentials: CredentialsFn, options: list[tuple[str, object]], session_id: bytes
+    ) -> None:
+        """Keep the session's connection count at its target: fixed, or self-tuned (lanes.py)."""
+        tuner = LaneTuner() if self.connections is None else None
+        target = self.connections or 1
+        lanes: dict[int, tuple[grpc.aio.Channel, asyncio.Task[None]]] = {}
+        self._lane_channels = lanes
+        try:
+            while True:
+                for index, (channel, task) in list(lanes.items()):
+                    if task.done():
+                        del lanes[index]
+                        await channel.close()
+                while len(lanes) + 1 < target:
+                    index = next(i for i in range(1, 64) if i not in lanes)
+                    try:
+                        lanes[index] = await self._open_lane(index, address, credentials, options, session_id)
+                    except (grpc.aio.AioRpcError, HandshakeError, TimeoutError, OSError) as exc:
+                        log.warning("cannot open connection %d of the link: %s (retry later)", index, exc)
+                        break
+                if len(lanes) + 1 > target:
+                    self.retire_lane(max(lanes))
+                sent, busy, samples = self.sent.bytes + self.received.bytes, 0, 0
+                started = time.monotonic()
+                while time.monotonic() - started < LANE_INTERVAL_S:
+                    await asyncio.sleep(LANE_SAMPLE_S)
+                    samples += 1
+                    busy += self.router.has_outbound()
+                if tuner is not None:
+                    rate = (self.sent.bytes + self.received.bytes - sent) / (time.monotonic() - started)
+                    target = tuner.observe(rate, busy * 2 >= samples)
+        finally:
+            for channel, task in lanes.values():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+                await channel.close()
+
+    async def _open_lane(
+        self,
+        index: int,
+        address: str,
+        credentials: CredentialsFn,
+        options: list[tuple[str, object]],
+        session_id: bytes,
+    ) -> tuple[grpc.aio.Channel, asyncio.Task[None]]:
+        """Dial one more connection (a channel of its own: distinct arguments, its own TCP connection)."""
+        lane_options = [*options, ("grpc.use_local_subchannel_pool", 1), ("nebula.link_lane", index)]
+        channel = grpc.aio.secure_channel(address, credentials(), options=lane_options)
+        try:
+            call = channel.stream_stream(LINK_METHOD)()
+            await call.write(self.hello(session_id=session_id, lane=index).SerializeToString())
+            raw = await asyncio.wait_for(call.read(), HANDSHAKE_TIMEOUT_S)
+            if raw is grpc.aio.EOF:
+                raise HandshakeError(f"peer refused connection {index} of the link")
+            reply = parse_link_message(raw)
+            self.check_hello(reply, self.expected_peer)
+        except BaseException:
+            await channel.close()
+            raise
+        return channel, asyncio.create_task(
+            self.run_lane(index, call.read, call.write), name=f"link-lane-{index}"
+        )
 
     def stop(self) -> None:
         self._stopping = True

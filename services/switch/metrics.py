@@ -28,6 +28,11 @@ WAN_RAW_BYTES = Counter(
 )
 FRAMES_RELAYED = Counter("nebula_switch_frames_relayed", "Tensor frames relayed over the WAN.", ["direction"])
 LINK_UP = Gauge("nebula_switch_link_up", "1 while an authenticated link to the peer switch is up.")
+LINK_CONNECTIONS = Gauge(
+    "nebula_switch_link_connections",
+    "Connections (lanes) the link to the peer switch stripes items over right now (0 while down; "
+    "NEBULA_SWITCH_LINK_CONNECTIONS on the dialing switch: a fixed count or auto).",
+)
 EDGES_OPEN = Gauge("nebula_switch_edges_open", "Local trainer edge streams currently open.")
 AUTH_REFUSALS = Counter(
     "nebula_switch_refusals", "WAN link attempts refused by the switch, by layer.", ["port", "reason"]

@@ -141,7 +141,14 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         ),
         cluster_id=settings.cluster_id,
     )
-    link = PeerLink(settings.cluster_id, settings.peer_cluster_id, router, audit=audit, revocation=revocation)
+    link = PeerLink(
+        settings.cluster_id,
+        settings.peer_cluster_id,
+        router,
+        audit=audit,
+        revocation=revocation,
+        connections=settings.connections(),
+    )
     material = certs.current
     audit.append(
         "switch.start",

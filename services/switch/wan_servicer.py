@@ -58,13 +58,19 @@ class SwitchLinkServicer:
                 raise HandshakeError("peer closed the link during the handshake")
             hello = parse_link_message(raw)
             self.link.check_hello(hello, certified)
+            lane, session_id = hello.hello.lane, hello.hello.session_id
+            if lane and not self.link.joins_current_session(session_id):
+                raise HandshakeError(f"connection {lane} names no running session of this link")
         except (HandshakeError, TimeoutError) as exc:
             self.link.refuse(
                 "handshake", str(exc) or "no handshake in time", address=context.peer(), serial=serial
             )
             log.warning("refused WAN link from %s: %s", certified.uri, exc)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"handshake refused: {exc}")
-        await context.write(self.link.hello().SerializeToString())
+        await context.write(self.link.hello(session_id=session_id, lane=lane).SerializeToString())
+        if lane:
+            await self.link.run_lane(lane, context.read, context.write)
+            return
         await self.link.run_session(
             context.read,
             context.write,
@@ -72,6 +78,8 @@ class SwitchLinkServicer:
             "acceptor",
             cert,
             peer_framing=hello.hello.link_framing >= LINK_FRAMING_VERSION,
+            session_id=session_id,
+            marking=hello.hello.lanes and bool(session_id),
         )
 
 

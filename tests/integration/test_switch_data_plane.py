@@ -897,3 +897,94 @@ def test_a_framed_chunk_tagged_for_another_route_or_epoch_is_refused_and_audited
         refused = pair.audit("a", "edge.refused")
         assert len(refused) == 1 and refused[0]["account"] == "alice" and refused[0]["job_id"] == "tagged"
         receiver.finish()
+
+
+def _lanes_up(pair: Pair, count: int) -> bool:
+    return all(len(s.running.link._lanes.active) == count for s in (pair.a, pair.b) if s.running.link._lanes)
+
+
+def test_items_striped_over_several_connections_arrive_in_order_both_ways(
+    tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster]
+) -> None:
+    chunks = [bytes([i]) * (256 * 1024) for i in range(1, 41)]
+    with switch_pair(tmp_path, pki_ab, clusters, link_connections="3") as pair:
+        wait_for(
+            lambda: pair.a.running.link._lanes is not None and _lanes_up(pair, 3), 30, "three connections"
+        )
+        ends = {}
+        for job in ("east", "west"):
+            ends[job] = (
+                EdgeClient(pair.a, clusters["a"].tokens["alice"], job, framing=True),
+                EdgeClient(pair.b, clusters["b"].tokens["alice"], job, framing=True),
+            )
+            for end in ends[job]:
+                end.expect("ready")
+        east_sender, east_receiver = ends["east"]
+        west_receiver, west_sender = ends["west"]
+        sent: dict[str, list[bytes]] = {"east": [], "west": []}
+        for offset, data in enumerate(chunks):
+            for job, sender in (("east", east_sender), ("west", west_sender)):
+                raw, _ = encode_chunk(job, "e", 0, 1, offset * len(data), data, offset == len(chunks) - 1)
+                sender.send(raw)
+                sent[job].append(raw)
+        assert [east_receiver.expect_framed() for _ in chunks] == sent["east"]
+        assert [west_receiver.expect_framed() for _ in chunks] == sent["west"]
+        for switch in (pair.a, pair.b):
+            written = switch.running.link.lane_counts()
+            assert len(written) == 3 and all(count > 0 for count in written.values()), written
+        for job_ends in ends.values():
+            for end in job_ends:
+                end.finish()
+
+
+def test_losing_one_connection_mid_transfer_loses_nothing_and_the_tensors_arrive_exactly(
+    tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster]
+) -> None:
+    import torch
+
+    from services.trainer.edge import EdgeConnection, EdgeSettings, GrpcEdgeTransport
+
+    settings = EdgeSettings(ready_timeout_s=30, max_outage_s=60)
+    tensors = [torch.randn(256 * 1024, generator=torch.Generator().manual_seed(i)) for i in range(24)]
+    with switch_pair(tmp_path, pki_ab, clusters, link_connections="2") as pair:
+        wait_for(lambda: pair.a.running.link._lanes is not None and _lanes_up(pair, 2), 30, "two connections")
+        sessions_before = pair.a.running.link.state.sessions
+        opened: dict[int, EdgeConnection] = {}
+
+        def open_end(index: int) -> None:
+            switch, cluster = (pair.a, "a") if index == 0 else (pair.b, "b")
+            transport = GrpcEdgeTransport(
+                switch.internal_address, clusters[cluster].tokens["bob"], "lanes", "e"
+            )
+            opened[index] = EdgeConnection(
+                transport, job_id="lanes", edge="e", upstream=index == 0, settings=settings
+            )
+
+        openers = [threading.Thread(target=open_end, args=(i,), daemon=True) for i in (0, 1)]
+        for thread in openers:
+            thread.start()
+        for thread in openers:
+            thread.join(60)
+        sender, receiver = opened[0], opened[1]
+        received: list[torch.Tensor] = []
+
+        def receive() -> None:
+            for step in range(len(tensors)):
+                received.append(receiver.receive_tensor(step, 0, timeout=120))
+
+        reader = threading.Thread(target=receive, daemon=True)
+        reader.start()
+        for step, tensor in enumerate(tensors):
+            sender.send_tensor(tensor, step, 0)
+            if step == 8:
+                wait_for(lambda: len(received) >= 2, 60, "the first tensors to arrive")
+                dropped = asyncio.run_coroutine_threadsafe(
+                    pair.a.running.link.drop_connection(1), pair.a._loop
+                )
+                assert dropped.result(10)
+        reader.join(180)
+        assert len(received) == len(tensors)
+        assert all(torch.equal(got, want) for got, want in zip(received, tensors, strict=True))
+        assert pair.a.running.link.state.sessions > sessions_before  # the loss ended the session
+        for end in (sender, receiver):
+            end.close(timeout=30)

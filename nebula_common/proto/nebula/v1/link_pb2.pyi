@@ -7,16 +7,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Handshake(_message.Message):
-    __slots__ = ("protocol_version", "cluster_id", "software_version", "link_framing")
+    __slots__ = ("protocol_version", "cluster_id", "software_version", "link_framing", "lanes", "session_id", "lane")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
     LINK_FRAMING_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     cluster_id: str
     software_version: str
     link_framing: int
-    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., software_version: _Optional[str] = ..., link_framing: _Optional[int] = ...) -> None: ...
+    lanes: bool
+    session_id: bytes
+    lane: int
+    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., software_version: _Optional[str] = ..., link_framing: _Optional[int] = ..., lanes: _Optional[bool] = ..., session_id: _Optional[bytes] = ..., lane: _Optional[int] = ...) -> None: ...
+
+class LaneMark(_message.Message):
+    __slots__ = ("seq", "last")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    last: bool
+    def __init__(self, seq: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class RoutedItem(_message.Message):
     __slots__ = ("job_id", "edge", "item", "epoch")
@@ -43,15 +57,17 @@ class Pong(_message.Message):
     def __init__(self, nonce: _Optional[int] = ...) -> None: ...
 
 class LinkMessage(_message.Message):
-    __slots__ = ("hello", "routed", "ping", "pong", "framed")
+    __slots__ = ("hello", "routed", "ping", "pong", "framed", "mark")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ROUTED_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     PONG_FIELD_NUMBER: _ClassVar[int]
     FRAMED_FIELD_NUMBER: _ClassVar[int]
+    MARK_FIELD_NUMBER: _ClassVar[int]
     hello: Handshake
     routed: RoutedItem
     ping: Ping
     pong: Pong
     framed: _relay_pb2.FramedItem
-    def __init__(self, hello: _Optional[_Union[Handshake, _Mapping]] = ..., routed: _Optional[_Union[RoutedItem, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., framed: _Optional[_Union[_relay_pb2.FramedItem, _Mapping]] = ...) -> None: ...
+    mark: LaneMark
+    def __init__(self, hello: _Optional[_Union[Handshake, _Mapping]] = ..., routed: _Optional[_Union[RoutedItem, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., framed: _Optional[_Union[_relay_pb2.FramedItem, _Mapping]] = ..., mark: _Optional[_Union[LaneMark, _Mapping]] = ...) -> None: ...
