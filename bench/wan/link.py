@@ -12,8 +12,9 @@ emulator's own code running as a delay-only proxy (bandwidth 1 Tbit/s). What is 
 the *shaping* (the part netem could not have checked anyway); the delay itself is checked
 analytically: every arm's time is also reported against ``wire_bytes * 8 / rate + 2 * delay``.
 
-Output: ``<out>/link.json`` and ``<out>/link.md``. Run as root (namespaces); without root or iproute2
-the benchmark records why it was skipped and exits 0, so ``make bench-wan`` carries on.
+Output: ``<out>/link.json``, ``<out>/link.md`` and ``<out>/link.png``. Run as root (namespaces);
+without root or iproute2 the benchmark records why it was skipped and exits 0, so ``make bench-wan``
+carries on.
 
     .venv/bin/python bench/wan/link.py --out bench/results/wan-link            # ~4 min
     .venv/bin/python bench/wan/link.py --out /tmp/wl --quick                   # ~1 min, noisier
@@ -35,6 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.wan.netns import ADDRESS_B, NetnsPair, unavailable_reason
+from bench.wan.plots import PALETTE, grouped_bars
 from nebula_common.wan import LinkShape
 from nebula_common.wan.shape import QUEUE_BYTES
 
@@ -79,35 +81,69 @@ def _ideal_s(shape: LinkShape, size: int, connections: int) -> float:
     return wire * 8 / shape.bits_per_second + 2 * shape.delay_s
 
 
+def _start_peer(
+    pair: NetnsPair, rate_mbit: float, delay_ms: float, tree: Path | None
+) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """A ``link_peer.py serve`` in namespace b; ``tree``: import ``nebula_common`` from that checkout."""
+    argv = [sys.executable, str(PEER), "serve", "--listen-host", ADDRESS_B,
+            "--bandwidth-mbit", str(rate_mbit), "--delay-ms", str(delay_ms)]  # fmt: skip
+    env = dict(os.environ)
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    pipe = subprocess.PIPE
+    peer = subprocess.Popen(
+        pair.exec_argv(pair.b, argv), stdin=pipe, stdout=pipe, stderr=pipe, text=True, env=env
+    )
+    try:
+        return peer, _wait_line(peer, 30, f"namespace peer ({tree or 'this tree'})")
+    except BaseException:
+        _stop_peer(peer)
+        raise
+
+
+def _stop_peer(peer: subprocess.Popen[str]) -> None:
+    if peer.stdin is not None:
+        peer.stdin.close()
+    try:
+        peer.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        peer.kill()
+        peer.wait()
+
+
 def measure_shape(
-    pair: NetnsPair, rate_mbit: float, delay_ms: float, connections: list[int], reps: int, seconds: float
+    pair: NetnsPair,
+    rate_mbit: float,
+    delay_ms: float,
+    connections: list[int],
+    reps: int,
+    seconds: float,
+    baseline: Path | None = None,
 ) -> list[dict[str, Any]]:
     shape = LinkShape(bandwidth_mbit=rate_mbit, delay_ms=delay_ms)
     size = int(shape.bits_per_second / 8 * seconds)
-    peer_argv = pair.exec_argv(
-        pair.b,
-        [sys.executable, str(PEER), "serve", "--listen-host", ADDRESS_B, "--bandwidth-mbit", str(rate_mbit),
-         "--delay-ms", str(delay_ms)],
-    )  # fmt: skip
-    peer = subprocess.Popen(
-        peer_argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    peers: list[subprocess.Popen[str]] = []
     rows: list[dict[str, Any]] = []
     try:
-        ports = _wait_line(peer, 30, "namespace peer")
+        peer, ports = _start_peer(pair, rate_mbit, delay_ms, None)
+        peers.append(peer)
+        arm_ports = {"kernel": int(ports["reference"]), "emulator": int(ports["emulator"])}
+        if baseline is not None:
+            peer, base_ports = _start_peer(pair, rate_mbit, delay_ms, baseline)
+            peers.append(peer)
+            arm_ports["baseline"] = int(base_ports["emulator"])
+        arms = list(arm_ports)
         tc_command = ""
         for conns in connections:
-            times: dict[str, list[float]] = {"kernel": [], "emulator": []}
+            times: dict[str, list[float]] = {arm: [] for arm in arms}
             for rep in range(reps):
-                order = ["kernel", "emulator"] if rep % 2 == 0 else ["emulator", "kernel"]
-                for arm in order:
+                # Rotate the order every repetition so drift in the machine's load hits every arm alike.
+                for arm in arms[rep % len(arms) :] + arms[: rep % len(arms)]:
                     if arm == "kernel":
                         tc_command = pair.shape(int(shape.bits_per_second), shape.burst_bytes, QUEUE_BYTES)
-                        port = int(ports["reference"])
                     else:
                         pair.unshape()
-                        port = int(ports["emulator"])
-                    times[arm].append(_send(pair, port, size, conns, timeout_s=20 * seconds + 30))
+                    times[arm].append(_send(pair, arm_ports[arm], size, conns, timeout_s=20 * seconds + 30))
                 pair.unshape()
             ratios = [k / e for k, e in zip(times["kernel"], times["emulator"], strict=True)]
             ideal = _ideal_s(shape, size, conns)
@@ -129,23 +165,32 @@ def measure_shape(
                 "tc": tc_command,
             }
             row["within_target"] = abs(row["median_ratio"] - 1) <= TARGET
-            print(
+            line = (
                 f"{rate_mbit:g} Mbit/s {delay_ms:g} ms x{conns}: emulator/tbf {row['median_ratio']:.3f} "
                 f"(tbf {row['kernel_goodput_mbit']:.1f}, emulator {row['emulator_goodput_mbit']:.1f} "
-                "Mbit/s goodput; "
-                f"vs ideal tbf {row['kernel_over_ideal']:.3f}, emulator {row['emulator_over_ideal']:.3f})",
-                flush=True,
+                f"Mbit/s goodput; vs ideal tbf {row['kernel_over_ideal']:.3f}, "
+                f"emulator {row['emulator_over_ideal']:.3f})"
             )
+            if "baseline" in times:
+                base = [k / b for k, b in zip(times["kernel"], times["baseline"], strict=True)]
+                row["baseline_s"] = times["baseline"]
+                row["baseline_over_kernel"] = base
+                row["baseline_median_ratio"] = statistics.median(base)
+                line += f"; baseline emulator/tbf {row['baseline_median_ratio']:.3f}"
+            print(line, flush=True)
             rows.append(row)
     finally:
-        if peer.stdin is not None:
-            peer.stdin.close()
-        try:
-            peer.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            peer.kill()
-            peer.wait()
+        for peer in peers:
+            _stop_peer(peer)
     return rows
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    groups: dict[tuple[float, float], list[float | None]] = {}
+    for row in rows:
+        groups.setdefault((row["bandwidth_mbit"], row["delay_ms"]), []).append(row["median_ratio"])
+    guides = [(1.0, PALETTE["black"]), (1 - TARGET, PALETTE["red"]), (1 + TARGET, PALETTE["red"])]
+    grouped_bars(path, list(groups.values()), y_min=0.9, y_max=1.1, guides=guides)
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -162,10 +207,12 @@ def markdown(result: dict[str, Any]) -> str:
         "Same bytes through `tc tbf` on a veth between two namespaces (plus a delay-only proxy) and through",
         "the emulator; ratio = emulator goodput / tbf goodput (>1: emulator optimistic), median of the",
         "alternating repetitions. *vs ideal* = (wire bytes x 8 / rate + 2 x delay) / measured time.",
+        f"*baseline*: the emulator of `{result.get('baseline') or '(none given)'}` as a third arm of the"
+        " same run.",
         "",
         "| Mbit/s | delay ms | conns | MB | tbf Mbit/s | emulator Mbit/s | emulator/tbf | within 3% "
-        "| tbf vs ideal | emulator vs ideal |",
-        "|---:|---:|---:|---:|---:|---:|---:|:--:|---:|---:|",
+        "| tbf vs ideal | emulator vs ideal | baseline emulator/tbf |",
+        "|---:|---:|---:|---:|---:|---:|---:|:--:|---:|---:|---:|",
     ]
     for row in result["rows"]:
         lines.append(
@@ -182,11 +229,21 @@ def markdown(result: dict[str, Any]) -> str:
                     "yes" if row["within_target"] else "NO",
                     f"{row['kernel_over_ideal']:.3f}",
                     f"{row['emulator_over_ideal']:.3f}",
+                    f"{row['baseline_median_ratio']:.3f}" if "baseline_median_ratio" in row else "-",
                 ]
             )
             + " |"
         )
-    lines += ["", f"tc reference: `{result['rows'][-1]['tc'] if result['rows'] else ''}`", ""]
+    lines += [
+        "",
+        f"tc reference: `{result['rows'][-1]['tc'] if result['rows'] else ''}`",
+        "",
+        "![emulator/tbf](link.png)",
+        "",
+        "Figure: emulator/tbf per (bandwidth, delay) group in table order; blue 1 connection, orange 4;"
+        " y from 0.90 to 1.10, black line 1.00, red lines the 3% bounds.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -201,12 +258,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", default="1,4", help="comma-separated")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=2.5, help="link time per transfer")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another Nebula checkout (e.g. /work/main) whose emulator runs as a third arm, for before/after",
+    )
     args = parser.parse_args(argv)
     reps, seconds = (1, 1.0) if args.quick else (args.reps, args.seconds)
     result: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "load_before": _load(),
         "queue_bytes": QUEUE_BYTES,
+        "baseline": str(args.baseline) if args.baseline else None,
         "rows": [],
     }
     reason = unavailable_reason()
@@ -218,12 +281,20 @@ def main(argv: list[str] | None = None) -> int:
             for rate in [float(x) for x in args.bandwidths.split(",")]:
                 for delay in [float(x) for x in args.delays.split(",")]:
                     result["rows"] += measure_shape(
-                        pair, rate, delay, [int(x) for x in args.connections.split(",")], reps, seconds
+                        pair,
+                        rate,
+                        delay,
+                        [int(x) for x in args.connections.split(",")],
+                        reps,
+                        seconds,
+                        args.baseline,
                     )
     result["load_after"] = _load()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "link.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "link.md").write_text(markdown(result))
+    if result["rows"]:
+        plot(result["rows"], args.out / "link.png")
     print(f"wrote {args.out / 'link.json'} and {args.out / 'link.md'}")
     return 0
 

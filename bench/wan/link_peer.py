@@ -50,7 +50,8 @@ async def _sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 async def serve(listen_host: str, shape: LinkShape) -> None:
     sink = await asyncio.start_server(_sink, "127.0.0.1", 0)
     sink_port = sink.sockets[0].getsockname()[1]
-    delay_only = LinkShape(bandwidth_mbit=_UNSHAPED_MBIT, delay_ms=shape.delay_ms, mtu=shape.mtu)
+    # Only bandwidth and delay: a baseline checkout's older LinkShape must accept the same call.
+    delay_only = LinkShape(bandwidth_mbit=_UNSHAPED_MBIT, delay_ms=shape.delay_ms)
     async with (
         WanEmulator("127.0.0.1", sink_port, shape, listen_host, 0) as emulator,
         WanEmulator("127.0.0.1", sink_port, delay_only, listen_host, 0) as reference,
@@ -102,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--listen-host", required=True)
     srv.add_argument("--bandwidth-mbit", type=float, required=True)
     srv.add_argument("--delay-ms", type=float, required=True)
-    srv.add_argument("--mtu", type=int, default=1500)
     snd = sub.add_parser("send")
     snd.add_argument("--host", required=True)
     snd.add_argument("--port", type=int, required=True)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     snd.add_argument("--connections", type=int, default=1)
     args = parser.parse_args(argv)
     if args.mode == "serve":
-        shape = LinkShape(bandwidth_mbit=args.bandwidth_mbit, delay_ms=args.delay_ms, mtu=args.mtu)
+        shape = LinkShape(bandwidth_mbit=args.bandwidth_mbit, delay_ms=args.delay_ms)
         asyncio.run(serve(args.listen_host, shape))
     else:
         print(json.dumps(asyncio.run(send(args.host, args.port, args.bytes, args.connections))), flush=True)
