@@ -38,7 +38,7 @@ import struct
 from collections.abc import Awaitable, Callable
 
 from nebula_common.wan.shape import LinkShape
-from nebula_common.wan.shaper import CHUNK_BYTES, AggregateLink, Flow, LinkGate
+from nebula_common.wan.shaper import AggregateLink, Flow, LinkGate
 
 __all__ = ["LinkShape", "WanEmulator", "parse_address", "run_emulator_forever"]
 
@@ -119,7 +119,7 @@ class _Direction:
             await self._flow.wait_room()
             # While the path is cut nothing is read, so the sender's kernel buffers fill up.
             await self._gate.wait_up()
-            chunk = await self._src.read(CHUNK_BYTES)
+            chunk = await self._src.read(self._flow.read_size())
             # EOF travels the wire behind the data (the shared link orders it after every chunk).
             self._flow.submit(chunk or None)
             if not chunk:

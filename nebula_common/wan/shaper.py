@@ -137,7 +137,19 @@ class Flow:
             # Each connection may queue its share of the queue (and always one chunk), so a pacer
             # catching up after a late wake-up serves every connection alike.
             return False
-        return not (self.windowed and self._unacked > 0 and self._unacked + CHUNK_BYTES > self.cwnd)
+        # Like TCP, send while the window has room for a full segment (always, with nothing in flight).
+        return not (self.windowed and self._unacked > 0 and self.cwnd - self._unacked < self._mss)
+
+    def read_size(self) -> int:
+        """How much the next read may take: a turn, or what the window allows in whole segments.
+
+        Reading whole turns against a window of a few segments would waste up to a turn of it, so
+        a lossy link would look slower than the Reno sender it models.
+        """
+        if not self.windowed:
+            return CHUNK_BYTES
+        segments = max(1, int((self.cwnd - self._unacked) // self._mss))
+        return min(CHUNK_BYTES, segments * self._mss)
 
     async def wait_room(self) -> None:
         """Wait until this connection may read another chunk (queue, hold and window bounds)."""
