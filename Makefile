@@ -85,6 +85,25 @@ SOAK_SECONDS ?= 600
 soak: $(STAMP)
 	SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python bench/faults/soak.py --out bench-results
 
+# The WAN emulator against kernel shaping (`tc tbf` between two network namespaces, same bytes; needs root,
+# otherwise recorded as skipped) and link utilisation through a real switch pair. JSON + markdown in
+# bench/results/wan-link/, report in docs/bench/wan-link.md (about 10 minutes; never part of `make test`).
+.PHONY: bench-wan-link bench-wan
+bench-wan-link: $(STAMP)
+	$(BIN)/python bench/wan/link.py --out bench/results/wan-link
+	$(BIN)/python bench/wan/utilisation.py --out bench/results/wan-link
+
+# Every WAN data-plane benchmark of issue 15; a target that does not exist (yet) is skipped with a message,
+# one that fails does not stop the others but fails the whole run at the end.
+WAN_BENCHES := bench-wan-link bench-relay bench-wan-roofline bench-wan-table3
+bench-wan: $(STAMP)
+	@failed=""; for t in $(WAN_BENCHES); do \
+	  if $(MAKE) -n $$t >/dev/null 2>&1; then \
+	    $(MAKE) $$t || failed="$$failed $$t"; \
+	  else echo "bench-wan: no '$$t' target (yet), skipped"; fi; \
+	done; \
+	if [ -n "$$failed" ]; then echo "bench-wan: failed:$$failed"; exit 1; fi
+
 test: $(STAMP)
 	$(BIN)/python tools/gen_proto.py --check
 	$(BIN)/python tools/check_layers.py

@@ -55,6 +55,22 @@ def _check_delay(value: float) -> float:
     return value
 
 
+def _check_loss(value: float) -> float:
+    try:
+        LinkShape(bandwidth_mbit=1.0, delay_ms=0.0, loss=value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+def _check_mtu(value: int) -> int:
+    try:
+        LinkShape(bandwidth_mbit=1.0, delay_ms=0.0, mtu=value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
 @app.command()
 def emulate(
     target: Annotated[
@@ -69,6 +85,24 @@ def emulate(
     delay_ms: Annotated[
         float, typer.Option(help="One-way propagation delay, ms.", callback=_check_delay)
     ] = 20.0,
+    loss: Annotated[
+        float,
+        typer.Option(
+            help="Probability that a TCP segment is lost (0.001 = 0.1%), modelled Reno-style per connection.",
+            envvar="NEBULA_WAN_LOSS",
+            callback=_check_loss,
+        ),
+    ] = 0.0,
+    mtu: Annotated[
+        int,
+        typer.Option(
+            help="Link MTU: segments carry MTU-52 payload bytes and 66 header bytes.", callback=_check_mtu
+        ),
+    ] = 1500,
+    seed: Annotated[
+        int | None,
+        typer.Option(help="Seed of the loss model, for repeatable losses.", envvar="NEBULA_WAN_SEED"),
+    ] = None,
     control: Annotated[
         str | None,
         typer.Option(
@@ -80,8 +114,12 @@ def emulate(
         Path | None, typer.Option(help="File holding the token control requests must carry.")
     ] = None,
 ) -> None:
-    """Forward LISTEN to TARGET through a shaped link until interrupted (Ctrl-C / SIGTERM)."""
-    shape = LinkShape(bandwidth_mbit=bandwidth_mbit, delay_ms=delay_ms)
+    """Forward LISTEN to TARGET through a shaped link until interrupted (Ctrl-C / SIGTERM).
+
+    The bandwidth is the wire rate of the aggregate of all connections in each direction
+    (headers counted per segment), so it can be compared one to one with kernel shaping.
+    """
+    shape = LinkShape(bandwidth_mbit=bandwidth_mbit, delay_ms=delay_ms, loss=loss, mtu=mtu, seed=seed)
     attach = None
     if control is not None:
         try:
@@ -93,7 +131,8 @@ def emulate(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     typer.echo(
         f"Emulating WAN link {listen} -> {target}: {bandwidth_mbit:g} Mbit/s and {delay_ms:g} ms "
-        "one-way delay in each direction (Ctrl-C to stop)"
+        f"one-way delay in each direction, loss {loss:g}, MTU {mtu}; all connections share the "
+        "bandwidth (Ctrl-C to stop)"
     )
     try:
         run_emulator_forever(target=target, listen=listen, shape=shape, attach=attach)

@@ -2,8 +2,11 @@
 
 Nebula's whole point is training across clusters joined by thin, long links, so the two
 switch gateways must be tested against a link with realistic bandwidth and latency. Kernel
-tools (``tc netem``) need root and are per-interface; this proxy needs neither and shapes
-each direction of each connection independently, the way a full-duplex WAN circuit does.
+tools (``tc netem``) need root and are per-interface; this proxy needs neither. Like a full-duplex
+WAN circuit it shapes each direction on its own, and within a direction the *aggregate* of all the
+connections it carries shares one fair token bucket (``nebula_common.wan.shaper``), so opening more
+connections cannot buy more bandwidth than the link has. ``bench/wan/link.py`` checks it against
+kernel shaping (``tc tbf`` between two network namespaces, same bytes).
 
 Fault controls, so link faults are scripted and repeatable (``nebula wan cut|restore|reset``):
 
@@ -29,59 +32,19 @@ import contextlib
 import ipaddress
 import itertools
 import logging
-import math
-import numbers
 import signal
 import socket
 import struct
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+
+from nebula_common.wan.shape import LinkShape
+from nebula_common.wan.shaper import AggregateLink, Flow, LinkGate
+
+__all__ = ["LinkShape", "WanEmulator", "parse_address", "run_emulator_forever"]
 
 logger = logging.getLogger(__name__)
 
-# Reading in bounded chunks keeps serialization granularity fine enough (16 KiB is ~2 ms at
-# 60 Mbit/s) that delivery looks like a steady stream rather than bursts.
-_CHUNK_BYTES = 16 * 1024
-# Slack above the bandwidth-delay product so the reader always has the next chunk queued
-# before the link would otherwise go idle, without letting a fast sender park megabytes here.
-_QUEUE_SLACK_BYTES = 256 * 1024
 _CONNECT_TIMEOUT_S = 10.0
-
-
-@dataclass(frozen=True)
-class LinkShape:
-    """One direction's link characteristics; the same shape is applied to both directions."""
-
-    bandwidth_mbit: float
-    delay_ms: float
-
-    def __post_init__(self) -> None:
-        # numbers.Real admits numpy scalars from configs; bool is excluded because accepting True
-        # as "1 Mbit/s" would hide a caller bug.
-        for name in ("bandwidth_mbit", "delay_ms"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise ValueError(f"LinkShape.{name} must be a number, got {value!r}")
-        if not math.isfinite(self.bandwidth_mbit) or self.bandwidth_mbit <= 0:
-            raise ValueError(
-                f"LinkShape.bandwidth_mbit must be a finite number > 0, got {self.bandwidth_mbit!r}"
-            )
-        if not math.isfinite(self.delay_ms) or self.delay_ms < 0:
-            raise ValueError(f"LinkShape.delay_ms must be a finite number >= 0, got {self.delay_ms!r}")
-
-    @property
-    def bits_per_second(self) -> float:
-        return self.bandwidth_mbit * 1e6
-
-    @property
-    def delay_s(self) -> float:
-        return self.delay_ms / 1000.0
-
-    @property
-    def queue_limit_bytes(self) -> int:
-        """Bytes a direction may hold: enough to keep the pipe full, small enough to back-pressure."""
-        bdp = self.bits_per_second / 8.0 * self.delay_s
-        return math.ceil(bdp) + _QUEUE_SLACK_BYTES
 
 
 def parse_address(value: str, name: str = "address", *, allow_port_zero: bool = False) -> tuple[str, int]:
@@ -130,90 +93,52 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-class _LinkState:
-    """Whether the emulated path is up; every direction of every connection waits on it."""
-
-    def __init__(self) -> None:
-        self._up = asyncio.Event()
-        self._up.set()
-        self.restored_at = 0.0
-
-    @property
-    def up(self) -> bool:
-        return self._up.is_set()
-
-    def cut(self) -> None:
-        self._up.clear()
-
-    def restore(self) -> None:
-        if not self._up.is_set():
-            self.restored_at = asyncio.get_running_loop().time()
-            self._up.set()
-
-    async def wait_up(self) -> None:
-        if not self._up.is_set():
-            await self._up.wait()
-
-
 class _Direction:
-    """Shapes one half of a connection: a reader stamps chunks, a writer releases them on time."""
+    """One half of a connection: a reader feeds its flow into the shared link, a writer delivers on time."""
 
     def __init__(
         self,
         src: asyncio.StreamReader,
         dst: asyncio.StreamWriter,
-        shape: LinkShape,
+        flow: Flow,
         on_delivered: Callable[[int], None],
-        link: _LinkState,
+        gate: LinkGate,
+        delay_s: float,
     ) -> None:
         self._src = src
         self._dst = dst
-        self._bits_per_s = shape.bits_per_second
-        self._delay_s = shape.delay_s
-        self._limit = shape.queue_limit_bytes
+        self._flow = flow
         self._on_delivered = on_delivered
-        self._link = link
-        self._queue: asyncio.Queue[tuple[float, bytes | None]] = asyncio.Queue()
-        self._in_flight = 0
-        self._room = asyncio.Event()
-        # The serialization clock: when the link finishes sending what is already queued.
-        self._last_depart = 0.0
+        self._gate = gate
+        self._delay_s = delay_s
 
     async def read_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             # Waiting *before* reading leaves data in the kernel, so TCP flow control pushes back
             # on the sender instead of this process buffering without bound.
-            while self._in_flight + _CHUNK_BYTES > self._limit:
-                self._room.clear()
-                await self._room.wait()
+            await self._flow.wait_room()
             # While the path is cut nothing is read, so the sender's kernel buffers fill up.
-            await self._link.wait_up()
-            chunk = await self._src.read(_CHUNK_BYTES)
-            # A chunk read just before a cut departs once the path is back.
-            await self._link.wait_up()
-            start = max(loop.time(), self._last_depart)
+            await self._gate.wait_up()
+            chunk = await self._src.read(self._flow.read_size())
+            # EOF travels the wire behind the data (the shared link orders it after every chunk).
+            self._flow.submit(chunk or None)
             if not chunk:
-                # EOF travels the wire behind the data, so it too waits out the propagation delay.
-                self._queue.put_nowait((start + self._delay_s, None))
                 return
-            self._last_depart = start + len(chunk) * 8 / self._bits_per_s
-            self._in_flight += len(chunk)
-            self._queue.put_nowait((self._last_depart + self._delay_s, chunk))
 
     async def write_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        deliveries = self._flow.deliveries
         while True:
-            deliver_at, chunk = await self._queue.get()
+            deliver_at, chunk = await deliveries.get()
             while True:
                 wait = deliver_at - loop.time()
                 if wait > 0:
                     await asyncio.sleep(wait)
-                if self._link.up:
+                if self._gate.up:
                     break
                 # Held during a cut: it arrives no earlier than one propagation delay after the restore.
-                await self._link.wait_up()
-                deliver_at = max(deliver_at, self._link.restored_at + self._delay_s)
+                await self._gate.wait_up()
+                deliver_at = max(deliver_at, self._gate.restored_at + self._delay_s)
             if self._dst.is_closing():
                 raise ConnectionResetError("peer connection closed while data was in flight")
             if chunk is None:
@@ -225,8 +150,7 @@ class _Direction:
             self._dst.write(chunk)
             self._on_delivered(len(chunk))
             await self._dst.drain()
-            self._in_flight -= len(chunk)
-            self._room.set()
+            self._flow.written(len(chunk))
 
 
 class WanEmulator:
@@ -252,7 +176,11 @@ class WanEmulator:
         self._bytes_upstream = 0
         self._bytes_downstream = 0
         self._connections_total = 0
-        self._link: _LinkState | None = None
+        self._gate: LinkGate | None = None
+        # One shared link per direction (created in the running loop) and their pacer tasks.
+        self._up_link: AggregateLink | None = None
+        self._down_link: AggregateLink | None = None
+        self._pacers: set[asyncio.Task[None]] = set()
         self._cut_requested = False
         self._cuts_total = 0
         self._resets_total = 0
@@ -271,6 +199,26 @@ class WanEmulator:
     def bytes_downstream(self) -> int:
         """Bytes delivered target -> client, counted when handed to the client socket."""
         return self._bytes_downstream
+
+    @property
+    def wire_bytes_upstream(self) -> int:
+        """Bytes the client -> target link carried, headers and retransmissions included."""
+        return self._up_link.wire_bytes if self._up_link is not None else 0
+
+    @property
+    def wire_bytes_downstream(self) -> int:
+        """Bytes the target -> client link carried, headers and retransmissions included."""
+        return self._down_link.wire_bytes if self._down_link is not None else 0
+
+    @property
+    def losses_upstream(self) -> int:
+        """Segments the loss model dropped (and had retransmitted) client -> target."""
+        return self._up_link.losses if self._up_link is not None else 0
+
+    @property
+    def losses_downstream(self) -> int:
+        """Segments the loss model dropped (and had retransmitted) target -> client."""
+        return self._down_link.losses if self._down_link is not None else 0
 
     @property
     def connections_total(self) -> int:
@@ -296,13 +244,26 @@ class WanEmulator:
         """Connections aborted by ``reset_connections()`` so far."""
         return self._resets_total
 
-    def _link_state(self) -> _LinkState:
+    def _link_state(self) -> LinkGate:
         # Created lazily inside the running loop (asyncio primitives bind to it on first use).
-        if self._link is None:
-            self._link = _LinkState()
+        if self._gate is None:
+            self._gate = LinkGate()
             if self._cut_requested:
-                self._link.cut()
-        return self._link
+                self._gate.cut()
+        return self._gate
+
+    def _links(self) -> tuple[AggregateLink, AggregateLink]:
+        """The shared upstream and downstream links, their pacers started on first use."""
+        if self._up_link is None or self._down_link is None:
+            gate = self._link_state()
+            self._up_link = AggregateLink(self.shape, gate, "up")
+            self._down_link = AggregateLink(self.shape, gate, "down")
+            loop = asyncio.get_running_loop()
+            for link in (self._up_link, self._down_link):
+                task = loop.create_task(link.run(), name=f"wan-pacer-{link.name}")
+                self._pacers.add(task)
+                task.add_done_callback(self._pacers.discard)
+        return self._up_link, self._down_link
 
     def cut(self) -> None:
         """Stop forwarding both ways: connections stay open, nothing passes (see the module doc)."""
@@ -310,16 +271,16 @@ class WanEmulator:
             self._cuts_total += 1
             logger.warning("WAN emulator: link CUT (connections held open, nothing passes)")
         self._cut_requested = True
-        if self._link is not None:
-            self._link.cut()
+        if self._gate is not None:
+            self._gate.cut()
 
     def restore(self) -> None:
         """End a cut: held bytes continue after one propagation delay, held connections dial out."""
         if self._cut_requested:
             logger.warning("WAN emulator: link RESTORED")
         self._cut_requested = False
-        if self._link is not None:
-            self._link.restore()
+        if self._gate is not None:
+            self._gate.restore()
 
     def reset_connections(self) -> int:
         """Abort every carried connection with a TCP RST on both sides; returns how many.
@@ -341,6 +302,9 @@ class WanEmulator:
             "target": f"{self.target_host}:{self.target_port}",
             "bandwidth_mbit": self.shape.bandwidth_mbit,
             "delay_ms": self.shape.delay_ms,
+            "loss": self.shape.loss,
+            "mtu": self.shape.mtu,
+            "seed": self.shape.seed,
             "cut": self.is_cut,
             "connections_open": self.connections_open,
             "connections_total": self.connections_total,
@@ -348,22 +312,29 @@ class WanEmulator:
             "resets_total": self.resets_total,
             "bytes_upstream": self.bytes_upstream,
             "bytes_downstream": self.bytes_downstream,
+            "wire_bytes_upstream": self.wire_bytes_upstream,
+            "wire_bytes_downstream": self.wire_bytes_downstream,
+            "losses_upstream": self.losses_upstream,
+            "losses_downstream": self.losses_downstream,
         }
 
     async def start(self) -> int:
         if self._server is not None or self._closing:
             raise RuntimeError("WanEmulator can only be started once")
-        self._link_state()
+        self._links()
         self._server = await asyncio.start_server(self._on_client, self.listen_host, self._listen_port)
         self._listen_port = self._server.sockets[0].getsockname()[1]
         logger.info(
-            "WAN emulator listening on %s:%d -> %s:%d (%g Mbit/s, %g ms one-way)",
+            "WAN emulator listening on %s:%d -> %s:%d (%g Mbit/s, %g ms one-way, loss %g, MTU %d;"
+            " all connections share each direction)",
             self.listen_host,
             self._listen_port,
             self.target_host,
             self.target_port,
             self.shape.bandwidth_mbit,
             self.shape.delay_ms,
+            self.shape.loss,
+            self.shape.mtu,
         )
         return self._listen_port
 
@@ -372,7 +343,7 @@ class WanEmulator:
         server, self._server = self._server, None
         if server is not None:
             server.close()
-        tasks = list(self._tasks)
+        tasks = list(self._tasks) + list(self._pacers)
         for task in tasks:
             task.cancel()
         if tasks:
@@ -435,8 +406,11 @@ class WanEmulator:
         def count_down(n: int) -> None:
             self._bytes_downstream += n
 
-        up = _Direction(client_reader, target_writer, self.shape, count_up, link)
-        down = _Direction(target_reader, client_writer, self.shape, count_down, link)
+        up_link, down_link = self._links()
+        up_flow, down_flow = up_link.flow(), down_link.flow()
+        delay_s = self.shape.delay_s
+        up = _Direction(client_reader, target_writer, up_flow, count_up, link, delay_s)
+        down = _Direction(target_reader, client_writer, down_flow, count_down, link, delay_s)
         clean = False
         try:
             async with asyncio.TaskGroup() as group:
@@ -450,6 +424,9 @@ class WanEmulator:
         except* Exception:
             logger.exception("WAN emulator conn %d from %s failed", conn_id, peer)
         finally:
+            # Whatever this connection still had queued must not take link time from the others.
+            up_link.drop(up_flow)
+            down_link.drop(down_flow)
             if not clean:
                 # Covers resets, unexpected errors and cancellation by stop(): no awaiting here.
                 _reset(client_writer)

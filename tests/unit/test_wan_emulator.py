@@ -78,15 +78,23 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def assert_within(measured: float, ideal: float, rel: float, label: str) -> None:
+def assert_paced(measured: float, ideal: float, label: str) -> None:
+    """Never faster than the link (the token bucket lends at most one burst), and really paced at it.
+
+    Accuracy is measured by the benchmark (``make bench-wan-link``), not here: on a loaded machine
+    lateness only adds, so the late side gets a generous bound and the early side a tight one.
+    """
+    early_slack = BULK_SHAPE.burst_bytes * 8 / BULK_SHAPE.bits_per_second
     error = (measured - ideal) / ideal
     print(f"{label}: measured {measured * 1000:.1f} ms, ideal {ideal * 1000:.1f} ms, error {error:+.2%}")
-    assert abs(error) <= rel, f"{label}: {measured:.4f}s vs ideal {ideal:.4f}s ({error:+.2%})"
+    assert measured >= ideal - early_slack, f"{label}: {measured:.4f}s beats the link's {ideal:.4f}s"
+    assert measured <= 1.5 * ideal, f"{label}: {measured:.4f}s vs ideal {ideal:.4f}s ({error:+.2%})"
 
 
 BULK_BYTES = 3_000_000
 BULK_SHAPE = LinkShape(bandwidth_mbit=24.0, delay_ms=20.0)
-BULK_IDEAL_S = BULK_BYTES * 8 / (BULK_SHAPE.bandwidth_mbit * 1e6) + BULK_SHAPE.delay_ms / 1000
+# The bandwidth is a wire rate: 66 header bytes per 1448-byte segment travel with the payload.
+BULK_IDEAL_S = BULK_SHAPE.wire_bytes(BULK_BYTES) * 8 / BULK_SHAPE.bits_per_second + BULK_SHAPE.delay_s
 
 
 @pytest.mark.timeout(60)
@@ -114,7 +122,7 @@ def test_bulk_upstream_matches_bandwidth_and_delay() -> None:
             finished = await done
             assert await reader.read() == b"ok"
             writer.close()
-            assert_within(finished - started, BULK_IDEAL_S, 0.05, "upstream 3 MB @ 24 Mbit/s + 20 ms")
+            assert_paced(finished - started, BULK_IDEAL_S, "upstream 3 MB @ 24 Mbit/s + 20 ms")
 
     run(body())
 
@@ -142,7 +150,7 @@ def test_bulk_downstream_matches_bandwidth_and_delay() -> None:
                     finished = loop.time()
             writer.close()
             assert received == BULK_BYTES
-            assert_within(finished - await started, BULK_IDEAL_S, 0.05, "downstream 3 MB @ 24 Mbit/s + 20 ms")
+            assert_paced(finished - await started, BULK_IDEAL_S, "downstream 3 MB @ 24 Mbit/s + 20 ms")
 
     run(body())
 
@@ -165,6 +173,7 @@ def test_small_message_latency_is_the_one_way_delay_in_each_direction() -> None:
                 writer.write(data)
                 await writer.drain()
 
+        latencies: list[float] = []
         async with serve(target) as target_port, WanEmulator("127.0.0.1", target_port, shape) as emu:
             reader, writer = await asyncio.open_connection("127.0.0.1", emu.port)
             for i in range(4):
@@ -176,9 +185,12 @@ def test_small_message_latency_is_the_one_way_delay_in_each_direction() -> None:
                 up = await up_arrivals.get() - sent
                 down = received - await down_sends.get()
                 print(f"ping {i}: up {up * 1000:.2f} ms, down {down * 1000:.2f} ms")
-                for latency in (up, down):
-                    assert delay - 0.001 <= latency <= delay + 0.003 + 0.1 * delay
+                latencies += [up, down]
             writer.close()
+        # Never early. Lateness on a loaded machine only adds, so the bound on the late side is on the
+        # best of eight samples: at least one crossed in about the configured delay.
+        assert min(latencies) >= delay - 0.001, latencies
+        assert min(latencies) <= delay + 0.010, latencies
 
     run(body())
 
@@ -239,8 +251,9 @@ def test_unreachable_target_closes_client_and_later_connections_work(
             writer.write(b"anyone there?")
             started = loop.time()
             with contextlib.suppress(ConnectionError):
-                assert await asyncio.wait_for(reader.read(), 2.0) == b""
-            assert loop.time() - started < 1.0
+                assert await asyncio.wait_for(reader.read(), 10.0) == b""
+            # Refused at once, not after the emulator's 10 s connect timeout.
+            assert loop.time() - started < 5.0
             writer.close()
 
             async with serve(echo, port=target_port):
@@ -261,9 +274,11 @@ def test_client_reset_resets_target_side() -> None:
 
     async def body() -> None:
         outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        arrived = asyncio.Event()
 
         async def target(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await reader.readexactly(3)
+            arrived.set()
             try:
                 rest = await reader.read()
                 outcome.set_result(f"eof after {len(rest)} bytes")
@@ -273,11 +288,12 @@ def test_client_reset_resets_target_side() -> None:
         async with serve(target) as target_port, WanEmulator("127.0.0.1", target_port, shape) as emu:
             _reader, writer = await asyncio.open_connection("127.0.0.1", emu.port)
             writer.write(b"abc")
-            await asyncio.sleep(0.05)
+            # The reset must reach a target that is already reading, however late the loop runs.
+            await asyncio.wait_for(arrived.wait(), 10.0)
             sock = writer.get_extra_info("socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             writer.transport.abort()
-            assert await asyncio.wait_for(outcome, 2.0) == "reset"
+            assert await asyncio.wait_for(outcome, 10.0) == "reset"
 
     run(body())
 
@@ -298,10 +314,14 @@ def test_stop_tears_down_live_connections_promptly() -> None:
             assert port == emu.port != 0
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(os.urandom(1_000_000))  # far more than the link can carry before stop()
-            await asyncio.sleep(0.1)
+            deadline = loop.time() + 10
+            while emu.connections_open < 1:
+                assert loop.time() < deadline, "the emulator never carried the connection"
+                await asyncio.sleep(0.01)
             started = loop.time()
             await emu.stop()
-            assert loop.time() - started < 0.5
+            # The link would need 8 s for what it holds: stop() aborts instead of draining.
+            assert loop.time() - started < 4.0
             with contextlib.suppress(ConnectionError):
                 assert await asyncio.wait_for(reader.read(), 2.0) == b""
             writer.transport.abort()
