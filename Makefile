@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-stop lint format clean bench \
-	bench-faults soak smoke-containers
+	bench-faults soak smoke-containers bench-wan-roofline
 
 install: $(STAMP)
 
@@ -73,6 +73,11 @@ bench: $(STAMP)
 bench-faults: $(STAMP)
 	$(BIN)/python bench/faults/timeline.py --out bench-results
 	$(BIN)/python bench/faults/fairness.py --out bench-results
+
+# Step time vs the roofline max(compute, transfer), clusters pinned to CPU 0 / CPU 1, 1-8 micro-batches,
+# GPipe and 1F1B, overlapped vs serial step pipeline (about 6 minutes). JSON + markdown + PNG.
+bench-wan-roofline: $(STAMP)
+	$(BIN)/python bench/wan/roofline.py --out bench/results/roofline
 
 # Jobs starting and ending under random WAN cuts and switch kills; ends with a no-growth verdict.
 SOAK_SECONDS ?= 600
