@@ -7,7 +7,8 @@ deployment (every service its own process, the WAN emulator between the switches
 cluster's processes pinned to a core of its own (cluster a: CPU 0, cluster b: CPU 1; every
 thread of every process, one torch thread each), for 1, 2, 4, 8 micro-batches under GPipe and
 1F1B, side by side with the serial path (``NEBULA_TRAINER_RECEIVE_AHEAD=0``: receive and decode
-on the stage thread) in the same run.
+on the stage thread) in the same run: one deployment per path, both up, each configuration run on
+both back to back.
 
 Per run (the built-in ``numbers`` job, steady steps only, the first ``--warmup`` excluded):
 
@@ -171,21 +172,33 @@ def use_receive_ahead(mode: str) -> None:
         os.environ["NEBULA_TRAINER_RECEIVE_AHEAD"] = ahead
 
 
-def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
-    use_receive_ahead(mode)
-    rows = []
-    before = load()
-    with (
-        tempfile.TemporaryDirectory(prefix=f"roofline-{mode}-") as run_dir,  # PKI and logs: not results
-        pinned_deployment(Path(run_dir), args.bandwidth_mbit, args.delay_ms, args.pin) as (sessions, pinned),
-    ):
-        for schedule in args.schedules:
-            for micro_batches in args.micro_batches:
-                row = roofline_row(sessions, args, schedule, micro_batches)
-                row["mode"] = mode
-                rows.append(row)
+def run_modes(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every (schedule, micro-batches) on one deployment per mode, all up at once, modes interleaved.
+
+    The machine is shared and its load drifts over minutes; running each configuration on every
+    mode back to back (in alternating order) keeps the comparison side by side. Idle deployments
+    cost next to nothing. The trainers read NEBULA_TRAINER_RECEIVE_AHEAD when they start.
+    """
+    parts: dict[str, dict[str, Any]] = {}
+    with contextlib.ExitStack() as stack:
+        sessions = {}
+        for mode in args.modes:
+            use_receive_ahead(mode)
+            run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"roofline-{mode}-"))
+            deployment = pinned_deployment(Path(run_dir), args.bandwidth_mbit, args.delay_ms, args.pin)
+            sessions[mode], pinned = stack.enter_context(deployment)
+            parts[mode] = {"mode": mode, "pinned_pids": pinned, "load_before": load(), "rows": []}
+        configs = [(s, m) for s in args.schedules for m in args.micro_batches]
+        for index, (schedule, micro_batches) in enumerate(configs):
+            for mode in args.modes if index % 2 == 0 else args.modes[::-1]:
+                before = load()
+                row = roofline_row(sessions[mode], args, schedule, micro_batches)
+                row.update(mode=mode, load_before=before, load_after=load())
+                parts[mode]["rows"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)
-    return {"mode": mode, "pinned_pids": pinned, "load_before": before, "load_after": load(), "rows": rows}
+        for part in parts.values():
+            part["load_after"] = load()
+    return [parts[mode] for mode in args.modes]
 
 
 def render_png(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -217,6 +230,20 @@ def render_png(path: Path, rows: list[dict[str, Any]]) -> None:
     canvas.save(path)
 
 
+def floor_ms(row: dict[str, Any]) -> float:
+    """What a synchronous two-stage pipeline cannot beat, however well it overlaps.
+
+    The loss stage's last micro-batch must finish, its gradient cross, the upstream apply it and
+    step, and the next step's first activation cross before the bottleneck stage can start its
+    next step: max(compute, transfer) + the other stage's compute of one micro-batch (its
+    fill/drain) + one RTT (stages' compute from the same run).
+    """
+    computes = sorted(1000 * s["compute_s"] for s in row["stages"].values())
+    other = computes[0] if len(computes) > 1 else 0.0
+    bound = max(row["compute_ms"], row["transfer_ms"])
+    return bound + other / row["micro_batches"] + row["rtt_ms"]
+
+
 def markdown(report: dict[str, Any]) -> str:
     args = report["args"]
     lines = [
@@ -228,20 +255,28 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for part in report["modes"]:
         lines.append(
-            f"- {part['mode']}: load average before {part['load_before']}, after {part['load_after']}"
+            f"- {part['mode']}: load average (1/5/15 min) before {part['load_before']}, "
+            f"after {part['load_after']}"
         )
     lines += [
         "",
-        "| path | schedule | micro-batches | step ms | compute ms | transfer ms | ratio | ratio - RTT |",
-        "|---|---|---|---|---|---|---|---|",
+        "| schedule | micro-batches | path | step ms | encoder / decoder compute ms | transfer ms "
+        "| **ratio** | ratio - RTT | pipeline floor ms | step / floor | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for part in report["modes"]:
-        for r in part["rows"]:
-            lines.append(
-                f"| {r['mode']} | {r['schedule']} | {r['micro_batches']} | {r['step_ms']:.0f} | "
-                f"{r['compute_ms']:.0f} | {r['transfer_ms']:.0f} | {r['ratio']:.2f} | "
-                f"{r['ratio_without_rtt']:.2f} |"
-            )
+    rows = [r for part in report["modes"] for r in part["rows"]]
+    schedules = list(dict.fromkeys(r["schedule"] for r in rows))
+    rows.sort(key=lambda r: (schedules.index(r["schedule"]), r["micro_batches"]))  # paths side by side
+    for r in rows:
+        stages = r["stages"]
+        per_stage = " / ".join(f"{1000 * stages[n]['compute_s']:.0f}" for n in ("encoder", "decoder"))
+        floor = floor_ms(r)
+        lines.append(
+            f"| {r['schedule']} | {r['micro_batches']} | {r['mode']} | {r['step_ms']:.0f} | "
+            f"{per_stage} | {r['transfer_ms']:.0f} | **{r['ratio']:.2f}** | "
+            f"{r['ratio_without_rtt']:.2f} | {floor:.0f} | {r['step_ms'] / floor:.2f} | "
+            f"{r.get('load_before', ['?'])[0]} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -259,7 +294,14 @@ def main() -> None:
     parser.add_argument("--modes", type=lambda s: s.split(","), default=["overlap", "serial"])
     parser.add_argument("--no-pin", dest="pin", action="store_false", help="leave the processes unpinned")
     parser.add_argument("--out", type=Path, default=Path("bench") / "results" / "roofline")
+    parser.add_argument("--render", type=Path, help="only rewrite the markdown and PNG from this JSON")
     args = parser.parse_args()
+    if args.render is not None:
+        report = json.loads(args.render.read_text())
+        args.render.with_suffix(".md").write_text(markdown(report))
+        render_png(args.render.with_suffix(".png"), [r for part in report["modes"] for r in part["rows"]])
+        print(markdown(report))
+        return
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     unknown = [m for m in args.modes if m not in MODES]
@@ -270,7 +312,7 @@ def main() -> None:
     os.environ["NEBULA_TRAINER_TORCH_THREADS"] = "1"  # one core per cluster: one torch thread
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    modes = [run_mode(args, mode) for mode in args.modes]
+    modes = run_modes(args)
     report = {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
