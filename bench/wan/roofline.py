@@ -85,9 +85,17 @@ def mean(values: list[float]) -> float:
 
 
 def run_job(
-    sessions: dict[str, ClusterSession], builtin: str, overrides: dict[str, Any], warmup: int
+    sessions: dict[str, ClusterSession],
+    builtin: str,
+    overrides: dict[str, Any],
+    warmup: int,
+    pids: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """Run one built-in job to its end; per stage, its steady per-step means (steps after ``warmup``)."""
+    """Run one built-in job to its end; per stage, its steady per-step means (steps after ``warmup``).
+
+    With ``pids``: also each process's CPU seconds per step over the whole job (where the cores went).
+    """
+    cpu_before = cpu_seconds(pids or {})
     job = ProgramJob(load_spec(builtin_spec(builtin), overrides))
     steps = int(overrides["steps"])
     per_stage: dict[str, dict[int, trainer_pb2.StageStatus]] = {}
@@ -114,8 +122,11 @@ def run_job(
             "bytes_sent_per_step": sent,
         }
     loss_steps = summary.step_seconds[warmup:]  # the loss-owning stage's steps
+    cpu_after = cpu_seconds(pids or {})
+    cpu = {name: (cpu_after[name] - cpu_before[name]) / steps for name in cpu_after if name in cpu_before}
     return {
         "step_s": mean(loss_steps),
+        "cpu_seconds_per_step": cpu,
         "stages": stages,
         "final_loss": summary.losses[-1],
         "batch_size": job.spec.data.batch_size,
@@ -123,7 +134,11 @@ def run_job(
 
 
 def roofline_row(
-    sessions: dict[str, ClusterSession], args: argparse.Namespace, schedule: str, micro_batches: int
+    sessions: dict[str, ClusterSession],
+    args: argparse.Namespace,
+    schedule: str,
+    micro_batches: int,
+    pids: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     overrides = {
         "steps": args.steps,
@@ -132,7 +147,7 @@ def roofline_row(
         "pipeline.schedule": schedule,
         "pipeline.max_in_flight": max(2, micro_batches // 2),
     }
-    result = run_job(sessions, "numbers", overrides, args.warmup)
+    result = run_job(sessions, "numbers", overrides, args.warmup, pids)
     stages = result["stages"]
     step = result["step_s"]
     compute = max(s["compute_s"] for s in stages.values())
@@ -147,6 +162,7 @@ def roofline_row(
         "ratio": step / max(compute, transfer),
         "ratio_without_rtt": (step - 2 * args.delay_ms / 1000) / max(compute, transfer),
         "stages": stages,
+        "cpu_seconds_per_step": result["cpu_seconds_per_step"],
         "final_loss": result["final_loss"],
     }
 
@@ -154,13 +170,30 @@ def roofline_row(
 @contextlib.contextmanager
 def pinned_deployment(
     run_dir: Path, bandwidth_mbit: float, delay_ms: float, pin: bool
-) -> Iterator[tuple[dict[str, ClusterSession], dict[str, list[int]]]]:
-    """A local two-cluster deployment (a on CPU 0, b on CPU 1 if ``pin``) and a session per cluster."""
+) -> Iterator[tuple[dict[str, ClusterSession], dict[str, int]]]:
+    """A local two-cluster deployment (a on CPU 0, b on CPU 1 if ``pin``), a session per cluster, and
+    every process's pid by name (``trainer-a``, ``switch-b``, ``wan-emulator``, ...; the emulator is
+    never pinned: it stands for the network between the clusters)."""
     with LocalDeployment(run_dir=run_dir, bandwidth_mbit=bandwidth_mbit, delay_ms=delay_ms) as deployment:
-        pinned = {}
         if pin:
-            pinned = {"a": pin_cluster(deployment, "a", 0), "b": pin_cluster(deployment, "b", 1)}
-        yield {c: login(deployment, c) for c in ("a", "b")}, pinned
+            pin_cluster(deployment, "a", 0)
+            pin_cluster(deployment, "b", 1)
+        processes = [p for state in deployment.cluster_state.values() for p in state.processes()]
+        if deployment.emulator is not None:
+            processes.append(deployment.emulator)
+        pids = {p.name: p.pid for p in processes if p.pid is not None}
+        yield {c: login(deployment, c) for c in ("a", "b")}, pids
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds each process (all its threads) has used so far (/proc/PID/stat)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for name, pid in pids.items():
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            used[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return used
 
 
 def use_receive_ahead(mode: str) -> None:
@@ -181,18 +214,18 @@ def run_modes(args: argparse.Namespace) -> list[dict[str, Any]]:
     """
     parts: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
-        sessions = {}
+        sessions, pids = {}, {}
         for mode in args.modes:
             use_receive_ahead(mode)
             run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"roofline-{mode}-"))
             deployment = pinned_deployment(Path(run_dir), args.bandwidth_mbit, args.delay_ms, args.pin)
-            sessions[mode], pinned = stack.enter_context(deployment)
-            parts[mode] = {"mode": mode, "pinned_pids": pinned, "load_before": load(), "rows": []}
+            sessions[mode], pids[mode] = stack.enter_context(deployment)
+            parts[mode] = {"mode": mode, "pids": pids[mode], "load_before": load(), "rows": []}
         configs = [(s, m) for s in args.schedules for m in args.micro_batches]
         for index, (schedule, micro_batches) in enumerate(configs):
             for mode in args.modes if index % 2 == 0 else args.modes[::-1]:
                 before = load()
-                row = roofline_row(sessions[mode], args, schedule, micro_batches)
+                row = roofline_row(sessions[mode], args, schedule, micro_batches, pids[mode])
                 row.update(mode=mode, load_before=before, load_after=load())
                 parts[mode]["rows"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)
@@ -310,6 +343,7 @@ def main() -> None:
     if args.pin and len(os.sched_getaffinity(0)) < 2:
         parser.error("pinning needs two CPUs (CPU 0 and CPU 1); pass --no-pin on a one-core machine")
     os.environ["NEBULA_TRAINER_TORCH_THREADS"] = "1"  # one core per cluster: one torch thread
+    os.environ["OMP_NUM_THREADS"] = "1"  # ... on every thread (decode and encode run on their own)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     modes = run_modes(args)
