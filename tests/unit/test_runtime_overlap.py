@@ -15,10 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from nebula_common.proto.nebula.v1 import trainer_pb2
+from services.trainer.config import TrainerSettings
 from services.trainer.edge import EdgeClosedError, EdgeSettings
 from services.trainer.edge.memory import MemoryLink
+from services.trainer.runtime.stage import ProgramRunner
 from services.trainer.runtime.timers import OPS, StepTimer
 from services.trainer.runtime.transfer import ReceiveAhead
 from tests.support.edges import (
@@ -190,3 +193,21 @@ def test_bad_depth_and_out_of_order_takes_are_refused() -> None:
     finally:
         up.abort("test over")
         down.abort("test over")
+
+
+def test_a_negative_receive_ahead_is_refused_naming_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {
+        "SWITCH_ADDRESS": "127.0.0.1:1",
+        "AUTH_ADDRESS": "127.0.0.1:2",
+        "CLUSTER_ID": "a",
+    }.items():
+        monkeypatch.setenv(f"NEBULA_TRAINER_{name}", value)
+    monkeypatch.setenv("NEBULA_TRAINER_RECEIVE_AHEAD", "0")
+    assert TrainerSettings().receive_ahead == 0  # type: ignore[call-arg]
+    monkeypatch.setenv("NEBULA_TRAINER_RECEIVE_AHEAD", "-1")
+    with pytest.raises(ValidationError, match="receive_ahead"):
+        TrainerSettings()  # type: ignore[call-arg]
+    job = small_numbers("gpipe")
+    spec = job.stage_spec(job.spec.stages[0].name)
+    with pytest.raises(ValueError, match="receive_ahead must be >= 0"):
+        ProgramRunner(spec, "token", "unused:0", Path("unused"), "tester", receive_ahead=-1)

@@ -234,12 +234,14 @@ class ReceiveAhead:
                 self._blocked(time.perf_counter() - started)
 
     def _next_result(self) -> object:
-        assert self._thread is not None
+        thread = self._thread
+        if thread is None:
+            raise RuntimeError("no receive thread (depth 0 receives on the stage thread)")
         while True:
             try:
                 result = self._results.get(timeout=_POLL_S)
             except queue.Empty:
-                if not self._thread.is_alive() and self._results.empty():
+                if not thread.is_alive() and self._results.empty():
                     raise EdgeClosedError("the receive thread has ended") from None
                 continue
             if isinstance(result, _Failed):
