@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-stop lint format clean bench \
-	bench-faults bench-relay soak smoke-containers
+	bench-faults bench-relay soak smoke-containers bench-wan-roofline bench-wan-table3
 
 install: $(STAMP)
 
@@ -79,6 +79,15 @@ bench-faults: $(STAMP)
 # 64 MiB tensors, and the switches' CPU-seconds per GB. JSON + markdown in bench/results/relay/.
 bench-relay: $(STAMP)
 	nice -n 10 $(BIN)/python bench/wan/relay.py --out bench/results/relay
+# Step time vs the roofline max(compute, transfer), clusters pinned to CPU 0 / CPU 1, 1-8 micro-batches,
+# GPipe and 1F1B, overlapped vs serial step pipeline (about 6 minutes). JSON + markdown + PNG.
+bench-wan-roofline: $(STAMP)
+	$(BIN)/python bench/wan/roofline.py --out bench/results/roofline
+
+# One job's throughput across the emulated WAN vs on a local link (the paper's Table 3), pinned cores,
+# numbers and electra, interleaved runs (about 6 minutes). JSON + markdown.
+bench-wan-table3: $(STAMP)
+	$(BIN)/python bench/wan/table3.py --out bench/results/table3
 
 # Jobs starting and ending under random WAN cuts and switch kills; ends with a no-growth verdict.
 SOAK_SECONDS ?= 600

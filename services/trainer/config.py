@@ -61,6 +61,13 @@ class TrainerSettings(ServiceSettings):
         description="How many times a stage may restart from the last common checkpoint (its trainer or the "
         "other cluster's restarted, or an outage passed edge_max_outage_s) before it fails.",
     )
+    receive_ahead: int | None = Field(
+        None,
+        ge=0,
+        description="How many received items a stage's receive thread decodes ahead of its compute "
+        "(default: max(2, the job's max_in_flight)); 0 receives and decodes on the stage thread, the "
+        "serial path (for measuring what the overlap gains; training is bit-identical either way).",
+    )
     stop_grace_s: float = Field(
         10.0, gt=0, description="On stop, how long running stages get to end before the process exits."
     )

@@ -67,6 +67,7 @@ async def start_trainer(
         ),
         finished=FinishedStages(settings.finished_ttl_s, settings.max_finished),
         metrics_grace_s=settings.metrics_grace_s,
+        receive_ahead=settings.receive_ahead,
     )
     stack.push_async_callback(asyncio.to_thread, _stop_stages, servicer, settings.stop_grace_s)
     # Before serving: a client re-watching its stage after this restart finds it (RECOVERING or ended).

@@ -51,7 +51,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         edge_settings: EdgeSettings | None = None,
         finished: FinishedStages | None = None,
         metrics_grace_s: float = 60.0,
+        receive_ahead: int | None = None,
     ) -> None:
+        self.receive_ahead = receive_ahead
         self.finished = finished or FinishedStages()
         self.metrics_grace_s = metrics_grace_s
         self.edge_settings = edge_settings or EdgeSettings()
@@ -192,6 +194,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             edge_settings=self.edge_settings,
             epoch=epoch,
             on_epoch=lambda epoch: self.records.set_epoch(record, epoch),
+            receive_ahead=self.receive_ahead,
         )
         # First of the finish callbacks (``_launch`` adds the release after it): the end is on disk
         # before the stage is released or forgotten.

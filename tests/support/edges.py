@@ -171,6 +171,7 @@ def stage_runner(
     *,
     epoch: int = 0,
     on_epoch: Callable[[int], None] | None = None,
+    receive_ahead: int | None = None,
 ) -> StageRun:
     """A ``ProgramRunner`` (not started) for the job's ``index``-th stage, recording its tensors.
 
@@ -222,6 +223,7 @@ def stage_runner(
         edge_settings=settings,
         epoch=epoch,
         on_epoch=on_epoch,
+        receive_ahead=receive_ahead,
     )
     holder.append(StageRun(runner))
     return holder[0]
@@ -235,9 +237,14 @@ def run_stages(
     *,
     during: Callable[[StageRun, StageRun, MemoryLink], None] | None = None,
     timeout: float = 240.0,
+    receive_ahead: int | None = None,
 ) -> tuple[StageRun, StageRun]:
-    """Run both stages on ``link`` (in the job's stage order); returns (upstream, downstream)."""
-    runs = [stage_runner(job, index, data_dir, link, settings) for index in range(len(job.spec.stages))]
+    """Run both stages on ``link`` (in the job's stage order); returns (upstream, downstream).
+
+    ``receive_ahead``: the runners' receive-ahead depth (None: the default; 0: the serial path).
+    """
+    stages = range(len(job.spec.stages))
+    runs = [stage_runner(job, i, data_dir, link, settings, receive_ahead=receive_ahead) for i in stages]
     for run in runs:
         run.runner.start()
     if during is not None:

@@ -65,7 +65,8 @@ from services.trainer.runtime.lifecycle import StageLifecycle
 from services.trainer.runtime.parallel import DataParallelGroup
 from services.trainer.runtime.program import build_program, load_starting_state
 from services.trainer.runtime.schedule import downstream_ops, upstream_ops
-from services.trainer.runtime.transfer import AsyncSender
+from services.trainer.runtime.timers import StepTimer
+from services.trainer.runtime.transfer import AsyncSender, ReceiveAhead
 from services.trainer.status import StatusBoard
 
 log = logging.getLogger(__name__)
@@ -116,9 +117,19 @@ class ProgramRunner:
         edge_settings: EdgeSettings | None = None,
         epoch: int = 0,
         on_epoch: Callable[[int], None] | None = None,
+        receive_ahead: int | None = None,
     ) -> None:
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if receive_ahead is not None and receive_ahead < 0:
+            raise ValueError(
+                f"receive_ahead must be >= 0 (0: receive on the stage thread), got {receive_ahead}"
+            )
+        self.receive_ahead = receive_ahead
+        self.timer = StepTimer()
+        """Seconds per operation of this stage's steps (see ``runtime.timers``)."""
+        self.step_timings: list[dict[str, float]] = []
+        """Per step of the last attempt: the ``StepTimer`` snapshot at its end."""
         self.spec = spec
         self.epoch = epoch
         self.on_epoch = on_epoch
@@ -132,6 +143,8 @@ class ProgramRunner:
         self.store = CheckpointStore(data_dir)
         self.owner = owner
         self._sender: AsyncSender | None = None
+        self._receiver: ReceiveAhead | None = None
+        self._posted_through = -1
         self._dp: DataParallelGroup | None = None
         self._one_way = spec.program.mode == "one_way"
         self._int_payload = spec.program.payload == "int64"
@@ -165,13 +178,19 @@ class ProgramRunner:
         self.program = None
         self.edge = None
         self._sender = None
+        self._receiver = None
         self._dp = None
         self.lifecycle.release()
 
     def _stop_helpers(self) -> None:
-        """After the body, however it ended: no sender thread or replica outlives the stage."""
+        """After the body, however it ended: no sender or receive thread or replica outlives the stage.
+
+        The lifecycle has aborted the edge by now if the body failed, so a receive in progress ends.
+        """
         if self._sender is not None:
             self._sender.stop(discard=True)  # after a clean stop() this returns at once
+        if self._receiver is not None:
+            self._receiver.stop()
         if self._dp is not None:
             self._dp.abort()  # after a clean stop() this only reaps; otherwise it ends the replicas
 
@@ -264,6 +283,8 @@ class ProgramRunner:
         if self.edge is not None:
             self.edge.session.fail(reason, tell_peer=False)  # already ended; makes sure the stream is shut
             self.edge = None
+        if self._receiver is not None:
+            self._receiver.stop()  # after the edge failed: a receive in progress has ended
         if self.program is not None:
             sys.modules.pop(getattr(self.program.module, "__name__", ""), None)
             self.program = None
@@ -377,8 +398,14 @@ class ProgramRunner:
                 upstream=upstream,
             )
         self._start_barrier(edge, upstream)
-        sender = AsyncSender(edge, cfg.max_in_flight)
+        timer = self.timer
+        timer.take()  # start-up is not a step
+        sender = AsyncSender(edge, cfg.max_in_flight, timer)
         self._sender = sender
+        depth = max(2, cfg.max_in_flight) if self.receive_ahead is None else self.receive_ahead
+        self._receiver = receiver = ReceiveAhead(edge, depth, timer)
+        self._posted_through = start - 1
+        self.step_timings = []
         status: dict[str, object] = dict(state=trainer_pb2.STAGE_STATE_RUNNING, steps_done=start, epoch=epoch)
         if epoch > 0:
             message = f"recovered: epoch {epoch} resumed from step {start}"
@@ -388,21 +415,20 @@ class ProgramRunner:
         for step in range(start, spec.steps):
             self.lifecycle.raise_if_cancelled()
             started = time.perf_counter()
-            waited_before = edge.stats.wait_seconds + sender.blocked_seconds
             extra: dict[str, object] = {}
             loss: float | None = None
             if upstream and self._one_way:
                 extra["local_loss"] = self._upstream_one_way_step(program, sender, step)
                 program.finish_step()
-                self._await_syncs(edge, start, step)
+                self._await_syncs(receiver, start, step)
             elif upstream:
-                self._upstream_step(program, edge, sender, step)
+                self._upstream_step(program, receiver, sender, step)
                 if self._dp is not None:
                     self._dp.finish_step(step)  # the replicas sum their gradients and step together
                 else:
                     program.finish_step()
             else:
-                loss = self._downstream_step(program, edge, sender, step)
+                loss = self._downstream_step(program, receiver, sender, step)
                 if self._dp is not None:
                     self._dp.finish_step(step)  # replicas sync first ...
                 else:
@@ -410,17 +436,21 @@ class ProgramRunner:
                 if self._one_way:  # ... then the root syncs with the upstream stage
                     sender.send_signal(SYNC, step, [loss])
             elapsed = time.perf_counter() - started
-            waited = edge.stats.wait_seconds + sender.blocked_seconds - waited_before
+            timings = timer.take()
+            timings["compute"] = max(elapsed - timings["wait"], 0.0)
+            self.step_timings.append(timings)
+            waited = timings["wait"]
             done = step + 1
-            extra["compute_seconds"] = max(elapsed - waited, 0.0)
+            extra["compute_seconds"] = timings["compute"]
             if done == spec.steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
                 self.store.save(spec.job_id, spec.stage, self.owner, done, program)
                 extra["checkpoint_step"] = done
             self._report_step(step, elapsed, waited, loss, edge, **extra)
         if not self._one_way and callable(getattr(program.module, "load_eval_examples", None)):
-            self._evaluate(program, edge, sender, upstream)
+            self._evaluate(program, receiver, sender, upstream)
         sender.flush()
         sender.stop()
+        receiver.stop()
         if self._dp is not None:
             self._dp.stop()
         edge.close("finished")
@@ -458,7 +488,7 @@ class ProgramRunner:
         self.board.update(**fields)
 
     def _evaluate(
-        self, program: StageProgram, edge: EdgeConnection, sender: AsyncSender, upstream: bool
+        self, program: StageProgram, receiver: ReceiveAhead, sender: AsyncSender, upstream: bool
     ) -> None:
         """Held-out evaluation after the last step (backprop jobs whose modules define it).
 
@@ -479,22 +509,30 @@ class ProgramRunner:
         step = self.spec.steps
         outputs: list[str] = []
         batches = 0
+        starts = range(0, len(examples), size)
+        if not upstream:  # decoded ahead while the previous batch decodes its outputs
+            for index, first in enumerate(starts):
+                count = len(examples[first : first + size])
+                receiver.expect_tensor(
+                    step, index, range(cfg.num_examples + first, cfg.num_examples + first + count)
+                )
         program.model.eval()
         with torch.no_grad():
-            for batches, first in enumerate(range(0, len(examples), size), start=1):
+            for batches, first in enumerate(starts, start=1):
                 chunk = examples[first : first + size]
                 ids = list(range(cfg.num_examples + first, cfg.num_examples + first + len(chunk)))
                 if upstream:
                     out = program.forward(module.collate(chunk))
                     sender.send(out, step, batches - 1, ids)
                     continue
-                received = edge.receive_tensor(step, batches - 1, ids)
+                received = receiver.tensor(step, batches - 1)
                 decoded = module.decode(program.model, received, module.collate(chunk))
                 if not (isinstance(decoded, list) and len(decoded) == len(chunk)):
                     raise ProgramError(f"decode() must return a list of {len(chunk)} outputs")
                 outputs.extend(str(text) for text in decoded)
         if upstream:
-            done = edge.receive_signal(EVAL_DONE, step)
+            receiver.expect_signal(EVAL_DONE, step)
+            done = receiver.signal(EVAL_DONE, step)
             if len(done) != 1 or done[0] != batches:
                 raise EdgeClosedError(f"eval mismatch: sent {batches} batches, peer reports {done}")
             return
@@ -520,11 +558,15 @@ class ProgramRunner:
         return example_ids(cfg.seed, cfg.num_examples, step, micro_batch, cfg.micro_batches, size)
 
     def _upstream_step(
-        self, program: StageProgram, edge: EdgeConnection, sender: AsyncSender, step: int
+        self, program: StageProgram, receiver: ReceiveAhead, sender: AsyncSender, step: int
     ) -> None:
         cfg = self.spec.program
         outputs: dict[int, torch.Tensor] = {}
-        for op in upstream_ops(cfg.schedule, cfg.micro_batches, cfg.max_in_flight):
+        ops = upstream_ops(cfg.schedule, cfg.micro_batches, cfg.max_in_flight)
+        for op in ops:  # the gradients, in the order the schedule applies them, decoded as they come
+            if op.kind == "B":
+                receiver.expect_tensor(step, op.micro_batch, self._ids(step, op.micro_batch))
+        for op in ops:
             if op.kind == "F":
                 ids = self._ids(step, op.micro_batch)
                 if self._dp is not None:  # every rank runs its rows; rank 0 sends them gathered
@@ -533,7 +575,7 @@ class ProgramRunner:
                     outputs[op.micro_batch] = out = program.forward(program.batch(ids))
                 sender.send(out, step, op.micro_batch, ids)
             else:
-                grad = edge.receive_tensor(step, op.micro_batch, self._ids(step, op.micro_batch))
+                grad = receiver.tensor(step, op.micro_batch)
                 if self._dp is not None:  # each rank backpropagates the rows it produced
                     self._dp.backward(step, op.micro_batch, grad)
                     continue
@@ -557,7 +599,7 @@ class ProgramRunner:
             total += own.item()
         return total
 
-    def _await_syncs(self, edge: EdgeConnection, start: int, step: int) -> None:
+    def _await_syncs(self, receiver: ReceiveAhead, start: int, step: int) -> None:
         """After ``step``: wait for the sync of ``step - sync_lag``; after the last step, for all left."""
         lag = self.spec.program.sync_lag
         last = self.spec.steps - 1
@@ -565,7 +607,8 @@ class ProgramRunner:
         for synced in due:
             if synced < start:
                 continue
-            values = edge.receive_signal(SYNC, synced)
+            receiver.expect_signal(SYNC, synced)
+            values = receiver.signal(SYNC, synced)
             if len(values) != 1:
                 raise EdgeClosedError(f"sync mismatch: step {synced} sync carries {values}, expected [loss]")
 
@@ -581,17 +624,31 @@ class ProgramRunner:
             raise ProgramError(f"the edge payload is int64 but produce() returned {out.dtype}")
         return out
 
+    def _post_downstream_receives(self, receiver: ReceiveAhead, through: int) -> None:
+        """Post the activations of every step up to ``through`` (within the job) not yet posted.
+
+        The downstream posts one step ahead, so the next step's first activation is decoded
+        while this step's last micro-batch and optimizer step compute.
+        """
+        cfg = self.spec.program
+        for step in range(self._posted_through + 1, min(through, self.spec.steps - 1) + 1):
+            for op in downstream_ops(cfg.micro_batches):
+                if op.kind == "F":
+                    receiver.expect_tensor(step, op.micro_batch, self._ids(step, op.micro_batch))
+            self._posted_through = step
+
     def _downstream_step(
-        self, program: StageProgram, edge: EdgeConnection, sender: AsyncSender, step: int
+        self, program: StageProgram, receiver: ReceiveAhead, sender: AsyncSender, step: int
     ) -> float:
         cfg = self.spec.program
         backprop = not self._one_way
         total = 0.0
+        self._post_downstream_receives(receiver, step + 1)
         for op in downstream_ops(cfg.micro_batches):
             if op.kind != "F":
                 continue  # each micro-batch's backward is sent right after its forward, below
             ids = self._ids(step, op.micro_batch)
-            received = edge.receive_tensor(step, op.micro_batch, ids)
+            received = receiver.tensor(step, op.micro_batch)
             if self._int_payload and received.dtype != torch.int64:
                 raise EdgeClosedError(f"the edge payload is int64 but the peer sent {received.dtype}")
             if self._dp is not None:
