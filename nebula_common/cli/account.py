@@ -74,9 +74,12 @@ class Deployment:
 
 def load_deployment(run_dir: Path | None, deployment: Path | None) -> Deployment:
     """The clusters of a `nebula local up` deployment, from its deployment.json."""
-    if (run_dir is None) == (deployment is None):
+    if deployment is not None and run_dir is None:
+        path = deployment
+    elif run_dir is not None and deployment is None:
+        path = run_dir / "deployment.json"
+    else:
         raise AccountCommandError("give exactly one of --run-dir DIR or --deployment FILE")
-    path = deployment if deployment is not None else run_dir / "deployment.json"  # type: ignore[operator]
     try:
         description = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -97,7 +100,7 @@ def load_deployment(run_dir: Path | None, deployment: Path | None) -> Deployment
         raise AccountCommandError(f"{path}: deployment description is missing or has a bad {exc}") from None
     if not clusters:
         raise AccountCommandError(f"{path}: the deployment has no clusters")
-    return Deployment(run_dir=path.parent if deployment is not None else run_dir, clusters=clusters)  # type: ignore[arg-type]
+    return Deployment(run_dir=path.parent, clusters=clusters)  # credentials go beside deployment.json
 
 
 def acting_password(target: ClusterTarget, acting: str, run_dir: Path) -> str:

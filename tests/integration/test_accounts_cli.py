@@ -154,3 +154,13 @@ def test_a_bad_deployment_file_is_named(tmp_path: Path) -> None:
     broken.write_text('{"clusters": {"a": {}}}')
     result = account(broken, "list")
     assert result.exit_code == 2 and "deployment description is missing" in result.stderr, result.output
+
+
+def test_exactly_one_target_is_required(tmp_path: Path) -> None:
+    runner = CliRunner()
+    neither = runner.invoke(app, ["account", "list"])
+    both = runner.invoke(app, ["account", "list", "--run-dir", str(tmp_path), "--deployment", "x.json"])
+    for result in (neither, both):
+        assert result.exit_code == 2 and "exactly one of --run-dir DIR or --deployment FILE" in result.stderr
+    via_run_dir = runner.invoke(app, ["account", "list", "--run-dir", str(tmp_path)])
+    assert via_run_dir.exit_code == 2 and f"cannot read {tmp_path / 'deployment.json'}" in via_run_dir.stderr
