@@ -274,3 +274,20 @@ def test_an_override_past_the_end_of_a_list_is_named(tmp_path: Path) -> None:
         load_spec(path, {"edges.3": {}})
     with pytest.raises(SpecError, match=r"override stages\.5\.module: no stages\.5"):
         load_spec(path, {"stages.5.module": "x.py"})
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("optimizer.lr=.nan", "optimizer.lr: Input should be a finite number"),
+        ("steps=.inf", "steps: Input should be a finite number"),
+        ("edges.3={}", "override edges.3: index 3 past the end"),
+    ],
+)
+def test_cli_overrides_are_validated_like_the_file(
+    override: str, expected: str, tmp_path: Path, runner: CliRunner
+) -> None:
+    path = materialise(Case("good", {}, ""), tmp_path)
+    args = ["job", "submit", str(path), "--set", override, "--deployment", str(tmp_path / "none.json")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and expected in result.stderr, result.output
