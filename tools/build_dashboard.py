@@ -2,8 +2,9 @@
 
 Why generated: a dashboard is hundreds of lines of JSON where the interesting
 part is ten PromQL queries. Keeping those queries here, next to their titles,
-makes them reviewable; `tests/integration/test_dashboards.py` checks that
-every metric they name is exported by a live deployment.
+makes them reviewable; `tests/integration/test_dashboards.py` (`make check-dashboards`) evaluates
+every query in a real Prometheus scraping a live deployment during a job and fails on any that
+returns nothing.
 """
 
 from __future__ import annotations
@@ -97,6 +98,20 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], int]] = [
         [("sum by (cluster, outcome) (rate(nebula_auth_logins_total[5m]))", "{{cluster}} {{outcome}}")],
         12,
     ),
+    (
+        "Data service calls / s (by method, outcome)",
+        "ops",
+        [
+            (
+                "sum by (cluster, method, outcome) (rate(nebula_data_requests_total[5m]))",
+                "{{cluster}} {{method}} {{outcome}}",
+            ),
+            ("sum by (cluster) (rate(nebula_data_records_read_total[5m]))", "{{cluster}} records read"),
+        ],
+        12,
+    ),
+    # Prometheus' own `up` per scrape target: a service missing here is not scraped at all.
+    ("Services scraped (up)", "none", [('up{job="nebula"}', "{{cluster}} {{service}}")], 12),
 ]
 
 

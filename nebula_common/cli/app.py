@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from nebula_common.cli import audit, codec, data, demo, job, local, pki, wan
+from nebula_common.cli import account, audit, codec, data, demo, job, local, pki, wan
 
 app = typer.Typer(
     help="Nebula: train one model across remote clusters joined by slow WAN links.",
@@ -18,6 +18,7 @@ app.add_typer(job.app, name="job")
 app.add_typer(audit.app, name="audit")
 app.add_typer(codec.app, name="codec")
 app.add_typer(data.app, name="data")
+app.add_typer(account.app, name="account")
 app.command("demo")(demo.demo)
 
 

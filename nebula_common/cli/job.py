@@ -250,9 +250,9 @@ def submit(
         )
     try:
         loaded = load_spec(spec, parse_overrides(overrides))
-    except SpecError as exc:
-        console.print(f"[red]invalid job spec[/]\n{exc}")
-        raise typer.Exit(2) from exc
+    except SpecError as exc:  # plain text on stderr: the message quotes the user's input (no markup)
+        typer.echo(f"invalid job spec\n{exc}", err=True)
+        raise typer.Exit(2) from None
     try:
         if hot_start_steps:
             console.print(f"hot start: training steps 0..{hot_start_steps - 1} unsplit in this process")

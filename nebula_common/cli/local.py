@@ -1,4 +1,4 @@
-"""`nebula local up`: two simulated clusters on this machine until interrupted."""
+"""`nebula local up | down | status`: two simulated clusters on this machine until interrupted."""
 
 from __future__ import annotations
 
@@ -111,3 +111,68 @@ def down(
             raise typer.Exit(1)
         time.sleep(0.2)
     typer.echo(f"stopped the deployment in {run_dir} (pid {pid})")
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def deployment_status(run_dir: Path) -> dict:
+    """Whether a `nebula local up` holds RUN_DIR, and each service's pid, liveness, state and restarts."""
+    pid = running_deployment_pid(run_dir)
+    status: dict = {"run_dir": str(run_dir), "running": pid is not None, "pid": pid, "services": {}}
+    description_file = run_dir / "deployment.json"
+    if pid is None or not description_file.exists():
+        return status
+    try:
+        description = json.loads(description_file.read_text(encoding="utf-8"))
+        for cluster, entry in sorted(description["clusters"].items()):
+            for name, info in sorted(entry["processes"].items()):
+                status["services"][name] = {
+                    "cluster": cluster,
+                    "pid": info.get("pid"),
+                    "alive": _alive(info.get("pid")),
+                    "state": info.get("state"),
+                    "restarts": info.get("restarts", 0),
+                    "ports": {k: v for k, v in info.items() if k.endswith("_port")},
+                }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        status["error"] = f"{description_file}: unreadable deployment description ({exc})"
+    return status
+
+
+@app.command("status")
+def status(
+    run_dir: Path = typer.Option(..., help="Run directory of a `nebula local up`."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
+) -> None:
+    """Is a `nebula local up` running on RUN_DIR, and how is each service? Exit 0 if up, 3 if not."""
+    if not run_dir.is_dir():
+        typer.echo(f"Error: {run_dir} is not a directory", err=True)
+        raise typer.Exit(2)
+    result = deployment_status(run_dir)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2, sort_keys=True))
+    elif not result["running"]:
+        typer.echo(f"no deployment is running in {run_dir}")
+    else:
+        typer.echo(f"deployment in {run_dir} is up (nebula local up pid {result['pid']})")
+        for name, service in result["services"].items():
+            alive = "alive" if service["alive"] else "NOT ALIVE"
+            ports = ", ".join(f"{k} {v}" for k, v in sorted(service["ports"].items()))
+            typer.echo(
+                f"  {name:14} pid {service['pid']} {alive}, {service['state']}, "
+                f"{service['restarts']} restarts; {ports}"
+            )
+        if "error" in result:
+            typer.echo(result["error"], err=True)
+    if not result["running"]:
+        raise typer.Exit(3)

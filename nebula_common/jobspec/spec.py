@@ -9,19 +9,22 @@ the codec of every edge are checked before anything is sent anywhere.
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from nebula_common.codec import CodecError, get_codec
 from nebula_common.errors import InvalidRequestError
+from nebula_common.safe_yaml import YamlInputError, decode_text, load_yaml_file, load_yaml_text
 
+MAX_MODULE_BYTES = 4 << 20  # shipped in one gRPC message with the stage spec
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 UPSTREAM_FUNCTIONS = ("build", "load_examples", "collate")
 DOWNSTREAM_FUNCTIONS = ("build", "load_examples", "collate", "loss")
@@ -41,7 +44,9 @@ class SpecError(InvalidRequestError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and infinity are refused as such ("finite number"): NaN fails every bound silently, so
+    # without this `lr: .nan` is reported as "should be greater than 0".
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class OptimizerSpec(_Strict):
@@ -115,10 +120,10 @@ class StageDecl(_Strict):
     @classmethod
     def _json_options(cls, value: dict[str, Any]) -> dict[str, Any]:
         try:
-            json.dumps(value)
+            json.dumps(value, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise ValueError(
-                f"options must be plain YAML data (numbers, strings, lists, maps): {exc}"
+                f"options must be plain YAML data (finite numbers, strings, lists, maps): {exc}"
             ) from exc
         return value
 
@@ -137,7 +142,7 @@ class CodecPair(_Strict):
 
 
 class EdgeDecl(_Strict):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
     source: str = Field(alias="from")
     target: str = Field(alias="to")
@@ -237,19 +242,33 @@ def _format_validation(error: ValidationError, origin: str) -> str:
     for item in error.errors():
         where = ".".join(str(part) for part in item["loc"]) or "(top level)"
         message = item["msg"].removeprefix("Value error, ")
-        lines.append(f"{origin}: {where}: {message}")
+        if not item["loc"] and re.match(r"[a-z_]+(\.\w+)*: ", message):
+            lines.append(f"{origin}: {message}")  # a whole-spec check that names its own field
+        else:
+            lines.append(f"{origin}: {where}: {message}")
     return "\n".join(lines)
 
 
 def _check_module(stage: StageDecl, index: int, path: Path, origin: str, mode: str) -> StageModule:
     field = f"stages.{index}.module"
     if not path.is_file():
+        if path.is_dir():
+            raise SpecError(f"{origin}: {field}: {path} is a directory, not a Python file")
         raise SpecError(f"{origin}: {field}: no such file {path}")
-    source = path.read_text(encoding="utf-8")
+    try:
+        if path.stat().st_size > MAX_MODULE_BYTES:
+            raise SpecError(f"{origin}: {field}: {path} is larger than {MAX_MODULE_BYTES} bytes")
+        source = decode_text(path.read_bytes(), str(path))
+    except OSError as exc:
+        raise SpecError(f"{origin}: {field}: cannot read {path}: {exc.strerror or exc}") from None
+    except YamlInputError as exc:
+        raise SpecError(f"{origin}: {field}: {exc}") from None
     try:
         tree = ast.parse(source, filename=str(path))
     except SyntaxError as exc:
-        raise SpecError(f"{origin}: {field}: {path}:{exc.lineno}: syntax error: {exc.msg}") from exc
+        raise SpecError(f"{origin}: {field}: {path}:{exc.lineno}: syntax error: {exc.msg}") from None
+    except (ValueError, RecursionError, MemoryError) as exc:
+        raise SpecError(f"{origin}: {field}: {path}: not parseable Python: {exc}") from None
     defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
     defined |= {
         target.id
@@ -284,22 +303,60 @@ def parse_spec(data: Any, *, base_dir: Path, origin: str = "spec") -> LoadedJob:
     return LoadedJob(spec=spec, modules=modules)
 
 
-def load_spec(path: Path, overrides: dict[str, Any] | None = None) -> LoadedJob:
-    """Read a YAML job spec; ``overrides`` (dotted keys, e.g. ``data.micro_batches``) win over the file."""
-    origin = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SpecError(f"{origin}: cannot read the spec: {exc.strerror}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{origin}: not valid YAML: {exc}") from exc
+SpecSource = Path | str | Mapping[str, Any]
+
+
+def load_spec(
+    source: SpecSource, overrides: dict[str, Any] | None = None, *, base_dir: Path | None = None
+) -> LoadedJob:
+    """Load a job spec from a file, YAML text or a dict; ``overrides`` (dotted keys) win over it.
+
+    ``source`` is a :class:`Path` of a YAML file (stage modules are relative to its folder); a ``str``
+    that is YAML text of a mapping (it is a path if it is one line that is not a mapping); or a mapping
+    as the YAML would load. For text and mappings, modules are relative to ``base_dir`` (default: the
+    current directory). Every problem is a :class:`SpecError` naming the file or field; never a
+    traceback, whatever the bytes.
+    """
+    path: Path | None = None
+    if isinstance(source, Mapping):
+        origin = "spec"
+        try:
+            data: Any = copy.deepcopy(dict(source))
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise SpecError(f"{origin}: cannot copy the spec data: {exc}") from None
+    elif isinstance(source, Path) or (isinstance(source, str) and not _is_spec_text(source)):
+        path = Path(source)
+        origin = str(path)
+        try:
+            data = load_yaml_file(path)
+        except YamlInputError as exc:
+            raise SpecError(str(exc)) from None
+    elif isinstance(source, str):
+        origin = "spec"
+        try:
+            data = load_yaml_text(source, origin)
+        except YamlInputError as exc:
+            raise SpecError(str(exc)) from None
+    else:
+        raise SpecError(f"a spec is a Path, YAML text or a dict, not a {type(source).__name__}")
+    if data is None:
+        raise SpecError(f"{origin}: the spec is empty")
     if isinstance(data, dict):
         for dotted, value in (overrides or {}).items():
             _set_dotted(data, dotted, value, origin)
-    loaded = parse_spec(data, base_dir=path.resolve().parent, origin=origin)
+    folder = path.resolve().parent if path is not None else (base_dir or Path.cwd())
+    loaded = parse_spec(data, base_dir=folder, origin=origin)
     return LoadedJob(spec=loaded.spec, modules=loaded.modules, spec_path=path)
+
+
+def _is_spec_text(text: str) -> bool:
+    """A multi-line string, or a one-line YAML mapping (``{name: x, ...}``), is spec text."""
+    if "\n" in text.strip():
+        return True
+    try:
+        return isinstance(load_yaml_text(text, "spec"), dict)
+    except YamlInputError:
+        return False
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any, origin: str) -> None:
@@ -316,6 +373,8 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any, origin: str) -> N
                 raise SpecError(f"{origin}: override {dotted}: no {'.'.join(parts[: i + 1])}") from None
     last = parts[-1]
     if isinstance(node, list) and re.fullmatch(r"\d+", last):
+        if int(last) >= len(node):
+            raise SpecError(f"{origin}: override {dotted}: index {last} past the end ({len(node)} items)")
         node[int(last)] = value
     elif isinstance(node, dict):
         node[last] = value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -12,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import Result
+from typer.testing import CliRunner
 
 # Two deployments start here, one after the other: on a busy 2-CPU machine each may take a minute.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -106,15 +109,37 @@ def stop_up(up: subprocess.Popen[str], pids: list[int]) -> str:
     return output
 
 
-def admin_login(description: dict, cluster: str, password: str) -> str:
+def login(description: dict, cluster: str, username: str, password: str) -> str:
     from nebula_common.sdk.auth_client import AuthClient
 
     port = description["clusters"][cluster]["processes"][f"auth-{cluster}"]["grpc_port"]
     with AuthClient(f"127.0.0.1:{port}") as auth:
-        return auth.login("admin", password).token
+        return auth.login(username, password).token
 
 
-def test_local_up_restarts_a_killed_service_and_a_second_up_keeps_the_admin_password(tmp_path: Path) -> None:
+def admin_login(description: dict, cluster: str, password: str) -> str:
+    return login(description, cluster, "admin", password)
+
+
+def secret_files(run_dir: Path) -> dict[str, str]:
+    """sha256 of every secret in a run directory: private keys, passwords, tokens, account credentials."""
+    found = {}
+    for path in sorted(run_dir.rglob("*")):
+        name = path.name
+        secret = name.endswith((".key", "key.pem")) or name in {"admin-password", "wan-control-token"}
+        if path.is_file() and (secret or path.parent.name == "credentials"):
+            found[str(path.relative_to(run_dir))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+def cli(*args: str) -> Result:
+    """The `nebula` CLI in this process (no second torch import)."""
+    from nebula_common.cli.app import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def test_local_up_restarts_a_killed_service_and_a_second_up_keeps_every_secret(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     up, first = start_up(run_dir)
     try:
@@ -135,18 +160,33 @@ def test_local_up_restarts_a_killed_service_and_a_second_up_keeps_the_admin_pass
         assert entry["grpc_port"] == first["clusters"]["a"]["processes"]["codec-a"]["grpc_port"]
         assert all(alive(pid) for name, pid in before.items() if name != "codec-a")
         after = all_pids(json.loads((run_dir / "deployment.json").read_text()))
+        status = cli("local", "status", "--run-dir", str(run_dir), "--json")
+        assert status.exit_code == 0, status.output
+        services = json.loads(status.stdout)["services"]
+        assert len(services) == 10 and all(s["alive"] for s in services.values()), services
+        created = cli("account", "create", "keeper", "--run-dir", str(run_dir), "--json")
+        assert created.exit_code == 0, created.output
+        keeper = json.loads(created.stdout)["accounts"]
     except BaseException:
         up.kill()
         raise
     output = stop_up(up, list(after.values()))
     assert "codec-a died" in output and "codec-a restarted" in output, output
 
+    stopped = cli("local", "status", "--run-dir", str(run_dir))
+    assert stopped.exit_code == 3 and "no deployment is running" in stopped.stdout, stopped.output
+    secrets_before = secret_files(run_dir)
+    assert {"a/admin-password", "b/admin-password", "credentials/keeper.yaml", "pki/a/ca.key"} <= set(
+        secrets_before
+    ), sorted(secrets_before)
     password_file = run_dir / "a" / "admin-password"
     password = password_file.read_text()
     up, second = start_up(run_dir, previous_pids=frozenset(after.values()))
     try:
-        assert password_file.read_text() == password  # not overwritten
+        assert secret_files(run_dir) == secrets_before  # nothing overwritten, nothing lost
         assert admin_login(second, "a", password)  # the old password still logs in
+        for cluster in ("a", "b"):  # and so do the accounts created before the restart
+            assert login(second, cluster, "keeper", keeper[cluster]["password"])
     except BaseException:
         stop_up(up, list(all_pids(second).values()))
         raise

@@ -180,7 +180,7 @@ def test_job_submit_refuses_a_bad_spec_naming_the_field(deployment: LocalDeploym
     submit = ["job", "submit", str(EXAMPLE), "--deployment", str(description)]
     result = nebula_cli(*submit, "--set", "pipeline.schedule=zigzag", cwd=tmp_path)
     assert result.returncode == 2
-    assert "pipeline.schedule" in result.stdout
+    assert "pipeline.schedule" in result.stderr  # errors go to stderr
 
 
 def test_data_parallel_downstream_with_two_ranks_equals_one_rank_with_the_combined_batch(

@@ -306,8 +306,9 @@ def test_secrets_reach_only_their_own_service() -> None:
                 assert source.startswith(name + "-"), f"{name} mounts another service's secrets {source}"
                 assert target.startswith("/etc/nebula/")
             elif source.endswith("-data"):
-                # auth keeps accounts and keys; the switch its audit log and key; data the datasets.
-                owner_ok = name.startswith(("auth-", "switch-", "data-"))
+                # auth keeps accounts and keys; the switch its audit log and key; data the datasets;
+                # the trainer its checkpoints, stage records and audit trail.
+                owner_ok = name.startswith(("auth-", "switch-", "data-", "trainer-"))
                 assert source == f"{name}-data" and owner_ok, f"{name} mounts {source}"
             else:
                 pytest.fail(f"{name} mounts unexpected volume {source}")
@@ -565,8 +566,49 @@ def test_kustomize_builds(overlay: str) -> None:
     assert result.returncode == 0, result.stderr
     docs = [d for d in yaml.safe_load_all(result.stdout) if d]
     assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"nebula"}
+    claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    assert sorted(claims) == [f"nebula-{s}-data" for s in ("auth", "data", "switch", "trainer")]
+    for claim in claims.values():
+        assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+        assert claim["spec"]["resources"]["requests"]["storage"]
     (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
     assert config["data"]["cluster_id"] == overlay
+
+
+STATEFUL = {"nebula-auth", "nebula-data", "nebula-switch", "nebula-trainer"}
+
+
+def test_service_state_lives_on_named_volumes_and_persistent_volume_claims() -> None:
+    """Checkpoints, audit logs, keys and seals outlive a container: never on /tmp or an emptyDir.
+
+    Every service with state (a ``*_DATA_DIR`` setting) has that directory on its own named volume in
+    compose and on a PersistentVolumeClaim in Kubernetes; the image creates the mount point owned by
+    the runtime user, so a fresh volume is writable by it.
+    """
+    volumes = set(_compose()["volumes"])
+    for name, svc in _long_running().items():
+        data_dirs = [v for k, v in _compose_env(svc).items() if k.endswith("_DATA_DIR")]
+        if _command(svc)[0] not in STATEFUL:
+            assert not data_dirs, name
+            continue
+        assert len(data_dirs) == 1, f"{name}: no data directory setting"
+        mounts = {target: source for source, target, read_only in _volume_mounts(svc) if not read_only}
+        assert mounts.get(data_dirs[0]) == f"{name}-data" and f"{name}-data" in volumes, name
+        assert f" {data_dirs[0]}" in DOCKERFILE.read_text(), f"image lacks the mount point {data_dirs[0]}"
+    claims = {doc["metadata"]["name"] for _, doc in _k8s_kind("PersistentVolumeClaim")}
+    stateful_seen = set()
+    for name, pod, container in _containers():
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        data_dirs = [v for k, v in env.items() if k.endswith("_DATA_DIR")]
+        if container["command"][0] in STATEFUL:
+            stateful_seen.add(container["command"][0])
+            assert len(data_dirs) == 1, f"{name}: no data directory setting"
+        pod_volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+        for data_dir in data_dirs:
+            volume = pod_volumes[mounts[data_dir]]
+            assert volume.get("persistentVolumeClaim", {}).get("claimName") in claims, f"{name}: {volume}"
+    assert stateful_seen == STATEFUL
 
 
 def test_every_console_script_is_copied_into_the_runtime_image() -> None:
