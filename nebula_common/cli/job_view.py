@@ -1,12 +1,12 @@
-"""`nebula job list | status | watch | logs | cancel`: find a job again, follow it, stop it.
+"""`nebula job list | status | watch | logs | cancel | report`: find a job again, follow it, stop it.
 
 A job's record lives in the trainers (``Trainer/ListStages``, on disk, through restarts); these
-commands ask every cluster of the deployment with that cluster's own account and merge the
-stages into one job (``nebula_common.sdk.job_records``). Whose jobs: ``--credentials FILE``
-(YAML ``{cluster: {username, password}}``) shows only that account's jobs, as each trainer
-answers only a stage's owner; without it the commands act as each cluster's admin (the admin
-password files a ``nebula local up`` deployment lists), who sees every job. Another account's
-job is "not found", never "forbidden": its existence is not the caller's to learn.
+commands are thin shells over the SDK's ``Deployment`` and ``Job`` (``nebula_common.sdk.api``),
+which ask every cluster with that cluster's own account and merge the stages into one job. Whose
+jobs: ``--credentials FILE`` (YAML ``{cluster: {username, password}}``) shows only that account's
+jobs, as each trainer answers only a stage's owner; without it the commands act as each cluster's
+admin (the admin password files a ``nebula local up`` deployment lists), who sees every job.
+Another account's job is "not found", never "forbidden": its existence is not the caller's to learn.
 
 Every command takes ``--json`` (one JSON document; ``watch`` one JSON object per line), so
 scripts never parse tables.
@@ -14,46 +14,44 @@ scripts never parse tables.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import typer
 from rich.table import Table
 
-from nebula_common.cli.job import app, console
+from nebula_common.cli.job import app, console, reattach_hint
 from nebula_common.errors import NebulaError
 from nebula_common.proto.nebula.v1 import trainer_pb2
-from nebula_common.sdk.api import Deployment
-from nebula_common.sdk.client import ClusterSession, JobHandle
-from nebula_common.sdk.deployment import DeploymentTarget, read_credentials
-from nebula_common.sdk.job_records import (
-    CANCEL_WAIT_S,
-    JobNotFoundError,
-    JobRecord,
-    cancel_job,
-    get_job,
-    list_jobs,
-)
+from nebula_common.sdk.api import Deployment, Job
+from nebula_common.sdk.job_records import CANCEL_WAIT_S, JobNotFoundError, JobRecord
 from nebula_common.sdk.progress import ProgressBar, Throughput
 from nebula_common.sdk.report import write_report
 
-DEPLOYMENT_HELP = "deployment.json written by `nebula local up` (ports, admin password files)."
+DEPLOYMENT_HELP = "deployment.json written by `nebula local up` (or its run directory)."
 CREDENTIALS_HELP = (
     "YAML {cluster: {username, password}}: act as that account (default: each cluster's admin)."
 )
+JOB_HELP = "The job id (from `nebula job list`)."
 
 
-def view_sessions(deployment: Path, credentials: Path | None) -> list[ClusterSession]:
-    """One logged-in session per cluster: the ``credentials`` account's (where it has one), or the admin's."""
-    target = DeploymentTarget.load(deployment)
-    creds = read_credentials(credentials)
-    if creds is None:
-        return list(target.admin_sessions().values())
-    return list(target.login(creds).values())
+@contextlib.contextmanager
+def opened(deployment: Path, credentials: Path | None) -> Iterator[Deployment]:
+    """The deployment as the given account (or the admins); any Nebula error exits 1 with its message."""
+    target: Deployment | None = None
+    try:
+        target = Deployment.open(deployment, credentials)
+        yield target
+    except (NebulaError, ValueError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from None
+    finally:
+        if target is not None:
+            target.close()
 
 
 def _emit_json(body: object) -> None:
@@ -70,16 +68,6 @@ def _loss(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
-def _fail(exc: Exception) -> typer.Exit:
-    console.print(f"[red]error:[/] {exc}")
-    return typer.Exit(1)
-
-
-def _close(sessions: list[ClusterSession]) -> None:
-    for session in sessions:
-        session.close()
-
-
 @app.command("list")
 def list_command(
     deployment: Path = typer.Option(..., help=DEPLOYMENT_HELP),
@@ -87,14 +75,8 @@ def list_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """The jobs you may see (yours; an admin's: every job), oldest first, running and ended."""
-    sessions: list[ClusterSession] = []
-    try:
-        sessions = view_sessions(deployment, credentials)
-        jobs = list_jobs(sessions)
-    except NebulaError as exc:
-        raise _fail(exc) from None
-    finally:
-        _close(sessions)
+    with opened(deployment, credentials) as target:
+        jobs = target.jobs()
     if as_json:
         _emit_json([job.to_json() for job in jobs])
         return
@@ -138,72 +120,48 @@ def print_status(job: JobRecord) -> None:
 
 @app.command("status")
 def status_command(
-    job_id: str = typer.Argument(..., metavar="JOB", help="The job id (from `nebula job list`)."),
+    job_id: str = typer.Argument(..., metavar="JOB", help=JOB_HELP),
     deployment: Path = typer.Option(..., help=DEPLOYMENT_HELP),
     credentials: Path = typer.Option(None, help=CREDENTIALS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """One job's record: owners, clusters, codecs, state, step, loss, bytes, and how each stage ended."""
-    sessions: list[ClusterSession] = []
-    try:
-        sessions = view_sessions(deployment, credentials)
-        job = get_job(sessions, job_id)
-    except NebulaError as exc:
-        raise _fail(exc) from None
-    finally:
-        _close(sessions)
+    with opened(deployment, credentials) as target:
+        job = target.job(job_id).status()
     if as_json:
         _emit_json(job.to_json())
     else:
         print_status(job)
 
 
-@dataclass(frozen=True)
-class _Watched:
-    """What ``JobHandle`` needs of a job it did not submit: its id and length."""
-
-    job_id: str
-    steps: int
-
-
-def follow_job(
-    sessions: list[ClusterSession], job: JobRecord
-) -> Iterator[tuple[trainer_pb2.StageStatus, float]]:
-    """Every status of the job's stages until all have ended, with the WAN throughput at that moment."""
-    by_cluster = {s.endpoints.cluster_id: s for s in sessions}
-    stages = {stage.stage: by_cluster[stage.cluster] for stage in job.stages}
-    handle = JobHandle(_Watched(job.job_id, job.steps), stages)
-    rate = Throughput()
-    for update in handle.updates():
-        yield update.status, rate.add(update.status)
-
-
 @app.command("watch")
 def watch_command(
-    job_id: str = typer.Argument(..., metavar="JOB", help="The job id (from `nebula job list`)."),
+    job_id: str = typer.Argument(..., metavar="JOB", help=JOB_HELP),
     deployment: Path = typer.Option(..., help=DEPLOYMENT_HELP),
     credentials: Path = typer.Option(None, help=CREDENTIALS_HELP),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per status update."),
 ) -> None:
-    """Follow a job to its end: step, loss, step time and WAN throughput, then how it ended."""
-    sessions: list[ClusterSession] = []
-    try:
-        sessions = view_sessions(deployment, credentials)
-        job = get_job(sessions, job_id)
-        if as_json:
-            for status, mbit in follow_job(sessions, job):
-                typer.echo(json.dumps(_status_json(status, mbit)))
-        else:
-            _watch_progress(sessions, job)
-        job = get_job(sessions, job_id)
-    except NebulaError as exc:
-        raise _fail(exc) from None
-    finally:
-        _close(sessions)
+    """Follow a job to its end (an ended one: replay it): step, loss, step time, WAN throughput.
+
+    Ctrl-C stops watching, never the job.
+    """
+    with opened(deployment, credentials) as target:
+        job = target.job(job_id)
+        try:
+            if as_json:
+                rate = Throughput()
+                for status in job.metrics():
+                    typer.echo(json.dumps(_status_json(status, rate.add(status))))
+            else:
+                _watch_progress(job)
+        except KeyboardInterrupt:
+            console.print(f"stopped watching; the job runs on. {reattach_hint(job_id, deployment)}")
+            raise typer.Exit(130) from None
+        final = job.status()
     if as_json:
-        typer.echo(json.dumps({"final": job.to_json()}))
+        typer.echo(json.dumps({"final": final.to_json()}))
     else:
-        print_status(job)
+        print_status(final)
 
 
 def _status_json(status: trainer_pb2.StageStatus, mbit: float) -> dict[str, Any]:
@@ -219,15 +177,16 @@ def _status_json(status: trainer_pb2.StageStatus, mbit: float) -> dict[str, Any]
     }
 
 
-def _watch_progress(sessions: list[ClusterSession], job: JobRecord) -> None:
-    with ProgressBar(job.job_id, job.steps, job.steps_done, console=console) as bar:
-        for status, _ in follow_job(sessions, job):
+def _watch_progress(job: Job) -> None:
+    record = job.status()
+    with ProgressBar(job.id, record.steps, record.steps_done, console=console) as bar:
+        for status in job.metrics():
             bar.update(status)
 
 
 @app.command("cancel")
 def cancel_command(
-    job_id: str = typer.Argument(..., metavar="JOB", help="The job id (from `nebula job list`)."),
+    job_id: str = typer.Argument(..., metavar="JOB", help=JOB_HELP),
     deployment: Path = typer.Option(..., help=DEPLOYMENT_HELP),
     credentials: Path = typer.Option(None, help=CREDENTIALS_HELP),
     wait_s: float = typer.Option(
@@ -236,14 +195,8 @@ def cancel_command(
     as_json: bool = typer.Option(False, "--json", help="Print the job's record after the cancel as JSON."),
 ) -> None:
     """Stop every stage of a job, in every cluster, and say how each one ended."""
-    sessions: list[ClusterSession] = []
-    try:
-        sessions = view_sessions(deployment, credentials)
-        job = cancel_job(sessions, job_id, wait_s)
-    except NebulaError as exc:
-        raise _fail(exc) from None
-    finally:
-        _close(sessions)
+    with opened(deployment, credentials) as target:
+        job = target.job(job_id).cancel(wait_s)
     if as_json:
         _emit_json(job.to_json())
         return
@@ -258,7 +211,7 @@ def cancel_command(
 
 @app.command("report")
 def report_command(
-    job_id: str = typer.Argument(..., metavar="JOB", help="The job id (from `nebula job list`)."),
+    job_id: str = typer.Argument(..., metavar="JOB", help=JOB_HELP),
     deployment: Path = typer.Option(..., help=DEPLOYMENT_HELP),
     credentials: Path = typer.Option(None, help=CREDENTIALS_HELP),
     out: Path = typer.Option(None, help="The HTML page to write (default: <JOB>-report.html here)."),
@@ -270,17 +223,9 @@ def report_command(
     A running job is followed to its end first.
     """
     out = out or Path(f"{job_id}-report.html")
-    target: Deployment | None = None
-    try:
-        target = Deployment.open(deployment, credentials)
+    with opened(deployment, credentials) as target:
         job = target.job(job_id)
-        summary = job.wait()
-        page, pngs = write_report(summary, job.status(), target.link, out)
-    except (NebulaError, ValueError) as exc:
-        raise _fail(exc) from None
-    finally:
-        if target is not None:
-            target.close()
+        page, pngs = write_report(job.wait(), job.status(), target.link, out)
     if as_json:
         _emit_json({"job_id": job_id, "html": str(page), "png": [str(p) for p in pngs]})
         return
@@ -289,7 +234,7 @@ def report_command(
 
 @app.command("logs")
 def logs_command(
-    job_id: str = typer.Argument(..., metavar="JOB", help="The job id (from `nebula job list`)."),
+    job_id: str = typer.Argument(..., metavar="JOB", help=JOB_HELP),
     deployment: Path = typer.Option(..., help=DEPLOYMENT_HELP),
     credentials: Path = typer.Option(None, help=CREDENTIALS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the log records as a JSON list."),
@@ -298,15 +243,9 @@ def logs_command(
 
     Shown only to who may see the job (its owner or an admin, asked of the trainers first).
     """
-    sessions: list[ClusterSession] = []
-    try:
-        sessions = view_sessions(deployment, credentials)
-        get_job(sessions, job_id)
-        records = job_log_records(json.loads(deployment.read_text()), job_id)
-    except (NebulaError, ValueError) as exc:
-        raise _fail(exc) from None
-    finally:
-        _close(sessions)
+    with opened(deployment, credentials) as target:
+        target.job(job_id)  # NOT_FOUND for whoever may not see it
+        records = job_log_records(target.target.description, job_id)
     if as_json:
         _emit_json(records)
         return
@@ -340,4 +279,4 @@ def job_log_records(description: dict[str, Any], job_id: str) -> list[dict[str, 
     return sorted(records, key=lambda r: str(r.get("ts", "")))
 
 
-__all__ = ["follow_job", "job_log_records", "view_sessions"]
+__all__ = ["job_log_records", "opened", "print_status"]

@@ -46,6 +46,7 @@ class Chart:
     title: str
     unit: str
     series: tuple[Series, ...]
+    from_zero: bool = True  # False: the y axis spans the data (a loss curve is read by its shape)
 
 
 def throughput_mbit(summary: JobSummary) -> list[float]:
@@ -68,7 +69,7 @@ def charts(summary: JobSummary, link: LinkProfile | None) -> list[Chart]:
             Series(f"link {link.bandwidth_mbit:g} Mbit/s", [link.bandwidth_mbit] * len(rates), dashed=True)
         )
     return [
-        Chart("loss", "Loss per step", "loss", tuple(loss)),
+        Chart("loss", "Loss per step", "loss", tuple(loss), from_zero=False),
         Chart("step_time", "Step time", "ms", (Series("step", [s * 1000 for s in summary.step_seconds]),)),
         Chart("wan", "WAN throughput against the link", "Mbit/s", tuple(wan)),
     ]
@@ -81,7 +82,7 @@ def svg_chart(chart: Chart) -> str:
     if not points:
         empty = '<text x="8" y="30">no data</text>'
         return f'<svg role="img" aria-label="{title}" width="{WIDTH}" height="60">{empty}</svg>'
-    low, high = min(0.0, min(points)), max(points)
+    low, high = (min(0.0, min(points)) if chart.from_zero else min(points)), max(points)
     high = high if high > low else low + 1.0
     steps = max(len(s.values) for s in chart.series)
     plot_w, plot_h = WIDTH - 2 * PAD, HEIGHT - 2 * PAD
@@ -194,7 +195,8 @@ STYLE = """
 body { font-family: system-ui, sans-serif; margin: 24px auto; max-width: 720px; color: #222; }
 h1 { font-size: 22px; } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; margin: 8px 0; } th, td { padding: 3px 10px; text-align: left; }
-th { color: #555; font-weight: 600; } tr:nth-child(even) { background: #f6f6f6; }
+th { color: #555; font-weight: 600; white-space: nowrap; } td { overflow-wrap: anywhere; }
+tr:nth-child(even) { background: #f6f6f6; }
 .state { font-weight: 700; } .SUCCEEDED { color: #1a7f37; } .FAILED { color: #c62828; }
 .CANCELLED { color: #a15c00; }
 """

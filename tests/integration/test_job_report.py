@@ -72,7 +72,7 @@ def test_the_report_page_renders_in_chromium_with_every_part(
         app, ["job", "report", job.id, "--deployment", str(description), "--out", str(page), "--json"]
     )
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["html"] == str(page)
+    assert json.loads(result.stdout)["html"] == str(page)
 
     dom = chromium("--dump-dom", page.as_uri())
     assert dom.returncode == 0, dom.stderr

@@ -16,9 +16,10 @@ import yaml
 from typer.testing import CliRunner
 
 from nebula_common.cli.app import app
+from nebula_common.cli.job import console, interrupted
 from nebula_common.jobspec.builtin import builtin_spec
 from nebula_common.launcher import LocalDeployment
-from nebula_common.sdk.client import ClusterSession, submit_job
+from nebula_common.sdk.client import ClusterSession
 from services.trainer.runtime.lifecycle import PEER_CANCELLED
 from tests.support.accounts import create_account
 from tests.support.jobs import numbers_job
@@ -47,10 +48,20 @@ def nebula(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
+def flat(text: str) -> str:
+    """Rich wraps console text at the terminal's width (80 here): compare messages with one space."""
+    return " ".join(text.split())
+
+
+def nebula_stdout(*args: str) -> str:
+    """A command's standard output alone (a stray log line on stderr must not break its JSON)."""
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
 def nebula_json(*args: str) -> Any:
-    code, output = nebula(*args, "--json")
-    assert code == 0, output
-    return json.loads(output)
+    return json.loads(nebula_stdout(*args, "--json"))
 
 
 def sessions_from(deployment: LocalDeployment, credentials: Path) -> dict[str, ClusterSession]:
@@ -103,32 +114,46 @@ def test_list_status_cancel_logs_watch_and_only_owners_and_admins_see_a_job(
     owner = credentials_of(deployment, tmp_path, f"owner-{secrets.token_hex(2)}")
     stranger = credentials_of(deployment, tmp_path, f"stranger-{secrets.token_hex(2)}")
     sessions = sessions_from(deployment, owner)
-    job = numbers_job(steps=10_000, checkpoint__interval=0)  # runs until cancelled
-    submit_job(job, sessions)
     dep = ("--deployment", str(deployment_file))
+    # Submitted detached (it runs until cancelled): the command returns once both stages are assigned.
+    submitted = tmp_path / "submitted.json"
+    code, output = nebula(
+        "job", "submit", str(builtin_spec("numbers")), *dep, "--credentials", str(owner),
+        "--set", "steps=10000", "--set", "checkpoint.interval=0", "--detach", "--json", str(submitted),
+    )  # fmt: skip
+    assert code == 0 and "nebula job watch" in flat(output) and "nebula job cancel" in flat(output), output
+    job_id = json.loads(submitted.read_text())["job_id"]
+    same_spec = numbers_job(steps=10_000, checkpoint__interval=0)  # same spec, modules and codecs, other id
 
     mine = nebula_json("job", "list", *dep, "--credentials", str(owner))
-    assert [j["job_id"] for j in mine] == [job.job_id]
+    assert [j["job_id"] for j in mine] == [job_id]
     record = mine[0]
     assert record["owners"] == {"a": sessions["a"].username, "b": sessions["b"].username}
     assert record["clusters"] == {"encoder": "a", "decoder": "b"}
-    assert record["spec_digest"] == job.spec_digest and len(job.spec_digest) == 64
+    assert record["spec_digest"] == same_spec.spec_digest and len(record["spec_digest"]) == 64
     assert record["started_unix"] > 0 and record["ended_unix"] is None
 
+    # Ctrl-C while following, without a terminal (as here): the job is left running, with how to re-attach.
+    with console.capture() as captured:
+        interrupted(job_id, sessions, deployment_file)
+    assert "left running" in flat(captured.get()) and f"nebula job watch {job_id}" in flat(captured.get())
+    still = nebula_json("job", "status", job_id, *dep, "--credentials", str(owner))
+    assert still["state"] in ("PENDING", "RUNNING"), still
+
     # Another account neither lists, sees nor cancels it; an admin (no --credentials) sees every job.
-    assert job.job_id not in [
+    assert job_id not in [
         j["job_id"] for j in nebula_json("job", "list", *dep, "--credentials", str(stranger))
     ]
-    code, output = nebula("job", "status", job.job_id, *dep, "--credentials", str(stranger))
-    assert code == 1 and f"no job '{job.job_id}' visible" in output, output
-    code, output = nebula("job", "cancel", job.job_id, *dep, "--credentials", str(stranger))
-    assert code == 1 and "no job" in output, output
-    assert job.job_id in [j["job_id"] for j in nebula_json("job", "list", *dep)]
-    status = nebula_json("job", "status", job.job_id, *dep, "--credentials", str(owner))
+    code, output = nebula("job", "status", job_id, *dep, "--credentials", str(stranger))
+    assert code == 1 and f"no job '{job_id}' visible" in flat(output), output
+    code, output = nebula("job", "cancel", job_id, *dep, "--credentials", str(stranger))
+    assert code == 1 and "no job" in flat(output), output
+    assert job_id in [j["job_id"] for j in nebula_json("job", "list", *dep)]
+    status = nebula_json("job", "status", job_id, *dep, "--credentials", str(owner))
     assert status["state"] in ("PENDING", "RUNNING"), status
 
     # The owner cancels: both stages stop, and both say CANCELLED (one hears it from its peer first).
-    cancelled = nebula_json("job", "cancel", job.job_id, *dep, "--credentials", str(owner))
+    cancelled = nebula_json("job", "cancel", job_id, *dep, "--credentials", str(owner))
     assert cancelled["state"] == "CANCELLED", cancelled
     assert {s["stage"]: s["state"] for s in cancelled["stages"]} == {
         "encoder": "CANCELLED",
@@ -138,16 +163,15 @@ def test_list_status_cancel_logs_watch_and_only_owners_and_admins_see_a_job(
     assert cancelled["ended_unix"] >= cancelled["started_unix"]
 
     # watch of an ended job replays its statuses and ends with the final record.
-    code, output = nebula("job", "watch", job.job_id, *dep, "--credentials", str(owner), "--json")
-    assert code == 0, output
+    output = nebula_stdout("job", "watch", job_id, *dep, "--credentials", str(owner), "--json")
     lines = [json.loads(line) for line in output.splitlines()]
     assert lines[-1]["final"]["state"] == "CANCELLED"
     assert {line["stage"] for line in lines[:-1]} == {"encoder", "decoder"}
 
-    logs = nebula_json("job", "logs", job.job_id, *dep, "--credentials", str(owner))
-    assert {r["job_id"] for r in logs} == {job.job_id}
+    logs = nebula_json("job", "logs", job_id, *dep, "--credentials", str(owner))
+    assert {r["job_id"] for r in logs} == {job_id}
     assert any(r["message"] == "stage assigned" for r in logs), logs
-    code, output = nebula("job", "logs", job.job_id, *dep, "--credentials", str(stranger))
-    assert code == 1 and "no job" in output
+    code, output = nebula("job", "logs", job_id, *dep, "--credentials", str(stranger))
+    assert code == 1 and "no job" in flat(output), output
     for session in sessions.values():
         session.close()
