@@ -28,7 +28,7 @@ from nebula_common.cli.job import app, console, reattach_hint
 from nebula_common.errors import NebulaError
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.api import Deployment, Job
-from nebula_common.sdk.job_records import CANCEL_WAIT_S, JobNotFoundError, JobRecord
+from nebula_common.sdk.job_records import CANCEL_WAIT_S, JobRecord
 from nebula_common.sdk.progress import ProgressBar, Throughput
 from nebula_common.sdk.report import write_report
 
@@ -244,8 +244,7 @@ def logs_command(
     Shown only to who may see the job (its owner or an admin, asked of the trainers first).
     """
     with opened(deployment, credentials) as target:
-        target.job(job_id)  # NOT_FOUND for whoever may not see it
-        records = job_log_records(target.target.description, job_id)
+        records = target.job(job_id).logs()  # not found for whoever may not see the job
     if as_json:
         _emit_json(records)
         return
@@ -256,27 +255,4 @@ def logs_command(
         )
 
 
-def job_log_records(description: dict[str, Any], job_id: str) -> list[dict[str, Any]]:
-    """Every JSON log record naming ``job_id`` in the deployment's log directory, oldest first."""
-    log_dir = description.get("log_dir")
-    if not isinstance(log_dir, str) or not Path(log_dir).is_dir():
-        raise JobNotFoundError(
-            "this deployment description names no log directory (only `nebula local up` writes one); "
-            "read the services' logs where they run (e.g. `docker compose logs trainer-a`)"
-        )
-    records = []
-    for path in sorted(Path(log_dir).glob("*.log")):
-        with path.open(errors="replace") as lines:
-            for line in lines:
-                if job_id not in line:
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(record, dict) and record.get("job_id") == job_id:
-                    records.append(record)
-    return sorted(records, key=lambda r: str(r.get("ts", "")))
-
-
-__all__ = ["job_log_records", "opened", "print_status"]
+__all__ = ["opened", "print_status"]

@@ -33,7 +33,14 @@ from nebula_common.jobspec.spec import _set_dotted, parse_spec
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.client import ClusterSession, JobHandle, submit_job
 from nebula_common.sdk.deployment import Credentials, DeploymentTarget, read_credentials
-from nebula_common.sdk.job_records import CANCEL_WAIT_S, JobRecord, cancel_job, get_job, list_jobs
+from nebula_common.sdk.job_records import (
+    CANCEL_WAIT_S,
+    JobRecord,
+    cancel_job,
+    get_job,
+    job_log_records,
+    list_jobs,
+)
 from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.progress import ProgressBar
 from nebula_common.sdk.report import write_report
@@ -131,6 +138,10 @@ class Job:
             summary.settings = self.program.settings()
         self.summary = summary
         return summary
+
+    def logs(self) -> list[dict[str, Any]]:
+        """The services' JSON log records naming this job, oldest first (a `nebula local up` deployment)."""
+        return job_log_records(self.deployment.target.description, self.id)
 
     def cancel(self, wait_s: float = CANCEL_WAIT_S) -> JobRecord:
         """Stop every stage of the job; returns its record once all ended (or ``wait_s`` passed)."""

@@ -17,6 +17,7 @@ import json
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -270,6 +271,29 @@ def cancel_job(sessions: Iterable[ClusterSession], job_id: str, wait_s: float = 
     return job
 
 
+def job_log_records(description: dict[str, Any], job_id: str) -> list[dict[str, Any]]:
+    """Every JSON log record naming ``job_id`` in the deployment's log directory, oldest first."""
+    log_dir = description.get("log_dir")
+    if not isinstance(log_dir, str) or not Path(log_dir).is_dir():
+        raise NebulaError(
+            "this deployment description names no log directory (only `nebula local up` writes one); "
+            "read the services' logs where they run (e.g. `docker compose logs trainer-a`)"
+        )
+    records = []
+    for path in sorted(Path(log_dir).glob("*.log")):
+        with path.open(errors="replace") as lines:
+            for line in lines:
+                if job_id not in line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and record.get("job_id") == job_id:
+                    records.append(record)
+    return sorted(records, key=lambda r: str(r.get("ts", "")))
+
+
 __all__ = [
     "CANCEL_WAIT_S",
     "JobNotFoundError",
@@ -277,6 +301,7 @@ __all__ = [
     "StageView",
     "cancel_job",
     "get_job",
+    "job_log_records",
     "list_jobs",
     "list_stage_infos",
 ]

@@ -165,10 +165,6 @@ class JobSeries:
         with self._lock:
             self._last[job_id] = time.monotonic()
 
-    def jobs(self) -> list[str]:
-        with self._lock:
-            return sorted(self._last)
-
     def sweep(self, now: float | None = None, force: bool = False) -> list[str]:
         """Remove the series of every job past its grace period; returns those job ids."""
         now = time.monotonic() if now is None else now
