@@ -5,10 +5,12 @@ Layers, bottom to top::
     library      nebula_common.*  (except the three user-facing packages below)
     services     services.*
     user-facing  nebula_common.sdk, nebula_common.launcher, nebula_common.cli
+    top          nebula  (the one-import SDK: ``from nebula import Deployment, Job``)
 
-Imports point down only: the library imports neither services nor user-facing code, and services
-do not import user-facing code. On top of that no two modules may import each other, directly or
-through others (a circle makes import order matter and hides which module owns what).
+Imports point down only: the library imports neither services nor user-facing code, services
+do not import user-facing code, and nothing imports the top package (it only re-exports). On top
+of that no two modules may import each other, directly or through others (a circle makes import
+order matter and hides which module owns what).
 
 Why a tool and not a convention: one convenient import is all it takes to undo a layering, and a
 deferred import inside a function hides it from a reader. So every ``import`` statement counts,
@@ -32,9 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("nebula_common", "services")
+PACKAGES = ("nebula", "nebula_common", "services")
 USER_FACING = ("nebula_common.sdk", "nebula_common.cli", "nebula_common.launcher")
-LIBRARY, SERVICES, USER = "library", "services", "user-facing"
+TOP_PACKAGE = "nebula"
+LIBRARY, SERVICES, USER, TOP = "library", "services", "user-facing", "top"
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ def _within(module: str, package: str) -> bool:
 
 def layer_of(module: str) -> str:
     """The layer ``module`` belongs to (its dotted name decides, nothing else)."""
+    if _within(module, TOP_PACKAGE):
+        return TOP
     if any(_within(module, package) for package in USER_FACING):
         return USER
     if _within(module, "services"):
@@ -74,6 +79,8 @@ def layer_of(module: str) -> str:
 def forbidden(importer: str, target: str) -> str | None:
     """Why ``importer`` must not import ``target``, or None when the import points down (or sideways)."""
     source, dest = layer_of(importer), layer_of(target)
+    if dest == TOP and source != TOP:
+        return f"nothing below it may import the top package {TOP_PACKAGE!r} (it only re-exports the SDK)"
     if source == LIBRARY and dest in (SERVICES, USER):
         return f"the shared library must not import {dest} code"
     if source == SERVICES and dest == USER:
@@ -85,6 +92,8 @@ def discover(root: Path, packages: Iterable[str] = PACKAGES) -> dict[str, Path]:
     """Every module of ``packages`` under ``root``, by dotted name (a package is its ``__init__``)."""
     modules: dict[str, Path] = {}
     for package in packages:
+        if not (root / package).is_dir():
+            continue
         for path in sorted((root / package).rglob("*.py")):
             parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":

@@ -11,108 +11,44 @@ cluster's stage is assigned with that cluster's own token.
 from __future__ import annotations
 
 import json
-import secrets
-from collections.abc import Callable
+import sys
 from pathlib import Path
 from typing import Any
 
 import typer
 import yaml
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from nebula_common.errors import NebulaError
 from nebula_common.jobspec import SpecError, load_spec
-from nebula_common.proto.nebula.v1 import trainer_pb2
-from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterEndpoints, ClusterSession, common_checkpoint_step, submit_job
 from nebula_common.sdk.codec_advice import LinkProfile
+from nebula_common.sdk.deployment import DeploymentTarget, link_from_description, read_credentials
+from nebula_common.sdk.deployment import onboard as onboard_account
 from nebula_common.sdk.jobs import ProgramJob
+from nebula_common.sdk.progress import ProgressBar
 from nebula_common.sdk.summary import JobSummary, summarize
 
 app = typer.Typer(help="Submit and follow split training jobs.", no_args_is_help=True)
 console = Console()
-LOOPBACK = "127.0.0.1"
-
-
-class DeploymentFileError(NebulaError):
-    pass
-
-
-def endpoints_from_description(description: dict[str, Any]) -> dict[str, tuple[ClusterEndpoints, Path]]:
-    """Cluster id -> (endpoints, admin password file) from a `nebula local up` deployment.json."""
-    result = {}
-    try:
-        for cluster, entry in description["clusters"].items():
-            processes = entry["processes"]
-            metrics = {
-                name: f"http://{LOOPBACK}:{info['metrics_port']}/metrics"
-                for name, info in processes.items()
-                if (info.get("metrics_port") or -1) > 0
-            }
-            endpoints = ClusterEndpoints(
-                cluster_id=cluster,
-                auth=f"{LOOPBACK}:{processes[f'auth-{cluster}']['grpc_port']}",
-                trainer=f"{LOOPBACK}:{processes[f'trainer-{cluster}']['grpc_port']}",
-                switch=f"{LOOPBACK}:{processes[f'switch-{cluster}']['internal_port']}",
-                metrics=metrics,
-                codec=f"{LOOPBACK}:{processes[f'codec-{cluster}']['grpc_port']}",
-            )
-            result[cluster] = (endpoints, Path(entry["admin_password_file"]))
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise DeploymentFileError(f"deployment description is missing {exc}") from exc
-    return result
-
-
-def link_from_description(description: dict[str, Any]) -> LinkProfile | None:
-    """The emulated WAN's shape from a deployment.json (what `codec: auto` is advised for)."""
-    emulator = description.get("wan_emulator")
-    if not isinstance(emulator, dict) or "bandwidth_mbit" not in emulator:
-        return None
-    return LinkProfile(
-        bandwidth_mbit=float(emulator["bandwidth_mbit"]), rtt_ms=2 * float(emulator["delay_ms"])
-    )
 
 
 def onboard(endpoints: ClusterEndpoints, admin_password: str, username: str) -> ClusterSession:
     """Create an account through the cluster's own admin and log it in."""
-    password = secrets.token_urlsafe(18)
-    with AuthClient(endpoints.auth) as auth:
-        admin = auth.login("admin", admin_password)
-        auth.create_account(admin.token, username, password, role="user")
-    return ClusterSession.login(endpoints, username, password)
+    return onboard_account(endpoints, admin_password, username)[0]
 
 
 def sessions_for(
     deployment_file: Path, credentials: Path | None, clusters: set[str]
 ) -> dict[str, ClusterSession]:
-    try:
-        description = json.loads(deployment_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise DeploymentFileError(f"cannot read deployment description {deployment_file}: {exc}") from exc
-    known = endpoints_from_description(description)
-    unknown = sorted(clusters - set(known))
-    if unknown:
-        raise DeploymentFileError(f"the job names cluster(s) {', '.join(unknown)} not in {deployment_file}")
-    creds: dict[str, Any] = {}
-    if credentials is not None:
-        creds = yaml.safe_load(credentials.read_text()) or {}
-        if not isinstance(creds, dict):
-            raise DeploymentFileError(f"{credentials}: expected a mapping cluster -> {{username, password}}")
-    sessions = {}
-    for cluster in sorted(clusters):
-        endpoints, admin_file = known[cluster]
-        if cluster in creds:
-            entry = creds[cluster]
-            if not isinstance(entry, dict) or not {"username", "password"} <= set(entry):
-                raise DeploymentFileError(f"{credentials}: {cluster}: needs username and password")
-            sessions[cluster] = ClusterSession.login(
-                endpoints, str(entry["username"]), str(entry["password"])
-            )
-        else:
-            name = f"job-{secrets.token_hex(3)}"
-            sessions[cluster] = onboard(endpoints, admin_file.read_text().strip(), name)
+    """A session per cluster of the job: the ``credentials`` accounts, else fresh ones via the admins."""
+    target = DeploymentTarget.load(deployment_file)
+    target.check_clusters(clusters)
+    given = {c: entry for c, entry in (read_credentials(credentials) or {}).items() if c in clusters}
+    sessions = target.login(given)
+    if clusters - set(given):
+        sessions.update(target.new_accounts(clusters - set(given))[0])
     return sessions
 
 
@@ -129,49 +65,11 @@ def follow(
     handle = submit_job(job, sessions, link=link)
     if job.codec_choice and json.loads(job.codec_choice).get("source") != "configured" and not quiet:
         console.print(f"codec advice: forward={job.codec_forward} backward={job.codec_backward}")
-    columns = (
-        TextColumn(f"[bold]{job.spec.name}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TextColumn("step {task.fields[step_ms]} ms"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console, disable=quiet) as progress:
-        task = progress.add_task("train", total=job.steps, completed=job.start_step, loss="-", step_ms="-")
-        on_step: Callable[[trainer_pb2.StageStatus], None] = lambda status: progress.update(  # noqa: E731
-            task,
-            completed=status.steps_done,
-            loss=f"{status.loss:.4f}" if status.HasField("loss") else "-",
-            step_ms=f"{status.step_seconds * 1000:.0f}",
-        )
-        shown: set[tuple[str, int]] = set()
-
-        def on_status(status: trainer_pb2.StageStatus) -> None:
-            """A stage that lost its attempt says so once per epoch, with why (its trainer restarted...)."""
-            if status.state != trainer_pb2.STAGE_STATE_RECOVERING or (status.stage, status.epoch) in shown:
-                return
-            shown.add((status.stage, status.epoch))
-            progress.console.print(
-                f"[yellow]{status.stage}: RECOVERING (epoch {status.epoch}): {status.message}[/]"
-            )
-
-        summary = summarize(job, handle, on_step=on_step, on_status=on_status)
+    with ProgressBar(job.spec.name, job.steps, job.start_step, console=console, disable=quiet) as bar:
+        summary = summarize(job, handle, on_status=bar.update)
     ordered = [sessions[c] for c in job.clusters().values()]
     summary.fill_wan(ordered[0], ordered[1])
-    summary.settings = {
-        "spec": str(job.loaded.spec_path) if job.loaded.spec_path else None,
-        "schedule": job.spec.pipeline.schedule,
-        "mode": job.spec.pipeline.mode,
-        "replicas": {stage.name: stage.replicas for stage in job.spec.stages},
-        "micro_batches": job.spec.data.micro_batches,
-        "batch_size": job.spec.data.batch_size,
-        "codec_forward": job.codec_forward,
-        "codec_backward": job.codec_backward,
-        "codec_choice": json.loads(job.codec_choice),
-        "resumed_from": f"{job.resume_job_id}@{job.resume_step}" if job.resume_job_id else None,
-        "hot_start_steps": job.initial_step if job.initial_states else None,
-    }
+    summary.settings = job.settings()
     return summary
 
 
@@ -196,7 +94,7 @@ def print_summary(summary: JobSummary) -> None:
     for direction, wan in summary.wan.items():
         table.add_row(
             f"WAN {direction} ({wan['from']}->{wan['to']})",
-            f"{wan['bytes']:,} B  (x{wan['compression_ratio']:.2f} vs none)",
+            f"{wan.get('bytes', wan['payload_bytes']):,} B  (x{wan['compression_ratio']:.2f} vs none)",
         )
     for cluster, identity in summary.peer_identities.items():
         table.add_row(f"switch {cluster} verified peer", identity)
@@ -204,6 +102,28 @@ def print_summary(summary: JobSummary) -> None:
     for stage, message in summary.stage_messages.items():
         if message:
             console.print(f"[yellow]{stage}: {message}[/]")
+
+
+def reattach_hint(job_id: str, deployment: Path) -> str:
+    return (
+        f"Follow it: nebula job watch {job_id} --deployment {deployment}; "
+        f"stop it: nebula job cancel {job_id} --deployment {deployment}"
+    )
+
+
+def interrupted(job_id: str, sessions: dict[str, ClusterSession], deployment: Path) -> None:
+    """Ctrl-C while following a job: ask whether to cancel it; without a terminal, leave it running.
+
+    The job runs in the clusters, not in this process: leaving is harmless, and cancelling on an
+    unattended Ctrl-C (a CI timeout, a closed ssh session) would throw its work away unasked.
+    """
+    console.print(f"\n[yellow]interrupted: job {job_id} is still running in every cluster[/]")
+    if sys.stdin.isatty() and typer.confirm(f"Cancel job {job_id} in every cluster?", default=False):
+        for session in sessions.values():
+            session.cancel(job_id)
+        console.print(f"job {job_id}: cancel sent to every cluster ({', '.join(sorted(sessions))})")
+        return
+    console.print(f"left running. {reattach_hint(job_id, deployment)}")
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -239,6 +159,9 @@ def submit(
         min=1,
         help="Hot start (paper Fig. 8): train the first N steps unsplit here, then continue split; each "
         "cluster gets only its stage's model/optimizer/scheduler state.",
+    ),
+    detach: bool = typer.Option(
+        False, "--detach", help="Submit, print the job id and how to follow it, and return (the job runs on)."
     ),
 ) -> None:
     """Validate the spec and its modules, then run each stage in its cluster and follow the job."""
@@ -278,7 +201,17 @@ def submit(
                 else (link.bandwidth_mbit if link else 60.0),
                 rtt_ms=link_rtt_ms if link_rtt_ms is not None else (link.rtt_ms if link else 40.0),
             )
-        summary = follow(job, sessions, link=link)
+        if detach:
+            submit_job(job, sessions, link=link)
+            console.print(f"job {job.job_id} submitted; it runs on. {reattach_hint(job.job_id, deployment)}")
+            if json_path is not None:
+                json_path.write_text(json.dumps({"job_id": job.job_id, "detached": True}, indent=2))
+            return
+        try:
+            summary = follow(job, sessions, link=link)
+        except KeyboardInterrupt:
+            interrupted(job.job_id, sessions, deployment)
+            raise typer.Exit(130) from None
     except (NebulaError, ValueError) as exc:
         console.print(f"[red]job failed:[/] {exc}")
         raise typer.Exit(1) from exc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
@@ -102,6 +103,41 @@ class ProgramJob:
     def steps(self) -> int:
         return self.spec.steps
 
+    def settings(self) -> dict[str, object]:
+        """What the job ran with, for its summary and report (after ``auto`` codecs were resolved)."""
+        return {
+            "spec": str(self.loaded.spec_path) if self.loaded.spec_path else None,
+            "schedule": self.spec.pipeline.schedule,
+            "mode": self.spec.pipeline.mode,
+            "replicas": {stage.name: stage.replicas for stage in self.spec.stages},
+            "micro_batches": self.spec.data.micro_batches,
+            "batch_size": self.spec.data.batch_size,
+            "codec_forward": self.codec_forward,
+            "codec_backward": self.codec_backward,
+            "codec_choice": json.loads(self.codec_choice),
+            "resumed_from": f"{self.resume_job_id}@{self.resume_step}" if self.resume_job_id else None,
+            "hot_start_steps": self.initial_step if self.initial_states else None,
+        }
+
+    @property
+    def spec_digest(self) -> str:
+        """SHA-256 of what the job runs: the validated spec, every stage module and the concrete codecs.
+
+        Both clusters get the same digest, so a job's record can be matched across clusters and a
+        re-submission of a changed spec under a reused id told apart. Computed after ``auto`` codecs
+        are resolved: the digest names the codecs that actually run.
+        """
+        body = {
+            "spec": self.spec.model_dump(mode="json"),
+            "modules": {name: module.source for name, module in sorted(self.loaded.modules.items())},
+            "codecs": [self.codec_forward, self.codec_backward],
+            "resume": [self.resume_job_id, self.resume_step],
+            "hot_start": {
+                name: hashlib.sha256(state).hexdigest() for name, state in sorted(self.initial_states.items())
+            },
+        }
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
     @property
     def edge(self) -> str:
         return self.spec.edge.name
@@ -125,6 +161,7 @@ class ProgramJob:
             codec_forward=self.codec_forward,
             codec_backward=self.codec_backward,
             codec_choice=self.codec_choice,
+            spec_digest=self.spec_digest,
             program=trainer_pb2.ProgramStage(
                 role="upstream" if index == 0 else "downstream",
                 module_source=module.source,

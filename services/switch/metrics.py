@@ -2,10 +2,21 @@
 
 The same numbers feed both, so a dashboard and the demo's JSON summary can
 never disagree about how many bytes crossed the WAN.
+
+Per-job series (``nebula_switch_job_*{job_id,direction}``) count the routed items of each job
+on the link, so a job's summary shows its own bytes and codec ratio, not the lifetime sums of
+every job the switch carried. They leave ``/metrics`` once the job has no edge open on this
+switch and nothing of it crossed the link for a grace period (``JobSeries``): long enough for
+the summary and the last scrape to read the final values, short enough that a switch carrying
+thousands of jobs does not export every one forever.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from collections import Counter as Tally
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge
@@ -98,6 +109,97 @@ LINK_RTT = Gauge(
     "Smoothed round-trip time to the peer switch (RFC 6298 SRTT, Ping/Pong).",
 )
 
+JOB_WAN_BYTES = Counter(
+    "nebula_switch_job_wan_bytes",
+    "Serialized bytes of a job's routed items exchanged with the peer switch (frames, chunks, signals, "
+    "acks, closes), per job.",
+    ["job_id", "direction"],
+)
+JOB_WAN_PAYLOAD_BYTES = Counter(
+    "nebula_switch_job_wan_payload_bytes",
+    "Encoded tensor payload bytes of a job exchanged with the peer, per job.",
+    ["job_id", "direction"],
+)
+JOB_WAN_RAW_BYTES = Counter(
+    "nebula_switch_job_wan_raw_bytes",
+    "Bytes a job's relayed tensors would have taken without compression, per job.",
+    ["job_id", "direction"],
+)
+JOB_FRAMES = Counter(
+    "nebula_switch_job_frames_relayed",
+    "Tensor frames of a job relayed over the WAN, per job.",
+    ["job_id", "direction"],
+)
+PER_JOB = (JOB_WAN_BYTES, JOB_WAN_PAYLOAD_BYTES, JOB_WAN_RAW_BYTES, JOB_FRAMES)
+DIRECTIONS = ("sent", "received")
+JOB_SERIES_GRACE_S = 120.0
+"""How long a job's series stay after its last edge on this switch closed and its last item crossed."""
+
+
+class JobSeries:
+    """Which jobs have per-job series, and when each may go (see the module doc).
+
+    A job's series go once no local edge of it is open and nothing of it was counted for
+    ``grace_s``. Checked at most once a second from the counting path and the edge hooks (the
+    link's keepalive counts a message every few seconds even when idle), so it needs no thread.
+    """
+
+    def __init__(self, grace_s: float = JOB_SERIES_GRACE_S) -> None:
+        self.grace_s = grace_s
+        self._lock = threading.Lock()
+        self._open: Tally[str] = Tally()
+        self._last: dict[str, float] = {}
+        self._next_sweep = 0.0
+
+    def opened(self, job_id: str) -> None:
+        """A local trainer opened an edge of ``job_id``: its series stay while it is open."""
+        with self._lock:
+            self._open[job_id] += 1
+            self._last[job_id] = time.monotonic()
+        self.sweep()
+
+    def closed(self, job_id: str) -> None:
+        """That edge closed (however): the grace period starts when the job's last edge is gone."""
+        with self._lock:
+            self._open[job_id] -= 1
+            if self._open[job_id] <= 0:
+                del self._open[job_id]
+            self._last[job_id] = time.monotonic()
+        self.sweep()
+
+    def counted(self, job_id: str) -> None:
+        with self._lock:
+            self._last[job_id] = time.monotonic()
+
+    def sweep(self, now: float | None = None, force: bool = False) -> list[str]:
+        """Remove the series of every job past its grace period; returns those job ids."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if not force and now < self._next_sweep:
+                return []
+            self._next_sweep = now + 1.0
+            gone = [
+                job
+                for job, last in self._last.items()
+                if job not in self._open and now - last >= self.grace_s
+            ]
+            for job in gone:
+                del self._last[job]
+        for job in gone:
+            forget_job(job)
+        return gone
+
+
+def forget_job(job_id: str) -> None:
+    """Remove every per-job series of ``job_id`` now (directions it never used are skipped)."""
+    for metric in PER_JOB:
+        for direction in DIRECTIONS:
+            with contextlib.suppress(KeyError):
+                metric.remove(job_id, direction)
+
+
+JOB_SERIES = JobSeries()
+
 
 @dataclass
 class DirectionCounters:
@@ -113,18 +215,27 @@ class DirectionCounters:
         size = message.ByteSize()
         self.bytes += size
         WAN_BYTES.labels(self.direction).inc(size)
-        if message.WhichOneof("body") != "routed" or message.routed.item.WhichOneof("body") != "frame":
+        JOB_SERIES.sweep()  # at most once a second: ended jobs' series go
+        if message.WhichOneof("body") != "routed":
+            return
+        job = message.routed.job_id
+        JOB_SERIES.counted(job)
+        JOB_WAN_BYTES.labels(job, self.direction).inc(size)
+        if message.routed.item.WhichOneof("body") != "frame":
             return
         part = message.routed.item.frame
         if part.HasField("chunk"):
             payload = len(part.chunk.data)
             self.payload_bytes += payload
             WAN_PAYLOAD_BYTES.labels(self.direction).inc(payload)
+            JOB_WAN_PAYLOAD_BYTES.labels(job, self.direction).inc(payload)
         elif part.HasField("header"):
             self.frames += 1
             self.raw_bytes += part.header.raw_size
             FRAMES_RELAYED.labels(self.direction).inc()
             WAN_RAW_BYTES.labels(self.direction).inc(part.header.raw_size)
+            JOB_FRAMES.labels(job, self.direction).inc()
+            JOB_WAN_RAW_BYTES.labels(job, self.direction).inc(part.header.raw_size)
 
     def count_chunk(self, chunk: FramedChunk) -> None:
         """A framed chunk: its bytes on the link and its payload (no header, so no frame is counted)."""

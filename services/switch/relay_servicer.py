@@ -33,7 +33,7 @@ from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION, FramedChunk, FramingError, is_framed, parse_chunk
 from services.switch.certs import CertificateManager
 from services.switch.link import PeerLink
-from services.switch.metrics import EDGES_OPEN
+from services.switch.metrics import EDGES_OPEN, JOB_SERIES
 from services.switch.routing import (
     Attachment,
     Route,
@@ -151,6 +151,7 @@ class RelayServicer:
         )
         running = (account, job_id)
         self._running[running] = self._running.get(running, 0) + 1
+        JOB_SERIES.opened(job_id)  # its per-job series stay while an edge of it is open here
         EDGES_OPEN.set(self.router.open_routes())
         log.info(
             "edge opened",
@@ -173,6 +174,7 @@ class RelayServicer:
         except TrainerVanished:
             outcome = FAILED
         finally:
+            JOB_SERIES.closed(job_id)
             if self._running[running] <= 1:
                 del self._running[running]
             else:

@@ -16,6 +16,9 @@ switch has seen, so a restart's ``epoch + 1`` is always higher than anything the
 
 A stage that ended keeps its record with its final ``StageStatus`` (and loses its spec and token,
 which nothing needs any more), so after any number of restarts a client can still see how it ended.
+Every record also keeps what ``ListStages`` shows of a stage, running or ended: the job spec's
+digest, the steps asked for, the edge, and when the stage was assigned and ended (Unix times;
+records written before these fields existed read as empty and 0).
 A record that cannot be read or parsed is logged, audited (``stage.record``, outcome failure) and
 skipped: one damaged file must never keep a trainer, and every other stage on it, from starting.
 """
@@ -75,6 +78,38 @@ class StageRecord:
     state: int = trainer_pb2.STAGE_STATE_PENDING
     final: trainer_pb2.StageStatus | None = None
     path: Path = field(default=Path(), compare=False)
+    spec_digest: str = ""
+    steps: int = 0
+    edge: str = ""
+    started_unix: float = 0.0
+    ended_unix: float = 0.0
+
+    @classmethod
+    def new(cls, spec: trainer_pb2.StageSpec, token: str, owner: str) -> StageRecord:
+        """The record of a stage assigned now (epoch 0, PENDING)."""
+        return cls(
+            owner,
+            spec.job_id,
+            spec.stage,
+            spec,
+            token,
+            spec_digest=spec.spec_digest,
+            steps=spec.steps,
+            edge=spec.edge,
+            started_unix=round(time.time(), 3),
+        )
+
+    def info(self, latest: trainer_pb2.StageStatus) -> trainer_pb2.StageRecordInfo:
+        """What ``ListStages`` shows of this stage, with ``latest`` its newest status."""
+        return trainer_pb2.StageRecordInfo(
+            status=latest,
+            owner=self.owner,
+            spec_digest=self.spec_digest,
+            started_unix=self.started_unix,
+            ended_unix=self.ended_unix,
+            steps=self.steps,
+            edge=self.edge,
+        )
 
     @property
     def terminal(self) -> bool:
@@ -89,6 +124,11 @@ class StageRecord:
             "epoch": self.epoch,
             "state": trainer_pb2.StageState.Name(self.state),
             "updated_unix": round(time.time(), 3),
+            "spec_digest": self.spec_digest,
+            "steps": self.steps,
+            "edge": self.edge,
+            "started_unix": self.started_unix,
+            "ended_unix": self.ended_unix,
         }
         if self.terminal:
             # An ended stage needs neither its spec nor its owner's token: drop the secret with them.
@@ -123,6 +163,7 @@ class StageRecord:
             raise RecordError(f"field 'state' {body['state']!r} is not a stage state") from None
         record = cls(body["owner"], body["job_id"], body["stage"], trainer_pb2.StageSpec(), "", epoch, state)
         record.path = path
+        _optional_fields(record, body)
         if record.terminal:
             record.final = _message(body, "final", trainer_pb2.StageStatus)
             return record
@@ -137,6 +178,24 @@ class StageRecord:
             raise RecordError("field 'token' missing (a running stage acts with its owner's token)")
         record.token = token
         return record
+
+
+def _optional_fields(record: StageRecord, body: dict[str, Any]) -> None:
+    """The listing fields (absent from records older than them: those keep their defaults)."""
+    for key in ("spec_digest", "edge"):
+        value = body.get(key, "")
+        if not isinstance(value, str):
+            raise RecordError(f"field {key!r} {value!r} is not a string")
+        setattr(record, key, value)
+    steps = body.get("steps", 0)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise RecordError(f"field 'steps' {steps!r} is not a non-negative integer")
+    record.steps = steps
+    for key in ("started_unix", "ended_unix"):
+        value = body.get(key, 0.0)
+        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+            raise RecordError(f"field {key!r} {value!r} is not a non-negative number")
+        setattr(record, key, float(value))
 
 
 def _message(body: dict[str, Any], key: str, kind: type[Any]) -> Any:
@@ -184,7 +243,7 @@ class StageRecords:
 
     def create(self, spec: trainer_pb2.StageSpec, token: str, owner: str) -> StageRecord:
         """Remember a newly assigned stage (epoch 0, PENDING) before its runner starts."""
-        record = StageRecord(owner, spec.job_id, spec.stage, spec, token)
+        record = StageRecord.new(spec, token, owner)
         record.path = self.path(owner, spec.job_id)
         with self._lock:
             self._write(record)
@@ -205,6 +264,7 @@ class StageRecords:
             record.state = final.state
             record.final = final
             record.token = ""
+            record.ended_unix = record.ended_unix or round(time.time(), 3)
             self._write(record)
 
     def remove(self, owner: str, job_id: str) -> None:

@@ -61,6 +61,7 @@ async def restore_stages(servicer: TrainerServicer, verifier: TokenVerifier) -> 
         if record.terminal:
             servicer.runners[record.job_id] = FinishedStage(record.final, record.owner)  # type: ignore[assignment, arg-type]
             servicer.owners[record.job_id] = record.owner
+            servicer.stage_records[record.job_id] = record
             # Ended before the restart, still bounded like any ended stage (time and count).
             servicer._forget(servicer.finished.add(record.job_id))
             counts["ended"] += 1
@@ -118,6 +119,7 @@ async def _fail(servicer: TrainerServicer, record: StageRecord, message: str) ->
         log.error("cannot store the end of stage %s: %s", record.job_id, exc)
     servicer.runners[record.job_id] = FinishedStage(final, record.owner)  # type: ignore[assignment]
     servicer.owners[record.job_id] = record.owner
+    servicer.stage_records[record.job_id] = record
     servicer._forget(servicer.finished.add(record.job_id))
     log.error("stage not restored: %s", message, extra={"fields": {"job_id": record.job_id}})
     await servicer._record(

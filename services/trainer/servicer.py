@@ -65,6 +65,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.records = StageRecords(data_dir, audit)
         self.runners: dict[str, ProgramRunner] = {}
         self.owners: dict[str, str] = {}
+        # Each known stage's record (digest, steps, start and end): what ListStages shows beside its status.
+        self.stage_records: dict[str, StageRecord] = {}
         self._audit_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-audit")
 
     async def _record(self, event: str, **fields: object) -> None:
@@ -184,6 +186,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         """
         epoch = 0 if record is None else record.epoch + 1
         record = record or self.records.create(spec, token, owner)
+        self.stage_records[spec.job_id] = record
         runner = ProgramRunner(
             spec,
             token,
@@ -216,6 +219,26 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             )
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoints of job {request.job_id!r} here")
         return trainer_pb2.ListCheckpointsResponse(steps=steps)
+
+    async def ListStages(
+        self, request: trainer_pb2.ListStagesRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.ListStagesResponse:
+        principal, _ = self._authenticate()
+        admin = principal.role == "admin"
+        infos = []
+        for job_id, runner in list(self.runners.items()):
+            owner = self.owners.get(job_id, "")
+            # Another account's stage is not listed at all: its existence is not ours to reveal.
+            if (request.job_id and job_id != request.job_id) or (owner != principal.username and not admin):
+                continue
+            latest = runner.board.latest()
+            record = self.stage_records.get(job_id)
+            if record is None:  # not reachable through AssignStage or a restore; shown with what is known
+                infos.append(trainer_pb2.StageRecordInfo(status=latest, owner=owner))
+            else:
+                infos.append(record.info(latest))
+        infos.sort(key=lambda info: (info.started_unix, info.status.job_id))
+        return trainer_pb2.ListStagesResponse(stages=infos)
 
     def _launch(self, runner: ProgramRunner, account: str) -> None:
         """Start ``runner``'s thread; its end (``_stage_finished``) is a callback from that thread."""
@@ -252,6 +275,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         their records go, so neither memory nor the data dir grows with every job."""
         for job_id in job_ids:
             self.runners.pop(job_id, None)
+            self.stage_records.pop(job_id, None)
             owner = self.owners.pop(job_id, None)
             if owner is not None:  # its record goes too: a restart does not bring it back
                 self.records.remove(owner, job_id)

@@ -143,3 +143,20 @@ def test_main_prints_every_violation_and_fails(tmp_path: Path, capsys: pytest.Ca
     assert "nebula_common.a imports nebula_common.sdk.jobs (nebula_common/a.py:1)" in out
     (root / "nebula_common" / "a.py").write_text("")
     assert checker.main([str(root)]) == 0
+
+
+def test_the_top_package_may_import_anything_and_nothing_imports_it(tmp_path: Path) -> None:
+    root = make_tree(
+        tmp_path,
+        {
+            "nebula/__init__.py": "from nebula_common.sdk.api import Deployment\n",
+            "nebula_common/sdk/api.py": "from nebula_common.errors import *\n",
+            "nebula_common/errors.py": "",
+            "nebula_common/cli/job.py": "from nebula import Deployment\n",
+            "services/trainer/server.py": "import nebula\n",
+        },
+    )
+    found = messages(root)
+    assert len(found) == 2, found
+    assert all("nothing below it may import the top package 'nebula'" in m for m in found)
+    assert any("nebula_common.cli.job imports nebula (" in m for m in found)

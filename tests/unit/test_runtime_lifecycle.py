@@ -14,7 +14,7 @@ import pytest
 
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from services.trainer.edge import EdgeClosedError
-from services.trainer.runtime.lifecycle import StageLifecycle
+from services.trainer.runtime.lifecycle import PEER_CANCELLED, StageLifecycle
 from services.trainer.status import TERMINAL_STATES
 
 pytestmark = pytest.mark.timeout(30)
@@ -149,6 +149,24 @@ def test_a_failure_ends_failed_with_its_reason_and_tells_the_peer(error: Excepti
     final = finish(lifecycle)
     assert final.state == trainer_pb2.STAGE_STATE_FAILED and final.message == reason
     assert edge.aborts == [reason]  # the other cluster's stage fails at once, with the same reason
+    assert not lifecycle.cancelled
+
+
+def test_a_stage_whose_peer_was_cancelled_ends_cancelled_not_failed() -> None:
+    """A job is cancelled in both clusters; one stage often learns it from its peer's close first."""
+    edge = BlockingReceive()
+    holder: dict[str, StageLifecycle] = {}
+
+    def body() -> None:
+        holder["lifecycle"].attach_abort(edge.abort)
+        edge.receive()
+
+    lifecycle = holder["lifecycle"] = StageLifecycle("job-7", "decoder", body)
+    lifecycle.start()
+    assert edge.waiting.wait(20)
+    edge._items.put(("closed", "peer side failed: cancelled"))  # how the session words the peer's close
+    final = finish(lifecycle)
+    assert final.state == trainer_pb2.STAGE_STATE_CANCELLED and final.message == PEER_CANCELLED
     assert not lifecycle.cancelled
 
 

@@ -18,7 +18,8 @@ import pytest
 
 from nebula_common.audit import AuditLog
 from nebula_common.audit.signing import AuditSigner
-from nebula_common.auth import TokenVerifier
+from nebula_common.auth import Principal, TokenVerifier
+from nebula_common.auth.interceptor import _CALLER, Caller
 from nebula_common.jobspec import load_spec
 from nebula_common.jobspec.builtin import builtin_spec
 from nebula_common.proto.nebula.v1 import trainer_pb2
@@ -116,6 +117,8 @@ def test_an_ended_stage_keeps_its_final_status_and_drops_its_token(tmp_path: Pat
         (lambda p: _edit(p, job_id="job-2"), "spec is for job 'job-1'"),
         (lambda p: _edit(p, owner="bob"), "names owner 'bob' job 'job-1', but lies at alice/job-1.json"),
         (lambda p: _edit(p, format=9), "format 9"),
+        (lambda p: _edit(p, started_unix="soon"), "field 'started_unix'"),
+        (lambda p: _edit(p, steps=-3), "field 'steps'"),
     ],
 )
 def test_a_damaged_record_is_skipped_audited_and_the_others_load(
@@ -179,3 +182,54 @@ def test_restore_gives_back_ended_stages_and_fails_an_expired_one_with_its_reaso
     # ... and it stays failed across the next restart, without its token
     (again,) = [r for r in StageRecords(data_dir).load_all() if r.job_id == "job-2"]
     assert again.terminal and again.token == "" and again.final == failed
+
+
+def test_a_record_written_before_the_listing_fields_still_loads(tmp_path: Path) -> None:
+    records = StageRecords(tmp_path)
+    record = records.create(stage_spec(), "t", "alice")
+    body = json.loads(record.path.read_text())
+    for key in ("spec_digest", "steps", "edge", "started_unix", "ended_unix"):
+        del body[key]
+    record.path.write_text(json.dumps(body))
+    (back,) = records.load_all()
+    assert (back.spec_digest, back.steps, back.edge, back.started_unix) == ("", 0, "", 0.0)
+
+
+def list_stages(
+    servicer: TrainerServicer, username: str, role: str = "user"
+) -> list[trainer_pb2.StageRecordInfo]:
+    """``ListStages`` as ``username`` calls it (the caller the token interceptor would have verified)."""
+
+    async def call() -> list[trainer_pb2.StageRecordInfo]:
+        _CALLER.set(Caller(Principal(username, role, "a"), "token"))
+        response = await servicer.ListStages(trainer_pb2.ListStagesRequest(), None)  # type: ignore[arg-type]
+        return list(response.stages)
+
+    return asyncio.run(call())
+
+
+def test_list_stages_after_a_restart_shows_owners_their_stages_and_admins_all(
+    tmp_path: Path, audit: AuditLog, verifier: TokenVerifier
+) -> None:
+    data_dir = tmp_path / "trainer"
+    before = StageRecords(data_dir)
+    ended = {}
+    for job_id, owner in (("job-1", "alice"), ("job-2", "bob")):
+        spec = stage_spec(job_id)
+        record = before.create(spec, "t", owner)
+        assert record.spec_digest == spec.spec_digest and len(spec.spec_digest) == 64
+        final = trainer_pb2.StageStatus(
+            job_id=job_id, stage="encoder", state=trainer_pb2.STAGE_STATE_SUCCEEDED, steps_done=3
+        )
+        before.finish(record, final)
+        ended[job_id] = (record, final)
+
+    servicer = TrainerServicer("a", "127.0.0.1:1", data_dir, audit)
+    assert asyncio.run(restore_stages(servicer, verifier)) == {"resumed": 0, "ended": 2, "failed": 0}
+    (mine,) = list_stages(servicer, "alice")
+    record, final = ended["job-1"]
+    assert mine.status == final and mine.owner == "alice" and mine.spec_digest == record.spec_digest
+    assert (mine.steps, mine.edge) == (3, "encoder->decoder")
+    assert 0 < mine.started_unix <= mine.ended_unix <= time.time()
+    assert [i.status.job_id for i in list_stages(servicer, "admin", "admin")] == ["job-1", "job-2"]
+    assert list_stages(servicer, "mallory") == []  # another account's stages are not even listed

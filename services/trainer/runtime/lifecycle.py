@@ -12,7 +12,9 @@ loop) only trains and returns; this module decides how it ended:
 * the edge closed under it (peer failed, link dropped) or anything else raised:
   the edge is aborted with the reason, so the other cluster's stage fails at
   once instead of waiting for tensors that will never come; the stage ends
-  FAILED with that reason as its message.
+  FAILED with that reason as its message; except when the other cluster's stage closed it
+  because *it* was cancelled (a job is cancelled in both clusters, and one stage often hears
+  of it from its peer first): the stage ends CANCELLED too, with message ``PEER_CANCELLED``.
 
 Recovery is the body's own business (``stage.py``): it catches ``EdgeRestartRequired`` and
 ``EdgeOutage``, posts the non-terminal RECOVERING and starts a new attempt; only when it gives
@@ -33,6 +35,9 @@ from services.trainer.status import StatusBoard
 
 log = logging.getLogger(__name__)
 CANCELLED_REASON = "cancelled"
+PEER_CANCELLED = "cancelled: the other cluster's stage was cancelled"
+# How the edge session words a peer's close of a cancelled stage (``session.py``: an error close).
+_PEER_CANCEL_CLOSE = f"peer side failed: {CANCELLED_REASON}"
 
 
 class StageCancelled(Exception):
@@ -150,6 +155,10 @@ class StageLifecycle:
             if self._cancelled.is_set():  # our own cancel() closed the edge under the body
                 self.board.update(state=trainer_pb2.STAGE_STATE_CANCELLED, message=CANCELLED_REASON)
                 return
+            if str(exc) == _PEER_CANCEL_CLOSE:  # the job was cancelled, the peer's stage first
+                self._abort_edge(CANCELLED_REASON)
+                self.board.update(state=trainer_pb2.STAGE_STATE_CANCELLED, message=PEER_CANCELLED)
+                return
             log.error("stage failed: %s", exc, extra={"fields": fields})
             self._abort_edge(str(exc))
             self.board.update(state=trainer_pb2.STAGE_STATE_FAILED, message=str(exc))
@@ -162,4 +171,4 @@ class StageLifecycle:
             self.board.update(state=trainer_pb2.STAGE_STATE_SUCCEEDED)
 
 
-__all__ = ["CANCELLED_REASON", "StageCancelled", "StageLifecycle"]
+__all__ = ["CANCELLED_REASON", "PEER_CANCELLED", "StageCancelled", "StageLifecycle"]

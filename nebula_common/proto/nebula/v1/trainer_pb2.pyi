@@ -25,7 +25,7 @@ STAGE_STATE_CANCELLED: StageState
 STAGE_STATE_RECOVERING: StageState
 
 class StageSpec(_message.Message):
-    __slots__ = ("job_id", "stage", "edge", "steps", "codec_forward", "codec_backward", "program", "codec_choice")
+    __slots__ = ("job_id", "stage", "edge", "steps", "codec_forward", "codec_backward", "program", "codec_choice", "spec_digest")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     EDGE_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class StageSpec(_message.Message):
     CODEC_BACKWARD_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
     CODEC_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     stage: str
     edge: str
@@ -42,7 +43,8 @@ class StageSpec(_message.Message):
     codec_backward: str
     program: ProgramStage
     codec_choice: str
-    def __init__(self, job_id: _Optional[str] = ..., stage: _Optional[str] = ..., edge: _Optional[str] = ..., steps: _Optional[int] = ..., codec_forward: _Optional[str] = ..., codec_backward: _Optional[str] = ..., program: _Optional[_Union[ProgramStage, _Mapping]] = ..., codec_choice: _Optional[str] = ...) -> None: ...
+    spec_digest: str
+    def __init__(self, job_id: _Optional[str] = ..., stage: _Optional[str] = ..., edge: _Optional[str] = ..., steps: _Optional[int] = ..., codec_forward: _Optional[str] = ..., codec_backward: _Optional[str] = ..., program: _Optional[_Union[ProgramStage, _Mapping]] = ..., codec_choice: _Optional[str] = ..., spec_digest: _Optional[str] = ...) -> None: ...
 
 class OptimizerConfig(_message.Message):
     __slots__ = ("name", "learning_rate", "weight_decay", "momentum", "lr_schedule", "warmup_steps")
@@ -195,3 +197,33 @@ class ListCheckpointsResponse(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     steps: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, steps: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ListStagesRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class StageRecordInfo(_message.Message):
+    __slots__ = ("status", "owner", "spec_digest", "started_unix", "ended_unix", "steps", "edge")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ENDED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    EDGE_FIELD_NUMBER: _ClassVar[int]
+    status: StageStatus
+    owner: str
+    spec_digest: str
+    started_unix: float
+    ended_unix: float
+    steps: int
+    edge: str
+    def __init__(self, status: _Optional[_Union[StageStatus, _Mapping]] = ..., owner: _Optional[str] = ..., spec_digest: _Optional[str] = ..., started_unix: _Optional[float] = ..., ended_unix: _Optional[float] = ..., steps: _Optional[int] = ..., edge: _Optional[str] = ...) -> None: ...
+
+class ListStagesResponse(_message.Message):
+    __slots__ = ("stages",)
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    stages: _containers.RepeatedCompositeFieldContainer[StageRecordInfo]
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageRecordInfo, _Mapping]]] = ...) -> None: ...

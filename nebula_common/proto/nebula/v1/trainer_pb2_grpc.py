@@ -54,6 +54,11 @@ class TrainerStub:
                 request_serializer=nebula_dot_v1_dot_trainer__pb2.ListCheckpointsRequest.SerializeToString,
                 response_deserializer=nebula_dot_v1_dot_trainer__pb2.ListCheckpointsResponse.FromString,
                 _registered_method=True)
+        self.ListStages = channel.unary_unary(
+                '/nebula.v1.Trainer/ListStages',
+                request_serializer=nebula_dot_v1_dot_trainer__pb2.ListStagesRequest.SerializeToString,
+                response_deserializer=nebula_dot_v1_dot_trainer__pb2.ListStagesResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -90,6 +95,16 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListStages(self, request, context):
+        """The stages this trainer remembers (running, and ended ones it still holds: see
+        NEBULA_TRAINER_FINISHED_TTL_S), with who owns each, when it started and ended and how.
+        A user sees only their own stages, an admin every stage: another account's job is
+        never listed (as WatchStage reports it NOT_FOUND). Records survive trainer restarts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +127,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.ListCheckpoints,
                     request_deserializer=nebula_dot_v1_dot_trainer__pb2.ListCheckpointsRequest.FromString,
                     response_serializer=nebula_dot_v1_dot_trainer__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'ListStages': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListStages,
+                    request_deserializer=nebula_dot_v1_dot_trainer__pb2.ListStagesRequest.FromString,
+                    response_serializer=nebula_dot_v1_dot_trainer__pb2.ListStagesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +242,33 @@ class Trainer:
             '/nebula.v1.Trainer/ListCheckpoints',
             nebula_dot_v1_dot_trainer__pb2.ListCheckpointsRequest.SerializeToString,
             nebula_dot_v1_dot_trainer__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListStages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nebula.v1.Trainer/ListStages',
+            nebula_dot_v1_dot_trainer__pb2.ListStagesRequest.SerializeToString,
+            nebula_dot_v1_dot_trainer__pb2.ListStagesResponse.FromString,
             options,
             channel_credentials,
             insecure,
