@@ -41,7 +41,7 @@ def test_a_spec_from_a_path_yaml_text_or_a_dict_loads_the_same_job() -> None:
         ("- just\n- a list\n", "spec text: the spec must be a mapping"),
         ({"name": "x"}, "spec dict: "),
         (42, "a spec is a path, YAML text or a dict, got int"),
-        ("missing/job.yaml", "missing/job.yaml: cannot read the spec"),
+        ("missing/job.yaml", "missing/job.yaml: cannot read"),
     ],
 )
 def test_a_bad_spec_is_named_without_a_traceback(spec: object, named: str) -> None:
