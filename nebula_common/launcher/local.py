@@ -241,9 +241,32 @@ class LocalDeployment:
             dialer, acceptor = sorted(self.clusters)
             # The acceptor's WAN port must exist before the emulator can forward to it.
             self._start_switch(acceptor, layout, peer_address=None)
+            acceptor_wan = self.cluster_state[acceptor].switch.info["wan_port"]  # type: ignore[union-attr]
+            self._start_emulator(acceptor_wan)
+            self._start_switch(dialer, layout, peer_address=f"{LOOPBACK}:{self.emulator_port}")
+            for cluster in self.clusters:
+                self._start_trainer(cluster)
+            if self.supervise:
+                self.supervisor = Supervisor(
+                    self.all_processes(),
+                    self.restart_policy,
+                    event_log=self.log_dir / "supervisor.jsonl",
+                    on_event=self.on_event,
+                )
+                self.supervisor.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_emulator(self, acceptor_wan: int) -> None:
+        """Start the WAN emulator in front of the acceptor's WAN port, on fresh ports if one was taken.
+
+        A port free when chosen can be taken by another process before the emulator binds it (other
+        test runs share the machine); like the services (``BIND_ATTEMPTS``), it is retried on new ports.
+        """
+        for attempt in range(1, BIND_ATTEMPTS + 1):
             self.emulator_port = service_port()
             self.control_port = service_port()
-            acceptor_wan = self.cluster_state[acceptor].switch.info["wan_port"]  # type: ignore[union-attr]
             emulator_port = self.emulator_port
             self.emulator = ServiceProcess(
                 name="wan-emulator",
@@ -266,25 +289,18 @@ class LocalDeployment:
                 ),
                 env={},
                 log_dir=self.log_dir,
-                ready_probe=lambda: _listening(emulator_port),
+                ready_probe=lambda port=emulator_port: _listening(port),
             )
             self.emulator.start()
-            self._wait_listening(self.emulator, self.emulator_port)
-            self._wait_listening(self.emulator, self.control_port)
-            self._start_switch(dialer, layout, peer_address=f"{LOOPBACK}:{self.emulator_port}")
-            for cluster in self.clusters:
-                self._start_trainer(cluster)
-            if self.supervise:
-                self.supervisor = Supervisor(
-                    self.all_processes(),
-                    self.restart_policy,
-                    event_log=self.log_dir / "supervisor.jsonl",
-                    on_event=self.on_event,
-                )
-                self.supervisor.start()
-        except BaseException:
-            self.stop()
-            raise
+            try:
+                self._wait_listening(self.emulator, self.emulator_port)
+                self._wait_listening(self.emulator, self.control_port)
+            except ServiceStartError as exc:
+                self.emulator.stop()
+                if attempt < BIND_ATTEMPTS and _BIND_FAILURE.search(str(exc)):
+                    continue
+                raise
+            return
 
     def all_processes(self) -> list[ServiceProcess]:
         """Every process of the deployment, the WAN emulator included."""

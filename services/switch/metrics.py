@@ -238,13 +238,21 @@ class DirectionCounters:
             JOB_WAN_RAW_BYTES.labels(job, self.direction).inc(part.header.raw_size)
 
     def count_chunk(self, chunk: FramedChunk) -> None:
-        """A framed chunk: its bytes on the link and its payload (no header, so no frame is counted)."""
+        """A framed chunk: its bytes on the link and its payload (no header, so no frame is counted).
+
+        Counted per job too: framed chunks carry most of a job's bytes, so a summary built from the
+        per-job series would otherwise miss them.
+        """
         size = len(chunk.raw)
         self.bytes += size
         WAN_BYTES.labels(self.direction).inc(size)
         payload = len(chunk.data)
         self.payload_bytes += payload
         WAN_PAYLOAD_BYTES.labels(self.direction).inc(payload)
+        JOB_SERIES.sweep()  # at most once a second: ended jobs' series go
+        JOB_SERIES.counted(chunk.job_id)
+        JOB_WAN_BYTES.labels(chunk.job_id, self.direction).inc(size)
+        JOB_WAN_PAYLOAD_BYTES.labels(chunk.job_id, self.direction).inc(payload)
 
     def to_proto(self) -> relay_pb2.LinkCounters:
         return relay_pb2.LinkCounters(
