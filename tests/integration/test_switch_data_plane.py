@@ -986,5 +986,8 @@ def test_losing_one_connection_mid_transfer_loses_nothing_and_the_tensors_arrive
         assert len(received) == len(tensors)
         assert all(torch.equal(got, want) for got, want in zip(received, tensors, strict=True))
         assert pair.a.running.link.state.sessions > sessions_before  # the loss ended the session
-        for end in (sender, receiver):
-            end.close(timeout=30)
+        closer = threading.Thread(target=receiver.close, daemon=True)  # each close waits for the other's
+        closer.start()
+        sender.close(timeout=30)
+        closer.join(30)
+        assert not closer.is_alive()
