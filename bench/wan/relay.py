@@ -345,7 +345,7 @@ class Deployment:
                 "DATA_DIR": str(self.root / cluster / "switch"),
                 "INTERNAL_LISTEN": f"127.0.0.1:{service_port()}",
                 "WAN_LISTEN": f"127.0.0.1:{wan_b if cluster == 'b' else service_port()}",
-                "METRICS_PORT": "-1",
+                "METRICS_PORT": str(service_port()),
                 "LOG_LEVEL": "WARNING",
                 "LINK_ROLE": "accept" if cluster == "b" else "dial",
             }
@@ -357,6 +357,19 @@ class Deployment:
 
     def internal(self, cluster: str) -> str:
         return f"127.0.0.1:{self.switches[cluster].info['internal_port']}"
+
+    def link_connections(self) -> dict[str, float]:
+        """``nebula_switch_link_connections`` of each switch right now (from its metrics endpoint)."""
+        import urllib.request
+
+        found = {}
+        for cluster, process in self.switches.items():
+            url = f"http://127.0.0.1:{process.info['metrics_port']}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as response:
+                for line in response.read().decode().splitlines():
+                    if line.startswith("nebula_switch_link_connections "):
+                        found[cluster] = float(line.split()[1])
+        return found
 
     def switch_cpu(self) -> dict[str, float]:
         return {c: cpu_seconds(p.pid) for c, p in self.switches.items()}
@@ -489,7 +502,8 @@ def main() -> None:
                     timed, cpu = bench_relay(deployment, tensor, count, index)
                     row["cpu_s"] = {k: round(v, 2) for k, v in cpu.items()}
                     row["switch_cpu_s_per_gb"] = (cpu["a"] + cpu["b"]) / (timed.bytes / 1e9)
-                    print(f"  CPU s: {row['cpu_s']}", flush=True)
+                    row["link_connections_after"] = deployment.link_connections()
+                    print(f"  CPU s: {row['cpu_s']}; connections {row['link_connections_after']}", flush=True)
                 elif path == "tls":
                     timed = bench_socket(tensor, count, tls_pair)
                 elif path == "tcp":

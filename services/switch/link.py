@@ -765,6 +765,8 @@ class PeerLink:
                 if tuner is not None:
                     rate = (self.sent.bytes + self.received.bytes - sent) / (time.monotonic() - started)
                     target = tuner.observe(rate, busy * 2 >= samples)
+                elif self.connections is not None:
+                    target = self.connections  # a changed fixed count applies from the next interval
         finally:
             for channel, task in lanes.values():
                 task.cancel()

@@ -986,5 +986,53 @@ def test_losing_one_connection_mid_transfer_loses_nothing_and_the_tensors_arrive
         assert len(received) == len(tensors)
         assert all(torch.equal(got, want) for got, want in zip(received, tensors, strict=True))
         assert pair.a.running.link.state.sessions > sessions_before  # the loss ended the session
+        closer = threading.Thread(target=receiver.close, daemon=True)  # each close waits for the other's
+        closer.start()
+        sender.close(timeout=30)
+        closer.join(30)
+        assert not closer.is_alive()
+
+
+def test_a_retired_connection_hands_over_without_losing_or_reordering_items(
+    tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster]
+) -> None:
+    with switch_pair(tmp_path, pki_ab, clusters, link_connections="3") as pair:
+        wait_for(
+            lambda: pair.a.running.link._lanes is not None and _lanes_up(pair, 3), 30, "three connections"
+        )
+        sessions = pair.a.running.link.state.sessions
+        sender = EdgeClient(pair.a, clusters["a"].tokens["carol"], "retire", framing=True)
+        receiver = EdgeClient(pair.b, clusters["b"].tokens["carol"], "retire", framing=True)
         for end in (sender, receiver):
-            end.close(timeout=30)
+            end.expect("ready")
+        sent = []
+        stop = threading.Event()
+
+        def send() -> None:
+            offset = 0
+            while not stop.is_set() and len(sent) < 4000:
+                raw, _ = encode_chunk("retire", "e", 0, 1, offset, b"r" * 1024, False)
+                sender.send(raw)
+                sent.append(raw)
+                offset += 1024
+                time.sleep(0.001)
+
+        feeder = threading.Thread(target=send, daemon=True)
+        feeder.start()
+
+        def striped() -> bool:
+            written = pair.a.running.link.lane_counts()
+            return len(written) == 3 and all(count > 0 for count in written.values())
+
+        wait_for(striped, 30, "items on all three connections")
+        pair.a.running.link.connections = 2  # the dialer retires one connection at its next interval
+        wait_for(lambda: _lanes_up(pair, 2), 30, "one connection to be retired on both switches")
+        at_retire = len(sent)
+        wait_for(lambda: len(sent) > at_retire + 100, 30, "items sent after the retirement")
+        stop.set()
+        feeder.join(10)
+        received = [receiver.expect_framed(timeout=30) for _ in sent]
+        assert received == sent  # nothing lost, nothing reordered, nothing twice
+        assert pair.a.running.link.state.sessions == sessions  # retiring did not end the session
+        for end in (sender, receiver):
+            end.finish()
