@@ -81,7 +81,7 @@ soak: $(STAMP)
 
 # The WAN emulator against kernel shaping (`tc tbf` between two network namespaces, same bytes; needs root,
 # otherwise recorded as skipped) and link utilisation through a real switch pair. JSON + markdown in
-# bench/results/wan-link/, report in docs/bench/wan-link.md (about 10 minutes; never part of `make test`).
+# bench/results/wan-link/, report in docs/bench/wan-link.md (about 15 minutes; never part of `make test`).
 .PHONY: bench-wan-link bench-wan
 bench-wan-link: $(STAMP)
 	$(BIN)/python bench/wan/link.py --out bench/results/wan-link
