@@ -85,6 +85,7 @@ soak: $(STAMP)
 .PHONY: bench-wan-link bench-wan
 bench-wan-link: $(STAMP)
 	$(BIN)/python bench/wan/link.py --out bench/results/wan-link
+	$(BIN)/python bench/wan/loss_model.py --out bench/results/wan-link
 	$(BIN)/python bench/wan/utilisation.py --out bench/results/wan-link
 
 # Every WAN data-plane benchmark of issue 15; a target that does not exist (yet) is skipped with a message,
