@@ -96,10 +96,11 @@ soak: $(STAMP)
 
 # The WAN emulator against kernel shaping (`tc tbf` between two network namespaces, same bytes; needs root,
 # otherwise recorded as skipped) and link utilisation through a real switch pair. JSON + markdown in
-# bench/results/wan-link/, report in docs/bench/wan-link.md (about 10 minutes; never part of `make test`).
+# bench/results/wan-link/, report in docs/bench/wan-link.md (about 15 minutes; never part of `make test`).
 .PHONY: bench-wan-link bench-wan
 bench-wan-link: $(STAMP)
 	$(BIN)/python bench/wan/link.py --out bench/results/wan-link
+	$(BIN)/python bench/wan/loss_model.py --out bench/results/wan-link
 	$(BIN)/python bench/wan/utilisation.py --out bench/results/wan-link
 
 # Every WAN data-plane benchmark of issue 15; a target that does not exist (yet) is skipped with a message,

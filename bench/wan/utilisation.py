@@ -255,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="shorter warm-up and window")
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--window", type=float, default=10.0)
+    parser.add_argument(
+        "--shapes",
+        default=",".join(f"{r:g}/{d:g}/{p:g}" for r, d, p in SHAPES),
+        help="MBIT/DELAY_MS/LOSS, comma-separated",
+    )
+    parser.add_argument("--connections", default=",".join(CONNECTIONS), help="comma-separated: N or auto")
     args = parser.parse_args(argv)
     warmup, window = (3.0, 4.0) if args.quick else (args.warmup, args.window)
     result: dict[str, Any] = {
@@ -263,9 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="nebula-wan-util-") as tmp:
-        for rate, delay, loss in SHAPES:
+        shapes = [tuple(float(x) for x in shape.split("/")) for shape in args.shapes.split(",")]
+        for rate, delay, loss in shapes:
             supported = True
-            for connections in CONNECTIONS:
+            for connections in args.connections.split(","):
                 if not supported:
                     # The switch ignored the setting for this shape already: one more deployment
                     # would measure the single connection again.
