@@ -5,7 +5,8 @@ each cluster through that cluster's own admin (the admin password file that
 `nebula local up` lists in deployment.json), exactly as an operator onboarding a
 researcher would; with ``--credentials FILE`` (YAML ``{<cluster>: {username,
 password}}``) it logs in with existing accounts instead. Either way each
-cluster's stage is assigned with that cluster's own token.
+cluster's stage is assigned with that cluster's own token. The passwords of accounts it creates are
+stored once in ``<run dir>/credentials/<name>.yaml`` (0600) and that path is printed.
 """
 
 from __future__ import annotations
@@ -20,11 +21,17 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from nebula_common.credentials import CredentialsError, store_new
 from nebula_common.errors import NebulaError
 from nebula_common.jobspec import SpecError, load_spec
 from nebula_common.sdk.client import ClusterEndpoints, ClusterSession, common_checkpoint_step, submit_job
 from nebula_common.sdk.codec_advice import LinkProfile
-from nebula_common.sdk.deployment import DeploymentTarget, link_from_description, read_credentials
+from nebula_common.sdk.deployment import (
+    Credentials,
+    DeploymentTarget,
+    link_from_description,
+    read_credentials,
+)
 from nebula_common.sdk.deployment import onboard as onboard_account
 from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.progress import ProgressBar
@@ -40,7 +47,7 @@ def onboard(endpoints: ClusterEndpoints, admin_password: str, username: str) -> 
 
 
 def sessions_for(
-    deployment_file: Path, credentials: Path | None, clusters: set[str]
+    deployment_file: Path, credentials: Path | Credentials | None, clusters: set[str]
 ) -> dict[str, ClusterSession]:
     """A session per cluster of the job: the ``credentials`` accounts, else fresh ones via the admins."""
     target = DeploymentTarget.load(deployment_file)
@@ -48,8 +55,39 @@ def sessions_for(
     given = {c: entry for c, entry in (read_credentials(credentials) or {}).items() if c in clusters}
     sessions = target.login(given)
     if clusters - set(given):
-        sessions.update(target.new_accounts(clusters - set(given))[0])
+        created_sessions, created = target.new_accounts(clusters - set(given))
+        sessions.update(created_sessions)
+        keep_created(target.run_dir, created)
     return sessions
+
+
+def keep_created(run_dir: Path, created: Credentials) -> Path | None:
+    """Store the passwords of accounts this command created (0600, never over an existing file).
+
+    Without this they would exist nowhere but in the clusters: nobody could resume, list or cancel
+    the job as its owner later. The path is printed once; if the file cannot be written the
+    passwords themselves are shown once instead (the accounts exist already, so they must not be lost).
+    """
+    username = next(iter(created.values()))["username"]
+    passwords = {cluster: entry["password"] for cluster, entry in created.items()}
+    where = ", ".join(sorted(passwords))
+    try:
+        path = store_new(run_dir, username, passwords)
+    except (CredentialsError, OSError) as exc:
+        typer.echo(f"could not store the new account's credentials: {exc}", err=True)
+        for cluster, password in sorted(passwords.items()):
+            typer.echo(
+                f"account {username!r} in cluster {cluster}; password (shown once): {password}", err=True
+            )
+        return None
+    console.print(
+        f"new account {username!r} in cluster(s) {where}; credentials stored in {path} (mode 0600); "
+        f"reuse them with --credentials {path}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,  # one line, so the path can be copied whole
+    )
+    return path
 
 
 def follow(

@@ -160,12 +160,23 @@ class DeploymentTarget:
             for cluster, (endpoints, _) in sorted(self.clusters.items())
         }
 
+    @property
+    def run_dir(self) -> Path:
+        """The folder of the description: where credentials created for it are kept (0600)."""
+        origin = Path(self.origin)
+        return origin if origin.is_dir() else origin.parent
+
     def new_accounts(self, clusters: set[str]) -> tuple[dict[str, ClusterSession], Credentials]:
-        """A fresh account in each of ``clusters``, created by its admin: sessions and their credentials."""
+        """A fresh account in each of ``clusters``, created by its admin: sessions and their credentials.
+
+        One name in every cluster (each with its own password), so the credentials are one file
+        (``nebula_common.credentials``) that ``--credentials`` reads back, like an account made by
+        ``nebula account create``.
+        """
         self.check_clusters(clusters)
         sessions, credentials = {}, {}
+        name = f"job-{secrets.token_hex(3)}"
         for cluster in sorted(clusters):
-            name = f"job-{secrets.token_hex(3)}"
             session, password = onboard(self.clusters[cluster][0], self.admin_password(cluster), name)
             sessions[cluster] = session
             credentials[cluster] = {"username": name, "password": password}

@@ -14,6 +14,7 @@ import yaml
 from typer.testing import CliRunner
 
 from nebula_common.cli.app import app
+from nebula_common.cli.job import keep_created, sessions_for
 from nebula_common.clients.auth import AuthClient
 from nebula_common.clients.data import DataClient
 from nebula_common.errors import AuthenticationError
@@ -164,3 +165,41 @@ def test_exactly_one_target_is_required(tmp_path: Path) -> None:
         assert result.exit_code == 2 and "exactly one of --run-dir DIR or --deployment FILE" in result.stderr
     via_run_dir = runner.invoke(app, ["account", "list", "--run-dir", str(tmp_path)])
     assert via_run_dir.exit_code == 2 and f"cannot read {tmp_path / 'deployment.json'}" in via_run_dir.stderr
+
+
+def test_job_submit_keeps_the_accounts_it_creates_0600_and_prints_the_path_once(
+    deployment: LocalDeployment, described: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`nebula job submit` without --credentials: its new accounts' passwords are stored, not lost."""
+    sessions = sessions_for(described, None, {"a", "b"})
+    try:
+        users = {cluster: session.username for cluster, session in sessions.items()}
+    finally:
+        for session in sessions.values():
+            session.close()
+    assert len(set(users.values())) == 1, users  # one name in both clusters: one credentials file
+    username = users["a"]
+    stored = described.parent / "credentials" / f"{username}.yaml"
+    assert stat.S_IMODE(stored.stat().st_mode) == 0o600
+    on_disk = yaml.safe_load(stored.read_text())
+    assert set(on_disk) == {"a", "b"}
+    for cluster in ("a", "b"):
+        assert on_disk[cluster]["username"] == username
+        assert can_login(deployment, cluster, username, on_disk[cluster]["password"])
+    out = capsys.readouterr()
+    assert out.out.count(str(stored)) == 2, out.out  # "stored in PATH ... --credentials PATH", one line
+    assert on_disk["a"]["password"] not in out.out + out.err  # the file holds it, the terminal does not
+
+    again = sessions_for(described, stored, {"a", "b"})  # the stored file logs in as the same account
+    try:
+        assert {c: s.username for c, s in again.items()} == users
+    finally:
+        for session in again.values():
+            session.close()
+    assert sorted(p.name for p in stored.parent.iterdir()) == [stored.name]  # no new account made
+
+    before = stored.read_bytes()  # an existing file is never overwritten; the passwords are shown instead
+    created = {c: {"username": username, "password": f"other-{c}-password"} for c in ("a", "b")}
+    assert keep_created(described.parent, created) is None
+    assert stored.read_bytes() == before
+    assert "password (shown once): other-a-password" in capsys.readouterr().err
