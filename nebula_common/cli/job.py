@@ -17,17 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import typer
-import yaml
 from rich.console import Console
 from rich.table import Table
 
 from nebula_common.credentials import CredentialsError, store_new
 from nebula_common.errors import NebulaError
 from nebula_common.jobspec import SpecError, load_spec
+from nebula_common.safe_yaml import YamlInputError, load_yaml_text
 from nebula_common.sdk.client import ClusterEndpoints, ClusterSession, common_checkpoint_step, submit_job
 from nebula_common.sdk.codec_advice import LinkProfile
 from nebula_common.sdk.deployment import (
     Credentials,
+    DeploymentFileError,
     DeploymentTarget,
     link_from_description,
     read_credentials,
@@ -170,7 +171,11 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise typer.BadParameter(f"--set {item!r}: expected KEY=VALUE, e.g. data.micro_batches=4")
-        overrides[key] = yaml.safe_load(value)
+        try:  # guarded: a value like `&a [*a]` or `{` is the user's typo, not a reason for a traceback
+            overrides[key] = load_yaml_text(value, f"--set {key}")
+        except YamlInputError as exc:
+            typer.echo(f"invalid --set value\n{exc}", err=True)  # plain text: it quotes the user's input
+            raise typer.Exit(2) from None
     return overrides
 
 
@@ -214,6 +219,11 @@ def submit(
     except SpecError as exc:  # plain text on stderr: the message quotes the user's input (no markup)
         typer.echo(f"invalid job spec\n{exc}", err=True)
         raise typer.Exit(2) from None
+    try:  # read before anything is created: a broken file is refused up front, like a bad spec
+        given = read_credentials(credentials)
+    except DeploymentFileError as exc:
+        typer.echo(f"invalid --credentials file\n{exc}", err=True)
+        raise typer.Exit(2) from None
     try:
         if hot_start_steps:
             console.print(f"hot start: training steps 0..{hot_start_steps - 1} unsplit in this process")
@@ -223,7 +233,7 @@ def submit(
             )
         else:
             job = ProgramJob(loaded)
-        sessions = sessions_for(deployment, credentials, set(job.clusters().values()))
+        sessions = sessions_for(deployment, given, set(job.clusters().values()))
         if resume:
             stages = {stage: sessions[cluster] for stage, cluster in job.clusters().items()}
             step = common_checkpoint_step(resume, stages)

@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.errors import NebulaError
+from nebula_common.safe_yaml import YamlInputError, load_yaml_file
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterSession
 from nebula_common.sdk.codec_advice import LinkProfile
@@ -91,10 +90,10 @@ def read_credentials(source: Path | Credentials | None) -> Credentials | None:
     origin = "credentials"
     if isinstance(source, str | Path):
         origin = str(source)
-        try:
-            source = yaml.safe_load(Path(source).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise DeploymentFileError(f"cannot read credentials {origin}: {exc}") from None
+        try:  # guarded: random bytes, alias cycles or duplicate keys become a message naming the file
+            source = load_yaml_file(Path(source)) or {}
+        except YamlInputError as exc:
+            raise DeploymentFileError(f"cannot read credentials {exc}") from None
     if not isinstance(source, dict):
         raise DeploymentFileError(f"{origin}: expected a mapping cluster -> {{username, password}}")
     result: Credentials = {}

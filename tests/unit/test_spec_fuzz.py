@@ -291,3 +291,78 @@ def test_cli_overrides_are_validated_like_the_file(
     args = ["job", "submit", str(path), "--set", override, "--deployment", str(tmp_path / "none.json")]
     result = runner.invoke(app, args)
     assert result.exit_code == 2 and expected in result.stderr, result.output
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("steps={", "--set steps: not valid YAML"),
+        (
+            "stages.0.options=&a [*a]",
+            "--set stages.0.options: line 1: alias *a refers to a node that contains it",
+        ),
+        ("data={a: 1, a: 2}", "--set data: line 1: duplicate key 'a'"),
+        ("steps=" + "[" * 200 + "]" * 200, "--set steps: line 1: nested deeper than 64 levels"),
+        ("steps=\x07", "--set steps: not valid YAML"),
+    ],
+    ids=["unclosed", "alias-cycle", "duplicate-key", "too-deep", "control-char"],
+)
+def test_bad_yaml_in_a_set_value_names_the_option(
+    override: str, expected: str, tmp_path: Path, runner: CliRunner
+) -> None:
+    path = materialise(Case("good", {}, ""), tmp_path)
+    args = ["job", "submit", str(path), "--set", override, "--deployment", str(tmp_path / "none.json")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.stderr.startswith("invalid --set value\n"), result.stderr
+    assert expected in result.stderr, result.stderr
+    assert "Traceback" not in result.output
+
+
+CREDENTIAL_FILES: list[tuple[str, bytes, str]] = [
+    ("random-bytes", random_bytes(7), "not UTF-8 text"),
+    ("utf-16", "a: {username: u, password: p}\n".encode("utf-16"), "the file is UTF-16 encoded"),
+    ("unclosed", b"a: {username: u, password: p\n", "not valid YAML"),
+    ("alias-cycle", b"a: &x [*x]\n", "alias *x refers to a node that contains it"),
+    (
+        "duplicate-cluster",
+        b"a: {username: u, password: p}\na: {username: v, password: q}\n",
+        "duplicate key 'a'",
+    ),
+    ("a-list", b"- a\n- b\n", "expected a mapping cluster -> {username, password}"),
+    ("no-password", b"a: {username: u}\n", "a: needs username and password"),
+    ("missing", b"", "cannot read: No such file or directory"),
+]
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [(content, expected) for _, content, expected in CREDENTIAL_FILES],
+    ids=[name for name, _, _ in CREDENTIAL_FILES],
+)
+def test_a_malformed_credentials_file_is_refused_by_name(
+    content: bytes, expected: str, tmp_path: Path, runner: CliRunner
+) -> None:
+    path = materialise(Case("good", {}, ""), tmp_path)
+    creds = tmp_path / "creds.yaml"
+    if expected.startswith("cannot read:"):
+        creds = tmp_path / "no-such-creds.yaml"
+    else:
+        creds.write_bytes(content)
+    args = [
+        "job",
+        "submit",
+        str(path),
+        "--credentials",
+        str(creds),
+        "--deployment",
+        str(tmp_path / "none.json"),
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    stderr = " ".join(result.stderr.split())
+    assert "invalid --credentials file" in stderr and str(creds) in stderr, result.stderr
+    assert expected in stderr, result.stderr
+    assert "Traceback" not in result.output
