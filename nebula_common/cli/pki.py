@@ -1,7 +1,8 @@
-"""``nebula pki`` commands: create the dev PKI for the clusters' switches and inspect it."""
+"""``nebula pki`` commands: one organisation's PKI, the CA exchange with peers, and inspection."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated
@@ -12,15 +13,21 @@ from cryptography.hazmat.primitives import hashes
 from rich.console import Console
 from rich.markup import escape
 
+from nebula_common.pki.fingerprint import parse_fingerprint
 from nebula_common.pki.identity import KNOWN_ROLES, validate_cluster_id
 from nebula_common.pki.store import (
     ClusterPaths,
+    FingerprintMismatch,
     PkiError,
+    add_trust,
+    init_cluster,
     init_pki,
     issue_leaf,
+    remove_trust,
     renew_switch_certificate,
     revoke_certificate,
 )
+from nebula_common.pki.trust import export_ca, list_trust
 
 app = typer.Typer(help="Certificates for the clusters' switches.", no_args_is_help=True)
 
@@ -46,10 +53,15 @@ def _parse_clusters(value: str) -> list[str]:
     return ids
 
 
-def _check_clusters(value: str) -> str:
+def _check_clusters(value: str | None) -> str | None:
     # Validate during parsing so Typer reports "Invalid value for '--clusters'" with usage help.
-    _parse_clusters(value)
+    if value is not None:
+        _parse_clusters(value)
     return value
+
+
+def _check_optional_cluster(value: str | None) -> str | None:
+    return None if value is None else _check_cluster(value)
 
 
 def _check_cluster(value: str) -> str:
@@ -62,9 +74,20 @@ def _check_cluster(value: str) -> str:
 @app.command()
 def init(
     pki_dir: Annotated[Path, typer.Option("--dir", help="PKI root directory (created if missing).")],
+    cluster: Annotated[
+        str | None,
+        typer.Option(
+            help="ONE organisation's cluster id: its CA and switch only (no peer).",
+            callback=_check_optional_cluster,
+        ),
+    ] = None,
     clusters: Annotated[
-        str, typer.Option(help="Comma-separated cluster ids, e.g. 'a,b'.", callback=_check_clusters)
-    ],
+        str | None,
+        typer.Option(
+            help="Demo: comma-separated cluster ids, e.g. 'a,b', all in one directory.",
+            callback=_check_clusters,
+        ),
+    ] = None,
     leaf_validity_hours: Annotated[
         int, typer.Option(min=1, help="Lifetime of each switch certificate, in hours.")
     ] = 168,
@@ -72,17 +95,39 @@ def init(
         bool, typer.Option("--force", help="Regenerate every CA and certificate, replacing existing ones.")
     ] = False,
 ) -> None:
-    """Create a CA per cluster, issue each switch its certificate, and exchange trust between clusters.
+    """Create one organisation's CA and switch certificate (--cluster), or a demo PKI (--clusters a,b).
 
-    An existing complete PKI is reused unchanged, so this is safe to run repeatedly.
+    With --cluster nothing about any peer is created: export your CA (`nebula pki export-ca`) and add
+    the peer's (`nebula pki trust add`). --clusters runs the same steps for every cluster and trusts
+    each other's CAs. An existing complete PKI is reused unchanged, so this is safe to run repeatedly.
     """
+    if (cluster is None) == (clusters is None):
+        raise typer.BadParameter("give exactly one of --cluster (one organisation) or --clusters a,b (demo)")
+    validity = timedelta(hours=leaf_validity_hours)
+    console = Console()
+    if cluster is not None:
+        try:
+            paths, created = init_cluster(pki_dir, cluster, leaf_validity=validity, force=force)
+        except (PkiError, OSError) as exc:
+            raise _fail(str(exc)) from None
+        verb = "Wrote" if created else "Reusing existing"
+        console.print(f"[bold]{verb} PKI of cluster {cluster} at {escape(str(paths.dir))}[/]", soft_wrap=True)
+        console.print(f"  switch identity: {paths.switch_identity.uri}", soft_wrap=True)
+        for path in (paths.ca_cert, paths.ca_key, paths.switch_cert, paths.switch_key, paths.crl):
+            console.print(f"  {escape(str(path))}", soft_wrap=True)
+        console.print(
+            f"next: `nebula pki export-ca --dir {escape(str(pki_dir))} --cluster {cluster} --out "
+            f"{cluster}-ca.crt`, send the file to the peer organisation and read them its fingerprint.",
+            soft_wrap=True,
+        )
+        return
+    assert clusters is not None
     ids = _parse_clusters(clusters)
     try:
-        layout = init_pki(pki_dir, ids, leaf_validity=timedelta(hours=leaf_validity_hours), force=force)
+        layout = init_pki(pki_dir, ids, leaf_validity=validity, force=force)
     except (PkiError, OSError) as exc:
         raise _fail(str(exc)) from None
 
-    console = Console()
     verb = "Wrote" if layout.created else "Reusing existing"
     console.print(f"[bold]{verb} PKI at {escape(str(layout.root))}[/]", soft_wrap=True)
     for cid in layout.cluster_ids:
@@ -94,6 +139,110 @@ def init(
         files += [*sorted(paths.trust_dir.glob("*.crt")), paths.trust_bundle]
         for path in files:
             console.print(f"  {escape(str(path))}", soft_wrap=True)
+
+
+@app.command("export-ca")
+def export_ca_command(
+    pki_dir: Annotated[Path, typer.Option("--dir", help="PKI root directory.")],
+    cluster: Annotated[str, typer.Option(help="Your cluster id.", callback=_check_cluster)],
+    out: Annotated[Path, typer.Option(help="File (or directory) to write the CA certificate to.")],
+) -> None:
+    """Write your cluster's CA certificate (public, safe to send) and print its SHA-256 fingerprint.
+
+    Send the file any way you like; read the fingerprint to the peer organisation over a second
+    channel (a call), so they can check the file with `nebula pki trust add --fingerprint`.
+    """
+    try:
+        path, fingerprint = export_ca(pki_dir, cluster, out)
+    except (PkiError, OSError) as exc:
+        raise _fail(str(exc)) from None
+    Console(stderr=True).print(
+        f"wrote the CA certificate of cluster {cluster} to {escape(str(path))}", soft_wrap=True
+    )
+    typer.echo(fingerprint)
+
+
+trust_app = typer.Typer(
+    help="Which peer organisations' CAs this cluster trusts on the WAN.", no_args_is_help=True
+)
+app.add_typer(trust_app, name="trust")
+
+
+@trust_app.command("add")
+def trust_add(
+    pki_dir: Annotated[Path, typer.Option("--dir", help="PKI root directory.")],
+    cluster: Annotated[str, typer.Option(help="Your cluster id.", callback=_check_cluster)],
+    peer: Annotated[str, typer.Option(help="The peer organisation's cluster id.", callback=_check_cluster)],
+    ca: Annotated[Path, typer.Option("--ca", help="The peer's CA certificate (from its `pki export-ca`).")],
+    fingerprint: Annotated[
+        str, typer.Option(help="The SHA-256 fingerprint the peer read to you out of band (SHA256:AB:CD:...).")
+    ],
+) -> None:
+    """Trust a peer organisation's CA, only if its fingerprint matches what they told you.
+
+    A mismatch is refused (exit 2) and nothing is written. A running switch picks the new trust up
+    for new connections within seconds.
+    """
+    try:
+        expected = parse_fingerprint(fingerprint)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--fingerprint'") from None
+    try:
+        pem = ca.read_bytes()
+    except FileNotFoundError:
+        raise typer.BadParameter(f"{ca} does not exist", param_hint="'--ca'") from None
+    except OSError as exc:
+        raise _fail(f"cannot read {ca}: {exc}") from None
+    try:
+        path = add_trust(pki_dir, cluster, peer, pem, expected_fingerprint=expected)
+    except FingerprintMismatch as exc:
+        Console(stderr=True).print(f"[bold red]refused:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(code=2) from None
+    except (PkiError, OSError) as exc:
+        raise _fail(str(exc)) from None
+    Console().print(f"cluster {cluster} now trusts peer {peer} ({escape(str(path))})", soft_wrap=True)
+
+
+@trust_app.command("list")
+def trust_list(
+    pki_dir: Annotated[Path, typer.Option("--dir", help="PKI root directory.")],
+    cluster: Annotated[str, typer.Option(help="Your cluster id.", callback=_check_cluster)],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
+) -> None:
+    """The peer CAs this cluster trusts, with the fingerprints to compare."""
+    try:
+        peers = list_trust(pki_dir, cluster)
+    except (PkiError, OSError) as exc:
+        raise _fail(str(exc)) from None
+    if as_json:
+        typer.echo(json.dumps([p.as_dict() for p in peers], indent=2))
+        return
+    if not peers:
+        typer.echo(f"cluster {cluster} trusts no peer CA")
+        return
+    for p in peers:
+        crl = (
+            f"CRL #{p.crl_number}"
+            if p.crl_number is not None
+            else "no CRL file (the switch gets it over the link)"
+        )
+        typer.echo(f"{p.peer}  {p.fingerprint}  until {p.not_after.isoformat()}  {crl}")
+
+
+@trust_app.command("remove")
+def trust_remove(
+    pki_dir: Annotated[Path, typer.Option("--dir", help="PKI root directory.")],
+    cluster: Annotated[str, typer.Option(help="Your cluster id.", callback=_check_cluster)],
+    peer: Annotated[str, typer.Option(help="The peer to stop trusting.", callback=_check_cluster)],
+) -> None:
+    """Stop trusting a peer's CA (offboarding); a running switch closes its link within seconds."""
+    try:
+        removed = remove_trust(pki_dir, cluster, peer)
+    except (PkiError, OSError) as exc:
+        raise _fail(str(exc)) from None
+    Console().print(f"cluster {cluster} no longer trusts peer {peer}; removed:", soft_wrap=True)
+    for path in removed:
+        Console().print(f"  {escape(str(path))}", soft_wrap=True)
 
 
 def _describe(console: Console, title: str, path: Path) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hmac
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -41,16 +42,25 @@ from nebula_common.audit import open_service_audit
 from nebula_common.durable import atomic_write
 from nebula_common.pki.ca import DEFAULT_LEAF_VALIDITY, create_ca, issue_certificate
 from nebula_common.pki.crl import build_crl, crl_entries, crl_number
-from nebula_common.pki.identity import Identity, identity_from_certificate, validate_cluster_id
+from nebula_common.pki.fingerprint import format_fingerprint
+from nebula_common.pki.identity import (
+    Identity,
+    cluster_dns_domain,
+    identity_from_certificate,
+    validate_cluster_id,
+)
 
 __all__ = [
     "ClusterPaths",
+    "FingerprintMismatch",
     "PkiError",
     "PkiLayout",
     "add_trust",
+    "init_cluster",
     "init_pki",
     "issue_leaf",
     "load_layout",
+    "remove_trust",
     "renew_switch_certificate",
     "revoke_certificate",
 ]
@@ -62,6 +72,10 @@ _CERT_MODE = 0o644
 
 class PkiError(Exception):
     """The PKI on disk is missing, incomplete, inconsistent, or would be overwritten."""
+
+
+class FingerprintMismatch(PkiError):
+    """A CA certificate offered for trust is not the one whose fingerprint was compared out of band."""
 
 
 @dataclass(frozen=True)
@@ -212,16 +226,23 @@ def _ca_problem(cert: x509.Certificate) -> str | None:
     return None
 
 
-def _check_cluster(paths: ClusterPaths, peers: Sequence[str]) -> None:
-    """Raise ``PkiError`` unless ``paths`` holds a complete, self-consistent PKI for its cluster.
+def _permitted_domains(cert: x509.Certificate) -> list[str] | None:
+    """DNS names a CA's name constraint permits, or None when it is not name-constrained."""
+    try:
+        constraints = cert.extensions.get_extension_for_class(x509.NameConstraints).value
+    except x509.ExtensionNotFound:
+        return None
+    return [name.value for name in constraints.permitted_subtrees or [] if isinstance(name, x509.DNSName)]
 
-    Catching a mismatched key, a foreign leaf, or a stale bundle here turns what would be an
-    opaque TLS handshake failure at run time into an error naming the offending file.
+
+def _check_own(paths: ClusterPaths) -> None:
+    """Raise ``PkiError`` unless ``paths`` holds a consistent CA and switch pair (trust not checked).
+
+    This is all one organisation needs before it has exchanged CAs with anybody.
     """
-    for required in paths.required_files(peers):
+    for required in (paths.ca_cert, paths.ca_key, paths.switch_cert, paths.switch_key):
         if not required.is_file():
             raise PkiError(f"PKI for cluster {paths.cluster_id!r} is incomplete: missing {required}")
-
     ca_cert = _read_cert(paths.ca_cert)
     if (problem := _ca_problem(ca_cert)) is not None:
         raise PkiError(f"{paths.ca_cert} cannot be used as the cluster CA: {problem}")
@@ -241,6 +262,19 @@ def _check_cluster(paths: ClusterPaths, peers: Sequence[str]) -> None:
         raise PkiError(f"{paths.switch_cert} names {identity.uri}, expected {paths.switch_identity.uri}")
     if _read_key(paths.switch_key).public_key() != switch_cert.public_key():
         raise PkiError(f"{paths.switch_key} does not match {paths.switch_cert}")
+
+
+def _check_cluster(paths: ClusterPaths, peers: Sequence[str]) -> None:
+    """Raise ``PkiError`` unless ``paths`` holds a complete, self-consistent PKI for its cluster.
+
+    Catching a mismatched key, a foreign leaf, or a stale bundle here turns what would be an
+    opaque TLS handshake failure at run time into an error naming the offending file.
+    """
+    for required in paths.required_files(peers):
+        if not required.is_file():
+            raise PkiError(f"PKI for cluster {paths.cluster_id!r} is incomplete: missing {required}")
+    _check_own(paths)
+    ca_cert = _read_cert(paths.ca_cert)
 
     trusted: set[bytes] = set()
     for trust_file in sorted(paths.trust_dir.glob("*.crt")):
@@ -380,42 +414,89 @@ def _init_locked(root: Path, ids: tuple[str, ...], *, leaf_validity: timedelta, 
                 _ensure_crl(loaded, cid)
             return loaded
 
-    # Generate everything in memory first so a failure (e.g. bad input) writes nothing.
-    material: dict[str, _ClusterMaterial] = {}
+    # Built on the per-organisation steps: each cluster creates its own CA and switch (what one
+    # organisation runs alone, `nebula pki init --cluster`), then each trusts the others' CA
+    # certificates (the exchange two organisations do by hand, `nebula pki trust add`). No step
+    # reads another cluster's private key.
     for cid in ids:
-        ca_cert, ca_key = create_ca(cid)
-        leaf_cert, leaf_key = issue_certificate(
-            ca_cert, ca_key, Identity(cid, "switch"), validity=leaf_validity
-        )
-        material[cid] = _ClusterMaterial(ca_cert, ca_key, leaf_cert, leaf_key)
-
+        _init_cluster_locked(root, cid, leaf_validity=leaf_validity, force=True)
     for cid in ids:
-        paths = layout.cluster(cid)
-        ca_cert, ca_key, leaf_cert, leaf_key = material[cid]
-        paths.dir.mkdir(parents=True, exist_ok=True)
-        paths.trust_dir.mkdir(exist_ok=True)
-        # A file named after our own cluster in trust/ would put our own CA on the WAN trust list.
-        own = paths.trust_dir / f"{cid}.crt"
-        if own.exists():
-            own.unlink()
-        atomic_write(paths.ca_key, _key_pem(ca_key), mode=_KEY_MODE)
-        atomic_write(paths.ca_cert, _cert_pem(ca_cert), mode=_CERT_MODE)
-        atomic_write(paths.switch_key, _key_pem(leaf_key), mode=_KEY_MODE)
-        atomic_write(paths.switch_cert, _cert_pem(leaf_cert), mode=_CERT_MODE)
         for peer in _peers(cid, ids):
-            atomic_write(paths.trust_cert(peer), _cert_pem(material[peer].ca_cert), mode=_CERT_MODE)
-        _write_bundle(paths)
+            _add_trust_locked(root, cid, peer, _read_cert(layout.cluster(peer).ca_cert))
 
     loaded = load_layout(root, ids)
     loaded.created = True
     for cid in ids:
-        paths = loaded.cluster(cid)
-        # A regenerated CA starts with an empty revocation list, published to every peer.
-        paths.crl.unlink(missing_ok=True)
         _ensure_crl(loaded, cid)
-        leaf = _read_cert(paths.switch_cert)
-        _audit_ca(paths, "cert.issue", leaf, detail={"by": "pki init"})
     return loaded
+
+
+def init_cluster(
+    root: Path,
+    cluster_id: str,
+    *,
+    leaf_validity: timedelta = DEFAULT_LEAF_VALIDITY,
+    force: bool = False,
+) -> tuple[ClusterPaths, bool]:
+    """Create (or reuse) ONE organisation's PKI: its CA, its switch certificate and an empty CRL.
+
+    Returns the cluster's paths and whether anything was generated. Nothing about any peer is read
+    or written: trust comes later, one CA certificate at a time (:func:`add_trust`). Without
+    ``force`` a consistent existing CA and switch pair is reused and a partial or inconsistent one
+    is an error (replacing a CA silently would break every peer that trusts it); ``force``
+    regenerates the CA and switch and keeps the peers already trusted.
+    """
+    validate_cluster_id(cluster_id)
+    _require_positive_validity(leaf_validity)
+    root = Path(root)
+    with _exclusive(root):
+        created = _init_cluster_locked(root, cluster_id, leaf_validity=leaf_validity, force=force)
+    return ClusterPaths.for_cluster(root, cluster_id), created
+
+
+def _init_cluster_locked(root: Path, cluster_id: str, *, leaf_validity: timedelta, force: bool) -> bool:
+    paths = ClusterPaths.for_cluster(root, cluster_id)
+    own = (paths.ca_cert, paths.ca_key, paths.switch_cert, paths.switch_key)
+    if not force and any(path.exists() or path.is_symlink() for path in own):
+        try:
+            _check_own(paths)
+        except PkiError as exc:
+            raise PkiError(
+                f"{exc}. Refusing to overwrite the existing PKI of cluster {cluster_id!r} at {root}; "
+                "rerun with --force to regenerate its CA and switch certificate"
+            ) from exc
+        cert = _read_cert(paths.switch_cert)
+        if cert.not_valid_after_utc <= datetime.now(UTC):
+            raise PkiError(
+                f"switch certificate {paths.switch_cert} expired at {cert.not_valid_after_utc.isoformat()}; "
+                "renew it (nebula pki renew) or rerun init with --force"
+            )
+        paths.trust_dir.mkdir(exist_ok=True)
+        if not paths.crl.is_file():
+            _write_empty_crl(paths)
+        return False
+
+    # Generate in memory first so a failure (e.g. bad input) writes nothing.
+    ca_cert, ca_key = create_ca(cluster_id)
+    leaf_cert, leaf_key = issue_certificate(ca_cert, ca_key, paths.switch_identity, validity=leaf_validity)
+    paths.dir.mkdir(parents=True, exist_ok=True)
+    paths.trust_dir.mkdir(exist_ok=True)
+    # A file named after our own cluster in trust/ would put our own CA on the WAN trust list.
+    paths.trust_cert(cluster_id).unlink(missing_ok=True)
+    atomic_write(paths.ca_key, _key_pem(ca_key), mode=_KEY_MODE)
+    atomic_write(paths.ca_cert, _cert_pem(ca_cert), mode=_CERT_MODE)
+    atomic_write(paths.switch_key, _key_pem(leaf_key), mode=_KEY_MODE)
+    atomic_write(paths.switch_cert, _cert_pem(leaf_cert), mode=_CERT_MODE)
+    # A new CA starts with an empty revocation list (the old CA's list means nothing for it).
+    _write_empty_crl(paths)
+    _write_bundle(paths)
+    _audit_ca(paths, "cert.issue", leaf_cert, detail={"by": "pki init"})
+    return True
+
+
+def _write_empty_crl(paths: ClusterPaths) -> None:
+    crl = build_crl(_read_cert(paths.ca_cert), _read_key(paths.ca_key), {}, number=1)
+    atomic_write(paths.crl, crl.public_bytes(serialization.Encoding.PEM), mode=_CERT_MODE)
 
 
 def _require_positive_validity(validity: timedelta) -> None:
@@ -423,13 +504,24 @@ def _require_positive_validity(validity: timedelta) -> None:
         raise ValueError(f"leaf validity must be positive, got {validity}")
 
 
-def add_trust(root: Path, cluster_id: str, peer_cluster_id: str, peer_ca_pem: bytes) -> Path:
+def add_trust(
+    root: Path,
+    cluster_id: str,
+    peer_cluster_id: str,
+    peer_ca_pem: bytes,
+    *,
+    expected_fingerprint: bytes | None = None,
+) -> Path:
     """Make ``cluster_id`` trust ``peer_cluster_id``'s CA on the WAN; returns the file written.
 
     This is the manual trust exchange between organisations that do not share a PKI root: each
     side hands the other its ``ca.crt`` out of band. The PEM must hold exactly one self-signed,
     unexpired CA certificate: a leaf here would not work as an anchor, and a bundle could smuggle in
-    extra anchors. Replacing an existing ``trust/<peer>.crt`` is allowed (that is CA rotation).
+    extra anchors. A CA name-constrained to another cluster's domain is refused (it could never
+    certify this peer). Replacing an existing ``trust/<peer>.crt`` is allowed (that is CA rotation).
+
+    ``expected_fingerprint`` (SHA-256 of the certificate, compared out of band) is checked before
+    anything is written: a mismatch raises :class:`FingerprintMismatch` and leaves the disk as it was.
     """
     validate_cluster_id(cluster_id)
     validate_cluster_id(peer_cluster_id)
@@ -445,17 +537,81 @@ def add_trust(root: Path, cluster_id: str, peer_cluster_id: str, peer_ca_pem: by
     if len(certs) != 1:
         raise PkiError(f"expected exactly one CA certificate for peer {peer_cluster_id!r}, got {len(certs)}")
     peer_ca = certs[0]
+    if expected_fingerprint is not None and not hmac.compare_digest(
+        _fingerprint(peer_ca), expected_fingerprint
+    ):
+        raise FingerprintMismatch(
+            f"fingerprint mismatch for peer {peer_cluster_id!r}: the certificate given has "
+            f"{format_fingerprint(peer_ca)}, but the fingerprint you were told is "
+            f"SHA256:{expected_fingerprint.hex(':').upper()}. Nothing was written; do not trust this file "
+            "and compare fingerprints with the peer organisation again over a second channel"
+        )
     if (problem := _ca_problem(peer_ca)) is not None:
         raise PkiError(f"refusing to trust the certificate given for peer {peer_cluster_id!r}: {problem}")
     if _fingerprint(peer_ca) == _fingerprint(_read_cert(paths.ca_cert)):
         raise PkiError(
             f"the certificate given for peer {peer_cluster_id!r} is cluster {cluster_id!r}'s own CA"
         )
-    target = paths.trust_cert(peer_cluster_id)
+    if (domains := _permitted_domains(peer_ca)) is not None and domains != [
+        cluster_dns_domain(peer_cluster_id)
+    ]:
+        raise PkiError(
+            f"the CA given for peer {peer_cluster_id!r} may only certify {', '.join(domains) or 'nothing'}, "
+            f"not {cluster_dns_domain(peer_cluster_id)}: it is another cluster's CA"
+        )
     with _exclusive(Path(root)):
-        atomic_write(target, _cert_pem(peer_ca), mode=_CERT_MODE)
-        _write_bundle(paths)
+        return _add_trust_locked(Path(root), cluster_id, peer_cluster_id, peer_ca)
+
+
+def _add_trust_locked(root: Path, cluster_id: str, peer_cluster_id: str, peer_ca: x509.Certificate) -> Path:
+    paths = ClusterPaths.for_cluster(root, cluster_id)
+    target = paths.trust_cert(peer_cluster_id)
+    replaced = target.is_file()
+    atomic_write(target, _cert_pem(peer_ca), mode=_CERT_MODE)
+    _write_bundle(paths)
+    _audit_trust(paths, "trust.add", peer_cluster_id, peer_ca, replaced=replaced)
     return target
+
+
+def remove_trust(root: Path, cluster_id: str, peer_cluster_id: str) -> list[Path]:
+    """Stop trusting ``peer_cluster_id``'s CA (offboarding); returns the files removed.
+
+    The CA and its CRL copy leave ``trust/`` and the bundle is rebuilt without it. A running switch
+    watches its bundle and closes a link whose peer no longer chains to a trusted CA within seconds
+    (services/switch/peer_trust.py).
+    """
+    validate_cluster_id(cluster_id)
+    validate_cluster_id(peer_cluster_id)
+    root = Path(root)
+    paths = ClusterPaths.for_cluster(root, cluster_id)
+    target = paths.trust_cert(peer_cluster_id)
+    with _exclusive(root):
+        if not target.is_file():
+            raise PkiError(f"cluster {cluster_id!r} does not trust peer {peer_cluster_id!r}: no {target}")
+        cert = _read_cert(target)
+        removed = [target]
+        target.unlink()
+        crl_copy = paths.trust_crl(peer_cluster_id)
+        if crl_copy.is_file():
+            crl_copy.unlink()
+            removed.append(crl_copy)
+        _write_bundle(paths)
+        _audit_trust(paths, "trust.remove", peer_cluster_id, cert)
+    return removed
+
+
+def _audit_trust(paths: ClusterPaths, event: str, peer: str, ca: x509.Certificate, **detail: object) -> None:
+    """Record a trust change in the cluster's PKI audit log, with the fingerprint that was trusted."""
+    with open_service_audit(paths.audit_dir, service="pki", cluster=paths.cluster_id, seal_every=1) as audit:
+        audit.append(
+            event,
+            details={
+                "peer": peer,
+                "fingerprint": format_fingerprint(ca),
+                "subject": ca.subject.rfc4514_string(),
+                **detail,
+            },
+        )
 
 
 # --------------------------------------------------------------------------------------------------
