@@ -119,6 +119,18 @@ class SwitchSettings(ServiceSettings):
         "certificates are accepted until they expire; the switch warns at start-up.",
     )
     crl_refresh_s: float = Field(1.0, gt=0, le=300, description="How often the peer CRL file is checked.")
+    own_crl: Path | None = Field(
+        None,
+        description="PEM CRL of this cluster's own CA (<pki>/<cluster>/crl.pem). Sent to the peer switch "
+        "over the WAN port (nebula.v1.SwitchTrust), again each time it changes; without it the peer "
+        "learns of no revocation of this cluster's certificates.",
+    )
+    crl_fail_closed: bool = Field(
+        False,
+        description="Refuse (and close) the peer link while the peer's CRL is past its nextUpdate or none "
+        "was received yet. Off: a stale CRL is an alarm (metric nebula_switch_crl_stale, error log) but "
+        "is still enforced and the link stays up.",
+    )
     ca_cert: Path | None = Field(None, description="This cluster's CA certificate (enables self-renewal).")
     ca_key: Path | None = Field(
         None, description="This cluster's CA key (enables self-renewal; dev PKI only)."

@@ -2,9 +2,11 @@
 
 They are two servers, not two ports of one, because gRPC registers services
 per server: the Relay API must not be reachable on the WAN port at all.
-Alongside them one maintenance task reloads the peer CRL (closing a link whose
-peer was just revoked) and checks, renews and hot-reloads this switch's own
-certificate.
+Alongside them one maintenance task re-reads the peer trust (trust bundle, CRL
+file, CRL staleness; closing a link whose peer was just revoked or no longer
+trusted) and checks, renews and hot-reloads this switch's own certificate. The
+WAN port also serves nebula.v1.SwitchTrust: both switches send each other their
+CA's CRL over it (services/switch/crl_exchange.py), so revocation needs no file copy.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from nebula_common.service.host import ServiceDefinition, Started
 from nebula_common.service.resources import grpc_server, service_audit, token_verifier
 from services.switch.certs import CertificateManager
 from services.switch.config import SwitchSettings
+from services.switch.crl_exchange import CrlExchange, OwnCrl, add_trust_to_server, exchange_forever
 from services.switch.link import PeerLink, fetch_server_certificate
+from services.switch.peer_trust import PeerTrust
 from services.switch.relay_servicer import RelayServicer, add_relay_to_server
-from services.switch.revocation import RevocationList
 from services.switch.routing import Limits, Router
 from services.switch.throttle import AccountThrottle, Penalties, PenaltyRules
 from services.switch.tls_refusals import StderrTap
@@ -48,7 +51,7 @@ class RunningSwitch:
     router: Router
     audit: AuditLog
     certificates: CertificateManager
-    revocation: RevocationList | None
+    revocation: PeerTrust
 
     @property
     def internal_port(self) -> int:
@@ -65,18 +68,19 @@ async def _cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
-async def _maintain(settings: SwitchSettings, link: PeerLink, certs: CertificateManager) -> None:
-    """Poll the peer CRL (enforcing it on the live link) and the own certificate, forever."""
+async def _maintain(
+    settings: SwitchSettings, link: PeerLink, trust: PeerTrust, certs: CertificateManager
+) -> None:
+    """Poll the peer trust (bundle, CRL file, staleness; enforced on the live link) and own certificate."""
     loop = asyncio.get_running_loop()
     next_cert_check = loop.time() + settings.cert_check_interval_s
     while True:
         await asyncio.sleep(min(settings.crl_refresh_s, settings.cert_check_interval_s))
         try:
-            if link.revocation is not None:
-                loaded = await asyncio.to_thread(link.revocation.refresh)
-                if loaded is not None:
-                    link.record("crl.reload", crl_number=loaded.number, revoked=len(loaded.revoked))
-                link.enforce_revocation()
+            for event, details in await asyncio.to_thread(trust.refresh):
+                link.record(event, outcome="alarm" if event == "crl.stale" else "ok", **details)
+            if link.enforce_revocation() and (reason := trust.closed_reason()) is not None:
+                link.record("trust.closed", outcome="refused", reason=reason)
             if loop.time() >= next_cert_check:
                 next_cert_check = loop.time() + settings.cert_check_interval_s
                 await asyncio.to_thread(certs.check)
@@ -113,11 +117,16 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         # so the relay's event loop never waits on the disk per transfer record.
         fsync_each=False,
     )
-    revocation = None
-    if settings.peer_crl is not None:
-        revocation = RevocationList(settings.peer_crl, settings.trust_bundle)
-    else:
-        log.warning("no NEBULA_SWITCH_PEER_CRL: revoked peer certificates are accepted until they expire")
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    revocation = PeerTrust(
+        settings.peer_cluster_id,
+        settings.trust_bundle,
+        cache_path=settings.data_dir / "peer-crl.pem",
+        crl_file=settings.peer_crl,
+        fail_closed=settings.crl_fail_closed,
+    )
+    if revocation.loaded is None:
+        log.warning("no peer CRL yet: it arrives over the WAN port once the peer switch is reachable")
     certs = CertificateManager(
         settings.tls_cert,
         settings.tls_key,
@@ -157,6 +166,9 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
             "certificate_not_after": material.cert.not_valid_after_utc.isoformat(),
             "peer": link.expected_peer.uri,
             "peer_crl": str(settings.peer_crl or ""),
+            "peer_crl_number": revocation.loaded.number if revocation.loaded is not None else None,
+            "own_crl": str(settings.own_crl or ""),
+            "crl_fail_closed": settings.crl_fail_closed,
             "self_renewal": settings.ca_key is not None,
         },
     )
@@ -198,8 +210,17 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         ("grpc.server_handshake_timeout_ms", int(settings.wan_handshake_timeout_s * 1000)),
         *_window_options(settings),
     ]
-    wan = grpc_server(stack, ["nebula.v1.SwitchLink"], grace=STOP_GRACE_SECONDS, options=wan_options)
+    wan = grpc_server(
+        stack,
+        ["nebula.v1.SwitchLink", "nebula.v1.SwitchTrust"],
+        grace=STOP_GRACE_SECONDS,
+        options=wan_options,
+    )
     add_link_to_server(SwitchLinkServicer(link), wan.server)
+    exchange = CrlExchange(
+        link, revocation, OwnCrl(settings.own_crl) if settings.own_crl is not None else None
+    )
+    add_trust_to_server(exchange, wan.server)
     wan.add_secure_port("wan", settings.wan_listen, certs.server_credentials())
     await internal.start()
     await wan.start()
@@ -218,12 +239,19 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
                 address,
                 certs.channel_credentials,
                 [*channel_options(link.expected_peer), *_window_options(settings)],
-                probe=probe if revocation is not None else None,
+                probe=probe,
             ),
             name="wan-dialer",
         )
         stack.push_async_callback(_cancel, dialer)
-    maintenance = asyncio.create_task(_maintain(settings, link, certs), name="switch-maintenance")
+        crl_dialer = asyncio.create_task(
+            exchange_forever(
+                address, certs.channel_credentials, channel_options(link.expected_peer), exchange
+            ),
+            name="crl-exchange",
+        )
+        stack.push_async_callback(_cancel, crl_dialer)
+    maintenance = asyncio.create_task(_maintain(settings, link, revocation, certs), name="switch-maintenance")
     stack.push_async_callback(_cancel, maintenance)
     sweeper = asyncio.create_task(router.run_sweeper(), name="route-sweeper")
     stack.push_async_callback(_cancel, sweeper)
