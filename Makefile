@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-stop lint format clean bench \
-	bench-faults bench-relay soak smoke-containers bench-wan-roofline bench-wan-table3 check-dashboards
+	bench-faults bench-relay soak smoke-containers bench-wan-roofline bench-wan-table3 check-dashboards test-orgs
 
 install: $(STAMP)
 
@@ -136,6 +136,12 @@ test-integration: $(STAMP)
 # where the test skips if prometheus is absent; here, and in CI, its absence is a failure.
 check-dashboards: $(STAMP)
 	NEBULA_REQUIRE_PROMETHEUS=1 $(BIN)/pytest -q tests/integration/test_dashboards.py $(PYTEST_ARGS)
+
+# Two organisations: two `nebula cluster up` process trees on two run directories and PKIs that exchanged
+# only CA certificates, training the numbers job; revocation and trust removal over the link (about 2.5 min
+# on 2 busy cores). The long end-to-end case is not in `make test` (it skips there, naming this target).
+test-orgs: $(STAMP)
+	NEBULA_ORGS_E2E=1 $(BIN)/pytest -q tests/integration/test_cluster_up.py tests/integration/test_org_revocation.py $(PYTEST_ARGS)
 
 # Two clusters in containers (podman-compose + docker-compose.yml) running the numbers job, then down -v.
 # Needs podman (docker/README.md); 1-2.5 min with the image built, 4.5 min without. Not in make test or CI.

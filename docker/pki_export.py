@@ -84,16 +84,54 @@ def export(pki: Path, out: Path, clusters: list[str], uid: int | None, gid: int 
         print(f"pki-init: cluster {cluster}: exported {switch_out} and {auth_out}")
 
 
+def export_organisation(pki: Path, out: Path, cluster: str, uid: int | None, gid: int | None) -> None:
+    """One organisation's cluster (``docker/compose-organisation.yml``): its own CRL, no peer CRL.
+
+    The switch sends ``crl.pem`` (this CA's CRL) to the peer over the WAN port and receives the
+    peer's there, so nothing of the peer but its CA (in ``trust-bundle.pem``) is exported.
+    """
+    src = pki / cluster
+    switch_files = {
+        "tls.crt": src / "switch.crt",
+        "tls.key": src / "switch.key",
+        "trust-bundle.pem": src / "trust-bundle.pem",
+        "crl.pem": src / "crl.pem",
+    }
+    missing = [str(p) for p in switch_files.values() if not p.is_file()]
+    if missing:
+        raise SystemExit(
+            f"pki-export: missing PKI files (run `nebula pki init --cluster {cluster}` and "
+            f"`nebula pki trust add` first): {missing}"
+        )
+    if not (src / "trust-bundle.pem").read_bytes().strip():
+        raise SystemExit(
+            f"pki-export: cluster {cluster} trusts no peer yet (run `nebula pki trust add` first)"
+        )
+    switch_out, auth_out = out / "switch", out / "auth"
+    for target in (switch_out, auth_out):
+        if not target.is_dir():
+            raise SystemExit(f"pki-export: {target} is not mounted (expected a named volume there)")
+    for name, source in switch_files.items():
+        _write(switch_out / name, source.read_bytes(), 0o400, uid, gid)
+    _write(auth_out / "admin-password", _admin_password(src), 0o400, uid, gid)
+    print(f"pki-export: cluster {cluster}: exported {switch_out} and {auth_out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pki", type=Path, required=True, help="root written by `nebula pki init --dir`")
     parser.add_argument("--out", type=Path, required=True, help="parent of the per-service volumes")
-    parser.add_argument("--clusters", required=True, help="comma-separated cluster ids, e.g. a,b")
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--clusters", help="comma-separated cluster ids, e.g. a,b (both in one PKI root)")
+    group.add_argument("--organisation", help="ONE organisation's cluster id (exports to <out>/switch, auth)")
     parser.add_argument("--uid", type=int, default=None, help="owner of the exported files")
     parser.add_argument("--gid", type=int, default=None, help="group of the exported files (default: uid)")
     args = parser.parse_args(argv)
-    clusters = [c.strip() for c in args.clusters.split(",") if c.strip()]
     os.umask(0o077)
+    if args.organisation:
+        export_organisation(args.pki, args.out, args.organisation.strip(), args.uid, args.gid)
+        return 0
+    clusters = [c.strip() for c in args.clusters.split(",") if c.strip()]
     export(args.pki, args.out, clusters, args.uid, args.gid)
     return 0
 

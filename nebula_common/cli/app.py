@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from nebula_common.cli import account, audit, codec, data, demo, job, job_view, local, pki, wan
+from nebula_common.cli import account, audit, cluster, codec, data, demo, job, job_view, local, pki, wan
 
 app = typer.Typer(
     help="Nebula: train one model across remote clusters joined by slow WAN links.",
@@ -14,6 +14,7 @@ app = typer.Typer(
 app.add_typer(pki.app, name="pki")
 app.add_typer(wan.app, name="wan")
 app.add_typer(local.app, name="local")
+app.add_typer(cluster.app, name="cluster")
 app.add_typer(job.app, name="job")  # with job_view's list/status/watch/logs/cancel
 app.add_typer(audit.app, name="audit")
 app.add_typer(codec.app, name="codec")

@@ -29,7 +29,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
 import secrets
 import socket
 from collections.abc import Callable
@@ -40,8 +39,17 @@ from typing import IO, Any
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.durable import atomic_write
 from nebula_common.errors import NebulaError
+from nebula_common.launcher.cluster import (
+    BIND_ATTEMPTS,
+    BIND_FAILURE,
+    START_TIMEOUT_S,
+    ClusterLauncher,
+    ClusterProcesses,
+    cluster_endpoints,
+    write_secret,
+)
 from nebula_common.launcher.ports import service_port
-from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command, wait_healthy
+from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor
 from nebula_common.pki import init_pki
 from nebula_common.pki.store import PkiError
@@ -51,15 +59,6 @@ LOOPBACK = "127.0.0.1"
 LOCK_FILE = ".nebula-local.lock"
 CONTROL_TOKEN_FILE = "wan-control-token"
 _SQLITE_MAGIC = b"SQLite format 3\x00"
-BIND_ATTEMPTS = 3
-# How long a starting process may take to listen. Its imports alone took over 30 s on 2 cores shared
-# by four test runs (a deployment then failed to start); the supervisor allows a restart 90 s.
-START_TIMEOUT_S = 90.0
-_BIND_FAILURE = re.compile(r"could not bind|address already in use", re.IGNORECASE)
-# Ready-line port -> the setting that binds it. The launcher picks each port (outside the ephemeral
-# range, ``ports.py``) and keeps it in the service's env, so a restart comes back on the same port.
-_LISTEN_PINS = {"grpc_port": "LISTEN", "metrics_port": "METRICS_PORT"}
-_SWITCH_PINS = {"internal_port": "INTERNAL_LISTEN", "wan_port": "WAN_LISTEN", "metrics_port": "METRICS_PORT"}
 
 
 class LocalDeploymentError(NebulaError):
@@ -148,28 +147,9 @@ def running_deployment_pid(run_dir: Path) -> int | None:
         return None
 
 
-def _write_secret(path: Path, value: str) -> None:
-    """Write a secret file readable by its owner only (0600 even if the file already existed)."""
-    atomic_write(path, value.encode(), mode=0o600)
-
-
 def _listening(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex((LOOPBACK, port)) == 0
-
-
-@dataclass
-class ClusterProcesses:
-    cluster_id: str
-    admin_password: str
-    auth: ServiceProcess | None = None
-    codec: ServiceProcess | None = None
-    switch: ServiceProcess | None = None
-    trainer: ServiceProcess | None = None
-    data: ServiceProcess | None = None
-
-    def processes(self) -> list[ServiceProcess]:
-        return [p for p in (self.auth, self.codec, self.data, self.switch, self.trainer) if p is not None]
 
 
 @dataclass
@@ -231,7 +211,7 @@ class LocalDeployment:
             except PkiError as exc:
                 raise LocalDeploymentError(f"PKI in {self.pki_dir}: {exc}") from None
             if not self.control_token_file.exists():
-                _write_secret(self.control_token_file, secrets.token_urlsafe(24))
+                write_secret(self.control_token_file, secrets.token_urlsafe(24))
         except BaseException:
             self._release_lock()
             raise
@@ -297,7 +277,7 @@ class LocalDeployment:
                 self._wait_listening(self.emulator, self.control_port)
             except ServiceStartError as exc:
                 self.emulator.stop()
-                if attempt < BIND_ATTEMPTS and _BIND_FAILURE.search(str(exc)):
+                if attempt < BIND_ATTEMPTS and BIND_FAILURE.search(str(exc)):
                     continue
                 raise
             return
@@ -319,132 +299,31 @@ class LocalDeployment:
             self._lock.close()  # closing the descriptor releases the flock
             self._lock = None
 
+    @property
+    def launcher(self) -> ClusterLauncher:
+        """Starts each cluster's services, the same way ``nebula cluster up`` starts one cluster's."""
+        return ClusterLauncher(self.run_dir, self.log_dir, self.log_level)
+
     def _start_cluster_services(self, cluster: str) -> None:
-        cluster_dir = self.run_dir / cluster
-        (cluster_dir / "auth").mkdir(parents=True, exist_ok=True)
-        password_file = cluster_dir / "admin-password"
-        password = self._passwords.get(cluster)
-        if password is None:  # a new cluster; an existing password file is never rewritten
-            password = secrets.token_urlsafe(18)
-            _write_secret(password_file, password)
-        state = ClusterProcesses(cluster_id=cluster, admin_password=password)
-        self.cluster_state[cluster] = state
-        common = {"LOG_LEVEL": self.log_level}
-        state.auth = self._launch(
-            f"auth-{cluster}",
-            "services.auth",
-            "NEBULA_AUTH_",
-            {
-                **common,
-                "CLUSTER_ID": cluster,
-                "DATA_DIR": str(cluster_dir / "auth"),
-                "ADMIN_PASSWORD_FILE": str(password_file),
-            },
-            _LISTEN_PINS,
-        )
-        wait_healthy(self.address(state.auth), "nebula.v1.Auth")
-        # Codec and data check tokens with auth's keys, fetched at start-up, so they follow auth.
-        state.codec = self._launch(
-            f"codec-{cluster}",
-            "services.codec",
-            "NEBULA_CODEC_",
-            {**common, "CLUSTER_ID": cluster, "AUTH_ADDRESS": self.address(state.auth)},
-            _LISTEN_PINS,
-        )
-        wait_healthy(self.address(state.codec), "nebula.v1.Codec")
-        state.data = self._launch(
-            f"data-{cluster}",
-            "services.data",
-            "NEBULA_DATA_",
-            {
-                **common,
-                "CLUSTER_ID": cluster,
-                "AUTH_ADDRESS": self.address(state.auth),
-                "DATA_DIR": str(cluster_dir / "data"),
-            },
-            _LISTEN_PINS,
-        )
-        wait_healthy(self.address(state.data), "nebula.v1.Data")
+        state = self.launcher.new_state(cluster, self._passwords.get(cluster))
+        self.cluster_state[cluster] = state  # known to stop() before its first process starts
+        self.launcher.start_core(state)
 
     def _start_switch(self, cluster: str, layout: Any, peer_address: str | None) -> None:
         peer = next(c for c in self.clusters if c != cluster)
         paths = layout.cluster(cluster)
-        state = self.cluster_state[cluster]
-        env = {
-            "LOG_LEVEL": self.log_level,
-            "CLUSTER_ID": cluster,
-            "PEER_CLUSTER_ID": peer,
-            "TLS_CERT": str(paths.switch_cert),
-            "TLS_KEY": str(paths.switch_key),
-            "TRUST_BUNDLE": str(paths.trust_bundle),
-            "AUTH_ADDRESS": self.address(state.auth),
-            "DATA_DIR": str(self.run_dir / cluster / "switch"),
-            "PEER_CRL": str(paths.trust_crl(peer)),
-            # Dev PKI on one machine: the switch may renew itself from its CA before expiry.
-            "CA_CERT": str(paths.ca_cert),
-            "CA_KEY": str(paths.ca_key),
-        }
-        if peer_address is not None:
-            env["PEER_ADDRESS"] = peer_address
-        state.switch = self._launch(
-            f"switch-{cluster}", "services.switch", "NEBULA_SWITCH_", env, _SWITCH_PINS
+        # One operator holds both PKIs here, so the peer's CRL is also a file next to its CA; the
+        # switches exchange it over the WAN port as well (the only way between organisations).
+        self.launcher.start_switch(
+            self.cluster_state[cluster],
+            paths,
+            peer,
+            peer_address=peer_address,
+            peer_crl=paths.trust_crl(peer),
         )
-        wait_healthy(f"{LOOPBACK}:{state.switch.info['internal_port']}", "nebula.v1.Relay")
 
     def _start_trainer(self, cluster: str) -> None:
-        state = self.cluster_state[cluster]
-        state.trainer = self._launch(
-            f"trainer-{cluster}",
-            "services.trainer",
-            "NEBULA_TRAINER_",
-            {
-                "LOG_LEVEL": self.log_level,
-                "CLUSTER_ID": cluster,
-                "SWITCH_ADDRESS": f"{LOOPBACK}:{state.switch.info['internal_port']}",  # type: ignore[union-attr]
-                "AUTH_ADDRESS": self.address(state.auth),
-                "DATA_DIR": str(self.run_dir / cluster / "trainer"),
-                "DATA_SERVICE_ADDRESS": self.data_address(cluster),
-            },
-            _LISTEN_PINS,
-        )
-        wait_healthy(self.address(state.trainer), "nebula.v1.Trainer")
-
-    def _launch(
-        self, name: str, module: str, prefix: str, settings: dict[str, str], pins: dict[str, str]
-    ) -> ServiceProcess:
-        """Start a service on ports of its own, outside the ephemeral range (see ``ports.py``).
-
-        The ports go into its environment, so a restart binds the same ones and its peers find it
-        again. If another program took one of them between the check and the service's bind, the
-        start is retried with new ports (a bind failure only; any other failure is raised).
-        """
-        for attempt in range(1, BIND_ATTEMPTS + 1):
-            chosen = {setting: service_port() for setting in pins.values()}
-            env = {prefix + key: value for key, value in settings.items()}
-            for setting, port in chosen.items():
-                env[prefix + setting] = str(port) if setting == "METRICS_PORT" else f"{LOOPBACK}:{port}"
-            process = ServiceProcess(
-                name=name, command=console_command(module), env=env, log_dir=self.log_dir
-            )
-            process.start()
-            try:
-                info = process.wait_ready(START_TIMEOUT_S)
-            except ServiceStartError as exc:  # not yet in cluster_state, so stop() would not know it
-                process.stop()
-                if attempt < BIND_ATTEMPTS and _BIND_FAILURE.search(str(exc)):
-                    continue
-                raise
-            except BaseException:
-                process.stop()
-                raise
-            for key, setting in pins.items():
-                if info.get(key) not in (None, -1, chosen[setting]):
-                    process.stop()
-                    raise ServiceStartError(
-                        f"{name} reported {key} {info.get(key)}, but was told {chosen[setting]}"
-                    )
-            return process
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        self.launcher.start_trainer(self.cluster_state[cluster])
 
     @staticmethod
     def _wait_listening(process: ServiceProcess, port: int, timeout: float = START_TIMEOUT_S) -> None:
@@ -462,29 +341,14 @@ class LocalDeployment:
 
     @staticmethod
     def address(process: ServiceProcess | None) -> str:
-        if process is None:
-            raise LocalDeploymentError("service not started")
-        return f"{LOOPBACK}:{process.info['grpc_port']}"
+        return ClusterLauncher.address(process)
 
     def data_address(self, cluster: str) -> str:
         """host:port of ``cluster``'s data service (datasets, grants, ReadBatch)."""
         return self.address(self.cluster_state[cluster].data)
 
     def endpoints(self, cluster: str) -> ClusterEndpoints:
-        state = self.cluster_state[cluster]
-        metrics = {
-            p.name: f"http://{LOOPBACK}:{p.info['metrics_port']}/metrics"
-            for p in state.processes()
-            if (p.info.get("metrics_port") or -1) > 0
-        }
-        return ClusterEndpoints(
-            cluster_id=cluster,
-            auth=self.address(state.auth),
-            trainer=self.address(state.trainer),
-            switch=f"{LOOPBACK}:{state.switch.info['internal_port']}",  # type: ignore[union-attr]
-            metrics=metrics,
-            codec=self.address(state.codec),
-        )
+        return cluster_endpoints(self.cluster_state[cluster])
 
     def describe(self) -> dict[str, Any]:
         """Everything an operator needs to poke at the running deployment (pids, restarts, ports)."""

@@ -148,6 +148,12 @@ class SwitchSettings(ServiceSettings):
         3600.0, ge=0, description="Log a warning while the certificate expires within this many seconds."
     )
 
+    @field_validator("peer_address", mode="before")
+    @classmethod
+    def _empty_address_is_unset(cls, value: object) -> object:
+        # A compose file cannot leave a variable out for one organisation only: "" means not set.
+        return None if isinstance(value, str) and not value.strip() else value
+
     @field_validator("link_connections")
     @classmethod
     def _connections(cls, value: str) -> str:

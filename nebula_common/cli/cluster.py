@@ -1,0 +1,115 @@
+"""`nebula cluster up`: one organisation's cluster, its switch pointed at one peer organisation."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from nebula_common.cli.local import _print_event
+from nebula_common.errors import NebulaError
+from nebula_common.launcher.cluster import ClusterDeploymentError, parse_host_port, parse_peer
+from nebula_common.launcher.organisation import ClusterDeployment
+from nebula_common.launcher.process import ServiceStartError
+from nebula_common.launcher.supervisor import RestartPolicy
+from nebula_common.pki.identity import validate_cluster_id
+
+app = typer.Typer(help="Run one organisation's cluster.", no_args_is_help=True)
+console = Console()
+
+
+def _cluster(value: str) -> str:
+    try:
+        return validate_cluster_id(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def _peer(value: str) -> str:
+    try:
+        parse_peer(value)
+    except ClusterDeploymentError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+def _host_port(value: str) -> str:
+    try:
+        return parse_host_port(value, "--wan-listen")
+    except ClusterDeploymentError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+@app.command("up")
+def up(
+    cluster: Annotated[str, typer.Option(help="This organisation's cluster id.", callback=_cluster)],
+    peer: Annotated[
+        str,
+        typer.Option(
+            help="The peer organisation: 'b=HOST:PORT' (its WAN port) or just 'b' to only accept its link.",
+            callback=_peer,
+        ),
+    ],
+    run_dir: Annotated[Path, typer.Option(help="State, logs and (by default) the PKI of this cluster.")],
+    wan_listen: Annotated[
+        str,
+        typer.Option(
+            help="Where the switch's WAN port listens (open this one port to the peer).", callback=_host_port
+        ),
+    ] = "0.0.0.0:7443",
+    pki_dir: Annotated[
+        Path | None, typer.Option(help="PKI root (default RUN_DIR/pki), from `nebula pki init --cluster`.")
+    ] = None,
+    max_restarts: Annotated[
+        int, typer.Option(min=0, help="Give up on a service that dies more often than this within a minute.")
+    ] = 5,
+) -> None:
+    """Start this cluster's auth, codec, data, switch and trainer until interrupted.
+
+    Needs this cluster's PKI trusting the peer (`nebula pki init --cluster`, `pki trust add`); the peer's
+    CRL arrives over the WAN port. The cluster whose id sorts first dials the other (it needs the peer's
+    address). `nebula local status|down --run-dir` work on the same run directory.
+    """
+    peer_id, peer_address = parse_peer(peer)
+    deployment = ClusterDeployment(
+        run_dir=run_dir,
+        cluster=cluster,
+        peer=peer_id,
+        peer_address=peer_address,
+        wan_listen=wan_listen,
+        pki_dir=pki_dir,
+        restart_policy=RestartPolicy(max_restarts=max_restarts),
+        on_event=_print_event,
+    )
+    console.print(f"starting cluster {cluster} (peer {peer_id}) in [bold]{escape(str(run_dir))}[/] ...")
+    try:
+        deployment.start()
+    except (NebulaError, ServiceStartError) as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        deployment.write_description(run_dir / "deployment.json")
+        console.print_json(json.dumps(deployment.describe()))
+        console.print(
+            f"[green]up[/]: cluster {cluster}, WAN port {wan_listen}, "
+            f"logs in {escape(str(deployment.log_dir))}. "
+            f"Ctrl-C (or `nebula local down --run-dir {escape(str(run_dir))}`) stops it."
+        )
+        supervisor = deployment.supervisor
+        seen = supervisor.generation if supervisor is not None else 0
+        while not stop.wait(0.5):
+            if supervisor is not None and supervisor.generation != seen:
+                seen = supervisor.generation
+                deployment.write_description(run_dir / "deployment.json")
+    finally:
+        console.print("stopping ...")
+        deployment.stop()

@@ -1,0 +1,261 @@
+"""One cluster's services as processes: auth, codec, data, switch, trainer, in start order.
+
+``ClusterLauncher`` starts them, each with its own settings, exactly as the containers run them;
+``nebula local up`` uses it twice (with the WAN emulator between the switches, ``local.py``) and
+``nebula cluster up`` once (one organisation, ``organisation.py``). The switch is always given its
+own CA's CRL to send to the peer over the WAN port (services/switch/crl_exchange.py).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from nebula_common.clients.endpoints import ClusterEndpoints
+from nebula_common.durable import atomic_write
+from nebula_common.errors import NebulaError
+from nebula_common.launcher.ports import service_port
+from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command, wait_healthy
+from nebula_common.pki.identity import validate_cluster_id
+from nebula_common.pki.store import ClusterPaths
+
+LOOPBACK = "127.0.0.1"
+BIND_ATTEMPTS = 3
+# How long a starting process may take to listen. Its imports alone took over 30 s on 2 cores shared
+# by four test runs (a deployment then failed to start); the supervisor allows a restart 90 s.
+START_TIMEOUT_S = 90.0
+BIND_FAILURE = re.compile(r"could not bind|address already in use", re.IGNORECASE)
+# Ready-line port -> the setting that binds it. The launcher picks each port (outside the ephemeral
+# range, ``ports.py``) and keeps it in the service's env, so a restart comes back on the same port.
+LISTEN_PINS = {"grpc_port": "LISTEN", "metrics_port": "METRICS_PORT"}
+SWITCH_PINS = {"internal_port": "INTERNAL_LISTEN", "wan_port": "WAN_LISTEN", "metrics_port": "METRICS_PORT"}
+_HOST_PORT = re.compile(r"^(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(?P<port>\d{1,5})$")
+
+
+class ClusterDeploymentError(NebulaError):
+    pass
+
+
+def write_secret(path: Path, value: str) -> None:
+    """Write a secret file readable by its owner only (0600 even if the file already existed)."""
+    atomic_write(path, value.encode(), mode=0o600)
+
+
+def parse_host_port(value: str, what: str) -> str:
+    """``host:port`` checked (port 1-65535), or ``ClusterDeploymentError`` naming ``what``."""
+    match = _HOST_PORT.fullmatch(value.strip())
+    if match is None or not 0 < int(match["port"]) < 65536:
+        raise ClusterDeploymentError(f"{what} must be HOST:PORT (port 1-65535), got {value!r}")
+    return value.strip()
+
+
+def parse_peer(value: str) -> tuple[str, str | None]:
+    """``b=HOST:PORT`` (dial or be dialled by b there) or ``b`` (only accept b's link)."""
+    peer, _, address = value.partition("=")
+    try:
+        validate_cluster_id(peer.strip())
+    except ValueError as exc:
+        raise ClusterDeploymentError(f"--peer {value!r}: {exc}") from None
+    return peer.strip(), parse_host_port(address, f"--peer {peer}=...") if address else None
+
+
+@dataclass
+class ClusterProcesses:
+    cluster_id: str
+    admin_password: str
+    auth: ServiceProcess | None = None
+    codec: ServiceProcess | None = None
+    switch: ServiceProcess | None = None
+    trainer: ServiceProcess | None = None
+    data: ServiceProcess | None = None
+
+    def processes(self) -> list[ServiceProcess]:
+        return [p for p in (self.auth, self.codec, self.data, self.switch, self.trainer) if p is not None]
+
+
+@dataclass
+class ClusterLauncher:
+    """Starts one cluster's services under ``run_dir`` (state in ``run_dir/<cluster>``), in order."""
+
+    run_dir: Path
+    log_dir: Path
+    log_level: str = "INFO"
+
+    @staticmethod
+    def address(process: ServiceProcess | None) -> str:
+        if process is None:
+            raise ClusterDeploymentError("service not started")
+        return f"{LOOPBACK}:{process.info['grpc_port']}"
+
+    def new_state(self, cluster: str, password: str | None) -> ClusterProcesses:
+        """The cluster's (not yet started) processes, with its admin password (written if new)."""
+        password_file = self.run_dir / cluster / "admin-password"
+        (self.run_dir / cluster / "auth").mkdir(parents=True, exist_ok=True)
+        if password is None:  # a new cluster; an existing password file is never rewritten
+            password = secrets.token_urlsafe(18)
+            write_secret(password_file, password)
+        return ClusterProcesses(cluster_id=cluster, admin_password=password)
+
+    def start_core(self, state: ClusterProcesses) -> None:
+        """Auth, then codec and data (they check tokens with auth's keys, fetched at start-up).
+
+        Each process is put into ``state`` as soon as it runs, so a caller that stops ``state``
+        after a failure stops everything that was started.
+        """
+        cluster = state.cluster_id
+        cluster_dir = self.run_dir / cluster
+        password_file = cluster_dir / "admin-password"
+        common = {"LOG_LEVEL": self.log_level}
+        state.auth = self.launch(
+            f"auth-{cluster}",
+            "services.auth",
+            "NEBULA_AUTH_",
+            {
+                **common,
+                "CLUSTER_ID": cluster,
+                "DATA_DIR": str(cluster_dir / "auth"),
+                "ADMIN_PASSWORD_FILE": str(password_file),
+            },
+            LISTEN_PINS,
+        )
+        wait_healthy(self.address(state.auth), "nebula.v1.Auth")
+        state.codec = self.launch(
+            f"codec-{cluster}",
+            "services.codec",
+            "NEBULA_CODEC_",
+            {**common, "CLUSTER_ID": cluster, "AUTH_ADDRESS": self.address(state.auth)},
+            LISTEN_PINS,
+        )
+        wait_healthy(self.address(state.codec), "nebula.v1.Codec")
+        state.data = self.launch(
+            f"data-{cluster}",
+            "services.data",
+            "NEBULA_DATA_",
+            {
+                **common,
+                "CLUSTER_ID": cluster,
+                "AUTH_ADDRESS": self.address(state.auth),
+                "DATA_DIR": str(cluster_dir / "data"),
+            },
+            LISTEN_PINS,
+        )
+        wait_healthy(self.address(state.data), "nebula.v1.Data")
+
+    def start_switch(
+        self,
+        state: ClusterProcesses,
+        paths: ClusterPaths,
+        peer: str,
+        *,
+        peer_address: str | None,
+        peer_crl: Path | None = None,
+        wan_listen: str | None = None,
+    ) -> None:
+        """The switch: its own certificate, the peer CAs it trusts, its own CRL to send to the peer."""
+        cluster = state.cluster_id
+        env = {
+            "LOG_LEVEL": self.log_level,
+            "CLUSTER_ID": cluster,
+            "PEER_CLUSTER_ID": peer,
+            "TLS_CERT": str(paths.switch_cert),
+            "TLS_KEY": str(paths.switch_key),
+            "TRUST_BUNDLE": str(paths.trust_bundle),
+            "AUTH_ADDRESS": self.address(state.auth),
+            "DATA_DIR": str(self.run_dir / cluster / "switch"),
+            "OWN_CRL": str(paths.crl),
+            # The organisation's own CA on its own machine: the switch may renew itself before expiry.
+            "CA_CERT": str(paths.ca_cert),
+            "CA_KEY": str(paths.ca_key),
+        }
+        if peer_crl is not None:
+            env["PEER_CRL"] = str(peer_crl)
+        if peer_address is not None:
+            env["PEER_ADDRESS"] = peer_address
+        fixed = {"WAN_LISTEN": wan_listen} if wan_listen is not None else {}
+        state.switch = self.launch(
+            f"switch-{cluster}", "services.switch", "NEBULA_SWITCH_", env, SWITCH_PINS, fixed=fixed
+        )
+        wait_healthy(f"{LOOPBACK}:{state.switch.info['internal_port']}", "nebula.v1.Relay")
+
+    def start_trainer(self, state: ClusterProcesses) -> None:
+        cluster = state.cluster_id
+        state.trainer = self.launch(
+            f"trainer-{cluster}",
+            "services.trainer",
+            "NEBULA_TRAINER_",
+            {
+                "LOG_LEVEL": self.log_level,
+                "CLUSTER_ID": cluster,
+                "SWITCH_ADDRESS": f"{LOOPBACK}:{state.switch.info['internal_port']}",  # type: ignore[union-attr]
+                "AUTH_ADDRESS": self.address(state.auth),
+                "DATA_DIR": str(self.run_dir / cluster / "trainer"),
+                "DATA_SERVICE_ADDRESS": self.address(state.data),
+            },
+            LISTEN_PINS,
+        )
+        wait_healthy(self.address(state.trainer), "nebula.v1.Trainer")
+
+    def launch(
+        self,
+        name: str,
+        module: str,
+        prefix: str,
+        settings: dict[str, str],
+        pins: dict[str, str],
+        *,
+        fixed: dict[str, str] | None = None,
+    ) -> ServiceProcess:
+        """Start a service on ports of its own, outside the ephemeral range (see ``ports.py``).
+
+        The ports go into its environment, so a restart binds the same ones and its peers find it
+        again. If another program took one of them between the check and the service's bind, the
+        start is retried with new ports (a bind failure only; any other failure is raised). ``fixed``
+        settings (an operator's WAN port, opened in a firewall) are never replaced.
+        """
+        fixed = fixed or {}
+        for attempt in range(1, BIND_ATTEMPTS + 1):
+            chosen = {setting: service_port() for setting in pins.values() if setting not in fixed}
+            env = {prefix + key: value for key, value in settings.items()}
+            for setting, port in chosen.items():
+                env[prefix + setting] = str(port) if setting == "METRICS_PORT" else f"{LOOPBACK}:{port}"
+            env.update({prefix + key: value for key, value in fixed.items()})
+            process = ServiceProcess(
+                name=name, command=console_command(module), env=env, log_dir=self.log_dir
+            )
+            process.start()
+            try:
+                info = process.wait_ready(START_TIMEOUT_S)
+            except ServiceStartError as exc:  # not yet in any state, so stop() would not know it
+                process.stop()
+                if attempt < BIND_ATTEMPTS and chosen and BIND_FAILURE.search(str(exc)):
+                    continue
+                raise
+            except BaseException:
+                process.stop()
+                raise
+            for key, setting in pins.items():
+                if setting in chosen and info.get(key) not in (None, -1, chosen[setting]):
+                    process.stop()
+                    raise ServiceStartError(
+                        f"{name} reported {key} {info.get(key)}, but was told {chosen[setting]}"
+                    )
+            return process
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def cluster_endpoints(state: ClusterProcesses) -> ClusterEndpoints:
+    metrics = {
+        p.name: f"http://{LOOPBACK}:{p.info['metrics_port']}/metrics"
+        for p in state.processes()
+        if (p.info.get("metrics_port") or -1) > 0
+    }
+    return ClusterEndpoints(
+        cluster_id=state.cluster_id,
+        auth=ClusterLauncher.address(state.auth),
+        trainer=ClusterLauncher.address(state.trainer),
+        switch=f"{LOOPBACK}:{state.switch.info['internal_port']}",  # type: ignore[union-attr]
+        metrics=metrics,
+        codec=ClusterLauncher.address(state.codec),
+    )

@@ -1,0 +1,166 @@
+"""``nebula cluster up``: one organisation's cluster, its own PKI, its switch pointed at one peer.
+
+Two organisations each run this on their own machines; nothing is shared but the CA certificates
+they exchanged (``nebula pki export-ca`` / ``trust add``) and one WAN port. The run directory holds
+only this organisation's material:
+
+    <run>/pki/<cluster>/...          its CA, switch certificate, CRL, and the peer CAs it trusts
+    <run>/<cluster>/{auth,switch,data,trainer}/, admin-password
+    <run>/logs/<svc>-<cluster>.log, supervisor.jsonl
+    <run>/deployment.json            pids and ports while up
+
+The peer's CRL is not a file here: the switch receives it over the WAN port and keeps it in its data
+directory. ``nebula local down``/``status`` work on this run directory too (same lock file).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from nebula_common.clients.endpoints import ClusterEndpoints
+from nebula_common.durable import atomic_write
+from nebula_common.launcher.cluster import (
+    ClusterDeploymentError,
+    ClusterLauncher,
+    ClusterProcesses,
+    cluster_endpoints,
+    parse_host_port,
+)
+from nebula_common.launcher.local import _lock_run_dir, check_run_dir
+from nebula_common.launcher.supervisor import RestartPolicy, Supervisor
+from nebula_common.pki.store import ClusterPaths, PkiError, load_layout
+
+
+def check_organisation_pki(pki_dir: Path, cluster: str, peer: str) -> ClusterPaths:
+    """The cluster's own PKI, complete and trusting ``peer``; otherwise an error saying what to run."""
+    paths = ClusterPaths.for_cluster(pki_dir, cluster)
+    if not paths.ca_cert.is_file():
+        raise ClusterDeploymentError(
+            f"no PKI for cluster {cluster!r} in {pki_dir}: run `nebula pki init --dir {pki_dir} --cluster "
+            f"{cluster}`, then exchange CA certificates with {peer!r} (see docs/runbook-peer-organisation.md)"
+        )
+    if not paths.trust_cert(peer).is_file():
+        raise ClusterDeploymentError(
+            f"cluster {cluster!r} does not trust peer {peer!r} yet: get its CA certificate and "
+            "fingerprint, then "
+            f"`nebula pki trust add --dir {pki_dir} --cluster {cluster} --peer {peer} --ca {peer}-ca.crt "
+            "--fingerprint SHA256:...`"
+        )
+    try:
+        load_layout(pki_dir, [cluster])
+    except PkiError as exc:
+        raise ClusterDeploymentError(f"PKI in {pki_dir}: {exc}") from None
+    return paths
+
+
+@dataclass
+class ClusterDeployment:
+    """``nebula cluster up``: one organisation's cluster, its switch pointed at one peer."""
+
+    run_dir: Path
+    cluster: str
+    peer: str
+    peer_address: str | None
+    wan_listen: str
+    pki_dir: Path | None = None
+    log_level: str = "INFO"
+    supervise: bool = True
+    restart_policy: RestartPolicy | None = None
+    on_event: Callable[[dict[str, Any]], None] | None = None
+    state: ClusterProcesses | None = None
+    supervisor: Supervisor | None = None
+    _lock: IO[str] | None = field(default=None, repr=False)
+
+    @property
+    def pki(self) -> Path:
+        return self.pki_dir if self.pki_dir is not None else self.run_dir / "pki"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.run_dir / "logs"
+
+    def __enter__(self) -> ClusterDeployment:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if self.cluster == self.peer:
+            raise ClusterDeploymentError(f"--peer must name another cluster than {self.cluster!r}")
+        parse_host_port(self.wan_listen, "--wan-listen")
+        paths = check_organisation_pki(self.pki, self.cluster, self.peer)
+        passwords = check_run_dir(self.run_dir, (self.cluster,))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock_run_dir(self.run_dir)
+        self.log_dir.mkdir(exist_ok=True)
+        launcher = ClusterLauncher(self.run_dir, self.log_dir, self.log_level)
+        try:
+            self.state = launcher.new_state(self.cluster, passwords.get(self.cluster))
+            launcher.start_core(self.state)
+            launcher.start_switch(
+                self.state, paths, self.peer, peer_address=self.peer_address, wan_listen=self.wan_listen
+            )
+            launcher.start_trainer(self.state)
+            if self.supervise:
+                self.supervisor = Supervisor(
+                    self.state.processes(),
+                    self.restart_policy,
+                    event_log=self.log_dir / "supervisor.jsonl",
+                    on_event=self.on_event,
+                )
+                self.supervisor.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def endpoints(self) -> ClusterEndpoints:
+        if self.state is None:
+            raise ClusterDeploymentError("the cluster is not running")
+        return cluster_endpoints(self.state)
+
+    def describe(self) -> dict[str, Any]:
+        supervision = self.supervisor.status() if self.supervisor is not None else {}
+        processes = {}
+        for p in self.state.processes() if self.state is not None else []:
+            status = supervision.get(p.name, {"state": "running", "restarts": 0, "last_exit": None})
+            processes[p.name] = {**p.info, "pid": p.pid, **status}
+        return {
+            "run_dir": str(self.run_dir),
+            "pki_dir": str(self.pki),
+            "log_dir": str(self.log_dir),
+            "peer": {"cluster": self.peer, "address": self.peer_address},
+            "wan_listen": self.wan_listen,
+            "clusters": {
+                self.cluster: {
+                    "processes": processes,
+                    "admin_password_file": str(self.run_dir / self.cluster / "admin-password"),
+                }
+            },
+        }
+
+    def write_description(self, path: Path) -> None:
+        atomic_write(path, json.dumps(self.describe(), indent=2).encode(), mode=0o644)
+
+    def stop(self) -> None:
+        """Trainer, switch, then data, codec, auth; nothing is restarted while going down."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        state = self.state
+        try:
+            if state is not None:
+                for process in state.processes():
+                    with process.lock:
+                        process.wanted = False
+                for process in [state.trainer, state.switch, state.data, state.codec, state.auth]:
+                    if process is not None:
+                        process.stop()
+        finally:
+            if self._lock is not None:
+                self._lock.close()
+                self._lock = None
