@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-stop lint format clean bench \
-	bench-faults bench-relay soak smoke-containers bench-wan-roofline bench-wan-table3 check-dashboards test-orgs
+	bench-faults bench-relay soak smoke-containers bench-wan-roofline bench-wan-table3 check-dashboards test-orgs test-orgs-netns
 
 install: $(STAMP)
 
@@ -142,6 +142,12 @@ check-dashboards: $(STAMP)
 # on 2 busy cores). The long end-to-end case is not in `make test` (it skips there, naming this target).
 test-orgs: $(STAMP)
 	NEBULA_ORGS_E2E=1 $(BIN)/pytest -q tests/integration/test_cluster_up.py tests/integration/test_org_revocation.py $(PYTEST_ARGS)
+
+# Two organisations as two hosts: two network namespaces joined by a tbf-shaped veth pair, each running
+# `nebula cluster up` on its own run directory and PKI, training the numbers job. Needs root and iproute2
+# (ip netns, tc); 2-3 min on 2 busy cores. Not in `make test` (it skips there, naming this target).
+test-orgs-netns: $(STAMP)
+	NEBULA_NETNS_E2E=1 $(BIN)/pytest -q -s tests/integration/test_netns_orgs.py $(PYTEST_ARGS)
 
 # Two clusters in containers (podman-compose + docker-compose.yml) running the numbers job, then down -v.
 # Needs podman (docker/README.md); 1-2.5 min with the image built, 4.5 min without. Not in make test or CI.

@@ -338,10 +338,12 @@ def revoke(
     cert: Annotated[Path | None, typer.Option(help="PEM certificate to revoke.")] = None,
     reason: Annotated[str, typer.Option(help="Why (recorded in the CA's audit log).")] = "",
 ) -> None:
-    """Revoke a certificate: re-sign the CA's CRL and copy it to every peer that trusts this CA.
+    """Revoke a certificate: re-sign the CA's CRL (the cluster's switch sends it to the peer's).
 
-    Peer switches poll their copy every second: new connections with the certificate fail and an
-    existing link that authenticated with it is closed.
+    The switch of this cluster (NEBULA_SWITCH_OWN_CRL) sends the new CRL over the WAN port; the peer
+    switch verifies it against this CA and refuses the certificate at once, closing a live link
+    that authenticated with it. In a demo PKI (all clusters in one directory) each peer's
+    trust/<id>.crl.pem copy is updated too.
     """
     number = _serial_of(serial, cert)
     try:
