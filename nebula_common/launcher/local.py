@@ -6,6 +6,7 @@ emulator, so every byte between clusters crosses a shaped, delayed TCP link
 under mutual TLS. The layout of the run directory:
 
     <run>/pki/...              CAs, switch certificates, trust bundles
+    <run>/pki/<cluster>/services/<service>/   each service's internal identity (ca.crt, service.crt/key)
     <run>/<cluster>/auth/      the auth service's SQLite and signing key
     <run>/<cluster>/admin-password   bootstrap admin password (0600)
     <run>/<cluster>/switch/    the switch's audit log, seal and audit key
@@ -44,7 +45,9 @@ from nebula_common.launcher.ports import service_port
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command, wait_healthy
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor
 from nebula_common.pki import init_pki
+from nebula_common.pki.service_identity import ServiceTlsFiles, ensure_service_certificates
 from nebula_common.pki.store import PkiError
+from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 from nebula_common.wan.control import WanControl
 
 LOOPBACK = "127.0.0.1"
@@ -58,8 +61,13 @@ START_TIMEOUT_S = 90.0
 _BIND_FAILURE = re.compile(r"could not bind|address already in use", re.IGNORECASE)
 # Ready-line port -> the setting that binds it. The launcher picks each port (outside the ephemeral
 # range, ``ports.py``) and keeps it in the service's env, so a restart comes back on the same port.
-_LISTEN_PINS = {"grpc_port": "LISTEN", "metrics_port": "METRICS_PORT"}
-_SWITCH_PINS = {"internal_port": "INTERNAL_LISTEN", "wan_port": "WAN_LISTEN", "metrics_port": "METRICS_PORT"}
+_LISTEN_PINS = {"grpc_port": "LISTEN", "service_port": "SERVICE_LISTEN", "metrics_port": "METRICS_PORT"}
+_SWITCH_PINS = {
+    "internal_port": "INTERNAL_LISTEN",
+    "service_port": "SERVICE_LISTEN",
+    "wan_port": "WAN_LISTEN",
+    "metrics_port": "METRICS_PORT",
+}
 
 
 class LocalDeploymentError(NebulaError):
@@ -190,6 +198,7 @@ class LocalDeployment:
     supervisor: Supervisor | None = None
     _lock: IO[str] | None = None
     _passwords: dict[str, str | None] = field(default_factory=dict)
+    _service_tls: dict[str, dict[str, ServiceTlsFiles]] = field(default_factory=dict)
 
     @property
     def control_token_file(self) -> Path:
@@ -228,6 +237,10 @@ class LocalDeployment:
             self.log_dir.mkdir(exist_ok=True)
             try:
                 layout = init_pki(self.pki_dir, list(self.clusters))
+                # One internal identity per service: kept while good, renewed with a third of its life left.
+                self._service_tls = {
+                    cluster: ensure_service_certificates(self.pki_dir, cluster) for cluster in self.clusters
+                }
             except PkiError as exc:
                 raise LocalDeploymentError(f"PKI in {self.pki_dir}: {exc}") from None
             if not self.control_token_file.exists():
@@ -319,6 +332,25 @@ class LocalDeployment:
             self._lock.close()  # closing the descriptor releases the flock
             self._lock = None
 
+    def ca_cert(self, cluster: str) -> Path:
+        """The cluster CA that every internal port of ``cluster`` is verified against."""
+        return self.pki_dir / cluster / "ca.crt"
+
+    def _tls_settings(self, cluster: str, service: str) -> dict[str, str]:
+        """Where ``service`` finds its internal identity; the dev CA key lets it renew itself."""
+        return {
+            "INTERNAL_TLS_DIR": str(self._service_tls[cluster][service].dir),
+            "INTERNAL_CA_KEY": str(self.pki_dir / cluster / "ca.key"),
+        }
+
+    def _trust(self, cluster: str, process: ServiceProcess) -> None:
+        """Let this process's clients (health checks, SDK, CLI) verify ``process``'s ports."""
+        tls = ClientTls(cluster, self.ca_cert(cluster))
+        for key in ("grpc_port", "internal_port", "service_port"):
+            port = process.info.get(key)
+            if isinstance(port, int) and port > 0:
+                trust_endpoint(f"{LOOPBACK}:{port}", tls)
+
     def _start_cluster_services(self, cluster: str) -> None:
         cluster_dir = self.run_dir / cluster
         (cluster_dir / "auth").mkdir(parents=True, exist_ok=True)
@@ -339,18 +371,26 @@ class LocalDeployment:
                 "CLUSTER_ID": cluster,
                 "DATA_DIR": str(cluster_dir / "auth"),
                 "ADMIN_PASSWORD_FILE": str(password_file),
+                **self._tls_settings(cluster, "auth"),
             },
             _LISTEN_PINS,
         )
+        self._trust(cluster, state.auth)
         wait_healthy(self.address(state.auth), "nebula.v1.Auth")
         # Codec and data check tokens with auth's keys, fetched at start-up, so they follow auth.
         state.codec = self._launch(
             f"codec-{cluster}",
             "services.codec",
             "NEBULA_CODEC_",
-            {**common, "CLUSTER_ID": cluster, "AUTH_ADDRESS": self.address(state.auth)},
+            {
+                **common,
+                "CLUSTER_ID": cluster,
+                "AUTH_ADDRESS": self.service_address(state.auth),
+                **self._tls_settings(cluster, "codec"),
+            },
             _LISTEN_PINS,
         )
+        self._trust(cluster, state.codec)
         wait_healthy(self.address(state.codec), "nebula.v1.Codec")
         state.data = self._launch(
             f"data-{cluster}",
@@ -359,11 +399,13 @@ class LocalDeployment:
             {
                 **common,
                 "CLUSTER_ID": cluster,
-                "AUTH_ADDRESS": self.address(state.auth),
+                "AUTH_ADDRESS": self.service_address(state.auth),
                 "DATA_DIR": str(cluster_dir / "data"),
+                **self._tls_settings(cluster, "data"),
             },
             _LISTEN_PINS,
         )
+        self._trust(cluster, state.data)
         wait_healthy(self.address(state.data), "nebula.v1.Data")
 
     def _start_switch(self, cluster: str, layout: Any, peer_address: str | None) -> None:
@@ -377,8 +419,9 @@ class LocalDeployment:
             "TLS_CERT": str(paths.switch_cert),
             "TLS_KEY": str(paths.switch_key),
             "TRUST_BUNDLE": str(paths.trust_bundle),
-            "AUTH_ADDRESS": self.address(state.auth),
+            "AUTH_ADDRESS": self.service_address(state.auth),
             "DATA_DIR": str(self.run_dir / cluster / "switch"),
+            **self._tls_settings(cluster, "switch"),
             "PEER_CRL": str(paths.trust_crl(peer)),
             # Dev PKI on one machine: the switch may renew itself from its CA before expiry.
             "CA_CERT": str(paths.ca_cert),
@@ -389,6 +432,7 @@ class LocalDeployment:
         state.switch = self._launch(
             f"switch-{cluster}", "services.switch", "NEBULA_SWITCH_", env, _SWITCH_PINS
         )
+        self._trust(cluster, state.switch)
         wait_healthy(f"{LOOPBACK}:{state.switch.info['internal_port']}", "nebula.v1.Relay")
 
     def _start_trainer(self, cluster: str) -> None:
@@ -400,13 +444,16 @@ class LocalDeployment:
             {
                 "LOG_LEVEL": self.log_level,
                 "CLUSTER_ID": cluster,
-                "SWITCH_ADDRESS": f"{LOOPBACK}:{state.switch.info['internal_port']}",  # type: ignore[union-attr]
-                "AUTH_ADDRESS": self.address(state.auth),
+                # Service-to-service calls go to the mutual-TLS service ports.
+                "SWITCH_ADDRESS": self.service_address(state.switch),
+                "AUTH_ADDRESS": self.service_address(state.auth),
                 "DATA_DIR": str(self.run_dir / cluster / "trainer"),
-                "DATA_SERVICE_ADDRESS": self.data_address(cluster),
+                "DATA_SERVICE_ADDRESS": self.service_address(state.data),
+                **self._tls_settings(cluster, "trainer"),
             },
             _LISTEN_PINS,
         )
+        self._trust(cluster, state.trainer)
         wait_healthy(self.address(state.trainer), "nebula.v1.Trainer")
 
     def _launch(
@@ -466,6 +513,13 @@ class LocalDeployment:
             raise LocalDeploymentError("service not started")
         return f"{LOOPBACK}:{process.info['grpc_port']}"
 
+    @staticmethod
+    def service_address(process: ServiceProcess | None) -> str:
+        """host:port of a service's mutual-TLS service port (what the cluster's other services call)."""
+        if process is None:
+            raise LocalDeploymentError("service not started")
+        return f"{LOOPBACK}:{process.info['service_port']}"
+
     def data_address(self, cluster: str) -> str:
         """host:port of ``cluster``'s data service (datasets, grants, ReadBatch)."""
         return self.address(self.cluster_state[cluster].data)
@@ -499,6 +553,8 @@ class LocalDeployment:
             clusters[cluster] = {
                 "processes": {p.name: entry(p) for p in state.processes()},
                 "admin_password_file": str(self.run_dir / cluster / "admin-password"),
+                # Every internal port of the cluster serves TLS verified against this CA.
+                "ca_cert": str(self.ca_cert(cluster)),
             }
         emulator = entry(self.emulator) if self.emulator is not None else {}
         return {
