@@ -47,7 +47,7 @@ from nebula_common.launcher.supervisor import RestartPolicy, Supervisor
 from nebula_common.pki import init_pki
 from nebula_common.pki.service_identity import ServiceTlsFiles, ensure_service_certificates
 from nebula_common.pki.store import PkiError
-from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
+from nebula_common.rpc.internal_tls import PLAINTEXT_ENV, ClientTls, plaintext_allowed, trust_endpoint
 from nebula_common.wan.control import WanControl
 
 LOOPBACK = "127.0.0.1"
@@ -199,6 +199,9 @@ class LocalDeployment:
     _lock: IO[str] | None = None
     _passwords: dict[str, str | None] = field(default_factory=dict)
     _service_tls: dict[str, dict[str, ServiceTlsFiles]] = field(default_factory=dict)
+    # Development only (side-by-side measurements): plaintext internal ports. Requires the
+    # NEBULA_INTERNAL_PLAINTEXT=1 flag in this process's environment, which the services inherit.
+    internal_tls: bool = True
 
     @property
     def control_token_file(self) -> Path:
@@ -229,6 +232,10 @@ class LocalDeployment:
     def start(self) -> None:
         if len(set(self.clusters)) != 2:
             raise LocalDeploymentError(f"need two distinct cluster ids, got {self.clusters}")
+        if not self.internal_tls and not plaintext_allowed():
+            raise LocalDeploymentError(
+                f"internal_tls=False needs the development flag {PLAINTEXT_ENV}=1 in the environment"
+            )
         self._passwords = check_run_dir(self.run_dir, self.clusters)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_run_dir(self.run_dir)
@@ -338,6 +345,8 @@ class LocalDeployment:
 
     def _tls_settings(self, cluster: str, service: str) -> dict[str, str]:
         """Where ``service`` finds its internal identity; the dev CA key lets it renew itself."""
+        if not self.internal_tls:
+            return {}
         return {
             "INTERNAL_TLS_DIR": str(self._service_tls[cluster][service].dir),
             "INTERNAL_CA_KEY": str(self.pki_dir / cluster / "ca.key"),
@@ -345,6 +354,8 @@ class LocalDeployment:
 
     def _trust(self, cluster: str, process: ServiceProcess) -> None:
         """Let this process's clients (health checks, SDK, CLI) verify ``process``'s ports."""
+        if not self.internal_tls:
+            return
         tls = ClientTls(cluster, self.ca_cert(cluster))
         for key in ("grpc_port", "internal_port", "service_port"):
             port = process.info.get(key)
@@ -553,9 +564,9 @@ class LocalDeployment:
             clusters[cluster] = {
                 "processes": {p.name: entry(p) for p in state.processes()},
                 "admin_password_file": str(self.run_dir / cluster / "admin-password"),
-                # Every internal port of the cluster serves TLS verified against this CA.
-                "ca_cert": str(self.ca_cert(cluster)),
             }
+            if self.internal_tls:  # every internal port of the cluster serves TLS verified against this CA
+                clusters[cluster]["ca_cert"] = str(self.ca_cert(cluster))
         emulator = entry(self.emulator) if self.emulator is not None else {}
         return {
             "run_dir": str(self.run_dir),

@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import grpc
@@ -48,6 +48,8 @@ from nebula_common.service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
+MIN_RENEWED_VALIDITY = timedelta(hours=1)
+
 CERT_EXPIRY = Gauge(
     "nebula_internal_certificate_expiry_seconds",
     "Seconds until this service's internal (cluster mTLS) certificate expires.",
@@ -69,14 +71,29 @@ class ServiceIdentity:
     server: ServerTls | None
     client: ClientTls | None
     audit: AuditSink | None = None
+    _pending: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     def interceptors(self, audit: AuditSink | None = None) -> list[grpc.aio.ServerInterceptor]:
-        """The role check to put first on the service's server (none in plaintext mode: no identities)."""
+        """The role check to put first on the service's server (none in plaintext mode: no identities).
+
+        ``audit`` also receives the certificate events (records from before it was given are kept
+        and written then).
+        """
         if self.server is None:
             return []
         if audit is not None:
             self.audit = audit
+            pending, self._pending = self._pending, []
+            for event, details in pending:
+                audit.append(event, details=details)
         return [PeerRoleInterceptor(self.service, self.cluster_id, audit=audit)]
+
+    def record(self, event: str, details: dict[str, Any]) -> None:
+        """Audit a certificate event in the service's log (held until the log is attached)."""
+        if self.audit is None:
+            self._pending.append((event, details))
+        else:
+            self.audit.append(event, details=details)
 
     def credentials(self, *, require_client_auth: bool) -> grpc.ServerCredentials | None:
         if self.server is None:
@@ -126,10 +143,10 @@ async def service_identity(
             },
         )
         ident = holder.get("identity")
-        if ident is not None and ident.audit is not None:
-            ident.audit.append(
+        if ident is not None:
+            ident.record(
                 "cert.reload",
-                details={
+                {
                     "kind": "internal",
                     "serial": f"{cert.serial_number:x}",
                     "not_after": cert.not_valid_after_utc.isoformat(),
@@ -197,19 +214,19 @@ def _renew(identity: ServiceIdentity, ca_key_path: Any) -> None:
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise InternalTlsError(f"{ca_key_path} is not an ECDSA key")
     old = _current_cert(server)
-    # Same lifetime as the leaf it replaces (issue_certificate backdates not_before by CLOCK_SKEW again).
-    validity = max(old.not_valid_after_utc - old.not_valid_before_utc - CLOCK_SKEW, CLOCK_SKEW)
+    # The lifetime of the leaf it replaces (issue_certificate backdates not_before by CLOCK_SKEW again),
+    # at least MIN_RENEWED_VALIDITY: a very short-lived leaf would otherwise be due again at once.
+    validity = max(old.not_valid_after_utc - old.not_valid_before_utc - CLOCK_SKEW, MIN_RENEWED_VALIDITY)
     cert = issue_from_ca(
         ca_cert, ca_key, files, Identity(identity.cluster_id, identity.service), validity=validity
     )
-    if identity.audit is not None:
-        identity.audit.append(
-            "cert.renew",
-            details={
-                "kind": "internal",
-                "serial": f"{cert.serial_number:x}",
-                "previous_serial": f"{old.serial_number:x}",
-                "not_after": cert.not_valid_after_utc.isoformat(),
-            },
-        )
+    identity.record(
+        "cert.renew",
+        {
+            "kind": "internal",
+            "serial": f"{cert.serial_number:x}",
+            "previous_serial": f"{old.serial_number:x}",
+            "not_after": cert.not_valid_after_utc.isoformat(),
+        },
+    )
     server.refresh()

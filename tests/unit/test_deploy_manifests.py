@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from nebula_common.pki import init_pki
+from nebula_common.pki import Identity, identity_from_pem, init_pki
 from services.auth.config import AuthSettings
 from services.codec.config import CodecSettings
 from services.data.config import DataSettings
@@ -45,6 +45,8 @@ NON_SETTINGS_VARS = {
     "NEBULA_HEALTH_PORT",
     "NEBULA_HEALTH_SERVICE",
     "NEBULA_HEALTH_TIMEOUT",
+    "NEBULA_HEALTH_TLS_CA",
+    "NEBULA_HEALTH_SERVER_NAME",
 }
 WAN_PORT = 7443
 METRICS_PORT = 9100
@@ -347,11 +349,14 @@ def test_compose_wan_link_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
     assert emulator[emulator.index("--control") + 1].startswith("127.0.0.1:")  # fault controls, loopback only
     assert b.wan_listen.endswith(f":{WAN_PORT}")
     for cluster in ("a", "b"):
+        # Service to service: the mutual-TLS service ports (client port + 1), docs/internal-tls.md.
         trainer = _compose_env(services[f"trainer-{cluster}"])
-        assert trainer["NEBULA_TRAINER_SWITCH_ADDRESS"] == f"switch-{cluster}:7400"
-        assert trainer["NEBULA_TRAINER_AUTH_ADDRESS"] == f"auth-{cluster}:7600"
+        assert trainer["NEBULA_TRAINER_SWITCH_ADDRESS"] == f"switch-{cluster}:7401"
+        assert trainer["NEBULA_TRAINER_AUTH_ADDRESS"] == f"auth-{cluster}:7601"
+        assert trainer["NEBULA_TRAINER_DATA_SERVICE_ADDRESS"] == f"data-{cluster}:7801"
         switch = _compose_env(services[f"switch-{cluster}"])
-        assert switch["NEBULA_SWITCH_AUTH_ADDRESS"] == f"auth-{cluster}:7600"
+        assert switch["NEBULA_SWITCH_AUTH_ADDRESS"] == f"auth-{cluster}:7601"
+        assert switch["NEBULA_SWITCH_SERVICE_LISTEN"] == "0.0.0.0:7401"
     # Revocation is enforced: each switch reads its peer's CRL from its own read-only TLS volume.
     for cluster, settings in (("a", a), ("b", b)):
         assert settings.peer_crl is not None, f"switch-{cluster} has no NEBULA_SWITCH_PEER_CRL"
@@ -365,7 +370,10 @@ def test_pki_export_hands_each_switch_its_peers_crl(tmp_path: Path) -> None:
     """Run docker/pki_export.py on a real PKI: switch-a gets b's CRL and vice versa, nothing else."""
     layout = init_pki(tmp_path / "pki", ["a", "b"])
     out = tmp_path / "export"
-    for volume in ("switch-a", "switch-b", "auth-a", "auth-b"):
+    internal = [
+        f"{svc}-{c}-internal-tls" for c in "ab" for svc in ("auth", "codec", "data", "switch", "trainer")
+    ]
+    for volume in ("switch-a", "switch-b", "auth-a", "auth-b", *internal):
         (out / volume).mkdir(parents=True)
     spec = importlib.util.spec_from_file_location("pki_export", ROOT / "docker" / "pki_export.py")
     assert spec is not None and spec.loader is not None
@@ -383,6 +391,14 @@ def test_pki_export_hands_each_switch_its_peers_crl(tmp_path: Path) -> None:
         assert (volume / "peer-crl.pem").read_bytes() == layout.cluster(cluster).trust_crl(peer).read_bytes()
         assert (volume / "peer-crl.pem").read_bytes() == layout.cluster(peer).crl.read_bytes()
         assert (volume / "peer-crl.pem").stat().st_mode & 0o777 == 0o400
+    # Each service gets its own internal identity of its own cluster, and the CA to verify peers.
+    for name in internal:
+        service, cluster = name.split("-")[:2]
+        volume = out / name
+        assert sorted(p.name for p in volume.iterdir()) == ["ca.crt", "service.crt", "service.key"]
+        assert identity_from_pem((volume / "service.crt").read_bytes()) == Identity(cluster, service)
+        assert (volume / "ca.crt").read_bytes() == layout.cluster(cluster).ca_cert.read_bytes()
+        assert (volume / "service.key").stat().st_mode & 0o777 == 0o400
 
 
 def test_compose_start_order() -> None:
