@@ -107,10 +107,13 @@ async def start_internal(
 ) -> dict[str, int | None]:
     """Bind the internal ports and the metrics endpoint, start serving; the ports to announce."""
     bind_internal(server, identity, listen, settings.service_listen)
+    if settings.health_listen:
+        server.add_health_port(settings.health_listen)
     server.start_metrics(settings.metrics_port, listen)
     await server.start()
     return {
         "grpc_port": server.ports["grpc"],
         "service_port": server.ports["service"],
         "metrics_port": server.metrics_port,
+        **({"health_port": server.ports["health"]} if settings.health_listen else {}),
     }

@@ -71,6 +71,13 @@ class ServiceSettings(BaseSettings):
         "127.0.0.1:0",
         description="The mutual-TLS port the cluster's other services call (client certificate required).",
     )
+    health_listen: HostPort | None = Field(
+        None,
+        description=(
+            "Optional plaintext listener serving grpc.health.v1 only, for probes that cannot speak TLS "
+            "(Kubernetes' native gRPC probes)."
+        ),
+    )
     internal_ca_key: Path | None = Field(
         None,
         description=(

@@ -199,6 +199,8 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     add_audit_api(internal.server, audit, "switch", settings.cluster_id)
     # The internal port (users: TLS, token) and the service port (trainers: mutual TLS, role checked).
     bind_internal(internal, identity, settings.internal_listen, settings.service_listen, name="internal")
+    if settings.health_listen:
+        internal.add_health_port(settings.health_listen)
     # The WAN port has no token interceptor: the peer switch holds no token of this cluster; mTLS and
     # the certificate's SPIFFE identity authenticate it (services/switch/link.py).
     # A client that connects and never finishes TLS (and HTTP/2 settings) is dropped after
@@ -251,6 +253,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     ports = {
         "internal_port": running.internal_port,
         "service_port": internal.ports["service"],
+        **({"health_port": internal.ports["health"]} if settings.health_listen else {}),
         "wan_port": running.wan_port,
         "metrics_port": internal.metrics_port,
     }

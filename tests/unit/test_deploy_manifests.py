@@ -472,13 +472,18 @@ def test_crashed_services_are_restarted_by_compose_and_kubernetes() -> None:
 
 
 def test_k8s_probes_are_native_grpc_on_the_service_port() -> None:
+    """Native gRPC probes cannot speak TLS: they ask the plaintext health-only port (gRPC port + 9)."""
     for name, _, container in _containers():
-        _, _, port, service = SERVICES[container["command"][0]]
+        _, prefix, port, service = SERVICES[container["command"][0]]
         for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
             grpc = container[probe]["grpc"]
-            assert grpc == {"port": port, "service": service}, f"{name} {probe}"
+            assert grpc == {"port": port + 9, "service": service}, f"{name} {probe}"
         ports = {p["containerPort"] for p in container["ports"]}
-        assert {port, METRICS_PORT} <= ports, name
+        assert {port, port + 1, port + 9, METRICS_PORT} <= ports, name
+        env = {item["name"]: item.get("value", "") for item in container["env"]}
+        assert env[prefix + "HEALTH_LISTEN"] == f"0.0.0.0:{port + 9}", name
+        assert env[prefix + "SERVICE_LISTEN"] == f"0.0.0.0:{port + 1}", name
+        assert env[prefix + "INTERNAL_TLS_DIR"] == "/etc/nebula/internal-tls", name
 
 
 def test_k8s_env_names_are_settings_fields(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -514,9 +519,21 @@ def test_k8s_secrets_are_mounted_read_only() -> None:
         "nebula-switch": ("nebula-switch-tls", {"tls.crt", "tls.key", "trust-bundle.pem", "peer-crl.pem"}),
         "nebula-auth": ("nebula-auth-admin", {"admin-password"}),
     }
+    for name in SERVICES:
+        service = name.removeprefix("nebula-")
+        pod = deployments[name]["spec"]["template"]["spec"]
+        (volume,) = [
+            v for v in pod["volumes"] if v.get("secret", {}).get("secretName", "").endswith("-internal-tls")
+        ]
+        assert volume["secret"]["secretName"] == f"nebula-{service}-internal-tls"
+        assert {item["key"] for item in volume["secret"]["items"]} == {"ca.crt", "service.crt", "service.key"}
+        assert volume["secret"]["defaultMode"] & 0o007 == 0
+        (container,) = pod["containers"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount["readOnly"] is True and mount["mountPath"] == "/etc/nebula/internal-tls"
     for name, (secret, keys) in expected.items():
         pod = deployments[name]["spec"]["template"]["spec"]
-        (volume,) = [v for v in pod["volumes"] if "secret" in v]
+        (volume,) = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == secret]
         assert volume["secret"]["secretName"] == secret
         assert {item["key"] for item in volume["secret"]["items"]} == keys
         assert volume["secret"]["defaultMode"] & 0o007 == 0, f"{secret} readable by others"
@@ -525,7 +542,7 @@ def test_k8s_secrets_are_mounted_read_only() -> None:
         assert mount["readOnly"] is True
         env = {item["name"]: item.get("value", "") for item in container["env"]}
         for value in env.values():
-            if value.startswith("/etc/nebula/"):
+            if value.startswith("/etc/nebula/") and not value.startswith("/etc/nebula/internal-tls"):
                 assert value.startswith(mount["mountPath"] + "/") and value.rsplit("/", 1)[1] in keys
     auth = deployments["nebula-auth"]["spec"]["template"]["spec"]
     claims = [

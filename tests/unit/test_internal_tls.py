@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nebula_common.pki import PkiLayout, init_pki
 from nebula_common.pki.service_identity import ServiceTlsFiles, ensure_service_certificates
@@ -75,6 +76,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         admin_password_file=password,
         metrics_port=-1,
         internal_tls_dir=services["auth"].dir,
+        health_listen="127.0.0.1:0",
     )
     auth = AuthServerThread(settings)
     try:
@@ -196,3 +198,18 @@ def test_service_refuses_another_services_identity(setup: Setup, tmp_path: Path)
     )
     with pytest.raises(InternalTlsError, match="names spiffe://nebula/cluster/a/codec"):
         AuthServerThread(settings)
+
+
+def test_probe_port_is_plaintext_health_only(setup: Setup) -> None:
+    """For Kubernetes' native gRPC probes: health answers in plaintext, nothing else is served there."""
+    address = f"127.0.0.1:{setup.auth.service.ports['health_port']}"
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="nebula.v1.Auth"), timeout=10
+        )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as refused:
+            auth_pb2_grpc.AuthStub(channel).Login(
+                auth_pb2.LoginRequest(username="admin", password="x"), timeout=5
+            )
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
