@@ -3,9 +3,11 @@
 Used by the image's HEALTHCHECK (compose, podman). Kubernetes uses its native gRPC probe
 against the same grpc.health.v1 service instead. Configuration, all optional except the port:
 
-    NEBULA_HEALTH_PORT     port of the service's (plaintext, cluster-internal) gRPC listener
+    NEBULA_HEALTH_PORT     port of the service's cluster-internal client port (TLS)
     NEBULA_HEALTH_SERVICE  service name to ask about ("" = the whole server, the default)
     NEBULA_HEALTH_TIMEOUT  seconds before the probe gives up (default 2)
+    NEBULA_HEALTH_TLS_CA   the cluster CA to verify the port with (unset: plaintext, development only)
+    NEBULA_HEALTH_SERVER_NAME  the name its certificate must carry, e.g. auth.a.nebula.internal
 
 Only 127.0.0.1 is probed: the check runs inside the service's own network namespace.
 
@@ -56,8 +58,23 @@ def main(argv: list[str]) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     target = f"127.0.0.1:{port}"
+    ca_path = os.environ.get("NEBULA_HEALTH_TLS_CA", "").strip()
+    if ca_path:
+        try:
+            with open(ca_path, "rb") as handle:
+                ca = handle.read()
+        except OSError as exc:
+            print(f"healthcheck: cannot read NEBULA_HEALTH_TLS_CA {ca_path}: {exc.strerror}", file=sys.stderr)
+            return 1
+        name = os.environ.get("NEBULA_HEALTH_SERVER_NAME", "").strip()
+        options = [("grpc.ssl_target_name_override", name)] if name else []
+        channel = grpc.secure_channel(
+            target, grpc.ssl_channel_credentials(root_certificates=ca), options=options
+        )
+    else:
+        channel = grpc.insecure_channel(target)
     try:
-        with grpc.insecure_channel(target) as channel:
+        with channel:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
             )

@@ -9,6 +9,13 @@ This script copies, per cluster ``<c>``:
     /pki/<c>/trust-bundle.pem  -> <out>/switch-<c>/trust-bundle.pem
     /pki/<c>/trust/<peer>.crl.pem -> <out>/switch-<c>/peer-crl.pem  (the peer CA's CRL)
     /pki/<c>/admin-password    -> <out>/auth-<c>/admin-password   (generated once if absent)
+    /pki/<c>/services/<svc>/{ca.crt,service.crt,service.key}
+                               -> <out>/<svc>-<c>-internal-tls/   (each service's internal identity)
+
+Service certificates (``spiffe://nebula/cluster/<c>/<svc>``, for the mutual TLS of the internal
+ports) are issued here by the cluster CA, ``--service-validity-hours`` long (168), and kept while
+more than a third of that is left; re-running pki-init renews them, and the running services pick
+the new files up before their next handshake (no restart, no dropped call).
 
 The names match the Kubernetes Secrets (``nebula-switch-tls``: tls.crt, tls.key, trust-bundle.pem),
 so the services' NEBULA_* settings are the same in compose and in k8s. Each ``<out>/<svc>-<c>`` is
@@ -61,7 +68,38 @@ def _peer(cluster: str, clusters: list[str]) -> str:
     return peers[0]
 
 
-def export(pki: Path, out: Path, clusters: list[str], uid: int | None, gid: int | None) -> None:
+SERVICES = ("auth", "codec", "data", "switch", "trainer")
+
+
+def export_internal(
+    pki: Path, out: Path, cluster: str, validity_hours: float, uid: int | None, gid: int | None
+) -> None:
+    """Issue (or keep) every service's internal certificate and copy it into that service's volume."""
+    from datetime import timedelta
+
+    from nebula_common.pki.service_identity import ensure_service_certificates
+
+    targets = {service: out / f"{service}-{cluster}-internal-tls" for service in SERVICES}
+    for target in targets.values():
+        if not target.is_dir():
+            raise SystemExit(f"pki-init: {target} is not mounted (expected a named volume there)")
+    issued = ensure_service_certificates(pki, cluster, SERVICES, validity=timedelta(hours=validity_hours))
+    for service, files in issued.items():
+        # Key before certificate: a service reading in between sees a mismatched pair and keeps its old one.
+        _write(targets[service] / "ca.crt", files.ca.read_bytes(), 0o400, uid, gid)
+        _write(targets[service] / "service.key", files.key.read_bytes(), 0o400, uid, gid)
+        _write(targets[service] / "service.crt", files.cert.read_bytes(), 0o400, uid, gid)
+    print(f"pki-init: cluster {cluster}: exported internal identities of {', '.join(SERVICES)}")
+
+
+def export(
+    pki: Path,
+    out: Path,
+    clusters: list[str],
+    uid: int | None,
+    gid: int | None,
+    validity_hours: float = 168.0,
+) -> None:
     for cluster in clusters:
         src = pki / cluster
         switch_files = {
@@ -82,6 +120,7 @@ def export(pki: Path, out: Path, clusters: list[str], uid: int | None, gid: int 
             _write(switch_out / name, source.read_bytes(), 0o400, uid, gid)
         _write(auth_out / "admin-password", _admin_password(src), 0o400, uid, gid)
         print(f"pki-init: cluster {cluster}: exported {switch_out} and {auth_out}")
+        export_internal(pki, out, cluster, validity_hours, uid, gid)
 
 
 def export_organisation(pki: Path, out: Path, cluster: str, uid: int | None, gid: int | None) -> None:
@@ -126,13 +165,23 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--organisation", help="ONE organisation's cluster id (exports to <out>/switch, auth)")
     parser.add_argument("--uid", type=int, default=None, help="owner of the exported files")
     parser.add_argument("--gid", type=int, default=None, help="group of the exported files (default: uid)")
+    parser.add_argument(
+        "--service-validity-hours",
+        type=float,
+        default=168.0,
+        help="lifetime of the services' internal certificates",
+    )
     args = parser.parse_args(argv)
     os.umask(0o077)
+    if args.service_validity_hours <= 0:
+        parser.error("--service-validity-hours must be positive")
     if args.organisation:
-        export_organisation(args.pki, args.out, args.organisation.strip(), args.uid, args.gid)
+        cluster = args.organisation.strip()
+        export_organisation(args.pki, args.out, cluster, args.uid, args.gid)
+        export_internal(args.pki, args.out, cluster, args.service_validity_hours, args.uid, args.gid)
         return 0
     clusters = [c.strip() for c in args.clusters.split(",") if c.strip()]
-    export(args.pki, args.out, clusters, args.uid, args.gid)
+    export(args.pki, args.out, clusters, args.uid, args.gid, args.service_validity_hours)
     return 0
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from nebula_common.pki import PkiLayout, init_pki
+from nebula_common.rpc.internal_tls import PLAINTEXT_ENV
 
 
 @pytest.fixture(scope="module")
@@ -15,3 +18,9 @@ def pki_ab(tmp_path_factory: pytest.TempPathFactory) -> PkiLayout:
     certificates cannot leak that into another module.
     """
     return init_pki(tmp_path_factory.mktemp("pki"), ["a", "b"])
+
+
+# In-process test servers (tests/support/servers.py and the unit tests) run without internal TLS
+# files: the development flag lets them (and their clients) use plaintext. Deployments the tests
+# start with `nebula local up` are given their TLS directories and use TLS regardless.
+os.environ.setdefault(PLAINTEXT_ENV, "1")

@@ -50,8 +50,10 @@ from common import PALETTE, Canvas, JobFollower, Plot, ProcessSampler, jain, loa
 from nebula_common.errors import NebulaError
 from nebula_common.jobspec import load_spec
 from nebula_common.launcher import LocalDeployment
+from nebula_common.pki.service_identity import ServiceTlsFiles, service_tls_dir
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, tensor_pb2
 from nebula_common.rpc import bearer_metadata
+from nebula_common.rpc.internal_tls import ClientTls, internal_channel
 from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.jobs import ProgramJob
 from tests.support.accounts import make_user
@@ -75,8 +77,11 @@ STATED_BOUND_BYTES = 256 * 2 * (W + S) + 256 * ((1 << 20) + S)
 class Flooder:
     """A raw Relay client of its own account: header-only frames on an edge nobody attaches, flat out."""
 
-    def __init__(self, address: str, token: str, rate: float = 0.0, prefix: str = "flood") -> None:
+    def __init__(
+        self, address: str, token: str, rate: float = 0.0, prefix: str = "flood", tls: ClientTls | None = None
+    ) -> None:
         self.address, self.token, self.rate, self.prefix = address, token, rate, prefix
+        self.tls = tls  # a trainer's identity: only trainers may open edges (internal TLS)
         self.closes: list[dict[str, Any]] = []
         self.sent = 0
         self._stop = threading.Event()
@@ -108,7 +113,7 @@ class Flooder:
             opened = time.monotonic()
             sent_before = self.sent
             entry: dict[str, Any] = {"job_id": job_id, "opened_at_s": round(opened - self.t0, 2)}
-            with grpc.insecure_channel(self.address) as channel:
+            with internal_channel(self.address, service="switch", tls=self.tls) as channel:
                 call = relay_pb2_grpc.RelayStub(channel).OpenEdge(
                     self._frames(job_id, stop), metadata=bearer_metadata(self.token)
                 )
@@ -143,7 +148,9 @@ class Flooder:
         self._thread.join(10)
 
 
-def flood_process(address: str, token: str, result: Path, rate: float, prefix: str = "flood") -> None:
+def flood_process(
+    address: str, token: str, result: Path, rate: float, prefix: str = "flood", tls_dir: Path | None = None
+) -> None:
     """The flooder as a process of its own, until SIGTERM.
 
     At the lowest CPU priority (nice 19): on one 2-CPU host the flooder's own frame-making (0.8 cores
@@ -155,7 +162,8 @@ def flood_process(address: str, token: str, result: Path, rate: float, prefix: s
     os.nice(FLOODER_NICE)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
-    flooder = Flooder(address, token, rate, prefix).start()
+    tls = ClientTls.for_service(ServiceTlsFiles.in_dir(tls_dir), "a") if tls_dir else None
+    flooder = Flooder(address, token, rate, prefix, tls).start()
     done.wait()
     flooder.stop()
     times = os.times()
@@ -277,6 +285,7 @@ def main() -> None:
     parser.add_argument("--token-file", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--flood-prefix", default="flood", help=argparse.SUPPRESS)  # job ids of one round
+    parser.add_argument("--flood-tls-dir", type=Path, help=argparse.SUPPRESS)  # a trainer's internal identity
     args = parser.parse_args()
     if args.render:
         result = json.loads(args.render.read_text())
@@ -291,7 +300,12 @@ def main() -> None:
         return
     if args.flood:
         flood_process(
-            args.flood, args.token_file.read_text().strip(), args.result, args.flood_rate, args.flood_prefix
+            args.flood,
+            args.token_file.read_text().strip(),
+            args.result,
+            args.flood_rate,
+            args.flood_prefix,
+            args.flood_tls_dir,
         )
         return
     stem = "faults-fairness" + (f"-{args.tag}" if args.tag else "")
@@ -342,7 +356,9 @@ def main() -> None:
             log(f"round {k}, healthy + slow mix: {summary(slow_mix)}")
             marks[f"full_mix_{k}_start"] = time.monotonic() - sampler.t0
             full_load = load_info()
-            address = deployment.endpoints("a").switch
+            # Only a trainer's certificate may open an edge: the flooder uses trainer a's (service port).
+            address = f"127.0.0.1:{deployment.process('switch-a').info['service_port']}"
+            args.flood_tls_dir = service_tls_dir(deployment.pki_dir, "a", "trainer")
             full_mix, flooder = flooded_mix(
                 address, token_file, run_dir / f"flooder-{k}.json", args, users, healthy
             )
@@ -414,6 +430,8 @@ def flooded_mix(
             str(args.flood_rate),
             "--flood-prefix",
             flood_result.stem.replace("flooder", "flood-r"),
+            "--flood-tls-dir",
+            str(args.flood_tls_dir),
         ]
     )
     try:

@@ -288,6 +288,9 @@ class Deployment:
         self.tokens: dict[str, str] = {}
 
     def start(self) -> Deployment:
+        # This bench measures the switch's WAN path; its internal ports run plaintext under the
+        # explicit development flag (the services and this process's clients inherit it).
+        os.environ["NEBULA_INTERNAL_PLAINTEXT"] = "1"
         from nebula_common.launcher.ports import service_port
         from nebula_common.launcher.process import ServiceProcess, console_command, wait_healthy
         from nebula_common.pki import init_pki

@@ -33,7 +33,7 @@ import jwt
 
 from nebula_common.errors import AuthenticationError, NebulaError
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
-from nebula_common.rpc import insecure_channel
+from nebula_common.rpc.internal_tls import ClientTls, internal_channel
 
 ALGORITHM = "ES256"
 """The only signature algorithm tokens may use; pinned so header tricks cannot pick another."""
@@ -249,13 +249,16 @@ class TokenVerifier:
         return frozenset(self._state.keys)
 
     @classmethod
-    def from_auth_service(cls, address: str, cluster_id: str, timeout: float = 5.0) -> TokenVerifier:
-        """Fetch the signing keys of the auth service at ``address`` once.
+    def from_auth_service(
+        cls, address: str, cluster_id: str, timeout: float = 5.0, *, tls: ClientTls | None = None
+    ) -> TokenVerifier:
+        """Fetch the signing keys of the auth service at ``address`` (its service port) once.
 
         Waits up to ``timeout`` for the service to become reachable, since a
-        switch or trainer often starts alongside its auth service.
+        switch or trainer often starts alongside its auth service. ``tls`` is the
+        caller's service identity (default: the process's own, see ``internal_tls``).
         """
-        channel = insecure_channel(address)
+        channel = internal_channel(address, service="auth", tls=tls)
         try:
             stub = auth_pb2_grpc.AuthStub(channel)
             try:
@@ -266,19 +269,19 @@ class TokenVerifier:
                 raise _fetch_error(address, exc) from exc
         finally:
             channel.close()
-        return cls._from_reply(address, cluster_id, reply)
+        return cls._from_reply(address, cluster_id, reply, tls)
 
     @staticmethod
-    def _refresher(address: str, cluster_id: str) -> AuthKeySource:
+    def _refresher(address: str, cluster_id: str, tls: ClientTls | None = None) -> AuthKeySource:
         """A blocking fetch of keys and revocations (background thread, and unknown kids)."""
-        return AuthKeySource(address, cluster_id)
+        return AuthKeySource(address, cluster_id, tls=tls)
 
     @classmethod
     async def from_auth_service_async(
-        cls, address: str, cluster_id: str, timeout: float = 5.0
+        cls, address: str, cluster_id: str, timeout: float = 5.0, *, tls: ClientTls | None = None
     ) -> TokenVerifier:
         """Async twin of :meth:`from_auth_service` for aio servers (switch, trainer)."""
-        channel = insecure_channel(address, aio=True)
+        channel = internal_channel(address, service="auth", tls=tls, aio=True)
         try:
             stub = auth_pb2_grpc.AuthStub(channel)
             try:
@@ -289,10 +292,12 @@ class TokenVerifier:
                 raise _fetch_error(address, exc) from exc
         finally:
             await channel.close()
-        return cls._from_reply(address, cluster_id, reply)
+        return cls._from_reply(address, cluster_id, reply, tls)
 
     @classmethod
-    def _from_reply(cls, address: str, cluster_id: str, reply: auth_pb2.SigningKeys) -> TokenVerifier:
+    def _from_reply(
+        cls, address: str, cluster_id: str, reply: auth_pb2.SigningKeys, tls: ClientTls | None = None
+    ) -> TokenVerifier:
         # A misrouted address (the other cluster's auth service) must not make
         # this cluster accept the other cluster's accounts.
         expected = issuer_for(cluster_id)
@@ -307,7 +312,7 @@ class TokenVerifier:
         verifier = cls(
             cluster_id,
             snapshot.jwks_json,
-            refresh=cls._refresher(address, cluster_id),
+            refresh=cls._refresher(address, cluster_id, tls),
             revocation_epoch=snapshot.revocation_epoch,
             revocations=snapshot.revocations,
         )
@@ -430,16 +435,23 @@ class AuthKeySource:
     unknown key id. Each call has a short deadline so an unreachable service costs at most that.
     """
 
-    def __init__(self, address: str, cluster_id: str) -> None:
+    def __init__(self, address: str, cluster_id: str, *, tls: ClientTls | None = None) -> None:
         self._address = address
         self._cluster_id = cluster_id
-        self._channel = insecure_channel(address)
+        self._tls = tls
+        self._channel = internal_channel(address, service="auth", tls=tls)
         self._stub = auth_pb2_grpc.AuthStub(self._channel)
 
     def __call__(self) -> KeySnapshot:
         try:
             reply = self._stub.GetSigningKeys(auth_pb2.GetSigningKeysRequest(), timeout=FETCH_TIMEOUT_SECONDS)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                # A new channel presents the certificate on disk now (the old one keeps the
+                # credentials it was built with, which a renewal has since replaced).
+                self._channel.close()
+                self._channel = internal_channel(self._address, service="auth", tls=self._tls)
+                self._stub = auth_pb2_grpc.AuthStub(self._channel)
             raise _fetch_error(self._address, exc) from exc
         if reply.issuer != issuer_for(self._cluster_id):
             raise NebulaError(f"auth service at {self._address} now issues as {reply.issuer!r}")

@@ -26,6 +26,7 @@ from nebula_common.clients.auth import AccountInfo, AuthClient
 from nebula_common.clients.data import DataClient
 from nebula_common.credentials import CredentialsError, read_passwords, store_new, store_rotated
 from nebula_common.errors import NebulaError, PermissionDeniedError
+from nebula_common.sdk.deployment import trust_described_cluster
 
 app = typer.Typer(help="Manage the accounts of a deployment's clusters (admins only).", no_args_is_help=True)
 LOOPBACK = "127.0.0.1"
@@ -90,6 +91,7 @@ def load_deployment(run_dir: Path | None, deployment: Path | None) -> Deployment
         clusters = {}
         for cluster, entry in description["clusters"].items():
             processes = entry["processes"]
+            trust_described_cluster(cluster, entry)  # its internal ports' CA
             clusters[cluster] = ClusterTarget(
                 cluster=cluster,
                 auth=f"{LOOPBACK}:{int(processes[f'auth-{cluster}']['grpc_port'])}",

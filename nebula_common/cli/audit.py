@@ -22,7 +22,8 @@ from nebula_common.audit import (
 )
 from nebula_common.audit.query import MAX_LIMIT
 from nebula_common.proto.nebula.v1 import audit_pb2, audit_pb2_grpc
-from nebula_common.rpc import bearer_metadata, insecure_channel
+from nebula_common.rpc import bearer_metadata
+from nebula_common.rpc.internal_tls import InternalTlsError, internal_channel
 
 app = typer.Typer(help="Tamper-evident audit logs of the services.", no_args_is_help=True)
 
@@ -135,6 +136,12 @@ def query(
     until: Annotated[str | None, typer.Option(help="ISO 8601 time, exclusive.")] = None,
     limit: Annotated[int, typer.Option(min=1, max=MAX_LIMIT)] = 1000,
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for the answer.")] = 10.0,
+    service: Annotated[
+        str,
+        typer.Option(
+            help="The service at that address (its certificate is checked): switch, auth, data, trainer."
+        ),
+    ] = "switch",
 ) -> None:
     """Read a running service's audit log over nebula.v1.AuditLog/Query; one JSON object per line.
 
@@ -149,7 +156,11 @@ def query(
         until_unix=_epoch(until, "--until"),
         limit=limit,
     )
-    channel = insecure_channel(switch)
+    try:
+        # TLS verifying the CA in NEBULA_CA_CERT, pinned to the service named by --service.
+        channel = internal_channel(switch, service=service)
+    except InternalTlsError as exc:
+        raise _fail(str(exc)) from None
     try:
         reply = audit_pb2_grpc.AuditLogStub(channel).Query(
             request, metadata=bearer_metadata(token), timeout=timeout

@@ -8,6 +8,7 @@ submit`` would; the options below override fields of that spec.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from nebula_common.errors import NebulaError
 from nebula_common.jobspec import SpecError, load_spec
 from nebula_common.jobspec.builtin import builtin_spec
 from nebula_common.launcher import LocalDeployment
+from nebula_common.rpc.internal_tls import PLAINTEXT_ENV, warn_plaintext
 from nebula_common.sdk.client import ClusterSession
 from nebula_common.sdk.codec_advice import LinkProfile
 from nebula_common.sdk.jobs import ProgramJob
@@ -65,6 +67,12 @@ def demo(
     ),
     json_path: Path = typer.Option(None, "--json", help="Write the JSON summary here."),
     run_dir: Path = typer.Option(None, help="Where PKI, data and logs go (default runs/demo-<time>)."),
+    dev_plaintext_internal: bool = typer.Option(
+        False,
+        "--dev-plaintext-internal",
+        hidden=True,
+        help="Development only: plaintext internal ports (to measure what TLS costs). Logs a warning.",
+    ),
 ) -> None:
     """Run a built-in split job across two simulated clusters and print what crossed the WAN."""
     if job_name not in DEMO_JOBS:
@@ -91,7 +99,15 @@ def demo(
         f"{_pipeline(job)}; run dir {run_dir}"
     )
     started = time.perf_counter()
-    deployment = LocalDeployment(run_dir=run_dir, bandwidth_mbit=bandwidth_mbit, delay_ms=delay_ms)
+    if dev_plaintext_internal:
+        os.environ[PLAINTEXT_ENV] = "1"  # the explicit development flag, for this process and the services
+        warn_plaintext("nebula demo --dev-plaintext-internal")
+    deployment = LocalDeployment(
+        run_dir=run_dir,
+        bandwidth_mbit=bandwidth_mbit,
+        delay_ms=delay_ms,
+        internal_tls=not dev_plaintext_internal,
+    )
     try:
         with console.status("starting PKI, auth, codec, switches, WAN emulator and trainers ..."):
             deployment.start()  # stops whatever it started if any process fails to come up

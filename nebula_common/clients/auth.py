@@ -21,7 +21,8 @@ from nebula_common.errors import (
     PermissionDeniedError,
 )
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
-from nebula_common.rpc import bearer_metadata, insecure_channel
+from nebula_common.rpc import bearer_metadata
+from nebula_common.rpc.internal_tls import internal_channel
 
 _T = TypeVar("_T")
 
@@ -89,12 +90,12 @@ class TokenStatus:
 
 
 class AuthClient:
-    """Client of the auth service at ``address`` (cluster-internal, plaintext)."""
+    """Client of the auth service at ``address`` (cluster-internal, TLS: ``internal_channel``)."""
 
     def __init__(self, address: str, *, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> None:
         self._address = address
         self._timeout = timeout
-        self._channel = cast(grpc.Channel, insecure_channel(address))
+        self._channel = cast(grpc.Channel, internal_channel(address, service="auth"))
         self._stub = auth_pb2_grpc.AuthStub(self._channel)
 
     def login(self, username: str, password: str) -> LoginResult:

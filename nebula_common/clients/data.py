@@ -24,7 +24,8 @@ from nebula_common.errors import (
     PermissionDeniedError,
 )
 from nebula_common.proto.nebula.v1 import data_pb2, data_pb2_grpc
-from nebula_common.rpc import bearer_metadata, insecure_channel
+from nebula_common.rpc import bearer_metadata
+from nebula_common.rpc.internal_tls import internal_channel
 
 _T = TypeVar("_T")
 DEFAULT_TIMEOUT_SECONDS = 30.0
@@ -104,7 +105,7 @@ class DataClient:
         self._address = address
         self._timeout = timeout
         self._metadata = bearer_metadata(token)
-        self._channel = cast(grpc.Channel, insecure_channel(address))
+        self._channel = cast(grpc.Channel, internal_channel(address, service="data"))
         self._stub = data_pb2_grpc.DataStub(self._channel)
 
     # ------------------------------------------------------------------ datasets

@@ -35,7 +35,8 @@ from nebula_common.codec.advice import (
 )
 from nebula_common.codec.base import CodecError
 from nebula_common.proto.nebula.v1 import codec_pb2_grpc
-from nebula_common.rpc import bearer_metadata, insecure_channel
+from nebula_common.rpc import bearer_metadata
+from nebula_common.rpc.internal_tls import internal_channel
 
 __all__ = [
     "AdviceRequest",
@@ -68,7 +69,7 @@ async def advise_specs(
     """Call ``Codec.Advise`` on ``codec_address`` (host:port) from asyncio code."""
     message = request_to_proto(request)
     metadata = bearer_metadata(token) if token else None
-    async with insecure_channel(codec_address, aio=True) as channel:
+    async with internal_channel(codec_address, service="codec", aio=True) as channel:
         stub = codec_pb2_grpc.CodecStub(channel)
         try:
             response = await stub.Advise(message, timeout=timeout, metadata=metadata)
@@ -83,7 +84,7 @@ def advise_specs_sync(
     """Blocking variant of ``advise_specs`` for threads that run training (no event loop needed)."""
     message = request_to_proto(request)
     metadata = bearer_metadata(token) if token else None
-    channel = insecure_channel(codec_address)
+    channel = internal_channel(codec_address, service="codec")
     try:
         stub = codec_pb2_grpc.CodecStub(channel)
         response = stub.Advise(message, timeout=timeout, metadata=metadata)

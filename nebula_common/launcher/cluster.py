@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nebula_common.clients.endpoints import ClusterEndpoints
@@ -19,7 +19,9 @@ from nebula_common.errors import NebulaError
 from nebula_common.launcher.ports import service_port
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command, wait_healthy
 from nebula_common.pki.identity import validate_cluster_id
+from nebula_common.pki.service_identity import ServiceTlsFiles, ensure_service_certificates
 from nebula_common.pki.store import ClusterPaths
+from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 
 LOOPBACK = "127.0.0.1"
 BIND_ATTEMPTS = 3
@@ -29,8 +31,13 @@ START_TIMEOUT_S = 90.0
 BIND_FAILURE = re.compile(r"could not bind|address already in use", re.IGNORECASE)
 # Ready-line port -> the setting that binds it. The launcher picks each port (outside the ephemeral
 # range, ``ports.py``) and keeps it in the service's env, so a restart comes back on the same port.
-LISTEN_PINS = {"grpc_port": "LISTEN", "metrics_port": "METRICS_PORT"}
-SWITCH_PINS = {"internal_port": "INTERNAL_LISTEN", "wan_port": "WAN_LISTEN", "metrics_port": "METRICS_PORT"}
+LISTEN_PINS = {"grpc_port": "LISTEN", "service_port": "SERVICE_LISTEN", "metrics_port": "METRICS_PORT"}
+SWITCH_PINS = {
+    "internal_port": "INTERNAL_LISTEN",
+    "service_port": "SERVICE_LISTEN",
+    "wan_port": "WAN_LISTEN",
+    "metrics_port": "METRICS_PORT",
+}
 _HOST_PORT = re.compile(r"^(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(?P<port>\d{1,5})$")
 
 
@@ -70,6 +77,8 @@ class ClusterProcesses:
     switch: ServiceProcess | None = None
     trainer: ServiceProcess | None = None
     data: ServiceProcess | None = None
+    # Each service's internal identity (``pki/service_identity.py``); empty when internal TLS is off.
+    service_tls: dict[str, ServiceTlsFiles] = field(default_factory=dict)
 
     def processes(self) -> list[ServiceProcess]:
         return [p for p in (self.auth, self.codec, self.data, self.switch, self.trainer) if p is not None]
@@ -82,12 +91,41 @@ class ClusterLauncher:
     run_dir: Path
     log_dir: Path
     log_level: str = "INFO"
+    # The PKI root holding ``<cluster>/ca.crt`` and ``ca.key``; the cluster CA issues every service's
+    # internal identity. None turns internal TLS off (the development flag, ``rpc/internal_tls.py``).
+    pki_dir: Path | None = None
 
     @staticmethod
     def address(process: ServiceProcess | None) -> str:
         if process is None:
             raise ClusterDeploymentError("service not started")
         return f"{LOOPBACK}:{process.info['grpc_port']}"
+
+    @staticmethod
+    def service_address(process: ServiceProcess | None) -> str:
+        """host:port of a service's mutual-TLS service port (what the cluster's other services call)."""
+        if process is None:
+            raise ClusterDeploymentError("service not started")
+        return f"{LOOPBACK}:{process.info['service_port']}"
+
+    def _tls_settings(self, state: ClusterProcesses, service: str) -> dict[str, str]:
+        """Where ``service`` finds its internal identity; the cluster's CA key lets it renew itself."""
+        if not state.service_tls or self.pki_dir is None:
+            return {}
+        return {
+            "INTERNAL_TLS_DIR": str(state.service_tls[service].dir),
+            "INTERNAL_CA_KEY": str(self.pki_dir / state.cluster_id / "ca.key"),
+        }
+
+    def _trust(self, state: ClusterProcesses, process: ServiceProcess) -> None:
+        """Let this process's clients (health checks, SDK, CLI) verify ``process``'s ports."""
+        if not state.service_tls or self.pki_dir is None:
+            return
+        tls = ClientTls(state.cluster_id, self.pki_dir / state.cluster_id / "ca.crt")
+        for key in ("grpc_port", "internal_port", "service_port"):
+            port = process.info.get(key)
+            if isinstance(port, int) and port > 0:
+                trust_endpoint(f"{LOOPBACK}:{port}", tls)
 
     def new_state(self, cluster: str, password: str | None) -> ClusterProcesses:
         """The cluster's (not yet started) processes, with its admin password (written if new)."""
@@ -96,7 +134,11 @@ class ClusterLauncher:
         if password is None:  # a new cluster; an existing password file is never rewritten
             password = secrets.token_urlsafe(18)
             write_secret(password_file, password)
-        return ClusterProcesses(cluster_id=cluster, admin_password=password)
+        state = ClusterProcesses(cluster_id=cluster, admin_password=password)
+        if self.pki_dir is not None:
+            # One internal identity per service: kept while good, renewed with a third of its life left.
+            state.service_tls = ensure_service_certificates(self.pki_dir, cluster)
+        return state
 
     def start_core(self, state: ClusterProcesses) -> None:
         """Auth, then codec and data (they check tokens with auth's keys, fetched at start-up).
@@ -117,17 +159,25 @@ class ClusterLauncher:
                 "CLUSTER_ID": cluster,
                 "DATA_DIR": str(cluster_dir / "auth"),
                 "ADMIN_PASSWORD_FILE": str(password_file),
+                **self._tls_settings(state, "auth"),
             },
             LISTEN_PINS,
         )
+        self._trust(state, state.auth)
         wait_healthy(self.address(state.auth), "nebula.v1.Auth")
         state.codec = self.launch(
             f"codec-{cluster}",
             "services.codec",
             "NEBULA_CODEC_",
-            {**common, "CLUSTER_ID": cluster, "AUTH_ADDRESS": self.address(state.auth)},
+            {
+                **common,
+                "CLUSTER_ID": cluster,
+                "AUTH_ADDRESS": self.service_address(state.auth),
+                **self._tls_settings(state, "codec"),
+            },
             LISTEN_PINS,
         )
+        self._trust(state, state.codec)
         wait_healthy(self.address(state.codec), "nebula.v1.Codec")
         state.data = self.launch(
             f"data-{cluster}",
@@ -136,11 +186,13 @@ class ClusterLauncher:
             {
                 **common,
                 "CLUSTER_ID": cluster,
-                "AUTH_ADDRESS": self.address(state.auth),
+                "AUTH_ADDRESS": self.service_address(state.auth),
                 "DATA_DIR": str(cluster_dir / "data"),
+                **self._tls_settings(state, "data"),
             },
             LISTEN_PINS,
         )
+        self._trust(state, state.data)
         wait_healthy(self.address(state.data), "nebula.v1.Data")
 
     def start_switch(
@@ -162,8 +214,9 @@ class ClusterLauncher:
             "TLS_CERT": str(paths.switch_cert),
             "TLS_KEY": str(paths.switch_key),
             "TRUST_BUNDLE": str(paths.trust_bundle),
-            "AUTH_ADDRESS": self.address(state.auth),
+            "AUTH_ADDRESS": self.service_address(state.auth),
             "DATA_DIR": str(self.run_dir / cluster / "switch"),
+            **self._tls_settings(state, "switch"),
             "OWN_CRL": str(paths.crl),
             # The organisation's own CA on its own machine: the switch may renew itself before expiry.
             "CA_CERT": str(paths.ca_cert),
@@ -177,6 +230,7 @@ class ClusterLauncher:
         state.switch = self.launch(
             f"switch-{cluster}", "services.switch", "NEBULA_SWITCH_", env, SWITCH_PINS, fixed=fixed
         )
+        self._trust(state, state.switch)
         wait_healthy(f"{LOOPBACK}:{state.switch.info['internal_port']}", "nebula.v1.Relay")
 
     def start_trainer(self, state: ClusterProcesses) -> None:
@@ -188,13 +242,16 @@ class ClusterLauncher:
             {
                 "LOG_LEVEL": self.log_level,
                 "CLUSTER_ID": cluster,
-                "SWITCH_ADDRESS": f"{LOOPBACK}:{state.switch.info['internal_port']}",  # type: ignore[union-attr]
-                "AUTH_ADDRESS": self.address(state.auth),
+                # Service-to-service calls go to the mutual-TLS service ports.
+                "SWITCH_ADDRESS": self.service_address(state.switch),
+                "AUTH_ADDRESS": self.service_address(state.auth),
                 "DATA_DIR": str(self.run_dir / cluster / "trainer"),
-                "DATA_SERVICE_ADDRESS": self.address(state.data),
+                "DATA_SERVICE_ADDRESS": self.service_address(state.data),
+                **self._tls_settings(state, "trainer"),
             },
             LISTEN_PINS,
         )
+        self._trust(state, state.trainer)
         wait_healthy(self.address(state.trainer), "nebula.v1.Trainer")
 
     def launch(

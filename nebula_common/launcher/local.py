@@ -6,6 +6,7 @@ emulator, so every byte between clusters crosses a shaped, delayed TCP link
 under mutual TLS. The layout of the run directory:
 
     <run>/pki/...              CAs, switch certificates, trust bundles
+    <run>/pki/<cluster>/services/<service>/   each service's internal identity (ca.crt, service.crt/key)
     <run>/<cluster>/auth/      the auth service's SQLite and signing key
     <run>/<cluster>/admin-password   bootstrap admin password (0600)
     <run>/<cluster>/switch/    the switch's audit log, seal and audit key
@@ -52,7 +53,9 @@ from nebula_common.launcher.ports import service_port
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor
 from nebula_common.pki import init_pki
+from nebula_common.pki.service_identity import ensure_service_certificates
 from nebula_common.pki.store import PkiError
+from nebula_common.rpc.internal_tls import PLAINTEXT_ENV, plaintext_allowed
 from nebula_common.wan.control import WanControl
 
 LOOPBACK = "127.0.0.1"
@@ -170,6 +173,9 @@ class LocalDeployment:
     supervisor: Supervisor | None = None
     _lock: IO[str] | None = None
     _passwords: dict[str, str | None] = field(default_factory=dict)
+    # Development only (side-by-side measurements): plaintext internal ports. Requires the
+    # NEBULA_INTERNAL_PLAINTEXT=1 flag in this process's environment, which the services inherit.
+    internal_tls: bool = True
 
     @property
     def control_token_file(self) -> Path:
@@ -200,6 +206,10 @@ class LocalDeployment:
     def start(self) -> None:
         if len(set(self.clusters)) != 2:
             raise LocalDeploymentError(f"need two distinct cluster ids, got {self.clusters}")
+        if not self.internal_tls and not plaintext_allowed():
+            raise LocalDeploymentError(
+                f"internal_tls=False needs the development flag {PLAINTEXT_ENV}=1 in the environment"
+            )
         self._passwords = check_run_dir(self.run_dir, self.clusters)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_run_dir(self.run_dir)
@@ -208,6 +218,11 @@ class LocalDeployment:
             self.log_dir.mkdir(exist_ok=True)
             try:
                 layout = init_pki(self.pki_dir, list(self.clusters))
+                # One internal identity per service: kept while good, renewed with a third of its life
+                # left (checked here so a PKI problem is reported before any process starts).
+                if self.internal_tls:
+                    for cluster in self.clusters:
+                        ensure_service_certificates(self.pki_dir, cluster)
             except PkiError as exc:
                 raise LocalDeploymentError(f"PKI in {self.pki_dir}: {exc}") from None
             if not self.control_token_file.exists():
@@ -302,7 +317,9 @@ class LocalDeployment:
     @property
     def launcher(self) -> ClusterLauncher:
         """Starts each cluster's services, the same way ``nebula cluster up`` starts one cluster's."""
-        return ClusterLauncher(self.run_dir, self.log_dir, self.log_level)
+        return ClusterLauncher(
+            self.run_dir, self.log_dir, self.log_level, pki_dir=self.pki_dir if self.internal_tls else None
+        )
 
     def _start_cluster_services(self, cluster: str) -> None:
         state = self.launcher.new_state(cluster, self._passwords.get(cluster))
@@ -343,6 +360,15 @@ class LocalDeployment:
     def address(process: ServiceProcess | None) -> str:
         return ClusterLauncher.address(process)
 
+    @staticmethod
+    def service_address(process: ServiceProcess | None) -> str:
+        """host:port of a service's mutual-TLS service port (what the cluster's other services call)."""
+        return ClusterLauncher.service_address(process)
+
+    def ca_cert(self, cluster: str) -> Path:
+        """The cluster CA that every internal port of ``cluster`` is verified against."""
+        return self.pki_dir / cluster / "ca.crt"
+
     def data_address(self, cluster: str) -> str:
         """host:port of ``cluster``'s data service (datasets, grants, ReadBatch)."""
         return self.address(self.cluster_state[cluster].data)
@@ -364,6 +390,8 @@ class LocalDeployment:
                 "processes": {p.name: entry(p) for p in state.processes()},
                 "admin_password_file": str(self.run_dir / cluster / "admin-password"),
             }
+            if self.internal_tls:  # every internal port of the cluster serves TLS verified against this CA
+                clusters[cluster]["ca_cert"] = str(self.ca_cert(cluster))
         emulator = entry(self.emulator) if self.emulator is not None else {}
         return {
             "run_dir": str(self.run_dir),

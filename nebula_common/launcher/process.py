@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nebula_common.errors import NebulaError
+from nebula_common.rpc.internal_tls import internal_channel
 
 
 class ServiceStartError(NebulaError):
@@ -108,11 +109,24 @@ class ServiceProcess:
             return self.popen.wait(5)
 
 
+_ROLE_OF_HEALTH_NAME = {
+    "nebula.v1.Auth": "auth",
+    "nebula.v1.Codec": "codec",
+    "nebula.v1.Data": "data",
+    "nebula.v1.Relay": "switch",
+    "nebula.v1.Trainer": "trainer",
+}
+
+
 def wait_healthy(address: str, service: str = "", timeout: float = 30.0) -> None:
-    """Block until ``address`` answers grpc.health.v1 SERVING for ``service``."""
+    """Block until ``address`` answers grpc.health.v1 SERVING for ``service``.
+
+    The channel is the internal one (TLS pinned to the service's role, see ``internal_tls``).
+    """
     deadline = time.monotonic() + timeout
     last = "no answer"
-    with grpc.insecure_channel(address) as channel:
+    role = _ROLE_OF_HEALTH_NAME.get(service, "switch")
+    with internal_channel(address, service=role) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:

@@ -42,6 +42,7 @@ class ServiceServer:
     service_names: list[str]
     ports: dict[str, int] = field(default_factory=dict)
     metrics: MetricsEndpoint | None = None
+    probe_server: grpc.aio.Server | None = None
 
     def add_insecure_port(self, name: str, address: str) -> int:
         """Bind a plaintext port (cluster-internal listeners only) and remember it under ``name``."""
@@ -59,6 +60,22 @@ class ServiceServer:
         self.ports[name] = port
         return port
 
+    def add_health_port(self, address: str) -> int:
+        """A plaintext listener that serves ``grpc.health.v1`` only, for probes that cannot speak TLS.
+
+        Kubernetes' native gRPC probes are plaintext; the service's own ports are TLS. This separate
+        server shares the health servicer (so it reports the same state) and serves nothing else:
+        liveness and service names are all it reveals, as health and reflection do on any port.
+        """
+        probe = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, probe)
+        port = probe.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"could not bind health port on {address}")
+        self.probe_server = probe
+        self.ports["health"] = port
+        return port
+
     def start_metrics(self, port: int, listen: str) -> int | None:
         """Serve Prometheus metrics next to this server (see ``start_metrics_endpoint``)."""
         self.metrics = start_metrics_endpoint(port, listen)
@@ -73,6 +90,8 @@ class ServiceServer:
 
     async def start(self) -> None:
         await self.server.start()
+        if self.probe_server is not None:
+            await self.probe_server.start()
         for name in ("", *self.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -81,6 +100,8 @@ class ServiceServer:
         for name in ("", *self.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace)
+        if self.probe_server is not None:
+            await self.probe_server.stop(0)
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.stop)
             self.metrics = None

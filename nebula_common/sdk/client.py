@@ -22,8 +22,8 @@ from nebula_common.codec import CodecError
 from nebula_common.codec.advice_client import AdviceUnavailableError
 from nebula_common.errors import AuthenticationError, InvalidRequestError, NebulaError, PermissionDeniedError
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-from nebula_common.rpc import bearer_metadata, insecure_channel
-from nebula_common.rpc.channels import internal_channel_options
+from nebula_common.rpc import bearer_metadata
+from nebula_common.rpc.internal_tls import internal_channel
 from nebula_common.sdk.codec_advice import LinkProfile, needs_advice, resolve_auto_codecs
 from nebula_common.sdk.jobs import ProgramJob
 
@@ -86,10 +86,10 @@ class ClusterSession:
         self.username = username
         self.watch_reconnect_s = watch_reconnect_s
         self._token = token
-        self._trainer_channel = grpc.insecure_channel(
-            endpoints.trainer, options=internal_channel_options() + _TRAINER_CHANNEL_OPTIONS
+        self._trainer_channel = internal_channel(
+            endpoints.trainer, service="trainer", options=_TRAINER_CHANNEL_OPTIONS
         )
-        self._switch_channel = insecure_channel(endpoints.switch)
+        self._switch_channel = internal_channel(endpoints.switch, service="switch")
         self.trainer = trainer_pb2_grpc.TrainerStub(self._trainer_channel)
         self.relay = relay_pb2_grpc.RelayStub(self._switch_channel)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.errors import NebulaError
+from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 from nebula_common.safe_yaml import YamlInputError, load_yaml_file
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterSession
@@ -33,12 +34,30 @@ class DeploymentFileError(NebulaError):
     """A deployment description or credentials file that cannot be used (the message names it)."""
 
 
+def trust_described_cluster(cluster: str, entry: dict[str, Any]) -> None:
+    """Verify every internal port of ``cluster`` against its CA (the description's ``ca_cert``).
+
+    A description without one (written before internal TLS) leaves the ports unregistered: the
+    clients then need ``NEBULA_CA_CERT``, or the development flag for a plaintext deployment.
+    """
+    ca = entry.get("ca_cert")
+    if not ca:
+        return
+    tls = ClientTls(cluster, Path(ca))
+    for info in entry["processes"].values():
+        for key in ("grpc_port", "internal_port", "service_port"):
+            port = info.get(key)
+            if isinstance(port, int) and port > 0:
+                trust_endpoint(f"{LOOPBACK}:{port}", tls)
+
+
 def endpoints_from_description(description: dict[str, Any]) -> dict[str, tuple[ClusterEndpoints, Path]]:
     """Cluster id -> (endpoints, admin password file) from a `nebula local up` deployment.json."""
     result = {}
     try:
         for cluster, entry in description["clusters"].items():
             processes = entry["processes"]
+            trust_described_cluster(cluster, entry)
             metrics = {
                 name: f"http://{LOOPBACK}:{info['metrics_port']}/metrics"
                 for name, info in processes.items()

@@ -13,17 +13,29 @@ import grpc
 from nebula_common.audit import AuditLog, open_service_audit
 from nebula_common.auth import TokenVerifier
 from nebula_common.rpc import ServiceServer, create_server
+from nebula_common.rpc.internal_tls import ClientTls
 from nebula_common.service.host import acquire_in_thread
+from nebula_common.service.identity import ServiceIdentity
+from nebula_common.service.settings import ServiceSettings
 
 AUTH_WAIT_S = 30.0
 """How long a service waits for its cluster's auth service at start-up (they often start together)."""
 
 
 async def token_verifier(
-    stack: contextlib.AsyncExitStack, auth_address: str, cluster_id: str, timeout: float = AUTH_WAIT_S
+    stack: contextlib.AsyncExitStack,
+    auth_address: str,
+    cluster_id: str,
+    timeout: float = AUTH_WAIT_S,
+    *,
+    tls: ClientTls | None = None,
 ) -> TokenVerifier:
-    """Fetch this cluster's token keys from auth; the verifier's background refresh stops with the stack."""
-    verifier = await TokenVerifier.from_auth_service_async(auth_address, cluster_id, timeout=timeout)
+    """Fetch this cluster's token keys from auth; the verifier's background refresh stops with the stack.
+
+    ``auth_address`` is auth's service port; ``tls`` the calling service's identity (None: the
+    process's own, or plaintext under the development flag).
+    """
+    verifier = await TokenVerifier.from_auth_service_async(auth_address, cluster_id, timeout=timeout, tls=tls)
     stack.push_async_callback(asyncio.to_thread, verifier.close)
     return verifier
 
@@ -61,9 +73,47 @@ def grpc_server(
     return server
 
 
-async def start_internal(server: ServiceServer, listen: str, metrics_port: int) -> dict[str, int | None]:
-    """Bind the cluster-internal port and the metrics endpoint, start serving; the ports to announce."""
-    server.add_insecure_port("grpc", listen)
-    server.start_metrics(metrics_port, listen)
+def internal_server_options(settings: ServiceSettings) -> list[tuple[str, Any]]:
+    """Bounds on unauthenticated connections: how long one may take to finish TLS, how many at once.
+
+    An idle TCP client that never sends a ClientHello is dropped after ``handshake_timeout_s``, so a
+    flood of them costs at most ``max_connections`` sockets for that long.
+    """
+    return [
+        ("grpc.server_handshake_timeout_ms", int(settings.handshake_timeout_s * 1000)),
+        ("grpc.max_allowed_incoming_connections", settings.max_connections),
+    ]
+
+
+def bind_internal(
+    server: ServiceServer, identity: ServiceIdentity, listen: str, service_listen: str, *, name: str = "grpc"
+) -> None:
+    """Bind the client port (``name``: TLS, no client certificate) and the service port (mutual TLS).
+
+    In plaintext development mode (``identity.server`` is None) both are plaintext.
+    """
+    user = identity.credentials(require_client_auth=False)
+    mutual = identity.credentials(require_client_auth=True)
+    if user is None or mutual is None:
+        server.add_insecure_port(name, listen)
+        server.add_insecure_port("service", service_listen)
+        return
+    server.add_secure_port(name, listen, user)
+    server.add_secure_port("service", service_listen, mutual)
+
+
+async def start_internal(
+    server: ServiceServer, identity: ServiceIdentity, settings: ServiceSettings, listen: str
+) -> dict[str, int | None]:
+    """Bind the internal ports and the metrics endpoint, start serving; the ports to announce."""
+    bind_internal(server, identity, listen, settings.service_listen)
+    if settings.health_listen:
+        server.add_health_port(settings.health_listen)
+    server.start_metrics(settings.metrics_port, listen)
     await server.start()
-    return {"grpc_port": server.ports["grpc"], "metrics_port": server.metrics_port}
+    return {
+        "grpc_port": server.ports["grpc"],
+        "service_port": server.ports["service"],
+        "metrics_port": server.metrics_port,
+        **({"health_port": server.ports["health"]} if settings.health_listen else {}),
+    }

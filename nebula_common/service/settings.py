@@ -11,6 +11,7 @@ variable an operator has to fix.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, ValidationError
@@ -57,6 +58,49 @@ class ServiceSettings(BaseSettings):
     )
     metrics_port: int = Field(
         0, ge=METRICS_DISABLED, le=65535, description="Prometheus port: 0 picks a free one, -1 disables it."
+    )
+    internal_tls_dir: Path | None = Field(
+        None,
+        description=(
+            "Directory holding this service's internal identity: ca.crt (the cluster CA), service.crt, "
+            "service.key (nebula_common/pki/service_identity.py). Required unless the development flag "
+            "NEBULA_INTERNAL_PLAINTEXT=1 is set."
+        ),
+    )
+    service_listen: HostPort = Field(
+        "127.0.0.1:0",
+        description="The mutual-TLS port the cluster's other services call (client certificate required).",
+    )
+    health_listen: HostPort | None = Field(
+        None,
+        description=(
+            "Optional plaintext listener serving grpc.health.v1 only, for probes that cannot speak TLS "
+            "(Kubernetes' native gRPC probes)."
+        ),
+    )
+    internal_ca_key: Path | None = Field(
+        None,
+        description=(
+            "The cluster CA's key, local development only: the service renews its own internal "
+            "certificate from it before expiry (otherwise an operator or cert-manager replaces the files)."
+        ),
+    )
+    handshake_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        le=120,
+        description="A connection to an internal port that has not finished TLS and HTTP/2 set-up by then "
+        "is dropped (gRPC's default: 120 s).",
+    )
+    max_connections: int = Field(
+        1024,
+        ge=1,
+        le=1_000_000,
+        description="Connections the internal ports hold at once, TLS finished or not; further ones are "
+        "closed at accept.",
+    )
+    internal_cert_check_interval_s: float = Field(
+        5.0, gt=0, le=3600, description="How often the internal certificate files are checked for renewal."
     )
 
 

@@ -20,7 +20,13 @@ from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import auth_pb2_grpc
 from nebula_common.rpc import ServiceServer
 from nebula_common.service.host import ServiceDefinition, Started, acquire_in_thread
-from nebula_common.service.resources import grpc_server, service_audit, start_internal
+from nebula_common.service.identity import service_identity
+from nebula_common.service.resources import (
+    grpc_server,
+    internal_server_options,
+    service_audit,
+    start_internal,
+)
 from services.auth import metrics
 from services.auth.config import AuthSettings
 from services.auth.passwords import hash_password, make_hasher, validate_new_account
@@ -99,6 +105,7 @@ async def start_auth(settings: AuthSettings, stack: contextlib.AsyncExitStack) -
         memory_cost_kib=settings.argon2_memory_cost_kib,
         parallelism=settings.argon2_parallelism,
     )
+    identity = await service_identity(stack, settings, "auth")
     settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     audit = await service_audit(
         stack,
@@ -128,11 +135,15 @@ async def start_auth(settings: AuthSettings, stack: contextlib.AsyncExitStack) -
         admin_check=servicer.admin_check,
     )
     server = grpc_server(
-        stack, [SERVICE_NAME, AUDIT_SERVICE_NAME], grace=STOP_GRACE_SECONDS, interceptors=[interceptor]
+        stack,
+        [SERVICE_NAME, AUDIT_SERVICE_NAME],
+        grace=STOP_GRACE_SECONDS,
+        interceptors=[*identity.interceptors(audit), interceptor],
+        options=internal_server_options(settings),
     )
     auth_pb2_grpc.add_AuthServicer_to_server(servicer, server.server)
     add_audit_api(server.server, audit, "auth", settings.cluster_id)
-    ports = await start_internal(server, settings.listen, settings.metrics_port)
+    ports = await start_internal(server, identity, settings, settings.listen)
     logger.info(
         "auth service started",
         extra={

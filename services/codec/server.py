@@ -20,7 +20,13 @@ from nebula_common.codec.calibration import Calibrator
 from nebula_common.proto.nebula.v1 import codec_pb2_grpc
 from nebula_common.rpc import ServiceServer
 from nebula_common.service.host import ServiceDefinition, Started
-from nebula_common.service.resources import grpc_server, start_internal, token_verifier
+from nebula_common.service.identity import service_identity
+from nebula_common.service.resources import (
+    grpc_server,
+    internal_server_options,
+    start_internal,
+    token_verifier,
+)
 from services.codec.config import CodecSettings
 from services.codec.servicer import CodecServicer
 
@@ -38,7 +44,8 @@ async def start_codec(settings: CodecSettings, stack: contextlib.AsyncExitStack)
     joined before the process exits: torch must never be torn down under it.
     """
     torch.set_num_threads(settings.torch_threads)
-    verifier = await token_verifier(stack, settings.auth_address, settings.cluster_id)
+    identity = await service_identity(stack, settings, "codec")
+    verifier = await token_verifier(stack, settings.auth_address, settings.cluster_id, tls=identity.client)
     calibrator = Calibrator(settings.calibration_path())
     stack.push_async_callback(asyncio.to_thread, calibrator.close)
     if settings.calibrate_at_start:
@@ -47,11 +54,12 @@ async def start_codec(settings: CodecSettings, stack: contextlib.AsyncExitStack)
         stack,
         [SERVICE_NAME],
         grace=STOP_GRACE_SECONDS,
-        interceptors=[TokenAuthInterceptor("codec", verifier)],
+        interceptors=[*identity.interceptors(), TokenAuthInterceptor("codec", verifier)],
+        options=internal_server_options(settings),
     )
     servicer = CodecServicer(calibrator=calibrator, max_tensor_bytes=settings.max_tensor_bytes)
     codec_pb2_grpc.add_CodecServicer_to_server(servicer, server.server)
-    ports = await start_internal(server, settings.listen, settings.metrics_port)
+    ports = await start_internal(server, identity, settings, settings.listen)
     logger.info("codec service started", extra={"fields": {"cluster_id": settings.cluster_id, **ports}})
     return Started(server, ports)
 

@@ -111,6 +111,13 @@ class SwitchSettings(ServiceSettings):
         description="A connection to the WAN port that has not finished TLS and HTTP/2 set-up by then "
         "is dropped.",
     )
+    wan_max_connections: int = Field(
+        64,
+        ge=17,
+        le=100_000,
+        description="Connections the WAN port holds at once, TLS finished or not (the peer needs at most 16 "
+        "lanes plus reconnects); further ones are closed at accept.",
+    )
     data_dir: Path = Field(description="Writable directory for the audit log, its seal and the audit key.")
     audit_seal_interval_s: float = Field(5.0, gt=0, description="Seal the audit log at least this often.")
     peer_crl: Path | None = Field(

@@ -25,7 +25,14 @@ from nebula_common.auth.interceptor import TokenAuthInterceptor
 from nebula_common.pki import Identity, channel_options, server_options
 from nebula_common.rpc import ServiceServer
 from nebula_common.service.host import ServiceDefinition, Started
-from nebula_common.service.resources import grpc_server, service_audit, token_verifier
+from nebula_common.service.identity import service_identity
+from nebula_common.service.resources import (
+    bind_internal,
+    grpc_server,
+    internal_server_options,
+    service_audit,
+    token_verifier,
+)
 from services.switch.certs import CertificateManager
 from services.switch.config import SwitchSettings
 from services.switch.crl_exchange import CrlExchange, OwnCrl, add_trust_to_server, exchange_forever
@@ -106,7 +113,8 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     Stopped in reverse: background tasks first, then the link, then both servers
     drain, then the audit log is sealed and the verifier closed.
     """
-    verifier = await token_verifier(stack, settings.auth_address, settings.cluster_id)
+    identity = await service_identity(stack, settings, "switch")
+    verifier = await token_verifier(stack, settings.auth_address, settings.cluster_id, tls=identity.client)
     audit = await service_audit(
         stack,
         settings.data_dir,
@@ -176,7 +184,8 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         stack,
         ["nebula.v1.Relay", AUDIT_SERVICE_NAME],
         grace=STOP_GRACE_SECONDS,
-        interceptors=[TokenAuthInterceptor("switch", verifier, audit=audit)],
+        interceptors=[*identity.interceptors(audit), TokenAuthInterceptor("switch", verifier, audit=audit)],
+        options=internal_server_options(settings),
     )
     add_relay_to_server(
         RelayServicer(
@@ -200,7 +209,10 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         internal.server,
     )
     add_audit_api(internal.server, audit, "switch", settings.cluster_id)
-    internal.add_insecure_port("internal", settings.internal_listen)
+    # The internal port (users: TLS, token) and the service port (trainers: mutual TLS, role checked).
+    bind_internal(internal, identity, settings.internal_listen, settings.service_listen, name="internal")
+    if settings.health_listen:
+        internal.add_health_port(settings.health_listen)
     # The WAN port has no token interceptor: the peer switch holds no token of this cluster; mTLS and
     # the certificate's SPIFFE identity authenticate it (services/switch/link.py).
     # A client that connects and never finishes TLS (and HTTP/2 settings) is dropped after
@@ -208,6 +220,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     wan_options = [
         *server_options(),
         ("grpc.server_handshake_timeout_ms", int(settings.wan_handshake_timeout_s * 1000)),
+        ("grpc.max_allowed_incoming_connections", settings.wan_max_connections),
         *_window_options(settings),
     ]
     wan = grpc_server(
@@ -267,6 +280,8 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     )
     ports = {
         "internal_port": running.internal_port,
+        "service_port": internal.ports["service"],
+        **({"health_port": internal.ports["health"]} if settings.health_listen else {}),
         "wan_port": running.wan_port,
         "metrics_port": internal.metrics_port,
     }

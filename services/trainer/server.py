@@ -19,7 +19,14 @@ from nebula_common.audit.servicer import AUDIT_SERVICE_NAME, add_audit_api
 from nebula_common.auth.interceptor import TokenAuthInterceptor
 from nebula_common.proto.nebula.v1 import trainer_pb2_grpc
 from nebula_common.service.host import ServiceDefinition, Started
-from nebula_common.service.resources import grpc_server, service_audit, start_internal, token_verifier
+from nebula_common.service.identity import service_identity
+from nebula_common.service.resources import (
+    grpc_server,
+    internal_server_options,
+    service_audit,
+    start_internal,
+    token_verifier,
+)
 from services.trainer.config import TrainerSettings
 from services.trainer.edge import EdgeSettings
 from services.trainer.restore import restore_stages
@@ -49,7 +56,8 @@ async def start_trainer(
 ) -> Started[TrainerServicer]:
     """Token keys and the audit log, then the server; stages are stopped before the log is sealed."""
     torch.set_num_threads(settings.torch_threads)
-    verifier = await token_verifier(stack, settings.auth_address, settings.cluster_id)
+    identity = await service_identity(stack, settings, "trainer")
+    verifier = await token_verifier(stack, settings.auth_address, settings.cluster_id, tls=identity.client)
     data_dir = settings.resolved_data_dir()
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Submits and stage starts/stops are rare: fsync each record so none is lost in a crash.
@@ -78,11 +86,12 @@ async def start_trainer(
         stack,
         ["nebula.v1.Trainer", AUDIT_SERVICE_NAME],
         grace=STOP_GRACE_SECONDS,
-        interceptors=[TokenAuthInterceptor("trainer", verifier, audit=audit)],
+        interceptors=[*identity.interceptors(audit), TokenAuthInterceptor("trainer", verifier, audit=audit)],
+        options=internal_server_options(settings),
     )
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server.server)
     add_audit_api(server.server, audit, "trainer", settings.cluster_id)
-    return Started(servicer, await start_internal(server, settings.listen, settings.metrics_port))
+    return Started(servicer, await start_internal(server, identity, settings, settings.listen))
 
 
 SERVICE = ServiceDefinition("trainer", TrainerSettings, start_trainer)

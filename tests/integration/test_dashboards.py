@@ -22,6 +22,7 @@ from nebula_common.launcher import LocalDeployment
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc
 from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.summary import summarize
+from tests.support.internal import user_channel
 from tests.support.jobs import numbers_job
 from tests.support.prometheus import REQUIRE_ENV, Target, prometheus_binary, running_prometheus
 
@@ -49,7 +50,7 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 def provoke_labelled_series(deployment: LocalDeployment, sessions: dict[str, ClusterSession]) -> None:
     """Labelled counters appear once they count something: one refused call, one data-service call."""
-    with grpc.insecure_channel(deployment.endpoints("a").switch) as channel, pytest.raises(grpc.RpcError):
+    with user_channel(deployment.endpoints("a").switch, "switch") as channel, pytest.raises(grpc.RpcError):
         relay_pb2_grpc.RelayStub(channel).GetLinkStatus(relay_pb2.GetLinkStatusRequest(), timeout=5)
     for cluster, session in sessions.items():
         with DataClient(deployment.data_address(cluster), session.token) as data:

@@ -28,7 +28,12 @@ def nebula_data(
     ]
     return subprocess.run(
         [sys.executable, "-m", "nebula_common.cli.app", "data", *args, *endpoints],
-        env={"NEBULA_PASSWORD": password, "PATH": "/usr/bin:/bin"},
+        # Bare addresses: the cluster CA to verify them comes from NEBULA_CA_CERT.
+        env={
+            "NEBULA_PASSWORD": password,
+            "PATH": "/usr/bin:/bin",
+            "NEBULA_CA_CERT": str(deployment.ca_cert("a")),
+        },
         capture_output=True,
         text=True,
         timeout=60,

@@ -111,7 +111,9 @@ def stop_up(up: subprocess.Popen[str], pids: list[int]) -> str:
 
 def login(description: dict, cluster: str, username: str, password: str) -> str:
     from nebula_common.sdk.auth_client import AuthClient
+    from nebula_common.sdk.deployment import trust_described_cluster
 
+    trust_described_cluster(cluster, description["clusters"][cluster])  # verify its ports' TLS
     port = description["clusters"][cluster]["processes"][f"auth-{cluster}"]["grpc_port"]
     with AuthClient(f"127.0.0.1:{port}") as auth:
         return auth.login(username, password).token

@@ -15,6 +15,7 @@ from nebula_common.pki import Identity, channel_credentials, channel_options, cr
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, trainer_pb2
 from nebula_common.rpc import bearer_metadata
 from nebula_common.sdk.client import ClusterSession
+from tests.support.internal import service_channel, user_channel
 from tests.support.jobs import numbers_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -77,8 +78,8 @@ def test_wan_port_serves_only_the_switch_link(deployment: LocalDeployment) -> No
 
 
 def open_edge_code(deployment: LocalDeployment, cluster: str, metadata: tuple) -> grpc.StatusCode:
-    address = deployment.endpoints(cluster).switch
-    with grpc.insecure_channel(address) as channel:
+    # OpenEdge is service-only: called as the cluster's trainer, so the token check is what answers.
+    with service_channel(deployment, cluster, "switch", as_role="trainer") as channel:
         stub = relay_pb2_grpc.RelayStub(channel)
         call = stub.OpenEdge(
             iter([relay_pb2.EdgeMessage(open=relay_pb2.EdgeOpen(job_id="j", edge="e"))]),
@@ -102,7 +103,7 @@ def test_switch_refuses_edges_without_a_valid_token_of_its_cluster(
 def test_link_status_needs_a_token_of_the_switchs_cluster(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession]
 ) -> None:
-    with grpc.insecure_channel(deployment.endpoints("a").switch) as channel:
+    with user_channel(deployment.endpoints("a").switch, "switch") as channel:
         stub = relay_pb2_grpc.RelayStub(channel)
         for metadata in ((), sessions["b"].metadata):
             with pytest.raises(grpc.RpcError) as refused:

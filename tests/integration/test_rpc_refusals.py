@@ -20,6 +20,7 @@ from google.protobuf.descriptor import MethodDescriptor
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from nebula_common.auth.policy import PUBLIC_METHODS, is_public
+from nebula_common.auth.roles import ROLE_MATRIX
 from nebula_common.launcher import LocalDeployment
 from nebula_common.proto.nebula.v1 import (  # noqa: F401  (importing registers the descriptors)
     audit_pb2,
@@ -34,6 +35,7 @@ from nebula_common.proto.nebula.v1 import (  # noqa: F401  (importing registers 
 from nebula_common.rpc import bearer_metadata
 from nebula_common.sdk.auth_client import AuthClient
 from services.auth.tokens import TokenIssuer
+from tests.support.internal import service_channel, user_channel
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -49,8 +51,20 @@ def _ports(deployment: LocalDeployment) -> dict[str, str]:
     }
 
 
-def _served_services(address: str) -> list[str]:
-    with grpc.insecure_channel(address) as channel:
+def _channel_for(deployment: LocalDeployment, port: str, address: str, path: str) -> grpc.Channel:
+    """A user's channel for user-facing methods; for service-only ones, one of a role allowed to call it.
+
+    So every call gets past the role check (``nebula_common/auth/roles.py``) and the token check is
+    what answers; ``tests/unit/test_internal_tls.py`` covers the role check itself.
+    """
+    access = ROLE_MATRIX[path]
+    if access.users:
+        return user_channel(address, port)
+    return service_channel(deployment, "a", port, as_role=sorted(access.roles)[0])
+
+
+def _served_services(address: str, port: str) -> list[str]:
+    with user_channel(address, port) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         (reply,) = list(stub.ServerReflectionInfo(iter([request]), timeout=10))
@@ -91,7 +105,7 @@ def bad_credentials(deployment: LocalDeployment) -> dict[str, tuple[tuple[str, s
 def _methods(deployment: LocalDeployment) -> Iterator[tuple[str, str, MethodDescriptor]]:
     pool = descriptor_pool.Default()
     for port, address in _ports(deployment).items():
-        services = _served_services(address)
+        services = _served_services(address, port)
         assert services, f"{port} serves no nebula.* service"
         for name in services:
             for method in pool.FindServiceByName(name).methods:
@@ -105,7 +119,7 @@ def test_every_rpc_of_every_internal_port_refuses_bad_tokens(
     answered_publicly: set[str] = set()
     for port, address, method in _methods(deployment):
         path = f"/{method.containing_service.full_name}/{method.name}"
-        with grpc.insecure_channel(address) as channel:
+        with _channel_for(deployment, port, address, path) as channel:
             for kind, metadata in bad_credentials.items():
                 try:
                     _call(channel, method, metadata)
@@ -145,7 +159,7 @@ def test_a_valid_token_gets_past_the_check_on_every_port(deployment: LocalDeploy
     }
     for port, address in _ports(deployment).items():
         method = pool.FindMethodByName(read_only[port])
-        with grpc.insecure_channel(address) as channel:
+        with user_channel(address, port) as channel:
             _call(channel, method, bearer_metadata(token))
 
 
@@ -153,7 +167,7 @@ def test_refusals_are_audited_and_counted(deployment: LocalDeployment) -> None:
     """Each refusal leaves an ``auth.refused`` record (method, reason, peer) and a metric sample."""
     address = _ports(deployment)["trainer"]
     since = time.time() - 1
-    with grpc.insecure_channel(address) as channel:
+    with user_channel(address, "trainer") as channel:
         with pytest.raises(grpc.RpcError) as refused:
             trainer_pb2_grpc.TrainerStub(channel).ListCheckpoints(
                 trainer_pb2.ListCheckpointsRequest(job_id="x"),

@@ -27,6 +27,7 @@ from nebula_common.proto.nebula.v1 import (
 from nebula_common.rpc import bearer_metadata
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.data_client import DataClient
+from tests.support.internal import user_channel
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -40,7 +41,7 @@ def _probes(deployment: LocalDeployment, token: str) -> dict[str, Callable[[], N
     metadata = bearer_metadata(token)
 
     def data() -> None:
-        with grpc.insecure_channel(deployment.data_address("a")) as channel:
+        with user_channel(deployment.data_address("a"), "data") as channel:
             data_pb2_grpc.DataStub(channel).ReadBatch(
                 data_pb2.ReadBatchRequest(dataset=data_pb2.DatasetRef(name="corpus"), example_ids=[0]),
                 metadata=metadata,
@@ -48,7 +49,7 @@ def _probes(deployment: LocalDeployment, token: str) -> dict[str, Callable[[], N
             )
 
     def trainer() -> None:
-        with grpc.insecure_channel(endpoints.trainer) as channel:
+        with user_channel(endpoints.trainer, "trainer") as channel:
             trainer_pb2_grpc.TrainerStub(channel).ListCheckpoints(
                 trainer_pb2.ListCheckpointsRequest(job_id="no-such-job", stage="s0"),
                 metadata=metadata,
@@ -56,7 +57,7 @@ def _probes(deployment: LocalDeployment, token: str) -> dict[str, Callable[[], N
             )
 
     def switch() -> None:
-        with grpc.insecure_channel(endpoints.switch) as channel:
+        with user_channel(endpoints.switch, "switch") as channel:
             relay_pb2_grpc.RelayStub(channel).GetLinkStatus(
                 relay_pb2.GetLinkStatusRequest(), metadata=metadata, timeout=10
             )

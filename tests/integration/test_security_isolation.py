@@ -40,6 +40,7 @@ from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.data_client import DataClient, DatasetNotFoundError
 from nebula_common.sdk.jobs import ProgramJob
 from tests.support.accounts import admin_token, create_account
+from tests.support.internal import service_channel, user_channel
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -56,7 +57,7 @@ def _account(deployment: LocalDeployment, cluster: str, prefix: str) -> tuple[st
 
 
 def _data_audit(deployment: LocalDeployment, cluster: str, **query: Any) -> list[dict[str, Any]]:
-    with grpc.insecure_channel(deployment.data_address(cluster)) as channel:
+    with user_channel(deployment.data_address(cluster), "data") as channel:
         reply = audit_pb2_grpc.AuditLogStub(channel).Query(
             audit_pb2.AuditQuery(**query),
             metadata=bearer_metadata(admin_token(deployment, cluster)),
@@ -265,7 +266,7 @@ def test_another_accounts_jobs_and_checkpoints_are_out_of_reach(
     victim = victim_jobs["sessions"]["a"]
     _, token = _account(deployment, "a", "intruder")
     meta = bearer_metadata(token)
-    with grpc.insecure_channel(deployment.endpoints("a").trainer) as channel:
+    with user_channel(deployment.endpoints("a").trainer, "trainer") as channel:
         trainer = trainer_pb2_grpc.TrainerStub(channel)
 
         def watch(job_id: str) -> Any:
@@ -290,8 +291,9 @@ def test_another_accounts_jobs_and_checkpoints_are_out_of_reach(
             == grpc.StatusCode.FAILED_PRECONDITION
         )
 
-    # The relay: X cannot attach to (and so receive the frames of) an edge of Y's job.
-    with grpc.insecure_channel(deployment.endpoints("a").switch) as channel:
+    # The relay: X cannot attach to (and so receive the frames of) an edge of Y's job, not even
+    # through a trainer of the cluster (only a trainer's certificate may open edges at all).
+    with service_channel(deployment, "a", "switch", as_role="trainer") as channel:
         relay = relay_pb2_grpc.RelayStub(channel)
         opening = relay_pb2.EdgeMessage(open=relay_pb2.EdgeOpen(job_id=waiting.job_id, edge=waiting.edge))
         stream = relay.OpenEdge(iter([opening]), metadata=meta, timeout=10)

@@ -41,6 +41,7 @@ from nebula_common.rpc import bearer_metadata
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterSession, submit_job
 from services.switch.link import PROTOCOL_VERSION, fetch_server_certificate
+from tests.support.internal import user_channel
 from tests.support.jobs import numbers_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -70,7 +71,7 @@ def _admin_metadata(deployment: LocalDeployment, cluster: str) -> tuple[tuple[st
 
 
 def _audit(deployment: LocalDeployment, cluster: str, **query: Any) -> list[dict[str, Any]]:
-    with grpc.insecure_channel(deployment.endpoints(cluster).switch) as channel:
+    with user_channel(deployment.endpoints(cluster).switch, "switch") as channel:
         reply = audit_pb2_grpc.AuditLogStub(channel).Query(
             audit_pb2.AuditQuery(**query), metadata=_admin_metadata(deployment, cluster), timeout=10
         )
@@ -231,7 +232,7 @@ def test_negative_mtls_matrix_is_refused_before_any_frame_and_audited(
 
 
 def test_audit_query_is_admin_only(deployment: LocalDeployment, sessions: dict[str, ClusterSession]) -> None:
-    with grpc.insecure_channel(deployment.endpoints("a").switch) as channel:
+    with user_channel(deployment.endpoints("a").switch, "switch") as channel:
         stub = audit_pb2_grpc.AuditLogStub(channel)
         for metadata, code in (
             (sessions["a"].metadata, grpc.StatusCode.PERMISSION_DENIED),

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
-from nebula_common.pki import init_pki
+from nebula_common.pki import Identity, identity_from_pem, init_pki
 from services.auth.config import AuthSettings
 from services.codec.config import CodecSettings
 from services.data.config import DataSettings
@@ -45,6 +45,8 @@ NON_SETTINGS_VARS = {
     "NEBULA_HEALTH_PORT",
     "NEBULA_HEALTH_SERVICE",
     "NEBULA_HEALTH_TIMEOUT",
+    "NEBULA_HEALTH_TLS_CA",
+    "NEBULA_HEALTH_SERVER_NAME",
 }
 WAN_PORT = 7443
 METRICS_PORT = 9100
@@ -347,11 +349,14 @@ def test_compose_wan_link_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
     assert emulator[emulator.index("--control") + 1].startswith("127.0.0.1:")  # fault controls, loopback only
     assert b.wan_listen.endswith(f":{WAN_PORT}")
     for cluster in ("a", "b"):
+        # Service to service: the mutual-TLS service ports (client port + 1), docs/internal-tls.md.
         trainer = _compose_env(services[f"trainer-{cluster}"])
-        assert trainer["NEBULA_TRAINER_SWITCH_ADDRESS"] == f"switch-{cluster}:7400"
-        assert trainer["NEBULA_TRAINER_AUTH_ADDRESS"] == f"auth-{cluster}:7600"
+        assert trainer["NEBULA_TRAINER_SWITCH_ADDRESS"] == f"switch-{cluster}:7401"
+        assert trainer["NEBULA_TRAINER_AUTH_ADDRESS"] == f"auth-{cluster}:7601"
+        assert trainer["NEBULA_TRAINER_DATA_SERVICE_ADDRESS"] == f"data-{cluster}:7801"
         switch = _compose_env(services[f"switch-{cluster}"])
-        assert switch["NEBULA_SWITCH_AUTH_ADDRESS"] == f"auth-{cluster}:7600"
+        assert switch["NEBULA_SWITCH_AUTH_ADDRESS"] == f"auth-{cluster}:7601"
+        assert switch["NEBULA_SWITCH_SERVICE_LISTEN"] == "0.0.0.0:7401"
     # Revocation is enforced: each switch reads its peer's CRL from its own read-only TLS volume.
     for cluster, settings in (("a", a), ("b", b)):
         assert settings.peer_crl is not None, f"switch-{cluster} has no NEBULA_SWITCH_PEER_CRL"
@@ -365,7 +370,10 @@ def test_pki_export_hands_each_switch_its_peers_crl(tmp_path: Path) -> None:
     """Run docker/pki_export.py on a real PKI: switch-a gets b's CRL and vice versa, nothing else."""
     layout = init_pki(tmp_path / "pki", ["a", "b"])
     out = tmp_path / "export"
-    for volume in ("switch-a", "switch-b", "auth-a", "auth-b"):
+    internal = [
+        f"{svc}-{c}-internal-tls" for c in "ab" for svc in ("auth", "codec", "data", "switch", "trainer")
+    ]
+    for volume in ("switch-a", "switch-b", "auth-a", "auth-b", *internal):
         (out / volume).mkdir(parents=True)
     spec = importlib.util.spec_from_file_location("pki_export", ROOT / "docker" / "pki_export.py")
     assert spec is not None and spec.loader is not None
@@ -383,6 +391,14 @@ def test_pki_export_hands_each_switch_its_peers_crl(tmp_path: Path) -> None:
         assert (volume / "peer-crl.pem").read_bytes() == layout.cluster(cluster).trust_crl(peer).read_bytes()
         assert (volume / "peer-crl.pem").read_bytes() == layout.cluster(peer).crl.read_bytes()
         assert (volume / "peer-crl.pem").stat().st_mode & 0o777 == 0o400
+    # Each service gets its own internal identity of its own cluster, and the CA to verify peers.
+    for name in internal:
+        service, cluster = name.split("-")[:2]
+        volume = out / name
+        assert sorted(p.name for p in volume.iterdir()) == ["ca.crt", "service.crt", "service.key"]
+        assert identity_from_pem((volume / "service.crt").read_bytes()) == Identity(cluster, service)
+        assert (volume / "ca.crt").read_bytes() == layout.cluster(cluster).ca_cert.read_bytes()
+        assert (volume / "service.key").stat().st_mode & 0o777 == 0o400
 
 
 def test_compose_start_order() -> None:
@@ -456,13 +472,18 @@ def test_crashed_services_are_restarted_by_compose_and_kubernetes() -> None:
 
 
 def test_k8s_probes_are_native_grpc_on_the_service_port() -> None:
+    """Native gRPC probes cannot speak TLS: they ask the plaintext health-only port (gRPC port + 9)."""
     for name, _, container in _containers():
-        _, _, port, service = SERVICES[container["command"][0]]
+        _, prefix, port, service = SERVICES[container["command"][0]]
         for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
             grpc = container[probe]["grpc"]
-            assert grpc == {"port": port, "service": service}, f"{name} {probe}"
+            assert grpc == {"port": port + 9, "service": service}, f"{name} {probe}"
         ports = {p["containerPort"] for p in container["ports"]}
-        assert {port, METRICS_PORT} <= ports, name
+        assert {port, port + 1, port + 9, METRICS_PORT} <= ports, name
+        env = {item["name"]: item.get("value", "") for item in container["env"]}
+        assert env[prefix + "HEALTH_LISTEN"] == f"0.0.0.0:{port + 9}", name
+        assert env[prefix + "SERVICE_LISTEN"] == f"0.0.0.0:{port + 1}", name
+        assert env[prefix + "INTERNAL_TLS_DIR"] == "/etc/nebula/internal-tls", name
 
 
 def test_k8s_env_names_are_settings_fields(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -498,9 +519,21 @@ def test_k8s_secrets_are_mounted_read_only() -> None:
         "nebula-switch": ("nebula-switch-tls", {"tls.crt", "tls.key", "trust-bundle.pem", "peer-crl.pem"}),
         "nebula-auth": ("nebula-auth-admin", {"admin-password"}),
     }
+    for name in SERVICES:
+        service = name.removeprefix("nebula-")
+        pod = deployments[name]["spec"]["template"]["spec"]
+        (volume,) = [
+            v for v in pod["volumes"] if v.get("secret", {}).get("secretName", "").endswith("-internal-tls")
+        ]
+        assert volume["secret"]["secretName"] == f"nebula-{service}-internal-tls"
+        assert {item["key"] for item in volume["secret"]["items"]} == {"ca.crt", "service.crt", "service.key"}
+        assert volume["secret"]["defaultMode"] & 0o007 == 0
+        (container,) = pod["containers"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount["readOnly"] is True and mount["mountPath"] == "/etc/nebula/internal-tls"
     for name, (secret, keys) in expected.items():
         pod = deployments[name]["spec"]["template"]["spec"]
-        (volume,) = [v for v in pod["volumes"] if "secret" in v]
+        (volume,) = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == secret]
         assert volume["secret"]["secretName"] == secret
         assert {item["key"] for item in volume["secret"]["items"]} == keys
         assert volume["secret"]["defaultMode"] & 0o007 == 0, f"{secret} readable by others"
@@ -509,7 +542,7 @@ def test_k8s_secrets_are_mounted_read_only() -> None:
         assert mount["readOnly"] is True
         env = {item["name"]: item.get("value", "") for item in container["env"]}
         for value in env.values():
-            if value.startswith("/etc/nebula/"):
+            if value.startswith("/etc/nebula/") and not value.startswith("/etc/nebula/internal-tls"):
                 assert value.startswith(mount["mountPath"] + "/") and value.rsplit("/", 1)[1] in keys
     auth = deployments["nebula-auth"]["spec"]["template"]["spec"]
     claims = [

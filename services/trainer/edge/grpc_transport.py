@@ -32,8 +32,9 @@ from collections.abc import Iterator
 import grpc
 
 from nebula_common.proto.nebula.v1 import relay_pb2
-from nebula_common.rpc import bearer_metadata, insecure_channel
+from nebula_common.rpc import bearer_metadata
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION, FramedChunk, is_framed, parse_chunk
+from nebula_common.rpc.internal_tls import internal_channel
 from services.trainer.edge.session import TransportHandler
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ class GrpcEdgeTransport:
                     )
                 )
             )
-            channel = insecure_channel(self.switch_address)
+            channel = internal_channel(self.switch_address, service="switch")
             open_edge = channel.stream_stream(OPEN_EDGE, request_serializer=_serialize)  # raw replies
             call = open_edge(self._requests(outgoing), metadata=bearer_metadata(self.token))
             with self._lock:
