@@ -99,7 +99,8 @@ class ClusterDeployment:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_run_dir(self.run_dir)
         self.log_dir.mkdir(exist_ok=True)
-        launcher = ClusterLauncher(self.run_dir, self.log_dir, self.log_level)
+        # Every internal port serves mutual TLS with identities from this organisation's own CA.
+        launcher = ClusterLauncher(self.run_dir, self.log_dir, self.log_level, pki_dir=self.pki)
         try:
             self.state = launcher.new_state(self.cluster, passwords.get(self.cluster))
             launcher.start_core(self.state)
@@ -140,6 +141,8 @@ class ClusterDeployment:
                 self.cluster: {
                     "processes": processes,
                     "admin_password_file": str(self.run_dir / self.cluster / "admin-password"),
+                    # Every internal port of the cluster serves TLS verified against this CA.
+                    "ca_cert": str(self.pki / self.cluster / "ca.crt"),
                 }
             },
         }
