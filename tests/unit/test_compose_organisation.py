@@ -128,6 +128,9 @@ def test_pki_export_organisation_mode_exports_only_own_material(tmp_path: Path) 
     out = tmp_path / "out"
     (out / "switch").mkdir(parents=True)
     (out / "auth").mkdir()
+    services = ("auth", "codec", "data", "switch", "trainer")
+    for service in services:
+        (out / f"{service}-a-internal-tls").mkdir()
     with pytest.raises(SystemExit, match="trusts no peer yet"):
         pki_export.main(["--pki", str(tmp_path / "pki"), "--out", str(out), "--organisation", "a"])
     add_trust(tmp_path / "pki", "a", "b", b.ca_cert.read_bytes())
@@ -143,3 +146,8 @@ def test_pki_export_organisation_mode_exports_only_own_material(tmp_path: Path) 
     for path in (out / "switch").iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o400
     assert (out / "auth" / "admin-password").read_bytes().strip()
+    for service in services:  # each service's internal identity, from a's CA, without its key
+        internal = {p.name: p.read_bytes() for p in (out / f"{service}-a-internal-tls").iterdir()}
+        assert set(internal) == {"ca.crt", "service.crt", "service.key"}
+        assert internal["ca.crt"] == a.ca_cert.read_bytes()
+        assert a.ca_key.read_bytes() not in b"".join(internal.values())
