@@ -93,6 +93,10 @@ ROLE_MATRIX: MappingProxyType[str, Access] = MappingProxyType(
         ),
         # --- switch, WAN port (mutual TLS with the *peer* CA; checked in services/switch/link.py) --
         "/nebula.v1.SwitchLink/Link": _service("the peer cluster's switch, on the WAN port only", "switch"),
+        "/nebula.v1.SwitchTrust/ExchangeCrl": _service(
+            "the peer cluster's switch sends its CA's CRL, WAN port only (switch/peer_trust.py)",
+            "switch",
+        ),
         # --- trainer ------------------------------------------------------------------------------
         "/nebula.v1.Trainer/AssignStage": _user("users submit their stage (SDK, nebula job)"),
         "/nebula.v1.Trainer/WatchStage": _user("users follow their stage"),
