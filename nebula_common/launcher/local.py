@@ -32,7 +32,9 @@ import os
 import re
 import secrets
 import socket
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -64,6 +66,23 @@ _SWITCH_PINS = {"internal_port": "INTERNAL_LISTEN", "wan_port": "WAN_LISTEN", "m
 
 class LocalDeploymentError(NebulaError):
     pass
+
+
+def _together(*steps: Callable[[], None]) -> None:
+    """Run independent start steps at once (each launches its services and waits until they serve).
+
+    Start-up is mostly each process importing its modules, so two at once take about as long as one
+    on two cores. Every step is waited for before anything is raised (the first failure), so a failed
+    start never leaves a step still launching a process behind the caller's back.
+    """
+    if len(steps) == 1:
+        steps[0]()
+        return
+    with ThreadPoolExecutor(max_workers=len(steps), thread_name_prefix="nebula-start") as pool:
+        futures = [pool.submit(step) for step in steps]
+    errors = [error for error in (f.exception() for f in futures) if error is not None]
+    if errors:
+        raise errors[0]
 
 
 def check_run_dir(run_dir: Path, clusters: tuple[str, ...]) -> dict[str, str | None]:
@@ -190,6 +209,12 @@ class LocalDeployment:
     supervisor: Supervisor | None = None
     _lock: IO[str] | None = None
     _passwords: dict[str, str | None] = field(default_factory=dict)
+    # Every process launched by a start in progress (services start in parallel, and one may not be in
+    # ``cluster_state`` yet): stop() stops these too, and once it has begun no new one is started
+    # (``_stopping``), so nothing outlives a failed or interrupted start. Cleared once started.
+    _starting: list[ServiceProcess] = field(default_factory=list)
+    _stopping: bool = False
+    _start_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def control_token_file(self) -> Path:
@@ -235,17 +260,24 @@ class LocalDeployment:
         except BaseException:
             self._release_lock()
             raise
+        self._stopping = False
         try:
-            for cluster in self.clusters:
-                self._start_cluster_services(cluster)
             dialer, acceptor = sorted(self.clusters)
-            # The acceptor's WAN port must exist before the emulator can forward to it.
-            self._start_switch(acceptor, layout, peer_address=None)
-            acceptor_wan = self.cluster_state[acceptor].switch.info["wan_port"]  # type: ignore[union-attr]
-            self._start_emulator(acceptor_wan)
-            self._start_switch(dialer, layout, peer_address=f"{LOOPBACK}:{self.emulator_port}")
+            # Each cluster's auth first, then its codec and data (they fetch auth's keys) and the
+            # switches: the acceptor's, whose WAN port the emulator forwards to, then the emulator and
+            # the dialer's, which dials the emulator. Both clusters side by side, then both trainers.
             for cluster in self.clusters:
-                self._start_trainer(cluster)
+                self.cluster_state[cluster] = ClusterProcesses(cluster, self._admin_password(cluster))
+            _together(*(lambda c=c: self._start_auth(c) for c in self.clusters))
+
+            def wan_path() -> None:
+                self._start_switch(acceptor, layout, peer_address=None)
+                acceptor_wan = self.cluster_state[acceptor].switch.info["wan_port"]  # type: ignore[union-attr]
+                self._start_emulator(acceptor_wan)
+                self._start_switch(dialer, layout, peer_address=f"{LOOPBACK}:{self.emulator_port}")
+
+            _together(wan_path, *(lambda c=c: self._start_codec_and_data(c) for c in self.clusters))
+            _together(*(lambda c=c: self._start_trainer(c) for c in self.clusters))
             if self.supervise:
                 self.supervisor = Supervisor(
                     self.all_processes(),
@@ -257,6 +289,8 @@ class LocalDeployment:
         except BaseException:
             self.stop()
             raise
+        with self._start_lock:
+            self._starting.clear()  # every one is in ``cluster_state`` or ``emulator`` now
 
     def _start_emulator(self, acceptor_wan: int) -> None:
         """Start the WAN emulator in front of the acceptor's WAN port, on fresh ports if one was taken.
@@ -291,7 +325,7 @@ class LocalDeployment:
                 log_dir=self.log_dir,
                 ready_probe=lambda port=emulator_port: _listening(port),
             )
-            self.emulator.start()
+            self._begin(self.emulator)
             try:
                 self._wait_listening(self.emulator, self.emulator_port)
                 self._wait_listening(self.emulator, self.control_port)
@@ -319,52 +353,55 @@ class LocalDeployment:
             self._lock.close()  # closing the descriptor releases the flock
             self._lock = None
 
-    def _start_cluster_services(self, cluster: str) -> None:
-        cluster_dir = self.run_dir / cluster
-        (cluster_dir / "auth").mkdir(parents=True, exist_ok=True)
-        password_file = cluster_dir / "admin-password"
+    def _admin_password(self, cluster: str) -> str:
+        """The cluster's bootstrap admin password: the run directory's, or a new one written there."""
+        (self.run_dir / cluster / "auth").mkdir(parents=True, exist_ok=True)
         password = self._passwords.get(cluster)
         if password is None:  # a new cluster; an existing password file is never rewritten
             password = secrets.token_urlsafe(18)
-            _write_secret(password_file, password)
-        state = ClusterProcesses(cluster_id=cluster, admin_password=password)
-        self.cluster_state[cluster] = state
-        common = {"LOG_LEVEL": self.log_level}
+            _write_secret(self.run_dir / cluster / "admin-password", password)
+        return password
+
+    def _start_auth(self, cluster: str) -> None:
+        cluster_dir = self.run_dir / cluster
+        state = self.cluster_state[cluster]
         state.auth = self._launch(
             f"auth-{cluster}",
             "services.auth",
             "NEBULA_AUTH_",
             {
-                **common,
+                "LOG_LEVEL": self.log_level,
                 "CLUSTER_ID": cluster,
                 "DATA_DIR": str(cluster_dir / "auth"),
-                "ADMIN_PASSWORD_FILE": str(password_file),
+                "ADMIN_PASSWORD_FILE": str(cluster_dir / "admin-password"),
             },
             _LISTEN_PINS,
         )
         wait_healthy(self.address(state.auth), "nebula.v1.Auth")
-        # Codec and data check tokens with auth's keys, fetched at start-up, so they follow auth.
-        state.codec = self._launch(
-            f"codec-{cluster}",
-            "services.codec",
-            "NEBULA_CODEC_",
-            {**common, "CLUSTER_ID": cluster, "AUTH_ADDRESS": self.address(state.auth)},
-            _LISTEN_PINS,
-        )
-        wait_healthy(self.address(state.codec), "nebula.v1.Codec")
-        state.data = self._launch(
-            f"data-{cluster}",
-            "services.data",
-            "NEBULA_DATA_",
-            {
-                **common,
-                "CLUSTER_ID": cluster,
-                "AUTH_ADDRESS": self.address(state.auth),
-                "DATA_DIR": str(cluster_dir / "data"),
-            },
-            _LISTEN_PINS,
-        )
-        wait_healthy(self.address(state.data), "nebula.v1.Data")
+
+    def _start_codec_and_data(self, cluster: str) -> None:
+        """Codec and data check tokens with auth's keys, fetched at start-up, so they follow auth."""
+        state = self.cluster_state[cluster]
+        common = {
+            "LOG_LEVEL": self.log_level,
+            "CLUSTER_ID": cluster,
+            "AUTH_ADDRESS": self.address(state.auth),
+        }
+
+        def codec() -> None:
+            state.codec = self._launch(
+                f"codec-{cluster}", "services.codec", "NEBULA_CODEC_", common, _LISTEN_PINS
+            )
+            wait_healthy(self.address(state.codec), "nebula.v1.Codec")
+
+        def data() -> None:
+            settings = {**common, "DATA_DIR": str(self.run_dir / cluster / "data")}
+            state.data = self._launch(
+                f"data-{cluster}", "services.data", "NEBULA_DATA_", settings, _LISTEN_PINS
+            )
+            wait_healthy(self.address(state.data), "nebula.v1.Data")
+
+        _together(codec, data)
 
     def _start_switch(self, cluster: str, layout: Any, peer_address: str | None) -> None:
         peer = next(c for c in self.clusters if c != cluster)
@@ -409,6 +446,20 @@ class LocalDeployment:
         )
         wait_healthy(self.address(state.trainer), "nebula.v1.Trainer")
 
+    def _begin(self, process: ServiceProcess) -> None:
+        """Start ``process`` unless the deployment is being stopped; stop() knows it from now on."""
+        with self._start_lock:
+            if self._stopping:
+                raise LocalDeploymentError(f"not starting {process.name}: the deployment is stopping")
+            self._starting.append(process)
+            process.start()
+
+    def _abandon(self, process: ServiceProcess) -> None:
+        process.stop()
+        with self._start_lock:
+            if process in self._starting:
+                self._starting.remove(process)
+
     def _launch(
         self, name: str, module: str, prefix: str, settings: dict[str, str], pins: dict[str, str]
     ) -> ServiceProcess:
@@ -426,16 +477,16 @@ class LocalDeployment:
             process = ServiceProcess(
                 name=name, command=console_command(module), env=env, log_dir=self.log_dir
             )
-            process.start()
+            self._begin(process)
             try:
                 info = process.wait_ready(START_TIMEOUT_S)
             except ServiceStartError as exc:  # not yet in cluster_state, so stop() would not know it
-                process.stop()
+                self._abandon(process)
                 if attempt < BIND_ATTEMPTS and _BIND_FAILURE.search(str(exc)):
                     continue
                 raise
             except BaseException:
-                process.stop()
+                self._abandon(process)
                 raise
             for key, setting in pins.items():
                 if info.get(key) not in (None, -1, chosen[setting]):
@@ -520,26 +571,35 @@ class LocalDeployment:
         }
 
     def stop(self) -> None:
-        """Stop trainers first (they close their edges), then switches, emulator, codec, auth.
+        """Stop trainers first (they close their edges), then switches, then emulator, data, codec and
+        auth; the processes of one tier stop side by side (each drains on its own SIGTERM).
 
         The supervisor stops first and every process is marked unwanted before any is signalled,
-        so nothing is restarted while the deployment goes down.
+        so nothing is restarted while the deployment goes down. A process still starting (a start
+        that failed part-way) is stopped with the last tier, and no new one is started.
         """
+        with self._start_lock:
+            self._stopping = True
+            starting = list(self._starting)
         if self.supervisor is not None:
             self.supervisor.stop()
-        for process in self.all_processes():
+        for process in [*self.all_processes(), *starting]:
             with process.lock:
                 process.wanted = False
-        order: list[ServiceProcess] = []
-        for attr in ("trainer", "switch"):
-            order += [getattr(s, attr) for s in self.cluster_state.values() if getattr(s, attr) is not None]
-        if self.emulator is not None:
-            order.append(self.emulator)
-        for attr in ("data", "codec", "auth"):
-            order += [getattr(s, attr) for s in self.cluster_state.values() if getattr(s, attr) is not None]
+        states = list(self.cluster_state.values())
+        tiers = [
+            [s.trainer for s in states if s.trainer is not None],
+            [s.switch for s in states if s.switch is not None],
+            [
+                *([self.emulator] if self.emulator is not None else []),
+                *[p for s in states for p in (s.data, s.codec, s.auth) if p is not None],
+                *[p for p in starting if not any(p is known for known in self.all_processes())],
+            ],
+        ]
         try:
-            for process in order:
-                process.stop()
+            for tier in tiers:
+                if tier:
+                    _together(*(process.stop for process in tier))
         finally:
             self._release_lock()
 
