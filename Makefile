@@ -123,8 +123,9 @@ test: $(STAMP)
 	$(BIN)/pytest -q -m "not faults" $(PYTEST_ARGS)
 
 # The long fault scenarios, each on a deployment of its own: WAN outages and link loss mid-job, killed
-# services healing, a trainer killed mid-job, the outage limit (about 6 minutes on 2 cores). The SIGTERM
-# matrix (also marked `faults`) is `make test-stop`, which repeats each case.
+# services healing, a trainer killed mid-job, the outage limit, `local up` after a kill (about 7 minutes
+# on a quiet 2-core machine, 18 on a busy one). The SIGTERM matrix (also marked `faults`) is
+# `make test-stop`, which repeats each case.
 test-faults: $(STAMP)
 	$(BIN)/pytest -q -m faults tests/integration --ignore=tests/integration/test_service_stop.py $(PYTEST_ARGS)
 
