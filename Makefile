@@ -12,6 +12,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Which tests `make test` runs: all but the long fault scenarios (`make test TEST_SELECT=` runs every test).
+TEST_SELECT ?= -m "not faults"
 
 .PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-faults test-stop lint format clean bench \
 	bench-faults bench-relay soak smoke-containers bench-wan-roofline bench-wan-table3 check-dashboards
@@ -120,7 +122,7 @@ test: $(STAMP)
 	$(BIN)/python tools/gen_proto.py --check
 	$(BIN)/python tools/check_layers.py
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -m "not faults" $(PYTEST_ARGS)
+	$(BIN)/pytest -q $(TEST_SELECT) $(PYTEST_ARGS)
 
 # The long fault scenarios, each on a deployment of its own: WAN outages and link loss mid-job, killed
 # services healing, a trainer killed mid-job, the outage limit, `local up` after a kill (about 7 minutes
