@@ -12,8 +12,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Which tests `make test` runs: all but the long fault scenarios (`make test TEST_SELECT=` runs every test).
+TEST_SELECT ?= -m "not faults"
 
-.PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-stop lint format clean bench \
+.PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-faults test-stop lint format clean bench \
 	bench-faults bench-relay soak smoke-containers bench-wan-roofline bench-wan-table3 check-dashboards test-orgs test-orgs-netns
 
 install: $(STAMP)
@@ -114,11 +116,20 @@ bench-wan: $(STAMP)
 	done; \
 	if [ -n "$$failed" ]; then echo "bench-wan: failed:$$failed"; exit 1; fi
 
+# Every test but the long fault scenarios (marker `faults`: `make test-faults`, `make test-stop`; CI runs
+# all three). About 9 minutes on a quiet 2-core machine.
 test: $(STAMP)
 	$(BIN)/python tools/gen_proto.py --check
 	$(BIN)/python tools/check_layers.py
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q $(TEST_SELECT) $(PYTEST_ARGS)
+
+# The long fault scenarios, each on a deployment of its own: WAN outages and link loss mid-job, killed
+# services healing, a trainer killed mid-job, the outage limit, `local up` after a kill (about 7 minutes
+# on a quiet 2-core machine, 18 on a busy one). The SIGTERM matrix (also marked `faults`) is
+# `make test-stop`, which repeats each case.
+test-faults: $(STAMP)
+	$(BIN)/pytest -q -m faults tests/integration --ignore=tests/integration/test_service_stop.py $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit $(PYTEST_ARGS)
@@ -127,6 +138,7 @@ test-unit: $(STAMP)
 test-stop: $(STAMP)
 	NEBULA_STOP_REPEAT=20 $(BIN)/pytest -q tests/integration/test_service_stop.py $(PYTEST_ARGS)
 
+# Every integration test, fault scenarios included.
 test-integration: $(STAMP)
 	$(BIN)/pytest -q tests/integration $(PYTEST_ARGS)
 

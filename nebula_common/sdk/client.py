@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nebula_common.clients.auth import AuthClient
 from nebula_common.clients.endpoints import ClusterEndpoints
@@ -91,6 +92,7 @@ class ClusterSession:
         )
         self._switch_channel = internal_channel(endpoints.switch, service="switch")
         self.trainer = trainer_pb2_grpc.TrainerStub(self._trainer_channel)
+        self._trainer_health = health_pb2_grpc.HealthStub(self._trainer_channel)
         self.relay = relay_pb2_grpc.RelayStub(self._switch_channel)
 
     @classmethod
@@ -111,14 +113,26 @@ class ClusterSession:
     def _await_trainer(self, what: str) -> None:
         """Wait (bounded) until the trainer accepts a connection: a submit or cancel issued while its
         supervisor restarts it goes through a few seconds later instead of failing "connection refused".
-        Only connecting is waited for; a call that reached the trainer is never retried."""
+        Only connecting is waited for; a call that reached the trainer is never retried.
+
+        The wait is one grpc.health.v1 ``Check`` with ``wait_for_ready`` and a deadline of
+        ``trainer_wait_s``: any answer (even UNIMPLEMENTED or NOT_FOUND) means the trainer is
+        reachable. A call, unlike ``grpc.channel_ready_future``, leaves no watcher thread behind on the
+        channel (that one logs "Channel closed!" once the session is closed)."""
         try:
-            grpc.channel_ready_future(self._trainer_channel).result(timeout=self.trainer_wait_s)
-        except grpc.FutureTimeoutError:
-            raise NebulaError(
-                f"{what}: cluster {self.endpoints.cluster_id}'s trainer at {self.endpoints.trainer} "
-                f"accepted no connection for {self.trainer_wait_s:g} s"
-            ) from None
+            self._trainer_health.Check(
+                health_pb2.HealthCheckRequest(service=""),
+                timeout=self.trainer_wait_s,
+                wait_for_ready=True,
+            )
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise NebulaError(
+                    f"{what}: cluster {self.endpoints.cluster_id}'s trainer at {self.endpoints.trainer} "
+                    f"accepted no connection for {self.trainer_wait_s:g} s"
+                ) from None
+            # Anything else (UNIMPLEMENTED, a draining server's UNAVAILABLE, ...) came from the
+            # trainer's server: it is reachable, and the call itself reports what it answers.
 
     def assign(self, spec: trainer_pb2.StageSpec) -> trainer_pb2.AssignStageResponse:
         self._await_trainer(f"cluster {self.endpoints.cluster_id} refused stage {spec.stage!r}")

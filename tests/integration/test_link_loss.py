@@ -26,7 +26,7 @@ from nebula_common.sdk.client import ClusterSession, JobHandle, submit_job
 from tests.support.accounts import make_user
 from tests.support.jobs import numbers_job
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(300)]
 
 STEPS = 40
 OUTAGE_S = 10.0

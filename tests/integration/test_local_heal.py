@@ -24,7 +24,7 @@ from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterSession
 from tests.support.accounts import create_account, make_user
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(240)]
 
 HEAL_DEADLINE_S = 60.0  # a restart takes ~1 s idle; generous for a machine shared by four engineers
 HEALTH_SERVICE = {

@@ -141,6 +141,7 @@ def cli(*args: str) -> Result:
     return CliRunner().invoke(app, list(args))
 
 
+@pytest.mark.faults  # a kill and two deployments: `make test-faults`
 def test_local_up_restarts_a_killed_service_and_a_second_up_keeps_every_secret(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     up, first = start_up(run_dir)

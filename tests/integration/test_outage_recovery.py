@@ -24,7 +24,7 @@ from nebula_common.sdk.client import ClusterSession, JobHandle, submit_job
 from tests.support.accounts import make_user
 from tests.support.jobs import numbers_job
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(300)]
 
 MAX_OUTAGE_S = 3.0
 STEPS = 24

@@ -34,7 +34,7 @@ from services.auth.config import AuthSettings
 from services.auth.server import SERVICE as AUTH_SERVICE
 from tests.support.service_thread import ServiceThread
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(900)]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REPEAT = int(os.environ.get("NEBULA_STOP_REPEAT", "1"))

@@ -419,7 +419,11 @@ def test_an_account_above_its_item_rate_is_paced_without_slowing_another(
         # Read at the account's rate (plus its burst), not as fast as gRPC delivers them.
         assert read <= burst + rate * (elapsed + PAUSE_S) + 5, (read, elapsed)
         assert elapsed >= (600 - burst) / rate * 0.9, elapsed
-        assert _sample("nebula_switch_throttled_seconds_total", "mallory") > paced_before
+        # Paced, unless delivery itself never outran the cap (a busy machine can deliver slower than
+        # 300 items/s, and then the bucket never runs dry): either way it never read above the rate.
+        paced = _sample("nebula_switch_throttled_seconds_total", "mallory") - paced_before
+        delivered_rate = (read - burst) / elapsed
+        assert paced > 0 or delivered_rate <= rate, (paced, read, elapsed, delivered_rate)
         assert flooder.inbox.empty(), "the paced stream was closed or answered"  # paced, never closed
         after = len(healthy.arrived)
         wait_for(lambda: len(healthy.arrived) >= after + 50, 20, "the healthy route to keep moving")

@@ -32,7 +32,7 @@ from nebula_common.sdk.client import ClusterSession, submit_job
 from tests.support.accounts import make_user
 from tests.support.jobs import numbers_job
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(240)]
 
 STEPS = 30
 CHECKPOINT_INTERVAL = 5

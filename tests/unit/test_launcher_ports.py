@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from nebula_common.launcher import ports
 from nebula_common.launcher.ports import (
     FALLBACK_EPHEMERAL,
     HIGHEST_PORT,
@@ -45,13 +46,37 @@ def test_ports_are_outside_the_live_ephemeral_range_distinct_and_bindable() -> N
         sock.bind(("127.0.0.1", ports[-1]))  # it was free when handed out, and nobody else took it
 
 
-def test_a_taken_port_is_skipped_and_none_left_is_an_error() -> None:
-    only = (LOWEST_PORT, HIGHEST_PORT - 2)  # leaves 65534 and 65535
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", HIGHEST_PORT - 1))
-        holder.listen()
-        assert service_port(ephemeral=only) == HIGHEST_PORT
+def _held_port() -> socket.socket:
+    """A listening socket on a port the kernel chose (so no other process holds it)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def test_a_taken_port_is_skipped_and_none_left_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two candidates only, both ports this test holds (a fixed port such as 65535 may be held by any
+    # other program on the machine): the bounds are narrowed to them and the "ephemeral range"
+    # is everything in between, so the candidates are exactly {taken, free}.
+    taken = _held_port()
+    spares = [_held_port()]
+    try:
+        while abs(spares[-1].getsockname()[1] - taken.getsockname()[1]) < 2 and len(spares) < 5:
+            spares.append(_held_port())  # adjacent: no port strictly between them for the range
+        spare = spares[-1]
+        low, high = sorted((taken.getsockname()[1], spare.getsockname()[1]))
+        assert high - low >= 2, (low, high)
+        monkeypatch.setattr(ports, "LOWEST_PORT", low)
+        monkeypatch.setattr(ports, "HIGHEST_PORT", high)
+        between = (low + 1, high - 1)
+        free = spare.getsockname()[1]
+        spare.close()  # now bindable; ``taken`` stays held
+        assert service_port(ephemeral=between) == free
         with pytest.raises(NoFreePortError, match="after 50 tries"):
-            service_port(attempts=50, ephemeral=only)  # 65535 is handed out, 65534 taken
+            service_port(attempts=50, ephemeral=between)  # ``free`` is handed out, ``taken`` held
+    finally:
+        taken.close()
+        for sock in spares:
+            sock.close()
     with pytest.raises(NoFreePortError, match="leaves no port"):
         service_port(ephemeral=(1024, HIGHEST_PORT))

@@ -62,6 +62,24 @@ def test_a_call_made_while_the_trainer_restarts_reaches_it_once_it_listens() -> 
         server.stop(None)
 
 
+def test_waiting_leaves_no_thread_behind_on_the_channel() -> None:
+    # grpc.channel_ready_future polls connectivity from a thread of its own that outlives a timed-out
+    # wait and, once the session closes its channel, dies logging "Channel closed!". The wait is a
+    # health call with a deadline instead: nothing of it remains once it returned or failed.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")  # bound, never started
+    before = set(threading.enumerate())
+    session = ClusterSession(endpoints(f"127.0.0.1:{port}"), "token", "alice", trainer_wait_s=0.3)
+    try:
+        with pytest.raises(NebulaError, match="accepted no connection"):
+            session.cancel("job-1")
+        left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+        assert left == [], f"threads left by the trainer wait: {left}"
+    finally:
+        session.close()
+        server.stop(None)
+
+
 def test_a_negative_wait_is_refused() -> None:
     with pytest.raises(ValueError, match="trainer_wait_s must be >= 0"):
         ClusterSession(endpoints("127.0.0.1:1"), "token", "alice", trainer_wait_s=-1)
