@@ -27,6 +27,7 @@ from nebula_common.service.resources import grpc_server, service_audit, token_ve
 from services.switch.certs import CertificateManager
 from services.switch.config import SwitchSettings
 from services.switch.link import PeerLink, fetch_server_certificate
+from services.switch.rawlink import RawConnection, WanFrontend, dial_raw
 from services.switch.relay_servicer import RelayServicer, add_relay_to_server
 from services.switch.revocation import RevocationList
 from services.switch.routing import Limits, Router
@@ -49,6 +50,8 @@ class RunningSwitch:
     audit: AuditLog
     certificates: CertificateManager
     revocation: RevocationList | None
+    #: The raw transport's frontend on the WAN port (None with link_transport=grpc).
+    frontend: WanFrontend | None = None
 
     @property
     def internal_port(self) -> int:
@@ -200,9 +203,27 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     ]
     wan = grpc_server(stack, ["nebula.v1.SwitchLink"], grace=STOP_GRACE_SECONDS, options=wan_options)
     add_link_to_server(SwitchLinkServicer(link), wan.server)
-    wan.add_secure_port("wan", settings.wan_listen, certs.server_credentials())
+    raw = settings.link_transport == "raw"
+    # With the raw transport the WAN port is the frontend's (rawlink.py); gRPC's WAN server then listens
+    # on loopback only, reached through the frontend, which passes a gRPC peer's TLS bytes through.
+    grpc_wan_port = wan.add_secure_port(
+        "wan", "127.0.0.1:0" if raw else settings.wan_listen, certs.server_credentials()
+    )
     await internal.start()
     await wan.start()
+    frontend = None
+    if raw:
+        frontend = WanFrontend(
+            link,
+            f"127.0.0.1:{grpc_wan_port}",
+            lambda: certs.ssl_context(server_side=True),
+            handshake_timeout_s=settings.wan_handshake_timeout_s,
+            send_buffer=settings.link_window_bytes,
+        )
+        wan.ports["wan"] = await frontend.start(settings.wan_listen)
+        wan.ports["wan_grpc_backend"] = grpc_wan_port
+        stack.push_async_callback(frontend.stop)
+        link.serves_raw = True
     stack.callback(link.stop)
     if settings.dials():
         assert settings.peer_address is not None  # SwitchSettings refuses a dialer without one
@@ -212,6 +233,18 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
             return await fetch_server_certificate(
                 address, certs.cert_path, certs.key_path, certs.bundle_path, link.expected_peer.dns_name
             )
+
+        if raw:
+
+            async def raw_dialer() -> RawConnection:
+                return await dial_raw(
+                    address,
+                    certs.ssl_context(server_side=False),
+                    link.expected_peer.dns_name,
+                    send_buffer=settings.link_window_bytes,
+                )
+
+            link.raw_dialer = raw_dialer
 
         dialer = asyncio.create_task(
             link.dial_forever(
@@ -236,6 +269,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         audit=audit,
         certificates=certs,
         revocation=revocation,
+        frontend=frontend,
     )
     ports = {
         "internal_port": running.internal_port,
