@@ -159,7 +159,10 @@ def gloo_receiver(port: int, size: int, count: int, done: Any) -> None:
 
 def relay_receiver(address: str, token: str, job: str, count: int, done: Any) -> None:
     """The downstream stage: a real edge on switch b receiving ``count + 1`` tensors."""
+    from nebula_common.bulk_memory import keep_freed_memory_for_reuse
     from services.trainer.edge import EdgeConnection, GrpcEdgeTransport
+
+    keep_freed_memory_for_reuse()  # as the trainer service does at start
 
     edge = EdgeConnection(GrpcEdgeTransport(address, token, job, EDGE), job_id=job, edge=EDGE, upstream=False)
     for step in range(count + 1):
@@ -500,6 +503,10 @@ def main() -> None:
 
     import torch
 
+    from nebula_common.bulk_memory import keep_freed_memory_for_reuse
+
+    if "relay" in args.paths or "relay-raw" in args.paths:
+        keep_freed_memory_for_reuse()  # this process is the sending trainer (as the trainer service does)
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
         "command": "make bench-relay  # .venv/bin/python bench/wan/relay.py "
