@@ -5,6 +5,9 @@ another process on loopback, measured side by side so the ratios share the machi
 
 * ``relay``: edge -> switch a -> mTLS link -> switch b -> edge (four processes: this one sends,
   a spawned process receives; both switches and both auth services are real service processes);
+  the link is a gRPC stream (``NEBULA_SWITCH_LINK_TRANSPORT=grpc``);
+* ``relay-raw``: the same path with the raw link transport between the switches (length-prefixed frames
+  on TLS 1.3, ``NEBULA_SWITCH_LINK_TRANSPORT=raw``, services/switch/rawlink.py), a deployment of its own;
 * ``tls``: one Python ``ssl`` TLS 1.3 socket hop (``sendall`` / ``recv_into``);
 * ``tcp``: one plain TCP socket hop;
 * ``grpc``: one plaintext gRPC stream of 4 MiB ``bytes`` messages (identity serializers);
@@ -42,7 +45,8 @@ from typing import Any
 MIB = 1 << 20
 GRPC_MESSAGE = 4 * MIB
 SIZES_MIB = (1, 16, 64)
-PATHS = ("relay", "tls", "tcp", "grpc", "gloo")
+PATHS = ("relay", "relay-raw", "tls", "tcp", "grpc", "gloo")
+TRANSPORTS = {"relay": "grpc", "relay-raw": "raw"}
 JOB = "bench/relay"
 EDGE = "up->down"
 
@@ -155,7 +159,10 @@ def gloo_receiver(port: int, size: int, count: int, done: Any) -> None:
 
 def relay_receiver(address: str, token: str, job: str, count: int, done: Any) -> None:
     """The downstream stage: a real edge on switch b receiving ``count + 1`` tensors."""
+    from nebula_common.bulk_memory import keep_freed_memory_for_reuse
     from services.trainer.edge import EdgeConnection, GrpcEdgeTransport
+
+    keep_freed_memory_for_reuse()  # as the trainer service does at start
 
     edge = EdgeConnection(GrpcEdgeTransport(address, token, job, EDGE), job_id=job, edge=EDGE, upstream=False)
     for step in range(count + 1):
@@ -281,8 +288,9 @@ def bench_gloo(tensor: Any, count: int) -> Timed:
 class Deployment:
     """Two clusters' auth services and switches as real service processes; switch a dials b."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, transport: str = "grpc") -> None:
         self.root = root
+        self.transport = transport
         self.processes: list[Any] = []
         self.switches: dict[str, Any] = {}
         self.tokens: dict[str, str] = {}
@@ -351,6 +359,7 @@ class Deployment:
                 "METRICS_PORT": str(service_port()),
                 "LOG_LEVEL": "WARNING",
                 "LINK_ROLE": "accept" if cluster == "b" else "dial",
+                "LINK_TRANSPORT": self.transport,
             }
             if cluster == "a":
                 env["PEER_ADDRESS"] = f"127.0.0.1:{wan_b}"
@@ -372,6 +381,18 @@ class Deployment:
                 for line in response.read().decode().splitlines():
                     if line.startswith("nebula_switch_link_connections "):
                         found[cluster] = float(line.split()[1])
+        return found
+
+    def link_transport(self) -> dict[str, str]:
+        """What carried each switch's last link session (its audit log's last ``link.up`` record)."""
+        found = {}
+        for cluster in self.switches:
+            path = self.root / cluster / "switch" / "audit.log"
+            for line in path.read_text().splitlines() if path.exists() else []:
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+                    if record.get("event") == "link.up":
+                        found[cluster] = str((record.get("details") or {}).get("transport", "grpc"))
         return found
 
     def switch_cpu(self) -> dict[str, float]:
@@ -431,11 +452,13 @@ def render(result: dict[str, Any]) -> str:
         f"Taken {result['taken']}; load before {result['load_before']}, after {result['load_after']}; "
         f"{os.cpu_count()} cores.",
         "",
-        "MB/s (10^6 bytes per second), receiver holding the last tensor; ratio = relay / TLS hop.",
+        "MB/s (10^6 bytes per second), receiver holding the last tensor; ratio = relay / TLS hop; "
+        "'relay' has a gRPC link between the switches, 'raw link' the raw transport (rawlink.py).",
         "",
-        "| tensor | relay | TLS 1.3 hop | TCP | gRPC stream | gloo | relay / TLS | switch CPU-s per GB "
-        "| CPU-s per GB: switch a / b, sender, receiver |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| tensor | relay | relay, raw link | TLS 1.3 hop | TCP | gRPC stream | gloo | relay / TLS "
+        "| raw link / TLS | switch CPU-s per GB (gRPC / raw link) "
+        "| CPU-s per GB: switch a / b, sender, receiver (gRPC link; raw link) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         mb = row["mb_s"]
@@ -443,18 +466,25 @@ def render(result: dict[str, Any]) -> str:
         def cell(path: str, mb: dict[str, float] = mb) -> str:
             return f"{mb[path]:.0f}" if path in mb else "-"
 
-        ratio = f"{mb['relay'] / mb['tls']:.2f}" if "relay" in mb and "tls" in mb else "-"
-        cpu = f"{row['switch_cpu_s_per_gb']:.2f}" if row.get("switch_cpu_s_per_gb") is not None else "-"
+        def ratio(path: str, mb: dict[str, float] = mb) -> str:
+            return f"{mb[path] / mb['tls']:.2f}" if path in mb and "tls" in mb else "-"
+
+        def cpu(suffix: str, row: dict[str, Any] = row) -> str:
+            value = row.get("switch_cpu_s_per_gb" + suffix)
+            return f"{value:.2f}" if value is not None else "-"
+
         gb = row["size_mib"] * MIB * row["count"] / 1e9
-        split = row.get("cpu_s")
-        parts = (
-            " / ".join(f"{split[k] / gb:.1f}" for k in ("a", "b", "sender", "receiver") if k in split)
-            if split
-            else "-"
-        )
+
+        def parts(suffix: str, row: dict[str, Any] = row, gb: float = gb) -> str:
+            split = row.get("cpu_s" + suffix)
+            keys = ("a", "b", "sender", "receiver")
+            return " / ".join(f"{split[k] / gb:.1f}" for k in keys if k in split) if split else "-"
+
         lines.append(
-            f"| {row['size_mib']} MiB x {row['count']} | {cell('relay')} | {cell('tls')} | {cell('tcp')} "
-            f"| {cell('grpc')} | {cell('gloo')} | {ratio} | {cpu} | {parts} |"
+            f"| {row['size_mib']} MiB x {row['count']} | {cell('relay')} | {cell('relay-raw')} "
+            f"| {cell('tls')} | {cell('tcp')} | {cell('grpc')} | {cell('gloo')} "
+            f"| {ratio('relay')} | {ratio('relay-raw')} "
+            f"| {cpu('')} / {cpu('_raw')} | {parts('')}; {parts('_raw')} |"
         )
     lines += [
         "",
@@ -476,21 +506,28 @@ def main() -> None:
 
     import torch
 
+    from nebula_common.bulk_memory import keep_freed_memory_for_reuse
+
+    if "relay" in args.paths or "relay-raw" in args.paths:
+        keep_freed_memory_for_reuse()  # this process is the sending trainer (as the trainer service does)
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
         "command": "make bench-relay  # .venv/bin/python bench/wan/relay.py "
-        + " ".join(["--sizes", *map(str, args.sizes), "--total-mib", str(args.total_mib)]),
+        + " ".join(
+            ["--sizes", *map(str, args.sizes), "--total-mib", str(args.total_mib), "--paths", *args.paths]
+        ),
         "taken": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "load_before": load_info(),
         "rows": [],
     }
     root = Path(tempfile.mkdtemp(prefix="nebula-bench-relay-"))
-    deployment = Deployment(root)
+    deployments: dict[str, Deployment] = {}
     try:
-        if "relay" in args.paths:
-            deployment.start()
-            print("deployment up", flush=True)
-        tls_pair = getattr(deployment, "tls_pair", None)
+        for path, transport in TRANSPORTS.items():
+            if path in args.paths:
+                deployments[path] = Deployment(root / transport, transport).start()
+                print(f"deployment up ({transport} link)", flush=True)
+        tls_pair = next(iter(deployments.values())).tls_pair if deployments else None
         if tls_pair is None:
             from nebula_common.pki import init_pki
 
@@ -501,12 +538,18 @@ def main() -> None:
             tensor = torch.randn(size_mib * MIB // 4)
             row: dict[str, Any] = {"size_mib": size_mib, "count": count, "mb_s": {}}
             for path in args.paths:
-                if path == "relay":
+                if path in deployments:
+                    deployment = deployments[path]
                     timed, cpu = bench_relay(deployment, tensor, count, index)
-                    row["cpu_s"] = {k: round(v, 2) for k, v in cpu.items()}
-                    row["switch_cpu_s_per_gb"] = (cpu["a"] + cpu["b"]) / (timed.bytes / 1e9)
-                    row["link_connections_after"] = deployment.link_connections()
-                    print(f"  CPU s: {row['cpu_s']}; connections {row['link_connections_after']}", flush=True)
+                    suffix = "" if path == "relay" else "_raw"
+                    row["cpu_s" + suffix] = {k: round(v, 2) for k, v in cpu.items()}
+                    row["switch_cpu_s_per_gb" + suffix] = (cpu["a"] + cpu["b"]) / (timed.bytes / 1e9)
+                    row["link_connections_after" + suffix] = deployment.link_connections()
+                    row["link_transport" + suffix] = deployment.link_transport()
+                    print(
+                        f"  CPU s: {row['cpu_s' + suffix]}; transport {row['link_transport' + suffix]}",
+                        flush=True,
+                    )
                 elif path == "tls":
                     timed = bench_socket(tensor, count, tls_pair)
                 elif path == "tcp":
@@ -519,7 +562,8 @@ def main() -> None:
                 print(f"{size_mib} MiB x {count} {path}: {timed.mb_s:.0f} MB/s", flush=True)
             result["rows"].append(row)
     finally:
-        deployment.stop()
+        for deployment in deployments.values():
+            deployment.stop()
         shutil.rmtree(root, ignore_errors=True)
     result["load_after"] = load_info()
     (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")

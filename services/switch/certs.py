@@ -3,7 +3,9 @@
 New TLS handshakes pick up a new certificate without a restart: the WAN server is built with
 ``grpc.dynamic_ssl_server_credentials``, whose fetcher gRPC calls before *every* new handshake, and
 the dialer rebuilds its channel credentials on each (re)connect. Live HTTP/2 connections keep the
-TLS session they negotiated, so a rotation never drops a training stream.
+TLS session they negotiated, so a rotation never drops a training stream. The raw link transport
+(``rawlink.py``) takes a Python ``ssl`` context per handshake from :meth:`CertificateManager.ssl_context`,
+rebuilt from the same material whenever its generation changes.
 
 Renewal has two sources, and the switch handles both the same way (reload from disk):
 
@@ -22,6 +24,9 @@ in use and the problem is logged, so a half-written rotation can never take the 
 from __future__ import annotations
 
 import logging
+import os
+import ssl
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -109,6 +114,7 @@ class CertificateManager:
         self._lock = threading.Lock()
         self._fetched_generation = 0
         self._listeners: list[Callable[[Material], None]] = []
+        self._ssl_contexts: dict[tuple[bool, int], ssl.SSLContext] = {}
         self._current = self._load(generation=1)
         self._stamp = self._file_stamp()
         CERT_RENEWALS.set(1)
@@ -191,6 +197,37 @@ class CertificateManager:
             self._fetched_generation = self._current.generation
             material = self._current
         return self._configuration(material)
+
+    def ssl_context(self, *, server_side: bool) -> ssl.SSLContext:
+        """A TLS 1.3 context for the raw link transport, from the current material (cached per generation).
+
+        Both sides present this switch's leaf and verify the peer against the trust bundle only; the
+        client side also checks the server certificate's DNS name (``server_hostname`` at connect time),
+        as the gRPC channel's target-name override does. The server side demands a client certificate.
+        """
+        material = self.current
+        key = (server_side, material.generation)
+        with self._lock:
+            cached = self._ssl_contexts.get(key)
+        if cached is not None:
+            return cached
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cadata=material.bundle_pem.decode())
+        # ssl loads a key pair only from a file: write the validated material to a private temporary
+        # file (never the paths on disk, which may already hold a half-written rotation).
+        fd, name = tempfile.mkstemp(prefix=".raw-link-", suffix=".pem", dir=self.key_path.parent)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(material.cert_pem + b"\n" + material.key_pem)
+            context.load_cert_chain(name)
+        finally:
+            os.unlink(name)
+        with self._lock:
+            self._ssl_contexts = {k: v for k, v in self._ssl_contexts.items() if k[1] == material.generation}
+            self._ssl_contexts[key] = context
+        return context
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """Client credentials from the current material; the dialer calls this on every reconnect."""

@@ -104,6 +104,13 @@ class SwitchSettings(ServiceSettings):
         description="Connections the dialing switch stripes the link over: a number (1-16) or 'auto' "
         "(start with one, add while throughput grows by more than 5%, drop one that does not help).",
     )
+    link_transport: Literal["grpc", "raw"] = Field(
+        "grpc",
+        description="What carries the WAN link: 'grpc' (a gRPC stream per connection) or 'raw' (length-"
+        "prefixed frames on a Python TLS 1.3 connection, same certificates and checks; services/switch/"
+        "rawlink.py). With 'raw' the WAN port takes both (a gRPC peer is passed through to the gRPC "
+        "server) and the dialer offers raw; a peer that does not take it gets the gRPC link.",
+    )
     wan_handshake_timeout_s: float = Field(
         10.0,
         gt=0,

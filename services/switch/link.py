@@ -39,12 +39,13 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 from cryptography import x509
 
 from nebula_common.audit import AuditLog
-from nebula_common.pki import Identity
+from nebula_common.pki import Identity, identity_from_certificate
 from nebula_common.proto.nebula.v1 import link_pb2
 from nebula_common.rpc.framing import (
     LINK_FRAMING_VERSION,
@@ -75,6 +76,30 @@ ReadFn = Callable[[], Awaitable[object]]
 WriteFn = Callable[[bytes], Awaitable[None]]
 CredentialsFn = Callable[[], grpc.ChannelCredentials]
 ProbeFn = Callable[[], Awaitable[x509.Certificate]]
+RAW_LINK_VERSION = 1
+"""``Handshake.raw_link`` of a switch that serves (acceptor) or wants (dialer) the raw transport."""
+RAW_FALLBACK_S = 60.0
+"""After a failed raw connection the dialer uses gRPC (without offering raw) for this long."""
+
+
+class RawConnectionLike(Protocol):
+    """A raw link connection (services/switch/rawlink.py): whole messages both ways, the peer's cert."""
+
+    peer_cert: x509.Certificate | None
+
+    async def read(self) -> object: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class Closeable(Protocol):
+    async def close(self) -> None: ...
+
+
+RawDialFn = Callable[[], Awaitable[RawConnectionLike]]
+LaneOpenFn = Callable[[int], Awaitable[tuple[Closeable, "asyncio.Task[None]"]]]
 
 
 class HandshakeError(Exception):
@@ -168,6 +193,8 @@ class LinkState:
     sessions: int = 0
     #: The peer reads framed chunks (its Handshake.link_framing).
     peer_framing: bool = False
+    #: What carries the session: "grpc" (a gRPC stream per connection) or "raw" (rawlink.py).
+    transport: str = ""
 
 
 async def fetch_server_certificate(
@@ -214,12 +241,19 @@ class PeerLink:
         revocation: RevocationList | None = None,
         liveness: LivenessPolicy | None = None,
         connections: int | None = 1,
+        raw_dialer: RawDialFn | None = None,
+        serves_raw: bool = False,
     ) -> None:
         self.cluster_id = cluster_id
+        #: Dialer: opens a raw connection to the peer (offered in the handshake; None: gRPC only).
+        self.raw_dialer = raw_dialer
+        #: Acceptor: this switch's WAN port takes raw connections (rawlink.WanFrontend).
+        self.serves_raw = serves_raw
+        self._raw_fallback_until = 0.0
         #: Connections the dialer keeps per session: a fixed count, or None to self-tune (lanes.py).
         self.connections = connections
         self._lanes: _Lanes | None = None
-        self._lane_channels: dict[int, tuple[grpc.aio.Channel, asyncio.Task[None]]] = {}
+        self._lane_channels: dict[int, tuple[Closeable, asyncio.Task[None]]] = {}
         self.expected_peer = Identity(cluster_id=peer_cluster_id, role="switch")
         self.router = router
         if router.record is None:
@@ -260,7 +294,9 @@ class PeerLink:
         return self.state.connected
 
     # ----- the session, shared by both roles -------------------------------------------
-    def hello(self, *, lanes: bool = True, session_id: bytes = b"", lane: int = 0) -> link_pb2.LinkMessage:
+    def hello(
+        self, *, lanes: bool = True, session_id: bytes = b"", lane: int = 0, raw_link: int = 0
+    ) -> link_pb2.LinkMessage:
         return link_pb2.LinkMessage(
             hello=link_pb2.Handshake(
                 protocol_version=PROTOCOL_VERSION,
@@ -270,6 +306,7 @@ class PeerLink:
                 lanes=lanes,
                 session_id=session_id,
                 lane=lane,
+                raw_link=raw_link,
             )
         )
 
@@ -356,6 +393,7 @@ class PeerLink:
         peer_framing: bool = False,
         session_id: bytes = b"",
         marking: bool = False,
+        transport: str = "grpc",
     ) -> None:
         """Pump frames both ways until either side ends; only one session runs at a time.
 
@@ -382,10 +420,13 @@ class PeerLink:
                 peer_serial=serial,
                 sessions=self._sessions,
                 peer_framing=peer_framing,
+                transport=transport,
             )
             self._connected.set()
             LINK_UP.set(1)
-            self.record("link.up", peer=certified.uri, role=role, peer_serial=f"{serial:x}")
+            self.record(
+                "link.up", peer=certified.uri, role=role, peer_serial=f"{serial:x}", transport=transport
+            )
             log.info("WAN link up", extra={"fields": {"peer": certified.uri, "role": role}})
             self._priority.clear()
             self._ping_outstanding = None
@@ -661,6 +702,8 @@ class PeerLink:
         ``credentials`` is called on every attempt so a renewed certificate is used at the next
         reconnect; ``probe`` (when given) learns the certificate the peer presents, so a revoked
         peer is refused before the link starts and the session can be closed if it is revoked later.
+        With a ``raw_dialer`` the gRPC handshake offers the raw transport; a peer that takes it ends
+        the call and the session runs over a raw connection instead (rawlink.py).
         """
         backoff = 0.2
         while not self._stopping:
@@ -674,12 +717,16 @@ class PeerLink:
                         serial=f"{peer_cert.serial_number:x}",
                     )
                     raise HandshakeError(f"peer certificate {peer_cert.serial_number:x} is revoked")
+                offer_raw = self.raw_dialer is not None and time.monotonic() >= self._raw_fallback_until
+                session_id = os.urandom(16)
+                striping = self.connections != 1
                 async with grpc.aio.secure_channel(address, credentials(), options=options) as channel:
                     # Raw bytes both ways: messages are (de)serialized by the session itself.
                     call = channel.stream_stream(LINK_METHOD)()
-                    session_id = os.urandom(16)
-                    striping = self.connections != 1
-                    await call.write(self.hello(lanes=striping, session_id=session_id).SerializeToString())
+                    hello = self.hello(
+                        lanes=striping, session_id=session_id, raw_link=RAW_LINK_VERSION if offer_raw else 0
+                    )
+                    await call.write(hello.SerializeToString())
                     raw = await asyncio.wait_for(call.read(), HANDSHAKE_TIMEOUT_S)
                     if raw is grpc.aio.EOF:
                         raise HandshakeError("peer closed the link during the handshake")
@@ -691,41 +738,37 @@ class PeerLink:
                     except HandshakeError as exc:
                         self.refuse("handshake", str(exc))
                         raise
+                    use_raw = offer_raw and bool(reply.hello.raw_link)
+                    if not use_raw:
+                        backoff = 0.2
+                        marking = striping and reply.hello.lanes and reply.hello.session_id == session_id
+
+                        async def open_grpc_lane(
+                            index: int, session_id: bytes = session_id
+                        ) -> tuple[Closeable, asyncio.Task[None]]:
+                            return await self._open_lane(index, address, credentials, options, session_id)
+
+                        try:
+                            await self._dialer_session(
+                                call.read,
+                                call.write,
+                                peer_cert,
+                                reply,
+                                session_id,
+                                marking,
+                                open_grpc_lane,
+                                "grpc",
+                            )
+                        finally:
+                            call.cancel()
+                    else:
+                        call.cancel()  # the peer takes the raw transport: this call carried only the offer
+                if use_raw:
+                    await self._dial_raw_session(session_id, striping)
                     backoff = 0.2
-                    marking = striping and reply.hello.lanes and reply.hello.session_id == session_id
-                    session = asyncio.create_task(
-                        self.run_session(
-                            call.read,
-                            call.write,
-                            self.expected_peer,
-                            "dialer",
-                            peer_cert,
-                            peer_framing=reply.hello.link_framing >= LINK_FRAMING_VERSION,
-                            session_id=session_id,
-                            marking=marking,
-                        ),
-                        name="link-session",
-                    )
-                    manager = None
-                    if marking:
-                        manager = asyncio.create_task(
-                            self._manage_lanes(address, credentials, options, session_id), name="link-lanes"
-                        )
-                    try:
-                        await session
-                    finally:
-                        if manager is not None:
-                            manager.cancel()
-                            with contextlib.suppress(asyncio.CancelledError, Exception):
-                                await manager
-                        if not session.done():  # we were cancelled: let the session wind down first
-                            session.cancel()
-                            with contextlib.suppress(asyncio.CancelledError, Exception):
-                                await session
-                    call.cancel()
             except asyncio.CancelledError:
                 raise
-            except (grpc.aio.AioRpcError, HandshakeError, TimeoutError, OSError, ssl.SSLError) as exc:
+            except (grpc.aio.AioRpcError, HandshakeError, TimeoutError, OSError) as exc:
                 if isinstance(exc, ssl.SSLError):
                     self.refuse("tls", f"peer's TLS certificate refused: {exc}")
                 detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
@@ -733,13 +776,134 @@ class PeerLink:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
-    async def _manage_lanes(
-        self, address: str, credentials: CredentialsFn, options: list[tuple[str, object]], session_id: bytes
+    async def _dialer_session(
+        self,
+        read: ReadFn,
+        write: WriteFn,
+        peer_cert: x509.Certificate | None,
+        reply: link_pb2.LinkMessage,
+        session_id: bytes,
+        marking: bool,
+        open_lane: LaneOpenFn,
+        transport: str,
     ) -> None:
+        """Run the dialer's session on its first connection, with the lane manager beside it."""
+        session = asyncio.create_task(
+            self.run_session(
+                read,
+                write,
+                self.expected_peer,
+                "dialer",
+                peer_cert,
+                peer_framing=reply.hello.link_framing >= LINK_FRAMING_VERSION,
+                session_id=session_id,
+                marking=marking,
+                transport=transport,
+            ),
+            name="link-session",
+        )
+        manager = None
+        if marking:
+            manager = asyncio.create_task(self._manage_lanes(open_lane), name="link-lanes")
+        try:
+            await session
+        finally:
+            if manager is not None:
+                manager.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await manager
+            if not session.done():  # we were cancelled: let the session wind down first
+                session.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await session
+
+    async def _raw_connect(
+        self, session_id: bytes, lane: int
+    ) -> tuple[RawConnectionLike, link_pb2.LinkMessage]:
+        """A raw connection whose peer passed every check of the gRPC link, after the link handshake.
+
+        TLS verified the chain and the DNS name; here the certificate must name the expected peer
+        switch and not be revoked, and the handshake must agree with it (each refusal audited).
+        """
+        assert self.raw_dialer is not None
+        try:
+            connection = await self.raw_dialer()
+        except ssl.SSLError as exc:
+            self.refuse("tls", f"peer's TLS certificate refused on the raw link: {exc}")
+            raise
+        try:
+            cert = connection.peer_cert
+            serial = f"{cert.serial_number:x}" if cert is not None else ""
+            try:
+                if cert is None:
+                    raise PermissionError("peer presented no certificate on the raw link")
+                try:
+                    certified = identity_from_certificate(cert)
+                except ValueError as exc:
+                    raise PermissionError(
+                        f"peer's certificate carries no valid Nebula identity: {exc}"
+                    ) from exc
+                self.check_identity(certified)
+            except PermissionError as exc:
+                self.refuse("identity", str(exc), serial=serial)
+                raise HandshakeError(str(exc)) from exc
+            if self.is_revoked(cert):
+                self.refuse("revoked", "peer presented a revoked certificate", serial=serial)
+                raise HandshakeError(f"peer certificate {serial} is revoked")
+            hello = self.hello(
+                lanes=self.connections != 1, session_id=session_id, lane=lane, raw_link=RAW_LINK_VERSION
+            )
+            await connection.write(hello.SerializeToString())
+            raw = await asyncio.wait_for(connection.read(), HANDSHAKE_TIMEOUT_S)
+            if raw is grpc.aio.EOF:
+                raise HandshakeError(f"peer closed raw connection {lane} during the handshake")
+            try:
+                reply = parse_link_message(raw)
+                self.check_hello(reply, self.expected_peer)
+            except HandshakeError as exc:
+                self.refuse("handshake", str(exc), serial=serial)
+                raise
+        except BaseException:
+            await connection.close()
+            raise
+        return connection, reply
+
+    async def _dial_raw_session(self, session_id: bytes, striping: bool) -> None:
+        """The session over a raw connection (its lanes raw too); gRPC for a while if it cannot start."""
+        try:
+            connection, reply = await self._raw_connect(session_id, 0)
+        except (HandshakeError, TimeoutError, OSError) as exc:
+            self._raw_fallback_until = time.monotonic() + RAW_FALLBACK_S
+            raise HandshakeError(
+                f"raw link connection failed ({exc}); gRPC link for the next {RAW_FALLBACK_S:.0f} s"
+            ) from exc
+        marking = striping and reply.hello.lanes and reply.hello.session_id == session_id
+
+        async def open_raw_lane(index: int) -> tuple[Closeable, asyncio.Task[None]]:
+            lane, _ = await self._raw_connect(session_id, index)
+            return lane, asyncio.create_task(
+                self.run_lane(index, lane.read, lane.write), name=f"link-lane-{index}"
+            )
+
+        try:
+            await self._dialer_session(
+                connection.read,
+                connection.write,
+                connection.peer_cert,
+                reply,
+                session_id,
+                marking,
+                open_raw_lane,
+                "raw",
+            )
+        finally:
+            await connection.close()
+
+    async def _manage_lanes(self, open_lane: LaneOpenFn) -> None:
         """Keep the session's connection count at its target: fixed, or self-tuned (lanes.py)."""
         tuner = LaneTuner() if self.connections is None else None
         target = self.connections or 1
-        lanes: dict[int, tuple[grpc.aio.Channel, asyncio.Task[None]]] = {}
+        lanes: dict[int, tuple[Closeable, asyncio.Task[None]]] = {}
         self._lane_channels = lanes
         try:
             while True:
@@ -750,7 +914,7 @@ class PeerLink:
                 while len(lanes) + 1 < target:
                     index = next(i for i in range(1, 64) if i not in lanes)
                     try:
-                        lanes[index] = await self._open_lane(index, address, credentials, options, session_id)
+                        lanes[index] = await open_lane(index)
                     except (grpc.aio.AioRpcError, HandshakeError, TimeoutError, OSError) as exc:
                         log.warning("cannot open connection %d of the link: %s (retry later)", index, exc)
                         break
@@ -781,7 +945,7 @@ class PeerLink:
         credentials: CredentialsFn,
         options: list[tuple[str, object]],
         session_id: bytes,
-    ) -> tuple[grpc.aio.Channel, asyncio.Task[None]]:
+    ) -> tuple[Closeable, asyncio.Task[None]]:
         """Dial one more connection (a channel of its own: distinct arguments, its own TCP connection)."""
         lane_options = [*options, ("grpc.use_local_subchannel_pool", 1), ("nebula.link_lane", index)]
         channel = grpc.aio.secure_channel(address, credentials(), options=lane_options)

@@ -22,6 +22,7 @@ from cryptography import x509
 from nebula_common.audit import AuditLog
 from nebula_common.audit.servicer import AUDIT_SERVICE_NAME, add_audit_api
 from nebula_common.auth.interceptor import TokenAuthInterceptor
+from nebula_common.bulk_memory import keep_freed_memory_for_reuse
 from nebula_common.pki import Identity, channel_options, server_options
 from nebula_common.rpc import ServiceServer
 from nebula_common.service.host import ServiceDefinition, Started
@@ -38,6 +39,7 @@ from services.switch.config import SwitchSettings
 from services.switch.crl_exchange import CrlExchange, OwnCrl, add_trust_to_server, exchange_forever
 from services.switch.link import PeerLink, fetch_server_certificate
 from services.switch.peer_trust import PeerTrust
+from services.switch.rawlink import RawConnection, WanFrontend, dial_raw
 from services.switch.relay_servicer import RelayServicer, add_relay_to_server
 from services.switch.routing import Limits, Router
 from services.switch.throttle import AccountThrottle, Penalties, PenaltyRules
@@ -59,6 +61,8 @@ class RunningSwitch:
     audit: AuditLog
     certificates: CertificateManager
     revocation: PeerTrust
+    #: The raw transport's frontend on the WAN port (None with link_transport=grpc).
+    frontend: WanFrontend | None = None
 
     @property
     def internal_port(self) -> int:
@@ -113,6 +117,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     Stopped in reverse: background tasks first, then the link, then both servers
     drain, then the audit log is sealed and the verifier closed.
     """
+    keep_freed_memory_for_reuse()  # relayed chunks reuse mapped pages (nebula_common/bulk_memory.py)
     identity = await service_identity(stack, settings, "switch")
     verifier = await token_verifier(stack, settings.auth_address, settings.cluster_id, tls=identity.client)
     audit = await service_audit(
@@ -234,9 +239,28 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         link, revocation, OwnCrl(settings.own_crl) if settings.own_crl is not None else None
     )
     add_trust_to_server(exchange, wan.server)
-    wan.add_secure_port("wan", settings.wan_listen, certs.server_credentials())
+    raw = settings.link_transport == "raw"
+    # With the raw transport the WAN port is the frontend's (rawlink.py); gRPC's WAN server then listens
+    # on loopback only, reached through the frontend, which passes a gRPC peer's TLS bytes through
+    # (the link of a switch without the raw transport, and the CRL exchange).
+    grpc_wan_port = wan.add_secure_port(
+        "wan", "127.0.0.1:0" if raw else settings.wan_listen, certs.server_credentials()
+    )
     await internal.start()
     await wan.start()
+    frontend = None
+    if raw:
+        frontend = WanFrontend(
+            link,
+            f"127.0.0.1:{grpc_wan_port}",
+            lambda: certs.ssl_context(server_side=True),
+            handshake_timeout_s=settings.wan_handshake_timeout_s,
+            send_buffer=settings.link_window_bytes,
+        )
+        wan.ports["wan"] = await frontend.start(settings.wan_listen)
+        wan.ports["wan_grpc_backend"] = grpc_wan_port
+        stack.push_async_callback(frontend.stop)
+        link.serves_raw = True
     stack.callback(link.stop)
     if settings.dials():
         assert settings.peer_address is not None  # SwitchSettings refuses a dialer without one
@@ -246,6 +270,18 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
             return await fetch_server_certificate(
                 address, certs.cert_path, certs.key_path, certs.bundle_path, link.expected_peer.dns_name
             )
+
+        if raw:
+
+            async def raw_dialer() -> RawConnection:
+                return await dial_raw(
+                    address,
+                    certs.ssl_context(server_side=False),
+                    link.expected_peer.dns_name,
+                    send_buffer=settings.link_window_bytes,
+                )
+
+            link.raw_dialer = raw_dialer
 
         dialer = asyncio.create_task(
             link.dial_forever(
@@ -277,6 +313,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         audit=audit,
         certificates=certs,
         revocation=revocation,
+        frontend=frontend,
     )
     ports = {
         "internal_port": running.internal_port,

@@ -7,6 +7,8 @@ CA's revocation list, and the handshake agrees with it. Every refusal is audited
 
 The method is registered with raw-bytes (identity) serializers (``add_link_to_server``): the session
 parses link messages itself and forwards framed chunks without re-encoding them (services/switch/link.py).
+A dialer that offers the raw transport (``Handshake.raw_link``) to a switch serving it is told so and the
+call ends; the session then runs over a raw connection (services/switch/rawlink.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from cryptography import x509
 
 from nebula_common.pki import peer_identity
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION
-from services.switch.link import HANDSHAKE_TIMEOUT_S, HandshakeError, PeerLink, parse_link_message
+from services.switch.link import (
+    HANDSHAKE_TIMEOUT_S,
+    RAW_LINK_VERSION,
+    HandshakeError,
+    PeerLink,
+    parse_link_message,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +75,13 @@ class SwitchLinkServicer:
             )
             log.warning("refused WAN link from %s: %s", certified.uri, exc)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"handshake refused: {exc}")
+        if not lane and hello.hello.raw_link and self.link.serves_raw:
+            # The dialer offered the raw transport and this port takes it (rawlink.py): say so and end the
+            # call; the dialer reconnects raw to the same address. No session starts on this call.
+            await context.write(
+                self.link.hello(session_id=session_id, raw_link=RAW_LINK_VERSION).SerializeToString()
+            )
+            return
         await context.write(self.link.hello(session_id=session_id, lane=lane).SerializeToString())
         if lane:
             await self.link.run_lane(lane, context.read, context.write)

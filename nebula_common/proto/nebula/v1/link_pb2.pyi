@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Handshake(_message.Message):
-    __slots__ = ("protocol_version", "cluster_id", "software_version", "link_framing", "lanes", "session_id", "lane")
+    __slots__ = ("protocol_version", "cluster_id", "software_version", "link_framing", "lanes", "session_id", "lane", "raw_link")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class Handshake(_message.Message):
     LANES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
+    RAW_LINK_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     cluster_id: str
     software_version: str
@@ -22,7 +23,8 @@ class Handshake(_message.Message):
     lanes: bool
     session_id: bytes
     lane: int
-    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., software_version: _Optional[str] = ..., link_framing: _Optional[int] = ..., lanes: _Optional[bool] = ..., session_id: _Optional[bytes] = ..., lane: _Optional[int] = ...) -> None: ...
+    raw_link: int
+    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., software_version: _Optional[str] = ..., link_framing: _Optional[int] = ..., lanes: _Optional[bool] = ..., session_id: _Optional[bytes] = ..., lane: _Optional[int] = ..., raw_link: _Optional[int] = ...) -> None: ...
 
 class LaneMark(_message.Message):
     __slots__ = ("seq", "last")

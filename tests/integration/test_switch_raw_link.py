@@ -1,0 +1,215 @@
+"""The raw link transport (services/switch/rawlink.py) between two real switches.
+
+* negotiated: raw both ways when both switches want it; a gRPC-only switch on either side gets the
+  gRPC link (through the raw acceptor's port, passed through to its gRPC server); framed chunks cross
+  byte for byte either way;
+* authenticated as the gRPC link is: no client certificate, an untrusted CA, a certificate of the right
+  CA naming another role, and a handshake contradicting the certificate are refused and audited, and no
+  session starts;
+* lanes over raw connections: striping in order, losing one connection mid-transfer, retiring one (the
+  data-plane tests of test_switch_data_plane.py, run with the raw transport).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+
+from nebula_common.pki import Identity, PkiLayout, init_pki, issue_certificate
+from nebula_common.proto.nebula.v1 import link_pb2
+from nebula_common.rpc.framing import encode_chunk
+from services.switch.link import PROTOCOL_VERSION, HandshakeError
+from services.switch.rawlink import RawConnection, dial_raw
+from tests.integration import test_switch_data_plane as plane
+from tests.integration.test_switch_data_plane import (  # noqa: F401  (clusters: a module fixture)
+    Cluster,
+    EdgeClient,
+    Pair,
+    clusters,
+    frame,
+    switch_pair,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def _cross(pair: Pair, accounts: dict[str, Cluster], job: str) -> None:
+    """A framed 1 MiB chunk from a trainer at switch a reaches one at switch b as the same bytes."""
+    payload = bytes(range(256)) * 4096
+    sender = EdgeClient(pair.a, accounts["a"].tokens["alice"], job, framing=True)
+    receiver = EdgeClient(pair.b, accounts["b"].tokens["alice"], job, framing=True)
+    for end in (sender, receiver):
+        end.expect("ready")
+    raw, _ = encode_chunk(job, "e", 0, 1, 0, payload, True)
+    sender.send(frame(1))
+    sender.send(raw)
+    receiver.expect("frame")
+    assert receiver.expect_framed() == raw
+    for end in (sender, receiver):
+        end.finish()
+
+
+@pytest.mark.parametrize(
+    ("b_transport", "a_transport", "expected"),
+    [("raw", "raw", "raw"), ("raw", "grpc", "grpc"), ("grpc", "raw", "grpc")],
+)
+def test_the_transport_is_negotiated_and_chunks_cross_byte_for_byte(
+    tmp_path: Path,
+    pki_ab: PkiLayout,
+    clusters: dict[str, Cluster],  # noqa: F811
+    b_transport: str,
+    a_transport: str,
+    expected: str,
+) -> None:
+    with switch_pair(
+        tmp_path, pki_ab, clusters, link_transport=b_transport, a_overrides={"link_transport": a_transport}
+    ) as pair:
+        for switch in (pair.a, pair.b):
+            assert switch.running.link.state.transport == expected
+        ups = [r["details"] for r in pair.audit("b", "link.up")]
+        assert ups and ups[-1]["transport"] == expected
+        assert (pair.b.running.frontend is not None) == (b_transport == "raw")
+        _cross(pair, clusters, f"{b_transport}-{a_transport}")
+        assert pair.a.running.link.state.sessions == 1  # one session: the offer itself started none
+
+
+def _context(material: Callable[[ssl.SSLContext], None] | None, bundle: Path) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.load_verify_locations(cafile=str(bundle))
+    if material is not None:
+        material(context)
+    return context
+
+
+def _pem_pair(tmp_path: Path, name: str, cert: Any, key: Any) -> Callable[[ssl.SSLContext], None]:
+    path = tmp_path / f"{name}.pem"
+    path.write_bytes(
+        cert.public_bytes(serialization.Encoding.PEM)
+        + key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return lambda context: context.load_cert_chain(str(path))
+
+
+async def _attempt(address: str, context: ssl.SSLContext, claim: str) -> str:
+    """Dial raw, send a handshake claiming ``claim``; what happened (the refusal shows as a closed link)."""
+    try:
+        connection: RawConnection = await dial_raw(
+            address, context, Identity("b", "switch").dns_name, timeout=10
+        )
+    except (ssl.SSLError, OSError, HandshakeError, TimeoutError) as exc:
+        return f"refused: {exc}"
+    try:
+        hello = link_pb2.LinkMessage(
+            hello=link_pb2.Handshake(protocol_version=PROTOCOL_VERSION, cluster_id=claim, raw_link=1)
+        )
+        await connection.write(hello.SerializeToString())
+        reply = await asyncio.wait_for(connection.read(), 10)
+        return "answered" if isinstance(reply, bytes) else "closed"
+    except (ssl.SSLError, OSError, HandshakeError) as exc:
+        return f"closed: {exc}"
+    finally:
+        await connection.close()
+
+
+def test_the_raw_port_refuses_what_the_grpc_link_refuses_and_audits_it(
+    tmp_path: Path,
+    pki_ab: PkiLayout,
+    clusters: dict[str, Cluster],  # noqa: F811
+) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+    paths_a = pki_ab.cluster("a")
+    ca_a = x509.load_pem_x509_certificate(paths_a.ca_cert.read_bytes())
+    ca_key_a = load_pem_private_key(paths_a.ca_key.read_bytes(), password=None)
+    operator, operator_key = issue_certificate(
+        ca_a, ca_key_a, Identity("a", "operator"), validity=timedelta(hours=1)
+    )
+    stranger = init_pki(tmp_path / "stranger", ["a", "b"]).cluster("a")  # same names, another CA
+    bundle = paths_a.trust_bundle
+    genuine = _pem_pair(
+        tmp_path,
+        "genuine",
+        x509.load_pem_x509_certificate(paths_a.switch_cert.read_bytes()),
+        load_pem_private_key(paths_a.switch_key.read_bytes(), password=None),
+    )
+    cases = {
+        "no client certificate": (None, "a", "tls"),
+        "untrusted CA": (
+            _pem_pair(
+                tmp_path,
+                "stranger",
+                x509.load_pem_x509_certificate(stranger.switch_cert.read_bytes()),
+                load_pem_private_key(stranger.switch_key.read_bytes(), password=None),
+            ),
+            "a",
+            "tls",
+        ),
+        "another role": (_pem_pair(tmp_path, "operator", operator, operator_key), "a", "identity"),
+        "handshake lies": (genuine, "z", "handshake"),
+    }
+    with switch_pair(tmp_path, pki_ab, clusters, link_transport="raw") as pair:
+        address = f"127.0.0.1:{pair.b.running.wan_port}"
+        sessions = pair.b.running.link.state.sessions
+        for name, (material, claim, layer) in cases.items():
+            before = len([r for r in pair.audit("b", "link.refused") if r["details"]["layer"] == layer])
+            outcome = asyncio.run(_attempt(address, _context(material, bundle), claim))
+            assert outcome != "answered", f"{name}: the raw port answered a handshake"
+            wait_for(
+                lambda layer=layer, before=before: (
+                    len([r for r in pair.audit("b", "link.refused") if r["details"]["layer"] == layer])
+                    > before
+                ),
+                10,
+                f"a {layer} refusal audited for {name}",
+            )
+        assert pair.b.running.link.state.sessions == sessions  # no session started or replaced
+        assert pair.b.running.link.state.transport == "raw"
+        _cross(pair, clusters, "still-linked")
+
+
+@pytest.mark.parametrize(
+    "test",
+    [
+        plane.test_items_striped_over_several_connections_arrive_in_order_both_ways,
+        plane.test_losing_one_connection_mid_transfer_loses_nothing_and_the_tensors_arrive_exactly,
+        plane.test_a_retired_connection_hands_over_without_losing_or_reordering_items,
+    ],
+    ids=["striped", "one-lost", "retired"],
+)
+def test_lanes_over_raw_connections(
+    test: Callable[..., None],
+    tmp_path: Path,
+    pki_ab: PkiLayout,
+    clusters: dict[str, Cluster],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("NEBULA_SWITCH_LINK_TRANSPORT", "raw")  # read by both switches' settings
+    original = plane.switch_pair
+
+    def checked_pair(*args: Any, **kwargs: Any) -> Any:
+        class Checked:
+            def __enter__(self) -> Pair:
+                self.inner = original(*args, **kwargs)
+                pair = self.inner.__enter__()
+                assert pair.a.running.link.state.transport == "raw"
+                return pair
+
+            def __exit__(self, *exc: Any) -> Any:
+                return self.inner.__exit__(*exc)
+
+        return Checked()
+
+    monkeypatch.setattr(plane, "switch_pair", checked_pair)
+    test(tmp_path, pki_ab, clusters)

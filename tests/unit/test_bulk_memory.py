@@ -1,0 +1,47 @@
+"""Freed tensor memory is reused without faulting fresh pages (nebula_common/bulk_memory.py).
+
+Each case runs in a fresh interpreter: mallopt settings are process-wide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRAM = """
+import json, resource
+from nebula_common.bulk_memory import keep_freed_memory_for_reuse
+applied = keep_freed_memory_for_reuse()
+size = 64 << 20
+buffer = bytearray(size)  # the first tensor: its pages fault once either way
+del buffer
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(8):  # eight more 64 MiB tensors, each written in full, as a receiver assembles them
+    buffer = bytearray(size)
+    del buffer
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(json.dumps({"applied": applied, "faults": faults}))
+"""
+
+
+def _run(keep: str) -> dict[str, object]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NEBULA_MALLOC_KEEP_FREED": keep}
+    out = subprocess.run(
+        [sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, timeout=60, check=True
+    )
+    return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_large_buffers_reuse_mapped_pages_unless_turned_off() -> None:
+    kept, default = _run("1"), _run("0")
+    assert kept["applied"] is True and default["applied"] is False
+    pages = 8 * (64 << 20) // 4096  # what eight fresh 64 MiB buffers fault (4 KiB pages)
+    assert default["faults"] >= pages // 2, default  # glibc's default: fresh mmap pages each time
+    assert kept["faults"] < pages // 10, kept  # kept: the same pages, already mapped
