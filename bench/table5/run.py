@@ -5,9 +5,10 @@ none spends most of its 4.42 s step on the WAN. Our CPUs compute ~100x slower, s
 link is scaled down instead (default 2 Mbit/s, 10 ms one-way) until codec none's step is
 >= 6x its compute-only step, measured here, not assumed:
 
-* compute-only step: the median wall time of a fine-tuning step in one process, both
-  stages' forward and backward plus the row's real encode/decode at the cut
-  (``train.fine_tune``), with no link;
+* compute-only step: the median CPU time (one torch thread) of a fine-tuning step in one
+  process, both stages' forward and backward plus the row's real encode/decode at the cut
+  (``train.fine_tune``), with no link: what the step computes on an idle core. Wall time is
+  recorded beside it but not used: on a shared host it counts other processes' turns;
 * link: the row's real frames of a step (serialized header + payload, forward then the
   gradient back) sent through ``nebula_common.wan.WanEmulator`` at the chosen shape
   between two loopback sockets, median of several exchanges;
@@ -134,7 +135,9 @@ def run_row(
             flush=True,
         )
     frames = runs[0].last_frames
-    compute = statistics.median(s for r in runs for s in r.compute_seconds[min(5, steps - 1) :])
+    skip = min(5, steps - 1)  # the first steps pay one-off allocations
+    compute = statistics.median(s for r in runs for s in r.compute_seconds[skip:])
+    wall = statistics.median(s for r in runs for s in r.wall_seconds[skip:])
     link = link_seconds(shape, frames[0], frames[1], repeats)
     raw = prep.config.batch * prep.config.length * prep.config.d_model * 4
     return {
@@ -147,6 +150,7 @@ def run_row(
         "forward_ratio": raw / len(frames[0]),
         "backward_ratio": raw / len(frames[1]),
         "compute_seconds": compute,
+        "compute_wall_seconds": wall,
         "link_seconds": link,
         "step_seconds": compute + link,
         "captured_energy": runs[0].energy,
@@ -155,11 +159,9 @@ def run_row(
     }
 
 
-def figure10(
-    prep: train.Prepared, base: dict[str, Any], none: dict[str, Any], seeds: int, steps: int, eval_pairs: int
-) -> list[dict[str, Any]]:
-    """Compression from 0 / 10 / 25 % of training on (the paper's Figure 10); before it, codec none."""
-    points = [{"start_fraction": 0.0, "bleu": base["bleu"], "step_seconds": base["step_seconds"]}]
+def figure10_runs(prep: train.Prepared, seeds: int, steps: int, eval_pairs: int) -> list[dict[str, Any]]:
+    """Compression from 10 / 25 % of training on (the paper's Figure 10); before it, codec none."""
+    runs = []
     for fraction in FIGURE10_STARTS[1:]:
         start = round(fraction * steps)
         row = replace(
@@ -169,9 +171,22 @@ def figure10(
             backward=f"start({FIGURE10_ROW.backward},{start})",
         )
         bleu = [train.fine_tune(prep, row, seed, steps, eval_pairs).bleu for seed in range(seeds)]
-        mean_step = (start * none["step_seconds"] + (steps - start) * base["step_seconds"]) / steps
-        points.append({"start_fraction": fraction, "bleu": bleu, "step_seconds": mean_step})
+        runs.append({"start_fraction": fraction, "start": start, "bleu": bleu})
         print(json.dumps({"figure10": fraction, "bleu": bleu}), flush=True)
+    return runs
+
+
+def figure10_points(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Figure 10's points: BLEU, and the mean s/step of none before the start and the row's after it."""
+    rows = {row["label"]: row for row in report["rows"]}
+    base, none, steps = rows[FIGURE10_ROW.label], report["rows"][0], report["steps"]
+    points = [{"start_fraction": 0.0, "bleu": base["bleu"], "step_seconds": base["step_seconds"]}]
+    for run in report["figure10_runs"]:
+        start = run["start"]
+        mean_step = (start * none["step_seconds"] + (steps - start) * base["step_seconds"]) / steps
+        points.append(
+            {"start_fraction": run["start_fraction"], "bleu": run["bleu"], "step_seconds": mean_step}
+        )
     return points
 
 
@@ -240,11 +255,13 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         head,
         "",
-        f"Codec none: compute-only step {1000 * none['compute_seconds']:.0f} ms, "
+        f"Codec none: compute-only step {1000 * none['compute_seconds']:.0f} ms (CPU time, one thread; "
+        f"{1000 * none.get('compute_wall_seconds', 0):.0f} ms wall on the shared host), "
         f"link {1000 * none['link_seconds']:.0f} ms, "
         f"step / compute = **{none['step_seconds'] / none['compute_seconds']:.1f}x** (target >= 6x).",
         "",
-        "| row | forward | backward | BLEU | chrF | fwd ratio | bwd ratio | compute ms | link ms | s/step "
+        "| row | forward | backward | BLEU | chrF | fwd ratio | bwd ratio | compute ms (CPU) | link ms "
+        "| s/step "
         "| speed-up |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -300,7 +317,35 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: stable timings on a shared host)"
     )
+    parser.add_argument(
+        "--shard", help="I/N: run only rows I, I+N, ... (and Figure 10 with its row); --merge after"
+    )
+    parser.add_argument(
+        "--merge", type=Path, nargs="+", help="Combine shard JSONs into the report; no training."
+    )
     args = parser.parse_args()
+    if args.merge:
+        shards = [json.loads(path.read_text()) for path in args.merge]
+        report = {**shards[0], "rows": [], "figure10_runs": [], "shards": len(shards)}
+        order = [row.label for row in (QUICK_ROWS if report["mode"] == "quick" else FULL_ROWS)]
+        for shard in shards:
+            report["rows"] += shard["rows"]
+            report["figure10_runs"] += shard["figure10_runs"]
+            report["wall_seconds"] = max(report["wall_seconds"], shard["wall_seconds"])
+            report["load_after"] = max(report["load_after"], shard["load_after"])
+        report["rows"].sort(key=lambda row: order.index(row["label"]))
+        if [row["label"] for row in report["rows"]] != order:
+            sys.exit(f"table5: the shards hold rows {[r['label'] for r in report['rows']]}, expected {order}")
+        finish(report, args)
+        return
+    index, count = 0, 1
+    if args.shard:
+        try:
+            index, count = (int(part) for part in args.shard.split("/"))
+        except ValueError:
+            sys.exit(f"table5: --shard takes I/N (e.g. 0/2), got {args.shard!r}")
+        if not 0 <= index < count:
+            sys.exit(f"table5: --shard {args.shard}: I must be in 0..N-1")
     plan = dict(QUICK if args.quick else FULL)
     seeds, steps = args.seeds or plan["seeds"], args.steps or plan["steps"]
     if seeds < 1 or steps < 2:
@@ -328,14 +373,13 @@ def main() -> None:
         train_pairs, held, plan["model"], args.cache / "models", manifest["sha256"]["train.tsv"]
     )
     rows = []
-    for row in QUICK_ROWS if args.quick else FULL_ROWS:
+    plan_rows = QUICK_ROWS if args.quick else FULL_ROWS
+    mine = [row for i, row in enumerate(plan_rows) if i % count == index]
+    for row in mine:
         rows.append(run_row(prep, row, seeds, steps, eval_pairs, shape, repeats=3 if args.quick else 5))
-    for row in rows:
-        row["speedup"] = rows[0]["step_seconds"] / row["step_seconds"]
-    base = next(r for r in rows if r["label"] == FIGURE10_ROW.label)
-    fig = figure10(prep, base, rows[0], 1 if args.quick else seeds, steps, eval_pairs)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "table5-quick" if args.quick else "table5"
+    fig_runs = []
+    if FIGURE10_ROW in mine:
+        fig_runs = figure10_runs(prep, 1 if args.quick else seeds, steps, eval_pairs)
     report = {
         "mode": mode,
         "bandwidth_mbit": args.bandwidth_mbit,
@@ -351,10 +395,27 @@ def main() -> None:
         "load_before": load_before,
         "load_after": os.getloadavg(),
         "wall_seconds": time.perf_counter() - started,
-        "png": f"{stem}-pareto.png",
         "rows": rows,
-        "figure10": fig,
+        "figure10_runs": fig_runs,
     }
+    if count > 1:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"table5-{report['mode']}-shard{index}of{count}.json"
+        path.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+        print(f"shard written: {path}; combine with --merge")
+        return
+    finish(report, args)
+
+
+def finish(report: dict[str, Any], args: argparse.Namespace) -> None:
+    """Speed-ups, Figure 10, the PNG, JSON and markdown (and the doc's results section)."""
+    rows = report["rows"]
+    for row in rows:
+        row["speedup"] = rows[0]["step_seconds"] / row["step_seconds"]
+    report["figure10"] = figure10_points(report)
+    stem = "table5-quick" if report["mode"] == "quick" else "table5"
+    report["png"] = f"{stem}-pareto.png"
+    args.out.mkdir(parents=True, exist_ok=True)
     pareto_png(args.out / report["png"], rows)
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     text = markdown(report)

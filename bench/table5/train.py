@@ -181,6 +181,8 @@ class Stages:
 class RunResult:
     losses: list[float]
     compute_seconds: list[float]
+    """CPU seconds per step (one torch thread): the step's compute on an idle core, whatever else runs."""
+    wall_seconds: list[float]
     forward_bytes: list[int]
     backward_bytes: list[int]
     last_frames: tuple[bytes, bytes]
@@ -203,11 +205,11 @@ def fine_tune(prep: Prepared, row: Row, seed: int, steps: int, eval_pairs: int) 
     fwd_enc, fwd_dec = TensorStreamEncoder(row.forward), TensorStreamDecoder(row.forward)
     bwd_enc, bwd_dec = TensorStreamEncoder(row.backward), TensorStreamDecoder(row.backward)
     generator = torch.Generator().manual_seed(1000 + seed)
-    losses, seconds, fwd_bytes, bwd_bytes = [], [], [], []
+    losses, seconds, walls, fwd_bytes, bwd_bytes = [], [], [], [], []
     frames = (b"", b"")
     for step in range(steps):
         index = torch.randint(len(prep.train_es), (config.batch,), generator=generator)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         sent = stages.send(prep.train_es[index])  # cluster S
         encoded = fwd_enc.encode(sent.detach(), step=step)
         memory = fwd_dec.decode(encoded.header, encoded.payload).requires_grad_(True)  # cluster T
@@ -220,7 +222,8 @@ def fine_tune(prep: Prepared, row: Row, seed: int, steps: int, eval_pairs: int) 
         stages.upstream_opt.zero_grad(set_to_none=True)
         sent.backward(grad)
         stages.upstream_opt.step()
-        seconds.append(time.perf_counter() - started)
+        seconds.append(time.process_time() - cpu_started)
+        walls.append(time.perf_counter() - started)
         losses.append(float(loss.detach()))
         frames = (_frame(encoded), _frame(encoded_grad))
         fwd_bytes.append(len(frames[0]))
@@ -240,6 +243,7 @@ def fine_tune(prep: Prepared, row: Row, seed: int, steps: int, eval_pairs: int) 
     return RunResult(
         losses,
         seconds,
+        walls,
         fwd_bytes,
         bwd_bytes,
         frames,
