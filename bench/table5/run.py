@@ -323,6 +323,9 @@ def main() -> None:
     parser.add_argument(
         "--merge", type=Path, nargs="+", help="Combine shard JSONs into the report; no training."
     )
+    parser.add_argument(
+        "--prepare-only", action="store_true", help="Fetch the corpus and pre-train (cached), then stop."
+    )
     args = parser.parse_args()
     if args.merge:
         shards = [json.loads(path.read_text()) for path in args.merge]
@@ -372,6 +375,9 @@ def main() -> None:
     prep = train.prepare(
         train_pairs, held, plan["model"], args.cache / "models", manifest["sha256"]["train.tsv"]
     )
+    if args.prepare_only:
+        print(json.dumps({"pretrain_losses": {k: [v[0], v[-1]] for k, v in prep.pretrain_losses.items()}}))
+        return
     rows = []
     plan_rows = QUICK_ROWS if args.quick else FULL_ROWS
     mine = [row for i, row in enumerate(plan_rows) if i % count == index]
