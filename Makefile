@@ -16,7 +16,8 @@ PYTEST_ARGS ?=
 TEST_SELECT ?= -m "not faults"
 
 .PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-faults test-stop lint format clean bench \
-	bench-faults bench-relay soak smoke-containers bench-wan-roofline bench-wan-table3 check-dashboards test-orgs test-orgs-netns
+	bench-faults bench-relay soak smoke-containers bench-wan-roofline bench-wan-table3 check-dashboards test-orgs test-orgs-netns \
+	bench-table5 bench-table5-quick
 
 install: $(STAMP)
 
@@ -90,6 +91,22 @@ bench-wan-roofline: $(STAMP)
 # numbers and electra, interleaved runs (about 6 minutes). JSON + markdown.
 bench-wan-table3: $(STAMP)
 	$(BIN)/python bench/wan/table3.py --out bench/results/table3
+
+# The paper's Table 5 / Figure 10 analogue (issue 13): ABNet Es->En on 25k catalogue pairs over a WAN-bound
+# emulated link, every codec row x 3 seeds + the learned bottleneck; fetches its corpus once into .cache/table5
+# (pip download / apt-get download). JSON + markdown + PNG in bench/results/table5/, results in
+# docs/bench/table5.md (pre-training once, then two shards of rows in parallel, one per core, then a merge; about
+# 45 minutes on 2 idle cores, estimated; never part of `make test`). bench-table5-quick: a smoke run of every
+# stage in a few minutes.
+TABLE5 := nice -n 10 $(BIN)/python bench/table5/run.py
+bench-table5: $(STAMP)
+	$(TABLE5) --prepare-only
+	$(TABLE5) --shard 0/2 --out bench-results/table5 & pid=$$!; \
+	$(TABLE5) --shard 1/2 --out bench-results/table5 || { kill $$pid; exit 1; }; wait $$pid
+	$(TABLE5) --merge bench-results/table5/table5-full-shard0of2.json bench-results/table5/table5-full-shard1of2.json \
+	  --out bench/results/table5 --doc docs/bench/table5.md
+bench-table5-quick: $(STAMP)
+	nice -n 10 $(BIN)/python bench/table5/run.py --quick --out bench-results/table5
 
 # Jobs starting and ending under random WAN cuts and switch kills; ends with a no-growth verdict.
 SOAK_SECONDS ?= 600

@@ -19,10 +19,12 @@ zero; every codec Nebula ships keeps zero exact (fp16, symmetric int8).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
+from nebula_common.zoo.bottleneck import DownProjection, UpProjection, load_basis_file, shared_basis
 from nebula_common.zoo.text_data import BOS, EOS, MASK, PAD
 
 
@@ -221,6 +223,50 @@ class AdapterTransformerDecoder(nn.Module):
             if bool(finished.all()):
                 break
         return ids
+
+
+def cut_basis(options: dict[str, Any]) -> torch.Tensor | None:
+    """The bottleneck's starting basis from a stage's options: None without ``cut_k``.
+
+    ``cut_basis``: a calibration basis file in this cluster (``[d_model, cut_k]``, the
+    principal subspace of real cut activations; both stages are handed the same file);
+    empty: the seeded random subspace both sides derive alike (``shared_basis``).
+    """
+    k = int(options.get("cut_k") or 0)
+    if not k:
+        return None
+    d_model = int(options["d_model"])
+    if options.get("cut_basis"):
+        return load_basis_file(str(options["cut_basis"]), d_model, k)
+    return shared_basis(d_model, k, int(options.get("cut_seed", 0x4E42)))
+
+
+class CutEncoder(nn.Module):
+    """Cluster S with a learned bottleneck: the adapter encoder, then ``d -> k`` (only ``k`` crosses)."""
+
+    def __init__(self, encoder: AdapterTransformerEncoder, down: DownProjection) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.down = down
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.down(self.encoder(ids))
+
+
+class CutDecoder(nn.Module):
+    """Cluster T with a learned bottleneck: ``k -> d`` (optionally plus its residual), then the decoder."""
+
+    def __init__(self, decoder: AdapterTransformerDecoder, up: UpProjection) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.up = up
+
+    def loss(self, memory: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.decoder.loss(self.up(memory), target)
+
+    def greedy(self, memory: torch.Tensor, max_length: int) -> torch.Tensor:
+        with torch.no_grad():
+            return self.decoder.greedy(self.up(memory), max_length)
 
 
 def mlm_loss(model: LanguageModel, ids: torch.Tensor, mask_prob: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,3 +65,25 @@ def test_pretrain_finetune_and_cross_cluster_bleu(
     assert all(isinstance(text, str) for text in record["outputs"])
     assert math.isfinite(record["metrics"]["bleu"])
     assert not list((deployment.run_dir / "a").glob(f"**/jobs/{job.job_id}/**/eval.json"))  # BLEU stays in T
+
+
+def test_learned_bottleneck_shrinks_both_directions_by_d_over_k_on_the_wire(
+    deployment: LocalDeployment, sessions: dict[str, ClusterSession]
+) -> None:
+    """Same job with and without ``cut_k``: the switches count k/d of the raw bytes each way, exactly."""
+    d_model, k = SMALL["stages.0.options.d_model"], 4
+    raw: dict[int, dict[str, int]] = {}
+    for cut_k in (0, k):
+        overrides = {**SMALL, **{f"stages.{i}.options.cut_k": cut_k for i in (0, 1)}}
+        job = ProgramJob(load_spec(BUILTIN_DIR / "abnet" / "job.yaml", overrides))
+        summary = summarize(job, submit_job(job, sessions))
+        assert summary.succeeded, summary.stage_messages
+        summary.fill_wan(sessions["a"], sessions["b"])
+        assert summary.wan["forward"]["counted_by"] == "switches"
+        raw[cut_k] = {d: summary.wan[d]["raw_bytes"] for d in ("forward", "backward")}
+        if cut_k:
+            state = torch.load(stage_file(deployment, job, "encoder", "step-3/model.pt"), weights_only=True)
+            assert tuple(state["down.proj.weight"].shape) == (k, d_model)  # in the stage's checkpoint
+    for direction in ("forward", "backward"):
+        assert raw[0][direction] > 0
+        assert raw[k][direction] * d_model == raw[0][direction] * k, (direction, raw)

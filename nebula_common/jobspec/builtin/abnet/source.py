@@ -1,6 +1,8 @@
 """Fine-tuning, cluster S: frozen pre-trained Spanish encoder + trainable adapters; states go to T.
 
-Only Spanish sentences live here. ``load_eval_examples`` is the held-out
+Only Spanish sentences live here. With ``cut_k`` the stage ends in the learned
+bottleneck's down-projection (``nebula_common.zoo.bottleneck``): states of width
+``cut_k`` cross instead of ``d_model``, and so do their gradients. ``load_eval_examples`` is the held-out
 split's Spanish side: after training, the runtime encodes each of its batches
 once and sends the states to T, which decodes them.
 """
@@ -10,7 +12,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from nebula_common.zoo.adapters import AdapterTransformerEncoder, LanguageModel, load_pretrained
+from nebula_common.zoo.adapters import (
+    AdapterTransformerEncoder,
+    CutEncoder,
+    LanguageModel,
+    cut_basis,
+    load_pretrained,
+)
+from nebula_common.zoo.bottleneck import DownProjection
 from nebula_common.zoo.text_data import encode, side, side_tokenizer, split_pairs
 
 
@@ -19,7 +28,13 @@ def build(options: dict[str, Any]) -> nn.Module:
     plm = LanguageModel(
         vocab, options["length"], options["d_model"], options["n_heads"], options["n_layers"], causal=False
     )
-    return AdapterTransformerEncoder(load_pretrained(plm, options.get("pretrained")), options["bottleneck"])
+    encoder = AdapterTransformerEncoder(
+        load_pretrained(plm, options.get("pretrained")), options["bottleneck"]
+    )
+    basis = cut_basis(options)
+    if basis is None:
+        return encoder
+    return CutEncoder(encoder, DownProjection(options["d_model"], int(options["cut_k"]), basis))
 
 
 def _encoded(options: dict[str, Any], held_out: bool) -> list[list[int]]:

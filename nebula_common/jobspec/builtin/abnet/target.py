@@ -1,6 +1,8 @@
 """Fine-tuning, cluster T: frozen pre-trained English decoder + cross-attention adapters, loss, BLEU.
 
-Only English sentences live here. Each example is (English text, token ids):
+Only English sentences live here. With ``cut_k`` the stage starts with the learned
+bottleneck's up-projection (``nebula_common.zoo.bottleneck``, ``cut_residual`` adds
+its learned residual). Each example is (English text, token ids):
 the ids train the decoder, the text is the BLEU reference. After training the
 runtime hands ``decode`` each held-out batch's encoder states from S (sent once
 per batch); decoding is greedy and stays in T, and so does ``score``.
@@ -13,7 +15,14 @@ import torch
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 from torch import nn
 
-from nebula_common.zoo.adapters import AdapterTransformerDecoder, LanguageModel, load_pretrained
+from nebula_common.zoo.adapters import (
+    AdapterTransformerDecoder,
+    CutDecoder,
+    LanguageModel,
+    cut_basis,
+    load_pretrained,
+)
+from nebula_common.zoo.bottleneck import UpProjection
 from nebula_common.zoo.text_data import decode as decode_ids
 from nebula_common.zoo.text_data import encode, side, side_tokenizer, split_pairs
 
@@ -33,6 +42,12 @@ def build(options: dict[str, Any]) -> nn.Module:
     model = AdapterTransformerDecoder(
         load_pretrained(plm, options.get("pretrained")), options["n_heads"], options["bottleneck"]
     )
+    basis = cut_basis(options)
+    if basis is not None:
+        up = UpProjection(
+            options["d_model"], int(options["cut_k"]), basis, residual=bool(options.get("cut_residual"))
+        )
+        model = CutDecoder(model, up)
     model.tokenizer = tokenizer
     model.max_length = options["length"]
     return model

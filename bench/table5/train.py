@@ -1,0 +1,255 @@
+"""ABNet Es->En for the Table 5 analogue: pre-training, codec-in-the-loop fine-tuning, greedy BLEU/chrF.
+
+The model is the built-in ``abnet`` job's (``nebula_common.zoo.adapters``): a masked-LM
+encoder (cluster S) and a causal-LM decoder (cluster T), each pre-trained on its own
+side of the corpus's training split, then frozen; fine-tuning trains only the adapters
+(and the learned bottleneck, when a row has one). What crosses the cut goes through the
+row's real codecs exactly as the trainer sends it: ``TensorStreamEncoder.encode`` ->
+header + payload -> ``TensorStreamDecoder.decode``, the activations forward and their
+gradients backward (error feedback, warm-up and every other stream option included), so
+the bytes counted here are the bytes a switch would carry and the numerics are the
+split run's. The clock part of the step (the link) is measured separately in ``run.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import sacrebleu
+import torch
+from tokenizers import Tokenizer
+from torch import nn
+
+from nebula_common.codec import TensorStreamDecoder, TensorStreamEncoder
+from nebula_common.zoo.adapters import (
+    AdapterTransformerDecoder,
+    AdapterTransformerEncoder,
+    LanguageModel,
+    lm_loss,
+    mlm_loss,
+)
+from nebula_common.zoo.bottleneck import DownProjection, UpProjection, captured_energy, principal_basis
+from nebula_common.zoo.catalogues import Pair
+from nebula_common.zoo.text_data import decode, encode, train_tokenizer
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    length: int = 24
+    vocab: int = 4000
+    adapter: int = 64
+    batch: int = 32
+    pretrain_steps: int = 1500
+    pretrain_lr: float = 2e-3
+    lr: float = 3e-3
+
+    def digest(self, corpus_sha: str) -> str:
+        text = json.dumps({**asdict(self), "corpus": corpus_sha}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One Table 5 row: codec specs per direction, and the learned bottleneck width (0: none)."""
+
+    label: str
+    forward: str = "none"
+    backward: str = "none"
+    cut_k: int = 0
+    residual: bool = False
+
+
+@dataclass
+class Prepared:
+    """Everything both clusters hold before fine-tuning (each side only its own language)."""
+
+    config: ModelConfig
+    es: Tokenizer
+    en: Tokenizer
+    train_es: torch.Tensor
+    train_en: torch.Tensor
+    held_es: torch.Tensor
+    held_en_text: list[str]
+    encoder_state: dict[str, torch.Tensor]
+    decoder_state: dict[str, torch.Tensor]
+    pretrain_losses: dict[str, list[float]]
+
+
+def _language_model(config: ModelConfig, vocab: int, causal: bool) -> LanguageModel:
+    return LanguageModel(vocab, config.length, config.d_model, config.n_heads, config.n_layers, causal=causal)
+
+
+def _pretrain(model: LanguageModel, ids: torch.Tensor, config: ModelConfig, seed: int) -> list[float]:
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.pretrain_lr)
+    losses = []
+    for _ in range(config.pretrain_steps):
+        batch = ids[torch.randint(len(ids), (2 * config.batch,), generator=generator)]
+        loss = mlm_loss(model, batch, 0.2)[0] if not model.causal else lm_loss(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def prepare(
+    train: list[Pair], held: list[Pair], config: ModelConfig, cache: Path, corpus_sha: str
+) -> Prepared:
+    """Tokenizers and pre-trained LMs (cached by config and corpus digest: every row shares them)."""
+    es = train_tokenizer([p.spanish for p in train], config.vocab)
+    en = train_tokenizer([p.english for p in train], config.vocab)
+    train_es = torch.tensor(encode(es, [p.spanish for p in train], config.length, bos=False))
+    train_en = torch.tensor(encode(en, [p.english for p in train], config.length, bos=True))
+    held_es = torch.tensor(encode(es, [p.spanish for p in held], config.length, bos=False))
+    path = cache / f"pretrained-{config.digest(corpus_sha)}.pt"
+    if path.exists():
+        saved = torch.load(path, weights_only=True)
+    else:
+        torch.manual_seed(0)
+        encoder = _language_model(config, es.get_vocab_size(), causal=False)
+        decoder = _language_model(config, en.get_vocab_size(), causal=True)
+        started = time.perf_counter()
+        losses = {
+            "encoder_mlm": _pretrain(encoder, train_es, config, 1),
+            "decoder_lm": _pretrain(decoder, train_en, config, 2),
+        }
+        saved = {
+            "encoder": encoder.state_dict(),
+            "decoder": decoder.state_dict(),
+            "losses": {k: torch.tensor(v) for k, v in losses.items()},
+            "seconds": torch.tensor(time.perf_counter() - started),
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(saved, path)
+    return Prepared(
+        config,
+        es,
+        en,
+        train_es,
+        train_en,
+        held_es,
+        [p.english for p in held],
+        saved["encoder"],
+        saved["decoder"],
+        {k: v.tolist() for k, v in saved["losses"].items()},
+    )
+
+
+class Stages:
+    """One fine-tuning run's two stages (S: encoder [+ down], T: [up +] decoder) and their optimizers."""
+
+    def __init__(self, prep: Prepared, row: Row, seed: int) -> None:
+        config = prep.config
+        torch.manual_seed(seed)
+        encoder_plm = _language_model(config, prep.es.get_vocab_size(), causal=False)
+        encoder_plm.load_state_dict(prep.encoder_state)
+        decoder_plm = _language_model(config, prep.en.get_vocab_size(), causal=True)
+        decoder_plm.load_state_dict(prep.decoder_state)
+        self.encoder = AdapterTransformerEncoder(encoder_plm, config.adapter)
+        self.decoder = AdapterTransformerDecoder(decoder_plm, config.n_heads, config.adapter)
+        self.down: nn.Module = nn.Identity()
+        self.up: nn.Module = nn.Identity()
+        self.energy = 1.0
+        if row.cut_k:
+            with torch.no_grad():  # calibration: the starting model's cut activations on 8 training batches
+                calibration = self.encoder(prep.train_es[: 8 * config.batch])
+            basis = principal_basis(calibration, row.cut_k)
+            self.energy = captured_energy(calibration, basis)
+            self.down = DownProjection(config.d_model, row.cut_k, basis)
+            self.up = UpProjection(config.d_model, row.cut_k, basis, residual=row.residual)
+        trainable = lambda *ms: [p for m in ms for p in m.parameters() if p.requires_grad]  # noqa: E731
+        self.upstream_opt = torch.optim.Adam(trainable(self.encoder, self.down), lr=config.lr)
+        self.downstream_opt = torch.optim.Adam(trainable(self.up, self.decoder), lr=config.lr)
+
+    def send(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.down(self.encoder(ids))
+
+    def receive(self, memory: torch.Tensor) -> torch.Tensor:
+        return self.up(memory)
+
+
+@dataclass
+class RunResult:
+    losses: list[float]
+    compute_seconds: list[float]
+    """CPU seconds per step (one torch thread): the step's compute on an idle core, whatever else runs."""
+    wall_seconds: list[float]
+    forward_bytes: list[int]
+    backward_bytes: list[int]
+    last_frames: tuple[bytes, bytes]
+    bleu: float
+    chrf: float
+    energy: float
+    eval_seconds: float
+    hypotheses: list[str]
+
+
+def _frame(encoded: Any) -> bytes:
+    """What one tensor costs on the wire: its serialized header then its payload (the switch's frame body)."""
+    return encoded.header.SerializeToString() + encoded.payload
+
+
+def fine_tune(prep: Prepared, row: Row, seed: int, steps: int, eval_pairs: int) -> RunResult:
+    """Train ``steps`` steps with the row's codecs at the cut, then decode the held-out split greedily."""
+    config = prep.config
+    stages = Stages(prep, row, seed)
+    fwd_enc, fwd_dec = TensorStreamEncoder(row.forward), TensorStreamDecoder(row.forward)
+    bwd_enc, bwd_dec = TensorStreamEncoder(row.backward), TensorStreamDecoder(row.backward)
+    generator = torch.Generator().manual_seed(1000 + seed)
+    losses, seconds, walls, fwd_bytes, bwd_bytes = [], [], [], [], []
+    frames = (b"", b"")
+    for step in range(steps):
+        index = torch.randint(len(prep.train_es), (config.batch,), generator=generator)
+        started, cpu_started = time.perf_counter(), time.process_time()
+        sent = stages.send(prep.train_es[index])  # cluster S
+        encoded = fwd_enc.encode(sent.detach(), step=step)
+        memory = fwd_dec.decode(encoded.header, encoded.payload).requires_grad_(True)  # cluster T
+        loss = stages.decoder.loss(stages.receive(memory), prep.train_en[index])
+        stages.downstream_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        stages.downstream_opt.step()
+        encoded_grad = bwd_enc.encode(memory.grad, step=step)
+        grad = bwd_dec.decode(encoded_grad.header, encoded_grad.payload)  # back in cluster S
+        stages.upstream_opt.zero_grad(set_to_none=True)
+        sent.backward(grad)
+        stages.upstream_opt.step()
+        seconds.append(time.process_time() - cpu_started)
+        walls.append(time.perf_counter() - started)
+        losses.append(float(loss.detach()))
+        frames = (_frame(encoded), _frame(encoded_grad))
+        fwd_bytes.append(len(frames[0]))
+        bwd_bytes.append(len(frames[1]))
+    started = time.perf_counter()
+    hypotheses = []
+    with torch.no_grad():
+        for begin in range(0, eval_pairs, 256):
+            ids = prep.held_es[begin : min(begin + 256, eval_pairs)]
+            encoded = fwd_enc.encode(stages.send(ids), step=steps)  # the states cross once, compressed
+            memory = stages.receive(fwd_dec.decode(encoded.header, encoded.payload))
+            out = stages.decoder.greedy(memory, config.length)
+            hypotheses += [decode(prep.en, row_ids[1:].tolist()) for row_ids in out]
+    references = prep.held_en_text[:eval_pairs]
+    bleu = sacrebleu.corpus_bleu(hypotheses, [references], lowercase=True).score
+    chrf = sacrebleu.corpus_chrf(hypotheses, [references]).score
+    return RunResult(
+        losses,
+        seconds,
+        walls,
+        fwd_bytes,
+        bwd_bytes,
+        frames,
+        bleu,
+        chrf,
+        stages.energy,
+        time.perf_counter() - started,
+        hypotheses[:6],
+    )

@@ -1,0 +1,138 @@
+"""The learned bottleneck at the cut: shapes, PCA start, zero rows, gradients, checkpoints, the ABNet job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nebula_common.jobspec import load_spec
+from nebula_common.jobspec.builtin import BUILTIN_DIR
+from nebula_common.jobspec.reference import build_programs, run_unsplit
+from nebula_common.zoo.bottleneck import (
+    BottleneckError,
+    DownProjection,
+    UpProjection,
+    captured_energy,
+    principal_basis,
+    shared_basis,
+)
+
+SMALL = {
+    "steps": 3,
+    "data.batch_size": 16,
+    **{f"stages.{i}.options.{k}": v for i in (0, 1) for k, v in {"d_model": 32, "n_layers": 1}.items()},
+}
+
+
+def cut(k: int, **more: object) -> dict[str, object]:
+    return {**SMALL, **{f"stages.{i}.options.cut_k": k for i in (0, 1)}, **more}
+
+
+@pytest.fixture(scope="module")
+def activations() -> torch.Tensor:
+    """Real cut activations: the ABNet encoder stage on real Spanish catalogue lines (random-init PLM)."""
+    source, _ = build_programs(load_spec(BUILTIN_DIR / "abnet" / "job.yaml", SMALL))
+    examples = source.module.load_examples(source.options)[:64]
+    with torch.no_grad():
+        return source.forward(source.module.collate(examples))
+
+
+def test_shapes_and_bad_arguments_are_named() -> None:
+    down, up = DownProjection(32, 4), UpProjection(32, 4, residual=True)
+    x = torch.randn(3, 5, 32)
+    assert down(x).shape == (3, 5, 4) and up(down(x)).shape == (3, 5, 32)
+    for bad in (0, 32, 2.5, True):
+        with pytest.raises(BottleneckError, match=r"bottleneck rank k must be an integer in 1\.\.31"):
+            DownProjection(32, bad)  # type: ignore[arg-type]
+    with pytest.raises(BottleneckError, match=r"basis shape \[32, 5\] does not fit d=32, k=4"):
+        DownProjection(32, 4, torch.zeros(32, 5))
+    with pytest.raises(BottleneckError, match="expected activations of width 32, got 16"):
+        down(torch.randn(2, 16))
+
+
+def test_principal_start_is_the_best_rank_k_reconstruction(activations: torch.Tensor) -> None:
+    k = 8
+    basis = principal_basis(activations, k)
+    assert torch.allclose(basis.T @ basis, torch.eye(k), atol=1e-5)
+    down, up = DownProjection(32, k, basis), UpProjection(32, k, basis, residual=True)
+    rows = activations.reshape(-1, 32)
+    rows = rows[rows.abs().amax(dim=1) > 0]
+    with torch.no_grad():
+        rebuilt = up(down(rows))
+    error = float((rebuilt - rows).norm() / rows.norm())
+    s = torch.linalg.svdvals(rows)
+    optimum = float(s[k:].pow(2).sum().sqrt() / s.pow(2).sum().sqrt())  # Eckart-Young
+    assert error == pytest.approx(optimum, rel=1e-3)
+    assert captured_energy(activations, basis) > captured_energy(activations, shared_basis(32, k)) + 0.05
+
+
+def test_zero_rows_stay_zero_both_ways(activations: torch.Tensor) -> None:
+    basis = principal_basis(activations, 4)
+    down, up = DownProjection(32, 4, basis), UpProjection(32, 4, basis, residual=True)
+    with torch.no_grad():
+        up.residual[2].weight.normal_()  # also once the residual has learned something
+    x = torch.randn(2, 6, 32)
+    x[:, 4:] = 0
+    assert (up(down(x))[:, 4:] == 0).all()
+
+
+def test_gradients_flow_through_both_halves_and_cross_at_width_k() -> None:
+    job = load_spec(BUILTIN_DIR / "abnet" / "job.yaml", cut(4, **{"stages.1.options.cut_residual": True}))
+    source, target = build_programs(job)
+    with torch.no_grad():  # the cross-attention gates start at zero (ABNet: identity at init); open them
+        for adapter in target.model.decoder.adapters:
+            adapter.gate.fill_(0.5)
+    ids = source.module.load_examples(source.options)[:8]
+    english = target.module.load_examples(target.options)[:8]
+    sent = source.forward(source.module.collate(ids))
+    assert sent.shape == (8, 24, 4)  # what crosses: k wide, not d_model
+    received = sent.detach().requires_grad_(True)
+    loss = target.loss(received, target.module.collate(english))
+    loss.backward()
+    assert received.grad is not None and received.grad.shape == (8, 24, 4)  # the gradient back: k wide
+    sent.backward(received.grad)
+    up, down = target.model.up, source.model.down
+    for name, parameter in [("up", up.proj.weight), ("down", down.proj.weight)]:
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
+    assert up.residual[2].weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in source.model.encoder.plm.parameters())  # the PLM stays frozen
+
+
+def test_bottleneck_parameters_live_in_the_stage_checkpoints(tmp_path: Path) -> None:
+    k = 4
+    basis = shared_basis(32, k, seed=7)
+    path = tmp_path / "basis.pt"
+    torch.save(basis, path)
+    more = {f"stages.{i}.options.cut_basis": str(path) for i in (0, 1)}
+    job = load_spec(BUILTIN_DIR / "abnet" / "job.yaml", cut(k, **more))
+    fresh = build_programs(job)
+    torch.testing.assert_close(fresh[0].model.down.proj.weight, basis.T)  # started from the given basis
+    torch.testing.assert_close(fresh[1].model.up.proj.weight, basis)
+    trained = run_unsplit(job).state_dicts
+    for stage, key in (("encoder", "down.proj.weight"), ("decoder", "up.proj.weight")):
+        assert key in trained[stage]
+        assert not torch.equal(
+            trained[stage][key], fresh[0 if stage == "encoder" else 1].model.state_dict()[key]
+        )
+        torch.save(trained[stage], tmp_path / f"{stage}.pt")
+    rebuilt = build_programs(job)
+    for program, stage in zip(rebuilt, ("encoder", "decoder"), strict=True):
+        program.model.load_state_dict(torch.load(tmp_path / f"{stage}.pt", weights_only=True))
+        for name, value in program.model.state_dict().items():
+            assert torch.equal(value, trained[stage][name]), name
+
+
+def test_a_basis_that_does_not_fit_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "basis.pt"
+    torch.save(torch.zeros(32, 3), path)
+    job = load_spec(BUILTIN_DIR / "abnet" / "job.yaml", cut(4, **{"stages.0.options.cut_basis": str(path)}))
+    with pytest.raises(BottleneckError, match=r"basis.pt is \[32, 3\], expected \[32, 4\]"):
+        build_programs(job)
+    missing = load_spec(
+        BUILTIN_DIR / "abnet" / "job.yaml",
+        cut(4, **{"stages.0.options.cut_basis": str(tmp_path / "nope.pt")}),
+    )
+    with pytest.raises(BottleneckError, match=r"nope\.pt does not exist in this cluster"):
+        build_programs(missing)
