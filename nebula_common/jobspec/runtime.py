@@ -154,10 +154,21 @@ class StageProgram:
             )
         self.examples = examples
         self._source = examples_source
-        trainable = [p for p in model.parameters() if p.requires_grad]
+        self._optim = optim
+        self._total_steps = total_steps
+        self.rebuild_optimizer()
+
+    def rebuild_optimizer(self) -> None:
+        """A fresh optimizer and LR schedule over the model's current trainable parameters.
+
+        Called once at build, and again by a sharded stage after FSDP replaced the parameters with
+        their shards (an optimizer holds parameter objects, so it must be built over the new ones).
+        """
+        optim = self._optim
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(trainable, optim.name, optim.lr, optim.weight_decay, optim.momentum)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_factor(optim.schedule, optim.warmup_steps, total_steps)
+            self.optimizer, lr_factor(optim.schedule, optim.warmup_steps, self._total_steps)
         )
 
     def batch(self, ids: Sequence[int]) -> Batch:

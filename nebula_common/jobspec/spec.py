@@ -39,6 +39,30 @@ def required_functions(role: str, mode: str) -> tuple[str, ...]:
     return ONE_WAY_UPSTREAM_FUNCTIONS if mode == "one_way" else UPSTREAM_FUNCTIONS
 
 
+def sharding_problem(parallel: str, replicas: int, shard_size: int | None) -> str | None:
+    """What is wrong with a stage's ``parallel``/``shard_size`` for its replicas (None: nothing).
+
+    The message starts with the field it is about, so both the spec (``stages.N.``) and the
+    trainer's StageSpec check (``program.``) can prefix it.
+    """
+    if parallel == "ddp":
+        return None if shard_size is None else "shard_size: only an hsdp stage has shard groups"
+    if replicas < 2:
+        return (
+            f"parallel: {parallel} shards a stage across its replicas; it needs replicas >= 2, got {replicas}"
+        )
+    if parallel == "fsdp":
+        return None if shard_size is None else "shard_size: fsdp shards across all replicas; use hsdp"
+    if shard_size is None:
+        return "shard_size: hsdp needs the ranks per shard group (2..replicas-1, dividing replicas)"
+    if shard_size >= replicas or replicas % shard_size:
+        return (
+            f"shard_size: {shard_size} must divide replicas {replicas} and be below it "
+            "(hsdp: at least 2 shard groups replicating each other)"
+        )
+    return None
+
+
 class SpecError(InvalidRequestError):
     """A job spec (or a module it names) is invalid; the message names the file and field."""
 
@@ -108,6 +132,16 @@ class StageDecl(_Strict):
         le=64,
         description="Data-parallel processes of this stage inside its cluster (torch.distributed, DDP); "
         "rank 0 talks to the switch and scatters each micro-batch's rows to the others.",
+    )
+    parallel: Literal["ddp", "fsdp", "hsdp"] = Field(
+        "ddp",
+        description="How the replicas hold the parameters: ddp (full copies, gradients all-reduced), "
+        "fsdp (PyTorch FSDP2: each rank holds 1/replicas of every parameter and optimizer state) or "
+        "hsdp (shards inside groups of shard_size ranks that replicate each other). Sharded stages "
+        "checkpoint with torch.distributed.checkpoint and can resume on another number of ranks.",
+    )
+    shard_size: int | None = Field(
+        None, ge=2, le=64, description="hsdp only: ranks per shard group (divides replicas, below it)."
     )
     dataset: str | None = Field(
         None,
@@ -207,6 +241,9 @@ class JobSpec(_Strict):
             raise ValueError("stages.0.replicas: a one_way upstream (first) stage runs on one process")
         micro_batch = self.data.batch_size // self.data.micro_batches
         for index, stage in enumerate(self.stages):
+            problem = sharding_problem(stage.parallel, stage.replicas, stage.shard_size)
+            if problem is not None:
+                raise ValueError(f"stages.{index}.{problem}")
             if micro_batch % stage.replicas:
                 raise ValueError(
                     f"stages.{index}.replicas: each micro-batch ({micro_batch} examples) is split evenly "

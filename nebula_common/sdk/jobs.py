@@ -188,6 +188,8 @@ class ProgramJob:
                 mode=spec.pipeline.mode,
                 sync_lag=spec.pipeline.sync_lag,
                 replicas=stage.replicas,
+                parallel=stage.parallel,
+                shard_size=stage.shard_size or 0,
                 dataset=stage.dataset or "",
                 payload=spec.edge.payload,
                 initial_state=self.initial_states.get(stage.name, b""),

@@ -8,6 +8,7 @@ import re
 from nebula_common.codec import CodecError
 from nebula_common.codec.stream import canonical_spec
 from nebula_common.errors import InvalidRequestError
+from nebula_common.jobspec.spec import sharding_problem
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from services.trainer.runtime.program import hot_start_problems
 from services.trainer.runtime.schedule import SCHEDULES
@@ -17,6 +18,7 @@ _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ROLES = ("upstream", "downstream")
 MODES = ("backprop", "one_way")
 PAYLOADS = ("float", "int64")
+PARALLEL = ("ddp", "fsdp", "hsdp")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_SCHEDULES = ("constant", "linear_warmup", "cosine")
 
@@ -104,6 +106,18 @@ def _program_problems(cfg: trainer_pb2.ProgramStage) -> list[str]:
         micro = cfg.batch_size // cfg.micro_batches if cfg.micro_batches else 0
         if micro % cfg.replicas:
             problems.append(f"program.replicas {cfg.replicas} must divide the micro-batch size {micro}")
+    parallel = cfg.parallel or "ddp"
+    if parallel not in PARALLEL:
+        problems.append(f"program.parallel {cfg.parallel!r} must be one of {', '.join(PARALLEL)}")
+    else:
+        shard = sharding_problem(parallel, max(cfg.replicas, 1), cfg.shard_size or None)
+        if shard is not None:
+            problems.append(f"program.{shard}")
+        if parallel != "ddp" and cfg.initial_state:
+            problems.append(
+                "program.initial_state: a hot start into a sharded (fsdp/hsdp) stage is not supported; "
+                "use parallel ddp for the hot-started run"
+            )
     payload = cfg.payload or "float"
     if payload not in PAYLOADS:
         problems.append(f"program.payload {cfg.payload!r} must be one of {', '.join(PAYLOADS)}")

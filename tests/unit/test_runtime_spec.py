@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from nebula_common.errors import InvalidRequestError
 from nebula_common.jobspec import SpecError, load_spec
 from nebula_common.jobspec.builtin import builtin_spec
 from nebula_common.sdk.jobs import ProgramJob
@@ -162,3 +163,58 @@ def test_a_backprop_upstream_stage_may_run_on_several_replicas() -> None:
     validate_stage_spec(reader)  # raises on any problem
     with pytest.raises(SpecError, match=r"stages\.0\.replicas: .* 3 does not divide it"):
         load_spec(EXAMPLE / "job.yaml", {"stages.0.replicas": 3})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "reason"),
+    [
+        ({"stages.1.parallel": "zero3"}, "stages.1.parallel", "'ddp', 'fsdp' or 'hsdp'"),
+        ({"stages.1.parallel": "fsdp"}, "stages.1.parallel", "needs replicas >= 2, got 1"),
+        ({"stages.1.parallel": "hsdp", "stages.1.replicas": 4}, "stages.1.shard_size", "needs the ranks"),
+        (
+            {"stages.1.parallel": "hsdp", "stages.1.replicas": 4, "stages.1.shard_size": 4},
+            "stages.1.shard_size",
+            "must divide replicas 4 and be below it",
+        ),
+        ({"stages.1.replicas": 2, "stages.1.shard_size": 2}, "stages.1.shard_size", "only an hsdp stage"),
+        (
+            {"stages.1.parallel": "fsdp", "stages.1.replicas": 2, "stages.1.shard_size": 2},
+            "stages.1.shard_size",
+            "use hsdp",
+        ),
+    ],
+)
+def test_bad_sharding_settings_name_the_field(overrides: dict, field: str, reason: str) -> None:
+    with pytest.raises(SpecError) as error:
+        load_spec(EXAMPLE / "job.yaml", {"data.batch_size": 32, **overrides})
+    assert field in str(error.value) and reason in str(error.value), str(error.value)
+
+
+def test_sharded_stages_reach_the_trainer_and_its_check_names_bad_values() -> None:
+    job = ProgramJob(
+        load_spec(
+            EXAMPLE / "job.yaml",
+            {
+                "data.batch_size": 32,
+                "stages.1.replicas": 4,
+                "stages.1.parallel": "hsdp",
+                "stages.1.shard_size": 2,
+            },
+        )
+    )
+    stage = job.stage_spec(job.spec.stages[1].name)
+    assert (stage.program.parallel, stage.program.replicas, stage.program.shard_size) == ("hsdp", 4, 2)
+    validate_stage_spec(stage)
+    stage.program.shard_size = 3
+    with pytest.raises(InvalidRequestError, match=r"program\.shard_size: 3 must divide replicas 4"):
+        validate_stage_spec(stage)
+    stage.program.parallel = "zero3"
+    with pytest.raises(
+        InvalidRequestError, match=r"program\.parallel 'zero3' must be one of ddp, fsdp, hsdp"
+    ):
+        validate_stage_spec(stage)
+    stage.program.parallel = "fsdp"
+    stage.program.shard_size = 0
+    stage.program.initial_state = b"x"
+    with pytest.raises(InvalidRequestError, match=r"hot start into a sharded"):
+        validate_stage_spec(stage)

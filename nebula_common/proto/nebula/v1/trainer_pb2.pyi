@@ -63,7 +63,7 @@ class OptimizerConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., momentum: _Optional[float] = ..., lr_schedule: _Optional[str] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
 
 class ProgramStage(_message.Message):
-    __slots__ = ("role", "module_source", "module_name", "options_json", "batch_size", "micro_batches", "num_examples", "schedule", "max_in_flight", "seed", "stage_index", "optimizer", "checkpoint_interval", "resume_job_id", "resume_step", "mode", "sync_lag", "replicas", "payload", "dataset", "initial_state", "initial_step")
+    __slots__ = ("role", "module_source", "module_name", "options_json", "batch_size", "micro_batches", "num_examples", "schedule", "max_in_flight", "seed", "stage_index", "optimizer", "checkpoint_interval", "resume_job_id", "resume_step", "mode", "sync_lag", "replicas", "payload", "dataset", "initial_state", "initial_step", "parallel", "shard_size")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODULE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     MODULE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,8 @@ class ProgramStage(_message.Message):
     DATASET_FIELD_NUMBER: _ClassVar[int]
     INITIAL_STATE_FIELD_NUMBER: _ClassVar[int]
     INITIAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    SHARD_SIZE_FIELD_NUMBER: _ClassVar[int]
     role: str
     module_source: str
     module_name: str
@@ -108,7 +110,9 @@ class ProgramStage(_message.Message):
     dataset: str
     initial_state: bytes
     initial_step: int
-    def __init__(self, role: _Optional[str] = ..., module_source: _Optional[str] = ..., module_name: _Optional[str] = ..., options_json: _Optional[str] = ..., batch_size: _Optional[int] = ..., micro_batches: _Optional[int] = ..., num_examples: _Optional[int] = ..., schedule: _Optional[str] = ..., max_in_flight: _Optional[int] = ..., seed: _Optional[int] = ..., stage_index: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., checkpoint_interval: _Optional[int] = ..., resume_job_id: _Optional[str] = ..., resume_step: _Optional[int] = ..., mode: _Optional[str] = ..., sync_lag: _Optional[int] = ..., replicas: _Optional[int] = ..., payload: _Optional[str] = ..., dataset: _Optional[str] = ..., initial_state: _Optional[bytes] = ..., initial_step: _Optional[int] = ...) -> None: ...
+    parallel: str
+    shard_size: int
+    def __init__(self, role: _Optional[str] = ..., module_source: _Optional[str] = ..., module_name: _Optional[str] = ..., options_json: _Optional[str] = ..., batch_size: _Optional[int] = ..., micro_batches: _Optional[int] = ..., num_examples: _Optional[int] = ..., schedule: _Optional[str] = ..., max_in_flight: _Optional[int] = ..., seed: _Optional[int] = ..., stage_index: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., checkpoint_interval: _Optional[int] = ..., resume_job_id: _Optional[str] = ..., resume_step: _Optional[int] = ..., mode: _Optional[str] = ..., sync_lag: _Optional[int] = ..., replicas: _Optional[int] = ..., payload: _Optional[str] = ..., dataset: _Optional[str] = ..., initial_state: _Optional[bytes] = ..., initial_step: _Optional[int] = ..., parallel: _Optional[str] = ..., shard_size: _Optional[int] = ...) -> None: ...
 
 class AssignStageRequest(_message.Message):
     __slots__ = ("spec",)
