@@ -79,7 +79,10 @@ ROLE_MATRIX: MappingProxyType[str, Access] = MappingProxyType(
         # --- data ---------------------------------------------------------------------------------
         "/nebula.v1.Data/UploadDataset": _user("owners manage their datasets (nebula data)"),
         "/nebula.v1.Data/ImportDataset": _user("owners manage their datasets (nebula data)"),
-        "/nebula.v1.Data/ListDatasets": _user("owners manage their datasets (nebula data)"),
+        "/nebula.v1.Data/ListDatasets": _user(
+            "owners list their datasets; a stage looks up the dataset it was granted (GrantedBatchSource)",
+            "trainer",
+        ),
         "/nebula.v1.Data/DeleteDataset": _user("owners manage their datasets (nebula data)"),
         "/nebula.v1.Data/DownloadDataset": _user("owners manage their datasets (nebula data)"),
         "/nebula.v1.Data/Grant": _user("owners manage their datasets (nebula data)"),

@@ -80,7 +80,8 @@ def up(
             f"[green]up[/]: PKI in {deployment.pki_dir}, logs in {deployment.log_dir}; "
             f"description in {run_dir / 'deployment.json'}. Dead services are restarted. WAN faults: "
             f"`nebula wan cut|restore|reset --run-dir {run_dir}`. Ctrl-C (or `nebula local down "
-            f"--run-dir {run_dir}`) stops everything."
+            f"--run-dir {run_dir}`) stops everything. Internal ports are TLS: commands given bare "
+            f"addresses verify them with NEBULA_CA_CERT={deployment.pki_dir}/<cluster>/ca.crt."
         )
         supervisor = deployment.supervisor
         seen = supervisor.generation if supervisor is not None else 0

@@ -91,7 +91,8 @@ class ServiceIdentity:
     def record(self, event: str, details: dict[str, Any]) -> None:
         """Audit a certificate event in the service's log (held until the log is attached)."""
         if self.audit is None:
-            self._pending.append((event, details))
+            # A service without an audit log (codec) keeps only the latest few; its log has them all.
+            self._pending = [*self._pending[-15:], (event, details)]
         else:
             self.audit.append(event, details=details)
 
