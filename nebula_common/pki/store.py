@@ -9,8 +9,14 @@ Layout under a PKI root::
     <root>/<cluster>/trust/<peer>.crt    a peer cluster's CA, trusted on the WAN
     <root>/<cluster>/trust-bundle.pem    all trust/*.crt concatenated (gRPC root_certificates)
     <root>/<cluster>/crl.pem             CRL signed by this cluster's CA (``nebula pki revoke``)
-    <root>/<cluster>/trust/<peer>.crl.pem    the peer CA's CRL, loaded by this cluster's switch
-    <root>/<cluster>/audit/              audit log of CA operations (issue, renew, revoke)
+    <root>/<cluster>/trust/<peer>.crl.pem    the peer CA's CRL (demo layout with every cluster in one
+                                         root; between organisations the switch receives it over
+                                         the WAN port instead, services/switch/crl_exchange.py)
+    <root>/<cluster>/audit/              audit log of CA operations (issue, renew, revoke) and trust
+                                         changes (trust.add, trust.remove, with fingerprints)
+
+One organisation's root holds one cluster (:func:`init_cluster`, then :func:`add_trust` per peer
+CA received out of band); the demo :func:`init_pki` runs the same steps for several clusters.
 
 A cluster never trusts its own CA on the WAN: only the peer's switch should be able to connect,
 and a cluster-local certificate has no business on the inter-cluster link.

@@ -7,7 +7,8 @@ sends its own CA's CRL to the peer over the WAN port (nebula.v1.SwitchTrust).
 * revoking b's switch certificate on b's side only makes a close the live link and refuse b within
   10 s, with an audit record on both sides;
 * ``nebula pki trust remove`` on a's side closes a's link to b within seconds;
-* only the peer switch's identity may use the CRL exchange (an operator certificate is refused).
+* only the peer switch's identity may use the CRL exchange (an operator certificate is refused);
+* with fail-closed, a refuses b until b's CRL reaches it over the link.
 """
 
 from __future__ import annotations
@@ -94,24 +95,29 @@ class Pair:
 
 
 @contextmanager
-def organisation_switches(tmp_path: Path, orgs: dict[str, Org]) -> Iterator[Pair]:
-    """b accepts, a dials b's WAN port; each reads only its own organisation's directory."""
+def organisation_switches(
+    tmp_path: Path, orgs: dict[str, Org], *, wait_link: bool = True, **per_cluster: dict[str, Any]
+) -> Iterator[Pair]:
+    """b accepts, a dials b's WAN port; each reads only its own organisation's directory.
+
+    ``per_cluster`` (``a={...}``, ``b={...}``) overrides settings of one switch.
+    """
 
     def settings(cluster: str, peer: str, auth: str, **extra: Any) -> SwitchSettings:
         paths = orgs[cluster].paths
-        return SwitchSettings(
-            cluster_id=cluster,
-            peer_cluster_id=peer,
-            tls_cert=paths.switch_cert,
-            tls_key=paths.switch_key,
-            trust_bundle=paths.trust_bundle,
-            own_crl=paths.crl,
-            auth_address=auth,
-            data_dir=tmp_path / f"org-{cluster}" / "switch",
-            metrics_port=-1,
-            crl_refresh_s=0.2,
-            **extra,
-        )
+        fields: dict[str, Any] = {
+            "cluster_id": cluster,
+            "peer_cluster_id": peer,
+            "tls_cert": paths.switch_cert,
+            "tls_key": paths.switch_key,
+            "trust_bundle": paths.trust_bundle,
+            "own_crl": paths.crl,
+            "auth_address": auth,
+            "data_dir": tmp_path / f"org-{cluster}" / "switch",
+            "metrics_port": -1,
+            "crl_refresh_s": 0.2,
+        }
+        return SwitchSettings(**(fields | extra | per_cluster.get(cluster, {})))
 
     with ExitStack() as stack:
         auth = {
@@ -125,7 +131,8 @@ def organisation_switches(tmp_path: Path, orgs: dict[str, Org]) -> Iterator[Pair
             )
         )
         stack.callback(a.stop)
-        wait_for(lambda: a.running.link.connected and b.running.link.connected, 30, "the link to come up")
+        if wait_link:
+            wait_for(lambda: a.running.link.connected and b.running.link.connected, 30, "the link to come up")
         yield Pair(a, b)
 
 
@@ -200,3 +207,27 @@ def test_trust_remove_closes_the_live_link_within_seconds(tmp_path: Path) -> Non
         time.sleep(1.0)
         assert not pair.a.running.link.connected
         print(f"trust removed on a's side; a closed the link after {closed_after:.2f}s")
+
+
+def test_fail_closed_refuses_the_peer_until_its_crl_arrives(tmp_path: Path) -> None:
+    """With NEBULA_SWITCH_CRL_FAIL_CLOSED, a refuses b while it holds no CRL of b's CA, and lets b in
+    within seconds of b's switch publishing one (b's own file; nothing is copied to a)."""
+    orgs = _organisations(tmp_path)
+    published = tmp_path / "org-b" / "published-crl.pem"  # b publishes its CRL here only later
+    with organisation_switches(
+        tmp_path, orgs, wait_link=False, a={"crl_fail_closed": True}, b={"own_crl": published}
+    ) as pair:
+        refused = wait_for(
+            lambda: [r for r in pair.audit(pair.a, "link.refused") if r["details"]["layer"] == "revoked"],
+            15,
+            "a to refuse b while it has no CRL of b",
+        )
+        assert refused
+        assert "no CRL of peer 'b' received yet" in (pair.a.running.revocation.closed_reason() or "")
+        assert not pair.a.running.link.connected
+        started = time.monotonic()
+        published.write_bytes(orgs["b"].paths.crl.read_bytes())
+        # The CRL arrives within a second; the link follows at a's next dial (its retry backoff is <= 5 s).
+        wait_for(lambda: pair.a.running.link.connected, 30, "the link once b's CRL reached a")
+        print(f"fail-closed: link up {time.monotonic() - started:.2f}s after b published its CRL")
+        assert any(r["details"]["source"] == "link" for r in pair.audit(pair.a, "crl.apply"))
