@@ -5,7 +5,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from nebula_common.service.settings import HostPort, ServiceSettings
@@ -68,9 +68,27 @@ class TrainerSettings(ServiceSettings):
         "(default: max(2, the job's max_in_flight)); 0 receives and decodes on the stage thread, the "
         "serial path (for measuring what the overlap gains; training is bit-identical either way).",
     )
+    ranks_listen: HostPort | None = Field(
+        None,
+        description="host:port of the rank store this trainer hosts for its cluster's rank processes "
+        "(python -m services.trainer.worker, started with torchrun or one per container/pod; each sets "
+        "NEBULA_WORKER_TRAINER to this address). With it, every data-parallel-capable stage runs on those "
+        "ranks, whatever its replicas; only this trainer talks to the switch. Needs ranks.",
+    )
+    ranks: int | None = Field(
+        None, ge=1, le=64, description="How many rank processes join ranks_listen (their WORLD_SIZE)."
+    )
     stop_grace_s: float = Field(
         10.0, gt=0, description="On stop, how long running stages get to end before the process exits."
     )
+
+    @model_validator(mode="after")
+    def _ranks_together(self) -> TrainerSettings:
+        if (self.ranks_listen is None) != (self.ranks is None):
+            raise ValueError(
+                "NEBULA_TRAINER_RANKS_LISTEN and NEBULA_TRAINER_RANKS go together (set both or neither)"
+            )
+        return self
 
     def resolved_data_dir(self) -> Path:
         return self.data_dir or Path(tempfile.gettempdir()) / f"nebula-trainer-{self.cluster_id}"

@@ -32,6 +32,7 @@ from services.trainer.config import TrainerSettings
 from services.trainer.edge import EdgeSettings
 from services.trainer.restore import restore_stages
 from services.trainer.retention import FinishedStages
+from services.trainer.runtime.rank_sources import ClusterRanks
 from services.trainer.servicer import TrainerServicer
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,11 @@ async def start_trainer(
         finished=FinishedStages(settings.finished_ttl_s, settings.max_finished),
         metrics_grace_s=settings.metrics_grace_s,
         receive_ahead=settings.receive_ahead,
+        cluster_ranks=(
+            ClusterRanks(settings.ranks_listen, settings.ranks)
+            if settings.ranks_listen is not None and settings.ranks is not None
+            else None
+        ),
     )
     stack.push_async_callback(asyncio.to_thread, _stop_stages, servicer, settings.stop_grace_s)
     # Before serving: a client re-watching its stage after this restart finds it (RECOVERING or ended).

@@ -33,6 +33,7 @@ from services.trainer.metrics import REAPER, STAGES_RUNNING
 from services.trainer.records import StageRecord, StageRecords
 from services.trainer.retention import FinishedStages
 from services.trainer.runtime.checkpoint import CheckpointError, CheckpointStore
+from services.trainer.runtime.rank_sources import ClusterRanks
 from services.trainer.runtime.stage import ProgramRunner
 from services.trainer.status import TERMINAL_STATES
 from services.trainer.validation import validate_stage_spec
@@ -52,8 +53,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         finished: FinishedStages | None = None,
         metrics_grace_s: float = 60.0,
         receive_ahead: int | None = None,
+        cluster_ranks: ClusterRanks | None = None,
     ) -> None:
         self.receive_ahead = receive_ahead
+        self.cluster_ranks = cluster_ranks
         self.finished = finished or FinishedStages()
         self.metrics_grace_s = metrics_grace_s
         self.edge_settings = edge_settings or EdgeSettings()
@@ -198,6 +201,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             epoch=epoch,
             on_epoch=lambda epoch: self.records.set_epoch(record, epoch),
             receive_ahead=self.receive_ahead,
+            cluster_ranks=self.cluster_ranks,
         )
         # First of the finish callbacks (``_launch`` adds the release after it): the end is on disk
         # before the stage is released or forgotten.

@@ -8,6 +8,12 @@ Layout under the trainer's data dir::
         scheduler.pt  LR scheduler state_dict()
         meta.json     {"step": n, "owner": ..., "job_id": ..., "stage": ...}
 
+A sharded (fsdp/hsdp) stage writes ``dcp/`` (``torch.distributed.checkpoint``: every rank's
+shards plus a metadata file; ``torch.distributed.checkpoint.load`` reads it back into any number of
+ranks, or into one plain process) instead of ``model.pt`` and ``optimizer.pt``, and meta.json says
+``"format": "dcp"``. Every rank writes into the same temporary directory (the data dir is shared by
+the stage's ranks: one host, or one volume), and rank 0 renames it once all ranks wrote.
+
 ``step-<n>`` means "after n completed optimizer steps". A directory appears
 only complete (written to a temporary name, then renamed), so a crash never
 leaves a checkpoint that looks whole but is not. Both clusters checkpoint at the
@@ -24,12 +30,15 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from nebula_common.jobspec.runtime import StageProgram
+from services.trainer.runtime.sharding import ShardingError, load_sharded
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 KEEP = 3
@@ -76,6 +85,30 @@ class CheckpointStore:
             shutil.rmtree(directory / f"step-{old}", ignore_errors=True)
         return final
 
+    def sharded_partial(self, owner: str, job_id: str, stage: str, step: int) -> Path:
+        """Where every rank of a sharded stage writes step ``step`` before rank 0 publishes it."""
+        return self.stage_dir(owner, job_id, stage) / f".step-{step}.partial-sharded"
+
+    def save_sharded(
+        self, job_id: str, stage: str, owner: str, step: int, write: Callable[[Path], None]
+    ) -> Path:
+        """Publish a sharded checkpoint: ``write(directory)`` has every rank write its part there."""
+        directory = self.stage_dir(owner, job_id, stage)
+        directory.mkdir(parents=True, exist_ok=True)
+        final = directory / f"step-{step}"
+        partial = self.sharded_partial(owner, job_id, stage, step)
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        write(partial)
+        meta = {"step": step, "owner": owner, "job_id": job_id, "stage": stage, "format": "dcp"}
+        (partial / "meta.json").write_text(json.dumps(meta))
+        if final.exists():
+            shutil.rmtree(final)
+        partial.rename(final)
+        for old in self.steps(owner, job_id, stage)[:-KEEP]:
+            shutil.rmtree(directory / f"step-{old}", ignore_errors=True)
+        return final
+
     def load(self, job_id: str, stage: str, step: int, owner: str, program: StageProgram) -> None:
         directory = self.stage_dir(owner, job_id, stage) / f"step-{step}"
         if not (directory / "meta.json").exists():
@@ -87,6 +120,19 @@ class CheckpointStore:
         meta = json.loads((directory / "meta.json").read_text())
         if meta.get("owner") != owner:
             raise CheckpointError(f"no checkpoint of job {job_id!r} stage {stage!r} for this account")
+        sharded_model = any(isinstance(p, DTensor) for p in program.model.parameters())
+        if meta.get("format") == "dcp":  # resharded to this stage's ranks, or whole into one process
+            try:
+                load_sharded(directory / "dcp", program)
+            except ShardingError as exc:
+                raise CheckpointError(f"job {job_id!r} stage {stage!r} step {step}: {exc}") from exc
+            program.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
+            return
+        if sharded_model:
+            raise CheckpointError(
+                f"checkpoint step-{step} of job {job_id!r} stage {stage!r} was written by an unsharded "
+                "stage (model.pt); resume it with parallel: ddp"
+            )
         program.model.load_state_dict(torch.load(directory / "model.pt", weights_only=True))
         program.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
         program.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))

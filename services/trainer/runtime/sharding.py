@@ -26,6 +26,7 @@ stages); see ``services/trainer/runtime/sharded.py``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,15 @@ class ForwardRoot(nn.Module):
         return self._forward(batch)
 
 
+def to_device(value: Any, device: torch.device) -> Any:
+    """A batch (a tensor, or a tuple/list of them) on the stage's device (a no-op on CPU)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple | list):
+        return type(value)(to_device(item, device) for item in value)
+    return value
+
+
 def shard_program(program: StageProgram, mesh: DeviceMesh, *, upstream: bool) -> FSDPModule:
     """Shard ``program``'s model over ``mesh`` in place; its optimizer is rebuilt over the shards.
 
@@ -102,6 +112,10 @@ def shard_program(program: StageProgram, mesh: DeviceMesh, *, upstream: bool) ->
     sharded = fully_shard(root, mesh=mesh)
     if not isinstance(sharded, FSDPModule):  # fully_shard returns the module it changed the class of
         raise ShardingError("fully_shard did not return an FSDP module")
+    if mesh.device_type == "cpu":
+        # gloo has no PREMUL_SUM (what a custom divide factor becomes) and a history of a silently
+        # wrong AVG (pytorch/pytorch#162338): reduce with plain SUM, scaling before/after it.
+        sharded.set_force_sum_reduction_for_comms(True)
     if upstream:
         sharded.set_gradient_divide_factor(1.0)
     program.rebuild_optimizer()
@@ -120,12 +134,13 @@ class ShardedCompute:
         self.micro_batches = micro_batches
         self.backprop = backprop
         self.root = shard_program(program, mesh, upstream=False)
+        self.device = torch.device(mesh.device_type)
 
     def run(self, rows: torch.Tensor, ids: list[int], last: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         received = rows.requires_grad_(True) if self.backprop else rows
         self.root.set_requires_gradient_sync(last)
         self.root.set_is_last_backward(last)
-        loss = self.root(received, self.program.batch(ids)) / self.micro_batches
+        loss = self.root(received, to_device(self.program.batch(ids), self.device)) / self.micro_batches
         loss.backward()
         return loss.detach().reshape(1), received.grad if self.backprop else None
 
@@ -141,11 +156,12 @@ class ShardedUpstream:
         self.program = program
         self.micro_batches = micro_batches
         self.root = shard_program(program, mesh, upstream=True)
+        self.device = torch.device(mesh.device_type)
         self._outputs: dict[int, torch.Tensor] = {}
         self._backwards = 0
 
     def forward(self, micro_batch: int, ids: list[int]) -> torch.Tensor:
-        out = self.root(self.program.batch(ids))
+        out = self.root(to_device(self.program.batch(ids), self.device))
         self._outputs[micro_batch] = out
         return out.detach().contiguous()
 
@@ -157,7 +173,7 @@ class ShardedUpstream:
         last = self._backwards == self.micro_batches
         self.root.set_requires_gradient_sync(last)
         self.root.set_is_last_backward(last)
-        out.backward(grad.to(out.dtype))
+        out.backward(grad.to(device=out.device, dtype=out.dtype))
         if last:
             self._backwards = 0
 
@@ -194,7 +210,9 @@ def load_sharded(directory: Path, program: StageProgram) -> None:
     model_state, optim_state = get_state_dict(program.model, program.optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     try:
-        dcp.load(state, checkpoint_id=str(directory))
+        with warnings.catch_warnings():  # one plain process reading a sharded checkpoint is intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(directory), no_dist=not in_default_group())
     except Exception as exc:
         raise ShardingError(f"cannot read the sharded checkpoint {directory}: {exc}") from exc
     set_state_dict(
@@ -226,4 +244,5 @@ __all__ = [
     "save_sharded",
     "shard_program",
     "stage_mesh",
+    "to_device",
 ]

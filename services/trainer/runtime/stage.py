@@ -47,6 +47,7 @@ import torch
 
 from nebula_common.data.batches import GrantedBatchSource
 from nebula_common.jobspec.runtime import ProgramError, StageProgram, example_ids
+from nebula_common.jobspec.spec import sharding_problem
 from nebula_common.proto.nebula.v1 import relay_pb2, trainer_pb2
 from services.trainer.edge import (
     EdgeClosedError,
@@ -64,7 +65,10 @@ from services.trainer.runtime.checkpoint import CheckpointStore
 from services.trainer.runtime.lifecycle import StageLifecycle
 from services.trainer.runtime.parallel import DataParallelGroup
 from services.trainer.runtime.program import build_program, load_starting_state
+from services.trainer.runtime.rank_group import RankGroup, Ranks
+from services.trainer.runtime.rank_sources import ClusterRanks, SpawnedRanks
 from services.trainer.runtime.schedule import downstream_ops, upstream_ops
+from services.trainer.runtime.sharding import SHARDED
 from services.trainer.runtime.timers import StepTimer
 from services.trainer.runtime.transfer import AsyncSender, ReceiveAhead
 from services.trainer.status import StatusBoard
@@ -118,6 +122,7 @@ class ProgramRunner:
         epoch: int = 0,
         on_epoch: Callable[[int], None] | None = None,
         receive_ahead: int | None = None,
+        cluster_ranks: ClusterRanks | None = None,
     ) -> None:
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
@@ -126,6 +131,8 @@ class ProgramRunner:
                 f"receive_ahead must be >= 0 (0: receive on the stage thread), got {receive_ahead}"
             )
         self.receive_ahead = receive_ahead
+        self.cluster_ranks = cluster_ranks
+        """Rank processes started on their own (``worker.py``) that compute this stage, if any."""
         self.timer = StepTimer()
         """Seconds per operation of this stage's steps (see ``runtime.timers``)."""
         self.step_timings: list[dict[str, float]] = []
@@ -145,7 +152,7 @@ class ProgramRunner:
         self._sender: AsyncSender | None = None
         self._receiver: ReceiveAhead | None = None
         self._posted_through = -1
-        self._dp: DataParallelGroup | None = None
+        self._dp: DataParallelGroup | RankGroup | None = None
         self._one_way = spec.program.mode == "one_way"
         self._int_payload = spec.program.payload == "int64"
         self.edge: EdgeConnection | None = None
@@ -340,6 +347,31 @@ class ProgramRunner:
                     extra={"fields": {"job_id": self.spec.job_id, "epoch": epoch, "reason": str(exc)}},
                 )
 
+    def _rank_processes(self, spec: trainer_pb2.StageSpec, upstream: bool) -> Ranks | None:
+        """The rank processes this attempt computes on, if not the stage thread itself (or DDP replicas).
+
+        The cluster's own ranks (``ClusterRanks``) take every stage that may run data-parallel,
+        whatever its ``replicas``: the same spec runs on 1 rank or many. A sharded stage on a
+        trainer without them gets ``replicas`` spawned ranks.
+        """
+        cfg = spec.program
+        local_only = (upstream and self._one_way) or bool(cfg.dataset)  # see validation: one process
+        if self.cluster_ranks is not None and not local_only:
+            world = self.cluster_ranks.world
+            micro = cfg.batch_size // cfg.micro_batches
+            problem = sharding_problem(cfg.parallel or "ddp", max(world, 2), cfg.shard_size or None)
+            problems = [f"program.{problem}"] if problem else []
+            if micro % world:
+                problems.append(f"they split each micro-batch evenly; {world} does not divide {micro}")
+            if problems:
+                raise ProgramError(
+                    f"this cluster's {world} ranks cannot run the stage: {'; '.join(problems)}"
+                )
+            return self.cluster_ranks.attach(spec.SerializeToString(), self.owner)
+        if cfg.replicas > 1 and cfg.parallel in SHARDED:
+            return SpawnedRanks(spec.SerializeToString(), cfg.replicas, str(self.store.root), self.owner)
+        return None
+
     def _discard_checkpoints_after(self, step: int) -> None:
         """Checkpoints past the restart step are of the void attempt: a later recovery must not pick them."""
         spec = self.spec
@@ -386,7 +418,18 @@ class ProgramRunner:
         start = load_starting_state(start_spec, program, self.store, self.owner)
         if epoch > 0:
             self._discard_checkpoints_after(start)
-        if cfg.replicas > 1:
+        ranks = self._rank_processes(start_spec, upstream)
+        if ranks is not None:
+            self._dp = RankGroup(
+                ranks,
+                program,
+                micro_batches=cfg.micro_batches,
+                backprop=not self._one_way,
+                store=self.store,
+                owner=self.owner,
+                upstream=upstream,
+            )
+        elif cfg.replicas > 1:
             self._dp = DataParallelGroup(
                 start_spec.SerializeToString(),
                 program,
@@ -443,7 +486,10 @@ class ProgramRunner:
             done = step + 1
             extra["compute_seconds"] = timings["compute"]
             if done == spec.steps or (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0):
-                self.store.save(spec.job_id, spec.stage, self.owner, done, program)
+                if isinstance(self._dp, RankGroup):  # every rank writes its part
+                    self._dp.save_checkpoint(spec.job_id, spec.stage, done, final=done == spec.steps)
+                else:
+                    self.store.save(spec.job_id, spec.stage, self.owner, done, program)
                 extra["checkpoint_step"] = done
             self._report_step(step, elapsed, waited, loss, edge, **extra)
         if not self._one_way and callable(getattr(program.module, "load_eval_examples", None)):

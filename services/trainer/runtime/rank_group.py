@@ -1,0 +1,222 @@
+"""A stage whose compute runs on rank processes: the trainer's stage thread drives them.
+
+Two cases use it. A sharded stage (``parallel: fsdp | hsdp``): FSDP2, DeviceMesh and DCP work on
+torch.distributed's *default* process group, which a trainer running other jobs' stages must not
+claim, so the trainer spawns every compute rank as a process of its own (``SpawnedRanks``). And a
+stage across processes started the standard way (torchrun, compose, a StatefulSet: the ranks of
+``services/trainer/worker.py``, ``ClusterRanks``), whatever its ``parallel``. The ranks form two
+groups:
+
+* the compute group: torch.distributed's default group of the rank processes (world n, gloo on
+  CPU, NCCL on CUDA), over which DDP all-reduces, FSDP all-gathers and reduce-scatters, and DCP
+  saves and loads;
+* the command group: a private gloo group of n + 1 (``parallel.make_process_group``), the stage
+  thread as rank 0 (the driver, which alone holds the WAN edge) and compute rank r as r + 1. Only
+  the driver talks to the switch; the ranks talk only to each other and to the driver.
+
+For each micro-batch the driver broadcasts the received tensor, every rank computes its rows, and
+the driver gathers the rows' gradients (its own slot is a placeholder); the loss is all-reduced.
+Upstream, the driver gathers the ranks' output rows into the activation it sends, and broadcasts
+the gradient that comes back. At a step boundary the ranks step their optimizers (each its shard);
+at a checkpoint they write DCP shards into the store's temporary directory and the driver
+publishes it (``CheckpointStore.save_sharded``). The driver's own copy of the model is not trained;
+after the last step it is loaded from the final checkpoint (evaluation and callers read it).
+
+A rank that fails leaves its reason in the command store (``error/<rank>``); one that dies breaks
+the next collective at once (its sockets close). Either way the stage fails with a message naming
+the ranks and what they said.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from nebula_common.jobspec.runtime import StageProgram
+from services.trainer.runtime.checkpoint import CheckpointStore
+from services.trainer.runtime.parallel import (
+    _HEADER,
+    CMD_BACKWARD,
+    CMD_FORWARD,
+    CMD_MICRO_BATCH,
+    CMD_STEP,
+    CMD_STOP,
+    DataParallelError,
+    _gather_options,
+    make_process_group,
+)
+from services.trainer.runtime.rank_main import CMD_SAVE, empty_like_header, header
+
+log = logging.getLogger(__name__)
+
+
+class Ranks(Protocol):
+    """The rank processes of one stage, as the driver sees them (see ``rank_sources``)."""
+
+    world: int
+    store: dist.Store  # this stage's command store (its keys are this stage's alone)
+
+    def why(self, exc: BaseException) -> str:
+        """What the ranks said (or that they died) when a collective failed with ``exc``."""
+        ...
+
+    def finish(self, timeout: float) -> None:
+        """After CMD_STOP: wait for the ranks to be done with this stage."""
+        ...
+
+    def abort(self) -> None:
+        """The stage is over, however it ended: no rank may keep working on it."""
+        ...
+
+
+class RankGroup:
+    """The driver of a stage whose compute runs on rank processes (see the module doc).
+
+    The same interface as ``DataParallelGroup``, plus ``save_checkpoint``.
+    """
+
+    def __init__(
+        self,
+        ranks: Ranks,
+        program: StageProgram,
+        *,
+        micro_batches: int,
+        backprop: bool,
+        store: CheckpointStore,
+        owner: str,
+        upstream: bool = False,
+        timeout: float = 300.0,
+    ) -> None:
+        if upstream and not backprop:
+            raise ValueError("a one_way upstream stage runs on one process")
+        self._ranks = ranks
+        self.ranks = ranks.world
+        self.program = program
+        self.micro_batches = micro_batches
+        self.backprop = backprop
+        self.upstream = upstream
+        self.checkpoints = store
+        self.owner = owner
+        self._stopped = False
+        self._shapes: dict[int, torch.Size] = {}
+        try:
+            cmd = dist.PrefixStore("cmd/", ranks.store)
+            self.group = make_process_group(cmd, 0, self.ranks + 1, timeout)
+            self._ready()
+        except Exception as exc:
+            why = ranks.why(exc)
+            self.abort()
+            raise DataParallelError(f"the stage's ranks did not start: {why}") from exc
+
+    def _collective(self, work: Any) -> None:
+        try:
+            work.wait()
+        except Exception as exc:
+            self._abort_group()  # ranks still waiting on the driver fail now, and say why
+            raise DataParallelError(f"a rank of the stage failed: {self._ranks.why(exc)}") from exc
+
+    def _abort_group(self) -> None:
+        group = getattr(self, "group", None)
+        if group is not None:
+            with contextlib.suppress(Exception):  # already broken is fine
+                group.abort()
+
+    def _ready(self) -> None:
+        """Every rank built, sharded and loaded its stage (a rank that failed to has said why)."""
+        count = torch.zeros(1)
+        self._collective(self.group.allreduce([count]))
+        if int(count.item()) != self.ranks:
+            raise DataParallelError(f"{int(count.item())} of {self.ranks} ranks ready")
+
+    def _send(self, cmd: int, step: int, micro_batch: int = 0, tensor: torch.Tensor | None = None) -> None:
+        self._collective(self.group.broadcast(header(cmd, step, micro_batch, tensor), 0))
+        if tensor is not None:
+            self._collective(self.group.broadcast(tensor, 0))
+
+    def _gather(self, like: torch.Tensor) -> list[torch.Tensor]:
+        """The ranks' tensors of ``like``'s shape, in rank order (the driver's slot is a placeholder)."""
+        parts = [torch.empty_like(like) for _ in range(self.ranks + 1)]
+        self._collective(self.group.gather([parts], [like], _gather_options()))
+        return parts[1:]
+
+    def _mean_loss(self) -> float:
+        loss = torch.zeros(1)
+        self._collective(self.group.allreduce([loss]))
+        return float(loss.item()) / self.ranks
+
+    def micro_batch(
+        self, step: int, micro_batch: int, received: torch.Tensor, ids: list[int]
+    ) -> tuple[float, torch.Tensor | None]:
+        """Send a received micro-batch to the ranks; (mean loss, gradient of received)."""
+        received = received.detach().contiguous()
+        self._send(CMD_MICRO_BATCH, step, micro_batch, received)
+        gathered: torch.Tensor | None = None
+        if self.backprop:
+            like = received.chunk(self.ranks)[0].contiguous()
+            # The combined loss is the mean of the ranks' losses: each rank's rows get 1/n of its gradient.
+            gathered = torch.cat(self._gather(like)) / self.ranks
+        return self._mean_loss(), gathered
+
+    def forward(self, step: int, micro_batch: int, ids: list[int]) -> torch.Tensor:
+        """Upstream: every rank runs its rows of the micro-batch; the gathered activation to send."""
+        self._send(CMD_FORWARD, step, micro_batch)
+        shape = torch.zeros(_HEADER, dtype=torch.int64)
+        self._collective(self.group.broadcast(shape, 1))  # rank 0's output rows: shape and dtype
+        out = torch.cat(self._gather(empty_like_header(shape)))
+        self._shapes[micro_batch] = out.shape
+        return out
+
+    def backward(self, step: int, micro_batch: int, grad: torch.Tensor) -> None:
+        """Upstream: send the received gradient; each rank backpropagates the rows it produced."""
+        shape = self._shapes.pop(micro_batch)
+        if grad.shape != shape:
+            raise DataParallelError(f"gradient shape {tuple(grad.shape)} != activation {tuple(shape)}")
+        self._send(CMD_BACKWARD, step, micro_batch, grad.detach().contiguous())
+
+    def finish_step(self, step: int) -> None:
+        """Every rank steps its optimizer; a counter all-reduce confirms all are at ``step``."""
+        self._send(CMD_STEP, step)
+        done = torch.zeros(1)
+        self._collective(self.group.allreduce([done]))
+        if int(done.item()) != (step + 1) * self.ranks:
+            raise DataParallelError(f"ranks out of step after step {step}: counter {done.item()}")
+
+    def save_checkpoint(self, job_id: str, stage: str, step: int, *, final: bool) -> Path:
+        """Every rank writes its part (DCP); published once all wrote. ``final``: load it here too."""
+
+        def write(directory: Path) -> None:
+            self._send(CMD_SAVE, step)
+            written = torch.zeros(1)
+            self._collective(self.group.allreduce([written]))
+            if int(written.item()) != self.ranks:
+                raise DataParallelError(
+                    f"{int(written.item())} of {self.ranks} ranks wrote checkpoint {step}"
+                )
+
+        path = self.checkpoints.save_sharded(job_id, stage, self.owner, step, write)
+        if final:  # the driver's model becomes the trained one (evaluation, callers)
+            self.checkpoints.load(job_id, stage, step, self.owner, self.program)
+        return path
+
+    def stop(self) -> None:
+        """Tell the ranks this stage is over and wait for them."""
+        if self._stopped:
+            return
+        self._send(CMD_STOP, 0)
+        self._ranks.finish(30)
+        self.abort()
+
+    def abort(self) -> None:
+        """End the ranks' work on this stage now; safe to repeat."""
+        if not self._stopped:
+            self._stopped = True
+            self._abort_group()
+        self._ranks.abort()
+
+
+__all__ = ["RankGroup", "Ranks"]

@@ -1,0 +1,163 @@
+"""``python -m services.trainer.worker``: one rank of a stage across processes.
+
+Started the standard way, one process per rank, on any host of the cluster: ``torchrun`` (which
+sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; c10d rendezvous), or a process
+manager, compose service or StatefulSet that sets them. The ranks form their own default group
+once (gloo on CPU, NCCL when CUDA is present); then each joins its cluster's trainer's rank store
+(``NEBULA_WORKER_TRAINER=host:port``, the trainer's ``NEBULA_TRAINER_RANKS_LISTEN``) and runs the
+stages the trainer posts there, one after the other, as the trainer's stage thread drives them
+(``runtime/rank_group.py``). Only the trainer talks to the switch; a worker never leaves the cluster.
+
+``NEBULA_WORKER_DATA_DIR`` must be the trainer's data dir (the same host, or one shared volume):
+the ranks write the stage's checkpoints there. A worker whose group broke (another rank died, or
+the trainer went away) exits non-zero, and its process manager starts the ranks again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("nebula.trainer.worker")
+POLL_S = 30.0
+HEARTBEAT_S = 0.5
+
+
+class WorkerConfigError(ValueError):
+    """A missing or invalid setting; the message names it."""
+
+
+def _env(name: str, default: str | None = None) -> str:
+    value = os.environ.get(name, default)
+    if value is None or value == "":
+        raise WorkerConfigError(f"{name} is required")
+    return value
+
+
+def _int(name: str, default: str | None = None, low: int = 0) -> int:
+    raw = _env(name, default)
+    try:
+        value = int(raw)
+    except ValueError:
+        raise WorkerConfigError(f"{name} must be an integer, got {raw!r}") from None
+    if value < low:
+        raise WorkerConfigError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def settings() -> dict[str, object]:
+    """The worker's settings from the environment (torchrun's variables and NEBULA_WORKER_*)."""
+    rank, world = _int("RANK"), _int("WORLD_SIZE", low=1)
+    if rank >= world:
+        raise WorkerConfigError(f"RANK {rank} must be below WORLD_SIZE {world}")
+    _env("MASTER_ADDR")
+    _int("MASTER_PORT", low=1)
+    trainer = _env("NEBULA_WORKER_TRAINER")
+    host, _, port = trainer.rpartition(":")
+    if not host or not port.isdigit():
+        raise WorkerConfigError(f"NEBULA_WORKER_TRAINER must be host:port, got {trainer!r}")
+    return {
+        "rank": rank,
+        "world": world,
+        "trainer_host": host,
+        "trainer_port": int(port),
+        "data_dir": Path(_env("NEBULA_WORKER_DATA_DIR")),
+        "threads": _int("NEBULA_WORKER_TORCH_THREADS", "1", low=1),
+        "timeout": float(_int("NEBULA_WORKER_TIMEOUT_S", "300", low=1)),
+    }
+
+
+def serve(config: dict[str, object]) -> None:
+    """Join the ranks' group and the trainer's rank store; run every stage posted there."""
+    from services.trainer.runtime.rank_main import follow, join_compute_group, report_failure
+
+    rank, world = int(config["rank"]), int(config["world"])  # type: ignore[call-overload]
+    timeout = float(config["timeout"])  # type: ignore[arg-type]
+    torch.set_num_threads(int(config["threads"]))  # type: ignore[call-overload]
+    span = datetime.timedelta(seconds=timeout)
+    # c10d rendezvous of the ranks, as torchrun's workers do (env://: MASTER_ADDR/PORT, RANK, WORLD_SIZE;
+    # under torchrun, its agent's store).
+    join_compute_group(None, rank, world, timeout)
+    trainer = dist.TCPStore(
+        str(config["trainer_host"]),
+        int(config["trainer_port"]),
+        is_master=False,
+        timeout=span,  # type: ignore[call-overload]
+    )
+    number = trainer.add("stage/posted", 0)  # stages posted before this worker joined are not its
+    identity = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}
+    trainer.set(f"worker/{rank}", json.dumps(identity))
+    log.info("rank %d of %d joined the trainer's rank store", rank, world)
+    current = [number]
+    threading.Thread(
+        target=_heartbeat, args=(config, rank, current), name="rank-heartbeat", daemon=True
+    ).start()
+    while True:
+        key = f"stage/{number}/spec"
+        try:
+            trainer.wait([key], datetime.timedelta(seconds=POLL_S))
+        except dist.DistStoreError as exc:
+            if "timeout" in str(exc).lower():
+                continue  # no stage yet
+            raise
+        stage = dist.PrefixStore(f"stage/{number}", trainer)  # the key above is its "spec"
+        owner = stage.get("owner").decode()
+        log.info("rank %d: stage %d posted; joining its command group", rank, number)
+        try:
+            follow(stage.get("spec"), rank, world, stage, config["data_dir"], owner, timeout)  # type: ignore[arg-type]
+        except Exception as exc:
+            report_failure(stage, rank, exc)
+            raise
+        stage.set(f"done/{rank}", "1")
+        number += 1
+        current[0] = number
+
+
+def _heartbeat(config: dict[str, object], rank: int, current: list[int]) -> None:
+    """Beat every HEARTBEAT_S (the trainer tells a dead rank from a live one by it), and leave at once
+    when the trainer aborted the stage this rank runs: a rank blocked in a collective with a dead peer
+    would otherwise wait out the whole collective timeout. Its process manager starts it again."""
+    store = dist.TCPStore(str(config["trainer_host"]), int(config["trainer_port"]), is_master=False)  # type: ignore[call-overload]
+    while True:
+        try:
+            store.add(f"beats/{rank}", 1)
+            if store.check([f"stage/{current[0]}/aborted"]):
+                log.error(
+                    "rank %d: the trainer aborted stage %d; exiting so the ranks form again", rank, current[0]
+                )
+                os._exit(1)
+        except Exception as exc:  # the trainer went away: this rank's stages are over
+            log.error("rank %d: lost the trainer's rank store (%s); exiting", rank, exc)
+            os._exit(1)
+        time.sleep(HEARTBEAT_S)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = settings()
+    except WorkerConfigError as exc:
+        print(f"nebula trainer worker: {exc}", file=sys.stderr)
+        return 2
+    try:
+        serve(config)
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:  # the group broke: exit so the process manager starts the ranks again
+        log.error("rank %s stopped: %s: %s", config["rank"], type(exc).__name__, exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

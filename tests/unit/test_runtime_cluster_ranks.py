@@ -1,0 +1,135 @@
+"""A stage across processes started on their own: ``python -m services.trainer.worker`` ranks, torchrun-style.
+
+Two worker processes are started separately (each with the variables torchrun sets: RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT), form their own gloo group by c10d rendezvous and join the
+trainer's rank store; the stage's runner (which alone holds the edge) drives them. The stage
+trains exactly like one process with the combined batch; a rank that dies fails the stage naming
+it, and the surviving rank leaves the aborted stage at once (for its process manager to restart).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nebula_common.proto.nebula.v1 import trainer_pb2
+from services.trainer.edge.memory import MemoryLink
+from services.trainer.runtime.rank_sources import ClusterRanks
+from tests.support.edges import StageRun, finish, stage_runner, wait_for, wait_for_step
+from tests.unit.test_runtime_sharded_stage import SETTINGS, reference, same_training, small
+
+pytestmark = pytest.mark.timeout(240)
+__all__ = ["reference"]  # the one-process run every test here compares with (a fixture)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Workers:
+    """``world`` worker processes (our own children, ended by handle) joined to one ClusterRanks."""
+
+    def __init__(self, ranks: ClusterRanks, data_dir: Path, logs: Path) -> None:
+        self.ranks, self.data_dir, self.logs = ranks, data_dir, logs
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        port = _free_port()
+        for rank in range(self.ranks.world):
+            env = {
+                **os.environ,
+                "PYTHONPATH": str(ROOT),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(self.ranks.world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "NEBULA_WORKER_TRAINER": f"127.0.0.1:{self.ranks.port}",
+                "NEBULA_WORKER_DATA_DIR": str(self.data_dir),
+            }
+            log = (self.logs / f"worker-{rank}-{len(self.processes)}.log").open("wb")
+            self.processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "services.trainer.worker"],
+                    env=env,
+                    stdout=log,
+                    stderr=log,
+                    cwd=ROOT,
+                )
+            )
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[Workers, Path]]:
+    ranks = ClusterRanks("127.0.0.1:0", world=2)
+    work = tmp_path / "work"
+    workers = Workers(ranks, work / "head", tmp_path)
+    workers.start()
+    try:
+        yield workers, work
+    finally:
+        workers.stop()
+
+
+def run_on_ranks(job: object, work: Path, ranks: ClusterRanks) -> tuple[StageRun, StageRun]:
+    link = MemoryLink()
+    runs = [stage_runner(job, i, work, link, SETTINGS) for i in (0, 1)]  # type: ignore[arg-type]
+    runs[1].runner.cluster_ranks = ranks  # the loss-owning stage runs on the cluster's ranks
+    for run in runs:
+        run.runner.start()
+    return runs[0], runs[1]
+
+
+@pytest.mark.parametrize(("replicas", "parallel"), [(1, "ddp"), (2, "fsdp")])
+def test_a_stage_on_two_separately_started_ranks_equals_one_process_with_the_combined_batch(
+    cluster: tuple[Workers, Path], reference: tuple[StageRun, StageRun], replicas: int, parallel: str
+) -> None:
+    workers, work = cluster
+    job = small(f"ranks-{parallel}", **{"stages.1.replicas": replicas, "stages.1.parallel": parallel})
+    up, down = run_on_ranks(job, work, workers.ranks)
+    for run in (up, down):
+        finish(run, 120)
+    same_training((up, down), reference)
+    assert all(process.poll() is None for process in workers.processes)  # ready for the next stage
+
+
+def test_a_rank_that_dies_fails_the_stage_naming_it_and_the_other_ranks_leave_it(
+    cluster: tuple[Workers, Path],
+) -> None:
+    workers, work = cluster
+    job = small("dies", **{"steps": 200, "checkpoint.interval": 3})
+    up, down = run_on_ranks(job, work, workers.ranks)
+    wait_for_step(down, 4, 120)
+    workers.processes[1].kill()  # rank 1's process dies mid-step (kill -9)
+    for run in (up, down):
+        finish(run, 120)
+    assert down.final.state == trainer_pb2.STAGE_STATE_FAILED
+    assert "a rank of the stage failed: rank(s) 1 died (no heartbeat for 2 s)" in down.final.message, (
+        down.final.message
+    )
+    wait_for(
+        lambda: workers.processes[0].poll() is not None,
+        30,
+        "the surviving rank to exit (the trainer aborted its stage)",
+    )
+    assert workers.processes[0].returncode == 1
