@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,21 @@ from tests.support.accounts import create_account
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
-def nebula_data(
-    deployment: LocalDeployment, user: str, password: str, *args: str
-) -> subprocess.CompletedProcess[str]:
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def nebula_data(deployment: LocalDeployment, user: str, password: str, *args: str) -> CliResult:
+    """``nebula data ARGS`` as a user runs it, in this process (a subprocess per call re-imports torch:
+    eight of them outran the test's deadline on a busy machine). Bare addresses: the cluster CA that
+    verifies them comes from NEBULA_CA_CERT, as for a user's shell."""
+    from typer.testing import CliRunner
+
+    from nebula_common.cli.app import app
+
     endpoints = [
         "--address",
         deployment.data_address("a"),
@@ -26,18 +37,14 @@ def nebula_data(
         "--user",
         user,
     ]
-    return subprocess.run(
-        [sys.executable, "-m", "nebula_common.cli.app", "data", *args, *endpoints],
-        # Bare addresses: the cluster CA to verify them comes from NEBULA_CA_CERT.
-        env={
-            "NEBULA_PASSWORD": password,
-            "PATH": "/usr/bin:/bin",
-            "NEBULA_CA_CERT": str(deployment.ca_cert("a")),
-        },
-        capture_output=True,
-        text=True,
-        timeout=60,
+    result = CliRunner().invoke(
+        app,
+        ["data", *args, *endpoints],
+        env={"NEBULA_PASSWORD": password, "NEBULA_CA_CERT": str(deployment.ca_cert("a"))},
     )
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(f"nebula data {' '.join(args)} raised") from result.exception
+    return CliResult(result.exit_code, result.stdout, result.stderr)
 
 
 def test_owner_grants_a_grantee_who_reads_batches_until_revoked(
