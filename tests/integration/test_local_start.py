@@ -1,8 +1,7 @@
 """A local deployment whose start fails part-way leaves no process behind and its run directory free.
 
-Services start side by side (``LocalDeployment.start``), so when one of them fails, others of the same
-step are still importing or have just become ready: every one of them must be stopped, and nothing
-started after the failure.
+When one service fails to start, the services already started (and any still importing) must all be
+stopped, and nothing started after the failure.
 """
 
 from __future__ import annotations
@@ -53,7 +52,8 @@ def test_a_service_failing_at_start_leaves_no_process_and_the_run_dir_free(
     while (left := processes_using(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"processes of the failed deployment still running: {left}"
-    assert deployment.cluster_state["a"].trainer is None, "a trainer was started after the failure"
-    assert deployment.cluster_state["b"].trainer is None, "a trainer was started after the failure"
+    for cluster in ("a", "b"):  # a cluster whose turn never came has no state at all
+        state = deployment.cluster_state.get(cluster)
+        assert state is None or state.trainer is None, f"trainer-{cluster} was started after the failure"
     # The run directory is not held any more: a second start may use it.
     assert running_deployment_pid(run_dir) is None

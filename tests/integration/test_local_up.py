@@ -38,7 +38,7 @@ def test_local_up_runs_until_interrupted_and_leaves_nothing_behind(tmp_path: Pat
         text=True,
     )
     description = run_dir / "deployment.json"
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + START_DEADLINE_S
     while not description.exists() and time.monotonic() < deadline and up.poll() is None:
         time.sleep(0.2)
     assert description.exists(), up.communicate(timeout=30)[0]
