@@ -94,7 +94,14 @@ def test_a_crash_loop_is_given_up_on_and_reported_while_the_rest_keeps_running(
     supervisor = Supervisor([healthy, crasher], FAST, on_event=events.append)
     supervisor.start()
     try:
-        wait_for(lambda: supervisor.status()["crasher"]["state"] == "failed", "the crash loop was detected")
+        # The state turns "failed" just before the event is delivered: wait for both.
+        wait_for(
+            lambda: (
+                supervisor.status()["crasher"]["state"] == "failed"
+                and any(e["event"] == "crash-loop" for e in events)
+            ),
+            "the crash loop was detected and reported",
+        )
         status = supervisor.status()["crasher"]
         assert status["restarts"] == FAST.max_restarts and status["last_exit"] == "exit code 3"
         loop = [e for e in events if e["event"] == "crash-loop"]
