@@ -8,6 +8,9 @@ kernel faults and zeroes every 4 KiB page again: on the relay benchmark (``bench
 switch's. With mmap off and a high trim threshold, freed chunks stay in the heap and the next tensor
 reuses the same, already-mapped pages (a pooled receive buffer, kept by the allocator).
 
+Applied by the ``nebula-switch`` and ``nebula-trainer`` entry points (``services/*/__main__.py``), not by
+the code that starts a service, so tests running services in-process keep glibc's defaults.
+
 The price: memory freed during a run is kept (up to the process's peak) instead of returned at once.
 The trainer still returns it after each stage (``services/trainer/memory.py``, ``malloc_trim``).
 ``NEBULA_MALLOC_KEEP_FREED=0`` leaves glibc's defaults. A no-op where glibc is not the allocator.

@@ -5,10 +5,13 @@ Kept import-light so signals are handled from the very start (see ``run_service_
 
 import sys
 
+from nebula_common.bulk_memory import keep_freed_memory_for_reuse
 from nebula_common.service.host import run_service_main
 
 
 def main() -> int:
+    # A process-wide allocator choice, so made here and not in start_*() (tests run those in-process).
+    keep_freed_memory_for_reuse()
     return run_service_main("switch", "services.switch.server:SERVICE")
 
 

@@ -215,15 +215,27 @@ class CertificateManager:
         context.minimum_version = ssl.TLSVersion.TLSv1_3
         context.verify_mode = ssl.CERT_REQUIRED
         context.load_verify_locations(cadata=material.bundle_pem.decode())
-        # ssl loads a key pair only from a file: write the validated material to a private temporary
-        # file (never the paths on disk, which may already hold a half-written rotation).
-        fd, name = tempfile.mkstemp(prefix=".raw-link-", suffix=".pem", dir=self.key_path.parent)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(material.cert_pem + b"\n" + material.key_pem)
-            context.load_cert_chain(name)
-        finally:
-            os.unlink(name)
+        # ssl loads a key pair only from a file: hand it the validated material (never the paths on
+        # disk, which may already hold a half-written rotation) through an anonymous in-memory file
+        # (Linux), else a private temporary file removed at once.
+        pem = material.cert_pem + b"\n" + material.key_pem
+        if hasattr(os, "memfd_create"):
+            fd = os.memfd_create("nebula-switch-tls", os.MFD_CLOEXEC)
+            try:
+                view = memoryview(pem)
+                while view:
+                    view = view[os.write(fd, view) :]
+                context.load_cert_chain(f"/proc/self/fd/{fd}")
+            finally:
+                os.close(fd)
+        else:
+            fd, name = tempfile.mkstemp(prefix="nebula-switch-tls-", suffix=".pem")
+            try:
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(pem)
+                context.load_cert_chain(name)
+            finally:
+                os.unlink(name)
         with self._lock:
             self._ssl_contexts = {k: v for k, v in self._ssl_contexts.items() if k[1] == material.generation}
             self._ssl_contexts[key] = context

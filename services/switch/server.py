@@ -22,7 +22,6 @@ from cryptography import x509
 from nebula_common.audit import AuditLog
 from nebula_common.audit.servicer import AUDIT_SERVICE_NAME, add_audit_api
 from nebula_common.auth.interceptor import TokenAuthInterceptor
-from nebula_common.bulk_memory import keep_freed_memory_for_reuse
 from nebula_common.pki import Identity, channel_options, server_options
 from nebula_common.rpc import ServiceServer
 from nebula_common.service.host import ServiceDefinition, Started
@@ -117,7 +116,6 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     Stopped in reverse: background tasks first, then the link, then both servers
     drain, then the audit log is sealed and the verifier closed.
     """
-    keep_freed_memory_for_reuse()  # relayed chunks reuse mapped pages (nebula_common/bulk_memory.py)
     identity = await service_identity(stack, settings, "switch")
     verifier = await token_verifier(stack, settings.auth_address, settings.cluster_id, tls=identity.client)
     audit = await service_audit(

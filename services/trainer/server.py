@@ -17,7 +17,6 @@ import torch
 
 from nebula_common.audit.servicer import AUDIT_SERVICE_NAME, add_audit_api
 from nebula_common.auth.interceptor import TokenAuthInterceptor
-from nebula_common.bulk_memory import keep_freed_memory_for_reuse
 from nebula_common.proto.nebula.v1 import trainer_pb2_grpc
 from nebula_common.service.host import ServiceDefinition, Started
 from nebula_common.service.identity import service_identity
@@ -58,7 +57,6 @@ async def start_trainer(
 ) -> Started[TrainerServicer]:
     """Token keys and the audit log, then the server; stages are stopped before the log is sealed."""
     torch.set_num_threads(settings.torch_threads)
-    keep_freed_memory_for_reuse()  # tensors and chunks reuse mapped pages (nebula_common/bulk_memory.py)
     identity = await service_identity(stack, settings, "trainer")
     verifier = await token_verifier(stack, settings.auth_address, settings.cluster_id, tls=identity.client)
     data_dir = settings.resolved_data_dir()

@@ -45,3 +45,34 @@ def test_large_buffers_reuse_mapped_pages_unless_turned_off() -> None:
     pages = 8 * (64 << 20) // 4096  # what eight fresh 64 MiB buffers fault (4 KiB pages)
     assert default["faults"] >= pages // 2, default  # glibc's default: fresh mmap pages each time
     assert kept["faults"] < pages // 10, kept  # kept: the same pages, already mapped
+
+
+ENTRY = """
+import json, resource, sys
+import {module} as entry
+entry.run_service_main = lambda *args: 0  # only the entry point's own setup, no service
+entry.main()
+buffer = bytearray(64 << 20)
+del buffer
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(8):
+    buffer = bytearray(64 << 20)
+    del buffer
+print(json.dumps({{"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.parametrize("module", ["services.switch.__main__", "services.trainer.__main__"])
+def test_the_switch_and_trainer_entry_points_keep_freed_memory(module: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("NEBULA_MALLOC_KEEP_FREED", None)
+    out = subprocess.run(
+        [sys.executable, "-c", ENTRY.format(module=module)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert json.loads(out.stdout)["faults"] < 8 * (64 << 20) // 4096 // 10

@@ -119,3 +119,71 @@ def test_transfer_ledger_emits_one_summary_per_step_and_direction() -> None:
         (("j", "e", "sent"), step, 2, 400, 800) for step in range(3)
     ]
     assert all(t.codecs == {"fp16"} for _, t in emitted)
+
+
+def test_raw_link_tls_contexts_follow_renewal_and_complete_a_mutual_handshake(tmp_path: Path) -> None:
+    import socket
+    import ssl
+    import threading
+
+    from cryptography import x509
+
+    layout = init_pki(tmp_path / "pki", ["a", "b"], leaf_validity=timedelta(hours=3))
+    managers = {}
+    with (
+        open_service_audit(tmp_path / "a", service="switch", cluster="a") as audit_a,
+        open_service_audit(tmp_path / "b", service="switch", cluster="b") as audit_b,
+    ):
+        for cluster, audit in (("a", audit_a), ("b", audit_b)):
+            paths = layout.cluster(cluster)
+            managers[cluster] = CertificateManager(
+                paths.switch_cert,
+                paths.switch_key,
+                paths.trust_bundle,
+                Identity(cluster, "switch"),
+                audit=audit,
+                ca_cert_path=paths.ca_cert,
+                ca_key_path=paths.ca_key,
+            )
+        server = managers["b"].ssl_context(server_side=True)
+        assert server is managers["b"].ssl_context(server_side=True)  # cached per generation
+        assert server.minimum_version == ssl.TLSVersion.TLSv1_3 and server.verify_mode == ssl.CERT_REQUIRED
+        renewed = managers["a"].check(now=datetime.now(UTC) + timedelta(hours=2, minutes=30))
+        assert renewed is not None
+        client = managers["a"].ssl_context(server_side=False)
+
+        left, right = socket.socketpair()
+        seen: dict[str, object] = {}
+
+        def serve() -> None:
+            with server.wrap_socket(right, server_side=True) as tls:
+                seen["client"] = x509.load_der_x509_certificate(tls.getpeercert(binary_form=True))
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        with client.wrap_socket(left, server_hostname=Identity("b", "switch").dns_name) as tls:
+            assert tls.version() == "TLSv1.3"
+        thread.join(10)
+        presented = seen["client"]
+        assert isinstance(presented, x509.Certificate)
+        assert presented.serial_number == renewed.serial  # the renewed leaf, without a restart
+        # A client without a certificate is refused by the server's handshake.
+        bare = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        bare.load_verify_locations(cafile=str(layout.cluster("a").trust_bundle))
+        left, right = socket.socketpair()
+        refused: list[BaseException] = []
+
+        def refuse() -> None:
+            try:
+                with server.wrap_socket(right, server_side=True):
+                    pass
+            except (ssl.SSLError, OSError) as exc:
+                refused.append(exc)
+
+        thread = threading.Thread(target=refuse, daemon=True)
+        thread.start()
+        name = Identity("b", "switch").dns_name
+        with pytest.raises((ssl.SSLError, OSError)), bare.wrap_socket(left, server_hostname=name) as tls:
+            tls.recv(1)  # TLS 1.3: the server's refusal arrives after the client's handshake
+        thread.join(10)
+        assert refused
