@@ -350,6 +350,7 @@ class LocalDeployment:
         return {
             "INTERNAL_TLS_DIR": str(self._service_tls[cluster][service].dir),
             "INTERNAL_CA_KEY": str(self.pki_dir / cluster / "ca.key"),
+            "INTERNAL_CRL": str(self.pki_dir / cluster / "crl.pem"),  # `nebula pki revoke` refuses a leaf
         }
 
     def _trust(self, cluster: str, process: ServiceProcess) -> None:
