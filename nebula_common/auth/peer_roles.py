@@ -6,6 +6,7 @@ looked at. The identity is read from the TLS session (``x509_pem_cert`` exists o
 verified the client certificate against the cluster CA), then judged by ``roles.refusal``:
 
 * a certificate of another cluster, or one naming no Nebula identity -> PERMISSION_DENIED;
+* a certificate the cluster CA has revoked (its CRL, when the service is given one) -> PERMISSION_DENIED;
 * a certificate whose role the matrix does not list for the method -> PERMISSION_DENIED;
 * no certificate (the client port) on a service-only method -> UNAUTHENTICATED.
 
@@ -21,6 +22,7 @@ import functools
 from collections.abc import Awaitable, Callable
 
 import grpc
+from cryptography import x509
 
 from nebula_common.auth.interceptor import REFUSALS, AuditSink, _wrap
 from nebula_common.auth.roles import refusal
@@ -30,12 +32,16 @@ _PEM_CERT_KEY = "x509_pem_cert"
 
 
 @functools.lru_cache(maxsize=64)
-def _identity(pem: bytes) -> Identity:
-    return identity_from_pem(pem)
+def _identity(pem: bytes) -> tuple[Identity, int]:
+    try:
+        serial = x509.load_pem_x509_certificate(pem).serial_number
+    except ValueError as exc:
+        raise ValueError(f"not a PEM X.509 certificate: {exc}") from exc
+    return identity_from_pem(pem), serial
 
 
-def peer_certificate_identity(context: grpc.aio.ServicerContext) -> Identity | None:
-    """The verified client certificate's identity, None without one; ValueError if it names none."""
+def peer_certificate(context: grpc.aio.ServicerContext) -> tuple[Identity, int] | None:
+    """The verified client certificate's (identity, serial), None without one; ValueError if it names none."""
     pems = (context.auth_context() or {}).get(_PEM_CERT_KEY) or []
     if not pems:
         return None
@@ -45,10 +51,18 @@ def peer_certificate_identity(context: grpc.aio.ServicerContext) -> Identity | N
 class PeerRoleInterceptor(grpc.aio.ServerInterceptor):
     """Refuse calls whose TLS identity the role matrix does not allow (see the module docstring)."""
 
-    def __init__(self, service: str, cluster_id: str, *, audit: AuditSink | None = None) -> None:
+    def __init__(
+        self,
+        service: str,
+        cluster_id: str,
+        *,
+        audit: AuditSink | None = None,
+        revoked: Callable[[], frozenset[int]] = frozenset,
+    ) -> None:
         self._service = service
         self._cluster_id = cluster_id
         self._audit = audit
+        self._revoked = revoked
 
     async def intercept_service(
         self,
@@ -64,11 +78,15 @@ class PeerRoleInterceptor(grpc.aio.ServerInterceptor):
     async def _check(self, method: str, context: grpc.aio.ServicerContext) -> None:
         identity: Identity | None = None
         try:
-            identity = peer_certificate_identity(context)
+            peer = peer_certificate(context)
         except ValueError as exc:
             code, label, reason = grpc.StatusCode.PERMISSION_DENIED, "peer-cert", f"client certificate: {exc}"
         else:
-            if identity is not None and identity.cluster_id != self._cluster_id:
+            identity, serial = peer if peer is not None else (None, 0)
+            if identity is not None and serial in self._revoked():
+                code, label = grpc.StatusCode.PERMISSION_DENIED, "peer-cert"
+                reason = f"client certificate {serial:x} of {identity.uri} is revoked"
+            elif identity is not None and identity.cluster_id != self._cluster_id:
                 code, label = grpc.StatusCode.PERMISSION_DENIED, "peer-cert"
                 reason = (
                     f"client certificate of cluster {identity.cluster_id!r}, this is {self._cluster_id!r}"

@@ -115,6 +115,8 @@ class ClusterLauncher:
         return {
             "INTERNAL_TLS_DIR": str(state.service_tls[service].dir),
             "INTERNAL_CA_KEY": str(self.pki_dir / state.cluster_id / "ca.key"),
+            # The cluster CA's CRL: `nebula pki revoke` refuses a service leaf on every internal port.
+            "INTERNAL_CRL": str(self.pki_dir / state.cluster_id / "crl.pem"),
         }
 
     def _trust(self, state: ClusterProcesses, process: ServiceProcess) -> None:

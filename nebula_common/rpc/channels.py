@@ -1,4 +1,4 @@
-"""Client channels for cluster-internal calls (trainer -> switch, SDK -> services)."""
+"""Channel options shared by every internal client, and the plaintext channel of tests."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ def internal_channel_options() -> list[tuple[str, Any]]:
 
 
 def insecure_channel(address: str, *, aio: bool = False) -> grpc.Channel | grpc.aio.Channel:
-    """Plaintext channel to a service on the cluster-internal network.
+    """Plaintext channel, for servers that serve no TLS (in-process test servers, raw sinks).
 
-    Only the switch's WAN port faces the other cluster, and it is always mTLS;
-    internal services are reached over the cluster's private network.
+    Nebula's internal ports serve TLS: reach them with ``internal_tls.internal_channel``, which
+    verifies the cluster CA and falls back to plaintext only under the development flag.
     """
     if aio:
         return grpc.aio.insecure_channel(address, options=internal_channel_options())

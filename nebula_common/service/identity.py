@@ -22,6 +22,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -71,6 +72,9 @@ class ServiceIdentity:
     server: ServerTls | None
     client: ClientTls | None
     audit: AuditSink | None = None
+    crl: Path | None = None
+    revoked: frozenset[int] = frozenset()
+    _crl_stamp: tuple[int, int] | None = None
     _pending: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     def interceptors(self, audit: AuditSink | None = None) -> list[grpc.aio.ServerInterceptor]:
@@ -86,7 +90,40 @@ class ServiceIdentity:
             pending, self._pending = self._pending, []
             for event, details in pending:
                 audit.append(event, details=details)
-        return [PeerRoleInterceptor(self.service, self.cluster_id, audit=audit)]
+        return [PeerRoleInterceptor(self.service, self.cluster_id, audit=audit, revoked=lambda: self.revoked)]
+
+    def refresh_crl(self) -> bool:
+        """Re-read the cluster CRL if it changed; True when a new list is in force.
+
+        A CRL that does not parse or that the cluster CA did not sign is ignored (logged): the last
+        good list stays in force, so a bad file cannot un-revoke anything.
+        """
+        if self.crl is None or self.server is None:
+            return False
+        try:
+            st = self.crl.stat()
+        except OSError as exc:
+            log.warning("internal CRL %s unreadable: %s", self.crl, exc)
+            return False
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp == self._crl_stamp:
+            return False
+        try:
+            crl = x509.load_pem_x509_crl(self.crl.read_bytes())
+            ca = x509.load_pem_x509_certificate(self.server.files.ca.read_bytes())
+            public = ca.public_key()
+            if not isinstance(public, ec.EllipticCurvePublicKey) or not crl.is_signature_valid(public):
+                raise ValueError("not signed by the cluster CA")
+        except (OSError, ValueError) as exc:
+            log.warning("internal CRL %s ignored: %s", self.crl, exc)
+            return False
+        self._crl_stamp = stamp
+        revoked = frozenset(entry.serial_number for entry in crl)
+        changed = revoked != self.revoked
+        self.revoked = revoked
+        if changed:
+            self.record("crl.reload", {"kind": "internal", "revoked": len(revoked)})
+        return changed
 
     def record(self, event: str, details: dict[str, Any]) -> None:
         """Audit a certificate event in the service's log (held until the log is attached)."""
@@ -166,7 +203,8 @@ async def service_identity(
     _observe_expiry(service, server.not_after)
     client = ClientTls.for_service(files, settings.cluster_id)
     set_process_client_tls(client)
-    identity = ServiceIdentity(service, settings.cluster_id, server, client)
+    identity = ServiceIdentity(service, settings.cluster_id, server, client, crl=settings.internal_crl)
+    identity.refresh_crl()  # in force before the first call
     holder["identity"] = identity
     task = asyncio.create_task(
         _maintain(identity, settings.internal_ca_key, settings.internal_cert_check_interval_s),
@@ -195,6 +233,7 @@ async def _maintain(identity: ServiceIdentity, ca_key_path: Any, interval: float
         await asyncio.sleep(interval)
         try:
             await asyncio.to_thread(server.refresh)
+            await asyncio.to_thread(identity.refresh_crl)
             if ca_key_path is not None and renewal_due(_current_cert(server)):
                 await asyncio.to_thread(_renew, identity, ca_key_path)
         except Exception as exc:  # keep serving the current certificate; say why renewal failed

@@ -78,6 +78,13 @@ class ServiceSettings(BaseSettings):
             "(Kubernetes' native gRPC probes)."
         ),
     )
+    internal_crl: Path | None = Field(
+        None,
+        description=(
+            "The cluster CA's CRL (PEM, `nebula pki revoke`): client certificates it lists are refused on "
+            "the internal ports; re-read every check interval, accepted only if ca.crt signed it."
+        ),
+    )
     internal_ca_key: Path | None = Field(
         None,
         description=(

@@ -7,17 +7,19 @@ its process starts it, with ``NEBULA_AUTH_INTERNAL_TLS_DIR`` pointing at its iss
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
+from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nebula_common.pki import PkiLayout, init_pki
 from nebula_common.pki.service_identity import ServiceTlsFiles, ensure_service_certificates
-from nebula_common.pki.store import issue_leaf
+from nebula_common.pki.store import issue_leaf, revoke_certificate
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
 from nebula_common.rpc import internal_tls
 from nebula_common.rpc.internal_tls import (
@@ -213,3 +215,42 @@ def test_probe_port_is_plaintext_health_only(setup: Setup) -> None:
                 auth_pb2.LoginRequest(username="admin", password="x"), timeout=5
             )
     assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_revoked_service_certificate_is_refused_within_seconds(setup: Setup, tmp_path: Path) -> None:
+    """`nebula pki revoke` of a service's leaf: a service given the cluster CRL refuses it at once."""
+    password = tmp_path / "admin-password"
+    password.write_text(ADMIN_PASSWORD)
+    auth = AuthServerThread(
+        AuthSettings(
+            cluster_id="a",
+            data_dir=tmp_path / "auth",
+            admin_password_file=password,
+            metrics_port=-1,
+            internal_tls_dir=setup.services["auth"].dir,
+            internal_crl=setup.pki.cluster("a").crl,
+            internal_cert_check_interval_s=0.2,
+        )
+    )
+    try:
+        address = f"127.0.0.1:{auth.service.ports['service_port']}"
+        codec = setup.as_service("codec")
+        assert _keys(address, codec).issuer == "nebula-auth/a"
+        serial = x509.load_pem_x509_certificate(setup.services["codec"].cert.read_bytes()).serial_number
+        revoke_certificate(setup.pki.root, "a", serial, reason="test")
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                _keys(address, codec)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "revoked" in (exc.details() or "")
+                break
+            assert time.monotonic() < deadline, "the revoked certificate was still served after 20 s"
+            time.sleep(0.2)
+        assert _keys(address, setup.as_service("data")).issuer == "nebula-auth/a"  # others unaffected
+        records = [json.loads(line) for line in (tmp_path / "auth" / "audit.log").read_text().splitlines()]
+        assert any(r["event"] == "crl.reload" and r["details"]["revoked"] == 1 for r in records)
+    finally:
+        auth.stop()
+        set_process_client_tls(None)
