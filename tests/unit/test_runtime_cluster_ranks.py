@@ -25,7 +25,7 @@ from services.trainer.runtime.rank_sources import ClusterRanks
 from tests.support.edges import StageRun, finish, stage_runner, wait_for, wait_for_step
 from tests.unit.test_runtime_sharded_stage import SETTINGS, reference, same_training, small
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(600)
 __all__ = ["reference"]  # the one-process run every test here compares with (a fixture)
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,6 +85,7 @@ def cluster(tmp_path: Path) -> Iterator[tuple[Workers, Path]]:
     work = tmp_path / "work"
     workers = Workers(ranks, work / "head", tmp_path)
     workers.start()
+    wait_for(lambda: len(ranks.joined()) == ranks.world, 240, "the workers to join the rank store")
     try:
         yield workers, work
     finally:
@@ -120,6 +121,7 @@ def test_a_rank_that_dies_fails_the_stage_naming_it_and_the_other_ranks_leave_it
     job = small("dies", **{"steps": 200, "checkpoint.interval": 3})
     up, down = run_on_ranks(job, work, workers.ranks)
     wait_for_step(down, 4, 120)
+    assert not down.runner.board.finished, down.final.message  # it is training on the two ranks
     workers.processes[1].kill()  # rank 1's process dies mid-step (kill -9)
     for run in (up, down):
         finish(run, 120)

@@ -27,7 +27,8 @@ import torch.multiprocessing as mp
 from services.trainer.runtime.parallel import HOST, DataParallelError
 from services.trainer.runtime.rank_main import spawned_rank_main
 
-JOIN_TIMEOUT_S = 60.0
+JOIN_TIMEOUT_S = 300.0
+"""How long a stage waits for the cluster's ranks to join (a worker starting: torch import, rendezvous)."""
 WHY_WAIT_S = 2.0
 """How long a failed stage watches the ranks' heartbeats (``worker.HEARTBEAT_S``) to tell the dead."""
 
@@ -171,6 +172,7 @@ class AttachedRanks:
                 return
             time.sleep(0.05)
         self._finished = True
+        self.store.set("finished", "1")  # a worker that (re)joins later does not take this stage
 
     def abort(self) -> None:
         """Free the ranks for the next stage. Ranks still inside this one (it failed or was cancelled)
