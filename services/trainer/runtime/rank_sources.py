@@ -152,7 +152,8 @@ class AttachedRanks:
         before = [self._cluster.store.add(f"beats/{rank}", 0) for rank in range(self.world)]
         time.sleep(WHY_WAIT_S)  # several heartbeats of a live rank
         after = [self._cluster.store.add(f"beats/{rank}", 0) for rank in range(self.world)]
-        dead = [str(rank) for rank in range(self.world) if after[rank] == before[rank]]
+        # A rank that said why it stopped is not "dead" (it exits after saying so; its beats stop too).
+        dead = [str(r) for r in range(self.world) if after[r] == before[r] and not self._said(r)]
         said = [f"rank(s) {', '.join(dead)} died (no heartbeat for {WHY_WAIT_S:.0f} s)"] if dead else []
         said += [
             f"rank {rank} failed: {self.store.get(f'error/{rank}').decode(errors='replace')}"
