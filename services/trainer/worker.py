@@ -94,7 +94,7 @@ def serve(config: dict[str, object]) -> None:
         is_master=False,
         timeout=span,  # type: ignore[call-overload]
     )
-    number = trainer.add("stage/posted", 0)  # stages posted before this worker joined are not its
+    number = _first_stage(trainer)
     identity = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}
     trainer.set(f"worker/{rank}", json.dumps(identity))
     log.info("rank %d of %d joined the trainer's rank store", rank, world)
@@ -121,6 +121,16 @@ def serve(config: dict[str, object]) -> None:
         stage.set(f"done/{rank}", "1")
         number += 1
         current[0] = number
+
+
+def _first_stage(trainer: dist.Store) -> int:
+    """The stage this worker runs first: one posted but never started (the ranks were restarting when
+    the trainer posted it, e.g. a resume right after a rank died) or else the next one. Stages that
+    finished or were aborted are never joined again."""
+    posted = trainer.add("stage/posted", 0)
+    last = posted - 1
+    ended = last < 0 or trainer.check([f"stage/{last}/finished"]) or trainer.check([f"stage/{last}/aborted"])
+    return posted if ended else last
 
 
 def _heartbeat(config: dict[str, object], rank: int, current: list[int]) -> None:

@@ -4,7 +4,8 @@ Two worker processes are started separately (each with the variables torchrun se
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT), form their own gloo group by c10d rendezvous and join the
 trainer's rank store; the stage's runner (which alone holds the edge) drives them. The stage
 trains exactly like one process with the combined batch; a rank that dies fails the stage naming
-it, and the surviving rank leaves the aborted stage at once (for its process manager to restart).
+it, the surviving rank leaves the aborted stage at once (for its process manager to restart), and
+the restarted ranks resume the job from its checkpoint.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from services.trainer.runtime.rank_sources import ClusterRanks
 from tests.support.edges import StageRun, finish, stage_runner, wait_for, wait_for_step
 from tests.unit.test_runtime_sharded_stage import SETTINGS, reference, same_training, small
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(600)
 __all__ = ["reference"]  # the one-process run every test here compares with (a fixture)
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,6 +86,7 @@ def cluster(tmp_path: Path) -> Iterator[tuple[Workers, Path]]:
     work = tmp_path / "work"
     workers = Workers(ranks, work / "head", tmp_path)
     workers.start()
+    wait_for(lambda: len(ranks.joined()) == ranks.world, 240, "the workers to join the rank store")
     try:
         yield workers, work
     finally:
@@ -120,6 +122,7 @@ def test_a_rank_that_dies_fails_the_stage_naming_it_and_the_other_ranks_leave_it
     job = small("dies", **{"steps": 200, "checkpoint.interval": 3})
     up, down = run_on_ranks(job, work, workers.ranks)
     wait_for_step(down, 4, 120)
+    assert not down.runner.board.finished, down.final.message  # it is training on the two ranks
     workers.processes[1].kill()  # rank 1's process dies mid-step (kill -9)
     for run in (up, down):
         finish(run, 120)
@@ -133,3 +136,24 @@ def test_a_rank_that_dies_fails_the_stage_naming_it_and_the_other_ranks_leave_it
         "the surviving rank to exit (the trainer aborted its stage)",
     )
     assert workers.processes[0].returncode == 1
+
+
+def test_after_a_rank_died_the_restarted_ranks_resume_the_job_from_its_checkpoint(
+    cluster: tuple[Workers, Path], reference: tuple[StageRun, StageRun]
+) -> None:
+    workers, work = cluster
+    up, down = run_on_ranks(small("lost", **{"steps": 200}), work, workers.ranks)
+    wait_for_step(down, 4, 120)
+    assert not down.runner.board.finished, down.final.message
+    workers.processes[1].kill()
+    for run in (up, down):
+        finish(run, 120)
+    assert down.final.state == trainer_pb2.STAGE_STATE_FAILED
+    wait_for(lambda: workers.processes[0].poll() is not None, 30, "the surviving rank to exit")
+    held = {run.final.stage: run.runner.store.steps("tester", "lost", run.final.stage) for run in (up, down)}
+    assert all(3 in steps for steps in held.values()), held
+    workers.start()  # as their process manager would: the ranks come back and join again
+    up, down = run_on_ranks(small("found", "lost"), work, workers.ranks)  # job submit --resume lost
+    for run in (up, down):
+        finish(run, 300)  # includes the ranks' restart
+    same_training((up, down), reference, first=3)

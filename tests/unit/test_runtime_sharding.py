@@ -23,6 +23,7 @@ from nebula_common.jobspec.runtime import OptimSettings, StageProgram, example_i
 from services.trainer.runtime.parallel import ReplicaCompute
 from services.trainer.runtime.sharding import (
     ShardedCompute,
+    backend_for,
     full_parameters,
     load_sharded,
     parameter_bytes,
@@ -71,7 +72,13 @@ def _features(program: StageProgram, ids: list[int]) -> torch.Tensor:
 
 
 def _train(
-    program: StageProgram, compute: object | None, rank: int, world: int, start: int, steps: int
+    program: StageProgram,
+    compute: object | None,
+    rank: int,
+    world: int,
+    start: int,
+    steps: int,
+    device: str = "cpu",
 ) -> list[float]:
     """Steps ``start..steps-1`` as the trainer runs them; the combined batch's loss per step."""
     size = BATCH // MICRO_BATCHES
@@ -88,10 +95,11 @@ def _train(
                 loss.backward()
                 value = loss.detach().reshape(1)
             else:
-                value, _ = compute.run(_features(program, mine), mine, last)  # type: ignore[attr-defined]
+                rows = _features(program, mine).to(device)
+                value, _ = compute.run(rows, mine, last)  # type: ignore[attr-defined]
                 dist.all_reduce(value)
                 value /= world
-            total += float(value.item())
+            total += float(value.cpu().item())
         program.finish_step()
         losses.append(total)
     return losses
@@ -101,29 +109,32 @@ def _rank_main(rank: int, world: int, port: int, job: dict, out: str) -> None:
     try:
         torch.set_num_threads(1)
         steps = job["steps"]
+        device = str(job.get("device", "cpu"))
         program = _program(steps)
         compute: object | None = None
         if world > 1 or job["parallel"] != "plain":
             store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+            if device == "cuda":
+                torch.cuda.set_device(rank)
+            dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world)
             if job["parallel"] == "ddp":
                 compute = ReplicaCompute(program, dist.group.WORLD, MICRO_BATCHES, backprop=True)
             else:
-                mesh = stage_mesh(job["parallel"], world, job.get("shard_size", 0))
+                mesh = stage_mesh(job["parallel"], world, job.get("shard_size", 0), device)
                 compute = ShardedCompute(program, mesh, MICRO_BATCHES, backprop=True)
         start = 0
         if job.get("load"):
             load_sharded(Path(job["load"]), program)
             start = job["load_step"]
-        losses = _train(program, compute, rank, world, start, job.get("save_step", steps))
+        losses = _train(program, compute, rank, world, start, job.get("save_step", steps), device)
         if job.get("save"):
             save_sharded(Path(job["save"]), program)
-            losses += _train(program, compute, rank, world, job["save_step"], steps)
-        held = torch.tensor([float(parameter_bytes(program.model))])
-        gathered = [torch.zeros(1) for _ in range(world)] if world > 1 else [held]
+            losses += _train(program, compute, rank, world, job["save_step"], steps, device)
+        held = torch.tensor([float(parameter_bytes(program.model))], device=device)
+        gathered = [torch.zeros(1, device=device) for _ in range(world)] if world > 1 else [held]
         if world > 1:
             dist.all_gather(gathered, held)
-        params = full_parameters(program.model)
+        params = [p.cpu() for p in full_parameters(program.model)]
         if rank == 0:
             torch.save(
                 {"losses": losses, "params": params, "bytes": [int(t.item()) for t in gathered]},
@@ -219,3 +230,12 @@ def test_a_checkpoint_saved_on_two_ranks_resumes_on_another_count_with_the_same_
     assert resumed["losses"] == [pytest.approx(uninterrupted["losses"][3], abs=1e-5)]
     for ours, theirs in zip(resumed["params"], uninterrupted["params"], strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="NCCL: needs 2 CUDA devices; this machine has none (CPU torch build or no GPU)",
+)
+def test_fsdp_on_two_gpus_with_nccl_trains_as_ddp_on_gloo(ddp: dict, tmp_path: Path) -> None:
+    fsdp = run(2, tmp_path, parallel="fsdp", steps=STEPS, device="cuda")
+    _same_training(fsdp, ddp)

@@ -27,7 +27,8 @@ import torch.multiprocessing as mp
 from services.trainer.runtime.parallel import HOST, DataParallelError
 from services.trainer.runtime.rank_main import spawned_rank_main
 
-JOIN_TIMEOUT_S = 60.0
+JOIN_TIMEOUT_S = 300.0
+"""How long a stage waits for the cluster's ranks to join (a worker starting: torch import, rendezvous)."""
 WHY_WAIT_S = 2.0
 """How long a failed stage watches the ranks' heartbeats (``worker.HEARTBEAT_S``) to tell the dead."""
 
@@ -151,7 +152,8 @@ class AttachedRanks:
         before = [self._cluster.store.add(f"beats/{rank}", 0) for rank in range(self.world)]
         time.sleep(WHY_WAIT_S)  # several heartbeats of a live rank
         after = [self._cluster.store.add(f"beats/{rank}", 0) for rank in range(self.world)]
-        dead = [str(rank) for rank in range(self.world) if after[rank] == before[rank]]
+        # A rank that said why it stopped is not "dead" (it exits after saying so; its beats stop too).
+        dead = [str(r) for r in range(self.world) if after[r] == before[r] and not self._said(r)]
         said = [f"rank(s) {', '.join(dead)} died (no heartbeat for {WHY_WAIT_S:.0f} s)"] if dead else []
         said += [
             f"rank {rank} failed: {self.store.get(f'error/{rank}').decode(errors='replace')}"
@@ -171,6 +173,7 @@ class AttachedRanks:
                 return
             time.sleep(0.05)
         self._finished = True
+        self.store.set("finished", "1")  # a worker that (re)joins later does not take this stage
 
     def abort(self) -> None:
         """Free the ranks for the next stage. Ranks still inside this one (it failed or was cancelled)
