@@ -67,6 +67,7 @@ def test_pretrain_finetune_and_cross_cluster_bleu(
     assert not list((deployment.run_dir / "a").glob(f"**/jobs/{job.job_id}/**/eval.json"))  # BLEU stays in T
 
 
+@pytest.mark.timeout(420)  # two jobs with evaluation: ~25 s on an idle host; 240 s ran out once at load 20
 def test_learned_bottleneck_shrinks_both_directions_by_d_over_k_on_the_wire(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession]
 ) -> None:
