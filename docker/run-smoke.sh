@@ -67,5 +67,10 @@ lap "every service healthy"
 NEBULA_ADMIN_PASSWORD_A="$($COMPOSE exec -T auth-a cat /etc/nebula/admin/admin-password)"
 NEBULA_ADMIN_PASSWORD_B="$($COMPOSE exec -T auth-b cat /etc/nebula/admin/admin-password)"
 export NEBULA_ADMIN_PASSWORD_A NEBULA_ADMIN_PASSWORD_B
+# Every published port is internal TLS: the host's SDK verifies each cluster against its own CA.
+ca_dir=$(mktemp -d)
+$COMPOSE exec -T auth-a cat /etc/nebula/internal-tls/ca.crt > "$ca_dir/a-ca.crt"
+$COMPOSE exec -T auth-b cat /etc/nebula/internal-tls/ca.crt > "$ca_dir/b-ca.crt"
+export NEBULA_CA_CERT_A="$ca_dir/a-ca.crt" NEBULA_CA_CERT_B="$ca_dir/b-ca.crt"
 "$PYTHON" docker/smoke.py "$@"
 lap "smoke.py $*"

@@ -2,7 +2,9 @@
 
     export NEBULA_ADMIN_PASSWORD_A="$(podman-compose exec auth-a cat /etc/nebula/admin/admin-password)"
     export NEBULA_ADMIN_PASSWORD_B="$(podman-compose exec auth-b cat /etc/nebula/admin/admin-password)"
-    .venv/bin/python docker/smoke.py --steps 20
+    podman-compose exec -T auth-a cat /etc/nebula/internal-tls/ca.crt > a-ca.crt   # each cluster's CA:
+    podman-compose exec -T auth-b cat /etc/nebula/internal-tls/ca.crt > b-ca.crt   # the ports are TLS
+    .venv/bin/python docker/smoke.py --steps 20 --ca-a a-ca.crt --ca-b b-ca.crt
 
 1. waits until both switches report the WAN link up (GetLinkStatus) and prints the verified peers;
 2. each cluster's admin creates a user in its own cluster (tokens never cross clusters);
@@ -22,9 +24,11 @@ import os
 import secrets
 import sys
 import time
+from pathlib import Path
 
 from nebula_common.jobspec import load_spec
 from nebula_common.jobspec.builtin import builtin_spec
+from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterEndpoints, ClusterSession, submit_job
 from nebula_common.sdk.jobs import ProgramJob
@@ -35,8 +39,11 @@ HOST = "127.0.0.1"
 DEFAULT_PORTS = {"a": "17400,17500,17600,19100", "b": "27400,27500,27600,29100"}
 
 
-def endpoints(cluster: str, ports: str) -> ClusterEndpoints:
+def endpoints(cluster: str, ports: str, ca: Path) -> ClusterEndpoints:
+    """The cluster's published ports, each verified against the cluster's own CA (internal TLS)."""
     switch, trainer, auth, metrics = (int(p) for p in ports.split(","))
+    for port in (switch, trainer, auth):
+        trust_endpoint(f"{HOST}:{port}", ClientTls(cluster, ca))
     return ClusterEndpoints(
         cluster_id=cluster,
         auth=f"{HOST}:{auth}",
@@ -98,12 +105,23 @@ def main() -> int:
     parser.add_argument("--host-ports-a", default=DEFAULT_PORTS["a"], help="switch,trainer,auth,metrics")
     parser.add_argument("--host-ports-b", default=DEFAULT_PORTS["b"], help="switch,trainer,auth,metrics")
     parser.add_argument("--link-timeout", type=float, default=60.0)
+    for c in "ab":
+        parser.add_argument(
+            f"--ca-{c}",
+            type=Path,
+            default=os.environ.get(f"NEBULA_CA_CERT_{c.upper()}"),
+            help=f"cluster {c}'s CA certificate (default: $NEBULA_CA_CERT_{c.upper()})",
+        )
     args = parser.parse_args()
+    cas = {"a": args.ca_a, "b": args.ca_b}
+    missing = [c for c, ca in cas.items() if ca is None or not ca.is_file()]
+    if missing:
+        raise SystemExit(f"the CA certificate of cluster(s) {', '.join(missing)} is missing (--ca-a/--ca-b)")
 
     passwords = {c: os.environ.get(f"NEBULA_ADMIN_PASSWORD_{c.upper()}", "").strip() for c in "ab"}
     if not all(passwords.values()):
         raise SystemExit("set NEBULA_ADMIN_PASSWORD_A and NEBULA_ADMIN_PASSWORD_B (see the docstring)")
-    eps = {"a": endpoints("a", args.host_ports_a), "b": endpoints("b", args.host_ports_b)}
+    eps = {"a": endpoints("a", args.host_ports_a, cas["a"]), "b": endpoints("b", args.host_ports_b, cas["b"])}
 
     suffix = secrets.token_hex(3)
     source = create_user(eps["a"], passwords["a"], f"smoke-a-{suffix}")
