@@ -33,6 +33,7 @@ from typer.testing import CliRunner
 
 from nebula_common.cli.pki import app as pki_app
 from nebula_common.clients.endpoints import ClusterEndpoints
+from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 from nebula_common.sdk.client import submit_job
 from nebula_common.sdk.deployment import onboard
 from nebula_common.sdk.summary import summarize
@@ -204,6 +205,11 @@ def test_two_hosts_trust_by_ca_exchange_only_and_train(tmp_path: Path) -> None:
                 )
                 processes.append(forwarder)
                 assert forwarder.stdout is not None and forwarder.stdout.readline().strip() == "ready"
+                # Every port is internal TLS from the organisation's own CA (named in its description):
+                # the forwarded management addresses are verified against it like the local ones.
+                ca = Path(description["clusters"][cluster]["ca_cert"])
+                for port in ports.values():
+                    trust_endpoint(f"{host.mgmt_ip}:{port}", ClientTls(cluster, ca))
                 endpoints = ClusterEndpoints(
                     cluster_id=cluster,
                     **{name: f"{host.mgmt_ip}:{port}" for name, port in ports.items()},
