@@ -37,27 +37,58 @@ def test_local_up_runs_until_interrupted_and_leaves_nothing_behind(tmp_path: Pat
         stderr=subprocess.STDOUT,
         text=True,
     )
-    description = run_dir / "deployment.json"
-    deadline = time.monotonic() + START_DEADLINE_S
-    while not description.exists() and time.monotonic() < deadline and up.poll() is None:
-        time.sleep(0.2)
-    assert description.exists(), up.communicate(timeout=30)[0]
-    deployment = json.loads(description.read_text())
-    pids = [p["pid"] for c in deployment["clusters"].values() for p in c["processes"].values()]
-    assert len(pids) == 10 and all(alive(pid) for pid in pids)  # auth, codec, data, switch, trainer x2
-    assert (run_dir / "pki" / "a" / "switch.crt").exists()
-    assert oct((run_dir / "a" / "admin-password").stat().st_mode & 0o777) == "0o600"
+    try:
+        description = run_dir / "deployment.json"
+        deadline = time.monotonic() + START_DEADLINE_S
+        while not description.exists() and time.monotonic() < deadline and up.poll() is None:
+            time.sleep(0.2)
+        assert description.exists(), f"no deployment.json within {START_DEADLINE_S:.0f} s"
+        deployment = json.loads(description.read_text())
+        pids = [p["pid"] for c in deployment["clusters"].values() for p in c["processes"].values()]
+        assert len(pids) == 10 and all(alive(pid) for pid in pids)  # auth, codec, data, switch, trainer x2
+        assert (run_dir / "pki" / "a" / "switch.crt").exists()
+        assert oct((run_dir / "a" / "admin-password").stat().st_mode & 0o777) == "0o600"
 
-    time.sleep(1.0)  # still up: it does not exit on its own
-    assert up.poll() is None
-    up.send_signal(signal.SIGINT)
-    output, _ = up.communicate(timeout=60)
+        time.sleep(1.0)  # still up: it does not exit on its own
+        assert up.poll() is None
+        up.send_signal(signal.SIGINT)
+        output, _ = up.communicate(timeout=60)
+    except Exception as failure:
+        output = reap(up, run_dir)
+        raise AssertionError(f"{failure}\n--- nebula local up said:\n{output}") from failure
+    except BaseException:
+        reap(up, run_dir)
+        raise
     assert up.returncode == 0, output
     for pid in pids:
         deadline = time.monotonic() + 10
         while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive(pid), f"process {pid} survived the shutdown"
+
+
+def reap(up: subprocess.Popen[str], run_dir: Path) -> str:
+    """Stop a `local up` that a failed test leaves behind, with every service it started.
+
+    The services run in their own sessions, so killing `up` alone would orphan them: ask `up` to
+    shut down first (SIGINT, as a user would), then kill whatever still names the run directory.
+    """
+    output = ""
+    if up.poll() is None:
+        up.send_signal(signal.SIGINT)
+    try:
+        output = up.communicate(timeout=60)[0] or ""
+    except subprocess.TimeoutExpired:
+        up.kill()
+        output = up.communicate(timeout=30)[0] or ""
+    marker = str(run_dir).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if marker in (entry / "cmdline").read_bytes() or marker in (entry / "environ").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
+    return output
 
 
 def start_up(
@@ -85,10 +116,7 @@ def start_up(
     while (data := current()) is None and time.monotonic() < deadline and up.poll() is None:
         time.sleep(0.2)
     if data is None:
-        up.kill()
-        raise AssertionError(
-            f"no deployment.json within {START_DEADLINE_S:.0f} s:\n{up.communicate(timeout=30)[0]}"
-        )
+        raise AssertionError(f"no deployment.json within {START_DEADLINE_S:.0f} s:\n{reap(up, run_dir)}")
     return up, data
 
 
@@ -171,7 +199,7 @@ def test_local_up_restarts_a_killed_service_and_a_second_up_keeps_every_secret(t
         assert created.exit_code == 0, created.output
         keeper = json.loads(created.stdout)["accounts"]
     except BaseException:
-        up.kill()
+        reap(up, run_dir)
         raise
     output = stop_up(up, list(after.values()))
     assert "codec-a died" in output and "codec-a restarted" in output, output
