@@ -22,7 +22,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 from nebula_common.sdk.client import submit_job
 from nebula_common.sdk.deployment import onboard
 from nebula_common.sdk.summary import summarize
+from tests.support.deployments import pids, references, wait_description
 from tests.support.jobs import numbers_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,32 +127,6 @@ def _in(host: Host, *command: str, **kwargs: Any) -> subprocess.Popen[str]:
     )
 
 
-def _wait_description(up: subprocess.Popen[str], run_dir: Path) -> dict[str, Any]:
-    description = run_dir / "deployment.json"
-    deadline = time.monotonic() + START_DEADLINE_S
-    while not description.exists() and time.monotonic() < deadline and up.poll() is None:
-        time.sleep(0.2)
-    if not description.exists():
-        up.terminate()
-        raise AssertionError(
-            f"cluster up in {run_dir} wrote no deployment.json:\n{up.communicate(timeout=60)[0]}"
-        )
-    return json.loads(description.read_text())
-
-
-def _pids(description: dict[str, Any]) -> list[int]:
-    return [p["pid"] for c in description["clusters"].values() for p in c["processes"].values()]
-
-
-def _references(pid: int) -> list[str]:
-    environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
-    opened = []
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            opened.append(os.readlink(fd))
-    return environ + opened
-
-
 def _tx_bytes(host: Host) -> int:
     stats = json.loads(_run("ip", "-n", host.netns, "-j", "-s", "link", "show", host.wan_dev))
     return int(stats[0]["stats64"]["tx"]["bytes"])
@@ -188,7 +162,7 @@ def test_two_hosts_trust_by_ca_exchange_only_and_train(tmp_path: Path) -> None:
                 "--run-dir", str(runs["a"]), "--wan-listen", f"{hosts['a'].wan_ip}:{WAN_PORT}",
             )  # fmt: skip
             processes += ups.values()
-            descriptions = {c: _wait_description(ups[c], runs[c]) for c in ("b", "a")}
+            descriptions = {c: wait_description(ups[c], runs[c], START_DEADLINE_S) for c in ("b", "a")}
 
             sessions = {}
             for cluster, description in descriptions.items():
@@ -227,8 +201,8 @@ def test_two_hosts_trust_by_ca_exchange_only_and_train(tmp_path: Path) -> None:
 
             for cluster, other in (("a", "b"), ("b", "a")):
                 foreign = str(runs[other])
-                for pid in _pids(descriptions[cluster]):
-                    leaked = [ref for ref in _references(pid) if foreign in ref]
+                for pid in pids(descriptions[cluster]):
+                    leaked = [ref for ref in references(pid) if foreign in ref]
                     assert not leaked, (
                         f"a process of {cluster} (pid {pid}) references {other}'s run dir: {leaked}"
                     )
