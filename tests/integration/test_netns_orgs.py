@@ -5,9 +5,12 @@ exchanged only CA certificates (``pki export-ca`` / ``trust add --fingerprint``)
 dials b's WAN port across the veth (10.201.x.2:7443), the only address b exposes to a; the numbers
 job trains between them. The test process plays both operators: it reaches each cluster's internal
 ports through a management veth into that namespace only (tests/support/netns_forward.py), never
-through the WAN veth. Isolation is checked on every process of both clusters through
-``/proc/<pid>/environ`` and ``/proc/<pid>/fd`` (no path of the other organisation's directory), and
-the WAN veth's byte counters show the job's traffic crossed it.
+through the WAN veth. Nothing in one organisation's directory can be read by the other's processes:
+each ``cluster up`` runs in the mount namespace of its ``ip netns exec`` with the other organisation's
+directory covered by an empty read-only tmpfs (checked through ``/proc/<pid>/root`` for every process
+of both clusters, while the host still sees the files), and the job trains all the same. Every
+process's ``/proc/<pid>/environ`` and ``/proc/<pid>/fd`` are checked too (no path of the other
+organisation's directory), and the WAN veth's byte counters show the job's traffic crossed it.
 
 Needs root and iproute2 (``ip netns``, ``tc``); skipped otherwise, and outside ``make test-orgs-netns``
 (NEBULA_NETNS_E2E=1) because it takes 2-3 minutes on 2 busy cores.
@@ -116,7 +119,16 @@ def _pki(*args: object) -> str:
     return result.stdout
 
 
-def _in(host: Host, *command: str, **kwargs: Any) -> subprocess.Popen[str]:
+# Run by sh in the mount namespace `ip netns exec` makes for each command (a slave of the host's: a
+# mount there never propagates back): the other organisation's directory becomes an empty read-only
+# tmpfs, so its files cannot be read by this process tree at all.
+HIDE = 'mount -t tmpfs -o ro,size=4k,mode=0500 nebula-hidden "$1" && shift && exec "$@"'
+
+
+def _in(host: Host, *command: str, hide: Path | None = None, **kwargs: Any) -> subprocess.Popen[str]:
+    """``command`` in ``host``'s network namespace; with ``hide``, that directory is invisible to it."""
+    if hide is not None:
+        command = ("sh", "-c", HIDE, "sh", str(hide), *command)
     return subprocess.Popen(
         ["ip", "netns", "exec", host.netns, *command],
         stdout=subprocess.PIPE,
@@ -155,11 +167,12 @@ def test_two_hosts_trust_by_ca_exchange_only_and_train(tmp_path: Path) -> None:
             cli = [sys.executable, "-m", "nebula_common.cli.app", "cluster", "up"]
             ups["b"] = _in(
                 hosts["b"], *cli, "--cluster", "b", "--peer", "a", "--run-dir", str(runs["b"]),
-                "--wan-listen", f"{hosts['b'].wan_ip}:{WAN_PORT}",
+                "--wan-listen", f"{hosts['b'].wan_ip}:{WAN_PORT}", hide=runs["a"],
             )  # fmt: skip
             ups["a"] = _in(
                 hosts["a"], *cli, "--cluster", "a", "--peer", f"b={hosts['b'].wan_ip}:{WAN_PORT}",
                 "--run-dir", str(runs["a"]), "--wan-listen", f"{hosts['a'].wan_ip}:{WAN_PORT}",
+                hide=runs["b"],
             )  # fmt: skip
             processes += ups.values()
             descriptions = {c: wait_description(ups[c], runs[c], START_DEADLINE_S) for c in ("b", "a")}
@@ -201,7 +214,11 @@ def test_two_hosts_trust_by_ca_exchange_only_and_train(tmp_path: Path) -> None:
 
             for cluster, other in (("a", "b"), ("b", "a")):
                 foreign = str(runs[other])
+                assert any(runs[other].iterdir()), f"{other}'s run dir is empty on the host"
                 for pid in pids(descriptions[cluster]):
+                    # Its view of the other organisation's directory (through its own mount namespace):
+                    view = Path(f"/proc/{pid}/root") / runs[other].relative_to("/")
+                    assert list(view.iterdir()) == [], f"{cluster}'s pid {pid} can see {other}'s run dir"
                     leaked = [ref for ref in references(pid) if foreign in ref]
                     assert not leaked, (
                         f"a process of {cluster} (pid {pid}) references {other}'s run dir: {leaked}"
