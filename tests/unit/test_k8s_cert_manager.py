@@ -179,6 +179,15 @@ def test_a_misspelled_field_is_refused(mistake: str) -> None:
     assert found and any(mentioned in error for error in found), (mistake, found)
 
 
+def test_a_misspelled_field_in_the_component_files_is_refused_without_kubectl() -> None:
+    certificate = yaml.safe_load((COMPONENT / "certificate.yaml").read_text())
+    _rename("spec.privateKey.encoding", "encodng")(certificate)
+    assert any("encodng" in error for error in k8s_schemas.errors(certificate))
+    issuer = yaml.safe_load((COMPONENT / "issuer.yaml").read_text())
+    _set("spec.ca.secretName", 42)(issuer)
+    assert any("spec.ca.secretName" in error and "string" in error for error in k8s_schemas.errors(issuer))
+
+
 def test_an_issuer_using_a_subtree_that_is_not_vendored_is_refused_not_waved_through() -> None:
     issuer = yaml.safe_load((COMPONENT / "issuer.yaml").read_text())
     issuer["spec"] = {"acme": {"server": "https://acme.example/dir", "privateKeySecretRef": {"name": "k"}}}
