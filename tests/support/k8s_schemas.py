@@ -2,61 +2,65 @@
 
 Core objects (Deployment, Service, NetworkPolicy, ...) use the strict JSON schemas of Kubernetes
 that ``kubernetes-validate`` ships (generated from the API server's OpenAPI; loaded once here, where
-its own ``validate`` re-reads 1.3 MB of definitions per object). cert-manager objects
-use the CRDs' openAPIV3Schema vendored in k8s/schemas/cert-manager/ (README there: source, version,
-licence), turned into JSON Schema the way the API server treats a structural schema: an object that
-lists ``properties`` and declares no ``additionalProperties`` or ``x-kubernetes-preserve-unknown-fields``
-accepts no other field (the server would prune it silently; ``kubectl apply --validate=strict``
-refuses it), and ``metadata`` is a Kubernetes ObjectMeta.
+its own ``validate`` re-reads 1.3 MB of definitions per object). cert-manager objects use the
+models that ``cloudcoil-models-cert-manager`` (PyPI, Apache-2.0) generates from cert-manager's own
+CRDs (pinned in constraints.txt: cert-manager 1.17), as JSON Schema, made strict the way the API
+server treats a structural schema: an object that lists ``properties`` accepts no other field (the
+server would prune it silently; ``kubectl apply --validate=strict`` refuses it); ``metadata`` is a
+Kubernetes ObjectMeta. Nothing of cert-manager is copied into this repository: the schema comes
+from the installed package each run.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import jsonschema
+from cloudcoil.models.cert_manager import v1 as cert_manager_v1
 from kubernetes_validate.utils import schema_contents
 
-ROOT = Path(__file__).resolve().parents[2]
-CERT_MANAGER_SCHEMAS = ROOT / "k8s" / "schemas" / "cert-manager"
 #: The Kubernetes minor the core schemas are taken from (kubectl 1.32 renders these manifests).
 K8S_VERSION = "1.32.0"
-#: kind -> vendored schema file, for apiVersion cert-manager.io/v1.
-CERT_MANAGER_KINDS = {
-    "Certificate": "certificates.cert-manager.io-v1.json",
-    "Issuer": "issuers.cert-manager.io-v1.json",
-}
-NOT_VENDORED = "x-nebula-not-vendored"
+#: The cert-manager kinds validated here (apiVersion cert-manager.io/v1).
+CERT_MANAGER_KINDS = ("Certificate", "Issuer")
 OBJECT_META = "#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
+CERT_MANAGER_PREFIX = "cert-manager."  # keeps the models' $defs apart from Kubernetes' own
 
 
-def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """A CRD's structural openAPIV3Schema as JSON Schema in which unknown fields are errors."""
-    schema = copy.deepcopy(schema)
+def strict_schema(kind: str) -> dict[str, Any]:
+    """cert-manager's ``kind`` (v1) as a JSON Schema in which unknown fields are errors."""
+    model = getattr(cert_manager_v1, kind)
+    schema = model.model_json_schema(by_alias=True, mode="validation")
+    text = json.dumps(schema).replace('"#/$defs/', f'"#/$defs/{CERT_MANAGER_PREFIX}')
+    schema = json.loads(text)
+    defs = {f"{CERT_MANAGER_PREFIX}{name}": sub for name, sub in schema.pop("$defs", {}).items()}
 
-    def visit(node: dict[str, Any]) -> dict[str, Any]:
-        if node.get(NOT_VENDORED):
-            return {"not": {}, "$comment": "this subtree of the CRD is not vendored (k8s/schemas)"}
-        if node.get("type") == "object":
-            if "properties" in node:
-                node["properties"] = {name: visit(sub) for name, sub in node["properties"].items()}
-                if "additionalProperties" not in node and not node.get(
-                    "x-kubernetes-preserve-unknown-fields"
-                ):
-                    node["additionalProperties"] = False
-            if isinstance(node.get("additionalProperties"), dict):
-                node["additionalProperties"] = visit(node["additionalProperties"])
-        if node.get("type") == "array" and isinstance(node.get("items"), dict):
-            node["items"] = visit(node["items"])
-        return node
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            options = node.get("anyOf")
+            if isinstance(options, list) and len(options) == 2 and {"type": "null"} in options:
+                # Optional[X]: a manifest field is absent or an X, never null; one schema, so an
+                # error names the field and what it must be instead of "not valid under any of".
+                node.pop("anyOf")
+                node.update(next(o for o in options if o != {"type": "null"}))
+            if "properties" in node and "additionalProperties" not in node:
+                node["additionalProperties"] = False
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
 
-    schema = visit(schema)
+    visit(schema)
+    visit(defs)
     schema["properties"]["metadata"] = {"$ref": OBJECT_META}  # Kubernetes' own, strict
+    schema["properties"]["apiVersion"] = {"enum": ["cert-manager.io/v1"]}
+    schema["properties"]["kind"] = {"enum": [kind]}
+    schema["required"] = sorted({"apiVersion", "kind", "metadata", "spec", *schema.get("required", [])})
+    schema["$defs"] = defs
     return schema
 
 
@@ -93,13 +97,9 @@ def _core_validator(api_version: str, kind: str) -> jsonschema.Draft202012Valida
 
 @cache
 def _cert_manager_validator(kind: str) -> jsonschema.Draft202012Validator:
-    crd = json.loads((CERT_MANAGER_SCHEMAS / CERT_MANAGER_KINDS[kind]).read_text())
-    schema = strict_schema(crd)
-    schema["properties"]["apiVersion"]["enum"] = ["cert-manager.io/v1"]
-    schema["properties"]["kind"]["enum"] = [kind]
-    schema["required"] = sorted({"apiVersion", "kind", "metadata", *schema.get("required", [])})
+    schema = strict_schema(kind)
     jsonschema.Draft202012Validator.check_schema(schema)  # before the (large, trusted) definitions
-    return jsonschema.Draft202012Validator({**schema, "$defs": _definitions()})
+    return jsonschema.Draft202012Validator({**schema, "$defs": {**_definitions(), **schema["$defs"]}})
 
 
 def _where(error: jsonschema.ValidationError) -> str:
@@ -109,14 +109,14 @@ def _where(error: jsonschema.ValidationError) -> str:
 def errors(doc: dict[str, Any]) -> list[str]:
     """Every schema violation of one manifest, as "Kind name: path: message"; [] if valid.
 
-    A kind with no schema here (neither core Kubernetes nor a vendored CRD) is itself an error.
+    A kind with no schema here (neither core Kubernetes nor a cert-manager kind) is itself an error.
     """
     kind = doc.get("kind", "?")
     name = (doc.get("metadata") or {}).get("name", "?")
     api_version = str(doc.get("apiVersion", ""))
     if api_version == "cert-manager.io/v1":
         if kind not in CERT_MANAGER_KINDS:
-            return [f"{kind} {name}: no vendored schema for this kind in k8s/schemas/cert-manager"]
+            return [f"{kind} {name}: no cert-manager schema for this kind here (only {CERT_MANAGER_KINDS})"]
         validator = _cert_manager_validator(kind)
     else:
         found = _core_validator(api_version, kind)
