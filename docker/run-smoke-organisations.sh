@@ -7,15 +7,19 @@
 #   bash docker/run-smoke-organisations.sh [--steps 20]
 #
 # Needs podman + podman-compose (see docker/run-smoke.sh) and the host venv for the CLI and the SDK.
-# The image is tagged localhost/nebula:orgs-smoke (NEBULA_IMAGE) so it never replaces :dev. Host
-# ports: a 37400/37500/37600/39100, b 47400/47500/47600/49100, b's WAN port 47443.
+# The image is docker-compose.yml's localhost/nebula:dev, built the way `podman-compose build` builds
+# it (torch from the local CPU wheels where /opt/wheels exists: the podman-compose wrapper mounts them)
+# and refreshed through its layer cache, so a second image is never made; NEBULA_BUILD=0 uses :dev as
+# it is, and another NEBULA_IMAGE is used as it is. Host ports: a 37400/37500/37600/39100,
+# b 47400/47500/47600/49100, b's WAN port 47443.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 COMPOSE=${COMPOSE:-podman-compose}
 PYTHON=${PYTHON:-.venv/bin/python}
 HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-240}
-export NEBULA_IMAGE=${NEBULA_IMAGE:-localhost/nebula:orgs-smoke}
+DEV_IMAGE=localhost/nebula:dev
+export NEBULA_IMAGE=${NEBULA_IMAGE:-$DEV_IMAGE}
 # One host plays both organisations: their switches share one WAN network (on two hosts, a dials
 # b's published WAN port instead; container-to-host-port traffic is blocked on these machines).
 export NEBULA_WAN_NETWORK=${NEBULA_WAN_NETWORK:-nebula-orgs-smoke-wan}
@@ -50,7 +54,12 @@ cleanup() {
 }
 trap cleanup EXIT
 
-podman build -q -t "$NEBULA_IMAGE" -f docker/Dockerfile . >/dev/null
+if [ "$NEBULA_IMAGE" = "$DEV_IMAGE" ] && [ "${NEBULA_BUILD:-1}" = 1 ]; then
+  $COMPOSE -f docker-compose.yml build >/dev/null  # docker-compose.yml's one build: the :dev image
+elif ! podman image exists "$NEBULA_IMAGE"; then
+  echo "run-smoke-organisations: image $NEBULA_IMAGE not found (build it, or unset NEBULA_IMAGE)" >&2
+  exit 1
+fi
 lap "build"
 
 for c in a b; do

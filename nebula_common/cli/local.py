@@ -1,4 +1,8 @@
-"""`nebula local up | down | status`: two simulated clusters on this machine until interrupted."""
+"""`nebula local up | down | status`: two simulated clusters on this machine until interrupted.
+
+``down`` and ``status`` also work on the run directory of a ``nebula cluster up`` (same lock file) and
+name the command that holds it.
+"""
 
 from __future__ import annotations
 
@@ -94,24 +98,47 @@ def up(
         deployment.stop()
 
 
+def deployment_command(run_dir: Path, pid: int) -> str | None:
+    """The command holding RUN_DIR's lock as process ``pid`` ("nebula local up", "nebula cluster up").
+
+    Read from deployment.json, which the holder writes once its services are up; None while it has not
+    (or for a description left by an earlier deployment in the same directory: another pid).
+    """
+    try:
+        description = json.loads((run_dir / "deployment.json").read_text(encoding="utf-8"))
+        command = description["command"]
+        if command["pid"] == pid and isinstance(command["name"], str):
+            return command["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not written yet, or by an older Nebula
+    return None
+
+
+def _named(command: str | None) -> str:
+    return f"`{command}`" if command else "the deployment"
+
+
 @app.command("down")
 def down(
-    run_dir: Path = typer.Option(..., help="Run directory of the running `nebula local up`."),
+    run_dir: Path = typer.Option(
+        ..., help="Run directory of the running `nebula local up` or `nebula cluster up`."
+    ),
     timeout: float = typer.Option(90.0, min=1.0, help="Seconds to wait for everything to stop."),
 ) -> None:
-    """Stop the `nebula local up` running on RUN_DIR (as Ctrl-C would: every process, no restarts)."""
+    """Stop the `nebula local up` or `cluster up` on RUN_DIR (as Ctrl-C would: every process, no restarts)."""
     pid = running_deployment_pid(run_dir)
     if pid is None:
         typer.echo(f"no deployment is running in {run_dir}")
         return
+    command = _named(deployment_command(run_dir, pid))
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while running_deployment_pid(run_dir) is not None:
         if time.monotonic() > deadline:
-            typer.echo(f"Error: `nebula local up` (pid {pid}) still running after {timeout:.0f}s", err=True)
+            typer.echo(f"Error: {command} (pid {pid}) still running after {timeout:.0f}s", err=True)
             raise typer.Exit(1)
         time.sleep(0.2)
-    typer.echo(f"stopped the deployment in {run_dir} (pid {pid})")
+    typer.echo(f"stopped {command} in {run_dir} (pid {pid})")
 
 
 def _alive(pid: object) -> bool:
@@ -127,9 +154,17 @@ def _alive(pid: object) -> bool:
 
 
 def deployment_status(run_dir: Path) -> dict:
-    """Whether a `nebula local up` holds RUN_DIR, and each service's pid, liveness, state and restarts."""
+    """Whether a `nebula local up` or `cluster up` holds RUN_DIR, and each service's pid, liveness, state
+    and restarts."""
     pid = running_deployment_pid(run_dir)
-    status: dict = {"run_dir": str(run_dir), "running": pid is not None, "pid": pid, "services": {}}
+    command = deployment_command(run_dir, pid) if pid is not None else None
+    status: dict = {
+        "run_dir": str(run_dir),
+        "running": pid is not None,
+        "pid": pid,
+        "command": command,
+        "services": {},
+    }
     description_file = run_dir / "deployment.json"
     if pid is None or not description_file.exists():
         return status
@@ -152,10 +187,13 @@ def deployment_status(run_dir: Path) -> dict:
 
 @app.command("status")
 def status(
-    run_dir: Path = typer.Option(..., help="Run directory of a `nebula local up`."),
+    run_dir: Path = typer.Option(..., help="Run directory of a `nebula local up` or `nebula cluster up`."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
 ) -> None:
-    """Is a `nebula local up` running on RUN_DIR, and how is each service? Exit 0 if up, 3 if not."""
+    """Is a `nebula local up` or `cluster up` running on RUN_DIR, and how is each service?
+
+    Exit 0 if up, 3 if not.
+    """
     if not run_dir.is_dir():
         typer.echo(f"Error: {run_dir} is not a directory", err=True)
         raise typer.Exit(2)
@@ -165,7 +203,7 @@ def status(
     elif not result["running"]:
         typer.echo(f"no deployment is running in {run_dir}")
     else:
-        typer.echo(f"deployment in {run_dir} is up (nebula local up pid {result['pid']})")
+        typer.echo(f"deployment in {run_dir} is up ({_named(result['command'])}, pid {result['pid']})")
         for name, service in result["services"].items():
             alive = "alive" if service["alive"] else "NOT ALIVE"
             ports = ", ".join(f"{k} {v}" for k, v in sorted(service["ports"].items()))

@@ -221,11 +221,12 @@ def trust_list(
         typer.echo(f"cluster {cluster} trusts no peer CA")
         return
     for p in peers:
-        crl = (
-            f"CRL #{p.crl_number}"
-            if p.crl_number is not None
-            else "no CRL file (the switch gets it over the link)"
-        )
+        if p.crl_error is not None:
+            crl = f"unreadable CRL: {p.crl_error}"
+        elif p.crl_number is not None:
+            crl = f"CRL #{p.crl_number}"
+        else:
+            crl = "no CRL file (the switch gets it over the link)"
         typer.echo(f"{p.peer}  {p.fingerprint}  until {p.not_after.isoformat()}  {crl}")
 
 

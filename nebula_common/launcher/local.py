@@ -394,6 +394,8 @@ class LocalDeployment:
                 clusters[cluster]["ca_cert"] = str(self.ca_cert(cluster))
         emulator = entry(self.emulator) if self.emulator is not None else {}
         return {
+            # Which command holds the run directory's lock (``nebula local status|down`` name it).
+            "command": {"name": "nebula local up", "pid": os.getpid()},
             "run_dir": str(self.run_dir),
             "pki_dir": str(self.pki_dir),
             "log_dir": str(self.log_dir),

@@ -16,6 +16,7 @@ directory. ``nebula local down``/``status`` work on this run directory too (same
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,6 +133,8 @@ class ClusterDeployment:
             status = supervision.get(p.name, {"state": "running", "restarts": 0, "last_exit": None})
             processes[p.name] = {**p.info, "pid": p.pid, **status}
         return {
+            # Which command holds the run directory's lock (``nebula local status|down`` name it).
+            "command": {"name": "nebula cluster up", "pid": os.getpid()},
             "run_dir": str(self.run_dir),
             "pki_dir": str(self.pki),
             "log_dir": str(self.log_dir),

@@ -35,6 +35,8 @@ class TrustedPeer:
     #: Number and next update of the peer's CRL copy on disk, if any (switches also get it over the link).
     crl_number: int | None
     crl_next_update: datetime | None
+    #: Why the CRL file next to the CA could not be used (unreadable, not signed by the CA...), else None.
+    crl_error: str | None = None
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -45,6 +47,7 @@ class TrustedPeer:
             "not_after": self.not_after.isoformat(),
             "crl_number": self.crl_number,
             "crl_next_update": self.crl_next_update.isoformat() if self.crl_next_update else None,
+            "crl_error": self.crl_error,
         }
 
 
@@ -86,14 +89,16 @@ def list_trust(root: Path, cluster_id: str) -> list[TrustedPeer]:
             cert = x509.load_pem_x509_certificate(path.read_bytes())
         except ValueError as exc:
             raise PkiError(f"trusted certificate {path} is not a PEM certificate: {exc}") from exc
-        number = next_update = None
+        number = next_update = crl_error = None
         crl_path = paths.trust_crl(path.stem)
         if crl_path.is_file():
+            # A CRL file the switch would refuse is shown with the reason, never as "no CRL": the
+            # operator must see that the copy on disk is broken.
             try:
                 loaded = load_crl_for(crl_path.read_bytes(), [cert], source=str(crl_path))
                 number, next_update = loaded.number, loaded.next_update
-            except CrlError:
-                pass  # shown as "no CRL": the switch refuses it the same way
+            except (CrlError, OSError) as exc:
+                crl_error = str(exc)
         peers.append(
             TrustedPeer(
                 peer=path.stem,
@@ -103,6 +108,7 @@ def list_trust(root: Path, cluster_id: str) -> list[TrustedPeer]:
                 not_after=cert.not_valid_after_utc,
                 crl_number=number,
                 crl_next_update=next_update,
+                crl_error=crl_error,
             )
         )
     return peers

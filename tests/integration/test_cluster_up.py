@@ -10,14 +10,12 @@ file it holds open), after the job.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -27,6 +25,7 @@ from nebula_common.launcher.ports import service_port
 from nebula_common.sdk.client import submit_job
 from nebula_common.sdk.deployment import endpoints_from_description, onboard
 from nebula_common.sdk.summary import summarize
+from tests.support.deployments import pids, references, wait_description
 from tests.support.jobs import numbers_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -64,35 +63,6 @@ def _cluster_up(run_dir: Path, cluster: str, peer: str, wan_port: int) -> subpro
     )  # fmt: skip
 
 
-def _wait_description(up: subprocess.Popen[str], run_dir: Path) -> dict[str, Any]:
-    description = run_dir / "deployment.json"
-    deadline = time.monotonic() + START_DEADLINE_S
-    while not description.exists() and time.monotonic() < deadline and up.poll() is None:
-        time.sleep(0.2)
-    if not description.exists():
-        up.terminate()
-        raise AssertionError(
-            f"cluster up in {run_dir} wrote no deployment.json:\n{up.communicate(timeout=60)[0]}"
-        )
-    return json.loads(description.read_text())
-
-
-def _pids(description: dict[str, Any]) -> list[int]:
-    return [p["pid"] for c in description["clusters"].values() for p in c["processes"].values()]
-
-
-def _references(pid: int) -> list[str]:
-    """Paths process ``pid`` was configured with or holds open."""
-    environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
-    opened = []
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            opened.append(os.readlink(fd))
-        except OSError:
-            continue  # closed meanwhile
-    return environ + opened
-
-
 @pytest.mark.skipif(
     not os.environ.get(E2E_ENV),
     reason=f"two full clusters and a job take 1.5-2 min on 2 busy cores: `make test-orgs` (sets {E2E_ENV}=1)",
@@ -115,10 +85,10 @@ def test_two_organisations_each_run_cluster_up_and_train_the_numbers_job(tmp_pat
     ups = {"b": _cluster_up(runs["b"], "b", "a", wan["b"])}
     try:
         ups["a"] = _cluster_up(runs["a"], "a", f"b=127.0.0.1:{wan['b']}", wan["a"])
-        descriptions = {c: _wait_description(ups[c], runs[c]) for c in ("b", "a")}
+        descriptions = {c: wait_description(ups[c], runs[c], START_DEADLINE_S) for c in ("b", "a")}
         for cluster, description in descriptions.items():
             assert set(description["clusters"]) == {cluster}
-            assert len(_pids(description)) == 5  # auth, codec, data, switch, trainer
+            assert len(pids(description)) == 5  # auth, codec, data, switch, trainer
 
         sessions = {}
         for cluster, description in descriptions.items():
@@ -130,11 +100,24 @@ def test_two_organisations_each_run_cluster_up_and_train_the_numbers_job(tmp_pat
 
         for cluster, other in (("a", "b"), ("b", "a")):
             foreign = str(tmp_path / f"org-{other}")
-            for pid in _pids(descriptions[cluster]):
-                leaked = [ref for ref in _references(pid) if foreign in ref]
+            for pid in pids(descriptions[cluster]):
+                leaked = [ref for ref in references(pid) if foreign in ref]
                 assert not leaked, (
                     f"a process of {cluster} (pid {pid}) references {other}'s directory: {leaked}"
                 )
+        # `local status|down` name the command that holds the run directory.
+        status = subprocess.run(
+            _nebula("local", "status", "--run-dir", runs["a"]), capture_output=True, text=True, timeout=60
+        )
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert f"is up (`nebula cluster up`, pid {ups['a'].pid})" in status.stdout, status.stdout
+        assert "local up" not in status.stdout, status.stdout
+        down = subprocess.run(
+            _nebula("local", "down", "--run-dir", runs["b"]), capture_output=True, text=True, timeout=120
+        )
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert f"stopped `nebula cluster up` in {runs['b']} (pid {ups['b'].pid})" in down.stdout, down.stdout
+        assert ups["b"].wait(timeout=60) == 0
         # b's CRL reached a over the link only: a's PKI holds no copy of it.
         assert not (runs["a"] / "pki" / "a" / "trust" / "b.crl.pem").exists()
         assert (runs["a"] / "a" / "switch" / "peer-crl.pem").read_bytes() == (
@@ -147,7 +130,7 @@ def test_two_organisations_each_run_cluster_up_and_train_the_numbers_job(tmp_pat
         outputs = {c: up.communicate(timeout=90)[0] for c, up in ups.items()}
     for cluster, up in ups.items():
         assert up.returncode == 0, outputs[cluster]
-    for pid in _pids(descriptions["a"]) + _pids(descriptions["b"]):
+    for pid in pids(descriptions["a"]) + pids(descriptions["b"]):
         deadline = time.monotonic() + 10
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -193,6 +193,7 @@ def test_local_up_restarts_a_killed_service_and_a_second_up_keeps_every_secret(t
         after = all_pids(json.loads((run_dir / "deployment.json").read_text()))
         status = cli("local", "status", "--run-dir", str(run_dir), "--json")
         assert status.exit_code == 0, status.output
+        assert json.loads(status.stdout)["command"] == "nebula local up"
         services = json.loads(status.stdout)["services"]
         assert len(services) == 10 and all(s["alive"] for s in services.values()), services
         created = cli("account", "create", "keeper", "--run-dir", str(run_dir), "--json")
@@ -227,7 +228,7 @@ def test_local_up_restarts_a_killed_service_and_a_second_up_keeps_every_secret(t
         text=True,
         timeout=120,
     )
-    assert down.returncode == 0 and "stopped the deployment" in down.stdout, down.stdout + down.stderr
+    assert down.returncode == 0 and "stopped `nebula local up` in" in down.stdout, down.stdout + down.stderr
     output, _ = up.communicate(timeout=30)
     assert up.returncode == 0, output
     assert not [pid for pid in all_pids(second).values() if alive(pid)]

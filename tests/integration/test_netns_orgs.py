@@ -5,9 +5,12 @@ exchanged only CA certificates (``pki export-ca`` / ``trust add --fingerprint``)
 dials b's WAN port across the veth (10.201.x.2:7443), the only address b exposes to a; the numbers
 job trains between them. The test process plays both operators: it reaches each cluster's internal
 ports through a management veth into that namespace only (tests/support/netns_forward.py), never
-through the WAN veth. Isolation is checked on every process of both clusters through
-``/proc/<pid>/environ`` and ``/proc/<pid>/fd`` (no path of the other organisation's directory), and
-the WAN veth's byte counters show the job's traffic crossed it.
+through the WAN veth. Nothing in one organisation's directory can be read by the other's processes:
+each ``cluster up`` runs in the mount namespace of its ``ip netns exec`` with the other organisation's
+directory covered by an empty read-only tmpfs (checked through ``/proc/<pid>/root`` for every process
+of both clusters, while the host still sees the files), and the job trains all the same. Every
+process's ``/proc/<pid>/environ`` and ``/proc/<pid>/fd`` are checked too (no path of the other
+organisation's directory), and the WAN veth's byte counters show the job's traffic crossed it.
 
 Needs root and iproute2 (``ip netns``, ``tc``); skipped otherwise, and outside ``make test-orgs-netns``
 (NEBULA_NETNS_E2E=1) because it takes 2-3 minutes on 2 busy cores.
@@ -22,7 +25,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,7 @@ from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 from nebula_common.sdk.client import submit_job
 from nebula_common.sdk.deployment import onboard
 from nebula_common.sdk.summary import summarize
+from tests.support.deployments import pids, references, wait_description
 from tests.support.jobs import numbers_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,7 +119,16 @@ def _pki(*args: object) -> str:
     return result.stdout
 
 
-def _in(host: Host, *command: str, **kwargs: Any) -> subprocess.Popen[str]:
+# Run by sh in the mount namespace `ip netns exec` makes for each command (a slave of the host's: a
+# mount there never propagates back): the other organisation's directory becomes an empty read-only
+# tmpfs, so its files cannot be read by this process tree at all.
+HIDE = 'mount -t tmpfs -o ro,size=4k,mode=0500 nebula-hidden "$1" && shift && exec "$@"'
+
+
+def _in(host: Host, *command: str, hide: Path | None = None, **kwargs: Any) -> subprocess.Popen[str]:
+    """``command`` in ``host``'s network namespace; with ``hide``, that directory is invisible to it."""
+    if hide is not None:
+        command = ("sh", "-c", HIDE, "sh", str(hide), *command)
     return subprocess.Popen(
         ["ip", "netns", "exec", host.netns, *command],
         stdout=subprocess.PIPE,
@@ -125,32 +137,6 @@ def _in(host: Host, *command: str, **kwargs: Any) -> subprocess.Popen[str]:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         **kwargs,
     )
-
-
-def _wait_description(up: subprocess.Popen[str], run_dir: Path) -> dict[str, Any]:
-    description = run_dir / "deployment.json"
-    deadline = time.monotonic() + START_DEADLINE_S
-    while not description.exists() and time.monotonic() < deadline and up.poll() is None:
-        time.sleep(0.2)
-    if not description.exists():
-        up.terminate()
-        raise AssertionError(
-            f"cluster up in {run_dir} wrote no deployment.json:\n{up.communicate(timeout=60)[0]}"
-        )
-    return json.loads(description.read_text())
-
-
-def _pids(description: dict[str, Any]) -> list[int]:
-    return [p["pid"] for c in description["clusters"].values() for p in c["processes"].values()]
-
-
-def _references(pid: int) -> list[str]:
-    environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
-    opened = []
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            opened.append(os.readlink(fd))
-    return environ + opened
 
 
 def _tx_bytes(host: Host) -> int:
@@ -181,14 +167,15 @@ def test_two_hosts_trust_by_ca_exchange_only_and_train(tmp_path: Path) -> None:
             cli = [sys.executable, "-m", "nebula_common.cli.app", "cluster", "up"]
             ups["b"] = _in(
                 hosts["b"], *cli, "--cluster", "b", "--peer", "a", "--run-dir", str(runs["b"]),
-                "--wan-listen", f"{hosts['b'].wan_ip}:{WAN_PORT}",
+                "--wan-listen", f"{hosts['b'].wan_ip}:{WAN_PORT}", hide=runs["a"],
             )  # fmt: skip
             ups["a"] = _in(
                 hosts["a"], *cli, "--cluster", "a", "--peer", f"b={hosts['b'].wan_ip}:{WAN_PORT}",
                 "--run-dir", str(runs["a"]), "--wan-listen", f"{hosts['a'].wan_ip}:{WAN_PORT}",
+                hide=runs["b"],
             )  # fmt: skip
             processes += ups.values()
-            descriptions = {c: _wait_description(ups[c], runs[c]) for c in ("b", "a")}
+            descriptions = {c: wait_description(ups[c], runs[c], START_DEADLINE_S) for c in ("b", "a")}
 
             sessions = {}
             for cluster, description in descriptions.items():
@@ -227,8 +214,12 @@ def test_two_hosts_trust_by_ca_exchange_only_and_train(tmp_path: Path) -> None:
 
             for cluster, other in (("a", "b"), ("b", "a")):
                 foreign = str(runs[other])
-                for pid in _pids(descriptions[cluster]):
-                    leaked = [ref for ref in _references(pid) if foreign in ref]
+                assert any(runs[other].iterdir()), f"{other}'s run dir is empty on the host"
+                for pid in pids(descriptions[cluster]):
+                    # Its view of the other organisation's directory (through its own mount namespace):
+                    view = Path(f"/proc/{pid}/root") / runs[other].relative_to("/")
+                    assert list(view.iterdir()) == [], f"{cluster}'s pid {pid} can see {other}'s run dir"
+                    leaked = [ref for ref in references(pid) if foreign in ref]
                     assert not leaked, (
                         f"a process of {cluster} (pid {pid}) references {other}'s run dir: {leaked}"
                     )

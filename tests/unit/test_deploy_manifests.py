@@ -25,6 +25,7 @@ from services.codec.config import CodecSettings
 from services.data.config import DataSettings
 from services.switch.config import SwitchSettings
 from services.trainer.config import TrainerSettings
+from tests.support import k8s_schemas
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -598,6 +599,8 @@ def test_kustomize_builds(overlay: str) -> None:
     )
     assert result.returncode == 0, result.stderr
     docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    invalid = [error for doc in docs for error in k8s_schemas.errors(doc)]  # strict: unknown fields too
+    assert not invalid, "\n".join(invalid)
     assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"nebula"}
     claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
     assert sorted(claims) == [f"nebula-{s}-data" for s in ("auth", "data", "switch", "trainer")]

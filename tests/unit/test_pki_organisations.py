@@ -212,13 +212,20 @@ def test_trust_add_refuses_a_ca_for_another_cluster_and_the_own_ca(tmp_path: Pat
     assert not any(a.trust_dir.iterdir())
 
 
-def test_trust_remove_drops_the_ca_its_crl_and_rebuilds_the_bundle(tmp_path: Path) -> None:
+def _a_trusting_b_and_c(tmp_path: Path) -> tuple[Path, ClusterPaths, dict[str, Path]]:
+    """Organisation a's PKI trusting the CAs of organisations b and c (their PKI roots returned too)."""
     root_a, a = _org(tmp_path, "a")
+    roots = {}
     for peer in ("b", "c"):
-        root, _ = _org(tmp_path, peer)
-        ca, fp = _export(tmp_path, root, peer)
+        roots[peer], _ = _org(tmp_path, peer)
+        ca, fp = _export(tmp_path, roots[peer], peer)
         add_trust(root_a, "a", peer, ca.read_bytes(), expected_fingerprint=parse_fingerprint(fp))
-        # The switch keeps a CRL copy next to the CA when one is delivered by file.
+    return root_a, a, roots
+
+
+def test_trust_remove_drops_the_ca_its_crl_and_rebuilds_the_bundle(tmp_path: Path) -> None:
+    root_a, a, roots = _a_trusting_b_and_c(tmp_path)
+    for peer, root in roots.items():  # the switch keeps a CRL copy next to the CA when one comes by file
         shutil.copy(root / peer / "crl.pem", a.trust_crl(peer))
 
     code, out, err = _invoke("trust", "list", "--dir", root_a, "--cluster", "a")
@@ -255,3 +262,28 @@ def test_init_flags_are_exclusive(tmp_path: Path) -> None:
     for args in ([], ["--cluster", "a", "--clusters", "a,b"], ["--cluster", "A"]):
         code, _, err = _invoke("init", "--dir", tmp_path, *args)
         assert code == 2, err
+
+
+def test_trust_list_names_an_unreadable_peer_crl_instead_of_showing_none(tmp_path: Path) -> None:
+    """A broken CRL copy next to a peer CA is an operator's problem to see, not "no CRL"."""
+    root_a, a, _ = _a_trusting_b_and_c(tmp_path)
+    a.trust_crl("b").write_bytes(b"-----BEGIN X509 CRL-----\ntruncated\n")  # not a CRL at all
+    shutil.copy(tmp_path / "org-b" / "b" / "crl.pem", a.trust_crl("c"))  # a CRL, but by b's CA
+
+    code, out, err = _invoke("trust", "list", "--dir", root_a, "--cluster", "a")
+    assert code == 0, out + err
+    lines = dict(line.split("  ", 1) for line in out.splitlines())
+    assert "unreadable CRL: " in lines["b"] and "is not a PEM CRL" in lines["b"], lines["b"]
+    assert "unreadable CRL: " in lines["c"] and "not a trusted CA" in lines["c"], lines["c"]
+    assert "no CRL" not in out
+
+    code, out, _ = _invoke("trust", "list", "--dir", root_a, "--cluster", "a", "--json")
+    assert code == 0
+    listed = {p["peer"]: p for p in json.loads(out)}
+    assert listed["b"]["crl_number"] is None and "is not a PEM CRL" in listed["b"]["crl_error"]
+    assert "not a trusted CA" in listed["c"]["crl_error"]
+
+    shutil.copy(tmp_path / "org-c" / "c" / "crl.pem", a.trust_crl("c"))  # the right one: no error
+    code, out, _ = _invoke("trust", "list", "--dir", root_a, "--cluster", "a", "--json")
+    listed = {p["peer"]: p for p in json.loads(out)}
+    assert listed["c"]["crl_error"] is None and listed["c"]["crl_number"] == 1
