@@ -114,9 +114,10 @@ soak: $(STAMP)
 	SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python bench/faults/soak.py --out bench-results
 
 # Internal TLS vs plaintext internal ports (issue 14): the demo job on two deployments side by side, in
-# interleaved pairs, every process pinned to the same cores; step-time ratios, CPU-seconds per step from
-# /proc, and a unary + streaming micro-benchmark. JSON + markdown in bench/results/internal-tls/, report in
-# docs/bench/internal-tls.md (about 10 minutes on 2 busy cores; never part of `make test`).
+# pairs (one after the other, then both at once), every process pinned to the same cores; step-time ratios,
+# CPU-seconds per step from /proc, and a unary + streaming micro-benchmark. JSON + markdown in
+# bench/results/internal-tls/, report in docs/bench/internal-tls.md (about 40 minutes on 2 cores at load 20;
+# never part of `make test`).
 INTLS_CPUS ?= 0-$(shell expr $$(nproc) - 1)
 .PHONY: bench-internal-tls
 bench-internal-tls: $(STAMP)
