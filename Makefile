@@ -113,6 +113,17 @@ SOAK_SECONDS ?= 600
 soak: $(STAMP)
 	SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python bench/faults/soak.py --out bench-results
 
+# Internal TLS vs plaintext internal ports (issue 14): the demo job on two deployments side by side, in
+# pairs (one after the other, then both at once), every process pinned to the same cores; step-time ratios,
+# CPU-seconds per step from /proc, and a unary + streaming micro-benchmark. JSON + markdown in
+# bench/results/internal-tls/, report in docs/bench/internal-tls.md (about 40 minutes on 2 cores at load 20;
+# never part of `make test`).
+INTLS_CPUS ?= 0-$(shell expr $$(nproc) - 1)
+.PHONY: bench-internal-tls
+bench-internal-tls: $(STAMP)
+	taskset -c $(INTLS_CPUS) nice -n 10 $(BIN)/python bench/security/internal_tls.py --cpus $(INTLS_CPUS) \
+	  --out bench/results/internal-tls --doc docs/bench/internal-tls.md
+
 # The WAN emulator against kernel shaping (`tc tbf` between two network namespaces, same bytes; needs root,
 # otherwise recorded as skipped) and link utilisation through a real switch pair. JSON + markdown in
 # bench/results/wan-link/, report in docs/bench/wan-link.md (about 15 minutes; never part of `make test`).

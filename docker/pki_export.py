@@ -11,6 +11,8 @@ This script copies, per cluster ``<c>``:
     /pki/<c>/admin-password    -> <out>/auth-<c>/admin-password   (generated once if absent)
     /pki/<c>/services/<svc>/{ca.crt,service.crt,service.key}
                                -> <out>/<svc>-<c>-internal-tls/   (each service's internal identity)
+    /pki/<c>/crl.pem           -> <out>/<svc>-<c>-internal-tls/crl.pem (the cluster CA's CRL: the
+                                  service refuses client certificates it lists, NEBULA_<SVC>_INTERNAL_CRL)
 
 Service certificates (``spiffe://nebula/cluster/<c>/<svc>``, for the mutual TLS of the internal
 ports) are issued here by the cluster CA, ``--service-validity-hours`` long (168), and kept while
@@ -25,6 +27,9 @@ mode 0400 and owned by ``--uid`` (the services' user). The admin password is nev
 The peer CRL has one fixed name (``peer-crl.pem``) so every switch's NEBULA_SWITCH_PEER_CRL is the
 same path in compose and k8s. The switch re-reads it every second, so after ``nebula pki revoke``
 re-running pki-init (an atomic rename of the file) is enough to refuse the revoked peer.
+Likewise for a revoked *service* certificate (``nebula pki revoke --cluster <c> --serial ...``):
+re-running pki-init rewrites every service's ``crl.pem``, which each service re-reads every check
+interval (5 s), refusing the revoked leaf on every call.
 """
 
 from __future__ import annotations
@@ -83,13 +88,17 @@ def export_internal(
     for target in targets.values():
         if not target.is_dir():
             raise SystemExit(f"pki-init: {target} is not mounted (expected a named volume there)")
+    crl = pki / cluster / "crl.pem"
+    if not crl.is_file():
+        raise SystemExit(f"pki-init: missing {crl} (the cluster CA's CRL; run `nebula pki init` first)")
     issued = ensure_service_certificates(pki, cluster, SERVICES, validity=timedelta(hours=validity_hours))
     for service, files in issued.items():
         # Key before certificate: a service reading in between sees a mismatched pair and keeps its old one.
         _write(targets[service] / "ca.crt", files.ca.read_bytes(), 0o400, uid, gid)
         _write(targets[service] / "service.key", files.key.read_bytes(), 0o400, uid, gid)
         _write(targets[service] / "service.crt", files.cert.read_bytes(), 0o400, uid, gid)
-    print(f"pki-init: cluster {cluster}: exported internal identities of {', '.join(SERVICES)}")
+        _write(targets[service] / "crl.pem", crl.read_bytes(), 0o400, uid, gid)
+    print(f"pki-init: cluster {cluster}: exported internal identities and CRL of {', '.join(SERVICES)}")
 
 
 def export(

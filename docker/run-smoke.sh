@@ -74,3 +74,7 @@ $COMPOSE exec -T auth-b cat /etc/nebula/internal-tls/ca.crt > "$ca_dir/b-ca.crt"
 export NEBULA_CA_CERT_A="$ca_dir/a-ca.crt" NEBULA_CA_CERT_B="$ca_dir/b-ca.crt"
 "$PYTHON" docker/smoke.py "$@"
 lap "smoke.py $*"
+# Issue 14 on this deployment: plaintext and certificate-less calls to internal ports fail, a wrong
+# role is PERMISSION_DENIED and audited (probes run inside each cluster's network: docker/smoke_tls.py).
+"$PYTHON" docker/smoke_tls.py --compose "$COMPOSE"
+lap "smoke_tls.py (internal TLS)"

@@ -97,12 +97,31 @@ def renewal_due(cert: x509.Certificate, *, now: datetime | None = None) -> bool:
     return cert.not_valid_after_utc - now < lifetime * RENEW_FRACTION
 
 
-def _usable(files: ServiceTlsFiles, ca_cert: x509.Certificate, identity: Identity) -> bool:
-    """Whether ``files`` hold a matching, CA-issued, not-yet-due leaf for ``identity``."""
+def _revoked_serials(crl_path: Path, ca_cert: x509.Certificate) -> frozenset[int]:
+    """Serials the cluster CA's CRL lists (empty if there is none, or it is not the CA's own)."""
+    try:
+        crl = x509.load_pem_x509_crl(crl_path.read_bytes())
+        public = ca_cert.public_key()
+        if not isinstance(public, ec.EllipticCurvePublicKey) or not crl.is_signature_valid(public):
+            return frozenset()
+    except (OSError, ValueError):
+        return frozenset()
+    return frozenset(entry.serial_number for entry in crl)
+
+
+def _usable(
+    files: ServiceTlsFiles,
+    ca_cert: x509.Certificate,
+    identity: Identity,
+    revoked: frozenset[int] = frozenset(),
+) -> bool:
+    """Whether ``files`` hold a matching, CA-issued, not-yet-due, not revoked leaf for ``identity``."""
     try:
         cert, key = _read_cert(files.cert), _read_key(files.key)
         cert.verify_directly_issued_by(ca_cert)
         if identity_from_certificate(cert) != identity or key.public_key() != cert.public_key():
+            return False
+        if cert.serial_number in revoked:  # `nebula pki revoke`: the next start/pki-init issues a new one
             return False
         return files.ca.read_bytes() == _cert_pem(ca_cert) and not renewal_due(cert)
     except (PkiError, OSError, ValueError, TypeError, InvalidSignature):
@@ -178,6 +197,8 @@ def ensure_service_certificates(
 ) -> dict[str, ServiceTlsFiles]:
     """Every service of ``cluster_id`` with a usable leaf: kept when still good, else (re)issued.
 
+    A leaf the cluster CA's CRL lists (``nebula pki revoke``) is not good: it is replaced.
+
     ``nebula local up`` calls this on every start, so a reused run directory keeps its leaves
     until a third of their life is left, and a regenerated CA gets new leaves at once.
     """
@@ -188,10 +209,11 @@ def ensure_service_certificates(
     issued: list[x509.Certificate] = []
     with _exclusive(Path(pki_root)):
         ca_cert, ca_key = _read_cert(paths.ca_cert), _read_key(paths.ca_key)
+        revoked = _revoked_serials(paths.crl, ca_cert)
         for service in services:
             files = ServiceTlsFiles.in_dir(service_tls_dir(pki_root, cluster_id, service))
             identity = Identity(cluster_id, service)
-            if not _usable(files, ca_cert, identity):
+            if not _usable(files, ca_cert, identity, revoked):
                 issued.append(issue_from_ca(ca_cert, ca_key, files, identity, validity=validity))
             result[service] = files
     for cert in issued:

@@ -148,6 +148,7 @@ def test_pki_export_organisation_mode_exports_only_own_material(tmp_path: Path) 
     assert (out / "auth" / "admin-password").read_bytes().strip()
     for service in services:  # each service's internal identity, from a's CA, without its key
         internal = {p.name: p.read_bytes() for p in (out / f"{service}-a-internal-tls").iterdir()}
-        assert set(internal) == {"ca.crt", "service.crt", "service.key"}
+        assert set(internal) == {"ca.crt", "crl.pem", "service.crt", "service.key"}
         assert internal["ca.crt"] == a.ca_cert.read_bytes()
+        assert internal["crl.pem"] == a.crl.read_bytes()
         assert a.ca_key.read_bytes() not in b"".join(internal.values())

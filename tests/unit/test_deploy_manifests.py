@@ -396,10 +396,65 @@ def test_pki_export_hands_each_switch_its_peers_crl(tmp_path: Path) -> None:
     for name in internal:
         service, cluster = name.split("-")[:2]
         volume = out / name
-        assert sorted(p.name for p in volume.iterdir()) == ["ca.crt", "service.crt", "service.key"]
+        assert sorted(p.name for p in volume.iterdir()) == ["ca.crt", "crl.pem", "service.crt", "service.key"]
         assert identity_from_pem((volume / "service.crt").read_bytes()) == Identity(cluster, service)
         assert (volume / "ca.crt").read_bytes() == layout.cluster(cluster).ca_cert.read_bytes()
+        assert (volume / "crl.pem").read_bytes() == layout.cluster(cluster).crl.read_bytes()
         assert (volume / "service.key").stat().st_mode & 0o777 == 0o400
+
+
+def _load_pki_export() -> Any:
+    spec = importlib.util.spec_from_file_location("pki_export", ROOT / "docker" / "pki_export.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_service_enforces_its_clusters_crl_in_compose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each service reads the cluster CA's CRL from its own internal-tls volume (pki-init puts it there)."""
+    for name, svc in _long_running().items():
+        command = _command(svc)
+        if command[0] not in SERVICES:
+            continue
+        settings = _build_settings(monkeypatch, command, _compose_env(svc))
+        assert settings.internal_crl == Path("/etc/nebula/internal-tls/crl.pem"), name
+        mounts = {target: (source, ro) for source, target, ro in _volume_mounts(svc)}
+        assert mounts["/etc/nebula/internal-tls"] == (f"{name}-internal-tls", True), name
+
+
+def test_pki_init_rerun_after_a_revocation_hands_every_service_the_new_crl(tmp_path: Path) -> None:
+    """`nebula pki revoke`, then pki-init again: every service's crl.pem lists the serial, CA-signed."""
+    from cryptography import x509
+
+    from nebula_common.pki.store import revoke_certificate
+
+    init_pki(tmp_path / "pki", ["a", "b"])
+    out = tmp_path / "export"
+    for volume in ("switch-a", "switch-b", "auth-a", "auth-b"):
+        (out / volume).mkdir(parents=True)
+    for c in "ab":
+        for svc in ("auth", "codec", "data", "switch", "trainer"):
+            (out / f"{svc}-{c}-internal-tls").mkdir()
+    pki_export = _load_pki_export()
+    args = ["--pki", str(tmp_path / "pki"), "--out", str(out), "--clusters", "a,b"]
+    assert pki_export.main(args) == 0
+    codec = x509.load_pem_x509_certificate((out / "codec-a-internal-tls" / "service.crt").read_bytes())
+    auth_before = (out / "auth-a-internal-tls" / "service.crt").read_bytes()
+    revoke_certificate(tmp_path / "pki", "a", codec.serial_number, reason="test")
+    assert pki_export.main(args) == 0  # the compose way to publish a revocation
+    renewed = x509.load_pem_x509_certificate((out / "codec-a-internal-tls" / "service.crt").read_bytes())
+    assert renewed.serial_number != codec.serial_number, "the revoked leaf must be replaced, not re-exported"
+    assert (out / "auth-a-internal-tls" / "service.crt").read_bytes() == auth_before, "a good leaf is kept"
+    for svc in ("auth", "codec", "data", "switch", "trainer"):
+        for c in "ab":
+            volume = out / f"{svc}-{c}-internal-tls"
+            crl = x509.load_pem_x509_crl((volume / "crl.pem").read_bytes())
+            ca = x509.load_pem_x509_certificate((volume / "ca.crt").read_bytes())
+            assert crl.is_signature_valid(ca.public_key()), volume  # type: ignore[arg-type]
+            listed = {entry.serial_number for entry in crl}
+            assert (codec.serial_number in listed) == (c == "a"), volume
+            assert (volume / "crl.pem").stat().st_mode & 0o777 == 0o400
 
 
 def test_compose_start_order() -> None:
@@ -523,12 +578,12 @@ def test_k8s_secrets_are_mounted_read_only() -> None:
     for name in SERVICES:
         service = name.removeprefix("nebula-")
         pod = deployments[name]["spec"]["template"]["spec"]
-        (volume,) = [
-            v for v in pod["volumes"] if v.get("secret", {}).get("secretName", "").endswith("-internal-tls")
-        ]
-        assert volume["secret"]["secretName"] == f"nebula-{service}-internal-tls"
-        assert {item["key"] for item in volume["secret"]["items"]} == {"ca.crt", "service.crt", "service.key"}
-        assert volume["secret"]["defaultMode"] & 0o007 == 0
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "internal-tls"]
+        sources = volume["projected"]["sources"]
+        (secret,) = [s["secret"] for s in sources if "secret" in s]
+        assert secret["name"] == f"nebula-{service}-internal-tls"
+        assert {item["key"] for item in secret["items"]} == {"ca.crt", "service.crt", "service.key"}
+        assert volume["projected"]["defaultMode"] & 0o007 == 0
         (container,) = pod["containers"]
         (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
         assert mount["readOnly"] is True and mount["mountPath"] == "/etc/nebula/internal-tls"
@@ -552,6 +607,21 @@ def test_k8s_secrets_are_mounted_read_only() -> None:
     assert claims == ["nebula-auth-data"]
     for _, doc in _k8s_kind("Secret"):
         pytest.fail(f"secret {doc['metadata']['name']} committed to k8s/: create it at deploy time")
+
+
+def test_k8s_services_enforce_the_clusters_crl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CRL ConfigMap is projected next to each service's identity, and the service is told to read it."""
+    for name, pod, container in _containers():
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "internal-tls"]
+        (config_map,) = [s["configMap"] for s in volume["projected"]["sources"] if "configMap" in s]
+        assert config_map["name"] == "nebula-internal-crl", name
+        assert config_map["items"] == [{"key": "crl.pem", "path": "crl.pem"}], name
+        assert not config_map.get("optional"), f"{name}: a missing CRL must stop the pod, not pass silently"
+        for cluster in OVERLAYS:
+            settings = _build_settings(
+                monkeypatch, container["command"], _k8s_env(container, _overlay_config(cluster))
+            )
+            assert settings.internal_crl == Path("/etc/nebula/internal-tls/crl.pem"), name
 
 
 def test_only_the_switch_wan_port_leaves_the_cluster() -> None:
@@ -609,6 +679,16 @@ def test_kustomize_builds(overlay: str) -> None:
         assert claim["spec"]["resources"]["requests"]["storage"]
     (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
     assert config["data"]["cluster_id"] == overlay
+    for deployment in (d for d in docs if d["kind"] == "Deployment"):  # the rendered CRL mount
+        pod = deployment["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "internal-tls"]
+        assert {
+            "configMap": {"name": "nebula-internal-crl", "items": [{"key": "crl.pem", "path": "crl.pem"}]}
+        } in (volume["projected"]["sources"])
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert "/etc/nebula/internal-tls/crl.pem" in {
+            v for k, v in env.items() if k.endswith("_INTERNAL_CRL")
+        }
 
 
 STATEFUL = {"nebula-auth", "nebula-data", "nebula-switch", "nebula-trainer"}
