@@ -30,7 +30,6 @@ arguments to the constructors. ``auto`` is a spec value too: it must be resolved
 
 from __future__ import annotations
 
-import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 from nebula_common.codec.base import Codec, CodecError, check_input, reconstruction_error, tensor_to_bytes
+from nebula_common.codec.checksum import crc32
 from nebula_common.codec.registry import format_spec, get_codec, register_codec
 from nebula_common.codec.wire import EncodedTensor, WireFormatError, decode_tensor, encode_tensor
 from nebula_common.proto.nebula.v1 import tensor_pb2
@@ -260,7 +260,7 @@ def _sample_ids(ids: Sequence[int] | None, tensor_rows: int, what: str) -> list[
 
 def _base_checksum(base: torch.Tensor) -> int:
     """CRC-32 of the base's little-endian bytes: what ``TensorHeader.delta_base_checksum`` carries."""
-    return zlib.crc32(tensor_to_bytes(base))
+    return crc32(tensor_to_bytes(base))
 
 
 @dataclass

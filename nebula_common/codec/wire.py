@@ -10,7 +10,6 @@ error, never as a crash in torch or numpy and never as a silently wrong tensor.
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from nebula_common.codec.base import (
     tensor_from_bytes,
     tensor_to_bytes,
 )
+from nebula_common.codec.checksum import crc32
 from nebula_common.codec.registry import get_codec
 from nebula_common.proto.nebula.v1 import tensor_pb2
 
@@ -79,7 +79,7 @@ def header_checksum(header: tensor_pb2.TensorHeader, payload: bytes | memoryview
             _U64.pack(header.delta_base_checksum),
         ]
     )
-    return zlib.crc32(payload, zlib.crc32(meta))
+    return crc32(payload, crc32(meta))
 
 
 class WireFormatError(CodecError):
