@@ -319,9 +319,12 @@ class TensorStreamEncoder:
         *,
         step: int,
         sample_ids: Sequence[int] | None = None,
+        borrow: bool = False,
         **header_fields: Any,
     ) -> EncodedTensor:
-        """Encode one tensor of ``step``; ``sample_ids`` name the rows (required with delta)."""
+        """Encode one tensor of ``step``; ``sample_ids`` name the rows (required with delta).
+
+        ``borrow``: see ``encode_tensor`` (a codec ``none`` payload viewing the tensor, not a copy)."""
         config = self.config
         x = check_input(tensor)
         spec = config.spec_for_step(step)
@@ -350,7 +353,13 @@ class TensorStreamEncoder:
             if residual is not None:
                 target = target + residual
         encoded = encode_tensor(
-            target, spec, state=self._state, delta_base_checksum=base_crc, step=step, **header_fields
+            target,
+            spec,
+            state=self._state,
+            delta_base_checksum=base_crc,
+            borrow=borrow,
+            step=step,
+            **header_fields,
         )
         need_decoded = use_ef or self._cache is not None or self.measure_error
         if need_decoded:
