@@ -34,6 +34,7 @@ import secrets
 import shutil
 import socket
 import ssl
+import statistics
 import tempfile
 import threading
 import time
@@ -453,7 +454,9 @@ def render(result: dict[str, Any]) -> str:
         f"{os.cpu_count()} cores.",
         "",
         "MB/s (10^6 bytes per second), receiver holding the last tensor; ratio = relay / TLS hop; "
-        "'relay' has a gRPC link between the switches, 'raw link' the raw transport (rawlink.py).",
+        "'relay' has a gRPC link between the switches, 'raw link' the raw transport (rawlink.py). "
+        "With several rounds (the paths take turns each round) MB/s are medians and the ratio is "
+        "theirs, followed by the range of the per-round ratios.",
         "",
         "| tensor | relay | relay, raw link | TLS 1.3 hop | TCP | gRPC stream | gloo | relay / TLS "
         "| raw link / TLS | switch CPU-s per GB (gRPC / raw link) "
@@ -466,22 +469,27 @@ def render(result: dict[str, Any]) -> str:
         def cell(path: str, mb: dict[str, float] = mb) -> str:
             return f"{mb[path]:.0f}" if path in mb else "-"
 
-        def ratio(path: str, mb: dict[str, float] = mb) -> str:
-            return f"{mb[path] / mb['tls']:.2f}" if path in mb and "tls" in mb else "-"
+        def ratio(path: str, mb: dict[str, float] = mb, row: dict[str, Any] = row) -> str:
+            if path not in mb or "tls" not in mb:
+                return "-"
+            each = row.get("ratio_rounds", {}).get(path)
+            spread = f" ({min(each):.2f}-{max(each):.2f})" if each else ""
+            return f"{mb[path] / mb['tls']:.2f}{spread}"
 
         def cpu(suffix: str, row: dict[str, Any] = row) -> str:
             value = row.get("switch_cpu_s_per_gb" + suffix)
             return f"{value:.2f}" if value is not None else "-"
 
-        gb = row["size_mib"] * MIB * row["count"] / 1e9
+        gb = row["size_mib"] * MIB * row["count"] * row.get("repeat", 1) / 1e9
 
         def parts(suffix: str, row: dict[str, Any] = row, gb: float = gb) -> str:
             split = row.get("cpu_s" + suffix)
             keys = ("a", "b", "sender", "receiver")
             return " / ".join(f"{split[k] / gb:.1f}" for k in keys if k in split) if split else "-"
 
+        rounds = f", {row['repeat']} rounds" if row.get("repeat", 1) > 1 else ""
         lines.append(
-            f"| {row['size_mib']} MiB x {row['count']} | {cell('relay')} | {cell('relay-raw')} "
+            f"| {row['size_mib']} MiB x {row['count']}{rounds} | {cell('relay')} | {cell('relay-raw')} "
             f"| {cell('tls')} | {cell('tcp')} | {cell('grpc')} | {cell('gloo')} "
             f"| {ratio('relay')} | {ratio('relay-raw')} "
             f"| {cpu('')} / {cpu('_raw')} | {parts('')}; {parts('_raw')} |"
@@ -502,6 +510,12 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per size and path, MiB")
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     parser.add_argument("--name", default="relay", help="file stem of the JSON and markdown")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds per size: the paths take turns each round; MB/s are the medians over the rounds",
+    )
     args = parser.parse_args()
 
     import torch
@@ -514,7 +528,16 @@ def main() -> None:
     result: dict[str, Any] = {
         "command": "make bench-relay  # .venv/bin/python bench/wan/relay.py "
         + " ".join(
-            ["--sizes", *map(str, args.sizes), "--total-mib", str(args.total_mib), "--paths", *args.paths]
+            [
+                "--sizes",
+                *map(str, args.sizes),
+                "--total-mib",
+                str(args.total_mib),
+                "--repeat",
+                str(args.repeat),
+                "--paths",
+                *args.paths,
+            ]
         ),
         "taken": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "load_before": load_info(),
@@ -536,30 +559,46 @@ def main() -> None:
         for index, size_mib in enumerate(args.sizes):
             count = count_for(size_mib, args.total_mib)
             tensor = torch.randn(size_mib * MIB // 4)
-            row: dict[str, Any] = {"size_mib": size_mib, "count": count, "mb_s": {}}
-            for path in args.paths:
-                if path in deployments:
-                    deployment = deployments[path]
-                    timed, cpu = bench_relay(deployment, tensor, count, index)
-                    suffix = "" if path == "relay" else "_raw"
-                    row["cpu_s" + suffix] = {k: round(v, 2) for k, v in cpu.items()}
-                    row["switch_cpu_s_per_gb" + suffix] = (cpu["a"] + cpu["b"]) / (timed.bytes / 1e9)
-                    row["link_connections_after" + suffix] = deployment.link_connections()
-                    row["link_transport" + suffix] = deployment.link_transport()
+            row: dict[str, Any] = {"size_mib": size_mib, "count": count, "repeat": args.repeat, "mb_s": {}}
+            rounds: dict[str, list[float]] = {path: [] for path in args.paths}
+            for repeat in range(args.repeat):  # the paths take turns, so every round shares the load
+                for path in args.paths:
+                    if path in deployments:
+                        deployment = deployments[path]
+                        timed, cpu = bench_relay(deployment, tensor, count, index * 1000 + repeat)
+                        suffix = "" if path == "relay" else "_raw"
+                        total = row.setdefault("cpu_s" + suffix, {})
+                        for key, value in cpu.items():
+                            total[key] = round(total.get(key, 0.0) + value, 2)
+                        relayed_gb = timed.bytes * (repeat + 1) / 1e9
+                        row["switch_cpu_s_per_gb" + suffix] = (total["a"] + total["b"]) / relayed_gb
+                        row["link_connections_after" + suffix] = deployment.link_connections()
+                        row["link_transport" + suffix] = deployment.link_transport()
+                        print(f"  CPU s: {cpu}; transport {row['link_transport' + suffix]}", flush=True)
+                    elif path == "tls":
+                        timed = bench_socket(tensor, count, tls_pair)
+                    elif path == "tcp":
+                        timed = bench_socket(tensor, count, None)
+                    elif path == "grpc":
+                        timed = bench_grpc(tensor, count)
+                    else:
+                        timed = bench_gloo(tensor, count)
+                    rounds[path].append(round(timed.mb_s, 1))
                     print(
-                        f"  CPU s: {row['cpu_s' + suffix]}; transport {row['link_transport' + suffix]}",
+                        f"{size_mib} MiB x {count} {path} (round {repeat + 1}): {timed.mb_s:.0f} MB/s",
                         flush=True,
                     )
-                elif path == "tls":
-                    timed = bench_socket(tensor, count, tls_pair)
-                elif path == "tcp":
-                    timed = bench_socket(tensor, count, None)
-                elif path == "grpc":
-                    timed = bench_grpc(tensor, count)
-                else:
-                    timed = bench_gloo(tensor, count)
-                row["mb_s"][path] = round(timed.mb_s, 1)
-                print(f"{size_mib} MiB x {count} {path}: {timed.mb_s:.0f} MB/s", flush=True)
+            row["mb_s"] = {path: statistics.median(values) for path, values in rounds.items()}
+            if args.repeat > 1:
+                row["mb_s_rounds"] = rounds
+                if "tls" in rounds:
+                    row["ratio_rounds"] = {
+                        path: [
+                            round(mb / tls, 2) for mb, tls in zip(rounds[path], rounds["tls"], strict=True)
+                        ]
+                        for path in ("relay", "relay-raw")
+                        if path in rounds
+                    }
             result["rows"].append(row)
     finally:
         for deployment in deployments.values():
