@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from nebula_common.codec import TensorStreamDecoder, TensorStreamEncoder, decode_tensor, encode_tensor
@@ -92,3 +94,15 @@ def test_integer_payloads_adopt_too() -> None:
         ),
         ids.float(),
     )
+
+
+def test_an_adopted_buffer_lives_as_long_as_its_tensor() -> None:
+    def receive() -> torch.Tensor:
+        buffer = bytearray(tensor_to_bytes(torch.arange(1 << 16, dtype=torch.float32)))
+        return tensor_from_bytes(buffer, torch.float32, (1 << 16,))  # the only reference goes with it
+
+    tensor = receive()
+    gc.collect()
+    churn = [bytearray(b"\xff" * (1 << 20)) for _ in range(8)]  # reuse of freed memory would show
+    assert len(churn) == 8
+    assert torch.equal(tensor, torch.arange(1 << 16, dtype=torch.float32))
