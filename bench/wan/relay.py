@@ -30,6 +30,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import queue
 import secrets
 import shutil
 import socket
@@ -197,8 +198,23 @@ def _spawn(target: Callable[..., None], *args: Any) -> tuple[Any, Any]:
     return process, done
 
 
+def _get(done: Any, process: Any, timeout: float) -> Any:
+    """The receiver's next report; fails at once (not after ``timeout``) if the receiver died."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return done.get(timeout=1.0)
+        except queue.Empty:
+            if not process.is_alive():
+                raise RuntimeError(
+                    f"the receiver died (exit code {process.exitcode}); see its error above"
+                ) from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the receiver reported nothing in {timeout:.0f} s") from None
+
+
 def _expect(done: Any, value: str, process: Any, timeout: float = 120) -> None:
-    got = done.get(timeout=timeout)
+    got = _get(done, process, timeout)
     if got != value:
         raise RuntimeError(f"receiver said {got!r}, expected {value!r} (alive: {process.is_alive()})")
 
@@ -230,7 +246,7 @@ def bench_socket(tensor: Any, count: int, tls: tuple[str, str] | None) -> Timed:
         start = time.monotonic()
         for _ in range(count):
             sock.sendall(payload)
-        end = done.get(timeout=600)
+        end = _get(done, process, 600)
         sock.recv(1)
         sock.close()
         return Timed(end - start, size * count)
@@ -258,7 +274,7 @@ def bench_grpc(tensor: Any, count: int) -> Timed:
             start = time.monotonic()
             for _ in range(count):
                 push(messages(), timeout=600)
-            end = done.get(timeout=600)
+            end = _get(done, process, 600)
         return Timed(end - start, size * count)
     finally:
         process.kill()
@@ -278,7 +294,7 @@ def bench_gloo(tensor: Any, count: int) -> Timed:
         start = time.monotonic()
         for _ in range(count):
             dist.send(tensor, dst=1)
-        end = done.get(timeout=600)
+        end = _get(done, process, 600)
         dist.recv(torch.zeros(1), src=1)
         dist.destroy_process_group()
         return Timed(end - start, size * count)
@@ -424,11 +440,11 @@ def bench_relay(
         start = time.monotonic()
         for step in range(1, count + 1):
             edge.send_tensor(tensor, step, 0)
-        end = done.get(timeout=600)
+        end = _get(done, process, 600)
         after = deployment.switch_cpu()
         cpu = {c: after[c] - before[c] for c in after}
         cpu["sender"] = time.process_time() - sender_cpu
-        cpu["receiver"] = done.get(timeout=60)
+        cpu["receiver"] = _get(done, process, 60)
         edge.close("finished", timeout=60)
         return Timed(end - start, size * count), cpu
     finally:
