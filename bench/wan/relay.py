@@ -30,10 +30,12 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import queue
 import secrets
 import shutil
 import socket
 import ssl
+import statistics
 import tempfile
 import threading
 import time
@@ -196,8 +198,23 @@ def _spawn(target: Callable[..., None], *args: Any) -> tuple[Any, Any]:
     return process, done
 
 
+def _get(done: Any, process: Any, timeout: float) -> Any:
+    """The receiver's next report; fails at once (not after ``timeout``) if the receiver died."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return done.get(timeout=1.0)
+        except queue.Empty:
+            if not process.is_alive():
+                raise RuntimeError(
+                    f"the receiver died (exit code {process.exitcode}); see its error above"
+                ) from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the receiver reported nothing in {timeout:.0f} s") from None
+
+
 def _expect(done: Any, value: str, process: Any, timeout: float = 120) -> None:
-    got = done.get(timeout=timeout)
+    got = _get(done, process, timeout)
     if got != value:
         raise RuntimeError(f"receiver said {got!r}, expected {value!r} (alive: {process.is_alive()})")
 
@@ -229,7 +246,7 @@ def bench_socket(tensor: Any, count: int, tls: tuple[str, str] | None) -> Timed:
         start = time.monotonic()
         for _ in range(count):
             sock.sendall(payload)
-        end = done.get(timeout=600)
+        end = _get(done, process, 600)
         sock.recv(1)
         sock.close()
         return Timed(end - start, size * count)
@@ -257,7 +274,7 @@ def bench_grpc(tensor: Any, count: int) -> Timed:
             start = time.monotonic()
             for _ in range(count):
                 push(messages(), timeout=600)
-            end = done.get(timeout=600)
+            end = _get(done, process, 600)
         return Timed(end - start, size * count)
     finally:
         process.kill()
@@ -277,7 +294,7 @@ def bench_gloo(tensor: Any, count: int) -> Timed:
         start = time.monotonic()
         for _ in range(count):
             dist.send(tensor, dst=1)
-        end = done.get(timeout=600)
+        end = _get(done, process, 600)
         dist.recv(torch.zeros(1), src=1)
         dist.destroy_process_group()
         return Timed(end - start, size * count)
@@ -423,11 +440,11 @@ def bench_relay(
         start = time.monotonic()
         for step in range(1, count + 1):
             edge.send_tensor(tensor, step, 0)
-        end = done.get(timeout=600)
+        end = _get(done, process, 600)
         after = deployment.switch_cpu()
         cpu = {c: after[c] - before[c] for c in after}
         cpu["sender"] = time.process_time() - sender_cpu
-        cpu["receiver"] = done.get(timeout=60)
+        cpu["receiver"] = _get(done, process, 60)
         edge.close("finished", timeout=60)
         return Timed(end - start, size * count), cpu
     finally:
@@ -453,7 +470,9 @@ def render(result: dict[str, Any]) -> str:
         f"{os.cpu_count()} cores.",
         "",
         "MB/s (10^6 bytes per second), receiver holding the last tensor; ratio = relay / TLS hop; "
-        "'relay' has a gRPC link between the switches, 'raw link' the raw transport (rawlink.py).",
+        "'relay' has a gRPC link between the switches, 'raw link' the raw transport (rawlink.py). "
+        "With several rounds (the paths take turns each round) MB/s are medians and the ratio is "
+        "theirs, followed by the range of the per-round ratios.",
         "",
         "| tensor | relay | relay, raw link | TLS 1.3 hop | TCP | gRPC stream | gloo | relay / TLS "
         "| raw link / TLS | switch CPU-s per GB (gRPC / raw link) "
@@ -466,22 +485,27 @@ def render(result: dict[str, Any]) -> str:
         def cell(path: str, mb: dict[str, float] = mb) -> str:
             return f"{mb[path]:.0f}" if path in mb else "-"
 
-        def ratio(path: str, mb: dict[str, float] = mb) -> str:
-            return f"{mb[path] / mb['tls']:.2f}" if path in mb and "tls" in mb else "-"
+        def ratio(path: str, mb: dict[str, float] = mb, row: dict[str, Any] = row) -> str:
+            if path not in mb or "tls" not in mb:
+                return "-"
+            each = row.get("ratio_rounds", {}).get(path)
+            spread = f" ({min(each):.2f}-{max(each):.2f})" if each else ""
+            return f"{mb[path] / mb['tls']:.2f}{spread}"
 
         def cpu(suffix: str, row: dict[str, Any] = row) -> str:
             value = row.get("switch_cpu_s_per_gb" + suffix)
             return f"{value:.2f}" if value is not None else "-"
 
-        gb = row["size_mib"] * MIB * row["count"] / 1e9
+        gb = row["size_mib"] * MIB * row["count"] * row.get("repeat", 1) / 1e9
 
         def parts(suffix: str, row: dict[str, Any] = row, gb: float = gb) -> str:
             split = row.get("cpu_s" + suffix)
             keys = ("a", "b", "sender", "receiver")
             return " / ".join(f"{split[k] / gb:.1f}" for k in keys if k in split) if split else "-"
 
+        rounds = f", {row['repeat']} rounds" if row.get("repeat", 1) > 1 else ""
         lines.append(
-            f"| {row['size_mib']} MiB x {row['count']} | {cell('relay')} | {cell('relay-raw')} "
+            f"| {row['size_mib']} MiB x {row['count']}{rounds} | {cell('relay')} | {cell('relay-raw')} "
             f"| {cell('tls')} | {cell('tcp')} | {cell('grpc')} | {cell('gloo')} "
             f"| {ratio('relay')} | {ratio('relay-raw')} "
             f"| {cpu('')} / {cpu('_raw')} | {parts('')}; {parts('_raw')} |"
@@ -502,6 +526,12 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per size and path, MiB")
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     parser.add_argument("--name", default="relay", help="file stem of the JSON and markdown")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds per size: the paths take turns each round; MB/s are the medians over the rounds",
+    )
     args = parser.parse_args()
 
     import torch
@@ -514,7 +544,16 @@ def main() -> None:
     result: dict[str, Any] = {
         "command": "make bench-relay  # .venv/bin/python bench/wan/relay.py "
         + " ".join(
-            ["--sizes", *map(str, args.sizes), "--total-mib", str(args.total_mib), "--paths", *args.paths]
+            [
+                "--sizes",
+                *map(str, args.sizes),
+                "--total-mib",
+                str(args.total_mib),
+                "--repeat",
+                str(args.repeat),
+                "--paths",
+                *args.paths,
+            ]
         ),
         "taken": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "load_before": load_info(),
@@ -536,30 +575,46 @@ def main() -> None:
         for index, size_mib in enumerate(args.sizes):
             count = count_for(size_mib, args.total_mib)
             tensor = torch.randn(size_mib * MIB // 4)
-            row: dict[str, Any] = {"size_mib": size_mib, "count": count, "mb_s": {}}
-            for path in args.paths:
-                if path in deployments:
-                    deployment = deployments[path]
-                    timed, cpu = bench_relay(deployment, tensor, count, index)
-                    suffix = "" if path == "relay" else "_raw"
-                    row["cpu_s" + suffix] = {k: round(v, 2) for k, v in cpu.items()}
-                    row["switch_cpu_s_per_gb" + suffix] = (cpu["a"] + cpu["b"]) / (timed.bytes / 1e9)
-                    row["link_connections_after" + suffix] = deployment.link_connections()
-                    row["link_transport" + suffix] = deployment.link_transport()
+            row: dict[str, Any] = {"size_mib": size_mib, "count": count, "repeat": args.repeat, "mb_s": {}}
+            rounds: dict[str, list[float]] = {path: [] for path in args.paths}
+            for repeat in range(args.repeat):  # the paths take turns, so every round shares the load
+                for path in args.paths:
+                    if path in deployments:
+                        deployment = deployments[path]
+                        timed, cpu = bench_relay(deployment, tensor, count, index * 1000 + repeat)
+                        suffix = "" if path == "relay" else "_raw"
+                        total = row.setdefault("cpu_s" + suffix, {})
+                        for key, value in cpu.items():
+                            total[key] = round(total.get(key, 0.0) + value, 2)
+                        relayed_gb = timed.bytes * (repeat + 1) / 1e9
+                        row["switch_cpu_s_per_gb" + suffix] = (total["a"] + total["b"]) / relayed_gb
+                        row["link_connections_after" + suffix] = deployment.link_connections()
+                        row["link_transport" + suffix] = deployment.link_transport()
+                        print(f"  CPU s: {cpu}; transport {row['link_transport' + suffix]}", flush=True)
+                    elif path == "tls":
+                        timed = bench_socket(tensor, count, tls_pair)
+                    elif path == "tcp":
+                        timed = bench_socket(tensor, count, None)
+                    elif path == "grpc":
+                        timed = bench_grpc(tensor, count)
+                    else:
+                        timed = bench_gloo(tensor, count)
+                    rounds[path].append(round(timed.mb_s, 1))
                     print(
-                        f"  CPU s: {row['cpu_s' + suffix]}; transport {row['link_transport' + suffix]}",
+                        f"{size_mib} MiB x {count} {path} (round {repeat + 1}): {timed.mb_s:.0f} MB/s",
                         flush=True,
                     )
-                elif path == "tls":
-                    timed = bench_socket(tensor, count, tls_pair)
-                elif path == "tcp":
-                    timed = bench_socket(tensor, count, None)
-                elif path == "grpc":
-                    timed = bench_grpc(tensor, count)
-                else:
-                    timed = bench_gloo(tensor, count)
-                row["mb_s"][path] = round(timed.mb_s, 1)
-                print(f"{size_mib} MiB x {count} {path}: {timed.mb_s:.0f} MB/s", flush=True)
+            row["mb_s"] = {path: statistics.median(values) for path, values in rounds.items()}
+            if args.repeat > 1:
+                row["mb_s_rounds"] = rounds
+                if "tls" in rounds:
+                    row["ratio_rounds"] = {
+                        path: [
+                            round(mb / tls, 2) for mb, tls in zip(rounds[path], rounds["tls"], strict=True)
+                        ]
+                        for path in ("relay", "relay-raw")
+                        if path in rounds
+                    }
             result["rows"].append(row)
     finally:
         for deployment in deployments.values():

@@ -139,16 +139,42 @@ def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
     return array.tobytes()
 
 
-def tensor_from_bytes(data: bytes | memoryview, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    """Build a writable tensor that owns a copy of little-endian ``data``.
+def tensor_bytes_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes ``tensor_to_bytes`` would return, as a read-only view of the tensor's memory (no copy).
 
-    Copying (rather than ``torch.frombuffer`` over the caller's bytes) keeps the
-    result valid after the payload buffer is released and avoids torch's warning
-    about read-only buffers. The caller must have checked the length.
+    For a sender that copies the bytes at once anyway (the edge frames every chunk as it queues the
+    tensor): the view is only valid while nobody writes to the tensor. A non-contiguous tensor is made
+    contiguous first (a copy), and on big-endian hosts the bytes are swapped into a copy.
+    """
+    flat = tensor.detach().contiguous().reshape(-1)
+    size = flat.element_size()
+    if sys.byteorder != "little" and size > 1:
+        return memoryview(tensor_to_bytes(flat))
+    array = flat.view(_TORCH_INT_VIEW[size]).numpy()
+    return memoryview(array).cast("B").toreadonly()
+
+
+def tensor_from_bytes(
+    data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: Sequence[int]
+) -> torch.Tensor:
+    """Build a writable tensor from little-endian ``data``: a copy, or the ``bytearray`` itself.
+
+    ``bytes`` and views are copied (rather than ``torch.frombuffer`` over the caller's
+    bytes), so the result stays valid after the payload buffer is released and never
+    aliases read-only memory. A ``bytearray`` is **adopted** on little-endian hosts: the
+    tensor is built over its memory (``torch.frombuffer``, no copy) and keeps it alive, so
+    the caller hands it over and must not write to it again -- the edge's receive buffer,
+    which nothing else holds once the frame is complete, is one. The caller must have
+    checked the length.
     """
     size = element_size(dtype)
+    dims = tuple(int(dim) for dim in shape)
+    if type(data) is bytearray and (sys.byteorder == "little" or size == 1):
+        if not data:
+            return torch.empty(dims, dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).reshape(dims)
     array = np.frombuffer(data, dtype=_NUMPY_LE_INT[size]).astype(_NUMPY_NATIVE_INT[size], copy=True)
-    return torch.from_numpy(array).view(dtype).reshape(tuple(int(dim) for dim in shape))
+    return torch.from_numpy(array).view(dtype).reshape(dims)
 
 
 def value_range(tensor: torch.Tensor) -> tuple[float, float]:

@@ -30,7 +30,6 @@ arguments to the constructors. ``auto`` is a spec value too: it must be resolved
 
 from __future__ import annotations
 
-import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 from nebula_common.codec.base import Codec, CodecError, check_input, reconstruction_error, tensor_to_bytes
+from nebula_common.codec.checksum import crc32
 from nebula_common.codec.registry import format_spec, get_codec, register_codec
 from nebula_common.codec.wire import EncodedTensor, WireFormatError, decode_tensor, encode_tensor
 from nebula_common.proto.nebula.v1 import tensor_pb2
@@ -260,7 +260,7 @@ def _sample_ids(ids: Sequence[int] | None, tensor_rows: int, what: str) -> list[
 
 def _base_checksum(base: torch.Tensor) -> int:
     """CRC-32 of the base's little-endian bytes: what ``TensorHeader.delta_base_checksum`` carries."""
-    return zlib.crc32(tensor_to_bytes(base))
+    return crc32(tensor_to_bytes(base))
 
 
 @dataclass
@@ -319,9 +319,12 @@ class TensorStreamEncoder:
         *,
         step: int,
         sample_ids: Sequence[int] | None = None,
+        borrow: bool = False,
         **header_fields: Any,
     ) -> EncodedTensor:
-        """Encode one tensor of ``step``; ``sample_ids`` name the rows (required with delta)."""
+        """Encode one tensor of ``step``; ``sample_ids`` name the rows (required with delta).
+
+        ``borrow``: see ``encode_tensor`` (a codec ``none`` payload viewing the tensor, not a copy)."""
         config = self.config
         x = check_input(tensor)
         spec = config.spec_for_step(step)
@@ -350,7 +353,13 @@ class TensorStreamEncoder:
             if residual is not None:
                 target = target + residual
         encoded = encode_tensor(
-            target, spec, state=self._state, delta_base_checksum=base_crc, step=step, **header_fields
+            target,
+            spec,
+            state=self._state,
+            delta_base_checksum=base_crc,
+            borrow=borrow,
+            step=step,
+            **header_fields,
         )
         need_decoded = use_ef or self._cache is not None or self.measure_error
         if need_decoded:

@@ -10,7 +10,6 @@ error, never as a crash in torch or numpy and never as a silently wrong tensor.
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +23,11 @@ from nebula_common.codec.base import (
     dtype_name,
     element_size,
     numel,
+    tensor_bytes_view,
     tensor_from_bytes,
     tensor_to_bytes,
 )
+from nebula_common.codec.checksum import crc32
 from nebula_common.codec.registry import get_codec
 from nebula_common.proto.nebula.v1 import tensor_pb2
 
@@ -79,7 +80,7 @@ def header_checksum(header: tensor_pb2.TensorHeader, payload: bytes | memoryview
             _U64.pack(header.delta_base_checksum),
         ]
     )
-    return zlib.crc32(payload, zlib.crc32(meta))
+    return crc32(payload, crc32(meta))
 
 
 class WireFormatError(CodecError):
@@ -91,7 +92,9 @@ class EncodedTensor:
     """An encoded tensor ready for the WAN: the header describes the payload completely."""
 
     header: tensor_pb2.TensorHeader
-    payload: bytes
+    payload: bytes | bytearray | memoryview
+    """The encoded bytes: ``bytes`` from a codec, a view of the tensor when encoded with ``borrow``,
+    the edge's receive buffer (a ``bytearray``, adopted by the decoder) on the receiving side."""
     note: str = ""
     """Why the codec did not use its preferred layout (e.g. low rank fell back to its inner codec)."""
 
@@ -108,6 +111,7 @@ def encode_tensor(
     *,
     state: dict[str, object] | None = None,
     delta_base_checksum: int | None = None,
+    borrow: bool = False,
     **header_fields: Any,
 ) -> EncodedTensor:
     """Encode ``tensor`` with the codec ``spec`` and build its header.
@@ -118,6 +122,9 @@ def encode_tensor(
     ``state`` is the per-stream codec state (see ``Codec.encode``);
     ``delta_base_checksum`` marks the payload as a difference from the receiver's
     per-sample cache whose CRC-32 it is (set by ``TensorStreamEncoder``).
+    ``borrow``: with codec ``none`` the payload is a read-only view of the tensor's memory
+    (``tensor_bytes_view``) instead of a copy, for a caller that copies it before the tensor can
+    change (the edge, which frames the whole payload while it queues it).
     """
     unknown = set(header_fields) - HEADER_FIELDS
     if unknown:
@@ -126,7 +133,10 @@ def encode_tensor(
         )
     codec = get_codec(spec)
     tensor = check_input(tensor)
-    payload = codec.encode(tensor, state)
+    if borrow and codec.spec == "none":
+        payload: bytes | memoryview = tensor_bytes_view(tensor)
+    else:
+        payload = codec.encode(tensor, state)
     shape = tuple(tensor.shape)
     bound = codec.encoded_size(shape, tensor.dtype)
     if len(payload) > bound or (not codec.variable_size and len(payload) != bound):
@@ -242,8 +252,12 @@ Codecs compress floating tensors only; an integer tensor is never quantized or
 sparsified, whatever the edge's float codec is, so ids arrive bit-exact."""
 
 
-def encode_integer_tensor(tensor: torch.Tensor, **header_fields: Any) -> EncodedTensor:
-    """Encode an integer tensor exactly: codec ``none``, the raw bytes, the same checksummed header."""
+def encode_integer_tensor(
+    tensor: torch.Tensor, *, borrow: bool = False, **header_fields: Any
+) -> EncodedTensor:
+    """Encode an integer tensor exactly: codec ``none``, the raw bytes, the same checksummed header.
+
+    ``borrow``: the payload is a view of the tensor's memory, as in ``encode_tensor``."""
     unknown = set(header_fields) - HEADER_FIELDS
     if unknown:
         raise TypeError(f"encode_integer_tensor got unexpected header fields {sorted(unknown)}")
@@ -253,7 +267,7 @@ def encode_integer_tensor(tensor: torch.Tensor, **header_fields: Any) -> Encoded
         raise CodecError(f"exact integer payloads are {', '.join(INTEGER_DTYPES)}, got {got}")
     if tensor.device.type != "cpu" or tensor.layout != torch.strided:
         raise CodecError(f"integer payloads must be dense CPU tensors, got {tensor.device} {tensor.layout}")
-    payload = tensor_to_bytes(tensor)
+    payload = tensor_bytes_view(tensor) if borrow else tensor_to_bytes(tensor)
     header = tensor_pb2.TensorHeader(
         dtype=names[tensor.dtype],
         shape=tuple(tensor.shape),

@@ -109,10 +109,16 @@ class EdgeConnection:
             job_id=self.job_id, edge=self.edge, direction=self.send_direction, micro_batch=micro_batch
         )
 
+        # ``borrow``: a codec-``none`` payload is a view of ``tensor``, not a copy; the session frames
+        # (copies) all of it before enqueue_tensor returns, so the caller may change the tensor after.
         def build(frame_id: int) -> EncodedTensor:
             if tensor.dtype in _INTEGER_TYPES:
-                return encode_integer_tensor(tensor.detach(), step=step, frame_id=frame_id, **fields)
-            return self._encoder.encode(tensor, step=step, sample_ids=sample_ids, frame_id=frame_id, **fields)
+                return encode_integer_tensor(
+                    tensor.detach(), borrow=True, step=step, frame_id=frame_id, **fields
+                )
+            return self._encoder.encode(
+                tensor, step=step, sample_ids=sample_ids, frame_id=frame_id, borrow=True, **fields
+            )
 
         encoded = self.session.enqueue_tensor(build)
         self.stats.bytes_sent += encoded.header.payload_size

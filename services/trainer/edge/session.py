@@ -822,7 +822,7 @@ class EdgeSession:
             return
         self._assembly = None
         # The frame's buffer becomes the payload as is (no copy): nothing else holds it any more.
-        self._complete_locked(EncodedTensor(header=assembly.header, payload=assembly.payload))  # type: ignore[arg-type]
+        self._complete_locked(EncodedTensor(header=assembly.header, payload=assembly.payload))
 
     def _on_signal_locked(self, message: relay_pb2.EdgeMessage) -> None:
         signal = message.signal
