@@ -22,18 +22,20 @@ SIGNAL_KIND_EVAL_DONE: SignalKind
 SIGNAL_KIND_RESUME: SignalKind
 
 class EdgeOpen(_message.Message):
-    __slots__ = ("job_id", "edge", "reconnect", "epoch", "link_framing")
+    __slots__ = ("job_id", "edge", "reconnect", "epoch", "link_framing", "peer_cluster")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EDGE_FIELD_NUMBER: _ClassVar[int]
     RECONNECT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LINK_FRAMING_FIELD_NUMBER: _ClassVar[int]
+    PEER_CLUSTER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     edge: str
     reconnect: bool
     epoch: int
     link_framing: int
-    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., reconnect: _Optional[bool] = ..., epoch: _Optional[int] = ..., link_framing: _Optional[int] = ...) -> None: ...
+    peer_cluster: str
+    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., reconnect: _Optional[bool] = ..., epoch: _Optional[int] = ..., link_framing: _Optional[int] = ..., peer_cluster: _Optional[str] = ...) -> None: ...
 
 class EdgeClose(_message.Message):
     __slots__ = ("reason", "error")
