@@ -26,10 +26,13 @@ import pytest
 import torch
 from cryptography import x509
 
+from nebula_common.clients.endpoints import ClusterEndpoints
+from nebula_common.errors import NebulaError
 from nebula_common.pki import PkiLayout, init_pki
 from nebula_common.pki.store import revoke_certificate
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc
 from nebula_common.rpc import bearer_metadata
+from nebula_common.sdk.client import ClusterSession
 from services.trainer.edge import EdgeConnection, EdgeSettings
 from tests.support.edges import wait_for
 from tests.support.switch_mesh import Chain, switch_chain
@@ -170,6 +173,21 @@ def test_an_edge_to_an_unknown_or_unnamed_peer_is_refused_clearly(chain: Chain) 
     ):
         relay_pb2_grpc.RelayStub(channel).GetLinkStatus(request, metadata=bearer_metadata(chain.tokens["b"]))
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    # The SDK asks for one peer's link the same way.
+    endpoints = ClusterEndpoints(
+        cluster_id="b",
+        auth=chain.auths["b"].address,
+        trainer="127.0.0.1:1",  # not called here
+        switch=chain.switches["b"].internal_address,
+    )
+    session = ClusterSession(endpoints, chain.tokens["b"], "admin")
+    try:
+        assert session.link_status("c").connected and session.link_status("c").expected_peer == "c"
+        assert session.link_status().expected_peer == "a"  # the first configured peer
+        with pytest.raises(NebulaError, match="no link to cluster 'z'"):
+            session.link_status("z")
+    finally:
+        session.close()
 
 
 def _link_stays_up(chain: Chain, peer: str) -> Callable[[], None]:
