@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-# 17 processes, one after another: ~40 s on an idle 2-CPU machine, over 3 min at load 20.
+# 17 processes, one after another: over 4 min on 2 CPUs at load 20.
 START_DEADLINE_S = 360.0
 CLUSTERS = ("a", "b", "c")
+E2E_ENV = "NEBULA_THREE_CLUSTERS_E2E"
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -51,6 +52,10 @@ def _links_up(metrics_port: int) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.MULTILINE)}
 
 
+@pytest.mark.skipif(
+    not os.environ.get(E2E_ENV),
+    reason=f"17 processes, 4 min on busy cores: `make test-three-clusters` (sets {E2E_ENV}=1)",
+)
 def test_local_up_three_clusters_links_every_pair_and_status_shows_them(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     started = time.monotonic()
