@@ -1,4 +1,4 @@
-"""`nebula local up | down | status`: simulated clusters (two, or --clusters N) on this machine."""
+"""`nebula local up | down | status`: two simulated clusters on this machine until interrupted."""
 
 from __future__ import annotations
 
