@@ -178,8 +178,6 @@ def status(
         typer.echo(f"no deployment is running in {run_dir}")
     else:
         typer.echo(f"deployment in {run_dir} is up (nebula local up pid {result['pid']})")
-        if result.get("clusters"):
-            typer.echo(f"  clusters: {', '.join(result['clusters'])}")
         for name, service in result["services"].items():
             alive = "alive" if service["alive"] else "NOT ALIVE"
             ports = ", ".join(f"{k} {v}" for k, v in sorted(service["ports"].items()))
@@ -187,6 +185,8 @@ def status(
                 f"  {name:14} pid {service['pid']} {alive}, {service['state']}, "
                 f"{service['restarts']} restarts; {ports}"
             )
+        if result.get("clusters"):
+            typer.echo(f"  clusters: {', '.join(result['clusters'])}")
         if "error" in result:
             typer.echo(result["error"], err=True)
     if not result["running"]:
