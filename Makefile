@@ -173,7 +173,8 @@ test-orgs: $(STAMP)
 	NEBULA_ORGS_E2E=1 $(BIN)/pytest -q tests/integration/test_cluster_up.py tests/integration/test_org_revocation.py $(PYTEST_ARGS)
 
 # Three clusters on one machine: `nebula local up --clusters 3` links every pair of switches; `local
-# status` lists a, b, c; every link is up (17 processes: about 4 min on 2 cores at load 20). Not in `make test`.
+# status` lists a, b, c; every link is up (17 processes started one after another: 4-7 min on 2 busy cores).
+# Not in `make test`.
 .PHONY: test-three-clusters
 test-three-clusters: $(STAMP)
 	NEBULA_THREE_CLUSTERS_E2E=1 $(BIN)/pytest -q -s tests/integration/test_local_three_clusters.py $(PYTEST_ARGS)

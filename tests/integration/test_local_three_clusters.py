@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-# 17 processes, one after another: over 4 min on 2 CPUs at load 20.
-START_DEADLINE_S = 360.0
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+# 17 processes, one after another: 4.2 min on 2 CPUs at load 20, over 6 min at load 30-37.
+START_DEADLINE_S = 600.0
 CLUSTERS = ("a", "b", "c")
 E2E_ENV = "NEBULA_THREE_CLUSTERS_E2E"
 
