@@ -79,6 +79,11 @@ def test_only_switches_and_emulators_are_on_the_wan_and_ports_stay_on_loopback()
         for host, _, container_port in _published(svc):
             assert host == "127.0.0.1", f"{name} publishes beyond loopback"
             assert container_port != WAN_PORT, f"{name} publishes the WAN port"
+    # Host ports apart from the two-cluster file's, so both deployments can run side by side.
+    two = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    ports_two = {port for svc in two.values() for _, port, _ in _published(svc)}
+    ports_three = [port for svc in services.values() for _, port, _ in _published(svc)]
+    assert len(ports_three) == len(set(ports_three)) and not set(ports_three) & ports_two
     mounted = {source for svc in services.values() for source, _, _ in _volume_mounts(svc)}
     assert mounted <= set(yaml.safe_load(COMPOSE_3.read_text())["volumes"])
     exported = {source for source, _, _ in _volume_mounts(services["pki-init"])}
