@@ -52,9 +52,8 @@ def test_three_cluster_overlay_renders_a_switch_linked_to_both_others(
 ) -> None:
     docs = _render(cluster)
     assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"nebula"}
-    assert sorted(d["metadata"]["name"] for d in docs if d["kind"] == "Deployment") == [
-        f"nebula-{s}" for s in ("auth", "codec", "data", "switch", "trainer")
-    ]
+    workloads = {d["metadata"]["name"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+    assert workloads == {f"nebula-{s}" for s in ("auth", "codec", "data", "switch", "trainer")}
     env, declared = _switch_env(docs)
     _check_env_names(f"three-clusters/cluster-{cluster}", ["nebula-switch"], declared)
     settings = _build_settings(monkeypatch, ["nebula-switch"], env)
