@@ -33,6 +33,17 @@ COMPOSE_3 = ROOT / "docker" / "compose-3clusters.yml"
 CLUSTERS = ("a", "b", "c")
 
 
+def test_the_file_is_fresh_from_the_two_cluster_file() -> None:
+    """It is generated: a change to docker-compose.yml must be carried over by the generator."""
+    spec = importlib.util.spec_from_file_location("build3", ROOT / "tools" / "build_compose_3clusters.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert COMPOSE_3.read_text() == module.build(), (
+        f"{COMPOSE_3} is stale: run `python tools/build_compose_3clusters.py`"
+    )
+
+
 def _services() -> dict[str, dict[str, Any]]:
     return yaml.safe_load(COMPOSE_3.read_text())["services"]
 
