@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from nebula_common.codec import CodecError, get_codec
 from nebula_common.errors import InvalidRequestError
+from nebula_common.pretrained import PretrainedError, declared_dirs, dir_problems, resolve_dirs
 from nebula_common.safe_yaml import YamlInputError, decode_text, load_yaml_file, load_yaml_text
 
 MAX_MODULE_BYTES = 4 << 20  # shipped in one gRPC message with the stage spec
@@ -337,7 +338,33 @@ def parse_spec(data: Any, *, base_dir: Path, origin: str = "spec") -> LoadedJob:
         stage.name: _check_module(stage, i, (base_dir / stage.module).resolve(), origin, spec.pipeline.mode)
         for i, stage in enumerate(spec.stages)
     }
-    return LoadedJob(spec=spec, modules=modules)
+    return LoadedJob(spec=_pretrained_dirs(spec, modules, base_dir, origin), modules=modules)
+
+
+def _pretrained_dirs(spec: JobSpec, modules: dict[str, StageModule], base_dir: Path, origin: str) -> JobSpec:
+    """Resolve the pre-trained directories a module declares against the spec's folder, and check them.
+
+    A relative path is on the submitter's machine, so it is checked here; an absolute one names a
+    directory in the stage's cluster, checked by that cluster's trainer before the stage starts.
+    """
+    stages = []
+    for index, stage in enumerate(spec.stages):
+        module = modules[stage.name]
+        try:
+            declared = declared_dirs(module.source, str(module.path))
+        except PretrainedError as exc:
+            raise SpecError(f"{origin}: stages.{index}.module: {exc}") from None
+        local = {
+            name: rules
+            for name, rules in declared.items()
+            if isinstance(stage.options.get(name), str) and not Path(stage.options[name]).is_absolute()
+        }
+        options = resolve_dirs(stage.options, declared, base_dir)
+        problems = dir_problems(options, local, f"stages.{index}.options")
+        if problems:
+            raise SpecError("\n".join(f"{origin}: {problem}" for problem in problems))
+        stages.append(stage.model_copy(update={"options": options}))
+    return spec.model_copy(update={"stages": stages})
 
 
 SpecSource = Path | str | Mapping[str, Any]

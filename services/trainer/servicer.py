@@ -123,7 +123,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         # The one place a StageSpec is accepted: every check (and any future policy) runs here,
         # before a runner exists.
         try:
-            validate_stage_spec(spec)
+            # In a thread: a pre-trained directory's check reads files and may import transformers.
+            await asyncio.to_thread(validate_stage_spec, spec)
         except InvalidRequestError as exc:
             await self._record(
                 "job.submit", outcome="refused", account=account, job_id=job_id, details={"reason": str(exc)}

@@ -9,6 +9,7 @@ from nebula_common.codec import CodecError
 from nebula_common.codec.stream import canonical_spec
 from nebula_common.errors import InvalidRequestError
 from nebula_common.jobspec.spec import sharding_problem
+from nebula_common.pretrained import PretrainedError, declared_dirs, dir_problems
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from services.trainer.runtime.program import hot_start_problems
 from services.trainer.runtime.schedule import SCHEDULES
@@ -53,6 +54,15 @@ def validate_stage_spec(spec: trainer_pb2.StageSpec) -> None:
         raise InvalidRequestError("invalid stage spec: " + "; ".join(problems))
 
 
+def _pretrained_problems(cfg: trainer_pb2.ProgramStage, options: dict) -> list[str]:
+    """The pre-trained directories the module declares, checked in this cluster (config + headers only)."""
+    try:
+        declared = declared_dirs(cfg.module_source, cfg.module_name or "<stage>")
+    except PretrainedError as exc:
+        return [f"program.module_source: {exc}"]
+    return dir_problems(options, declared, "program.options")
+
+
 def _program_problems(cfg: trainer_pb2.ProgramStage) -> list[str]:
     problems: list[str] = []
     if cfg.role not in ROLES:
@@ -68,6 +78,8 @@ def _program_problems(cfg: trainer_pb2.ProgramStage) -> list[str]:
         options = json.loads(cfg.options_json or "{}")
         if not isinstance(options, dict):
             problems.append("program.options_json must be a JSON object")
+        else:
+            problems += _pretrained_problems(cfg, options)
     except ValueError as exc:
         problems.append(f"program.options_json: {exc}")
     if cfg.micro_batches < 1:

@@ -87,7 +87,15 @@ def serve(config: dict[str, object]) -> None:
     span = datetime.timedelta(seconds=timeout)
     # c10d rendezvous of the ranks, as torchrun's workers do (env://: MASTER_ADDR/PORT, RANK, WORLD_SIZE;
     # under torchrun, its agent's store).
-    join_compute_group(None, rank, world, timeout)
+    device = join_compute_group(None, rank, world, timeout)
+    log.info(
+        "rank %d of %d: %s group on %s (c10d rendezvous through %s)",
+        rank,
+        world,
+        dist.get_backend(),
+        device,
+        "torchrun's agent store" if os.environ.get("TORCHELASTIC_RUN_ID") else "MASTER_ADDR/MASTER_PORT",
+    )
     trainer = dist.TCPStore(
         str(config["trainer_host"]),
         int(config["trainer_port"]),

@@ -88,3 +88,48 @@ def test_learned_bottleneck_shrinks_both_directions_by_d_over_k_on_the_wire(
     for direction in ("forward", "backward"):
         assert raw[0][direction] > 0
         assert raw[k][direction] * d_model == raw[0][direction] * k, (direction, raw)
+
+
+@pytest.mark.timeout(480)  # two tiny HF models saved, a 3-step job, a refusal; transformers loads slowly
+def test_abnet_from_two_local_hf_directories_and_a_broken_one_refused_by_the_trainer(
+    deployment: LocalDeployment, sessions: dict[str, ClusterSession], tmp_path: Path
+) -> None:
+    """The encoder and decoder come from HF-format folders (tiny BERT and GPT-2, save_pretrained).
+
+    Frozen weights come out of real split training bit-identical to the saved safetensors; a folder
+    without weights, named by an absolute path (the cluster's, unchecked by the submitter), is refused
+    by the trainer's validation naming the option and the path, and no stage is left running.
+    """
+    from safetensors.torch import load_file
+
+    from nebula_common.errors import NebulaError
+    from nebula_common.sdk.job_records import list_stage_infos
+    from tests.unit.test_pretrained_dirs import D_MODEL, _save_models
+
+    dirs = _save_models(tmp_path)
+    options = {"d_model": D_MODEL, "n_layers": 2, "bottleneck": 16}
+    overrides = {
+        **SMALL,
+        **{f"stages.{i}.options.{k}": v for i in (0, 1) for k, v in options.items()},
+        "stages.0.options.encoder_dir": str(dirs["encoder"]),
+        "stages.1.options.decoder_dir": str(dirs["decoder"]),
+    }
+    job = ProgramJob(load_spec(BUILTIN_DIR / "abnet" / "job.yaml", overrides))
+    summary = summarize(job, submit_job(job, sessions))
+    assert summary.succeeded, summary.stage_messages
+    for stage in ("encoder", "decoder"):
+        tuned = torch.load(stage_file(deployment, job, stage, "step-3/model.pt"), weights_only=True)
+        saved = load_file(str(dirs[stage] / "model.safetensors"))
+        frozen = [name for name in saved if f"model.{name}" in tuned]
+        assert len(frozen) >= len(saved) - 1, (stage, len(frozen), len(saved))
+        for name in frozen:
+            assert torch.equal(tuned[f"model.{name}"], saved[name]), name
+
+    (dirs["encoder"] / "model.safetensors").unlink()
+    broken = ProgramJob(load_spec(BUILTIN_DIR / "abnet" / "job.yaml", overrides))
+    with pytest.raises(NebulaError) as refused:
+        submit_job(broken, sessions)
+    message = str(refused.value)
+    assert f"program.options.encoder_dir: {dirs['encoder']}: no model.safetensors" in message, message
+    for session in sessions.values():  # refused before any cluster started a stage of it
+        assert not list_stage_infos(session, broken.job_id), session.endpoints.cluster_id

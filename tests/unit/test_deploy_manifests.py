@@ -179,7 +179,14 @@ def _k8s_env(container: dict[str, Any], config: dict[str, str]) -> dict[str, str
 
 
 def _deployments() -> dict[str, dict[str, Any]]:
-    return {doc["metadata"]["name"]: doc for _, doc in _k8s_kind("Deployment")}
+    """The base's workloads (Deployments and the trainer's StatefulSet), by name."""
+    base = K8S / "base"
+    return {
+        doc["metadata"]["name"]: doc
+        for kind in ("Deployment", "StatefulSet")
+        for path, doc in _k8s_kind(kind)
+        if base in path.parents
+    }
 
 
 def _containers() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
@@ -483,7 +490,14 @@ def test_every_k8s_yaml_parses_and_has_a_kind() -> None:
     for path, doc in docs:
         assert doc.get("apiVersion") and doc.get("kind"), f"{path}: not a Kubernetes/kustomize object"
     kinds = {doc["kind"] for _, doc in docs}
-    assert {"Deployment", "Service", "NetworkPolicy", "PersistentVolumeClaim", "Kustomization"} <= kinds
+    assert {
+        "Deployment",
+        "StatefulSet",
+        "Service",
+        "NetworkPolicy",
+        "PersistentVolumeClaim",
+        "Kustomization",
+    } <= kinds
     assert set(_deployments()) == set(SERVICES)
 
 
@@ -672,11 +686,14 @@ def test_kustomize_builds(overlay: str) -> None:
     invalid = [error for doc in docs for error in k8s_schemas.errors(doc)]  # strict: unknown fields too
     assert not invalid, "\n".join(invalid)
     assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"nebula"}
-    claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
-    assert sorted(claims) == [f"nebula-{s}-data" for s in ("auth", "data", "switch", "trainer")]
+    claims = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    assert sorted(claims) == [f"nebula-{s}-data" for s in ("auth", "data", "switch")]
+    # The trainer's claim is one per pod, from its StatefulSet's template (data-nebula-trainer-0).
+    (trainer,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "nebula-trainer"]
+    claims.update({t["metadata"]["name"]: t["spec"] for t in trainer["spec"]["volumeClaimTemplates"]})
     for claim in claims.values():
-        assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
-        assert claim["spec"]["resources"]["requests"]["storage"]
+        assert claim["accessModes"] == ["ReadWriteOnce"]
+        assert claim["resources"]["requests"]["storage"]
     (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
     assert config["data"]["cluster_id"] == overlay
     for deployment in (d for d in docs if d["kind"] == "Deployment"):  # the rendered CRL mount
@@ -720,8 +737,13 @@ def test_service_state_lives_on_named_volumes_and_persistent_volume_claims() -> 
             stateful_seen.add(container["command"][0])
             assert len(data_dirs) == 1, f"{name}: no data directory setting"
         pod_volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        templates = {
+            t["metadata"]["name"] for t in _deployments()[name]["spec"].get("volumeClaimTemplates", [])
+        }
         mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
         for data_dir in data_dirs:
+            if mounts[data_dir] in templates:  # a StatefulSet's claim per pod
+                continue
             volume = pod_volumes[mounts[data_dir]]
             assert volume.get("persistentVolumeClaim", {}).get("claimName") in claims, f"{name}: {volume}"
     assert stateful_seen == STATEFUL

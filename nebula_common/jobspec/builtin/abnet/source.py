@@ -5,6 +5,11 @@ bottleneck's down-projection (``nebula_common.zoo.bottleneck``): states of width
 ``cut_k`` cross instead of ``d_model``, and so do their gradients. ``load_eval_examples`` is the held-out
 split's Spanish side: after training, the runtime encodes each of its batches
 once and sends the states to T, which decodes them.
+
+``encoder_dir``: a local Hugging Face-format encoder (``config.json`` + ``model.safetensors``, e.g. a
+BERT written by ``save_pretrained``) to start from instead of ``pretrained``; its ``hidden_size`` is
+``d_model`` and its vocabulary covers the job's tokenizer (``nebula_common.pretrained`` checks both
+before the stage starts).
 """
 
 from typing import Any
@@ -12,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nebula_common.pretrained import load_dir
 from nebula_common.zoo.adapters import (
     AdapterTransformerEncoder,
     CutEncoder,
@@ -20,17 +26,38 @@ from nebula_common.zoo.adapters import (
     load_pretrained,
 )
 from nebula_common.zoo.bottleneck import DownProjection
+from nebula_common.zoo.hf_adapters import PretrainedAdapterEncoder
 from nebula_common.zoo.text_data import encode, side, side_tokenizer, split_pairs
+
+PRETRAINED_DIRS = {
+    "encoder_dir": {
+        "class": "AutoModel",
+        "hidden_size": "== d_model",
+        "vocab_size": ">= vocab_size",
+        "max_position_embeddings": ">= length",
+    }
+}
 
 
 def build(options: dict[str, Any]) -> nn.Module:
-    vocab = side_tokenizer("es", options["vocab_size"], options["held_out_percent"]).get_vocab_size()
-    plm = LanguageModel(
-        vocab, options["length"], options["d_model"], options["n_heads"], options["n_layers"], causal=False
-    )
-    encoder = AdapterTransformerEncoder(
-        load_pretrained(plm, options.get("pretrained")), options["bottleneck"]
-    )
+    encoder: nn.Module
+    if options.get("encoder_dir"):
+        encoder = PretrainedAdapterEncoder(
+            load_dir(options["encoder_dir"], "AutoModel"), options["bottleneck"]
+        )
+    else:
+        vocab = side_tokenizer("es", options["vocab_size"], options["held_out_percent"]).get_vocab_size()
+        plm = LanguageModel(
+            vocab,
+            options["length"],
+            options["d_model"],
+            options["n_heads"],
+            options["n_layers"],
+            causal=False,
+        )
+        encoder = AdapterTransformerEncoder(
+            load_pretrained(plm, options.get("pretrained")), options["bottleneck"]
+        )
     basis = cut_basis(options)
     if basis is None:
         return encoder

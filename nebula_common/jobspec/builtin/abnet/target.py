@@ -6,6 +6,10 @@ its learned residual). Each example is (English text, token ids):
 the ids train the decoder, the text is the BLEU reference. After training the
 runtime hands ``decode`` each held-out batch's encoder states from S (sent once
 per batch); decoding is greedy and stays in T, and so does ``score``.
+
+``decoder_dir``: a local Hugging Face-format causal LM (``config.json`` + ``model.safetensors``, e.g. a
+GPT-2 written by ``save_pretrained``) to start from instead of ``pretrained``; its ``hidden_size`` is
+``d_model`` and its vocabulary covers the job's tokenizer (checked before the stage starts).
 """
 
 from typing import Any
@@ -15,6 +19,7 @@ import torch
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 from torch import nn
 
+from nebula_common.pretrained import load_dir
 from nebula_common.zoo.adapters import (
     AdapterTransformerDecoder,
     CutDecoder,
@@ -23,25 +28,39 @@ from nebula_common.zoo.adapters import (
     load_pretrained,
 )
 from nebula_common.zoo.bottleneck import UpProjection
+from nebula_common.zoo.hf_adapters import PretrainedAdapterDecoder
 from nebula_common.zoo.text_data import decode as decode_ids
 from nebula_common.zoo.text_data import encode, side, side_tokenizer, split_pairs
 
 Example = tuple[str, list[int]]
+PRETRAINED_DIRS = {
+    "decoder_dir": {
+        "class": "AutoModelForCausalLM",
+        "hidden_size": "== d_model",
+        "vocab_size": ">= vocab_size",
+        "max_position_embeddings": ">= length",
+    }
+}
 
 
 def build(options: dict[str, Any]) -> nn.Module:
     tokenizer = side_tokenizer("en", options["vocab_size"], options["held_out_percent"])
-    plm = LanguageModel(
-        tokenizer.get_vocab_size(),
-        options["length"],
-        options["d_model"],
-        options["n_heads"],
-        options["n_layers"],
-        causal=True,
-    )
-    model = AdapterTransformerDecoder(
-        load_pretrained(plm, options.get("pretrained")), options["n_heads"], options["bottleneck"]
-    )
+    model: nn.Module
+    if options.get("decoder_dir"):
+        hf = load_dir(options["decoder_dir"], "AutoModelForCausalLM")
+        model = PretrainedAdapterDecoder(hf, options["n_heads"], options["bottleneck"])
+    else:
+        plm = LanguageModel(
+            tokenizer.get_vocab_size(),
+            options["length"],
+            options["d_model"],
+            options["n_heads"],
+            options["n_layers"],
+            causal=True,
+        )
+        model = AdapterTransformerDecoder(
+            load_pretrained(plm, options.get("pretrained")), options["n_heads"], options["bottleneck"]
+        )
     basis = cut_basis(options)
     if basis is not None:
         up = UpProjection(
