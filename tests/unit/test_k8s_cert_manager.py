@@ -206,8 +206,8 @@ def test_an_acme_issuer_is_checked_down_to_its_solvers() -> None:
 def test_rendered_org_overlay_keeps_the_hardening_of_the_base(cluster: str) -> None:
     """As tests/unit/test_deploy_manifests.py checks the base: the org overlays change none of it."""
     docs = _render(cluster)
-    deployments = [d for d in docs if d["kind"] == "Deployment"]
-    assert len(deployments) == 5
+    deployments = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]  # the trainer: StatefulSet
+    assert len(deployments) == 5, [d["metadata"]["name"] for d in deployments]
     for deployment in deployments:
         name, pod = deployment["metadata"]["name"], deployment["spec"]["template"]["spec"]
         assert (
