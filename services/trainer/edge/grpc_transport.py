@@ -73,8 +73,11 @@ class GrpcEdgeTransport:
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 5.0,
         epoch: int = 0,
+        peer_cluster: str = "",
     ) -> None:
         self.epoch = epoch
+        self.peer_cluster = peer_cluster
+        """The cluster at the other end of the edge (EdgeOpen.peer_cluster; empty: the switch's only peer)."""
         self.switch_address = switch_address
         self.token = token
         self.job_id = job_id
@@ -124,6 +127,7 @@ class GrpcEdgeTransport:
                         reconnect=ever_ready,
                         epoch=self.epoch,
                         link_framing=LINK_FRAMING_VERSION,
+                        peer_cluster=self.peer_cluster,
                     )
                 )
             )
