@@ -8,6 +8,7 @@ This script copies, per cluster ``<c>``:
     /pki/<c>/switch.key        -> <out>/switch-<c>/tls.key
     /pki/<c>/trust-bundle.pem  -> <out>/switch-<c>/trust-bundle.pem
     /pki/<c>/trust/<peer>.crl.pem -> <out>/switch-<c>/peer-crl.pem  (the peer CA's CRL)
+                               (three or more clusters: peer-crl-<peer>.pem, one per peer)
     /pki/<c>/admin-password    -> <out>/auth-<c>/admin-password   (generated once if absent)
     /pki/<c>/services/<svc>/{ca.crt,service.crt,service.key}
                                -> <out>/<svc>-<c>-internal-tls/   (each service's internal identity)
@@ -60,12 +61,15 @@ def _admin_password(cluster_dir: Path) -> bytes:
     return path.read_bytes().strip()
 
 
-def _peer(cluster: str, clusters: list[str]) -> str:
-    """The one cluster this cluster's switch links to (the WAN link joins exactly two)."""
+def _peer_crls(src: Path, cluster: str, clusters: list[str]) -> dict[str, Path]:
+    """The peer CRL file(s) of this cluster's switch: ``peer-crl.pem`` for its one peer, or with three
+    or more clusters (every switch linked to every other) ``peer-crl-<peer>.pem`` for each."""
     peers = [c for c in clusters if c != cluster]
-    if len(peers) != 1:
-        raise SystemExit(f"pki-init: a switch links exactly one peer; clusters {clusters} give {peers}")
-    return peers[0]
+    if not peers:
+        raise SystemExit(f"pki-init: cluster {cluster} has no peer among {clusters}")
+    if len(peers) == 1:
+        return {"peer-crl.pem": src / "trust" / f"{peers[0]}.crl.pem"}
+    return {f"peer-crl-{peer}.pem": src / "trust" / f"{peer}.crl.pem" for peer in peers}
 
 
 SERVICES = ("auth", "codec", "data", "switch", "trainer")
@@ -106,7 +110,7 @@ def export(
             "tls.crt": src / "switch.crt",
             "tls.key": src / "switch.key",
             "trust-bundle.pem": src / "trust-bundle.pem",
-            "peer-crl.pem": src / "trust" / f"{_peer(cluster, clusters)}.crl.pem",
+            **_peer_crls(src, cluster, clusters),
         }
         missing = [str(p) for p in switch_files.values() if not p.is_file()]
         if missing:

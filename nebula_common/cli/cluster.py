@@ -1,4 +1,4 @@
-"""`nebula cluster up`: one organisation's cluster, its switch pointed at one peer organisation."""
+"""`nebula cluster up`: one organisation's cluster, its switch pointed at its peer organisation(s)."""
 
 from __future__ import annotations
 
@@ -31,12 +31,14 @@ def _cluster(value: str) -> str:
         raise typer.BadParameter(str(exc)) from None
 
 
-def _peer(value: str) -> str:
+def _peers(values: list[str]) -> list[str]:
     try:
-        parse_peer(value)
+        ids = [parse_peer(value)[0] for value in values]
     except ClusterDeploymentError as exc:
         raise typer.BadParameter(str(exc)) from None
-    return value
+    if len(set(ids)) != len(ids):
+        raise typer.BadParameter(f"each peer once, got {', '.join(ids)}")
+    return values
 
 
 def _host_port(value: str) -> str:
@@ -50,10 +52,11 @@ def _host_port(value: str) -> str:
 def up(
     cluster: Annotated[str, typer.Option(help="This organisation's cluster id.", callback=_cluster)],
     peer: Annotated[
-        str,
+        list[str],
         typer.Option(
-            help="The peer organisation: 'b=HOST:PORT' (its WAN port) or just 'b' to only accept its link.",
-            callback=_peer,
+            help="A peer organisation: 'b=HOST:PORT' (its WAN port) or just 'b' to only accept its link. "
+            "Repeat it per peer of a chain across more clusters (--peer b=HOST:PORT --peer c=HOST:PORT).",
+            callback=_peers,
         ),
     ],
     run_dir: Annotated[Path, typer.Option(help="State, logs and (by default) the PKI of this cluster.")],
@@ -76,18 +79,20 @@ def up(
     CRL arrives over the WAN port. The cluster whose id sorts first dials the other (it needs the peer's
     address). `nebula local status|down --run-dir` work on the same run directory.
     """
-    peer_id, peer_address = parse_peer(peer)
+    (peer_id, peer_address), *more_peers = [parse_peer(value) for value in peer]
     deployment = ClusterDeployment(
         run_dir=run_dir,
         cluster=cluster,
         peer=peer_id,
         peer_address=peer_address,
+        more_peers=tuple(more_peers),
         wan_listen=wan_listen,
         pki_dir=pki_dir,
         restart_policy=RestartPolicy(max_restarts=max_restarts),
         on_event=_print_event,
     )
-    console.print(f"starting cluster {cluster} (peer {peer_id}) in [bold]{escape(str(run_dir))}[/] ...")
+    names = ", ".join([peer_id, *(other for other, _ in more_peers)])
+    console.print(f"starting cluster {cluster} (peers {names}) in [bold]{escape(str(run_dir))}[/] ...")
     try:
         deployment.start()
     except (NebulaError, ServiceStartError) as exc:

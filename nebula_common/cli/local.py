@@ -14,7 +14,7 @@ from rich.console import Console
 
 from nebula_common.errors import NebulaError
 from nebula_common.launcher import LocalDeployment
-from nebula_common.launcher.local import running_deployment_pid
+from nebula_common.launcher.local import CLUSTER_IDS, MAX_CLUSTERS, running_deployment_pid
 from nebula_common.launcher.process import ServiceStartError
 from nebula_common.launcher.supervisor import RestartPolicy
 
@@ -48,8 +48,17 @@ def up(
     max_restarts: int = typer.Option(
         5, min=0, help="Give up on a service that dies more often than this within a minute."
     ),
+    clusters: int = typer.Option(
+        2,
+        min=2,
+        max=MAX_CLUSTERS,
+        help="How many clusters (a, b, c, ...). Three or more: every switch links to every other one "
+        "(chains of stages across them), through a WAN emulator in front of each accepting switch.",
+    ),
 ) -> None:
     """Start clusters a and b (auth, codec, data, switch, trainer each) and the WAN emulator between them.
+
+    With --clusters 3 (or more) also c, ...: each switch then has several peers, one link each.
 
     A service that dies is restarted on the same ports (capped exponential backoff); one that keeps
     dying is given up on and reported while the rest keep running. Ctrl-C stops everything.
@@ -59,11 +68,13 @@ def up(
         run_dir=run_dir,
         bandwidth_mbit=bandwidth_mbit,
         delay_ms=delay_ms,
+        clusters=tuple(CLUSTER_IDS[:clusters]),
         restart_policy=RestartPolicy(max_restarts=max_restarts),
         on_event=_print_event,
     )
     reused = " (reusing its secrets, accounts and data)" if (run_dir / "pki").exists() else ""
-    console.print(f"starting two clusters in [bold]{run_dir}[/]{reused} ...")
+    names = ", ".join(CLUSTER_IDS[:clusters])
+    console.print(f"starting {clusters} clusters ({names}) in [bold]{run_dir}[/]{reused} ...")
     try:
         deployment.start()
     except (NebulaError, ServiceStartError) as exc:
@@ -135,6 +146,7 @@ def deployment_status(run_dir: Path) -> dict:
         return status
     try:
         description = json.loads(description_file.read_text(encoding="utf-8"))
+        status["clusters"] = sorted(description["clusters"])
         for cluster, entry in sorted(description["clusters"].items()):
             for name, info in sorted(entry["processes"].items()):
                 status["services"][name] = {
@@ -173,6 +185,8 @@ def status(
                 f"  {name:14} pid {service['pid']} {alive}, {service['state']}, "
                 f"{service['restarts']} restarts; {ports}"
             )
+        if result.get("clusters"):
+            typer.echo(f"  clusters: {', '.join(result['clusters'])}")
         if "error" in result:
             typer.echo(result["error"], err=True)
     if not result["running"]:

@@ -8,8 +8,10 @@ own CA's CRL to send to the peer over the WAN port (services/switch/crl_exchange
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +68,23 @@ def parse_peer(value: str) -> tuple[str, str | None]:
     except ValueError as exc:
         raise ClusterDeploymentError(f"--peer {value!r}: {exc}") from None
     return peer.strip(), parse_host_port(address, f"--peer {peer}=...") if address else None
+
+
+@dataclass(frozen=True)
+class SwitchPeer:
+    """One peer of a switch with several (``NEBULA_SWITCH_PEERS``): where to dial it, its CA's CRL file."""
+
+    cluster_id: str
+    address: str | None = None  # None: the peer dials this switch
+    crl: Path | None = None
+
+    def setting(self) -> dict[str, str]:
+        entry = {"cluster_id": self.cluster_id}
+        if self.address is not None:
+            entry["address"] = self.address
+        if self.crl is not None:
+            entry["crl"] = str(self.crl)
+        return entry
 
 
 @dataclass
@@ -201,18 +220,28 @@ class ClusterLauncher:
         self,
         state: ClusterProcesses,
         paths: ClusterPaths,
-        peer: str,
+        peer: str | Sequence[SwitchPeer],
         *,
-        peer_address: str | None,
+        peer_address: str | None = None,
         peer_crl: Path | None = None,
         wan_listen: str | None = None,
     ) -> None:
-        """The switch: its own certificate, the peer CAs it trusts, its own CRL to send to the peer."""
+        """The switch: its own certificate, the peer CAs it trusts, its own CRL to send to the peer.
+
+        ``peer`` is the one peer's cluster id (with ``peer_address`` and ``peer_crl``), or every peer of
+        a switch with several (a chain across more than two clusters), one link each.
+        """
         cluster = state.cluster_id
+        if isinstance(peer, str):
+            peer_env = {"PEER_CLUSTER_ID": peer}
+        else:
+            if peer_address is not None or peer_crl is not None:
+                raise ClusterDeploymentError("give peer addresses and CRLs in each SwitchPeer")
+            peer_env = {"PEERS": json.dumps([each.setting() for each in peer])}
         env = {
             "LOG_LEVEL": self.log_level,
             "CLUSTER_ID": cluster,
-            "PEER_CLUSTER_ID": peer,
+            **peer_env,
             "TLS_CERT": str(paths.switch_cert),
             "TLS_KEY": str(paths.switch_key),
             "TRUST_BUNDLE": str(paths.trust_bundle),

@@ -1,5 +1,10 @@
 """Two (or more) simulated clusters on one machine, real processes, an emulated WAN between switches.
 
+With three or more clusters (``nebula local up --clusters 3``: a, b, c) every switch links to every
+other one (a full mesh; each switch has several peers, ``NEBULA_SWITCH_PEERS``): of each pair the id
+that sorts first dials, through a WAN emulator in front of the other's WAN port (one emulator per
+accepting switch, ``wan-emulator-<cluster>``; ``wan`` controls the first one's).
+
 Per cluster: auth, codec, switch, trainer, each its own process with its own
 settings, exactly as the containers run them. Between the switches sits the WAN
 emulator, so every byte between clusters crosses a shaped, delayed TCP link
@@ -46,6 +51,7 @@ from nebula_common.launcher.cluster import (
     START_TIMEOUT_S,
     ClusterLauncher,
     ClusterProcesses,
+    SwitchPeer,
     cluster_endpoints,
     write_secret,
 )
@@ -62,6 +68,9 @@ LOOPBACK = "127.0.0.1"
 LOCK_FILE = ".nebula-local.lock"
 CONTROL_TOKEN_FILE = "wan-control-token"
 _SQLITE_MAGIC = b"SQLite format 3\x00"
+CLUSTER_IDS = "abcdefgh"
+"""Cluster ids of ``nebula local up --clusters N``: the first N letters."""
+MAX_CLUSTERS = len(CLUSTER_IDS)
 
 
 class LocalDeploymentError(NebulaError):
@@ -160,12 +169,16 @@ class LocalDeployment:
     run_dir: Path
     bandwidth_mbit: float = 60.0
     delay_ms: float = 20.0
-    clusters: tuple[str, str] = ("a", "b")
+    clusters: tuple[str, ...] = ("a", "b")
     log_level: str = "INFO"
     cluster_state: dict[str, ClusterProcesses] = field(default_factory=dict)
     emulator: ServiceProcess | None = None
     emulator_port: int = 0
     control_port: int = 0
+    #: With three or more clusters: the WAN emulator in front of each accepting switch, by cluster
+    #: (``emulator`` is the first of them), and the port each listens on.
+    emulators: dict[str, ServiceProcess] = field(default_factory=dict)
+    emulator_ports: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Restart dead processes while up (None: the default policy). supervise=False turns it off.
     supervise: bool = True
     restart_policy: RestartPolicy | None = None
@@ -204,8 +217,10 @@ class LocalDeployment:
         self.stop()
 
     def start(self) -> None:
-        if len(set(self.clusters)) != 2:
-            raise LocalDeploymentError(f"need two distinct cluster ids, got {self.clusters}")
+        if len(set(self.clusters)) != len(self.clusters) or not 2 <= len(self.clusters) <= MAX_CLUSTERS:
+            raise LocalDeploymentError(
+                f"need 2 to {MAX_CLUSTERS} distinct cluster ids, got {', '.join(self.clusters) or 'none'}"
+            )
         if not self.internal_tls and not plaintext_allowed():
             raise LocalDeploymentError(
                 f"internal_tls=False needs the development flag {PLAINTEXT_ENV}=1 in the environment"
@@ -233,12 +248,10 @@ class LocalDeployment:
         try:
             for cluster in self.clusters:
                 self._start_cluster_services(cluster)
-            dialer, acceptor = sorted(self.clusters)
-            # The acceptor's WAN port must exist before the emulator can forward to it.
-            self._start_switch(acceptor, layout, peer_address=None)
-            acceptor_wan = self.cluster_state[acceptor].switch.info["wan_port"]  # type: ignore[union-attr]
-            self._start_emulator(acceptor_wan)
-            self._start_switch(dialer, layout, peer_address=f"{LOOPBACK}:{self.emulator_port}")
+            if len(self.clusters) > 2:
+                self._start_mesh(layout)
+            else:
+                self._start_pair(layout)
             for cluster in self.clusters:
                 self._start_trainer(cluster)
             if self.supervise:
@@ -253,24 +266,62 @@ class LocalDeployment:
             self.stop()
             raise
 
+    def _start_pair(self, layout: Any) -> None:
+        """Two clusters: the acceptor's switch, the WAN emulator in front of it, then the dialer's."""
+        dialer, acceptor = sorted(self.clusters)
+        # The acceptor's WAN port must exist before the emulator can forward to it.
+        self._start_switch(acceptor, layout, peer_address=None)
+        acceptor_wan = self.cluster_state[acceptor].switch.info["wan_port"]  # type: ignore[union-attr]
+        self._start_emulator(acceptor_wan)
+        self._start_switch(dialer, layout, peer_address=f"{LOOPBACK}:{self.emulator_port}")
+
+    def _start_mesh(self, layout: Any) -> None:
+        """Three or more clusters, every pair linked: of each pair the id sorting first dials the other.
+
+        Switches start from the last id down, so each one's dial targets (ids above it) are up, each
+        behind its WAN emulator, before it starts.
+        """
+        ordered = sorted(self.clusters)
+        for cluster in reversed(ordered):
+            peers = []
+            for peer in ordered:
+                if peer == cluster:
+                    continue
+                address = f"{LOOPBACK}:{self.emulator_ports[peer][0]}" if peer > cluster else None
+                peers.append(SwitchPeer(peer, address, layout.cluster(cluster).trust_crl(peer)))
+            state = self.cluster_state[cluster]
+            self.launcher.start_switch(state, layout.cluster(cluster), peers)
+            if cluster != ordered[0]:  # someone dials it: its WAN port gets an emulator in front
+                wan_port = state.switch.info["wan_port"]  # type: ignore[union-attr]
+                process, port, control = self._launch_emulator(wan_port, f"wan-emulator-{cluster}")
+                self.emulators[cluster] = process
+                self.emulator_ports[cluster] = (port, control)
+        first = ordered[1]
+        self.emulator = self.emulators[first]
+        self.emulator_port, self.control_port = self.emulator_ports[first]
+
     def _start_emulator(self, acceptor_wan: int) -> None:
+        """The one WAN emulator of a two-cluster deployment, in front of the acceptor's WAN port."""
+        emulator = self._launch_emulator(acceptor_wan, "wan-emulator")
+        self.emulator, self.emulator_port, self.control_port = emulator
+
+    def _launch_emulator(self, acceptor_wan: int, name: str) -> tuple[ServiceProcess, int, int]:
         """Start the WAN emulator in front of the acceptor's WAN port, on fresh ports if one was taken.
 
         A port free when chosen can be taken by another process before the emulator binds it (other
         test runs share the machine); like the services (``BIND_ATTEMPTS``), it is retried on new ports.
         """
         for attempt in range(1, BIND_ATTEMPTS + 1):
-            self.emulator_port = service_port()
-            self.control_port = service_port()
-            emulator_port = self.emulator_port
-            self.emulator = ServiceProcess(
-                name="wan-emulator",
+            emulator_port = service_port()
+            control_port = service_port()
+            emulator = ServiceProcess(
+                name=name,
                 command=console_command(
                     "nebula_common.cli.app",
                     "wan",
                     "emulate",
                     "--listen",
-                    f"{LOOPBACK}:{self.emulator_port}",
+                    f"{LOOPBACK}:{emulator_port}",
                     "--target",
                     f"{LOOPBACK}:{acceptor_wan}",
                     "--bandwidth-mbit",
@@ -278,7 +329,7 @@ class LocalDeployment:
                     "--delay-ms",
                     str(self.delay_ms),
                     "--control",
-                    f"{LOOPBACK}:{self.control_port}",
+                    f"{LOOPBACK}:{control_port}",
                     "--control-token-file",
                     str(self.control_token_file),
                 ),
@@ -286,21 +337,26 @@ class LocalDeployment:
                 log_dir=self.log_dir,
                 ready_probe=lambda port=emulator_port: _listening(port),
             )
-            self.emulator.start()
+            emulator.start()
             try:
-                self._wait_listening(self.emulator, self.emulator_port)
-                self._wait_listening(self.emulator, self.control_port)
+                self._wait_listening(emulator, emulator_port)
+                self._wait_listening(emulator, control_port)
             except ServiceStartError as exc:
-                self.emulator.stop()
+                emulator.stop()
                 if attempt < BIND_ATTEMPTS and BIND_FAILURE.search(str(exc)):
                     continue
                 raise
-            return
+            except BaseException:
+                emulator.stop()
+                raise
+            return emulator, emulator_port, control_port
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def all_processes(self) -> list[ServiceProcess]:
         """Every process of the deployment, the WAN emulator included."""
         processes = [p for state in self.cluster_state.values() for p in state.processes()]
-        return processes + ([self.emulator] if self.emulator is not None else [])
+        emulators = list(self.emulators.values()) or ([self.emulator] if self.emulator is not None else [])
+        return processes + emulators
 
     def process(self, name: str) -> ServiceProcess:
         """A process by name: ``auth-a``, ``switch-b``, ``wan-emulator``, ..."""
@@ -408,8 +464,26 @@ class LocalDeployment:
                 "state": emulator.get("state"),
                 "restarts": emulator.get("restarts", 0),
             },
+            **self._describe_mesh(entry),
             "clusters": clusters,
         }
+
+    def _describe_mesh(self, entry: Callable[[ServiceProcess], dict[str, Any]]) -> dict[str, Any]:
+        """With three or more clusters: the emulator in front of each accepting switch (by cluster)."""
+        if not self.emulators:
+            return {}
+        mesh = {}
+        for cluster, process in self.emulators.items():
+            port, control = self.emulator_ports[cluster]
+            info = entry(process)
+            mesh[cluster] = {
+                "port": port,
+                "control": f"{LOOPBACK}:{control}",
+                "pid": info.get("pid"),
+                "state": info.get("state"),
+                "restarts": info.get("restarts", 0),
+            }
+        return {"wan_emulators": mesh}
 
     def stop(self) -> None:
         """Stop trainers first (they close their edges), then switches, emulator, codec, auth.
@@ -425,8 +499,7 @@ class LocalDeployment:
         order: list[ServiceProcess] = []
         for attr in ("trainer", "switch"):
             order += [getattr(s, attr) for s in self.cluster_state.values() if getattr(s, attr) is not None]
-        if self.emulator is not None:
-            order.append(self.emulator)
+        order += list(self.emulators.values()) or ([self.emulator] if self.emulator is not None else [])
         for attr in ("data", "codec", "auth"):
             order += [getattr(s, attr) for s in self.cluster_state.values() if getattr(s, attr) is not None]
         try:

@@ -1,4 +1,7 @@
-"""``nebula cluster up``: one organisation's cluster, its own PKI, its switch pointed at one peer.
+"""``nebula cluster up``: one organisation's cluster, its own PKI, its switch pointed at its peer(s).
+
+A cluster in the middle of a chain has several peers (``--peer b=HOST:PORT --peer c=HOST:PORT``): its
+switch links to each (``NEBULA_SWITCH_PEERS``), and its PKI must trust each peer's CA.
 
 Two organisations each run this on their own machines; nothing is shared but the CA certificates
 they exchanged (``nebula pki export-ca`` / ``trust add``) and one WAN port. The run directory holds
@@ -27,6 +30,7 @@ from nebula_common.launcher.cluster import (
     ClusterDeploymentError,
     ClusterLauncher,
     ClusterProcesses,
+    SwitchPeer,
     cluster_endpoints,
     parse_host_port,
 )
@@ -67,6 +71,8 @@ class ClusterDeployment:
     peer_address: str | None
     wan_listen: str
     pki_dir: Path | None = None
+    #: Further peers (cluster id, WAN address or None to only accept its link), one switch link each.
+    more_peers: tuple[tuple[str, str | None], ...] = ()
     log_level: str = "INFO"
     supervise: bool = True
     restart_policy: RestartPolicy | None = None
@@ -90,11 +96,20 @@ class ClusterDeployment:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    @property
+    def peers(self) -> list[tuple[str, str | None]]:
+        """Every peer: (cluster id, WAN address or None)."""
+        return [(self.peer, self.peer_address), *self.more_peers]
+
     def start(self) -> None:
-        if self.cluster == self.peer:
+        ids = [peer for peer, _ in self.peers]
+        if self.cluster in ids:
             raise ClusterDeploymentError(f"--peer must name another cluster than {self.cluster!r}")
+        if len(set(ids)) != len(ids):
+            raise ClusterDeploymentError(f"--peer names a cluster twice: {', '.join(ids)}")
         parse_host_port(self.wan_listen, "--wan-listen")
-        paths = check_organisation_pki(self.pki, self.cluster, self.peer)
+        for peer in ids:
+            paths = check_organisation_pki(self.pki, self.cluster, peer)
         passwords = check_run_dir(self.run_dir, (self.cluster,))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_run_dir(self.run_dir)
@@ -104,9 +119,13 @@ class ClusterDeployment:
         try:
             self.state = launcher.new_state(self.cluster, passwords.get(self.cluster))
             launcher.start_core(self.state)
-            launcher.start_switch(
-                self.state, paths, self.peer, peer_address=self.peer_address, wan_listen=self.wan_listen
-            )
+            if self.more_peers:
+                peers = [SwitchPeer(peer, address) for peer, address in self.peers]
+                launcher.start_switch(self.state, paths, peers, wan_listen=self.wan_listen)
+            else:
+                launcher.start_switch(
+                    self.state, paths, self.peer, peer_address=self.peer_address, wan_listen=self.wan_listen
+                )
             launcher.start_trainer(self.state)
             if self.supervise:
                 self.supervisor = Supervisor(
@@ -136,6 +155,11 @@ class ClusterDeployment:
             "pki_dir": str(self.pki),
             "log_dir": str(self.log_dir),
             "peer": {"cluster": self.peer, "address": self.peer_address},
+            **(
+                {"peers": [{"cluster": peer, "address": address} for peer, address in self.peers]}
+                if self.more_peers
+                else {}
+            ),
             "wan_listen": self.wan_listen,
             "clusters": {
                 self.cluster: {

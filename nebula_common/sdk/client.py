@@ -210,10 +210,11 @@ class ClusterSession:
             raise
         return list(response.steps)
 
-    def link_status(self) -> relay_pb2.LinkStatus:
+    def link_status(self, peer_cluster: str = "") -> relay_pb2.LinkStatus:
+        """The switch's link to ``peer_cluster`` (empty: its first peer, the only one of two clusters)."""
         try:
             return self.relay.GetLinkStatus(
-                relay_pb2.GetLinkStatusRequest(), metadata=self.metadata, timeout=10
+                relay_pb2.GetLinkStatusRequest(peer_cluster=peer_cluster), metadata=self.metadata, timeout=10
             )
         except grpc.RpcError as exc:
             _raise_for(exc, f"link status of cluster {self.endpoints.cluster_id}")

@@ -2,14 +2,62 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
-from pydantic_settings import SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from nebula_common.service.settings import ClusterId, HostPort, ServiceSettings
 from services.switch.lanes import parse_connections
+
+LinkRole = Literal["auto", "dial", "accept"]
+
+
+class PeerSettings(BaseModel):
+    """One peer cluster this switch links to (``NEBULA_SWITCH_PEERS`` holds a list of them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cluster_id: ClusterId = Field(description="The peer cluster's id; only its switch may use this link.")
+    address: HostPort | None = Field(
+        None, description="host:port of the peer's WAN port; unset: the peer dials this switch."
+    )
+    link_role: LinkRole = Field("auto", description="As link_role, for this peer's link.")
+    crl: Path | None = Field(None, description="As peer_crl, for this peer's CA (trust/<peer>.crl.pem).")
+
+    def dials(self, own_cluster_id: str) -> bool:
+        """Whether this switch opens the link to this peer (otherwise it waits for the peer)."""
+        if self.link_role == "dial":
+            return True
+        if self.link_role == "accept":
+            return False
+        return self.address is not None and own_cluster_id < self.cluster_id
+
+
+def parse_peers(value: object) -> object:
+    """``NEBULA_SWITCH_PEERS``: a JSON list of peers, or the short form ``b=HOST:PORT,c`` (c dials us)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if not text:
+        return []
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"peers is not a valid JSON list: {exc}") from exc
+    peers: list[dict[str, str]] = []
+    for entry in text.split(","):
+        cluster, sep, address = entry.strip().partition("=")
+        if not cluster.strip():
+            raise ValueError(f"peers entry {entry!r} names no cluster (expected ID or ID=HOST:PORT)")
+        peer = {"cluster_id": cluster.strip()}
+        if sep and address.strip():
+            peer["address"] = address.strip()
+        peers.append(peer)
+    return peers
 
 
 class SwitchSettings(ServiceSettings):
@@ -17,15 +65,24 @@ class SwitchSettings(ServiceSettings):
 
     model_config = SettingsConfigDict(env_prefix="NEBULA_SWITCH_")
 
-    peer_cluster_id: ClusterId = Field(
-        description="The only cluster whose switch may connect to the WAN port."
+    peer_cluster_id: ClusterId | None = Field(
+        None,
+        description="The only cluster whose switch may connect to the WAN port (a switch with one peer; "
+        "several peers: set peers instead).",
+    )
+    peers: Annotated[list[PeerSettings], NoDecode] = Field(
+        default_factory=list,
+        description="Every peer cluster this switch links to, one WAN link each: a JSON list of "
+        '{"cluster_id", "address", "link_role", "crl"} or the short form "b=HOST:PORT,c" (no address: '
+        "that peer dials this switch). All peers' CAs go in trust_bundle. Exclusive with peer_cluster_id, "
+        "peer_address and peer_crl (one peer: either form).",
     )
     internal_listen: HostPort = Field("127.0.0.1:0", description="Cluster-internal port for local trainers.")
     wan_listen: HostPort = Field("127.0.0.1:0", description="WAN port (mTLS only) for the peer switch.")
     peer_address: HostPort | None = Field(
         None, description="host:port at which the peer's WAN port is reached."
     )
-    link_role: Literal["auto", "dial", "accept"] = Field(
+    link_role: LinkRole = Field(
         "auto", description="auto: the cluster whose id sorts first dials, the other accepts."
     )
     tls_cert: Path = Field(description="PEM certificate of this switch (SAN names cluster and role).")
@@ -180,10 +237,49 @@ class SwitchSettings(ServiceSettings):
 
     @field_validator("peer_cluster_id")
     @classmethod
-    def _peer_differs(cls, value: str, info: ValidationInfo) -> str:
-        if value == info.data.get("cluster_id"):
+    def _peer_differs(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and value == info.data.get("cluster_id"):
             raise ValueError("peer_cluster_id must differ from cluster_id")
         return value
+
+    @field_validator("peers", mode="before")
+    @classmethod
+    def _parse_peers(cls, value: object) -> object:
+        return parse_peers(value)
+
+    @model_validator(mode="after")
+    def _one_peer_form(self) -> SwitchSettings:
+        if self.peers:
+            if self.peer_cluster_id is not None or self.peer_address is not None or self.peer_crl is not None:
+                raise ValueError(
+                    "set either peers or peer_cluster_id/peer_address/peer_crl, not both "
+                    f"(peers names {', '.join(p.cluster_id for p in self.peers)})"
+                )
+            ids = [p.cluster_id for p in self.peers]
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"peers names a cluster twice: {', '.join(ids)}")
+            if self.cluster_id in ids:
+                raise ValueError(f"peers must not name this switch's own cluster {self.cluster_id!r}")
+            for peer in self.peers:
+                if peer.link_role == "dial" and peer.address is None:
+                    raise ValueError(f"peer {peer.cluster_id!r} has link_role 'dial' but no address")
+        elif self.peer_cluster_id is None:
+            raise ValueError("no peer configured: set peer_cluster_id (one peer) or peers (several)")
+        return self
+
+    def peer_list(self) -> list[PeerSettings]:
+        """Every peer this switch links to; the single-peer settings are a list of one."""
+        if self.peers:
+            return list(self.peers)
+        assert self.peer_cluster_id is not None  # _one_peer_form refuses a switch without a peer
+        return [
+            PeerSettings(
+                cluster_id=self.peer_cluster_id,
+                address=self.peer_address,
+                link_role=self.link_role,
+                crl=self.peer_crl,
+            )
+        ]
 
     @field_validator("ca_key")
     @classmethod
@@ -208,9 +304,5 @@ class SwitchSettings(ServiceSettings):
         return self
 
     def dials(self) -> bool:
-        """Whether this switch opens the WAN link (otherwise it waits for the peer)."""
-        if self.link_role == "dial":
-            return True
-        if self.link_role == "accept":
-            return False
-        return self.peer_address is not None and self.cluster_id < self.peer_cluster_id
+        """Whether this switch opens the WAN link to its first peer (otherwise it waits for the peer)."""
+        return self.peer_list()[0].dials(self.cluster_id)

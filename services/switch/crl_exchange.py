@@ -1,10 +1,12 @@
 """Revocation over the WAN port: each switch sends its peer its own CA's CRL, now and on every change.
 
 Served as ``nebula.v1.SwitchTrust/ExchangeCrl`` on the WAN port (same mutual TLS as the link, only
-the configured peer switch may call it); the dialing switch opens it on its own connection and keeps
-it open, reconnecting with backoff. Both ends then run the same :class:`CrlExchange`: send the
-current CRL of this cluster's CA (re-read when ``nebula pki revoke`` rewrites the file, polled like
-every other file the switch watches) and hand whatever the peer sends to :class:`PeerTrust`, which
+a configured peer switch may call it, and its certificate picks that peer's exchange: a switch with
+several peers runs one per peer, services/switch/peers.py); the dialing switch opens it on its own
+connection and keeps it open, reconnecting with backoff. Both ends then run the same
+:class:`CrlExchange`: send the current CRL of this cluster's CA (re-read when ``nebula pki revoke``
+rewrites the file, polled like every other file the switch watches) and hand whatever the peer
+sends to :class:`PeerTrust`, which
 verifies it against the pinned peer CA before enforcing it. A CRL that revokes the live peer closes
 the link at once. The stream is independent of the data link, so it keeps flowing while the link is
 refused, and carries no training data.
@@ -27,6 +29,7 @@ from nebula_common.pki.crl import CrlError, crl_number
 from nebula_common.proto.nebula.v1 import trust_pb2, trust_pb2_grpc
 from services.switch.link import PeerLink
 from services.switch.peer_trust import PeerTrust
+from services.switch.peers import PeerLinks
 
 log = logging.getLogger(__name__)
 
@@ -133,23 +136,23 @@ class CrlExchange:
 
 
 class SwitchTrustServicer(trust_pb2_grpc.SwitchTrustServicer):
-    """``ExchangeCrl`` on the WAN port: only the configured peer switch is answered."""
+    """``ExchangeCrl`` on the WAN port: only a configured peer switch is answered, by its own exchange."""
 
-    def __init__(self, exchange: CrlExchange) -> None:
-        self.exchange = exchange
+    def __init__(self, links: PeerLinks, exchanges: dict[str, CrlExchange]) -> None:
+        self.links = links
+        self.exchanges = exchanges
 
     async def ExchangeCrl(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        link = self.exchange.link
         try:
-            link.check_identity(peer_identity(context))
+            link = self.links.select(peer_identity(context))
         except PermissionError as exc:
-            link.refuse("identity", str(exc), address=context.peer(), rpc="ExchangeCrl")
+            self.links.refuse("identity", str(exc), address=context.peer(), rpc="ExchangeCrl")
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        await self.exchange.run(context.read, context.write, context.peer())
+        await self.exchanges[link.expected_peer.cluster_id].run(context.read, context.write, context.peer())
 
 
-def add_trust_to_server(exchange: CrlExchange, server: grpc.aio.Server) -> None:
-    trust_pb2_grpc.add_SwitchTrustServicer_to_server(SwitchTrustServicer(exchange), server)
+def add_trust_to_server(links: PeerLinks, exchanges: dict[str, CrlExchange], server: grpc.aio.Server) -> None:
+    trust_pb2_grpc.add_SwitchTrustServicer_to_server(SwitchTrustServicer(links, exchanges), server)
 
 
 async def exchange_forever(

@@ -56,7 +56,14 @@ from nebula_common.rpc.framing import (
     parse_chunk,
 )
 from services.switch.lanes import LaneGapError, LaneTuner, ReorderBuffer
-from services.switch.metrics import AUTH_REFUSALS, LINK_CONNECTIONS, LINK_RTT, LINK_UP, DirectionCounters
+from services.switch.metrics import (
+    AUTH_REFUSALS,
+    LINK_CONNECTIONS,
+    LINK_RTT,
+    LINK_UP,
+    PEER_LINK_UP,
+    DirectionCounters,
+)
 from services.switch.revocation import RevocationList
 from services.switch.routing import Outbound, Router
 from services.switch.transfers import StepTotals, TransferKey, TransferLedger
@@ -280,6 +287,17 @@ class PeerLink:
         self._session_lock = asyncio.Lock()
         self._current_session: asyncio.Task[None] | None = None
         self._stopping = False
+        #: Called when the link goes up or down instead of setting nebula_switch_link_up directly
+        #: (a switch with several peers sets it from all its links: services/switch/peers.py).
+        self.on_up_change: Callable[[], None] | None = None
+        PEER_LINK_UP.labels(peer_cluster_id).set(0)
+
+    def _publish_up(self, up: bool) -> None:
+        PEER_LINK_UP.labels(self.expected_peer.cluster_id).set(1 if up else 0)
+        if self.on_up_change is not None:
+            self.on_up_change()
+        else:
+            LINK_UP.set(1 if up else 0)
 
     # ----- used by the relay servicer -------------------------------------------------
     async def wait_connected(self, timeout: float) -> bool:
@@ -423,7 +441,7 @@ class PeerLink:
                 transport=transport,
             )
             self._connected.set()
-            LINK_UP.set(1)
+            self._publish_up(True)
             self.record(
                 "link.up", peer=certified.uri, role=role, peer_serial=f"{serial:x}", transport=transport
             )
@@ -478,7 +496,7 @@ class PeerLink:
                 self._priority.clear()
                 self.ledger.flush_all()
                 self.state = LinkState(connected=False, role=role, sessions=self._sessions)
-                LINK_UP.set(0)
+                self._publish_up(False)
                 with contextlib.suppress(Exception):
                     self.record("link.down", peer=certified.uri, role=role, peer_serial=f"{serial:x}")
                 log.warning("WAN link down", extra={"fields": {"peer": certified.uri}})

@@ -39,6 +39,12 @@ WAN_RAW_BYTES = Counter(
 )
 FRAMES_RELAYED = Counter("nebula_switch_frames_relayed", "Tensor frames relayed over the WAN.", ["direction"])
 LINK_UP = Gauge("nebula_switch_link_up", "1 while an authenticated link to the peer switch is up.")
+PEER_LINK_UP = Gauge(
+    "nebula_switch_peer_link_up",
+    "1 while the authenticated link to this peer switch is up (one series per configured peer; "
+    "nebula_switch_link_up is 1 while every peer's link is up).",
+    ["peer"],
+)
 LINK_CONNECTIONS = Gauge(
     "nebula_switch_link_connections",
     "Connections (lanes) the link to the peer switch stripes items over right now (0 while down; "

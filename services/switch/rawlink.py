@@ -49,9 +49,9 @@ from services.switch.link import (
     HANDSHAKE_TIMEOUT_S,
     RAW_LINK_VERSION,
     HandshakeError,
-    PeerLink,
     parse_link_message,
 )
+from services.switch.peers import PeerLinks
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -390,14 +390,14 @@ class WanFrontend:
 
     def __init__(
         self,
-        link: PeerLink,
+        links: PeerLinks,
         backend: str,
         context: Callable[[], ssl.SSLContext],
         *,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         send_buffer: int = 0,
     ) -> None:
-        self.link = link
+        self.links = links
         self.send_buffer = send_buffer
         self.backend = backend
         self.context = context
@@ -497,7 +497,7 @@ class WanFrontend:
 
     async def _raw(self, conn: socket.socket, peer: str) -> bool:
         """Preamble, mutual TLS (on a thread), then the link handshake and session; True once handed off."""
-        link = self.link
+        links = self.links
         loop = asyncio.get_running_loop()
         preamble = b""
         deadline = loop.time() + self.handshake_timeout_s
@@ -510,10 +510,10 @@ class WanFrontend:
                 return False
             preamble += part
         if preamble != PREAMBLE:
-            link.refuse("handshake", "connection sent neither TLS nor the raw link preamble", address=peer)
+            links.refuse("handshake", "connection sent neither TLS nor the raw link preamble", address=peer)
             return False
         if self._handshakes.locked():
-            link.refuse(
+            links.refuse(
                 "handshake", f"more than {MAX_RAW_HANDSHAKES} raw TLS handshakes at once", address=peer
             )
             return False
@@ -533,20 +533,20 @@ class WanFrontend:
                 tls = await _in_thread(handshake, f"raw-link-accept {peer}")
             except (ssl.SSLError, OSError) as exc:  # TimeoutError is an OSError
                 reason = str(exc) or "no TLS handshake in time"
-                link.refuse("tls", f"raw link TLS handshake refused: {reason}", address=peer)
+                links.refuse("tls", f"raw link TLS handshake refused: {reason}", address=peer)
                 log.warning("refused raw WAN link from %s: %s", peer, reason)
                 return False
         with contextlib.suppress(OSError):
             tls.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         connection = RawConnection(tls, peer, loop, self.send_buffer)
         try:
-            await serve_raw(link, connection, self.handshake_timeout_s)
+            await serve_raw(links, connection, self.handshake_timeout_s)
         finally:
             await connection.close()
         return True
 
 
-async def serve_raw(link: PeerLink, connection: RawConnection, handshake_timeout_s: float) -> None:
+async def serve_raw(links: PeerLinks, connection: RawConnection, handshake_timeout_s: float) -> None:
     """The acceptor's side of a raw connection after TLS: the checks of ``SwitchLinkServicer.Link``."""
     cert = connection.peer_cert
     serial = f"{cert.serial_number:x}" if cert is not None else ""
@@ -560,9 +560,9 @@ async def serve_raw(link: PeerLink, connection: RawConnection, handshake_timeout
             raise PermissionError(
                 f"caller's verified certificate carries no valid Nebula identity: {exc}"
             ) from exc
-        link.check_identity(certified)
+        link = links.select(certified)
     except PermissionError as exc:
-        link.refuse("identity", str(exc), address=peer, serial=serial)
+        links.refuse("identity", str(exc), address=peer, serial=serial)
         log.warning("refused raw WAN link: %s", exc, extra={"fields": {"peer": peer}})
         return
     if link.is_revoked(cert):

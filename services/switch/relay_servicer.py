@@ -34,6 +34,7 @@ from nebula_common.rpc.framing import LINK_FRAMING_VERSION, FramedChunk, Framing
 from services.switch.certs import CertificateManager
 from services.switch.link import PeerLink
 from services.switch.metrics import EDGES_OPEN, JOB_SERIES
+from services.switch.peers import PeerLinks, PeerNotNamedError, UnknownPeerError
 from services.switch.routing import (
     Attachment,
     Route,
@@ -78,8 +79,7 @@ class RelayServicer:
     def __init__(
         self,
         cluster_id: str,
-        link: PeerLink,
-        router: Router,
+        links: PeerLinks,
         certificates: CertificateManager | None = None,
         throttle: AccountThrottle | None = None,
     ) -> None:
@@ -89,8 +89,9 @@ class RelayServicer:
         # Edge streams open per (account, job): a job already running here is never refused by its
         # account's penalty backoff (only edges of jobs new to this switch are).
         self._running: dict[tuple[str, str], int] = {}
-        self.link = link
-        self.router = router
+        self.links = links
+        #: The audit and penalty records of the switch (every link writes the same audit log).
+        self.link = links.first
         self.certificates = certificates
 
     async def OpenEdge(
@@ -110,9 +111,11 @@ class RelayServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.job_id and open.edge are required")
         key = (job_id, edge)
         account = principal.username
-        await self._refuse_if_backing_off(context, account, job_id, edge)
+        link = await self._link_for(context, account, job_id, edge, first.open.peer_cluster)
+        router = link.router
+        await self._refuse_if_backing_off(context, router, account, job_id, edge)
         try:
-            route, attachment = self.router.attach(key, owner=account, reconnect=reconnect, epoch=epoch)
+            route, attachment = router.attach(key, owner=account, reconnect=reconnect, epoch=epoch)
         except StaleEpochError as exc:
             # The route belongs to a newer attempt: this stream is void from the start.
             self.link.record(
@@ -126,7 +129,7 @@ class RelayServicer:
                 reason=exc.reason,
             )
             await context.write(
-                _serialize(relay_pb2.EdgeMessage(ready=self._ready(exc.route_epoch, framing)))
+                _serialize(relay_pb2.EdgeMessage(ready=self._ready(link, exc.route_epoch, framing)))
             )
             await context.write(
                 _serialize(
@@ -147,12 +150,18 @@ class RelayServicer:
             )
             await context.abort(code, str(exc))
         self.link.record(
-            "edge.open", account=account, job_id=job_id, edge=edge, reconnect=reconnect, epoch=epoch
+            "edge.open",
+            account=account,
+            job_id=job_id,
+            edge=edge,
+            reconnect=reconnect,
+            epoch=epoch,
+            peer=link.expected_peer.cluster_id,
         )
         running = (account, job_id)
         self._running[running] = self._running.get(running, 0) + 1
         JOB_SERIES.opened(job_id)  # its per-job series stay while an edge of it is open here
-        EDGES_OPEN.set(self.router.open_routes())
+        EDGES_OPEN.set(router.open_routes())
         log.info(
             "edge opened",
             extra={
@@ -169,8 +178,10 @@ class RelayServicer:
         received: list[relay_pb2.EdgeClose] = []  # the close this stream was sent, if any
         try:
             # Ready at once, whatever the link's state: a LinkNotice follows when it comes (back) up.
-            await context.write(_serialize(relay_pb2.EdgeMessage(ready=self._ready(route.epoch, framing))))
-            outcome = await self._pump(context, route, attachment, account, received, framing)
+            await context.write(
+                _serialize(relay_pb2.EdgeMessage(ready=self._ready(link, route.epoch, framing)))
+            )
+            outcome = await self._pump(context, router, route, attachment, account, received, framing)
         except TrainerVanished:
             outcome = FAILED
         finally:
@@ -182,9 +193,9 @@ class RelayServicer:
             # A trainer that vanished (cancelled call, crash) orphans its route: the peer is told only
             # if nobody re-attaches within the orphan timeout (the router's sweeper).
             vanished = outcome == FAILED and not attachment.local_closed
-            self.router.end_stream(route, attachment, None, vanished=vanished)
+            router.end_stream(route, attachment, None, vanished=vanished)
             if outcome != SUPERSEDED:
-                self.link.ledger.flush_edge(job_id, edge)
+                link.ledger.flush_edge(job_id, edge)
             # One record names the account and why the edge ended: a close the switch sent (a bound
             # of this switch, or the peer switch's close of the route, which only names the job).
             why: dict[str, object] = {}
@@ -204,10 +215,34 @@ class RelayServicer:
                 epoch=epoch,
             )
             self._penalize(account, job_id, edge, route.closed_reason, received)
-            EDGES_OPEN.set(self.router.open_routes())
+            EDGES_OPEN.set(router.open_routes())
+
+    async def _link_for(
+        self, context: grpc.aio.ServicerContext, account: str, job_id: str, edge: str, peer_cluster: str
+    ) -> PeerLink:
+        """The link of the peer the edge names (its only peer when empty); a clear refusal otherwise."""
+        try:
+            return self.links.for_edge(peer_cluster)
+        except (UnknownPeerError, PeerNotNamedError) as exc:
+            self.link.record(
+                "edge.open",
+                outcome="refused",
+                account=account,
+                job_id=job_id,
+                edge=edge,
+                peer=peer_cluster,
+                reason=str(exc),
+            )
+            code = (
+                grpc.StatusCode.NOT_FOUND
+                if isinstance(exc, UnknownPeerError)
+                else grpc.StatusCode.FAILED_PRECONDITION
+            )
+            await context.abort(code, str(exc))
+            raise AssertionError("unreachable: the call was aborted") from exc
 
     async def _refuse_if_backing_off(
-        self, context: grpc.aio.ServicerContext, account: str, job_id: str, edge: str
+        self, context: grpc.aio.ServicerContext, router: Router, account: str, job_id: str, edge: str
     ) -> None:
         """Refuse a new edge of an account in its penalty backoff (RESOURCE_EXHAUSTED, naming it).
 
@@ -222,7 +257,7 @@ class RelayServicer:
             return
         if (account, job_id) in self._running:
             return
-        existing = self.router.get((job_id, edge))
+        existing = router.get((job_id, edge))
         if existing is not None and existing.owner in ("", account):
             return
         await self._refuse(context, account, job_id, edge)
@@ -288,14 +323,15 @@ class RelayServicer:
     async def _pump(
         self,
         context: grpc.aio.ServicerContext,
+        router: Router,
         route: Route,
         attachment: Attachment,
         account: str,
         received: list[relay_pb2.EdgeClose],
         framing: bool,
     ) -> str:
-        reader = asyncio.create_task(self._upstream(context, route, attachment, account))
-        writer = asyncio.create_task(self._downstream(context, route, attachment, received, framing))
+        reader = asyncio.create_task(self._upstream(context, router, route, attachment, account))
+        writer = asyncio.create_task(self._downstream(context, router, route, attachment, received, framing))
         try:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
             if reader in done:
@@ -321,7 +357,12 @@ class RelayServicer:
                     await task
 
     async def _upstream(
-        self, context: grpc.aio.ServicerContext, route: Route, attachment: Attachment, account: str
+        self,
+        context: grpc.aio.ServicerContext,
+        router: Router,
+        route: Route,
+        attachment: Attachment,
+        account: str,
     ) -> None:
         """Read the trainer's items eagerly into the route's buffer toward the peer (never the link).
 
@@ -336,33 +377,33 @@ class RelayServicer:
                 if context.cancelled() or context.done():
                     raise TrainerVanished("the trainer's stream was cancelled")
                 attachment.local_closed = True
-                self.router.accept_local(
+                router.accept_local(
                     route, attachment, relay_pb2.EdgeMessage(close=relay_pb2.EdgeClose(reason="closed"))
                 )
                 return
             if self.throttle is not None:
                 await self.throttle.pace(account, route.key[0])
             if isinstance(raw, bytes) and is_framed(raw):
-                chunk = await self._framed(context, route, attachment, account, raw)
-                self.router.accept_local(route, attachment, chunk)
+                chunk = await self._framed(context, router, route, attachment, account, raw)
+                router.accept_local(route, attachment, chunk)
                 continue
             message = _parse(raw)
             if message is None:
                 await self._refuse_item(
-                    context, route, attachment, account, "bytes that are not an edge message"
+                    context, router, route, attachment, account, "bytes that are not an edge message"
                 )
                 return
             kind = message.WhichOneof("body")
             if kind in ("frame", "signal", "ack"):
-                self.router.accept_local(route, attachment, message)
+                router.accept_local(route, attachment, message)
             elif kind == "close":
                 attachment.local_closed = True
-                self.router.accept_local(route, attachment, message)
+                router.accept_local(route, attachment, message)
                 return
             else:
                 # A protocol error, not a vanished trainer: the peer is told at once.
                 attachment.local_closed = True
-                self.router.accept_local(
+                router.accept_local(
                     route,
                     attachment,
                     relay_pb2.EdgeMessage(
@@ -376,6 +417,7 @@ class RelayServicer:
     async def _framed(
         self,
         context: grpc.aio.ServicerContext,
+        router: Router,
         route: Route,
         attachment: Attachment,
         account: str,
@@ -390,12 +432,15 @@ class RelayServicer:
         try:
             chunk = parse_chunk(raw)
         except FramingError as exc:
-            await self._refuse_item(context, route, attachment, account, f"an invalid framed chunk ({exc})")
+            await self._refuse_item(
+                context, router, route, attachment, account, f"an invalid framed chunk ({exc})"
+            )
             raise AssertionError("unreachable: the call was aborted") from exc
         job_id, edge = route.key
         if (chunk.job_id, chunk.edge, chunk.epoch) != (job_id, edge, attachment.epoch):
             await self._refuse_item(
                 context,
+                router,
                 route,
                 attachment,
                 account,
@@ -405,7 +450,13 @@ class RelayServicer:
         return chunk
 
     async def _refuse_item(
-        self, context: grpc.aio.ServicerContext, route: Route, attachment: Attachment, account: str, what: str
+        self,
+        context: grpc.aio.ServicerContext,
+        router: Router,
+        route: Route,
+        attachment: Attachment,
+        account: str,
+        what: str,
     ) -> None:
         """Audit ``edge.refused``, send the peer an error close and abort the call (INVALID_ARGUMENT)."""
         job_id, edge = route.key
@@ -418,7 +469,7 @@ class RelayServicer:
             reason=f"sent {what}",
         )
         attachment.local_closed = True
-        self.router.accept_local(
+        router.accept_local(
             route,
             attachment,
             relay_pb2.EdgeMessage(
@@ -432,6 +483,7 @@ class RelayServicer:
     async def _downstream(
         self,
         context: grpc.aio.ServicerContext,
+        router: Router,
         route: Route,
         attachment: Attachment,
         received: list[relay_pb2.EdgeClose],
@@ -444,10 +496,10 @@ class RelayServicer:
             if attachment.restart is not None:
                 await context.write(_serialize(relay_pb2.EdgeMessage(restart=attachment.restart)))
                 return
-            message = self.router.pop_inbound(route, attachment)
+            message = router.pop_inbound(route, attachment)
             if message is None:
                 attachment.wake.clear()
-                message = self.router.pop_inbound(route, attachment)
+                message = router.pop_inbound(route, attachment)
                 if message is None:
                     await attachment.wake.wait()
                     continue
@@ -459,11 +511,11 @@ class RelayServicer:
                 received.append(message.close)
                 return
 
-    def _ready(self, epoch: int, framing: bool) -> relay_pb2.EdgeReady:
+    def _ready(self, link: PeerLink, epoch: int, framing: bool) -> relay_pb2.EdgeReady:
         return relay_pb2.EdgeReady(
-            peer_cluster=self.link.expected_peer.cluster_id,
-            max_window_bytes=self.router.max_window_bytes,
-            link_up=self.router.link_up,
+            peer_cluster=link.expected_peer.cluster_id,
+            max_window_bytes=link.router.max_window_bytes,
+            link_up=link.router.link_up,
             epoch=epoch,
             link_framing=LINK_FRAMING_VERSION if framing else 0,
         )
@@ -471,15 +523,26 @@ class RelayServicer:
     async def GetLinkStatus(
         self, request: relay_pb2.GetLinkStatusRequest, context: grpc.aio.ServicerContext
     ) -> relay_pb2.LinkStatus:
-        state = self.link.state
+        link = self.links.first
+        if request.peer_cluster:
+            found = self.links.get(request.peer_cluster)
+            if found is None:
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"switch {self.cluster_id!r} has no link to cluster {request.peer_cluster!r} "
+                    f"(its peers: {', '.join(self.links.peer_ids)})",
+                )
+            assert found is not None
+            link = found
+        state = link.state
         return relay_pb2.LinkStatus(
             cluster_id=self.cluster_id,
-            expected_peer=self.link.expected_peer.cluster_id,
+            expected_peer=link.expected_peer.cluster_id,
             connected=state.connected,
             verified_peer_identity=state.peer_identity,
             link_role=state.role,
-            sent=self.link.sent.to_proto(),
-            received=self.link.received.to_proto(),
+            sent=link.sent.to_proto(),
+            received=link.received.to_proto(),
             peer_certificate_serial=f"{state.peer_serial:x}" if state.peer_serial else "",
             link_sessions=state.sessions,
             **self._own_certificate(),

@@ -223,6 +223,22 @@ def _held(route: Route) -> bool:
     return route.attachment is not None or route.detached is not None
 
 
+class SharedRoutes:
+    """What the routers of one switch (one per peer link) share: the limits count every route of the
+    switch, and a job belongs to one account whichever peer its edges lead to."""
+
+    def __init__(self) -> None:
+        self.routers: list[Router] = []
+        # job id -> account that first attached an edge of it (see Router.attach).
+        self.job_owners: dict[str, str] = {}
+
+    def routes(self) -> list[Route]:
+        return [route for router in self.routers for route in router._routes.values()]
+
+    def buffered(self, direction: str) -> int:
+        return sum(r.buffered_in if direction == "to_trainers" else r.buffered_out for r in self.routers)
+
+
 class Router:
     def __init__(
         self,
@@ -231,6 +247,7 @@ class Router:
         cluster_id: str = "",
         record: Record | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shared: SharedRoutes | None = None,
     ) -> None:
         self.limits = limits or Limits()
         self.cluster_id = cluster_id
@@ -242,7 +259,10 @@ class Router:
         # job id -> account that first attached an edge of it. A job's edges belong to one account,
         # so once claimed, no other account of this cluster can attach to (and read) any of its edges,
         # even after the owner's stream ended (a restarted stage re-attaches under the same account).
-        self._job_owners: dict[str, str] = {}
+        # Shared by the routers of every peer link of the switch (SharedRoutes).
+        self.shared = shared if shared is not None else SharedRoutes()
+        self.shared.routers.append(self)
+        self._job_owners = self.shared.job_owners
         # key -> (expiry, epoch of the closed route): items of a higher epoch start a new route.
         self._tombstones: OrderedDict[RouteKey, tuple[float, int]] = OrderedDict()
         self._acks: OrderedDict[RouteKey, Item] = OrderedDict()
@@ -252,8 +272,9 @@ class Router:
         self.link_up = False
         self.buffered_in = 0
         self.buffered_out = 0
-        BUFFERED_BYTES.labels("to_trainers").set_function(lambda: self.buffered_in)
-        BUFFERED_BYTES.labels("to_peer").set_function(lambda: self.buffered_out)
+        shared_routes = self.shared
+        BUFFERED_BYTES.labels("to_trainers").set_function(lambda: shared_routes.buffered("to_trainers"))
+        BUFFERED_BYTES.labels("to_peer").set_function(lambda: shared_routes.buffered("to_peer"))
 
     @property
     def max_window_bytes(self) -> int:
@@ -295,7 +316,8 @@ class Router:
         if route is None or route.attachment is None:
             # Routes kept for their owner (orphaned or restarted) count as attached: re-attaching to
             # one's own does not need room, but crashing repeatedly cannot pile up routes either.
-            held = [r for r in self._routes.values() if r is not route and _held(r)]
+            # Every route of the switch counts, whichever peer link it belongs to.
+            held = [r for r in self.shared.routes() if r is not route and _held(r)]
             mine = sum(1 for r in held if r.owner == owner)
             if mine >= self.limits.max_routes_per_account:
                 raise RouteLimitError(
@@ -417,7 +439,8 @@ class Router:
             del self._routes[route.key]
 
     def open_routes(self) -> int:
-        return sum(1 for route in self._routes.values() if route.attachment is not None)
+        """Edges open on the switch (every peer link's routes)."""
+        return sum(1 for route in self.shared.routes() if route.attachment is not None)
 
     # ----- the peer --------------------------------------------------------------------------
     def deliver(self, key: RouteKey, message: EdgeItem, epoch: int = 0) -> None:

@@ -1,4 +1,4 @@
-"""Switch process: two gRPC servers (internal relay, mTLS WAN) around one PeerLink.
+"""Switch process: two gRPC servers (internal relay, mTLS WAN) around one PeerLink per peer cluster.
 
 They are two servers, not two ports of one, because gRPC registers services
 per server: the Relay API must not be reachable on the WAN port at all.
@@ -7,6 +7,10 @@ file, CRL staleness; closing a link whose peer was just revoked or no longer
 trusted) and checks, renews and hot-reloads this switch's own certificate. The
 WAN port also serves nebula.v1.SwitchTrust: both switches send each other their
 CA's CRL over it (services/switch/crl_exchange.py), so revocation needs no file copy.
+
+A switch with several peers (``NEBULA_SWITCH_PEERS``; chains across more than two clusters) runs one
+link, router, trust gate and CRL exchange per peer (services/switch/peers.py); both servers are shared
+and a WAN caller's certificate picks its peer's link.
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ from nebula_common.service.resources import (
     token_verifier,
 )
 from services.switch.certs import CertificateManager
-from services.switch.config import SwitchSettings
+from services.switch.config import PeerSettings, SwitchSettings
 from services.switch.crl_exchange import CrlExchange, OwnCrl, add_trust_to_server, exchange_forever
 from services.switch.link import PeerLink, fetch_server_certificate
 from services.switch.peer_trust import PeerTrust
+from services.switch.peers import PeerLinks
 from services.switch.rawlink import RawConnection, WanFrontend, dial_raw
 from services.switch.relay_servicer import RelayServicer, add_relay_to_server
-from services.switch.routing import Limits, Router
+from services.switch.routing import Limits, Router, SharedRoutes
 from services.switch.throttle import AccountThrottle, Penalties, PenaltyRules
 from services.switch.tls_refusals import StderrTap
 from services.switch.wan_servicer import SwitchLinkServicer, add_link_to_server
@@ -51,7 +56,11 @@ STOP_GRACE_SECONDS = 2.0
 
 @dataclass
 class RunningSwitch:
-    """In-process handle of a started switch (tests and tools reach its link and servers here)."""
+    """In-process handle of a started switch (tests and tools reach its link and servers here).
+
+    ``link``, ``router`` and ``revocation`` are the first peer's (the only one of a two-cluster
+    switch); ``links`` holds every peer's link (each with its ``router``), ``trusts`` every gate.
+    """
 
     internal: ServiceServer
     wan: ServiceServer
@@ -60,6 +69,8 @@ class RunningSwitch:
     audit: AuditLog
     certificates: CertificateManager
     revocation: PeerTrust
+    links: PeerLinks
+    trusts: dict[str, PeerTrust]
     #: The raw transport's frontend on the WAN port (None with link_transport=grpc).
     frontend: WanFrontend | None = None
 
@@ -79,18 +90,21 @@ async def _cancel(task: asyncio.Task[None]) -> None:
 
 
 async def _maintain(
-    settings: SwitchSettings, link: PeerLink, trust: PeerTrust, certs: CertificateManager
+    settings: SwitchSettings, gates: list[tuple[PeerLink, PeerTrust]], certs: CertificateManager
 ) -> None:
-    """Poll the peer trust (bundle, CRL file, staleness; enforced on the live link) and own certificate."""
+    """Poll each peer's trust (bundle, CRL file, staleness; enforced on its live link) and own certificate."""
     loop = asyncio.get_running_loop()
     next_cert_check = loop.time() + settings.cert_check_interval_s
+    several = len(gates) > 1
     while True:
         await asyncio.sleep(min(settings.crl_refresh_s, settings.cert_check_interval_s))
         try:
-            for event, details in await asyncio.to_thread(trust.refresh):
-                link.record(event, outcome="alarm" if event == "crl.stale" else "ok", **details)
-            if link.enforce_revocation() and (reason := trust.closed_reason()) is not None:
-                link.record("trust.closed", outcome="refused", reason=reason)
+            for link, trust in gates:
+                peer = {"peer": trust.peer_cluster_id} if several else {}
+                for event, details in await asyncio.to_thread(trust.refresh):
+                    link.record(event, outcome="alarm" if event == "crl.stale" else "ok", **details, **peer)
+                if link.enforce_revocation() and (reason := trust.closed_reason()) is not None:
+                    link.record("trust.closed", outcome="refused", reason=reason, **peer)
             if loop.time() >= next_cert_check:
                 next_cert_check = loop.time() + settings.cert_check_interval_s
                 await asyncio.to_thread(certs.check)
@@ -129,15 +143,23 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         fsync_each=False,
     )
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    revocation = PeerTrust(
-        settings.peer_cluster_id,
-        settings.trust_bundle,
-        cache_path=settings.data_dir / "peer-crl.pem",
-        crl_file=settings.peer_crl,
-        fail_closed=settings.crl_fail_closed,
-    )
-    if revocation.loaded is None:
-        log.warning("no peer CRL yet: it arrives over the WAN port once the peer switch is reachable")
+    peers = settings.peer_list()
+    several = settings.peers != []
+    trusts: dict[str, PeerTrust] = {}
+    for peer in peers:
+        trusts[peer.cluster_id] = PeerTrust(
+            peer.cluster_id,
+            settings.trust_bundle,
+            # One peer (the two-cluster layout) keeps its CRL where it always did.
+            cache_path=settings.data_dir / (f"peer-crl-{peer.cluster_id}.pem" if several else "peer-crl.pem"),
+            crl_file=peer.crl,
+            fail_closed=settings.crl_fail_closed,
+        )
+        if trusts[peer.cluster_id].loaded is None:
+            log.warning(
+                "no CRL of peer %s yet: it arrives over the WAN port once its switch is reachable",
+                peer.cluster_id,
+            )
     certs = CertificateManager(
         settings.tls_cert,
         settings.tls_key,
@@ -149,26 +171,32 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         renew_before_fraction=settings.renew_before_fraction,
         warn_before=timedelta(seconds=settings.cert_warn_before_s),
     )
-    router = Router(
-        Limits(
-            max_window_bytes=settings.max_window_bytes,
-            unattached_timeout_s=settings.unattached_timeout_s,
-            orphan_timeout_s=settings.orphan_timeout_s,
-            max_routes_per_account=settings.max_routes_per_account,
-            max_attached_routes=settings.max_attached_routes,
-            max_unattached_routes=settings.max_unattached_routes,
-            tombstone_s=settings.route_tombstone_s,
-        ),
-        cluster_id=settings.cluster_id,
+    limits = Limits(
+        max_window_bytes=settings.max_window_bytes,
+        unattached_timeout_s=settings.unattached_timeout_s,
+        orphan_timeout_s=settings.orphan_timeout_s,
+        max_routes_per_account=settings.max_routes_per_account,
+        max_attached_routes=settings.max_attached_routes,
+        max_unattached_routes=settings.max_unattached_routes,
+        tombstone_s=settings.route_tombstone_s,
     )
-    link = PeerLink(
+    shared = SharedRoutes()
+    links = PeerLinks(
         settings.cluster_id,
-        settings.peer_cluster_id,
-        router,
-        audit=audit,
-        revocation=revocation,
-        connections=settings.connections(),
+        [
+            PeerLink(
+                settings.cluster_id,
+                peer.cluster_id,
+                Router(limits, cluster_id=settings.cluster_id, shared=shared),
+                audit=audit,
+                revocation=trusts[peer.cluster_id],
+                connections=settings.connections(),
+            )
+            for peer in peers
+        ],
     )
+    link = links.first
+    revocation = trusts[link.expected_peer.cluster_id]
     material = certs.current
     audit.append(
         "switch.start",
@@ -176,6 +204,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
             "certificate_serial": f"{material.serial:x}",
             "certificate_not_after": material.cert.not_valid_after_utc.isoformat(),
             "peer": link.expected_peer.uri,
+            **({"peers": [each.expected_peer.uri for each in links]} if several else {}),
             "peer_crl": str(settings.peer_crl or ""),
             "peer_crl_number": revocation.loaded.number if revocation.loaded is not None else None,
             "own_crl": str(settings.own_crl or ""),
@@ -193,8 +222,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     add_relay_to_server(
         RelayServicer(
             settings.cluster_id,
-            link,
-            router,
+            links,
             certs,
             AccountThrottle(
                 settings.account_item_rate,
@@ -232,11 +260,13 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         grace=STOP_GRACE_SECONDS,
         options=wan_options,
     )
-    add_link_to_server(SwitchLinkServicer(link), wan.server)
-    exchange = CrlExchange(
-        link, revocation, OwnCrl(settings.own_crl) if settings.own_crl is not None else None
-    )
-    add_trust_to_server(exchange, wan.server)
+    add_link_to_server(SwitchLinkServicer(links), wan.server)
+    own_crl = OwnCrl(settings.own_crl) if settings.own_crl is not None else None
+    exchanges = {
+        each.expected_peer.cluster_id: CrlExchange(each, trusts[each.expected_peer.cluster_id], own_crl)
+        for each in links
+    }
+    add_trust_to_server(links, exchanges, wan.server)
     raw = settings.link_transport == "raw"
     # With the raw transport the WAN port is the frontend's (rawlink.py); gRPC's WAN server then listens
     # on loopback only, reached through the frontend, which passes a gRPC peer's TLS bytes through
@@ -249,7 +279,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     frontend = None
     if raw:
         frontend = WanFrontend(
-            link,
+            links,
             f"127.0.0.1:{grpc_wan_port}",
             lambda: certs.ssl_context(server_side=True),
             handshake_timeout_s=settings.wan_handshake_timeout_s,
@@ -258,59 +288,31 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         wan.ports["wan"] = await frontend.start(settings.wan_listen)
         wan.ports["wan_grpc_backend"] = grpc_wan_port
         stack.push_async_callback(frontend.stop)
-        link.serves_raw = True
-    stack.callback(link.stop)
-    if settings.dials():
-        assert settings.peer_address is not None  # SwitchSettings refuses a dialer without one
-        address = settings.peer_address
-
-        async def probe() -> x509.Certificate:
-            return await fetch_server_certificate(
-                address, certs.cert_path, certs.key_path, certs.bundle_path, link.expected_peer.dns_name
-            )
-
-        if raw:
-
-            async def raw_dialer() -> RawConnection:
-                return await dial_raw(
-                    address,
-                    certs.ssl_context(server_side=False),
-                    link.expected_peer.dns_name,
-                    send_buffer=settings.link_window_bytes,
-                )
-
-            link.raw_dialer = raw_dialer
-
-        dialer = asyncio.create_task(
-            link.dial_forever(
-                address,
-                certs.channel_credentials,
-                [*channel_options(link.expected_peer), *_window_options(settings)],
-                probe=probe,
-            ),
-            name="wan-dialer",
-        )
-        stack.push_async_callback(_cancel, dialer)
-        crl_dialer = asyncio.create_task(
-            exchange_forever(
-                address, certs.channel_credentials, channel_options(link.expected_peer), exchange
-            ),
-            name="crl-exchange",
-        )
-        stack.push_async_callback(_cancel, crl_dialer)
-    maintenance = asyncio.create_task(_maintain(settings, link, revocation, certs), name="switch-maintenance")
+        for each in links:
+            each.serves_raw = True
+    stack.callback(links.stop)
+    for peer in peers:
+        if peer.dials(settings.cluster_id):
+            _dial(settings, stack, peer, links, exchanges, certs, raw)
+    maintenance = asyncio.create_task(
+        _maintain(settings, [(each, trusts[each.expected_peer.cluster_id]) for each in links], certs),
+        name="switch-maintenance",
+    )
     stack.push_async_callback(_cancel, maintenance)
-    sweeper = asyncio.create_task(router.run_sweeper(), name="route-sweeper")
-    stack.push_async_callback(_cancel, sweeper)
+    for each in links:
+        sweeper = asyncio.create_task(each.router.run_sweeper(), name=f"route-sweeper-{each.expected_peer}")
+        stack.push_async_callback(_cancel, sweeper)
     internal.start_metrics(settings.metrics_port, settings.internal_listen)
     running = RunningSwitch(
         internal=internal,
         wan=wan,
         link=link,
-        router=router,
+        router=link.router,
         audit=audit,
         certificates=certs,
         revocation=revocation,
+        links=links,
+        trusts=trusts,
         frontend=frontend,
     )
     ports = {
@@ -323,9 +325,62 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     return Started(running, ports)
 
 
+def _dial(
+    settings: SwitchSettings,
+    stack: contextlib.AsyncExitStack,
+    peer: PeerSettings,
+    links: PeerLinks,
+    exchanges: dict[str, CrlExchange],
+    certs: CertificateManager,
+    raw: bool,
+) -> None:
+    """Start the dialer and the CRL exchange of the link to ``peer`` (this switch opens it)."""
+    link = links.get(peer.cluster_id)
+    assert link is not None and peer.address is not None  # PeerSettings refuses a dialer without one
+    address = peer.address
+
+    async def probe() -> x509.Certificate:
+        return await fetch_server_certificate(
+            address, certs.cert_path, certs.key_path, certs.bundle_path, link.expected_peer.dns_name
+        )
+
+    if raw:
+
+        async def raw_dialer() -> RawConnection:
+            return await dial_raw(
+                address,
+                certs.ssl_context(server_side=False),
+                link.expected_peer.dns_name,
+                send_buffer=settings.link_window_bytes,
+            )
+
+        link.raw_dialer = raw_dialer
+
+    dialer = asyncio.create_task(
+        link.dial_forever(
+            address,
+            certs.channel_credentials,
+            [*channel_options(link.expected_peer), *_window_options(settings)],
+            probe=probe,
+        ),
+        name=f"wan-dialer-{peer.cluster_id}",
+    )
+    stack.push_async_callback(_cancel, dialer)
+    crl_dialer = asyncio.create_task(
+        exchange_forever(
+            address,
+            certs.channel_credentials,
+            channel_options(link.expected_peer),
+            exchanges[peer.cluster_id],
+        ),
+        name=f"crl-exchange-{peer.cluster_id}",
+    )
+    stack.push_async_callback(_cancel, crl_dialer)
+
+
 def _tap_tls_refusals(running: RunningSwitch) -> None:
     """TLS refusals happen inside gRPC core; its stderr report is the only trace, so audit that."""
-    StderrTap(lambda reason: running.link.refuse("tls", reason))
+    StderrTap(lambda reason: running.links.refuse("tls", reason))
 
 
 SERVICE = ServiceDefinition("switch", SwitchSettings, start_switch, on_serve=_tap_tls_refusals)

@@ -2,8 +2,9 @@
 
 By the time this runs, gRPC's TLS stack has verified the peer's chain, validity window and the
 CA's name constraint. What remains is checked here, before a single frame is relayed: the
-certificate names exactly the configured peer switch (cluster *and* role), it is not on the peer
-CA's revocation list, and the handshake agrees with it. Every refusal is audited.
+certificate names exactly a configured peer switch (cluster *and* role; the cluster picks that peer's
+link, services/switch/peers.py), it is not on that peer CA's revocation list, and the handshake agrees
+with it. Every refusal is audited.
 
 The method is registered with raw-bytes (identity) serializers (``add_link_to_server``): the session
 parses link messages itself and forwards framed chunks without re-encoding them (services/switch/link.py).
@@ -26,9 +27,9 @@ from services.switch.link import (
     HANDSHAKE_TIMEOUT_S,
     RAW_LINK_VERSION,
     HandshakeError,
-    PeerLink,
     parse_link_message,
 )
+from services.switch.peers import PeerLinks
 
 log = logging.getLogger(__name__)
 
@@ -42,22 +43,22 @@ def _peer_certificate(context: grpc.aio.ServicerContext) -> x509.Certificate | N
 
 
 class SwitchLinkServicer:
-    def __init__(self, link: PeerLink) -> None:
-        self.link = link
+    def __init__(self, links: PeerLinks) -> None:
+        self.links = links
 
     async def Link(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         cert = _peer_certificate(context)
         serial = f"{cert.serial_number:x}" if cert is not None else ""
         try:
             certified = peer_identity(context)
-            self.link.check_identity(certified)
+            link = self.links.select(certified)
         except PermissionError as exc:
-            self.link.refuse("identity", str(exc), address=context.peer(), serial=serial)
+            self.links.refuse("identity", str(exc), address=context.peer(), serial=serial)
             log.warning("refused WAN link: %s", exc, extra={"fields": {"peer": context.peer()}})
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        if self.link.is_revoked(cert):
+        if link.is_revoked(cert):
             reason = f"peer certificate {serial} is revoked"
-            self.link.refuse("revoked", reason, address=context.peer(), serial=serial, identity=certified.uri)
+            link.refuse("revoked", reason, address=context.peer(), serial=serial, identity=certified.uri)
             log.warning("refused WAN link: %s", reason, extra={"fields": {"peer": context.peer()}})
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
         try:
@@ -65,28 +66,28 @@ class SwitchLinkServicer:
             if raw is grpc.aio.EOF:
                 raise HandshakeError("peer closed the link during the handshake")
             hello = parse_link_message(raw)
-            self.link.check_hello(hello, certified)
+            link.check_hello(hello, certified)
             lane, session_id = hello.hello.lane, hello.hello.session_id
-            if lane and not self.link.joins_current_session(session_id):
+            if lane and not link.joins_current_session(session_id):
                 raise HandshakeError(f"connection {lane} names no running session of this link")
         except (HandshakeError, TimeoutError) as exc:
-            self.link.refuse(
+            link.refuse(
                 "handshake", str(exc) or "no handshake in time", address=context.peer(), serial=serial
             )
             log.warning("refused WAN link from %s: %s", certified.uri, exc)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"handshake refused: {exc}")
-        if not lane and hello.hello.raw_link and self.link.serves_raw:
+        if not lane and hello.hello.raw_link and link.serves_raw:
             # The dialer offered the raw transport and this port takes it (rawlink.py): say so and end the
             # call; the dialer reconnects raw to the same address. No session starts on this call.
             await context.write(
-                self.link.hello(session_id=session_id, raw_link=RAW_LINK_VERSION).SerializeToString()
+                link.hello(session_id=session_id, raw_link=RAW_LINK_VERSION).SerializeToString()
             )
             return
-        await context.write(self.link.hello(session_id=session_id, lane=lane).SerializeToString())
+        await context.write(link.hello(session_id=session_id, lane=lane).SerializeToString())
         if lane:
-            await self.link.run_lane(lane, context.read, context.write)
+            await link.run_lane(lane, context.read, context.write)
             return
-        await self.link.run_session(
+        await link.run_session(
             context.read,
             context.write,
             certified,

@@ -136,8 +136,10 @@ class EdgeMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[EdgeOpen, _Mapping]] = ..., frame: _Optional[_Union[_tensor_pb2.TensorFrame, _Mapping]] = ..., close: _Optional[_Union[EdgeClose, _Mapping]] = ..., ready: _Optional[_Union[EdgeReady, _Mapping]] = ..., signal: _Optional[_Union[EdgeSignal, _Mapping]] = ..., ack: _Optional[_Union[EdgeAck, _Mapping]] = ..., notice: _Optional[_Union[LinkNotice, _Mapping]] = ..., restart: _Optional[_Union[EdgeRestart, _Mapping]] = ..., framed: _Optional[_Union[FramedItem, _Mapping]] = ...) -> None: ...
 
 class GetLinkStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("peer_cluster",)
+    PEER_CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    peer_cluster: str
+    def __init__(self, peer_cluster: _Optional[str] = ...) -> None: ...
 
 class LinkCounters(_message.Message):
     __slots__ = ("bytes", "payload_bytes", "raw_bytes", "frames")
