@@ -129,12 +129,12 @@ def run_chain(job: ProgramJob, data_dir: Path, settings: EdgeSettings = SETTINGS
     return runs
 
 
-def check_equals_unsplit(runs: list[StageRun], reference: UnsplitResult, steps: int) -> None:
+def check_equals_unsplit(runs: list[StageRun], reference: UnsplitResult, steps: int, start: int = 0) -> None:
     for run in runs:
         assert run.final.state == SUCCEEDED, (run.final.stage, run.final.message)
     losses = runs[-1].losses()  # a restarted last stage reports the steps from its resume on
     first = min(losses)
-    assert sorted(losses) == list(range(first, steps)) and first in (0, runs[-1].final.resumed_from_step)
+    assert sorted(losses) == list(range(first, steps)) and first in (start, runs[-1].final.resumed_from_step)
     for step in range(first, steps):
         assert losses[step] == pytest.approx(reference.losses[step], abs=1e-5), step
     for run in runs:
@@ -350,3 +350,13 @@ def test_cancelling_a_middle_stage_ends_its_neighbours(tmp_path: Path) -> None:
     for run in runs:  # the neighbours as in a two-stage job: "the other cluster's stage was cancelled"
         assert run.final.state == trainer_pb2.STAGE_STATE_CANCELLED, (run.final.stage, run.final.message)
     assert runs[0].final.message == runs[2].final.message == PEER_CANCELLED
+
+
+def test_a_hot_started_chain_continues_the_unsplit_run_exactly(tmp_path: Path) -> None:
+    """The paper's Figure 8 on a chain: 4 steps unsplit here, the rest split (each stage: its state)."""
+    loaded = chain_job(3).loaded
+    job, _ = ProgramJob.hot_started(loaded, 4)
+    assert sorted(job.initial_states) == ["head", "mixer1", "reader"]
+    runs = run_chain(job, tmp_path)
+    assert min(runs[-1].losses()) == 4  # the split run began where the unsplit one stopped
+    check_equals_unsplit(runs, run_unsplit(loaded), STEPS, start=4)
