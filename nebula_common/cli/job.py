@@ -107,7 +107,8 @@ def follow(
     with ProgressBar(job.spec.name, job.steps, job.start_step, console=console, disable=quiet) as bar:
         summary = summarize(job, handle, on_status=bar.update)
     ordered = [sessions[c] for c in job.clusters().values()]
-    summary.fill_wan(ordered[0], ordered[1])
+    if len(ordered) == 2:  # a chain's switches count each job's bytes over all their peers together
+        summary.fill_wan(ordered[0], ordered[1])
     summary.settings = job.settings()
     return summary
 

@@ -1,7 +1,7 @@
 """The same job trained unsplit in one process: the yardstick for the split run, and a hot-start source.
 
-Both stages live in this process and the loss backpropagates straight through
-the cut, with the micro-batches of each step run one after the other. With
+Every stage (two, or a chain of up to eight) lives in this process and the loss
+backpropagates straight through the cuts, with the micro-batches of each step run one after the other. With
 codec ``none``, a split run across clusters (any schedule) must reproduce these
 per-step losses and final parameters; a run here can also produce the per-stage
 state dicts a cross-cluster job starts from (the paper's Figure 8).
@@ -17,7 +17,7 @@ import torch
 
 from nebula_common.jobspec.hot_start import encode_state_dicts
 from nebula_common.jobspec.runtime import OptimSettings, StageProgram, example_ids, load_program
-from nebula_common.jobspec.spec import LoadedJob, required_functions
+from nebula_common.jobspec.spec import LoadedJob, required_functions, stage_role
 
 
 @dataclass
@@ -43,11 +43,12 @@ def optim_settings(job: LoadedJob) -> OptimSettings:
     )
 
 
-def build_programs(job: LoadedJob) -> tuple[StageProgram, StageProgram]:
+def build_programs(job: LoadedJob) -> list[StageProgram]:
+    """Every stage's program, in chain order (upstream first, the loss-owning stage last)."""
     spec = job.spec
     programs = []
     for index, stage in enumerate(spec.stages):
-        required = required_functions("downstream" if index else "upstream", spec.pipeline.mode)
+        required = required_functions(stage_role(index, len(spec.stages)), spec.pipeline.mode)
         module = job.modules[stage.name]
         programs.append(
             StageProgram(
@@ -60,7 +61,7 @@ def build_programs(job: LoadedJob) -> tuple[StageProgram, StageProgram]:
                 total_steps=spec.steps,
             )
         )
-    return programs[0], programs[1]
+    return programs
 
 
 def run_unsplit(job: LoadedJob, steps: int | None = None) -> UnsplitResult:
@@ -71,7 +72,8 @@ def run_unsplit(job: LoadedJob, steps: int | None = None) -> UnsplitResult:
     the cut; data-parallel replicas are one process here, with the combined batch.
     """
     spec = job.spec
-    upstream, downstream = build_programs(job)
+    programs = build_programs(job)
+    upstream, middles, downstream = programs[0], programs[1:-1], programs[-1]
     micro_batches = spec.data.micro_batches
     size = spec.data.batch_size // micro_batches
     one_way = spec.pipeline.mode == "one_way"
@@ -87,15 +89,17 @@ def run_unsplit(job: LoadedJob, steps: int | None = None) -> UnsplitResult:
                 local += own.item()
             else:
                 states = upstream.forward(upstream.batch(ids))
+                for middle in middles:  # a chain: each middle stage turns what it got into what it sends
+                    states = middle.relay(states, ids)
             loss = downstream.loss(states, downstream.batch(ids)) / micro_batches
             loss.backward()
             total += loss.item()
-        upstream.finish_step()
-        downstream.finish_step()
+        for program in programs:
+            program.finish_step()
         result.losses.append(total)
         if one_way:
             result.local_losses.append(local)
-    pairs = ((spec.stages[0].name, upstream), (spec.stages[1].name, downstream))
+    pairs = [(stage.name, program) for stage, program in zip(spec.stages, programs, strict=True)]
     result.state_dicts = {name: program.model.state_dict() for name, program in pairs}
     result.optimizer_states = {name: program.optimizer.state_dict() for name, program in pairs}
     result.scheduler_states = {name: program.scheduler.state_dict() for name, program in pairs}

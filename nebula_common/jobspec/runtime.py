@@ -189,6 +189,18 @@ class StageProgram:
             raise ProgramError("the upstream stage must produce one floating-point tensor to send")
         return out
 
+    def relay(self, received: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
+        """A middle stage of a chain: its output for what arrived from upstream (sent downstream).
+
+        ``forward(model, received, batch)`` if the module defines it (the batch is read only then),
+        else ``model(received)``.
+        """
+        custom = getattr(self.module, "forward", None)
+        out = custom(self.model, received, self.batch(ids)) if callable(custom) else self.model(received)
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            raise ProgramError("a middle stage must produce one floating-point tensor to send downstream")
+        return out
+
     def produce(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """One-way upstream (ELECTRA generator): what crosses the edge, and this stage's own scalar loss."""
         result = self.module.produce(self.model, batch)

@@ -31,13 +31,26 @@ UPSTREAM_FUNCTIONS = ("build", "load_examples", "collate")
 DOWNSTREAM_FUNCTIONS = ("build", "load_examples", "collate", "loss")
 # One-way edges (ELECTRA): the upstream stage trains on its own loss and sends what it produced.
 ONE_WAY_UPSTREAM_FUNCTIONS = ("build", "load_examples", "collate", "produce")
+# A middle stage of a chain: its model takes what arrived from upstream (``forward(model, received,
+# batch)`` if the module defines it, else ``model(received)``) and its output goes downstream.
+MIDDLE_FUNCTIONS = ("build", "load_examples", "collate")
+MAX_STAGES = 8
 
 
 def required_functions(role: str, mode: str) -> tuple[str, ...]:
-    """Functions a stage module must define, by its role (upstream/downstream) and the pipeline mode."""
+    """Functions a stage module must define, by its role (upstream/middle/downstream) and pipeline mode."""
     if role == "downstream":
         return DOWNSTREAM_FUNCTIONS
+    if role == "middle":
+        return MIDDLE_FUNCTIONS
     return ONE_WAY_UPSTREAM_FUNCTIONS if mode == "one_way" else UPSTREAM_FUNCTIONS
+
+
+def stage_role(index: int, stages: int) -> str:
+    """The role of stage ``index`` in a chain of ``stages``: upstream (first), middle or downstream (last)."""
+    if index == 0:
+        return "upstream"
+    return "downstream" if index == stages - 1 else "middle"
 
 
 def sharding_problem(parallel: str, replicas: int, shard_size: int | None) -> str | None:
@@ -194,7 +207,8 @@ class EdgeDecl(_Strict):
 
 
 class JobSpec(_Strict):
-    """A two-stage cross-cluster pipeline: stage 0 upstream, stage 1 downstream (owns the loss)."""
+    """A cross-cluster pipeline: a chain of 2..8 stages, stage 0 upstream, the last downstream (owns the
+    loss), any stages between them middles; ``edges.K`` goes from stage K to stage K+1."""
 
     name: str = Field(pattern=_NAME)
     steps: int = Field(ge=1, le=10_000_000)
@@ -204,8 +218,8 @@ class JobSpec(_Strict):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     lr_schedule: LrScheduleSpec = Field(default_factory=LrScheduleSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    stages: list[StageDecl] = Field(min_length=2, max_length=2)
-    edges: list[EdgeDecl] = Field(min_length=1, max_length=1)
+    stages: list[StageDecl] = Field(min_length=2, max_length=MAX_STAGES)
+    edges: list[EdgeDecl] = Field(min_length=1, max_length=MAX_STAGES - 1)
 
     @model_validator(mode="after")
     def _topology(self) -> JobSpec:
@@ -215,13 +229,24 @@ class JobSpec(_Strict):
         clusters = [s.cluster for s in self.stages]
         if len(set(clusters)) != len(clusters):
             raise ValueError(f"stages: each stage must run in a different cluster, got {clusters}")
-        edge = self.edges[0]
-        if (edge.source, edge.target) != (names[0], names[1]):
+        if len(self.edges) != len(names) - 1:
             raise ValueError(
-                f"edges.0: must go from the first stage to the second ({names[0]} -> {names[1]}), "
-                f"got {edge.source} -> {edge.target}"
+                f"edges: {len(names)} stages form a chain of {len(names) - 1} edge(s) "
+                f"(stage K -> stage K+1), got {len(self.edges)}"
             )
+        for index, chained in enumerate(self.edges):
+            if (chained.source, chained.target) != (names[index], names[index + 1]):
+                which = (
+                    "the first stage to the second" if index == 0 else f"stage {index} to stage {index + 1}"
+                )
+                raise ValueError(
+                    f"edges.{index}: must go from {which} ({names[index]} -> {names[index + 1]}), "
+                    f"got {chained.source} -> {chained.target}"
+                )
         one_way = self.pipeline.mode == "one_way"
+        if len(names) > 2:
+            self._chain_checks(one_way)
+        edge = self.edges[0]
         if one_way and edge.codec.backward != "none":
             raise ValueError(
                 "edges.0.codec.backward: a one_way edge carries only the per-step sync tensor back; "
@@ -252,8 +277,36 @@ class JobSpec(_Strict):
                 )
         return self
 
+    def _chain_checks(self, one_way: bool) -> None:
+        """What a chain of more than two stages cannot do (yet), each refused naming its field."""
+        if one_way:
+            raise ValueError(
+                f"pipeline.mode: one_way (ELECTRA: generator -> discriminator) is a two-stage shape; "
+                f"a chain of {len(self.stages)} stages needs mode backprop"
+            )
+        for index, chained in enumerate(self.edges):
+            for direction in ("forward", "backward"):
+                if getattr(chained.codec, direction) == "auto":
+                    raise ValueError(
+                        f"edges.{index}.codec.{direction}: auto (codec advice) is for two-stage jobs; "
+                        "name a codec for each edge of a chain"
+                    )
+        for index, chained in enumerate(self.edges):
+            if chained.payload != "float":
+                raise ValueError(
+                    f"edges.{index}.payload: int64 ids have no gradient; a chain carries float activations"
+                )
+        for index in range(1, len(self.stages) - 1):
+            stage = self.stages[index]
+            if stage.replicas != 1:
+                raise ValueError(
+                    f"stages.{index}.replicas: a middle stage of a chain runs on one process, "
+                    f"got {stage.replicas}"
+                )
+
     @property
     def edge(self) -> EdgeDecl:
+        """The first edge (the only one of a two-stage job)."""
         return self.edges[0]
 
 
@@ -287,7 +340,9 @@ def _format_validation(error: ValidationError, origin: str) -> str:
     return "\n".join(lines)
 
 
-def _check_module(stage: StageDecl, index: int, path: Path, origin: str, mode: str) -> StageModule:
+def _check_module(
+    stage: StageDecl, index: int, path: Path, origin: str, mode: str, stages: int = 2
+) -> StageModule:
     field = f"stages.{index}.module"
     if not path.is_file():
         if path.is_dir():
@@ -315,10 +370,15 @@ def _check_module(stage: StageDecl, index: int, path: Path, origin: str, mode: s
         for target in node.targets
         if isinstance(target, ast.Name)
     }
-    required = required_functions("upstream" if index == 0 else "downstream", mode)
+    role = stage_role(index, stages)
+    required = required_functions(role, mode)
     missing = [name for name in required if name not in defined]
     if missing:
-        role = "downstream (loss-owning)" if index else f"upstream ({mode} pipeline)"
+        role = {
+            "downstream": "downstream (loss-owning)",
+            "upstream": f"upstream ({mode} pipeline)",
+            "middle": "middle (chain)",
+        }[role]
         raise SpecError(
             f"{origin}: {field}: {path} must define {', '.join(missing)} "
             f"(a {role} stage defines {', '.join(required)})"
@@ -335,7 +395,9 @@ def parse_spec(data: Any, *, base_dir: Path, origin: str = "spec") -> LoadedJob:
     except ValidationError as exc:
         raise SpecError(_format_validation(exc, origin)) from None
     modules = {
-        stage.name: _check_module(stage, i, (base_dir / stage.module).resolve(), origin, spec.pipeline.mode)
+        stage.name: _check_module(
+            stage, i, (base_dir / stage.module).resolve(), origin, spec.pipeline.mode, len(spec.stages)
+        )
         for i, stage in enumerate(spec.stages)
     }
     return LoadedJob(spec=_pretrained_dirs(spec, modules, base_dir, origin), modules=modules)

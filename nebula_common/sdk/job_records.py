@@ -123,7 +123,19 @@ class JobRecord:
     stages: list[StageView] = field(default_factory=list)
 
     def _ordered(self) -> list[StageView]:
-        return sorted(self.stages, key=lambda s: (not s.upstream, s.started_unix, s.stage))
+        """Upstream first; a chain's stages in chain order (each non-first stage's ``edge`` names the
+        stage above it), any stage off the chain after them."""
+        ordered = sorted(self.stages, key=lambda s: (not s.upstream, s.started_unix, s.stage))
+        if not ordered or not ordered[0].upstream:
+            return ordered
+        chain = [ordered[0]]
+        rest = ordered[1:]
+        while True:
+            below = next((s for s in rest if s.edge.split("->")[0] == chain[-1].stage), None)
+            if below is None:
+                return chain + rest
+            chain.append(below)
+            rest.remove(below)
 
     @property
     def upstream(self) -> StageView | None:
@@ -131,7 +143,9 @@ class JobRecord:
 
     @property
     def downstream(self) -> StageView | None:
-        return next((s for s in self.stages if not s.upstream), None)
+        """The loss-owning stage: the last of a chain (the only one below the upstream of two)."""
+        below = [s for s in self._ordered() if not s.upstream]
+        return below[-1] if below else None
 
     @property
     def state(self) -> str:

@@ -9,6 +9,7 @@ import re
 from nebula_common.errors import InvalidRequestError
 from nebula_common.jobspec import LoadedJob
 from nebula_common.jobspec.reference import UnsplitResult, hot_start_states, run_unsplit
+from nebula_common.jobspec.spec import stage_role
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.rpc.server import GRPC_MESSAGE_LIMIT
 
@@ -138,6 +139,13 @@ class ProgramJob:
         }
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
+    def _edge_codecs(self, index: int) -> tuple[str, str]:
+        """Forward and backward codec of ``edges.<index>`` (the first edge's as resolved, e.g. from auto)."""
+        if index == 0:
+            return self.codec_forward, self.codec_backward
+        codec = self.spec.edges[index].codec
+        return codec.forward, codec.backward
+
     @property
     def edge(self) -> str:
         return self.spec.edge.name
@@ -153,17 +161,34 @@ class ProgramJob:
             raise ValueError(f"no stage {stage_name!r} in job {spec.name!r}")
         stage = spec.stages[index]
         module = self.loaded.modules[stage.name]
+        count = len(spec.stages)
+        # A stage's `edge` is the one it receives activations on (the first stage: the one it sends on).
+        edge_index = max(index - 1, 0)
+        forward, backward = self._edge_codecs(edge_index)
+        peer = spec.stages[index + 1 if index == 0 else index - 1].cluster
+        downstream_edge = None
+        if 0 < index < count - 1:  # a middle stage of a chain also sends on edges.<index>
+            down_forward, down_backward = self._edge_codecs(index)
+            downstream_edge = trainer_pb2.ChainEdge(
+                edge=spec.edges[index].name,
+                codec_forward=down_forward,
+                codec_backward=down_backward,
+                peer_cluster=spec.stages[index + 1].cluster,
+            )
         return trainer_pb2.StageSpec(
             job_id=self.job_id,
             stage=stage.name,
-            edge=spec.edge.name,
+            edge=spec.edges[edge_index].name,
             steps=spec.steps,
-            codec_forward=self.codec_forward,
-            codec_backward=self.codec_backward,
+            codec_forward=forward,
+            codec_backward=backward,
             codec_choice=self.codec_choice,
             spec_digest=self.spec_digest,
+            peer_cluster=peer,
+            downstream_edge=downstream_edge,
             program=trainer_pb2.ProgramStage(
-                role="upstream" if index == 0 else "downstream",
+                role=stage_role(index, count),
+                stage_count=count if count > 2 else 0,
                 module_source=module.source,
                 module_name=module.path.name,
                 options_json=json.dumps(stage.options),
@@ -191,7 +216,7 @@ class ProgramJob:
                 parallel=stage.parallel,
                 shard_size=stage.shard_size or 0,
                 dataset=stage.dataset or "",
-                payload=spec.edge.payload,
+                payload=spec.edges[edge_index].payload,
                 initial_state=self.initial_states.get(stage.name, b""),
                 initial_step=self.initial_step if self.initial_states else 0,
             ),

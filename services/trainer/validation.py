@@ -16,7 +16,7 @@ from services.trainer.runtime.schedule import SCHEDULES
 
 _DATASET = re.compile(r"^[a-z0-9][a-z0-9._-]{2,63}/[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-ROLES = ("upstream", "downstream")
+ROLES = ("upstream", "middle", "downstream")
 MODES = ("backprop", "one_way")
 PAYLOADS = ("float", "int64")
 PARALLEL = ("ddp", "fsdp", "hsdp")
@@ -45,6 +45,7 @@ def validate_stage_spec(spec: trainer_pb2.StageSpec) -> None:
         except CodecError as exc:
             problems.append(f"{name}: {exc}")
     problems += _program_problems(spec.program)
+    problems += _chain_problems(spec)
     problems += hot_start_problems(spec)
     if spec.program.payload == "int64" and (spec.codec_forward or "none") != "none":
         problems.append("codec_forward must be none for an int64 payload (a lossy codec changes ids)")
@@ -61,6 +62,42 @@ def _pretrained_problems(cfg: trainer_pb2.ProgramStage, options: dict) -> list[s
     except PretrainedError as exc:
         return [f"program.module_source: {exc}"]
     return dir_problems(options, declared, "program.options")
+
+
+def _chain_problems(spec: trainer_pb2.StageSpec) -> list[str]:
+    """A middle stage has a second edge (and runs on one process, backprop); no other stage has one."""
+    cfg = spec.program
+    count = cfg.stage_count or 2
+    problems: list[str] = []
+    if not 2 <= count <= 8:
+        problems.append(f"program.stage_count {cfg.stage_count} must be in 2..8 (0 means 2)")
+    elif cfg.stage_index >= count:
+        problems.append(f"program.stage_index {cfg.stage_index} must be below stage_count {count}")
+    middle = cfg.role == "middle"
+    if not middle:
+        if spec.HasField("downstream_edge"):
+            problems.append("downstream_edge: only a middle stage (program.role middle) has a second edge")
+        return problems
+    if count < 3:
+        problems.append("program.role middle needs a chain: program.stage_count >= 3")
+    down = spec.downstream_edge
+    if not down.edge:
+        problems.append("downstream_edge.edge is required for a middle stage")
+    elif down.edge == spec.edge:
+        problems.append(f"downstream_edge.edge must differ from edge {spec.edge!r}")
+    for name in ("codec_forward", "codec_backward"):
+        try:
+            if canonical_spec(getattr(down, name) or "none") == "auto":
+                problems.append(f"downstream_edge.{name}: 'auto' must be resolved by the submitter")
+        except CodecError as exc:
+            problems.append(f"downstream_edge.{name}: {exc}")
+    if (cfg.mode or "backprop") != "backprop":
+        problems.append("program.mode: a middle stage of a chain needs backprop")
+    if cfg.replicas > 1:
+        problems.append("program.replicas: a middle stage of a chain runs on one process")
+    if (cfg.parallel or "ddp") != "ddp":
+        problems.append("program.parallel: a middle stage of a chain runs on one process (ddp)")
+    return problems
 
 
 def _program_problems(cfg: trainer_pb2.ProgramStage) -> list[str]:

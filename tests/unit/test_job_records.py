@@ -81,3 +81,24 @@ def test_a_jobs_record_has_owners_clusters_traffic_and_the_loss_owners_loss() ->
         and body["traffic"]["backward"]["codec"] == "int8"
     )
     assert body["spec_digest"] == "d" * 64 and body["started_unix"] == 100.0
+
+
+def test_a_chains_record_lists_its_stages_in_chain_order_and_the_last_owns_the_loss() -> None:
+    def chained(name: str, cluster: str, edge: str, started: float, **status: object) -> StageView:
+        info = trainer_pb2.StageRecordInfo(
+            status=trainer_pb2.StageStatus(job_id="job-1", stage=name, state=S.STAGE_STATE_RUNNING, **status),
+            owner=f"user-{cluster}",
+            started_unix=started,
+            steps=10,
+            edge=edge,
+        )
+        return StageView.from_info(cluster, info)
+
+    reader = chained("reader", "a", "reader->mixer", 102.0, steps_done=4, bytes_sent=500)
+    mixer = chained("mixer", "b", "reader->mixer", 100.0, steps_done=4, bytes_sent=900)  # no loss
+    head = chained("head", "c", "mixer->head", 101.0, steps_done=3, loss=0.5, bytes_sent=250)
+    job = JobRecord("job-1", [head, mixer, reader])
+    body = job.to_json()
+    assert body["clusters"] == {"reader": "a", "mixer": "b", "head": "c"}
+    assert job.downstream is head and body["loss"] == 0.5
+    assert body["traffic"]["backward"]["bytes"] == 250

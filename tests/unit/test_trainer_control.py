@@ -33,7 +33,7 @@ def test_a_good_spec_passes() -> None:
     [
         (lambda s: setattr(s, "job_id", "bad id!"), "job_id"),
         (lambda s: setattr(s, "stage", "mid stage!"), "stage 'mid stage!'"),
-        (lambda s: setattr(s.program, "role", "middle"), "program.role 'middle'"),
+        (lambda s: setattr(s.program, "role", "sideways"), "program.role 'sideways'"),
         (lambda s: setattr(s.program, "module_source", "def build(:"), "program.module_source: line 1"),
         (lambda s: setattr(s, "steps", 0), "steps 0"),
         (lambda s: setattr(s, "codec_forward", "zip9"), "codec_forward"),

@@ -49,7 +49,9 @@ def grpc_edge_factory(switch_address: str, token: str) -> EdgeFactory:
     """The default factory: the stage's edge through this cluster's switch."""
 
     def open_edge(spec: trainer_pb2.StageSpec, settings: EdgeSettings, epoch: int) -> EdgeConnection:
-        transport = GrpcEdgeTransport(switch_address, token, spec.job_id, spec.edge, epoch=epoch)
+        transport = GrpcEdgeTransport(
+            switch_address, token, spec.job_id, spec.edge, epoch=epoch, peer_cluster=spec.peer_cluster
+        )
         return stage_edge(spec, transport, settings, epoch)
 
     return open_edge

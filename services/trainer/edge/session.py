@@ -271,6 +271,7 @@ class EdgeSession:
         self._error: EdgeClosedError | None = None  # what waits raise once failed (kind + reason)
         self._last_down_reason = ""
         self._peer_closed: str | None = None
+        self._peer_error = False  # the peer's close said it failed
         self._closing = False
         self._window = self.settings.window_bytes
         # --- sending half
@@ -389,6 +390,13 @@ class EdgeSession:
         here after ``close`` means the attempt was lost while closing."""
         with self._cond:
             return self._error
+
+    @property
+    def peer_failure(self) -> str | None:
+        """The peer's reason when it closed the edge because it failed (None otherwise): a middle
+        stage of a chain passes it on to its other edge at once (``runtime.chain``)."""
+        with self._cond:
+            return self._peer_closed if self._peer_error else None
 
     def wait_link_up(self) -> None:
         """Block until the link is up, without a deadline; raises if the edge ends first (a cancel
@@ -532,6 +540,7 @@ class EdgeSession:
                     reason = message.close.reason or "peer closed the edge"
                     if message.close.error:
                         reason = f"peer side failed: {reason}"
+                        self._peer_error = True
                     self._peer_closed = reason
                     self._cond.notify_all()
             except _ProtocolError as exc:

@@ -56,11 +56,13 @@ from services.trainer.edge import (
     EdgeOutage,
     EdgeRestartRequired,
     EdgeSettings,
+    EdgeStats,
     EdgeTimeout,
     grpc_edge_factory,
     renewed,
 )
 from services.trainer.metrics import LOSS, STEP_SECONDS, STEPS_TOTAL, WAIT_SECONDS
+from services.trainer.runtime.chain import FailureRelay, MiddleStep, combined_stats, edge_views
 from services.trainer.runtime.checkpoint import CheckpointStore
 from services.trainer.runtime.lifecycle import StageLifecycle
 from services.trainer.runtime.parallel import DataParallelGroup
@@ -94,6 +96,16 @@ class PeerAlreadyFinished(Exception):
     stage, which had all it needed, finished meanwhile, nobody will ever answer its RESUME. Waiting
     START_TIMEOUT_S and failing would report a finished job as failed.
     """
+
+
+def _abort_all(*edges: EdgeConnection) -> Callable[[str], None]:
+    """One abort hook for a stage with several edges (a chain's middle): each is told and torn down."""
+
+    def abort(reason: str) -> None:
+        for edge in edges:
+            edge.abort(reason)
+
+    return abort
 
 
 class ProgramRunner:
@@ -155,7 +167,13 @@ class ProgramRunner:
         self._dp: DataParallelGroup | RankGroup | None = None
         self._one_way = spec.program.mode == "one_way"
         self._int_payload = spec.program.payload == "int64"
+        self._middle = spec.program.role == "middle"
         self.edge: EdgeConnection | None = None
+        """The stage's edge (a middle stage of a chain: its upstream edge; ``down`` is its other one)."""
+        self.down: EdgeConnection | None = None
+        self._down_sender: AsyncSender | None = None
+        self._down_receiver: ReceiveAhead | None = None
+        self._relay: FailureRelay | None = None
         self.program: StageProgram | None = None  # once built (tests compare final parameters)
 
     @property
@@ -184,8 +202,12 @@ class ProgramRunner:
             sys.modules.pop(getattr(self.program.module, "__name__", ""), None)
         self.program = None
         self.edge = None
+        self.down = None
         self._sender = None
         self._receiver = None
+        self._down_sender = None
+        self._down_receiver = None
+        self._relay = None
         self._dp = None
         self.lifecycle.release()
 
@@ -194,10 +216,14 @@ class ProgramRunner:
 
         The lifecycle has aborted the edge by now if the body failed, so a receive in progress ends.
         """
-        if self._sender is not None:
-            self._sender.stop(discard=True)  # after a clean stop() this returns at once
-        if self._receiver is not None:
-            self._receiver.stop()
+        if self._relay is not None:
+            self._relay.stop()
+        for sender in (self._sender, self._down_sender):
+            if sender is not None:
+                sender.stop(discard=True)  # after a clean stop() this returns at once
+        for receiver in (self._receiver, self._down_receiver):
+            if receiver is not None:
+                receiver.stop()
         if self._dp is not None:
             self._dp.abort()  # after a clean stop() this only reaps; otherwise it ends the replicas
 
@@ -213,7 +239,9 @@ class ProgramRunner:
             )
         return GrantedBatchSource(self.data_service_address, self.token, dataset)
 
-    def _start_barrier(self, edge: EdgeConnection, upstream: bool) -> None:
+    def _start_barrier(
+        self, edge: EdgeConnection, upstream: bool, down: EdgeConnection | None = None
+    ) -> None:
         """Start step ``start`` only once the other cluster's stage is built and ready.
 
         Building a stage can take seconds (module import, model build, checkpoint load,
@@ -224,7 +252,11 @@ class ProgramRunner:
         (a signal, not a tensor, so no codec state is touched).
         """
         started = time.perf_counter()
-        if upstream:
+        if down is not None:  # a middle of a chain: ready once every stage below is, then says so above
+            down.receive_signal(READY, 0, timeout=START_TIMEOUT_S)
+            down.stats.wait_seconds = 0.0
+            edge.send_signal(READY, 0)
+        elif upstream:
             edge.receive_signal(READY, 0, timeout=START_TIMEOUT_S)
         else:
             edge.send_signal(READY, 0)
@@ -282,61 +314,84 @@ class ProgramRunner:
 
     def _end_attempt(self, reason: str) -> None:
         """Tear a lost attempt down: sender, replicas, edge and model go; the next epoch rebuilds them."""
-        if self._sender is not None:
-            self._sender.stop(discard=True)  # kept (stopped) until the next attempt replaces it
+        if self._relay is not None:
+            self._relay.stop()
+            self._relay = None
+        for sender in (self._sender, self._down_sender):
+            if sender is not None:
+                sender.stop(discard=True)  # kept (stopped) until the next attempt replaces it
         if self._dp is not None:
             self._dp.abort()
             self._dp = None
-        if self.edge is not None:
-            self.edge.session.fail(reason, tell_peer=False)  # already ended; makes sure the stream is shut
-            self.edge = None
-        if self._receiver is not None:
-            self._receiver.stop()  # after the edge failed: a receive in progress has ended
+        for edge in (self.edge, self.down):
+            if edge is not None:  # already ended; makes sure the stream is shut
+                edge.session.fail(reason, tell_peer=False)
+        self.edge = self.down = None
+        for receiver in (self._receiver, self._down_receiver):
+            if receiver is not None:
+                receiver.stop()  # after the edge failed: a receive in progress has ended
         if self.program is not None:
             sys.modules.pop(getattr(self.program.module, "__name__", ""), None)
             self.program = None
 
-    def _exchange_resume(self, edge: EdgeConnection, epoch: int) -> int | None:
-        """First items of a new epoch: both stages' checkpoint steps; returns the common step (or None).
+    def _exchange_resume(self, edges: list[EdgeConnection], epoch: int) -> int | None:
+        """First items of a new epoch: the checkpoint steps every stage holds; the common step (or None).
 
         Waits for the link first, without a deadline (the WAN may be down for long; a cancel
-        aborts the edge and ends the wait).
+        aborts the edge and ends the wait). Each round, a stage sends the steps it knows to be
+        held by every stage it has heard of to each neighbour (``edges``: one, or a middle's
+        two), then takes theirs: after ``stages - 1`` rounds every stage of the chain knows the
+        steps all of them hold (two stages: one round, each sends its own list). Every stage
+        sends before it receives, so no stage waits for one that waits for it.
         """
         spec = self.spec
         held = self.store.steps(self.owner, spec.job_id, spec.stage)
-        if not edge.session.link_up:
-            self.board.update(message=f"{self.board.latest().message}; waiting for the WAN link")
-            edge.session.wait_link_up()
-        edge.send_signal(RESUME, epoch, [float(step) for step in held])
+        for edge in edges:
+            if not edge.session.link_up:
+                self.board.update(message=f"{self.board.latest().message}; waiting for the WAN link")
+                edge.session.wait_link_up()
         finished = spec.steps in held  # every step done before this attempt began
-        try:
-            values = edge.receive_signal(
-                RESUME, epoch, timeout=PEER_FINISHED_AFTER_S if finished else START_TIMEOUT_S
-            )
-        except EdgeTimeout as exc:
-            if finished:
-                raise PeerAlreadyFinished from exc
-            raise
-        if any(v < 0 or v != int(v) for v in values):
-            raise EdgeClosedError(f"invalid RESUME from the peer: checkpoint steps {values}")
-        common = set(held) & {int(v) for v in values}
+        known = set(held)
+        heard: list[list[float]] = []
+        for round_ in range((spec.program.stage_count or 2) - 1):
+            for edge in edges:
+                edge.send_signal(RESUME, epoch, [float(step) for step in sorted(known)])
+            for edge in edges:
+                first = round_ == 0 and finished
+                try:
+                    values = edge.receive_signal(
+                        RESUME, epoch, timeout=PEER_FINISHED_AFTER_S if first else START_TIMEOUT_S
+                    )
+                except EdgeTimeout as exc:
+                    if first:
+                        raise PeerAlreadyFinished from exc
+                    raise
+                if any(v < 0 or v != int(v) for v in values):
+                    raise EdgeClosedError(f"invalid RESUME from the peer: checkpoint steps {values}")
+                heard.append(values)
+            for values in heard[-len(edges) :]:
+                known &= {int(v) for v in values}
         log.info(
             "resume exchanged",
-            extra={"fields": {"job_id": spec.job_id, "epoch": epoch, "held": held, "peer": values}},
+            extra={"fields": {"job_id": spec.job_id, "epoch": epoch, "held": held, "peer": heard}},
         )
-        return max(common) if common else None
+        return max(known) if known else None
 
-    def _open_edge(self, settings: EdgeSettings, epoch: int) -> EdgeConnection:
-        """The attempt's edge. A recovering stage whose switch does not answer (it is down too) keeps
-        trying, without a deadline, in slices of at most ``OPEN_RETRY_S`` so a cancel ends it soon."""
+    def _open_edge(
+        self, settings: EdgeSettings, epoch: int, spec: trainer_pb2.StageSpec | None = None
+    ) -> EdgeConnection:
+        """The attempt's edge (``spec``: a middle stage's view of one of its edges). A recovering stage
+        whose switch does not answer (it is down too) keeps trying, without a deadline, in slices of at
+        most ``OPEN_RETRY_S`` so a cancel ends it soon."""
+        spec = spec or self.spec
         if epoch == 0:
-            return self.edge_factory(self.spec, settings, epoch)
+            return self.edge_factory(spec, settings, epoch)
         settings = dataclasses.replace(settings, ready_timeout_s=min(settings.ready_timeout_s, OPEN_RETRY_S))
         told = False
         while True:
             self.lifecycle.raise_if_cancelled()
             try:
-                return self.edge_factory(self.spec, settings, epoch)
+                return self.edge_factory(spec, settings, epoch)
             except EdgeOutage as exc:
                 if not told:
                     waiting = f"{self.board.latest().message}; waiting for this cluster's switch"
@@ -355,7 +410,8 @@ class ProgramRunner:
         trainer without them gets ``replicas`` spawned ranks.
         """
         cfg = spec.program
-        local_only = (upstream and self._one_way) or bool(cfg.dataset)  # see validation: one process
+        # see validation: one process
+        local_only = (upstream and self._one_way) or bool(cfg.dataset) or self._middle
         if self.cluster_ranks is not None and not local_only:
             world = self.cluster_ranks.world
             micro = cfg.batch_size // cfg.micro_batches
@@ -392,14 +448,27 @@ class ProgramRunner:
         settings = dataclasses.replace(self.edge_settings, receive_queue_items=queue_items)
         if epoch > 0 and self.on_epoch is not None:
             self.on_epoch(epoch)
-        self.edge = edge = self._open_edge(settings, epoch)
-        self.lifecycle.attach_abort(edge.abort)
+        down: EdgeConnection | None = None
+        if self._middle:  # a chain's middle: both edges open before anything else (see runtime.chain)
+            up_view, down_view = edge_views(spec)
+            self.edge = edge = self._open_edge(settings, epoch, up_view)
+            self.lifecycle.attach_abort(edge.abort)
+            self.down = down = self._open_edge(settings, epoch, down_view)
+            self._relay = FailureRelay((edge, down))
+            self.lifecycle.attach_abort(_abort_all(edge, down))
+        else:
+            self.edge = edge = self._open_edge(settings, epoch)
+            self.lifecycle.attach_abort(edge.abort)
+        edges = [edge] if down is None else [edge, down]
         start_spec = spec
         if epoch > 0:
             try:
-                common = self._exchange_resume(edge, epoch)
+                common = self._exchange_resume(edges, epoch)
             except PeerAlreadyFinished:
-                edge.session.fail("finished", tell_peer=False)
+                if self._relay is not None:
+                    self._relay.stop()
+                for end in edges:
+                    end.session.fail("finished", tell_peer=False)
                 self.board.update(
                     state=trainer_pb2.STAGE_STATE_RUNNING,
                     steps_done=spec.steps,
@@ -440,13 +509,27 @@ class ProgramRunner:
                 owner=self.owner,
                 upstream=upstream,
             )
-        self._start_barrier(edge, upstream)
+        self._start_barrier(edge, upstream, down)
         timer = self.timer
         timer.take()  # start-up is not a step
         sender = AsyncSender(edge, cfg.max_in_flight, timer)
         self._sender = sender
         depth = max(2, cfg.max_in_flight) if self.receive_ahead is None else self.receive_ahead
         self._receiver = receiver = ReceiveAhead(edge, depth, timer)
+        middle: MiddleStep | None = None
+        if down is not None:
+            self._down_sender = AsyncSender(down, cfg.max_in_flight, timer)
+            self._down_receiver = ReceiveAhead(down, depth, timer)
+            middle = MiddleStep(
+                program,
+                cfg.schedule,
+                cfg.micro_batches,
+                cfg.max_in_flight,
+                from_above=receiver,
+                to_above=sender,
+                from_below=self._down_receiver,
+                to_below=self._down_sender,
+            )
         self._posted_through = start - 1
         self.step_timings = []
         status: dict[str, object] = dict(state=trainer_pb2.STAGE_STATE_RUNNING, steps_done=start, epoch=epoch)
@@ -460,7 +543,10 @@ class ProgramRunner:
             started = time.perf_counter()
             extra: dict[str, object] = {}
             loss: float | None = None
-            if upstream and self._one_way:
+            if middle is not None:
+                middle.run(step, {mb: self._ids(step, mb) for mb in range(cfg.micro_batches)})
+                program.finish_step()
+            elif upstream and self._one_way:
                 extra["local_loss"] = self._upstream_one_way_step(program, sender, step)
                 program.finish_step()
                 self._await_syncs(receiver, start, step)
@@ -491,18 +577,27 @@ class ProgramRunner:
                 else:
                     self.store.save(spec.job_id, spec.stage, self.owner, done, program)
                 extra["checkpoint_step"] = done
-            self._report_step(step, elapsed, waited, loss, edge, **extra)
-        if not self._one_way and callable(getattr(program.module, "load_eval_examples", None)):
+            self._report_step(step, elapsed, waited, loss, combined_stats(edges), **extra)
+        evaluates = callable(getattr(program.module, "load_eval_examples", None))
+        if not self._one_way and evaluates and not (cfg.stage_count or 2) > 2:
             self._evaluate(program, receiver, sender, upstream)
-        sender.flush()
-        sender.stop()
-        receiver.stop()
+        for ending_sender in (sender, self._down_sender if down is not None else None):
+            if ending_sender is not None:
+                ending_sender.flush()
+                ending_sender.stop()
+        for ending_receiver in (receiver, self._down_receiver if down is not None else None):
+            if ending_receiver is not None:
+                ending_receiver.stop()
         if self._dp is not None:
             self._dp.stop()
-        edge.close("finished")
-        lost = edge.session.failure
-        if isinstance(lost, EdgeRestartRequired | EdgeOutage):  # the peer restarted before it closed
-            raise renewed(lost)
+        if self._relay is not None:
+            self._relay.stop()  # closing in order is not a failure to pass on
+        for end in reversed(edges):  # a middle closes below first: every gradient up has been sent
+            end.close("finished")
+        for end in edges:
+            lost = end.session.failure
+            if isinstance(lost, EdgeRestartRequired | EdgeOutage):  # the peer restarted before it closed
+                raise renewed(lost)
 
     def _report_step(
         self,
@@ -510,7 +605,7 @@ class ProgramRunner:
         elapsed: float,
         waited: float,
         loss: float | None,
-        edge: EdgeConnection,
+        stats: EdgeStats,
         **extra: object,
     ) -> None:
         """One step's numbers to the status board (what watchers see) and to Prometheus."""
@@ -522,10 +617,10 @@ class ProgramRunner:
             steps_done=step + 1,
             step_seconds=elapsed,
             wait_seconds=waited,
-            bytes_sent=edge.stats.bytes_sent,
-            bytes_received=edge.stats.bytes_received,
-            raw_bytes_sent=edge.stats.raw_bytes_sent,
-            raw_bytes_received=edge.stats.raw_bytes_received,
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+            raw_bytes_sent=stats.raw_bytes_sent,
+            raw_bytes_received=stats.raw_bytes_received,
             **extra,
         )
         if loss is not None:

@@ -24,43 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17nebula/v1/trainer.proto\x12\tnebula.v1\"\xe8\x01\n\tStageSpec\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x0c\n\x04\x65\x64ge\x18\x04 \x01(\t\x12\r\n\x05steps\x18\x05 \x01(\r\x12\x15\n\rcodec_forward\x18\x06 \x01(\t\x12\x16\n\x0e\x63odec_backward\x18\x07 \x01(\t\x12(\n\x07program\x18\t \x01(\x0b\x32\x17.nebula.v1.ProgramStage\x12\x14\n\x0c\x63odec_choice\x18\n \x01(\t\x12\x13\n\x0bspec_digest\x18\x0b \x01(\tJ\x04\x08\x02\x10\x03J\x04\x08\x08\x10\tR\x08scenarioR\x05\x61\x62net\"\x89\x01\n\x0fOptimizerConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rlearning_rate\x18\x02 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x03 \x01(\x01\x12\x10\n\x08momentum\x18\x04 \x01(\x01\x12\x13\n\x0blr_schedule\x18\x05 \x01(\t\x12\x14\n\x0cwarmup_steps\x18\x06 \x01(\r\"\x8a\x04\n\x0cProgramStage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x15\n\rmodule_source\x18\x02 \x01(\t\x12\x13\n\x0bmodule_name\x18\x03 \x01(\t\x12\x14\n\x0coptions_json\x18\x04 \x01(\t\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x15\n\rmicro_batches\x18\x06 \x01(\r\x12\x14\n\x0cnum_examples\x18\x07 \x01(\x04\x12\x10\n\x08schedule\x18\x08 \x01(\t\x12\x15\n\rmax_in_flight\x18\t \x01(\r\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x13\n\x0bstage_index\x18\x0b \x01(\r\x12-\n\toptimizer\x18\x0c \x01(\x0b\x32\x1a.nebula.v1.OptimizerConfig\x12\x1b\n\x13\x63heckpoint_interval\x18\r \x01(\r\x12\x15\n\rresume_job_id\x18\x0e \x01(\t\x12\x13\n\x0bresume_step\x18\x0f \x01(\x04\x12\x0c\n\x04mode\x18\x10 \x01(\t\x12\x10\n\x08sync_lag\x18\x11 \x01(\r\x12\x10\n\x08replicas\x18\x12 \x01(\r\x12\x0f\n\x07payload\x18\x13 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x14 \x01(\t\x12\x15\n\rinitial_state\x18\x15 \x01(\x0c\x12\x14\n\x0cinitial_step\x18\x16 \x01(\x04\x12\x10\n\x08parallel\x18\x17 \x01(\t\x12\x12\n\nshard_size\x18\x18 \x01(\r\"8\n\x12\x41ssignStageRequest\x12\"\n\x04spec\x18\x01 \x01(\x0b\x32\x14.nebula.v1.StageSpec\"<\n\x13\x41ssignStageResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rauthorised_by\x18\x02 \x01(\t\"#\n\x11WatchStageRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xe8\x03\n\x0bStageStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.nebula.v1.StageState\x12\x12\n\nsteps_done\x18\x04 \x01(\x04\x12\x11\n\x04loss\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0cstep_seconds\x18\x06 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x07 \x01(\x01\x12\x12\n\nbytes_sent\x18\x08 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\t \x01(\x04\x12\x16\n\x0eraw_bytes_sent\x18\n \x01(\x04\x12\x1a\n\x12raw_bytes_received\x18\x0b \x01(\x04\x12\x0f\n\x07message\x18\x0c \x01(\t\x12\x17\n\x0f\x63heckpoint_step\x18\r \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\x0e \x01(\x01\x12\x17\n\nlocal_loss\x18\x0f \x01(\x01H\x01\x88\x01\x01\x12\x15\n\rcodec_forward\x18\x10 \x01(\t\x12\x16\n\x0e\x63odec_backward\x18\x11 \x01(\t\x12\x14\n\x0c\x63odec_choice\x18\x12 \x01(\t\x12\r\n\x05\x65poch\x18\x13 \x01(\x04\x12\x19\n\x11resumed_from_step\x18\x14 \x01(\x04\x42\x07\n\x05_lossB\r\n\x0b_local_loss\"$\n\x12\x43\x61ncelStageRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x15\n\x13\x43\x61ncelStageResponse\"7\n\x16ListCheckpointsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\"(\n\x17ListCheckpointsResponse\x12\r\n\x05steps\x18\x01 \x03(\x04\"#\n\x11ListStagesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xa4\x01\n\x0fStageRecordInfo\x12&\n\x06status\x18\x01 \x01(\x0b\x32\x16.nebula.v1.StageStatus\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x13\n\x0bspec_digest\x18\x03 \x01(\t\x12\x14\n\x0cstarted_unix\x18\x04 \x01(\x01\x12\x12\n\nended_unix\x18\x05 \x01(\x01\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x0c\n\x04\x65\x64ge\x18\x07 \x01(\t\"@\n\x12ListStagesResponse\x12*\n\x06stages\x18\x01 \x03(\x0b\x32\x1a.nebula.v1.StageRecordInfo*\xc5\x01\n\nStageState\x12\x1b\n\x17STAGE_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13STAGE_STATE_PENDING\x10\x01\x12\x17\n\x13STAGE_STATE_RUNNING\x10\x02\x12\x19\n\x15STAGE_STATE_SUCCEEDED\x10\x03\x12\x16\n\x12STAGE_STATE_FAILED\x10\x04\x12\x19\n\x15STAGE_STATE_CANCELLED\x10\x05\x12\x1a\n\x16STAGE_STATE_RECOVERING\x10\x06\x32\x90\x03\n\x07Trainer\x12L\n\x0b\x41ssignStage\x12\x1d.nebula.v1.AssignStageRequest\x1a\x1e.nebula.v1.AssignStageResponse\x12\x44\n\nWatchStage\x12\x1c.nebula.v1.WatchStageRequest\x1a\x16.nebula.v1.StageStatus0\x01\x12L\n\x0b\x43\x61ncelStage\x12\x1d.nebula.v1.CancelStageRequest\x1a\x1e.nebula.v1.CancelStageResponse\x12X\n\x0fListCheckpoints\x12!.nebula.v1.ListCheckpointsRequest\x1a\".nebula.v1.ListCheckpointsResponse\x12I\n\nListStages\x12\x1c.nebula.v1.ListStagesRequest\x1a\x1d.nebula.v1.ListStagesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17nebula/v1/trainer.proto\x12\tnebula.v1\"\xad\x02\n\tStageSpec\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\t\x12\x0c\n\x04\x65\x64ge\x18\x04 \x01(\t\x12\r\n\x05steps\x18\x05 \x01(\r\x12\x15\n\rcodec_forward\x18\x06 \x01(\t\x12\x16\n\x0e\x63odec_backward\x18\x07 \x01(\t\x12(\n\x07program\x18\t \x01(\x0b\x32\x17.nebula.v1.ProgramStage\x12\x14\n\x0c\x63odec_choice\x18\n \x01(\t\x12\x13\n\x0bspec_digest\x18\x0b \x01(\t\x12\x14\n\x0cpeer_cluster\x18\x0c \x01(\t\x12-\n\x0f\x64ownstream_edge\x18\r \x01(\x0b\x32\x14.nebula.v1.ChainEdgeJ\x04\x08\x02\x10\x03J\x04\x08\x08\x10\tR\x08scenarioR\x05\x61\x62net\"^\n\tChainEdge\x12\x0c\n\x04\x65\x64ge\x18\x01 \x01(\t\x12\x15\n\rcodec_forward\x18\x02 \x01(\t\x12\x16\n\x0e\x63odec_backward\x18\x03 \x01(\t\x12\x14\n\x0cpeer_cluster\x18\x04 \x01(\t\"\x89\x01\n\x0fOptimizerConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rlearning_rate\x18\x02 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x03 \x01(\x01\x12\x10\n\x08momentum\x18\x04 \x01(\x01\x12\x13\n\x0blr_schedule\x18\x05 \x01(\t\x12\x14\n\x0cwarmup_steps\x18\x06 \x01(\r\"\x9f\x04\n\x0cProgramStage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x15\n\rmodule_source\x18\x02 \x01(\t\x12\x13\n\x0bmodule_name\x18\x03 \x01(\t\x12\x14\n\x0coptions_json\x18\x04 \x01(\t\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12\x15\n\rmicro_batches\x18\x06 \x01(\r\x12\x14\n\x0cnum_examples\x18\x07 \x01(\x04\x12\x10\n\x08schedule\x18\x08 \x01(\t\x12\x15\n\rmax_in_flight\x18\t \x01(\r\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x13\n\x0bstage_index\x18\x0b \x01(\r\x12-\n\toptimizer\x18\x0c \x01(\x0b\x32\x1a.nebula.v1.OptimizerConfig\x12\x1b\n\x13\x63heckpoint_interval\x18\r \x01(\r\x12\x15\n\rresume_job_id\x18\x0e \x01(\t\x12\x13\n\x0bresume_step\x18\x0f \x01(\x04\x12\x0c\n\x04mode\x18\x10 \x01(\t\x12\x10\n\x08sync_lag\x18\x11 \x01(\r\x12\x10\n\x08replicas\x18\x12 \x01(\r\x12\x0f\n\x07payload\x18\x13 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x14 \x01(\t\x12\x15\n\rinitial_state\x18\x15 \x01(\x0c\x12\x14\n\x0cinitial_step\x18\x16 \x01(\x04\x12\x10\n\x08parallel\x18\x17 \x01(\t\x12\x12\n\nshard_size\x18\x18 \x01(\r\x12\x13\n\x0bstage_count\x18\x19 \x01(\r\"8\n\x12\x41ssignStageRequest\x12\"\n\x04spec\x18\x01 \x01(\x0b\x32\x14.nebula.v1.StageSpec\"<\n\x13\x41ssignStageResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rauthorised_by\x18\x02 \x01(\t\"#\n\x11WatchStageRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xe8\x03\n\x0bStageStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.nebula.v1.StageState\x12\x12\n\nsteps_done\x18\x04 \x01(\x04\x12\x11\n\x04loss\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x0cstep_seconds\x18\x06 \x01(\x01\x12\x14\n\x0cwait_seconds\x18\x07 \x01(\x01\x12\x12\n\nbytes_sent\x18\x08 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\t \x01(\x04\x12\x16\n\x0eraw_bytes_sent\x18\n \x01(\x04\x12\x1a\n\x12raw_bytes_received\x18\x0b \x01(\x04\x12\x0f\n\x07message\x18\x0c \x01(\t\x12\x17\n\x0f\x63heckpoint_step\x18\r \x01(\x04\x12\x17\n\x0f\x63ompute_seconds\x18\x0e \x01(\x01\x12\x17\n\nlocal_loss\x18\x0f \x01(\x01H\x01\x88\x01\x01\x12\x15\n\rcodec_forward\x18\x10 \x01(\t\x12\x16\n\x0e\x63odec_backward\x18\x11 \x01(\t\x12\x14\n\x0c\x63odec_choice\x18\x12 \x01(\t\x12\r\n\x05\x65poch\x18\x13 \x01(\x04\x12\x19\n\x11resumed_from_step\x18\x14 \x01(\x04\x42\x07\n\x05_lossB\r\n\x0b_local_loss\"$\n\x12\x43\x61ncelStageRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x15\n\x13\x43\x61ncelStageResponse\"7\n\x16ListCheckpointsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\"(\n\x17ListCheckpointsResponse\x12\r\n\x05steps\x18\x01 \x03(\x04\"#\n\x11ListStagesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xa4\x01\n\x0fStageRecordInfo\x12&\n\x06status\x18\x01 \x01(\x0b\x32\x16.nebula.v1.StageStatus\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x13\n\x0bspec_digest\x18\x03 \x01(\t\x12\x14\n\x0cstarted_unix\x18\x04 \x01(\x01\x12\x12\n\nended_unix\x18\x05 \x01(\x01\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x0c\n\x04\x65\x64ge\x18\x07 \x01(\t\"@\n\x12ListStagesResponse\x12*\n\x06stages\x18\x01 \x03(\x0b\x32\x1a.nebula.v1.StageRecordInfo*\xc5\x01\n\nStageState\x12\x1b\n\x17STAGE_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13STAGE_STATE_PENDING\x10\x01\x12\x17\n\x13STAGE_STATE_RUNNING\x10\x02\x12\x19\n\x15STAGE_STATE_SUCCEEDED\x10\x03\x12\x16\n\x12STAGE_STATE_FAILED\x10\x04\x12\x19\n\x15STAGE_STATE_CANCELLED\x10\x05\x12\x1a\n\x16STAGE_STATE_RECOVERING\x10\x06\x32\x90\x03\n\x07Trainer\x12L\n\x0b\x41ssignStage\x12\x1d.nebula.v1.AssignStageRequest\x1a\x1e.nebula.v1.AssignStageResponse\x12\x44\n\nWatchStage\x12\x1c.nebula.v1.WatchStageRequest\x1a\x16.nebula.v1.StageStatus0\x01\x12L\n\x0b\x43\x61ncelStage\x12\x1d.nebula.v1.CancelStageRequest\x1a\x1e.nebula.v1.CancelStageResponse\x12X\n\x0fListCheckpoints\x12!.nebula.v1.ListCheckpointsRequest\x1a\".nebula.v1.ListCheckpointsResponse\x12I\n\nListStages\x12\x1c.nebula.v1.ListStagesRequest\x1a\x1d.nebula.v1.ListStagesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nebula.v1.trainer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STAGESTATE']._serialized_start=2017
-  _globals['_STAGESTATE']._serialized_end=2214
+  _globals['_STAGESTATE']._serialized_start=2203
+  _globals['_STAGESTATE']._serialized_end=2400
   _globals['_STAGESPEC']._serialized_start=39
-  _globals['_STAGESPEC']._serialized_end=271
-  _globals['_OPTIMIZERCONFIG']._serialized_start=274
-  _globals['_OPTIMIZERCONFIG']._serialized_end=411
-  _globals['_PROGRAMSTAGE']._serialized_start=414
-  _globals['_PROGRAMSTAGE']._serialized_end=936
-  _globals['_ASSIGNSTAGEREQUEST']._serialized_start=938
-  _globals['_ASSIGNSTAGEREQUEST']._serialized_end=994
-  _globals['_ASSIGNSTAGERESPONSE']._serialized_start=996
-  _globals['_ASSIGNSTAGERESPONSE']._serialized_end=1056
-  _globals['_WATCHSTAGEREQUEST']._serialized_start=1058
-  _globals['_WATCHSTAGEREQUEST']._serialized_end=1093
-  _globals['_STAGESTATUS']._serialized_start=1096
-  _globals['_STAGESTATUS']._serialized_end=1584
-  _globals['_CANCELSTAGEREQUEST']._serialized_start=1586
-  _globals['_CANCELSTAGEREQUEST']._serialized_end=1622
-  _globals['_CANCELSTAGERESPONSE']._serialized_start=1624
-  _globals['_CANCELSTAGERESPONSE']._serialized_end=1645
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1647
-  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1702
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1704
-  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1744
-  _globals['_LISTSTAGESREQUEST']._serialized_start=1746
-  _globals['_LISTSTAGESREQUEST']._serialized_end=1781
-  _globals['_STAGERECORDINFO']._serialized_start=1784
-  _globals['_STAGERECORDINFO']._serialized_end=1948
-  _globals['_LISTSTAGESRESPONSE']._serialized_start=1950
-  _globals['_LISTSTAGESRESPONSE']._serialized_end=2014
-  _globals['_TRAINER']._serialized_start=2217
-  _globals['_TRAINER']._serialized_end=2617
+  _globals['_STAGESPEC']._serialized_end=340
+  _globals['_CHAINEDGE']._serialized_start=342
+  _globals['_CHAINEDGE']._serialized_end=436
+  _globals['_OPTIMIZERCONFIG']._serialized_start=439
+  _globals['_OPTIMIZERCONFIG']._serialized_end=576
+  _globals['_PROGRAMSTAGE']._serialized_start=579
+  _globals['_PROGRAMSTAGE']._serialized_end=1122
+  _globals['_ASSIGNSTAGEREQUEST']._serialized_start=1124
+  _globals['_ASSIGNSTAGEREQUEST']._serialized_end=1180
+  _globals['_ASSIGNSTAGERESPONSE']._serialized_start=1182
+  _globals['_ASSIGNSTAGERESPONSE']._serialized_end=1242
+  _globals['_WATCHSTAGEREQUEST']._serialized_start=1244
+  _globals['_WATCHSTAGEREQUEST']._serialized_end=1279
+  _globals['_STAGESTATUS']._serialized_start=1282
+  _globals['_STAGESTATUS']._serialized_end=1770
+  _globals['_CANCELSTAGEREQUEST']._serialized_start=1772
+  _globals['_CANCELSTAGEREQUEST']._serialized_end=1808
+  _globals['_CANCELSTAGERESPONSE']._serialized_start=1810
+  _globals['_CANCELSTAGERESPONSE']._serialized_end=1831
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_start=1833
+  _globals['_LISTCHECKPOINTSREQUEST']._serialized_end=1888
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_start=1890
+  _globals['_LISTCHECKPOINTSRESPONSE']._serialized_end=1930
+  _globals['_LISTSTAGESREQUEST']._serialized_start=1932
+  _globals['_LISTSTAGESREQUEST']._serialized_end=1967
+  _globals['_STAGERECORDINFO']._serialized_start=1970
+  _globals['_STAGERECORDINFO']._serialized_end=2134
+  _globals['_LISTSTAGESRESPONSE']._serialized_start=2136
+  _globals['_LISTSTAGESRESPONSE']._serialized_end=2200
+  _globals['_TRAINER']._serialized_start=2403
+  _globals['_TRAINER']._serialized_end=2803
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ STAGE_STATE_CANCELLED: StageState
 STAGE_STATE_RECOVERING: StageState
 
 class StageSpec(_message.Message):
-    __slots__ = ("job_id", "stage", "edge", "steps", "codec_forward", "codec_backward", "program", "codec_choice", "spec_digest")
+    __slots__ = ("job_id", "stage", "edge", "steps", "codec_forward", "codec_backward", "program", "codec_choice", "spec_digest", "peer_cluster", "downstream_edge")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     EDGE_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,8 @@ class StageSpec(_message.Message):
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
     CODEC_CHOICE_FIELD_NUMBER: _ClassVar[int]
     SPEC_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PEER_CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_EDGE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     stage: str
     edge: str
@@ -44,7 +46,21 @@ class StageSpec(_message.Message):
     program: ProgramStage
     codec_choice: str
     spec_digest: str
-    def __init__(self, job_id: _Optional[str] = ..., stage: _Optional[str] = ..., edge: _Optional[str] = ..., steps: _Optional[int] = ..., codec_forward: _Optional[str] = ..., codec_backward: _Optional[str] = ..., program: _Optional[_Union[ProgramStage, _Mapping]] = ..., codec_choice: _Optional[str] = ..., spec_digest: _Optional[str] = ...) -> None: ...
+    peer_cluster: str
+    downstream_edge: ChainEdge
+    def __init__(self, job_id: _Optional[str] = ..., stage: _Optional[str] = ..., edge: _Optional[str] = ..., steps: _Optional[int] = ..., codec_forward: _Optional[str] = ..., codec_backward: _Optional[str] = ..., program: _Optional[_Union[ProgramStage, _Mapping]] = ..., codec_choice: _Optional[str] = ..., spec_digest: _Optional[str] = ..., peer_cluster: _Optional[str] = ..., downstream_edge: _Optional[_Union[ChainEdge, _Mapping]] = ...) -> None: ...
+
+class ChainEdge(_message.Message):
+    __slots__ = ("edge", "codec_forward", "codec_backward", "peer_cluster")
+    EDGE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FORWARD_FIELD_NUMBER: _ClassVar[int]
+    CODEC_BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    PEER_CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    edge: str
+    codec_forward: str
+    codec_backward: str
+    peer_cluster: str
+    def __init__(self, edge: _Optional[str] = ..., codec_forward: _Optional[str] = ..., codec_backward: _Optional[str] = ..., peer_cluster: _Optional[str] = ...) -> None: ...
 
 class OptimizerConfig(_message.Message):
     __slots__ = ("name", "learning_rate", "weight_decay", "momentum", "lr_schedule", "warmup_steps")
@@ -63,7 +79,7 @@ class OptimizerConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., learning_rate: _Optional[float] = ..., weight_decay: _Optional[float] = ..., momentum: _Optional[float] = ..., lr_schedule: _Optional[str] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
 
 class ProgramStage(_message.Message):
-    __slots__ = ("role", "module_source", "module_name", "options_json", "batch_size", "micro_batches", "num_examples", "schedule", "max_in_flight", "seed", "stage_index", "optimizer", "checkpoint_interval", "resume_job_id", "resume_step", "mode", "sync_lag", "replicas", "payload", "dataset", "initial_state", "initial_step", "parallel", "shard_size")
+    __slots__ = ("role", "module_source", "module_name", "options_json", "batch_size", "micro_batches", "num_examples", "schedule", "max_in_flight", "seed", "stage_index", "optimizer", "checkpoint_interval", "resume_job_id", "resume_step", "mode", "sync_lag", "replicas", "payload", "dataset", "initial_state", "initial_step", "parallel", "shard_size", "stage_count")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODULE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     MODULE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +104,7 @@ class ProgramStage(_message.Message):
     INITIAL_STEP_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
     SHARD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_COUNT_FIELD_NUMBER: _ClassVar[int]
     role: str
     module_source: str
     module_name: str
@@ -112,7 +129,8 @@ class ProgramStage(_message.Message):
     initial_step: int
     parallel: str
     shard_size: int
-    def __init__(self, role: _Optional[str] = ..., module_source: _Optional[str] = ..., module_name: _Optional[str] = ..., options_json: _Optional[str] = ..., batch_size: _Optional[int] = ..., micro_batches: _Optional[int] = ..., num_examples: _Optional[int] = ..., schedule: _Optional[str] = ..., max_in_flight: _Optional[int] = ..., seed: _Optional[int] = ..., stage_index: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., checkpoint_interval: _Optional[int] = ..., resume_job_id: _Optional[str] = ..., resume_step: _Optional[int] = ..., mode: _Optional[str] = ..., sync_lag: _Optional[int] = ..., replicas: _Optional[int] = ..., payload: _Optional[str] = ..., dataset: _Optional[str] = ..., initial_state: _Optional[bytes] = ..., initial_step: _Optional[int] = ..., parallel: _Optional[str] = ..., shard_size: _Optional[int] = ...) -> None: ...
+    stage_count: int
+    def __init__(self, role: _Optional[str] = ..., module_source: _Optional[str] = ..., module_name: _Optional[str] = ..., options_json: _Optional[str] = ..., batch_size: _Optional[int] = ..., micro_batches: _Optional[int] = ..., num_examples: _Optional[int] = ..., schedule: _Optional[str] = ..., max_in_flight: _Optional[int] = ..., seed: _Optional[int] = ..., stage_index: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., checkpoint_interval: _Optional[int] = ..., resume_job_id: _Optional[str] = ..., resume_step: _Optional[int] = ..., mode: _Optional[str] = ..., sync_lag: _Optional[int] = ..., replicas: _Optional[int] = ..., payload: _Optional[str] = ..., dataset: _Optional[str] = ..., initial_state: _Optional[bytes] = ..., initial_step: _Optional[int] = ..., parallel: _Optional[str] = ..., shard_size: _Optional[int] = ..., stage_count: _Optional[int] = ...) -> None: ...
 
 class AssignStageRequest(_message.Message):
     __slots__ = ("spec",)
