@@ -2,8 +2,9 @@
 
 The compose deployment publishes each cluster's auth, trainer, switch and switch metrics ports on
 127.0.0.1 (see docker-compose.yml); every one of them is internal TLS, verified against the
-cluster's own CA, which only the containers hold. This command asks the compose engine where each
-port is published (``<compose> port``), copies each cluster's CA certificate and, unless
+cluster's own CA, which only the containers hold. This command reads where each port is published from
+the compose file (literal ``HOST:PORT:CONTAINER`` mappings; any other is asked of the engine,
+``<compose> port``), copies each cluster's CA certificate and, unless
 ``--no-admin``, its bootstrap admin password (mode 0600) out of the auth containers
 (``<compose> exec -T``), and writes them with ``endpoints.json`` into one host directory. From
 then on every CLI command and the SDK target the deployment with ``--deployment DIR`` (or
@@ -21,6 +22,7 @@ import subprocess
 from pathlib import Path
 
 import typer
+import yaml
 
 from nebula_common.durable import atomic_write
 from nebula_common.sdk.deployment import ENDPOINTS, ENDPOINTS_FORMAT
@@ -60,6 +62,27 @@ def published(compose: list[str], service: str, port: int, host: str) -> str:
     return f"{host}:{published_port}"
 
 
+def declared_ports(file: Path) -> dict[tuple[str, int], str]:
+    """(service, container port) -> HOST:PORT for every literal ``"HOST:PORT:CONTAINER"`` mapping.
+
+    Reading them from the file costs nothing; a compose engine's ``port`` costs a process start
+    each (seconds on a busy machine). A mapping with a variable or without a host address is left
+    to the engine.
+    """
+    try:
+        body = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    found: dict[tuple[str, int], str] = {}
+    services = body.get("services") if isinstance(body, dict) else None
+    for name, service in (services or {}).items():
+        for mapping in (service or {}).get("ports") or [] if isinstance(service, dict) else []:
+            parts = str(mapping).split(":")
+            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit() and "$" not in parts[0]:
+                found[(str(name), int(parts[2]))] = f"{parts[0]}:{parts[1]}"
+    return found
+
+
 @app.command("endpoints")
 def endpoints(
     out: Path = typer.Option(
@@ -84,6 +107,11 @@ def endpoints(
         typer.echo(f"Error: no compose file {file}", err=True)
         raise typer.Exit(2)
     compose = [*shlex.split(compose_command), "-f", str(file.resolve())]
+    declared = declared_ports(file)
+
+    def address(service: str, port: int) -> str:
+        return declared.get((service, port)) or published(compose, service, port, host)
+
     names = [c.strip() for c in clusters.split(",") if c.strip()]
     body: dict = {"nebula_endpoints": ENDPOINTS_FORMAT, "clusters": {}}
     try:
@@ -94,11 +122,11 @@ def endpoints(
             if "BEGIN CERTIFICATE" not in pem:
                 raise ComposeError(f"auth-{cluster}: {CA_IN_CONTAINER} is not a PEM certificate")
             atomic_write(ca, pem.encode(), mode=0o644)
-            metrics = published(compose, f"switch-{cluster}", METRICS, host)
+            metrics = address(f"switch-{cluster}", METRICS)
             entry = {
-                "auth": published(compose, f"auth-{cluster}", AUTH, host),
-                "trainer": published(compose, f"trainer-{cluster}", TRAINER, host),
-                "switch": published(compose, f"switch-{cluster}", SWITCH, host),
+                "auth": address(f"auth-{cluster}", AUTH),
+                "trainer": address(f"trainer-{cluster}", TRAINER),
+                "switch": address(f"switch-{cluster}", SWITCH),
                 "ca_cert": ca.name,
                 "metrics": {f"switch-{cluster}": f"http://{metrics}/metrics"},
             }
@@ -122,4 +150,4 @@ def endpoints(
     typer.echo(f"wrote {path}; target the deployment with --deployment {out}")
 
 
-__all__ = ["app", "published"]
+__all__ = ["app", "declared_ports", "published"]

@@ -3,10 +3,10 @@
 The switches' lifetime link counters add up every job a deployment ran; the summaries must come from
 the per-job series instead. Ten short jobs run back to back through one switch pair, the codec
 alternating fp16 / int8 (forward and backward alike): every job's WAN numbers must equal what its
-own stages' edges sent (an independent count, in the trainers), its ratio must be its codec's
-(fp16 2.00, int8 4.00, +-2%), and jobs with the same codec and steps must count exactly the same
-bytes and frames, the 10th as the 2nd (with lifetime counters the 10th would show five times as
-much, and a ratio between the two codecs').
+own stages' edges sent (an independent count, in the trainers; plus whole frames an edge resent
+on a busy machine), its ratio must be its codec's (fp16 2.00, int8 4.00, +-2%), and jobs with the
+same codec and steps must count exactly the same bytes and frames, the 10th as the 2nd (with
+lifetime counters the 10th would show five times as much, and a ratio between the two codecs').
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from nebula_common.jobspec import load_spec
 from nebula_common.jobspec.builtin import builtin_spec
 from nebula_common.launcher import LocalDeployment
 from nebula_common.sdk.api import Deployment
 from nebula_common.sdk.deployment import DeploymentTarget, write_endpoints_file
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]  # with the shared deployment's start
 JOBS = 10
 STEPS = 2
 CODECS = ("fp16", "int8")
@@ -58,22 +59,53 @@ def test_the_second_and_tenth_of_ten_jobs_report_exactly_their_own_bytes(
     elapsed = time.monotonic() - started
     assert elapsed < BUDGET_S, f"{JOBS} jobs took {elapsed:.0f} s"
 
+    micro_batches = load_spec(builtin_spec("numbers")).spec.data.micro_batches
+    replayed = set()
     for n, (summary, record) in enumerate(zip(summaries, records, strict=True)):
         codec, traffic = CODECS[n % 2], record.traffic()
         for direction in ("forward", "backward"):
-            wan = summary.wan[direction]
+            wan, sent = summary.wan[direction], traffic[direction]
             where = f"job {n + 1} ({codec}) {direction}"
             assert wan["counted_by"] == "switches", where
-            # The switches' per-job series against the stages' own edge counters: the same payload.
-            assert wan["payload_bytes"] == traffic[direction]["bytes"] > 0, where
-            assert wan["raw_bytes"] == traffic[direction]["raw_bytes"], where
             assert wan["bytes"] == wan["bytes_received_by_peer"] > wan["payload_bytes"], where
             assert wan["compression_ratio"] == pytest.approx(RATIO[codec], rel=0.02), where
+            # The switches' per-job series against the stages' own edge counters (an independent
+            # count): the same payload, or more by whole frames where the edge resent one after a
+            # retransmit timeout (a busy machine): those bytes did cross the WAN twice. Never
+            # another job's bytes (with lifetime counters job n would show about n times as much).
+            frame = sent["bytes"] // (STEPS * micro_batches)
+            extra = wan["payload_bytes"] - sent["bytes"]
+            assert sent["bytes"] > 0 and extra >= 0 and extra % frame == 0 and extra <= 2 * frame, (
+                where,
+                wan,
+                sent,
+            )
+            if extra:
+                replayed.add(n)
     # Same codec, same steps, same shapes: the 10th job counts exactly what the 2nd did (and the
-    # 9th what the 1st did), bytes and frames each way.
+    # 9th what the 1st did), each way: at the edges always, at the switches unless a frame was resent
+    # (payload exactly; wire bytes and frames up to the timing-dependent control messages).
     for first, later in ((1, 9), (0, 8)):
         for direction in ("forward", "backward"):
+            a, b = records[first].traffic()[direction], records[later].traffic()[direction]
+            assert (a["bytes"], a["raw_bytes"]) == (b["bytes"], b["raw_bytes"]), (
+                first + 1,
+                later + 1,
+                direction,
+            )
+            if {first, later} & replayed:
+                continue
             a, b = summaries[first].wan[direction], summaries[later].wan[direction]
-            for key in ("bytes", "payload_bytes", "raw_bytes", "frames"):
+            for key in ("payload_bytes", "raw_bytes"):  # the job's tensors, encoded and raw: exact
                 assert a[key] == b[key], (first + 1, later + 1, direction, key, a[key], b[key])
-    print(f"{JOBS} jobs of {STEPS} steps in {elapsed:.1f} s")
+            # On the wire, the relay's own framing and control messages (acks, keep-alives) come on
+            # top, a few dozen bytes that depend on timing: equal within 0.5%, nowhere near 5x.
+            assert b["bytes"] == pytest.approx(a["bytes"], rel=0.005), (first + 1, later + 1, direction)
+            assert abs(a["frames"] - b["frames"]) <= 4, (
+                first + 1,
+                later + 1,
+                direction,
+                a["frames"],
+                b["frames"],
+            )
+    print(f"{JOBS} jobs of {STEPS} steps in {elapsed:.1f} s; jobs with a resent frame: {sorted(replayed)}")

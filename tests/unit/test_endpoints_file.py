@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from nebula_common.cli.compose import declared_ports
 from nebula_common.sdk.deployment import DeploymentFileError, DeploymentTarget, write_endpoints_file
 
 
@@ -104,3 +105,17 @@ def test_the_kubernetes_port_forward_example_is_a_valid_endpoints_file(tmp_path:
     assert sorted(target.clusters) == ["a", "b"]
     assert target.clusters["b"][0].trainer == "127.0.0.1:27500"
     assert target.logs["command"][:3] == ["kubectl", "-n", "nebula"]
+
+
+def test_compose_endpoints_read_the_published_ports_from_the_compose_file(tmp_path: Path) -> None:
+    """docker-compose.yml's literal mappings; a mapping with a variable is left to the engine."""
+    ports = declared_ports(Path(__file__).resolve().parents[2] / "docker-compose.yml")
+    for cluster, base in (("a", 1), ("b", 2)):
+        assert ports[(f"auth-{cluster}", 7600)] == f"127.0.0.1:{base}7600"
+        assert ports[(f"trainer-{cluster}", 7500)] == f"127.0.0.1:{base}7500"
+        assert ports[(f"switch-{cluster}", 7400)] == f"127.0.0.1:{base}7400"
+        assert ports[(f"switch-{cluster}", 9100)] == f"127.0.0.1:{base}9100"
+    odd = tmp_path / "compose.yml"
+    odd.write_text('services:\n  auth-a:\n    ports: ["127.0.0.1:${P:-1}:7600", "7601"]\n  x: null\n')
+    assert declared_ports(odd) == {}
+    assert declared_ports(tmp_path / "missing.yml") == {}
