@@ -33,7 +33,7 @@ app = typer.Typer(help="Target a compose deployment from this host.", no_args_is
 AUTH, TRAINER, SWITCH, METRICS = 7600, 7500, 7400, 9100
 CA_IN_CONTAINER = "/etc/nebula/internal-tls/ca.crt"
 ADMIN_IN_CONTAINER = "/etc/nebula/admin/admin-password"
-SERVICES = ("auth", "codec", "data", "switch", "trainer")
+LOGGED = ("trainer", "switch")  # the services whose log records name jobs (`nebula job logs`)
 TIMEOUT_S = 60.0
 
 
@@ -143,7 +143,7 @@ def endpoints(
     body["link"] = {"bandwidth_mbit": bandwidth_mbit, "rtt_ms": 2 * delay_ms}
     body["logs"] = {
         "command": [*compose, "logs", "--no-color"],
-        "services": [f"{service}-{cluster}" for cluster in names for service in SERVICES],
+        "services": [f"{service}-{cluster}" for cluster in names for service in LOGGED],
     }
     path = out / ENDPOINTS
     atomic_write(path, (json.dumps(body, indent=2) + "\n").encode(), mode=0o644)

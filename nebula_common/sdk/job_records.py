@@ -17,6 +17,7 @@ import json
 import subprocess
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -321,26 +322,34 @@ def list_recorded_jobs(
 LOG_COMMAND_TIMEOUT_S = 60.0
 
 
+def _command_output(argv: list[str], service: str) -> str:
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=LOG_COMMAND_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NebulaError(f"cannot read the logs of {service}: `{' '.join(argv)}`: {exc}") from None
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise NebulaError(f"`{' '.join(argv)}` exited {done.returncode}: {tail[0]}")
+    return done.stdout + done.stderr
+
+
 def command_log_records(logs: dict[str, Any], job_id: str) -> list[dict[str, Any]]:
     """The JSON log records naming ``job_id`` that the endpoints file's log command prints per service.
 
     ``logs`` is ``{"command": [...], "services": [...]}``: ``command + [service]`` prints that
-    service's log (``podman-compose logs trainer-a``, ``kubectl -n nebula logs deploy/trainer-a``).
-    Lines that are not a JSON record (an engine's prefix is skipped up to the first ``{``) are ignored.
+    service's log (``podman-compose logs trainer-a``, ``kubectl -n nebula logs deploy/trainer-a``);
+    the services are read in parallel (each command is a process start). Lines that are not a JSON
+    record (an engine's prefix is skipped up to the first ``{``) are ignored; each record gets
+    ``source``, the service it was read from.
     """
+    services = list(logs["services"])
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(services)))) as pool:
+        outputs = list(pool.map(lambda svc: _command_output([*logs["command"], svc], svc), services))
     records = []
-    for service in logs["services"]:
-        argv = [*logs["command"], service]
-        try:
-            done = subprocess.run(
-                argv, capture_output=True, text=True, timeout=LOG_COMMAND_TIMEOUT_S, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise NebulaError(f"cannot read the logs of {service}: `{' '.join(argv)}`: {exc}") from None
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise NebulaError(f"`{' '.join(argv)}` exited {done.returncode}: {tail[0]}")
-        for line in (done.stdout + done.stderr).splitlines():
+    for service, output in zip(services, outputs, strict=True):
+        for line in output.splitlines():
             if job_id not in line or "{" not in line:
                 continue
             try:
@@ -348,7 +357,7 @@ def command_log_records(logs: dict[str, Any], job_id: str) -> list[dict[str, Any
             except ValueError:
                 continue
             if isinstance(record, dict) and record.get("job_id") == job_id:
-                record.setdefault("service", service)
+                record["source"] = service
                 records.append(record)
     return sorted(records, key=lambda r: str(r.get("ts", "")))
 

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from nebula_common.cli.compose import declared_ports
+from nebula_common.errors import NebulaError
 from nebula_common.sdk.deployment import DeploymentFileError, DeploymentTarget, write_endpoints_file
+from nebula_common.sdk.job_records import command_log_records
 
 
 def endpoints(tmp_path: Path, **changes: object) -> Path:
@@ -119,3 +121,17 @@ def test_compose_endpoints_read_the_published_ports_from_the_compose_file(tmp_pa
     odd.write_text('services:\n  auth-a:\n    ports: ["127.0.0.1:${P:-1}:7600", "7601"]\n  x: null\n')
     assert declared_ports(odd) == {}
     assert declared_ports(tmp_path / "missing.yml") == {}
+
+
+def test_the_log_command_keeps_only_the_jobs_json_records_in_time_order() -> None:
+    """`nebula job logs` on a compose/k8s deployment: COMMAND SERVICE per service, engine prefixes skipped."""
+    lines = [
+        'trainer-a | {"job_id": "j1", "ts": "2", "service": "trainer"}',
+        '{"job_id": "j1", "ts": "1"}',
+        '{"job_id": "j2", "ts": "0"}',
+        "j1 is not JSON {",
+    ]
+    records = command_log_records({"command": ["printf", "%s\\n"], "services": lines}, "j1")
+    assert [(r["ts"], r["source"]) for r in records] == [("1", lines[1]), ("2", lines[0])]
+    with pytest.raises(NebulaError, match="`false trainer-a` exited 1"):
+        command_log_records({"command": ["false"], "services": ["trainer-a"]}, "j1")
