@@ -74,3 +74,9 @@ $COMPOSE exec -T auth-b cat /etc/nebula/internal-tls/ca.crt > "$ca_dir/b-ca.crt"
 export NEBULA_CA_CERT_A="$ca_dir/a-ca.crt" NEBULA_CA_CERT_B="$ca_dir/b-ca.crt"
 "$PYTHON" docker/smoke.py "$@"
 lap "smoke.py $*"
+# Operating it (issue 11): the endpoints file, watch/status/report/logs/cancel through the CLI, and
+# trainer-a killed mid-job (named volume: checkpoints and a verifying audit log survive). SMOKE_OPS=0 skips.
+if [ "${SMOKE_OPS:-1}" != 0 ]; then
+  COMPOSE="$COMPOSE" "$PYTHON" docker/smoke_ops.py
+  lap "smoke_ops.py"
+fi
