@@ -60,8 +60,11 @@ check-proto: $(STAMP)
 check-layers: $(STAMP)
 	$(BIN)/python tools/check_layers.py
 
+# runs/demo is the last demo's run directory (replaced each time): after it, its job is still there,
+# read from the trainers' records: `nebula job list --json --deployment runs/demo`.
 demo: $(STAMP)
-	$(BIN)/nebula demo --json runs/demo-summary.json
+	rm -rf runs/demo
+	$(BIN)/nebula demo --run-dir runs/demo --json runs/demo-summary.json
 
 # Codec benchmark on one core: JSON + markdown in bench-results/ (a few minutes; never part of `make test`).
 bench: $(STAMP)

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 import typer
 
-from nebula_common.cli import account, audit, cluster, codec, data, demo, job, job_view, local, pki, wan
+from nebula_common.cli import (
+    account,
+    audit,
+    cluster,
+    codec,
+    compose,
+    data,
+    demo,
+    job,
+    job_view,
+    local,
+    pki,
+    wan,
+)
 
 app = typer.Typer(
     help="Nebula: train one model across remote clusters joined by slow WAN links.",
@@ -20,6 +33,7 @@ app.add_typer(audit.app, name="audit")
 app.add_typer(codec.app, name="codec")
 app.add_typer(data.app, name="data")
 app.add_typer(account.app, name="account")
+app.add_typer(compose.app, name="compose")
 app.command("demo")(demo.demo)
 __all__ = ["app", "job_view", "main"]
 

@@ -24,6 +24,7 @@ from nebula_common.launcher import LocalDeployment
 from nebula_common.rpc.internal_tls import PLAINTEXT_ENV, warn_plaintext
 from nebula_common.sdk.client import ClusterSession
 from nebula_common.sdk.codec_advice import LinkProfile
+from nebula_common.sdk.deployment import ENDPOINTS, DeploymentTarget, write_endpoints_file
 from nebula_common.sdk.jobs import ProgramJob
 
 console = Console()
@@ -112,6 +113,10 @@ def demo(
         with console.status("starting PKI, auth, codec, switches, WAN emulator and trainers ..."):
             deployment.start()  # stops whatever it started if any process fails to come up
         console.print(f"clusters up in {time.perf_counter() - started:.1f}s (logs: {deployment.log_dir})")
+        # The run directory describes itself, so the job can be found again after the demo stopped
+        # everything: `nebula job list|status|report --deployment <run dir>` read the trainers' records.
+        deployment.write_description(run_dir / "deployment.json")
+        write_endpoints_file(DeploymentTarget.load(run_dir / "deployment.json"), run_dir / ENDPOINTS)
         sessions = {c: _create_account(deployment, c, f"researcher-{c}") for c in ("a", "b")}
         summary = follow(job, sessions, link=LinkProfile(bandwidth_mbit=bandwidth_mbit, rtt_ms=2 * delay_ms))
     except NebulaError as exc:
@@ -125,6 +130,13 @@ def demo(
         job=job_name, bandwidth_mbit=bandwidth_mbit, delay_ms=delay_ms, run_dir=str(run_dir)
     )
     print_summary(summary)
+    console.print(
+        f"the job again, now that the clusters are stopped: nebula job list --deployment {run_dir} "
+        f"(or status|report {summary.job_id})",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
     if json_path is not None:
         json_path.write_text(json.dumps(summary.to_json(), indent=2))
         console.print(f"summary written to {json_path}")

@@ -45,6 +45,8 @@ def opened(deployment: Path, credentials: Path | None) -> Iterator[Deployment]:
     target: Deployment | None = None
     try:
         target = Deployment.open(deployment, credentials)
+        if target.records_note:  # on stderr: --json output stays one document
+            typer.echo(target.records_note, err=True)
         yield target
     except (NebulaError, ValueError) as exc:
         console.print(f"[red]error:[/] {exc}")

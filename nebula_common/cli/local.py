@@ -21,6 +21,7 @@ from nebula_common.launcher import LocalDeployment
 from nebula_common.launcher.local import CLUSTER_IDS, MAX_CLUSTERS, running_deployment_pid
 from nebula_common.launcher.process import ServiceStartError
 from nebula_common.launcher.supervisor import RestartPolicy
+from nebula_common.sdk.deployment import ENDPOINTS, DeploymentTarget, write_endpoints_file
 
 app = typer.Typer(help="Run simulated clusters locally.", no_args_is_help=True)
 console = Console()
@@ -90,10 +91,13 @@ def up(
     try:
         description = deployment.describe()
         deployment.write_description(run_dir / "deployment.json")
+        # The same deployment as an endpoints file: the one format every deployment kind offers.
+        write_endpoints_file(DeploymentTarget.load(run_dir / "deployment.json"), run_dir / ENDPOINTS)
         console.print_json(json.dumps(description))
         console.print(
             f"[green]up[/]: PKI in {deployment.pki_dir}, logs in {deployment.log_dir}; "
-            f"description in {run_dir / 'deployment.json'}. Dead services are restarted. WAN faults: "
+            f"description in {run_dir / 'deployment.json'} (endpoints: {run_dir / ENDPOINTS}). "
+            "Dead services are restarted. WAN faults: "
             f"`nebula wan cut|restore|reset --run-dir {run_dir}`. Ctrl-C (or `nebula local down "
             f"--run-dir {run_dir}`) stops everything. Internal ports are TLS: commands given bare "
             f"addresses verify them with NEBULA_CA_CERT={deployment.pki_dir}/<cluster>/ca.crt."

@@ -445,6 +445,8 @@ class LocalDeployment:
             clusters[cluster] = {
                 "processes": {p.name: entry(p) for p in state.processes()},
                 "admin_password_file": str(self.run_dir / cluster / "admin-password"),
+                # The trainer's stage records: `nebula job list` reads them once the deployment stopped.
+                "trainer_data_dir": str(self.run_dir / cluster / "trainer"),
             }
             if self.internal_tls:  # every internal port of the cluster serves TLS verified against this CA
                 clusters[cluster]["ca_cert"] = str(self.ca_cert(cluster))

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from nebula_common.errors import NebulaError
 from nebula_common.jobspec import LoadedJob, SpecError, load_spec
 from nebula_common.jobspec.spec import _set_dotted, parse_spec
 from nebula_common.proto.nebula.v1 import trainer_pb2
@@ -35,11 +36,14 @@ from nebula_common.sdk.client import ClusterSession, JobHandle, submit_job
 from nebula_common.sdk.deployment import Credentials, DeploymentTarget, read_credentials
 from nebula_common.sdk.job_records import (
     CANCEL_WAIT_S,
+    JobNotFoundError,
     JobRecord,
     cancel_job,
+    command_log_records,
     get_job,
     job_log_records,
     list_jobs,
+    list_recorded_jobs,
 )
 from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.progress import ProgressBar
@@ -80,6 +84,43 @@ def _looks_like_path(text: str) -> bool:
     return "\n" not in text and (Path(text).is_file() or text.endswith((".yaml", ".yml")))
 
 
+class DeploymentStoppedError(NebulaError):
+    """The deployment is not running: what needs its services (submit, cancel) cannot be done."""
+
+
+@dataclass(frozen=True)
+class _Recorded:
+    """A stopped deployment's stage records, as much of a ``JobHandle`` as ``summarize`` reads:
+    each stage's last recorded status (an ended stage's final one), upstream first."""
+
+    record: JobRecord
+
+    @property
+    def stages(self) -> dict[str, None]:
+        return {stage: None for stage in self.record.clusters}
+
+    def updates(self) -> Iterator[Any]:
+        for view in self.record._ordered():
+            status = trainer_pb2.StageStatus(
+                job_id=self.record.job_id,
+                stage=view.stage,
+                state=trainer_pb2.StageState.Value(f"STAGE_STATE_{view.state}"),
+                message=view.message,
+                steps_done=view.steps_done,
+                step_seconds=view.step_seconds,
+                bytes_sent=view.bytes_sent,
+                raw_bytes_sent=view.raw_bytes_sent,
+            )
+            if view.loss is not None:
+                status.loss = view.loss
+            yield _Update(status)
+
+
+@dataclass(frozen=True)
+class _Update:
+    status: trainer_pb2.StageStatus
+
+
 @dataclass(frozen=True)
 class _Watched:
     """What ``JobHandle`` and ``summarize`` need of a job this process did not submit."""
@@ -108,7 +149,12 @@ class Job:
         return f"Job({self.id!r})"
 
     def status(self) -> JobRecord:
-        """The job's record now: state, step, loss, owners, bytes each way, how each stage ended."""
+        """The job's record now: state, step, loss, owners, bytes each way, how each stage ended.
+
+        On a stopped deployment: as its trainers' stage records left it (``Deployment.stopped``).
+        """
+        if self.deployment.stopped is not None:
+            return self.deployment.recorded_job(self.id)
         return get_job(self._sessions.values(), self.id)
 
     def _handle(self) -> tuple[JobHandle, JobRecord]:
@@ -117,7 +163,14 @@ class Job:
         return JobHandle(self.program or _Watched(self.id, record.steps), stages), record
 
     def metrics(self) -> Iterator[trainer_pb2.StageStatus]:
-        """Every status of every stage (one per step, with loss, step time, bytes) until the job ends."""
+        """Every status of every stage (one per step, with loss, step time, bytes) until the job ends.
+
+        On a stopped deployment: each stage's last recorded status only.
+        """
+        if self.deployment.stopped is not None:
+            for update in _Recorded(self.status()).updates():
+                yield update.status
+            return
         handle, _ = self._handle()
         for update in handle.updates():
             yield update.status
@@ -125,8 +178,18 @@ class Job:
     def wait(self, progress: bool = False) -> JobSummary:
         """Follow the job to its end (a progress bar on stderr if ``progress``); its summary.
 
-        The summary's WAN numbers are this job's own (the switches' per-job counters).
+        The summary's WAN numbers are this job's own (the switches' per-job counters). On a stopped
+        deployment the summary is the stages' records: final numbers, no per-step history, and the
+        WAN bytes the trainers' edges counted (``counted_by: trainers``).
         """
+        if self.deployment.stopped is not None:
+            record = self.status()
+            summary = summarize(_Watched(self.id, record.steps), _Recorded(record))  # type: ignore[arg-type]
+            clusters = list(record.clusters.values())
+            if len(clusters) == 2:
+                summary._fill_wan_from_stages(clusters[0], clusters[1])
+            self.summary = summary
+            return summary
         handle, record = self._handle()
         job = self.program or _Watched(self.id, record.steps)
         with ProgressBar(self.id, record.steps, record.steps_done, disable=not progress) as bar:
@@ -140,11 +203,19 @@ class Job:
         return summary
 
     def logs(self) -> list[dict[str, Any]]:
-        """The services' JSON log records naming this job, oldest first (a `nebula local up` deployment)."""
+        """The services' JSON log records naming this job, oldest first: a `nebula local up` deployment's
+        log files, or what the endpoints file's log command prints (compose, Kubernetes)."""
+        if self.deployment.target.logs:
+            return command_log_records(self.deployment.target.logs, self.id)
         return job_log_records(self.deployment.target.description, self.id)
 
     def cancel(self, wait_s: float = CANCEL_WAIT_S) -> JobRecord:
         """Stop every stage of the job; returns its record once all ended (or ``wait_s`` passed)."""
+        if self.deployment.stopped is not None:
+            raise DeploymentStoppedError(
+                f"the deployment is stopped: nothing of job {self.id} runs (its stages stand as "
+                f"{self.status().state}); start it again to resume or cancel it"
+            )
         return cancel_job(self._sessions.values(), self.id, wait_s)
 
     def report(self, path: Path | str) -> Path:
@@ -167,6 +238,29 @@ class Deployment:
         self._given = credentials is not None
         self._sessions: dict[str, ClusterSession] = {}
         self._admin: dict[str, ClusterSession] = {}
+        # Cluster -> trainer data dir while the deployment is stopped (its jobs are read from there).
+        self.stopped: dict[str, Path] | None = target.stopped_records()
+
+    @property
+    def records_note(self) -> str | None:
+        """What a person should be told when the jobs come from records, not from running trainers."""
+        if self.stopped is None:
+            return None
+        where = ", ".join(str(p) for _, p in sorted(self.stopped.items()))
+        return f"(deployment stopped; read from records in {where})"
+
+    def _recorded(self, job_id: str = "") -> list[JobRecord]:
+        owners = None
+        if self._given:
+            owners = {c: e["username"] for c, e in (self.credentials or {}).items()}
+        return list_recorded_jobs(self.stopped or {}, owners, job_id)
+
+    def recorded_job(self, job_id: str) -> JobRecord:
+        """One job of a stopped deployment, from its records; ``JobNotFoundError`` if none shows it."""
+        found = self._recorded(job_id)
+        if not found:
+            raise JobNotFoundError(f"no job {job_id!r} visible to these accounts in the stopped deployment")
+        return found[0]
 
     @classmethod
     def open(cls, path: Path | str, credentials: Path | str | Credentials | None = None) -> Deployment:
@@ -226,20 +320,32 @@ class Deployment:
         job_id: str | None = None,
     ) -> Job:
         """Validate the spec and its modules, then start each stage in its cluster; returns the Job."""
+        if self.stopped is not None:
+            raise DeploymentStoppedError(
+                f"the deployment in {self.target.run_dir} is stopped: start it first"
+            )
         program = ProgramJob(load_job(spec, overrides, base_dir), job_id)
         sessions = self.sessions(set(program.clusters().values()))
         submit_job(program, sessions, link=self.target.link)
         return Job(self, program.job_id, sessions, program)
 
     def jobs(self) -> list[JobRecord]:
-        """The jobs these accounts may see (every job, as the admins), oldest first."""
+        """The jobs these accounts may see (every job, as the admins), oldest first.
+
+        On a stopped deployment: from its trainers' stage records (``records_note`` says so).
+        """
+        if self.stopped is not None:
+            return self._recorded()
         return list_jobs(self._viewers().values())
 
     def job(self, job_id: str) -> Job:
         """A job submitted earlier (by anyone these accounts may see the jobs of): re-attach to it."""
+        if self.stopped is not None:
+            self.recorded_job(job_id)  # not found for whoever may not see it
+            return Job(self, job_id, {}, None)
         viewers = self._viewers()
         record = get_job(viewers.values(), job_id)
         return Job(self, job_id, {s.cluster: viewers[s.cluster] for s in record.stages}, None)
 
 
-__all__ = ["Deployment", "Job", "SpecSource", "load_job"]
+__all__ = ["Deployment", "DeploymentStoppedError", "Job", "SpecSource", "load_job"]

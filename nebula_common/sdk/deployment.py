@@ -1,8 +1,24 @@
 """A running deployment as one object: where its clusters' services are, and whose account to use.
 
-The CLI and the SDK both start from a deployment description (``deployment.json``, written by
-``nebula local up`` into its run directory: every process's ports, each cluster's admin password
-file, the emulated WAN's shape). This module reads it and logs in: as given accounts
+The CLI and the SDK start from one of two files. A deployment description (``deployment.json``,
+written by ``nebula local up`` and ``nebula demo`` into the run directory: every process's ports
+and pid, each cluster's admin password file, the emulated WAN's shape, the trainers' data dirs),
+or an endpoints file (``endpoints.json``, format below), the one file that targets *any*
+deployment: a local run directory writes one beside its description, ``nebula compose endpoints``
+writes one for a compose deployment, and docs/operations.md shows one for a Kubernetes
+port-forward or ingress::
+
+    {"nebula_endpoints": 1,
+     "clusters": {"a": {"auth": "HOST:PORT", "trainer": "HOST:PORT", "switch": "HOST:PORT",
+                        "ca_cert": "a-ca.crt",                    # every port is verified against it
+                        "admin_password_file": "a-admin-password", # optional (else --credentials)
+                        "metrics": {"switch-a": "http://HOST:PORT/metrics"}},   # optional
+                  "b": {...}},
+     "link": {"bandwidth_mbit": 60, "rtt_ms": 40},                 # optional: for `codec: auto`
+     "logs": {"command": ["podman-compose", "-f", "docker-compose.yml", "logs"],
+              "services": ["trainer-a", "switch-a", ...]}}          # optional: `nebula job logs`
+
+Relative paths are relative to the file. This module reads either and logs in: as given accounts
 (``credentials``: ``{cluster: {username, password}}`` or a YAML file of that), as each cluster's
 admin (who sees every job), or, to submit with nothing else at hand, as a fresh account per
 cluster created through that cluster's admin (what an operator onboarding a researcher does).
@@ -11,13 +27,16 @@ cluster created through that cluster's admin (what an operator onboarding a rese
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nebula_common.clients.endpoints import ClusterEndpoints
+from nebula_common.durable import atomic_write
 from nebula_common.errors import NebulaError
+from nebula_common.launcher.local import running_deployment_pid
 from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 from nebula_common.safe_yaml import YamlInputError, load_yaml_file
 from nebula_common.sdk.auth_client import AuthClient
@@ -26,6 +45,8 @@ from nebula_common.sdk.codec_advice import LinkProfile
 
 LOOPBACK = "127.0.0.1"
 DESCRIPTION = "deployment.json"
+ENDPOINTS = "endpoints.json"
+ENDPOINTS_FORMAT = 1
 
 Credentials = dict[str, dict[str, str]]
 
@@ -91,7 +112,11 @@ def read_description(path: Path) -> dict[str, Any]:
     """A deployment description (a run directory stands for the ``deployment.json`` in it)."""
     path = Path(path)
     if path.is_dir():
-        path = path / DESCRIPTION
+        path = (
+            path / DESCRIPTION
+            if (path / DESCRIPTION).exists() or not (path / ENDPOINTS).exists()
+            else path / ENDPOINTS
+        )
     try:
         body = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -132,23 +157,163 @@ def onboard(endpoints: ClusterEndpoints, admin_password: str, username: str) -> 
     return ClusterSession.login(endpoints, username, password), password
 
 
+def _address(cluster: str, entry: dict[str, Any], key: str, origin: str) -> str:
+    value = entry.get(key)
+    host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DeploymentFileError(f"{origin}: clusters.{cluster}.{key}: expected HOST:PORT, got {value!r}")
+    return value
+
+
+def endpoints_from_file(
+    body: dict[str, Any], base: Path, origin: str
+) -> dict[str, tuple[ClusterEndpoints, Path | None]]:
+    """Cluster id -> (endpoints, admin password file or None) from an endpoints file (module doc).
+
+    Every address of a cluster is registered to be verified against that cluster's CA, so a
+    compose deployment's or a port-forward's ports are checked exactly as a local one's.
+    """
+    if body.get("nebula_endpoints") != ENDPOINTS_FORMAT:
+        raise DeploymentFileError(f"{origin}: 'nebula_endpoints' must be {ENDPOINTS_FORMAT}")
+    clusters = body.get("clusters")
+    if not isinstance(clusters, dict) or not clusters:
+        raise DeploymentFileError(f"{origin}: 'clusters' must map each cluster id to its endpoints")
+    result: dict[str, tuple[ClusterEndpoints, Path | None]] = {}
+    for cluster, entry in clusters.items():
+        if not isinstance(entry, dict):
+            raise DeploymentFileError(f"{origin}: clusters.{cluster} must be an object")
+        auth, trainer, switch = (_address(cluster, entry, k, origin) for k in ("auth", "trainer", "switch"))
+        ca = entry.get("ca_cert")
+        if not isinstance(ca, str) or not ca:
+            raise DeploymentFileError(
+                f"{origin}: clusters.{cluster}.ca_cert: the cluster's CA certificate is required"
+            )
+        ca_path = base / ca
+        if not ca_path.is_file():
+            raise DeploymentFileError(f"{origin}: clusters.{cluster}.ca_cert: no file {ca_path}")
+        codec = entry.get("codec") or ""
+        if codec:
+            codec = _address(cluster, entry, "codec", origin)
+        metrics = entry.get("metrics") or {}
+        if not isinstance(metrics, dict) or not all(isinstance(v, str) for v in metrics.values()):
+            raise DeploymentFileError(f"{origin}: clusters.{cluster}.metrics must map names to URLs")
+        tls = ClientTls(str(cluster), ca_path)
+        for address in (auth, trainer, switch, codec):
+            if address:
+                trust_endpoint(address, tls)
+        admin = entry.get("admin_password_file")
+        if admin is not None and not isinstance(admin, str):
+            raise DeploymentFileError(f"{origin}: clusters.{cluster}.admin_password_file must be a path")
+        endpoints = ClusterEndpoints(str(cluster), auth, trainer, switch, dict(metrics), codec)
+        result[str(cluster)] = (endpoints, base / admin if admin else None)
+    return result
+
+
+def endpoints_body(target: DeploymentTarget, base: Path) -> dict[str, Any]:
+    """The endpoints file of ``target`` (any deployment), paths written relative to ``base``."""
+
+    def rel(path: Path) -> str:
+        return os.path.relpath(Path(path).resolve(), Path(base).resolve())
+
+    clusters: dict[str, Any] = {}
+    for cluster, (endpoints, admin) in sorted(target.clusters.items()):
+        ca = target.ca_certs.get(cluster)
+        entry: dict[str, Any] = {
+            "auth": endpoints.auth,
+            "trainer": endpoints.trainer,
+            "switch": endpoints.switch,
+        }
+        if endpoints.codec:
+            entry["codec"] = endpoints.codec
+        if ca is not None:
+            entry["ca_cert"] = rel(ca)
+        if admin is not None:
+            entry["admin_password_file"] = rel(admin)
+        if endpoints.metrics:
+            entry["metrics"] = dict(endpoints.metrics)
+        clusters[cluster] = entry
+    body: dict[str, Any] = {"nebula_endpoints": ENDPOINTS_FORMAT, "clusters": clusters}
+    if target.link is not None:
+        body["link"] = {"bandwidth_mbit": target.link.bandwidth_mbit, "rtt_ms": target.link.rtt_ms}
+    if target.logs:
+        body["logs"] = target.logs
+    run_dir = target.description.get("run_dir")
+    if isinstance(run_dir, str):  # a local run: where its trainers' records are once it stopped
+        body["run_dir"] = rel(Path(run_dir))
+    return body
+
+
+def write_endpoints_file(target: DeploymentTarget, path: Path) -> Path:
+    """Write ``target``'s endpoints file (0644: it holds addresses and paths, no secret)."""
+    path = Path(path)
+    atomic_write(
+        path, (json.dumps(endpoints_body(target, path.parent), indent=2) + "\n").encode(), mode=0o644
+    )
+    return path
+
+
+def _logs_from(body: dict[str, Any], origin: str) -> dict[str, Any]:
+    logs = body.get("logs")
+    if logs is None:
+        return {}
+    command, services = (
+        (logs.get("command"), logs.get("services")) if isinstance(logs, dict) else (None, None)
+    )
+    if not (isinstance(command, list) and command and all(isinstance(c, str) for c in command)) or not (
+        isinstance(services, list) and all(isinstance(c, str) for c in services)
+    ):
+        raise DeploymentFileError(f"{origin}: 'logs' needs 'command' (a list of strings) and 'services'")
+    return {"command": command, "services": services}
+
+
 @dataclass
 class DeploymentTarget:
     """A deployment's clusters (endpoints, admin password files) and the WAN it was started with."""
 
-    clusters: dict[str, tuple[ClusterEndpoints, Path]]
+    clusters: dict[str, tuple[ClusterEndpoints, Path | None]]
     link: LinkProfile | None = None
     description: dict[str, Any] = field(default_factory=dict)
     origin: str = DESCRIPTION
+    ca_certs: dict[str, Path] = field(default_factory=dict)
+    logs: dict[str, Any] = field(default_factory=dict)  # how to read the services' logs (endpoints file)
 
     @classmethod
     def load(cls, path: Path) -> DeploymentTarget:
+        """From a deployment description, an endpoints file, or a run directory holding either."""
         description = read_description(path)
+        if "nebula_endpoints" in description:
+            origin = Path(path) / ENDPOINTS if Path(path).is_dir() else Path(path)
+            clusters = endpoints_from_file(description, origin.parent, str(origin))
+            link = None
+            if isinstance(description.get("link"), dict):
+                try:
+                    link = LinkProfile(
+                        bandwidth_mbit=float(description["link"]["bandwidth_mbit"]),
+                        rtt_ms=float(description["link"]["rtt_ms"]),
+                    )
+                except (KeyError, TypeError, ValueError):
+                    raise DeploymentFileError(
+                        f"{origin}: 'link' needs numbers bandwidth_mbit and rtt_ms"
+                    ) from None
+            cas = {c: origin.parent / description["clusters"][c]["ca_cert"] for c in clusters}
+            if isinstance(description.get("run_dir"), str):  # a local run's: its records, once stopped
+                description = {**description, "run_dir": str(origin.parent / description["run_dir"])}
+            return cls(clusters, link, description, str(path), cas, _logs_from(description, str(origin)))
         clusters = endpoints_from_description(description)
-        return cls(clusters, link_from_description(description), description, str(path))
+        cas = {
+            c: Path(e["ca_cert"])
+            for c, e in description["clusters"].items()
+            if isinstance(e.get("ca_cert"), str)
+        }
+        return cls(clusters, link_from_description(description), description, str(path), cas)
 
     def admin_password(self, cluster: str) -> str:
         _, admin_file = self.clusters[cluster]
+        if admin_file is None:
+            raise DeploymentFileError(
+                f"cluster {cluster}: {self.origin} names no admin password file; "
+                "pass credentials to act as your own account"
+            )
         try:
             return admin_file.read_text().strip()
         except OSError as exc:
@@ -178,6 +343,23 @@ class DeploymentTarget:
             for cluster, (endpoints, _) in sorted(self.clusters.items())
         }
 
+    def stopped_records(self) -> dict[str, Path] | None:
+        """Cluster -> trainer data dir, when this is a `nebula local up` (or demo) deployment that has
+        stopped (no process holds its run directory's lock); None while it runs, or for a deployment
+        this machine does not hold the files of (compose, Kubernetes: ask its trainers)."""
+        run_dir = self.description.get("run_dir")
+        if not isinstance(run_dir, str) or not Path(run_dir).is_dir():
+            return None
+        if running_deployment_pid(Path(run_dir)) is not None:
+            return None
+        records = {}
+        for cluster, entry in self.description.get("clusters", {}).items():
+            data_dir = entry.get("trainer_data_dir") if isinstance(entry, dict) else None
+            records[cluster] = (
+                Path(data_dir) if isinstance(data_dir, str) else Path(run_dir) / cluster / "trainer"
+            )
+        return records
+
     @property
     def run_dir(self) -> Path:
         """The folder of the description: where credentials created for it are kept (0600)."""
@@ -202,12 +384,16 @@ class DeploymentTarget:
 
 
 __all__ = [
+    "ENDPOINTS",
     "Credentials",
     "DeploymentFileError",
     "DeploymentTarget",
+    "endpoints_body",
     "endpoints_from_description",
+    "endpoints_from_file",
     "link_from_description",
     "onboard",
     "read_credentials",
     "read_description",
+    "write_endpoints_file",
 ]

@@ -14,8 +14,10 @@ otherwise; while any stage has not ended the job is RUNNING (or RECOVERING / PEN
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ import grpc
 from nebula_common.errors import NebulaError
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.client import ClusterSession, _raise_for
+from services.trainer.records import RECORDS_DIR, RecordError, StageRecord
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 CANCEL_WAIT_S = 60.0
@@ -285,6 +288,94 @@ def cancel_job(sessions: Iterable[ClusterSession], job_id: str, wait_s: float = 
     return job
 
 
+def recorded_stage_infos(data_dir: Path) -> list[trainer_pb2.StageRecordInfo]:
+    """What ``ListStages`` would show, read from a stopped trainer's stage records (read-only).
+
+    An ended stage's record holds its final status; one the deployment stopped under holds only
+    its state (RUNNING or RECOVERING): that is how it stands until the trainer is started again
+    and resumes it. A record that cannot be read is skipped (the trainer logs those at its start).
+    """
+    root = Path(data_dir) / RECORDS_DIR
+    infos = []
+    for path in sorted(root.glob("*/*.json")) if root.is_dir() else []:
+        if path.name.startswith(".") or path.is_symlink():
+            continue
+        try:
+            record = StageRecord.from_json(path.read_bytes(), path)
+        except (OSError, RecordError):
+            continue
+        latest = record.final if record.terminal and record.final is not None else None
+        if latest is None:
+            latest = trainer_pb2.StageStatus(job_id=record.job_id, stage=record.stage, state=record.state)
+        infos.append(record.info(latest))
+    return infos
+
+
+def list_recorded_jobs(
+    records: dict[str, Path], owners: dict[str, str] | None = None, job_id: str = ""
+) -> list[JobRecord]:
+    """``list_jobs`` for a stopped deployment: each cluster's trainer records (cluster -> data dir).
+
+    ``owners`` (cluster -> account) keeps only that account's stages, as the trainers would answer
+    it; None shows every stage (an admin's view: whoever reads the run directory is its operator).
+    """
+    jobs: dict[str, JobRecord] = {}
+    for cluster, data_dir in sorted(records.items()):
+        if owners is not None and cluster not in owners:
+            continue
+        for info in recorded_stage_infos(data_dir):
+            if (job_id and info.status.job_id != job_id) or (
+                owners is not None and info.owner != owners[cluster]
+            ):
+                continue
+            record = jobs.setdefault(info.status.job_id, JobRecord(info.status.job_id))
+            record.stages.append(StageView.from_info(cluster, info))
+    return sorted(jobs.values(), key=lambda job: (job.started_unix, job.job_id))
+
+
+LOG_COMMAND_TIMEOUT_S = 60.0
+
+
+def _command_output(argv: list[str], service: str) -> str:
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=LOG_COMMAND_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NebulaError(f"cannot read the logs of {service}: `{' '.join(argv)}`: {exc}") from None
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise NebulaError(f"`{' '.join(argv)}` exited {done.returncode}: {tail[0]}")
+    return done.stdout + done.stderr
+
+
+def command_log_records(logs: dict[str, Any], job_id: str) -> list[dict[str, Any]]:
+    """The JSON log records naming ``job_id`` that the endpoints file's log command prints per service.
+
+    ``logs`` is ``{"command": [...], "services": [...]}``: ``command + [service]`` prints that
+    service's log (``podman-compose logs trainer-a``, ``kubectl -n nebula logs deploy/trainer-a``);
+    the services are read in parallel (each command is a process start). Lines that are not a JSON
+    record (an engine's prefix is skipped up to the first ``{``) are ignored; each record gets
+    ``source``, the service it was read from.
+    """
+    services = list(logs["services"])
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(services)))) as pool:
+        outputs = list(pool.map(lambda svc: _command_output([*logs["command"], svc], svc), services))
+    records = []
+    for service, output in zip(services, outputs, strict=True):
+        for line in output.splitlines():
+            if job_id not in line or "{" not in line:
+                continue
+            try:
+                record = json.loads(line[line.index("{") :])
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("job_id") == job_id:
+                record["source"] = service
+                records.append(record)
+    return sorted(records, key=lambda r: str(r.get("ts", "")))
+
+
 def job_log_records(description: dict[str, Any], job_id: str) -> list[dict[str, Any]]:
     """Every JSON log record naming ``job_id`` in the deployment's log directory, oldest first."""
     log_dir = description.get("log_dir")
@@ -314,8 +405,11 @@ __all__ = [
     "JobRecord",
     "StageView",
     "cancel_job",
+    "command_log_records",
     "get_job",
     "job_log_records",
     "list_jobs",
+    "list_recorded_jobs",
     "list_stage_infos",
+    "recorded_stage_infos",
 ]

@@ -1,4 +1,5 @@
-"""A job's report: one self-contained HTML page (and PNGs where matplotlib is installed).
+"""A job's report: one self-contained HTML page (and PNGs where matplotlib is installed: `.[report]`,
+part of `.[dev]`).
 
 What a person looks at after a run: the loss per step of each stage that has one, the step time,
 the WAN throughput this job used against the link's bandwidth, the codec ratio each way, how each
@@ -130,6 +131,7 @@ def write_pngs(chart_list: list[Chart], directory: Path, stem: str) -> list[Path
 
     matplotlib.use("Agg")
     from matplotlib import pyplot
+    from matplotlib.ticker import MaxNLocator
 
     written = []
     for chart in chart_list:
@@ -143,6 +145,9 @@ def write_pngs(chart_list: list[Chart], directory: Path, stem: str) -> list[Path
             )
         axes.set_title(chart.title)
         axes.set_xlabel("step")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        if chart.from_zero:
+            axes.set_ylim(bottom=0)
         axes.set_ylabel(chart.unit)
         axes.legend()
         path = directory / f"{stem}-{chart.slug}.png"

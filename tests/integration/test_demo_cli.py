@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
+from nebula_common.cli.app import app
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -70,6 +73,45 @@ def test_demo_writes_a_summary_with_wan_bytes_and_verified_peers(tmp_path: Path)
         for service in ("auth", "codec", "data", "switch", "trainer"):
             assert (tmp_path / "run" / "pki" / cluster / "services" / service / "service.crt").is_file()
     assert "PLAINTEXT" not in result.stdout + result.stderr
+    assert f"nebula job list --deployment {tmp_path / 'run'}" in " ".join(result.stdout.split())
+    check_the_stopped_demo_is_still_listed(tmp_path / "run", summary, tmp_path)
+
+
+def check_the_stopped_demo_is_still_listed(run: Path, summary: dict, tmp_path: Path) -> None:
+    """After the demo stopped its deployment, the job is found again from the trainers' records."""
+    runner = CliRunner()
+    note = "(deployment stopped; read from records in"
+    listed = runner.invoke(app, ["job", "list", "--deployment", str(run), "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert note in " ".join(listed.stderr.split()) and str(run / "a" / "trainer") in listed.stderr
+    jobs = json.loads(listed.stdout)
+    assert [j["job_id"] for j in jobs] == [summary["job_id"]]
+    job = jobs[0]
+    assert job["state"] == "SUCCEEDED" and job["steps_done"] == job["steps"] == 6
+    assert job["owners"] == {"a": "researcher-a", "b": "researcher-b"}
+    assert job["clusters"] == {"encoder": "a", "decoder": "b"}
+    assert job["traffic"]["forward"]["compression_ratio"] == pytest.approx(2.0)
+    assert job["traffic"]["backward"]["compression_ratio"] == pytest.approx(4.0, rel=0.02)
+
+    # The run directory's endpoints file (the one file for any deployment) knows it too.
+    again = runner.invoke(app, ["job", "list", "--deployment", str(run / "endpoints.json"), "--json"])
+    assert again.exit_code == 0 and json.loads(again.stdout) == jobs, again.output
+    assert note in " ".join(again.stderr.split())
+
+    status = runner.invoke(app, ["job", "status", summary["job_id"], "--deployment", str(run), "--json"])
+    assert status.exit_code == 0 and json.loads(status.stdout)["state"] == "SUCCEEDED", status.output
+    page = tmp_path / "demo-report.html"
+    report = runner.invoke(
+        app, ["job", "report", summary["job_id"], "--deployment", str(run), "--out", str(page), "--json"]
+    )
+    assert report.exit_code == 0, report.output
+    assert f"Job {summary['job_id']}" in page.read_text() and "SUCCEEDED" in page.read_text()
+    # Nothing runs any more: a cancel says so instead of pretending, and names no traceback.
+    cancel = runner.invoke(app, ["job", "cancel", summary["job_id"], "--deployment", str(run)])
+    assert cancel.exit_code == 1 and "deployment is stopped" in " ".join(cancel.output.split())
+    assert "Traceback" not in cancel.output
+    unknown = runner.invoke(app, ["job", "status", "no-such-job", "--deployment", str(run)])
+    assert unknown.exit_code == 1 and "no job 'no-such-job'" in " ".join(unknown.output.split())
 
 
 def refused(*args: str) -> str:

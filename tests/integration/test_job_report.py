@@ -35,6 +35,13 @@ def chromium(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def png_size(path: Path) -> tuple[int, int]:
+    """A PNG's width and height from its header (after checking the signature)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
 def distinct_rows(path: Path) -> int:
     """How many distinct pixel rows a PNG has (decoded by hand: a blank page has one)."""
     data = path.read_bytes()
@@ -72,7 +79,16 @@ def test_the_report_page_renders_in_chromium_with_every_part(
         app, ["job", "report", job.id, "--deployment", str(description), "--out", str(page), "--json"]
     )
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["html"] == str(page)
+    written = json.loads(result.stdout)
+    assert written["html"] == str(page)
+    # One PNG per chart beside the page (matplotlib, a dev/report dependency): real pictures, not blanks.
+    pngs = sorted(Path(p) for p in written["png"])
+    assert [p.name for p in pngs] == [f"report-{c}.png" for c in ("loss", "step_time", "wan")]
+    for png in pngs:
+        width, height = png_size(png)
+        assert 400 <= width <= 1200 and 150 <= height <= 600, (png, width, height)
+        assert png.stat().st_size > 8_000, f"{png} is too small to hold a chart"
+        assert distinct_rows(png) > 40, f"{png} is (nearly) blank"
 
     dom = chromium("--dump-dom", page.as_uri())
     assert dom.returncode == 0, dom.stderr
