@@ -181,24 +181,12 @@ def memory_padding(memory: torch.Tensor) -> torch.Tensor:
     return padding
 
 
-class AdapterTransformerDecoder(nn.Module):
-    """Cluster T: the frozen pre-trained causal LM with a trainable cross-attention adapter per block."""
+class TranslationDecoding:
+    """Loss and greedy decoding of a decoder stage, given ``self(ids, memory) -> logits``.
 
-    def __init__(self, plm: LanguageModel, n_heads: int, bottleneck: int) -> None:
-        super().__init__()
-        if not plm.causal:
-            raise ValueError("the ABNet decoder needs a causal language model")
-        self.plm = freeze(plm)
-        d_model = plm.embed.embedding_dim
-        self.adapters = nn.ModuleList(CrossAdapter(d_model, n_heads, bottleneck) for _ in plm.blocks)
-
-    def forward(self, ids: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
-        padding = ids == PAD
-        source_padding = memory_padding(memory)
-        h = self.plm.embed_ids(ids)
-        for block, adapter in zip(self.plm.blocks, self.adapters, strict=True):
-            h = adapter(block(h, padding), memory, source_padding)
-        return self.plm.head(self.plm.norm(h))
+    Shared by the decoder built from code (AdapterTransformerDecoder) and the one started from a
+    Hugging Face-format directory (hf_adapters.PretrainedAdapterDecoder): both are scored the same.
+    """
 
     def loss(self, memory: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Teacher-forced cross-entropy of the next English token given the Spanish encoder states."""
@@ -223,6 +211,26 @@ class AdapterTransformerDecoder(nn.Module):
             if bool(finished.all()):
                 break
         return ids
+
+
+class AdapterTransformerDecoder(TranslationDecoding, nn.Module):
+    """Cluster T: the frozen pre-trained causal LM with a trainable cross-attention adapter per block."""
+
+    def __init__(self, plm: LanguageModel, n_heads: int, bottleneck: int) -> None:
+        super().__init__()
+        if not plm.causal:
+            raise ValueError("the ABNet decoder needs a causal language model")
+        self.plm = freeze(plm)
+        d_model = plm.embed.embedding_dim
+        self.adapters = nn.ModuleList(CrossAdapter(d_model, n_heads, bottleneck) for _ in plm.blocks)
+
+    def forward(self, ids: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        padding = ids == PAD
+        source_padding = memory_padding(memory)
+        h = self.plm.embed_ids(ids)
+        for block, adapter in zip(self.plm.blocks, self.adapters, strict=True):
+            h = adapter(block(h, padding), memory, source_padding)
+        return self.plm.head(self.plm.norm(h))
 
 
 def cut_basis(options: dict[str, Any]) -> torch.Tensor | None:

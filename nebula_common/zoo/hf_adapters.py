@@ -20,8 +20,14 @@ import torch
 from torch import nn
 
 from nebula_common.pretrained import transformer_layers
-from nebula_common.zoo.adapters import Adapter, CrossAdapter, freeze, memory_padding
-from nebula_common.zoo.text_data import BOS, EOS, MASK, PAD
+from nebula_common.zoo.adapters import (
+    Adapter,
+    CrossAdapter,
+    TranslationDecoding,
+    freeze,
+    memory_padding,
+)
+from nebula_common.zoo.text_data import PAD
 
 
 def _hidden(output: Any) -> torch.Tensor:
@@ -60,7 +66,7 @@ class PretrainedAdapterEncoder(nn.Module):
         return states * keep.unsqueeze(-1)
 
 
-class PretrainedAdapterDecoder(nn.Module):
+class PretrainedAdapterDecoder(TranslationDecoding, nn.Module):
     """Cluster T: a frozen pre-trained causal LM with a trainable cross-attention adapter per block."""
 
     def __init__(self, model: nn.Module, n_heads: int, bottleneck: int) -> None:
@@ -83,27 +89,3 @@ class PretrainedAdapterDecoder(nn.Module):
         finally:
             for layer in self.layers:
                 layer.nebula_adapter.memory = None
-
-    def loss(self, memory: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced cross-entropy of the next English token given the Spanish encoder states."""
-        if memory.shape[0] != target.shape[0]:
-            raise ValueError(f"{memory.shape[0]} encoder states arrived for {target.shape[0]} targets")
-        logits = self(target[:, :-1], memory)
-        return nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), target[:, 1:].reshape(-1), ignore_index=PAD
-        )
-
-    @torch.no_grad()
-    def greedy(self, memory: torch.Tensor, max_length: int) -> torch.Tensor:
-        """Greedy decoding: ids (BOS first) of the most likely next token until EOS or ``max_length``."""
-        ids = torch.full((memory.shape[0], 1), BOS, dtype=torch.long)
-        finished = torch.zeros(memory.shape[0], dtype=torch.bool)
-        for _ in range(max_length - 1):
-            logits = self(ids, memory)[:, -1]
-            logits[:, [PAD, BOS, MASK]] = float("-inf")
-            token = logits.argmax(dim=-1).masked_fill(finished, PAD)
-            ids = torch.cat([ids, token.unsqueeze(1)], dim=1)
-            finished |= token == EOS
-            if bool(finished.all()):
-                break
-        return ids
