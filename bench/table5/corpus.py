@@ -148,7 +148,8 @@ def _tsv(pairs: list[Pair]) -> bytes:
 
 def build(cache: Path, sources: tuple[Source, ...] = SOURCES) -> dict:
     """Fetch, parse, clean, split; write the corpus and its manifest; return the manifest."""
-    downloads, out = cache / "downloads", cache / "corpus"
+    # absolute: the fetch commands run inside the download folder (a relative -d would nest the path)
+    downloads, out = (cache / "downloads").resolve(), cache / "corpus"
     entries: list[tuple[str, str]] = []
     described = []
     for source in sources:
