@@ -13,7 +13,7 @@ from nebula_common.codec import TensorStreamDecoder, TensorStreamEncoder
 from nebula_common.codec.base import CodecError
 from nebula_common.codec.trial import Candidate, Link, TrialRun, choose_by_trial, trial_loss
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # CPU seconds each; the first optimizer imports torch._dynamo
 SLOW_LINK = Link(bandwidth_bps=1e6, rtt_seconds=0.02)  # 1 Mbit/s: the wire dominates a tiny model's step
 
 
@@ -111,3 +111,35 @@ def test_bad_input_is_refused_with_a_clear_message() -> None:
         choose_by_trial([Candidate("fp16", "fp16")], two_stage_run, SLOW_LINK, tolerance=-0.1)
     with pytest.raises(CodecError, match="not finite"):
         trial_loss([1.0, float("nan")])
+
+
+def test_a_jobs_own_programs_run_the_trial_with_the_codecs_in_the_loop() -> None:
+    from nebula_common.codec.advice import BACKWARD, FORWARD, AdviceResult, DirectionAdvice, Option
+    from nebula_common.jobspec import load_spec
+    from nebula_common.jobspec.builtin import builtin_spec
+    from nebula_common.sdk.codec_advice import trial_candidates, trial_run
+    from nebula_common.sdk.jobs import ProgramJob
+
+    job = ProgramJob(load_spec(builtin_spec("numbers"), {"steps": 4}))
+    none = trial_run(job, Candidate("none", "none"), 4)
+    again = trial_run(job, Candidate("none", "none"), 4)
+    assert none.losses == again.losses  # seeded start and data: a trial is repeatable
+    int8 = trial_run(job, Candidate("int8", "int8"), 4)
+    assert int8.forward_bytes * 3 < none.forward_bytes and int8.backward_bytes * 3 < none.backward_bytes
+    assert int8.losses != none.losses and len(int8.compute_seconds) == 4
+
+    def options(*specs: str) -> list[Option]:
+        return [Option(s, 1.0, 1, 0.0, 0.0, 0.0, 0.0, 0.0, True) for s in specs]
+
+    advice = AdviceResult(
+        [
+            DirectionAdvice("e", FORWARD, (1,), options("fp16", "none", "int8", "int4"), "sample", 0.05),
+            DirectionAdvice("e", BACKWARD, (1,), options("int8", "none"), "sample", 0.25),
+        ],
+        0.0,
+        0.0,
+    )
+    pairs = {(c.forward, c.backward) for c in trial_candidates(advice, "auto", "auto")}
+    assert pairs == {("fp16", "int8"), ("fp16", "none"), ("none", "int8"), ("int8", "int8"), ("int8", "none")}
+    fixed = {(c.forward, c.backward) for c in trial_candidates(advice, "auto", "bf16")}
+    assert fixed == {("fp16", "bf16"), ("none", "bf16"), ("int8", "bf16")}
