@@ -257,7 +257,7 @@ def fine_tune(prep: Prepared, row: Row, seed: int, steps: int, eval_pairs: int) 
             ids = prep.held_es[begin : min(begin + 256, eval_pairs)]
             encoded = fwd_enc.encode(stages.send(ids), step=steps)  # the states cross once, compressed
             memory = stages.receive(fwd_dec.decode(encoded.header, encoded.payload))
-            out = stages.decoder.greedy(memory, config.length)
+            out = stages.decoder.greedy(memory, config.length, ban_unknown=True)
             hypotheses += [decode(prep.en, row_ids[1:].tolist()) for row_ids in out]
     references = prep.held_en_text[:eval_pairs]
     bleu = sacrebleu.corpus_bleu(hypotheses, [references], lowercase=True).score
