@@ -98,7 +98,13 @@ def fetch(source: Source, downloads: Path) -> Path:
     elif source.kind == "deb":
         if shutil.which("apt-get") is None:
             raise CorpusError(f"{source.name}: a Debian package, but apt-get is not on this machine")
-        _run(["apt-get", "download", "-o", "APT::Sandbox::User=root", source.name], folder)
+        command = ["apt-get", "download", "-o", "APT::Sandbox::User=root", source.name]
+        try:
+            _run(command, folder)
+        except CorpusError:
+            # A fresh machine (CI) may have no package lists yet: read them once, then try again.
+            _run(["apt-get", "update", "-qq"], folder)
+            _run(command, folder)
     else:
         raise CorpusError(f"unknown source kind {source.kind!r}")
     found = sorted(folder.iterdir())
@@ -148,7 +154,8 @@ def _tsv(pairs: list[Pair]) -> bytes:
 
 def build(cache: Path, sources: tuple[Source, ...] = SOURCES) -> dict:
     """Fetch, parse, clean, split; write the corpus and its manifest; return the manifest."""
-    downloads, out = cache / "downloads", cache / "corpus"
+    # absolute: the fetch commands run inside the download folder (a relative -d would nest the path)
+    downloads, out = (cache / "downloads").resolve(), cache / "corpus"
     entries: list[tuple[str, str]] = []
     described = []
     for source in sources:

@@ -46,6 +46,7 @@ import corpus
 import train
 
 from bench.faults.common import PALETTE, Canvas
+from nebula_common.codec.trial import Candidate, Link, TrialRun, choose_by_trial
 from nebula_common.wan import LinkShape, WanEmulator
 
 Row = train.Row
@@ -64,14 +65,75 @@ FULL_ROWS = (
 QUICK_ROWS = (FULL_ROWS[0], FULL_ROWS[1], FULL_ROWS[5], FULL_ROWS[11])
 FIGURE10_ROW = FULL_ROWS[5]  # the paper's fastest row, FP16(SVD(0.2))+INT8
 FIGURE10_STARTS = (0.0, 0.10, 0.25)
-FULL = {"seeds": 3, "steps": 600, "eval_pairs": None, "model": train.ModelConfig()}
+FULL = {"seeds": 3, "steps": 600, "eval_pairs": None, "advisor_steps": 30, "model": train.ModelConfig()}
 """About 40 minutes on 2 idle cores (estimated from the per-step times of the reduced run, see the report)."""
 QUICK = {
     "seeds": 2,
     "steps": 20,
     "eval_pairs": 64,
+    "advisor_steps": 4,
     "model": train.ModelConfig(vocab=2000, pretrain_steps=30),
 }
+
+
+BLEU_BUDGET = 1.0
+"""The quality budget the advisor's pick is checked against: mean BLEU within 1.0 of codec none's."""
+ADVISOR_LOSS_TOLERANCE = 0.02
+"""The advisor's own budget (it cannot decode BLEU in a calibration): trial loss within 2% of none's."""
+ADVISOR_SPEED_RULE = 1.10
+"""Its pick's measured s/step must be within 10% of the fastest row that meets the BLEU budget."""
+
+
+def advise(prep: train.Prepared, rows: tuple[Row, ...], shape: LinkShape, trial_steps: int) -> dict[str, Any]:
+    """``codec: auto`` on the benchmark: the trial advisor (``nebula_common.codec.trial``) over the rows.
+
+    It sees what a job would before it starts: the link's bandwidth and RTT, a few real steps per
+    row (compute and frame bytes -> predicted s/step), and ``trial_steps`` steps of the
+    fastest-predicted rows against none's (seed 0, same data), never the table's BLEU or timings.
+    """
+    by_label = {row.label: row for row in rows}
+
+    def run(candidate: Candidate, steps: int) -> TrialRun:
+        done = train.train_steps(prep, by_label[candidate.label], seed=0, steps=steps)
+        return TrialRun(done.losses, done.compute_seconds, done.forward_bytes[-1], done.backward_bytes[-1])
+
+    started = time.perf_counter()
+    link = Link(bandwidth_bps=shape.bandwidth_mbit * 1e6, rtt_seconds=2 * shape.delay_ms / 1000)
+    decision = choose_by_trial(
+        [Candidate(row.forward, row.backward, row.label) for row in rows[1:]],
+        run,
+        link,
+        tolerance=ADVISOR_LOSS_TOLERANCE,
+        trial_steps=trial_steps,
+        baseline=Candidate(rows[0].forward, rows[0].backward, rows[0].label),
+    )
+    record = {**decision.record(), "seconds": time.perf_counter() - started}
+    print(json.dumps({"advisor": record["label"], "seconds": round(record["seconds"], 1)}), flush=True)
+    return record
+
+
+def advisor_check(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The 10% rule: the advisor's pick against the fastest row whose mean BLEU is within budget of none's."""
+    advice = report.get("advisor")
+    if not advice:
+        return None
+    rows = {row["label"]: row for row in report["rows"]}
+    floor = statistics.mean(report["rows"][0]["bleu"]) - BLEU_BUDGET
+    within = [row for row in report["rows"] if statistics.mean(row["bleu"]) >= floor]
+    fastest = min(within, key=lambda row: row["step_seconds"])  # none itself is always within
+    pick = rows[advice["label"]]
+    ratio = pick["step_seconds"] / fastest["step_seconds"]
+    pick_within = statistics.mean(pick["bleu"]) >= floor
+    return {
+        "advisor_pick": pick["label"],
+        "advisor_pick_step_seconds": pick["step_seconds"],
+        "advisor_pick_within_budget": pick_within,
+        "fastest_within_budget": fastest["label"],
+        "fastest_within_budget_step_seconds": fastest["step_seconds"],
+        "ratio": ratio,
+        "bleu_budget": BLEU_BUDGET,
+        "ok": pick_within and ratio <= ADVISOR_SPEED_RULE,
+    }
 
 
 async def _link_seconds(shape: LinkShape, forward: bytes, backward: bytes, repeats: int) -> list[float]:
@@ -290,6 +352,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {point['start_fraction']:.0%} | {statistics.mean(point['bleu']):.2f} ± "
             f"{_spread(point['bleu']):.2f} | {point['step_seconds']:.3f} |"
         )
+    lines += advisor_markdown(report)
     lines += [
         "",
         "![BLEU against speed-up]("
@@ -298,6 +361,28 @@ def markdown(report: dict[str, Any]) -> str:
         "y: mean BLEU; black: none, blue: wire codecs, green: learned bottleneck, red: the Pareto front.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def advisor_markdown(report: dict[str, Any]) -> list[str]:
+    """The advisor's reasoning (what ``codec: auto`` would record) and the 10% rule's verdict."""
+    advice, check = report.get("advisor"), report.get("advisor_check")
+    if not advice or not check:
+        return []
+    lines = [
+        "",
+        f"Advisor (`codec: auto`, `nebula_common/codec/trial.py`; {advice['trial_steps']} trial steps per "
+        f"candidate, loss tolerance {advice['loss_tolerance']:.0%}, {advice['seconds']:.0f} s): "
+        f"picked **{check['advisor_pick']}**.",
+        "",
+        *(f"- {reason}" for reason in advice["reasons"]),
+        "",
+        f"`advisor_pick` {check['advisor_pick']} ({check['advisor_pick_step_seconds']:.3f} s/step, "
+        f"{'within' if check['advisor_pick_within_budget'] else 'outside'} the BLEU budget of "
+        f"{check['bleu_budget']:g}); `fastest_within_budget` {check['fastest_within_budget']} "
+        f"({check['fastest_within_budget_step_seconds']:.3f} s/step); ratio **{check['ratio']:.3f}** "
+        f"(rule: <= {ADVISOR_SPEED_RULE:.2f} and within budget): **{'met' if check['ok'] else 'NOT met'}**.",
+    ]
+    return lines
 
 
 def main() -> None:
@@ -314,6 +399,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--pretrain-steps", type=int)
     parser.add_argument("--eval-pairs", type=int)
+    parser.add_argument(
+        "--advisor-steps", type=int, help="Trial steps per candidate of the advisor (codec auto)."
+    )
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: stable timings on a shared host)"
     )
@@ -334,6 +422,7 @@ def main() -> None:
         for shard in shards:
             report["rows"] += shard["rows"]
             report["figure10_runs"] += shard["figure10_runs"]
+            report["advisor"] = report.get("advisor") or shard.get("advisor")
             report["wall_seconds"] = max(report["wall_seconds"], shard["wall_seconds"])
             report["load_after"] = max(report["load_after"], shard["load_after"])
         report["rows"].sort(key=lambda row: order.index(row["label"]))
@@ -357,7 +446,13 @@ def main() -> None:
         plan["model"] = replace(plan["model"], pretrain_steps=args.pretrain_steps)
     if args.eval_pairs is not None:
         plan["eval_pairs"] = args.eval_pairs
-    overridden = any(v is not None for v in (args.seeds, args.steps, args.pretrain_steps, args.eval_pairs))
+    advisor_steps = args.advisor_steps or plan["advisor_steps"]
+    if advisor_steps < 2:
+        sys.exit("table5: --advisor-steps must be >= 2")
+    overridden = any(
+        v is not None
+        for v in (args.seeds, args.steps, args.pretrain_steps, args.eval_pairs, args.advisor_steps)
+    )
     mode = "quick" if args.quick else "reduced" if overridden else "full"
     torch.set_num_threads(args.threads)
     started, load_before = time.perf_counter(), os.getloadavg()
@@ -383,6 +478,7 @@ def main() -> None:
     mine = [row for i, row in enumerate(plan_rows) if i % count == index]
     for row in mine:
         rows.append(run_row(prep, row, seeds, steps, eval_pairs, shape, repeats=3 if args.quick else 5))
+    advisor = advise(prep, plan_rows, shape, advisor_steps) if index == 0 else None
     fig_runs = []
     if FIGURE10_ROW in mine:
         fig_runs = figure10_runs(prep, 1 if args.quick else seeds, steps, eval_pairs)
@@ -403,6 +499,7 @@ def main() -> None:
         "wall_seconds": time.perf_counter() - started,
         "rows": rows,
         "figure10_runs": fig_runs,
+        "advisor": advisor,
     }
     if count > 1:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -419,6 +516,7 @@ def finish(report: dict[str, Any], args: argparse.Namespace) -> None:
     for row in rows:
         row["speedup"] = rows[0]["step_seconds"] / row["step_seconds"]
     report["figure10"] = figure10_points(report)
+    report["advisor_check"] = advisor_check(report)
     stem = "table5-quick" if report["mode"] == "quick" else "table5"
     report["png"] = f"{stem}-pareto.png"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -436,6 +534,9 @@ def finish(report: dict[str, Any], args: argparse.Namespace) -> None:
         doc = doc[: doc.index(begin) + len(begin)] + "\n" + section + doc[doc.index(end) :]
         args.doc.write_text(doc)
     print(text)
+    check = report["advisor_check"]
+    if report["mode"] == "full" and not (check and check["ok"]):
+        sys.exit(f"table5: the advisor missed the 10% rule: {json.dumps(check)}")
 
 
 if __name__ == "__main__":

@@ -198,8 +198,22 @@ def _frame(encoded: Any) -> bytes:
     return encoded.header.SerializeToString() + encoded.payload
 
 
-def fine_tune(prep: Prepared, row: Row, seed: int, steps: int, eval_pairs: int) -> RunResult:
-    """Train ``steps`` steps with the row's codecs at the cut, then decode the held-out split greedily."""
+@dataclass
+class Trained:
+    """A fine-tuning run's stages and streams after its steps, with what the steps measured."""
+
+    stages: Stages
+    forward: tuple[TensorStreamEncoder, TensorStreamDecoder]
+    losses: list[float]
+    compute_seconds: list[float]
+    wall_seconds: list[float]
+    forward_bytes: list[int]
+    backward_bytes: list[int]
+    frames: tuple[bytes, bytes]
+
+
+def train_steps(prep: Prepared, row: Row, seed: int, steps: int) -> Trained:
+    """Train ``steps`` steps with the row's codecs at the cut (one data order per seed, whatever the row)."""
     config = prep.config
     stages = Stages(prep, row, seed)
     fwd_enc, fwd_dec = TensorStreamEncoder(row.forward), TensorStreamDecoder(row.forward)
@@ -228,6 +242,14 @@ def fine_tune(prep: Prepared, row: Row, seed: int, steps: int, eval_pairs: int) 
         frames = (_frame(encoded), _frame(encoded_grad))
         fwd_bytes.append(len(frames[0]))
         bwd_bytes.append(len(frames[1]))
+    return Trained(stages, (fwd_enc, fwd_dec), losses, seconds, walls, fwd_bytes, bwd_bytes, frames)
+
+
+def fine_tune(prep: Prepared, row: Row, seed: int, steps: int, eval_pairs: int) -> RunResult:
+    """Train ``steps`` steps with the row's codecs at the cut, then decode the held-out split greedily."""
+    config = prep.config
+    run = train_steps(prep, row, seed, steps)
+    stages, (fwd_enc, fwd_dec) = run.stages, run.forward
     started = time.perf_counter()
     hypotheses = []
     with torch.no_grad():
@@ -235,18 +257,18 @@ def fine_tune(prep: Prepared, row: Row, seed: int, steps: int, eval_pairs: int) 
             ids = prep.held_es[begin : min(begin + 256, eval_pairs)]
             encoded = fwd_enc.encode(stages.send(ids), step=steps)  # the states cross once, compressed
             memory = stages.receive(fwd_dec.decode(encoded.header, encoded.payload))
-            out = stages.decoder.greedy(memory, config.length)
+            out = stages.decoder.greedy(memory, config.length, ban_unknown=True)
             hypotheses += [decode(prep.en, row_ids[1:].tolist()) for row_ids in out]
     references = prep.held_en_text[:eval_pairs]
     bleu = sacrebleu.corpus_bleu(hypotheses, [references], lowercase=True).score
     chrf = sacrebleu.corpus_chrf(hypotheses, [references]).score
     return RunResult(
-        losses,
-        seconds,
-        walls,
-        fwd_bytes,
-        bwd_bytes,
-        frames,
+        run.losses,
+        run.compute_seconds,
+        run.wall_seconds,
+        run.forward_bytes,
+        run.backward_bytes,
+        run.frames,
         bleu,
         chrf,
         stages.energy,

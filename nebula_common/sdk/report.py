@@ -193,6 +193,17 @@ def advice_section(choice: dict[str, Any]) -> str:
                 f"<td>{float(option.get('seconds', 0)):.4f}</td></tr>"
             )
     lines.append("</table>")
+    trial = choice.get("trial")
+    if isinstance(trial, dict):
+        lines.append(
+            f"<p>Then a trial on the job itself ({html.escape(str(trial.get('trial_steps', '?')))} steps per "
+            f"candidate, loss tolerance {float(trial.get('loss_tolerance', 0)):.0%} of none's) chose "
+            f"<b>{html.escape(str(trial.get('forward')))}</b> forward and "
+            f"<b>{html.escape(str(trial.get('backward')))}</b> backward:</p>"
+        )
+        lines.append('<ul class="trial">')
+        lines += [f"<li>{html.escape(str(reason))}</li>" for reason in trial.get("reasons") or []]
+        lines.append("</ul>")
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from nebula_common.zoo.bottleneck import DownProjection, UpProjection, load_basis_file, shared_basis
-from nebula_common.zoo.text_data import BOS, EOS, MASK, PAD
+from nebula_common.zoo.text_data import BOS, EOS, MASK, PAD, UNK
 
 
 def _check_dims(d_model: int, n_heads: int) -> None:
@@ -198,13 +198,18 @@ class TranslationDecoding:
         )
 
     @torch.no_grad()
-    def greedy(self, memory: torch.Tensor, max_length: int) -> torch.Tensor:
-        """Greedy decoding: ids (BOS first) of the most likely next token until EOS or ``max_length``."""
+    def greedy(self, memory: torch.Tensor, max_length: int, *, ban_unknown: bool = False) -> torch.Tensor:
+        """Greedy decoding: ids (BOS first) of the most likely next token until EOS or ``max_length``.
+
+        ``ban_unknown``: never emit UNK (it is dropped from the text, so it can never match a reference
+        word; the next most likely token might) -- what the Table 5 benchmark scores.
+        """
         ids = torch.full((memory.shape[0], 1), BOS, dtype=torch.long)
         finished = torch.zeros(memory.shape[0], dtype=torch.bool)
+        banned = [PAD, BOS, MASK, UNK] if ban_unknown else [PAD, BOS, MASK]
         for _ in range(max_length - 1):
             logits = self(ids, memory)[:, -1]
-            logits[:, [PAD, BOS, MASK]] = float("-inf")
+            logits[:, banned] = float("-inf")
             token = logits.argmax(dim=-1).masked_fill(finished, PAD)
             ids = torch.cat([ids, token.unsqueeze(1)], dim=1)
             finished |= token == EOS

@@ -25,7 +25,7 @@ ADVICE = {
 }
 
 
-def record(message: str = "") -> JobRecord:
+def record(message: str = "", choice: dict | None = None) -> JobRecord:
     stages = []
     for name, cluster in (("encoder", "a"), ("decoder", "b")):
         status = trainer_pb2.StageStatus(
@@ -33,7 +33,7 @@ def record(message: str = "") -> JobRecord:
             stage=name,
             state=trainer_pb2.STAGE_STATE_SUCCEEDED,
             steps_done=3,
-            codec_choice=json.dumps(ADVICE),
+            codec_choice=json.dumps(choice or ADVICE),
             message=message,
         )
         info = trainer_pb2.StageRecordInfo(
@@ -66,6 +66,24 @@ def test_the_page_has_every_part_and_escapes_what_it_shows() -> None:
     assert "link 60 Mbit/s" in page and "x2.00" in page and "2.0000 -&gt; 1.0000" in page
     assert "advised <b>fp16</b> forward and <b>int8</b> backward" in page and "500 ms uncompressed" in page
     assert "<script>" not in page and "&lt;script&gt;" in page
+
+
+def test_the_trial_advisors_reasoning_is_on_the_page() -> None:
+    trial = {
+        "forward": "fp16",
+        "backward": "int8",
+        "trial_steps": 30,
+        "loss_tolerance": 0.02,
+        "reasons": [
+            "link 60 Mbit/s, 40 ms RTT: none predicted 0.500 s/step",
+            "topk<2%>: predicted 0.100 s/step (5.0x), trial loss 1.2 (+9.0%, over the 2% tolerance)",
+            "chose fp16 / int8: the fastest predicted within tolerance",
+        ],
+    }
+    page = render_html(summary(), record(choice={**ADVICE, "trial": trial}), LinkProfile(60, 40))
+    assert "trial on the job itself (30 steps per candidate, loss tolerance 2% of none's)" in page
+    assert "topk&lt;2%&gt;: predicted 0.100 s/step (5.0x)" in page  # escaped, each reason an item
+    assert page.count("<li>") == 3 and "chose fp16 / int8" in page
 
 
 def test_write_report_refuses_a_path_it_cannot_write_cleanly(tmp_path: Path) -> None:

@@ -66,3 +66,35 @@ def test_the_link_clock_never_beats_the_emulated_cap() -> None:
     )
     assert seconds >= floor, f"{seconds:.3f} s for 80 kB at 8 Mbit/s beats the cap (floor {floor:.3f} s)"
     assert seconds < 30
+
+
+def test_the_advisor_calibrates_the_rows_and_its_pick_is_checked_against_the_bleu_budget(
+    prepared: train.Prepared,
+) -> None:
+    rows = (
+        train.Row("none"),
+        train.Row("FP16+INT8", "fp16", "int8"),
+        train.Row("cut4", "int8", "int8", cut_k=4),
+    )
+    advice = run.advise(prepared, rows, LinkShape(bandwidth_mbit=2.0, delay_ms=10.0), trial_steps=3)
+    assert advice["label"] in {row.label for row in rows}
+    measured = {c["candidate"]: c for c in advice["candidates"]}
+    assert set(measured) == {"FP16+INT8", "cut4"}
+    # Real frames: the 4-wide int8 cut is far smaller than fp16/int8 of the full width, so predicted faster.
+    assert measured["cut4"]["forward_bytes"] * 4 < measured["FP16+INT8"]["forward_bytes"]
+    assert measured["cut4"]["predicted_step_seconds"] < measured["FP16+INT8"]["predicted_step_seconds"]
+    assert advice["predicted_step_seconds"] <= advice["baseline_step_seconds"]
+    assert advice["reasons"][0].startswith("link 2 Mbit/s, 20 ms RTT")
+
+    def report(pick: str, bleu: dict[str, float]) -> dict:
+        steps = {"none": 1.5, "FP16+INT8": 0.5, "cut4": 0.2}
+        table = [{"label": k, "bleu": [bleu[k]] * 3, "step_seconds": v} for k, v in steps.items()]
+        return {"rows": table, "advisor": {"label": pick}}
+
+    # cut4 loses 3 BLEU: the fastest row within 1 BLEU of none is FP16+INT8; picking it meets the rule.
+    check = run.advisor_check(report("FP16+INT8", {"none": 20.0, "FP16+INT8": 19.5, "cut4": 17.0}))
+    assert check["fastest_within_budget"] == "FP16+INT8" and check["ratio"] == 1.0 and check["ok"]
+    # Picking the over-budget row is a miss even though it is faster; so is picking none (3x slower).
+    assert not run.advisor_check(report("cut4", {"none": 20.0, "FP16+INT8": 19.5, "cut4": 17.0}))["ok"]
+    missed = run.advisor_check(report("none", {"none": 20.0, "FP16+INT8": 19.5, "cut4": 17.0}))
+    assert missed["ratio"] == pytest.approx(3.0) and not missed["ok"]
