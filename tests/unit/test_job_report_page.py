@@ -13,7 +13,7 @@ from nebula_common.sdk.job_records import JobRecord, StageView
 from nebula_common.sdk.report import render_html, throughput_mbit, write_report
 from nebula_common.sdk.summary import JobSummary
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(120)  # a hang guard: the first matplotlib import builds its font cache
 ADVICE = {
     "source": "codec-service advice",
     "forward": "fp16",
