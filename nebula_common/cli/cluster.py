@@ -21,7 +21,7 @@ from nebula_common.launcher.supervisor import RestartPolicy
 from nebula_common.pki.identity import validate_cluster_id
 
 app = typer.Typer(help="Run one organisation's cluster.", no_args_is_help=True)
-console = Console()
+console = Console(emoji=False)
 
 
 def _cluster(value: str) -> str:

@@ -20,7 +20,7 @@ from nebula_common.codec.base import dtype_from_name, numel
 from nebula_common.codec.calibration import Calibrator, default_cache_path
 
 app = typer.Typer(help="Codec specs and advice.", no_args_is_help=True)
-console = Console()
+console = Console(emoji=False)
 
 
 def _shape(text: str) -> tuple[int, ...]:

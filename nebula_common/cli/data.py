@@ -24,7 +24,7 @@ from nebula_common.sdk.data_client import DataClient, DatasetInfo
 T = TypeVar("T")
 
 app = typer.Typer(help="Datasets in your own namespace, and grants that let others read batches.")
-console = Console()
+console = Console(emoji=False)
 
 Address = Annotated[str, typer.Option("--address", help="host:port of the cluster's data service.")]
 Auth = Annotated[str, typer.Option("--auth", help="host:port of the same cluster's auth service.")]
@@ -51,7 +51,7 @@ def _call(address: str, auth: str, user: str, operation: Callable[[DataClient], 
 
 
 def _fail(message: str) -> typer.Exit:
-    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    Console(emoji=False, stderr=True).print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     return typer.Exit(code=1)
 
 

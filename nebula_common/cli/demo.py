@@ -27,7 +27,7 @@ from nebula_common.sdk.codec_advice import LinkProfile
 from nebula_common.sdk.deployment import ENDPOINTS, DeploymentTarget, write_endpoints_file
 from nebula_common.sdk.jobs import ProgramJob
 
-console = Console()
+console = Console(emoji=False)
 DEMO_JOBS = ("numbers", "electra")
 """Built-in jobs that run from scratch in a couple of minutes on a laptop (``abnet`` needs its text data)."""
 

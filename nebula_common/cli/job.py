@@ -39,7 +39,7 @@ from nebula_common.sdk.progress import ProgressBar
 from nebula_common.sdk.summary import JobSummary, summarize
 
 app = typer.Typer(help="Submit and follow split training jobs.", no_args_is_help=True)
-console = Console()
+console = Console(emoji=False)
 
 
 def onboard(endpoints: ClusterEndpoints, admin_password: str, username: str) -> ClusterSession:

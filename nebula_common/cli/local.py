@@ -24,7 +24,7 @@ from nebula_common.launcher.supervisor import RestartPolicy
 from nebula_common.sdk.deployment import ENDPOINTS, DeploymentTarget, write_endpoints_file
 
 app = typer.Typer(help="Run simulated clusters locally.", no_args_is_help=True)
-console = Console()
+console = Console(emoji=False)
 
 
 def default_run_dir(kind: str) -> Path:

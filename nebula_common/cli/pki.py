@@ -34,7 +34,7 @@ app = typer.Typer(help="Certificates for the clusters' switches.", no_args_is_he
 
 def _fail(message: str) -> typer.Exit:
     """Report an operational error (bad state on disk, unreadable file) as exit code 1."""
-    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    Console(emoji=False, stderr=True).print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     return typer.Exit(code=1)
 
 
@@ -104,7 +104,7 @@ def init(
     if (cluster is None) == (clusters is None):
         raise typer.BadParameter("give exactly one of --cluster (one organisation) or --clusters a,b (demo)")
     validity = timedelta(hours=leaf_validity_hours)
-    console = Console()
+    console = Console(emoji=False)
     if cluster is not None:
         try:
             paths, created = init_cluster(pki_dir, cluster, leaf_validity=validity, force=force)
@@ -156,7 +156,7 @@ def export_ca_command(
         path, fingerprint = export_ca(pki_dir, cluster, out)
     except (PkiError, OSError) as exc:
         raise _fail(str(exc)) from None
-    Console(stderr=True).print(
+    Console(emoji=False, stderr=True).print(
         f"wrote the CA certificate of cluster {cluster} to {escape(str(path))}", soft_wrap=True
     )
     typer.echo(fingerprint)
@@ -196,11 +196,13 @@ def trust_add(
     try:
         path = add_trust(pki_dir, cluster, peer, pem, expected_fingerprint=expected)
     except FingerprintMismatch as exc:
-        Console(stderr=True).print(f"[bold red]refused:[/] {escape(str(exc))}", soft_wrap=True)
+        Console(emoji=False, stderr=True).print(f"[bold red]refused:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(code=2) from None
     except (PkiError, OSError) as exc:
         raise _fail(str(exc)) from None
-    Console().print(f"cluster {cluster} now trusts peer {peer} ({escape(str(path))})", soft_wrap=True)
+    Console(emoji=False).print(
+        f"cluster {cluster} now trusts peer {peer} ({escape(str(path))})", soft_wrap=True
+    )
 
 
 @trust_app.command("list")
@@ -241,9 +243,9 @@ def trust_remove(
         removed = remove_trust(pki_dir, cluster, peer)
     except (PkiError, OSError) as exc:
         raise _fail(str(exc)) from None
-    Console().print(f"cluster {cluster} no longer trusts peer {peer}; removed:", soft_wrap=True)
+    Console(emoji=False).print(f"cluster {cluster} no longer trusts peer {peer}; removed:", soft_wrap=True)
     for path in removed:
-        Console().print(f"  {escape(str(path))}", soft_wrap=True)
+        Console(emoji=False).print(f"  {escape(str(path))}", soft_wrap=True)
 
 
 def _describe(console: Console, title: str, path: Path) -> None:
@@ -297,7 +299,7 @@ def show(
     paths = ClusterPaths.for_cluster(pki_dir, cluster)
     if not paths.dir.is_dir():
         raise _fail(f"no PKI for cluster {cluster!r}: {paths.dir} does not exist")
-    console = Console()
+    console = Console(emoji=False)
     _describe(console, f"cluster {cluster} CA", paths.ca_cert)
     _describe(console, f"cluster {cluster} switch", paths.switch_cert)
     trusted = sorted(paths.trust_dir.glob("*.crt"))
@@ -351,7 +353,7 @@ def revoke(
         written = revoke_certificate(pki_dir, cluster, number, reason=reason)
     except (PkiError, OSError) as exc:
         raise _fail(str(exc)) from None
-    console = Console()
+    console = Console(emoji=False)
     console.print(f"revoked serial {number:x} of cluster {cluster}; wrote:", soft_wrap=True)
     for path in written:
         console.print(f"  {escape(str(path))}", soft_wrap=True)
@@ -370,7 +372,7 @@ def renew(
         cert_obj = renew_switch_certificate(pki_dir, cluster, validity=timedelta(hours=validity_hours))
     except (PkiError, OSError, ValueError) as exc:
         raise _fail(str(exc)) from None
-    Console().print(
+    Console(emoji=False).print(
         f"renewed switch of cluster {cluster}: serial {cert_obj.serial_number:x}, "
         f"valid until {cert_obj.not_valid_after_utc.isoformat()}",
         soft_wrap=True,
@@ -396,4 +398,4 @@ def issue(
         )
     except (PkiError, OSError, ValueError) as exc:
         raise _fail(str(exc)) from None
-    Console().print(f"wrote {escape(str(cert_path))} and {escape(str(key_path))}", soft_wrap=True)
+    Console(emoji=False).print(f"wrote {escape(str(cert_path))} and {escape(str(key_path))}", soft_wrap=True)

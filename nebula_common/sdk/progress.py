@@ -59,7 +59,9 @@ class ProgressBar:
             TextColumn("WAN {task.fields[mbit]} Mbit/s"),
             TimeElapsedColumn(),
         )
-        self._progress = Progress(*columns, console=console or Console(stderr=True), disable=disable)
+        self._progress = Progress(
+            *columns, console=console or Console(emoji=False, stderr=True), disable=disable
+        )
         self._task = self._progress.add_task(
             title, total=total, completed=completed, loss="-", step_ms="-", mbit="-"
         )

@@ -287,3 +287,15 @@ def test_trust_list_names_an_unreadable_peer_crl_instead_of_showing_none(tmp_pat
     code, out, _ = _invoke("trust", "list", "--dir", root_a, "--cluster", "a", "--json")
     listed = {p["peer"]: p for p in json.loads(out)}
     assert listed["c"]["crl_error"] is None and listed["c"]["crl_number"] == 1
+
+
+def test_a_fingerprint_is_printed_to_the_letter_even_where_it_spells_an_emoji_code(tmp_path: Path) -> None:
+    """Rich turns ``:ab:`` into an emoji by default; a fingerprint with an ``AB`` byte must survive it."""
+    root_a, _ = _org(tmp_path, "a")
+    root_b, _ = _org(tmp_path, "b")
+    b_ca, _ = _export(tmp_path, root_b, "b")
+    told = "SHA256:" + ":".join(["AB"] * 32)  # wrong on purpose, and full of ":AB:"
+    code, _, err = _invoke(
+        "trust", "add", "--dir", root_a, "--cluster", "a", "--peer", "b", "--ca", b_ca, "--fingerprint", told
+    )
+    assert code == 2 and told in err, err
