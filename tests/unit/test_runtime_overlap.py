@@ -183,6 +183,21 @@ def test_stop_ends_a_receive_blocked_on_a_silent_peer() -> None:
     up.abort("test over")
 
 
+def test_the_reason_survives_a_stop_that_wins_the_race_with_the_failure() -> None:
+    """If stop() is already under way when the receive fails, the stage still learns why it failed."""
+    up, down = memory_pair(MemoryLink(), SETTINGS)
+    receiver = ReceiveAhead(down, depth=2)
+    receiver.expect_tensor(0, 0, [0])  # the peer never sends it
+    wait_for(lambda: receiver.alive, 10, "the receive thread to start")
+    receiver._stopping.set()  # the order the race produced: stopping first, then the abort's failure
+    down.abort("cancelled")
+    wait_for(lambda: not receiver.alive, 10, "the receive thread to end after the abort")
+    receiver.stop(timeout=10)
+    with pytest.raises(EdgeClosedError, match="cancelled"):
+        receiver.tensor(0, 0)
+    up.abort("test over")
+
+
 def test_bad_depth_and_out_of_order_takes_are_refused() -> None:
     up, down = memory_pair(MemoryLink(), SETTINGS)
     try:

@@ -176,6 +176,9 @@ class ReceiveAhead:
         self._plan: queue.Queue[object] = queue.Queue()  # posted, not yet received by the thread
         self._results: queue.Queue[object] = queue.Queue(maxsize=max(depth, 1))
         self._stopping = threading.Event()
+        # Why the thread ended, kept apart from the results: a stop() racing the failure may keep it
+        # out of the queue, and the stage must still learn the real reason, not "thread ended".
+        self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
         if depth > 0:
             self._thread = threading.Thread(target=self._drain, name=f"receive-{edge.edge}", daemon=True)
@@ -242,13 +245,12 @@ class ReceiveAhead:
                 result = self._results.get(timeout=_POLL_S)
             except queue.Empty:
                 if not thread.is_alive() and self._results.empty():
+                    if self._failure is not None:
+                        raise _closed(self._failure) from None
                     raise EdgeClosedError("the receive thread has ended") from None
                 continue
             if isinstance(result, _Failed):
-                error = result.error
-                if isinstance(error, EdgeClosedError):
-                    raise renewed(error)
-                raise EdgeClosedError(f"receive failed: {type(error).__name__}: {error}")
+                raise _closed(result.error)
             return result
 
     def _blocked(self, seconds: float) -> None:
@@ -288,6 +290,7 @@ class ReceiveAhead:
             try:
                 result: object = self._receive(expected)  # type: ignore[arg-type]
             except BaseException as exc:
+                self._failure = exc
                 self._deliver(_Failed(exc))
                 return  # nothing after a failed item can be trusted to be in order
             if not self._deliver(result):
@@ -318,3 +321,10 @@ class ReceiveAhead:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+
+def _closed(error: BaseException) -> EdgeClosedError:
+    """The error a failed receive hands the stage: the edge's own close, or one naming the failure."""
+    if isinstance(error, EdgeClosedError):
+        return renewed(error)
+    return EdgeClosedError(f"receive failed: {type(error).__name__}: {error}")
