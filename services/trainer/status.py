@@ -29,6 +29,11 @@ TERMINAL_STATES = frozenset(
 common checkpoint by itself and goes back to RUNNING (or ends FAILED/CANCELLED), so watchers keep
 watching it."""
 HISTORY_LIMIT = 100_000
+PER_STEP = ("loss", "local_loss")
+"""Values of one step: an update that does not set them clears them (a message or a recovery is no step),
+except the terminal update, which keeps the last step's (a finished job shows its final loss, also in the
+stage record the trainer writes from it, so `nebula job list|status` show it after the deployment stopped).
+The step time (``step_seconds``) is never cleared, so it stays the last step's too."""
 
 
 class StatusBoard:
@@ -37,6 +42,7 @@ class StatusBoard:
         first = trainer_pb2.StageStatus(job_id=job_id, stage=stage, state=trainer_pb2.STAGE_STATE_PENDING)
         self._history: list[trainer_pb2.StageStatus] = [first]
         self._dropped = 0  # updates evicted from the front of the history
+        self._last_step: dict[str, float] = {}  # the newest value of each PER_STEP field
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
 
     @property
@@ -47,11 +53,19 @@ class StatusBoard:
         with self._condition:
             status = trainer_pb2.StageStatus()
             status.CopyFrom(self._history[-1])
-            for per_step in ("loss", "local_loss"):  # per-step values never carry over to the next update
-                if per_step not in fields:
+            terminal = fields.get("state", status.state) in TERMINAL_STATES
+            for per_step in PER_STEP:
+                if per_step in fields:
+                    continue
+                if terminal and per_step in self._last_step:  # the end keeps the last step's loss
+                    setattr(status, per_step, self._last_step[per_step])
+                else:  # otherwise per-step values never carry over to the next update
                     status.ClearField(per_step)
             for name, value in fields.items():
                 setattr(status, name, value)
+            for per_step in PER_STEP:
+                if status.HasField(per_step):
+                    self._last_step[per_step] = getattr(status, per_step)
             self._history.append(status)
             if len(self._history) > HISTORY_LIMIT:
                 del self._history[0]

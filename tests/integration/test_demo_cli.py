@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,11 @@ def check_the_stopped_demo_is_still_listed(run: Path, summary: dict, tmp_path: P
     assert [j["job_id"] for j in jobs] == [summary["job_id"]]
     job = jobs[0]
     assert job["state"] == "SUCCEEDED" and job["steps_done"] == job["steps"] == 6
+    # The finished job keeps its last step's loss and step time (the trainers' final status and records).
+    assert isinstance(job["loss"], float) and math.isfinite(job["loss"]), job
+    assert job["loss"] == summary["final_loss"] == summary["loss_per_step"][-1], (job["loss"], summary)
+    (decoder,) = [s for s in job["stages"] if s["stage"] == "decoder"]
+    assert decoder["step_seconds"] == summary["step_seconds_per_step"][-1], (decoder, summary)
     assert job["owners"] == {"a": "researcher-a", "b": "researcher-b"}
     assert job["clusters"] == {"encoder": "a", "decoder": "b"}
     assert job["traffic"]["forward"]["compression_ratio"] == pytest.approx(2.0)
@@ -100,6 +106,9 @@ def check_the_stopped_demo_is_still_listed(run: Path, summary: dict, tmp_path: P
 
     status = runner.invoke(app, ["job", "status", summary["job_id"], "--deployment", str(run), "--json"])
     assert status.exit_code == 0 and json.loads(status.stdout)["state"] == "SUCCEEDED", status.output
+    assert json.loads(status.stdout)["loss"] == summary["final_loss"], status.output
+    shown = runner.invoke(app, ["job", "status", summary["job_id"], "--deployment", str(run)])
+    assert shown.exit_code == 0 and f"{summary['final_loss']:.4f}" in shown.stdout, shown.output
     page = tmp_path / "demo-report.html"
     report = runner.invoke(
         app, ["job", "report", summary["job_id"], "--deployment", str(run), "--out", str(page), "--json"]

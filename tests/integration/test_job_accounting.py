@@ -11,6 +11,7 @@ lifetime counters the 10th would show five times as much, and a ratio between th
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -63,6 +64,10 @@ def test_the_second_and_tenth_of_ten_jobs_report_exactly_their_own_bytes(
     replayed = set()
     for n, (summary, record) in enumerate(zip(summaries, records, strict=True)):
         codec, traffic = CODECS[n % 2], record.traffic()
+        # A finished job's status keeps its last step's loss and step time (read from the running trainers).
+        assert record.loss is not None and math.isfinite(record.loss), (n + 1, record.to_json())
+        assert record.loss == summary.losses[-1], (n + 1, record.loss, summary.losses)
+        assert record.downstream.step_seconds == summary.step_seconds[-1], (n + 1, record.to_json())
         for direction in ("forward", "backward"):
             wan, sent = summary.wan[direction], traffic[direction]
             where = f"job {n + 1} ({codec}) {direction}"

@@ -28,6 +28,7 @@ from services.auth.tokens import TokenIssuer
 from services.trainer.records import RECORDS_DIR, StageRecords
 from services.trainer.restore import restore_stages, token_problem
 from services.trainer.servicer import TrainerServicer
+from services.trainer.status import StatusBoard
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -102,6 +103,21 @@ def test_an_ended_stage_keeps_its_final_status_and_drops_its_token(tmp_path: Pat
     assert "secret-token" not in record.path.read_text()
     (back,) = records.load_all()
     assert back.terminal and back.final == final and back.epoch == 0
+
+
+def test_a_finished_stage_record_keeps_the_last_steps_loss_and_step_time(tmp_path: Path) -> None:
+    records = StageRecords(tmp_path)
+    record = records.create(stage_spec(), "secret-token", "alice")
+    board = StatusBoard("job-1", "decoder")
+    board.update(state=trainer_pb2.STAGE_STATE_RUNNING)
+    for step in (1, 2, 3):
+        board.update(steps_done=step, loss=2.0 / step, step_seconds=0.1 * step)
+    board.update(state=trainer_pb2.STAGE_STATE_SUCCEEDED)
+    records.store_end(record, board)  # what the stage thread does as it ends
+    (back,) = StageRecords(tmp_path).load_all()  # as a restarted trainer, or `job list` on a stopped run
+    assert back.final.HasField("loss"), "the stored final status lost the last step's loss"
+    assert (back.final.steps_done, back.final.loss, back.final.step_seconds) == (3, 2.0 / 3, 0.1 * 3)
+    assert back.info(back.final).status.loss == 2.0 / 3  # what ListStages shows of it
 
 
 @pytest.mark.parametrize(

@@ -65,11 +65,39 @@ def test_status_history_gives_every_step_to_a_slow_watcher() -> None:
         board.update(steps_done=step, loss=1.0 / step)
     board.update(state=trainer_pb2.STAGE_STATE_SUCCEEDED)
     version, updates = board.since(0, timeout=0)
-    assert [u.steps_done for u in updates if u.HasField("loss")] == [1, 2, 3, 4, 5]
+    assert [u.steps_done for u in updates[:-1] if u.HasField("loss")] == [1, 2, 3, 4, 5]
     assert updates[-1].state == trainer_pb2.STAGE_STATE_SUCCEEDED
-    assert not updates[-1].HasField("loss")  # the loss belongs to the step update, not the final state
+    assert updates[-1].loss == 1.0 / 5  # the end keeps the last step's loss (`nebula job list` shows it)
     assert board.finished
     assert board.since(version, timeout=0) == (version, [])
+
+
+@pytest.mark.parametrize(
+    "end",
+    [trainer_pb2.STAGE_STATE_SUCCEEDED, trainer_pb2.STAGE_STATE_FAILED, trainer_pb2.STAGE_STATE_CANCELLED],
+)
+def test_the_end_keeps_the_last_steps_loss_and_step_time_but_no_other_update_does(end: int) -> None:
+    board = StatusBoard("job", "decoder")
+    board.update(state=trainer_pb2.STAGE_STATE_RUNNING)
+    board.update(steps_done=7, loss=0.25, local_loss=0.5, step_seconds=0.125)
+    board.update(message="waiting for the WAN link")  # no step: no loss of its own
+    assert not board.latest().HasField("loss") and not board.latest().HasField("local_loss")
+    board.update(state=end, message="how it ended")
+    final = board.latest()
+    assert (final.state, final.steps_done, final.loss, final.local_loss, final.step_seconds) == (
+        end,
+        7,
+        0.25,
+        0.5,
+        0.125,
+    )
+
+
+def test_an_end_before_any_step_has_no_loss() -> None:
+    board = StatusBoard("job", "decoder")
+    board.update(state=trainer_pb2.STAGE_STATE_RUNNING)
+    board.update(state=trainer_pb2.STAGE_STATE_FAILED, message="bad batch")
+    assert not board.latest().HasField("loss") and not board.latest().HasField("local_loss")
 
 
 def test_watcher_wakes_up_on_the_next_update() -> None:
