@@ -6,7 +6,8 @@
 podman-compose). Every step goes through the one endpoints file and the `nebula` CLI:
 
 1. ``nebula compose endpoints --out DIR`` writes the endpoints file (published ports, each cluster's
-   CA certificate and admin password, copied out of the auth containers);
+   CA certificate and admin password, copied out of the auth containers); ``nebula account create|
+   list|grants|disable --deployment DIR`` manage an account through it;
 2. a job is submitted through ``Deployment.open(DIR)``; once it has checkpointed, the compose trainer
    of cluster a is killed (SIGKILL, as a crash) and started again on its named volume. The job must
    resume (its stage in a at a higher epoch) and end SUCCEEDED, or end with a reason; ``nebula job
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shlex
 import subprocess
 import sys
@@ -116,6 +118,26 @@ def is_png(path: Path) -> bool:
     return data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 8_000
 
 
+def manage_an_account(dep: tuple[str, str]) -> str:
+    """`nebula account` through the same endpoints file: create (stored 0600 beside it), list, grants
+    (the data service's published port), disable."""
+    user = f"ops-{secrets.token_hex(3)}"
+    created = nebula("account", "create", user, *dep, "--json")
+    stored = Path(created["credentials_file"] or "")
+    check(
+        set(created["accounts"]) == {"a", "b"} and stored.is_file() and stored.stat().st_mode & 0o077 == 0,
+        f"account create: {created}",
+    )
+    listed = nebula("account", "list", *dep, "--cluster", "a", "--json")
+    check(user in {row["username"] for row in listed}, f"account list: {listed}")
+    grants = nebula("account", "grants", user, *dep, "--json")
+    empty = {"granted_to_it": [], "its_datasets": {}}
+    check([row["datasets"] for row in grants] == [empty, empty], f"account grants: {grants}")
+    disabled = nebula("account", "disable", user, *dep, "--json")
+    check(all(row["disabled"] for row in disabled), f"account disable: {disabled}")
+    return user
+
+
 def run(steps: int, out: Path) -> dict[str, Any]:
     endpoints = out / "compose"
     result = CliRunner().invoke(
@@ -124,6 +146,7 @@ def run(steps: int, out: Path) -> dict[str, Any]:
     check(result.exit_code == 0, f"nebula compose endpoints: {result.output}")
     dep = ("--deployment", str(endpoints))
     summary: dict[str, Any] = {"endpoints": str(endpoints / "endpoints.json")}
+    summary["account"] = manage_an_account(dep)
     with Deployment.open(endpoints) as deployment:
         job = deployment.submit(
             builtin_spec("numbers"), {"steps": steps, "checkpoint.interval": CHECKPOINT_INTERVAL}

@@ -5,8 +5,11 @@ grants all belong to one), and until now they were created invisibly with passwo
 every account operation goes through each cluster's own auth service with an admin's token (the
 bootstrap admin of a `nebula local up` run directory by default, or ``--as NAME``); the auth service
 refuses anyone else, and that refusal is shown as such. A password this command generates is printed
-once and kept in ``<run dir>/credentials/<name>.yaml`` (0600; see ``nebula_common/credentials.py``),
-in the shape ``nebula job submit --credentials`` reads.
+once and kept in ``<folder>/credentials/<name>.yaml`` (0600; see ``nebula_common/credentials.py``),
+in the shape ``nebula job submit --credentials`` reads; the folder is the run directory, or the one
+holding the deployment.json or endpoints.json that ``--deployment`` names. Any deployment is targeted
+as ``nebula job`` targets it (``nebula_common/sdk/deployment.py``): a local run, compose (`nebula
+compose endpoints`) or a Kubernetes port-forward; ``grants`` also needs the file's ``data`` address.
 """
 
 from __future__ import annotations
@@ -26,10 +29,9 @@ from nebula_common.clients.auth import AccountInfo, AuthClient
 from nebula_common.clients.data import DataClient
 from nebula_common.credentials import CredentialsError, read_passwords, store_new, store_rotated
 from nebula_common.errors import NebulaError, PermissionDeniedError
-from nebula_common.sdk.deployment import trust_described_cluster
+from nebula_common.sdk.deployment import ENDPOINTS, DeploymentFileError, DeploymentTarget
 
 app = typer.Typer(help="Manage the accounts of a deployment's clusters (admins only).", no_args_is_help=True)
-LOOPBACK = "127.0.0.1"
 ADMIN = "admin"
 PASSWORD_ENV = "NEBULA_PASSWORD"
 ROLE_RIGHTS = {
@@ -55,8 +57,19 @@ class AccountCommandError(NebulaError):
 class ClusterTarget:
     cluster: str
     auth: str
-    data: str
-    admin_password_file: Path
+    data: str  # "" when the endpoints file predates the data service's address
+    admin_password_file: Path | None  # None when the endpoints file names none
+    origin: str  # the file it was read from, for messages
+
+    def data_address(self) -> str:
+        """The data service's address, or a message naming the missing key and what writes it."""
+        if not self.data:
+            raise AccountCommandError(
+                f"{self.origin}: clusters.{self.cluster}.data is missing: dataset grants need the cluster's "
+                "data service address; endpoints files written before it lack it: write the file again "
+                "(`nebula compose endpoints`, or `nebula local up` for a run directory) or add the key"
+            )
+        return self.data
 
 
 @dataclass(frozen=True)
@@ -74,40 +87,54 @@ class Deployment:
 
 
 def load_deployment(run_dir: Path | None, deployment: Path | None) -> Deployment:
-    """The clusters of a `nebula local up` deployment, from its deployment.json."""
-    if deployment is not None and run_dir is None:
-        path = deployment
-    elif run_dir is not None and deployment is None:
-        path = run_dir / "deployment.json"
-    else:
-        raise AccountCommandError("give exactly one of --run-dir DIR or --deployment FILE")
+    """The clusters of any deployment, as ``nebula job`` reads them (``DeploymentTarget.load``): a run
+    directory, its deployment.json, or an endpoints file (`nebula compose endpoints`, a local run's,
+    or one written by hand for a Kubernetes port-forward)."""
+    if (run_dir is None) == (deployment is None):
+        raise AccountCommandError("give exactly one of --run-dir DIR or --deployment DIR-or-FILE")
+    path = Path(deployment if deployment is not None else run_dir)  # type: ignore[arg-type]
     try:
-        description = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise AccountCommandError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise AccountCommandError(f"{path}: not a deployment description (JSON): {exc}") from None
-    try:
-        clusters = {}
-        for cluster, entry in description["clusters"].items():
-            processes = entry["processes"]
-            trust_described_cluster(cluster, entry)  # its internal ports' CA
-            clusters[cluster] = ClusterTarget(
-                cluster=cluster,
-                auth=f"{LOOPBACK}:{int(processes[f'auth-{cluster}']['grpc_port'])}",
-                data=f"{LOOPBACK}:{int(processes[f'data-{cluster}']['grpc_port'])}",
-                admin_password_file=Path(entry["admin_password_file"]),
-            )
-    except (KeyError, TypeError, AttributeError, ValueError) as exc:
-        raise AccountCommandError(f"{path}: deployment description is missing or has a bad {exc}") from None
+        target = DeploymentTarget.load(path)
+    except DeploymentFileError as exc:
+        raise AccountCommandError(str(exc)) from None
+    origin = str(path / ENDPOINTS if path.is_dir() and "nebula_endpoints" in target.description else path)
+    clusters = {
+        cluster: ClusterTarget(cluster, endpoints.auth, endpoints.data, admin, origin)
+        for cluster, (endpoints, admin) in target.clusters.items()
+    }
     if not clusters:
         raise AccountCommandError(f"{path}: the deployment has no clusters")
-    return Deployment(run_dir=path.parent, clusters=clusters)  # credentials go beside deployment.json
+    return Deployment(run_dir=target.run_dir, clusters=clusters)  # credentials go beside the file
+
+
+def open_targets(
+    run_dir: Path | None, deployment: Path | None, clusters: list[str]
+) -> tuple[list[ClusterTarget], Path]:
+    """The preamble of every command: the chosen clusters, and the folder their credentials live in."""
+    target_deployment = load_deployment(run_dir, deployment)
+    return target_deployment.select(clusters), target_deployment.run_dir
+
+
+@contextmanager
+def exits_on_errors() -> Iterator[None]:
+    """A usage or deployment-file problem exits 2; a refusal or failure in a cluster exits 1."""
+    try:
+        yield
+    except (AccountCommandError, CredentialsError) as exc:
+        raise fail(exc, 2) from None
+    except NebulaError as exc:
+        raise fail(exc) from None
 
 
 def acting_password(target: ClusterTarget, acting: str, run_dir: Path) -> str:
     """The password of the account this command acts as, in ``target``'s cluster."""
     if acting == ADMIN:
+        if target.admin_password_file is None:
+            raise AccountCommandError(
+                f"{target.origin}: clusters.{target.cluster} names no admin_password_file "
+                "(`nebula compose endpoints` copies it unless --no-admin); act as an admin account of "
+                f"your own with --as NAME and ${PASSWORD_ENV}"
+            )
         try:
             return target.admin_password_file.read_text(encoding="utf-8").strip()
         except OSError as exc:
@@ -163,7 +190,12 @@ def account_json(target: ClusterTarget, info: AccountInfo) -> dict[str, Any]:
 
 # Options shared by every command.
 RunDir = typer.Option(None, help="Run directory of a `nebula local up` (its deployment.json).")
-DeploymentFile = typer.Option(None, "--deployment", help="A deployment.json (instead of --run-dir).")
+DeploymentFile = typer.Option(
+    None,
+    "--deployment",
+    help="The deployment, as for `nebula job`: a run directory, a deployment.json, or an endpoints.json "
+    "(`nebula compose endpoints`, or one written for a Kubernetes port-forward).",
+)
 Clusters = typer.Option([], "--cluster", help="Cluster id; repeat for several (default: every cluster).")
 Acting = typer.Option(
     ADMIN,
@@ -187,16 +219,12 @@ def create(
     """Create USERNAME in each cluster with a new random password, shown once and stored (0600)."""
     if role not in ROLE_RIGHTS:
         raise fail(AccountCommandError(f"--role {role!r}: use user or admin"), 2)
-    try:
-        target_deployment = load_deployment(run_dir, deployment)
-        targets = target_deployment.select(clusters)
-        folder = target_deployment.run_dir
+    with exits_on_errors():
+        targets, folder = open_targets(run_dir, deployment, clusters)
         if read_passwords(folder, username):
             raise AccountCommandError(
                 f"credentials of {username!r} already exist in {folder / 'credentials'}; nothing was created"
             )
-    except (NebulaError, CredentialsError) as exc:
-        raise fail(exc, 2) from None
     created: dict[str, str] = {}
     infos: dict[str, dict[str, Any]] = {}
     error: NebulaError | None = None
@@ -251,18 +279,13 @@ def list_accounts(
     as_json: bool = AsJson,
 ) -> None:
     """Every account of each cluster: role, disabled, locked, created."""
-    try:
-        target_deployment = load_deployment(run_dir, deployment)
-        targets = target_deployment.select(clusters)
-        rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    with exits_on_errors():
+        targets, folder = open_targets(run_dir, deployment, clusters)
         for target in targets:
-            with acting_session(target, acting, target_deployment.run_dir) as (auth, token):
+            with acting_session(target, acting, folder) as (auth, token):
                 accounts = in_cluster(target, "listing accounts", lambda a=auth, t=token: a.list_accounts(t))
             rows += [account_json(target, info) for info in sorted(accounts, key=lambda i: i.username)]
-    except AccountCommandError as exc:
-        raise fail(exc, 2) from None
-    except NebulaError as exc:
-        raise fail(exc) from None
     lines = [f"{'cluster':8} {'account':24} {'role':6} state"]
     for row in rows:
         state = "disabled" if row["disabled"] else ("locked" if row["locked_until"] else "enabled")
@@ -282,18 +305,14 @@ def disable(
 ) -> None:
     """Refuse USERNAME's logins and revoke its tokens (within seconds) in each cluster."""
     verb = "enabling" if enable else "disabling"
-    try:
-        target_deployment = load_deployment(run_dir, deployment)
-        rows = []
-        for target in target_deployment.select(clusters):
-            with acting_session(target, acting, target_deployment.run_dir) as (auth, token):
+    rows = []
+    with exits_on_errors():
+        targets, folder = open_targets(run_dir, deployment, clusters)
+        for target in targets:
+            with acting_session(target, acting, folder) as (auth, token):
                 change = auth.enable_account if enable else auth.disable_account
                 info = in_cluster(target, f"{verb} {username!r}", lambda c=change, t=token: c(t, username))
             rows.append(account_json(target, info))
-    except AccountCommandError as exc:
-        raise fail(exc, 2) from None
-    except NebulaError as exc:
-        raise fail(exc) from None
     state = "enabled" if enable else "disabled"
     emit(as_json, rows, [f"account {username!r} {state} in cluster {row['cluster_id']}" for row in rows])
 
@@ -308,12 +327,8 @@ def passwd(
     as_json: bool = AsJson,
 ) -> None:
     """Give USERNAME a new random password in each cluster (shown once, stored 0600); old tokens stop."""
-    try:
-        target_deployment = load_deployment(run_dir, deployment)
-        targets = target_deployment.select(clusters)
-    except (NebulaError, CredentialsError) as exc:
-        raise fail(exc, 2) from None
-    folder = target_deployment.run_dir
+    with exits_on_errors():
+        targets, folder = open_targets(run_dir, deployment, clusters)
     changed: dict[str, str] = {}
     error: NebulaError | None = None
     stored: Path | None = None
@@ -348,9 +363,10 @@ def passwd(
 
 def data_grants(target: ClusterTarget, username: str, password: str) -> dict[str, Any]:
     """What ``username`` holds and gives in ``target``'s data service, seen with its own token."""
+    address = target.data_address()  # before logging in: a file without it is named at once
     with AuthClient(target.auth) as auth:
         token = auth.login(username, password).token
-    with DataClient(target.data, token) as data:
+    with DataClient(address, token) as data:
         owned, granted = data.list()
         given = {dataset.name: [g.grantee for g in data.grants(dataset.name)] for dataset in owned}
     return {
@@ -374,12 +390,11 @@ def grants(
     they are shown when its password is at hand: its credentials file in the run directory, or
     ``--as USERNAME`` with ``$NEBULA_PASSWORD``.
     """
-    try:
-        target_deployment = load_deployment(run_dir, deployment)
-        folder = target_deployment.run_dir
+    rows = []
+    with exits_on_errors():
+        targets, folder = open_targets(run_dir, deployment, clusters)
         own_passwords = read_passwords(folder, username)
-        rows = []
-        for target in target_deployment.select(clusters):
+        for target in targets:
             with acting_session(target, acting, folder) as (auth, token):
                 if acting == username:
                     info = in_cluster(target, "reading the account", lambda a=auth, t=token: a.verify(t))
@@ -410,10 +425,6 @@ def grants(
                     "datasets": datasets,
                 }
             )
-    except (AccountCommandError, CredentialsError) as exc:
-        raise fail(exc, 2) from None
-    except NebulaError as exc:
-        raise fail(exc) from None
     lines = []
     for row in rows:
         lines.append(f"cluster {row['cluster_id']}: {username} ({row['account']['role']})")

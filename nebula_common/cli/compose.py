@@ -1,6 +1,6 @@
 """`nebula compose endpoints`: one endpoints file for a running compose deployment (docker-compose.yml).
 
-The compose deployment publishes each cluster's auth, trainer, switch and switch metrics ports on
+The compose deployment publishes each cluster's auth, trainer, switch, switch metrics and data ports on
 127.0.0.1 (see docker-compose.yml); every one of them is internal TLS, verified against the
 cluster's own CA, which only the containers hold. This command reads where each port is published from
 the compose file (literal ``HOST:PORT:CONTAINER`` mappings; any other is asked of the engine,
@@ -9,7 +9,7 @@ the compose file (literal ``HOST:PORT:CONTAINER`` mappings; any other is asked o
 (``<compose> exec -T``), and writes them with ``endpoints.json`` into one host directory. From
 then on every CLI command and the SDK target the deployment with ``--deployment DIR`` (or
 ``Deployment.open(DIR)``), as they target a local run directory: ``nebula job list|status|watch|
-cancel|report|logs`` and ``nebula job submit``. ``nebula job logs`` reads the
+cancel|report|logs``, ``nebula job submit`` and ``nebula account``. ``nebula job logs`` reads the
 containers' logs through the same engine (``<compose> logs --no-color SERVICE``).
 """
 
@@ -30,7 +30,7 @@ from nebula_common.sdk.deployment import ENDPOINTS, ENDPOINTS_FORMAT
 app = typer.Typer(help="Target a compose deployment from this host.", no_args_is_help=True)
 
 # Container ports (docker-compose.yml: "Fixed container ports").
-AUTH, TRAINER, SWITCH, METRICS = 7600, 7500, 7400, 9100
+AUTH, TRAINER, SWITCH, METRICS, DATA = 7600, 7500, 7400, 9100, 7800
 CA_IN_CONTAINER = "/etc/nebula/internal-tls/ca.crt"
 ADMIN_IN_CONTAINER = "/etc/nebula/admin/admin-password"
 LOGGED = ("trainer", "switch")  # the services whose log records name jobs (`nebula job logs`)
@@ -136,6 +136,10 @@ def endpoints(
                     raise ComposeError(f"auth-{cluster}: {ADMIN_IN_CONTAINER} is empty")
                 atomic_write(out / f"{cluster}-admin-password", (secret + "\n").encode(), mode=0o600)
                 entry["admin_password_file"] = f"{cluster}-admin-password"
+            try:  # optional: only `nebula account grants` needs it; a compose file may not publish it
+                entry["data"] = address(f"data-{cluster}", DATA)
+            except ComposeError as exc:
+                typer.echo(f"note: no data service address for cluster {cluster} ({exc})", err=True)
             body["clusters"][cluster] = entry
     except (ComposeError, OSError) as exc:
         typer.echo(f"Error: {exc}", err=True)

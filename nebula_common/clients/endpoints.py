@@ -22,3 +22,4 @@ class ClusterEndpoints:
     switch: str
     metrics: dict[str, str] = field(default_factory=dict)
     codec: str = ""
+    data: str = ""  # the data service (datasets, grants); "" in endpoints files written before it

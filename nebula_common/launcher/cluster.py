@@ -346,4 +346,5 @@ def cluster_endpoints(state: ClusterProcesses) -> ClusterEndpoints:
         switch=f"{LOOPBACK}:{state.switch.info['internal_port']}",  # type: ignore[union-attr]
         metrics=metrics,
         codec=ClusterLauncher.address(state.codec),
+        data=ClusterLauncher.address(state.data),
     )

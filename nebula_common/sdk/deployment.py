@@ -10,6 +10,7 @@ port-forward or ingress::
 
     {"nebula_endpoints": 1,
      "clusters": {"a": {"auth": "HOST:PORT", "trainer": "HOST:PORT", "switch": "HOST:PORT",
+                        "data": "HOST:PORT",   # optional: the data service (`nebula account grants`)
                         "ca_cert": "a-ca.crt",                    # every port is verified against it
                         "admin_password_file": "a-admin-password", # optional (else --credentials)
                         "metrics": {"switch-a": "http://HOST:PORT/metrics"}},   # optional
@@ -91,6 +92,7 @@ def endpoints_from_description(description: dict[str, Any]) -> dict[str, tuple[C
                 switch=f"{LOOPBACK}:{processes[f'switch-{cluster}']['internal_port']}",
                 metrics=metrics,
                 codec=f"{LOOPBACK}:{processes[f'codec-{cluster}']['grpc_port']}",
+                data=f"{LOOPBACK}:{processes[f'data-{cluster}']['grpc_port']}",
             )
             result[cluster] = (endpoints, Path(entry["admin_password_file"]))
     except (KeyError, TypeError, AttributeError) as exc:
@@ -191,20 +193,18 @@ def endpoints_from_file(
         ca_path = base / ca
         if not ca_path.is_file():
             raise DeploymentFileError(f"{origin}: clusters.{cluster}.ca_cert: no file {ca_path}")
-        codec = entry.get("codec") or ""
-        if codec:
-            codec = _address(cluster, entry, "codec", origin)
+        codec, data = (_address(cluster, entry, k, origin) if entry.get(k) else "" for k in ("codec", "data"))
         metrics = entry.get("metrics") or {}
         if not isinstance(metrics, dict) or not all(isinstance(v, str) for v in metrics.values()):
             raise DeploymentFileError(f"{origin}: clusters.{cluster}.metrics must map names to URLs")
         tls = ClientTls(str(cluster), ca_path)
-        for address in (auth, trainer, switch, codec):
+        for address in (auth, trainer, switch, codec, data):
             if address:
                 trust_endpoint(address, tls)
         admin = entry.get("admin_password_file")
         if admin is not None and not isinstance(admin, str):
             raise DeploymentFileError(f"{origin}: clusters.{cluster}.admin_password_file must be a path")
-        endpoints = ClusterEndpoints(str(cluster), auth, trainer, switch, dict(metrics), codec)
+        endpoints = ClusterEndpoints(str(cluster), auth, trainer, switch, dict(metrics), codec, data)
         result[str(cluster)] = (endpoints, base / admin if admin else None)
     return result
 
@@ -225,6 +225,8 @@ def endpoints_body(target: DeploymentTarget, base: Path) -> dict[str, Any]:
         }
         if endpoints.codec:
             entry["codec"] = endpoints.codec
+        if endpoints.data:
+            entry["data"] = endpoints.data
         if ca is not None:
             entry["ca_cert"] = rel(ca)
         if admin is not None:

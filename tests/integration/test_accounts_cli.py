@@ -20,6 +20,7 @@ from nebula_common.clients.data import DataClient
 from nebula_common.errors import AuthenticationError
 from nebula_common.launcher import LocalDeployment
 from nebula_common.sdk.client import ClusterSession
+from nebula_common.sdk.deployment import DeploymentTarget, write_endpoints_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -148,9 +149,40 @@ def test_grants_show_role_and_dataset_grants_both_ways(
     assert admin[0]["account"]["role"] == "admin" and admin[0]["datasets"] is None
 
 
+def test_an_endpoints_file_targets_the_deployment_as_for_nebula_job(
+    deployment: LocalDeployment,
+    described: Path,
+    sessions: dict[str, ClusterSession],
+    n: Callable[[str], str],
+    tmp_path: Path,
+) -> None:
+    """The one file for any deployment (what `local up` and `nebula compose endpoints` write)."""
+    ep = write_endpoints_file(DeploymentTarget.load(described), tmp_path / "ep" / "endpoints.json")
+    created = ok_json(account(ep.parent, "create", n("acct-gina"), "--cluster", "a", "--json"))
+    assert Path(created["credentials_file"]) == ep.parent / "credentials" / f"{n('acct-gina')}.yaml"
+    assert can_login(deployment, "a", n("acct-gina"), created["accounts"]["a"]["password"])
+    listed = ok_json(account(ep, "list", "--cluster", "a", "--json"))
+    assert n("acct-gina") in {row["username"] for row in listed}
+    owner = sessions["a"]
+    with DataClient(deployment.data_address("a"), owner.token) as data:
+        data.upload_records(n("shared-ep"), [{"x": 1}])
+        data.grant(n("shared-ep"), n("acct-gina"))
+    (row,) = ok_json(account(ep, "grants", n("acct-gina"), "--cluster", "a", "--json"))
+    assert row["datasets"] == {"granted_to_it": [f"{owner.username}/{n('shared-ep')}"], "its_datasets": {}}
+    # A file written before the data address was added: grants name the key and what writes it.
+    body = json.loads(ep.read_text())
+    del body["clusters"]["a"]["data"]
+    ep.write_text(json.dumps(body))
+    old = account(ep, "grants", n("acct-gina"), "--cluster", "a")
+    assert old.exit_code == 2 and f"{ep}: clusters.a.data is missing" in old.stderr, old.output
+    assert "nebula compose endpoints" in old.stderr and "Traceback" not in old.output
+    assert ok_json(account(ep, "list", "--cluster", "a", "--json"))  # everything else still works
+
+
 def test_a_bad_deployment_file_is_named(tmp_path: Path) -> None:
     missing = account(tmp_path / "nope.json", "list")
-    assert missing.exit_code == 2 and f"cannot read {tmp_path / 'nope.json'}" in missing.stderr
+    assert missing.exit_code == 2, missing.output
+    assert f"cannot read deployment description {tmp_path / 'nope.json'}" in missing.stderr
     broken = tmp_path / "broken.json"
     broken.write_text('{"clusters": {"a": {}}}')
     result = account(broken, "list")
@@ -162,9 +194,10 @@ def test_exactly_one_target_is_required(tmp_path: Path) -> None:
     neither = runner.invoke(app, ["account", "list"])
     both = runner.invoke(app, ["account", "list", "--run-dir", str(tmp_path), "--deployment", "x.json"])
     for result in (neither, both):
-        assert result.exit_code == 2 and "exactly one of --run-dir DIR or --deployment FILE" in result.stderr
+        assert result.exit_code == 2 and "exactly one of --run-dir DIR or --deployment" in result.stderr
     via_run_dir = runner.invoke(app, ["account", "list", "--run-dir", str(tmp_path)])
-    assert via_run_dir.exit_code == 2 and f"cannot read {tmp_path / 'deployment.json'}" in via_run_dir.stderr
+    assert via_run_dir.exit_code == 2, via_run_dir.output
+    assert f"cannot read deployment description {tmp_path / 'deployment.json'}" in via_run_dir.stderr
 
 
 def test_job_submit_keeps_the_accounts_it_creates_0600_and_prints_the_path_once(

@@ -271,7 +271,12 @@ def test_every_long_running_service_has_a_healthcheck() -> None:
 
 
 def test_nothing_is_published_beyond_loopback_and_never_the_wan_port() -> None:
-    allowed = {"nebula-switch": {7400, METRICS_PORT}, "nebula-trainer": {7500}, "nebula-auth": {7600}}
+    allowed = {
+        "nebula-switch": {7400, METRICS_PORT},
+        "nebula-trainer": {7500},
+        "nebula-auth": {7600},
+        "nebula-data": {7800},  # its client port (TLS + token): `nebula account grants` from the host
+    }
     host_ports = []
     for name, svc in _compose_services().items():
         published = _published(svc)

@@ -22,6 +22,7 @@ def endpoints(tmp_path: Path, **changes: object) -> Path:
                 "auth": "127.0.0.1:17600",
                 "trainer": "127.0.0.1:17500",
                 "switch": "127.0.0.1:17400",
+                "data": "127.0.0.1:17800",
                 "ca_cert": "a-ca.crt",
                 "admin_password_file": "a-admin-password",
                 "metrics": {"switch-a": "http://127.0.0.1:19100/metrics"},
@@ -40,6 +41,7 @@ def test_an_endpoints_file_reads_back_as_written(tmp_path: Path) -> None:
     target = DeploymentTarget.load(endpoints(tmp_path))
     ep, admin = target.clusters["a"]
     assert (ep.auth, ep.trainer, ep.switch) == ("127.0.0.1:17600", "127.0.0.1:17500", "127.0.0.1:17400")
+    assert ep.data == "127.0.0.1:17800"
     assert admin == tmp_path / "a-admin-password" and target.ca_certs["a"] == tmp_path / "a-ca.crt"
     assert target.link is not None and target.link.rtt_ms == 40
     assert target.logs["services"] == ["trainer-a"]
@@ -62,11 +64,24 @@ def test_an_endpoints_file_reads_back_as_written(tmp_path: Path) -> None:
         ({"ca_cert": "missing.crt"}, "clusters.a.ca_cert: no file"),
         ({"metrics": ["x"]}, "clusters.a.metrics must map names to URLs"),
         ({"admin_password_file": 3}, "admin_password_file must be a path"),
+        ({"data": "nowhere"}, "clusters.a.data: expected HOST:PORT"),
     ],
 )
 def test_a_wrong_field_is_refused_by_name(tmp_path: Path, change: dict, message: str) -> None:
     with pytest.raises(DeploymentFileError, match=message.replace(".", r"\.")):
         DeploymentTarget.load(endpoints(tmp_path, **change))
+
+
+def test_a_file_without_a_data_address_still_reads_and_writes_none(tmp_path: Path) -> None:
+    """Endpoints files written before the data address was added stay valid (`data` is optional)."""
+    path = endpoints(tmp_path)
+    body = json.loads(path.read_text())
+    del body["clusters"]["a"]["data"]
+    path.write_text(json.dumps(body))
+    target = DeploymentTarget.load(path)
+    assert target.clusters["a"][0].data == ""
+    copy = write_endpoints_file(target, tmp_path / "copy" / "endpoints.json")
+    assert "data" not in json.loads(copy.read_text())["clusters"]["a"]
 
 
 def test_a_file_without_an_admin_password_asks_for_credentials(tmp_path: Path) -> None:
@@ -106,6 +121,7 @@ def test_the_kubernetes_port_forward_example_is_a_valid_endpoints_file(tmp_path:
     target = DeploymentTarget.load(tmp_path / "endpoints.json")
     assert sorted(target.clusters) == ["a", "b"]
     assert target.clusters["b"][0].trainer == "127.0.0.1:27500"
+    assert target.clusters["b"][0].data == "127.0.0.1:27800"  # `nebula account grants` needs it
     assert target.logs["command"][:3] == ["kubectl", "-n", "nebula"]
 
 
@@ -117,6 +133,7 @@ def test_compose_endpoints_read_the_published_ports_from_the_compose_file(tmp_pa
         assert ports[(f"trainer-{cluster}", 7500)] == f"127.0.0.1:{base}7500"
         assert ports[(f"switch-{cluster}", 7400)] == f"127.0.0.1:{base}7400"
         assert ports[(f"switch-{cluster}", 9100)] == f"127.0.0.1:{base}9100"
+        assert ports[(f"data-{cluster}", 7800)] == f"127.0.0.1:{base}7800"
     odd = tmp_path / "compose.yml"
     odd.write_text('services:\n  auth-a:\n    ports: ["127.0.0.1:${P:-1}:7600", "7601"]\n  x: null\n')
     assert declared_ports(odd) == {}
