@@ -92,12 +92,18 @@ def endpoints_from_description(description: dict[str, Any]) -> dict[str, tuple[C
                 switch=f"{LOOPBACK}:{processes[f'switch-{cluster}']['internal_port']}",
                 metrics=metrics,
                 codec=f"{LOOPBACK}:{processes[f'codec-{cluster}']['grpc_port']}",
-                data=f"{LOOPBACK}:{processes[f'data-{cluster}']['grpc_port']}",
+                data=_described_port(processes, f"data-{cluster}"),
             )
             result[cluster] = (endpoints, Path(entry["admin_password_file"]))
     except (KeyError, TypeError, AttributeError) as exc:
         raise DeploymentFileError(f"deployment description is missing {exc}") from exc
     return result
+
+
+def _described_port(processes: dict[str, Any], name: str) -> str:
+    """``name``'s client address, or "" for a description without it (only some commands need it)."""
+    port = (processes.get(name) or {}).get("grpc_port")
+    return f"{LOOPBACK}:{port}" if isinstance(port, int) and port > 0 else ""
 
 
 def link_from_description(description: dict[str, Any]) -> LinkProfile | None:
