@@ -199,6 +199,13 @@ test-three-clusters: $(STAMP)
 test-orgs-netns: $(STAMP)
 	NEBULA_NETNS_E2E=1 $(BIN)/pytest -q -s tests/integration/test_netns_orgs.py $(PYTEST_ARGS)
 
+# A stage on two separately started trainer workers, each in its own network namespace (two hosts of one
+# cluster, veths to the trainer and between them): equals one process with the combined batch (ddp, fsdp).
+# Needs root and iproute2 (ip netns); about 1 min on 2 busy cores. Not in `make test` (it skips there).
+.PHONY: test-ranks-netns
+test-ranks-netns: $(STAMP)
+	NEBULA_NETNS_RANKS_E2E=1 $(BIN)/pytest -q -s tests/integration/test_netns_ranks.py $(PYTEST_ARGS)
+
 # Two clusters in containers (podman-compose + docker-compose.yml) running the numbers job, then down -v.
 # Needs podman (docker/README.md); 1-2.5 min with the image built, 4.5 min without. Not in make test or CI.
 SMOKE_ARGS ?= --steps 60
