@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -208,7 +209,9 @@ def test_a_stage_on_workers_in_two_namespaces_equals_one_process_with_the_combin
     reference: tuple[StageRun, StageRun],
     replicas: int,
     parallel: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="services.trainer.runtime.stage")
     workers, ranks, work = cluster
     before = [_bytes(h) for h in workers.hosts]
     job = small(f"netns-{parallel}", **{"stages.1.replicas": replicas, "stages.1.parallel": parallel})
@@ -216,6 +219,13 @@ def test_a_stage_on_workers_in_two_namespaces_equals_one_process_with_the_combin
     for run in (up, down):
         finish(run, 180)
     same_training((up, down), reference)
+    # The stage's log record says where it ran: on the cluster's two ranks (each worker's host).
+    running = [
+        r.fields  # type: ignore[attr-defined]
+        for r in caplog.records
+        if r.getMessage() == "program stage running" and r.fields["stage"] == down.final.stage  # type: ignore[attr-defined]
+    ]
+    assert [(f["ranks"], len(f["rank_hosts"])) for f in running] == [(2, 2)], running
     crossed = [_bytes(h) - b for h, b in zip(workers.hosts, before, strict=True)]
     gradients = sum(p.numel() * 4 for p in down.parameters())
     print(f"{parallel}: {crossed[0]} B over the workers' link (rank 0's end); gradients {gradients} B/step")
