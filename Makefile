@@ -212,6 +212,14 @@ SMOKE_ARGS ?= --steps 60
 smoke-containers: $(STAMP)
 	bash docker/run-smoke.sh $(SMOKE_ARGS)
 
+# Cluster a's stage on two worker containers (docker-compose.ranks.yml over docker-compose.yml): the numbers
+# job succeeds and trainer-a logs its encoder stage on 2 ranks, one per worker container; then down -v.
+# Reuses localhost/nebula:dev (built only when missing). Needs podman; about 3-4 min. Not in make test.
+SMOKE_RANKS_ARGS ?= --steps 10
+.PHONY: smoke-ranks-containers
+smoke-ranks-containers: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(BIN)/python docker/smoke_ranks.py $(SMOKE_RANKS_ARGS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
