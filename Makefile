@@ -214,7 +214,8 @@ smoke-containers: $(STAMP)
 
 # Cluster a's stage on two worker containers (docker-compose.ranks.yml over docker-compose.yml): the numbers
 # job succeeds and trainer-a logs its encoder stage on 2 ranks, one per worker container; then down -v.
-# Reuses localhost/nebula:dev (built only when missing). Needs podman; about 3-4 min. Not in make test.
+# Reuses localhost/nebula:dev (built only when missing). Needs podman; about 6 min on a quiet machine, 21 min
+# at load 25-37 (`up -d` dominates; docker/README.md). Not in make test.
 SMOKE_RANKS_ARGS ?= --steps 10
 .PHONY: smoke-ranks-containers
 smoke-ranks-containers: $(STAMP)
