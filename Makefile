@@ -199,11 +199,27 @@ test-three-clusters: $(STAMP)
 test-orgs-netns: $(STAMP)
 	NEBULA_NETNS_E2E=1 $(BIN)/pytest -q -s tests/integration/test_netns_orgs.py $(PYTEST_ARGS)
 
+# A stage on two separately started trainer workers, each in its own network namespace (two hosts of one
+# cluster, veths to the trainer and between them): equals one process with the combined batch (ddp, fsdp).
+# Needs root and iproute2 (ip netns); about 1 min on 2 busy cores. Not in `make test` (it skips there).
+.PHONY: test-ranks-netns
+test-ranks-netns: $(STAMP)
+	NEBULA_NETNS_RANKS_E2E=1 $(BIN)/pytest -q -s tests/integration/test_netns_ranks.py $(PYTEST_ARGS)
+
 # Two clusters in containers (podman-compose + docker-compose.yml) running the numbers job, then down -v.
 # Needs podman (docker/README.md); 1-2.5 min with the image built, 4.5 min without. Not in make test or CI.
 SMOKE_ARGS ?= --steps 60
 smoke-containers: $(STAMP)
 	bash docker/run-smoke.sh $(SMOKE_ARGS)
+
+# Cluster a's stage on two worker containers (docker-compose.ranks.yml over docker-compose.yml): the numbers
+# job succeeds and trainer-a logs its encoder stage on 2 ranks, one per worker container; then down -v.
+# Reuses localhost/nebula:dev (built only when missing). Needs podman; about 6 min on a quiet machine, 21 min
+# at load 25-37 (`up -d` dominates; docker/README.md). Not in make test.
+SMOKE_RANKS_ARGS ?= --steps 10
+.PHONY: smoke-ranks-containers
+smoke-ranks-containers: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(BIN)/python docker/smoke_ranks.py $(SMOKE_RANKS_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

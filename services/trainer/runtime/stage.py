@@ -68,7 +68,7 @@ from services.trainer.runtime.lifecycle import StageLifecycle
 from services.trainer.runtime.parallel import DataParallelGroup
 from services.trainer.runtime.program import build_program, load_starting_state
 from services.trainer.runtime.rank_group import RankGroup, Ranks
-from services.trainer.runtime.rank_sources import ClusterRanks, SpawnedRanks
+from services.trainer.runtime.rank_sources import AttachedRanks, ClusterRanks, SpawnedRanks
 from services.trainer.runtime.schedule import downstream_ops, upstream_ops
 from services.trainer.runtime.sharding import SHARDED
 from services.trainer.runtime.timers import StepTimer
@@ -488,6 +488,10 @@ class ProgramRunner:
         if epoch > 0:
             self._discard_checkpoints_after(start)
         ranks = self._rank_processes(start_spec, upstream)
+        # Who computes the stage, for its log record: this thread, replicas, or rank processes.
+        placement: dict[str, object] = {"ranks": ranks.world if ranks is not None else max(cfg.replicas, 1)}
+        if isinstance(ranks, AttachedRanks) and self.cluster_ranks is not None:
+            placement["rank_hosts"] = [str(w.get("host", "?")) for w in self.cluster_ranks.joined()]
         if ranks is not None:
             self._dp = RankGroup(
                 ranks,
@@ -537,7 +541,10 @@ class ProgramRunner:
             message = f"recovered: epoch {epoch} resumed from step {start}"
             status.update(resumed_from_step=start, message=message)
         self.board.update(**status)
-        log.info("program stage running", extra={"fields": {"job_id": spec.job_id, "stage": spec.stage}})
+        log.info(
+            "program stage running",
+            extra={"fields": {"job_id": spec.job_id, "stage": spec.stage, **placement}},
+        )
         for step in range(start, spec.steps):
             self.lifecycle.raise_if_cancelled()
             started = time.perf_counter()
