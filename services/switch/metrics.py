@@ -82,6 +82,15 @@ STALE_ITEMS = Counter(
     "Items from the peer dropped because their epoch is below their route's (an attempt already "
     "replaced by a restart; relay.proto, 'Epochs').",
 )
+ITEMS_SUPERSEDED = Counter(
+    "nebula_switch_items_superseded",
+    "Queued frames and signals dropped because the sender's replay (a retransmit-timeout or resume "
+    "rewind, or a reconnect) resends them behind: the copy takes the original's place in the queue "
+    "(to_peer: from a local trainer, waiting for the link; to_trainers: from the peer).",
+    ["direction"],
+)
+for _direction in ("to_peer", "to_trainers"):
+    ITEMS_SUPERSEDED.labels(_direction)
 BUFFERED_BYTES = Gauge(
     "nebula_switch_buffered_bytes",
     "Bytes of edge items this switch holds in its route buffers (to_trainers: from the peer; to_peer: "
