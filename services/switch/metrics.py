@@ -47,8 +47,9 @@ PEER_LINK_UP = Gauge(
 )
 LINK_CONNECTIONS = Gauge(
     "nebula_switch_link_connections",
-    "Connections (lanes) the link to the peer switch stripes items over right now (0 while down; "
-    "NEBULA_SWITCH_LINK_CONNECTIONS on the dialing switch: a fixed count or auto).",
+    "Connections (lanes) the link to this peer switch stripes items over right now (0 while down; "
+    "NEBULA_SWITCH_LINK_CONNECTIONS on the dialing switch: a fixed count or auto), per peer.",
+    ["peer"],
 )
 EDGES_OPEN = Gauge("nebula_switch_edges_open", "Local trainer edge streams currently open.")
 AUTH_REFUSALS = Counter(
@@ -121,7 +122,8 @@ OPENS_REFUSED = Counter(
 )
 LINK_RTT = Gauge(
     "nebula_switch_link_rtt_seconds",
-    "Smoothed round-trip time to the peer switch (RFC 6298 SRTT, Ping/Pong).",
+    "Smoothed round-trip time to this peer switch (RFC 6298 SRTT, Ping/Pong), per peer.",
+    ["peer"],
 )
 
 JOB_WAN_BYTES = Counter(
