@@ -42,7 +42,12 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], int]] = [
     ),
     ("WAN link up", "none", [("nebula_switch_link_up", "{{cluster}}")], 4),
     # Lanes the link stripes items over (0 while down): a drop from N to 1 is lost WAN throughput.
-    ("WAN link connections (lanes)", "none", [("nebula_switch_link_connections", "{{cluster}}")], 4),
+    (
+        "WAN link connections (lanes)",
+        "none",
+        [("nebula_switch_link_connections", "{{cluster}} to {{peer}}")],
+        4,
+    ),
     ("Open job edges", "none", [("nebula_switch_edges_open", "{{cluster}}")], 4),
     (
         "Frames relayed / s",

@@ -396,8 +396,9 @@ class Deployment:
             url = f"http://127.0.0.1:{process.info['metrics_port']}/metrics"
             with urllib.request.urlopen(url, timeout=5) as response:
                 for line in response.read().decode().splitlines():
-                    if line.startswith("nebula_switch_link_connections "):
-                        found[cluster] = float(line.split()[1])
+                    # One series per peer (label ``peer``); older switches export one without labels.
+                    if line.startswith("nebula_switch_link_connections") and " " in line:
+                        found[cluster] = found.get(cluster, 0.0) + float(line.split()[-1])
         return found
 
     def link_transport(self) -> dict[str, str]:

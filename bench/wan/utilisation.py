@@ -42,6 +42,8 @@ import torch
 
 from bench.wan.plots import PALETTE, grouped_bars
 from nebula_common.launcher.local import LocalDeployment
+from nebula_common.pki.service_identity import ServiceTlsFiles, service_tls_dir
+from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 from nebula_common.sdk.auth_client import AuthClient
 from services.trainer.edge import EdgeConnection, EdgeSettings, GrpcEdgeTransport
 
@@ -82,9 +84,12 @@ class Stream:
         def open_end(index: int) -> None:
             cluster = deployment.clusters[index]
             try:
-                transport = GrpcEdgeTransport(
-                    deployment.endpoints(cluster).switch, tokens[index], job_id, EDGE
-                )
+                # Only a trainer's certificate may open an edge (internal TLS): the switch's service
+                # port, presenting the cluster's trainer identity, as a trainer does.
+                address = f"127.0.0.1:{deployment.process(f'switch-{cluster}').info['service_port']}"
+                files = ServiceTlsFiles.in_dir(service_tls_dir(deployment.pki_dir, cluster, "trainer"))
+                trust_endpoint(address, ClientTls.for_service(files, cluster))
+                transport = GrpcEdgeTransport(address, tokens[index], job_id, EDGE)
                 ends[index] = EdgeConnection(
                     transport, job_id=job_id, edge=EDGE, upstream=index == 0, settings=EdgeSettings()
                 )

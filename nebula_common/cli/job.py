@@ -137,7 +137,15 @@ def print_summary(summary: JobSummary) -> None:
             f"{wan.get('bytes', wan['payload_bytes']):,} B  (x{wan['compression_ratio']:.2f} vs none)",
         )
     for cluster, identity in summary.peer_identities.items():
-        table.add_row(f"switch {cluster} verified peer", identity)
+        links = summary.links.get(cluster, {})
+        if len(links) <= 1:
+            table.add_row(f"switch {cluster} verified peer", identity)
+            continue
+        for peer, link in links.items():  # a switch with several peers: each link, named
+            state = "up" if link["connected"] else "down"
+            table.add_row(
+                f"switch {cluster} link to {peer}", f"{state} {link['verified_peer_identity']}".strip()
+            )
     console.print(table)
     for stage, message in summary.stage_messages.items():
         if message:

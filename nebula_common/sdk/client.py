@@ -220,6 +220,16 @@ class ClusterSession:
             _raise_for(exc, f"link status of cluster {self.endpoints.cluster_id}")
             raise
 
+    def link_statuses(self) -> dict[str, relay_pb2.LinkStatus]:
+        """Every link of the switch, by peer cluster, in its configuration order (``LinkStatus.peers``;
+        a switch older than that field reports its first peer's link only)."""
+        first = self.link_status()
+        statuses = {first.expected_peer: first}
+        for peer in first.peers:
+            if peer not in statuses:
+                statuses[peer] = self.link_status(peer)
+        return statuses
+
     def close(self) -> None:
         self._trainer_channel.close()
         self._switch_channel.close()

@@ -103,6 +103,17 @@ def settled_link_status(
         time.sleep(0.05)
 
 
+def link_summary(status: relay_pb2.LinkStatus) -> dict[str, Any]:
+    """One switch link for a summary: the peer it names, whether it is up, who answered, its role."""
+    return {
+        "peer": status.expected_peer,
+        "connected": status.connected,
+        "verified_peer_identity": status.verified_peer_identity,
+        "link_role": status.link_role,
+        "link_sessions": status.link_sessions,
+    }
+
+
 @dataclass
 class JobSummary:
     job_id: str
@@ -119,6 +130,8 @@ class JobSummary:
     total_seconds: float = 0.0
     wan: dict[str, dict[str, Any]] = field(default_factory=dict)
     peer_identities: dict[str, str] = field(default_factory=dict)
+    # Each cluster's switch links, by peer cluster: {cluster: {peer: {connected, identity, ...}}}.
+    links: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
     # Last edge counters each stage reported (bytes_sent, raw_bytes_sent), by stage, upstream first.
     stage_traffic: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -140,10 +153,15 @@ class JobSummary:
 
     def fill_wan(self, source: ClusterSession, target: ClusterSession) -> None:
         """This job's WAN numbers per direction, from the switches' per-job counters (module doc)."""
-        links = {s.endpoints.cluster_id: s.link_status() for s in (source, target)}
-        for cluster, link in links.items():
-            self.peer_identities[cluster] = link.verified_peer_identity
         src_id, dst_id = source.endpoints.cluster_id, target.endpoints.cluster_id
+        for session, other in ((source, dst_id), (target, src_id)):
+            cluster = session.endpoints.cluster_id
+            statuses = session.link_statuses()
+            self.links[cluster] = {peer: link_summary(status) for peer, status in statuses.items()}
+            # The identity that matters for this job: the link toward the job's other cluster (a
+            # switch with several peers lists them all in ``links``).
+            toward = statuses.get(other) or next(iter(statuses.values()))
+            self.peer_identities[cluster] = toward.verified_peer_identity
         counters = settled_job_counters(source, target, self.job_id)
         if counters is None:
             self._fill_wan_from_stages(src_id, dst_id)
@@ -208,6 +226,7 @@ class JobSummary:
             "checkpoint_steps": self.checkpoint_steps,
             "wan": self.wan,
             "peer_identities": self.peer_identities,
+            "links": self.links,
             "settings": self.settings,
         }
 

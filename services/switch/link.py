@@ -291,6 +291,7 @@ class PeerLink:
         #: (a switch with several peers sets it from all its links: services/switch/peers.py).
         self.on_up_change: Callable[[], None] | None = None
         PEER_LINK_UP.labels(peer_cluster_id).set(0)
+        LINK_CONNECTIONS.labels(peer_cluster_id).set(0)
 
     def _publish_up(self, up: bool) -> None:
         PEER_LINK_UP.labels(self.expected_peer.cluster_id).set(1 if up else 0)
@@ -454,7 +455,7 @@ class PeerLink:
                 marking=marking,
                 reorder=ReorderBuffer(lambda item: self.router.deliver(*item)),  # type: ignore[arg-type]
             )
-            LINK_CONNECTIONS.set(1)
+            LINK_CONNECTIONS.labels(self.expected_peer.cluster_id).set(1)
             self.router.link_came_up()
             writer = asyncio.create_task(self._pump_out(write), name="link-writer")
             reader = asyncio.create_task(self._pump_in(read), name="link-reader")
@@ -489,7 +490,7 @@ class PeerLink:
                         await task
                 if self._lanes is lanes:
                     self._lanes = None
-                LINK_CONNECTIONS.set(0)
+                LINK_CONNECTIONS.labels(self.expected_peer.cluster_id).set(0)
                 if self._current_session is me:
                     self._current_session = None
                 self._connected.clear()
@@ -519,7 +520,7 @@ class PeerLink:
         if lanes is None or not lanes.marking:
             raise HandshakeError(f"lane {lane} has no session to join")
         lanes.active.add(lane)
-        LINK_CONNECTIONS.set(len(lanes.active))
+        LINK_CONNECTIONS.labels(self.expected_peer.cluster_id).set(len(lanes.active))
         writer = asyncio.create_task(self._pump_out(write, lane), name=f"link-writer-{lane}")
         reader = asyncio.create_task(self._pump_in(read, lane), name=f"link-reader-{lane}")
         ended = asyncio.create_task(lanes.failed.wait(), name=f"link-lane-{lane}-session")
@@ -549,7 +550,7 @@ class PeerLink:
             lanes.active.discard(lane)
             lanes.retiring.discard(lane)
             if self._lanes is lanes:
-                LINK_CONNECTIONS.set(len(lanes.active))
+                LINK_CONNECTIONS.labels(self.expected_peer.cluster_id).set(len(lanes.active))
 
     def lane_counts(self) -> dict[int, int]:
         """Items written per connection in the current session ({} without lanes)."""
@@ -639,7 +640,7 @@ class PeerLink:
             return
         self._ping_outstanding = None
         self.rtt.sample(time.monotonic() - outstanding[1])
-        LINK_RTT.set(self.rtt.srtt or 0.0)
+        LINK_RTT.labels(self.expected_peer.cluster_id).set(self.rtt.srtt or 0.0)
 
     def _deliver(self, key: tuple[str, str], item: object, epoch: int, seq: int | None) -> None:
         """Hand an item to the router, in lane-mark order when the session stripes over lanes."""

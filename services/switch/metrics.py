@@ -47,8 +47,9 @@ PEER_LINK_UP = Gauge(
 )
 LINK_CONNECTIONS = Gauge(
     "nebula_switch_link_connections",
-    "Connections (lanes) the link to the peer switch stripes items over right now (0 while down; "
-    "NEBULA_SWITCH_LINK_CONNECTIONS on the dialing switch: a fixed count or auto).",
+    "Connections (lanes) the link to this peer switch stripes items over right now (0 while down; "
+    "NEBULA_SWITCH_LINK_CONNECTIONS on the dialing switch: a fixed count or auto), per peer.",
+    ["peer"],
 )
 EDGES_OPEN = Gauge("nebula_switch_edges_open", "Local trainer edge streams currently open.")
 AUTH_REFUSALS = Counter(
@@ -82,6 +83,15 @@ STALE_ITEMS = Counter(
     "Items from the peer dropped because their epoch is below their route's (an attempt already "
     "replaced by a restart; relay.proto, 'Epochs').",
 )
+ITEMS_SUPERSEDED = Counter(
+    "nebula_switch_items_superseded",
+    "Queued frames and signals dropped because the sender's replay (a retransmit-timeout or resume "
+    "rewind, or a reconnect) resends them behind: the copy takes the original's place in the queue "
+    "(to_peer: from a local trainer, waiting for the link; to_trainers: from the peer).",
+    ["direction"],
+)
+for _direction in ("to_peer", "to_trainers"):
+    ITEMS_SUPERSEDED.labels(_direction)
 BUFFERED_BYTES = Gauge(
     "nebula_switch_buffered_bytes",
     "Bytes of edge items this switch holds in its route buffers (to_trainers: from the peer; to_peer: "
@@ -112,7 +122,8 @@ OPENS_REFUSED = Counter(
 )
 LINK_RTT = Gauge(
     "nebula_switch_link_rtt_seconds",
-    "Smoothed round-trip time to the peer switch (RFC 6298 SRTT, Ping/Pong).",
+    "Smoothed round-trip time to this peer switch (RFC 6298 SRTT, Ping/Pong), per peer.",
+    ["peer"],
 )
 
 JOB_WAN_BYTES = Counter(

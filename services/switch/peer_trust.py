@@ -34,17 +34,24 @@ from nebula_common.pki.identity import cluster_dns_domain
 
 log = logging.getLogger(__name__)
 
+# One series per peer cluster (label ``peer``): a switch with several peers enforces one CRL each.
 PEER_CRL_NUMBER = Gauge(
-    "nebula_switch_peer_crl_number", "CRLNumber of the peer CA's CRL this switch enforces."
+    "nebula_switch_peer_crl_number",
+    "CRLNumber of the peer CA's CRL this switch enforces, per peer.",
+    ["peer"],
 )
 PEER_CRL_STALE = Gauge(
-    "nebula_switch_crl_stale", "1 while the peer CA's CRL is past its nextUpdate (or none was received)."
+    "nebula_switch_crl_stale",
+    "1 while the peer CA's CRL is past its nextUpdate (or none was received), per peer.",
+    ["peer"],
 )
 PEER_CRL_REVOKED = Gauge(
-    "nebula_switch_peer_crl_revoked", "Serials on the peer CA's CRL this switch enforces."
+    "nebula_switch_peer_crl_revoked", "Serials on the peer CA's CRL this switch enforces, per peer.", ["peer"]
 )
 PEER_TRUSTED_CAS = Gauge(
-    "nebula_switch_peer_trusted_cas", "Peer CAs in the trust bundle that may certify the peer."
+    "nebula_switch_peer_trusted_cas",
+    "Peer CAs in the trust bundle that may certify the peer, per peer.",
+    ["peer"],
 )
 
 Event = tuple[str, dict[str, object]]
@@ -277,7 +284,8 @@ class PeerTrust:
 
     def _update_metrics(self, now: datetime | None = None) -> None:
         loaded = self.loaded
-        PEER_TRUSTED_CAS.set(len(self._peer_cas))
-        PEER_CRL_STALE.set(1 if self.is_stale(now) else 0)
-        PEER_CRL_NUMBER.set(loaded.number if loaded is not None else 0)
-        PEER_CRL_REVOKED.set(len(loaded.revoked) if loaded is not None else 0)
+        peer = self.peer_cluster_id
+        PEER_TRUSTED_CAS.labels(peer).set(len(self._peer_cas))
+        PEER_CRL_STALE.labels(peer).set(1 if self.is_stale(now) else 0)
+        PEER_CRL_NUMBER.labels(peer).set(loaded.number if loaded is not None else 0)
+        PEER_CRL_REVOKED.labels(peer).set(len(loaded.revoked) if loaded is not None else 0)

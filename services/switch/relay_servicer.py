@@ -545,6 +545,7 @@ class RelayServicer:
             received=link.received.to_proto(),
             peer_certificate_serial=f"{state.peer_serial:x}" if state.peer_serial else "",
             link_sessions=state.sessions,
+            peers=list(self.links.peer_ids),
             **self._own_certificate(),
         )
 

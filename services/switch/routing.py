@@ -53,6 +53,12 @@ holds in its own buffers, per route and direction (W = ``max_window_bytes``, S =
   window per direction in transit across both switches, so a healthy route holds at most W here).
   Acks are coalesced, one per route and direction.
 
+A replay replaces what it resends (``Router._supersede``): a frame part or signal at or below the stream
+position last queued in its direction starts a sender's rewind, and the queued frame parts and signals
+from that position on (not delivered, so not acknowledged, and resent right behind) are dropped and
+counted (``nebula_switch_items_superseded_total``); so rewinds while originals still wait hold one
+window, not one per rewind.
+
 A route over any bound is closed: an error close naming this switch, the bound and the numbers goes to
 the sender (across the link) and to the local trainer if one is attached, buffered items are dropped,
 the key is tombstoned for ``tombstone_s`` (later items for it are dropped), and ``route.closed`` is
@@ -70,7 +76,13 @@ from typing import NamedTuple
 
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2
 from nebula_common.rpc.framing import FramedChunk
-from services.switch.metrics import BUFFERED_BYTES, ITEMS_DROPPED, ROUTES_CLOSED, STALE_ITEMS
+from services.switch.metrics import (
+    BUFFERED_BYTES,
+    ITEMS_DROPPED,
+    ITEMS_SUPERSEDED,
+    ROUTES_CLOSED,
+    STALE_ITEMS,
+)
 
 RouteKey = tuple[str, str]
 
@@ -112,6 +124,26 @@ EdgeItem = relay_pb2.EdgeMessage | FramedChunk
 """An edge item as the router holds it: a parsed message, or a framed chunk kept as its wire bytes."""
 Outbound = link_pb2.LinkMessage | FramedChunk
 """What the link writer sends: a link message, or a framed chunk forwarded byte for byte."""
+
+
+Position = tuple[int, int, int]
+"""Where a frame part or signal stands in its stream: (epoch, sequence number, 0 for a header or a
+signal, chunk offset + 1 for a chunk). A sender's items rise strictly; a lower or equal one is a replay."""
+
+
+def _position(message: EdgeItem, epoch: int) -> Position | None:
+    """The stream position of a sequenced item (frame part, signal); None for acks, closes, notices."""
+    if isinstance(message, FramedChunk):
+        return (epoch, message.frame_id, message.offset + 1)
+    kind = message.WhichOneof("body")
+    if kind == "frame":
+        frame = message.frame
+        if frame.WhichOneof("part") == "header":
+            return (epoch, frame.header.frame_id, 0)
+        return (epoch, frame.chunk.frame_id, frame.chunk.offset + 1)
+    if kind == "signal":
+        return (epoch, message.signal.seq, 0)
+    return None
 
 
 class Item(NamedTuple):
@@ -178,6 +210,9 @@ class Route:
     outbound: deque[Item] = field(default_factory=deque)
     outbound_bytes: int = 0
     in_ready: bool = False
+    #: Stream position of the last frame part or signal queued each way (see ``_supersede``).
+    last_outbound: Position | None = None
+    last_inbound: Position | None = None
     #: Why the switch closed the route itself (None while open).
     closed_reason: str | None = None
     #: The highest epoch either side has opened or sent (relay.proto, "Epochs").
@@ -366,6 +401,11 @@ class Router:
             self.outbound_wake.set()
             return True
         size = item_size(message)
+        position = _position(message, attachment.epoch)
+        if position is not None:
+            last, route.last_outbound = route.last_outbound, position
+            if last is not None and position <= last:
+                self._supersede(route, position, inbound=False)
         self._push_outbound(route, Item(message, size, attachment.epoch))
         bound = self.limits.route_bound_bytes
         if route.outbound_bytes > bound:
@@ -502,6 +542,11 @@ class Router:
             size = route.inbound_ack.size
         else:
             size = item_size(message)
+            position = _position(message, epoch)
+            if position is not None:
+                last, route.last_inbound = route.last_inbound, position
+                if last is not None and position <= last:
+                    self._supersede(route, position, inbound=True)
             route.inbound.append(Item(message, size, epoch))
             if kind != "close":
                 route.inbound_items += 1
@@ -510,6 +555,39 @@ class Router:
         if not self._within_bounds(route) or route.attachment is None:
             return
         route.attachment.wake.set()
+
+    def _supersede(self, route: Route, replay: Position, *, inbound: bool) -> None:
+        """A replay starts at ``replay``: drop the queued frame parts and signals it will resend.
+
+        A sender rewinds (its retransmit timeout, a resume ack, a reconnect) to its first
+        unacknowledged item and resends everything after it in order, at once and within credit
+        it already had. Whatever of that stream still waits in this buffer was not delivered, so
+        not acknowledged, so it sits at or after the replay's start and its copy follows: keeping
+        the original too would hold a window per rewind (a second rewind before the first drained
+        overran the route's bound of two windows, issue 15). Dropping it keeps the order the
+        receiver sees (what already left, then the replay from its start) and delivery exactly once;
+        a session that ends mid-replay purges both and the trainers resume.
+        """
+        queue = route.inbound if inbound else route.outbound
+        dropped_bytes = dropped = 0
+        # A sender's stream is queued in rising order, so what the replay resends is the queue's tail:
+        # popping it costs one step per dropped item (a scan per replayed item would be quadratic).
+        while queue:
+            position = _position(queue[-1].message, queue[-1].epoch)
+            if position is None or position[0] != replay[0] or position < replay:
+                break
+            dropped_bytes += queue.pop().size
+            dropped += 1
+        if not dropped:
+            return
+        if inbound:
+            route.inbound_bytes -= dropped_bytes
+            route.inbound_items -= dropped
+            self.buffered_in -= dropped_bytes
+        else:
+            route.outbound_bytes -= dropped_bytes
+            self.buffered_out -= dropped_bytes
+        ITEMS_SUPERSEDED.labels("to_trainers" if inbound else "to_peer").inc(dropped)
 
     def _raise_epoch(self, route: Route, epoch: int, reason: str) -> None:
         """The route moves to ``epoch``: older items are void both ways, an older attachment restarts."""

@@ -25,7 +25,9 @@ import grpc
 import pytest
 import torch
 from cryptography import x509
+from prometheus_client import REGISTRY
 
+from nebula_common.cli import job as job_cli
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.errors import NebulaError
 from nebula_common.pki import PkiLayout, init_pki
@@ -33,6 +35,7 @@ from nebula_common.pki.store import revoke_certificate
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc
 from nebula_common.rpc import bearer_metadata
 from nebula_common.sdk.client import ClusterSession
+from nebula_common.sdk.summary import JobSummary
 from services.trainer.edge import EdgeConnection, EdgeSettings
 from tests.support.edges import wait_for
 from tests.support.switch_mesh import Chain, switch_chain
@@ -188,6 +191,60 @@ def test_an_edge_to_an_unknown_or_unnamed_peer_is_refused_clearly(chain: Chain) 
             session.link_status("z")
     finally:
         session.close()
+
+
+def _session(chain: Chain, cluster: str) -> ClusterSession:
+    endpoints = ClusterEndpoints(
+        cluster_id=cluster,
+        auth=chain.auths[cluster].address,
+        trainer="127.0.0.1:1",  # not called here
+        switch=chain.switches[cluster].internal_address,
+    )
+    return ClusterSession(endpoints, chain.tokens[cluster], "admin")
+
+
+def test_each_peer_link_has_its_own_metrics_status_and_summary_row(chain: Chain) -> None:
+    """b's link gauges carry a ``peer`` label (one series per link, not the last writer's value);
+    its LinkStatus lists both peers, and a job's summary names the link toward the job's other
+    cluster and lists every link of a switch with several peers."""
+    # The three switches share this process's registry; only b has links to a and to c.
+    for peer in ("a", "c"):
+        wait_for(
+            lambda peer=peer: REGISTRY.get_sample_value("nebula_switch_link_rtt_seconds", {"peer": peer}),
+            30,
+            f"an RTT sample of b's link to {peer}",
+        )
+        assert REGISTRY.get_sample_value("nebula_switch_link_connections", {"peer": peer}) == 1, peer
+        assert REGISTRY.get_sample_value("nebula_switch_peer_link_up", {"peer": peer}) == 1, peer
+        assert REGISTRY.get_sample_value("nebula_switch_crl_stale", {"peer": peer}) is not None, peer
+        assert REGISTRY.get_sample_value("nebula_switch_peer_crl_number", {"peer": peer}) is not None, peer
+    b, c = _session(chain, "b"), _session(chain, "c")
+    try:
+        assert list(b.link_status().peers) == ["a", "c"]
+        statuses = b.link_statuses()
+        assert list(statuses) == ["a", "c"]
+        for peer, status in statuses.items():
+            assert (
+                status.connected and status.verified_peer_identity == f"spiffe://nebula/cluster/{peer}/switch"
+            )
+        assert list(c.link_statuses()) == ["b"]
+        # A job b -> c: b's identity row is its link to c, not its first peer a.
+        summary = JobSummary(job_id="summary-b-c", steps=0)
+        summary.fill_wan(b, c)
+        assert summary.peer_identities == {
+            "b": "spiffe://nebula/cluster/c/switch",
+            "c": "spiffe://nebula/cluster/b/switch",
+        }
+        assert sorted(summary.links["b"]) == ["a", "c"] and list(summary.links["c"]) == ["b"]
+        assert summary.to_json()["links"]["b"]["a"]["connected"] is True
+        with job_cli.console.capture() as captured:
+            job_cli.print_summary(summary)
+        text = captured.get()
+        assert "switch b link to a" in text and "switch b link to c" in text, text
+        assert "switch c verified peer" in text, text
+    finally:
+        b.close()
+        c.close()
 
 
 def _link_stays_up(chain: Chain, peer: str) -> Callable[[], None]:

@@ -112,7 +112,7 @@ def test_a_stale_crl_is_an_alarm_and_fails_closed_only_by_setting(
     open_trust.apply(short, source="link")
     events = open_trust.refresh(now=later)
     assert [name for name, _ in events] == ["crl.stale"] and events[0][1]["fail_closed"] is False
-    assert PEER_CRL_STALE._value.get() == 1  # the alarm metric
+    assert PEER_CRL_STALE.labels("b")._value.get() == 1  # the alarm metric, per peer
     assert open_trust.refresh(now=later) == []  # alarmed once, not on every poll
     assert open_trust.closed_reason(now=later) is None  # still enforced, link stays up
 

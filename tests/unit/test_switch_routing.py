@@ -38,9 +38,11 @@ def header(frame_id: int, step: int = 0) -> relay_pb2.EdgeMessage:
     )
 
 
-def chunk(frame_id: int, size: int) -> relay_pb2.EdgeMessage:
+def chunk(frame_id: int, size: int, offset: int = 0) -> relay_pb2.EdgeMessage:
     return relay_pb2.EdgeMessage(
-        frame=tensor_pb2.TensorFrame(chunk=tensor_pb2.TensorChunk(frame_id=frame_id, data=b"x" * size))
+        frame=tensor_pb2.TensorFrame(
+            chunk=tensor_pb2.TensorChunk(frame_id=frame_id, offset=offset, data=b"x" * size)
+        )
     )
 
 
@@ -161,12 +163,12 @@ def test_scheduler_sends_acks_first_then_one_item_per_route_in_turn() -> None:
         big, big_attachment = router.attach(("big", "e"), "alice")
         small, small_attachment = router.attach(("small", "e"), "bob")
         router.accept_local(big, big_attachment, header(1))
-        for _ in range(30):  # a large tensor: 30 chunks of 256 KiB
-            router.accept_local(big, big_attachment, chunk(1, 256 * 1024))
-        for frame_id in (1, 2, 3):
-            router.accept_local(small, small_attachment, header(frame_id))
+        for i in range(30):  # a large tensor: 30 chunks of 256 KiB
+            router.accept_local(big, big_attachment, chunk(1, 256 * 1024, offset=i * 256 * 1024))
+        for seq in (1, 3, 5):  # frames and signals share one sequence
+            router.accept_local(small, small_attachment, header(seq))
             router.accept_local(
-                small, small_attachment, relay_pb2.EdgeMessage(signal=relay_pb2.EdgeSignal(seq=10))
+                small, small_attachment, relay_pb2.EdgeMessage(signal=relay_pb2.EdgeSignal(seq=seq + 1))
             )
         router.accept_local(small, small_attachment, ack(5))
         router.accept_local(small, small_attachment, ack(7))  # coalesced with the previous one
@@ -553,7 +555,7 @@ def test_a_restarted_trainer_continues_an_orphaned_route_at_a_higher_epoch() -> 
         router.end_stream(route, first, None, vanished=True)
         router.deliver(KEY, signal(1), epoch=1)  # the peer restarted too: its RESUME is kept
         assert route.epoch == 1 and route.detached == "orphaned" and route.inbound_items == 1
-        router.deliver(KEY, signal(1), epoch=1)
+        router.deliver(KEY, signal(2), epoch=1)
         assert route.inbound_items == 2  # the orphaned epoch was 0: epoch-1 items are buffered
         same, restarted = router.attach(KEY, "alice", epoch=1)
         assert same is route and route.detached is None

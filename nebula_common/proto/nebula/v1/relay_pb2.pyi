@@ -154,7 +154,7 @@ class LinkCounters(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., frames: _Optional[int] = ...) -> None: ...
 
 class LinkStatus(_message.Message):
-    __slots__ = ("cluster_id", "expected_peer", "connected", "verified_peer_identity", "link_role", "sent", "received", "peer_certificate_serial", "link_sessions", "certificate_serial", "certificate_not_after", "certificate_generation")
+    __slots__ = ("cluster_id", "expected_peer", "connected", "verified_peer_identity", "link_role", "sent", "received", "peer_certificate_serial", "link_sessions", "certificate_serial", "certificate_not_after", "certificate_generation", "peers")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_PEER_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class LinkStatus(_message.Message):
     CERTIFICATE_SERIAL_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_NOT_AFTER_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     expected_peer: str
     connected: bool
@@ -179,4 +180,5 @@ class LinkStatus(_message.Message):
     certificate_serial: str
     certificate_not_after: int
     certificate_generation: int
-    def __init__(self, cluster_id: _Optional[str] = ..., expected_peer: _Optional[str] = ..., connected: _Optional[bool] = ..., verified_peer_identity: _Optional[str] = ..., link_role: _Optional[str] = ..., sent: _Optional[_Union[LinkCounters, _Mapping]] = ..., received: _Optional[_Union[LinkCounters, _Mapping]] = ..., peer_certificate_serial: _Optional[str] = ..., link_sessions: _Optional[int] = ..., certificate_serial: _Optional[str] = ..., certificate_not_after: _Optional[int] = ..., certificate_generation: _Optional[int] = ...) -> None: ...
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cluster_id: _Optional[str] = ..., expected_peer: _Optional[str] = ..., connected: _Optional[bool] = ..., verified_peer_identity: _Optional[str] = ..., link_role: _Optional[str] = ..., sent: _Optional[_Union[LinkCounters, _Mapping]] = ..., received: _Optional[_Union[LinkCounters, _Mapping]] = ..., peer_certificate_serial: _Optional[str] = ..., link_sessions: _Optional[int] = ..., certificate_serial: _Optional[str] = ..., certificate_not_after: _Optional[int] = ..., certificate_generation: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ...) -> None: ...
