@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
+from nebula_common.cli.console import new_console
 from nebula_common.cli.local import _print_event
 from nebula_common.errors import NebulaError
 from nebula_common.launcher.cluster import ClusterDeploymentError, parse_host_port, parse_peer
@@ -21,7 +21,7 @@ from nebula_common.launcher.supervisor import RestartPolicy
 from nebula_common.pki.identity import validate_cluster_id
 
 app = typer.Typer(help="Run one organisation's cluster.", no_args_is_help=True)
-console = Console(emoji=False)
+console = new_console()
 
 
 def _cluster(value: str) -> str:

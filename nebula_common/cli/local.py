@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
+from nebula_common.cli.console import new_console
 from nebula_common.errors import NebulaError
 from nebula_common.launcher import LocalDeployment
 from nebula_common.launcher.local import CLUSTER_IDS, MAX_CLUSTERS, running_deployment_pid
@@ -24,7 +24,7 @@ from nebula_common.launcher.supervisor import RestartPolicy
 from nebula_common.sdk.deployment import ENDPOINTS, DeploymentTarget, write_endpoints_file
 
 app = typer.Typer(help="Run simulated clusters locally.", no_args_is_help=True)
-console = Console(emoji=False)
+console = new_console()
 
 
 def default_run_dir(kind: str) -> Path:
