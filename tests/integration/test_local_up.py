@@ -16,17 +16,11 @@ import pytest
 from click.testing import Result
 from typer.testing import CliRunner
 
+from tests.support.deployments import alive, assert_gone
+
 # Two deployments start here, one after the other: on a busy 2-CPU machine each may take a minute.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 START_DEADLINE_S = 180.0
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_local_up_runs_until_interrupted_and_leaves_nothing_behind(tmp_path: Path) -> None:
@@ -60,11 +54,7 @@ def test_local_up_runs_until_interrupted_and_leaves_nothing_behind(tmp_path: Pat
         reap(up, run_dir)
         raise
     assert up.returncode == 0, output
-    for pid in pids:
-        deadline = time.monotonic() + 10
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(pid), f"process {pid} survived the shutdown"
+    assert_gone(pids)
 
 
 def reap(up: subprocess.Popen[str], run_dir: Path) -> str:
@@ -129,11 +119,7 @@ def stop_up(up: subprocess.Popen[str], pids: list[int]) -> str:
     up.send_signal(signal.SIGINT)
     output, _ = up.communicate(timeout=60)
     assert up.returncode == 0, output
-    for pid in pids:
-        deadline = time.monotonic() + 10
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(pid), f"process {pid} survived the shutdown"
+    assert_gone(pids)
     return output
 
 
