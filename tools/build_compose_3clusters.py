@@ -161,15 +161,9 @@ def build() -> str:
 
 
 def main() -> int:
-    text = build()
-    if "--check" in sys.argv:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT} is stale: run `python tools/build_compose_3clusters.py`", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT}")
-    return 0
+    from _generated import write_or_check  # tools/ is on sys.path: this file runs as a script
+
+    return write_or_check(OUT, build(), "python tools/build_compose_3clusters.py")
 
 
 if __name__ == "__main__":

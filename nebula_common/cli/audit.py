@@ -9,7 +9,6 @@ from typing import Annotated
 
 import grpc
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from nebula_common.audit import (
@@ -21,6 +20,7 @@ from nebula_common.audit import (
     verify_log,
 )
 from nebula_common.audit.query import MAX_LIMIT
+from nebula_common.cli.console import new_console, print_error
 from nebula_common.proto.nebula.v1 import audit_pb2, audit_pb2_grpc
 from nebula_common.rpc import bearer_metadata
 from nebula_common.rpc.internal_tls import InternalTlsError, internal_channel
@@ -29,7 +29,7 @@ app = typer.Typer(help="Tamper-evident audit logs of the services.", no_args_is_
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
-    Console(emoji=False, stderr=True).print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    print_error(message)
     return typer.Exit(code=code)
 
 
@@ -68,7 +68,7 @@ def verify(
         seal_path=seal,
         max_seal_age=None if max_seal_age_s is None else timedelta(seconds=max_seal_age_s),
     )
-    console = Console(emoji=False)
+    console = new_console()
     if not result.ok:
         where = f"first bad record: {result.first_bad}: " if result.first_bad is not None else ""
         raise _fail(f"TAMPERED {log}: {where}{result.reason}")
@@ -111,7 +111,7 @@ def show(
     for record in result.records:
         typer.echo(json.dumps(record, sort_keys=True, separators=(",", ":")))
     if result.truncated:
-        Console(emoji=False, stderr=True).print(
+        new_console(stderr=True).print(
             f"[yellow]more than {limit} records matched; showing the oldest {limit}[/]"
         )
 
@@ -176,7 +176,7 @@ def query(
         # Re-encoded compactly so the output is one record per line whatever the service stored.
         typer.echo(json.dumps(json.loads(line), sort_keys=True, separators=(",", ":")))
     if reply.truncated:
-        Console(emoji=False, stderr=True).print(
+        new_console(stderr=True).print(
             f"[yellow]more than {limit} records matched; showing the oldest {limit} "
             f"(log holds {reply.total_records})[/]"
         )

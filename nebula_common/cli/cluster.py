@@ -3,25 +3,21 @@
 from __future__ import annotations
 
 import json
-import signal
-import threading
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
-from nebula_common.cli.local import _print_event
-from nebula_common.errors import NebulaError
+from nebula_common.cli.console import new_console
+from nebula_common.cli.local import _print_event, serve_until_stopped
 from nebula_common.launcher.cluster import ClusterDeploymentError, parse_host_port, parse_peer
 from nebula_common.launcher.organisation import ClusterDeployment
-from nebula_common.launcher.process import ServiceStartError
 from nebula_common.launcher.supervisor import RestartPolicy
 from nebula_common.pki.identity import validate_cluster_id
 
 app = typer.Typer(help="Run one organisation's cluster.", no_args_is_help=True)
-console = Console(emoji=False)
+console = new_console()
 
 
 def _cluster(value: str) -> str:
@@ -93,28 +89,13 @@ def up(
     )
     names = ", ".join([peer_id, *(other for other, _ in more_peers)])
     console.print(f"starting cluster {cluster} (peers {names}) in [bold]{escape(str(run_dir))}[/] ...")
-    try:
-        deployment.start()
-    except (NebulaError, ServiceStartError) as exc:
-        typer.echo(f"Error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        deployment.write_description(run_dir / "deployment.json")
+
+    def announce() -> None:
         console.print_json(json.dumps(deployment.describe()))
         console.print(
             f"[green]up[/]: cluster {cluster}, WAN port {wan_listen}, "
             f"logs in {escape(str(deployment.log_dir))}. "
             f"Ctrl-C (or `nebula local down --run-dir {escape(str(run_dir))}`) stops it."
         )
-        supervisor = deployment.supervisor
-        seen = supervisor.generation if supervisor is not None else 0
-        while not stop.wait(0.5):
-            if supervisor is not None and supervisor.generation != seen:
-                seen = supervisor.generation
-                deployment.write_description(run_dir / "deployment.json")
-    finally:
-        console.print("stopping ...")
-        deployment.stop()
+
+    serve_until_stopped(deployment, run_dir, announce)

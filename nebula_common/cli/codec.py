@@ -11,16 +11,16 @@ import os
 
 import torch
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from nebula_common.cli.console import new_console
 from nebula_common.codec import CodecError, available_codecs, canonical_spec, get_codec
 from nebula_common.codec.advice import advise, job_advice_request
 from nebula_common.codec.base import dtype_from_name, numel
 from nebula_common.codec.calibration import Calibrator, default_cache_path
 
 app = typer.Typer(help="Codec specs and advice.", no_args_is_help=True)
-console = Console(emoji=False)
+console = new_console()
 
 
 def _shape(text: str) -> tuple[int, ...]:

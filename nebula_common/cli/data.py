@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Annotated, TypeVar
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
+from nebula_common.cli.console import new_console, print_error
 from nebula_common.errors import NebulaError
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.data_client import DataClient, DatasetInfo
@@ -24,7 +23,7 @@ from nebula_common.sdk.data_client import DataClient, DatasetInfo
 T = TypeVar("T")
 
 app = typer.Typer(help="Datasets in your own namespace, and grants that let others read batches.")
-console = Console(emoji=False)
+console = new_console()
 
 Address = Annotated[str, typer.Option("--address", help="host:port of the cluster's data service.")]
 Auth = Annotated[str, typer.Option("--auth", help="host:port of the same cluster's auth service.")]
@@ -51,7 +50,7 @@ def _call(address: str, auth: str, user: str, operation: Callable[[DataClient], 
 
 
 def _fail(message: str) -> typer.Exit:
-    Console(emoji=False, stderr=True).print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    print_error(message)
     return typer.Exit(code=1)
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 
+from nebula_common.cli.console import new_console
 from nebula_common.cli.job import follow, onboard, print_summary
 from nebula_common.errors import NebulaError
 from nebula_common.jobspec import SpecError, load_spec
@@ -27,7 +27,7 @@ from nebula_common.sdk.codec_advice import LinkProfile
 from nebula_common.sdk.deployment import ENDPOINTS, DeploymentTarget, write_endpoints_file
 from nebula_common.sdk.jobs import ProgramJob
 
-console = Console(emoji=False)
+console = new_console()
 DEMO_JOBS = ("numbers", "electra")
 """Built-in jobs that run from scratch in a couple of minutes on a laptop (``abnet`` needs its text data)."""
 

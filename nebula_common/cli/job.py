@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from nebula_common.cli.console import new_console
 from nebula_common.credentials import CredentialsError, store_new
 from nebula_common.errors import NebulaError
 from nebula_common.jobspec import SpecError, load_spec
@@ -39,7 +39,7 @@ from nebula_common.sdk.progress import ProgressBar
 from nebula_common.sdk.summary import JobSummary, summarize
 
 app = typer.Typer(help="Submit and follow split training jobs.", no_args_is_help=True)
-console = Console(emoji=False)
+console = new_console()
 
 
 def onboard(endpoints: ClusterEndpoints, admin_password: str, username: str) -> ClusterSession:

@@ -11,20 +11,22 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
+from nebula_common.cli.console import new_console
 from nebula_common.errors import NebulaError
 from nebula_common.launcher import LocalDeployment
 from nebula_common.launcher.local import CLUSTER_IDS, MAX_CLUSTERS, running_deployment_pid
+from nebula_common.launcher.organisation import ClusterDeployment
 from nebula_common.launcher.process import ServiceStartError
 from nebula_common.launcher.supervisor import RestartPolicy
 from nebula_common.sdk.deployment import ENDPOINTS, DeploymentTarget, write_endpoints_file
 
 app = typer.Typer(help="Run simulated clusters locally.", no_args_is_help=True)
-console = Console(emoji=False)
+console = new_console()
 
 
 def default_run_dir(kind: str) -> Path:
@@ -80,6 +82,32 @@ def up(
     reused = " (reusing its secrets, accounts and data)" if (run_dir / "pki").exists() else ""
     names = ", ".join(CLUSTER_IDS[:clusters])
     console.print(f"starting {clusters} clusters ({names}) in [bold]{run_dir}[/]{reused} ...")
+
+    def announce() -> None:
+        # The same deployment as an endpoints file: the one format every deployment kind offers.
+        write_endpoints_file(DeploymentTarget.load(run_dir / "deployment.json"), run_dir / ENDPOINTS)
+        console.print_json(json.dumps(deployment.describe()))
+        console.print(
+            f"[green]up[/]: PKI in {deployment.pki_dir}, logs in {deployment.log_dir}; "
+            f"description in {run_dir / 'deployment.json'} (endpoints: {run_dir / ENDPOINTS}). "
+            "Dead services are restarted. WAN faults: "
+            f"`nebula wan cut|restore|reset --run-dir {run_dir}`. Ctrl-C (or `nebula local down "
+            f"--run-dir {run_dir}`) stops everything. Internal ports are TLS: commands given bare "
+            f"addresses verify them with NEBULA_CA_CERT={deployment.pki_dir}/<cluster>/ca.crt."
+        )
+
+    serve_until_stopped(deployment, run_dir, announce)
+
+
+def serve_until_stopped(
+    deployment: LocalDeployment | ClusterDeployment, run_dir: Path, announce: Callable[[], None]
+) -> None:
+    """Start ``deployment`` and keep it up until SIGINT or SIGTERM (Ctrl-C, `nebula local down`); stop it.
+
+    Used by `local up` and `cluster up`. Once the services are up, RUN_DIR/deployment.json is written
+    and ``announce`` tells the user; the description is written again whenever the supervisor
+    restarted a service (new pids, restart counts). A deployment that cannot start exits 1, saying why.
+    """
     try:
         deployment.start()
     except (NebulaError, ServiceStartError) as exc:
@@ -89,19 +117,8 @@ def up(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        description = deployment.describe()
         deployment.write_description(run_dir / "deployment.json")
-        # The same deployment as an endpoints file: the one format every deployment kind offers.
-        write_endpoints_file(DeploymentTarget.load(run_dir / "deployment.json"), run_dir / ENDPOINTS)
-        console.print_json(json.dumps(description))
-        console.print(
-            f"[green]up[/]: PKI in {deployment.pki_dir}, logs in {deployment.log_dir}; "
-            f"description in {run_dir / 'deployment.json'} (endpoints: {run_dir / ENDPOINTS}). "
-            "Dead services are restarted. WAN faults: "
-            f"`nebula wan cut|restore|reset --run-dir {run_dir}`. Ctrl-C (or `nebula local down "
-            f"--run-dir {run_dir}`) stops everything. Internal ports are TLS: commands given bare "
-            f"addresses verify them with NEBULA_CA_CERT={deployment.pki_dir}/<cluster>/ca.crt."
-        )
+        announce()
         supervisor = deployment.supervisor
         seen = supervisor.generation if supervisor is not None else 0
         while not stop.wait(0.5):

@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives import hashes
 from rich.console import Console
 from rich.markup import escape
 
+from nebula_common.cli.console import new_console, print_error
 from nebula_common.pki.fingerprint import parse_fingerprint
 from nebula_common.pki.identity import KNOWN_ROLES, validate_cluster_id
 from nebula_common.pki.store import (
@@ -34,7 +35,7 @@ app = typer.Typer(help="Certificates for the clusters' switches.", no_args_is_he
 
 def _fail(message: str) -> typer.Exit:
     """Report an operational error (bad state on disk, unreadable file) as exit code 1."""
-    Console(emoji=False, stderr=True).print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    print_error(message)
     return typer.Exit(code=1)
 
 
@@ -104,7 +105,7 @@ def init(
     if (cluster is None) == (clusters is None):
         raise typer.BadParameter("give exactly one of --cluster (one organisation) or --clusters a,b (demo)")
     validity = timedelta(hours=leaf_validity_hours)
-    console = Console(emoji=False)
+    console = new_console()
     if cluster is not None:
         try:
             paths, created = init_cluster(pki_dir, cluster, leaf_validity=validity, force=force)
@@ -156,7 +157,7 @@ def export_ca_command(
         path, fingerprint = export_ca(pki_dir, cluster, out)
     except (PkiError, OSError) as exc:
         raise _fail(str(exc)) from None
-    Console(emoji=False, stderr=True).print(
+    new_console(stderr=True).print(
         f"wrote the CA certificate of cluster {cluster} to {escape(str(path))}", soft_wrap=True
     )
     typer.echo(fingerprint)
@@ -196,13 +197,11 @@ def trust_add(
     try:
         path = add_trust(pki_dir, cluster, peer, pem, expected_fingerprint=expected)
     except FingerprintMismatch as exc:
-        Console(emoji=False, stderr=True).print(f"[bold red]refused:[/] {escape(str(exc))}", soft_wrap=True)
+        new_console(stderr=True).print(f"[bold red]refused:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(code=2) from None
     except (PkiError, OSError) as exc:
         raise _fail(str(exc)) from None
-    Console(emoji=False).print(
-        f"cluster {cluster} now trusts peer {peer} ({escape(str(path))})", soft_wrap=True
-    )
+    new_console().print(f"cluster {cluster} now trusts peer {peer} ({escape(str(path))})", soft_wrap=True)
 
 
 @trust_app.command("list")
@@ -243,9 +242,9 @@ def trust_remove(
         removed = remove_trust(pki_dir, cluster, peer)
     except (PkiError, OSError) as exc:
         raise _fail(str(exc)) from None
-    Console(emoji=False).print(f"cluster {cluster} no longer trusts peer {peer}; removed:", soft_wrap=True)
+    new_console().print(f"cluster {cluster} no longer trusts peer {peer}; removed:", soft_wrap=True)
     for path in removed:
-        Console(emoji=False).print(f"  {escape(str(path))}", soft_wrap=True)
+        new_console().print(f"  {escape(str(path))}", soft_wrap=True)
 
 
 def _describe(console: Console, title: str, path: Path) -> None:
@@ -299,7 +298,7 @@ def show(
     paths = ClusterPaths.for_cluster(pki_dir, cluster)
     if not paths.dir.is_dir():
         raise _fail(f"no PKI for cluster {cluster!r}: {paths.dir} does not exist")
-    console = Console(emoji=False)
+    console = new_console()
     _describe(console, f"cluster {cluster} CA", paths.ca_cert)
     _describe(console, f"cluster {cluster} switch", paths.switch_cert)
     trusted = sorted(paths.trust_dir.glob("*.crt"))
@@ -353,7 +352,7 @@ def revoke(
         written = revoke_certificate(pki_dir, cluster, number, reason=reason)
     except (PkiError, OSError) as exc:
         raise _fail(str(exc)) from None
-    console = Console(emoji=False)
+    console = new_console()
     console.print(f"revoked serial {number:x} of cluster {cluster}; wrote:", soft_wrap=True)
     for path in written:
         console.print(f"  {escape(str(path))}", soft_wrap=True)
@@ -372,7 +371,7 @@ def renew(
         cert_obj = renew_switch_certificate(pki_dir, cluster, validity=timedelta(hours=validity_hours))
     except (PkiError, OSError, ValueError) as exc:
         raise _fail(str(exc)) from None
-    Console(emoji=False).print(
+    new_console().print(
         f"renewed switch of cluster {cluster}: serial {cert_obj.serial_number:x}, "
         f"valid until {cert_obj.not_valid_after_utc.isoformat()}",
         soft_wrap=True,
@@ -398,4 +397,4 @@ def issue(
         )
     except (PkiError, OSError, ValueError) as exc:
         raise _fail(str(exc)) from None
-    Console(emoji=False).print(f"wrote {escape(str(cert_path))} and {escape(str(key_path))}", soft_wrap=True)
+    new_console().print(f"wrote {escape(str(cert_path))} and {escape(str(key_path))}", soft_wrap=True)

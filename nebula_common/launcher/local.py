@@ -38,6 +38,7 @@ import os
 import secrets
 import socket
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -490,25 +491,28 @@ class LocalDeployment:
         return {"wan_emulators": mesh}
 
     def stop(self) -> None:
-        """Stop trainers first (they close their edges), then switches, emulator, codec, auth.
+        """Stop trainers first (they close their edges), then switches, emulators, data, codec, auth.
 
         The supervisor stops first and every process is marked unwanted before any is signalled,
-        so nothing is restarted while the deployment goes down.
+        so nothing is restarted while the deployment goes down. The processes of one kind (every
+        cluster's trainer, ...) stop together: one after another, 11 graceful exits took 55 s at
+        load 25, close to `local down`'s and the tests' limits.
         """
         if self.supervisor is not None:
             self.supervisor.stop()
         for process in self.all_processes():
             with process.lock:
                 process.wanted = False
-        order: list[ServiceProcess] = []
-        for attr in ("trainer", "switch"):
-            order += [getattr(s, attr) for s in self.cluster_state.values() if getattr(s, attr) is not None]
-        order += list(self.emulators.values()) or ([self.emulator] if self.emulator is not None else [])
-        for attr in ("data", "codec", "auth"):
-            order += [getattr(s, attr) for s in self.cluster_state.values() if getattr(s, attr) is not None]
+
+        def every(attr: str) -> list[ServiceProcess]:
+            return [getattr(s, attr) for s in self.cluster_state.values() if getattr(s, attr) is not None]
+
+        emulators = list(self.emulators.values()) or ([self.emulator] if self.emulator is not None else [])
+        tiers = [every("trainer"), every("switch"), emulators, every("data"), every("codec"), every("auth")]
         try:
-            for process in order:
-                process.stop()
+            for tier in tiers:
+                with ThreadPoolExecutor(max_workers=max(1, len(tier)), thread_name_prefix="stop") as pool:
+                    list(pool.map(ServiceProcess.stop, tier))  # each: SIGTERM, then SIGKILL after 15 s
         finally:
             self._release_lock()
 

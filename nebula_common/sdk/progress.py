@@ -14,6 +14,7 @@ from types import TracebackType
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from nebula_common.cli.console import new_console
 from nebula_common.proto.nebula.v1 import trainer_pb2
 
 NOTED_STATES = (trainer_pb2.STAGE_STATE_RECOVERING, trainer_pb2.STAGE_STATE_FAILED)
@@ -59,9 +60,7 @@ class ProgressBar:
             TextColumn("WAN {task.fields[mbit]} Mbit/s"),
             TimeElapsedColumn(),
         )
-        self._progress = Progress(
-            *columns, console=console or Console(emoji=False, stderr=True), disable=disable
-        )
+        self._progress = Progress(*columns, console=console or new_console(stderr=True), disable=disable)
         self._task = self._progress.add_task(
             title, total=total, completed=completed, loss="-", step_ms="-", mbit="-"
         )

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from nebula_common.launcher.ports import service_port
 from nebula_common.sdk.client import submit_job
 from nebula_common.sdk.deployment import endpoints_from_description, onboard
 from nebula_common.sdk.summary import summarize
-from tests.support.deployments import pids, references, wait_description
+from tests.support.deployments import assert_gone, pids, references, wait_description
 from tests.support.jobs import numbers_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -37,14 +36,6 @@ def _pki(*args: object) -> str:
     result = CliRunner().invoke(pki_app, [str(a) for a in args])
     assert result.exit_code == 0, result.output + result.stderr
     return result.stdout
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _nebula(*args: object) -> list[str]:
@@ -130,11 +121,7 @@ def test_two_organisations_each_run_cluster_up_and_train_the_numbers_job(tmp_pat
         outputs = {c: up.communicate(timeout=90)[0] for c, up in ups.items()}
     for cluster, up in ups.items():
         assert up.returncode == 0, outputs[cluster]
-    for pid in pids(descriptions["a"]) + pids(descriptions["b"]):
-        deadline = time.monotonic() + 10
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(pid), f"process {pid} survived the shutdown"
+    assert_gone(pids(descriptions["a"]) + pids(descriptions["b"]))
 
 
 def test_cluster_up_without_trust_names_the_command_to_run(tmp_path: Path) -> None:

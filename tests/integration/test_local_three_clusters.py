@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.deployments import assert_gone, wait_description
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 # 17 processes, one after another: 4.2 min on 2 CPUs at load 20, over 6 min at load 30-37.
 START_DEADLINE_S = 600.0
@@ -35,14 +37,6 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         timeout=timeout,
         check=False,
     )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _links_up(metrics_port: int) -> dict[str, float]:
@@ -69,14 +63,7 @@ def test_local_up_three_clusters_links_every_pair_and_status_shows_them(tmp_path
         text=True,
     )
     try:
-        description = run_dir / "deployment.json"
-        deadline = time.monotonic() + START_DEADLINE_S
-        while not description.exists() and time.monotonic() < deadline and up.poll() is None:
-            time.sleep(0.2)
-        if not description.exists():
-            up.send_signal(signal.SIGINT)  # KeyboardInterrupt: stops whatever it started
-            raise AssertionError(f"not up after {START_DEADLINE_S:.0f}s:\n{up.communicate(timeout=120)[0]}")
-        deployment = json.loads(description.read_text())
+        deployment = wait_description(up, run_dir, START_DEADLINE_S)  # else fails with up's output
         assert sorted(deployment["clusters"]) == list(CLUSTERS)
         assert sorted(deployment["wan_emulators"]) == ["b", "c"]  # a dials b and c, b dials c
 
@@ -110,11 +97,7 @@ def test_local_up_three_clusters_links_every_pair_and_status_shows_them(tmp_path
         assert down.returncode == 0, down.stdout + down.stderr
         print(f"`local down` stopped the 17 processes in {time.monotonic() - stopping:.1f}s")
         up.communicate(timeout=120)
-        for pid in pids:
-            deadline = time.monotonic() + 10
-            while _alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert not _alive(pid), f"process {pid} survived `local down`"
+        assert_gone(pids, "`local down`")
     finally:
         if up.poll() is None:  # a failed check: stop it as Ctrl-C would, so no service is left behind
             up.send_signal(signal.SIGINT)

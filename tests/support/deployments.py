@@ -1,8 +1,9 @@
 """Helpers for tests that start ``nebula cluster up`` / ``local up`` as processes and inspect them.
 
 ``wait_description`` waits for the deployment.json a deployment writes once its services are up;
-``pids`` lists every service process it names; ``references`` is what the isolation checks of the
-two-organisation tests read: the paths a process was configured with or holds open.
+``pids`` lists every service process it names; ``alive`` and ``assert_gone`` check processes by pid;
+``references`` is what the isolation checks of the two-organisation tests read: the paths a process
+was configured with or holds open.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -44,3 +46,21 @@ def references(pid: int) -> list[str]:
         with contextlib.suppress(OSError):  # closed meanwhile
             opened.append(os.readlink(fd))
     return environ + opened
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (a zombie counts until its parent reaps it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def assert_gone(pids: Iterable[int], what: str = "the shutdown", each_s: float = 10.0) -> None:
+    """Every process of ``pids`` exits, each within ``each_s`` s; else fails naming one that survived."""
+    for pid in pids:
+        deadline = time.monotonic() + each_s
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(pid), f"process {pid} survived {what}"

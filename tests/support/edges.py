@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -181,11 +182,9 @@ def stage_runner(
     the one before.
     """
     name = job.spec.stages[index].name
-    spec = job.stage_spec(name)
-    holder: list[StageRun] = []
 
     def open_edge(
-        stage_spec: trainer_pb2.StageSpec, stage_settings: EdgeSettings, edge_epoch: int
+        stage_spec: trainer_pb2.StageSpec, stage_settings: EdgeSettings, edge_epoch: int, run: StageRun
     ) -> EdgeConnection:
         transport: object
         if isinstance(link, SwitchPair):
@@ -196,7 +195,6 @@ def stage_runner(
             transport = link.ends[index] if edge_epoch == 0 else link.open_end(index, edge_epoch)
         edge = stage_edge(stage_spec, transport, stage_settings, edge_epoch)
         receive, send = edge.receive_tensor, edge.send_tensor
-        run = holder[0]
 
         def recording(step: int, micro_batch: int, *args: object, **kwargs: object) -> torch.Tensor:
             tensor = receive(step, micro_batch, *args, **kwargs)  # type: ignore[arg-type]
@@ -213,17 +211,35 @@ def stage_runner(
         run.epochs.append(edge_epoch)
         return edge
 
+    return runner_with_edges(
+        job, name, data_dir, settings, open_edge, epoch=epoch, on_epoch=on_epoch, receive_ahead=receive_ahead
+    )
+
+
+def runner_with_edges(
+    job: ProgramJob,
+    name: str,
+    data_dir: Path,
+    settings: EdgeSettings,
+    open_edge: Callable[[trainer_pb2.StageSpec, EdgeSettings, int, StageRun], EdgeConnection],
+    **options: Any,
+) -> StageRun:
+    """A ``ProgramRunner`` (not started) for the job's stage ``name``, its edges opened by ``open_edge``.
+
+    ``open_edge`` is the runner's edge factory plus the ``StageRun`` it belongs to (to record into).
+    The runner is made as the trainer makes it, with a token, owner ``tester``, no data service, and
+    data dir ``data_dir / name``; ``options`` go to ``ProgramRunner`` (``epoch``, ``on_epoch``, ...).
+    """
+    holder: list[StageRun] = []
     runner = ProgramRunner(
-        spec,
+        job.stage_spec(name),
         "token",
         "unused:0",
         data_dir / name,
         "tester",
-        edge_factory=open_edge,
+        edge_factory=lambda spec, edge_settings, epoch: open_edge(spec, edge_settings, epoch, holder[0]),
         edge_settings=settings,
-        epoch=epoch,
-        on_epoch=on_epoch,
-        receive_ahead=receive_ahead,
+        **options,
     )
     holder.append(StageRun(runner))
     return holder[0]

@@ -1,8 +1,10 @@
 """Validate Kubernetes manifests against real schemas, strictly (unknown fields refused).
 
 Core objects (Deployment, Service, NetworkPolicy, ...) use the strict JSON schemas of Kubernetes
-that ``kubernetes-validate`` ships (generated from the API server's OpenAPI; loaded once here, where
-its own ``validate`` re-reads 1.3 MB of definitions per object). cert-manager objects use the
+that ``kubernetes-validate`` ships (generated from the API server's OpenAPI; loaded once per
+Kubernetes version here, where its own ``validate`` re-reads 1.3 MB of definitions per object), for
+the version asked (default ``K8S_VERSION``; the newest schema not newer than it, as
+``kubernetes-validate`` picks). cert-manager objects use the
 models that ``cloudcoil-models-cert-manager`` (PyPI, Apache-2.0) generates from cert-manager's own
 CRDs (pinned in constraints.txt: cert-manager 1.17), as JSON Schema, made strict the way the API
 server treats a structural schema: an object that lists ``properties`` accepts no other field (the
@@ -20,9 +22,9 @@ from typing import Any
 
 import jsonschema
 from cloudcoil.models.cert_manager import v1 as cert_manager_v1
-from kubernetes_validate.utils import schema_contents
+from kubernetes_validate.utils import all_versions, major_minor, schema_contents
 
-#: The Kubernetes minor the core schemas are taken from (kubectl 1.32 renders these manifests).
+#: The Kubernetes version the core schemas are taken from by default (kubectl 1.32 renders these manifests).
 K8S_VERSION = "1.32.0"
 #: The cert-manager kinds validated here (apiVersion cert-manager.io/v1).
 CERT_MANAGER_KINDS = ("Certificate", "Issuer")
@@ -64,8 +66,15 @@ def strict_schema(kind: str) -> dict[str, Any]:
     return schema
 
 
-STRICT_DIR = f"kubernetes-json-schema/v{K8S_VERSION}-local-strict"
 DEFINITIONS_REF = "/api/_definitions.json#/$defs/"
+
+
+def _strict_dir(version: str) -> str:
+    """Where kubernetes-validate keeps the strict schemas for ``version`` (the newest not newer)."""
+    known = [v for v in all_versions() if major_minor(v) <= major_minor(version)]
+    if not known:
+        raise ValueError(f"no Kubernetes schemas for version {version} (oldest: {all_versions()[0]})")
+    return f"kubernetes-json-schema/v{known[-1]}-local-strict"
 
 
 def _local_refs(schema: Any) -> Any:
@@ -78,36 +87,37 @@ def _local_refs(schema: Any) -> Any:
 
 
 @cache
-def _definitions() -> dict[str, Any]:
+def _definitions(version: str) -> dict[str, Any]:
     """Kubernetes' strict definitions, which every core schema and ObjectMeta refer to."""
-    return _local_refs(schema_contents(f"{STRICT_DIR}/_definitions.json", K8S_VERSION))["$defs"]
+    return _local_refs(schema_contents(f"{_strict_dir(version)}/_definitions.json", version))["$defs"]
 
 
 @cache
-def _core_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validator | None:
+def _core_validator(version: str, api_version: str, kind: str) -> jsonschema.Draft202012Validator | None:
     """The strict schema of a core kind, named as kubernetes-validate names it (None if it has none)."""
     group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)  # apps/v1 -> apps-v1
     try:
-        schema = schema_contents(f"{STRICT_DIR}/{kind.lower()}-{group_version}.json", K8S_VERSION)
+        schema = schema_contents(f"{_strict_dir(version)}/{kind.lower()}-{group_version}.json", version)
     except FileNotFoundError:
         return None
-    schema = {**_local_refs(schema), "$defs": _definitions()}
+    schema = {**_local_refs(schema), "$defs": _definitions(version)}
     return jsonschema.Draft202012Validator(schema)
 
 
 @cache
-def _cert_manager_validator(kind: str) -> jsonschema.Draft202012Validator:
+def _cert_manager_validator(kind: str, version: str) -> jsonschema.Draft202012Validator:
     schema = strict_schema(kind)
     jsonschema.Draft202012Validator.check_schema(schema)  # before the (large, trusted) definitions
-    return jsonschema.Draft202012Validator({**schema, "$defs": {**_definitions(), **schema["$defs"]}})
+    return jsonschema.Draft202012Validator({**schema, "$defs": {**_definitions(version), **schema["$defs"]}})
 
 
 def _where(error: jsonschema.ValidationError) -> str:
     return ".".join(str(p) for p in error.absolute_path) or "(top level)"
 
 
-def errors(doc: dict[str, Any]) -> list[str]:
-    """Every schema violation of one manifest, as "Kind name: path: message"; [] if valid.
+def errors(doc: dict[str, Any], version: str = K8S_VERSION) -> list[str]:
+    """Every schema violation of one manifest on Kubernetes ``version``, as "Kind name: path: message";
+    [] if valid.
 
     A kind with no schema here (neither core Kubernetes nor a cert-manager kind) is itself an error.
     """
@@ -117,11 +127,11 @@ def errors(doc: dict[str, Any]) -> list[str]:
     if api_version == "cert-manager.io/v1":
         if kind not in CERT_MANAGER_KINDS:
             return [f"{kind} {name}: no cert-manager schema for this kind here (only {CERT_MANAGER_KINDS})"]
-        validator = _cert_manager_validator(kind)
+        validator = _cert_manager_validator(kind, version)
     else:
-        found = _core_validator(api_version, kind)
+        found = _core_validator(version, api_version, kind)
         if found is None:
-            return [f"{kind} {name}: no Kubernetes {K8S_VERSION} schema for {api_version} {kind}"]
+            return [f"{kind} {name}: no Kubernetes {version} schema for {api_version} {kind}"]
         validator = found
     return [
         f"{kind} {name}: {_where(e)}: {e.message}"

@@ -27,9 +27,8 @@ from nebula_common.sdk.jobs import ProgramJob
 from services.trainer.edge import EdgeConnection, EdgeSettings, stage_edge
 from services.trainer.edge.memory import MemoryLink, MemoryTransport
 from services.trainer.runtime.lifecycle import PEER_CANCELLED
-from services.trainer.runtime.stage import ProgramRunner
 from services.trainer.validation import validate_stage_spec
-from tests.support.edges import StageRun, finish, wait_for, wait_for_step
+from tests.support.edges import StageRun, finish, runner_with_edges, wait_for, wait_for_step
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -91,32 +90,19 @@ def chain_runner(
 ) -> StageRun:
     """A ``ProgramRunner`` (not started) for stage ``index``; edge K is ``links[K]``, stage K its end 0."""
     name = job.spec.stages[index].name
-    spec = job.stage_spec(name)
-    validate_stage_spec(spec)  # what the trainer checks before it runs a stage
+    validate_stage_spec(job.stage_spec(name))  # what the trainer checks before it runs a stage
     edge_index = {edge.name: k for k, edge in enumerate(job.spec.edges)}
-    holder: list[StageRun] = []
 
     def open_edge(
-        view: trainer_pb2.StageSpec, edge_settings: EdgeSettings, edge_epoch: int
+        view: trainer_pb2.StageSpec, edge_settings: EdgeSettings, edge_epoch: int, run: StageRun
     ) -> EdgeConnection:
         link = links[edge_index[view.edge]]
         side = 0 if view.program.role == "upstream" else 1
         transport = link.ends[side] if edge_epoch == 0 else link.open_end(side, edge_epoch)
-        holder[0].epochs.append(edge_epoch)
+        run.epochs.append(edge_epoch)
         return stage_edge(view, transport, edge_settings, edge_epoch)
 
-    runner = ProgramRunner(
-        spec,
-        "token",
-        "unused:0",
-        data_dir / name,
-        "tester",
-        edge_factory=open_edge,
-        edge_settings=settings,
-        epoch=epoch,
-    )
-    holder.append(StageRun(runner))
-    return holder[0]
+    return runner_with_edges(job, name, data_dir, settings, open_edge, epoch=epoch)
 
 
 def run_chain(job: ProgramJob, data_dir: Path, settings: EdgeSettings = SETTINGS) -> list[StageRun]:
