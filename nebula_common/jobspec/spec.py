@@ -285,13 +285,6 @@ class JobSpec(_Strict):
                 f"a chain of {len(self.stages)} stages needs mode backprop"
             )
         for index, chained in enumerate(self.edges):
-            for direction in ("forward", "backward"):
-                if getattr(chained.codec, direction) == "auto":
-                    raise ValueError(
-                        f"edges.{index}.codec.{direction}: auto (codec advice) is for two-stage jobs; "
-                        "name a codec for each edge of a chain"
-                    )
-        for index, chained in enumerate(self.edges):
             if chained.payload != "float":
                 raise ValueError(
                     f"edges.{index}.payload: int64 ids have no gradient; a chain carries float activations"
