@@ -36,7 +36,7 @@ from nebula_common.sdk.deployment import (
 from nebula_common.sdk.deployment import onboard as onboard_account
 from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.progress import ProgressBar
-from nebula_common.sdk.summary import JobSummary, summarize
+from nebula_common.sdk.summary import JobSummary, chain_edges, summarize
 
 app = typer.Typer(help="Submit and follow split training jobs.", no_args_is_help=True)
 console = Console(emoji=False)
@@ -102,13 +102,21 @@ def follow(
     ``link`` describes the WAN for `codec: auto` (resolved once by the source cluster's codec service).
     """
     handle = submit_job(job, sessions, link=link)
-    if job.codec_choice and json.loads(job.codec_choice).get("source") != "configured" and not quiet:
+    choice = json.loads(job.codec_choice) if job.codec_choice else {}
+    if choice.get("source") == "per-edge" and not quiet:  # a chain: one choice per edge
+        for (name, record), (forward, backward) in zip(
+            choice["edges"].items(), job.edge_codecs(), strict=True
+        ):
+            console.print(f"codec {record['source']} on {name}: forward={forward} backward={backward}")
+    elif choice and choice.get("source") != "configured" and not quiet:
         console.print(f"codec advice: forward={job.codec_forward} backward={job.codec_backward}")
     with ProgressBar(job.spec.name, job.steps, job.start_step, console=console, disable=quiet) as bar:
         summary = summarize(job, handle, on_status=bar.update)
     ordered = [sessions[c] for c in job.clusters().values()]
     if len(ordered) == 2:  # a chain's switches count each job's bytes over all their peers together
         summary.fill_wan(ordered[0], ordered[1])
+    else:  # so a chain's numbers per edge come from its stages' per-edge counters
+        summary.fill_chain_wan(chain_edges(job))
     summary.settings = job.settings()
     return summary
 
@@ -136,6 +144,13 @@ def print_summary(summary: JobSummary) -> None:
             f"WAN {direction} ({wan['from']}->{wan['to']})",
             f"{wan.get('bytes', wan['payload_bytes']):,} B  (x{wan['compression_ratio']:.2f} vs none)",
         )
+    for name, directions in summary.wan_edges.items():
+        for direction, wan in directions.items():
+            table.add_row(
+                f"WAN {name} {direction} ({wan['from']}->{wan['to']})",
+                f"{wan['payload_bytes']:,} B in {wan['frames']:,} frames  "
+                f"(x{wan['compression_ratio']:.2f} vs none)",
+            )
     for cluster, identity in summary.peer_identities.items():
         table.add_row(f"switch {cluster} verified peer", identity)
     console.print(table)

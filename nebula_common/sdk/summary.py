@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nebula_common.proto.nebula.v1 import relay_pb2, trainer_pb2
 from nebula_common.sdk.client import ClusterSession, JobHandle, SubmittedJob
+from nebula_common.sdk.jobs import ProgramJob
 
 
 def scrape_counter(url: str, name: str, labels: dict[str, str]) -> float | None:
@@ -103,6 +104,26 @@ def settled_link_status(
         time.sleep(0.05)
 
 
+@dataclass(frozen=True)
+class ChainEdgeInfo:
+    """One edge of a chain as the summary names it: its stages and their clusters."""
+
+    name: str
+    from_stage: str
+    to_stage: str
+    from_cluster: str
+    to_cluster: str
+
+
+def chain_edges(job: ProgramJob) -> list[ChainEdgeInfo]:
+    """Every edge of the job in chain order (edge K: stage K -> stage K+1)."""
+    stages = job.spec.stages
+    return [
+        ChainEdgeInfo(edge.name, stages[k].name, stages[k + 1].name, stages[k].cluster, stages[k + 1].cluster)
+        for k, edge in enumerate(job.spec.edges)
+    ]
+
+
 @dataclass
 class JobSummary:
     job_id: str
@@ -125,6 +146,10 @@ class JobSummary:
     # Encoded bytes both stages' edges had sent when each loss step was reported (WAN use per step).
     wan_bytes_per_step: list[int] = field(default_factory=list)
     loss_stage: str = ""  # the stage that owns the loss (reports `loss`)
+    # Each stage's last per-edge counters (``StageStatus.edges``): stage -> edge name -> counters.
+    edge_traffic: dict[str, dict[str, trainer_pb2.EdgeTraffic]] = field(default_factory=dict)
+    # A chain's WAN numbers: edge name -> "forward"/"backward" -> numbers (``fill_chain_wan``).
+    wan_edges: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def steps_done(self) -> int:
@@ -183,6 +208,37 @@ class JobSummary:
                 "seconds": self.train_seconds,
             }
 
+    def fill_chain_wan(self, edges: list[ChainEdgeInfo]) -> None:
+        """A chain's WAN numbers per edge and direction, from the stages' own per-edge counters.
+
+        Edge K's forward numbers are what stage K sent on it, its backward numbers what stage
+        K+1 sent back; each side's received counters are kept beside them as a cross-check.
+        """
+        for edge in edges:
+            ends = {
+                stage: self.edge_traffic.get(stage, {}).get(edge.name, trainer_pb2.EdgeTraffic())
+                for stage in (edge.from_stage, edge.to_stage)
+            }
+            directions = (
+                ("forward", edge.from_stage, edge.to_stage, edge.from_cluster, edge.to_cluster),
+                ("backward", edge.to_stage, edge.from_stage, edge.to_cluster, edge.from_cluster),
+            )
+            self.wan_edges[edge.name] = {}
+            for direction, sender, receiver, source, target in directions:
+                sent, got = ends[sender], ends[receiver]
+                self.wan_edges[edge.name][direction] = {
+                    "from": source,
+                    "to": target,
+                    "counted_by": "trainers",
+                    "payload_bytes": sent.bytes_sent,
+                    "raw_bytes": sent.raw_bytes_sent,
+                    "frames": sent.frames_sent,
+                    "payload_bytes_received_by_peer": got.bytes_received,
+                    "frames_received_by_peer": got.frames_received,
+                    "compression_ratio": sent.raw_bytes_sent / sent.bytes_sent if sent.bytes_sent else 0.0,
+                    "seconds": self.train_seconds,
+                }
+
     def to_json(self) -> dict[str, Any]:
         return {
             "job_id": self.job_id,
@@ -207,6 +263,7 @@ class JobSummary:
             },
             "checkpoint_steps": self.checkpoint_steps,
             "wan": self.wan,
+            **({"wan_edges": self.wan_edges} if self.wan_edges else {}),
             "peer_identities": self.peer_identities,
             "settings": self.settings,
         }
@@ -238,6 +295,8 @@ def summarize(
         summary.stage_messages[stage] = status.message
         if status.bytes_sent or status.raw_bytes_sent:
             summary.stage_traffic[stage] = (status.bytes_sent, status.raw_bytes_sent)
+        if status.edges:
+            summary.edge_traffic[stage] = {traffic.edge: traffic for traffic in status.edges}
         if status.steps_done > last_step.get(stage, 0):
             last_step[stage] = status.steps_done
             summary.wait_seconds[stage] = summary.wait_seconds.get(stage, 0.0) + status.wait_seconds

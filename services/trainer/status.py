@@ -51,7 +51,12 @@ class StatusBoard:
                 if per_step not in fields:
                     status.ClearField(per_step)
             for name, value in fields.items():
-                setattr(status, name, value)
+                if isinstance(value, list):  # a repeated field (e.g. edges): replaced whole
+                    repeated = getattr(status, name)
+                    del repeated[:]
+                    repeated.extend(value)
+                else:
+                    setattr(status, name, value)
             self._history.append(status)
             if len(self._history) > HISTORY_LIMIT:
                 del self._history[0]

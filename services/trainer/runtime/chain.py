@@ -72,8 +72,26 @@ def combined_stats(edges: list[EdgeConnection]) -> EdgeStats:
         total.bytes_received += edge.stats.bytes_received
         total.raw_bytes_sent += edge.stats.raw_bytes_sent
         total.raw_bytes_received += edge.stats.raw_bytes_received
+        total.frames_sent += edge.stats.frames_sent
+        total.frames_received += edge.stats.frames_received
         total.wait_seconds += edge.stats.wait_seconds
     return total
+
+
+def edge_traffic(edges: list[EdgeConnection]) -> list[trainer_pb2.EdgeTraffic]:
+    """Each edge's own counters for the stage's status (a chain's summary reads them per edge)."""
+    return [
+        trainer_pb2.EdgeTraffic(
+            edge=edge.edge,
+            bytes_sent=edge.stats.bytes_sent,
+            raw_bytes_sent=edge.stats.raw_bytes_sent,
+            frames_sent=edge.stats.frames_sent,
+            bytes_received=edge.stats.bytes_received,
+            raw_bytes_received=edge.stats.raw_bytes_received,
+            frames_received=edge.stats.frames_received,
+        )
+        for edge in edges
+    ]
 
 
 class FailureRelay:
@@ -161,4 +179,4 @@ class MiddleStep:
             self.to_above.send(received.grad, step, mb, ids)
 
 
-__all__ = ["FailureRelay", "MiddleStep", "combined_stats", "edge_views"]
+__all__ = ["FailureRelay", "MiddleStep", "combined_stats", "edge_traffic", "edge_views"]

@@ -62,7 +62,13 @@ from services.trainer.edge import (
     renewed,
 )
 from services.trainer.metrics import LOSS, STEP_SECONDS, STEPS_TOTAL, WAIT_SECONDS
-from services.trainer.runtime.chain import FailureRelay, MiddleStep, combined_stats, edge_views
+from services.trainer.runtime.chain import (
+    FailureRelay,
+    MiddleStep,
+    combined_stats,
+    edge_traffic,
+    edge_views,
+)
 from services.trainer.runtime.checkpoint import CheckpointStore
 from services.trainer.runtime.lifecycle import StageLifecycle
 from services.trainer.runtime.parallel import DataParallelGroup
@@ -577,6 +583,7 @@ class ProgramRunner:
                 else:
                     self.store.save(spec.job_id, spec.stage, self.owner, done, program)
                 extra["checkpoint_step"] = done
+            extra["edges"] = edge_traffic(edges)
             self._report_step(step, elapsed, waited, loss, combined_stats(edges), **extra)
         evaluates = callable(getattr(program.module, "load_eval_examples", None))
         if not self._one_way and evaluates and not (cfg.stage_count or 2) > 2:
@@ -594,10 +601,22 @@ class ProgramRunner:
             self._relay.stop()  # closing in order is not a failure to pass on
         for end in reversed(edges):  # a middle closes below first: every gradient up has been sent
             end.close("finished")
+        self._report_traffic(edges)  # every frame sent is counted now (the senders were flushed)
         for end in edges:
             lost = end.session.failure
             if isinstance(lost, EdgeRestartRequired | EdgeOutage):  # the peer restarted before it closed
                 raise renewed(lost)
+
+    def _report_traffic(self, edges: list[EdgeConnection]) -> None:
+        """The edges' final counters, per edge and summed (after the last step's sends were flushed)."""
+        stats = combined_stats(edges)
+        self.board.update(
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+            raw_bytes_sent=stats.raw_bytes_sent,
+            raw_bytes_received=stats.raw_bytes_received,
+            edges=edge_traffic(edges),
+        )
 
     def _report_step(
         self,
