@@ -291,10 +291,10 @@ class JobSpec(_Strict):
                 )
         for index in range(1, len(self.stages) - 1):
             stage = self.stages[index]
-            if stage.replicas != 1:
+            if stage.parallel != "ddp":
                 raise ValueError(
-                    f"stages.{index}.replicas: a middle stage of a chain runs on one process, "
-                    f"got {stage.replicas}"
+                    f"stages.{index}.parallel: a middle stage of a chain runs data-parallel only (ddp), "
+                    f"got {stage.parallel}"
                 )
 
     @property

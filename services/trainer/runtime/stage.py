@@ -64,6 +64,7 @@ from services.trainer.edge import (
 from services.trainer.metrics import LOSS, STEP_SECONDS, STEPS_TOTAL, WAIT_SECONDS
 from services.trainer.runtime.chain import (
     FailureRelay,
+    LocalMiddle,
     MiddleStep,
     combined_stats,
     edge_traffic,
@@ -514,6 +515,7 @@ class ProgramRunner:
                 data_dir=self.store.root,
                 owner=self.owner,
                 upstream=upstream,
+                middle=self._middle,
             )
         self._start_barrier(edge, upstream, down)
         timer = self.timer
@@ -526,8 +528,10 @@ class ProgramRunner:
         if down is not None:
             self._down_sender = AsyncSender(down, cfg.max_in_flight, timer)
             self._down_receiver = ReceiveAhead(down, depth, timer)
+            # On n ranks the stage's DataParallelGroup relays every micro-batch's rows on each rank.
+            compute = self._dp if isinstance(self._dp, DataParallelGroup) else LocalMiddle(program)
             middle = MiddleStep(
-                program,
+                compute,
                 cfg.schedule,
                 cfg.micro_batches,
                 cfg.max_in_flight,
@@ -551,7 +555,10 @@ class ProgramRunner:
             loss: float | None = None
             if middle is not None:
                 middle.run(step, {mb: self._ids(step, mb) for mb in range(cfg.micro_batches)})
-                program.finish_step()
+                if self._dp is not None:
+                    self._dp.finish_step(step)  # the ranks sum their gradients and step together
+                else:
+                    program.finish_step()
             elif upstream and self._one_way:
                 extra["local_loss"] = self._upstream_one_way_step(program, sender, step)
                 program.finish_step()
