@@ -104,19 +104,21 @@ def follow(
     handle = submit_job(job, sessions, link=link)
     choice = json.loads(job.codec_choice) if job.codec_choice else {}
     if choice.get("source") == "per-edge" and not quiet:  # a chain: one choice per edge
-        for (name, record), (forward, backward) in zip(
-            choice["edges"].items(), job.edge_codecs(), strict=True
-        ):
-            console.print(f"codec {record['source']} on {name}: forward={forward} backward={backward}")
+        for record in choice["edges"]:
+            console.print(
+                f"codec {record['source']} on {record['edge']}: "
+                f"forward={record['forward']} backward={record['backward']}"
+            )
     elif choice and choice.get("source") != "configured" and not quiet:
         console.print(f"codec advice: forward={job.codec_forward} backward={job.codec_backward}")
     with ProgressBar(job.spec.name, job.steps, job.start_step, console=console, disable=quiet) as bar:
         summary = summarize(job, handle, on_status=bar.update)
-    ordered = [sessions[c] for c in job.clusters().values()]
+    ordered_ids = list(job.clusters().values())
+    ordered = [sessions[c] for c in ordered_ids]
     if len(ordered) == 2:  # a chain's switches count each job's bytes over all their peers together
         summary.fill_wan(ordered[0], ordered[1])
-    else:  # so a chain's numbers per edge come from its stages' per-edge counters
-        summary.fill_chain_wan(chain_edges(job))
+    else:  # so a chain's numbers come per edge: its switches' per-peer series (or its stages' counters)
+        summary.fill_chain_wan(chain_edges(job), {cluster: sessions[cluster] for cluster in ordered_ids})
     summary.settings = job.settings()
     return summary
 
@@ -148,7 +150,7 @@ def print_summary(summary: JobSummary) -> None:
         for direction, wan in directions.items():
             table.add_row(
                 f"WAN {name} {direction} ({wan['from']}->{wan['to']})",
-                f"{wan['payload_bytes']:,} B in {wan['frames']:,} frames  "
+                f"{wan.get('bytes', wan['payload_bytes']):,} B in {wan['frames']:,} frames  "
                 f"(x{wan['compression_ratio']:.2f} vs none)",
             )
     for cluster, identity in summary.peer_identities.items():

@@ -333,24 +333,26 @@ def resolve_chain_codecs(
     (the link between its two clusters) on its own activation shape; its trial trains the whole
     chain with the edges above it on their chosen codecs. A configured edge keeps its codecs and
     is recorded as such. The recorded choice (every stage gets it): ``{"source": "per-edge",
-    "edges": {edge name: that edge's record}}``.
+    "edges": [each edge's record, in chain order, named by its "edge"]}``.
     """
     count = len(job.spec.edges)
     if len(advisors) != count or len(links) != count:
         raise ValueError(f"a chain of {count} edges needs one advisor and one link per edge")
     probe = probe_micro_batch(job)
     codecs = [(e.codec.forward, e.codec.backward) for e in job.spec.edges]
-    records: dict[str, dict[str, Any]] = {}
+    records: list[dict[str, Any]] = []
     for index, declared in enumerate(job.spec.edges):
         forward, backward = codecs[index]
         if AUTO not in (canonical_spec(forward), canonical_spec(backward)):
-            records[declared.name] = {"source": "configured", "forward": forward, "backward": backward}
+            records.append(
+                {"edge": declared.name, "source": "configured", "forward": forward, "backward": backward}
+            )
             continue
         forward, backward, record = advise_edge(
             job, index, probe, advisors[index], links[index], codecs, settings
         )
         codecs[index] = (forward, backward)
-        records[declared.name] = {"edge": declared.name, **record}
+        records.append({"edge": declared.name, **record})
     choice = {"source": "per-edge", "edges": records}
     job.set_edge_codecs(codecs, json.dumps(choice, sort_keys=True))
     return choice

@@ -177,10 +177,9 @@ def advice_section(choice: dict[str, Any]) -> str:
     A chain's choice (``per-edge``) has one such section per edge, headed by the edge's name.
     """
     if choice.get("source") == "per-edge":
-        edges = choice.get("edges") or {}
         return "\n".join(
-            f"<h3>edge {html.escape(str(name))}</h3>\n{advice_section(record)}"
-            for name, record in edges.items()
+            f"<h3>edge {html.escape(str(record.get('edge')))}</h3>\n{advice_section(record)}"
+            for record in choice.get("edges") or []
         )
     if choice.get("source") != "codec-service advice":
         return f"<p>Codecs were <b>{html.escape(str(choice.get('source', 'unknown')))}</b> in the spec.</p>"

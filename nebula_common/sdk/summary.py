@@ -42,12 +42,15 @@ _JOB_SERIES = {
 }
 
 
-def job_wan_counters(session: ClusterSession, job_id: str) -> dict[str, dict[str, int]] | None:
+def job_wan_counters(
+    session: ClusterSession, job_id: str, peer: str | None = None
+) -> dict[str, dict[str, int]] | None:
     """The job's per-job counters on the session's switch, per direction ("sent", "received").
 
-    None when the deployment description gave no metrics endpoint for that switch. A job the
-    switch has no series of (nothing crossed, or its series already left after their grace
-    period) reads as zeros.
+    ``peer``: only what crossed the link to that cluster's switch (a chain's middle cluster has
+    two); None: all peers together. None when the deployment description gave no metrics
+    endpoint for that switch. A job the switch has no series of (nothing crossed, or its series
+    already left after their grace period) reads as zeros.
     """
     url = session.endpoints.metrics.get(f"switch-{session.endpoints.cluster_id}")
     if not url:
@@ -59,22 +62,30 @@ def job_wan_counters(session: ClusterSession, job_id: str) -> dict[str, dict[str
         for sample in family.samples:
             key = _JOB_SERIES.get(sample.name)
             direction = sample.labels.get("direction", "")
-            if key and sample.labels.get("job_id") == job_id and direction in counts:
-                counts[direction][key] = int(sample.value)
+            ours = sample.labels.get("job_id") == job_id and peer in (None, sample.labels.get("peer"))
+            if key and ours and direction in counts:
+                counts[direction][key] += int(sample.value)
     return counts
 
 
 def settled_job_counters(
-    source: ClusterSession, target: ClusterSession, job_id: str, timeout: float = 5.0
+    source: ClusterSession,
+    target: ClusterSession,
+    job_id: str,
+    timeout: float = 5.0,
+    per_peer: bool = False,
 ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]] | None:
     """Both switches' counters of the job once each side has received what the other sent.
 
     The job's last close messages may still be crossing the WAN when its stages end; reading at
     that instant would show the two switches disagreeing. None if either has no metrics endpoint.
+    ``per_peer``: only the link between these two switches (one edge of a chain).
     """
     deadline = time.monotonic() + timeout
+    peers = (target.endpoints.cluster_id, source.endpoints.cluster_id) if per_peer else (None, None)
     while True:
-        first, second = job_wan_counters(source, job_id), job_wan_counters(target, job_id)
+        first = job_wan_counters(source, job_id, peers[0])
+        second = job_wan_counters(target, job_id, peers[1])
         if first is None or second is None:
             return None
         settled = (
@@ -208,13 +219,19 @@ class JobSummary:
                 "seconds": self.train_seconds,
             }
 
-    def fill_chain_wan(self, edges: list[ChainEdgeInfo]) -> None:
-        """A chain's WAN numbers per edge and direction, from the stages' own per-edge counters.
+    def fill_chain_wan(
+        self, edges: list[ChainEdgeInfo], sessions: dict[str, ClusterSession] | None = None
+    ) -> None:
+        """A chain's WAN numbers per edge and direction.
 
-        Edge K's forward numbers are what stage K sent on it, its backward numbers what stage
-        K+1 sent back; each side's received counters are kept beside them as a cross-check.
+        With ``sessions`` (cluster -> session) whose switches expose metrics: the switches' per-job,
+        per-peer series, as a two-stage job's (``counted_by: switches``, wire bytes too). Otherwise
+        the stages' own per-edge counters: edge K's forward numbers are what stage K sent on it, its
+        backward numbers what stage K+1 sent back, each with the receiving side's counts beside them.
         """
         for edge in edges:
+            if sessions is not None and self._fill_edge_from_switches(edge, sessions):
+                continue
             ends = {
                 stage: self.edge_traffic.get(stage, {}).get(edge.name, trainer_pb2.EdgeTraffic())
                 for stage in (edge.from_stage, edge.to_stage)
@@ -238,6 +255,34 @@ class JobSummary:
                     "compression_ratio": sent.raw_bytes_sent / sent.bytes_sent if sent.bytes_sent else 0.0,
                     "seconds": self.train_seconds,
                 }
+
+    def _fill_edge_from_switches(self, edge: ChainEdgeInfo, sessions: dict[str, ClusterSession]) -> bool:
+        source, target = sessions[edge.from_cluster], sessions[edge.to_cluster]
+        counters = settled_job_counters(source, target, self.job_id, per_peer=True)
+        if counters is None:
+            return False
+        by_cluster = {edge.from_cluster: counters[0], edge.to_cluster: counters[1]}
+        self.wan_edges[edge.name] = {}
+        for direction, sender, receiver in (
+            ("forward", edge.from_cluster, edge.to_cluster),
+            ("backward", edge.to_cluster, edge.from_cluster),
+        ):
+            sent = by_cluster[sender]["sent"]
+            payload, raw = sent["payload_bytes"], sent["raw_bytes"]
+            self.wan_edges[edge.name][direction] = {
+                "from": sender,
+                "to": receiver,
+                "counted_by": "switches",
+                "bytes": sent["bytes"],
+                "payload_bytes": payload,
+                "raw_bytes": raw,
+                "frames": sent["frames"],
+                "bytes_received_by_peer": by_cluster[receiver]["received"]["bytes"],
+                "compression_ratio": raw / payload if payload else 0.0,
+                "wire_ratio": raw / sent["bytes"] if sent["bytes"] else 0.0,
+                "seconds": self.train_seconds,
+            }
+        return True
 
     def to_json(self) -> dict[str, Any]:
         return {
