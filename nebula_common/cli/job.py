@@ -36,7 +36,7 @@ from nebula_common.sdk.deployment import (
 from nebula_common.sdk.deployment import onboard as onboard_account
 from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.progress import ProgressBar
-from nebula_common.sdk.summary import JobSummary, summarize
+from nebula_common.sdk.summary import JobSummary, chain_edges, summarize
 
 app = typer.Typer(help="Submit and follow split training jobs.", no_args_is_help=True)
 console = new_console()
@@ -102,13 +102,23 @@ def follow(
     ``link`` describes the WAN for `codec: auto` (resolved once by the source cluster's codec service).
     """
     handle = submit_job(job, sessions, link=link)
-    if job.codec_choice and json.loads(job.codec_choice).get("source") != "configured" and not quiet:
+    choice = json.loads(job.codec_choice) if job.codec_choice else {}
+    if choice.get("source") == "per-edge" and not quiet:  # a chain: one choice per edge
+        for record in choice["edges"]:
+            console.print(
+                f"codec {record['source']} on {record['edge']}: "
+                f"forward={record['forward']} backward={record['backward']}"
+            )
+    elif choice and choice.get("source") != "configured" and not quiet:
         console.print(f"codec advice: forward={job.codec_forward} backward={job.codec_backward}")
     with ProgressBar(job.spec.name, job.steps, job.start_step, console=console, disable=quiet) as bar:
         summary = summarize(job, handle, on_status=bar.update)
-    ordered = [sessions[c] for c in job.clusters().values()]
+    ordered_ids = list(job.clusters().values())
+    ordered = [sessions[c] for c in ordered_ids]
     if len(ordered) == 2:  # a chain's switches count each job's bytes over all their peers together
         summary.fill_wan(ordered[0], ordered[1])
+    else:  # so a chain's numbers come per edge: its switches' per-peer series (or its stages' counters)
+        summary.fill_chain_wan(chain_edges(job), {cluster: sessions[cluster] for cluster in ordered_ids})
     summary.settings = job.settings()
     return summary
 
@@ -136,6 +146,13 @@ def print_summary(summary: JobSummary) -> None:
             f"WAN {direction} ({wan['from']}->{wan['to']})",
             f"{wan.get('bytes', wan['payload_bytes']):,} B  (x{wan['compression_ratio']:.2f} vs none)",
         )
+    for name, directions in summary.wan_edges.items():
+        for direction, wan in directions.items():
+            table.add_row(
+                f"WAN {name} {direction} ({wan['from']}->{wan['to']})",
+                f"{wan.get('bytes', wan['payload_bytes']):,} B in {wan['frames']:,} frames  "
+                f"(x{wan['compression_ratio']:.2f} vs none)",
+            )
     for cluster, identity in summary.peer_identities.items():
         links = summary.links.get(cluster, {})
         if len(links) <= 1:

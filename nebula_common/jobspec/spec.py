@@ -285,23 +285,16 @@ class JobSpec(_Strict):
                 f"a chain of {len(self.stages)} stages needs mode backprop"
             )
         for index, chained in enumerate(self.edges):
-            for direction in ("forward", "backward"):
-                if getattr(chained.codec, direction) == "auto":
-                    raise ValueError(
-                        f"edges.{index}.codec.{direction}: auto (codec advice) is for two-stage jobs; "
-                        "name a codec for each edge of a chain"
-                    )
-        for index, chained in enumerate(self.edges):
             if chained.payload != "float":
                 raise ValueError(
                     f"edges.{index}.payload: int64 ids have no gradient; a chain carries float activations"
                 )
         for index in range(1, len(self.stages) - 1):
             stage = self.stages[index]
-            if stage.replicas != 1:
+            if stage.parallel != "ddp":
                 raise ValueError(
-                    f"stages.{index}.replicas: a middle stage of a chain runs on one process, "
-                    f"got {stage.replicas}"
+                    f"stages.{index}.parallel: a middle stage of a chain runs data-parallel only (ddp), "
+                    f"got {stage.parallel}"
                 )
 
     @property

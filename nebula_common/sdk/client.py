@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,12 +20,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nebula_common.clients.auth import AuthClient
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.codec import CodecError
-from nebula_common.codec.advice_client import AdviceUnavailableError
+from nebula_common.codec.advice_client import AdviceUnavailableError, advise_specs_sync
+from nebula_common.codec.stream import canonical_spec
 from nebula_common.errors import AuthenticationError, InvalidRequestError, NebulaError, PermissionDeniedError
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from nebula_common.rpc import bearer_metadata
 from nebula_common.rpc.internal_tls import internal_channel
-from nebula_common.sdk.codec_advice import LinkProfile, needs_advice, resolve_auto_codecs
+from nebula_common.sdk.codec_advice import (
+    AUTO,
+    Advisor,
+    LinkProfile,
+    needs_advice,
+    resolve_auto_codecs,
+    resolve_chain_codecs,
+)
 from nebula_common.sdk.jobs import ProgramJob
 
 _STATUS_ERRORS: dict[grpc.StatusCode, type[NebulaError]] = {
@@ -296,7 +304,11 @@ class JobHandle:
 
 
 def submit_job(
-    job: ProgramJob, sessions: dict[str, ClusterSession], link: LinkProfile | None = None
+    job: ProgramJob,
+    sessions: dict[str, ClusterSession],
+    link: LinkProfile | None = None,
+    *,
+    links: Mapping[str, LinkProfile] | None = None,
 ) -> JobHandle:
     """Start every stage of a program job in its cluster, upstream first, each with that cluster's token.
 
@@ -304,20 +316,16 @@ def submit_job(
     cluster refuses its stage, the stages already started are cancelled. A codec
     of `auto` is resolved first, once, by the source cluster's codec service for
     ``link`` (see ``codec_advice``), so both clusters get the same concrete codecs.
+    In a chain each edge is advised by its sending cluster's codec service for its own
+    link: ``links[edge name]``, else ``link``.
     """
     clusters = job.clusters()
     missing = sorted(set(clusters.values()) - set(sessions))
     if missing:
         raise InvalidRequestError(f"no session for cluster(s) {', '.join(missing)} named in the job spec")
     if needs_advice(job):
-        source = sessions[next(iter(clusters.values()))]
-        if link is None or not source.endpoints.codec:
-            raise InvalidRequestError(
-                "codec 'auto' needs the link's bandwidth and RTT and the source cluster's codec service "
-                "address to ask for advice"
-            )
         try:
-            resolve_auto_codecs(job, source.endpoints.codec, link, token=source.token)
+            _resolve_auto(job, sessions, link, dict(links or {}))
         except (CodecError, AdviceUnavailableError) as exc:
             raise NebulaError(f"codec advice failed: {exc}") from exc
     started: list[ClusterSession] = []
@@ -333,6 +341,35 @@ def submit_job(
         started.append(session)
         stages[stage] = session
     return JobHandle(job, stages)
+
+
+def _resolve_auto(
+    job: ProgramJob,
+    sessions: dict[str, ClusterSession],
+    link: LinkProfile | None,
+    links: dict[str, LinkProfile],
+) -> None:
+    """`auto` codecs: each edge advised by its sending cluster's codec service, for that edge's link."""
+    edges = job.spec.edges
+    sources = [sessions[job.spec.stages[index].cluster] for index in range(len(edges))]
+    edge_links = [links.get(edge.name, link) for edge in edges]
+    for edge, source, edge_link in zip(edges, sources, edge_links, strict=True):
+        if not any(canonical_spec(c) == AUTO for c in (edge.codec.forward, edge.codec.backward)):
+            continue
+        if edge_link is None or not source.endpoints.codec:
+            raise InvalidRequestError(
+                "codec 'auto' needs the link's bandwidth and RTT and the source cluster's codec service "
+                f"address to ask for advice (edge {edge.name}, sending cluster {source.endpoints.cluster_id})"
+            )
+    if len(edges) == 1 and edge_links[0] is not None:
+        resolve_auto_codecs(job, sources[0].endpoints.codec, edge_links[0], token=sources[0].token)
+        return
+
+    def advisor(source: ClusterSession) -> Advisor:
+        return lambda request: advise_specs_sync(source.endpoints.codec, request, token=source.token)
+
+    fallback = LinkProfile(1.0, 0.0)  # never asked: an edge without auto keeps its configured codecs
+    resolve_chain_codecs(job, [advisor(source) for source in sources], [lk or fallback for lk in edge_links])
 
 
 def common_checkpoint_step(job_id: str, stages: dict[str, ClusterSession]) -> int | None:

@@ -17,18 +17,23 @@ job's own stage programs train ``trial_steps`` steps from their seeded start wit
 the cut); the fastest pair predicted for the link whose trial loss stays within
 ``loss_tolerance`` of ``none``'s wins, and its reasoning goes into the record
 (``trial``) and the job report.
+
+A chain decides each edge in turn (``resolve_chain_codecs``): that edge's own tensor and link,
+its sending cluster's codec service, and a trial of the whole chain with the candidates on that
+edge; the stages get one codec pair per edge and the per-edge choice.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from nebula_common.codec.advice import BACKWARD, FORWARD, AdviceResult, job_advice_request
+from nebula_common.codec.advice import BACKWARD, FORWARD, AdviceRequest, AdviceResult, job_advice_request
 from nebula_common.codec.advice_client import advise_specs_sync
 from nebula_common.codec.stream import TensorStreamDecoder, TensorStreamEncoder, canonical_spec
 from nebula_common.codec.trial import (
@@ -70,59 +75,102 @@ class LinkProfile:
 class MicroBatchProbe:
     activation_shape: tuple[int, ...]
     compute_seconds: float
+    edge_shapes: tuple[tuple[int, ...], ...] = ()
+    """Every edge's activation shape in chain order (the first is ``activation_shape``)."""
+
+
+Advisor = Callable[[AdviceRequest], AdviceResult]
+"""Ranks codecs for one edge's request: a codec service (``advise_specs_sync``), or in-process ``advise``."""
 
 
 def probe_micro_batch(job: ProgramJob) -> MicroBatchProbe:
-    """Run one real micro-batch of the job locally: the edge tensor's shape and the compute around it."""
+    """Run one real micro-batch of the job locally: each edge tensor's shape and the compute around it."""
     spec = job.spec
-    upstream, downstream = build_programs(job.loaded)
+    programs = build_programs(job.loaded)
+    first, middles, last = programs[0], programs[1:-1], programs[-1]
     size = spec.data.batch_size // spec.data.micro_batches
     ids = example_ids(spec.seed, spec.data.examples, 0, 0, spec.data.micro_batches, size)
     started = time.perf_counter()
-    states = upstream.forward(upstream.batch(ids))
+    cuts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    states = first.forward(first.batch(ids))
+    for middle in middles:  # a chain: every cut as the split run has it (a leaf on the far side)
+        received = states.detach().requires_grad_(True)
+        cuts.append((states, received))
+        states = middle.relay(received, ids)
     received = states.detach().requires_grad_(True)
-    downstream.loss(received, downstream.batch(ids)).backward()
-    states.backward(received.grad)
+    cuts.append((states, received))
+    last.loss(received, last.batch(ids)).backward()
+    for sent, leaf in reversed(cuts):
+        sent.backward(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
     elapsed = time.perf_counter() - started
-    return MicroBatchProbe(activation_shape=tuple(states.shape), compute_seconds=elapsed)
+    shapes = tuple(tuple(sent.shape) for sent, _ in cuts)
+    return MicroBatchProbe(activation_shape=shapes[0], compute_seconds=elapsed, edge_shapes=shapes)
 
 
 def needs_advice(job: ProgramJob) -> bool:
-    codecs = job.spec.edge.codec
-    return AUTO in (canonical_spec(codecs.forward), canonical_spec(codecs.backward))
+    """Whether any edge's codec (of a two-stage job, or of any edge of a chain) is ``auto``."""
+    return any(
+        AUTO in (canonical_spec(c.codec.forward), canonical_spec(c.codec.backward)) for c in job.spec.edges
+    )
 
 
-def trial_run(job: ProgramJob, candidate: Candidate, steps: int) -> TrialRun:
-    """Train ``steps`` steps of the whole job here, the cut tensors through the candidate's real codecs.
+def trial_run(
+    job: ProgramJob,
+    candidate: Candidate,
+    steps: int,
+    edge: int = 0,
+    codecs: Sequence[tuple[str, str]] | None = None,
+) -> TrialRun:
+    """Train ``steps`` steps of the whole job here, every cut tensor through its edge's real codecs.
 
+    The candidate's codecs sit on edge ``edge``; a chain's other edges use ``codecs`` (one
+    (forward, backward) per edge; default ``none``). The bytes returned are edge ``edge``'s.
     The same seeded parameters and data order for every candidate (``build_programs``/``example_ids``),
     so trial losses differ only by what the codecs did.
     """
     spec = job.spec
-    upstream, downstream = build_programs(job.loaded)
+    programs = build_programs(job.loaded)
+    first, middles, last = programs[0], programs[1:-1], programs[-1]
+    pairs = list(codecs) if codecs is not None else [("none", "none")] * len(spec.edges)
+    pairs[edge] = (candidate.forward, candidate.backward)
+    coders = [
+        (TensorStreamEncoder(f), TensorStreamDecoder(f), TensorStreamEncoder(b), TensorStreamDecoder(b))
+        for f, b in pairs
+    ]
     micro_batches = spec.data.micro_batches
     size = spec.data.batch_size // micro_batches
-    fwd_enc, fwd_dec = TensorStreamEncoder(candidate.forward), TensorStreamDecoder(candidate.forward)
-    bwd_enc, bwd_dec = TensorStreamEncoder(candidate.backward), TensorStreamDecoder(candidate.backward)
     losses, compute = [], []
     sizes = (0, 0)
     for step in range(steps):
         started, total, sent_bytes = time.perf_counter(), 0.0, [0, 0]
         for mb in range(micro_batches):
             ids = example_ids(spec.seed, spec.data.examples, step, mb, micro_batches, size)
-            states = upstream.forward(upstream.batch(ids))
-            encoded = fwd_enc.encode(states.detach(), step=step, sample_ids=ids)
-            received = fwd_dec.decode(encoded.header, encoded.payload, sample_ids=ids).requires_grad_(True)
-            loss = downstream.loss(received, downstream.batch(ids)) / micro_batches
+            cuts: list[tuple[torch.Tensor, torch.Tensor]] = []
+            states = first.forward(first.batch(ids))
+            for k in range(len(pairs)):  # edge k: encode, decode; a middle turns it into edge k+1's tensor
+                fwd_enc, fwd_dec = coders[k][0], coders[k][1]
+                encoded = fwd_enc.encode(states.detach(), step=step, sample_ids=ids)
+                received = fwd_dec.decode(encoded.header, encoded.payload, sample_ids=ids).requires_grad_(
+                    True
+                )
+                cuts.append((states, received))
+                if k == edge:
+                    sent_bytes[0] += len(encoded.header.SerializeToString()) + len(encoded.payload)
+                if k < len(middles):
+                    states = middles[k].relay(received, ids)
+            loss = last.loss(cuts[-1][1], last.batch(ids)) / micro_batches
             loss.backward()
-            grad = received.grad if received.grad is not None else torch.zeros_like(received)
-            encoded_grad = bwd_enc.encode(grad, step=step, sample_ids=ids)
-            states.backward(bwd_dec.decode(encoded_grad.header, encoded_grad.payload, sample_ids=ids))
+            for k in reversed(range(len(cuts))):  # gradients back up, each through its edge's codec
+                sent, received = cuts[k]
+                grad = received.grad if received.grad is not None else torch.zeros_like(received)
+                bwd_enc, bwd_dec = coders[k][2], coders[k][3]
+                encoded_grad = bwd_enc.encode(grad, step=step, sample_ids=ids)
+                sent.backward(bwd_dec.decode(encoded_grad.header, encoded_grad.payload, sample_ids=ids))
+                if k == edge:
+                    sent_bytes[1] += len(encoded_grad.header.SerializeToString()) + len(encoded_grad.payload)
             total += loss.item()
-            sent_bytes[0] += len(encoded.header.SerializeToString()) + len(encoded.payload)
-            sent_bytes[1] += len(encoded_grad.header.SerializeToString()) + len(encoded_grad.payload)
-        upstream.finish_step()
-        downstream.finish_step()
+        for program in programs:
+            program.finish_step()
         compute.append(time.perf_counter() - started)
         losses.append(total)
         sizes = (sent_bytes[0], sent_bytes[1])
@@ -175,6 +223,70 @@ def choice_record(
     return record
 
 
+@dataclass(frozen=True)
+class TrialSettings:
+    """How ``auto`` is decided: the codec service's error budget, then the trial on the job itself."""
+
+    error_budget: float = DEFAULT_ERROR_BUDGET
+    trial_steps: int = DEFAULT_TRIAL_STEPS
+    loss_tolerance: float = DEFAULT_LOSS_TOLERANCE
+
+
+def advise_edge(
+    job: ProgramJob,
+    index: int,
+    probe: MicroBatchProbe,
+    advisor: Advisor,
+    link: LinkProfile,
+    codecs: Sequence[tuple[str, str]],
+    settings: TrialSettings = TrialSettings(),
+) -> tuple[str, str, dict[str, Any]]:
+    """Resolve ``auto`` on edge ``index``: (forward, backward, the recorded choice with its reasons).
+
+    ``codecs``: every edge's (forward, backward) as known so far (a chain's other edges train with
+    them in the trial; an ``auto`` one with ``none``). The request carries this edge's own tensor
+    shape and link; the trial trains the whole job with the candidates on this edge only.
+    """
+    declared = job.spec.edges[index]
+    configured = (declared.codec.forward, declared.codec.backward)
+    shapes = probe.edge_shapes or (probe.activation_shape,)
+    edge_probe = MicroBatchProbe(shapes[index], probe.compute_seconds, shapes)
+    request = job_advice_request(
+        bandwidth_bps=link.bandwidth_mbit * 1e6,
+        rtt_seconds=link.rtt_ms / 1000.0,
+        edge=declared.name,
+        activation_shape=edge_probe.activation_shape,
+        micro_batches=job.spec.data.micro_batches,
+        compute_seconds=probe.compute_seconds,
+        error_budget=settings.error_budget,
+    )
+    advice = advisor(request)
+    forward = advice.forward_spec if canonical_spec(configured[0]) == AUTO else configured[0]
+    backward = advice.backward_spec if canonical_spec(configured[1]) == AUTO else configured[1]
+    others = [(_concrete(f), _concrete(b)) for f, b in codecs]
+    trial = None
+    candidates = trial_candidates(advice, *configured)
+    trial_steps = min(settings.trial_steps, job.spec.steps)  # never trial longer than the job itself
+    if trial_steps >= 2 and job.spec.pipeline.mode != "one_way" and candidates:
+        trial = choose_by_trial(
+            candidates,
+            lambda candidate, steps: trial_run(job, candidate, steps, index, others),
+            Link(bandwidth_bps=link.bandwidth_mbit * 1e6, rtt_seconds=link.rtt_ms / 1000.0),
+            tolerance=settings.loss_tolerance,
+            trial_steps=trial_steps,
+            calibration_steps=2,
+            max_trials=TRIAL_MAX_PAIRS,
+        )
+        forward, backward = trial.chosen.forward, trial.chosen.backward
+    record = choice_record(advice, forward, backward, edge_probe, link, trial)
+    return forward, backward, record
+
+
+def _concrete(codec: str) -> str:
+    """A codec a trial can run: ``auto`` not decided yet trains as ``none``."""
+    return "none" if canonical_spec(codec) == AUTO else codec
+
+
 def resolve_auto_codecs(
     job: ProgramJob,
     codec_address: str,
@@ -189,38 +301,58 @@ def resolve_auto_codecs(
 
     With ``trial_steps`` >= 2 (and a two-way job) the service's top pairs are tried on the job itself
     and the fastest within ``loss_tolerance`` of ``none``'s trial loss is chosen (module docstring);
-    a trial is never longer than the job (``trial_steps`` is capped at its steps).
+    a trial is never longer than the job (``trial_steps`` is capped at its steps). A chain asks this
+    one service for every edge, each with the same ``link`` (``resolve_chain_codecs`` takes one each).
     """
     if not needs_advice(job):
         return None
-    codecs = job.spec.edge.codec
-    probe = probe_micro_batch(job)
-    request = job_advice_request(
-        bandwidth_bps=link.bandwidth_mbit * 1e6,
-        rtt_seconds=link.rtt_ms / 1000.0,
-        edge=job.edge,
-        activation_shape=probe.activation_shape,
-        micro_batches=job.spec.data.micro_batches,
-        compute_seconds=probe.compute_seconds,
-        error_budget=error_budget,
+    settings = TrialSettings(error_budget, trial_steps, loss_tolerance)
+
+    def advisor(request: AdviceRequest) -> AdviceResult:
+        return advise_specs_sync(codec_address, request, token=token)
+
+    if len(job.spec.edges) > 1:
+        count = len(job.spec.edges)
+        return resolve_chain_codecs(job, [advisor] * count, [link] * count, settings)
+    forward, backward, record = advise_edge(
+        job, 0, probe_micro_batch(job), advisor, link, job.edge_codecs(), settings
     )
-    advice = advise_specs_sync(codec_address, request, token=token)
-    forward = advice.forward_spec if canonical_spec(codecs.forward) == AUTO else codecs.forward
-    backward = advice.backward_spec if canonical_spec(codecs.backward) == AUTO else codecs.backward
-    trial = None
-    candidates = trial_candidates(advice, codecs.forward, codecs.backward)
-    trial_steps = min(trial_steps, job.spec.steps)  # never trial longer than the job itself
-    if trial_steps >= 2 and job.spec.pipeline.mode != "one_way" and candidates:
-        trial = choose_by_trial(
-            candidates,
-            lambda candidate, steps: trial_run(job, candidate, steps),
-            Link(bandwidth_bps=link.bandwidth_mbit * 1e6, rtt_seconds=link.rtt_ms / 1000.0),
-            tolerance=loss_tolerance,
-            trial_steps=trial_steps,
-            calibration_steps=2,
-            max_trials=TRIAL_MAX_PAIRS,
-        )
-        forward, backward = trial.chosen.forward, trial.chosen.backward
-    record = choice_record(advice, forward, backward, probe, link, trial)
     job.set_codecs(forward, backward, json.dumps(record, sort_keys=True))
     return record
+
+
+def resolve_chain_codecs(
+    job: ProgramJob,
+    advisors: Sequence[Advisor],
+    links: Sequence[LinkProfile],
+    settings: TrialSettings = TrialSettings(),
+) -> dict[str, Any]:
+    """A chain's ``auto``: the advisor per edge, edge by edge in chain order; the per-edge choice.
+
+    Edge K is advised by ``advisors[K]`` (its sending cluster's codec service) for ``links[K]``
+    (the link between its two clusters) on its own activation shape; its trial trains the whole
+    chain with the edges above it on their chosen codecs. A configured edge keeps its codecs and
+    is recorded as such. The recorded choice (every stage gets it): ``{"source": "per-edge",
+    "edges": [each edge's record, in chain order, named by its "edge"]}``.
+    """
+    count = len(job.spec.edges)
+    if len(advisors) != count or len(links) != count:
+        raise ValueError(f"a chain of {count} edges needs one advisor and one link per edge")
+    probe = probe_micro_batch(job)
+    codecs = [(e.codec.forward, e.codec.backward) for e in job.spec.edges]
+    records: list[dict[str, Any]] = []
+    for index, declared in enumerate(job.spec.edges):
+        forward, backward = codecs[index]
+        if AUTO not in (canonical_spec(forward), canonical_spec(backward)):
+            records.append(
+                {"edge": declared.name, "source": "configured", "forward": forward, "backward": backward}
+            )
+            continue
+        forward, backward, record = advise_edge(
+            job, index, probe, advisors[index], links[index], codecs, settings
+        )
+        codecs[index] = (forward, backward)
+        records.append({"edge": declared.name, **record})
+    choice = {"source": "per-edge", "edges": records}
+    job.set_edge_codecs(codecs, json.dumps(choice, sort_keys=True))
+    return choice

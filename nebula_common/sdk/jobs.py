@@ -48,6 +48,8 @@ class ProgramJob:
         self.codec_forward = self.spec.edge.codec.forward
         self.codec_backward = self.spec.edge.codec.backward
         self.codec_choice = json.dumps({"source": "configured"})
+        # A chain's later edges (edges.1..): their codecs as resolved (``auto`` replaced per edge).
+        self.chained_codecs = [(edge.codec.forward, edge.codec.backward) for edge in self.spec.edges[1:]]
         if self.initial_states:
             self._check_hot_start()
 
@@ -100,6 +102,17 @@ class ProgramJob:
         """Use these concrete codecs in every stage spec (how `auto` gets resolved before submission)."""
         self.codec_forward, self.codec_backward, self.codec_choice = forward, backward, choice_json
 
+    def set_edge_codecs(self, codecs: list[tuple[str, str]], choice_json: str) -> None:
+        """A chain's codecs, one (forward, backward) per edge in chain order, and the per-edge choice."""
+        if len(codecs) != len(self.spec.edges):
+            raise ValueError(f"{len(self.spec.edges)} edges need as many codec pairs, got {len(codecs)}")
+        (self.codec_forward, self.codec_backward), *self.chained_codecs = codecs
+        self.codec_choice = choice_json
+
+    def edge_codecs(self) -> list[tuple[str, str]]:
+        """(forward, backward) codec of every edge, in chain order, as the stages run them."""
+        return [(self.codec_forward, self.codec_backward), *self.chained_codecs]
+
     @property
     def steps(self) -> int:
         return self.spec.steps
@@ -116,6 +129,15 @@ class ProgramJob:
             "codec_forward": self.codec_forward,
             "codec_backward": self.codec_backward,
             "codec_choice": json.loads(self.codec_choice),
+            **(
+                {
+                    "edge_codecs": {
+                        e.name: list(c) for e, c in zip(self.spec.edges, self.edge_codecs(), strict=True)
+                    }
+                }
+                if len(self.spec.edges) > 1
+                else {}
+            ),
             "resumed_from": f"{self.resume_job_id}@{self.resume_step}" if self.resume_job_id else None,
             "hot_start_steps": self.initial_step if self.initial_states else None,
         }
@@ -132,6 +154,7 @@ class ProgramJob:
             "spec": self.spec.model_dump(mode="json"),
             "modules": {name: module.source for name, module in sorted(self.loaded.modules.items())},
             "codecs": [self.codec_forward, self.codec_backward],
+            **({"chained_codecs": self.chained_codecs} if self.chained_codecs else {}),
             "resume": [self.resume_job_id, self.resume_step],
             "hot_start": {
                 name: hashlib.sha256(state).hexdigest() for name, state in sorted(self.initial_states.items())
@@ -140,11 +163,8 @@ class ProgramJob:
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
     def _edge_codecs(self, index: int) -> tuple[str, str]:
-        """Forward and backward codec of ``edges.<index>`` (the first edge's as resolved, e.g. from auto)."""
-        if index == 0:
-            return self.codec_forward, self.codec_backward
-        codec = self.spec.edges[index].codec
-        return codec.forward, codec.backward
+        """Forward and backward codec of ``edges.<index>`` as resolved (``auto`` replaced by its advice)."""
+        return self.edge_codecs()[index]
 
     @property
     def edge(self) -> str:

@@ -172,7 +172,15 @@ def codec_choice(record: JobRecord) -> dict[str, Any]:
 
 
 def advice_section(choice: dict[str, Any]) -> str:
-    """Which codecs and why: 'configured' in the spec, or the advice with its ranked alternatives."""
+    """Which codecs and why: 'configured' in the spec, or the advice with its ranked alternatives.
+
+    A chain's choice (``per-edge``) has one such section per edge, headed by the edge's name.
+    """
+    if choice.get("source") == "per-edge":
+        return "\n".join(
+            f"<h3>edge {html.escape(str(record.get('edge')))}</h3>\n{advice_section(record)}"
+            for record in choice.get("edges") or []
+        )
     if choice.get("source") != "codec-service advice":
         return f"<p>Codecs were <b>{html.escape(str(choice.get('source', 'unknown')))}</b> in the spec.</p>"
     link = choice.get("link", {})

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nebula_common.proto.nebula.v1 import relay_pb2, trainer_pb2
 from nebula_common.sdk.client import ClusterSession, JobHandle, SubmittedJob
+from nebula_common.sdk.jobs import ProgramJob
 
 
 def scrape_counter(url: str, name: str, labels: dict[str, str]) -> float | None:
@@ -41,12 +42,15 @@ _JOB_SERIES = {
 }
 
 
-def job_wan_counters(session: ClusterSession, job_id: str) -> dict[str, dict[str, int]] | None:
+def job_wan_counters(
+    session: ClusterSession, job_id: str, peer: str | None = None
+) -> dict[str, dict[str, int]] | None:
     """The job's per-job counters on the session's switch, per direction ("sent", "received").
 
-    None when the deployment description gave no metrics endpoint for that switch. A job the
-    switch has no series of (nothing crossed, or its series already left after their grace
-    period) reads as zeros.
+    ``peer``: only what crossed the link to that cluster's switch (a chain's middle cluster has
+    two); None: all peers together. None when the deployment description gave no metrics
+    endpoint for that switch. A job the switch has no series of (nothing crossed, or its series
+    already left after their grace period) reads as zeros.
     """
     url = session.endpoints.metrics.get(f"switch-{session.endpoints.cluster_id}")
     if not url:
@@ -58,22 +62,30 @@ def job_wan_counters(session: ClusterSession, job_id: str) -> dict[str, dict[str
         for sample in family.samples:
             key = _JOB_SERIES.get(sample.name)
             direction = sample.labels.get("direction", "")
-            if key and sample.labels.get("job_id") == job_id and direction in counts:
-                counts[direction][key] = int(sample.value)
+            ours = sample.labels.get("job_id") == job_id and peer in (None, sample.labels.get("peer"))
+            if key and ours and direction in counts:
+                counts[direction][key] += int(sample.value)
     return counts
 
 
 def settled_job_counters(
-    source: ClusterSession, target: ClusterSession, job_id: str, timeout: float = 5.0
+    source: ClusterSession,
+    target: ClusterSession,
+    job_id: str,
+    timeout: float = 5.0,
+    per_peer: bool = False,
 ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]] | None:
     """Both switches' counters of the job once each side has received what the other sent.
 
     The job's last close messages may still be crossing the WAN when its stages end; reading at
     that instant would show the two switches disagreeing. None if either has no metrics endpoint.
+    ``per_peer``: only the link between these two switches (one edge of a chain).
     """
     deadline = time.monotonic() + timeout
+    peers = (target.endpoints.cluster_id, source.endpoints.cluster_id) if per_peer else (None, None)
     while True:
-        first, second = job_wan_counters(source, job_id), job_wan_counters(target, job_id)
+        first = job_wan_counters(source, job_id, peers[0])
+        second = job_wan_counters(target, job_id, peers[1])
         if first is None or second is None:
             return None
         settled = (
@@ -114,6 +126,26 @@ def link_summary(status: relay_pb2.LinkStatus) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class ChainEdgeInfo:
+    """One edge of a chain as the summary names it: its stages and their clusters."""
+
+    name: str
+    from_stage: str
+    to_stage: str
+    from_cluster: str
+    to_cluster: str
+
+
+def chain_edges(job: ProgramJob) -> list[ChainEdgeInfo]:
+    """Every edge of the job in chain order (edge K: stage K -> stage K+1)."""
+    stages = job.spec.stages
+    return [
+        ChainEdgeInfo(edge.name, stages[k].name, stages[k + 1].name, stages[k].cluster, stages[k + 1].cluster)
+        for k, edge in enumerate(job.spec.edges)
+    ]
+
+
 @dataclass
 class JobSummary:
     job_id: str
@@ -138,6 +170,10 @@ class JobSummary:
     # Encoded bytes both stages' edges had sent when each loss step was reported (WAN use per step).
     wan_bytes_per_step: list[int] = field(default_factory=list)
     loss_stage: str = ""  # the stage that owns the loss (reports `loss`)
+    # Each stage's last per-edge counters (``StageStatus.edges``): stage -> edge name -> counters.
+    edge_traffic: dict[str, dict[str, trainer_pb2.EdgeTraffic]] = field(default_factory=dict)
+    # A chain's WAN numbers: edge name -> "forward"/"backward" -> numbers (``fill_chain_wan``).
+    wan_edges: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def steps_done(self) -> int:
@@ -201,6 +237,71 @@ class JobSummary:
                 "seconds": self.train_seconds,
             }
 
+    def fill_chain_wan(
+        self, edges: list[ChainEdgeInfo], sessions: dict[str, ClusterSession] | None = None
+    ) -> None:
+        """A chain's WAN numbers per edge and direction.
+
+        With ``sessions`` (cluster -> session) whose switches expose metrics: the switches' per-job,
+        per-peer series, as a two-stage job's (``counted_by: switches``, wire bytes too). Otherwise
+        the stages' own per-edge counters: edge K's forward numbers are what stage K sent on it, its
+        backward numbers what stage K+1 sent back, each with the receiving side's counts beside them.
+        """
+        for edge in edges:
+            if sessions is not None and self._fill_edge_from_switches(edge, sessions):
+                continue
+            ends = {
+                stage: self.edge_traffic.get(stage, {}).get(edge.name, trainer_pb2.EdgeTraffic())
+                for stage in (edge.from_stage, edge.to_stage)
+            }
+            directions = (
+                ("forward", edge.from_stage, edge.to_stage, edge.from_cluster, edge.to_cluster),
+                ("backward", edge.to_stage, edge.from_stage, edge.to_cluster, edge.from_cluster),
+            )
+            self.wan_edges[edge.name] = {}
+            for direction, sender, receiver, source, target in directions:
+                sent, got = ends[sender], ends[receiver]
+                self.wan_edges[edge.name][direction] = {
+                    "from": source,
+                    "to": target,
+                    "counted_by": "trainers",
+                    "payload_bytes": sent.bytes_sent,
+                    "raw_bytes": sent.raw_bytes_sent,
+                    "frames": sent.frames_sent,
+                    "payload_bytes_received_by_peer": got.bytes_received,
+                    "frames_received_by_peer": got.frames_received,
+                    "compression_ratio": sent.raw_bytes_sent / sent.bytes_sent if sent.bytes_sent else 0.0,
+                    "seconds": self.train_seconds,
+                }
+
+    def _fill_edge_from_switches(self, edge: ChainEdgeInfo, sessions: dict[str, ClusterSession]) -> bool:
+        source, target = sessions[edge.from_cluster], sessions[edge.to_cluster]
+        counters = settled_job_counters(source, target, self.job_id, per_peer=True)
+        if counters is None:
+            return False
+        by_cluster = {edge.from_cluster: counters[0], edge.to_cluster: counters[1]}
+        self.wan_edges[edge.name] = {}
+        for direction, sender, receiver in (
+            ("forward", edge.from_cluster, edge.to_cluster),
+            ("backward", edge.to_cluster, edge.from_cluster),
+        ):
+            sent = by_cluster[sender]["sent"]
+            payload, raw = sent["payload_bytes"], sent["raw_bytes"]
+            self.wan_edges[edge.name][direction] = {
+                "from": sender,
+                "to": receiver,
+                "counted_by": "switches",
+                "bytes": sent["bytes"],
+                "payload_bytes": payload,
+                "raw_bytes": raw,
+                "frames": sent["frames"],
+                "bytes_received_by_peer": by_cluster[receiver]["received"]["bytes"],
+                "compression_ratio": raw / payload if payload else 0.0,
+                "wire_ratio": raw / sent["bytes"] if sent["bytes"] else 0.0,
+                "seconds": self.train_seconds,
+            }
+        return True
+
     def to_json(self) -> dict[str, Any]:
         return {
             "job_id": self.job_id,
@@ -225,6 +326,7 @@ class JobSummary:
             },
             "checkpoint_steps": self.checkpoint_steps,
             "wan": self.wan,
+            **({"wan_edges": self.wan_edges} if self.wan_edges else {}),
             "peer_identities": self.peer_identities,
             "links": self.links,
             "settings": self.settings,
@@ -257,6 +359,8 @@ def summarize(
         summary.stage_messages[stage] = status.message
         if status.bytes_sent or status.raw_bytes_sent:
             summary.stage_traffic[stage] = (status.bytes_sent, status.raw_bytes_sent)
+        if status.edges:
+            summary.edge_traffic[stage] = {traffic.edge: traffic for traffic in status.edges}
         if status.steps_done > last_step.get(stage, 0):
             last_step[stage] = status.steps_done
             summary.wait_seconds[stage] = summary.wait_seconds.get(stage, 0.0) + status.wait_seconds

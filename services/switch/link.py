@@ -280,8 +280,8 @@ class PeerLink:
         self.ledger = TransferLedger(self._emit_transfer)
         self._sessions = 0
         self._close_session = asyncio.Event()
-        self.sent = DirectionCounters("sent")
-        self.received = DirectionCounters("received")
+        self.sent = DirectionCounters("sent", peer_cluster_id)
+        self.received = DirectionCounters("received", peer_cluster_id)
         self.state = LinkState()
         self._connected = asyncio.Event()
         self._session_lock = asyncio.Lock()

@@ -3,8 +3,8 @@
 The same numbers feed both, so a dashboard and the demo's JSON summary can
 never disagree about how many bytes crossed the WAN.
 
-Per-job series (``nebula_switch_job_*{job_id,direction}``) count the routed items of each job
-on the link, so a job's summary shows its own bytes and codec ratio, not the lifetime sums of
+Per-job series (``nebula_switch_job_*{job_id,direction,peer}``) count the routed items of each job
+on the link to each peer, so a job's summary shows its own bytes and codec ratio, not the lifetime sums of
 every job the switch carried. They leave ``/metrics`` once the job has no edge open on this
 switch and nothing of it crossed the link for a grace period (``JobSeries``): long enough for
 the summary and the last scrape to read the final values, short enough that a switch carrying
@@ -17,6 +17,7 @@ import contextlib
 import threading
 import time
 from collections import Counter as Tally
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge
@@ -129,23 +130,23 @@ LINK_RTT = Gauge(
 JOB_WAN_BYTES = Counter(
     "nebula_switch_job_wan_bytes",
     "Serialized bytes of a job's routed items exchanged with the peer switch (frames, chunks, signals, "
-    "acks, closes), per job.",
-    ["job_id", "direction"],
+    "acks, closes), per job and peer switch.",
+    ["job_id", "direction", "peer"],
 )
 JOB_WAN_PAYLOAD_BYTES = Counter(
     "nebula_switch_job_wan_payload_bytes",
-    "Encoded tensor payload bytes of a job exchanged with the peer, per job.",
-    ["job_id", "direction"],
+    "Encoded tensor payload bytes of a job exchanged with the peer, per job and peer switch.",
+    ["job_id", "direction", "peer"],
 )
 JOB_WAN_RAW_BYTES = Counter(
     "nebula_switch_job_wan_raw_bytes",
-    "Bytes a job's relayed tensors would have taken without compression, per job.",
-    ["job_id", "direction"],
+    "Bytes a job's relayed tensors would have taken without compression, per job and peer switch.",
+    ["job_id", "direction", "peer"],
 )
 JOB_FRAMES = Counter(
     "nebula_switch_job_frames_relayed",
-    "Tensor frames of a job relayed over the WAN, per job.",
-    ["job_id", "direction"],
+    "Tensor frames of a job relayed over the WAN, per job and peer switch.",
+    ["job_id", "direction", "peer"],
 )
 PER_JOB = (JOB_WAN_BYTES, JOB_WAN_PAYLOAD_BYTES, JOB_WAN_RAW_BYTES, JOB_FRAMES)
 DIRECTIONS = ("sent", "received")
@@ -166,6 +167,7 @@ class JobSeries:
         self._lock = threading.Lock()
         self._open: Tally[str] = Tally()
         self._last: dict[str, float] = {}
+        self._peers: dict[str, set[str]] = {}  # the peers each job's series are labelled with
         self._next_sweep = 0.0
 
     def opened(self, job_id: str) -> None:
@@ -184,9 +186,10 @@ class JobSeries:
             self._last[job_id] = time.monotonic()
         self.sweep()
 
-    def counted(self, job_id: str) -> None:
+    def counted(self, job_id: str, peer: str = "") -> None:
         with self._lock:
             self._last[job_id] = time.monotonic()
+            self._peers.setdefault(job_id, set()).add(peer)
 
     def sweep(self, now: float | None = None, force: bool = False) -> list[str]:
         """Remove the series of every job past its grace period; returns those job ids."""
@@ -200,19 +203,21 @@ class JobSeries:
                 for job, last in self._last.items()
                 if job not in self._open and now - last >= self.grace_s
             ]
+            peers = {job: self._peers.pop(job, {""}) for job in gone}
             for job in gone:
                 del self._last[job]
         for job in gone:
-            forget_job(job)
+            forget_job(job, peers[job])
         return gone
 
 
-def forget_job(job_id: str) -> None:
-    """Remove every per-job series of ``job_id`` now (directions it never used are skipped)."""
+def forget_job(job_id: str, peers: Iterable[str] = ("",)) -> None:
+    """Remove every per-job series of ``job_id`` with these peers now (unused label sets are skipped)."""
     for metric in PER_JOB:
         for direction in DIRECTIONS:
-            with contextlib.suppress(KeyError):
-                metric.remove(job_id, direction)
+            for peer in peers:
+                with contextlib.suppress(KeyError):
+                    metric.remove(job_id, direction, peer)
 
 
 JOB_SERIES = JobSeries()
@@ -220,9 +225,14 @@ JOB_SERIES = JobSeries()
 
 @dataclass
 class DirectionCounters:
-    """Byte accounting for one direction of the WAN link."""
+    """Byte accounting for one direction of the WAN link (to or from ``peer``, the peer switch's cluster).
+
+    The per-job series carry the peer, so a chain's middle cluster (a switch with two peers)
+    counts each of a job's edges on its own.
+    """
 
     direction: str
+    peer: str = ""
     bytes: int = 0
     payload_bytes: int = 0
     raw_bytes: int = 0
@@ -236,8 +246,8 @@ class DirectionCounters:
         if message.WhichOneof("body") != "routed":
             return
         job = message.routed.job_id
-        JOB_SERIES.counted(job)
-        JOB_WAN_BYTES.labels(job, self.direction).inc(size)
+        JOB_SERIES.counted(job, self.peer)
+        JOB_WAN_BYTES.labels(job, self.direction, self.peer).inc(size)
         if message.routed.item.WhichOneof("body") != "frame":
             return
         part = message.routed.item.frame
@@ -245,14 +255,14 @@ class DirectionCounters:
             payload = len(part.chunk.data)
             self.payload_bytes += payload
             WAN_PAYLOAD_BYTES.labels(self.direction).inc(payload)
-            JOB_WAN_PAYLOAD_BYTES.labels(job, self.direction).inc(payload)
+            JOB_WAN_PAYLOAD_BYTES.labels(job, self.direction, self.peer).inc(payload)
         elif part.HasField("header"):
             self.frames += 1
             self.raw_bytes += part.header.raw_size
             FRAMES_RELAYED.labels(self.direction).inc()
             WAN_RAW_BYTES.labels(self.direction).inc(part.header.raw_size)
-            JOB_FRAMES.labels(job, self.direction).inc()
-            JOB_WAN_RAW_BYTES.labels(job, self.direction).inc(part.header.raw_size)
+            JOB_FRAMES.labels(job, self.direction, self.peer).inc()
+            JOB_WAN_RAW_BYTES.labels(job, self.direction, self.peer).inc(part.header.raw_size)
 
     def count_chunk(self, chunk: FramedChunk) -> None:
         """A framed chunk: its bytes on the link and its payload (no header, so no frame is counted).
@@ -267,9 +277,9 @@ class DirectionCounters:
         self.payload_bytes += payload
         WAN_PAYLOAD_BYTES.labels(self.direction).inc(payload)
         JOB_SERIES.sweep()  # at most once a second: ended jobs' series go
-        JOB_SERIES.counted(chunk.job_id)
-        JOB_WAN_BYTES.labels(chunk.job_id, self.direction).inc(size)
-        JOB_WAN_PAYLOAD_BYTES.labels(chunk.job_id, self.direction).inc(payload)
+        JOB_SERIES.counted(chunk.job_id, self.peer)
+        JOB_WAN_BYTES.labels(chunk.job_id, self.direction, self.peer).inc(size)
+        JOB_WAN_PAYLOAD_BYTES.labels(chunk.job_id, self.direction, self.peer).inc(payload)
 
     def to_proto(self) -> relay_pb2.LinkCounters:
         return relay_pb2.LinkCounters(

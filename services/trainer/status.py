@@ -62,7 +62,12 @@ class StatusBoard:
                 else:  # otherwise per-step values never carry over to the next update
                     status.ClearField(per_step)
             for name, value in fields.items():
-                setattr(status, name, value)
+                if isinstance(value, list):  # a repeated field (e.g. edges): replaced whole
+                    repeated = getattr(status, name)
+                    del repeated[:]
+                    repeated.extend(value)
+                else:
+                    setattr(status, name, value)
             for per_step in PER_STEP:
                 if status.HasField(per_step):
                     self._last_step[per_step] = getattr(status, per_step)

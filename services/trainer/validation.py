@@ -93,10 +93,8 @@ def _chain_problems(spec: trainer_pb2.StageSpec) -> list[str]:
             problems.append(f"downstream_edge.{name}: {exc}")
     if (cfg.mode or "backprop") != "backprop":
         problems.append("program.mode: a middle stage of a chain needs backprop")
-    if cfg.replicas > 1:
-        problems.append("program.replicas: a middle stage of a chain runs on one process")
     if (cfg.parallel or "ddp") != "ddp":
-        problems.append("program.parallel: a middle stage of a chain runs on one process (ddp)")
+        problems.append("program.parallel: a middle stage of a chain runs data-parallel only (ddp)")
     return problems
 
 

@@ -6,13 +6,18 @@ pumps call for every message) and the real Prometheus registry is read back as `
 
 from __future__ import annotations
 
+import http.server
+import threading
 from collections.abc import Iterator
 
 import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, tensor_pb2
+from nebula_common.sdk.client import ClusterSession
+from nebula_common.sdk.summary import job_wan_counters
 from services.switch import metrics
 from services.switch.metrics import JOB_SERIES, DirectionCounters
 
@@ -100,3 +105,58 @@ def test_the_grace_period_keeps_an_ended_jobs_series_for_the_last_scrape(
     assert {"job-2", "job-stray"} <= set(gone)
     assert job_samples("job-2") == {} == job_samples("job-stray")
     metrics.forget_job("never-seen")  # nothing to remove: no error
+
+
+def test_a_middle_switch_counts_each_peer_of_a_job_apart_and_the_summary_reads_one_edge(
+    no_grace: None,
+) -> None:
+    """A chain's middle cluster: one job, two links (to a and to c); each edge's series are its own."""
+    to_a, to_c = DirectionCounters("sent", "a"), DirectionCounters("sent", "c")
+    JOB_SERIES.opened("job-chain")
+    for message in frame("job-chain", 4000, b"g" * 1000):  # gradients up to a (int8-sized)
+        to_a.count(message)
+    for message in frame("job-chain", 4000, b"x" * 2000) * 2:  # activations down to c (fp16-sized)
+        to_c.count(message)
+    by_peer: dict[str, float] = {}
+    for family in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+        for sample in family.samples:
+            if (
+                sample.labels.get("job_id") == "job-chain"
+                and sample.name == "nebula_switch_job_wan_raw_bytes_total"
+            ):
+                by_peer[sample.labels["peer"]] = sample.value
+    assert by_peer == {"a": 4000, "c": 8000}
+
+    # The SDK's reader over real HTTP: one peer's numbers, or all peers together.
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = generate_latest(REGISTRY)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        endpoints = ClusterEndpoints(
+            cluster_id="b", auth="", trainer="", switch="", metrics={"switch-b": url}
+        )
+        session = ClusterSession(endpoints, "token", "tester")
+        to_c_only = job_wan_counters(session, "job-chain", peer="c")
+        both = job_wan_counters(session, "job-chain")
+        assert to_c_only is not None and both is not None
+        assert (to_c_only["sent"]["raw_bytes"], to_c_only["sent"]["payload_bytes"]) == (8000, 4000)
+        assert to_c_only["sent"]["frames"] == 2 and both["sent"]["frames"] == 3
+        assert both["sent"]["raw_bytes"] == 12000
+        session.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    JOB_SERIES.closed("job-chain")
+    assert "job-chain" in JOB_SERIES.sweep(force=True)
+    assert job_samples("job-chain") == {}  # both peers' series went

@@ -43,6 +43,8 @@ class EdgeStats:
     bytes_received: int = 0
     raw_bytes_sent: int = 0
     raw_bytes_received: int = 0
+    frames_sent: int = 0
+    frames_received: int = 0
     wait_seconds: float = 0.0
     retransmit_timeout_s: float = 0.0
     """The sending half's current retransmit timeout (measured, with backoff; the cap before any sample)."""
@@ -123,6 +125,7 @@ class EdgeConnection:
         encoded = self.session.enqueue_tensor(build)
         self.stats.bytes_sent += encoded.header.payload_size
         self.stats.raw_bytes_sent += encoded.header.raw_size
+        self.stats.frames_sent += 1
         self._refresh_timer_stats()
         return encoded.header
 
@@ -163,6 +166,7 @@ class EdgeConnection:
             )
         self.stats.bytes_received += header.payload_size
         self.stats.raw_bytes_received += header.raw_size
+        self.stats.frames_received += 1
         if is_integer_header(header):
             return decode_integer_tensor(header, item.payload)
         return self._decoder.decode(header, item.payload, sample_ids=sample_ids)

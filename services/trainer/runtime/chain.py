@@ -25,6 +25,7 @@ once instead of waiting out a receive timeout.
 from __future__ import annotations
 
 import threading
+from typing import Protocol
 
 import torch
 
@@ -72,8 +73,26 @@ def combined_stats(edges: list[EdgeConnection]) -> EdgeStats:
         total.bytes_received += edge.stats.bytes_received
         total.raw_bytes_sent += edge.stats.raw_bytes_sent
         total.raw_bytes_received += edge.stats.raw_bytes_received
+        total.frames_sent += edge.stats.frames_sent
+        total.frames_received += edge.stats.frames_received
         total.wait_seconds += edge.stats.wait_seconds
     return total
+
+
+def edge_traffic(edges: list[EdgeConnection]) -> list[trainer_pb2.EdgeTraffic]:
+    """Each edge's own counters for the stage's status (a chain's summary reads them per edge)."""
+    return [
+        trainer_pb2.EdgeTraffic(
+            edge=edge.edge,
+            bytes_sent=edge.stats.bytes_sent,
+            raw_bytes_sent=edge.stats.raw_bytes_sent,
+            frames_sent=edge.stats.frames_sent,
+            bytes_received=edge.stats.bytes_received,
+            raw_bytes_received=edge.stats.raw_bytes_received,
+            frames_received=edge.stats.frames_received,
+        )
+        for edge in edges
+    ]
 
 
 class FailureRelay:
@@ -114,12 +133,53 @@ class FailureRelay:
             self._thread.join(5)
 
 
+class MiddleCompute(Protocol):
+    """What a middle stage computes per micro-batch: in this process, or on its data-parallel ranks."""
+
+    def relay(self, step: int, micro_batch: int, received: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        """The output to send below for what arrived from above."""
+        ...
+
+    def relay_backward(self, step: int, micro_batch: int, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of what arrived from above, given the gradient of the output from below."""
+        ...
+
+
+class LocalMiddle:
+    """A middle stage on one process: the stage thread relays and backpropagates itself."""
+
+    def __init__(self, program: StageProgram) -> None:
+        self.program = program
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def relay(self, step: int, micro_batch: int, received: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        received = received.requires_grad_(True)
+        out = self.program.relay(received, ids)
+        self._pending[micro_batch] = (received, out)
+        return out
+
+    def relay_backward(self, step: int, micro_batch: int, grad: torch.Tensor) -> torch.Tensor:
+        received, out = self._pending.pop(micro_batch)
+        if grad.shape != out.shape:
+            raise EdgeClosedError(f"gradient shape {tuple(grad.shape)} != activation {tuple(out.shape)}")
+        out.backward(grad.to(out.dtype))
+        if received.grad is None:
+            raise ProgramError(
+                "the middle stage's output does not depend on what it received: no gradient to send up"
+            )
+        return received.grad
+
+
 class MiddleStep:
-    """One optimizer step's micro-batches through a middle stage (the schedule in the module doc)."""
+    """One optimizer step's micro-batches through a middle stage (the schedule in the module doc).
+
+    ``compute``: ``LocalMiddle`` on one process, or the stage's ``DataParallelGroup`` on n ranks
+    (rank 0, the stage thread, holds both edges; each rank relays its rows of every micro-batch).
+    """
 
     def __init__(
         self,
-        program: StageProgram,
+        compute: MiddleCompute,
         schedule: str,
         micro_batches: int,
         max_in_flight: int,
@@ -129,7 +189,7 @@ class MiddleStep:
         from_below: ReceiveAhead,
         to_below: AsyncSender,
     ) -> None:
-        self.program = program
+        self.compute = compute
         self.ops = upstream_ops(schedule, micro_batches, max_in_flight)
         self.from_above, self.to_above = from_above, to_above
         self.from_below, self.to_below = from_below, to_below
@@ -139,26 +199,22 @@ class MiddleStep:
         for op in self.ops:  # what each edge will deliver, in the order the ops take it
             source = self.from_above if op.kind == "F" else self.from_below
             source.expect_tensor(step, op.micro_batch, ids_of[op.micro_batch])
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
         for op in self.ops:
             mb, ids = op.micro_batch, ids_of[op.micro_batch]
             if op.kind == "F":
-                received = self.from_above.tensor(step, mb).requires_grad_(True)
-                inputs[mb] = received
-                outputs[mb] = out = self.program.relay(received, ids)
+                out = self.compute.relay(step, mb, self.from_above.tensor(step, mb), ids)
                 self.to_below.send(out, step, mb, ids)
                 continue
-            grad = self.from_below.tensor(step, mb)
-            out, received = outputs.pop(mb), inputs.pop(mb)
-            if grad.shape != out.shape:
-                raise EdgeClosedError(f"gradient shape {tuple(grad.shape)} != activation {tuple(out.shape)}")
-            out.backward(grad.to(out.dtype))
-            if received.grad is None:
-                raise ProgramError(
-                    "the middle stage's output does not depend on what it received: no gradient to send up"
-                )
-            self.to_above.send(received.grad, step, mb, ids)
+            grad = self.compute.relay_backward(step, mb, self.from_below.tensor(step, mb))
+            self.to_above.send(grad, step, mb, ids)
 
 
-__all__ = ["FailureRelay", "MiddleStep", "combined_stats", "edge_views"]
+__all__ = [
+    "FailureRelay",
+    "LocalMiddle",
+    "MiddleCompute",
+    "MiddleStep",
+    "combined_stats",
+    "edge_traffic",
+    "edge_views",
+]

@@ -27,6 +27,14 @@ parameter gradients are summed across ranks at the step boundary rather than
 by DDP's reducer, because DDP starts syncing at the backward that follows the
 last micro-batch's forward, and under 1F1B earlier micro-batches' backwards
 still come after that forward.
+
+A middle stage of a chain runs on n ranks the same way; rank 0 holds both of
+its edges. For each micro-batch that arrives from above, rank 0 scatters its
+rows, every rank relays its rows and rank 0 gathers the output rows into the
+activation it sends below; for each gradient that comes from below, rank 0
+scatters its rows, every rank backpropagates them and rank 0 gathers the
+gradient rows of what it received into the one it sends above. Parameter
+gradients are summed at the step boundary, as upstream.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from nebula_common.jobspec.runtime import StageProgram, example_ids
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 CMD_STOP, CMD_MICRO_BATCH, CMD_STEP, CMD_FORWARD, CMD_BACKWARD = 0, 1, 2, 3, 4
+CMD_RELAY, CMD_RELAY_BACK = 5, 6  # a chain's middle stage: its rows forward, their gradient back
 _HEADER = 16  # cmd, step, micro_batch, dtype index, ndim, up to 11 dims
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)
 _GLOO = dist.ProcessGroup.BackendType.GLOO
@@ -125,30 +134,64 @@ class UpstreamCompute:
         out.backward(grad.to(out.dtype))
 
     def sum_gradients(self) -> None:
-        """Sum the ranks' parameter gradients (each rank holds its rows' share of the combined batch's).
+        sum_gradients(self.program, self.group)
 
-        A parameter that got no gradient on any rank keeps ``None``, as in the
-        unsplit run, so the optimizer skips it there too.
-        """
-        params = [p for p in self.program.model.parameters() if p.requires_grad]
-        present = torch.tensor([0.0 if p.grad is None else 1.0 for p in params])
-        self.group.allreduce([present]).wait()
-        synced = [p for p, flag in zip(params, present.tolist(), strict=True) if flag > 0]
-        for param in synced:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            elif param.grad.is_sparse:
-                raise DataParallelError(
-                    "sparse gradients are not supported on a data-parallel upstream stage"
-                )
-        for dtype in sorted({p.grad.dtype for p in synced}, key=str):  # type: ignore[union-attr]
-            grads = [p.grad for p in synced if p.grad is not None and p.grad.dtype == dtype]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self.group.allreduce([flat]).wait()
-            offset = 0
-            for grad in grads:
-                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+
+class MiddleCompute:
+    """A rank's share of a middle stage: its rows relayed now, their backward when the gradient comes."""
+
+    def __init__(self, program: StageProgram, group: dist.ProcessGroup) -> None:
+        self.program = program
+        self.group = group
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, micro_batch: int, rows: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        """Relay this rank's received rows, keep the graph; a detached copy of the output rows to gather."""
+        received = rows.requires_grad_(True)
+        out = self.program.relay(received, ids)
+        if out.dtype not in _DTYPES:
+            raise DataParallelError(f"cannot gather dtype {out.dtype}")
+        self._pending[micro_batch] = (received, out)
+        return out.detach().contiguous()
+
+    def backward(self, micro_batch: int, grad: torch.Tensor) -> torch.Tensor:
+        """Backpropagate the output rows' gradient; the gradient of this rank's received rows."""
+        received, out = self._pending.pop(micro_batch)
+        if grad.shape != out.shape:
+            raise DataParallelError(f"gradient rows {tuple(grad.shape)} != output rows {tuple(out.shape)}")
+        out.backward(grad.to(out.dtype))
+        if received.grad is None:
+            raise DataParallelError(
+                "the middle stage's output does not depend on what it received: no gradient to send up"
+            )
+        return received.grad.contiguous()
+
+
+def sum_gradients(program: StageProgram, group: dist.ProcessGroup) -> None:
+    """Sum the ranks' parameter gradients (each rank holds its rows' share of the combined batch's).
+
+    A parameter that got no gradient on any rank keeps ``None``, as in the
+    unsplit run, so the optimizer skips it there too.
+    """
+    params = [p for p in program.model.parameters() if p.requires_grad]
+    present = torch.tensor([0.0 if p.grad is None else 1.0 for p in params])
+    group.allreduce([present]).wait()
+    synced = [p for p, flag in zip(params, present.tolist(), strict=True) if flag > 0]
+    for param in synced:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        elif param.grad.is_sparse:
+            raise DataParallelError(
+                "sparse gradients are not supported on a data-parallel stage that relays rows"
+            )
+    for dtype in sorted({p.grad.dtype for p in synced}, key=str):  # type: ignore[union-attr]
+        grads = [p.grad for p in synced if p.grad is not None and p.grad.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        group.allreduce([flat]).wait()
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
 
 def _rows(ids: list[int], rank: int, world: int) -> list[int]:
@@ -173,6 +216,7 @@ class DataParallelGroup:
 
     compute: ReplicaCompute  # downstream stages only
     up: UpstreamCompute  # upstream stages only
+    mid: MiddleCompute  # a chain's middle stages only
 
     def __init__(
         self,
@@ -185,6 +229,7 @@ class DataParallelGroup:
         data_dir: Path,
         owner: str,
         upstream: bool = False,
+        middle: bool = False,
         timeout: float = 300.0,
     ) -> None:
         if replicas < 2:
@@ -194,8 +239,9 @@ class DataParallelGroup:
         self.micro_batches = micro_batches
         self.backprop = backprop
         self.upstream = upstream
-        if upstream and not backprop:
-            raise ValueError("a one_way upstream stage runs on one process")
+        self.middle = middle
+        if (upstream or middle) and not backprop:
+            raise ValueError("a one_way upstream stage runs on one process (and a chain trains backprop)")
         self._stopped = False
         self._shapes: dict[int, torch.Size] = {}
         span = datetime.timedelta(seconds=timeout)
@@ -217,6 +263,8 @@ class DataParallelGroup:
             self.group = make_process_group(dist.PrefixStore("dp/", self._store), 0, replicas, timeout)
             if upstream:
                 self.up = UpstreamCompute(program, self.group)
+            elif middle:
+                self.mid = MiddleCompute(program, self.group)
             else:
                 self.compute = ReplicaCompute(program, self.group, micro_batches, backprop)
         except Exception as exc:
@@ -282,11 +330,44 @@ class DataParallelGroup:
         self.group.scatter([mine], [chunks], _scatter_options()).wait()
         self.up.backward(micro_batch, mine)
 
+    def _scatter(self, cmd: int, step: int, micro_batch: int, tensor: torch.Tensor) -> torch.Tensor:
+        """Send every rank its rows of ``tensor`` (after the command header); rank 0's own rows."""
+        if tensor.dtype not in _DTYPES:
+            raise DataParallelError(f"cannot scatter dtype {tensor.dtype}")
+        tensor = tensor.detach().contiguous()
+        self._broadcast_header(cmd, step, micro_batch, tensor)
+        chunks = [chunk.contiguous() for chunk in tensor.chunk(self.replicas)]
+        mine = torch.empty_like(chunks[0])
+        self.group.scatter([mine], [chunks], _scatter_options()).wait()
+        return mine
+
+    def _gather(self, mine: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(mine) for _ in range(self.replicas)]
+        self.group.gather([parts], [mine], _gather_options()).wait()
+        return torch.cat(parts)
+
+    def relay(self, step: int, micro_batch: int, received: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        """Middle: every rank relays its rows of what came from above; the gathered output to send below."""
+        mine = self._scatter(CMD_RELAY, step, micro_batch, received)
+        out = self._gather(self.mid.forward(micro_batch, mine, _rows(ids, 0, self.replicas)))
+        self._shapes[micro_batch] = out.shape
+        return out
+
+    def relay_backward(self, step: int, micro_batch: int, grad: torch.Tensor) -> torch.Tensor:
+        """Middle: every rank backpropagates its rows of the gradient from below; the gathered one goes up."""
+        shape = self._shapes.pop(micro_batch)
+        if grad.shape != shape:
+            raise DataParallelError(f"gradient shape {tuple(grad.shape)} != activation {tuple(shape)}")
+        mine = self._scatter(CMD_RELAY_BACK, step, micro_batch, grad)
+        return self._gather(self.mid.backward(micro_batch, mine))
+
     def finish_step(self, step: int) -> None:
         """Every rank steps its optimizer; a counter all-reduce confirms all replicas are at this step."""
         self._broadcast_header(CMD_STEP, step)
         if self.upstream:
             self.up.sum_gradients()
+        elif self.middle:
+            sum_gradients(self.program, self.group)
         self.program.finish_step()
         done = torch.tensor([float(step + 1)])
         self.group.allreduce([done]).wait()
@@ -339,7 +420,8 @@ def replica_main(
     backprop = (cfg.mode or "backprop") == "backprop"
     upstream = cfg.role == "upstream"
     up = UpstreamCompute(program, group) if upstream else None
-    compute = None if upstream else ReplicaCompute(program, group, cfg.micro_batches, backprop)
+    mid = MiddleCompute(program, group) if cfg.role == "middle" else None
+    compute = None if upstream or mid else ReplicaCompute(program, group, cfg.micro_batches, backprop)
     size = cfg.batch_size // cfg.micro_batches
     while True:
         header = torch.zeros(_HEADER, dtype=torch.int64)
@@ -350,6 +432,8 @@ def replica_main(
         if cmd == CMD_STEP:
             if up is not None:
                 up.sum_gradients()
+            elif mid is not None:
+                sum_gradients(program, group)
             program.finish_step()
             done = torch.tensor([float(step + 1)])
             group.allreduce([done]).wait()
@@ -366,6 +450,13 @@ def replica_main(
         group.scatter([mine], [], _scatter_options()).wait()
         if cmd == CMD_BACKWARD and up is not None:
             up.backward(micro_batch, mine)
+            continue
+        if cmd in (CMD_RELAY, CMD_RELAY_BACK) and mid is not None:
+            if cmd == CMD_RELAY:
+                out = mid.forward(micro_batch, mine, _rows(ids, rank, world))
+            else:
+                out = mid.backward(micro_batch, mine)
+            group.gather([], [out], _gather_options()).wait()
             continue
         if compute is None:
             raise DataParallelError(f"command {cmd} does not apply to an upstream replica")

@@ -62,7 +62,14 @@ from services.trainer.edge import (
     renewed,
 )
 from services.trainer.metrics import LOSS, STEP_SECONDS, STEPS_TOTAL, WAIT_SECONDS
-from services.trainer.runtime.chain import FailureRelay, MiddleStep, combined_stats, edge_views
+from services.trainer.runtime.chain import (
+    FailureRelay,
+    LocalMiddle,
+    MiddleStep,
+    combined_stats,
+    edge_traffic,
+    edge_views,
+)
 from services.trainer.runtime.checkpoint import CheckpointStore
 from services.trainer.runtime.lifecycle import StageLifecycle
 from services.trainer.runtime.parallel import DataParallelGroup
@@ -512,6 +519,7 @@ class ProgramRunner:
                 data_dir=self.store.root,
                 owner=self.owner,
                 upstream=upstream,
+                middle=self._middle,
             )
         self._start_barrier(edge, upstream, down)
         timer = self.timer
@@ -524,8 +532,10 @@ class ProgramRunner:
         if down is not None:
             self._down_sender = AsyncSender(down, cfg.max_in_flight, timer)
             self._down_receiver = ReceiveAhead(down, depth, timer)
+            # On n ranks the stage's DataParallelGroup relays every micro-batch's rows on each rank.
+            compute = self._dp if isinstance(self._dp, DataParallelGroup) else LocalMiddle(program)
             middle = MiddleStep(
-                program,
+                compute,
                 cfg.schedule,
                 cfg.micro_batches,
                 cfg.max_in_flight,
@@ -552,7 +562,10 @@ class ProgramRunner:
             loss: float | None = None
             if middle is not None:
                 middle.run(step, {mb: self._ids(step, mb) for mb in range(cfg.micro_batches)})
-                program.finish_step()
+                if self._dp is not None:
+                    self._dp.finish_step(step)  # the ranks sum their gradients and step together
+                else:
+                    program.finish_step()
             elif upstream and self._one_way:
                 extra["local_loss"] = self._upstream_one_way_step(program, sender, step)
                 program.finish_step()
@@ -584,6 +597,7 @@ class ProgramRunner:
                 else:
                     self.store.save(spec.job_id, spec.stage, self.owner, done, program)
                 extra["checkpoint_step"] = done
+            extra["edges"] = edge_traffic(edges)
             self._report_step(step, elapsed, waited, loss, combined_stats(edges), **extra)
         evaluates = callable(getattr(program.module, "load_eval_examples", None))
         if not self._one_way and evaluates and not (cfg.stage_count or 2) > 2:
@@ -601,10 +615,22 @@ class ProgramRunner:
             self._relay.stop()  # closing in order is not a failure to pass on
         for end in reversed(edges):  # a middle closes below first: every gradient up has been sent
             end.close("finished")
+        self._report_traffic(edges)  # every frame sent is counted now (the senders were flushed)
         for end in edges:
             lost = end.session.failure
             if isinstance(lost, EdgeRestartRequired | EdgeOutage):  # the peer restarted before it closed
                 raise renewed(lost)
+
+    def _report_traffic(self, edges: list[EdgeConnection]) -> None:
+        """The edges' final counters, per edge and summed (after the last step's sends were flushed)."""
+        stats = combined_stats(edges)
+        self.board.update(
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+            raw_bytes_sent=stats.raw_bytes_sent,
+            raw_bytes_received=stats.raw_bytes_received,
+            edges=edge_traffic(edges),
+        )
 
     def _report_step(
         self,

@@ -153,7 +153,7 @@ class WatchStageRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("job_id", "stage", "state", "steps_done", "loss", "step_seconds", "wait_seconds", "bytes_sent", "bytes_received", "raw_bytes_sent", "raw_bytes_received", "message", "checkpoint_step", "compute_seconds", "local_loss", "codec_forward", "codec_backward", "codec_choice", "epoch", "resumed_from_step")
+    __slots__ = ("job_id", "stage", "state", "steps_done", "loss", "step_seconds", "wait_seconds", "bytes_sent", "bytes_received", "raw_bytes_sent", "raw_bytes_received", "message", "checkpoint_step", "compute_seconds", "local_loss", "codec_forward", "codec_backward", "codec_choice", "epoch", "resumed_from_step", "edges")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class StageStatus(_message.Message):
     CODEC_CHOICE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FROM_STEP_FIELD_NUMBER: _ClassVar[int]
+    EDGES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     stage: str
     state: StageState
@@ -194,7 +195,26 @@ class StageStatus(_message.Message):
     codec_choice: str
     epoch: int
     resumed_from_step: int
-    def __init__(self, job_id: _Optional[str] = ..., stage: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., steps_done: _Optional[int] = ..., loss: _Optional[float] = ..., step_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., raw_bytes_sent: _Optional[int] = ..., raw_bytes_received: _Optional[int] = ..., message: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., local_loss: _Optional[float] = ..., codec_forward: _Optional[str] = ..., codec_backward: _Optional[str] = ..., codec_choice: _Optional[str] = ..., epoch: _Optional[int] = ..., resumed_from_step: _Optional[int] = ...) -> None: ...
+    edges: _containers.RepeatedCompositeFieldContainer[EdgeTraffic]
+    def __init__(self, job_id: _Optional[str] = ..., stage: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., steps_done: _Optional[int] = ..., loss: _Optional[float] = ..., step_seconds: _Optional[float] = ..., wait_seconds: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., raw_bytes_sent: _Optional[int] = ..., raw_bytes_received: _Optional[int] = ..., message: _Optional[str] = ..., checkpoint_step: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., local_loss: _Optional[float] = ..., codec_forward: _Optional[str] = ..., codec_backward: _Optional[str] = ..., codec_choice: _Optional[str] = ..., epoch: _Optional[int] = ..., resumed_from_step: _Optional[int] = ..., edges: _Optional[_Iterable[_Union[EdgeTraffic, _Mapping]]] = ...) -> None: ...
+
+class EdgeTraffic(_message.Message):
+    __slots__ = ("edge", "bytes_sent", "raw_bytes_sent", "frames_sent", "bytes_received", "raw_bytes_received", "frames_received")
+    EDGE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    edge: str
+    bytes_sent: int
+    raw_bytes_sent: int
+    frames_sent: int
+    bytes_received: int
+    raw_bytes_received: int
+    frames_received: int
+    def __init__(self, edge: _Optional[str] = ..., bytes_sent: _Optional[int] = ..., raw_bytes_sent: _Optional[int] = ..., frames_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., raw_bytes_received: _Optional[int] = ..., frames_received: _Optional[int] = ...) -> None: ...
 
 class CancelStageRequest(_message.Message):
     __slots__ = ("job_id",)
