@@ -62,12 +62,12 @@ def group_norms(stages: train.Stages) -> dict[str, float]:
     return {k: round(v**0.5, 5) for k, v in sorted(groups.items())}
 
 
-def linear_probe(prep: train.Prepared, stages: train.Stages, steps: int = 300) -> float:
+def linear_probe(prep: train.Prepared, stages: train.Stages, steps: int = 100) -> float:
     """Token accuracy of a linear layer reading the source token back from the encoder output."""
     with torch.no_grad():
-        states = stages.send(prep.train_es[:4096])
-        held = stages.send(prep.held_es[:512])
-    ids, held_ids = prep.train_es[:4096], prep.held_es[:512]
+        states = stages.send(prep.train_es[:512])
+        held = stages.send(prep.held_es[:256])
+    ids, held_ids = prep.train_es[:512], prep.held_es[:256]
     probe = nn.Linear(states.shape[-1], prep.es.get_vocab_size())
     opt = torch.optim.Adam(probe.parameters(), lr=1e-2)
     keep = ids != PAD
@@ -176,8 +176,6 @@ def main() -> None:
                 out["gates"] = [round(float(a.gate), 3) for a in stages.decoder.adapters]
                 out["gap"] = shuffled_gap(prep, stages)
             print(json.dumps(out), flush=True)
-    if args.diagnose:
-        print(json.dumps({"probe_acc_end": linear_probe(prep, stages)}))
 
 
 if __name__ == "__main__":
