@@ -65,14 +65,18 @@ FULL_ROWS = (
 QUICK_ROWS = (FULL_ROWS[0], FULL_ROWS[1], FULL_ROWS[5], FULL_ROWS[11])
 FIGURE10_ROW = FULL_ROWS[5]  # the paper's fastest row, FP16(SVD(0.2))+INT8
 FIGURE10_STARTS = (0.0, 0.10, 0.25)
-FULL = {"seeds": 3, "steps": 600, "eval_pairs": None, "advisor_steps": 30, "model": train.ModelConfig()}
-"""About 40 minutes on 2 idle cores (estimated from the per-step times of the reduced run, see the report)."""
+FULL_MODEL = train.ModelConfig(pretrain_steps=400, lr=1e-2, warmup=50, train_head=True)
+"""The full plan's model: the best of session 24's probes (docs/bench/table5.md): LMs pre-trained 400
+steps a side; the adapters and the decoder's output layer fine-tuned with Adam at 1e-2 after a 50-step
+linear warm-up."""
+FULL = {"seeds": 3, "steps": 800, "eval_pairs": None, "advisor_steps": 30, "model": FULL_MODEL}
+"""About 35 minutes on 2 idle cores (estimated from measured CPU seconds per step, see the doc)."""
 QUICK = {
     "seeds": 2,
     "steps": 20,
     "eval_pairs": 64,
     "advisor_steps": 4,
-    "model": train.ModelConfig(vocab=2000, pretrain_steps=30),
+    "model": replace(FULL_MODEL, vocab=2000, pretrain_steps=30),
 }
 
 

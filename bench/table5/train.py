@@ -37,6 +37,9 @@ from nebula_common.zoo.bottleneck import DownProjection, UpProjection, captured_
 from nebula_common.zoo.catalogues import Pair
 from nebula_common.zoo.text_data import decode, encode, train_tokenizer
 
+FINE_TUNING_FIELDS = ("adapter", "lr", "warmup", "train_head")
+"""ModelConfig fields pre-training never reads: changing them reuses the cached pre-trained LMs."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -50,9 +53,15 @@ class ModelConfig:
     pretrain_steps: int = 1500
     pretrain_lr: float = 2e-3
     lr: float = 3e-3
+    warmup: int = 0
+    """Fine-tuning steps of linear lr warm-up (0: none)."""
+    train_head: bool = False
+    """Also train the decoder's output layer (its final norm and vocabulary head), the rest stays frozen."""
 
     def digest(self, corpus_sha: str) -> str:
-        text = json.dumps({**asdict(self), "corpus": corpus_sha}, sort_keys=True)
+        """The pre-trained LMs' cache key: only the fields pre-training reads (fine-tuning ones share it)."""
+        fields = {k: v for k, v in asdict(self).items() if k not in FINE_TUNING_FIELDS}
+        text = json.dumps({**fields, "corpus": corpus_sha}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -166,9 +175,20 @@ class Stages:
             self.energy = captured_energy(calibration, basis)
             self.down = DownProjection(config.d_model, row.cut_k, basis)
             self.up = UpProjection(config.d_model, row.cut_k, basis, residual=row.residual)
+        if config.train_head:
+            for parameter in (*decoder_plm.norm.parameters(), *decoder_plm.head.parameters()):
+                parameter.requires_grad_(True)
         trainable = lambda *ms: [p for m in ms for p in m.parameters() if p.requires_grad]  # noqa: E731
         self.upstream_opt = torch.optim.Adam(trainable(self.encoder, self.down), lr=config.lr)
         self.downstream_opt = torch.optim.Adam(trainable(self.up, self.decoder), lr=config.lr)
+        self.lr, self.warmup = config.lr, config.warmup
+
+    def set_step(self, step: int) -> None:
+        """The lr of fine-tuning step ``step`` (0-based): linear warm-up over ``config.warmup`` steps."""
+        scale = min(1.0, (step + 1) / self.warmup) if self.warmup else 1.0
+        for optimizer in (self.upstream_opt, self.downstream_opt):
+            for group in optimizer.param_groups:
+                group["lr"] = self.lr * scale
 
     def send(self, ids: torch.Tensor) -> torch.Tensor:
         return self.down(self.encoder(ids))
@@ -224,6 +244,7 @@ def train_steps(prep: Prepared, row: Row, seed: int, steps: int) -> Trained:
     for step in range(steps):
         index = torch.randint(len(prep.train_es), (config.batch,), generator=generator)
         started, cpu_started = time.perf_counter(), time.process_time()
+        stages.set_step(step)
         sent = stages.send(prep.train_es[index])  # cluster S
         encoded = fwd_enc.encode(sent.detach(), step=step)
         memory = fwd_dec.decode(encoded.header, encoded.payload).requires_grad_(True)  # cluster T

@@ -90,6 +90,11 @@ class LanguageModel(nn.Module):
         return self.head(self.norm(h))
 
 
+def rms(x: torch.Tensor) -> torch.Tensor:
+    """Root mean square over the last dimension (kept): a position's magnitude in the residual stream."""
+    return x.pow(2).mean(dim=-1, keepdim=True).sqrt()
+
+
 class Adapter(nn.Module):
     """ABNet encoder adapter: LayerNorm -> Linear -> ReLU -> Linear, residual; the identity at init."""
 
@@ -114,12 +119,17 @@ class CrossAdapter(nn.Module):
         self.cross = nn.MultiheadAttention(d_model, n_heads, dropout=0.0, batch_first=True)
         self.norm_ff = nn.LayerNorm(d_model)
         self.ff = Adapter(d_model, bottleneck)
-        self.gate = nn.Parameter(torch.zeros(()))  # scales the cross-attention in from zero
+        self.gate = nn.Parameter(torch.zeros(()))  # the source's share of the stream, from zero
 
     def forward(self, h: torch.Tensor, memory: torch.Tensor, memory_padding: torch.Tensor) -> torch.Tensor:
         context, _ = self.cross(
             self.norm_query(h), memory, memory, key_padding_mask=memory_padding, need_weights=False
         )
+        # The gate is the source's share of the stream: the context is rescaled to the stream's RMS at
+        # each position. Added as it comes out of attention (RMS ~0.1 against the frozen LM's ~8, its
+        # embeddings x sqrt(d)), the source stayed ~1% of the stream for hundreds of steps while the
+        # gate grew by ~lr a step, and the decoder kept continuing its own LM (issue 13's BLEU < 1).
+        context = context * (rms(h.detach()) / (rms(context) + 1e-6))
         return self.ff(h + self.gate * context)
 
 
