@@ -348,6 +348,14 @@ class Deployment:
         self.tokens: dict[str, str] = {}
 
     def start(self) -> Deployment:
+        """Start every process; a failure stops those already started (none is left behind)."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> Deployment:
         # This bench measures the switch's WAN path; its internal ports run plaintext under the
         # explicit development flag (the services and this process's clients inherit it).
         os.environ["NEBULA_INTERNAL_PLAINTEXT"] = "1"
