@@ -119,6 +119,7 @@ class GrpcEdgeTransport:
         peer_closed = False
         while not self._stopping.is_set() and not peer_closed:
             outgoing: queue.Queue[object] = queue.Queue()
+            raw_edge = self._raw_offer()  # offered on this open: only then may the switch move the edge
             outgoing.put(
                 relay_pb2.EdgeMessage(
                     open=relay_pb2.EdgeOpen(
@@ -128,7 +129,7 @@ class GrpcEdgeTransport:
                         epoch=self.epoch,
                         link_framing=LINK_FRAMING_VERSION,
                         peer_cluster=self.peer_cluster,
-                        raw_edge=self._raw_offer(),
+                        raw_edge=raw_edge,
                     )
                 )
             )
@@ -148,7 +149,7 @@ class GrpcEdgeTransport:
                     kind = message.WhichOneof("body")
                     if kind == "ready":
                         assert isinstance(message, relay_pb2.EdgeMessage)
-                        if message.ready.raw_edge_port:
+                        if message.ready.raw_edge_port and raw_edge:
                             offer = message.ready
                             break
                         ever_ready = True
