@@ -13,9 +13,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # Which tests `make test` runs: all but the long fault scenarios (`make test TEST_SELECT=` runs every test).
-TEST_SELECT ?= -m "not faults"
+TEST_SELECT ?= -m "not faults and not rawedge"
 
 .PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-faults test-stop lint format clean bench \
+	test-raw-edge \
 	bench-faults bench-relay soak smoke-containers bench-wan-roofline bench-wan-table3 check-dashboards test-orgs test-orgs-netns \
 	bench-table5 bench-table5-quick
 
@@ -161,6 +162,10 @@ test: $(STAMP)
 # `make test-stop`, which repeats each case.
 test-faults: $(STAMP)
 	$(BIN)/pytest -q -m faults tests/integration --ignore=tests/integration/test_service_stop.py $(PYTEST_ARGS)
+
+# The raw edge transport end to end (two `nebula local up` deployments; a few minutes).
+test-raw-edge: $(STAMP)
+	$(BIN)/pytest -q -m rawedge tests/integration/test_raw_edge.py $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit $(PYTEST_ARGS)

@@ -8,6 +8,12 @@ another process on loopback, measured side by side so the ratios share the machi
   the link is a gRPC stream (``NEBULA_SWITCH_LINK_TRANSPORT=grpc``);
 * ``relay-raw``: the same path with the raw link transport between the switches (length-prefixed frames
   on TLS 1.3, ``NEBULA_SWITCH_LINK_TRANSPORT=raw``, services/switch/rawlink.py), a deployment of its own;
+* ``relay-rawedge``: the raw link plus raw edges (trainer <-> switch as length-prefixed records on mutual
+  TLS 1.3 after a ticket from ``OpenEdge``; ``NEBULA_SWITCH_EDGE_TRANSPORT=raw``, raw edge transports,
+  services/switch/raw_edge.py). Its internal ports run TLS (the raw edge needs the trainers' service
+  certificates), where ``relay`` and ``relay-raw`` run plaintext internal ports: a stricter setting;
+* ``relay-raw-tls``: ``relay-raw`` with internal TLS (the gRPC edges on the switches' mutual-TLS service
+  ports, as in production): the baseline ``relay-rawedge`` changes only the edges of;
 * ``tls``: one Python ``ssl`` TLS 1.3 socket hop (``sendall`` / ``recv_into``);
 * ``tcp``: one plain TCP socket hop;
 * ``grpc``: one plaintext gRPC stream of 4 MiB ``bytes`` messages (identity serializers);
@@ -47,8 +53,13 @@ from typing import Any
 MIB = 1 << 20
 GRPC_MESSAGE = 4 * MIB
 SIZES_MIB = (1, 16, 64)
-PATHS = ("relay", "relay-raw", "tls", "tcp", "grpc", "gloo")
-TRANSPORTS = {"relay": "grpc", "relay-raw": "raw"}
+PATHS = ("relay", "relay-raw", "relay-raw-tls", "relay-rawedge", "tls", "tcp", "grpc", "gloo")
+TRANSPORTS = {"relay": "grpc", "relay-raw": "raw", "relay-raw-tls": "raw", "relay-rawedge": "raw"}
+EDGES = {"relay": "grpc", "relay-raw": "grpc", "relay-raw-tls": "grpc", "relay-rawedge": "raw"}
+"""What carries the trainers' edges on each relay path."""
+INTERNAL_TLS = {"relay-raw-tls", "relay-rawedge"}
+"""Relay paths whose internal ports run TLS (as in production; the raw edge needs it)."""
+SUFFIX = {"relay": "", "relay-raw": "_raw", "relay-raw-tls": "_rawtls", "relay-rawedge": "_rawedge"}
 JOB = "bench/relay"
 EDGE = "up->down"
 
@@ -159,14 +170,32 @@ def gloo_receiver(port: int, size: int, count: int, done: Any) -> None:
     dist.destroy_process_group()
 
 
-def relay_receiver(address: str, token: str, job: str, count: int, done: Any) -> None:
+def edge_transport(address: str, token: str, job: str, tls: tuple[str, ...] | None, raw: bool) -> Any:
+    """The edge transport: gRPC, or raw with the trainer certificate ``tls`` (cluster, ca, cert, key)."""
+    from services.trainer.edge import GrpcEdgeTransport, RawEdgeTransport
+
+    if tls is None:
+        return GrpcEdgeTransport(address, token, job, EDGE)
+    from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
+
+    client = ClientTls(tls[0], Path(tls[1]), Path(tls[2]), Path(tls[3]))
+    trust_endpoint(address, client)
+    if not raw:
+        return GrpcEdgeTransport(address, token, job, EDGE)
+    return RawEdgeTransport(address, token, job, EDGE, tls=client)
+
+
+def relay_receiver(
+    address: str, token: str, job: str, count: int, tls: tuple[str, ...] | None, raw: bool, done: Any
+) -> None:
     """The downstream stage: a real edge on switch b receiving ``count + 1`` tensors."""
     from nebula_common.bulk_memory import keep_freed_memory_for_reuse
-    from services.trainer.edge import EdgeConnection, GrpcEdgeTransport
+    from services.trainer.edge import EdgeConnection
 
     keep_freed_memory_for_reuse()  # as the trainer service does at start
 
-    edge = EdgeConnection(GrpcEdgeTransport(address, token, job, EDGE), job_id=job, edge=EDGE, upstream=False)
+    transport = edge_transport(address, token, job, tls, raw)
+    edge = EdgeConnection(transport, job_id=job, edge=EDGE, upstream=False)
     for step in range(count + 1):
         edge.receive_tensor(step, 0, timeout=600)
         if step == 0:
@@ -305,14 +334,28 @@ def bench_gloo(tensor: Any, count: int) -> Timed:
 class Deployment:
     """Two clusters' auth services and switches as real service processes; switch a dials b."""
 
-    def __init__(self, root: Path, transport: str = "grpc") -> None:
+    def __init__(
+        self, root: Path, transport: str = "grpc", edge: str = "grpc", internal_tls: bool = False
+    ) -> None:
         self.root = root
         self.transport = transport
+        self.edge = edge
+        self.internal_tls = internal_tls or edge == "raw"
+        #: Per cluster (cluster, ca, cert, key) of the trainer identity (raw edges: internal TLS on).
+        self.trainer_tls: dict[str, tuple[str, ...]] = {}
         self.processes: list[Any] = []
         self.switches: dict[str, Any] = {}
         self.tokens: dict[str, str] = {}
 
     def start(self) -> Deployment:
+        """Start every process; a failure stops those already started (none is left behind)."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> Deployment:
         # This bench measures the switch's WAN path; its internal ports run plaintext under the
         # explicit development flag (the services and this process's clients inherit it).
         os.environ["NEBULA_INTERNAL_PLAINTEXT"] = "1"
@@ -322,6 +365,25 @@ class Deployment:
         from nebula_common.sdk.auth_client import AuthClient
 
         pki = init_pki(self.root / "pki", ["a", "b"])
+        tls_dirs: dict[str, dict[str, str]] = {}
+        if (
+            self.edge == "raw"
+        ):  # the raw edge needs internal TLS: every service and the trainers get identities
+            from nebula_common.pki.service_identity import (
+                ServiceTlsFiles,
+                ensure_service_certificates,
+                service_tls_dir,
+            )
+            from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
+
+            for cluster in "ab":
+                ensure_service_certificates(self.root / "pki", cluster)
+                tls_dirs[cluster] = {
+                    service: str(service_tls_dir(self.root / "pki", cluster, service))
+                    for service in ("auth", "switch", "trainer")
+                }
+                files = ServiceTlsFiles.in_dir(Path(tls_dirs[cluster]["trainer"]))
+                self.trainer_tls[cluster] = (cluster, str(files.ca), str(files.cert), str(files.key))
         logs = self.root / "logs"
         logs.mkdir(parents=True, exist_ok=True)
 
@@ -338,6 +400,7 @@ class Deployment:
             return process
 
         auth_addresses = {}
+        service_auth = {}
         for cluster in "ab":
             password = secrets.token_urlsafe(18)
             (self.root / cluster).mkdir(parents=True, exist_ok=True)
@@ -354,9 +417,18 @@ class Deployment:
                     "LISTEN": f"127.0.0.1:{service_port()}",
                     "METRICS_PORT": "-1",
                     "LOG_LEVEL": "WARNING",
+                    **({"INTERNAL_TLS_DIR": tls_dirs[cluster]["auth"]} if tls_dirs else {}),
                 },
             )
             auth_addresses[cluster] = f"127.0.0.1:{auth.info['grpc_port']}"
+            # Services call auth's service port (mutual TLS) when internal TLS is on.
+            service_auth[cluster] = (
+                f"127.0.0.1:{auth.info['service_port']}" if tls_dirs else auth_addresses[cluster]
+            )
+            if tls_dirs:
+                trainer = self.trainer_tls[cluster]
+                tls = ClientTls(cluster, Path(trainer[1]), Path(trainer[2]), Path(trainer[3]))
+                trust_endpoint(auth_addresses[cluster], tls)
             wait_healthy(auth_addresses[cluster], "nebula.v1.Auth")
             with AuthClient(auth_addresses[cluster]) as client:
                 self.tokens[cluster] = client.login("admin", password).token
@@ -369,7 +441,7 @@ class Deployment:
                 "TLS_CERT": str(paths.switch_cert),
                 "TLS_KEY": str(paths.switch_key),
                 "TRUST_BUNDLE": str(paths.trust_bundle),
-                "AUTH_ADDRESS": auth_addresses[cluster],
+                "AUTH_ADDRESS": service_auth[cluster],
                 "DATA_DIR": str(self.root / cluster / "switch"),
                 "INTERNAL_LISTEN": f"127.0.0.1:{service_port()}",
                 "WAN_LISTEN": f"127.0.0.1:{wan_b if cluster == 'b' else service_port()}",
@@ -377,6 +449,8 @@ class Deployment:
                 "LOG_LEVEL": "WARNING",
                 "LINK_ROLE": "accept" if cluster == "b" else "dial",
                 "LINK_TRANSPORT": self.transport,
+                "EDGE_TRANSPORT": self.edge,
+                **({"INTERNAL_TLS_DIR": tls_dirs[cluster]["switch"]} if tls_dirs else {}),
             }
             if cluster == "a":
                 env["PEER_ADDRESS"] = f"127.0.0.1:{wan_b}"
@@ -385,7 +459,12 @@ class Deployment:
         return self
 
     def internal(self, cluster: str) -> str:
-        return f"127.0.0.1:{self.switches[cluster].info['internal_port']}"
+        """Where trainers open edges: the internal port, or the service port (mutual TLS) for raw edges."""
+        port = "service_port" if self.internal_tls else "internal_port"
+        return f"127.0.0.1:{self.switches[cluster].info[port]}"
+
+    def tls(self, cluster: str) -> tuple[str, ...] | None:
+        return self.trainer_tls.get(cluster)
 
     def link_connections(self) -> dict[str, float]:
         """``nebula_switch_link_connections`` of each switch right now (from its metrics endpoint)."""
@@ -425,14 +504,19 @@ class Deployment:
 def bench_relay(
     deployment: Deployment, tensor: Any, count: int, job_index: int
 ) -> tuple[Timed, dict[str, float]]:
-    from services.trainer.edge import EdgeConnection, GrpcEdgeTransport
+    from services.trainer.edge import EdgeConnection
 
     job = f"{JOB}-{job_index}"
     size = tensor.numel() * 4
-    process, done = _spawn(relay_receiver, deployment.internal("b"), deployment.tokens["b"], job, count)
+    raw = deployment.edge == "raw"
+    process, done = _spawn(
+        relay_receiver, deployment.internal("b"), deployment.tokens["b"], job, count, deployment.tls("b"), raw
+    )
     edge = None
     try:
-        transport = GrpcEdgeTransport(deployment.internal("a"), deployment.tokens["a"], job, EDGE)
+        transport = edge_transport(
+            deployment.internal("a"), deployment.tokens["a"], job, deployment.tls("a"), raw
+        )
         edge = EdgeConnection(transport, job_id=job, edge=EDGE, upstream=True)
         edge.send_tensor(tensor, 0, 0)
         _expect(done, "warm", process, timeout=300)
@@ -471,14 +555,19 @@ def render(result: dict[str, Any]) -> str:
         f"{os.cpu_count()} cores.",
         "",
         "MB/s (10^6 bytes per second), receiver holding the last tensor; ratio = relay / TLS hop; "
-        "'relay' has a gRPC link between the switches, 'raw link' the raw transport (rawlink.py). "
+        "'relay' has a gRPC link between the switches, 'raw link' the raw transport (rawlink.py), "
+        "'raw edges' also the raw edge transport between each trainer and its switch (raw_edge.py). "
+        "'relay' and 'raw link' run plaintext internal ports (development flag); 'TLS edges' and 'raw edges' "
+        "run internal TLS as in production. "
         "With several rounds (the paths take turns each round) MB/s are medians and the ratio is "
         "theirs, followed by the range of the per-round ratios.",
         "",
-        "| tensor | relay | relay, raw link | TLS 1.3 hop | TCP | gRPC stream | gloo | relay / TLS "
-        "| raw link / TLS | switch CPU-s per GB (gRPC / raw link) "
-        "| CPU-s per GB: switch a / b, sender, receiver (gRPC link; raw link) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tensor | relay | relay, raw link | raw link, TLS edges | raw link + raw edges | TLS 1.3 hop | TCP "
+        "| gRPC stream | gloo | relay / TLS | raw link / TLS | raw link, TLS edges / TLS | raw edges / TLS "
+        "| switch CPU-s per GB (gRPC / raw link / raw link, TLS edges / raw edges) "
+        "| CPU-s per GB: switch a / b, sender, receiver "
+        "(gRPC link; raw link; raw link, TLS edges; raw edges) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         mb = row["mb_s"]
@@ -507,9 +596,12 @@ def render(result: dict[str, Any]) -> str:
         rounds = f", {row['repeat']} rounds" if row.get("repeat", 1) > 1 else ""
         lines.append(
             f"| {row['size_mib']} MiB x {row['count']}{rounds} | {cell('relay')} | {cell('relay-raw')} "
-            f"| {cell('tls')} | {cell('tcp')} | {cell('grpc')} | {cell('gloo')} "
-            f"| {ratio('relay')} | {ratio('relay-raw')} "
-            f"| {cpu('')} / {cpu('_raw')} | {parts('')}; {parts('_raw')} |"
+            f"| {cell('relay-raw-tls')} | {cell('relay-rawedge')} | {cell('tls')} | {cell('tcp')} "
+            f"| {cell('grpc')} | {cell('gloo')} "
+            f"| {ratio('relay')} | {ratio('relay-raw')} | {ratio('relay-raw-tls')} "
+            f"| {ratio('relay-rawedge')} "
+            f"| {cpu('')} / {cpu('_raw')} / {cpu('_rawtls')} / {cpu('_rawedge')} "
+            f"| {parts('')}; {parts('_raw')}; {parts('_rawtls')}; {parts('_rawedge')} |"
         )
     lines += [
         "",
@@ -539,7 +631,7 @@ def main() -> None:
 
     from nebula_common.bulk_memory import keep_freed_memory_for_reuse
 
-    if "relay" in args.paths or "relay-raw" in args.paths:
+    if any(path in TRANSPORTS for path in args.paths):
         keep_freed_memory_for_reuse()  # this process is the sending trainer (as the trainer service does)
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
@@ -565,8 +657,10 @@ def main() -> None:
     try:
         for path, transport in TRANSPORTS.items():
             if path in args.paths:
-                deployments[path] = Deployment(root / transport, transport).start()
-                print(f"deployment up ({transport} link)", flush=True)
+                deployments[path] = Deployment(
+                    root / path, transport, EDGES[path], internal_tls=path in INTERNAL_TLS
+                ).start()
+                print(f"deployment up ({transport} link, {EDGES[path]} edges)", flush=True)
         tls_pair = next(iter(deployments.values())).tls_pair if deployments else None
         if tls_pair is None:
             from nebula_common.pki import init_pki
@@ -583,7 +677,7 @@ def main() -> None:
                     if path in deployments:
                         deployment = deployments[path]
                         timed, cpu = bench_relay(deployment, tensor, count, index * 1000 + repeat)
-                        suffix = "" if path == "relay" else "_raw"
+                        suffix = SUFFIX[path]
                         total = row.setdefault("cpu_s" + suffix, {})
                         for key, value in cpu.items():
                             total[key] = round(total.get(key, 0.0) + value, 2)
@@ -613,7 +707,7 @@ def main() -> None:
                         path: [
                             round(mb / tls, 2) for mb, tls in zip(rounds[path], rounds["tls"], strict=True)
                         ]
-                        for path in ("relay", "relay-raw")
+                        for path in TRANSPORTS
                         if path in rounds
                     }
             result["rows"].append(row)

@@ -168,6 +168,18 @@ class SwitchSettings(ServiceSettings):
         "rawlink.py). With 'raw' the WAN port takes both (a gRPC peer is passed through to the gRPC "
         "server) and the dialer offers raw; a peer that does not take it gets the gRPC link.",
     )
+    edge_transport: Literal["grpc", "raw"] = Field(
+        "grpc",
+        description="What may carry trainers' job edges: 'grpc' (the Relay.OpenEdge call) or 'raw' (a "
+        "trainer that offers it is given a one-time ticket on OpenEdge and continues on the raw edge port: "
+        "length-prefixed records on mutual TLS 1.3, same certificate, role, token and account checks; "
+        "services/switch/raw_edge.py). Trainers that do not offer it keep the gRPC edge.",
+    )
+    raw_edge_listen: str = Field(
+        "",
+        description="host:port of the raw edge port (edge_transport=raw). Empty: the service port's host "
+        "and a free port, announced to trainers in EdgeReady.raw_edge_port.",
+    )
     wan_handshake_timeout_s: float = Field(
         10.0,
         gt=0,

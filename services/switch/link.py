@@ -117,9 +117,18 @@ class DeadPeerError(Exception):
     """Nothing arrived from the peer for the dead-peer timeout."""
 
 
+def grpc_writer(write: WriteFn) -> WriteFn:
+    """``write`` of a gRPC call, taking the views a raw transport hands on too (gRPC wants bytes)."""
+
+    async def write_bytes(data: bytes) -> None:
+        await write(data if isinstance(data, bytes) else bytes(data))
+
+    return write_bytes
+
+
 def parse_link_message(raw: object) -> link_pb2.LinkMessage:
     """A link message from the raw bytes read off the stream (a protocol error if they are not one)."""
-    if not isinstance(raw, bytes):
+    if not isinstance(raw, bytes | memoryview):
         raise HandshakeError("unexpected object on the link")
     try:
         return link_pb2.LinkMessage.FromString(raw)
@@ -664,7 +673,7 @@ class PeerLink:
                 if lane:
                     raise HandshakeError(f"the peer ended connection {lane} without retiring it")
                 return
-            if isinstance(raw, bytes) and is_framed(raw):
+            if isinstance(raw, bytes | memoryview) and is_framed(raw):
                 try:
                     chunk = parse_chunk(raw)
                 except FramingError as exc:
@@ -770,7 +779,7 @@ class PeerLink:
                         try:
                             await self._dialer_session(
                                 call.read,
-                                call.write,
+                                grpc_writer(call.write),
                                 peer_cert,
                                 reply,
                                 session_id,
@@ -980,7 +989,7 @@ class PeerLink:
             await channel.close()
             raise
         return channel, asyncio.create_task(
-            self.run_lane(index, call.read, call.write), name=f"link-lane-{index}"
+            self.run_lane(index, call.read, grpc_writer(call.write)), name=f"link-lane-{index}"
         )
 
     def stop(self) -> None:

@@ -25,16 +25,22 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import NoReturn
 
 import grpc
 
 from nebula_common.auth.interceptor import caller
+from nebula_common.auth.peer_roles import peer_certificate
+from nebula_common.pki import Identity
 from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION, FramedChunk, FramingError, is_framed, parse_chunk
+from nebula_common.rpc.raw_edge import RAW_EDGE_VERSION
 from services.switch.certs import CertificateManager
+from services.switch.edge_stream import EdgeStream, GrpcEdgeStream, TrainerVanished
 from services.switch.link import PeerLink
 from services.switch.metrics import EDGES_OPEN, JOB_SERIES
 from services.switch.peers import PeerLinks, PeerNotNamedError, UnknownPeerError
+from services.switch.raw_edge import RawEdgeListener
 from services.switch.routing import (
     Attachment,
     Route,
@@ -57,17 +63,13 @@ RESTARTED = "restarted"  # the route moved to a higher epoch: the trainer was se
 FAILED = "failed"  # crash, cancel, or a broken stream: the route is orphaned (the peer waits)
 
 
-class TrainerVanished(Exception):
-    """The trainer's call was cancelled (a crash, a kill): not an orderly end of its side."""
-
-
 def _serialize(message: relay_pb2.EdgeMessage) -> bytes:
     return message.SerializeToString()
 
 
 def _parse(raw: object) -> relay_pb2.EdgeMessage | None:
-    """An EdgeMessage from raw request bytes; None if they are not one."""
-    if not isinstance(raw, bytes):
+    """An EdgeMessage from raw request bytes (or a view of a raw edge's received buffer); None if not one."""
+    if not isinstance(raw, bytes | memoryview):
         return None
     try:
         return relay_pb2.EdgeMessage.FromString(raw)
@@ -93,27 +95,66 @@ class RelayServicer:
         #: The audit and penalty records of the switch (every link writes the same audit log).
         self.link = links.first
         self.certificates = certificates
+        #: The raw edge port (``raw_edge.py``), when this switch serves it: offers get a ticket for it.
+        self.raw_edges: RawEdgeListener | None = None
 
     async def OpenEdge(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> None:
         principal = caller().principal  # verified by the token interceptor: this cluster's accounts only
-        raw = await context.read()
+        stream = GrpcEdgeStream(context)
+        raw = await stream.read()
         first = None if raw is grpc.aio.EOF else _parse(raw)
         if first is None or first.WhichOneof("body") != "open":
-            await context.abort(
+            await stream.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "the first message on an edge must be 'open'"
             )
-        job_id, edge, reconnect = first.open.job_id, first.open.edge, first.open.reconnect
-        epoch = first.open.epoch
-        framing = first.open.link_framing >= LINK_FRAMING_VERSION
+        if first.open.raw_edge >= RAW_EDGE_VERSION and self.raw_edges is not None:
+            certified = peer_certificate(context)  # verified by the role interceptor; None in plaintext
+            if certified is not None:
+                await self._offer_raw(stream, principal.username, first.open, *certified)
+                return
+        await self.serve_edge(stream, principal.username, first.open)
+
+    async def _offer_raw(
+        self, stream: EdgeStream, account: str, open_: relay_pb2.EdgeOpen, identity: Identity, serial: int
+    ) -> None:
+        """Answer a raw edge offer: the open's checks that need no route, then a one-time ticket.
+
+        The route is attached (and checked again) when the ticket is redeemed on the raw edge port
+        (``raw_edge.py``); this call ends here.
+        """
+        assert self.raw_edges is not None
+        job_id, edge = open_.job_id, open_.edge
         if not job_id or not edge:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.job_id and open.edge are required")
+            await stream.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.job_id and open.edge are required")
+        link = await self._link_for(stream, account, job_id, edge, open_.peer_cluster)
+        await self._refuse_if_backing_off(stream, link.router, account, job_id, edge)
+        ticket = self.raw_edges.tickets.issue(identity, serial, account, open_)
+        ready = relay_pb2.EdgeReady(
+            peer_cluster=link.expected_peer.cluster_id,
+            max_window_bytes=link.router.max_window_bytes,
+            link_up=link.router.link_up,
+            epoch=open_.epoch,
+            raw_edge_port=self.raw_edges.port,
+            raw_edge_ticket=ticket,
+        )
+        await stream.write(_serialize(relay_pb2.EdgeMessage(ready=ready)))
+
+    async def serve_edge(self, stream: EdgeStream, account: str, open_: relay_pb2.EdgeOpen) -> None:
+        """The body of an edge after its open, on any transport: checks, attach, then pump both ways.
+
+        ``account`` is the caller the transport authenticated (the token interceptor's principal).
+        """
+        job_id, edge, reconnect = open_.job_id, open_.edge, open_.reconnect
+        epoch = open_.epoch
+        framing = open_.link_framing >= LINK_FRAMING_VERSION
+        if not job_id or not edge:
+            await stream.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.job_id and open.edge are required")
         key = (job_id, edge)
-        account = principal.username
-        link = await self._link_for(context, account, job_id, edge, first.open.peer_cluster)
+        link = await self._link_for(stream, account, job_id, edge, open_.peer_cluster)
         router = link.router
-        await self._refuse_if_backing_off(context, router, account, job_id, edge)
+        await self._refuse_if_backing_off(stream, router, account, job_id, edge)
         try:
             route, attachment = router.attach(key, owner=account, reconnect=reconnect, epoch=epoch)
         except StaleEpochError as exc:
@@ -128,10 +169,10 @@ class RelayServicer:
                 route_epoch=exc.route_epoch,
                 reason=exc.reason,
             )
-            await context.write(
+            await stream.write(
                 _serialize(relay_pb2.EdgeMessage(ready=self._ready(link, exc.route_epoch, framing)))
             )
-            await context.write(
+            await stream.write(
                 _serialize(
                     relay_pb2.EdgeMessage(
                         restart=relay_pb2.EdgeRestart(epoch=exc.route_epoch, reason=exc.reason)
@@ -140,15 +181,12 @@ class RelayServicer:
             )
             return
         except (RouteInUseError, RouteLimitError) as exc:
-            self.link.record(
-                "edge.open", outcome="refused", account=account, job_id=job_id, edge=edge, reason=str(exc)
-            )
             code = (
                 grpc.StatusCode.RESOURCE_EXHAUSTED
                 if isinstance(exc, RouteLimitError)
                 else grpc.StatusCode.ALREADY_EXISTS
             )
-            await context.abort(code, str(exc))
+            await self._refuse_open(stream, code, str(exc), account=account, job_id=job_id, edge=edge)
         self.link.record(
             "edge.open",
             account=account,
@@ -157,6 +195,7 @@ class RelayServicer:
             reconnect=reconnect,
             epoch=epoch,
             peer=link.expected_peer.cluster_id,
+            **({} if stream.transport == "grpc" else {"transport": stream.transport}),
         )
         running = (account, job_id)
         self._running[running] = self._running.get(running, 0) + 1
@@ -178,10 +217,10 @@ class RelayServicer:
         received: list[relay_pb2.EdgeClose] = []  # the close this stream was sent, if any
         try:
             # Ready at once, whatever the link's state: a LinkNotice follows when it comes (back) up.
-            await context.write(
+            await stream.write(
                 _serialize(relay_pb2.EdgeMessage(ready=self._ready(link, route.epoch, framing)))
             )
-            outcome = await self._pump(context, router, route, attachment, account, received, framing)
+            outcome = await self._pump(stream, router, route, attachment, account, received, framing)
         except TrainerVanished:
             outcome = FAILED
         finally:
@@ -217,32 +256,32 @@ class RelayServicer:
             self._penalize(account, job_id, edge, route.closed_reason, received)
             EDGES_OPEN.set(router.open_routes())
 
+    async def _refuse_open(
+        self, stream: EdgeStream, code: grpc.StatusCode, reason: str, *, audit: bool = True, **fields: object
+    ) -> NoReturn:
+        """Record the refused open (``edge.open``, outcome refused, unless ``audit`` is False), then abort."""
+        if audit:
+            self.link.record("edge.open", outcome="refused", reason=reason, **fields)
+        await stream.abort(code, reason)
+
     async def _link_for(
-        self, context: grpc.aio.ServicerContext, account: str, job_id: str, edge: str, peer_cluster: str
+        self, stream: EdgeStream, account: str, job_id: str, edge: str, peer_cluster: str
     ) -> PeerLink:
         """The link of the peer the edge names (its only peer when empty); a clear refusal otherwise."""
         try:
             return self.links.for_edge(peer_cluster)
         except (UnknownPeerError, PeerNotNamedError) as exc:
-            self.link.record(
-                "edge.open",
-                outcome="refused",
-                account=account,
-                job_id=job_id,
-                edge=edge,
-                peer=peer_cluster,
-                reason=str(exc),
-            )
             code = (
                 grpc.StatusCode.NOT_FOUND
                 if isinstance(exc, UnknownPeerError)
                 else grpc.StatusCode.FAILED_PRECONDITION
             )
-            await context.abort(code, str(exc))
-            raise AssertionError("unreachable: the call was aborted") from exc
+            await self._refuse_open(
+                stream, code, str(exc), account=account, job_id=job_id, edge=edge, peer=peer_cluster
+            )
 
     async def _refuse_if_backing_off(
-        self, context: grpc.aio.ServicerContext, router: Router, account: str, job_id: str, edge: str
+        self, stream: EdgeStream, router: Router, account: str, job_id: str, edge: str
     ) -> None:
         """Refuse a new edge of an account in its penalty backoff (RESOURCE_EXHAUSTED, naming it).
 
@@ -253,38 +292,36 @@ class RelayServicer:
         here). The refusal is audited once per backoff, counted every time.
         """
         if self.penalties is None or self.penalties.job_penalized(account, job_id):
-            await self._refuse(context, account, job_id, edge)
+            await self._refuse(stream, account, job_id, edge)
             return
         if (account, job_id) in self._running:
             return
         existing = router.get((job_id, edge))
         if existing is not None and existing.owner in ("", account):
             return
-        await self._refuse(context, account, job_id, edge)
+        await self._refuse(stream, account, job_id, edge)
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, account: str, job_id: str, edge: str) -> None:
+    async def _refuse(self, stream: EdgeStream, account: str, job_id: str, edge: str) -> None:
         """Abort the call if ``account`` is backing off (nothing happens otherwise)."""
         if self.penalties is None:
             return
         refusal = self.penalties.refusal(account)
         if refusal is None:
             return
-        message = refusal.message(self.cluster_id)
-        if refusal.first:
-            self.link.record(
-                "edge.open",
-                outcome="refused",
-                account=account,
-                job_id=job_id,
-                edge=edge,
-                reason=message,
-                penalty="backoff",
-                backoff_s=refusal.backoff_s,
-                strikes=refusal.strikes,
-                bound=refusal.bound,
-                offending_job=refusal.job_id,
-            )
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        await self._refuse_open(
+            stream,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            refusal.message(self.cluster_id),
+            audit=refusal.first,
+            account=account,
+            job_id=job_id,
+            edge=edge,
+            penalty="backoff",
+            backoff_s=refusal.backoff_s,
+            strikes=refusal.strikes,
+            bound=refusal.bound,
+            offending_job=refusal.job_id,
+        )
 
     def _penalize(
         self,
@@ -322,7 +359,7 @@ class RelayServicer:
 
     async def _pump(
         self,
-        context: grpc.aio.ServicerContext,
+        stream: EdgeStream,
         router: Router,
         route: Route,
         attachment: Attachment,
@@ -330,8 +367,8 @@ class RelayServicer:
         received: list[relay_pb2.EdgeClose],
         framing: bool,
     ) -> str:
-        reader = asyncio.create_task(self._upstream(context, router, route, attachment, account))
-        writer = asyncio.create_task(self._downstream(context, router, route, attachment, received, framing))
+        reader = asyncio.create_task(self._upstream(stream, router, route, attachment, account))
+        writer = asyncio.create_task(self._downstream(stream, router, route, attachment, received, framing))
         try:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
             if reader in done:
@@ -358,7 +395,7 @@ class RelayServicer:
 
     async def _upstream(
         self,
-        context: grpc.aio.ServicerContext,
+        stream: EdgeStream,
         router: Router,
         route: Route,
         attachment: Attachment,
@@ -369,12 +406,12 @@ class RelayServicer:
         Eagerly up to the account's item rate: an account above it is not read for a while.
         """
         while not attachment.superseded and route.closed_reason is None:
-            raw = await context.read()
+            raw = await stream.read()
             if raw is grpc.aio.EOF:
                 # A cancelled call (a crash, a kill) also reads as EOF here, before gRPC cancels this
                 # handler; give the cancellation a moment to arrive so the peer hears of an error.
                 await asyncio.sleep(EOF_GRACE_S)
-                if context.cancelled() or context.done():
+                if stream.cancelled():
                     raise TrainerVanished("the trainer's stream was cancelled")
                 attachment.local_closed = True
                 router.accept_local(
@@ -383,14 +420,14 @@ class RelayServicer:
                 return
             if self.throttle is not None:
                 await self.throttle.pace(account, route.key[0])
-            if isinstance(raw, bytes) and is_framed(raw):
-                chunk = await self._framed(context, router, route, attachment, account, raw)
+            if isinstance(raw, bytes | memoryview) and is_framed(raw):
+                chunk = await self._framed(stream, router, route, attachment, account, raw)
                 router.accept_local(route, attachment, chunk)
                 continue
             message = _parse(raw)
             if message is None:
                 await self._refuse_item(
-                    context, router, route, attachment, account, "bytes that are not an edge message"
+                    stream, router, route, attachment, account, "bytes that are not an edge message"
                 )
                 return
             kind = message.WhichOneof("body")
@@ -412,16 +449,16 @@ class RelayServicer:
                         )
                     ),
                 )
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind!r} on an open edge")
+                await stream.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind!r} on an open edge")
 
     async def _framed(
         self,
-        context: grpc.aio.ServicerContext,
+        stream: EdgeStream,
         router: Router,
         route: Route,
         attachment: Attachment,
         account: str,
-        raw: bytes,
+        raw: bytes | memoryview,
     ) -> FramedChunk:
         """The framed chunk in ``raw``, if its header is valid and names this stream's job, edge and epoch.
 
@@ -433,13 +470,12 @@ class RelayServicer:
             chunk = parse_chunk(raw)
         except FramingError as exc:
             await self._refuse_item(
-                context, router, route, attachment, account, f"an invalid framed chunk ({exc})"
+                stream, router, route, attachment, account, f"an invalid framed chunk ({exc})"
             )
-            raise AssertionError("unreachable: the call was aborted") from exc
         job_id, edge = route.key
         if (chunk.job_id, chunk.edge, chunk.epoch) != (job_id, edge, attachment.epoch):
             await self._refuse_item(
-                context,
+                stream,
                 router,
                 route,
                 attachment,
@@ -451,13 +487,13 @@ class RelayServicer:
 
     async def _refuse_item(
         self,
-        context: grpc.aio.ServicerContext,
+        stream: EdgeStream,
         router: Router,
         route: Route,
         attachment: Attachment,
         account: str,
         what: str,
-    ) -> None:
+    ) -> NoReturn:
         """Audit ``edge.refused``, send the peer an error close and abort the call (INVALID_ARGUMENT)."""
         job_id, edge = route.key
         self.link.record(
@@ -478,11 +514,11 @@ class RelayServicer:
                 )
             ),
         )
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused: the stream sent {what}")
+        await stream.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused: the stream sent {what}")
 
     async def _downstream(
         self,
-        context: grpc.aio.ServicerContext,
+        stream: EdgeStream,
         router: Router,
         route: Route,
         attachment: Attachment,
@@ -494,7 +530,7 @@ class RelayServicer:
         a trainer without link framing)."""
         while not attachment.superseded:
             if attachment.restart is not None:
-                await context.write(_serialize(relay_pb2.EdgeMessage(restart=attachment.restart)))
+                await stream.write(_serialize(relay_pb2.EdgeMessage(restart=attachment.restart)))
                 return
             message = router.pop_inbound(route, attachment)
             if message is None:
@@ -504,9 +540,9 @@ class RelayServicer:
                     await attachment.wake.wait()
                     continue
             if isinstance(message, FramedChunk):
-                await context.write(message.raw if framing else message.edge_message_bytes())
+                await stream.write(message.raw if framing else message.edge_message_bytes())
                 continue
-            await context.write(_serialize(message))
+            await stream.write(_serialize(message))
             if message.WhichOneof("body") == "close":
                 received.append(message.close)
                 return

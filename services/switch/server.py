@@ -29,7 +29,7 @@ from nebula_common.auth.interceptor import TokenAuthInterceptor
 from nebula_common.pki import Identity, channel_options, server_options
 from nebula_common.rpc import ServiceServer
 from nebula_common.service.host import ServiceDefinition, Started
-from nebula_common.service.identity import service_identity
+from nebula_common.service.identity import ServiceIdentity, service_identity
 from nebula_common.service.resources import (
     bind_internal,
     grpc_server,
@@ -43,6 +43,8 @@ from services.switch.crl_exchange import CrlExchange, OwnCrl, add_trust_to_serve
 from services.switch.link import PeerLink, fetch_server_certificate
 from services.switch.peer_trust import PeerTrust
 from services.switch.peers import PeerLinks
+from services.switch.raw_edge import RawEdgeListener
+from services.switch.raw_edge import server_context as raw_edge_context
 from services.switch.rawlink import RawConnection, WanFrontend, dial_raw
 from services.switch.relay_servicer import RelayServicer, add_relay_to_server
 from services.switch.routing import Limits, Router, SharedRoutes
@@ -219,26 +221,24 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         interceptors=[*identity.interceptors(audit), TokenAuthInterceptor("switch", verifier, audit=audit)],
         options=internal_server_options(settings),
     )
-    add_relay_to_server(
-        RelayServicer(
-            settings.cluster_id,
-            links,
-            certs,
-            AccountThrottle(
-                settings.account_item_rate,
-                settings.account_item_burst,
-                Penalties(
-                    PenaltyRules(
-                        rate_factor=settings.penalty_rate_factor,
-                        backoff_min_s=settings.penalty_backoff_min_s,
-                        backoff_max_s=settings.penalty_backoff_max_s,
-                        quiet_s=settings.penalty_quiet_s,
-                    )
-                ),
+    relay = RelayServicer(
+        settings.cluster_id,
+        links,
+        certs,
+        AccountThrottle(
+            settings.account_item_rate,
+            settings.account_item_burst,
+            Penalties(
+                PenaltyRules(
+                    rate_factor=settings.penalty_rate_factor,
+                    backoff_min_s=settings.penalty_backoff_min_s,
+                    backoff_max_s=settings.penalty_backoff_max_s,
+                    quiet_s=settings.penalty_quiet_s,
+                )
             ),
         ),
-        internal.server,
     )
+    add_relay_to_server(relay, internal.server)
     add_audit_api(internal.server, audit, "switch", settings.cluster_id)
     # The internal port (users: TLS, token) and the service port (trainers: mutual TLS, role checked).
     bind_internal(internal, identity, settings.internal_listen, settings.service_listen, name="internal")
@@ -276,6 +276,8 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     )
     await internal.start()
     await wan.start()
+    if settings.edge_transport == "raw":
+        await _start_raw_edges(settings, stack, identity, relay, audit)
     frontend = None
     if raw:
         frontend = WanFrontend(
@@ -323,6 +325,32 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         "metrics_port": internal.metrics_port,
     }
     return Started(running, ports)
+
+
+async def _start_raw_edges(
+    settings: SwitchSettings,
+    stack: contextlib.AsyncExitStack,
+    identity: ServiceIdentity,
+    relay: RelayServicer,
+    audit: AuditLog,
+) -> None:
+    """Serve the raw edge port (``raw_edge.py``) next to the service port; OpenEdge offers then get it."""
+    if identity.server is None:
+        log.warning("edge_transport=raw needs internal TLS; plaintext development mode keeps gRPC edges")
+        return
+    files = identity.server.files
+    listener = RawEdgeListener(
+        relay,
+        settings.cluster_id,
+        lambda: raw_edge_context(str(files.cert), str(files.key), str(files.ca)),
+        audit=audit,
+        revoked=lambda: identity.revoked,
+    )
+    listen = settings.raw_edge_listen or f"{settings.service_listen.rpartition(':')[0]}:0"
+    port = await listener.start(listen)
+    stack.push_async_callback(listener.stop)
+    relay.raw_edges = listener
+    log.info("raw edge port listening", extra={"fields": {"port": port}})
 
 
 def _dial(

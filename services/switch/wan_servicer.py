@@ -27,6 +27,7 @@ from services.switch.link import (
     HANDSHAKE_TIMEOUT_S,
     RAW_LINK_VERSION,
     HandshakeError,
+    grpc_writer,
     parse_link_message,
 )
 from services.switch.peers import PeerLinks
@@ -85,11 +86,11 @@ class SwitchLinkServicer:
             return
         await context.write(link.hello(session_id=session_id, lane=lane).SerializeToString())
         if lane:
-            await link.run_lane(lane, context.read, context.write)
+            await link.run_lane(lane, context.read, grpc_writer(context.write))
             return
         await link.run_session(
             context.read,
-            context.write,
+            grpc_writer(context.write),
             certified,
             "acceptor",
             cert,
