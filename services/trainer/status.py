@@ -62,7 +62,9 @@ class StatusBoard:
                 else:  # otherwise per-step values never carry over to the next update
                     status.ClearField(per_step)
             for name, value in fields.items():
-                if isinstance(value, list):  # a repeated field (e.g. edges): replaced whole
+                if status.DESCRIPTOR.fields_by_name[name].is_repeated:
+                    # a repeated field (e.g. edges), given as a list or as another status's container
+                    # (a stage record's final status restored by FinishedStage): replaced whole
                     repeated = getattr(status, name)
                     del repeated[:]
                     repeated.extend(value)

@@ -25,7 +25,7 @@ from nebula_common.jobspec.builtin import builtin_spec
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.jobs import ProgramJob
 from services.auth.tokens import TokenIssuer
-from services.trainer.records import RECORDS_DIR, StageRecords
+from services.trainer.records import RECORDS_DIR, FinishedStage, StageRecords
 from services.trainer.restore import restore_stages, token_problem
 from services.trainer.servicer import TrainerServicer
 from services.trainer.status import StatusBoard
@@ -118,6 +118,27 @@ def test_a_finished_stage_record_keeps_the_last_steps_loss_and_step_time(tmp_pat
     assert back.final.HasField("loss"), "the stored final status lost the last step's loss"
     assert (back.final.steps_done, back.final.loss, back.final.step_seconds) == (3, 2.0 / 3, 0.1 * 3)
     assert back.info(back.final).status.loss == 2.0 / 3  # what ListStages shows of it
+
+
+def test_a_finished_stage_with_per_edge_counters_is_restored_by_a_restarted_trainer(tmp_path: Path) -> None:
+    """A stage that ended with per-edge traffic (repeated ``edges``) comes back as a FinishedStage.
+
+    The restarted trainer once crashed in a loop here ("Assignment not allowed to ... repeated field
+    'edges'"): the board set the repeated field with ``setattr``.
+    """
+    records = StageRecords(tmp_path)
+    record = records.create(stage_spec(), "secret-token", "alice")
+    board = StatusBoard("job-1", "decoder")
+    board.update(state=trainer_pb2.STAGE_STATE_RUNNING)
+    edge = trainer_pb2.EdgeTraffic(edge="encoder->decoder", bytes_sent=10, frames_sent=1)
+    board.update(steps_done=1, loss=1.5, edges=[edge])
+    board.update(state=trainer_pb2.STAGE_STATE_SUCCEEDED)
+    records.store_end(record, board)
+    (back,) = StageRecords(tmp_path).load_all()
+    restored = FinishedStage(back.final, back.owner)
+    final = restored.board.latest()
+    assert list(final.edges) == [edge] and final.loss == 1.5
+    assert final.state == trainer_pb2.STAGE_STATE_SUCCEEDED
 
 
 @pytest.mark.parametrize(
