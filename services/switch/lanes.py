@@ -15,9 +15,15 @@ trainers' resume replays everything unacknowledged, so no data is lost and nothi
 
 How many lanes (:class:`LaneTuner`, ``NEBULA_SWITCH_LINK_CONNECTIONS=auto``): start with one; every
 measurement interval in which the link was busy (items waited for a lane most of the interval) the
-throughput of the interval is compared with the one before the last change: add a lane while the last
-addition raised it by more than ``gain`` (5%); when an addition did not, retire that lane again and hold
-for ``hold_intervals`` before probing again. Idle intervals say nothing about capacity and are ignored.
+throughput of the interval is compared with the one before the last change. Probing up: add a lane
+while the last addition raised it by more than ``gain`` (5%); when an addition did not, retire that
+lane again and hold for ``hold_intervals``. Probing down (after such a hold, with more than one lane):
+retire a lane while throughput stays within ``gain`` of what it was before; when a retirement cost
+more, restore the lane and hold. Holds alternate the direction, so a count chosen while the link was
+still ramping up (a first busy interval that was partly idle, TCP slow start: every addition looks
+like a gain) is walked back to what the path needs, and a path that changes later is followed either
+way. The first busy interval after an idle one is only a start: it is neither judged nor a baseline.
+Idle intervals say nothing about capacity and are ignored.
 """
 
 from __future__ import annotations
@@ -72,28 +78,45 @@ class LaneTuner:
     gain: float = 0.05
     hold_intervals: int = 15
     lanes: int = 1
-    _baseline: float | None = None  # throughput before the last addition
-    _probing: bool = False  # the last change was an addition not yet judged
+    _baseline: float | None = None  # throughput before the last change
+    _probing: int = 0  # the last change not yet judged: +1 an addition, -1 a retirement, 0 none
+    _direction: int = 1  # where the next probe goes: +1 add a lane, -1 retire one
     _hold: int = 0
+    _started: bool = False  # a busy interval has been seen since the last idle one
 
     def observe(self, throughput: float, busy: bool) -> int:
         """One interval's throughput (bytes/s) and whether the link was busy; returns the lane count."""
         if not busy:
+            self._started = False
+            return self.lanes
+        if not self._started:  # partly idle, ramping up: a start, not a measurement
+            self._started = True
             return self.lanes
         if self._hold > 0:
             self._hold -= 1
             return self.lanes
         if self._probing:
-            self._probing = False
+            probe, self._probing = self._probing, 0
             assert self._baseline is not None
-            if throughput <= self._baseline * (1 + self.gain):
-                self.lanes -= 1  # the addition did not help: retire it and hold
-                self._hold = self.hold_intervals
-                return self.lanes
-        if self.lanes < self.max_lanes:
+            if probe > 0 and throughput <= self._baseline * (1 + self.gain):
+                self.lanes -= 1  # the addition did not help: retire it, hold, then try fewer
+                return self._hold_then(-1)
+            if probe < 0 and throughput < self._baseline * (1 - self.gain):
+                self.lanes += 1  # the retirement cost throughput: restore it, hold, then try more
+                return self._hold_then(1)
+        if self._direction < 0 and self.lanes <= 1:
+            self._direction = 1
+        if self._direction > 0 and self.lanes >= self.max_lanes:
+            self._direction = -1 if self.lanes > 1 else 1
+        if (self._direction > 0 and self.lanes < self.max_lanes) or self._direction < 0:
             self._baseline = throughput
-            self._probing = True
-            self.lanes += 1
+            self._probing = self._direction
+            self.lanes += self._direction
+        return self.lanes
+
+    def _hold_then(self, direction: int) -> int:
+        self._hold = self.hold_intervals
+        self._direction = direction
         return self.lanes
 
 

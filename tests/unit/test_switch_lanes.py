@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 from pydantic import ValidationError
@@ -36,12 +37,53 @@ def test_a_duplicate_or_a_gap_past_the_bound_is_an_error() -> None:
 def test_the_tuner_adds_lanes_while_throughput_grows_and_retires_the_one_that_did_not_help() -> None:
     capacity = {1: 100.0, 2: 190.0, 3: 260.0, 4: 265.0}  # the fourth connection adds under 5%
     tuner = LaneTuner(hold_intervals=3)
+    assert tuner.observe(capacity[1], busy=True) == 1  # the first busy interval is only a start
     seen = []
     for _ in range(6):
         seen.append(tuner.observe(capacity[tuner.lanes], busy=True))
     assert seen[:4] == [2, 3, 4, 3]  # probe 4, see no gain, back to 3
     assert tuner.lanes == 3
     assert tuner.observe(capacity[3], busy=True) == 3  # holding
+
+
+def _run(tuner: LaneTuner, throughput: Callable[[int, int], float], intervals: int) -> list[int]:
+    """The lane count after each busy interval; ``throughput(interval, lanes)`` is what the link gave."""
+    return [tuner.observe(throughput(i, tuner.lanes), busy=True) for i in range(intervals)]
+
+
+def test_lanes_added_while_the_link_ramped_up_are_walked_back() -> None:
+    # 60 Mbit/s that one connection fills, seen from a cold start: the first busy interval is partly
+    # idle and the next one still in slow start, so the first additions look like gains.
+    ramp = [30.0, 80.0]
+
+    def link(interval: int, lanes: int) -> float:
+        return ramp[interval] if interval < len(ramp) else 100.0
+
+    tuner = LaneTuner(hold_intervals=5)
+    counts = _run(tuner, link, 80)
+    settled = counts[40:]
+    # Without probing down the count stayed at the 2-3 the ramp suggested, forever.
+    assert settled.count(1) >= 0.8 * len(settled), f"lane counts after the ramp: {counts}"
+    assert max(settled) <= 2, f"lane counts after the ramp: {counts}"
+
+
+def test_a_retirement_that_costs_throughput_is_restored() -> None:
+    capacity = {1: 100.0, 2: 190.0, 3: 260.0, 4: 265.0}  # three connections are what the path needs
+    tuner = LaneTuner(hold_intervals=5)
+    counts = _run(tuner, lambda i, lanes: capacity[lanes], 80)
+    settled = counts[10:]
+    assert settled.count(3) >= 0.8 * len(settled), f"lane counts: {counts}"
+    assert set(settled) <= {2, 3, 4}, f"lane counts: {counts}"
+    assert 2 in settled and 4 in settled  # it keeps probing both ways, one interval at a time
+
+
+def test_the_tuner_follows_a_path_that_needs_fewer_lanes_later() -> None:
+    tuner = LaneTuner(hold_intervals=5)
+    needs = {1: 100.0, 2: 190.0, 3: 260.0, 4: 265.0}
+    _run(tuner, lambda i, lanes: needs[lanes], 20)
+    assert tuner.lanes in (3, 4)
+    counts = _run(tuner, lambda i, lanes: 100.0, 60)  # now one connection fills it
+    assert counts[-20:].count(1) >= 15, f"lane counts: {counts}"
 
 
 def test_the_tuner_ignores_idle_intervals() -> None:
