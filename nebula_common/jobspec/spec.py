@@ -289,13 +289,6 @@ class JobSpec(_Strict):
                 raise ValueError(
                     f"edges.{index}.payload: int64 ids have no gradient; a chain carries float activations"
                 )
-        for index in range(1, len(self.stages) - 1):
-            stage = self.stages[index]
-            if stage.parallel != "ddp":
-                raise ValueError(
-                    f"stages.{index}.parallel: a middle stage of a chain runs data-parallel only (ddp), "
-                    f"got {stage.parallel}"
-                )
 
     @property
     def edge(self) -> EdgeDecl:

@@ -7,6 +7,7 @@ across clusters, so each organisation keeps control of its own hardware.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -218,12 +219,15 @@ class ClusterSession:
             raise
         return list(response.steps)
 
-    def link_status(self, peer_cluster: str = "") -> relay_pb2.LinkStatus:
-        """The switch's link to ``peer_cluster`` (empty: its first peer, the only one of two clusters)."""
+    def link_status(self, peer_cluster: str = "", *, measure: bool = False) -> relay_pb2.LinkStatus:
+        """The switch's link to ``peer_cluster`` (empty: its first peer, the only one of two clusters).
+
+        ``measure``: the switch measures the bandwidth toward that peer first (or reuses a result
+        younger than a minute; ``services/switch/bandwidth.py``): ``bandwidth_bps``.
+        """
+        request = relay_pb2.GetLinkStatusRequest(peer_cluster=peer_cluster, measure_bandwidth=measure)
         try:
-            return self.relay.GetLinkStatus(
-                relay_pb2.GetLinkStatusRequest(peer_cluster=peer_cluster), metadata=self.metadata, timeout=10
-            )
+            return self.relay.GetLinkStatus(request, metadata=self.metadata, timeout=20 if measure else 10)
         except grpc.RpcError as exc:
             _raise_for(exc, f"link status of cluster {self.endpoints.cluster_id}")
             raise
@@ -309,6 +313,7 @@ def submit_job(
     link: LinkProfile | None = None,
     *,
     links: Mapping[str, LinkProfile] | None = None,
+    measure_links: bool = True,
 ) -> JobHandle:
     """Start every stage of a program job in its cluster, upstream first, each with that cluster's token.
 
@@ -317,7 +322,10 @@ def submit_job(
     of `auto` is resolved first, once, by the source cluster's codec service for
     ``link`` (see ``codec_advice``), so both clusters get the same concrete codecs.
     In a chain each edge is advised by its sending cluster's codec service for its own
-    link: ``links[edge name]``, else ``link``.
+    link: ``links[edge name]``, else ``link``. With ``measure_links`` (the default) an edge's link is
+    the one its sending cluster's switch measures toward the receiving cluster (``switch_link``), the
+    stated one only when it cannot be measured (the choice record's ``link.source`` says which and why);
+    ``measure_links=False`` takes the stated links as they are (a hypothetical WAN the deployment lacks).
     """
     clusters = job.clusters()
     missing = sorted(set(clusters.values()) - set(sessions))
@@ -325,7 +333,7 @@ def submit_job(
         raise InvalidRequestError(f"no session for cluster(s) {', '.join(missing)} named in the job spec")
     if needs_advice(job):
         try:
-            _resolve_auto(job, sessions, link, dict(links or {}))
+            _resolve_auto(job, sessions, link, dict(links or {}), measure_links)
         except (CodecError, AdviceUnavailableError) as exc:
             raise NebulaError(f"codec advice failed: {exc}") from exc
     started: list[ClusterSession] = []
@@ -343,24 +351,62 @@ def submit_job(
     return JobHandle(job, stages)
 
 
+def switch_link(
+    source: ClusterSession, peer: str, stated: LinkProfile | None
+) -> tuple[LinkProfile | None, str]:
+    """The link from ``source``'s cluster toward ``peer`` as its switch measures it, else ``stated``.
+
+    (link or None, why): a measured link says so in its ``source``; a stated one (the deployment's
+    emulator settings, or ``links``/``link`` of ``submit_job``) carries why it was not measured.
+    """
+    here = source.endpoints.cluster_id
+    try:
+        status = source.link_status(peer, measure=True)
+    except NebulaError as exc:
+        why = f"switch {here} could not measure it: {exc}"
+    else:
+        if status.bandwidth_bps > 0:
+            rtt_ms = status.rtt_seconds * 1000.0
+            measured = (
+                f"measured by switch {here} toward {peer}: {status.bandwidth_bps / 1e6:.3g} Mbit/s, "
+                f"RTT {rtt_ms:.1f} ms"
+            )
+            return LinkProfile(status.bandwidth_bps / 1e6, rtt_ms, source=measured), measured
+        why = f"switch {here} reports no bandwidth toward {peer} (a switch older than the measurement)"
+    if stated is None:
+        return None, why
+    said = f"stated ({stated.bandwidth_mbit:g} Mbit/s, {stated.rtt_ms:g} ms RTT), not measured: {why}"
+    return dataclasses.replace(stated, source=said), said
+
+
 def _resolve_auto(
     job: ProgramJob,
     sessions: dict[str, ClusterSession],
     link: LinkProfile | None,
     links: dict[str, LinkProfile],
+    measure: bool = True,
 ) -> None:
-    """`auto` codecs: each edge advised by its sending cluster's codec service, for that edge's link."""
+    """`auto` codecs: each edge advised by its sending cluster's codec service, for the link toward
+    the receiving cluster as the sending switch measures it (``switch_link``; else the stated one)."""
     edges = job.spec.edges
     sources = [sessions[job.spec.stages[index].cluster] for index in range(len(edges))]
-    edge_links = [links.get(edge.name, link) for edge in edges]
-    for edge, source, edge_link in zip(edges, sources, edge_links, strict=True):
+    edge_links: list[LinkProfile | None] = []
+    for index, (edge, source) in enumerate(zip(edges, sources, strict=True)):
+        stated = links.get(edge.name, link)
         if not any(canonical_spec(c) == AUTO for c in (edge.codec.forward, edge.codec.backward)):
+            edge_links.append(stated)
             continue
-        if edge_link is None or not source.endpoints.codec:
+        if measure:
+            found, why = switch_link(source, job.spec.stages[index + 1].cluster, stated)
+        else:
+            found, why = stated, "stated (measurement not asked)" if stated else "no link stated"
+        if found is None or not source.endpoints.codec:
             raise InvalidRequestError(
                 "codec 'auto' needs the link's bandwidth and RTT and the source cluster's codec service "
-                f"address to ask for advice (edge {edge.name}, sending cluster {source.endpoints.cluster_id})"
+                f"address to ask for advice (edge {edge.name}, sending cluster "
+                f"{source.endpoints.cluster_id}; link: {why})"
             )
+        edge_links.append(found)
     if len(edges) == 1 and edge_links[0] is not None:
         resolve_auto_codecs(job, sources[0].endpoints.codec, edge_links[0], token=sources[0].token)
         return

@@ -63,6 +63,8 @@ class LinkProfile:
 
     bandwidth_mbit: float
     rtt_ms: float
+    source: str = ""
+    """Where the numbers come from (measured by a switch, or stated and why), for the job report."""
 
     def __post_init__(self) -> None:
         if not self.bandwidth_mbit > 0:
@@ -204,7 +206,8 @@ def choice_record(
         "backward": backward,
         "predicted_step_seconds": advice.predicted_step_seconds,
         "baseline_step_seconds": advice.baseline_step_seconds,
-        "link": {"bandwidth_mbit": link.bandwidth_mbit, "rtt_ms": link.rtt_ms},
+        "link": {"bandwidth_mbit": link.bandwidth_mbit, "rtt_ms": link.rtt_ms}
+        | ({"source": link.source} if link.source else {}),
         "activation_shape": list(probe.activation_shape),
         "compute_seconds_per_micro_batch": probe.compute_seconds,
         "calibration_host": advice.calibration_host,

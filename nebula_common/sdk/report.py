@@ -190,6 +190,7 @@ def advice_section(choice: dict[str, Any]) -> str:
         f"{link.get('bandwidth_mbit', '?')} Mbit/s, {link.get('rtt_ms', '?')} ms RTT link: predicted step "
         f"{float(choice.get('predicted_step_seconds', 0)) * 1000:.0f} ms against "
         f"{float(choice.get('baseline_step_seconds', 0)) * 1000:.0f} ms uncompressed.</p>",
+        *([f"<p>The link: {html.escape(str(link['source']))}.</p>"] if link.get("source") else []),
         "<table><tr><th>direction</th><th>spec</th><th>ratio</th><th>rel. error</th><th>seconds</th></tr>",
     ]
     for direction, options in (choice.get("alternatives") or {}).items():

@@ -55,6 +55,7 @@ from nebula_common.rpc.framing import (
     is_framed,
     parse_chunk,
 )
+from services.switch.bandwidth import BandwidthMeter, BandwidthProbeError, Measurement
 from services.switch.lanes import LaneGapError, LaneTuner, ReorderBuffer
 from services.switch.metrics import (
     AUTH_REFUSALS,
@@ -284,6 +285,7 @@ class PeerLink:
         self._priority: deque[link_pb2.LinkMessage] = deque()  # pings and pongs, ahead of every item
         self._ping_nonce = 0
         self._ping_outstanding: tuple[int, float] | None = None
+        self.bandwidth = BandwidthMeter(self._queue_priority)  # on demand: services/switch/bandwidth.py
         self._last_received = 0.0
         self.revocation = revocation
         self.ledger = TransferLedger(self._emit_transfer)
@@ -612,7 +614,7 @@ class PeerLink:
                 self.sent.count_chunk(message)
                 self.ledger.observe_chunk("sent", message)
                 continue
-            if message.WhichOneof("body") == "ping":
+            if message.WhichOneof("body") == "ping" and not BandwidthMeter.is_probe(message.ping.nonce):
                 self._ping_outstanding = (message.ping.nonce, time.monotonic())
             await write(message.SerializeToString())
             self.sent.count(message)
@@ -643,7 +645,16 @@ class PeerLink:
                 next_ping = now + self.liveness.interval(self.rtt)
             await asyncio.sleep(max(0.01, min(next_ping, self._last_received + dead_after) - now))
 
+    async def measure_bandwidth(self, timeout: float = 8.0) -> Measurement:
+        """The bandwidth toward the peer, measured now (or a fresh result); see ``bandwidth.py``."""
+        if not self.connected:
+            raise BandwidthProbeError(f"the link to {self.expected_peer.cluster_id} is down")
+        return await self.bandwidth.measure(timeout)
+
     def _on_pong(self, nonce: int) -> None:
+        if BandwidthMeter.is_probe(nonce):
+            self.bandwidth.on_pong(nonce)
+            return
         outstanding = self._ping_outstanding
         if outstanding is None or outstanding[0] != nonce:
             return

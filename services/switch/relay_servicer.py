@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import NoReturn
 
@@ -35,6 +36,7 @@ from nebula_common.pki import Identity
 from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION, FramedChunk, FramingError, is_framed, parse_chunk
 from nebula_common.rpc.raw_edge import RAW_EDGE_VERSION
+from services.switch.bandwidth import BandwidthProbeError
 from services.switch.certs import CertificateManager
 from services.switch.edge_stream import EdgeStream, GrpcEdgeStream, TrainerVanished
 from services.switch.link import PeerLink
@@ -570,6 +572,16 @@ class RelayServicer:
                 )
             assert found is not None
             link = found
+        if request.measure_bandwidth:
+            try:
+                await link.measure_bandwidth()
+            except BandwidthProbeError as exc:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"switch {self.cluster_id!r} could not measure the bandwidth toward "
+                    f"{link.expected_peer.cluster_id!r}: {exc}",
+                )
+        measured = link.bandwidth.last
         state = link.state
         return relay_pb2.LinkStatus(
             cluster_id=self.cluster_id,
@@ -582,6 +594,9 @@ class RelayServicer:
             peer_certificate_serial=f"{state.peer_serial:x}" if state.peer_serial else "",
             link_sessions=state.sessions,
             peers=list(self.links.peer_ids),
+            rtt_seconds=link.rtt.srtt or 0.0,
+            bandwidth_bps=measured.bits_per_second if measured is not None else 0.0,
+            bandwidth_age_seconds=time.monotonic() - measured.at if measured is not None else 0.0,
             **self._own_certificate(),
         )
 

@@ -65,7 +65,7 @@ def _pretrained_problems(cfg: trainer_pb2.ProgramStage, options: dict) -> list[s
 
 
 def _chain_problems(spec: trainer_pb2.StageSpec) -> list[str]:
-    """A middle stage has a second edge (and runs on one process, backprop); no other stage has one."""
+    """A middle stage has a second edge (and trains backprop, on any ``parallel``); no other stage has one."""
     cfg = spec.program
     count = cfg.stage_count or 2
     problems: list[str] = []
@@ -93,8 +93,6 @@ def _chain_problems(spec: trainer_pb2.StageSpec) -> list[str]:
             problems.append(f"downstream_edge.{name}: {exc}")
     if (cfg.mode or "backprop") != "backprop":
         problems.append("program.mode: a middle stage of a chain needs backprop")
-    if (cfg.parallel or "ddp") != "ddp":
-        problems.append("program.parallel: a middle stage of a chain runs data-parallel only (ddp)")
     return problems
 
 

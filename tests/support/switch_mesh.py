@@ -8,6 +8,7 @@ Edges name the cluster at their other end (``EdgeOpen.peer_cluster``), as chain 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 
 from nebula_common.pki import PkiLayout
 from nebula_common.sdk.auth_client import AuthClient
+from nebula_common.wan.emulator import LinkShape, WanEmulator
 from services.switch.config import SwitchSettings
 from services.trainer.edge import EdgeConnection, EdgeSettings, GrpcEdgeTransport
 from tests.support.accounts import ADMIN_PASSWORD, auth_settings
@@ -88,8 +90,14 @@ def chain_settings(work: Path, pki: PkiLayout, cluster: str, auth: str, **fields
 
 
 @contextmanager
-def switch_chain(work: Path, pki: PkiLayout, **middle: Any) -> Iterator[Chain]:
-    """a - b - c with both links up; ``middle`` overrides settings of switch b."""
+def switch_chain(
+    work: Path, pki: PkiLayout, shapes: dict[str, LinkShape] | None = None, **middle: Any
+) -> Iterator[Chain]:
+    """a - b - c with both links up; ``middle`` overrides settings of switch b.
+
+    ``shapes``: per outer cluster ("a", "c"), a WAN emulator (``WanEmulator``, on switch b's event
+    loop) between that cluster's switch and b's WAN port, shaping its link as given.
+    """
     with ExitStack() as stack:
         auths = {}
         stopped: set[str] = set()
@@ -107,6 +115,14 @@ def switch_chain(work: Path, pki: PkiLayout, **middle: Any) -> Iterator[Chain]:
         stack.callback(stop, "b")
         wan = f"127.0.0.1:{b.running.wan_port}"
         for cluster in ("a", "c"):
+            address = wan
+            if shapes and cluster in shapes:
+                emulator = WanEmulator("127.0.0.1", b.running.wan_port, shapes[cluster])
+                port = asyncio.run_coroutine_threadsafe(emulator.start(), b._loop).result(10)
+                stack.callback(
+                    lambda e=emulator: asyncio.run_coroutine_threadsafe(e.stop(), b._loop).result(10)
+                )
+                address = f"127.0.0.1:{port}"
             switch = SwitchThread(
                 chain_settings(
                     work,
@@ -114,7 +130,7 @@ def switch_chain(work: Path, pki: PkiLayout, **middle: Any) -> Iterator[Chain]:
                     cluster,
                     auths[cluster].address,
                     peer_cluster_id="b",
-                    peer_address=wan,
+                    peer_address=address,
                     link_role="dial",
                 )
             )

@@ -19,6 +19,7 @@ from nebula_common.jobspec import SpecError, load_spec
 from nebula_common.jobspec.reference import run_unsplit
 from nebula_common.sdk.jobs import ProgramJob
 from services.trainer.runtime.parallel import DataParallelGroup
+from services.trainer.validation import validate_stage_spec
 from tests.unit.test_stage_chain import EXAMPLE, chain_fields, chain_job, check_equals_unsplit, run_chain
 
 pytestmark = pytest.mark.timeout(300)
@@ -60,12 +61,15 @@ def test_a_middle_stage_on_two_ranks_equals_one_rank_with_the_combined_batch(
     assert runs[1].final.bytes_sent > 0 and len(runs[1].final.edges) == 2
 
 
-def test_a_middle_stage_refuses_sharding() -> None:
+def test_a_middle_stage_may_be_sharded_and_its_sharding_is_checked() -> None:
     fields = chain_fields(3)
     fields["stages"][1].update(replicas=2, parallel="fsdp")
     base = load_spec(EXAMPLE).spec.model_dump(mode="json", by_alias=True)
     base.update(fields)
-    with pytest.raises(
-        SpecError, match=r"stages\.1\.parallel: a middle stage of a chain runs data-parallel only"
-    ):
+    job = ProgramJob(load_spec(base, base_dir=EXAMPLE.parent))
+    validate_stage_spec(job.stage_spec("mixer1"))  # what the trainer checks before it runs the stage
+    assert job.stage_spec("mixer1").program.parallel == "fsdp"
+    fields["stages"][1].update(replicas=1)
+    base.update(fields)
+    with pytest.raises(SpecError, match=r"stages\.1\.parallel: fsdp shards a stage across its replicas"):
         load_spec(base, base_dir=EXAMPLE.parent)

@@ -17,10 +17,13 @@ groups:
 For each micro-batch the driver broadcasts the received tensor, every rank computes its rows, and
 the driver gathers the rows' gradients (its own slot is a placeholder); the loss is all-reduced.
 Upstream, the driver gathers the ranks' output rows into the activation it sends, and broadcasts
-the gradient that comes back. At a step boundary the ranks step their optimizers (each its shard);
-at a checkpoint they write DCP shards into the store's temporary directory and the driver
-publishes it (``CheckpointStore.save_sharded``). The driver's own copy of the model is not trained;
-after the last step it is loaded from the final checkpoint (evaluation and callers read it).
+the gradient that comes back. A chain's middle (the driver holds both of its edges): the driver
+broadcasts what came from above and gathers the ranks' output rows, then broadcasts the gradient from
+below and gathers the gradient rows of what the ranks received. At a step boundary the ranks step
+their optimizers (each its shard); at a checkpoint they write DCP shards into the store's temporary
+directory and the driver publishes it (``CheckpointStore.save_sharded``). The driver's own copy of
+the model is not trained; after the last step it is loaded from the final checkpoint (evaluation
+and callers read it).
 
 A rank that fails leaves its reason in the command store (``error/<rank>``); one that dies breaks
 the next collective at once (its sockets close). Either way the stage fails with a message naming
@@ -50,7 +53,13 @@ from services.trainer.runtime.parallel import (
     _gather_options,
     make_process_group,
 )
-from services.trainer.runtime.rank_main import CMD_SAVE, empty_like_header, header
+from services.trainer.runtime.rank_main import (
+    CMD_MIDDLE_BACKWARD,
+    CMD_MIDDLE_FORWARD,
+    CMD_SAVE,
+    empty_like_header,
+    header,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,24 +99,31 @@ class RankGroup:
         store: CheckpointStore,
         owner: str,
         upstream: bool = False,
+        middle: bool = False,
         timeout: float = 300.0,
     ) -> None:
-        if upstream and not backprop:
-            raise ValueError("a one_way upstream stage runs on one process")
+        if (upstream or middle) and not backprop:
+            raise ValueError("a one_way upstream stage runs on one process (and a chain trains backprop)")
         self._ranks = ranks
         self.ranks = ranks.world
         self.program = program
         self.micro_batches = micro_batches
         self.backprop = backprop
         self.upstream = upstream
+        self.middle = middle
         self.checkpoints = store
+        self.parameter_bytes: list[int] = []
+        """Bytes of parameters each rank holds (its shards only on a sharded stage), rank order."""
         self.owner = owner
         self._stopped = False
         self._shapes: dict[int, torch.Size] = {}
+        # A middle's micro-batches in flight: shape and dtype of a rank's received rows, output shape.
+        self._relayed: dict[int, tuple[torch.Size, torch.dtype, torch.Size]] = {}
         try:
             cmd = dist.PrefixStore("cmd/", ranks.store)
             self.group = make_process_group(cmd, 0, self.ranks + 1, timeout)
             self._ready()
+            self.parameter_bytes = [int(ranks.store.get(f"parameter_bytes/{r}")) for r in range(self.ranks)]
         except Exception as exc:
             why = ranks.why(exc)
             self.abort()
@@ -177,6 +193,29 @@ class RankGroup:
         if grad.shape != shape:
             raise DataParallelError(f"gradient shape {tuple(grad.shape)} != activation {tuple(shape)}")
         self._send(CMD_BACKWARD, step, micro_batch, grad.detach().contiguous())
+
+    def relay(self, step: int, micro_batch: int, received: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        """Middle: every rank relays its rows of what came from above; the gathered output to send below."""
+        received = received.detach().contiguous()
+        self._send(CMD_MIDDLE_FORWARD, step, micro_batch, received)
+        shape = torch.zeros(_HEADER, dtype=torch.int64)
+        self._collective(self.group.broadcast(shape, 1))  # rank 0's output rows: shape and dtype
+        out = torch.cat(self._gather(empty_like_header(shape)))
+        rows = received.chunk(self.ranks)[0]
+        self._relayed[micro_batch] = (rows.shape, rows.dtype, out.shape)
+        return out
+
+    def relay_backward(self, step: int, micro_batch: int, grad: torch.Tensor) -> torch.Tensor:
+        """Middle: every rank backpropagates its rows of the gradient from below; the gathered one goes up.
+
+        Each rank's rows get exactly their part of that gradient (it is the combined loss's already),
+        so the gathered gradient of what was received is not divided by the ranks.
+        """
+        rows, dtype, sent = self._relayed.pop(micro_batch)
+        if grad.shape != sent:
+            raise DataParallelError(f"gradient shape {tuple(grad.shape)} != activation {tuple(sent)}")
+        self._send(CMD_MIDDLE_BACKWARD, step, micro_batch, grad.detach().contiguous())
+        return torch.cat(self._gather(torch.empty(rows, dtype=dtype)))
 
     def finish_step(self, step: int) -> None:
         """Every rank steps its optimizer; a counter all-reduce confirms all are at ``step``."""

@@ -2,7 +2,8 @@
 
 The same loop runs in a rank the trainer spawned (a sharded stage, ``spawned_rank_main``) and in a
 rank started on its own (``services/trainer/worker.py``, torchrun-style), for every ``parallel``:
-``ddp`` computes through DDP on the compute group, ``fsdp``/``hsdp`` through FSDP2 on a mesh over it.
+``ddp`` computes through DDP on the compute group (a middle or upstream stage sums its gradients at
+the step boundary instead), ``fsdp``/``hsdp`` through FSDP2 on a mesh over it.
 Checkpoints of a stage on rank processes are always DCP (a ddp stage's ranks all hold the whole
 model; DCP writes each tensor once), so they reshard on load like a sharded stage's.
 """
@@ -27,22 +28,29 @@ from services.trainer.runtime.parallel import (
     CMD_STEP,
     CMD_STOP,
     DataParallelError,
+    MiddleCompute,
     ReplicaCompute,
     UpstreamCompute,
     _gather_options,
     _rows,
     make_process_group,
+    sum_gradients,
 )
 from services.trainer.runtime.sharding import (
     SHARDED,
     ShardedCompute,
+    ShardedMiddle,
     ShardedUpstream,
     backend_for,
+    parameter_bytes,
     save_sharded,
     stage_mesh,
 )
 
 CMD_SAVE = 5
+# A chain's middle stage: its rows of what came from above relayed, then their gradient from below
+# (this protocol's own numbers: ``parallel``'s CMD_RELAY is 5, which is CMD_SAVE here).
+CMD_MIDDLE_FORWARD, CMD_MIDDLE_BACKWARD = 7, 8
 
 
 def header(cmd: int, step: int, micro_batch: int = 0, tensor: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,20 +109,27 @@ class _Compute:
         upstream: bool,
         backprop: bool,
         device: str,
+        middle: bool = False,
     ) -> None:
         world = dist.get_world_size()
         self.program = program
         self.up: ShardedUpstream | UpstreamCompute | None = None
         self.down: ShardedCompute | ReplicaCompute | None = None
+        self.mid: ShardedMiddle | MiddleCompute | None = None
         self._sum_at_step = False
         if parallel in SHARDED:
             mesh = stage_mesh(parallel, world, shard_size, device)
-            if upstream:
+            if middle:
+                self.mid = ShardedMiddle(program, mesh, micro_batches)
+            elif upstream:
                 self.up = ShardedUpstream(program, mesh, micro_batches)
             else:
                 self.down = ShardedCompute(program, mesh, micro_batches, backprop)
         elif device != "cpu":
             raise DataParallelError("a ddp stage on rank processes runs on the CPU; shard it (fsdp) on CUDA")
+        elif middle:  # gradients summed at the step boundary, as upstream (see ``parallel``)
+            self.mid = MiddleCompute(program, dist.group.WORLD)  # type: ignore[arg-type]
+            self._sum_at_step = True
         elif upstream:
             self.up = UpstreamCompute(program, dist.group.WORLD)  # type: ignore[arg-type]
             self._sum_at_step = True
@@ -124,6 +139,8 @@ class _Compute:
     def finish_step(self) -> None:
         if self._sum_at_step and isinstance(self.up, UpstreamCompute):
             self.up.sum_gradients()
+        elif self._sum_at_step and isinstance(self.mid, MiddleCompute):
+            sum_gradients(self.program, dist.group.WORLD)  # type: ignore[arg-type]
         self.program.finish_step()
 
 
@@ -160,8 +177,11 @@ def follow(
         upstream=upstream,
         backprop=backprop,
         device=device,
+        middle=cfg.role == "middle",
     )
     load_starting_state(spec, program, store, owner)  # after sharding: DCP loads into the shards
+    # What this rank holds (its shards only when sharded), for the stage's log record.
+    stage_store.set(f"parameter_bytes/{rank}", str(parameter_bytes(program.model)))
     commands.allreduce([torch.ones(1)]).wait()  # ready
     move = torch.device(device)
     size = cfg.batch_size // cfg.micro_batches
@@ -193,11 +213,20 @@ def follow(
         whole = empty_like_header(command)
         commands.broadcast(whole, 0).wait()
         rows = whole.chunk(world)[rank].contiguous().to(move)
+        if cmd in (CMD_MIDDLE_FORWARD, CMD_MIDDLE_BACKWARD) and compute.mid is not None:
+            if cmd == CMD_MIDDLE_FORWARD:
+                out = compute.mid.forward(micro_batch, rows, mine).cpu()
+                shape = header(0, 0, 0, out) if rank == 0 else torch.zeros(_HEADER, dtype=torch.int64)
+                commands.broadcast(shape, 1).wait()  # the output's shape and dtype, from rank 0
+            else:
+                out = compute.mid.backward(micro_batch, rows).cpu()
+            commands.gather([], [out], _gather_options()).wait()
+            continue
         if cmd == CMD_BACKWARD and compute.up is not None:
             compute.up.backward(micro_batch, rows)
             continue
         if compute.down is None:
-            raise DataParallelError(f"command {cmd} does not apply to an upstream rank")
+            raise DataParallelError(f"command {cmd} does not apply to an upstream or middle rank")
         loss, grad = compute.down.run(rows, mine, micro_batch == cfg.micro_batches - 1)
         if backprop and grad is not None:
             commands.gather([], [grad.cpu()], _gather_options()).wait()
@@ -235,6 +264,8 @@ def spawned_rank_main(
 
 
 __all__ = [
+    "CMD_MIDDLE_BACKWARD",
+    "CMD_MIDDLE_FORWARD",
     "CMD_SAVE",
     "device_type",
     "empty_like_header",

@@ -92,6 +92,18 @@ class ForwardRoot(nn.Module):
         return self._forward(batch)
 
 
+class RelayRoot(nn.Module):
+    """FSDP root of a chain's middle stage: its forward is the user's relay (what is sent below)."""
+
+    def __init__(self, program: StageProgram) -> None:
+        super().__init__()
+        self.model = program.model
+        self._relay: Callable[[torch.Tensor, Any], torch.Tensor] = program.relay
+
+    def forward(self, received: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        return self._relay(received, ids)
+
+
 def to_device(value: Any, device: torch.device) -> Any:
     """A batch (a tensor, or a tuple/list of them) on the stage's device (a no-op on CPU)."""
     if isinstance(value, torch.Tensor):
@@ -101,14 +113,21 @@ def to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-def shard_program(program: StageProgram, mesh: DeviceMesh, *, upstream: bool) -> FSDPModule:
+def shard_program(
+    program: StageProgram, mesh: DeviceMesh, *, upstream: bool, middle: bool = False
+) -> FSDPModule:
     """Shard ``program``'s model over ``mesh`` in place; its optimizer is rebuilt over the shards.
 
     Downstream, the gradient reduction averages over the ranks (each rank's loss is the mean of
-    its rows, so the average is the combined batch's gradient, as with DDP). Upstream, each rank
-    backpropagates its rows' share of the combined loss's gradient, so the shares are summed.
+    its rows, so the average is the combined batch's gradient, as with DDP). Upstream (and on a
+    chain's middle stage), each rank backpropagates its rows' share of the combined loss's
+    gradient, so the shares are summed.
     """
-    root = ForwardRoot(program) if upstream else LossRoot(program)
+    root: nn.Module
+    if middle:
+        root, upstream = RelayRoot(program), True  # reduced as upstream: the shares are summed
+    else:
+        root = ForwardRoot(program) if upstream else LossRoot(program)
     sharded = fully_shard(root, mesh=mesh)
     if not isinstance(sharded, FSDPModule):  # fully_shard returns the module it changed the class of
         raise ShardingError("fully_shard did not return an FSDP module")
@@ -178,6 +197,46 @@ class ShardedUpstream:
             self._backwards = 0
 
 
+class ShardedMiddle:
+    """A rank's share of a chain's middle stage when sharded: its rows relayed, then their backward.
+
+    Like ``ShardedUpstream``, the parameter gradients are reduced (summed) in the step's last
+    backward, whichever micro-batch that is; each backward also yields the gradient of the rows
+    this rank received, which the driver gathers into the one it sends above.
+    """
+
+    def __init__(self, program: StageProgram, mesh: DeviceMesh, micro_batches: int) -> None:
+        self.program = program
+        self.micro_batches = micro_batches
+        self.root = shard_program(program, mesh, upstream=True, middle=True)
+        self.device = torch.device(mesh.device_type)
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._backwards = 0
+
+    def forward(self, micro_batch: int, rows: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        received = rows.to(self.device).requires_grad_(True)
+        out = self.root(received, ids)
+        self._pending[micro_batch] = (received, out)
+        return out.detach().contiguous()
+
+    def backward(self, micro_batch: int, grad: torch.Tensor) -> torch.Tensor:
+        received, out = self._pending.pop(micro_batch)
+        if grad.shape != out.shape:
+            raise ShardingError(f"gradient rows {tuple(grad.shape)} != output rows {tuple(out.shape)}")
+        self._backwards += 1
+        last = self._backwards == self.micro_batches
+        self.root.set_requires_gradient_sync(last)
+        self.root.set_is_last_backward(last)
+        out.backward(grad.to(device=out.device, dtype=out.dtype))
+        if last:
+            self._backwards = 0
+        if received.grad is None:
+            raise ShardingError(
+                "the middle stage's output does not depend on what it received: no gradient to send up"
+            )
+        return received.grad.contiguous()
+
+
 def parameter_bytes(model: nn.Module) -> int:
     """Bytes of parameters this rank holds (a sharded parameter counts its local shard only)."""
     total = 0
@@ -233,7 +292,9 @@ __all__ = [
     "SHARDED",
     "ForwardRoot",
     "LossRoot",
+    "RelayRoot",
     "ShardedCompute",
+    "ShardedMiddle",
     "ShardedUpstream",
     "ShardingError",
     "backend_for",

@@ -418,7 +418,7 @@ class ProgramRunner:
         """
         cfg = spec.program
         # see validation: one process
-        local_only = (upstream and self._one_way) or bool(cfg.dataset) or self._middle
+        local_only = (upstream and self._one_way) or bool(cfg.dataset)
         if self.cluster_ranks is not None and not local_only:
             world = self.cluster_ranks.world
             micro = cfg.batch_size // cfg.micro_batches
@@ -508,7 +508,9 @@ class ProgramRunner:
                 store=self.store,
                 owner=self.owner,
                 upstream=upstream,
+                middle=self._middle,
             )
+            placement["rank_parameter_bytes"] = self._dp.parameter_bytes
         elif cfg.replicas > 1:
             self._dp = DataParallelGroup(
                 start_spec.SerializeToString(),
@@ -532,8 +534,8 @@ class ProgramRunner:
         if down is not None:
             self._down_sender = AsyncSender(down, cfg.max_in_flight, timer)
             self._down_receiver = ReceiveAhead(down, depth, timer)
-            # On n ranks the stage's DataParallelGroup relays every micro-batch's rows on each rank.
-            compute = self._dp if isinstance(self._dp, DataParallelGroup) else LocalMiddle(program)
+            # On n ranks (replicas, or rank processes) each rank relays its rows of every micro-batch.
+            compute = self._dp if self._dp is not None else LocalMiddle(program)
             middle = MiddleStep(
                 compute,
                 cfg.schedule,

@@ -47,10 +47,12 @@ class RoutedItem(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., item: _Optional[_Union[_relay_pb2.EdgeMessage, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Ping(_message.Message):
-    __slots__ = ("nonce",)
+    __slots__ = ("nonce", "padding")
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
     nonce: int
-    def __init__(self, nonce: _Optional[int] = ...) -> None: ...
+    padding: bytes
+    def __init__(self, nonce: _Optional[int] = ..., padding: _Optional[bytes] = ...) -> None: ...
 
 class Pong(_message.Message):
     __slots__ = ("nonce",)

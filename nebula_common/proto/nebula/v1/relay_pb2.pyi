@@ -142,10 +142,12 @@ class EdgeMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[EdgeOpen, _Mapping]] = ..., frame: _Optional[_Union[_tensor_pb2.TensorFrame, _Mapping]] = ..., close: _Optional[_Union[EdgeClose, _Mapping]] = ..., ready: _Optional[_Union[EdgeReady, _Mapping]] = ..., signal: _Optional[_Union[EdgeSignal, _Mapping]] = ..., ack: _Optional[_Union[EdgeAck, _Mapping]] = ..., notice: _Optional[_Union[LinkNotice, _Mapping]] = ..., restart: _Optional[_Union[EdgeRestart, _Mapping]] = ..., framed: _Optional[_Union[FramedItem, _Mapping]] = ...) -> None: ...
 
 class GetLinkStatusRequest(_message.Message):
-    __slots__ = ("peer_cluster",)
+    __slots__ = ("peer_cluster", "measure_bandwidth")
     PEER_CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    MEASURE_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     peer_cluster: str
-    def __init__(self, peer_cluster: _Optional[str] = ...) -> None: ...
+    measure_bandwidth: bool
+    def __init__(self, peer_cluster: _Optional[str] = ..., measure_bandwidth: _Optional[bool] = ...) -> None: ...
 
 class LinkCounters(_message.Message):
     __slots__ = ("bytes", "payload_bytes", "raw_bytes", "frames")
@@ -160,7 +162,7 @@ class LinkCounters(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., frames: _Optional[int] = ...) -> None: ...
 
 class LinkStatus(_message.Message):
-    __slots__ = ("cluster_id", "expected_peer", "connected", "verified_peer_identity", "link_role", "sent", "received", "peer_certificate_serial", "link_sessions", "certificate_serial", "certificate_not_after", "certificate_generation", "peers")
+    __slots__ = ("cluster_id", "expected_peer", "connected", "verified_peer_identity", "link_role", "sent", "received", "peer_certificate_serial", "link_sessions", "certificate_serial", "certificate_not_after", "certificate_generation", "peers", "rtt_seconds", "bandwidth_bps", "bandwidth_age_seconds")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_PEER_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +176,9 @@ class LinkStatus(_message.Message):
     CERTIFICATE_NOT_AFTER_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_GENERATION_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    RTT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     expected_peer: str
     connected: bool
@@ -187,4 +192,7 @@ class LinkStatus(_message.Message):
     certificate_not_after: int
     certificate_generation: int
     peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, cluster_id: _Optional[str] = ..., expected_peer: _Optional[str] = ..., connected: _Optional[bool] = ..., verified_peer_identity: _Optional[str] = ..., link_role: _Optional[str] = ..., sent: _Optional[_Union[LinkCounters, _Mapping]] = ..., received: _Optional[_Union[LinkCounters, _Mapping]] = ..., peer_certificate_serial: _Optional[str] = ..., link_sessions: _Optional[int] = ..., certificate_serial: _Optional[str] = ..., certificate_not_after: _Optional[int] = ..., certificate_generation: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    rtt_seconds: float
+    bandwidth_bps: float
+    bandwidth_age_seconds: float
+    def __init__(self, cluster_id: _Optional[str] = ..., expected_peer: _Optional[str] = ..., connected: _Optional[bool] = ..., verified_peer_identity: _Optional[str] = ..., link_role: _Optional[str] = ..., sent: _Optional[_Union[LinkCounters, _Mapping]] = ..., received: _Optional[_Union[LinkCounters, _Mapping]] = ..., peer_certificate_serial: _Optional[str] = ..., link_sessions: _Optional[int] = ..., certificate_serial: _Optional[str] = ..., certificate_not_after: _Optional[int] = ..., certificate_generation: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., rtt_seconds: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ..., bandwidth_age_seconds: _Optional[float] = ...) -> None: ...
