@@ -8,12 +8,13 @@
 #
 # Needs podman + podman-compose (bash /work/shared/containers/setup-podman.sh on these machines) and
 # the host venv (`make install`) for the SDK. Not part of `make test` or .ci/run.
-# COMPOSE (default podman-compose), PYTHON (default .venv/bin/python), HEALTH_TIMEOUT (default 180 s)
-# and KEEP=1 (leave the deployment up) can be set in the environment. Arguments go to smoke.py.
+# PROJECT (compose project name, default nebula), COMPOSE (default podman-compose -p $PROJECT),
+# PYTHON (default .venv/bin/python), HEALTH_TIMEOUT (default 180 s) and KEEP=1 (leave the deployment up) can be set in the environment. Arguments go to smoke.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-COMPOSE=${COMPOSE:-podman-compose}
+PROJECT=${PROJECT:-nebula}
+COMPOSE=${COMPOSE:-podman-compose -p $PROJECT}
 PYTHON=${PYTHON:-.venv/bin/python}
 HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-180}
 [ "$#" -gt 0 ] || set -- --steps 60
@@ -27,7 +28,7 @@ cleanup() {
   if [ "$status" -ne 0 ]; then
     echo "run-smoke: FAILED (exit $status); container states and log tails follow" >&2
     podman ps -a --format '{{.Names}} {{.Status}}' >&2 || true
-    for c in $(podman ps -a --filter label=io.podman.compose.project=nebula --format '{{.Names}}'); do
+    for c in $(podman ps -a --filter label=io.podman.compose.project="$PROJECT" --format '{{.Names}}'); do
       echo "--- $c" >&2
       podman logs --tail 5 "$c" >&2 || true
     done
@@ -51,7 +52,7 @@ lap "up -d"
 deadline=$((SECONDS + HEALTH_TIMEOUT))
 while :; do
   unhealthy=()
-  for c in $(podman ps -a --filter label=io.podman.compose.project=nebula --format '{{.Names}}'); do
+  for c in $(podman ps -a --filter label=io.podman.compose.project="$PROJECT" --format '{{.Names}}'); do
     case "$c" in *pki-init*) continue ;; esac
     podman healthcheck run "$c" >/dev/null 2>&1 || unhealthy+=("$c")
   done

@@ -25,50 +25,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
-import shlex
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from compose_support import ROOT, Compose, SmokeFailure, check, logger
 from typer.testing import CliRunner
 
 from nebula_common.cli.app import app
 from nebula_common.jobspec.builtin import builtin_spec
 from nebula_common.sdk.api import Deployment
 
-ROOT = Path(__file__).resolve().parent.parent
-COMPOSE = [*shlex.split(os.environ.get("COMPOSE", "podman-compose")), "-f", str(ROOT / "docker-compose.yml")]
+# The deployment docker/run-smoke.sh brought up (its project: COMPOSE may carry `-p NAME`).
+compose = Compose(None, ("docker-compose.yml",))
 TRAINER_DIR = "/var/lib/nebula/trainer"
 CHECKPOINT_INTERVAL = 5
 KILL_AFTER_STEP = 12  # past two checkpoints of both stages
 RESTART_TIMEOUT_S = 180.0
-
-
-class SmokeFailure(Exception):
-    pass
-
-
-def check(condition: object, message: str) -> None:
-    if not condition:
-        raise SmokeFailure(message)
-
-
-def log(message: str) -> None:
-    print(f"smoke-ops: {message}", file=sys.stderr, flush=True)
-
-
-def compose(*args: str, timeout: float = 120.0) -> str:
-    done = subprocess.run([*COMPOSE, *args], capture_output=True, text=True, timeout=timeout, check=False)
-    check(
-        done.returncode == 0,
-        f"`{shlex.join([*COMPOSE, *args])}` exited {done.returncode}: {done.stderr[-400:]}",
-    )
-    return done.stdout
+log = logger("smoke-ops")
 
 
 def nebula(*args: str) -> Any:

@@ -1,9 +1,7 @@
 """Three clusters in containers, for real: docker/compose-3clusters.yml up, a 3-stage chain job, down -v.
 
     PYTHONPATH=$PWD .venv/bin/python docker/smoke_three_clusters.py [--steps 6] [--project nebula3]
-
-NOT YET RUN (2026-11-26): written for issue 12, but the shared machine (load 30-47) left no time to
-bring the 3-cluster compose up; no Makefile target until it has passed once.
+    make smoke-three-clusters-containers        (in .ci/run after smoke-ranks-containers)
 
 Brings up ``docker/compose-3clusters.yml`` (a, b, c; every pair of switches linked through a WAN
 emulator), then checks, failing with the first thing that is not as expected:
@@ -13,25 +11,24 @@ emulator), then checks, failing with the first thing that is not as expected:
    edges succeeds, every stage SUCCEEDED;
 3. its per-step losses equal the unsplit model's (``run_unsplit``, the same seed) within 1e-5.
 
-Reuses the image (``--image``, default ``localhost/nebula:dev``, built by ``podman-compose build`` of
-docker-compose.yml; built here only when missing). ``--port-offset`` moves every published port (by a
-generated override file). Prints one JSON summary with phase timings; ``--keep`` leaves it up.
+Keeps the image (``--image``, default ``localhost/nebula:dev``) fresh with a cached
+``podman-compose build`` of docker-compose.yml (nothing new when the sources did not change;
+``--no-build`` skips it). ``--port-offset`` moves every published port (by a generated override file).
+``down -v`` runs always, also on failure; ``--keep`` leaves it up. Prints one JSON summary with phase
+timings; on failure each container's last log lines first.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
+from compose_support import ROOT, Compose, Timings, add_arguments, check, logs, run_smoke
 from smoke import create_user, endpoints, wait_link  # docker/smoke.py (this script's directory)
-from smoke_ranks import DEFAULT_IMAGE, ROOT, Compose, SmokeFailure, check, healthy, logs, override_file, wait
 
 from nebula_common.jobspec import load_spec
 from nebula_common.jobspec.reference import run_unsplit
@@ -43,10 +40,7 @@ FILE = ("docker/compose-3clusters.yml",)
 CLUSTERS = ("a", "b", "c")
 EXAMPLE = ROOT / "examples" / "chain" / "job.yaml"
 HEALTH_TIMEOUT_S = 480.0
-
-
-def log(message: str) -> None:
-    print(f"smoke-three-clusters: {message}", file=sys.stderr, flush=True)
+TOLERANCE = 1e-5
 
 
 def ports(cluster: str, offset: int) -> str:
@@ -55,20 +49,16 @@ def ports(cluster: str, offset: int) -> str:
     return ",".join(str(base + p + offset) for p in (400, 500, 600, 100))
 
 
-def run(args: argparse.Namespace, compose: Compose, lap: Any) -> dict[str, Any]:
+def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[str, Any]:
+    lap = timings.lap
     compose("up", "-d", timeout=args.up_timeout)
     lap("up -d")
-    names = compose.containers()
-    checked = [n for s, n in names.items() if s != "pki-init"]
-    wait(lambda: all(healthy(n) for n in checked), HEALTH_TIMEOUT_S, "every service to be healthy")
-    lap(f"every service healthy ({len(checked)} containers)")
+    names = compose.wait_healthy(timeout=HEALTH_TIMEOUT_S)
+    lap(f"every service healthy ({len(names) - 1} containers)")
 
     cas = Path(tempfile.mkdtemp(prefix="smoke-3c-ca-"))
     sessions = {}
-    for cluster in CLUSTERS:
-        password = compose("exec", "-T", f"auth-{cluster}", "cat", "/etc/nebula/admin/admin-password").strip()
-        ca = cas / f"{cluster}-ca.crt"
-        ca.write_text(compose("exec", "-T", f"auth-{cluster}", "cat", "/etc/nebula/internal-tls/ca.crt"))
+    for cluster, (password, ca) in compose.admin_secrets(CLUSTERS, cas).items():
         sessions[cluster] = create_user(
             endpoints(cluster, ports(cluster, args.port_offset), ca),
             password,
@@ -99,7 +89,10 @@ def run(args: argparse.Namespace, compose: Compose, lap: Any) -> dict[str, Any]:
     reference = run_unsplit(job.loaded)
     check(sorted(losses) == list(range(args.steps)), f"losses for steps {sorted(losses)}")
     worst = max(abs(losses[s] - reference.losses[s]) for s in range(args.steps))
-    check(worst <= 1e-5, f"the chain's losses differ from the unsplit model's by {worst:.2e} (> 1e-5)")
+    check(
+        worst <= TOLERANCE,
+        f"the chain's losses differ from the unsplit model's by {worst:.2e} (> {TOLERANCE:.0e})",
+    )
     lap("unsplit reference")
     for session in sessions.values():
         session.close()
@@ -116,46 +109,9 @@ def run(args: argparse.Namespace, compose: Compose, lap: Any) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description="Three clusters in containers train a 3-stage chain job.")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--project", default="nebula3", help="compose project name")
-    parser.add_argument("--image", default=DEFAULT_IMAGE)
-    parser.add_argument("--port-offset", type=int, default=0, help="move every published port by this")
-    parser.add_argument("--keep", action="store_true", help="leave the deployment up")
-    parser.add_argument("--up-timeout", type=float, default=1800.0, help="seconds for `up -d`")
+    add_arguments(parser, project="nebula3", up_timeout=1800.0)
     args = parser.parse_args()
-    started = phase = time.monotonic()
-    timings: dict[str, float] = {}
-
-    def lap(name: str) -> None:
-        nonlocal phase
-        timings[name] = round(time.monotonic() - phase, 1)
-        log(f"{name}: {timings[name]} s (total {time.monotonic() - started:.0f} s)")
-        phase = time.monotonic()
-
-    with tempfile.TemporaryDirectory(prefix="smoke-3c-") as tmp:
-        extra = override_file(Path(tmp), args.image, args.port_offset, FILE)
-        compose = Compose(args.project, extra, FILE)
-        result: dict[str, Any] = {}
-        status = 0
-        try:
-            if subprocess.run(["podman", "image", "exists", args.image], timeout=60).returncode != 0:
-                Compose(args.project, None, ("docker-compose.yml",))("build", timeout=1800)
-                lap("build")
-            result = run(args, compose, lap)
-        except (SmokeFailure, subprocess.TimeoutExpired) as exc:
-            log(f"FAILED: {exc}")
-            for service, name in sorted(compose.containers().items()):
-                tail = logs(name).strip().splitlines()[-4:]
-                log(f"--- {service} ({name})\n" + "\n".join(tail))
-            status = 1
-        finally:
-            if not args.keep:
-                phase = time.monotonic()
-                subprocess.run([*compose.base, "down", "-v"], capture_output=True, timeout=900, cwd=ROOT)
-                lap("down -v")
-    result["timings_s"] = timings
-    result["total_s"] = round(time.monotonic() - started, 1)
-    print(json.dumps(result, indent=2))
-    return status
+    return run_smoke("smoke-three-clusters", args, FILE, lambda compose, timings: run(args, compose, timings))
 
 
 if __name__ == "__main__":

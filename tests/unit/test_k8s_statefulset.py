@@ -25,7 +25,8 @@ from tests.support import k8s_schemas
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-OVERLAYS = ("cluster-a", "cluster-b", "org-a", "org-b", "cluster-a-ranks")
+THREE_CLUSTERS = tuple(f"three-clusters/cluster-{c}" for c in "abc")
+OVERLAYS = ("cluster-a", "cluster-b", "org-a", "org-b", "cluster-a-ranks", *THREE_CLUSTERS)
 # The oldest Kubernetes minor still widely supported by managed offerings, and the newest the schemas know.
 K8S_VERSIONS = ("1.30.0", "1.37.0")
 DATA_DIR = "/var/lib/nebula/trainer"
@@ -82,7 +83,7 @@ def test_strict_validation_refuses_an_unknown_field() -> None:
         assert any("'resource'" in error for error in found), (version, found)
 
 
-@pytest.mark.parametrize("overlay", ["cluster-a", "cluster-b"])
+@pytest.mark.parametrize("overlay", ["cluster-a", "cluster-b", *THREE_CLUSTERS])
 def test_the_trainer_is_a_statefulset_with_a_headless_service_and_a_claim_per_pod(overlay: str) -> None:
     docs = _render(overlay)
     assert not [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "nebula-trainer"]
@@ -106,6 +107,10 @@ def test_the_trainer_is_a_statefulset_with_a_headless_service_and_a_claim_per_po
     # The SDK's and the services' address stays the ClusterIP Service.
     service = _one(docs, "Service", "nebula-trainer")
     assert service["spec"]["type"] == "ClusterIP"
+    # The other stateful services keep their data on a ReadWriteOnce claim each, in every cluster.
+    claims = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    assert sorted(claims) == [f"nebula-{s}-data" for s in ("auth", "data", "switch")]
+    assert all(claim["accessModes"] == ["ReadWriteOnce"] for claim in claims.values())
 
 
 def _ranks() -> tuple[tuple[dict[str, Any], ...], dict[str, Any], dict[str, Any]]:

@@ -69,3 +69,25 @@ def test_three_cluster_overlay_renders_a_switch_linked_to_both_others(
             assert peer.address is None  # it dials us
         assert peer.crl == Path(f"/etc/nebula/tls/peer-crl-{peer.cluster_id}.pem")
     assert settings.wan_listen == f"0.0.0.0:{WAN_PORT}"
+
+
+@pytest.mark.parametrize("cluster", sorted(OVERLAYS))
+def test_every_peer_crl_is_a_file_of_the_switch_tls_secret(cluster: str) -> None:
+    """The base projects only the single-peer keys of nebula-switch-tls (``items``); a switch with
+    several peers reads one ``peer-crl-<peer>.pem`` per peer, so each must be projected too (else the
+    pod would start without its peers' revocation lists)."""
+    docs = _render(cluster)
+    env, _ = _switch_env(docs)
+    (switch,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "nebula-switch"]
+    pod = switch["spec"]["template"]["spec"]
+    (container,) = [c for c in pod["containers"] if c["name"] == "switch"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    crls = [Path(p["crl"]) for p in yaml.safe_load(env["NEBULA_SWITCH_PEERS"])]
+    assert len(crls) == 2
+    for crl in crls:
+        volume = volumes[mounts[str(crl.parent)]]
+        assert volume["secret"]["secretName"] == "nebula-switch-tls", volume
+        items = volume["secret"].get("items")
+        assert items is None or crl.name in {i["path"] for i in items}, f"{crl} is not projected: {items}"
+    assert "NEBULA_SWITCH_PEER_CRL" not in env
