@@ -31,16 +31,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import corpus
 import train
 
+from nebula_common.zoo.adapters import NO_REPEAT_NGRAM
 from nebula_common.zoo.text_data import PAD, decode
 
 
-def evaluate(prep: train.Prepared, stages: train.Stages, pairs: int) -> tuple[float, float, list[str]]:
+def evaluate(
+    prep: train.Prepared, stages: train.Stages, pairs: int, no_repeat_ngram: int = NO_REPEAT_NGRAM
+) -> tuple[float, float, list[str]]:
     hyps: list[str] = []
     with torch.no_grad():
         for begin in range(0, pairs, 256):
             ids = prep.held_es[begin : min(begin + 256, pairs)]
             out = stages.decoder.greedy(
-                stages.receive(stages.send(ids)), prep.config.length, ban_unknown=True
+                stages.receive(stages.send(ids)),
+                prep.config.length,
+                ban_unknown=True,
+                no_repeat_ngram=no_repeat_ngram,
             )
             hyps += [decode(prep.en, row[1:].tolist()) for row in out]
     refs = prep.held_en_text[:pairs]
@@ -116,6 +122,11 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="ModelConfig overrides, key=value")
     parser.add_argument("--diagnose", action="store_true")
     parser.add_argument("--unfrozen", action="store_true")
+    parser.add_argument(
+        "--guards",
+        default=f"0,{NO_REPEAT_NGRAM}",
+        help="repetition guards to score at each checkpoint (greedy's no_repeat_ngram; 0: none)",
+    )
 
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -162,15 +173,16 @@ def main() -> None:
         losses.append(loss)
         if step % args.every == 0:
             cpu = time.process_time()
-            bleu, chrf, hyps = evaluate(prep, stages, args.eval_pairs)
+            scores = {}
+            for guard in (int(g) for g in args.guards.split(",")):
+                bleu, chrf, hyps = evaluate(prep, stages, args.eval_pairs, guard)
+                scores[f"guard{guard}"] = {"bleu": round(bleu, 2), "chrf": round(chrf, 1), "hyps": hyps[:4]}
             out = {
                 "step": step,
                 "train_cpu_s": round(cpu_train, 1),
                 "eval_cpu_s": round(time.process_time() - cpu, 1),
                 "loss": round(sum(losses[-args.every :]) / args.every, 3),
-                "bleu": round(bleu, 2),
-                "chrf": round(chrf, 1),
-                "hyps": hyps[:4],
+                **scores,
             }
             if args.diagnose:
                 out["gates"] = [round(float(a.gate), 3) for a in stages.decoder.adapters]
