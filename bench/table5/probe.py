@@ -120,6 +120,9 @@ def main() -> None:
     parser.add_argument("--eval-pairs", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", nargs="*", default=[], help="ModelConfig overrides, key=value")
+    parser.add_argument(
+        "--batch", type=int, default=0, help="fine-tuning batch (0: the config's; pre-training keeps its own)"
+    )
     parser.add_argument("--diagnose", action="store_true")
     parser.add_argument("--unfrozen", action="store_true")
     parser.add_argument(
@@ -140,7 +143,15 @@ def main() -> None:
     held = corpus.read_split(args.cache / "corpus" / "held_out.tsv")
     cpu = time.process_time()
     prep = train.prepare(train_pairs, held, config, args.cache / "models", manifest["sha256"]["train.tsv"])
-    print(json.dumps({"prepare_cpu_s": round(time.process_time() - cpu, 1), "config": vars(config)}))
+    print(
+        json.dumps(
+            {
+                "prepare_cpu_s": round(time.process_time() - cpu, 1),
+                "config": vars(config),
+                "batch": args.batch or config.batch,
+            }
+        )
+    )
     stages = train.Stages(prep, train.Row("none"), args.seed)
     if args.unfrozen:
         unfreeze(stages, config.lr)
@@ -154,7 +165,7 @@ def main() -> None:
     losses: list[float] = []
     cpu_train = 0.0
     for step in range(1, args.steps + 1):
-        index = torch.randint(len(prep.train_es), (config.batch,), generator=generator)
+        index = torch.randint(len(prep.train_es), (args.batch or config.batch,), generator=generator)
         started = time.process_time()
         stages.set_step(step - 1)
         sent = stages.send(prep.train_es[index])
