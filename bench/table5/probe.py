@@ -31,16 +31,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import corpus
 import train
 
+from nebula_common.zoo.adapters import NO_REPEAT_NGRAM
 from nebula_common.zoo.text_data import PAD, decode
 
 
-def evaluate(prep: train.Prepared, stages: train.Stages, pairs: int) -> tuple[float, float, list[str]]:
+def evaluate(
+    prep: train.Prepared, stages: train.Stages, pairs: int, no_repeat_ngram: int = NO_REPEAT_NGRAM
+) -> tuple[float, float, list[str]]:
     hyps: list[str] = []
     with torch.no_grad():
         for begin in range(0, pairs, 256):
             ids = prep.held_es[begin : min(begin + 256, pairs)]
             out = stages.decoder.greedy(
-                stages.receive(stages.send(ids)), prep.config.length, ban_unknown=True
+                stages.receive(stages.send(ids)),
+                prep.config.length,
+                ban_unknown=True,
+                no_repeat_ngram=no_repeat_ngram,
             )
             hyps += [decode(prep.en, row[1:].tolist()) for row in out]
     refs = prep.held_en_text[:pairs]
@@ -114,8 +120,16 @@ def main() -> None:
     parser.add_argument("--eval-pairs", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", nargs="*", default=[], help="ModelConfig overrides, key=value")
+    parser.add_argument(
+        "--batch", type=int, default=0, help="fine-tuning batch (0: the config's; pre-training keeps its own)"
+    )
     parser.add_argument("--diagnose", action="store_true")
     parser.add_argument("--unfrozen", action="store_true")
+    parser.add_argument(
+        "--guards",
+        default=f"0,{NO_REPEAT_NGRAM}",
+        help="repetition guards to score at each checkpoint (greedy's no_repeat_ngram; 0: none)",
+    )
 
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -129,7 +143,15 @@ def main() -> None:
     held = corpus.read_split(args.cache / "corpus" / "held_out.tsv")
     cpu = time.process_time()
     prep = train.prepare(train_pairs, held, config, args.cache / "models", manifest["sha256"]["train.tsv"])
-    print(json.dumps({"prepare_cpu_s": round(time.process_time() - cpu, 1), "config": vars(config)}))
+    print(
+        json.dumps(
+            {
+                "prepare_cpu_s": round(time.process_time() - cpu, 1),
+                "config": vars(config),
+                "batch": args.batch or config.batch,
+            }
+        )
+    )
     stages = train.Stages(prep, train.Row("none"), args.seed)
     if args.unfrozen:
         unfreeze(stages, config.lr)
@@ -143,7 +165,7 @@ def main() -> None:
     losses: list[float] = []
     cpu_train = 0.0
     for step in range(1, args.steps + 1):
-        index = torch.randint(len(prep.train_es), (config.batch,), generator=generator)
+        index = torch.randint(len(prep.train_es), (args.batch or config.batch,), generator=generator)
         started = time.process_time()
         stages.set_step(step - 1)
         sent = stages.send(prep.train_es[index])
@@ -162,15 +184,16 @@ def main() -> None:
         losses.append(loss)
         if step % args.every == 0:
             cpu = time.process_time()
-            bleu, chrf, hyps = evaluate(prep, stages, args.eval_pairs)
+            scores = {}
+            for guard in (int(g) for g in args.guards.split(",")):
+                bleu, chrf, hyps = evaluate(prep, stages, args.eval_pairs, guard)
+                scores[f"guard{guard}"] = {"bleu": round(bleu, 2), "chrf": round(chrf, 1), "hyps": hyps[:4]}
             out = {
                 "step": step,
                 "train_cpu_s": round(cpu_train, 1),
                 "eval_cpu_s": round(time.process_time() - cpu, 1),
                 "loss": round(sum(losses[-args.every :]) / args.every, 3),
-                "bleu": round(bleu, 2),
-                "chrf": round(chrf, 1),
-                "hyps": hyps[:4],
+                **scores,
             }
             if args.diagnose:
                 out["gates"] = [round(float(a.gate), 3) for a in stages.decoder.adapters]

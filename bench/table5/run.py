@@ -48,6 +48,7 @@ import train
 from bench.faults.common import PALETTE, Canvas
 from nebula_common.codec.trial import Candidate, Link, TrialRun, choose_by_trial
 from nebula_common.wan import LinkShape, WanEmulator
+from nebula_common.zoo.adapters import NO_REPEAT_NGRAM
 
 Row = train.Row
 FULL_ROWS = (
@@ -245,6 +246,8 @@ def figure10_runs(prep: train.Prepared, seeds: int, steps: int, eval_pairs: int)
 def figure10_points(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Figure 10's points: BLEU, and the mean s/step of none before the start and the row's after it."""
     rows = {row["label"]: row for row in report["rows"]}
+    if FIGURE10_ROW.label not in rows:  # a reduced run without that row
+        return []
     base, none, steps = rows[FIGURE10_ROW.label], report["rows"][0], report["steps"]
     points = [{"start_fraction": 0.0, "bleu": base["bleu"], "step_seconds": base["step_seconds"]}]
     for run in report["figure10_runs"]:
@@ -315,6 +318,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['mode']} run: {report['seeds']} seeds x {report['steps']} fine-tuning steps per row, "
         f"batch {model['batch']} x {model['length']} tokens x d={model['d_model']}, "
         f"{report['eval_pairs']} held-out pairs, pre-training {model['pretrain_steps']} steps per side; "
+        f"greedy decoding with no {report.get('no_repeat_ngram', 0)}-gram twice; "
         f"{report['wall_seconds'] / 60:.1f} min wall, load average {report['load_before'][0]:.1f} before / "
         f"{report['load_after'][0]:.1f} after on {report['cpus']} CPUs."
     )
@@ -345,13 +349,16 @@ def markdown(report: dict[str, Any]) -> str:
         "BLEU and chrF: mean ± sample standard deviation over the seeds (sacrebleu, BLEU lower-cased). "
         "Ratios: raw float32 bytes / frame bytes (header included). Bottleneck rows: the cut is k wide, "
         "so both ratios include d/k.",
-        "",
-        "Figure 10 analogue (" + FIGURE10_ROW.label + ", codec none before the start step):",
-        "",
-        "| compression from | BLEU | mean s/step |",
-        "|---:|---:|---:|",
     ]
-    for point in fig:
+    if len(fig) > 1:
+        lines += [
+            "",
+            "Figure 10 analogue (" + FIGURE10_ROW.label + ", codec none before the start step):",
+            "",
+            "| compression from | BLEU | mean s/step |",
+            "|---:|---:|---:|",
+        ]
+    for point in fig if len(fig) > 1 else []:
         lines.append(
             f"| {point['start_fraction']:.0%} | {statistics.mean(point['bleu']):.2f} ± "
             f"{_spread(point['bleu']):.2f} | {point['step_seconds']:.3f} |"
@@ -416,13 +423,23 @@ def main() -> None:
         "--merge", type=Path, nargs="+", help="Combine shard JSONs into the report; no training."
     )
     parser.add_argument(
+        "--rows",
+        help="Comma-separated row labels (none first) for a reduced run of a few rows; the advisor "
+        "picks among them",
+    )
+    parser.add_argument(
+        "--no-figure10", action="store_true", help="Skip the Figure 10 runs (compression started later)."
+    )
+    parser.add_argument(
         "--prepare-only", action="store_true", help="Fetch the corpus and pre-train (cached), then stop."
     )
     args = parser.parse_args()
     if args.merge:
         shards = [json.loads(path.read_text()) for path in args.merge]
         report = {**shards[0], "rows": [], "figure10_runs": [], "shards": len(shards)}
-        order = [row.label for row in (QUICK_ROWS if report["mode"] == "quick" else FULL_ROWS)]
+        order = report.get("row_labels") or [
+            row.label for row in (QUICK_ROWS if report["mode"] == "quick" else FULL_ROWS)
+        ]
         for shard in shards:
             report["rows"] += shard["rows"]
             report["figure10_runs"] += shard["figure10_runs"]
@@ -453,9 +470,20 @@ def main() -> None:
     advisor_steps = args.advisor_steps or plan["advisor_steps"]
     if advisor_steps < 2:
         sys.exit("table5: --advisor-steps must be >= 2")
+    plan_rows = QUICK_ROWS if args.quick else FULL_ROWS
+    if args.rows:
+        by_label = {row.label: row for row in plan_rows}
+        labels = [label.strip() for label in args.rows.split(",")]
+        unknown = [label for label in labels if label not in by_label]
+        if unknown or labels[0] != plan_rows[0].label:
+            sys.exit(
+                f"table5: --rows takes labels of {[row.label for row in plan_rows]}, "
+                f"{plan_rows[0].label!r} first; got {labels}"
+            )
+        plan_rows = tuple(by_label[label] for label in labels)
     overridden = any(
         v is not None
-        for v in (args.seeds, args.steps, args.pretrain_steps, args.eval_pairs, args.advisor_steps)
+        for v in (args.seeds, args.steps, args.pretrain_steps, args.eval_pairs, args.advisor_steps, args.rows)
     )
     mode = "quick" if args.quick else "reduced" if overridden else "full"
     torch.set_num_threads(args.threads)
@@ -478,13 +506,12 @@ def main() -> None:
         print(json.dumps({"pretrain_losses": {k: [v[0], v[-1]] for k, v in prep.pretrain_losses.items()}}))
         return
     rows = []
-    plan_rows = QUICK_ROWS if args.quick else FULL_ROWS
     mine = [row for i, row in enumerate(plan_rows) if i % count == index]
     for row in mine:
         rows.append(run_row(prep, row, seeds, steps, eval_pairs, shape, repeats=3 if args.quick else 5))
     advisor = advise(prep, plan_rows, shape, advisor_steps) if index == 0 else None
     fig_runs = []
-    if FIGURE10_ROW in mine:
+    if FIGURE10_ROW in mine and not args.no_figure10:
         fig_runs = figure10_runs(prep, 1 if args.quick else seeds, steps, eval_pairs)
     report = {
         "mode": mode,
@@ -504,6 +531,8 @@ def main() -> None:
         "rows": rows,
         "figure10_runs": fig_runs,
         "advisor": advisor,
+        "row_labels": [row.label for row in plan_rows],
+        "no_repeat_ngram": NO_REPEAT_NGRAM,
     }
     if count > 1:
         args.out.mkdir(parents=True, exist_ok=True)

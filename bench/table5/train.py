@@ -37,7 +37,7 @@ from nebula_common.zoo.bottleneck import DownProjection, UpProjection, captured_
 from nebula_common.zoo.catalogues import Pair
 from nebula_common.zoo.text_data import decode, encode, train_tokenizer
 
-FINE_TUNING_FIELDS = ("adapter", "lr", "warmup", "train_head")
+FINE_TUNING_FIELDS = ("adapter", "lr", "warmup", "train_head", "train_top")
 """ModelConfig fields pre-training never reads: changing them reuses the cached pre-trained LMs."""
 
 
@@ -57,6 +57,8 @@ class ModelConfig:
     """Fine-tuning steps of linear lr warm-up (0: none)."""
     train_head: bool = False
     """Also train the decoder's output layer (its final norm and vocabulary head), the rest stays frozen."""
+    train_top: int = 0
+    """Also train the decoder LM's top ``train_top`` blocks (0: they stay frozen, as in the paper)."""
 
     def digest(self, corpus_sha: str) -> str:
         """The pre-trained LMs' cache key: only the fields pre-training reads (fine-tuning ones share it)."""
@@ -177,6 +179,9 @@ class Stages:
             self.up = UpProjection(config.d_model, row.cut_k, basis, residual=row.residual)
         if config.train_head:
             for parameter in (*decoder_plm.norm.parameters(), *decoder_plm.head.parameters()):
+                parameter.requires_grad_(True)
+        for block in list(decoder_plm.blocks)[::-1][: config.train_top]:
+            for parameter in block.parameters():
                 parameter.requires_grad_(True)
         trainable = lambda *ms: [p for m in ms for p in m.parameters() if p.requires_grad]  # noqa: E731
         self.upstream_opt = torch.optim.Adam(trainable(self.encoder, self.down), lr=config.lr)

@@ -191,6 +191,29 @@ def memory_padding(memory: torch.Tensor) -> torch.Tensor:
     return padding
 
 
+NO_REPEAT_NGRAM = 3
+"""Greedy decoding's default repetition guard: no 3-gram twice in one output (the product's and Table 5's)."""
+
+
+def repeated_ngram_mask(ids: torch.Tensor, n: int, vocab: int) -> torch.Tensor:
+    """``[batch, vocab]``: True for each next token that would complete an ``n``-gram already in ``ids``.
+
+    ``ids`` is ``[batch, length]``, the tokens emitted so far. For each earlier position whose
+    ``n - 1`` tokens equal the row's last ``n - 1``, the token that followed them is banned.
+    """
+    mask = torch.zeros(ids.shape[0], vocab, dtype=torch.bool)
+    if ids.shape[1] < n:
+        return mask
+    windows = ids.unfold(1, n, 1)  # [batch, positions, n]
+    if n > 1:
+        seen = (windows[:, :, :-1] == ids[:, None, ids.shape[1] - n + 1 :]).all(dim=-1)
+    else:
+        seen = torch.ones(windows.shape[:2], dtype=torch.bool)
+    hits = torch.zeros(ids.shape[0], vocab)
+    hits.scatter_add_(1, windows[:, :, -1], seen.float())
+    return hits > 0
+
+
 class TranslationDecoding:
     """Loss and greedy decoding of a decoder stage, given ``self(ids, memory) -> logits``.
 
@@ -208,18 +231,32 @@ class TranslationDecoding:
         )
 
     @torch.no_grad()
-    def greedy(self, memory: torch.Tensor, max_length: int, *, ban_unknown: bool = False) -> torch.Tensor:
+    def greedy(
+        self,
+        memory: torch.Tensor,
+        max_length: int,
+        *,
+        ban_unknown: bool = False,
+        no_repeat_ngram: int = NO_REPEAT_NGRAM,
+    ) -> torch.Tensor:
         """Greedy decoding: ids (BOS first) of the most likely next token until EOS or ``max_length``.
 
         ``ban_unknown``: never emit UNK (it is dropped from the text, so it can never match a reference
         word; the next most likely token might) -- what the Table 5 benchmark scores.
+        ``no_repeat_ngram``: the repetition guard -- never emit a token that would repeat an n-gram
+        of this length already in the row's output (1: no token twice; 0: no guard), so a decoder
+        that falls back on its LM cannot loop ("the use of the use of ...").
         """
+        if no_repeat_ngram < 0:
+            raise ValueError(f"no_repeat_ngram must be >= 0, got {no_repeat_ngram}")
         ids = torch.full((memory.shape[0], 1), BOS, dtype=torch.long)
         finished = torch.zeros(memory.shape[0], dtype=torch.bool)
         banned = [PAD, BOS, MASK, UNK] if ban_unknown else [PAD, BOS, MASK]
         for _ in range(max_length - 1):
             logits = self(ids, memory)[:, -1]
             logits[:, banned] = float("-inf")
+            if no_repeat_ngram:
+                logits[repeated_ngram_mask(ids[:, 1:], no_repeat_ngram, logits.shape[-1])] = float("-inf")
             token = logits.argmax(dim=-1).masked_fill(finished, PAD)
             ids = torch.cat([ids, token.unsqueeze(1)], dim=1)
             finished |= token == EOS
@@ -287,9 +324,10 @@ class CutDecoder(nn.Module):
     def loss(self, memory: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.decoder.loss(self.up(memory), target)
 
-    def greedy(self, memory: torch.Tensor, max_length: int) -> torch.Tensor:
+    def greedy(self, memory: torch.Tensor, max_length: int, **options: Any) -> torch.Tensor:
+        """The decoder's greedy decoding (same options) of the up-projected states."""
         with torch.no_grad():
-            return self.decoder.greedy(self.up(memory), max_length)
+            return self.decoder.greedy(self.up(memory), max_length, **options)
 
 
 def mlm_loss(model: LanguageModel, ids: torch.Tensor, mask_prob: float) -> tuple[torch.Tensor, torch.Tensor]:

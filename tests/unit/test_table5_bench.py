@@ -8,6 +8,7 @@ transfer down, never make it beat the link's cap.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,3 +99,17 @@ def test_the_advisor_calibrates_the_rows_and_its_pick_is_checked_against_the_ble
     assert not run.advisor_check(report("cut4", {"none": 20.0, "FP16+INT8": 19.5, "cut4": 17.0}))["ok"]
     missed = run.advisor_check(report("none", {"none": 20.0, "FP16+INT8": 19.5, "cut4": 17.0}))
     assert missed["ratio"] == pytest.approx(3.0) and not missed["ok"]
+
+
+def test_a_reduced_run_of_a_few_rows_refuses_an_unknown_row_or_none_not_first(tmp_path: Path) -> None:
+    script = Path(run.__file__)
+    for rows in ("none,FP16+INT8,BOTTLENECK(5)", "FP16+INT8,none"):
+        done = subprocess.run(
+            [sys.executable, str(script), "--rows", rows, "--cache", str(tmp_path), "--out", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=100,
+        )
+        assert done.returncode == 1, done
+        assert "table5: --rows takes labels of" in done.stderr and "'none' first" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr and not list(tmp_path.iterdir())
