@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 EOF_GRACE_S = 1.0
 """How long an edge whose trainer half-closed without a close waits to learn whether it was cancelled."""
 
+EDGE_DRAIN_S = 10.0
+"""How long a stopping switch waits, after its servers stopped, for open edges to record their end."""
+
 # How a trainer stream ended, for the audit record and for what the peer is told.
 FINISHED = "finished"  # the trainer closed its side and the peer's close was delivered
 SUPERSEDED = "superseded"  # a reconnect of the same account took the route over
@@ -99,6 +102,31 @@ class RelayServicer:
         self.certificates = certificates
         #: The raw edge port (``raw_edge.py``), when this switch serves it: offers get a ticket for it.
         self.raw_edges: RawEdgeListener | None = None
+        # The tasks serving an edge (any transport), so a stopping switch can wait for their records.
+        self._edges: set[asyncio.Task[object]] = set()
+        self._stopping = False
+
+    def stopping(self) -> None:
+        """The switch is stopping: an edge that ends from now on was cut by the stop (its record says so)."""
+        self._stopping = True
+
+    async def drain_edges(self, timeout: float = EDGE_DRAIN_S) -> None:
+        """Wait until every edge has recorded its end; run after the servers stopped, before the audit closes.
+
+        A gRPC server's ``stop(grace)`` returns once the core cancelled the calls still open, before their
+        handlers ran their ``finally`` (the ``edge.close`` record). An edge still running after ``timeout``
+        (it cannot be, short of a bug) is cancelled here and waited for as long again.
+        """
+        self._stopping = True
+        pending = {task for task in self._edges if not task.done()}
+        if not pending:
+            return
+        _, pending = await asyncio.wait(pending, timeout=timeout)
+        if pending:
+            log.warning("edges still open %.0f s after the stop: cancelling them", timeout)
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=timeout)
 
     async def OpenEdge(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
@@ -148,6 +176,15 @@ class RelayServicer:
 
         ``account`` is the caller the transport authenticated (the token interceptor's principal).
         """
+        task = asyncio.current_task()
+        assert task is not None
+        self._edges.add(task)
+        try:
+            await self._serve_edge(stream, account, open_)
+        finally:
+            self._edges.discard(task)
+
+    async def _serve_edge(self, stream: EdgeStream, account: str, open_: relay_pb2.EdgeOpen) -> None:
         job_id, edge, reconnect = open_.job_id, open_.edge, open_.reconnect
         epoch = open_.epoch
         framing = open_.link_framing >= LINK_FRAMING_VERSION
@@ -244,6 +281,8 @@ class RelayServicer:
                 why = {"reason": route.closed_reason, "closed_by": "this switch"}
             elif received and received[0].error:
                 why = {"reason": received[0].reason, "closed_by": "peer"}
+            elif outcome == FAILED and self._stopping:
+                why = {"reason": "the switch stopped", "closed_by": "this switch"}
             self.link.record(
                 "edge.close",
                 outcome="ok" if outcome in (FINISHED, SUPERSEDED, RESTARTED) else "failure",

@@ -130,7 +130,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     """Token keys, audit log, certificates, both servers, then the dialer and maintenance tasks.
 
     Stopped in reverse: background tasks first, then the link, then both servers
-    drain, then the audit log is sealed and the verifier closed.
+    drain, then the edges they cut record their end, then the audit log is sealed and the verifier closed.
     """
     identity = await service_identity(stack, settings, "switch")
     verifier = await token_verifier(stack, settings.auth_address, settings.cluster_id, tls=identity.client)
@@ -214,13 +214,6 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
             "self_renewal": settings.ca_key is not None,
         },
     )
-    internal = grpc_server(
-        stack,
-        ["nebula.v1.Relay", AUDIT_SERVICE_NAME],
-        grace=STOP_GRACE_SECONDS,
-        interceptors=[*identity.interceptors(audit), TokenAuthInterceptor("switch", verifier, audit=audit)],
-        options=internal_server_options(settings),
-    )
     relay = RelayServicer(
         settings.cluster_id,
         links,
@@ -237,6 +230,16 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
                 )
             ),
         ),
+    )
+    # Stopped after both servers (and the raw edge port): the edges they cut record their end in the
+    # audit log before it closes (a server's stop returns before its cancelled handlers finish).
+    stack.push_async_callback(relay.drain_edges)
+    internal = grpc_server(
+        stack,
+        ["nebula.v1.Relay", AUDIT_SERVICE_NAME],
+        grace=STOP_GRACE_SECONDS,
+        interceptors=[*identity.interceptors(audit), TokenAuthInterceptor("switch", verifier, audit=audit)],
+        options=internal_server_options(settings),
     )
     add_relay_to_server(relay, internal.server)
     add_audit_api(internal.server, audit, "switch", settings.cluster_id)
@@ -304,6 +307,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     for each in links:
         sweeper = asyncio.create_task(each.router.run_sweeper(), name=f"route-sweeper-{each.expected_peer}")
         stack.push_async_callback(_cancel, sweeper)
+    stack.callback(relay.stopping)  # first of all: edges ending from here on were cut by the stop
     internal.start_metrics(settings.metrics_port, settings.internal_listen)
     running = RunningSwitch(
         internal=internal,

@@ -3,10 +3,10 @@ service certificates are renewed during a running job without a failed call or a
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import urllib.request
-from collections.abc import Callable
 from typing import TypeVar
 
 import grpc
@@ -30,18 +30,12 @@ from nebula_common.sdk.summary import summarize
 from tests.support.internal import service_address, service_channel, user_channel
 from tests.support.jobs import numbers_job
 from tests.support.tls_probe import served_certificate
+from tests.support.waiting import wait_for
+
+_wait_for = functools.partial(wait_for, interval=0.2)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 T = TypeVar("T")
-
-
-def _wait_for(condition: Callable[[], T], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := condition():
-            return result
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def _ports(deployment: LocalDeployment) -> dict[str, tuple[str, str]]:

@@ -13,9 +13,10 @@ sends its own CA's CRL to the peer over the WAN port (nebula.v1.SwitchTrust).
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,18 +34,11 @@ from nebula_common.proto.nebula.v1 import trust_pb2_grpc
 from services.switch.config import SwitchSettings
 from tests.support.accounts import auth_settings
 from tests.support.servers import SwitchThread, running_auth
+from tests.support.waiting import wait_for as wait_with_deadline
+
+wait_for = functools.partial(wait_with_deadline, interval=0.05)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _records(path: Path, event: str) -> list[dict[str, Any]]:

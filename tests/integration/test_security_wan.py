@@ -10,9 +10,9 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -43,6 +43,9 @@ from nebula_common.sdk.client import ClusterSession, submit_job
 from services.switch.link import PROTOCOL_VERSION, fetch_server_certificate
 from tests.support.internal import user_channel
 from tests.support.jobs import numbers_job
+from tests.support.waiting import wait_for
+
+_wait_for = functools.partial(wait_for, interval=0.1)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -76,16 +79,6 @@ def _audit(deployment: LocalDeployment, cluster: str, **query: Any) -> list[dict
             audit_pb2.AuditQuery(**query), metadata=_admin_metadata(deployment, cluster), timeout=10
         )
     return [json.loads(r) for r in reply.records_json]
-
-
-def _wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _try_link(

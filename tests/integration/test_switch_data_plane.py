@@ -17,7 +17,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -37,20 +37,11 @@ from services.switch.routing import UNATTACHED_MAX_ITEMS
 from services.switch.throttle import PAUSE_S
 from tests.support.accounts import ADMIN_PASSWORD, auth_settings
 from tests.support.servers import AuthServerThread, SwitchThread, running_auth
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 ACCOUNTS = ("alice", "bob", "carol", "dave", "mallory")
 PASSWORD = "a-long-enough-test-password"
-
-
-def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class Cluster:

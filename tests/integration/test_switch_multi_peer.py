@@ -37,7 +37,7 @@ from nebula_common.rpc import bearer_metadata
 from nebula_common.sdk.client import ClusterSession
 from nebula_common.sdk.summary import JobSummary
 from services.trainer.edge import EdgeConnection, EdgeSettings
-from tests.support.edges import wait_for
+from tests.support.edges import in_threads, wait_for
 from tests.support.switch_mesh import Chain, switch_chain
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -83,27 +83,6 @@ def _close(*ends: EdgeConnection) -> None:
     assert not any(closer.is_alive() for closer in closers), "an edge did not close within 30 s"
 
 
-def _in_threads(*calls: Callable[[], object]) -> list[object]:
-    results: list[object] = [None] * len(calls)
-    errors: list[BaseException] = []
-
-    def run(index: int) -> None:
-        try:
-            results[index] = calls[index]()
-        except BaseException as exc:  # reported below, in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(90)
-    if errors:
-        raise errors[0]
-    assert not any(thread.is_alive() for thread in threads), "a concurrent exchange did not finish in 90 s"
-    return results
-
-
 def test_both_links_up_and_two_edges_carry_data_concurrently(chain: Chain) -> None:
     b = chain.switches["b"].running
     assert sorted(b.links.peer_ids) == ["a", "c"]
@@ -113,7 +92,7 @@ def test_both_links_up_and_two_edges_carry_data_concurrently(chain: Chain) -> No
     bc = chain.edge_pair(job, "s1->s2", ("b", "c"), SETTINGS)
     sent_before = {peer: b.links.get(peer).sent.to_proto().frames for peer in ("a", "c")}  # type: ignore[union-attr]
     started = time.monotonic()
-    got_ab, got_bc = _in_threads(lambda: _exchange(*ab, 1.0), lambda: _exchange(*bc, 100.0))
+    got_ab, got_bc = in_threads(lambda: _exchange(*ab, 1.0), lambda: _exchange(*bc, 100.0))
     elapsed = time.monotonic() - started
     assert [t[0, 0].item() for t in got_ab] == [1.0, 2.0, 3.0, 4.0]  # type: ignore[attr-defined]
     assert [t[0, 0].item() for t in got_bc] == [100.0, 101.0, 102.0, 103.0]  # type: ignore[attr-defined]
@@ -139,7 +118,7 @@ def test_items_from_one_peer_reach_only_that_peers_routes(chain: Chain) -> None:
     job = f"same-key-{next(_jobs)}"
     from_a = chain.edge_pair(job, "e", ("a", "b"), SETTINGS)
     from_c = chain.edge_pair(job, "e", ("c", "b"), SETTINGS)
-    got_a, got_c = _in_threads(lambda: _exchange(*from_a, 10.0), lambda: _exchange(*from_c, 20.0))
+    got_a, got_c = in_threads(lambda: _exchange(*from_a, 10.0), lambda: _exchange(*from_c, 20.0))
     assert [t[0, 0].item() for t in got_a] == [10.0, 11.0, 12.0, 13.0]  # type: ignore[attr-defined]
     assert [t[0, 0].item() for t in got_c] == [20.0, 21.0, 22.0, 23.0]  # type: ignore[attr-defined]
     _close(*from_a, *from_c)

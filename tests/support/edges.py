@@ -8,7 +8,6 @@ received, so tests can check that every micro-batch was applied exactly once.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -27,38 +26,61 @@ from services.trainer.edge.memory import MemoryLink
 from services.trainer.runtime.stage import ProgramRunner
 from tests.support.accounts import ADMIN_PASSWORD, auth_settings
 from tests.support.servers import SwitchThread, accepting_switch, running_auth
+from tests.support.waiting import wait_for
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll ``condition`` until true; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.01)
+def in_threads(*calls: Callable[[], object], timeout: float = 90.0) -> list[object]:
+    """Run ``calls`` concurrently, one thread each; their results in order, or the first error raised."""
+    results: list[object] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            results[index] = calls[index]()
+        except BaseException as exc:  # reported below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    if errors:
+        raise errors[0]
+    assert not any(thread.is_alive() for thread in threads), (
+        f"a concurrent call did not finish in {timeout:.0f} s"
+    )
+    return results
 
 
 def open_pair(
     open_end: Callable[[int], EdgeConnection],
 ) -> tuple[EdgeConnection, EdgeConnection]:
     """Open both ends concurrently (each waits for its ready); returns (upstream, downstream)."""
-    ends: dict[int, EdgeConnection] = {}
-    errors: list[BaseException] = []
+    up, down = in_threads(lambda: open_end(0), lambda: open_end(1), timeout=60)
+    assert isinstance(up, EdgeConnection) and isinstance(down, EdgeConnection)
+    return up, down
 
-    def run(index: int) -> None:
-        try:
-            ends[index] = open_end(index)
-        except BaseException as exc:
-            errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    if errors:
-        raise errors[0]
-    return ends[0], ends[1]
+def edge_end(
+    transport: Any,
+    job_id: str,
+    edge: str,
+    index: int,
+    settings: EdgeSettings,
+    codec_forward: str = "none",
+    codec_backward: str = "none",
+) -> EdgeConnection:
+    """End ``index`` of an edge pair (0 upstream, 1 downstream) on ``transport``."""
+    return EdgeConnection(
+        transport,
+        job_id=job_id,
+        edge=edge,
+        upstream=index == 0,
+        codec_forward=codec_forward,
+        codec_backward=codec_backward,
+        settings=settings,
+    )
 
 
 def memory_pair(
@@ -67,18 +89,11 @@ def memory_pair(
     codec_forward: str = "none",
     codec_backward: str = "none",
 ) -> tuple[EdgeConnection, EdgeConnection]:
-    def open_end(index: int) -> EdgeConnection:
-        return EdgeConnection(
-            link.ends[index],
-            job_id="job",
-            edge="up->down",
-            upstream=index == 0,
-            codec_forward=codec_forward,
-            codec_backward=codec_backward,
-            settings=settings,
+    return open_pair(
+        lambda index: edge_end(
+            link.ends[index], "job", "up->down", index, settings, codec_forward, codec_backward
         )
-
-    return open_pair(open_end)
+    )
 
 
 @dataclass
@@ -91,15 +106,7 @@ class SwitchPair:
     ) -> tuple[EdgeConnection, EdgeConnection]:
         def open_end(index: int) -> EdgeConnection:
             transport = GrpcEdgeTransport(self.addresses[index], self.tokens[index], job_id, "up->down")
-            return EdgeConnection(
-                transport,
-                job_id=job_id,
-                edge="up->down",
-                upstream=index == 0,
-                codec_forward=codec_forward,
-                codec_backward=codec_backward,
-                settings=settings,
-            )
+            return edge_end(transport, job_id, "up->down", index, settings, codec_forward, codec_backward)
 
         return open_pair(open_end)
 

@@ -21,7 +21,7 @@ from nebula_common.wan.emulator import LinkShape, WanEmulator
 from services.switch.config import SwitchSettings
 from services.trainer.edge import EdgeConnection, EdgeSettings, GrpcEdgeTransport
 from tests.support.accounts import ADMIN_PASSWORD, auth_settings
-from tests.support.edges import open_pair, wait_for
+from tests.support.edges import edge_end, open_pair, wait_for
 from tests.support.servers import AuthServerThread, SwitchThread, running_auth
 
 CHAIN = ("a", "b", "c")
@@ -58,15 +58,7 @@ class Chain:
             transport = GrpcEdgeTransport(
                 self.switches[here].internal_address, self.tokens[here], job_id, edge, peer_cluster=there
             )
-            return EdgeConnection(
-                transport,
-                job_id=job_id,
-                edge=edge,
-                upstream=index == 0,
-                codec_forward=codec_forward,
-                codec_backward=codec_backward,
-                settings=settings,
-            )
+            return edge_end(transport, job_id, edge, index, settings, codec_forward, codec_backward)
 
         return open_pair(open_end)
 

@@ -17,6 +17,7 @@ from nebula_common.codec import EncodedTensor, TensorStreamEncoder
 from nebula_common.proto.nebula.v1 import relay_pb2, tensor_pb2
 from services.trainer.edge import EdgeSettings
 from services.trainer.edge.session import EdgeSession, RetransmitTimer, TransportHandler
+from tests.support.clock import FakeClock
 from tests.unit.test_edge_session import ScriptedTransport, ack
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,20 +26,6 @@ SETTINGS = EdgeSettings(
     window_bytes=1 << 20, retransmit_s=30.0, min_retransmit_s=1.0, max_outage_s=30.0, ready_timeout_s=5
 )
 PLENTY = 1 << 30  # credit that never limits these tests
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self._lock = threading.Lock()
-
-    def __call__(self) -> float:
-        with self._lock:
-            return self.now
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self.now += seconds
 
 
 def tensor_builder(values: int) -> Callable[[int], EncodedTensor]:

@@ -6,9 +6,8 @@ development set-up) and a 0.2 s check interval.
 
 from __future__ import annotations
 
+import functools
 import json
-import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
@@ -25,6 +24,9 @@ from services.auth.config import AuthSettings
 from tests.support.accounts import ADMIN_PASSWORD
 from tests.support.servers import AuthServerThread
 from tests.support.tls_probe import served_certificate
+from tests.support.waiting import wait_for
+
+_wait_for = functools.partial(wait_for, interval=0.1)
 
 pytestmark = pytest.mark.timeout(120)
 T = TypeVar("T")
@@ -32,15 +34,6 @@ T = TypeVar("T")
 
 def _renewals() -> float:
     return REGISTRY.get_sample_value("nebula_internal_certificate_renewals_total", {"service": "auth"}) or 0.0
-
-
-def _wait_for(condition: Callable[[], T], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result := condition():
-            return result
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def test_due_certificate_is_renewed_and_served_while_a_connection_keeps_working(tmp_path: Path) -> None:

@@ -18,14 +18,7 @@ from services.switch.throttle import (
     closed_bound,
     is_offence,
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import FakeClock
 
 
 def header(frame_id: int) -> relay_pb2.EdgeMessage:
@@ -72,7 +65,7 @@ def test_only_bounds_a_sender_of_ours_exceeded_are_offences(
 
 
 def test_the_backoff_doubles_per_strike_up_to_its_cap_and_resets_after_a_quiet_period() -> None:
-    clock = Clock()
+    clock = FakeClock()
     penalties = Penalties(PenaltyRules(backoff_min_s=1.0, backoff_max_s=60.0, quiet_s=300.0), clock)
     backoffs = []
     for strike in range(1, 9):
@@ -91,7 +84,7 @@ def test_the_backoff_doubles_per_strike_up_to_its_cap_and_resets_after_a_quiet_p
 
 
 def test_closes_during_a_backoff_do_not_double_it_and_refusals_are_audited_once_per_backoff() -> None:
-    clock = Clock()
+    clock = FakeClock()
     penalties = Penalties(PenaltyRules(backoff_min_s=1.0, backoff_max_s=60.0), clock)
     assert penalties.refusal("mallory") is None
     penalties.offend("mallory", "flood-1", "unattached_items")
@@ -135,7 +128,7 @@ def test_only_the_offending_job_reads_at_the_reduced_rate() -> None:
 
 
 def test_a_penalized_job_is_forgotten_after_the_quiet_period() -> None:
-    clock = Clock()
+    clock = FakeClock()
     penalties = Penalties(PenaltyRules(quiet_s=10.0), clock)
     penalties.offend("mallory", "bad", "credit")
     clock.now += 10.0

@@ -16,7 +16,6 @@ writer is simply not moving its items.
 from __future__ import annotations
 
 import collections
-import threading
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from nebula_common.rpc.framing import FramedChunk, is_framed, parse_chunk
 from services.switch.routing import SLACK_BYTES, Limits, Router
 from services.trainer.edge import EdgeSettings
 from services.trainer.edge.session import EdgeSession, EdgeTimeout, TransportHandler
+from tests.support.clock import FakeClock
 
 pytestmark = pytest.mark.timeout(60)
 FORWARD, BACKWARD = tensor_pb2.DIRECTION_FORWARD, tensor_pb2.DIRECTION_BACKWARD
@@ -38,20 +38,6 @@ SETTINGS = EdgeSettings(
     window_bytes=WINDOW, retransmit_s=1.0, min_retransmit_s=0.5, max_outage_s=3600.0, ready_timeout_s=5
 )
 VALUES = 200_000  # 800 KB of float32: one tensor is most of a window (a header and four chunks)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self._lock = threading.Lock()
-
-    def __call__(self) -> float:
-        with self._lock:
-            return self.now
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self.now += seconds
 
 
 class StreamEnd:
