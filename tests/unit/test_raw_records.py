@@ -1,0 +1,252 @@
+"""RawConnection: whole messages over real mutual TLS 1.3 on loopback (real certificates, real sockets).
+
+Every test uses a real socket pair, real certificates of a local PKI and the contexts the raw edge
+uses (``raw_edge.server_context`` / ``raw_transport.client_context``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from nebula_common.pki import init_pki
+from nebula_common.pki.service_identity import ServiceTlsFiles, ensure_service_certificates, service_tls_dir
+from nebula_common.rpc.internal_tls import ClientTls, server_name
+from nebula_common.rpc.raw_records import READ_AHEAD, RawConnection, RawConnectionError, in_thread
+from services.switch.raw_edge import server_context
+from services.trainer.edge.raw_transport import client_context
+
+DEADLINE_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def identities(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ServiceTlsFiles]:
+    root = tmp_path_factory.mktemp("pki")
+    init_pki(root, ["a", "b"])
+    found = {}
+    for cluster in "ab":
+        ensure_service_certificates(root, cluster)
+        for service in ("switch", "trainer"):
+            found[f"{service}-{cluster}"] = ServiceTlsFiles.in_dir(service_tls_dir(root, cluster, service))
+    return found
+
+
+def _server(files: ServiceTlsFiles) -> ssl.SSLContext:
+    return server_context(str(files.cert), str(files.key), str(files.ca))
+
+
+def _client(files: ServiceTlsFiles, cluster: str) -> ssl.SSLContext:
+    return client_context(ClientTls(cluster, Path(files.ca), Path(files.cert), Path(files.key)))
+
+
+async def _pair(
+    server: ssl.SSLContext, client: ssl.SSLContext, name: str, views: bool = True
+) -> tuple[RawConnection, RawConnection]:
+    """A connected (client, server) pair after the TLS handshake, both on this loop."""
+    left, right = socket.socketpair()
+    for sock in (left, right):
+        sock.settimeout(10)
+
+    async def accept() -> RawConnection:
+        tls = await in_thread(lambda: server.wrap_socket(right, server_side=True), "test-accept")
+        return RawConnection(tls, "client", asyncio.get_running_loop(), views=views)
+
+    async def dial() -> RawConnection:
+        tls = await in_thread(lambda: client.wrap_socket(left, server_hostname=name), "test-dial")
+        return RawConnection(tls, "server", asyncio.get_running_loop(), views=views)
+
+    accepted, dialed = await asyncio.gather(accept(), dial(), return_exceptions=True)
+    for connection in (dialed, accepted):
+        if isinstance(connection, BaseException):
+            for other in (dialed, accepted):
+                if isinstance(other, RawConnection):
+                    await other.close()
+            raise connection  # the client's failure first: the server's follows from its alert
+    assert isinstance(dialed, RawConnection) and isinstance(accepted, RawConnection)
+    return dialed, accepted
+
+
+def _run(body: Callable[[], Awaitable[None]]) -> None:
+    async def bounded() -> None:
+        await asyncio.wait_for(body(), DEADLINE_S)
+
+    asyncio.run(bounded())
+
+
+def test_messages_of_every_size_arrive_whole_and_in_order_both_ways(
+    identities: dict[str, ServiceTlsFiles],
+) -> None:
+    sizes = [
+        0,
+        1,
+        4,
+        16 << 10,
+        (16 << 10) - 4,
+        (16 << 10) - 3,
+        64 << 10,
+        (64 << 10) + 1,
+        1 << 20,
+        (3 << 20) + 7,
+    ]
+    messages = [
+        bytes((index * 7 + i) % 251 for i in range(min(size, 997))) * (size // 997 + 1)
+        for index, size in enumerate(sizes)
+    ]
+    messages = [message[:size] for message, size in zip(messages, sizes, strict=True)]
+
+    async def body() -> None:
+        client, server = await _pair(
+            _server(identities["switch-a"]), _client(identities["trainer-a"], "a"), server_name("switch", "a")
+        )
+        assert server.peer_cert is not None and client.peer_cert is not None
+
+        async def send(connection: RawConnection) -> None:
+            for message in messages:
+                await connection.write(memoryview(message) if len(message) % 2 else message)
+
+        async def receive(connection: RawConnection) -> list[bytes]:
+            return [bytes(await connection.read()) for _ in messages]  # type: ignore[arg-type]
+
+        got = await asyncio.gather(send(client), send(server), receive(server), receive(client))
+        assert got[2] == messages
+        assert got[3] == messages
+        await client.close()
+        assert await server.read() is grpc.aio.EOF
+        assert await server.read() is grpc.aio.EOF  # every later read sees the end too
+        await server.close()
+
+    _run(body)
+
+
+def test_a_large_message_is_handed_on_as_a_view_of_its_own_buffer(
+    identities: dict[str, ServiceTlsFiles],
+) -> None:
+    async def body() -> None:
+        client, server = await _pair(
+            _server(identities["switch-a"]), _client(identities["trainer-a"], "a"), server_name("switch", "a")
+        )
+        payload = bytes(range(256)) * 4096  # 1 MiB
+        await client.write(payload)
+        await client.write(b"small")
+        first, second = await server.read(), await server.read()
+        assert isinstance(first, memoryview) and first.obj is not None and bytes(first) == payload
+        assert second == b"small" and isinstance(second, bytes)
+        await client.close()
+        await server.close()
+
+    _run(body)
+
+
+def test_a_slow_reader_stops_the_connection_reading_and_loses_nothing(
+    identities: dict[str, ServiceTlsFiles],
+) -> None:
+    count = READ_AHEAD * 6
+
+    async def body() -> None:
+        client, server = await _pair(
+            _server(identities["switch-a"]), _client(identities["trainer-a"], "a"), server_name("switch", "a")
+        )
+        chunk = 256 << 10
+
+        async def send() -> None:
+            for index in range(count):
+                await client.write(index.to_bytes(4, "big") * (chunk // 4))
+
+        sender = asyncio.create_task(send())
+        # Nobody reads: the receiver may hold READ_AHEAD messages, then TCP and the writer's bound hold
+        # the rest; the sender cannot finish.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while server._inbox.qsize() < READ_AHEAD and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        assert server._inbox.qsize() == READ_AHEAD, f"{server._inbox.qsize()} messages queued"
+        assert server._room == 0, "the connection still has room for messages"
+        assert not sender.done()
+        for index in range(count):
+            message = await server.read()
+            assert bytes(message[:4]) == index.to_bytes(4, "big")  # type: ignore[index]
+            assert len(message) == chunk  # type: ignore[arg-type]
+        await sender
+        await client.close()
+        await server.close()
+
+    _run(body)
+
+
+def test_a_connection_cut_inside_a_message_is_an_error_not_an_end(
+    identities: dict[str, ServiceTlsFiles],
+) -> None:
+    async def body() -> None:
+        client, server = await _pair(
+            _server(identities["switch-a"]), _client(identities["trainer-a"], "a"), server_name("switch", "a")
+        )
+        # A record that promises 1 MiB, then the TCP connection ends.
+        client.sock.send((1 << 20).to_bytes(4, "big") + b"x" * 1000)
+        socket.socket.shutdown(client.sock, socket.SHUT_WR)  # the TCP end, not TLS's close_notify
+        with pytest.raises(RawConnectionError, match="ended inside a record"):
+            await server.read()
+        with pytest.raises(RawConnectionError):  # and it stays failed
+            await server.read()
+        await client.close()
+        await server.close()
+
+    _run(body)
+
+
+def test_a_write_after_close_and_an_oversized_message_are_refused(
+    identities: dict[str, ServiceTlsFiles],
+) -> None:
+    async def body() -> None:
+        client, server = await _pair(
+            _server(identities["switch-a"]), _client(identities["trainer-a"], "a"), server_name("switch", "a")
+        )
+        with pytest.raises(RawConnectionError, match="exceeds the raw record limit"):
+            await client.write(b"\0" * ((64 << 20) + 1))
+        await client.close()
+        with pytest.raises(RawConnectionError, match="is closed"):
+            await client.write(b"late")
+        assert await server.read() is grpc.aio.EOF
+        await server.close()
+        with pytest.raises(RawConnectionError, match="closed by this switch"):
+            await client.read()
+
+    _run(body)
+
+
+def test_the_handshake_checks_the_server_certificate(identities: dict[str, ServiceTlsFiles]) -> None:
+    """A server certificate of another cluster's CA, or the wrong pinned name, fails the handshake."""
+
+    async def body() -> None:
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await _pair(
+                _server(identities["switch-b"]),
+                _client(identities["trainer-a"], "a"),
+                server_name("switch", "b"),
+            )
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await _pair(
+                _server(identities["switch-a"]),
+                _client(identities["trainer-a"], "a"),
+                server_name("auth", "a"),
+            )
+
+    _run(body)
+
+
+def test_a_client_without_a_certificate_is_refused_by_the_server(
+    identities: dict[str, ServiceTlsFiles],
+) -> None:
+    async def body() -> None:
+        files = identities["trainer-a"]
+        bare = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        bare.load_verify_locations(cafile=str(files.ca))
+        with pytest.raises(ssl.SSLError, match=r"(?i)certificate"):
+            await _pair(_server(identities["switch-a"]), bare, server_name("switch", "a"))
+
+    _run(body)
