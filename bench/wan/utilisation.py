@@ -176,14 +176,26 @@ def measure(
             stack.enter_context(deployment)
             stream = Stream(deployment, run_dir, f"util-{rate:g}-{delay:g}-{connections}")
             stack.callback(stream.stop)
-            time.sleep(warmup_s)  # slow start and the first windows; nothing is asserted on it
+            metrics_url = deployment.endpoints("a").metrics.get("switch-a", "")
+            started = time.monotonic()
+            trace: list[tuple[float, float | None]] = []  # (s since the stream started, connections)
+
+            def sample_until(deadline: float) -> None:
+                """Sleep until ``deadline``, reading the switch's connection count about once a second."""
+                while (left := deadline - time.monotonic()) > 0:
+                    time.sleep(min(1.0, left))
+                    trace.append(
+                        (round(time.monotonic() - started, 1), _switch_connections_metric(metrics_url))
+                    )
+
+            sample_until(started + warmup_s)  # slow start and the first windows; nothing is asserted on it
             wan = deployment.wan
             t0, s0 = time.monotonic(), wan.status()
-            time.sleep(window_s)
+            sample_until(t0 + window_s)
             t1, s1 = time.monotonic(), wan.status()
             if stream.error is not None:
                 raise RuntimeError(f"the benchmark edge failed: {stream.error}")
-            metric = _switch_connections_metric(deployment.endpoints("a").metrics.get("switch-a", ""))
+            metric = _switch_connections_metric(metrics_url)
             capacity_bits = rate * 1e6 * (t1 - t0)
             wire = int(s1["wire_bytes_upstream"]) - int(s0["wire_bytes_upstream"])
             row.update(
@@ -195,6 +207,8 @@ def measure(
                     "losses": int(s1["losses_upstream"]) - int(s0["losses_upstream"]),
                     "emulator_connections_open": s1["connections_open"],
                     "switch_link_connections_metric": metric,
+                    # The connection count over warm-up and window (auto: how the tuner moved).
+                    "connections_trace": trace,
                     "status": "measured" if metric is not None or connections == "1" else "unsupported",
                 }
             )
