@@ -7,9 +7,11 @@ only when no measurement can be had.
 
 How (packet-train dispersion): ``TRAIN`` Pings carrying ``size`` bytes of padding each are queued
 back to back ahead of any item; the peer answers each with a small Pong at once (link.py), so the
-Pongs come back spaced as the Pings left the slowest hop. The second half of the train is timed
-(the first half may pass at line rate while a shaper's token bucket drains its burst, which would
-overstate the rate): rate = bytes of Pings ``TRAIN/2+1..TRAIN`` / (last Pong - Pong ``TRAIN/2``).
+Pongs come back spaced as the Pings left the slowest hop. Only the second half of the train is
+timed (the first half may pass at line rate while a shaper's token bucket drains its burst, which
+would overstate the rate): the seconds per Ping are the least-squares slope of the Pongs' arrival
+times over their index there (a line through all of them, not two endpoints, so one Pong that a
+busy event loop read late does not compress the train), and rate = bits per Ping / slope.
 A train that passes in under ``MIN_SECONDS`` is too short to time on a busy host; the padding is
 quadrupled and the train sent again, up to ``MAX_BYTES`` in one train. Probe Pings use nonces with
 ``PROBE_BIT`` set, so they never count as keepalive RTT samples. The measurement is on demand only
@@ -30,7 +32,7 @@ PROBE_BIT = 1 << 62
 TRAIN = 16
 FIRST_BYTES = 4 * 1024
 MAX_BYTES = 8 * 1024 * 1024
-MIN_SECONDS = 0.15
+MIN_SECONDS = 0.25
 FRESH_S = 60.0
 
 
@@ -107,11 +109,14 @@ class BandwidthMeter:
             raise BandwidthProbeError(
                 f"{back} of {TRAIN} probe Pongs ({size} bytes each) came back in time"
             ) from None
-        half = TRAIN // 2
-        seconds = self._arrivals[nonces[-1]] - self._arrivals[nonces[half - 1]]
+        times = [self._arrivals[nonce] for nonce in nonces[TRAIN // 2 - 1 :]]
+        seconds = times[-1] - times[0]
+        mean_i, mean_t = (len(times) - 1) / 2, sum(times) / len(times)
+        slope = sum((i - mean_i) * (t - mean_t) for i, t in enumerate(times)) / sum(
+            (i - mean_i) ** 2 for i in range(len(times))
+        )
         one = link_pb2.LinkMessage(ping=link_pb2.Ping(nonce=nonces[-1], padding=padding))
-        sent = (TRAIN - half) * len(one.SerializeToString())
-        return sent * 8 / max(seconds, 1e-6), seconds
+        return len(one.SerializeToString()) * 8 / max(slope, 1e-9), seconds
 
 
 __all__ = ["PROBE_BIT", "BandwidthMeter", "BandwidthProbeError", "Measurement"]
