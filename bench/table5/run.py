@@ -71,7 +71,7 @@ FULL_MODEL = train.ModelConfig(pretrain_steps=400, lr=1e-2, warmup=50, train_hea
 steps a side; the adapters and the decoder's output layer fine-tuned with Adam at 1e-2 after a 50-step
 linear warm-up."""
 FULL = {"seeds": 3, "steps": 800, "eval_pairs": None, "advisor_steps": 30, "model": FULL_MODEL}
-"""About 35 minutes on 2 idle cores (estimated from measured CPU seconds per step, see the doc)."""
+"""About 32 minutes on 2 idle cores (estimated from session 25's CPU seconds per step, see the doc)."""
 QUICK = {
     "seeds": 2,
     "steps": 20,
