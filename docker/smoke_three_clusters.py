@@ -6,7 +6,7 @@
 Brings up ``docker/compose-3clusters.yml`` (a, b, c; every pair of switches linked through a WAN
 emulator), then checks, failing with the first thing that is not as expected:
 
-1. every service is healthy and each cluster's switch reports its WAN link(s) up;
+1. every service is healthy and each switch reports its links to both other clusters up;
 2. the chain job ``examples/chain`` (reader in a, mixer in b, head in c) with codec ``none`` on both
    edges succeeds, every stage SUCCEEDED;
 3. its per-step losses equal the unsplit model's (``run_unsplit``, the same seed) within 1e-5.
@@ -27,7 +27,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from compose_support import ROOT, Compose, Timings, add_arguments, check, logs, run_smoke
+from compose_support import (
+    ROOT,
+    Compose,
+    SmokeFailure,
+    Timings,
+    add_arguments,
+    check,
+    logs,
+    run_smoke,
+    wait,
+)
 from smoke import create_user, endpoints, wait_link  # docker/smoke.py (this script's directory)
 
 from nebula_common.jobspec import load_spec
@@ -40,6 +50,7 @@ FILE = ("docker/compose-3clusters.yml",)
 CLUSTERS = ("a", "b", "c")
 EXAMPLE = ROOT / "examples" / "chain" / "job.yaml"
 HEALTH_TIMEOUT_S = 480.0
+LINK_TIMEOUT_S = 120.0
 TOLERANCE = 1e-5
 
 
@@ -65,9 +76,27 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
             f"smoke-{cluster}-{os.getpid()}",
         )
     link_wait = wait_link(list(sessions.values()), 120.0)
+    # Each switch's every link (a-b, a-c and b-c), not only its first one.
+    links: dict[str, dict[str, str]] = {}
+
+    def every_link_up() -> bool:
+        for cluster, session in sessions.items():
+            statuses = session.link_statuses()
+            links[cluster] = {p: s.link_role if s.connected else "down" for p, s in statuses.items()}
+        return all(sorted(links[c]) == [p for p in CLUSTERS if p != c] for c in CLUSTERS) and all(
+            "down" not in roles.values() for roles in links.values()
+        )
+
+    try:
+        wait(every_link_up, LINK_TIMEOUT_S, "every switch's links to both other clusters to be up")
+    except SmokeFailure as exc:
+        raise SmokeFailure(f"{exc}; the links: {links}") from None
     for cluster in CLUSTERS:
         text = logs(names[f"switch-{cluster}"])
-        check("WAN link up" in text, f"switch-{cluster} logged no 'WAN link up':\n{text[-800:]}")
+        check(
+            text.count("WAN link up") >= 2,
+            f"switch-{cluster} logged fewer than 2 'WAN link up':\n{text[-800:]}",
+        )
     lap("users and links")
 
     overrides: dict[str, object] = {"steps": args.steps, "checkpoint.interval": 2}
@@ -103,6 +132,7 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
         "losses": [round(losses[s], 5) for s in range(args.steps)],
         "max_abs_diff_to_unsplit": worst,
         "link_wait_seconds": round(link_wait, 1),
+        "links": links,
     }
 
 

@@ -6,7 +6,6 @@ import json
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from nebula_common.audit.signing import SealVerifier
 from nebula_common.audit.verify import verify_log
@@ -19,6 +18,7 @@ from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.codec_advice import LinkProfile
 from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.summary import summarize
+from tests.support.torch_threads import one_torch_thread as on_one_thread
 
 # func_only: the first test here may be the first to use the shared deployment; its start is not this
 # module's time (185 s of setup at load 31 left the first test 54 s of its 240). The start has its own
@@ -35,10 +35,8 @@ def one_torch_thread() -> Iterator[None]:
     first test's ~10 trial runs crossed its 240 s limit (146 s of call at load 20). The services
     train on one thread already (``NEBULA_TRAINER_TORCH_THREADS`` defaults to 1).
     """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with on_one_thread():
+        yield
 
 
 def auto_job(steps: int = 3) -> ProgramJob:

@@ -19,6 +19,7 @@ from nebula_common.zoo.adapters import (
     LanguageModel,
 )
 from nebula_common.zoo.text_data import BOS, EOS, PAD
+from tests.support.torch_threads import one_torch_thread
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
@@ -68,12 +69,8 @@ def _copy_task(steps: int) -> tuple[float, float]:
 
 
 def test_a_few_steps_make_the_frozen_decoder_read_the_source() -> None:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         right, shuffled = _copy_task(steps=150)
-    finally:
-        torch.set_num_threads(before)
     # Copying 6 random tokens of 35: a decoder that ignores the source stays at ln(35) ~ 3.6 either way.
     # Measured: 0.85 apart with the rescaled context, 0.23 with the raw one (the bug).
     assert shuffled - right > 0.5, f"loss {right:.2f} with the sources vs {shuffled:.2f} shuffled"

@@ -12,7 +12,6 @@ import json
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from nebula_common.codec.advice import AdviceRequest, AdviceResult, advise
 from nebula_common.codec.calibration import Calibrator
@@ -29,6 +28,7 @@ from nebula_common.sdk.codec_advice import (
 )
 from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.report import advice_section
+from tests.support.torch_threads import one_torch_thread
 from tests.unit.test_stage_chain import EXAMPLE, chain_job
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,10 +39,8 @@ SLOWER = LinkProfile(bandwidth_mbit=0.05, rtt_ms=30.0)
 
 @pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from torch import nn
 from nebula_common.codec import TensorStreamDecoder, TensorStreamEncoder
 from nebula_common.codec.base import CodecError
 from nebula_common.codec.trial import Candidate, Link, TrialRun, choose_by_trial, trial_loss
+from tests.support.torch_threads import one_torch_thread
 
 pytestmark = pytest.mark.timeout(300)  # CPU seconds each; the first optimizer imports torch._dynamo
 SLOW_LINK = Link(bandwidth_bps=1e6, rtt_seconds=0.02)  # 1 Mbit/s: the wire dominates a tiny model's step
@@ -20,10 +21,8 @@ SLOW_LINK = Link(bandwidth_bps=1e6, rtt_seconds=0.02)  # 1 Mbit/s: the wire domi
 @pytest.fixture(autouse=True)
 def one_thread() -> Iterator[None]:
     """Tiny tensors: more torch threads only contend on a busy host."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield
 
 
 def two_stage_run(candidate: Candidate, steps: int) -> TrialRun:

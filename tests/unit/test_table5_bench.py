@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from nebula_common.wan import LinkShape
 from nebula_common.zoo.catalogues import clean_pairs, parse_mo, split
@@ -24,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "table5")
 import run
 import train
 
+from tests.support.torch_threads import one_torch_thread
+
 pytestmark = pytest.mark.timeout(120)
 TINY = train.ModelConfig(d_model=32, n_layers=1, vocab=600, batch=8, pretrain_steps=3)
 
@@ -31,10 +32,8 @@ TINY = train.ModelConfig(d_model=32, n_layers=1, vocab=600, batch=8, pretrain_st
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
     """As the benchmark runs: one torch thread (tiny tensors; more threads only contend on a busy host)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
