@@ -14,7 +14,8 @@ no other lane can fill. Routes then get the usual link-down notice, the link rec
 trainers' resume replays everything unacknowledged, so no data is lost and nothing is applied twice.
 
 How many lanes (:class:`LaneTuner`, ``NEBULA_SWITCH_LINK_CONNECTIONS=auto``): start with one; every
-measurement interval in which the link was busy (items waited for a lane most of the interval) the
+measurement interval in which the link was busy (items waited for a lane most of the interval: queued
+in the router, or a lane's writer blocked in a write, ``PeerLink.link_busy``) the
 throughput of the interval is compared with the one before the last change. Probing up: add a lane
 while the last addition raised it by more than ``gain`` (5%); when an addition did not, retire that
 lane again and hold for ``hold_intervals``. Probing down (after such a hold, with more than one lane):

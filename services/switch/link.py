@@ -284,6 +284,7 @@ class PeerLink:
         self.liveness = liveness or LivenessPolicy()
         self.rtt = RttEstimator()
         self._priority: deque[link_pb2.LinkMessage] = deque()  # pings and pongs, ahead of every item
+        self._writing = 0  # writers inside a write: with several lanes the backlog waits there
         self._ping_nonce = 0
         self._ping_outstanding: tuple[int, float] | None = None
         self.bandwidth = BandwidthMeter(self._queue_priority)  # on demand: services/switch/bandwidth.py
@@ -599,27 +600,41 @@ class PeerLink:
                 if message is None:
                     await wake.wait()
                     continue
-            if (
-                lanes is not None
-                and lanes.marking
-                and (isinstance(message, FramedChunk) or message.WhichOneof("body") == "routed")
-            ):
-                lanes.send_seq += 1
-                lanes.written[lane] = lanes.written.get(lane, 0) + 1
-                await write(
-                    link_pb2.LinkMessage(mark=link_pb2.LaneMark(seq=lanes.send_seq)).SerializeToString()
-                )
-            if isinstance(message, FramedChunk):
-                framed = self.state.peer_framing
-                await write(message.raw if framed else as_routed_link_message(message.raw))
-                self.sent.count_chunk(message)
-                self.ledger.observe_chunk("sent", message)
-                continue
-            if message.WhichOneof("body") == "ping" and not BandwidthMeter.is_probe(message.ping.nonce):
-                self._ping_outstanding = (message.ping.nonce, time.monotonic())
-            await write(message.SerializeToString())
-            self.sent.count(message)
-            self.ledger.observe("sent", message)
+            self._writing += 1
+            try:
+                await self._write_item(write, message, lanes, lane)
+            finally:
+                self._writing -= 1
+
+    async def _write_item(self, write: WriteFn, message: Outbound, lanes: _Lanes | None, lane: int) -> None:
+        if (
+            lanes is not None
+            and lanes.marking
+            and (isinstance(message, FramedChunk) or message.WhichOneof("body") == "routed")
+        ):
+            lanes.send_seq += 1
+            lanes.written[lane] = lanes.written.get(lane, 0) + 1
+            await write(link_pb2.LinkMessage(mark=link_pb2.LaneMark(seq=lanes.send_seq)).SerializeToString())
+        if isinstance(message, FramedChunk):
+            framed = self.state.peer_framing
+            await write(message.raw if framed else as_routed_link_message(message.raw))
+            self.sent.count_chunk(message)
+            self.ledger.observe_chunk("sent", message)
+            return
+        if message.WhichOneof("body") == "ping" and not BandwidthMeter.is_probe(message.ping.nonce):
+            self._ping_outstanding = (message.ping.nonce, time.monotonic())
+        await write(message.SerializeToString())
+        self.sent.count(message)
+        self.ledger.observe("sent", message)
+
+    def link_busy(self) -> bool:
+        """Items wait for the link: queued in the router, or a writer is blocked in a write.
+
+        With one connection a full link shows as a router backlog; with several, the backlog moves
+        into the connections' writes (their HTTP/2 and socket buffers) and the router is empty
+        although the link is full. The lane tuner only judges busy intervals (lanes.py).
+        """
+        return self.router.has_outbound() or self._writing > 0
 
     def _queue_priority(self, message: link_pb2.LinkMessage) -> None:
         self._priority.append(message)
@@ -965,7 +980,7 @@ class PeerLink:
                 while time.monotonic() - started < LANE_INTERVAL_S:
                     await asyncio.sleep(LANE_SAMPLE_S)
                     samples += 1
-                    busy += self.router.has_outbound()
+                    busy += self.link_busy()
                 if tuner is not None:
                     rate = (self.sent.bytes + self.received.bytes - sent) / (time.monotonic() - started)
                     target = tuner.observe(rate, busy * 2 >= samples)

@@ -201,3 +201,46 @@ def test_a_framed_chunk_goes_out_as_is_or_as_a_classic_routed_item_for_an_older_
 
 def test_the_hello_announces_link_framing() -> None:
     assert make_link().hello().hello.link_framing == LINK_FRAMING_VERSION
+
+
+def test_a_writer_blocked_in_a_write_counts_as_a_busy_link() -> None:
+    """With several lanes the backlog sits in the connections' writes, not in the router: the lane
+    tuner (which only judges busy intervals) must still see a full link as busy."""
+
+    async def scenario() -> tuple[bool, bool, bool, bool]:
+        router = Router(cluster_id="a")
+        link = PeerLink("a", "b", router)
+        route, attachment = router.attach(("j", "e"), "alice")
+        raw, _ = encode_chunk("j", "e", 0, 1, 0, b"x" * 1000, True)
+        stop, blocked, drain = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def read() -> object:
+            await stop.wait()
+            return grpc.aio.EOF
+
+        async def write(message: bytes) -> None:
+            if link_pb2.LinkMessage.FromString(message).WhichOneof("body") != "ping":
+                blocked.set()
+                await drain.wait()  # the link is full: the write does not complete yet
+
+        session = asyncio.create_task(link.run_session(read, write, Identity("b", "switch"), "dialer"))
+        assert await link.wait_connected(5)
+        idle = link.link_busy()
+        router.accept_local(route, attachment, parse_chunk(raw))
+        await asyncio.wait_for(blocked.wait(), 5)
+        full = (router.has_outbound(), link.link_busy())
+        drain.set()
+        for _ in range(100):  # the write completes and nothing else is queued
+            if not link.link_busy():
+                break
+            await asyncio.sleep(0.01)
+        drained = link.link_busy()
+        stop.set()
+        await asyncio.wait_for(session, 5)
+        return idle, *full, drained
+
+    idle, backlog, busy, drained = asyncio.run(scenario())
+    assert not idle
+    assert not backlog  # the writer took the item: the router alone would call this link idle
+    assert busy
+    assert not drained
