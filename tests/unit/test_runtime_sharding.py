@@ -232,10 +232,46 @@ def test_a_checkpoint_saved_on_two_ranks_resumes_on_another_count_with_the_same_
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
 
-@pytest.mark.skipif(
-    torch.cuda.device_count() < 2,
-    reason="NCCL: needs 2 CUDA devices; this machine has none (CPU torch build or no GPU)",
-)
+def needs_gpus(count: int) -> pytest.MarkDecorator:
+    """Skip, saying why, where fewer than ``count`` CUDA devices exist (a CPU build of torch has none)."""
+    have = torch.cuda.device_count()
+    return pytest.mark.skipif(
+        have < count, reason=f"NCCL: needs {count} CUDA devices; this machine has {have}"
+    )
+
+
+@needs_gpus(2)
 def test_fsdp_on_two_gpus_with_nccl_trains_as_ddp_on_gloo(ddp: dict, tmp_path: Path) -> None:
     fsdp = run(2, tmp_path, parallel="fsdp", steps=STEPS, device="cuda")
     _same_training(fsdp, ddp)
+
+
+@needs_gpus(4)
+def test_hsdp_on_four_gpus_with_nccl_trains_as_ddp_on_gloo(ddp: dict, tmp_path: Path) -> None:
+    hsdp = run(4, tmp_path, parallel="hsdp", shard_size=2, steps=STEPS, device="cuda")
+    _same_training(hsdp, ddp)
+    whole = ddp["bytes"][0]
+    assert all(held < 0.6 * whole for held in hsdp["bytes"]), (hsdp["bytes"], whole)
+
+
+@needs_gpus(4)
+def test_a_checkpoint_saved_on_two_gpus_resumes_on_four_with_nccl_and_the_same_next_loss(
+    tmp_path: Path,
+) -> None:
+    saved = tmp_path / "saved"
+    uninterrupted = run(
+        2, saved, parallel="fsdp", steps=4, save=str(saved / "dcp"), save_step=3, device="cuda"
+    )
+    resumed = run(
+        4,
+        tmp_path / "resumed",
+        parallel="hsdp",
+        shard_size=2,
+        steps=4,
+        load=str(saved / "dcp"),
+        load_step=3,
+        device="cuda",
+    )
+    assert resumed["losses"] == [pytest.approx(uninterrupted["losses"][3], abs=1e-5)]
+    for ours, theirs in zip(resumed["params"], uninterrupted["params"], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
