@@ -30,7 +30,7 @@ from tests.support.edges import StageRun, finish, wait_for, wait_for_step
 from tests.unit.test_runtime_cluster_ranks import Workers
 from tests.unit.test_stage_chain import EXAMPLE, SETTINGS, chain_job, chain_runner, check_equals_unsplit
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(1200)
 STEPS = 8
 CHECKPOINT = 4  # the chain checkpoints every 2 steps; the kill comes after step 5
 FAILED = trainer_pb2.STAGE_STATE_FAILED
@@ -77,7 +77,7 @@ def test_a_ddp_middle_stage_on_two_separately_started_ranks_equals_one_process(
     workers, work = cluster
     runs = start_chain(fsdp_middle("ddp", STEPS, parallel="ddp"), work, workers.ranks)
     for run in runs:
-        finish(run, 240)
+        finish(run, 600)
     check_equals_unsplit(runs, run_unsplit(fsdp_middle("unsplit", STEPS).loaded), STEPS)
     assert all(process.poll() is None for process in workers.processes)  # ready for the next stage
 
@@ -88,11 +88,11 @@ def test_a_middle_rank_that_dies_fails_the_stage_naming_it_and_the_job_resumes_a
     workers, work = cluster
     runs = start_chain(fsdp_middle("lost", 200), work, workers.ranks)
     middle = runs[1]
-    wait_for_step(middle, CHECKPOINT + 1, 180)
+    wait_for_step(middle, CHECKPOINT + 1, 300)
     assert not middle.runner.board.finished, middle.final.message  # it is training on the two ranks
     workers.processes[1].kill()  # rank 1's process dies mid-step (SIGKILL)
     for run in runs:
-        finish(run, 120)
+        finish(run, 180)
     assert [run.final.state for run in runs] == [FAILED] * 3, [run.final.message for run in runs]
     assert "a rank of the stage failed: rank(s) 1 died (no heartbeat for 2 s)" in middle.final.message, (
         middle.final.message
@@ -109,7 +109,7 @@ def test_a_middle_rank_that_dies_fails_the_stage_naming_it_and_the_job_resumes_a
     workers.start()  # as their process manager would: the ranks come back and join again
     resumed = start_chain(fsdp_middle("found", STEPS, resume_from="lost"), work, workers.ranks)
     for run in resumed:
-        finish(run, 300)
+        finish(run, 600)  # includes the restarted workers' start (torch import, rendezvous)
     reference = run_unsplit(fsdp_middle("unsplit", STEPS).loaded)
     check_equals_unsplit(resumed, reference, STEPS, start=CHECKPOINT)
     assert sorted(resumed[-1].losses()) == list(range(CHECKPOINT, STEPS))

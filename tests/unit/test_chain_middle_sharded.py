@@ -24,8 +24,11 @@ from nebula_common.jobspec.reference import UnsplitResult, run_unsplit
 from nebula_common.sdk.jobs import ProgramJob
 from tests.unit.test_stage_chain import EXAMPLE, chain_job, check_equals_unsplit, run_chain
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(900)
 STEPS = 20
+# Generous: 4 rank processes each import torch and set up FSDP2 first; on 2 cores at load 35+ that
+# alone took over 240 s once.
+FINISH_S = 600
 RESUME_AT = 18  # a checkpoint of the sharded run (every 2 steps) that the resumed runs start from
 # SGD, as the other data-parallel tests: Adam would turn float-reassociation noise in near-zero
 # gradients (summed over ranks instead of computed at once) into full-size steps.
@@ -72,7 +75,7 @@ def references() -> dict[str, UnsplitResult]:
 @pytest.fixture(scope="module")
 def fsdp_gpipe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
     work = tmp_path_factory.mktemp("fsdp")
-    return work, run_chain(middle_job("fsdp-2", "gpipe", "sharded"), work)
+    return work, run_chain(middle_job("fsdp-2", "gpipe", "sharded"), work, timeout=FINISH_S)
 
 
 def test_an_fsdp_middle_stage_on_two_ranks_equals_one_rank_and_holds_half_of_it(
@@ -96,7 +99,7 @@ def test_a_sharded_middle_stage_equals_one_rank_and_each_rank_holds_less(
 ) -> None:
     caplog.set_level(logging.INFO, logger="services.trainer.runtime.stage")
     job = middle_job(layout, schedule)
-    runs = run_chain(job, tmp_path)
+    runs = run_chain(job, tmp_path, timeout=FINISH_S)
     check_equals_unsplit(runs, references[schedule], STEPS)
     _, replicas, _ = LAYOUTS[layout]
     held, whole = rank_bytes(caplog.records), mixer_bytes(job)
@@ -110,6 +113,7 @@ def test_a_sharded_middle_checkpoint_resumes_on_another_rank_count_with_the_same
     fsdp_gpipe: tuple[Path, list[Any]], references: dict[str, UnsplitResult], layout: str
 ) -> None:
     work, _ = fsdp_gpipe
-    runs = run_chain(middle_job(layout, "gpipe", f"resumed-{layout}", resume_from="sharded"), work)
+    resumed = middle_job(layout, "gpipe", f"resumed-{layout}", resume_from="sharded")
+    runs = run_chain(resumed, work, timeout=FINISH_S)
     check_equals_unsplit(runs, references["gpipe"], STEPS, start=RESUME_AT)
     assert sorted(runs[-1].losses()) == list(range(RESUME_AT, STEPS))

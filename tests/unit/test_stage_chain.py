@@ -115,13 +115,15 @@ def chain_runner(
     return runner_with_edges(job, name, data_dir, settings, open_edge, epoch=epoch)
 
 
-def run_chain(job: ProgramJob, data_dir: Path, settings: EdgeSettings = SETTINGS) -> list[StageRun]:
+def run_chain(
+    job: ProgramJob, data_dir: Path, settings: EdgeSettings = SETTINGS, timeout: float = 240
+) -> list[StageRun]:
     links = [MemoryLink() for _ in job.spec.edges]
     runs = [chain_runner(job, i, data_dir, links, settings) for i in range(len(job.spec.stages))]
     for run in runs:
         run.runner.start()
     for run in runs:
-        finish(run, 240)
+        finish(run, timeout)
     return runs
 
 
