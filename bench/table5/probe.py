@@ -148,7 +148,7 @@ def main() -> None:
             {
                 "prepare_cpu_s": round(time.process_time() - cpu, 1),
                 "config": vars(config),
-                "batch": args.batch or config.batch,
+                "batch": args.batch or config.tune_batch,
             }
         )
     )
@@ -165,7 +165,7 @@ def main() -> None:
     losses: list[float] = []
     cpu_train = 0.0
     for step in range(1, args.steps + 1):
-        index = torch.randint(len(prep.train_es), (args.batch or config.batch,), generator=generator)
+        index = torch.randint(len(prep.train_es), (args.batch or config.tune_batch,), generator=generator)
         started = time.process_time()
         stages.set_step(step - 1)
         sent = stages.send(prep.train_es[index])

@@ -66,18 +66,18 @@ FULL_ROWS = (
 QUICK_ROWS = (FULL_ROWS[0], FULL_ROWS[1], FULL_ROWS[5], FULL_ROWS[11])
 FIGURE10_ROW = FULL_ROWS[5]  # the paper's fastest row, FP16(SVD(0.2))+INT8
 FIGURE10_STARTS = (0.0, 0.10, 0.25)
-FULL_MODEL = train.ModelConfig(pretrain_steps=400, lr=1e-2, warmup=50, train_head=True)
-"""The full plan's model: the best of session 24's probes (docs/bench/table5.md): LMs pre-trained 400
-steps a side; the adapters and the decoder's output layer fine-tuned with Adam at 1e-2 after a 50-step
-linear warm-up."""
-FULL = {"seeds": 3, "steps": 800, "eval_pairs": None, "advisor_steps": 30, "model": FULL_MODEL}
-"""About 32 minutes on 2 idle cores (estimated from session 25's CPU seconds per step, see the doc)."""
+FULL_MODEL = train.ModelConfig(pretrain_steps=400, lr=1e-2, warmup=50, train_head=True, finetune_batch=128)
+"""The full plan's model: the best of sessions 24-25's probes (docs/bench/table5.md): LMs pre-trained 400
+steps a side (batch 32, the cached LMs); the adapters and the decoder's output layer fine-tuned with Adam
+at 1e-2 after a 50-step linear warm-up, 128 sentence pairs a step (8.60 BLEU at 300 steps in the probe)."""
+FULL = {"seeds": 3, "steps": 300, "eval_pairs": None, "advisor_steps": 30, "model": FULL_MODEL}
+"""About 40 minutes on 2 idle cores (estimated from session 25's CPU seconds per step, see the doc)."""
 QUICK = {
     "seeds": 2,
     "steps": 20,
     "eval_pairs": 64,
     "advisor_steps": 4,
-    "model": replace(FULL_MODEL, vocab=2000, pretrain_steps=30),
+    "model": replace(FULL_MODEL, vocab=2000, pretrain_steps=30, finetune_batch=0),
 }
 
 
@@ -206,7 +206,7 @@ def run_row(
     compute = statistics.median(s for r in runs for s in r.compute_seconds[skip:])
     wall = statistics.median(s for r in runs for s in r.wall_seconds[skip:])
     link = link_seconds(shape, frames[0], frames[1], repeats)
-    raw = prep.config.batch * prep.config.length * prep.config.d_model * 4
+    raw = prep.config.tune_batch * prep.config.length * prep.config.d_model * 4
     return {
         **asdict(row),
         "bleu": [r.bleu for r in runs],
@@ -316,7 +316,8 @@ def markdown(report: dict[str, Any]) -> str:
     head = (
         f"Link {report['bandwidth_mbit']:g} Mbit/s, {report['delay_ms']:g} ms one-way (the WAN emulator); "
         f"{report['mode']} run: {report['seeds']} seeds x {report['steps']} fine-tuning steps per row, "
-        f"batch {model['batch']} x {model['length']} tokens x d={model['d_model']}, "
+        f"batch {model.get('finetune_batch') or model['batch']} x {model['length']} tokens "
+        f"x d={model['d_model']} (pre-training batch {model['batch']}), "
         f"{report['eval_pairs']} held-out pairs, pre-training {model['pretrain_steps']} steps per side; "
         f"greedy decoding with no {report.get('no_repeat_ngram', 0)}-gram twice; "
         f"{report['wall_seconds'] / 60:.1f} min wall, load average {report['load_before'][0]:.1f} before / "
@@ -409,6 +410,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--pretrain-steps", type=int)
+    parser.add_argument(
+        "--finetune-batch",
+        type=int,
+        help="Sentence pairs per fine-tuning step (pre-training keeps its batch).",
+    )
     parser.add_argument("--eval-pairs", type=int)
     parser.add_argument(
         "--advisor-steps", type=int, help="Trial steps per candidate of the advisor (codec auto)."
@@ -467,6 +473,10 @@ def main() -> None:
         plan["model"] = replace(plan["model"], pretrain_steps=args.pretrain_steps)
     if args.eval_pairs is not None:
         plan["eval_pairs"] = args.eval_pairs
+    if args.finetune_batch is not None:
+        if args.finetune_batch < 1:
+            sys.exit(f"table5: --finetune-batch must be >= 1, got {args.finetune_batch}")
+        plan["model"] = replace(plan["model"], finetune_batch=args.finetune_batch)
     advisor_steps = args.advisor_steps or plan["advisor_steps"]
     if advisor_steps < 2:
         sys.exit("table5: --advisor-steps must be >= 2")
@@ -483,7 +493,15 @@ def main() -> None:
         plan_rows = tuple(by_label[label] for label in labels)
     overridden = any(
         v is not None
-        for v in (args.seeds, args.steps, args.pretrain_steps, args.eval_pairs, args.advisor_steps, args.rows)
+        for v in (
+            args.seeds,
+            args.steps,
+            args.pretrain_steps,
+            args.eval_pairs,
+            args.advisor_steps,
+            args.rows,
+            args.finetune_batch,
+        )
     )
     mode = "quick" if args.quick else "reduced" if overridden else "full"
     torch.set_num_threads(args.threads)

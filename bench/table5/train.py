@@ -37,7 +37,7 @@ from nebula_common.zoo.bottleneck import DownProjection, UpProjection, captured_
 from nebula_common.zoo.catalogues import Pair
 from nebula_common.zoo.text_data import decode, encode, train_tokenizer
 
-FINE_TUNING_FIELDS = ("adapter", "lr", "warmup", "train_head", "train_top")
+FINE_TUNING_FIELDS = ("adapter", "lr", "warmup", "train_head", "train_top", "finetune_batch")
 """ModelConfig fields pre-training never reads: changing them reuses the cached pre-trained LMs."""
 
 
@@ -59,6 +59,25 @@ class ModelConfig:
     """Also train the decoder's output layer (its final norm and vocabulary head), the rest stays frozen."""
     train_top: int = 0
     """Also train the decoder LM's top ``train_top`` blocks (0: they stay frozen, as in the paper)."""
+    finetune_batch: int = 0
+    """Sentence pairs per fine-tuning step (0: ``batch``, the pre-training batch). Apart from ``batch`` so a
+    larger fine-tuning batch reuses the cached pre-trained LMs (pre-training reads ``batch``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "finetune_batch"):
+            value = getattr(self, name)
+            least = 1 if name == "batch" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(
+                    f"ModelConfig.{name} must be an integer >= {least}"
+                    + (" (0: the pre-training batch)" if name == "finetune_batch" else "")
+                    + f", got {value!r}"
+                )
+
+    @property
+    def tune_batch(self) -> int:
+        """The fine-tuning batch in effect: ``finetune_batch``, or ``batch`` when it is 0."""
+        return self.finetune_batch or self.batch
 
     def digest(self, corpus_sha: str) -> str:
         """The pre-trained LMs' cache key: only the fields pre-training reads (fine-tuning ones share it)."""
@@ -247,7 +266,7 @@ def train_steps(prep: Prepared, row: Row, seed: int, steps: int) -> Trained:
     losses, seconds, walls, fwd_bytes, bwd_bytes = [], [], [], [], []
     frames = (b"", b"")
     for step in range(steps):
-        index = torch.randint(len(prep.train_es), (config.batch,), generator=generator)
+        index = torch.randint(len(prep.train_es), (config.tune_batch,), generator=generator)
         started, cpu_started = time.perf_counter(), time.process_time()
         stages.set_step(step)
         sent = stages.send(prep.train_es[index])  # cluster S

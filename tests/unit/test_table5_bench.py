@@ -112,3 +112,42 @@ def test_a_reduced_run_of_a_few_rows_refuses_an_unknown_row_or_none_not_first(tm
         assert done.returncode == 1, done
         assert "table5: --rows takes labels of" in done.stderr and "'none' first" in done.stderr, done.stderr
         assert "Traceback" not in done.stderr and not list(tmp_path.iterdir())
+
+
+def test_the_fine_tuning_batch_is_apart_from_pre_training_and_a_bad_value_is_refused(
+    prepared: train.Prepared, tmp_path: Path
+) -> None:
+    # Apart from pre-training: the cached LMs' key ignores it; the full plan keeps the batch-32 LMs.
+    assert TINY.digest("c") == train.ModelConfig(**{**TINY.__dict__, "finetune_batch": 24}).digest("c")
+    assert run.FULL_MODEL.batch == 32 and run.FULL_MODEL.tune_batch == 128 and run.FULL["steps"] == 300
+    assert run.QUICK["model"].tune_batch == run.QUICK["model"].batch  # quick mode as before
+    # Used: the steps' cut tensors (forward and gradient) carry finetune_batch sentences, not batch.
+    wide = train.Prepared(
+        **{**prepared.__dict__, "config": train.ModelConfig(**{**TINY.__dict__, "finetune_batch": 24})}
+    )
+    done = train.train_steps(wide, train.Row("none"), 0, steps=2)
+    raw = 24 * TINY.length * TINY.d_model * 4
+    assert all(raw < size < raw + 200 for size in (*done.forward_bytes, *done.backward_bytes)), (
+        done.forward_bytes
+    )
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=r"ModelConfig\.finetune_batch must be an integer >= 0"):
+            train.ModelConfig(finetune_batch=bad)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(Path(run.__file__)),
+            "--finetune-batch",
+            "0",
+            "--cache",
+            str(tmp_path),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode == 1, done
+    assert "table5: --finetune-batch must be >= 1, got 0" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not list(tmp_path.iterdir())
