@@ -183,17 +183,31 @@ def test_a_connection_cut_inside_a_message_is_an_error_not_an_end(
     identities: dict[str, ServiceTlsFiles],
 ) -> None:
     async def body() -> None:
-        client, server = await _pair(
-            _server(identities["switch-a"]), _client(identities["trainer-a"], "a"), server_name("switch", "a")
+        # The peer here is a plain blocking TLS socket this test alone drives: writing through a
+        # RawConnection's socket from outside its I/O thread would share one SSL object between two
+        # threads (the cause of this test's one failure in CI: nothing arrived before the end).
+        left, right = socket.socketpair()
+        for sock in (left, right):
+            sock.settimeout(10)
+        server_context = _server(identities["switch-a"])
+        client_context = _client(identities["trainer-a"], "a")
+
+        async def accept() -> RawConnection:
+            tls = await in_thread(lambda: server_context.wrap_socket(right, server_side=True), "test-accept")
+            return RawConnection(tls, "client", asyncio.get_running_loop())
+
+        dial = in_thread(
+            lambda: client_context.wrap_socket(left, server_hostname=server_name("switch", "a")), "test-dial"
         )
+        server, peer = await asyncio.gather(accept(), dial)
         # A record that promises 1 MiB, then the TCP connection ends.
-        client.sock.send((1 << 20).to_bytes(4, "big") + b"x" * 1000)
-        socket.socket.shutdown(client.sock, socket.SHUT_WR)  # the TCP end, not TLS's close_notify
+        await in_thread(lambda: peer.sendall((1 << 20).to_bytes(4, "big") + b"x" * 1000), "test-send")
+        socket.socket.shutdown(peer, socket.SHUT_WR)  # the TCP end, not TLS's close_notify
         with pytest.raises(RawConnectionError, match="ended inside a record"):
             await server.read()
         with pytest.raises(RawConnectionError):  # and it stays failed
             await server.read()
-        await client.close()
+        peer.close()
         await server.close()
 
     _run(body)
