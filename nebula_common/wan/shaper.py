@@ -258,6 +258,10 @@ class AggregateLink:
                 await self._work.wait()
                 continue
             await self._gate.wait_up()
+            if not self._turns:
+                # Every queued connection was dropped while the link was cut (an outage resets
+                # them): nothing is left to pace, so wait for new work instead of taking a turn.
+                continue
             now = loop.time()
             ahead = self._clock - now - self._lookahead_s
             if ahead > 0:

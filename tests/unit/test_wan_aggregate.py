@@ -302,3 +302,33 @@ def test_cli_reads_loss_from_the_environment() -> None:
     result = CliRunner().invoke(app, ["emulate", "--target", "127.0.0.1:9"], env={"NEBULA_WAN_LOSS": "0.7"})
     assert result.exit_code == 2, result.output
     assert "loss" in result.output
+
+
+def test_a_connection_dropped_during_a_cut_does_not_stop_the_pacer_after_the_restore() -> None:
+    """The pacer waits at the cut with a connection queued; the outage resets that connection; after
+    the restore the pacer must still serve new connections (it used to die on an empty turn queue,
+    and the emulated WAN never carried a byte again: test_link_loss's outage failed with it)."""
+    from nebula_common.wan.shaper import AggregateLink, LinkGate
+
+    async def body() -> None:
+        gate = LinkGate()
+        link = AggregateLink(LinkShape(bandwidth_mbit=100, delay_ms=1), gate, "up")
+        pacer = asyncio.create_task(link.run())
+        gate.cut()
+        queued = link.flow()
+        queued.submit(b"x" * 1000)
+        for _ in range(5):  # let the pacer reach the closed gate with the connection queued
+            await asyncio.sleep(0)
+        link.drop(queued)  # reset by the outage
+        gate.restore()
+        for _ in range(5):  # the pacer wakes at the restore before any new connection arrives
+            await asyncio.sleep(0)
+        assert not pacer.done(), f"the pacer ended at the restore: {pacer.exception()!r}"
+        fresh = link.flow()
+        fresh.submit(b"y" * 100)
+        _, chunk = await asyncio.wait_for(fresh.deliveries.get(), DEADLINE_S)
+        assert chunk == b"y" * 100
+        assert not pacer.done(), pacer.exception()
+        pacer.cancel()
+
+    asyncio.run(body())
