@@ -5,9 +5,8 @@ emulator at its own rate: a - b slow (0.1 Mbit/s), b - c fast (20 Mbit/s). Asked
 ``measure_bandwidth``, a switch times a train of padded Pings toward the named peer
 (``services/switch/bandwidth.py``). The SDK's ``switch_link`` asks edge K's sending cluster (a for
 reader -> mixer, b for mixer -> head) for the link toward the receiving one; the real in-process
-advisor and the chain trial then decide each edge for its measured link. Both edges carry tensors
-of the same shape, so the different choices come from the links alone. A link that cannot be
-measured falls back to the stated one, and the record says why.
+advisor and the chain trial then decide each edge for its measured link: the slow edge compresses.
+A link that cannot be measured falls back to the stated one, and the record says why.
 """
 
 from __future__ import annotations
@@ -115,7 +114,10 @@ def test_auto_on_a_chain_is_advised_for_each_edge_s_measured_link(
     assert [r.bandwidth_bps for r in asked] == [link.bandwidth_mbit * 1e6 for link in links]
     assert {tuple(t.shape) for r in asked for t in r.tensors} == {(8, 16)}  # the same tensors ...
     slow, fast = job.edge_codecs()
-    assert slow != fast, (slow, fast)  # ... and different codecs: the links decided
+    # ... and the slow link's edge compresses. (What the fast link's edge picks is a near tie between
+    # none and int8 for these small tensors, decided by the calibrated codec cost on this machine: a busy
+    # host tips it to int8, so asserting that it differs failed 1 run in 3 beside a busy core.)
+    assert "none" not in slow, (slow, fast)
     for record, link, here in zip(choice["edges"], links, ("a", "b"), strict=True):
         assert record["link"]["source"] == link.source
         assert link.source.startswith(f"measured by switch {here}")
