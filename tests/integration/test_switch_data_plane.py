@@ -866,6 +866,8 @@ def test_framed_chunks_cross_both_switches_byte_for_byte_and_reach_a_classic_tra
         chunk = classic_receiver.expect("frame").frame.chunk
         assert (chunk.frame_id, chunk.offset, chunk.last, chunk.data) == (1, 0, True, payload)
         sent = pair.a.running.link.sent
+        # Switch a counts a chunk once its write returns, which can be after b already delivered it.
+        wait_for(lambda: sent.payload_bytes >= 2 * len(payload), 10, "switch a to count both chunks sent")
         assert sent.payload_bytes == 2 * len(payload)
         for end in (sender, framed_receiver, classic_sender, classic_receiver):
             end.finish()
