@@ -35,10 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from nebula_common.jobspec.runtime import StageProgram
-from services.trainer.runtime.sharding import ShardingError, load_sharded
+from services.trainer.runtime.sharding import ShardingError, holds_dtensors, load_sharded
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 KEEP = 3
@@ -120,7 +119,7 @@ class CheckpointStore:
         meta = json.loads((directory / "meta.json").read_text())
         if meta.get("owner") != owner:
             raise CheckpointError(f"no checkpoint of job {job_id!r} stage {stage!r} for this account")
-        sharded_model = any(isinstance(p, DTensor) for p in program.model.parameters())
+        sharded_model = holds_dtensors(program.model)
         if meta.get("format") == "dcp":  # resharded to this stage's ranks, or whole into one process
             try:
                 load_sharded(directory / "dcp", program)

@@ -26,21 +26,24 @@ stages); see ``services/trainer/runtime/sharded.py``.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
 from nebula_common.jobspec.runtime import StageProgram
+
+# FSDP2, DeviceMesh, DTensor and DCP are imported where a sharded stage or a sharded checkpoint
+# needs them, not here: together they cost about a second of every trainer start (and restart),
+# and only a sharded stage's rank processes, or a resume from a sharded checkpoint, use them.
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
 
 PARALLEL = ("ddp", "fsdp", "hsdp")
 SHARDED = ("fsdp", "hsdp")
@@ -57,6 +60,8 @@ def backend_for(device_type: str) -> str:
 
 def stage_mesh(parallel: str, world: int, shard_size: int, device_type: str = "cpu") -> DeviceMesh:
     """The device mesh of a sharded stage over the default group's ``world`` ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     if parallel == "fsdp":
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
     if parallel == "hsdp":
@@ -123,6 +128,8 @@ def shard_program(
     chain's middle stage), each rank backpropagates its rows' share of the combined loss's
     gradient, so the shares are summed.
     """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
     root: nn.Module
     if middle:
         root, upstream = RelayRoot(program), True  # reduced as upstream: the shares are summed
@@ -164,28 +171,20 @@ class ShardedCompute:
         return loss.detach().reshape(1), received.grad if self.backprop else None
 
 
-class ShardedUpstream:
-    """A rank's share of an upstream micro-batch on a sharded stage: output rows, then their backward.
+class _StepBackwards:
+    """A sharded root whose step's backwards are counted: the parameter gradients accumulate locally
+    and are reduced in the step's last backward, whichever micro-batch that is (under 1F1B the
+    backwards do not come in forward order)."""
 
-    The gradient is reduced in the step's last backward, whichever micro-batch that is (under 1F1B
-    the backwards do not come in forward order).
-    """
-
-    def __init__(self, program: StageProgram, mesh: DeviceMesh, micro_batches: int) -> None:
+    def __init__(self, program: StageProgram, mesh: DeviceMesh, micro_batches: int, *, middle: bool) -> None:
         self.program = program
         self.micro_batches = micro_batches
-        self.root = shard_program(program, mesh, upstream=True)
+        self.root = shard_program(program, mesh, upstream=True, middle=middle)
         self.device = torch.device(mesh.device_type)
-        self._outputs: dict[int, torch.Tensor] = {}
         self._backwards = 0
 
-    def forward(self, micro_batch: int, ids: list[int]) -> torch.Tensor:
-        out = self.root(to_device(self.program.batch(ids), self.device))
-        self._outputs[micro_batch] = out
-        return out.detach().contiguous()
-
-    def backward(self, micro_batch: int, grad: torch.Tensor) -> None:
-        out = self._outputs.pop(micro_batch)
+    def _backward(self, out: torch.Tensor, grad: torch.Tensor) -> None:
+        """``out.backward(grad)``, reducing the parameter gradients if this is the step's last backward."""
         if grad.shape != out.shape:
             raise ShardingError(f"gradient rows {tuple(grad.shape)} != output rows {tuple(out.shape)}")
         self._backwards += 1
@@ -197,7 +196,27 @@ class ShardedUpstream:
             self._backwards = 0
 
 
-class ShardedMiddle:
+class ShardedUpstream(_StepBackwards):
+    """A rank's share of an upstream micro-batch on a sharded stage: output rows, then their backward.
+
+    The gradient is reduced in the step's last backward, whichever micro-batch that is (under 1F1B
+    the backwards do not come in forward order).
+    """
+
+    def __init__(self, program: StageProgram, mesh: DeviceMesh, micro_batches: int) -> None:
+        super().__init__(program, mesh, micro_batches, middle=False)
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    def forward(self, micro_batch: int, ids: list[int]) -> torch.Tensor:
+        out = self.root(to_device(self.program.batch(ids), self.device))
+        self._outputs[micro_batch] = out
+        return out.detach().contiguous()
+
+    def backward(self, micro_batch: int, grad: torch.Tensor) -> None:
+        self._backward(self._outputs.pop(micro_batch), grad)
+
+
+class ShardedMiddle(_StepBackwards):
     """A rank's share of a chain's middle stage when sharded: its rows relayed, then their backward.
 
     Like ``ShardedUpstream``, the parameter gradients are reduced (summed) in the step's last
@@ -206,12 +225,8 @@ class ShardedMiddle:
     """
 
     def __init__(self, program: StageProgram, mesh: DeviceMesh, micro_batches: int) -> None:
-        self.program = program
-        self.micro_batches = micro_batches
-        self.root = shard_program(program, mesh, upstream=True, middle=True)
-        self.device = torch.device(mesh.device_type)
+        super().__init__(program, mesh, micro_batches, middle=True)
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._backwards = 0
 
     def forward(self, micro_batch: int, rows: torch.Tensor, ids: list[int]) -> torch.Tensor:
         received = rows.to(self.device).requires_grad_(True)
@@ -221,15 +236,7 @@ class ShardedMiddle:
 
     def backward(self, micro_batch: int, grad: torch.Tensor) -> torch.Tensor:
         received, out = self._pending.pop(micro_batch)
-        if grad.shape != out.shape:
-            raise ShardingError(f"gradient rows {tuple(grad.shape)} != output rows {tuple(out.shape)}")
-        self._backwards += 1
-        last = self._backwards == self.micro_batches
-        self.root.set_requires_gradient_sync(last)
-        self.root.set_is_last_backward(last)
-        out.backward(grad.to(device=out.device, dtype=out.dtype))
-        if last:
-            self._backwards = 0
+        self._backward(out, grad)
         if received.grad is None:
             raise ShardingError(
                 "the middle stage's output does not depend on what it received: no gradient to send up"
@@ -239,6 +246,8 @@ class ShardedMiddle:
 
 def parameter_bytes(model: nn.Module) -> int:
     """Bytes of parameters this rank holds (a sharded parameter counts its local shard only)."""
+    from torch.distributed.tensor import DTensor
+
     total = 0
     for param in model.parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
@@ -248,11 +257,16 @@ def parameter_bytes(model: nn.Module) -> int:
 
 def full_parameters(model: nn.Module) -> list[torch.Tensor]:
     """Every parameter whole, in order (a collective on a sharded model: every rank must call it)."""
+    from torch.distributed.tensor import DTensor
+
     return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
 
 
 def save_sharded(directory: Path, program: StageProgram) -> None:
     """Write the model's and optimizer's state with DCP (collective on a sharded stage: all ranks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optim_state = get_state_dict(program.model, program.optimizer)
     try:
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))
@@ -266,6 +280,9 @@ def load_sharded(directory: Path, program: StageProgram) -> None:
     Works the same on a sharded stage of any number of ranks (a collective: all ranks call it)
     and in one process with no process group (the whole state is read into the plain model).
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_state, optim_state = get_state_dict(program.model, program.optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     try:
@@ -280,6 +297,18 @@ def load_sharded(directory: Path, program: StageProgram) -> None:
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
     )
+
+
+def holds_dtensors(model: nn.Module) -> bool:
+    """Whether any of ``model``'s parameters is a DTensor (the model is sharded in this process).
+
+    No DTensor exists before ``torch.distributed.tensor`` is imported, so a process that never
+    sharded anything answers without importing it (see the imports above).
+    """
+    tensor_module = sys.modules.get("torch.distributed.tensor")
+    if tensor_module is None:
+        return False
+    return any(isinstance(p, tensor_module.DTensor) for p in model.parameters())
 
 
 def in_default_group() -> bool:
@@ -299,6 +328,7 @@ __all__ = [
     "ShardingError",
     "backend_for",
     "full_parameters",
+    "holds_dtensors",
     "in_default_group",
     "load_sharded",
     "parameter_bytes",
