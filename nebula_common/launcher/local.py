@@ -317,9 +317,8 @@ class LocalDeployment:
             control_port = service_port()
             emulator = ServiceProcess(
                 name=name,
-                command=console_command(
-                    "nebula_common.cli.app",
-                    "wan",
+                command=console_command(  # the `wan` group alone: `nebula`'s other commands import torch
+                    "nebula_common.cli.wan",
                     "emulate",
                     "--listen",
                     f"{LOOPBACK}:{emulator_port}",
