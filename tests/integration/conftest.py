@@ -1,4 +1,8 @@
-"""One real two-cluster deployment (separate processes, emulated WAN) shared by the integration tests."""
+"""One real two-cluster deployment (separate processes, emulated WAN) shared by the integration tests.
+
+Package-scoped: it stops once the last integration test is done, not at the end of the session, so
+its eleven idle processes (about 2 CPU-s a minute between them) do not run beside the unit tests.
+"""
 
 from __future__ import annotations
 
@@ -12,19 +16,19 @@ from nebula_common.sdk.client import ClusterSession
 from tests.support.accounts import make_user
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
     run_dir: Path = tmp_path_factory.mktemp("nebula-run")
     with LocalDeployment(run_dir=run_dir, bandwidth_mbit=100.0, delay_ms=5.0) as running:
         yield running
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def new_user(deployment: LocalDeployment) -> Callable[[str, str], ClusterSession]:
     """Factory fixture: ``new_user(cluster, username) -> ClusterSession`` for a fresh account."""
     return lambda cluster, username: make_user(deployment, cluster, username)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def sessions(deployment: LocalDeployment) -> dict[str, ClusterSession]:
     return {"a": make_user(deployment, "a", "alice"), "b": make_user(deployment, "b", "bob")}
