@@ -41,6 +41,7 @@ from nebula_common.sdk.deployment import onboard
 from nebula_common.sdk.summary import summarize
 from tests.support.deployments import pids, references, wait_description
 from tests.support.jobs import numbers_job
+from tests.support.netns import namespaces, run_ip, veth_between, veth_to_us
 
 ROOT = Path(__file__).resolve().parents[2]
 E2E_ENV = "NEBULA_NETNS_E2E"
@@ -57,13 +58,6 @@ pytestmark = [
         reason="needs root and iproute2 (ip netns, tc) to build two network namespaces",
     ),
 ]
-
-
-def _run(*args: str) -> str:
-    result = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
-    if result.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} failed: {result.stderr.strip()}")
-    return result.stdout
 
 
 @dataclass
@@ -83,34 +77,18 @@ def two_hosts(rate: str = "50mbit") -> Iterator[dict[str, Host]]:
         "a": Host("a", f"nbl-a-{tag}", f"wa{tag}", "10.201.0.1", "10.202.1.2"),
         "b": Host("b", f"nbl-b-{tag}", f"wb{tag}", "10.201.0.2", "10.202.2.2"),
     }
-    created: list[str] = []
-    try:
-        for host in hosts.values():
-            _run("ip", "netns", "add", host.netns)
-            created.append(host.netns)
-            _run("ip", "-n", host.netns, "link", "set", "lo", "up")
-        a, b = hosts["a"], hosts["b"]
-        _run("ip", "link", "add", a.wan_dev, "type", "veth", "peer", "name", b.wan_dev)
+    a, b = hosts["a"], hosts["b"]
+    with namespaces(a.netns, b.netns):
+        veth_between(*((host.netns, host.wan_dev, f"{host.wan_ip}/24") for host in (a, b)))
         for index, host in enumerate((a, b), start=1):
-            _run("ip", "link", "set", host.wan_dev, "netns", host.netns)
-            _run("ip", "-n", host.netns, "addr", "add", f"{host.wan_ip}/24", "dev", host.wan_dev)
-            _run("ip", "-n", host.netns, "link", "set", host.wan_dev, "up")
             # tbf: the WAN's bandwidth per direction (each end shapes what it sends).
-            _run(
+            run_ip(
                 "ip", "netns", "exec", host.netns, "tc", "qdisc", "add", "dev", host.wan_dev, "root",
                 "tbf", "rate", rate, "burst", "64kb", "latency", "100ms",
             )  # fmt: skip
             inner, outer = f"m{host.cluster}{tag}", f"r{host.cluster}{tag}"
-            _run("ip", "link", "add", inner, "type", "veth", "peer", "name", outer)
-            _run("ip", "link", "set", inner, "netns", host.netns)
-            _run("ip", "-n", host.netns, "addr", "add", f"{host.mgmt_ip}/24", "dev", inner)
-            _run("ip", "-n", host.netns, "link", "set", inner, "up")
-            _run("ip", "addr", "add", f"10.202.{index}.1/24", "dev", outer)
-            _run("ip", "link", "set", outer, "up")
+            veth_to_us(host.netns, inner, f"{host.mgmt_ip}/24", outer, f"10.202.{index}.1/24")
         yield hosts
-    finally:
-        for netns in created:
-            subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=30)  # drops its veths
 
 
 def _pki(*args: object) -> str:
@@ -140,7 +118,7 @@ def _in(host: Host, *command: str, hide: Path | None = None, **kwargs: Any) -> s
 
 
 def _tx_bytes(host: Host) -> int:
-    stats = json.loads(_run("ip", "-n", host.netns, "-j", "-s", "link", "show", host.wan_dev))
+    stats = json.loads(run_ip("ip", "-n", host.netns, "-j", "-s", "link", "show", host.wan_dev))
     return int(stats[0]["stats64"]["tx"]["bytes"])
 
 

@@ -38,6 +38,8 @@ import pytest
 
 from services.trainer.runtime.rank_sources import ClusterRanks
 from tests.support.edges import StageRun, finish, wait_for
+from tests.support.netns import namespaces, run_ip, veth_between, veth_to_us
+from tests.support.stage_log import STAGE_LOGGER, stage_running
 from tests.unit.test_runtime_cluster_ranks import run_on_ranks
 from tests.unit.test_runtime_sharded_stage import STEPS, reference, same_training, small
 
@@ -59,13 +61,6 @@ pytestmark = [
 ]
 
 
-def _run(*args: str) -> str:
-    result = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
-    if result.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} failed: {result.stderr.strip()}")
-    return result.stdout
-
-
 @dataclass
 class Host:
     """One namespace: its link to the other host (``peer_dev``/``peer_ip``) and to the trainer."""
@@ -82,38 +77,22 @@ def two_hosts() -> Iterator[list[Host]]:
     """Namespaces 0 and 1 joined by a veth pair (10.204.0.0/24), each with a veth to our namespace."""
     tag = f"{os.getpid() % 100000}"
     hosts = [Host(r, f"nbl-r{r}-{tag}", f"kr{r}{tag}", f"10.204.0.{r + 1}", f"10.205.{r}.1") for r in (0, 1)]
-    created: list[str] = []
-    try:
+    with namespaces(*(host.netns for host in hosts)):
+        veth_between(*((host.netns, host.peer_dev, f"{host.peer_ip}/24") for host in hosts))
         for host in hosts:
-            _run("ip", "netns", "add", host.netns)
-            created.append(host.netns)
-            _run("ip", "-n", host.netns, "link", "set", "lo", "up")
-        _run("ip", "link", "add", hosts[0].peer_dev, "type", "veth", "peer", "name", hosts[1].peer_dev)
-        for host in hosts:
-            _run("ip", "link", "set", host.peer_dev, "netns", host.netns)
-            _run("ip", "-n", host.netns, "addr", "add", f"{host.peer_ip}/24", "dev", host.peer_dev)
-            _run("ip", "-n", host.netns, "link", "set", host.peer_dev, "up")
             inner, outer = f"ti{host.rank}{tag}", f"to{host.rank}{tag}"
-            _run("ip", "link", "add", inner, "type", "veth", "peer", "name", outer)
-            _run("ip", "link", "set", inner, "netns", host.netns)
-            _run("ip", "-n", host.netns, "addr", "add", f"10.205.{host.rank}.2/24", "dev", inner)
-            _run("ip", "-n", host.netns, "link", "set", inner, "up")
-            _run("ip", "addr", "add", f"{host.trainer_ip}/24", "dev", outer)
-            _run("ip", "link", "set", outer, "up")
+            veth_to_us(host.netns, inner, f"10.205.{host.rank}.2/24", outer, f"{host.trainer_ip}/24")
             # The trainer is in the ranks' command group too: it reaches each rank's address on the
             # hosts' network through that rank's own veth, and the ranks reach every address of the
             # trainer's host through theirs (so rank-to-rank traffic alone uses the hosts' link).
-            _run("ip", "-n", host.netns, "route", "add", "default", "via", host.trainer_ip)
-            _run("ip", "route", "add", f"{host.peer_ip}/32", "via", f"10.205.{host.rank}.2")
+            run_ip("ip", "-n", host.netns, "route", "add", "default", "via", host.trainer_ip)
+            run_ip("ip", "route", "add", f"{host.peer_ip}/32", "via", f"10.205.{host.rank}.2")
         yield hosts
-    finally:
-        for netns in created:
-            subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=30)  # drops its veths
 
 
 def _bytes(host: Host) -> int:
     """Bytes sent plus received on ``host``'s link to the other namespace."""
-    stats = json.loads(_run("ip", "-n", host.netns, "-j", "-s", "link", "show", host.peer_dev))
+    stats = json.loads(run_ip("ip", "-n", host.netns, "-j", "-s", "link", "show", host.peer_dev))
     counters = stats[0]["stats64"]
     return int(counters["tx"]["bytes"]) + int(counters["rx"]["bytes"])
 
@@ -211,7 +190,7 @@ def test_a_stage_on_workers_in_two_namespaces_equals_one_process_with_the_combin
     parallel: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="services.trainer.runtime.stage")
+    caplog.set_level(logging.INFO, logger=STAGE_LOGGER)
     workers, ranks, work = cluster
     before = [_bytes(h) for h in workers.hosts]
     job = small(f"netns-{parallel}", **{"stages.1.replicas": replicas, "stages.1.parallel": parallel})
@@ -220,11 +199,7 @@ def test_a_stage_on_workers_in_two_namespaces_equals_one_process_with_the_combin
         finish(run, 180)
     same_training((up, down), reference)
     # The stage's log record says where it ran: on the cluster's two ranks (each worker's host).
-    running = [
-        r.fields  # type: ignore[attr-defined]
-        for r in caplog.records
-        if r.getMessage() == "program stage running" and r.fields["stage"] == down.final.stage  # type: ignore[attr-defined]
-    ]
+    running = stage_running(caplog.records, down.final.stage)
     assert [(f["ranks"], len(f["rank_hosts"])) for f in running] == [(2, 2)], running
     crossed = [_bytes(h) - b for h, b in zip(workers.hosts, before, strict=True)]
     gradients = sum(p.numel() * 4 for p in down.parameters())

@@ -22,6 +22,7 @@ import pytest
 from nebula_common.jobspec import load_spec
 from nebula_common.jobspec.reference import UnsplitResult, run_unsplit
 from nebula_common.sdk.jobs import ProgramJob
+from tests.support.stage_log import STAGE_LOGGER, stage_running
 from tests.unit.test_stage_chain import EXAMPLE, chain_job, check_equals_unsplit, run_chain
 
 pytestmark = pytest.mark.timeout(900)
@@ -56,10 +57,8 @@ def rank_bytes(records: list[logging.LogRecord]) -> list[int]:
     """What the middle stage's ranks said they hold, from its 'program stage running' record."""
     held = [
         fields["rank_parameter_bytes"]
-        for record in records
-        if record.getMessage() == "program stage running"
-        and (fields := getattr(record, "fields", {})).get("stage") == "mixer1"
-        and "rank_parameter_bytes" in fields
+        for fields in stage_running(records, "mixer1")
+        if "rank_parameter_bytes" in fields
     ]
     assert len(held) == 1, held
     return list(held[0])
@@ -97,7 +96,7 @@ def test_a_sharded_middle_stage_equals_one_rank_and_each_rank_holds_less(
     schedule: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="services.trainer.runtime.stage")
+    caplog.set_level(logging.INFO, logger=STAGE_LOGGER)
     job = middle_job(layout, schedule)
     runs = run_chain(job, tmp_path, timeout=FINISH_S)
     check_equals_unsplit(runs, references[schedule], STEPS)
