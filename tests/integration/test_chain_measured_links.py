@@ -24,6 +24,7 @@ from nebula_common.sdk.client import ClusterSession, switch_link
 from nebula_common.sdk.codec_advice import LinkProfile, resolve_chain_codecs
 from nebula_common.wan.emulator import LinkShape
 from tests.support.switch_mesh import CHAIN, Chain, switch_chain
+from tests.support.torch_threads import one_torch_thread
 from tests.unit.test_chain_codec_advice import with_codecs
 from tests.unit.test_stage_chain import chain_job
 
@@ -67,7 +68,8 @@ def sessions(chain: Chain) -> Iterator[dict[str, ClusterSession]]:
 @pytest.fixture(scope="module")
 def calibrator(tmp_path_factory: pytest.TempPathFactory) -> Calibrator:
     calibrator = Calibrator(tmp_path_factory.mktemp("calibration") / "cal.json")
-    calibrator.run_now()
+    with one_torch_thread():  # 0.9 s; on two threads a busy host took 25 s to minutes (torch_threads.py)
+        calibrator.run_now()
     return calibrator
 
 

@@ -46,7 +46,8 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def calibrator(tmp_path_factory: pytest.TempPathFactory) -> Calibrator:
     calibrator = Calibrator(tmp_path_factory.mktemp("calibration") / "cal.json")
-    calibrator.run_now()
+    with one_torch_thread():  # as the trials below run: 0.9 s; on two threads a busy host took 25-284 s
+        calibrator.run_now()
     return calibrator
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,17 @@ from nebula_common.codec.advice import (
     synthetic_sample,
 )
 from nebula_common.codec.calibration import CALIBRATION_VERSION, Calibrator, host_fingerprint
+from tests.support.torch_threads import one_torch_thread
 
 pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Every test here, and the calibration they share (set up after this), on one torch thread: on
+    two, a busy host took over 90 s to calibrate (0.9 s on one) and the module timed out."""
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
