@@ -158,6 +158,8 @@ class ProgramRunner:
         """Per step of the last attempt: the ``StepTimer`` snapshot at its end."""
         self.windows: list[int] = []
         """A 1F1B upstream's activations in flight per step of the last attempt (see ``_upstream_step``)."""
+        self.window_inputs: list[tuple[float, float]] = []
+        """Per step that sized the next window: (gradient latency s, compute per micro-batch s)."""
         self._window: int | None = None
         self.spec = spec
         self.epoch = epoch
@@ -552,7 +554,7 @@ class ProgramRunner:
             )
         self._posted_through = start - 1
         self.step_timings = []
-        self.windows, self._window = [], None
+        self.windows, self.window_inputs, self._window = [], [], None
         status: dict[str, object] = dict(state=trainer_pb2.STAGE_STATE_RUNNING, steps_done=start, epoch=epoch)
         if epoch > 0:
             message = f"recovered: epoch {epoch} resumed from step {start}"
@@ -798,7 +800,9 @@ class ProgramRunner:
         if not latencies:
             return
         cfg = self.spec.program
-        window = covering_window(max(min(latencies), 0.0), compute_s, cfg.max_in_flight, cfg.micro_batches)
+        latency = max(min(latencies), 0.0)
+        self.window_inputs.append((latency, compute_s))
+        window = covering_window(latency, compute_s, cfg.max_in_flight, cfg.micro_batches)
         if window != self._window:
             log.info(
                 "1f1b window sized",
@@ -808,7 +812,7 @@ class ProgramRunner:
                         "stage": self.spec.stage,
                         "step": step,
                         "window": window,
-                        "gradient_latency_ms": round(1000 * min(latencies), 1),
+                        "gradient_latency_ms": round(1000 * latency, 1),
                         "compute_per_micro_batch_ms": round(1000 * compute_s, 1),
                     }
                 },
