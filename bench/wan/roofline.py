@@ -22,6 +22,10 @@ Per run (the built-in ``numbers`` job, steady steps only, the first ``--warmup``
 
     .venv/bin/python bench/wan/roofline.py --out bench/results/roofline        # make bench-wan-roofline
 
+Defaults: the paper's regime (batch 1024, 12 encoder + 12 decoder layers, 8 steps; ~10 min), where a
+step's compute (~2.5 s on one core) is large against one RTT; the demo's job: ``--batch-size 128
+--layers 2,2 --steps 12`` (~6 min). See ``docs/bench/wan-roofline.md``.
+
 Writes ``roofline.json``, ``roofline.md`` and ``roofline.png`` under ``--out``.
 """
 
@@ -392,9 +396,14 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=1024,
+        help="with --layers 12,12: compute per step >> one RTT, the paper's regime (the demo's: 128, 2,2)",
+    )
     parser.add_argument("--bandwidth-mbit", type=float, default=60.0)
     parser.add_argument("--delay-ms", type=float, default=20.0)
     parser.add_argument(
@@ -413,7 +422,7 @@ def main() -> None:
     parser.add_argument(
         "--layers",
         type=lambda s: [int(x) for x in s.split(",")],
-        default=[2, 2],
+        default=[12, 12],
         help="encoder,decoder transformer layers (n_layers of each stage; the built-in job has 2,2)",
     )
     parser.add_argument("--out", type=Path, default=Path("bench") / "results" / "roofline")
