@@ -87,7 +87,8 @@ bench-faults: $(STAMP)
 bench-relay: $(STAMP)
 	nice -n 10 $(BIN)/python bench/wan/relay.py --out bench/results/relay
 # Step time vs the roofline max(compute, transfer), clusters pinned to CPU 0 / CPU 1, 1-8 micro-batches,
-# GPipe and 1F1B, overlapped vs serial step pipeline (about 6 minutes). JSON + markdown + PNG.
+# GPipe and 1F1B, overlapped vs serial step pipeline, at the paper's regime (numbers job, batch 1024,
+# 12+12 layers: about 10 minutes; the demo's batch 128: --batch-size 128 --layers 2,2). JSON + markdown + PNG.
 bench-wan-roofline: $(STAMP)
 	$(BIN)/python bench/wan/roofline.py --out bench/results/roofline
 

@@ -22,6 +22,10 @@ Per run (the built-in ``numbers`` job, steady steps only, the first ``--warmup``
 
     .venv/bin/python bench/wan/roofline.py --out bench/results/roofline        # make bench-wan-roofline
 
+Defaults: the paper's regime (batch 1024, 12 encoder + 12 decoder layers, 8 steps; ~10 min), where a
+step's compute (~2.5 s on one core) is large against one RTT; the demo's job: ``--batch-size 128
+--layers 2,2 --steps 12`` (~6 min). See ``docs/bench/wan-roofline.md``.
+
 Writes ``roofline.json``, ``roofline.md`` and ``roofline.png`` under ``--out``.
 """
 
@@ -52,6 +56,10 @@ from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.summary import summarize
+
+BURST_MS = 20.0
+"""The WAN emulator's token bucket depth in link time (``nebula_common/wan/shaper.py``: 20 ms at the
+rate, at least 32 KiB, which is less than 20 ms at 60 Mbit/s)."""
 
 MODES = {"overlap": None, "serial": "0"}
 """Deployment variants: NEBULA_TRAINER_RECEIVE_AHEAD for the trainers (None: the default depth)."""
@@ -84,27 +92,52 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def windows_logged(log_dir: Path | None, job_id: str) -> list[dict[str, Any]]:
+    """The 1F1B windows the encoder's trainer chose for ``job_id`` (its "1f1b window sized" log lines)."""
+    path = None if log_dir is None else log_dir / "trainer-a.log"
+    if path is None or not path.exists():
+        return []
+    found = []
+    for line in path.read_text(errors="replace").splitlines():
+        if "1f1b window sized" not in line:
+            continue
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if entry.get("job_id") == job_id:
+                keys = ("step", "window", "gradient_latency_ms", "compute_per_micro_batch_ms")
+                found.append({k: entry.get(k) for k in keys})
+    return found
+
+
 def run_job(
     sessions: dict[str, ClusterSession],
     builtin: str,
     overrides: dict[str, Any],
     warmup: int,
     pids: dict[str, int] | None = None,
+    log_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Run one built-in job to its end; per stage, its steady per-step means (steps after ``warmup``).
 
     With ``pids``: also each process's CPU seconds per step over the whole job (where the cores went).
+    With ``log_dir`` (the deployment's logs): the 1F1B windows the encoder's trainer chose.
     """
     cpu_before = cpu_seconds(pids or {})
     job = ProgramJob(load_spec(builtin_spec(builtin), overrides))
     steps = int(overrides["steps"])
     per_stage: dict[str, dict[int, trainer_pb2.StageStatus]] = {}
+    # CPU over the steady steps only (start-up and warm-up excluded): sampled when a stage first
+    # reports the warm-up's last step and when one first reports the job's last step.
+    cpu_marks: dict[int, tuple[str, dict[str, float]]] = {}
 
     def on_status(status: trainer_pb2.StageStatus) -> None:
         if status.steps_done > 0 and status.step_seconds > 0:
             copy = trainer_pb2.StageStatus()
             copy.CopyFrom(status)
             per_stage.setdefault(status.stage, {})[int(status.steps_done)] = copy
+            done = int(status.steps_done)
+            if pids and done in (warmup, steps) and done not in cpu_marks:
+                cpu_marks[done] = (status.stage, cpu_seconds(pids))
 
     summary = summarize(job, submit_job(job, sessions), on_status=on_status)
     if not summary.succeeded:
@@ -124,12 +157,18 @@ def run_job(
     loss_steps = summary.step_seconds[warmup:]  # the loss-owning stage's steps
     cpu_after = cpu_seconds(pids or {})
     cpu = {name: (cpu_after[name] - cpu_before[name]) / steps for name in cpu_after if name in cpu_before}
+    steady_cpu: dict[str, float] = {}
+    if warmup in cpu_marks and steps in cpu_marks and cpu_marks[warmup][0] == cpu_marks[steps][0]:
+        first, last = cpu_marks[warmup][1], cpu_marks[steps][1]
+        steady_cpu = {n: (last[n] - first[n]) / (steps - warmup) for n in last if n in first}
     return {
         "step_s": mean(loss_steps),
         "cpu_seconds_per_step": cpu,
+        "steady_cpu_seconds_per_step": steady_cpu,
         "stages": stages,
         "final_loss": summary.losses[-1],
         "batch_size": job.spec.data.batch_size,
+        "windows": windows_logged(log_dir, job.job_id),
     }
 
 
@@ -139,15 +178,18 @@ def roofline_row(
     schedule: str,
     micro_batches: int,
     pids: dict[str, int] | None = None,
+    log_dir: Path | None = None,
 ) -> dict[str, Any]:
+    cap = max(2, micro_batches // 2) if args.max_in_flight == "half" else micro_batches
     overrides = {
         "steps": args.steps,
         "data.batch_size": args.batch_size,
         "data.micro_batches": micro_batches,
         "pipeline.schedule": schedule,
-        "pipeline.max_in_flight": max(2, micro_batches // 2),
+        "pipeline.max_in_flight": cap,
+        **{f"stages.{i}.options.n_layers": n for i, n in enumerate(args.layers)},
     }
-    result = run_job(sessions, "numbers", overrides, args.warmup, pids)
+    result = run_job(sessions, "numbers", overrides, args.warmup, pids, log_dir)
     stages = result["stages"]
     step = result["step_s"]
     compute = max(s["compute_s"] for s in stages.values())
@@ -163,17 +205,20 @@ def roofline_row(
         "ratio_without_rtt": (step - 2 * args.delay_ms / 1000) / max(compute, transfer),
         "stages": stages,
         "cpu_seconds_per_step": result["cpu_seconds_per_step"],
+        "steady_cpu_seconds_per_step": result["steady_cpu_seconds_per_step"],
         "final_loss": result["final_loss"],
+        "max_in_flight": cap,
+        "windows": result["windows"],
     }
 
 
 @contextlib.contextmanager
 def pinned_deployment(
     run_dir: Path, bandwidth_mbit: float, delay_ms: float, pin: bool
-) -> Iterator[tuple[dict[str, ClusterSession], dict[str, int]]]:
-    """A local two-cluster deployment (a on CPU 0, b on CPU 1 if ``pin``), a session per cluster, and
+) -> Iterator[tuple[dict[str, ClusterSession], dict[str, int], Path]]:
+    """A local two-cluster deployment (a on CPU 0, b on CPU 1 if ``pin``), a session per cluster,
     every process's pid by name (``trainer-a``, ``switch-b``, ``wan-emulator``, ...; the emulator is
-    never pinned: it stands for the network between the clusters)."""
+    never pinned: it stands for the network between the clusters) and its log directory."""
     with LocalDeployment(run_dir=run_dir, bandwidth_mbit=bandwidth_mbit, delay_ms=delay_ms) as deployment:
         if pin:
             pin_cluster(deployment, "a", 0)
@@ -182,7 +227,7 @@ def pinned_deployment(
         if deployment.emulator is not None:
             processes.append(deployment.emulator)
         pids = {p.name: p.pid for p in processes if p.pid is not None}
-        yield {c: login(deployment, c) for c in ("a", "b")}, pids
+        yield {c: login(deployment, c) for c in ("a", "b")}, pids, deployment.log_dir
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -214,18 +259,18 @@ def run_modes(args: argparse.Namespace) -> list[dict[str, Any]]:
     """
     parts: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
-        sessions, pids = {}, {}
+        sessions, pids, logs = {}, {}, {}
         for mode in args.modes:
             use_receive_ahead(mode)
             run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"roofline-{mode}-"))
             deployment = pinned_deployment(Path(run_dir), args.bandwidth_mbit, args.delay_ms, args.pin)
-            sessions[mode], pids[mode] = stack.enter_context(deployment)
+            sessions[mode], pids[mode], logs[mode] = stack.enter_context(deployment)
             parts[mode] = {"mode": mode, "pids": pids[mode], "load_before": load(), "rows": []}
         configs = [(s, m) for s in args.schedules for m in args.micro_batches]
         for index, (schedule, micro_batches) in enumerate(configs):
             for mode in args.modes if index % 2 == 0 else args.modes[::-1]:
                 before = load()
-                row = roofline_row(sessions[mode], args, schedule, micro_batches, pids[mode])
+                row = roofline_row(sessions[mode], args, schedule, micro_batches, pids[mode], logs[mode])
                 row.update(mode=mode, load_before=before, load_after=load())
                 parts[mode]["rows"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)
@@ -269,12 +314,45 @@ def floor_ms(row: dict[str, Any]) -> float:
     The loss stage's last micro-batch must finish, its gradient cross, the upstream apply it and
     step, and the next step's first activation cross before the bottleneck stage can start its
     next step: max(compute, transfer) + the other stage's compute of one micro-batch (its
-    fill/drain) + one RTT (stages' compute from the same run).
+    fill/drain) + one RTT + one micro-batch's transfer each way (the last gradient and the first
+    activation, each serialised at the link's rate, less the emulator's token-bucket burst of
+    ``BURST_MS`` that an idle link lets through at once; session 25's floor left this out, which
+    is small at batch 128 but 2 x 50 ms of a step at batch 2048) (stages' compute from the same run).
     """
     computes = sorted(1000 * s["compute_s"] for s in row["stages"].values())
     other = computes[0] if len(computes) > 1 else 0.0
     bound = max(row["compute_ms"], row["transfer_ms"])
-    return bound + other / row["micro_batches"] + row["rtt_ms"]
+    crossing = 2 * max(0.0, row["transfer_ms"] / row["micro_batches"] - BURST_MS)
+    return bound + other / row["micro_batches"] + row["rtt_ms"] + crossing
+
+
+def cpu_columns(row: dict[str, Any]) -> str:
+    """The trainers' CPU ms per step (a / b) and step / max(the larger, transfer).
+
+    Steady steps only where measured (``steady_cpu_seconds_per_step``); otherwise over the whole
+    job, start-up included (marked "job"), which overstates CPU per step and so understates this
+    ratio. Against the wall-clock compute of the ratio column, the difference is what else ran
+    on the cluster's core while the stage computed (its switch, codec, the unpinned emulator).
+    """
+    cpu, scope = row.get("steady_cpu_seconds_per_step") or {}, ""
+    if not cpu:
+        cpu, scope = row.get("cpu_seconds_per_step") or {}, " (job)"
+    if "trainer-a" not in cpu or "trainer-b" not in cpu:
+        return "? | ?"
+    a, b = 1000 * cpu["trainer-a"], 1000 * cpu["trainer-b"]
+    return f"{a:.0f} / {b:.0f}{scope} | {row['step_ms'] / max(a, b, row['transfer_ms']):.2f}"
+
+
+def window(row: dict[str, Any]) -> str:
+    """1F1B's activations in flight: the windows chosen over the job (first -> last), of max_in_flight."""
+    if row["schedule"] != "1f1b":
+        return "-"
+    chosen = [w["window"] for w in row.get("windows", [])]
+    cap = row.get("max_in_flight", "?")
+    if not chosen:
+        return f"{cap} (fixed)"
+    path = "->".join(str(w) for w in chosen)
+    return f"{path} of {cap}"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -283,6 +361,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"WAN {args['bandwidth_mbit']:g} Mbit/s, {args['delay_ms']:g} ms one-way "
         f"(RTT {2 * args['delay_ms']:g} ms); `numbers` job, batch {args['batch_size']}, "
         f"{args['steps']} steps (first {args['warmup']} excluded); "
+        f"layers (encoder, decoder) {args.get('layers', [2, 2])}; max_in_flight: "
+        f"{args.get('max_in_flight', 'half')}; "
         f"clusters pinned to CPU 0 / CPU 1: {args['pin']}; one torch thread per trainer.",
         "",
     ]
@@ -294,8 +374,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "| schedule | micro-batches | path | step ms | encoder / decoder compute ms | transfer ms "
-        "| **ratio** | ratio - RTT | pipeline floor ms | step / floor | load (1 min) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| **ratio** | ratio - RTT | pipeline floor ms | step / floor | 1F1B window | trainer CPU ms a / b "
+        "| ratio on CPU | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = [r for part in report["modes"] for r in part["rows"]]
     schedules = list(dict.fromkeys(r["schedule"] for r in rows))
@@ -307,17 +388,22 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['schedule']} | {r['micro_batches']} | {r['mode']} | {r['step_ms']:.0f} | "
             f"{per_stage} | {r['transfer_ms']:.0f} | **{r['ratio']:.2f}** | "
-            f"{r['ratio_without_rtt']:.2f} | {floor:.0f} | {r['step_ms'] / floor:.2f} | "
-            f"{r.get('load_before', ['?'])[0]} |"
+            f"{r['ratio_without_rtt']:.2f} | {floor:.0f} | {r['step_ms'] / floor:.2f} | {window(r)} | "
+            f"{cpu_columns(r)} | {r.get('load_before', ['?'])[0]} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=1024,
+        help="with --layers 12,12: compute per step >> one RTT, the paper's regime (the demo's: 128, 2,2)",
+    )
     parser.add_argument("--bandwidth-mbit", type=float, default=60.0)
     parser.add_argument("--delay-ms", type=float, default=20.0)
     parser.add_argument(
@@ -326,6 +412,19 @@ def main() -> None:
     parser.add_argument("--schedules", type=lambda s: s.split(","), default=["gpipe", "1f1b"])
     parser.add_argument("--modes", type=lambda s: s.split(","), default=["overlap", "serial"])
     parser.add_argument("--no-pin", dest="pin", action="store_false", help="leave the processes unpinned")
+    parser.add_argument(
+        "--max-in-flight",
+        choices=("micro-batches", "half"),
+        default="micro-batches",
+        help="the jobs' pipeline.max_in_flight: the step's micro-batches (1F1B then holds what covers "
+        "the measured round trip, see schedule.covering_window) or max(2, micro-batches / 2) (session 25)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[12, 12],
+        help="encoder,decoder transformer layers (n_layers of each stage; the built-in job has 2,2)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench") / "results" / "roofline")
     parser.add_argument("--render", type=Path, help="only rewrite the markdown and PNG from this JSON")
     args = parser.parse_args()

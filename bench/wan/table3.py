@@ -14,8 +14,10 @@ Each cluster's processes are pinned to a core of their own (a: CPU 0, b: CPU 1),
 per trainer, as in ``roofline.py``. Throughput is **training samples per second** of the loss-owning
 stage: batch size / mean steady step seconds (first ``--warmup`` steps excluded); the ratio is
 inter / intra. Jobs: ``numbers`` (backprop across the cut, activations forward and gradients back;
-GPipe, 8 micro-batches) and ``electra`` (one way: token ids forward, a SYNC back per step, the
-generator ``sync_lag`` 1 step ahead; one discriminator replica, since each cluster has one core).
+GPipe, 8 micro-batches; by default at the regime of ``docs/bench/wan-roofline.md``: batch 1024, 12
+encoder and 12 decoder layers, where a step's compute is large against one RTT) and ``electra``
+(one way: token ids forward, a SYNC back per step, the generator ``sync_lag`` 1 step ahead; one
+discriminator replica, since each cluster has one core).
 
     .venv/bin/python bench/wan/table3.py --out bench/results/table3          # make bench-wan-table3
 
@@ -43,15 +45,21 @@ INTRA = (10_000.0, 0.0)
 
 
 def jobs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    common = {"steps": args.steps, "data.batch_size": args.batch_size}
     return {
         "numbers": {
-            **common,
-            "data.micro_batches": 8,
+            "steps": args.steps,
+            "data.batch_size": args.numbers_batch,
+            "data.micro_batches": args.numbers_micro_batches,
             "pipeline.schedule": "gpipe",
-            "pipeline.max_in_flight": 4,
+            "pipeline.max_in_flight": args.numbers_micro_batches,
+            **{f"stages.{i}.options.n_layers": n for i, n in enumerate(args.numbers_layers)},
         },
-        "electra": {**common, "data.micro_batches": 4, "stages.1.replicas": 1},
+        "electra": {
+            "steps": args.steps,
+            "data.batch_size": args.batch_size,
+            "data.micro_batches": 4,
+            "stages.1.replicas": 1,
+        },
     }
 
 
@@ -59,7 +67,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=128, help="electra's batch")
+    parser.add_argument(
+        "--numbers-batch",
+        type=int,
+        default=1024,
+        help="the numbers job's batch (1024: compute per step >> one RTT, docs/bench/wan-roofline.md)",
+    )
+    parser.add_argument("--numbers-micro-batches", type=int, default=8)
+    parser.add_argument(
+        "--numbers-layers",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[12, 12],
+        help="encoder,decoder layers of the numbers job (the built-in job has 2,2)",
+    )
     parser.add_argument("--bandwidth-mbit", type=float, default=60.0)
     parser.add_argument("--delay-ms", type=float, default=20.0)
     parser.add_argument("--repeats", type=int, default=2, help="runs per job and link (interleaved)")
@@ -90,7 +111,7 @@ def main() -> None:
         for link, (bandwidth, delay) in links.items():
             run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"table3-{link}-"))
             deployment = pinned_deployment(Path(run_dir), bandwidth, delay, args.pin)
-            sessions[link], pids[link] = stack.enter_context(deployment)
+            sessions[link], pids[link], _ = stack.enter_context(deployment)
         order = ["intra", "inter"]
         for repeat in range(args.repeats):
             for name in args.jobs:
@@ -136,7 +157,10 @@ def main() -> None:
     (args.out / "table3.json").write_text(json.dumps(report, indent=1))
     lines = [
         f"inter-cluster: {args.bandwidth_mbit:g} Mbit/s, {args.delay_ms:g} ms one-way; intra-cluster: "
-        f"{INTRA[0]:g} Mbit/s, {INTRA[1]:g} ms; batch {args.batch_size}, {args.steps} steps (first "
+        f"{INTRA[0]:g} Mbit/s, {INTRA[1]:g} ms; numbers: batch {args.numbers_batch}, "
+        f"{args.numbers_micro_batches} micro-batches (GPipe), "
+        f"layers (encoder, decoder) {args.numbers_layers}; "
+        f"electra: batch {args.batch_size}; {args.steps} steps (first "
         f"{args.warmup} excluded); pinned: {args.pin}; {args.repeats} runs per job and link, interleaved "
         f"(intra, inter, inter, intra, ...), samples/s averaged. Load average (1/5/15 min) before "
         f"{loads[0]}, after {loads[1]}.",

@@ -7,6 +7,8 @@ and the delivery contract can be tested fast and deterministically:
   ends get ``LinkNotice(up=False)``, then ``LinkNotice(up=True)`` on restore;
 * ``drop_next(n)`` loses the next ``n`` sequenced items or acks in flight, and
   ``drop_probability`` loses each at random (seeded);
+* ``delay_s`` holds every item that crosses the link that long (one way) before its end delivers
+  it, in order: a round trip for tests of what the schedule does about one;
 * ``bytes_in_flight`` per direction counts what was sent and not yet delivered, so tests
   can check that credit is never exceeded.
 
@@ -33,13 +35,20 @@ from __future__ import annotations
 import queue
 import random
 import threading
+import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from nebula_common.proto.nebula.v1 import relay_pb2
 from services.trainer.edge.session import TransportHandler, wire_size
 
 _STOP = object()
 _SEQUENCED = ("frame", "signal")
+
+
+class _Delayed(NamedTuple):
+    due: float  # time.monotonic() at which the item arrives
+    message: relay_pb2.EdgeMessage
 
 
 class MemoryTransport:
@@ -73,6 +82,9 @@ class MemoryTransport:
             item = self.inbox.get()
             if item is _STOP:
                 return
+            if isinstance(item, _Delayed):  # constant delay: waiting in order keeps the order
+                time.sleep(max(0.0, item.due - time.monotonic()))
+                item = item.message
             assert isinstance(item, relay_pb2.EdgeMessage)
             self.link.delivered(self.index, item)
             handler = self._handler
@@ -117,8 +129,17 @@ class MemoryLink:
     ``ends`` are the newest ends opened per side (epoch 0 ones are made up front).
     """
 
-    def __init__(self, max_window_bytes: int = 4 << 20, drop_probability: float = 0.0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        max_window_bytes: int = 4 << 20,
+        drop_probability: float = 0.0,
+        seed: int = 0,
+        delay_s: float = 0.0,
+    ) -> None:
+        if delay_s < 0:
+            raise ValueError(f"delay_s must be >= 0, got {delay_s}")
         self.max_window_bytes = max_window_bytes
+        self.delay_s = delay_s
         self.drop_probability = drop_probability
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -231,7 +252,8 @@ class MemoryLink:
                 observer(sender, message)
             target = self._attached[receiver]
             if target is not None and target.epoch == end.epoch:
-                target.inbox.put(message)
+                due = time.monotonic() + self.delay_s
+                target.inbox.put(_Delayed(due, message) if self.delay_s else message)
             else:
                 self._held[receiver].append((end.epoch, message))
             if kind in _SEQUENCED:

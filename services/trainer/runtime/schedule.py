@@ -8,6 +8,7 @@ without running anything.
 
 from __future__ import annotations
 
+import math
 from typing import Literal, NamedTuple
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -40,6 +41,30 @@ def upstream_ops(schedule: str, micro_batches: int, max_in_flight: int) -> list[
                 ops.append(Op("F", i + warmup))
         return ops
     raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
+
+
+def covering_window(
+    gradient_latency_s: float, compute_per_micro_batch_s: float, cap: int, micro_batches: int
+) -> int:
+    """1F1B's window: the fewest activations in flight that keep the upstream from waiting.
+
+    After handing micro-batch ``i``'s activation to the edge, a 1F1B upstream runs ``window - 1``
+    forward+backward pairs before it needs ``i``'s gradient; the gradient takes
+    ``gradient_latency_s`` (measured: the WAN round trip, both transfers, the codecs and the
+    downstream's compute of one micro-batch). So ``(window - 1) * compute >= latency``. Bounded
+    by ``cap`` (the job's ``max_in_flight``: the memory the user allows) and by the step's
+    micro-batches, and at least 2 where those allow (one activation crossing while the next computes).
+    """
+    if cap < 1 or micro_batches < 1:
+        raise ValueError("cap and micro_batches must be >= 1")
+    if gradient_latency_s < 0 or compute_per_micro_batch_s < 0:
+        raise ValueError("gradient latency and compute must be >= 0 seconds")
+    top = min(cap, micro_batches)
+    low = min(2, top)
+    if compute_per_micro_batch_s <= 0:
+        return top
+    needed = 1 + math.ceil(gradient_latency_s / compute_per_micro_batch_s - 1e-9)
+    return max(low, min(top, needed))
 
 
 def downstream_ops(micro_batches: int) -> list[Op]:

@@ -76,7 +76,7 @@ from services.trainer.runtime.parallel import DataParallelGroup
 from services.trainer.runtime.program import build_program, load_starting_state
 from services.trainer.runtime.rank_group import RankGroup, Ranks
 from services.trainer.runtime.rank_sources import AttachedRanks, ClusterRanks, SpawnedRanks
-from services.trainer.runtime.schedule import downstream_ops, upstream_ops
+from services.trainer.runtime.schedule import covering_window, downstream_ops, upstream_ops
 from services.trainer.runtime.sharding import SHARDED
 from services.trainer.runtime.timers import StepTimer
 from services.trainer.runtime.transfer import AsyncSender, ReceiveAhead
@@ -156,6 +156,11 @@ class ProgramRunner:
         """Seconds per operation of this stage's steps (see ``runtime.timers``)."""
         self.step_timings: list[dict[str, float]] = []
         """Per step of the last attempt: the ``StepTimer`` snapshot at its end."""
+        self.windows: list[int] = []
+        """A 1F1B upstream's activations in flight per step of the last attempt (see ``_upstream_step``)."""
+        self.window_inputs: list[tuple[float, float]] = []
+        """Per step that sized the next window: (gradient latency s, compute per micro-batch s)."""
+        self._window: int | None = None
         self.spec = spec
         self.epoch = epoch
         self.on_epoch = on_epoch
@@ -529,7 +534,8 @@ class ProgramRunner:
         sender = AsyncSender(edge, cfg.max_in_flight, timer)
         self._sender = sender
         depth = max(2, cfg.max_in_flight) if self.receive_ahead is None else self.receive_ahead
-        self._receiver = receiver = ReceiveAhead(edge, depth, timer)
+        sizes_window = upstream and not self._one_way and down is None and cfg.schedule == "1f1b"
+        self._receiver = receiver = ReceiveAhead(edge, depth, timer, track_arrivals=sizes_window)
         middle: MiddleStep | None = None
         if down is not None:
             self._down_sender = AsyncSender(down, cfg.max_in_flight, timer)
@@ -548,6 +554,7 @@ class ProgramRunner:
             )
         self._posted_through = start - 1
         self.step_timings = []
+        self.windows, self.window_inputs, self._window = [], [], None
         status: dict[str, object] = dict(state=trainer_pb2.STAGE_STATE_RUNNING, steps_done=start, epoch=epoch)
         if epoch > 0:
             message = f"recovered: epoch {epoch} resumed from step {start}"
@@ -738,22 +745,34 @@ class ProgramRunner:
     ) -> None:
         cfg = self.spec.program
         outputs: dict[int, torch.Tensor] = {}
-        ops = upstream_ops(cfg.schedule, cfg.micro_batches, cfg.max_in_flight)
+        # 1F1B's window: the job's max_in_flight (the memory allowed) until a step has measured
+        # what covers the gradients' round trip, then that (see covering_window). Only when and
+        # how many forwards run ahead changes, never what is computed: training is bit-identical.
+        window = min(cfg.max_in_flight, cfg.micro_batches) if self._window is None else self._window
+        self.windows.append(window)
+        ops = upstream_ops(cfg.schedule, cfg.micro_batches, window)
         for op in ops:  # the gradients, in the order the schedule applies them, decoded as they come
             if op.kind == "B":
                 receiver.expect_tensor(step, op.micro_batch, self._ids(step, op.micro_batch))
+        sent_at: dict[int, float] = {}
+        computing = 0.0
         for op in ops:
             if op.kind == "F":
                 ids = self._ids(step, op.micro_batch)
+                started = time.perf_counter()
                 if self._dp is not None:  # every rank runs its rows; rank 0 sends them gathered
                     out = self._dp.forward(step, op.micro_batch, ids)
                 else:
                     outputs[op.micro_batch] = out = program.forward(program.batch(ids))
+                sent_at[op.micro_batch] = time.perf_counter()
+                computing += sent_at[op.micro_batch] - started
                 sender.send(out, step, op.micro_batch, ids)
             else:
                 grad = receiver.tensor(step, op.micro_batch)
+                started = time.perf_counter()
                 if self._dp is not None:  # each rank backpropagates the rows it produced
                     self._dp.backward(step, op.micro_batch, grad)
+                    computing += time.perf_counter() - started
                     continue
                 out = outputs.pop(op.micro_batch)
                 if grad.shape != out.shape:
@@ -761,6 +780,44 @@ class ProgramRunner:
                         f"gradient shape {tuple(grad.shape)} != activation {tuple(out.shape)}"
                     )
                 out.backward(grad.to(out.dtype))
+                computing += time.perf_counter() - started
+        if cfg.schedule == "1f1b":
+            self._size_window(receiver, step, sent_at, computing / cfg.micro_batches)
+
+    def _size_window(
+        self, receiver: ReceiveAhead, step: int, sent_at: dict[int, float], compute_s: float
+    ) -> None:
+        """The next step's 1F1B window from this step's measured gradient latency and compute.
+
+        Latency per micro-batch = its gradient decoded and ready (the receive thread's clock)
+        minus its activation handed to the sender; the smallest of the step is the one the
+        downstream did not queue behind others (the round trip itself). On the serial path
+        (no receive thread) a gradient's arrival is not seen apart from when the stage took it,
+        which would only ever grow the window: the window stays at ``max_in_flight`` there.
+        """
+        arrived = receiver.arrivals(step)
+        latencies = [arrived[mb] - sent for mb, sent in sent_at.items() if mb in arrived]
+        if not latencies:
+            return
+        cfg = self.spec.program
+        latency = max(min(latencies), 0.0)
+        self.window_inputs.append((latency, compute_s))
+        window = covering_window(latency, compute_s, cfg.max_in_flight, cfg.micro_batches)
+        if window != self._window:
+            log.info(
+                "1f1b window sized",
+                extra={
+                    "fields": {
+                        "job_id": self.spec.job_id,
+                        "stage": self.spec.stage,
+                        "step": step,
+                        "window": window,
+                        "gradient_latency_ms": round(1000 * latency, 1),
+                        "compute_per_micro_batch_ms": round(1000 * compute_s, 1),
+                    }
+                },
+            )
+        self._window = window
 
     def _upstream_one_way_step(self, program: StageProgram, sender: AsyncSender, step: int) -> float:
         """Generator side: produce, send at once (the WAN overlaps the backward), train on the own loss."""

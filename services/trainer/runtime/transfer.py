@@ -165,13 +165,22 @@ class ReceiveAhead:
     cancel the stage's edge is aborted first, which ends a receive in progress at once.
     """
 
-    def __init__(self, edge: EdgeConnection, depth: int, timer: StepTimer | None = None) -> None:
+    def __init__(
+        self,
+        edge: EdgeConnection,
+        depth: int,
+        timer: StepTimer | None = None,
+        *,
+        track_arrivals: bool = False,
+    ) -> None:
         if depth < 0:
             raise ValueError(f"receive-ahead depth must be >= 0, got {depth}")
         self.edge = edge
         self.depth = depth
         self.timer = timer or StepTimer()
         self.blocked_seconds = 0.0
+        self.track_arrivals = track_arrivals
+        """Keep each tensor's ready time for ``arrivals`` (a 1F1B upstream sizes its window from them)."""
         self._expected: deque[_Expected] = deque()  # posted, not yet taken by the stage
         self._plan: queue.Queue[object] = queue.Queue()  # posted, not yet received by the thread
         self._results: queue.Queue[object] = queue.Queue(maxsize=max(depth, 1))
@@ -179,6 +188,8 @@ class ReceiveAhead:
         # Why the thread ended, kept apart from the results: a stop() racing the failure may keep it
         # out of the queue, and the stage must still learn the real reason, not "thread ended".
         self._failure: BaseException | None = None
+        self._arrived: dict[tuple[int, int], float] = {}  # (step, micro-batch) -> decoded and ready
+        self._arrived_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         if depth > 0:
             self._thread = threading.Thread(target=self._drain, name=f"receive-{edge.edge}", daemon=True)
@@ -199,6 +210,17 @@ class ReceiveAhead:
         self._expected.append(expected)
         if self._thread is not None:
             self._plan.put(expected)
+
+    def arrivals(self, step: int) -> dict[int, float]:
+        """When each tensor of ``step`` the receive thread got was decoded and ready
+        (``time.perf_counter()``), by micro-batch; taken once (forgotten after this call).
+        Empty on the serial path (depth 0), where arrival is not seen apart from the take."""
+        with self._arrived_lock:
+            taken = {mb: at for (s, mb), at in self._arrived.items() if s == step}
+            for mb in taken:
+                del self._arrived[(step, mb)]
+            self._arrived = {key: at for key, at in self._arrived.items() if key[0] > step}
+        return taken
 
     @property
     def pending(self) -> int:
@@ -293,6 +315,9 @@ class ReceiveAhead:
                 self._failure = exc
                 self._deliver(_Failed(exc))
                 return  # nothing after a failed item can be trusted to be in order
+            if self.track_arrivals and isinstance(expected, _ExpectTensor):
+                with self._arrived_lock:
+                    self._arrived[(expected.step, expected.micro_batch)] = time.perf_counter()
             if not self._deliver(result):
                 return
 
