@@ -30,6 +30,7 @@ import asyncio
 import itertools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -58,19 +59,27 @@ FULL_ROWS = (
     Row("FP16(LOWRANK(8))+INT8", "fp16(lowrank(8))", "int8"),
     Row("POWERSGD(8)+INT8", "fp16(powersgd(8))", "int8"),
     Row("EF(TOPK(0.1)) both", "ef(fp16(topk(0.1)))", "ef(fp16(topk(0.1)))"),
+    Row("ZSTD(FP16)+ZSTD(INT8)", "zstd(fp16)", "zstd(int8)"),
+    Row("ZSTD(INT8) both", "zstd(int8)", "zstd(int8)"),
     Row("BOTTLENECK(16)", cut_k=16),
+    Row("BOTTLENECK(32)+INT8", "int8", "int8", cut_k=32),
+    Row("BOTTLENECK(16)+FP16", "fp16", "fp16", cut_k=16),
+    Row("BOTTLENECK(16)+INT8", "int8", "int8", cut_k=16),
+    Row("BOTTLENECK(16,residual)+INT8", "int8", "int8", cut_k=16, residual=True),
+    Row("BOTTLENECK(32)+ZSTD(INT8)", "zstd(int8)", "zstd(int8)", cut_k=32),
     Row("BOTTLENECK(4)", cut_k=4),
-    Row("BOTTLENECK(4)+INT8", "int8", "int8", cut_k=4),
-    Row("BOTTLENECK(4,residual)+INT8", "int8", "int8", cut_k=4, residual=True),
 )
-QUICK_ROWS = (FULL_ROWS[0], FULL_ROWS[1], FULL_ROWS[5], FULL_ROWS[11])
+_BY_LABEL = {row.label: row for row in FULL_ROWS}
+QUICK_ROWS = tuple(
+    _BY_LABEL[label] for label in ("none", "FP16+INT8", "FP16(SVD(0.2))+INT8", "BOTTLENECK(16)+INT8")
+)
 FIGURE10_ROW = FULL_ROWS[5]  # the paper's fastest row, FP16(SVD(0.2))+INT8
 FIGURE10_STARTS = (0.0, 0.10, 0.25)
 FULL_MODEL = train.ModelConfig(pretrain_steps=400, lr=1e-2, warmup=50, train_head=True, finetune_batch=128)
 """The full plan's model: the best of sessions 24-25's probes (docs/bench/table5.md): LMs pre-trained 400
 steps a side (batch 32, the cached LMs); the adapters and the decoder's output layer fine-tuned with Adam
 at 1e-2 after a 50-step linear warm-up, 128 sentence pairs a step (8.60 BLEU at 300 steps in the probe)."""
-FULL = {"seeds": 3, "steps": 300, "eval_pairs": None, "advisor_steps": 30, "model": FULL_MODEL}
+FULL = {"seeds": 3, "steps": 300, "eval_pairs": None, "advisor_steps": 90, "model": FULL_MODEL}
 """About 40 minutes on 2 idle cores (estimated from session 25's CPU seconds per step, see the doc)."""
 QUICK = {
     "seeds": 2,
@@ -85,8 +94,19 @@ BLEU_BUDGET = 1.0
 """The quality budget the advisor's pick is checked against: mean BLEU within 1.0 of codec none's."""
 ADVISOR_LOSS_TOLERANCE = 0.02
 """The advisor's own budget (it cannot decode BLEU in a calibration): trial loss within 2% of none's."""
+ADVISOR_PROGRESS_TOLERANCE = 0.10
+"""And the trial-loss gap may be at most 10% of what none's loss fell during the trial (the first half's
+mean minus the last half's): a harmful row's gap opens as training starts to pay, when it is still ~1-2%
+of the loss (session 26's probes: at 90 steps the bottleneck rows were +1.6-2.2% over none)."""
+ADVISOR_MAX_TRIALS = 6
+"""Rows trained in the trial at most, fastest-predicted first (several bottleneck rows are predicted fast)."""
 ADVISOR_SPEED_RULE = 1.10
 """Its pick's measured s/step must be within 10% of the fastest row that meets the BLEU budget."""
+
+
+def row_labels(text: str) -> list[str]:
+    """``--rows``' labels: split at commas outside parentheses ("BOTTLENECK(16,residual)+INT8" is one)."""
+    return [label.strip() for label in re.split(r",(?![^()]*\))", text) if label.strip()]
 
 
 def advise(prep: train.Prepared, rows: tuple[Row, ...], shape: LinkShape, trial_steps: int) -> dict[str, Any]:
@@ -109,6 +129,8 @@ def advise(prep: train.Prepared, rows: tuple[Row, ...], shape: LinkShape, trial_
         run,
         link,
         tolerance=ADVISOR_LOSS_TOLERANCE,
+        progress_tolerance=ADVISOR_PROGRESS_TOLERANCE,
+        max_trials=ADVISOR_MAX_TRIALS,
         trial_steps=trial_steps,
         baseline=Candidate(rows[0].forward, rows[0].backward, rows[0].label),
     )
@@ -383,7 +405,13 @@ def advisor_markdown(report: dict[str, Any]) -> list[str]:
     lines = [
         "",
         f"Advisor (`codec: auto`, `nebula_common/codec/trial.py`; {advice['trial_steps']} trial steps per "
-        f"candidate, loss tolerance {advice['loss_tolerance']:.0%}, {advice['seconds']:.0f} s): "
+        f"candidate, loss tolerance {advice['loss_tolerance']:.0%}"
+        + (
+            f", progress tolerance {advice['progress_tolerance']:.0%}"
+            if advice.get("progress_tolerance") is not None
+            else ""
+        )
+        + f", {advice['seconds']:.0f} s): "
         f"picked **{check['advisor_pick']}**.",
         "",
         *(f"- {reason}" for reason in advice["reasons"]),
@@ -483,7 +511,7 @@ def main() -> None:
     plan_rows = QUICK_ROWS if args.quick else FULL_ROWS
     if args.rows:
         by_label = {row.label: row for row in plan_rows}
-        labels = [label.strip() for label in args.rows.split(",")]
+        labels = row_labels(args.rows)
         unknown = [label for label in labels if label not in by_label]
         if unknown or labels[0] != plan_rows[0].label:
             sys.exit(

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,54 @@ def test_the_fine_tuning_batch_is_apart_from_pre_training_and_a_bad_value_is_ref
     assert done.returncode == 1, done
     assert "table5: --finetune-batch must be >= 1, got 0" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and not list(tmp_path.iterdir())
+
+
+def test_the_wide_bottleneck_rows_compress_both_directions_by_d_over_k_times_their_codec(
+    prepared: train.Prepared,
+) -> None:
+    # The table's bottleneck rows at d = 64 (the full plan's width): k = 16 with int8 both ways is 16x
+    # fewer bytes each way than float32 (4x fewer elements, 1 byte each instead of 4), k = 32 + int8 and
+    # k = 16 + fp16 are 8x. Real frames of a real step (on a 1-layer d = 64 model).
+    rows = {row.label: row for row in run.FULL_ROWS}
+    wide = replace(TINY, d_model=64, n_heads=4)
+    prep = train.Prepared(**{**prepared.__dict__, "config": wide})
+    prep.encoder_state = train._language_model(wide, prep.es.get_vocab_size(), causal=False).state_dict()
+    prep.decoder_state = train._language_model(wide, prep.en.get_vocab_size(), causal=True).state_dict()
+    positions = wide.batch * wide.length
+    raw = positions * 64 * 4
+    for label, payload in (
+        ("BOTTLENECK(16)+INT8", positions * 16 + 4),
+        ("BOTTLENECK(16,residual)+INT8", positions * 16 + 4),
+        ("BOTTLENECK(32)+INT8", positions * 32 + 4),
+        ("BOTTLENECK(16)+FP16", positions * 16 * 2),
+    ):
+        done = train.train_steps(prep, rows[label], 0, steps=2)
+        for frames in (done.forward_bytes, done.backward_bytes):
+            assert payload < frames[-1] < payload + 200, (label, frames, payload)
+        assert round(raw / payload) in (16, 8)
+    assert raw // (positions * 16 + 4) == 15  # 16x the elements; the 4-byte scale and header take a hair
+    assert {r.label for r in run.QUICK_ROWS} <= set(rows) and run.QUICK_ROWS[0].label == "none"
+
+
+def test_the_bottleneck_has_its_own_learning_rate_under_the_same_warm_up(prepared: train.Prepared) -> None:
+    config = replace(TINY, lr=1e-2, cut_lr=1e-3, warmup=4)
+    assert config.digest("c") == TINY.digest("c")  # a fine-tuning field: the cached LMs stay valid
+    stages = train.Stages(replace(prepared, config=config), train.Row("cut", cut_k=4), seed=0)
+    for step, scale in ((0, 0.25), (3, 1.0), (10, 1.0)):
+        stages.set_step(step)
+        for optimizer, cut in ((stages.upstream_opt, stages.down), (stages.downstream_opt, stages.up)):
+            lrs = {id(p): group["lr"] for group in optimizer.param_groups for p in group["params"]}
+            assert all(lrs[id(p)] == pytest.approx(1e-3 * scale) for p in cut.parameters())
+            others = [lr for key, lr in lrs.items() if key not in {id(p) for p in cut.parameters()}]
+            assert others and all(lr == pytest.approx(1e-2 * scale) for lr in others)
+    plain = train.Stages(replace(prepared, config=replace(TINY, lr=1e-2)), train.Row("cut", cut_k=4), seed=0)
+    plain.set_step(0)
+    assert {g["lr"] for o in (plain.upstream_opt, plain.downstream_opt) for g in o.param_groups} == {1e-2}
+
+
+def test_row_labels_keep_a_comma_inside_parentheses() -> None:
+    assert run.row_labels("none, BOTTLENECK(16,residual)+INT8,FP16(SVD(0.2))+INT8") == [
+        "none",
+        "BOTTLENECK(16,residual)+INT8",
+        "FP16(SVD(0.2))+INT8",
+    ]
