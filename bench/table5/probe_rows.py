@@ -49,7 +49,7 @@ def parse_row(text: str) -> train.Row:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, default=Path(".cache") / "table5")
-    parser.add_argument("--rows", default="", help="comma-separated labels of run.FULL_ROWS")
+    parser.add_argument("--rows", default="", help="comma-separated labels of run.FULL_ROWS or EXTRA_ROWS")
     parser.add_argument("--row", action="append", default=[], help="label=forward,backward,k[,residual]")
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--steps", type=int, default=run.FULL["steps"])
@@ -66,7 +66,7 @@ def main() -> None:
             raise SystemExit(f"probe_rows: ModelConfig has no field {key!r}")
         kind = type(getattr(config, key))
         config = replace(config, **{key: kind(value) if kind is not bool else value == "1"})
-    by_label = {row.label: row for row in run.FULL_ROWS}
+    by_label = {row.label: row for row in (*run.FULL_ROWS, *run.EXTRA_ROWS)}
     rows = [parse_row(text) for text in args.row]
     for label in run.row_labels(args.rows):
         if label not in by_label:

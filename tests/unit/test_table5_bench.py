@@ -160,7 +160,7 @@ def test_the_wide_bottleneck_rows_compress_both_directions_by_d_over_k_times_the
     # The table's bottleneck rows at d = 64 (the full plan's width): k = 16 with int8 both ways is 16x
     # fewer bytes each way than float32 (4x fewer elements, 1 byte each instead of 4), k = 32 + int8 and
     # k = 16 + fp16 are 8x. Real frames of a real step (on a 1-layer d = 64 model).
-    rows = {row.label: row for row in run.FULL_ROWS}
+    rows = {row.label: row for row in (*run.FULL_ROWS, *run.EXTRA_ROWS)}
     wide = replace(TINY, d_model=64, n_heads=4)
     prep = train.Prepared(**{**prepared.__dict__, "config": wide})
     prep.encoder_state = train._language_model(wide, prep.es.get_vocab_size(), causal=False).state_dict()
@@ -179,6 +179,9 @@ def test_the_wide_bottleneck_rows_compress_both_directions_by_d_over_k_times_the
         assert round(raw / payload) in (16, 8)
     assert raw // (positions * 16 + 4) == 15  # 16x the elements; the 4-byte scale and header take a hair
     assert {r.label for r in run.QUICK_ROWS} <= set(rows) and run.QUICK_ROWS[0].label == "none"
+    # Two shards take the rows alternately: the Figure 10 row (3 more runs per seed-set) on shard 1,
+    # whose row count is one less than shard 0's (which runs the advisor).
+    assert run.FULL_ROWS.index(run.FIGURE10_ROW) % 2 == 1 and len(run.FULL_ROWS) % 2 == 1
 
 
 def test_the_bottleneck_has_its_own_learning_rate_under_the_same_warm_up(prepared: train.Prepared) -> None:
