@@ -101,7 +101,7 @@ bench-wan-table3: $(STAMP)
 # emulated link, every codec row x 3 seeds + the learned bottleneck; fetches its corpus once into .cache/table5
 # (pip download / apt-get download). JSON + markdown + PNG in bench/results/table5/, results in
 # docs/bench/table5.md (pre-training once, then two shards of rows in parallel, one per core, then a merge; about
-# 40 minutes on 2 idle cores at batch 128 x 300 steps, estimated from CPU seconds per step, not run end to end; never part
+# 40 minutes on 2 idle cores: 13 rows x 3 seeds + 4 Figure 10 runs of ~95 CPU s, estimated, not run end to end; never part
 # of `make test`). bench-table5-quick: a smoke run of every stage (~1-2 minutes on idle cores).
 TABLE5 := nice -n 10 $(BIN)/python bench/table5/run.py
 bench-table5: $(STAMP)

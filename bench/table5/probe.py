@@ -108,8 +108,8 @@ def unfreeze(stages: train.Stages, lr: float) -> None:
         nn.init.normal_(module.position, std=0.02)
         for p in module.parameters():
             p.requires_grad_(True)
-    stages.upstream_opt = torch.optim.Adam(stages.encoder.parameters(), lr=lr)
-    stages.downstream_opt = torch.optim.Adam(stages.decoder.parameters(), lr=lr)
+    stages.upstream_opt = torch.optim.Adam([{"params": stages.encoder.parameters(), "base_lr": lr}], lr=lr)
+    stages.downstream_opt = torch.optim.Adam([{"params": stages.decoder.parameters(), "base_lr": lr}], lr=lr)
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ import asyncio
 import itertools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -58,20 +59,42 @@ FULL_ROWS = (
     Row("FP16(LOWRANK(8))+INT8", "fp16(lowrank(8))", "int8"),
     Row("POWERSGD(8)+INT8", "fp16(powersgd(8))", "int8"),
     Row("EF(TOPK(0.1)) both", "ef(fp16(topk(0.1)))", "ef(fp16(topk(0.1)))"),
+    Row("ZSTD(FP16)+ZSTD(INT8)", "zstd(fp16)", "zstd(int8)"),
+    Row("ZSTD(INT8) both", "zstd(int8)", "zstd(int8)"),
+    Row("BOTTLENECK(16)+INT8", "int8", "int8", cut_k=16),
+    Row("BOTTLENECK(48)+ZSTD(INT8)", "zstd(int8)", "zstd(int8)", cut_k=48),
+)
+"""The full plan's rows: the paper's, lossless zstd over int8 (it takes out the padding rows), and the learned
+bottleneck at 16x both ways (k = 16 with int8) and with zstd (k = 48). Two shards take the rows alternately:
+shard 0 also runs the advisor and shard 1 the Figure 10 row's extra runs, so the row count keeps them even."""
+EXTRA_ROWS = (
     Row("BOTTLENECK(16)", cut_k=16),
+    Row("BOTTLENECK(32)+INT8", "int8", "int8", cut_k=32),
+    Row("BOTTLENECK(16)+FP16", "fp16", "fp16", cut_k=16),
+    Row("BOTTLENECK(16,residual)+INT8", "int8", "int8", cut_k=16, residual=True),
+    Row("BOTTLENECK(32)+ZSTD(INT8)", "zstd(int8)", "zstd(int8)", cut_k=32),
     Row("BOTTLENECK(4)", cut_k=4),
     Row("BOTTLENECK(4)+INT8", "int8", "int8", cut_k=4),
-    Row("BOTTLENECK(4,residual)+INT8", "int8", "int8", cut_k=4, residual=True),
 )
-QUICK_ROWS = (FULL_ROWS[0], FULL_ROWS[1], FULL_ROWS[5], FULL_ROWS[11])
+"""Rows of session 25-26's probes (docs/bench/table5.md), not in the full plan: ``--rows`` can name them."""
+_BY_LABEL = {row.label: row for row in (*FULL_ROWS, *EXTRA_ROWS)}
+QUICK_ROWS = tuple(
+    _BY_LABEL[label] for label in ("none", "FP16+INT8", "FP16(SVD(0.2))+INT8", "BOTTLENECK(16)+INT8")
+)
 FIGURE10_ROW = FULL_ROWS[5]  # the paper's fastest row, FP16(SVD(0.2))+INT8
 FIGURE10_STARTS = (0.0, 0.10, 0.25)
-FULL_MODEL = train.ModelConfig(pretrain_steps=400, lr=1e-2, warmup=50, train_head=True, finetune_batch=128)
+FULL_MODEL = train.ModelConfig(
+    pretrain_steps=400, lr=1e-2, warmup=50, train_head=True, finetune_batch=128, cut_lr=1e-4
+)
 """The full plan's model: the best of sessions 24-25's probes (docs/bench/table5.md): LMs pre-trained 400
 steps a side (batch 32, the cached LMs); the adapters and the decoder's output layer fine-tuned with Adam
 at 1e-2 after a 50-step linear warm-up, 128 sentence pairs a step (8.60 BLEU at 300 steps in the probe)."""
-FULL = {"seeds": 3, "steps": 300, "eval_pairs": None, "advisor_steps": 30, "model": FULL_MODEL}
-"""About 40 minutes on 2 idle cores (estimated from session 25's CPU seconds per step, see the doc)."""
+FULL = {"seeds": 3, "steps": 300, "eval_pairs": None, "advisor_steps": 90, "model": FULL_MODEL}
+"""About 40 minutes on 2 idle cores, estimated from session 26's measured CPU seconds (docs/bench/table5.md):
+13 rows x 3 seeds + Figure 10's 2 starts x 2 seeds = 43 runs of ~95 CPU s, the advisor's trials (~200 CPU s)
+and the link clock (~1 min), over 2 shards; pre-training (~90 CPU s) once, cached after."""
+FIGURE10_SEEDS = 2
+"""Seeds of each later-start Figure 10 point (the 0% point is the row itself, all seeds): even shards."""
 QUICK = {
     "seeds": 2,
     "steps": 20,
@@ -85,8 +108,19 @@ BLEU_BUDGET = 1.0
 """The quality budget the advisor's pick is checked against: mean BLEU within 1.0 of codec none's."""
 ADVISOR_LOSS_TOLERANCE = 0.02
 """The advisor's own budget (it cannot decode BLEU in a calibration): trial loss within 2% of none's."""
+ADVISOR_PROGRESS_TOLERANCE = 0.10
+"""And the trial-loss gap may be at most 10% of what none's loss fell during the trial (the first half's
+mean minus the last half's): a harmful row's gap opens as training starts to pay, when it is still ~1-2%
+of the loss (session 26's probes: at 90 steps the bottleneck rows were +1.6-2.2% over none)."""
+ADVISOR_MAX_TRIALS = 6
+"""Rows trained in the trial at most, fastest-predicted first (several bottleneck rows are predicted fast)."""
 ADVISOR_SPEED_RULE = 1.10
 """Its pick's measured s/step must be within 10% of the fastest row that meets the BLEU budget."""
+
+
+def row_labels(text: str) -> list[str]:
+    """``--rows``' labels: split at commas outside parentheses ("BOTTLENECK(16,residual)+INT8" is one)."""
+    return [label.strip() for label in re.split(r",(?![^()]*\))", text) if label.strip()]
 
 
 def advise(prep: train.Prepared, rows: tuple[Row, ...], shape: LinkShape, trial_steps: int) -> dict[str, Any]:
@@ -109,6 +143,8 @@ def advise(prep: train.Prepared, rows: tuple[Row, ...], shape: LinkShape, trial_
         run,
         link,
         tolerance=ADVISOR_LOSS_TOLERANCE,
+        progress_tolerance=ADVISOR_PROGRESS_TOLERANCE,
+        max_trials=ADVISOR_MAX_TRIALS,
         trial_steps=trial_steps,
         baseline=Candidate(rows[0].forward, rows[0].backward, rows[0].label),
     )
@@ -348,21 +384,21 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         "",
         "BLEU and chrF: mean ± sample standard deviation over the seeds (sacrebleu, BLEU lower-cased). "
-        "Ratios: raw float32 bytes / frame bytes (header included). Bottleneck rows: the cut is k wide, "
-        "so both ratios include d/k.",
+        "Ratios: raw float32 bytes / frame bytes (header included). Bottleneck rows: the cut is k wide,"
+        " so both ratios include d/k. `zstd` rows: the last step's frames (the size varies by step).",
     ]
     if len(fig) > 1:
         lines += [
             "",
             "Figure 10 analogue (" + FIGURE10_ROW.label + ", codec none before the start step):",
             "",
-            "| compression from | BLEU | mean s/step |",
-            "|---:|---:|---:|",
+            "| compression from | BLEU | seeds | mean s/step |",
+            "|---:|---:|---:|---:|",
         ]
     for point in fig if len(fig) > 1 else []:
         lines.append(
             f"| {point['start_fraction']:.0%} | {statistics.mean(point['bleu']):.2f} ± "
-            f"{_spread(point['bleu']):.2f} | {point['step_seconds']:.3f} |"
+            f"{_spread(point['bleu']):.2f} | {len(point['bleu'])} | {point['step_seconds']:.3f} |"
         )
     lines += advisor_markdown(report)
     lines += [
@@ -383,7 +419,13 @@ def advisor_markdown(report: dict[str, Any]) -> list[str]:
     lines = [
         "",
         f"Advisor (`codec: auto`, `nebula_common/codec/trial.py`; {advice['trial_steps']} trial steps per "
-        f"candidate, loss tolerance {advice['loss_tolerance']:.0%}, {advice['seconds']:.0f} s): "
+        f"candidate, loss tolerance {advice['loss_tolerance']:.0%}"
+        + (
+            f", progress tolerance {advice['progress_tolerance']:.0%}"
+            if advice.get("progress_tolerance") is not None
+            else ""
+        )
+        + f", {advice['seconds']:.0f} s): "
         f"picked **{check['advisor_pick']}**.",
         "",
         *(f"- {reason}" for reason in advice["reasons"]),
@@ -482,13 +524,12 @@ def main() -> None:
         sys.exit("table5: --advisor-steps must be >= 2")
     plan_rows = QUICK_ROWS if args.quick else FULL_ROWS
     if args.rows:
-        by_label = {row.label: row for row in plan_rows}
-        labels = [label.strip() for label in args.rows.split(",")]
+        by_label = {row.label: row for row in (plan_rows if args.quick else (*FULL_ROWS, *EXTRA_ROWS))}
+        labels = row_labels(args.rows)
         unknown = [label for label in labels if label not in by_label]
         if unknown or labels[0] != plan_rows[0].label:
             sys.exit(
-                f"table5: --rows takes labels of {[row.label for row in plan_rows]}, "
-                f"{plan_rows[0].label!r} first; got {labels}"
+                f"table5: --rows takes labels of {list(by_label)}, {plan_rows[0].label!r} first; got {labels}"
             )
         plan_rows = tuple(by_label[label] for label in labels)
     overridden = any(
@@ -530,7 +571,7 @@ def main() -> None:
     advisor = advise(prep, plan_rows, shape, advisor_steps) if index == 0 else None
     fig_runs = []
     if FIGURE10_ROW in mine and not args.no_figure10:
-        fig_runs = figure10_runs(prep, 1 if args.quick else seeds, steps, eval_pairs)
+        fig_runs = figure10_runs(prep, 1 if args.quick else min(seeds, FIGURE10_SEEDS), steps, eval_pairs)
     report = {
         "mode": mode,
         "bandwidth_mbit": args.bandwidth_mbit,

@@ -37,7 +37,7 @@ from nebula_common.zoo.bottleneck import DownProjection, UpProjection, captured_
 from nebula_common.zoo.catalogues import Pair
 from nebula_common.zoo.text_data import decode, encode, train_tokenizer
 
-FINE_TUNING_FIELDS = ("adapter", "lr", "warmup", "train_head", "train_top", "finetune_batch")
+FINE_TUNING_FIELDS = ("adapter", "lr", "warmup", "train_head", "train_top", "finetune_batch", "cut_lr")
 """ModelConfig fields pre-training never reads: changing them reuses the cached pre-trained LMs."""
 
 
@@ -62,6 +62,8 @@ class ModelConfig:
     finetune_batch: int = 0
     """Sentence pairs per fine-tuning step (0: ``batch``, the pre-training batch). Apart from ``batch`` so a
     larger fine-tuning batch reuses the cached pre-trained LMs (pre-training reads ``batch``)."""
+    cut_lr: float = 0.0
+    """Learning rate of the learned bottleneck's projections (0: ``lr``, the adapters'); same warm-up."""
 
     def __post_init__(self) -> None:
         for name in ("batch", "finetune_batch"):
@@ -203,16 +205,22 @@ class Stages:
             for parameter in block.parameters():
                 parameter.requires_grad_(True)
         trainable = lambda *ms: [p for m in ms for p in m.parameters() if p.requires_grad]  # noqa: E731
-        self.upstream_opt = torch.optim.Adam(trainable(self.encoder, self.down), lr=config.lr)
-        self.downstream_opt = torch.optim.Adam(trainable(self.up, self.decoder), lr=config.lr)
-        self.lr, self.warmup = config.lr, config.warmup
+        cut_lr = config.cut_lr or config.lr
+
+        def groups(cut: nn.Module, stage: nn.Module) -> list[dict[str, Any]]:
+            found = [{"params": trainable(stage), "base_lr": config.lr}]
+            return found + ([{"params": trainable(cut), "base_lr": cut_lr}] if trainable(cut) else [])
+
+        self.upstream_opt = torch.optim.Adam(groups(self.down, self.encoder), lr=config.lr)
+        self.downstream_opt = torch.optim.Adam(groups(self.up, self.decoder), lr=config.lr)
+        self.warmup = config.warmup
 
     def set_step(self, step: int) -> None:
         """The lr of fine-tuning step ``step`` (0-based): linear warm-up over ``config.warmup`` steps."""
         scale = min(1.0, (step + 1) / self.warmup) if self.warmup else 1.0
         for optimizer in (self.upstream_opt, self.downstream_opt):
             for group in optimizer.param_groups:
-                group["lr"] = self.lr * scale
+                group["lr"] = group["base_lr"] * scale
 
     def send(self, ids: torch.Tensor) -> torch.Tensor:
         return self.down(self.encoder(ids))

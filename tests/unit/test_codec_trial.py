@@ -11,7 +11,7 @@ from torch import nn
 
 from nebula_common.codec import TensorStreamDecoder, TensorStreamEncoder
 from nebula_common.codec.base import CodecError
-from nebula_common.codec.trial import Candidate, Link, TrialRun, choose_by_trial, trial_loss
+from nebula_common.codec.trial import Candidate, Link, TrialRun, choose_by_trial, trial_loss, within_budget
 from tests.support.torch_threads import one_torch_thread
 
 pytestmark = pytest.mark.timeout(300)  # CPU seconds each; the first optimizer imports torch._dynamo
@@ -142,3 +142,49 @@ def test_a_jobs_own_programs_run_the_trial_with_the_codecs_in_the_loop() -> None
     assert pairs == {("fp16", "int8"), ("fp16", "none"), ("none", "int8"), ("int8", "int8"), ("int8", "none")}
     fixed = {(c.forward, c.backward) for c in trial_candidates(advice, "auto", "bf16")}
     assert fixed == {("fp16", "bf16"), ("none", "bf16"), ("int8", "bf16")}
+
+
+def test_a_gap_that_opens_late_is_caught_by_the_progress_rule_not_by_the_relative_loss_alone() -> None:
+    # Trial curves shaped like Table 5's at 90 steps (session 26): the loss is flat through the lr
+    # warm-up, then none's falls; a bottleneck row falls 20% slower, so after 90 steps it is only ~2%
+    # over none (within a 2% loss tolerance) but 20% of none's progress short; int8 both ways falls 1%
+    # slower. Recorded-style numbers, no timing: compute seconds and bytes are given.
+    def curve(rate: float) -> list[float]:
+        return [5.05 if step < 45 else 5.05 - rate * 0.8 * (step - 44) / 45 for step in range(90)]
+
+    runs = {
+        "none": TrialRun(curve(1.0), [0.28] * 90, 786_472, 786_472),
+        "bottleneck": TrialRun(curve(0.8), [0.27] * 90, 12_000, 12_000),
+        "int8 both": TrialRun(curve(0.99), [0.29] * 90, 45_000, 40_000),
+    }
+    candidates = [Candidate("int8", "int8", "int8 both"), Candidate("cut", "cut", "bottleneck")]
+
+    def replay(candidate: Candidate, steps: int) -> TrialRun:
+        recorded = runs[candidate.name]
+        return TrialRun(recorded.losses[:steps], recorded.compute_seconds[:steps], *_bytes(recorded))
+
+    link = Link(bandwidth_bps=2e6, rtt_seconds=0.02)
+    lenient = choose_by_trial(candidates, replay, link, trial_steps=90, tolerance=0.02)
+    assert lenient.chosen.name == "bottleneck"  # the relative loss alone: +1.4%, within 2%
+    strict = choose_by_trial(
+        candidates, replay, link, trial_steps=90, tolerance=0.02, progress_tolerance=0.10
+    )
+    by_name = {a.candidate.name: a for a in strict.assessments}
+    assert by_name["bottleneck"].within is False and 0.15 < by_name["bottleneck"].progress_share < 0.25
+    assert by_name["int8 both"].within is True and by_name["int8 both"].progress_share < 0.02
+    assert strict.chosen.name == "int8 both"
+    record = strict.record()
+    assert record["progress_tolerance"] == 0.10 and record["baseline_progress"] > 0.3
+    assert any(
+        "bottleneck" in r and "over the 2% tolerance and the progress rule" in r for r in record["reasons"]
+    )
+    # The rule itself: a baseline that learned nothing (progress <= 0) leaves only the relative excess.
+    assert within_budget(5.0, 5.0, tolerance=0.02, progress=0.0, progress_tolerance=0.1) == (True, 0.0, None)
+    within, excess, share = within_budget(4.75, 4.70, tolerance=0.02, progress=0.30, progress_tolerance=0.1)
+    assert not within and excess == pytest.approx(0.05 / 4.70) and share == pytest.approx(0.05 / 0.30)
+    with pytest.raises(CodecError, match="progress tolerance"):
+        choose_by_trial(candidates, replay, link, progress_tolerance=-1)
+
+
+def _bytes(run: TrialRun) -> tuple[int, int]:
+    return run.forward_bytes, run.backward_bytes
