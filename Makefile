@@ -93,7 +93,8 @@ bench-wan-roofline: $(STAMP)
 	$(BIN)/python bench/wan/roofline.py --out bench/results/roofline
 
 # One job's throughput across the emulated WAN vs on a local link (the paper's Table 3), pinned cores,
-# numbers and electra, interleaved runs (about 6 minutes). JSON + markdown.
+# numbers (batch 1024, 12+12 layers: the roofline's regime) and electra, interleaved runs (about 4
+# minutes). JSON + markdown.
 bench-wan-table3: $(STAMP)
 	$(BIN)/python bench/wan/table3.py --out bench/results/table3
 

@@ -42,6 +42,8 @@ from nebula_common.codec.base import CodecError
 
 DEFAULT_LOSS_TOLERANCE = 0.02
 """Relative trial-loss excess over the ``none`` baseline a candidate may have (2%)."""
+DEFAULT_PROGRESS_TOLERANCE = 0.10
+"""The progress rule: a candidate's trial-loss gap over ``none`` at most 10% of what ``none`` learned."""
 DEFAULT_TRIAL_STEPS = 30
 DEFAULT_CALIBRATION_STEPS = 3
 DEFAULT_MAX_TRIALS = 4
@@ -277,16 +279,9 @@ def choose_by_trial(
             progress_tolerance=progress_tolerance,
         )
         speedup = base.predicted_step_seconds / item.predicted_step_seconds
-        verdict = "within" if item.within else "over"
-        share = (
-            f", {item.progress_share:+.0%} of the baseline's progress (tolerance {progress_tolerance:.0%})"
-            if item.progress_share is not None and progress_tolerance is not None
-            else ""
-        )
         decision.reasons.append(
             f"{item.candidate.name}: predicted {item.predicted_step_seconds:.3f} s/step ({speedup:.1f}x), "
-            f"trial loss {item.trial_loss:.4f} ({item.excess:+.1%}{share}, {verdict} the "
-            f"{tolerance:.0%} tolerance" + (" and the progress rule)" if share else ")")
+            f"trial loss {item.trial_loss:.4f} ({_verdict(item, tolerance, progress_tolerance)})"
         )
         if item.within:
             decision.chosen = item.candidate
@@ -294,3 +289,21 @@ def choose_by_trial(
             return decision
     decision.reasons.append(f"chose {baseline.name}: no faster candidate stayed within the tolerance")
     return decision
+
+
+def _verdict(item: Assessment, tolerance: float, progress_tolerance: float | None) -> str:
+    """Which rule(s) a tried candidate met or failed, in words (the report's "why")."""
+    assert item.excess is not None
+    relative = f"{'within' if item.excess <= tolerance else 'over'} the {tolerance:.0%} tolerance"
+    if item.progress_share is None or progress_tolerance is None:
+        return f"{item.excess:+.1%}, {relative}"
+    progress_ok = item.progress_share <= progress_tolerance
+    share = f"{item.progress_share:+.0%} of the baseline's progress"
+    rule = f"the progress rule (at most {progress_tolerance:.0%})"
+    if item.within:
+        return f"{item.excess:+.1%}, {share}, {relative} and {rule}"
+    if item.excess <= tolerance:  # rejected by the progress rule alone
+        return f"{item.excess:+.1%}, {share}, {relative} but over {rule}"
+    if progress_ok:
+        return f"{item.excess:+.1%}, {share}, {relative}; within {rule}"
+    return f"{item.excess:+.1%}, {share}, {relative} and over {rule}"

@@ -89,8 +89,13 @@ def lr_factor(schedule: str, warmup_steps: int, total_steps: int) -> Callable[[i
 
 
 def build_optimizer(
-    params: list[nn.Parameter], name: str, lr: float, weight_decay: float, momentum: float
+    params: list[nn.Parameter] | list[dict[str, Any]],
+    name: str,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
 ) -> torch.optim.Optimizer:
+    """The stage's optimizer over ``params``: parameters, or param groups (a group's own ``lr`` wins)."""
     if not params:
         raise ProgramError("the stage has no trainable parameters (every parameter has requires_grad=False)")
     if name == "adam":
@@ -166,10 +171,38 @@ class StageProgram:
         """
         optim = self._optim
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(trainable, optim.name, optim.lr, optim.weight_decay, optim.momentum)
+        groups = self._param_groups(trainable)
+        self.optimizer = build_optimizer(groups, optim.name, optim.lr, optim.weight_decay, optim.momentum)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_factor(optim.schedule, optim.warmup_steps, self._total_steps)
         )
+
+    def _param_groups(self, trainable: list[nn.Parameter]) -> list[nn.Parameter] | list[dict[str, Any]]:
+        """Trainable parameters, split by the module's optional ``param_groups(model, options)``.
+
+        That hook returns groups ``{"params": [...], "lr": x}`` for parameters that train at their own
+        rate (the ABNet job's learned bottleneck, ``cut_lr``); every other trainable parameter stays in
+        the first group at the stage's rate. The schedule scales every group alike. Parameters the hook
+        names that are not trainable parameters of the model (frozen, or replaced by shards) are skipped.
+        """
+        hook = getattr(self.module, "param_groups", None)
+        if not callable(hook):
+            return trainable
+        known = {id(p) for p in trainable}
+        taken: set[int] = set()
+        own: list[dict[str, Any]] = []
+        for group in hook(self.model, self.options) or []:
+            lr = group.get("lr") if isinstance(group, dict) else None
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (lr > 0 and math.isfinite(lr)):
+                raise ProgramError(f"param_groups() must give each group a positive finite lr, got {lr!r}")
+            params = [p for p in group.get("params", []) if id(p) in known and id(p) not in taken]
+            taken.update(id(p) for p in params)
+            if params:
+                own.append({"params": params, "lr": float(lr)})
+        if not own:
+            return trainable
+        rest = [p for p in trainable if id(p) not in taken]
+        return ([{"params": rest}] if rest else []) + own
 
     def batch(self, ids: Sequence[int]) -> Batch:
         if self._source is not None:  # one read per micro-batch; the owner's grant is checked each time

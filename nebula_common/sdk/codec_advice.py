@@ -15,8 +15,10 @@ job, the submitter then runs a short trial (``nebula_common.codec.trial``): the
 job's own stage programs train ``trial_steps`` steps from their seeded start with
 ``none`` and with the best-ranked codec pairs in the loop (real encode/decode at
 the cut); the fastest pair predicted for the link whose trial loss stays within
-``loss_tolerance`` of ``none``'s wins, and its reasoning goes into the record
-(``trial``) and the job report.
+``loss_tolerance`` of ``none``'s, and whose gap is at most ``progress_tolerance`` (10%)
+of what ``none`` learned during the trial (the progress rule), wins; its reasoning,
+naming the rule that rejected each faster pair, goes into the record (``trial``)
+and the job report.
 
 A chain decides each edge in turn (``resolve_chain_codecs``): that edge's own tensor and link,
 its sending cluster's codec service, and a trial of the whole chain with the candidates on that
@@ -38,6 +40,7 @@ from nebula_common.codec.advice_client import advise_specs_sync
 from nebula_common.codec.stream import TensorStreamDecoder, TensorStreamEncoder, canonical_spec
 from nebula_common.codec.trial import (
     DEFAULT_LOSS_TOLERANCE,
+    DEFAULT_PROGRESS_TOLERANCE,
     DEFAULT_TRIAL_STEPS,
     Candidate,
     Link,
@@ -233,6 +236,29 @@ class TrialSettings:
     error_budget: float = DEFAULT_ERROR_BUDGET
     trial_steps: int = DEFAULT_TRIAL_STEPS
     loss_tolerance: float = DEFAULT_LOSS_TOLERANCE
+    progress_tolerance: float | None = DEFAULT_PROGRESS_TOLERANCE
+    """The progress rule (``within_budget``): a candidate's trial-loss gap over ``none`` at most this
+    share of what ``none`` learned during the trial; None: the relative loss tolerance alone."""
+
+
+def decide_by_trial(
+    candidates: Sequence[Candidate],
+    run: Callable[[Candidate, int], TrialRun],
+    link: Link,
+    settings: TrialSettings,
+    trial_steps: int,
+) -> TrialDecision:
+    """The ``auto`` decision: the fastest-predicted candidate within both of ``settings``' rules."""
+    return choose_by_trial(
+        candidates,
+        run,
+        link,
+        tolerance=settings.loss_tolerance,
+        progress_tolerance=settings.progress_tolerance,
+        trial_steps=trial_steps,
+        calibration_steps=2,
+        max_trials=TRIAL_MAX_PAIRS,
+    )
 
 
 def advise_edge(
@@ -271,14 +297,12 @@ def advise_edge(
     candidates = trial_candidates(advice, *configured)
     trial_steps = min(settings.trial_steps, job.spec.steps)  # never trial longer than the job itself
     if trial_steps >= 2 and job.spec.pipeline.mode != "one_way" and candidates:
-        trial = choose_by_trial(
+        trial = decide_by_trial(
             candidates,
             lambda candidate, steps: trial_run(job, candidate, steps, index, others),
             Link(bandwidth_bps=link.bandwidth_mbit * 1e6, rtt_seconds=link.rtt_ms / 1000.0),
-            tolerance=settings.loss_tolerance,
-            trial_steps=trial_steps,
-            calibration_steps=2,
-            max_trials=TRIAL_MAX_PAIRS,
+            settings,
+            trial_steps,
         )
         forward, backward = trial.chosen.forward, trial.chosen.backward
     record = choice_record(advice, forward, backward, edge_probe, link, trial)
@@ -299,17 +323,20 @@ def resolve_auto_codecs(
     token: str | None = None,
     trial_steps: int = DEFAULT_TRIAL_STEPS,
     loss_tolerance: float = DEFAULT_LOSS_TOLERANCE,
+    progress_tolerance: float | None = DEFAULT_PROGRESS_TOLERANCE,
 ) -> dict[str, Any] | None:
     """Replace `auto` in the job's codecs with the advised specs; the recorded choice, or None if no auto.
 
     With ``trial_steps`` >= 2 (and a two-way job) the service's top pairs are tried on the job itself
-    and the fastest within ``loss_tolerance`` of ``none``'s trial loss is chosen (module docstring);
+    and the fastest within ``loss_tolerance`` of ``none``'s trial loss, and whose gap is at most
+    ``progress_tolerance`` of what ``none`` learned in the trial (None: no such rule), is chosen
+    (module docstring);
     a trial is never longer than the job (``trial_steps`` is capped at its steps). A chain asks this
     one service for every edge, each with the same ``link`` (``resolve_chain_codecs`` takes one each).
     """
     if not needs_advice(job):
         return None
-    settings = TrialSettings(error_budget, trial_steps, loss_tolerance)
+    settings = TrialSettings(error_budget, trial_steps, loss_tolerance, progress_tolerance)
 
     def advisor(request: AdviceRequest) -> AdviceResult:
         return advise_specs_sync(codec_address, request, token=token)

@@ -204,9 +204,16 @@ def advice_section(choice: dict[str, Any]) -> str:
     lines.append("</table>")
     trial = choice.get("trial")
     if isinstance(trial, dict):
+        progress = trial.get("progress_tolerance")
+        progress_rule = (
+            f", gap at most {float(progress):.0%} of none's trial progress"
+            if isinstance(progress, (int, float))
+            else ""
+        )
         lines.append(
             f"<p>Then a trial on the job itself ({html.escape(str(trial.get('trial_steps', '?')))} steps per "
-            f"candidate, loss tolerance {float(trial.get('loss_tolerance', 0)):.0%} of none's) chose "
+            f"candidate, loss tolerance {float(trial.get('loss_tolerance', 0)):.0%} of none's"
+            f"{progress_rule}) chose "
             f"<b>{html.escape(str(trial.get('forward')))}</b> forward and "
             f"<b>{html.escape(str(trial.get('backward')))}</b> backward:</p>"
         )

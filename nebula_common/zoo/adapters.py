@@ -24,7 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from nebula_common.zoo.bottleneck import DownProjection, UpProjection, load_basis_file, shared_basis
+from nebula_common.zoo.bottleneck import (
+    BottleneckError,
+    DownProjection,
+    UpProjection,
+    load_basis_file,
+    shared_basis,
+)
 from nebula_common.zoo.text_data import BOS, EOS, MASK, PAD, UNK
 
 
@@ -295,10 +301,43 @@ def cut_basis(options: dict[str, Any]) -> torch.Tensor | None:
     k = int(options.get("cut_k") or 0)
     if not k:
         return None
+    cut_lr(options)  # a bad cut_lr is refused here, at build time, by name
     d_model = int(options["d_model"])
     if options.get("cut_basis"):
         return load_basis_file(str(options["cut_basis"]), d_model, k)
     return shared_basis(d_model, k, int(options.get("cut_seed", 0x4E42)))
+
+
+DEFAULT_CUT_LR = 1e-4
+"""The bottleneck's own learning rate (docs/codecs.md, "Its learning rate"; Table 5's ``cut_lr``)."""
+
+
+def cut_lr(options: dict[str, Any]) -> float:
+    """The bottleneck's learning rate from a stage's ``cut_lr`` option (absent or empty: 1e-4).
+
+    Refused by name unless a positive finite number: at the adapters' rate the projections
+    lose their calibrated subspace, so the stage's own rate is never a silent fallback.
+    """
+    value = options.get("cut_lr")
+    if value is None or value == "":
+        return DEFAULT_CUT_LR
+    try:
+        rate = float(value)
+    except (TypeError, ValueError):
+        rate = math.nan
+    if isinstance(value, bool) or not (rate > 0 and math.isfinite(rate)):
+        raise BottleneckError(f"option cut_lr must be a positive learning rate (e.g. 1e-4), got {value!r}")
+    return rate
+
+
+def cut_param_groups(model: nn.Module, options: dict[str, Any]) -> list[dict[str, Any]]:
+    """The bottleneck half's parameters in their own optimizer group at ``cut_lr``; [] without one."""
+    half = (
+        model.down if isinstance(model, CutEncoder) else model.up if isinstance(model, CutDecoder) else None
+    )
+    if half is None:
+        return []
+    return [{"params": [p for p in half.parameters() if p.requires_grad], "lr": cut_lr(options)}]
 
 
 class CutEncoder(nn.Module):

@@ -136,3 +136,33 @@ def test_a_basis_that_does_not_fit_is_refused_by_name(tmp_path: Path) -> None:
     )
     with pytest.raises(BottleneckError, match=r"nope\.pt does not exist in this cluster"):
         build_programs(missing)
+
+
+def test_the_bottleneck_trains_at_its_own_learning_rate() -> None:
+    """``cut_lr``: the bottleneck's parameters are their own param group; the rest keep the stage's lr."""
+    job = load_spec(BUILTIN_DIR / "abnet" / "job.yaml", cut(4, **{"optimizer.lr": 3e-3}))
+    for programs, rate in ((build_programs(job), 1e-4), (build_programs(_with_cut_lr(4, 2e-5)), 2e-5)):
+        for program, half in zip(programs, ("down", "up"), strict=True):
+            lrs = {id(p): g["lr"] for g in program.optimizer.param_groups for p in g["params"]}
+            cut_params = [p for p in getattr(program.model, half).parameters() if p.requires_grad]
+            others = [
+                p for n, p in program.model.named_parameters() if p.requires_grad and not n.startswith(half)
+            ]
+            assert cut_params and others
+            assert {lrs[id(p)] for p in cut_params} == {rate}, half
+            assert {lrs[id(p)] for p in others} == {3e-3}, half
+            trainable = [p for p in program.model.parameters() if p.requires_grad]
+            assert sorted(lrs) == sorted(id(p) for p in trainable)  # each trainable parameter exactly once
+    plain = build_programs(load_spec(BUILTIN_DIR / "abnet" / "job.yaml", SMALL))
+    assert all(len(p.optimizer.param_groups) == 1 for p in plain)  # without cut_k: one group, as before
+
+
+def _with_cut_lr(k: int, rate: object) -> object:
+    more = {f"stages.{i}.options.cut_lr": rate for i in (0, 1)}
+    return load_spec(BUILTIN_DIR / "abnet" / "job.yaml", cut(k, **{"optimizer.lr": 3e-3, **more}))
+
+
+@pytest.mark.parametrize("bad", [0, -1e-4, "fast", "inf", True])
+def test_a_bad_cut_lr_is_refused_by_name(bad: object) -> None:
+    with pytest.raises(BottleneckError, match=r"option cut_lr must be a positive learning rate"):
+        build_programs(_with_cut_lr(4, bad))

@@ -94,3 +94,16 @@ def test_write_report_refuses_a_path_it_cannot_write_cleanly(tmp_path: Path) -> 
     page, _ = write_report(summary(), record(), None, tmp_path / "report.html")
     assert page.read_text().startswith("<!doctype html>") and "link</th><td>unknown" in page.read_text()
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".png")) == ["report.html"]
+
+
+def test_the_page_names_the_progress_rule_when_the_trial_used_it() -> None:
+    trial = {"forward": "int8", "backward": "int8", "trial_steps": 90, "loss_tolerance": 0.02}
+    trial |= {
+        "progress_tolerance": 0.1,
+        "reasons": ["x: trial loss 4.6 (+1.1%, +14% of the baseline's progress)"],
+    }
+    page = render_html(summary(), record(choice={**ADVICE, "trial": trial}), LinkProfile(60, 40))
+    assert (
+        "(90 steps per candidate, loss tolerance 2% of none's, gap at most 10% of none's trial progress)"
+        in page
+    )

@@ -23,6 +23,7 @@ from nebula_common.zoo.adapters import (
     CutEncoder,
     LanguageModel,
     cut_basis,
+    cut_param_groups,
     load_pretrained,
 )
 from nebula_common.zoo.bottleneck import DownProjection
@@ -68,6 +69,11 @@ def _encoded(options: dict[str, Any], held_out: bool) -> list[list[int]]:
     train, held = split_pairs(options["held_out_percent"])
     tokenizer = side_tokenizer("es", options["vocab_size"], options["held_out_percent"])
     return encode(tokenizer, side(held if held_out else train, "es"), options["length"], bos=False)
+
+
+def param_groups(model: nn.Module, options: dict[str, Any]) -> list[dict[str, Any]]:
+    """With ``cut_k``: the bottleneck trains at its own rate ``cut_lr`` (default 1e-4), not the stage's."""
+    return cut_param_groups(model, options)
 
 
 def load_examples(options: dict[str, Any]) -> list[list[int]]:

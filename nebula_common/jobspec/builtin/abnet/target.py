@@ -25,6 +25,7 @@ from nebula_common.zoo.adapters import (
     CutDecoder,
     LanguageModel,
     cut_basis,
+    cut_param_groups,
     load_pretrained,
 )
 from nebula_common.zoo.bottleneck import UpProjection
@@ -70,6 +71,11 @@ def build(options: dict[str, Any]) -> nn.Module:
     model.tokenizer = tokenizer
     model.max_length = options["length"]
     return model
+
+
+def param_groups(model: nn.Module, options: dict[str, Any]) -> list[dict[str, Any]]:
+    """With ``cut_k``: the bottleneck trains at its own rate ``cut_lr`` (default 1e-4), not the stage's."""
+    return cut_param_groups(model, options)
 
 
 def _examples(options: dict[str, Any], held_out: bool) -> list[Example]:
