@@ -56,3 +56,16 @@ def test_error_records_are_never_items() -> None:
     assert parse_error_record(item) is None
     with pytest.raises(Exception):  # noqa: B017 - protobuf's DecodeError: field number 0 is invalid
         relay_pb2.EdgeMessage.FromString(record)
+
+
+def test_a_ticket_on_the_unix_socket_is_checked_for_use_and_time_not_for_a_certificate() -> None:
+    clock = Clock()
+    tickets = EdgeTickets(ttl_s=10.0, clock=clock)
+    key = tickets.issue(TRAINER, 7, "alice", OPEN)
+    assert tickets.redeem(key, None, None).account == "alice"  # the uid was checked instead
+    with pytest.raises(TicketError, match="already used"):
+        tickets.redeem(key, None, None)
+    late = tickets.issue(TRAINER, 7, "alice", OPEN)
+    clock.now += 10.0
+    with pytest.raises(TicketError, match="expired"):
+        tickets.redeem(late, None, None)
