@@ -426,6 +426,9 @@ class RawEdgeListener:
             await stream.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
         try:
             ticket = self.tickets.redeem(key, identity, serial)
+            if identity is None and ticket.serial in self.revoked():
+                # No certificate on this connection: the one that obtained the ticket must still be good.
+                raise TicketError(f"the certificate {ticket.serial:x} that obtained the ticket is revoked")
         except TicketError as exc:
             self.servicer.link.record(
                 "edge.open",
