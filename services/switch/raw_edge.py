@@ -28,7 +28,7 @@ records over a Unix domain socket instead of TLS on TCP, which saves both ends' 
 gRPC exactly as above (mutual TLS, role, token, account: that is where the ticket comes from); only
 the connection that redeems the ticket differs. The socket is 0600 in a 0700 directory of the switch's
 user, and the switch reads the peer's credentials from the kernel (``SO_PEERCRED``): a process of any
-other uid is refused (``auth.refused``, reason ``peer-uid``) before it may present anything. There is
+other uid is refused (``auth.refused``, counted as ``peer-uid``) before it may present anything. There is
 no certificate on that connection, so the ticket is checked for being known, unused and unexpired, but
 not bound to a certificate: it is a 32-byte one-time secret the holder received over the verified
 mutual-TLS call, and only processes of the switch's own uid can reach the socket.
@@ -201,6 +201,7 @@ class RawEdgeListener:
         #: Path of the Unix socket edge, when served (``start_unix``).
         self.unix_path = ""
         self._unix: socket.socket | None = None
+        self._unix_acceptor: asyncio.Task[None] | None = None
         self._listener: socket.socket | None = None
         self._acceptor: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -248,8 +249,7 @@ class RawEdgeListener:
             raise
         self._unix = listener
         self.unix_path = str(where)
-        task = asyncio.create_task(self._accept_unix_forever(), name="raw-edge-unix-listener")
-        self._tasks.add(task)
+        self._unix_acceptor = asyncio.create_task(self._accept_unix_forever(), name="raw-edge-unix-listener")
         return self.unix_path
 
     async def stop(self) -> None:
@@ -259,6 +259,10 @@ class RawEdgeListener:
                 await self._acceptor
         if self._listener is not None:
             self._listener.close()
+        if self._unix_acceptor is not None:
+            self._unix_acceptor.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._unix_acceptor
         if self._unix is not None:
             self._unix.close()
             with contextlib.suppress(OSError):
