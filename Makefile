@@ -167,7 +167,7 @@ test-faults: $(STAMP)
 
 # The raw edge transport end to end (two `nebula local up` deployments; a few minutes).
 test-raw-edge: $(STAMP)
-	$(BIN)/pytest -q -m rawedge tests/integration/test_raw_edge.py $(PYTEST_ARGS)
+	$(BIN)/pytest -q -m rawedge tests/integration/test_raw_edge.py tests/integration/test_raw_edge_unix.py $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit $(PYTEST_ARGS)

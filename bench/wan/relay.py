@@ -12,6 +12,9 @@ another process on loopback, measured side by side so the ratios share the machi
   TLS 1.3 after a ticket from ``OpenEdge``; ``NEBULA_SWITCH_EDGE_TRANSPORT=raw``, raw edge transports,
   services/switch/raw_edge.py). Its internal ports run TLS (the raw edge needs the trainers' service
   certificates), where ``relay`` and ``relay-raw`` run plaintext internal ports: a stricter setting;
+* ``relay-unixedge``: ``relay-rawedge`` with each trainer's raw edge on its switch's Unix socket
+  (``NEBULA_SWITCH_RAW_EDGE_UNIX`` / ``NEBULA_TRAINER_RAW_EDGE_UNIX``: a trainer co-located with its
+  switch; no TLS on the edge hops, the open still on mutual-TLS gRPC with the token);
 * ``relay-raw-tls``: ``relay-raw`` with internal TLS (the gRPC edges on the switches' mutual-TLS service
   ports, as in production): the baseline ``relay-rawedge`` changes only the edges of;
 * ``tls``: one Python ``ssl`` TLS 1.3 socket hop (``sendall`` / ``recv_into``);
@@ -53,13 +56,41 @@ from typing import Any
 MIB = 1 << 20
 GRPC_MESSAGE = 4 * MIB
 SIZES_MIB = (1, 16, 64)
-PATHS = ("relay", "relay-raw", "relay-raw-tls", "relay-rawedge", "tls", "tcp", "grpc", "gloo")
-TRANSPORTS = {"relay": "grpc", "relay-raw": "raw", "relay-raw-tls": "raw", "relay-rawedge": "raw"}
-EDGES = {"relay": "grpc", "relay-raw": "grpc", "relay-raw-tls": "grpc", "relay-rawedge": "raw"}
+PATHS = (
+    "relay",
+    "relay-raw",
+    "relay-raw-tls",
+    "relay-rawedge",
+    "relay-unixedge",
+    "tls",
+    "tcp",
+    "grpc",
+    "gloo",
+)
+TRANSPORTS = {
+    "relay": "grpc",
+    "relay-raw": "raw",
+    "relay-raw-tls": "raw",
+    "relay-rawedge": "raw",
+    "relay-unixedge": "raw",
+}
+EDGES = {
+    "relay": "grpc",
+    "relay-raw": "grpc",
+    "relay-raw-tls": "grpc",
+    "relay-rawedge": "raw",
+    "relay-unixedge": "unix",
+}
 """What carries the trainers' edges on each relay path."""
-INTERNAL_TLS = {"relay-raw-tls", "relay-rawedge"}
+INTERNAL_TLS = {"relay-raw-tls", "relay-rawedge", "relay-unixedge"}
 """Relay paths whose internal ports run TLS (as in production; the raw edge needs it)."""
-SUFFIX = {"relay": "", "relay-raw": "_raw", "relay-raw-tls": "_rawtls", "relay-rawedge": "_rawedge"}
+SUFFIX = {
+    "relay": "",
+    "relay-raw": "_raw",
+    "relay-raw-tls": "_rawtls",
+    "relay-rawedge": "_rawedge",
+    "relay-unixedge": "_unixedge",
+}
 JOB = "bench/relay"
 EDGE = "up->down"
 
@@ -188,8 +219,11 @@ def gloo_receiver(port: int, size: int, count: int, done: Any) -> None:
     dist.destroy_process_group()
 
 
-def edge_transport(address: str, token: str, job: str, tls: tuple[str, ...] | None, raw: bool) -> Any:
-    """The edge transport: gRPC, or raw with the trainer certificate ``tls`` (cluster, ca, cert, key)."""
+def edge_transport(
+    address: str, token: str, job: str, tls: tuple[str, ...] | None, raw: bool, unix: str = ""
+) -> Any:
+    """The edge transport: gRPC, or raw with the trainer certificate ``tls`` (cluster, ca, cert, key),
+    its records on the switch's Unix socket ``unix`` if given."""
     from services.trainer.edge import GrpcEdgeTransport, RawEdgeTransport
 
     if tls is None:
@@ -200,11 +234,18 @@ def edge_transport(address: str, token: str, job: str, tls: tuple[str, ...] | No
     trust_endpoint(address, client)
     if not raw:
         return GrpcEdgeTransport(address, token, job, EDGE)
-    return RawEdgeTransport(address, token, job, EDGE, tls=client)
+    return RawEdgeTransport(address, token, job, EDGE, tls=client, unix_path=unix)
 
 
 def relay_receiver(
-    address: str, token: str, job: str, count: int, tls: tuple[str, ...] | None, raw: bool, done: Any
+    address: str,
+    token: str,
+    job: str,
+    count: int,
+    tls: tuple[str, ...] | None,
+    raw: bool,
+    unix: str,
+    done: Any,
 ) -> None:
     """The downstream stage: a real edge on switch b receiving ``count + 1`` tensors."""
     from nebula_common.bulk_memory import keep_freed_memory_for_reuse
@@ -212,7 +253,7 @@ def relay_receiver(
 
     keep_freed_memory_for_reuse()  # as the trainer service does at start
 
-    transport = edge_transport(address, token, job, tls, raw)
+    transport = edge_transport(address, token, job, tls, raw, unix)
     edge = EdgeConnection(transport, job_id=job, edge=EDGE, upstream=False)
     for step in range(count + 1):
         edge.receive_tensor(step, 0, timeout=600)
@@ -358,7 +399,7 @@ class Deployment:
         self.root = root
         self.transport = transport
         self.edge = edge
-        self.internal_tls = internal_tls or edge == "raw"
+        self.internal_tls = internal_tls or edge in ("raw", "unix")
         #: Per cluster (cluster, ca, cert, key) of the trainer identity (raw edges: internal TLS on).
         self.trainer_tls: dict[str, tuple[str, ...]] = {}
         self.processes: list[Any] = []
@@ -384,9 +425,8 @@ class Deployment:
 
         pki = init_pki(self.root / "pki", ["a", "b"])
         tls_dirs: dict[str, dict[str, str]] = {}
-        if (
-            self.edge == "raw"
-        ):  # the raw edge needs internal TLS: every service and the trainers get identities
+        if self.edge in ("raw", "unix"):
+            # the raw edge needs internal TLS: every service and the trainers get identities
             from nebula_common.pki.service_identity import (
                 ServiceTlsFiles,
                 ensure_service_certificates,
@@ -469,7 +509,8 @@ class Deployment:
                 "LOG_LEVEL": "WARNING",
                 "LINK_ROLE": "accept" if cluster == "b" else "dial",
                 "LINK_TRANSPORT": self.transport,
-                "EDGE_TRANSPORT": self.edge,
+                "EDGE_TRANSPORT": "raw" if self.edge == "unix" else self.edge,
+                **({"RAW_EDGE_UNIX": self.unix(cluster)} if self.edge == "unix" else {}),
                 **({"INTERNAL_TLS_DIR": tls_dirs[cluster]["switch"]} if tls_dirs else {}),
             }
             if cluster == "a":
@@ -485,6 +526,10 @@ class Deployment:
 
     def tls(self, cluster: str) -> tuple[str, ...] | None:
         return self.trainer_tls.get(cluster)
+
+    def unix(self, cluster: str) -> str:
+        """The switch's Unix socket edge (``relay-unixedge``), else empty."""
+        return str(self.root / cluster / "edge-socket" / "edge.sock") if self.edge == "unix" else ""
 
     def link_connections(self) -> dict[str, float]:
         """``nebula_switch_link_connections`` of each switch right now (from its metrics endpoint)."""
@@ -528,14 +573,26 @@ def bench_relay(
 
     job = f"{JOB}-{job_index}"
     size = tensor.numel() * 4
-    raw = deployment.edge == "raw"
+    raw = deployment.edge in ("raw", "unix")
     process, done = _spawn(
-        relay_receiver, deployment.internal("b"), deployment.tokens["b"], job, count, deployment.tls("b"), raw
+        relay_receiver,
+        deployment.internal("b"),
+        deployment.tokens["b"],
+        job,
+        count,
+        deployment.tls("b"),
+        raw,
+        deployment.unix("b"),
     )
     edge = None
     try:
         transport = edge_transport(
-            deployment.internal("a"), deployment.tokens["a"], job, deployment.tls("a"), raw
+            deployment.internal("a"),
+            deployment.tokens["a"],
+            job,
+            deployment.tls("a"),
+            raw,
+            deployment.unix("a"),
         )
         edge = EdgeConnection(transport, job_id=job, edge=EDGE, upstream=True)
         edge.send_tensor(tensor, 0, 0)
@@ -582,12 +639,14 @@ def render(result: dict[str, Any]) -> str:
         "With several rounds (the paths take turns each round) MB/s are medians and the ratio is "
         "theirs, followed by the range of the per-round ratios.",
         "",
-        "| tensor | relay | relay, raw link | raw link, TLS edges | raw link + raw edges | TLS 1.3 hop | TCP "
+        "| tensor | relay | relay, raw link | raw link, TLS edges | raw link + raw edges "
+        "| raw link + Unix socket edges | TLS 1.3 hop | TCP "
         "| gRPC stream | gloo | relay / TLS | raw link / TLS | raw link, TLS edges / TLS | raw edges / TLS "
-        "| switch CPU-s per GB (gRPC / raw link / raw link, TLS edges / raw edges) "
+        "| Unix edges / TLS "
+        "| switch CPU-s per GB (gRPC / raw link / raw link, TLS edges / raw edges / Unix edges) "
         "| CPU-s per GB: switch a / b, sender, receiver "
-        "(gRPC link; raw link; raw link, TLS edges; raw edges) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "(gRPC link; raw link; raw link, TLS edges; raw edges; Unix edges) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         mb = row["mb_s"]
@@ -616,12 +675,13 @@ def render(result: dict[str, Any]) -> str:
         rounds = f", {row['repeat']} rounds" if row.get("repeat", 1) > 1 else ""
         lines.append(
             f"| {row['size_mib']} MiB x {row['count']}{rounds} | {cell('relay')} | {cell('relay-raw')} "
-            f"| {cell('relay-raw-tls')} | {cell('relay-rawedge')} | {cell('tls')} | {cell('tcp')} "
+            f"| {cell('relay-raw-tls')} | {cell('relay-rawedge')} | {cell('relay-unixedge')} "
+            f"| {cell('tls')} | {cell('tcp')} "
             f"| {cell('grpc')} | {cell('gloo')} "
             f"| {ratio('relay')} | {ratio('relay-raw')} | {ratio('relay-raw-tls')} "
-            f"| {ratio('relay-rawedge')} "
-            f"| {cpu('')} / {cpu('_raw')} / {cpu('_rawtls')} / {cpu('_rawedge')} "
-            f"| {parts('')}; {parts('_raw')}; {parts('_rawtls')}; {parts('_rawedge')} |"
+            f"| {ratio('relay-rawedge')} | {ratio('relay-unixedge')} "
+            f"| {cpu('')} / {cpu('_raw')} / {cpu('_rawtls')} / {cpu('_rawedge')} / {cpu('_unixedge')} "
+            f"| {parts('')}; {parts('_raw')}; {parts('_rawtls')}; {parts('_rawedge')}; {parts('_unixedge')} |"
         )
     lines += [
         "",

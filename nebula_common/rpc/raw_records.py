@@ -45,13 +45,19 @@ class RawConnectionError(ConnectionError):
     """A raw connection failed or was closed (the default error of ``RawConnection``)."""
 
 
-def peer_certificate(sock: ssl.SSLSocket) -> x509.Certificate | None:
+def peer_certificate(sock: socket.socket) -> x509.Certificate | None:
+    """The peer's certificate on a TLS socket (None on a plain socket: a Unix socket edge has none)."""
+    if not isinstance(sock, ssl.SSLSocket):
+        return None
     der = sock.getpeercert(binary_form=True)
     return x509.load_der_x509_certificate(der) if der else None
 
 
 class RawConnection:
     """One raw connection after TLS: ``read`` / ``write`` of whole messages, as the gRPC call's.
+
+    ``sock`` is a TLS socket, or a plain stream socket where the carrier itself is private (a Unix
+    domain socket of the switch's own user: ``services/switch/raw_edge.py``).
 
     The TLS socket belongs to one I/O thread (OpenSSL objects are not shared between threads): it
     receives records straight into a reused buffer (``recv_into``), hands each complete message to the
@@ -62,7 +68,7 @@ class RawConnection:
 
     def __init__(
         self,
-        sock: ssl.SSLSocket,
+        sock: ssl.SSLSocket | socket.socket,
         peer: str,
         loop: asyncio.AbstractEventLoop,
         send_buffer: int = 0,
@@ -197,6 +203,7 @@ class RawConnection:
 
     def _pump(self) -> None:
         sock = self.sock
+        tls = isinstance(sock, ssl.SSLSocket)
         head = bytearray(4)
         head_view = memoryview(head)
         buffer = bytearray(1 << 20)
@@ -214,7 +221,7 @@ class RawConnection:
             while room > 0:
                 try:
                     n = sock.recv_into(target[got:need])
-                except ssl.SSLWantReadError:
+                except (ssl.SSLWantReadError, BlockingIOError):  # TLS / a plain socket: nothing ready
                     break
                 except ssl.SSLWantWriteError:
                     wants_write_to_read = True
@@ -261,7 +268,7 @@ class RawConnection:
                     current = memoryview(data).cast("B")
                 try:
                     sent = sock.send(current)
-                except ssl.SSLWantWriteError:
+                except (ssl.SSLWantWriteError, BlockingIOError):
                     blocked = True
                     break
                 except ssl.SSLWantReadError:
@@ -270,7 +277,7 @@ class RawConnection:
                 if current is None:
                     self._settle(current_future, None)
                     current_future = None
-            if room > 0 and sock.pending():
+            if room > 0 and tls and sock.pending():
                 continue  # decrypted bytes already waiting in TLS
             readers = [self._wake_r] + ([sock] if room > 0 else [])
             writers = [sock] if blocked or wants_write_to_read else []

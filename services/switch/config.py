@@ -180,6 +180,14 @@ class SwitchSettings(ServiceSettings):
         description="host:port of the raw edge port (edge_transport=raw). Empty: the service port's host "
         "and a free port, announced to trainers in EdgeReady.raw_edge_port.",
     )
+    raw_edge_unix: str = Field(
+        "",
+        description="Path of a Unix socket that also serves the raw edge (edge_transport=raw), for trainers "
+        "on this host (NEBULA_TRAINER_RAW_EDGE_UNIX): no TLS on that hop, the peer's uid must be this "
+        "switch's (SO_PEERCRED), the socket is 0600 in a 0700 directory; trainers still open on gRPC with "
+        "mutual TLS and their token and redeem the one-time ticket there. '{cluster}' in it is this "
+        "switch's cluster id. Empty: not served.",
+    )
     wan_handshake_timeout_s: float = Field(
         10.0,
         gt=0,

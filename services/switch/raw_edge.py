@@ -22,6 +22,16 @@ is required), the certificate's cluster, revocation and role (``auth.refused``, 
 interceptor writes them), then the ticket (unknown, expired, used, or presented by another
 certificate: ``edge.open`` refused). A refused connection gets one error record (``ERROR_MARK``
 followed by JSON ``{"code", "details"}``, never a valid item: protobuf has no field 0) and is closed.
+
+The Unix socket edge (``raw_edge_unix``, opt-in): a trainer on the switch's own host may carry the same
+records over a Unix domain socket instead of TLS on TCP, which saves both ends' encryption. It opens on
+gRPC exactly as above (mutual TLS, role, token, account: that is where the ticket comes from); only
+the connection that redeems the ticket differs. The socket is 0600 in a 0700 directory of the switch's
+user, and the switch reads the peer's credentials from the kernel (``SO_PEERCRED``): a process of any
+other uid is refused (``auth.refused``, counted as ``peer-uid``) before it may present anything. There is
+no certificate on that connection, so the ticket is checked for being known, unused and unexpired, but
+not bound to a certificate: it is a 32-byte one-time secret the holder received over the verified
+mutual-TLS call, and only processes of the switch's own uid can reach the socket.
 """
 
 from __future__ import annotations
@@ -29,12 +39,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import socket
 import ssl
+import stat
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 import grpc
@@ -56,6 +70,8 @@ TICKET_TTL_S = 10.0
 HANDSHAKE_TIMEOUT_S = 10.0
 """TLS handshake plus the ticket record, at most."""
 MAX_HANDSHAKES = 32
+UNIX_BUFFER_BYTES = 4 << 20
+"""Send and receive buffer of a Unix socket edge (the kernel's ~208 KiB default blocks a 1 MiB chunk)."""
 
 
 class EdgeServer(Protocol):
@@ -96,17 +112,18 @@ class EdgeTickets:
         self._tickets[key] = Ticket(identity.uri, serial, account, open_, now + self.ttl_s)
         return key
 
-    def redeem(self, key: bytes, identity: Identity, serial: int) -> Ticket:
+    def redeem(self, key: bytes, identity: Identity | None, serial: int | None) -> Ticket:
         """The ticket's grant; TicketError if unknown, used, expired or obtained by another certificate.
 
-        A ticket is gone after its first presentation, whoever presents it.
+        A ticket is gone after its first presentation, whoever presents it. ``identity`` None: the
+        connection has no certificate (the Unix socket edge, whose peer uid was checked instead).
         """
         ticket = self._tickets.pop(bytes(key), None)
         if ticket is None:
             raise TicketError("unknown or already used raw edge ticket")
         if ticket.expires <= self._clock():
             raise TicketError(f"raw edge ticket expired (valid {self.ttl_s:g} s)")
-        if (ticket.identity, ticket.serial) != (identity.uri, serial):
+        if identity is not None and (ticket.identity, ticket.serial) != (identity.uri, serial):
             raise TicketError(
                 f"raw edge ticket of {ticket.identity} (certificate {ticket.serial:x}) presented by "
                 f"{identity.uri} (certificate {serial:x})"
@@ -128,8 +145,10 @@ class RawEdgeStream:
 
     transport = "raw"
 
-    def __init__(self, connection: RawConnection) -> None:
+    def __init__(self, connection: RawConnection, transport: str = "raw") -> None:
         self.connection = connection
+        #: ``raw`` (TLS on TCP) or ``unix`` (the Unix socket edge): named in the edge's audit records.
+        self.transport = transport
         self._ended = False
 
     async def read(self) -> object:
@@ -179,6 +198,10 @@ class RawEdgeListener:
         self.tickets = tickets or EdgeTickets()
         self.handshake_timeout_s = handshake_timeout_s
         self.port = 0
+        #: Path of the Unix socket edge, when served (``start_unix``).
+        self.unix_path = ""
+        self._unix: socket.socket | None = None
+        self._unix_acceptor: asyncio.Task[None] | None = None
         self._listener: socket.socket | None = None
         self._acceptor: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -194,6 +217,41 @@ class RawEdgeListener:
         self._acceptor = asyncio.create_task(self._accept_forever(), name="raw-edge-listener")
         return self.port
 
+    async def start_unix(self, path: str) -> str:
+        """Also serve the edge on a Unix socket at ``path`` (0600, in a 0700 directory of this user).
+
+        ValueError naming the path if its directory belongs to another user or is open to others
+        (it is created 0700 if missing), or if something other than a socket is in the way.
+        """
+        where = Path(path)
+        directory = where.parent
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = directory.stat()
+        if info.st_uid != os.getuid():
+            raise ValueError(f"raw_edge_unix {path}: directory {directory} belongs to uid {info.st_uid}")
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            raise ValueError(
+                f"raw_edge_unix {path}: directory {directory} is open to others "
+                f"(mode {stat.S_IMODE(info.st_mode):o}; it must be 0700)"
+            )
+        if where.exists() or where.is_symlink():
+            if not stat.S_ISSOCK(where.lstat().st_mode):
+                raise ValueError(f"raw_edge_unix {path}: exists and is not a socket")
+            where.unlink()  # a previous run's socket
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(str(where))
+            os.chmod(where, 0o600)  # the 0700 directory already keeps others out between bind and this
+            listener.listen(128)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self._unix = listener
+        self.unix_path = str(where)
+        self._unix_acceptor = asyncio.create_task(self._accept_unix_forever(), name="raw-edge-unix-listener")
+        return self.unix_path
+
     async def stop(self) -> None:
         if self._acceptor is not None:
             self._acceptor.cancel()
@@ -201,6 +259,14 @@ class RawEdgeListener:
                 await self._acceptor
         if self._listener is not None:
             self._listener.close()
+        if self._unix_acceptor is not None:
+            self._unix_acceptor.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._unix_acceptor
+        if self._unix is not None:
+            self._unix.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.unix_path)
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
@@ -221,7 +287,50 @@ class RawEdgeListener:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    def _refused(self, reason: str, label: str, peer: str, identity: str = "") -> None:
+    async def _accept_unix_forever(self) -> None:
+        assert self._unix is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._unix)
+            except OSError as exc:
+                log.warning("Unix socket edge accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._accepted_unix(conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _accepted_unix(self, conn: socket.socket) -> None:
+        """The peer's uid from the kernel, then the ticket and the edge's common body, no TLS."""
+        connection: RawConnection | None = None
+        try:
+            pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            peer = f"unix:{self.unix_path} pid {pid} uid {uid}"
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                with contextlib.suppress(OSError):
+                    conn.setsockopt(socket.SOL_SOCKET, option, UNIX_BUFFER_BYTES)
+            connection = RawConnection(conn, peer, asyncio.get_running_loop(), views=True)
+            if uid != os.getuid():
+                reason = f"Unix socket edge peer runs as uid {uid}, this switch as uid {os.getuid()}"
+                self._refused(reason, "peer-uid", peer, transport="unix")
+                await RawEdgeStream(connection, "unix").abort(grpc.StatusCode.PERMISSION_DENIED, reason)
+            await self._serve(connection, None, None, peer, "unix")
+        except EdgeAborted as exc:
+            log.info("Unix socket edge refused: %s", exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # one connection's failure never takes the listener down
+            log.warning("Unix socket edge ended: %s", exc)
+        finally:
+            if connection is not None:
+                await connection.close()
+            else:
+                conn.close()
+
+    def _refused(
+        self, reason: str, label: str, peer: str, identity: str = "", transport: str = "raw"
+    ) -> None:
         """Count and audit a refusal on the transport identity, as the role interceptor does."""
         REFUSALS.labels("switch", "OpenEdge", label).inc()
         log.warning("refused raw edge from %s: %s", peer, reason)
@@ -234,7 +343,7 @@ class RawEdgeListener:
                     "reason": reason,
                     "peer": peer,
                     "peer_identity": identity,
-                    "transport": "raw",
+                    "transport": transport,
                 },
             )
 
@@ -298,8 +407,17 @@ class RawEdgeListener:
         self._refused(reason, "peer-cert", peer, identity.uri)
         await stream.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
 
-    async def _serve(self, connection: RawConnection, identity: Identity, serial: int, peer: str) -> None:
-        stream = RawEdgeStream(connection)
+    async def _serve(
+        self,
+        connection: RawConnection,
+        identity: Identity | None,
+        serial: int | None,
+        peer: str,
+        transport: str = "raw",
+    ) -> None:
+        stream = RawEdgeStream(connection, transport)
+        who = identity.uri if identity is not None else ""
+        extra = {"peer": peer} if transport == "unix" else {}
         try:
             key = await asyncio.wait_for(stream.read(), self.handshake_timeout_s)
         except TimeoutError:
@@ -307,14 +425,22 @@ class RawEdgeListener:
         if key is grpc.aio.EOF or not isinstance(key, bytes):
             reason = "no raw edge ticket in time"
             self.servicer.link.record(
-                "edge.open", outcome="refused", reason=reason, peer_identity=identity.uri, transport="raw"
+                "edge.open", outcome="refused", reason=reason, peer_identity=who, transport=transport, **extra
             )
             await stream.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
         try:
             ticket = self.tickets.redeem(key, identity, serial)
+            if identity is None and ticket.serial in self.revoked():
+                # No certificate on this connection: the one that obtained the ticket must still be good.
+                raise TicketError(f"the certificate {ticket.serial:x} that obtained the ticket is revoked")
         except TicketError as exc:
             self.servicer.link.record(
-                "edge.open", outcome="refused", reason=str(exc), peer_identity=identity.uri, transport="raw"
+                "edge.open",
+                outcome="refused",
+                reason=str(exc),
+                peer_identity=who,
+                transport=transport,
+                **extra,
             )
             await stream.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         await self.servicer.serve_edge(stream, ticket.account, ticket.open)

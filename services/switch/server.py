@@ -355,6 +355,9 @@ async def _start_raw_edges(
     stack.push_async_callback(listener.stop)
     relay.raw_edges = listener
     log.info("raw edge port listening", extra={"fields": {"port": port}})
+    if settings.raw_edge_unix:
+        path = await listener.start_unix(settings.raw_edge_unix.replace("{cluster}", settings.cluster_id))
+        log.info("raw edge Unix socket listening", extra={"fields": {"path": path}})
 
 
 def _dial(

@@ -264,3 +264,40 @@ def test_a_client_without_a_certificate_is_refused_by_the_server(
             await _pair(_server(identities["switch-a"]), bare, server_name("switch", "a"))
 
     _run(body)
+
+
+def test_a_plain_unix_socket_carries_the_same_records_and_cut_is_an_error() -> None:
+    """The Unix socket edge's carrier: no TLS, the same records, ends and errors as over TLS."""
+    sizes = [0, 1, 4, (64 << 10) + 1, 1 << 20, (5 << 20) + 3]
+    messages = [bytes([index + 1]) * size for index, size in enumerate(sizes)]
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        client = RawConnection(left, "server", loop, views=True)
+        server = RawConnection(right, "client", loop, views=True)
+        assert client.peer_cert is None and server.peer_cert is None
+
+        async def send(connection: RawConnection) -> None:
+            for message in messages:
+                await connection.write(message)
+
+        async def receive(connection: RawConnection) -> list[bytes]:
+            return [bytes(await connection.read()) for _ in messages]  # type: ignore[arg-type]
+
+        got = await asyncio.gather(send(client), send(server), receive(server), receive(client))
+        assert got[2] == messages and got[3] == messages
+        await client.close()
+        assert await server.read() is grpc.aio.EOF
+        await server.close()
+
+        # A peer that stops inside a record: an error, not a clean end.
+        left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        server = RawConnection(right, "client", loop, views=True)
+        left.sendall((1 << 20).to_bytes(4, "big") + b"x" * 1000)
+        left.close()
+        with pytest.raises(RawConnectionError, match="inside a record"):
+            await server.read()
+        await server.close()
+
+    _run(body)

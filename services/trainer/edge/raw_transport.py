@@ -13,6 +13,10 @@ A switch that does not offer it keeps the edge on the gRPC call. A raw connectio
 made (the port unreachable, TLS refused) falls back to gRPC for ``RAW_RETRY_S``; a dropped raw
 connection is an outage like a failed stream: ``on_down``, then a reconnecting open (a fresh ticket).
 A refusal on the raw port (the switch's error record) that a retry cannot fix fails the edge.
+
+With ``NEBULA_TRAINER_RAW_EDGE_UNIX`` (a trainer on its switch's host, the switch's ``raw_edge_unix``)
+the ticketed connection is that Unix socket instead: the same records without TLS on this hop (the
+switch checks this process's uid; the open on gRPC keeps mutual TLS and the token).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import ssl
 import time
@@ -39,6 +44,10 @@ log = logging.getLogger(__name__)
 RAW_RETRY_S = 60.0
 """After a raw connection could not be made, opens stay on gRPC this long."""
 CONNECT_TIMEOUT_S = 10.0
+RAW_EDGE_UNIX_ENV = "NEBULA_TRAINER_RAW_EDGE_UNIX"
+"""Path of the switch's Unix socket edge (``raw_edge_unix``): the raw edge's records go there, not TLS.
+``{cluster}`` in it is this trainer's cluster id."""
+UNIX_BUFFER_BYTES = 4 << 20
 _FATAL = frozenset(code.name for code in FATAL_CODES)
 
 
@@ -74,6 +83,22 @@ def _connect(address: str, context: ssl.SSLContext, name: str) -> ssl.SSLSocket:
     return tls
 
 
+def _connect_unix(path: str) -> socket.socket:
+    """A Unix socket edge connection (the switch checks this process's uid; no TLS on this hop)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, option, UNIX_BUFFER_BYTES)
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        sock.connect(path)
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class _LoopQueue:
     """Stands where the gRPC stream's ``queue.Queue`` does: ``put`` hands the item to the raw loop."""
 
@@ -89,9 +114,13 @@ class _LoopQueue:
 class RawEdgeTransport(GrpcEdgeTransport):
     """``GrpcEdgeTransport`` that moves its edge to the switch's raw edge port when offered."""
 
-    def __init__(self, *args: object, tls: ClientTls | None = None, **kwargs: object) -> None:
+    def __init__(
+        self, *args: object, tls: ClientTls | None = None, unix_path: str | None = None, **kwargs: object
+    ) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.tls = tls
+        #: The switch's Unix socket edge (None: ``NEBULA_TRAINER_RAW_EDGE_UNIX``; empty: TLS on TCP).
+        self.unix_path = os.environ.get(RAW_EDGE_UNIX_ENV, "") if unix_path is None else unix_path
         #: Raw connections made (each carried the edge after a ticket).
         self.raw_opens = 0
         self._raw_until = 0.0  # no raw offer before this (monotonic), after a failed raw connection
@@ -120,13 +149,23 @@ class RawEdgeTransport(GrpcEdgeTransport):
         self, handler: TransportHandler, offer: relay_pb2.EdgeReady
     ) -> tuple[bool, bool, str]:
         loop = asyncio.get_running_loop()
-        tls = self.tls or endpoint_tls(self.switch_address) or process_client_tls()
-        if tls is None:
-            raise RawEdgeUnavailable("no internal TLS configuration for the raw edge")
-        context = client_context(tls)
-        address = f"{self.switch_address.rpartition(':')[0]}:{offer.raw_edge_port}"
-        name = server_name("switch", tls.cluster_id)
-        sock = await in_thread(lambda: _connect(address, context, name), "raw-edge-dial")
+        if self.unix_path:
+            path = self.unix_path
+            if "{cluster}" in path:  # one setting for every cluster of a local deployment
+                tls = self.tls or endpoint_tls(self.switch_address) or process_client_tls()
+                if tls is None:
+                    raise RawEdgeUnavailable(f"{RAW_EDGE_UNIX_ENV}={path!r} names {{cluster}}: none is known")
+                path = path.replace("{cluster}", tls.cluster_id)
+            address = f"unix:{path}"
+            sock: socket.socket = await in_thread(lambda: _connect_unix(path), "raw-edge-dial")
+        else:
+            tls = self.tls or endpoint_tls(self.switch_address) or process_client_tls()
+            if tls is None:
+                raise RawEdgeUnavailable("no internal TLS configuration for the raw edge")
+            context = client_context(tls)
+            address = f"{self.switch_address.rpartition(':')[0]}:{offer.raw_edge_port}"
+            name = server_name("switch", tls.cluster_id)
+            sock = await in_thread(lambda: _connect(address, context, name), "raw-edge-dial")
         connection = RawConnection(sock, address, loop, views=True)
         self.raw_opens += 1
         stop: asyncio.Future[None] = loop.create_future()
@@ -219,4 +258,4 @@ class RawEdgeTransport(GrpcEdgeTransport):
                 stop()
 
 
-__all__ = ["RAW_RETRY_S", "RawEdgeTransport", "RawEdgeUnavailable", "client_context"]
+__all__ = ["RAW_EDGE_UNIX_ENV", "RAW_RETRY_S", "RawEdgeTransport", "RawEdgeUnavailable", "client_context"]
