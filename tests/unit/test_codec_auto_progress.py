@@ -1,4 +1,4 @@
-"""The job's ``auto`` decision (``decide_by_trial``) applies the progress rule, on recorded Table 5 trials."""
+"""The job's ``auto`` (``decide_by_trial``) applies the progress rule when asked (recorded Table 5 trials)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,10 @@ def _bytes(row: dict[str, Any]) -> tuple[int, int]:
 
 
 def test_auto_rejects_the_bottleneck_by_the_progress_rule_and_says_so() -> None:
-    assert TrialSettings().progress_tolerance == DEFAULT_PROGRESS_TOLERANCE == 0.10  # on by default
-    decision = decide_by_trial(CANDIDATES, replay, LINK, TrialSettings(), trial_steps=90)
+    assert TrialSettings().progress_tolerance is None  # opt-in: a short trial learns too little
+    settings = TrialSettings(progress_tolerance=DEFAULT_PROGRESS_TOLERANCE)
+    assert settings.progress_tolerance == 0.10
+    decision = decide_by_trial(CANDIDATES, replay, LINK, settings, trial_steps=90)
     assert decision.chosen.label == "int8 both", decision.reasons
     record = decision.record()
     assert record["progress_tolerance"] == 0.10 and record["baseline_progress"] > 0.3
@@ -45,8 +47,8 @@ def test_auto_rejects_the_bottleneck_by_the_progress_rule_and_says_so() -> None:
 
 
 def test_without_the_progress_rule_auto_keeps_the_old_pick() -> None:
-    # What the job's auto chose before (the relative loss only): the bottleneck, 1.1% over none at 90 steps.
-    decision = decide_by_trial(CANDIDATES, replay, LINK, TrialSettings(progress_tolerance=None), 90)
+    # The default (the relative loss only) picks the bottleneck, 1.1% over none at 90 steps.
+    decision = decide_by_trial(CANDIDATES, replay, LINK, TrialSettings(), 90)
     assert decision.chosen.label == "BOTTLENECK(32)+INT8"
     assert decision.record()["progress_tolerance"] is None
     assert not any("progress" in reason for reason in decision.reasons)
