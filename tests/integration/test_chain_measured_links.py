@@ -81,9 +81,11 @@ def test_each_switch_measures_the_link_toward_each_peer(sessions: dict[str, Clus
         assert status.rtt_seconds > 0.0  # Ping/Pong SRTT, through the emulator's 2 x 5 ms
         rates[here, peer] = status.bandwidth_bps / 1e6
     # Payload bits over the emulator's wire bits (TCP/IP headers): a little under the shaped rate,
-    # give or take what a busy host's event loops (switch b's also runs both emulators) make of it.
+    # give or take what a busy host's event loops (switch b's also runs both emulators) make of it:
+    # a starved emulator catches up in a burst, which spaces the Pongs closer (1.67x seen once in 3
+    # runs with a demo beside this test on 2 cores). Still 100x apart from the fast link's reading.
     for pair, shaped in ((("a", "b"), SLOW_MBIT), (("b", "a"), SLOW_MBIT)):
-        assert 0.5 * shaped < rates[pair] < 1.5 * shaped, rates
+        assert 0.5 * shaped < rates[pair] < 2.0 * shaped, rates
     for pair in (("b", "c"), ("c", "b")):
         assert 0.3 * FAST_MBIT < rates[pair] < 1.5 * FAST_MBIT, rates  # a loaded host may not keep up
     again = sessions["a"].link_status("b")  # no new measurement asked: the last one is reported
