@@ -48,6 +48,19 @@ EXIT_OK = 0
 EXIT_RUNTIME_ERROR = 1
 EXIT_CONFIG_ERROR = 2
 
+# What must run before ``os._exit`` skips the interpreter's exit (and with it ``atexit``).
+_before_process_end: list[Callable[[], object]] = []
+
+
+def before_process_end(callback: Callable[[], object]) -> None:
+    """Run ``callback`` when a service's process ends, after the last log line and before ``os._exit``.
+
+    ``atexit`` is not run (the process skips the interpreter's teardown, see ``run_service_main``);
+    a service that rewired a file descriptor (the switch's stderr tap) restores it here. Callbacks
+    run last in, first out; an exception in one is ignored so the process still ends with its code.
+    """
+    _before_process_end.append(callback)
+
 
 @dataclass
 class Started(Generic[H]):
@@ -211,6 +224,9 @@ def _end_process(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    while _before_process_end:
+        with contextlib.suppress(Exception):
+            _before_process_end.pop()()
     os._exit(code)
 
 

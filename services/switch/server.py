@@ -28,7 +28,7 @@ from nebula_common.audit.servicer import AUDIT_SERVICE_NAME, add_audit_api
 from nebula_common.auth.interceptor import TokenAuthInterceptor
 from nebula_common.pki import Identity, channel_options, server_options
 from nebula_common.rpc import ServiceServer
-from nebula_common.service.host import ServiceDefinition, Started
+from nebula_common.service.host import ServiceDefinition, Started, before_process_end
 from nebula_common.service.identity import ServiceIdentity, service_identity
 from nebula_common.service.resources import (
     bind_internal,
@@ -415,7 +415,8 @@ def _dial(
 
 def _tap_tls_refusals(running: RunningSwitch) -> None:
     """TLS refusals happen inside gRPC core; its stderr report is the only trace, so audit that."""
-    StderrTap(lambda reason: running.links.refuse("tls", reason))
+    tap = StderrTap(lambda reason: running.links.refuse("tls", reason))
+    before_process_end(tap.close)  # the last log lines pass the tap before the process ends
 
 
 SERVICE = ServiceDefinition("switch", SwitchSettings, start_switch, on_serve=_tap_tls_refusals)

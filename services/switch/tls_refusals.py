@@ -9,7 +9,10 @@ such line into an audit record. The line does not carry the peer's address, so t
 reason and time only; the connecting address is in the emulator's or firewall's logs.
 
 Installed only by the switch's ``main`` (it rewires the process's stderr), never in tests that run
-the switch in-process.
+the switch in-process. The process ends with ``os._exit`` once the service has stopped
+(``nebula_common/service/host.py``), which does not wait for the tap's daemon thread: ``close`` puts the
+original stderr back and waits until every byte written before it has been forwarded, so the last
+lines (the host's "stopped") are never lost in the pipe.
 """
 
 from __future__ import annotations
@@ -45,6 +48,18 @@ class StderrTap:
         self._read_end = read_end
         self._thread = threading.Thread(target=self._pump, name="stderr-tap", daemon=True)
         self._thread.start()
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Put the original stderr back on fd 2 and wait until the pipe is drained; True once it is.
+
+        ``dup2`` closes the pipe's only write end, so the pump forwards what is left and then reads
+        end-of-file. The wait has a deadline: a child process that inherited fd 2 would keep the
+        write end open, and the process must still end.
+        """
+        with contextlib.suppress(OSError):
+            os.dup2(self._original, 2)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def _pump(self) -> None:
         pending = b""
