@@ -82,6 +82,8 @@ EXTRA_ROWS = (
     Row("BOTTLENECK(32)+ZSTD(INT8)", "zstd(int8)", "zstd(int8)", cut_k=32),
     Row("BOTTLENECK(4)", cut_k=4),
     Row("BOTTLENECK(4)+INT8", "int8", "int8", cut_k=4),
+    Row("BOTTLENECK(16,AE)+ZSTD(INT8)", "zstd(int8)", "zstd(int8)", cut_k=16, **CALIBRATED),
+    Row("BOTTLENECK(8,AE)+INT8", "int8", "int8", cut_k=8, **CALIBRATED),
 )
 """Rows of session 25-26's probes (docs/bench/table5.md), not in the full plan: ``--rows`` can name them."""
 _BY_LABEL = {row.label: row for row in (*FULL_ROWS, *EXTRA_ROWS)}
