@@ -88,8 +88,10 @@ EXTRA_ROWS = (
 """Rows of session 25-26's probes (docs/bench/table5.md), not in the full plan: ``--rows`` can name them."""
 _BY_LABEL = {row.label: row for row in (*FULL_ROWS, *EXTRA_ROWS)}
 QUICK_ROWS = tuple(
-    _BY_LABEL[label] for label in ("none", "FP16+INT8", "FP16(SVD(0.2))+INT8", "BOTTLENECK(16,AE)+INT8")
+    replace(_BY_LABEL[label], cut_pretrain=min(_BY_LABEL[label].cut_pretrain, 200))
+    for label in ("none", "FP16+INT8", "FP16(SVD(0.2))+INT8", "BOTTLENECK(16,AE)+INT8")
 )
+"""A smoke run of every stage: the calibrated row's autoencoder pre-training shortened to 200 steps."""
 FIGURE10_ROW = FULL_ROWS[5]  # the paper's fastest row, FP16(SVD(0.2))+INT8
 FIGURE10_STARTS = (0.0, 0.10, 0.25)
 FULL_MODEL = train.ModelConfig(

@@ -101,7 +101,8 @@ def test_the_down_projections_residual_starts_at_zero_and_keeps_zero_rows(activa
 
 
 def test_gradients_flow_through_both_halves_and_cross_at_width_k() -> None:
-    job = load_spec(BUILTIN_DIR / "abnet" / "job.yaml", cut(4, **{"stages.1.options.cut_residual": True}))
+    residual = {"stages.0.options.cut_residual": 8, "stages.1.options.cut_residual": True}
+    job = load_spec(BUILTIN_DIR / "abnet" / "job.yaml", cut(4, **residual))
     source, target = build_programs(job)
     with torch.no_grad():  # the cross-attention gates start at zero (ABNet: identity at init); open them
         for adapter in target.model.decoder.adapters:
@@ -119,6 +120,7 @@ def test_gradients_flow_through_both_halves_and_cross_at_width_k() -> None:
     for name, parameter in [("up", up.proj.weight), ("down", down.proj.weight)]:
         assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
     assert up.residual[2].weight.grad.abs().sum() > 0
+    assert down.residual[2].weight.grad.abs().sum() > 0 and down.residual[0].out_features == 8
     assert all(p.grad is None for p in source.model.encoder.plm.parameters())  # the PLM stays frozen
 
 
