@@ -34,7 +34,10 @@ from nebula_common.codec.trial import trial_loss
 
 
 def parse_row(text: str) -> train.Row:
-    """``label=forward,backward,k[,residual]`` (k 0: no bottleneck; residual: 1 to add it)."""
+    """``label=forward,backward,k[,flags]`` (k 0: no bottleneck; flags: ``1`` or ``u`` the up-projection's
+    residual, ``dN`` the down-projection's residual of hidden width N (``d``: 256), ``uN`` the same
+    for the up-projection, ``pN`` N steps of autoencoder pre-training of both halves; e.g.
+    ``d256u256p3000``)."""
     label, _, spec = text.partition("=")
     parts = [part.strip() for part in spec.split(",")]
     if not label or len(parts) not in (3, 4):
@@ -43,7 +46,26 @@ def parse_row(text: str) -> train.Row:
         k = int(parts[2])
     except ValueError:
         raise SystemExit(f"probe_rows: --row {text!r}: k must be an integer, got {parts[2]!r}") from None
-    return train.Row(label, parts[0], parts[1], cut_k=k, residual=len(parts) == 4 and parts[3] == "1")
+    flags = parts[3] if len(parts) == 4 else ""
+    width = {}
+    for letter in "dupq":
+        if letter in flags:
+            digits = ""
+            for char in flags.split(letter, 1)[1]:
+                if not char.isdigit():
+                    break
+                digits += char
+            width[letter] = int(digits or 256)
+    return train.Row(
+        label,
+        parts[0],
+        parts[1],
+        cut_k=k,
+        residual=flags == "1" or "u" in flags,
+        down_residual=width.get("d", 0),
+        up_residual=width.get("u", 0),
+        cut_pretrain=width.get("p", 0),
+    )
 
 
 def main() -> None:
@@ -91,6 +113,7 @@ def main() -> None:
                         "backward": row.backward,
                         "cut_k": row.cut_k,
                         "residual": row.residual,
+                        "down_residual": row.down_residual,
                         "set": args.set,
                         "seed": seed,
                         "bleu": round(result.bleu, 2),

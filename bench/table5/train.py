@@ -33,11 +33,26 @@ from nebula_common.zoo.adapters import (
     lm_loss,
     mlm_loss,
 )
-from nebula_common.zoo.bottleneck import DownProjection, UpProjection, captured_energy, principal_basis
+from nebula_common.zoo.bottleneck import (
+    DownProjection,
+    UpProjection,
+    captured_energy,
+    pretrain_bottleneck,
+    principal_basis,
+)
 from nebula_common.zoo.catalogues import Pair
 from nebula_common.zoo.text_data import decode, encode, train_tokenizer
 
-FINE_TUNING_FIELDS = ("adapter", "lr", "warmup", "train_head", "train_top", "finetune_batch", "cut_lr")
+FINE_TUNING_FIELDS = (
+    "adapter",
+    "lr",
+    "warmup",
+    "train_head",
+    "train_top",
+    "finetune_batch",
+    "cut_lr",
+    "cut_residual_lr",
+)
 """ModelConfig fields pre-training never reads: changing them reuses the cached pre-trained LMs."""
 
 
@@ -64,6 +79,8 @@ class ModelConfig:
     larger fine-tuning batch reuses the cached pre-trained LMs (pre-training reads ``batch``)."""
     cut_lr: float = 0.0
     """Learning rate of the learned bottleneck's projections (0: ``lr``, the adapters'); same warm-up."""
+    cut_residual_lr: float = 0.0
+    """Learning rate of the bottleneck's residual paths (0: ``cut_lr``, as its projections'); same warm-up."""
 
     def __post_init__(self) -> None:
         for name in ("batch", "finetune_batch"):
@@ -97,6 +114,12 @@ class Row:
     backward: str = "none"
     cut_k: int = 0
     residual: bool = False
+    down_residual: int = 0
+    """Hidden width of the down-projection's residual path (0: none; ``DownProjection(residual=...)``)."""
+    up_residual: int = 0
+    """Hidden width of the up-projection's residual path (0: ``residual``'s default width when it is set)."""
+    cut_pretrain: int = 0
+    """Steps of training both halves as an autoencoder on calibration activations before fine-tuning."""
 
 
 @dataclass
@@ -196,8 +219,14 @@ class Stages:
                 calibration = self.encoder(prep.train_es[: 8 * config.batch])
             basis = principal_basis(calibration, row.cut_k)
             self.energy = captured_energy(calibration, basis)
-            self.down = DownProjection(config.d_model, row.cut_k, basis)
-            self.up = UpProjection(config.d_model, row.cut_k, basis, residual=row.residual)
+            self.down = DownProjection(config.d_model, row.cut_k, basis, residual=row.down_residual)
+            up_residual = row.up_residual or row.residual
+            self.up = UpProjection(config.d_model, row.cut_k, basis, residual=up_residual)
+            if row.cut_pretrain:
+                with torch.no_grad():
+                    more = prep.train_es[: 128 * config.batch]  # 4,096 sentences (~28k non-zero rows)
+                    rows = torch.cat([self.encoder(more[i : i + 256]) for i in range(0, len(more), 256)])
+                self.energy = pretrain_bottleneck(self.down, self.up, rows, row.cut_pretrain, seed)
         if config.train_head:
             for parameter in (*decoder_plm.norm.parameters(), *decoder_plm.head.parameters()):
                 parameter.requires_grad_(True)
@@ -206,10 +235,15 @@ class Stages:
                 parameter.requires_grad_(True)
         trainable = lambda *ms: [p for m in ms for p in m.parameters() if p.requires_grad]  # noqa: E731
         cut_lr = config.cut_lr or config.lr
+        residual_lr = config.cut_residual_lr or cut_lr
 
         def groups(cut: nn.Module, stage: nn.Module) -> list[dict[str, Any]]:
             found = [{"params": trainable(stage), "base_lr": config.lr}]
-            return found + ([{"params": trainable(cut), "base_lr": cut_lr}] if trainable(cut) else [])
+            path = getattr(cut, "residual", None)
+            extra = trainable(path) if path is not None else []
+            linear = [p for p in trainable(cut) if all(p is not q for q in extra)]
+            found += [{"params": linear, "base_lr": cut_lr}] if linear else []
+            return found + ([{"params": extra, "base_lr": residual_lr}] if extra else [])
 
         self.upstream_opt = torch.optim.Adam(groups(self.down, self.encoder), lr=config.lr)
         self.downstream_opt = torch.optim.Adam(groups(self.up, self.decoder), lr=config.lr)

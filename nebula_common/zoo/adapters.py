@@ -29,6 +29,7 @@ from nebula_common.zoo.bottleneck import (
     DownProjection,
     UpProjection,
     load_basis_file,
+    load_half,
     shared_basis,
 )
 from nebula_common.zoo.text_data import BOS, EOS, MASK, PAD, UNK
@@ -306,6 +307,45 @@ def cut_basis(options: dict[str, Any]) -> torch.Tensor | None:
     if options.get("cut_basis"):
         return load_basis_file(str(options["cut_basis"]), d_model, k)
     return shared_basis(d_model, k, int(options.get("cut_seed", 0x4E42)))
+
+
+def cut_residual(options: dict[str, Any]) -> int | bool:
+    """The stage's half's residual path from ``cut_residual``: false (none), true (default width) or a width.
+
+    Refused by name unless a boolean or an integer >= 1 (S: the down-projection's residual, T: the
+    up-projection's; docs/codecs.md).
+    """
+    value = options.get("cut_residual", False)
+    if value is None or value == "":
+        return False
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int) or value < 1:
+        raise BottleneckError(
+            f"option cut_residual must be false, true or a hidden width >= 1 (e.g. 256), got {value!r}"
+        )
+    return value
+
+
+def cut_half(options: dict[str, Any], half: str) -> DownProjection | UpProjection | None:
+    """The stage's half of the bottleneck (``half``: "down" in S, "up" in T); None without ``cut_k``.
+
+    Built from the basis (``cut_basis``), with the residual path ``cut_residual`` asks for, then
+    loaded from ``cut_init`` when given (a ``save_halves`` file of pre-trained halves,
+    ``nebula_common.zoo.bottleneck.calibrate``), refused by name unless it fits.
+    """
+    basis = cut_basis(options)
+    if basis is None:
+        return None
+    d_model, k, residual = int(options["d_model"]), int(options["cut_k"]), cut_residual(options)
+    if half == "down":
+        width = (max(4 * k, 16) if residual is True else int(residual)) if residual else 0
+        module: DownProjection | UpProjection = DownProjection(d_model, k, basis, residual=width)
+    else:
+        module = UpProjection(d_model, k, basis, residual=residual)
+    if options.get("cut_init"):
+        load_half(str(options["cut_init"]), half, module)
+    return module
 
 
 DEFAULT_CUT_LR = 1e-4

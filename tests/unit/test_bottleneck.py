@@ -14,8 +14,10 @@ from nebula_common.zoo.bottleneck import (
     BottleneckError,
     DownProjection,
     UpProjection,
+    calibrate,
     captured_energy,
     principal_basis,
+    save_halves,
     shared_basis,
 )
 
@@ -78,8 +80,29 @@ def test_zero_rows_stay_zero_both_ways(activations: torch.Tensor) -> None:
     assert (up(down(x))[:, 4:] == 0).all()
 
 
+def test_the_down_projections_residual_starts_at_zero_and_keeps_zero_rows(activations: torch.Tensor) -> None:
+    """``DownProjection(residual=N)``: step 0 is the calibrated subspace; padding stays exactly zero."""
+    basis = principal_basis(activations, 4)
+    down = DownProjection(32, 4, basis, residual=64)
+    x = torch.randn(2, 6, 32)
+    x[:, 4:] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(down(x), x @ basis)  # the residual path is zero at start
+        down.residual[2].weight.normal_()  # once it has learned something
+        assert (down(x)[:, 4:] == 0).all()
+        assert not torch.allclose(down(x)[:, :4], x[:, :4] @ basis)
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(
+            BottleneckError, match=r"down-projection's residual width must be an integer >= 0"
+        ):
+            DownProjection(32, 4, residual=bad)  # type: ignore[arg-type]
+    assert UpProjection(32, 4, residual=40).residual[0].out_features == 40  # an explicit width
+    assert UpProjection(32, 4, residual=True).residual[0].out_features == 16  # the default max(4k, 16)
+
+
 def test_gradients_flow_through_both_halves_and_cross_at_width_k() -> None:
-    job = load_spec(BUILTIN_DIR / "abnet" / "job.yaml", cut(4, **{"stages.1.options.cut_residual": True}))
+    residual = {"stages.0.options.cut_residual": 8, "stages.1.options.cut_residual": True}
+    job = load_spec(BUILTIN_DIR / "abnet" / "job.yaml", cut(4, **residual))
     source, target = build_programs(job)
     with torch.no_grad():  # the cross-attention gates start at zero (ABNet: identity at init); open them
         for adapter in target.model.decoder.adapters:
@@ -97,6 +120,7 @@ def test_gradients_flow_through_both_halves_and_cross_at_width_k() -> None:
     for name, parameter in [("up", up.proj.weight), ("down", down.proj.weight)]:
         assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
     assert up.residual[2].weight.grad.abs().sum() > 0
+    assert down.residual[2].weight.grad.abs().sum() > 0 and down.residual[0].out_features == 8
     assert all(p.grad is None for p in source.model.encoder.plm.parameters())  # the PLM stays frozen
 
 
@@ -166,3 +190,41 @@ def _with_cut_lr(k: int, rate: object) -> object:
 def test_a_bad_cut_lr_is_refused_by_name(bad: object) -> None:
     with pytest.raises(BottleneckError, match=r"option cut_lr must be a positive learning rate"):
         build_programs(_with_cut_lr(4, bad))
+
+
+def _job(k: int, **options: object) -> object:
+    more = {f"stages.{i}.options.{name}": value for i in (0, 1) for name, value in options.items()}
+    return load_spec(BUILTIN_DIR / "abnet" / "job.yaml", cut(k, **more))
+
+
+def test_calibrated_halves_keep_more_than_the_principal_start_and_load_into_both_stages(
+    activations: torch.Tensor, tmp_path: Path
+) -> None:
+    """``calibrate`` (autoencoder pre-training) + ``save_halves`` -> the job's ``cut_init`` in both stages."""
+    k = 4
+    down, up, energy = calibrate(activations, k, residual=32, steps=300, seed=0)
+    assert energy > captured_energy(activations, principal_basis(activations, k)) + 0.02
+    path = tmp_path / "halves.pt"
+    save_halves(str(path), down, up)
+    source, target = build_programs(_job(k, cut_residual=32, cut_init=str(path)))
+    for module, trained in ((source.model.down, down), (target.model.up, up)):
+        for name, value in trained.state_dict().items():
+            assert torch.equal(module.state_dict()[name], value), name
+    x = activations[:2]
+    with torch.no_grad():
+        torch.testing.assert_close(target.model.up(source.model.down(x)), up(down(x)))
+    with pytest.raises(BottleneckError, match=r"halves\.pt: its down half .* does not fit this stage's"):
+        build_programs(_job(k, cut_residual=16, cut_init=str(path)))  # saved with width 32
+    with pytest.raises(BottleneckError, match=r"nope\.pt does not exist in this cluster"):
+        build_programs(_job(k, cut_init=str(tmp_path / "nope.pt")))
+    torch.save(torch.zeros(3), tmp_path / "basis.pt")
+    with pytest.raises(BottleneckError, match=r"basis\.pt has no 'down' half"):
+        build_programs(_job(k, cut_init=str(tmp_path / "basis.pt")))
+
+
+@pytest.mark.parametrize("bad", [0, -8, "wide", 2.5])
+def test_a_bad_cut_residual_is_refused_by_name(bad: object) -> None:
+    with pytest.raises(
+        BottleneckError, match=r"option cut_residual must be false, true or a hidden width >= 1"
+    ):
+        build_programs(_job(4, cut_residual=bad))

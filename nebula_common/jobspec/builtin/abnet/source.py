@@ -22,11 +22,10 @@ from nebula_common.zoo.adapters import (
     AdapterTransformerEncoder,
     CutEncoder,
     LanguageModel,
-    cut_basis,
+    cut_half,
     cut_param_groups,
     load_pretrained,
 )
-from nebula_common.zoo.bottleneck import DownProjection
 from nebula_common.zoo.hf_adapters import PretrainedAdapterEncoder
 from nebula_common.zoo.text_data import encode, side, side_tokenizer, split_pairs
 
@@ -59,10 +58,8 @@ def build(options: dict[str, Any]) -> nn.Module:
         encoder = AdapterTransformerEncoder(
             load_pretrained(plm, options.get("pretrained")), options["bottleneck"]
         )
-    basis = cut_basis(options)
-    if basis is None:
-        return encoder
-    return CutEncoder(encoder, DownProjection(options["d_model"], int(options["cut_k"]), basis))
+    down = cut_half(options, "down")
+    return encoder if down is None else CutEncoder(encoder, down)
 
 
 def _encoded(options: dict[str, Any], held_out: bool) -> list[list[int]]:

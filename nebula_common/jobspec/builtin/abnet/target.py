@@ -24,11 +24,10 @@ from nebula_common.zoo.adapters import (
     AdapterTransformerDecoder,
     CutDecoder,
     LanguageModel,
-    cut_basis,
+    cut_half,
     cut_param_groups,
     load_pretrained,
 )
-from nebula_common.zoo.bottleneck import UpProjection
 from nebula_common.zoo.hf_adapters import PretrainedAdapterDecoder
 from nebula_common.zoo.text_data import decode as decode_ids
 from nebula_common.zoo.text_data import encode, side, side_tokenizer, split_pairs
@@ -62,11 +61,8 @@ def build(options: dict[str, Any]) -> nn.Module:
         model = AdapterTransformerDecoder(
             load_pretrained(plm, options.get("pretrained")), options["n_heads"], options["bottleneck"]
         )
-    basis = cut_basis(options)
-    if basis is not None:
-        up = UpProjection(
-            options["d_model"], int(options["cut_k"]), basis, residual=bool(options.get("cut_residual"))
-        )
+    up = cut_half(options, "up")
+    if up is not None:
         model = CutDecoder(model, up)
     model.tokenizer = tokenizer
     model.max_length = options["length"]
