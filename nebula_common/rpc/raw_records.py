@@ -63,7 +63,14 @@ class RawConnection:
     receives records straight into a reused buffer (``recv_into``), hands each complete message to the
     event loop, and sends queued messages without copying them (``SSLSocket.send`` of the message
     itself). Encryption, decryption and the socket calls run with the GIL released, so the event loop
-    keeps routing while bytes move; per message the loop does one queue step.
+    keeps routing while bytes move.
+
+    Hand-offs between the two threads cost a system call and a wake-up each, so they happen only when
+    the other side waits (session 27, ``docs/bench/relay.md``): received messages go into a deque
+    the loop's reader takes from, and the loop is woken only when a reader waits on it; written
+    messages go into the thread's outbox, and the thread is woken only when it sleeps in ``select``;
+    a writer counts sent messages and is woken only when it waits for the thread to catch up
+    (``WRITE_AHEAD``). A busy path so moves several messages per wake-up instead of one.
     """
 
     def __init__(
@@ -92,12 +99,19 @@ class RawConnection:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        # Everything below is shared by the loop and the I/O thread, under ``_lock``.
         self._lock = threading.Lock()
-        self._outbox: deque[tuple[bytes | memoryview, asyncio.Future[None] | None]] = deque()
+        #: Parts to send, each with whether it completes a message (a big message: its header, then it).
+        self._outbox: deque[tuple[bytes | memoryview, bool]] = deque()
+        self._queued = 0  # messages written (``write``/``send_nowait``)
+        self._sent = 0  # of them, messages the I/O thread sent completely
+        self._send_waiters: list[tuple[int, asyncio.Future[None]]] = []  # (sent count awaited, future)
+        self._arrived: deque[object] = deque()  # received messages, then _EOF or an exception
+        self._read_waiter: asyncio.Future[None] | None = None
         self._room = READ_AHEAD
+        self._parked = False  # the I/O thread sleeps (or is about to) in select: writers must wake it
         self._closing = False
-        self._inbox: asyncio.Queue[object] = asyncio.Queue()
-        self._pending: deque[asyncio.Future[None]] = deque()
+        self._failure: BaseException | None = None
         self._stopped: asyncio.Future[None] = loop.create_future()
         self._thread = threading.Thread(target=self._run, name=f"raw {peer}", daemon=True)
         self._thread.start()
@@ -106,45 +120,99 @@ class RawConnection:
     async def read(self) -> object:
         """The next message (``bytes``, or a ``memoryview`` with ``views``), or ``grpc.aio.EOF`` when the
         peer closed cleanly between messages."""
-        item = await self._inbox.get()
+        wake = False
+        while True:
+            with self._lock:
+                if self._arrived:
+                    item = self._arrived[0]
+                    if item is _EOF or isinstance(item, BaseException):
+                        break  # stays: every later read sees the end too
+                    self._arrived.popleft()
+                    self._room += 1
+                    wake = self._room == 1 and self._parked
+                    if wake:
+                        self._parked = False
+                    break
+                waiter = self._read_waiter
+                if waiter is None or waiter.done():
+                    waiter = self._read_waiter = self._loop.create_future()
+            await waiter
         if item is _EOF:
-            self._inbox.put_nowait(_EOF)  # every later read sees the end too
             return grpc.aio.EOF
         if isinstance(item, BaseException):
-            self._inbox.put_nowait(item)
             raise self._error(f"raw connection to {self.peer} failed: {item}") from item
-        with self._lock:
-            self._room += 1
-            wake = self._room == 1
         if wake:
             self._wake()
         return item
 
-    async def write(self, data: bytes) -> None:
+    def pending_reads(self) -> int:
+        """Messages received and not read yet (at most ``READ_AHEAD``)."""
+        with self._lock:
+            return sum(
+                1 for item in self._arrived if item is not _EOF and not isinstance(item, BaseException)
+            )
+
+    def send_nowait(self, data: bytes | memoryview) -> None:
+        """Queue ``data`` as one message from any thread, without waiting for the I/O thread.
+
+        For a caller that bounds what it queues itself (the trainer's edge session: its credit window).
+        RawConnectionError if the message is too big or the connection is over.
+        """
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise self._error(f"a {len(data)}-byte message exceeds the raw record limit")
+        self._queue(data)
+
+    def _queue(self, data: bytes | memoryview) -> int:
+        head = len(data).to_bytes(4, "big")
+        with self._lock:
+            if self._failure is not None or self._closing:
+                raise self._error(f"raw connection to {self.peer} is closed")
+            if len(data) <= SMALL_MESSAGE:
+                self._outbox.append((head + data, True))
+            else:
+                self._outbox.append((head, False))
+                self._outbox.append((data, True))
+            self._queued += 1
+            queued = self._queued
+            wake = self._parked
+            if wake:
+                self._parked = False
+        if wake:
+            self._wake()
+        return queued
+
+    async def write(self, data: bytes | memoryview) -> None:
         if len(data) > MAX_MESSAGE_BYTES:
             raise self._error(f"a {len(data)}-byte message exceeds the raw record limit")
         if self._stopped.done():
             raise self._error(f"raw connection to {self.peer} is closed")
-        head = len(data).to_bytes(4, "big")
-        done: asyncio.Future[None] = self._loop.create_future()
-        with self._lock:
-            if len(data) <= SMALL_MESSAGE:
-                self._outbox.append((head + data, done))
-            else:
-                self._outbox.append((head, None))
-                self._outbox.append((data, done))
-        self._pending.append(done)
-        self._wake()
-        while self._pending and (len(self._pending) > WRITE_AHEAD or self._pending[0].done()):
-            await self._pending.popleft()
+        queued = self._queue(data)
+        await self._sent_up_to(queued - WRITE_AHEAD)
         # Yield once per message so the other lanes' writers and the readers get their turn.
         await asyncio.sleep(0)
 
+    async def _sent_up_to(self, count: int) -> None:
+        """Wait until the I/O thread has sent ``count`` messages; the connection's error if it failed."""
+        with self._lock:
+            if self._sent >= count:
+                return
+            if self._failure is not None:
+                failure = self._failure
+            else:
+                failure = None
+                waiter: asyncio.Future[None] = self._loop.create_future()
+                self._send_waiters.append((count, waiter))
+        if failure is not None:
+            raise self._error(f"raw write to {self.peer} failed: {failure}") from failure
+        await waiter
+
     async def close(self) -> None:
         """Send what was written (a lane's last mark must reach the peer), then close; 2 s at most."""
-        unsent = [future for future in self._pending if not future.done()]
-        if unsent and not self._stopped.done():
-            await asyncio.wait(unsent, timeout=2.0)
+        with self._lock:
+            queued = self._queued
+        if not self._stopped.done():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._sent_up_to(queued), 2.0)
         with self._lock:
             self._closing = True
         self._wake()
@@ -155,23 +223,29 @@ class RawConnection:
         with contextlib.suppress(OSError):  # a full wake pipe already wakes the thread
             self._wake_w.send(b"\0")
 
+    # ----- hand-offs from the I/O thread (each only when the loop waits for it) ----------
+    def _call(self, callback: Callable[..., object], *args: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            self._loop.call_soon_threadsafe(callback, *args)
+
     def _post(self, item: object) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody reads any more
-            self._loop.call_soon_threadsafe(self._inbox.put_nowait, item)
+        """A received message (or the end) for the loop; the loop is woken only if a reader waits."""
+        with self._lock:
+            self._arrived.append(item)
+            waiter = self._read_waiter
+            self._read_waiter = None
+        if waiter is not None:
+            self._call(_release, waiter)
 
-    def _settle(self, future: asyncio.Future[None] | None, error: BaseException | None) -> None:
-        if future is None:
-            return
-
-        def settle() -> None:
-            if not future.done():
-                if error is None:
-                    future.set_result(None)
-                else:
-                    future.set_exception(self._error(f"raw write to {self.peer} failed: {error}"))
-
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(settle)
+    def _count_sent(self) -> None:
+        """One more message sent; writers waiting for it are released (one wake-up for all)."""
+        with self._lock:
+            self._sent += 1
+            if not self._send_waiters or self._send_waiters[0][0] > self._sent:
+                return
+            ready = [waiter for count, waiter in self._send_waiters if count <= self._sent]
+            self._send_waiters = [(c, w) for c, w in self._send_waiters if c > self._sent]
+        self._call(_release_all, ready, None)
 
     # ----- the I/O thread ----------------------------------------------------------------
     def _run(self) -> None:
@@ -179,16 +253,20 @@ class RawConnection:
         try:
             self._pump()
             if self._closing:  # closed here (a lane dropped, the session over): a reader must not wait
-                self._post(ConnectionError("the connection was closed by this switch"))
+                error = ConnectionError("the connection was closed by this switch")
+                self._post(error)
         except BaseException as exc:  # handed to the session as a read error
             error = exc
             self._post(exc)
         finally:
             with self._lock:
-                left = list(self._outbox)
+                self._failure = error or ConnectionError("connection closed")
                 self._outbox.clear()
-            for _, future in left:
-                self._settle(future, error or ConnectionError("connection closed"))
+                waiting = [waiter for _, waiter in self._send_waiters]
+                self._send_waiters = []
+            failure = self._error(f"raw write to {self.peer} failed: {self._failure}")
+            if waiting:
+                self._call(_release_all, waiting, failure)
             with contextlib.suppress(OSError):
                 self.sock.close()
             self._wake_r.close()
@@ -198,8 +276,7 @@ class RawConnection:
                 if not self._stopped.done():
                     self._stopped.set_result(None)
 
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(stopped)
+            self._call(stopped)
 
     def _pump(self) -> None:
         sock = self.sock
@@ -210,7 +287,7 @@ class RawConnection:
         target, need, got, reading_head = head_view, 4, 0, True
         fresh = False
         current: memoryview | None = None
-        current_future: asyncio.Future[None] | None = None
+        whole = False  # ``current`` is the last part of a message (its send completes the message)
         while True:
             with self._lock:
                 if self._closing:
@@ -257,14 +334,14 @@ class RawConnection:
                     room = self._room
                 self._post(message)
                 target, need, got, reading_head = head_view, 4, 0, True
-            # Send: queued messages, each as one SSL_write (retried with the same bytes if it would block).
+            # Send: queued parts, each as one SSL_write (retried with the same bytes if it would block).
             blocked = False
             while True:
                 if current is None:
                     with self._lock:
                         if not self._outbox:
                             break
-                        data, current_future = self._outbox.popleft()
+                        data, whole = self._outbox.popleft()
                     current = memoryview(data).cast("B")
                 try:
                     sent = sock.send(current)
@@ -274,18 +351,43 @@ class RawConnection:
                 except ssl.SSLWantReadError:
                     break
                 current = current[sent:] if sent < len(current) else None
-                if current is None:
-                    self._settle(current_future, None)
-                    current_future = None
-            if room > 0 and tls and sock.pending():
-                continue  # decrypted bytes already waiting in TLS
+                if current is None and whole:
+                    self._count_sent()
+            # Sleep until there is something to do: the wake pipe, the socket readable (when the
+            # session has room), the socket writable (when a send would block).
+            with self._lock:
+                if self._closing:
+                    return
+                room = self._room
+                if not blocked and not wants_write_to_read and (current is not None or self._outbox):
+                    continue  # written meanwhile
+                if room > 0 and tls and sock.pending():
+                    continue  # decrypted bytes already waiting in TLS
+                self._parked = True
             readers = [self._wake_r] + ([sock] if room > 0 else [])
             writers = [sock] if blocked or wants_write_to_read else []
             ready, _, _ = select.select(readers, writers, [], 1.0)
+            with self._lock:
+                self._parked = False
             if self._wake_r in ready:
                 with contextlib.suppress(OSError):
                     while self._wake_r.recv(4096):
                         pass
+
+
+def _release(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _release_all(waiters: list[asyncio.Future[None]], error: BaseException | None) -> None:
+    for waiter in waiters:
+        if waiter.done():
+            continue
+        if error is None:
+            waiter.set_result(None)
+        else:
+            waiter.set_exception(error)
 
 
 async def in_thread(function: Callable[[], T], name: str) -> T:

@@ -90,11 +90,12 @@ class SwitchSettings(ServiceSettings):
     trust_bundle: Path = Field(description="PEM CA certificates of the peer cluster(s) trusted on the WAN.")
     auth_address: HostPort = Field(description="host:port of this cluster's auth service (token keys).")
     max_window_bytes: int = Field(
-        8 << 20,
+        16 << 20,
         ge=64 * 1024,
         description="Largest receive window (bytes) a trainer may grant on a route; the switch holds at "
         "most twice this much (a window of replays behind one of originals, +64 KiB for acks and close) "
-        "per route and direction and closes a route above it.",
+        "per route and direction and closes a route above it. 16 MiB (the trainer's own default window, "
+        "so 2 MiB chunks): with 8 MiB the four-process relay waited for credit (docs/bench/relay.md).",
     )
     unattached_timeout_s: float = Field(
         120.0, gt=0, description="How long a route may buffer items before a local trainer attaches to it."

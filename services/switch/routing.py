@@ -49,7 +49,7 @@ holds in its own buffers, per route and direction (W = ``max_window_bytes``, S =
   + S) (a route kept for its owner after its trainer vanished or was restarted counts as attached for
   the route limits until it is re-attached or times out), plus ``TOMBSTONES_MAX`` remembered keys,
   ``CONTROL_MAX`` pending closes and the link's HTTP/2 window (``link_window_bytes``) each way (defaults:
-  128 x 2 x 16.06 MiB + 256 x 1.06 MiB = 4.3 GiB worst case; conforming trainers keep at most one
+  128 x 2 x 32.06 MiB + 256 x 1.06 MiB = 8.3 GiB worst case; conforming trainers keep at most one
   window per direction in transit across both switches, so a healthy route holds at most W here).
   Acks are coalesced, one per route and direction.
 
@@ -156,7 +156,7 @@ class Item(NamedTuple):
 
 @dataclass(frozen=True)
 class Limits:
-    max_window_bytes: int = 8 << 20
+    max_window_bytes: int = 16 << 20
     unattached_timeout_s: float = 120.0
     orphan_timeout_s: float = 120.0
     max_routes_per_account: int = 32

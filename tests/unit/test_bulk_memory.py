@@ -76,3 +76,61 @@ def test_the_switch_and_trainer_entry_points_keep_freed_memory(module: str) -> N
         check=True,
     )
     assert json.loads(out.stdout)["faults"] < 8 * (64 << 20) // 4096 // 10
+
+
+THREAD = """
+import json, resource, threading
+from nebula_common.bulk_memory import keep_freed_memory_for_reuse, uninitialized_bytearray
+keep_freed_memory_for_reuse()
+size = 64 << 20
+found = {}
+
+def assemble():  # as the receiving edge's loop thread assembles tensors: not the main thread
+    buffer = uninitialized_bytearray(size)
+    memoryview(buffer)[:] = bytes(size)
+    del buffer
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for index in range(8):
+        buffer = uninitialized_bytearray(size)
+        memoryview(buffer)[::4096] = bytes([index]) * (size // 4096)  # one write per page
+        del buffer
+    found["faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+thread = threading.Thread(target=assemble)
+thread.start()
+thread.join()
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_large_buffers_of_another_thread_reuse_mapped_pages_unless_turned_off() -> None:
+    def run(keep: str) -> int:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "NEBULA_MALLOC_KEEP_FREED": keep}
+        out = subprocess.run(
+            [sys.executable, "-c", THREAD], env=env, capture_output=True, text=True, timeout=60, check=True
+        )
+        return int(json.loads(out.stdout)["faults"])
+
+    pages = 8 * (64 << 20) // 4096
+    assert run("0") >= pages // 2  # a thread's arena: a fresh mmap for each 64 MiB buffer
+    assert run("1") < pages // 10  # one arena: the main heap's pages, already mapped
+
+
+def test_an_uninitialized_bytearray_is_a_writable_bytearray_a_decoder_adopts() -> None:
+    import torch
+
+    from nebula_common.bulk_memory import uninitialized_bytearray
+    from nebula_common.codec.base import tensor_from_bytes
+
+    buffer = uninitialized_bytearray(4096)
+    assert type(buffer) is bytearray and len(buffer) == 4096
+    values = torch.arange(1024, dtype=torch.float32)
+    memoryview(buffer)[:] = values.numpy().tobytes()
+    tensor = tensor_from_bytes(buffer, torch.float32, (32, 32))
+    assert torch.equal(tensor.reshape(-1), values)
+    buffer[0:4] = b"\0\0\x80\x3f"  # 1.0: adopted, not copied, so the tensor sees the buffer's bytes
+    assert tensor[0, 0].item() == 1.0
+    assert uninitialized_bytearray(0) == bytearray()
+    with pytest.raises(ValueError, match="-1 bytes"):
+        uninitialized_bytearray(-1)

@@ -163,9 +163,9 @@ def test_a_slow_reader_stops_the_connection_reading_and_loses_nothing(
         # the rest; the sender cannot finish.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 10
-        while server._inbox.qsize() < READ_AHEAD and loop.time() < deadline:
+        while server.pending_reads() < READ_AHEAD and loop.time() < deadline:
             await asyncio.sleep(0.01)
-        assert server._inbox.qsize() == READ_AHEAD, f"{server._inbox.qsize()} messages queued"
+        assert server.pending_reads() == READ_AHEAD, f"{server.pending_reads()} messages queued"
         assert server._room == 0, "the connection still has room for messages"
         assert not sender.done()
         for index in range(count):
@@ -298,6 +298,47 @@ def test_a_plain_unix_socket_carries_the_same_records_and_cut_is_an_error() -> N
         left.close()
         with pytest.raises(RawConnectionError, match="inside a record"):
             await server.read()
+        await server.close()
+
+    _run(body)
+
+
+def test_messages_queued_from_another_thread_arrive_in_order_between_written_ones(
+    identities: dict[str, ServiceTlsFiles],
+) -> None:
+    """``send_nowait`` (the trainer's session thread) and ``write`` (the loop) share one ordered outbox;
+    a reader that waits is woken, and a busy one takes what arrived meanwhile without a wake-up."""
+    rounds, burst = 20, 16
+
+    async def body() -> None:
+        client, server = await _pair(
+            _server(identities["switch-a"]), _client(identities["trainer-a"], "a"), server_name("switch", "a")
+        )
+        loop = asyncio.get_running_loop()
+        expected: list[bytes] = []
+        total = rounds * (burst + 1)
+
+        async def receive() -> list[bytes]:
+            return [bytes(await server.read()) for _ in range(total)]  # type: ignore[arg-type]
+
+        receiver = asyncio.create_task(receive())
+        for index in range(rounds):
+            # A burst from a thread (small and large messages), then one from the loop, in that order.
+            batch = [
+                index.to_bytes(2, "big") + part.to_bytes(2, "big") * (1 + (part % 3) * (100 << 10))
+                for part in range(burst)
+            ]
+            await loop.run_in_executor(None, lambda batch=batch: [client.send_nowait(m) for m in batch])
+            expected += batch
+            last = b"loop" + index.to_bytes(2, "big")
+            await client.write(last)
+            expected.append(last)
+        got = await receiver
+        assert got == expected
+        await client.close()
+        assert await server.read() is grpc.aio.EOF
+        with pytest.raises(RawConnectionError, match="closed"):
+            client.send_nowait(b"after the close")
         await server.close()
 
     _run(body)

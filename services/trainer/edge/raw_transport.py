@@ -100,15 +100,28 @@ def _connect_unix(path: str) -> socket.socket:
 
 
 class _LoopQueue:
-    """Stands where the gRPC stream's ``queue.Queue`` does: ``put`` hands the item to the raw loop."""
+    """Stands where the gRPC stream's ``queue.Queue`` does: ``put`` queues the item on the raw connection.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, items: asyncio.Queue[object]) -> None:
+    Items go straight into the connection's outbox from the session's thread (``send_nowait``: the
+    session's credit window bounds them), with no hop through the raw loop; only the end (``_END``)
+    goes to the loop's writer, after everything put before it.
+    """
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, items: asyncio.Queue[object], connection: RawConnection
+    ) -> None:
         self._loop = loop
         self._items = items
+        self._connection = connection
 
     def put(self, item: object) -> None:
-        with contextlib.suppress(RuntimeError):  # the session's loop is gone: the item is for a dead stream
-            self._loop.call_soon_threadsafe(self._items.put_nowait, item)
+        if item is _END:
+            with contextlib.suppress(RuntimeError):  # the session's loop is gone: the stream is dead
+                self._loop.call_soon_threadsafe(self._items.put_nowait, item)
+            return
+        assert isinstance(item, relay_pb2.EdgeMessage | bytes)
+        with contextlib.suppress(RawConnectionError):  # the connection is over: the reader reports it
+            self._connection.send_nowait(_serialize(item))
 
 
 class RawEdgeTransport(GrpcEdgeTransport):
@@ -182,7 +195,8 @@ class RawEdgeTransport(GrpcEdgeTransport):
         state = {"attached": False, "peer_closed": False}
         reason = "the switch ended the raw edge"
         writer = asyncio.create_task(self._raw_writer(connection, items))
-        reader = asyncio.create_task(self._raw_reader(connection, handler, _LoopQueue(loop, items), state))
+        outgoing = _LoopQueue(loop, items, connection)
+        reader = asyncio.create_task(self._raw_reader(connection, handler, outgoing, state))
         try:
             await connection.write(bytes(offer.raw_edge_ticket))
             done, _ = await asyncio.wait({reader, stop}, return_when=asyncio.FIRST_COMPLETED)

@@ -65,6 +65,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from nebula_common.bulk_memory import uninitialized_bytearray
 from nebula_common.codec import EncodedTensor, to_frames
 from nebula_common.proto.nebula.v1 import relay_pb2, tensor_pb2
 from nebula_common.rpc.framing import FramedChunk, chunk_size_for, encode_chunk
@@ -797,7 +798,9 @@ class EdgeSession:
                     f"{header.step}), above this edge's max_frame_bytes {self.settings.max_frame_bytes}"
                 )
             # A new header (or a replayed one for the frame being assembled) starts the frame afresh.
-            self._assembly = _Assembly(header=header, payload=bytearray(header.payload_size))
+            # Not zeroed: the chunks write every byte before the frame completes (offsets in order).
+            payload = uninitialized_bytearray(header.payload_size)
+            self._assembly = _Assembly(header=header, payload=payload)
             self._assembly_bytes = size
             self._check_credit_locked()
             self._maybe_ack_locked(False)
