@@ -178,8 +178,10 @@ def run_service_main(name: str, definition_ref: str) -> NoReturn:
     """Every service's console entry point; ends the process with its exit code.
 
     ``definition_ref`` is ``"module:attribute"`` of the ``ServiceDefinition``. It is
-    imported only after SIGINT/SIGTERM handlers are in place, so a signal during
-    the (seconds-long) import of torch is remembered and honoured with exit 0.
+    imported only after SIGINT/SIGTERM handlers are in place: a signal during that
+    (seconds-long, longer on a loaded host) import of torch and gRPC ends the process at
+    once with exit 0, since nothing is acquired yet; one between the import and the
+    event loop is remembered and honoured with exit 0 before anything starts.
 
     When ``_run`` returns, the service's stack has unwound: every file is closed, the audit log
     sealed, every server and thread of ours stopped. What Python would still do at exit is tear
@@ -187,13 +189,20 @@ def run_service_main(name: str, definition_ref: str) -> NoReturn:
     codec), the larger part of a deployment's stop. So the process ends here, after flushing.
     """
     signals: list[int] = []
+    importing = True
 
     def remember(signum: int, _frame: object) -> None:
+        if importing:  # no file, port or thread of ours exists yet: nothing to unwind
+            os._exit(EXIT_OK)
         signals.append(signum)
+
+    def imported() -> None:
+        nonlocal importing
+        importing = False
 
     previous = {signum: signal.signal(signum, remember) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = _run(name, definition_ref, signals)
+        code = _run(name, definition_ref, signals, imported)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -230,7 +239,7 @@ def _end_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _run(name: str, definition_ref: str, signals: list[int]) -> int:
+def _run(name: str, definition_ref: str, signals: list[int], imported: Callable[[], None]) -> int:
     from pydantic import ValidationError
 
     from nebula_common.errors import NebulaError
@@ -239,6 +248,7 @@ def _run(name: str, definition_ref: str, signals: list[int]) -> int:
 
     module_name, _, attribute = definition_ref.partition(":")
     definition: ServiceDefinition[Any, Any] = getattr(importlib.import_module(module_name), attribute)
+    imported()
     try:
         settings = definition.settings()
     except ValidationError as exc:
