@@ -11,6 +11,7 @@ Real processes, real internal TLS, real Unix sockets:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -71,7 +72,9 @@ def _unix_exchange(path: Path, record: bytes) -> bytes:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(30)
         sock.connect(str(path))
-        sock.sendall(len(record).to_bytes(4, "big") + record)
+        # A switch refusing this peer's uid may answer and close before the record is sent.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(len(record).to_bytes(4, "big") + record)
         head = b""
         while len(head) < 4:
             part = sock.recv(4 - len(head))
