@@ -1,6 +1,6 @@
 """Operating the compose deployment from the host, as an operator would (issue 11), after docker/smoke.py.
 
-    PYTHONPATH=$PWD .venv/bin/python docker/smoke_ops.py [--steps 60] [--out DIR]
+    PYTHONPATH=$PWD .venv/bin/python docker/smoke_ops.py [--steps 200] [--out DIR]
 
 (run by docker/run-smoke.sh once every service is healthy; COMPOSE names the engine, default
 podman-compose). Every step goes through the one endpoints file and the `nebula` CLI:
@@ -44,6 +44,10 @@ compose = Compose(None, ("docker-compose.yml",))
 TRAINER_DIR = "/var/lib/nebula/trainer"
 CHECKPOINT_INTERVAL = 5
 KILL_AFTER_STEP = 12  # past two checkpoints of both stages
+# The job must outlive the kill: from step 12 to the SIGKILL take the checkpoint listing and
+# `compose kill` (1-5 s through podman on a busy host), and a step takes ~0.15 s. With 60 steps the
+# job once finished before trainer-a was killed (CI beside a busy core); 200 leave ~28 s.
+DEFAULT_STEPS = 200
 RESTART_TIMEOUT_S = 180.0
 log = logger("smoke-ops")
 
@@ -146,7 +150,11 @@ def run(steps: int, out: Path) -> dict[str, Any]:
         check(all(s["message"] for s in final["stages"] if s["state"] != "SUCCEEDED"), f"no reason: {final}")
     else:
         check(final["steps_done"] == steps, f"steps {final['steps_done']}/{steps}")
-    check(encoder["epoch"] >= 1, f"the encoder stage was not restarted at a higher epoch: {encoder}")
+    check(
+        encoder["epoch"] >= 1,
+        "the encoder stage was not restarted at a higher epoch (if it ended before the kill, "
+        f"the job was too short for this host: raise --steps): {encoder}",
+    )
 
     after = checkpoints(owner, job.id, "encoder")
     if final["state"] == "SUCCEEDED":
@@ -195,7 +203,7 @@ def run(steps: int, out: Path) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="Operate the compose deployment from the host (issue 11).")
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--out", type=Path, default=None, help="Where the endpoints file and report go.")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="nebula-smoke-ops-"))
