@@ -63,14 +63,19 @@ def shared_basis(d_model: int, k: int, seed: int = 0x4E42) -> torch.Tensor:
     return torch.linalg.qr(torch.randn(d_model, k, generator=generator), mode="reduced").Q.contiguous()
 
 
+def _load_saved(path: str, what: str, expected: str) -> object:
+    """``torch.load`` of a bottleneck file (tensors only), its failures as one ``BottleneckError`` each."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except FileNotFoundError as exc:
+        raise BottleneckError(f"bottleneck {what} {path} does not exist in this cluster") from exc
+    except Exception as exc:  # unpickling errors come in many types
+        raise BottleneckError(f"bottleneck {what} {path} is not {expected}: {exc}") from exc
+
+
 def load_basis_file(path: str, d_model: int, k: int) -> torch.Tensor:
     """A calibration basis saved with ``torch.save`` (a ``[d, k]`` tensor), refused by name unless it fits."""
-    try:
-        basis = torch.load(path, weights_only=True, map_location="cpu")
-    except FileNotFoundError as exc:
-        raise BottleneckError(f"bottleneck basis {path} does not exist in this cluster") from exc
-    except Exception as exc:  # unpickling errors come in many types
-        raise BottleneckError(f"bottleneck basis {path} is not a saved tensor: {exc}") from exc
+    basis = _load_saved(path, "basis", "a saved tensor")
     if not isinstance(basis, torch.Tensor) or tuple(basis.shape) != (d_model, k):
         shape = list(basis.shape) if isinstance(basis, torch.Tensor) else type(basis).__name__
         raise BottleneckError(f"bottleneck basis {path} is {shape}, expected [{d_model}, {k}]")
@@ -220,12 +225,7 @@ def save_halves(path: str, down: DownProjection, up: UpProjection) -> None:
 
 def load_half(path: str, half: str, module: nn.Module) -> None:
     """Load ``half`` ("down" or "up") of a ``save_halves`` file into ``module``; refused unless it fits."""
-    try:
-        saved = torch.load(path, weights_only=True, map_location="cpu")
-    except FileNotFoundError as exc:
-        raise BottleneckError(f"bottleneck init {path} does not exist in this cluster") from exc
-    except Exception as exc:  # unpickling errors come in many types
-        raise BottleneckError(f"bottleneck init {path} is not a saved state: {exc}") from exc
+    saved = _load_saved(path, "init", "a saved state")
     if not isinstance(saved, dict) or not isinstance(saved.get(half), dict):
         raise BottleneckError(f"bottleneck init {path} has no {half!r} half (write it with save_halves)")
     expected = {name: list(value.shape) for name, value in module.state_dict().items()}

@@ -160,6 +160,13 @@ def test_a_basis_that_does_not_fit_is_refused_by_name(tmp_path: Path) -> None:
     )
     with pytest.raises(BottleneckError, match=r"nope\.pt does not exist in this cluster"):
         build_programs(missing)
+    (tmp_path / "garbage.pt").write_bytes(b"not a torch file")
+    corrupt = load_spec(
+        BUILTIN_DIR / "abnet" / "job.yaml",
+        cut(4, **{"stages.0.options.cut_basis": str(tmp_path / "garbage.pt")}),
+    )
+    with pytest.raises(BottleneckError, match=r"garbage\.pt is not a saved tensor"):
+        build_programs(corrupt)
 
 
 def test_the_bottleneck_trains_at_its_own_learning_rate() -> None:
@@ -220,6 +227,9 @@ def test_calibrated_halves_keep_more_than_the_principal_start_and_load_into_both
     torch.save(torch.zeros(3), tmp_path / "basis.pt")
     with pytest.raises(BottleneckError, match=r"basis\.pt has no 'down' half"):
         build_programs(_job(k, cut_init=str(tmp_path / "basis.pt")))
+    (tmp_path / "garbage.pt").write_bytes(b"not a torch file")
+    with pytest.raises(BottleneckError, match=r"garbage\.pt is not a saved state"):
+        build_programs(_job(k, cut_init=str(tmp_path / "garbage.pt")))
 
 
 @pytest.mark.parametrize("bad", [0, -8, "wide", 2.5])
