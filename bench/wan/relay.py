@@ -15,6 +15,9 @@ another process on loopback, measured side by side so the ratios share the machi
 * ``relay-unixedge``: ``relay-rawedge`` with each trainer's raw edge on its switch's Unix socket
   (``NEBULA_SWITCH_RAW_EDGE_UNIX`` / ``NEBULA_TRAINER_RAW_EDGE_UNIX``: a trainer co-located with its
   switch; no TLS on the edge hops, the open still on mutual-TLS gRPC with the token);
+* ``relay-sealed``: ``relay-unixedge`` with sealed link records (``NEBULA_SWITCH_LINK_RECORDS=sealed``:
+  after the link's mutual TLS 1.3 handshake each message is one AES-256-GCM record on the bare TCP
+  connection, ``nebula_common/rpc/sealed_records.py``);
 * ``relay-raw-tls``: ``relay-raw`` with internal TLS (the gRPC edges on the switches' mutual-TLS service
   ports, as in production): the baseline ``relay-rawedge`` changes only the edges of;
 * ``tls``: one Python ``ssl`` TLS 1.3 socket hop (``sendall`` / ``recv_into``);
@@ -62,6 +65,7 @@ PATHS = (
     "relay-raw-tls",
     "relay-rawedge",
     "relay-unixedge",
+    "relay-sealed",
     "tls",
     "tcp",
     "grpc",
@@ -73,6 +77,7 @@ TRANSPORTS = {
     "relay-raw-tls": "raw",
     "relay-rawedge": "raw",
     "relay-unixedge": "raw",
+    "relay-sealed": "raw",
 }
 EDGES = {
     "relay": "grpc",
@@ -80,9 +85,10 @@ EDGES = {
     "relay-raw-tls": "grpc",
     "relay-rawedge": "raw",
     "relay-unixedge": "unix",
+    "relay-sealed": "unix",
 }
 """What carries the trainers' edges on each relay path."""
-INTERNAL_TLS = {"relay-raw-tls", "relay-rawedge", "relay-unixedge"}
+INTERNAL_TLS = {"relay-raw-tls", "relay-rawedge", "relay-unixedge", "relay-sealed"}
 """Relay paths whose internal ports run TLS (as in production; the raw edge needs it)."""
 SUFFIX = {
     "relay": "",
@@ -90,7 +96,10 @@ SUFFIX = {
     "relay-raw-tls": "_rawtls",
     "relay-rawedge": "_rawedge",
     "relay-unixedge": "_unixedge",
+    "relay-sealed": "_sealed",
 }
+RECORDS = {"relay-sealed": "sealed"}
+"""The raw link's records after TLS on each relay path (``NEBULA_SWITCH_LINK_RECORDS``; default tls)."""
 JOB = "bench/relay"
 EDGE = "up->down"
 
@@ -394,10 +403,16 @@ class Deployment:
     """Two clusters' auth services and switches as real service processes; switch a dials b."""
 
     def __init__(
-        self, root: Path, transport: str = "grpc", edge: str = "grpc", internal_tls: bool = False
+        self,
+        root: Path,
+        transport: str = "grpc",
+        edge: str = "grpc",
+        internal_tls: bool = False,
+        records: str = "tls",
     ) -> None:
         self.root = root
         self.transport = transport
+        self.records = records
         self.edge = edge
         self.internal_tls = internal_tls or edge in ("raw", "unix")
         #: Per cluster (cluster, ca, cert, key) of the trainer identity (raw edges: internal TLS on).
@@ -509,6 +524,7 @@ class Deployment:
                 "LOG_LEVEL": "WARNING",
                 "LINK_ROLE": "accept" if cluster == "b" else "dial",
                 "LINK_TRANSPORT": self.transport,
+                "LINK_RECORDS": self.records,
                 "EDGE_TRANSPORT": "raw" if self.edge == "unix" else self.edge,
                 **({"RAW_EDGE_UNIX": self.unix(cluster)} if self.edge == "unix" else {}),
                 **({"INTERNAL_TLS_DIR": tls_dirs[cluster]["switch"]} if tls_dirs else {}),
@@ -640,13 +656,13 @@ def render(result: dict[str, Any]) -> str:
         "theirs, followed by the range of the per-round ratios.",
         "",
         "| tensor | relay | relay, raw link | raw link, TLS edges | raw link + raw edges "
-        "| raw link + Unix socket edges | TLS 1.3 hop | TCP "
+        "| raw link + Unix socket edges | Unix edges + sealed link | TLS 1.3 hop | TCP "
         "| gRPC stream | gloo | relay / TLS | raw link / TLS | raw link, TLS edges / TLS | raw edges / TLS "
-        "| Unix edges / TLS "
-        "| switch CPU-s per GB (gRPC / raw link / raw link, TLS edges / raw edges / Unix edges) "
+        "| Unix edges / TLS | Unix edges, sealed link / TLS "
+        "| switch CPU-s per GB (gRPC / raw link / raw link, TLS edges / raw edges / Unix edges / sealed) "
         "| CPU-s per GB: switch a / b, sender, receiver "
-        "(gRPC link; raw link; raw link, TLS edges; raw edges; Unix edges) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "(gRPC link; raw link; raw link, TLS edges; raw edges; Unix edges; Unix edges, sealed link) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         mb = row["mb_s"]
@@ -676,12 +692,14 @@ def render(result: dict[str, Any]) -> str:
         lines.append(
             f"| {row['size_mib']} MiB x {row['count']}{rounds} | {cell('relay')} | {cell('relay-raw')} "
             f"| {cell('relay-raw-tls')} | {cell('relay-rawedge')} | {cell('relay-unixedge')} "
-            f"| {cell('tls')} | {cell('tcp')} "
+            f"| {cell('relay-sealed')} | {cell('tls')} | {cell('tcp')} "
             f"| {cell('grpc')} | {cell('gloo')} "
             f"| {ratio('relay')} | {ratio('relay-raw')} | {ratio('relay-raw-tls')} "
-            f"| {ratio('relay-rawedge')} | {ratio('relay-unixedge')} "
+            f"| {ratio('relay-rawedge')} | {ratio('relay-unixedge')} | {ratio('relay-sealed')} "
             f"| {cpu('')} / {cpu('_raw')} / {cpu('_rawtls')} / {cpu('_rawedge')} / {cpu('_unixedge')} "
-            f"| {parts('')}; {parts('_raw')}; {parts('_rawtls')}; {parts('_rawedge')}; {parts('_unixedge')} |"
+            f"/ {cpu('_sealed')} "
+            f"| {parts('')}; {parts('_raw')}; {parts('_rawtls')}; {parts('_rawedge')}; {parts('_unixedge')}; "
+            f"{parts('_sealed')} |"
         )
     lines += [
         "",
@@ -738,7 +756,11 @@ def main() -> None:
         for path, transport in TRANSPORTS.items():
             if path in args.paths:
                 deployments[path] = Deployment(
-                    root / path, transport, EDGES[path], internal_tls=path in INTERNAL_TLS
+                    root / path,
+                    transport,
+                    EDGES[path],
+                    internal_tls=path in INTERNAL_TLS,
+                    records=RECORDS.get(path, "tls"),
                 ).start()
                 print(f"deployment up ({transport} link, {EDGES[path]} edges)", flush=True)
         tls_pair = next(iter(deployments.values())).tls_pair if deployments else None

@@ -21,6 +21,15 @@ from typing import TypeVar
 import grpc
 from cryptography import x509
 
+from nebula_common.rpc.sealed_records import (
+    CLOSE,
+    HEADER,
+    MESSAGE,
+    TAG_BYTES,
+    RecordSealing,
+    SealedRecordError,
+)
+
 T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -81,14 +90,19 @@ class RawConnection:
         send_buffer: int = 0,
         error: type[Exception] = RawConnectionError,
         views: bool = False,
+        sealing: RecordSealing | None = None,
+        peer_cert: x509.Certificate | None = None,
     ) -> None:
         self.sock = sock
+        #: Sealed records (``nebula_common/rpc/sealed_records.py``) on the bare socket ``sock`` after a
+        #: TLS handshake whose peer certificate is ``peer_cert``; None: the records of ``sock`` itself.
+        self.sealing = sealing
         self._error = error
         #: Messages over SMALL_MESSAGE are received into a fresh buffer each and handed on as a
         #: ``memoryview`` of it (no copy); otherwise as ``bytes`` copied out of one reused buffer.
         self.views = views
         self.peer = peer
-        self.peer_cert = peer_certificate(sock)
+        self.peer_cert = peer_cert if peer_cert is not None else peer_certificate(sock)
         self._loop = loop
         if send_buffer:
             # A fixed send buffer bounds what waits first-in first-out below the switch's fair scheduler,
@@ -167,7 +181,9 @@ class RawConnection:
         with self._lock:
             if self._failure is not None or self._closing:
                 raise self._error(f"raw connection to {self.peer} is closed")
-            if len(data) <= SMALL_MESSAGE:
+            if self.sealing is not None:
+                self._outbox.append((data, True))  # sealed whole by the I/O thread (header and all)
+            elif len(data) <= SMALL_MESSAGE:
                 self._outbox.append((head + data, True))
             else:
                 self._outbox.append((head, False))
@@ -281,17 +297,22 @@ class RawConnection:
     def _pump(self) -> None:
         sock = self.sock
         tls = isinstance(sock, ssl.SSLSocket)
-        head = bytearray(4)
+        sealing = self.sealing
+        head_size = HEADER.size if sealing is not None else 4
+        head = bytearray(head_size)
         head_view = memoryview(head)
-        buffer = bytearray(1 << 20)
-        target, need, got, reading_head = head_view, 4, 0, True
+        buffer = bytearray(1 << 20)  # small messages (and, sealed, every record's ciphertext)
+        plain = bytearray(SMALL_MESSAGE) if sealing is not None else buffer
+        seal_buffer = bytearray(0)  # sealed: the record being sent (one at a time, reused)
+        target, need, got, reading_head = head_view, head_size, 0, True
         fresh = False
+        size = 0
         current: memoryview | None = None
         whole = False  # ``current`` is the last part of a message (its send completes the message)
         while True:
             with self._lock:
                 if self._closing:
-                    return
+                    break
                 room = self._room
             # Receive: as much as TLS has ready, while the session has room for messages.
             wants_write_to_read = False
@@ -305,6 +326,8 @@ class RawConnection:
                     break
                 if n == 0:
                     if reading_head and got == 0:
+                        if sealing is not None:
+                            raise SealedRecordError("the connection ended without its sealed close: cut")
                         self._post(_EOF)
                         return
                     raise ConnectionError("the raw connection ended inside a record")
@@ -312,6 +335,14 @@ class RawConnection:
                 if got < need:
                     continue
                 if reading_head:
+                    if sealing is not None:
+                        _, size = RecordSealing.parse_header(head, MAX_MESSAGE_BYTES)
+                        sealed_size = size + TAG_BYTES
+                        if sealed_size > len(buffer):
+                            buffer = bytearray(sealed_size)
+                        target = memoryview(buffer)
+                        need, got, reading_head = sealed_size, 0, False
+                        continue
                     size = int.from_bytes(head, "big")
                     if size > MAX_MESSAGE_BYTES:
                         raise ConnectionError(f"peer sent a {size}-byte record (limit {MAX_MESSAGE_BYTES})")
@@ -327,13 +358,26 @@ class RawConnection:
                             target = memoryview(buffer)
                         need, got, reading_head = size, 0, False
                         continue
+                elif sealing is not None:
+                    fresh = self.views and size > SMALL_MESSAGE
+                    if fresh:
+                        opened = fresh_buffer(size)  # decrypted straight into the buffer handed on
+                    else:
+                        if size > len(plain):
+                            plain = bytearray(size)
+                        opened = memoryview(plain)[:size]
+                    sealing.open_into(head_view, target[:need], opened)
+                    if head[0] == CLOSE:
+                        self._post(_EOF)
+                        return
+                    message = opened if fresh else bytes(opened)
                 else:
                     message = target if fresh else bytes(target[:need])
                 with self._lock:
                     self._room -= 1
                     room = self._room
                 self._post(message)
-                target, need, got, reading_head = head_view, 4, 0, True
+                target, need, got, reading_head = head_view, head_size, 0, True
             # Send: queued parts, each as one SSL_write (retried with the same bytes if it would block).
             blocked = False
             while True:
@@ -342,7 +386,13 @@ class RawConnection:
                         if not self._outbox:
                             break
                         data, whole = self._outbox.popleft()
-                    current = memoryview(data).cast("B")
+                    if sealing is not None:  # the whole message as one record, sealed here (GIL released)
+                        if RecordSealing.sealed_size(len(data)) > len(seal_buffer):
+                            seal_buffer = bytearray(RecordSealing.sealed_size(len(data)))
+                        end = sealing.seal_into(MESSAGE, data, memoryview(seal_buffer))
+                        current = memoryview(seal_buffer)[:end]
+                    else:
+                        current = memoryview(data).cast("B")
                 try:
                     sent = sock.send(current)
                 except (ssl.SSLWantWriteError, BlockingIOError):
@@ -357,7 +407,7 @@ class RawConnection:
             # session has room), the socket writable (when a send would block).
             with self._lock:
                 if self._closing:
-                    return
+                    break
                 room = self._room
                 if not blocked and not wants_write_to_read and (current is not None or self._outbox):
                     continue  # written meanwhile
@@ -373,6 +423,16 @@ class RawConnection:
                 with contextlib.suppress(OSError):
                     while self._wake_r.recv(4096):
                         pass
+        if sealing is not None and current is None:
+            self._send_close(sealing)
+
+    def _send_close(self, sealing: RecordSealing) -> None:
+        """Closed here between records: end with the sealed close, so the peer can tell an end from a cut."""
+        record = bytearray(RecordSealing.sealed_size(0))
+        sealing.seal_into(CLOSE, b"", memoryview(record))
+        with contextlib.suppress(OSError):
+            self.sock.settimeout(2.0)
+            self.sock.sendall(record)
 
 
 def _release(waiter: asyncio.Future[None]) -> None:

@@ -169,6 +169,15 @@ class SwitchSettings(ServiceSettings):
         "rawlink.py). With 'raw' the WAN port takes both (a gRPC peer is passed through to the gRPC "
         "server) and the dialer offers raw; a peer that does not take it gets the gRPC link.",
     )
+    link_records: Literal["tls", "sealed"] = Field(
+        "tls",
+        description="How the raw link (link_transport=raw) carries records after its mutual TLS 1.3 "
+        "handshake: 'tls' (TLS records, 16 KiB each) or 'sealed' (each whole message as one AES-256-GCM "
+        "record on the bare TCP connection, keyed by fresh secrets exchanged inside the verified TLS "
+        "session, counter nonces, authenticated end; nebula_common/rpc/sealed_records.py). Both switches "
+        "must choose 'sealed' for it to be used: a dialer offers it, an acceptor takes the offer only if "
+        "its own setting is 'sealed' (otherwise TLS records). Costs about a third less CPU per byte.",
+    )
     edge_transport: Literal["grpc", "raw"] = Field(
         "grpc",
         description="What may carry trainers' job edges: 'grpc' (the Relay.OpenEdge call) or 'raw' (a "

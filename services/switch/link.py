@@ -512,7 +512,9 @@ class PeerLink:
                 self.state = LinkState(connected=False, role=role, sessions=self._sessions)
                 self._publish_up(False)
                 with contextlib.suppress(Exception):
-                    self.record("link.down", peer=certified.uri, role=role, peer_serial=f"{serial:x}")
+                    self.record(
+                        "link.down", peer=certified.uri, role=role, peer_serial=f"{serial:x}", reason=reason
+                    )
                 log.warning("WAN link down", extra={"fields": {"peer": certified.uri}})
                 # Buffers are purged both ways (the trainers replay) and attached routes told.
                 self.router.link_down(reason)
@@ -949,7 +951,7 @@ class PeerLink:
                 session_id,
                 marking,
                 open_raw_lane,
-                "raw",
+                connection.transport,
             )
         finally:
             await connection.close()

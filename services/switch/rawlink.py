@@ -38,10 +38,12 @@ import ssl
 from collections.abc import Callable
 
 import grpc
+from cryptography import x509
 
 from nebula_common.pki import Identity, identity_from_certificate
-from nebula_common.rpc.raw_records import MAX_MESSAGE_BYTES, in_thread
+from nebula_common.rpc.raw_records import MAX_MESSAGE_BYTES, in_thread, peer_certificate
 from nebula_common.rpc.raw_records import RawConnection as _RawConnection
+from nebula_common.rpc.sealed_records import RecordSealing, negotiate_acceptor, negotiate_dialer
 from services.switch.link import (
     HANDSHAKE_TIMEOUT_S,
     RAW_LINK_VERSION,
@@ -54,6 +56,9 @@ log = logging.getLogger(__name__)
 
 PREAMBLE = b"NBLINK1\n"
 """First bytes of a raw connection (plaintext, both ways); a TLS record starts with 0x16 instead."""
+PREAMBLE_SEALED = b"NBLINK2\n"
+"""First bytes of a raw connection whose dialer offers sealed records after TLS (``link_records=sealed``);
+an acceptor that knows it answers the same, and the two negotiate inside TLS (``sealed_records.py``)."""
 PASSTHROUGH_READ = 256 << 10
 MAX_RAW_HANDSHAKES = 16
 """Raw TLS handshakes the frontend runs at once (each on a thread of its own, bounded by the timeout)."""
@@ -63,31 +68,63 @@ class RawConnection(_RawConnection):
     """A raw link connection (``nebula_common.rpc.raw_records``) whose failures are ``HandshakeError``."""
 
     def __init__(
-        self, sock: ssl.SSLSocket, peer: str, loop: asyncio.AbstractEventLoop, send_buffer: int = 0
+        self,
+        sock: ssl.SSLSocket | socket.socket,
+        peer: str,
+        loop: asyncio.AbstractEventLoop,
+        send_buffer: int = 0,
+        sealing: RecordSealing | None = None,
+        peer_cert: x509.Certificate | None = None,
     ) -> None:
-        super().__init__(sock, peer, loop, send_buffer, error=HandshakeError, views=True)
+        super().__init__(
+            sock, peer, loop, send_buffer, HandshakeError, views=True, sealing=sealing, peer_cert=peer_cert
+        )
+
+    @property
+    def transport(self) -> str:
+        """How this connection carries the link, as audited with ``link.up``: ``raw`` or ``raw+sealed``."""
+        return "raw+sealed" if self.sealing is not None else "raw"
 
 
-def _connect(address: str, context: ssl.SSLContext, server_name: str, timeout: float) -> ssl.SSLSocket:
-    """Blocking: TCP connect, exchange the preamble, mutual TLS 1.3 (on a thread of its own)."""
+Secured = tuple[ssl.SSLSocket | socket.socket, RecordSealing | None, x509.Certificate | None]
+"""A raw connection after TLS: its socket (bare when sealed), the sealing, the peer's certificate."""
+
+
+def _connect(
+    address: str, context: ssl.SSLContext, server_name: str, timeout: float, sealed: bool = False
+) -> Secured:
+    """Blocking: TCP connect, exchange the preamble, mutual TLS 1.3, with ``sealed`` the offer of
+    sealed records inside it (on a thread of its own)."""
     host, _, port = address.rpartition(":")
+    preamble = PREAMBLE_SEALED if sealed else PREAMBLE
     sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(PREAMBLE)
+        sock.sendall(preamble)
         answer = b""
-        while len(answer) < len(PREAMBLE):
-            part = sock.recv(len(PREAMBLE) - len(answer))
+        while len(answer) < len(preamble):
+            part = sock.recv(len(preamble) - len(answer))
             if not part:
                 raise HandshakeError(f"peer at {address} closed the raw link connection during the preamble")
             answer += part
-        if answer != PREAMBLE:
-            raise HandshakeError(f"peer at {address} does not serve the raw link transport")
+        if answer != preamble:
+            raise HandshakeError(
+                f"peer at {address} does not serve the raw link transport"
+                + (" with sealed records (set link_records=tls on this switch for it)" if sealed else "")
+            )
         tls = context.wrap_socket(sock, server_hostname=server_name)
     except BaseException:
         sock.close()
         raise
-    return tls
+    cert = peer_certificate(tls)
+    if not sealed:
+        return tls, None, cert
+    try:
+        carrier, sealing = negotiate_dialer(tls, want=True)
+    except BaseException:
+        tls.close()
+        raise
+    return carrier, sealing, cert
 
 
 async def dial_raw(
@@ -96,14 +133,20 @@ async def dial_raw(
     server_name: str,
     timeout: float = HANDSHAKE_TIMEOUT_S,
     send_buffer: int = 0,
+    sealed: bool = False,
 ) -> RawConnection:
-    """Connect to the peer's WAN address, exchange the preamble and complete mutual TLS 1.3.
+    """Connect to the peer's WAN address, exchange the preamble and complete mutual TLS 1.3 (then,
+    with ``sealed``, switch to sealed records if the peer agrees inside TLS).
 
     TLS verifies the server's chain against the trust bundle and its DNS name against ``server_name``
     (the expected peer switch); identity, revocation and handshake checks follow in ``PeerLink``.
     """
-    sock = await in_thread(lambda: _connect(address, context, server_name, timeout), "raw-link-dial")
-    return RawConnection(sock, address, asyncio.get_running_loop(), send_buffer)
+    sock, sealing, cert = await in_thread(
+        lambda: _connect(address, context, server_name, timeout, sealed), "raw-link-dial"
+    )
+    with contextlib.suppress(OSError):
+        sock.settimeout(None)
+    return RawConnection(sock, address, asyncio.get_running_loop(), send_buffer, sealing, cert)
 
 
 async def _readable(sock: socket.socket, timeout: float) -> bool:
@@ -136,9 +179,12 @@ class WanFrontend:
         *,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         send_buffer: int = 0,
+        sealed_records: bool = False,
     ) -> None:
         self.links = links
         self.send_buffer = send_buffer
+        #: A dialer's offer of sealed records is taken (``link_records=sealed``); else it keeps TLS records.
+        self.sealed_records = sealed_records
         self.backend = backend
         self.context = context
         self.handshake_timeout_s = handshake_timeout_s
@@ -249,36 +295,40 @@ class WanFrontend:
             if not part:
                 return False
             preamble += part
-        if preamble != PREAMBLE:
+        if preamble not in (PREAMBLE, PREAMBLE_SEALED):
             links.refuse("handshake", "connection sent neither TLS nor the raw link preamble", address=peer)
             return False
+        offered = preamble == PREAMBLE_SEALED
         if self._handshakes.locked():
             links.refuse(
                 "handshake", f"more than {MAX_RAW_HANDSHAKES} raw TLS handshakes at once", address=peer
             )
             return False
         async with self._handshakes:
-            await loop.sock_sendall(conn, PREAMBLE)
+            await loop.sock_sendall(conn, preamble)
             context = self.context()
             timeout = max(0.1, deadline - loop.time())
+            allow = self.sealed_records
 
-            def handshake() -> ssl.SSLSocket:
+            def handshake() -> Secured:
                 conn.setblocking(True)
                 conn.settimeout(timeout)
                 tls = context.wrap_socket(conn, server_side=True)
-                tls.settimeout(None)
-                return tls
+                cert = peer_certificate(tls)
+                carrier, sealing = negotiate_acceptor(tls, allow) if offered else (tls, None)
+                carrier.settimeout(None)
+                return carrier, sealing, cert
 
             try:
-                tls = await in_thread(handshake, f"raw-link-accept {peer}")
-            except (ssl.SSLError, OSError) as exc:  # TimeoutError is an OSError
+                carrier, sealing, cert = await in_thread(handshake, f"raw-link-accept {peer}")
+            except (ssl.SSLError, OSError) as exc:  # TimeoutError and SealedRecordError are OSErrors
                 reason = str(exc) or "no TLS handshake in time"
                 links.refuse("tls", f"raw link TLS handshake refused: {reason}", address=peer)
                 log.warning("refused raw WAN link from %s: %s", peer, reason)
                 return False
         with contextlib.suppress(OSError):
-            tls.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        connection = RawConnection(tls, peer, loop, self.send_buffer)
+            carrier.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        connection = RawConnection(carrier, peer, loop, self.send_buffer, sealing, cert)
         try:
             await serve_raw(links, connection, self.handshake_timeout_s)
         finally:
@@ -338,7 +388,7 @@ async def serve_raw(links: PeerLinks, connection: RawConnection, handshake_timeo
         peer_framing=hello.hello.link_framing >= 1,
         session_id=session_id,
         marking=hello.hello.lanes and bool(session_id),
-        transport="raw",
+        transport=connection.transport,
     )
 
 
@@ -355,6 +405,7 @@ def identity_of(connection: RawConnection) -> Identity:
 __all__ = [
     "MAX_MESSAGE_BYTES",
     "PREAMBLE",
+    "PREAMBLE_SEALED",
     "RAW_LINK_VERSION",
     "RawConnection",
     "WanFrontend",

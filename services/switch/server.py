@@ -289,6 +289,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
             lambda: certs.ssl_context(server_side=True),
             handshake_timeout_s=settings.wan_handshake_timeout_s,
             send_buffer=settings.link_window_bytes,
+            sealed_records=settings.link_records == "sealed",
         )
         wan.ports["wan"] = await frontend.start(settings.wan_listen)
         wan.ports["wan_grpc_backend"] = grpc_wan_port
@@ -387,6 +388,7 @@ def _dial(
                 certs.ssl_context(server_side=False),
                 link.expected_peer.dns_name,
                 send_buffer=settings.link_window_bytes,
+                sealed=settings.link_records == "sealed",
             )
 
         link.raw_dialer = raw_dialer

@@ -2,12 +2,14 @@
 
 * negotiated: raw both ways when both switches want it; a gRPC-only switch on either side gets the
   gRPC link (through the raw acceptor's port, passed through to its gRPC server); framed chunks cross
-  byte for byte either way;
+  byte for byte either way; sealed records (link_records=sealed) only when both switches choose them,
+  audited as transport ``raw+sealed``;
 * authenticated as the gRPC link is: no client certificate, an untrusted CA, a certificate of the right
   CA naming another role, and a handshake contradicting the certificate are refused and audited, and no
   session starts;
 * lanes over raw connections: striping in order, losing one connection mid-transfer, retiring one (the
-  data-plane tests of test_switch_data_plane.py, run with the raw transport).
+  data-plane tests of test_switch_data_plane.py, run with the raw transport, with TLS and with sealed
+  records).
 """
 
 from __future__ import annotations
@@ -59,7 +61,15 @@ def _cross(pair: Pair, accounts: dict[str, Cluster], job: str) -> None:
 
 @pytest.mark.parametrize(
     ("b_transport", "a_transport", "expected"),
-    [("raw", "raw", "raw"), ("raw", "grpc", "grpc"), ("grpc", "raw", "grpc")],
+    [
+        ("raw", "raw", "raw"),
+        ("raw", "grpc", "grpc"),
+        ("grpc", "raw", "grpc"),
+        # sealed records (link_records=sealed): used only when both switches choose them
+        ("raw/sealed", "raw/sealed", "raw+sealed"),
+        ("raw/sealed", "raw", "raw"),
+        ("raw", "raw/sealed", "raw"),
+    ],
 )
 def test_the_transport_is_negotiated_and_chunks_cross_byte_for_byte(
     tmp_path: Path,
@@ -69,14 +79,18 @@ def test_the_transport_is_negotiated_and_chunks_cross_byte_for_byte(
     a_transport: str,
     expected: str,
 ) -> None:
+    def settings(choice: str) -> dict[str, str]:
+        transport, _, records = choice.partition("/")
+        return {"link_transport": transport, "link_records": records or "tls"}
+
     with switch_pair(
-        tmp_path, pki_ab, clusters, link_transport=b_transport, a_overrides={"link_transport": a_transport}
+        tmp_path, pki_ab, clusters, a_overrides=settings(a_transport), **settings(b_transport)
     ) as pair:
         for switch in (pair.a, pair.b):
             assert switch.running.link.state.transport == expected
         ups = [r["details"] for r in pair.audit("b", "link.up")]
         assert ups and ups[-1]["transport"] == expected
-        assert (pair.b.running.frontend is not None) == (b_transport == "raw")
+        assert (pair.b.running.frontend is not None) == b_transport.startswith("raw")
         _cross(pair, clusters, f"{b_transport}-{a_transport}")
         assert pair.a.running.link.state.sessions == 1  # one session: the offer itself started none
 
@@ -188,14 +202,17 @@ def test_the_raw_port_refuses_what_the_grpc_link_refuses_and_audits_it(
     ],
     ids=["striped", "one-lost", "retired"],
 )
+@pytest.mark.parametrize("records", ["tls", "sealed"])
 def test_lanes_over_raw_connections(
     test: Callable[..., None],
+    records: str,
     tmp_path: Path,
     pki_ab: PkiLayout,
     clusters: dict[str, Cluster],  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("NEBULA_SWITCH_LINK_TRANSPORT", "raw")  # read by both switches' settings
+    monkeypatch.setenv("NEBULA_SWITCH_LINK_RECORDS", records)
     original = plane.switch_pair
 
     def checked_pair(*args: Any, **kwargs: Any) -> Any:
@@ -203,7 +220,7 @@ def test_lanes_over_raw_connections(
             def __enter__(self) -> Pair:
                 self.inner = original(*args, **kwargs)
                 pair = self.inner.__enter__()
-                assert pair.a.running.link.state.transport == "raw"
+                assert pair.a.running.link.state.transport == ("raw+sealed" if records == "sealed" else "raw")
                 return pair
 
             def __exit__(self, *exc: Any) -> Any:

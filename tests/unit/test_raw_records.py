@@ -18,11 +18,19 @@ import pytest
 from nebula_common.pki import init_pki
 from nebula_common.pki.service_identity import ServiceTlsFiles, ensure_service_certificates, service_tls_dir
 from nebula_common.rpc.internal_tls import ClientTls, server_name
-from nebula_common.rpc.raw_records import READ_AHEAD, RawConnection, RawConnectionError, in_thread
+from nebula_common.rpc.raw_records import (
+    READ_AHEAD,
+    RawConnection,
+    RawConnectionError,
+    in_thread,
+    peer_certificate,
+)
+from nebula_common.rpc.sealed_records import negotiate_acceptor, negotiate_dialer
 from services.switch.raw_edge import server_context
 from services.trainer.edge.raw_transport import client_context
 
 DEADLINE_S = 60.0
+SEALED = pytest.mark.parametrize("sealed", [False, True], ids=["tls-records", "sealed-records"])
 
 
 @pytest.fixture(scope="module")
@@ -46,20 +54,38 @@ def _client(files: ServiceTlsFiles, cluster: str) -> ssl.SSLContext:
 
 
 async def _pair(
-    server: ssl.SSLContext, client: ssl.SSLContext, name: str, views: bool = True
+    server: ssl.SSLContext, client: ssl.SSLContext, name: str, views: bool = True, sealed: bool = False
 ) -> tuple[RawConnection, RawConnection]:
-    """A connected (client, server) pair after the TLS handshake, both on this loop."""
+    """A connected (client, server) pair after the TLS handshake, both on this loop; with ``sealed``
+    both ask for sealed records (``nebula_common/rpc/sealed_records.py``) after it."""
     left, right = socket.socketpair()
     for sock in (left, right):
         sock.settimeout(10)
 
+    def connection(
+        tls: ssl.SSLSocket, peer: str, loop: asyncio.AbstractEventLoop, dialer: bool
+    ) -> RawConnection:
+        if not sealed:
+            return RawConnection(tls, peer, loop, views=views)
+        cert = peer_certificate(tls)
+        negotiate = negotiate_dialer if dialer else negotiate_acceptor
+        sock, sealing = negotiate(tls, True)
+        assert sealing is not None
+        return RawConnection(sock, peer, loop, views=views, sealing=sealing, peer_cert=cert)
+
     async def accept() -> RawConnection:
-        tls = await in_thread(lambda: server.wrap_socket(right, server_side=True), "test-accept")
-        return RawConnection(tls, "client", asyncio.get_running_loop(), views=views)
+        loop = asyncio.get_running_loop()
+        return await in_thread(
+            lambda: connection(server.wrap_socket(right, server_side=True), "client", loop, False),
+            "test-accept",
+        )
 
     async def dial() -> RawConnection:
-        tls = await in_thread(lambda: client.wrap_socket(left, server_hostname=name), "test-dial")
-        return RawConnection(tls, "server", asyncio.get_running_loop(), views=views)
+        loop = asyncio.get_running_loop()
+        return await in_thread(
+            lambda: connection(client.wrap_socket(left, server_hostname=name), "server", loop, True),
+            "test-dial",
+        )
 
     accepted, dialed = await asyncio.gather(accept(), dial(), return_exceptions=True)
     for connection in (dialed, accepted):
@@ -79,8 +105,9 @@ def _run(body: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(bounded())
 
 
+@SEALED
 def test_messages_of_every_size_arrive_whole_and_in_order_both_ways(
-    identities: dict[str, ServiceTlsFiles],
+    identities: dict[str, ServiceTlsFiles], sealed: bool
 ) -> None:
     sizes = [
         0,
@@ -102,7 +129,10 @@ def test_messages_of_every_size_arrive_whole_and_in_order_both_ways(
 
     async def body() -> None:
         client, server = await _pair(
-            _server(identities["switch-a"]), _client(identities["trainer-a"], "a"), server_name("switch", "a")
+            _server(identities["switch-a"]),
+            _client(identities["trainer-a"], "a"),
+            server_name("switch", "a"),
+            sealed=sealed,
         )
         assert server.peer_cert is not None and client.peer_cert is not None
 
@@ -124,12 +154,16 @@ def test_messages_of_every_size_arrive_whole_and_in_order_both_ways(
     _run(body)
 
 
+@SEALED
 def test_a_large_message_is_handed_on_as_a_view_of_its_own_buffer(
-    identities: dict[str, ServiceTlsFiles],
+    identities: dict[str, ServiceTlsFiles], sealed: bool
 ) -> None:
     async def body() -> None:
         client, server = await _pair(
-            _server(identities["switch-a"]), _client(identities["trainer-a"], "a"), server_name("switch", "a")
+            _server(identities["switch-a"]),
+            _client(identities["trainer-a"], "a"),
+            server_name("switch", "a"),
+            sealed=sealed,
         )
         payload = bytes(range(256)) * 4096  # 1 MiB
         await client.write(payload)
@@ -143,14 +177,18 @@ def test_a_large_message_is_handed_on_as_a_view_of_its_own_buffer(
     _run(body)
 
 
+@SEALED
 def test_a_slow_reader_stops_the_connection_reading_and_loses_nothing(
-    identities: dict[str, ServiceTlsFiles],
+    identities: dict[str, ServiceTlsFiles], sealed: bool
 ) -> None:
     count = READ_AHEAD * 6
 
     async def body() -> None:
         client, server = await _pair(
-            _server(identities["switch-a"]), _client(identities["trainer-a"], "a"), server_name("switch", "a")
+            _server(identities["switch-a"]),
+            _client(identities["trainer-a"], "a"),
+            server_name("switch", "a"),
+            sealed=sealed,
         )
         chunk = 256 << 10
 
@@ -303,8 +341,9 @@ def test_a_plain_unix_socket_carries_the_same_records_and_cut_is_an_error() -> N
     _run(body)
 
 
+@SEALED
 def test_messages_queued_from_another_thread_arrive_in_order_between_written_ones(
-    identities: dict[str, ServiceTlsFiles],
+    identities: dict[str, ServiceTlsFiles], sealed: bool
 ) -> None:
     """``send_nowait`` (the trainer's session thread) and ``write`` (the loop) share one ordered outbox;
     a reader that waits is woken, and a busy one takes what arrived meanwhile without a wake-up."""
@@ -312,7 +351,10 @@ def test_messages_queued_from_another_thread_arrive_in_order_between_written_one
 
     async def body() -> None:
         client, server = await _pair(
-            _server(identities["switch-a"]), _client(identities["trainer-a"], "a"), server_name("switch", "a")
+            _server(identities["switch-a"]),
+            _client(identities["trainer-a"], "a"),
+            server_name("switch", "a"),
+            sealed=sealed,
         )
         loop = asyncio.get_running_loop()
         expected: list[bytes] = []

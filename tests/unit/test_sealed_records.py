@@ -1,0 +1,821 @@
+"""Sealed records (``nebula_common/rpc/sealed_records.py``): the security properties, pinned on real bytes.
+
+A sealed connection drops TLS's own records after the mutual TLS 1.3 handshake and carries each message
+as one AES-256-GCM record of its own, so everything TLS used to guarantee on the data path -- that a
+changed, replayed, reordered, dropped, reflected or truncated byte stream is refused, never delivered --
+now rests on this module and on ``RawConnection``'s sealed path (``nebula_common/rpc/raw_records.py``).
+These tests pin those guarantees where they would break:
+
+* ``RecordSealing`` alone (no sockets): round trips of every size, the key ratchet after ``limit``
+  bytes, and that every single flipped bit, every reordering and every direction confusion is refused.
+* The negotiation over real mutual TLS (real certificates of a local PKI): who gets sealed records and
+  who keeps TLS, and that a broken or hostile peer is an error (never a hang).
+* A man in the middle on loopback TCP between two sealed ``RawConnection``: after the handshake and the
+  negotiation pass through it untouched, it attacks the sealed dialer -> acceptor stream; the acceptor
+  must deliver exactly the messages before the attack, unchanged, then fail -- never a wrong message.
+* A large sealed message is decrypted straight into a buffer of its own (``views=True``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import pytest
+
+from nebula_common.pki import init_pki
+from nebula_common.pki.service_identity import ServiceTlsFiles, ensure_service_certificates, service_tls_dir
+from nebula_common.rpc.internal_tls import ClientTls, server_name
+from nebula_common.rpc.raw_records import RawConnection, RawConnectionError, in_thread, peer_certificate
+from nebula_common.rpc.sealed_records import (
+    CLOSE,
+    HEADER,
+    MAGIC,
+    MESSAGE,
+    NEGOTIATION,
+    SECRET_BYTES,
+    TAG_BYTES,
+    RecordSealing,
+    SealedRecordError,
+    negotiate_acceptor,
+    negotiate_dialer,
+)
+from services.switch.raw_edge import server_context
+from services.trainer.edge.raw_transport import client_context
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+DEADLINE_S = 20.0
+"""Bound of one async test body (each takes well under a second)."""
+STEP_S = 10.0
+"""Bound of one awaited step (a read, a handshake): a hang fails with the step's name."""
+IO_TIMEOUT_S = 5.0
+"""Blocking socket timeout: a negotiation error must come well before it (then it is not a hang)."""
+NAME = server_name("switch", "a")
+
+
+# ----- real certificates, real TLS ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def identities(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ServiceTlsFiles]:
+    root = tmp_path_factory.mktemp("pki")
+    init_pki(root, ["a", "b"])  # a PKI has two clusters at least
+    ensure_service_certificates(root, "a")
+    return {
+        f"{service}-a": ServiceTlsFiles.in_dir(service_tls_dir(root, "a", service))
+        for service in ("switch", "trainer")
+    }
+
+
+def _server(identities: dict[str, ServiceTlsFiles]) -> ssl.SSLContext:
+    files = identities["switch-a"]
+    return server_context(str(files.cert), str(files.key), str(files.ca))
+
+
+def _client(identities: dict[str, ServiceTlsFiles]) -> ssl.SSLContext:
+    files = identities["trainer-a"]
+    return client_context(ClientTls("a", Path(files.ca), Path(files.cert), Path(files.key)))
+
+
+def _concurrently(
+    dialer: Callable[[], T], acceptor: Callable[[], U]
+) -> tuple[T | BaseException, U | BaseException]:
+    """Run the two blocking sides on threads of their own; each one's result or exception."""
+    results: list[object] = [None, None]
+
+    def run(index: int, side: Callable[[], object]) -> None:
+        try:
+            results[index] = side()
+        except BaseException as exc:
+            results[index] = exc
+
+    threads = [
+        threading.Thread(target=run, args=(index, side), name=name, daemon=True)
+        for index, (side, name) in enumerate([(dialer, "test-dialer"), (acceptor, "test-acceptor")])
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(STEP_S)
+        if thread.is_alive():
+            pytest.fail(f"the {thread.name} side is still blocked after {STEP_S} s: a hang")
+    return results[0], results[1]  # type: ignore[return-value]
+
+
+def _handshaken(identities: dict[str, ServiceTlsFiles]) -> tuple[ssl.SSLSocket, ssl.SSLSocket]:
+    """(dialer, acceptor) TLS sockets on a socket pair, right after the mutual TLS 1.3 handshake."""
+    left, right = socket.socketpair()
+    for sock in (left, right):
+        sock.settimeout(IO_TIMEOUT_S)
+    client, server = _client(identities), _server(identities)
+    dialer, acceptor = _concurrently(
+        lambda: client.wrap_socket(left, server_hostname=NAME),
+        lambda: server.wrap_socket(right, server_side=True),
+    )
+    for side in (dialer, acceptor):
+        if isinstance(side, BaseException):
+            raise side
+    assert isinstance(dialer, ssl.SSLSocket) and isinstance(acceptor, ssl.SSLSocket)
+    assert dialer.version() == "TLSv1.3"
+    return dialer, acceptor
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        part = sock.recv(size - len(data))
+        assert part, f"the peer ended after {len(data)} of {size} bytes"
+        data += part
+    return data
+
+
+def _run(body: Callable[[], Awaitable[None]]) -> None:
+    async def bounded() -> None:
+        await asyncio.wait_for(body(), DEADLINE_S)
+
+    asyncio.run(bounded())
+
+
+async def _step(awaitable: Awaitable[T], what: str) -> T:
+    try:
+        return await asyncio.wait_for(awaitable, STEP_S)
+    except TimeoutError:
+        pytest.fail(f"{what}: nothing after {STEP_S} s (a hang)")
+
+
+# ----- 1. RecordSealing alone --------------------------------------------------------------------------
+def _sealings(
+    limit: int = 1 << 36, keys: tuple[bytes, bytes] | None = None
+) -> tuple[RecordSealing, RecordSealing]:
+    """(a, b): a's send key is b's receive key and the other way round, as after a negotiation."""
+    one, two = keys if keys is not None else (os.urandom(32), os.urandom(32))
+    return RecordSealing(one, two, limit), RecordSealing(two, one, limit)
+
+
+def _seal(sealing: RecordSealing, message: bytes, kind: int = MESSAGE) -> bytes:
+    out = bytearray(RecordSealing.sealed_size(len(message)))
+    end = sealing.seal_into(kind, message, memoryview(out))
+    assert end == len(out)
+    return bytes(out)
+
+
+def _receive(
+    sealing: RecordSealing, stream: bytes, limit: int = 1 << 20
+) -> tuple[list[bytes], Exception | None]:
+    """Open the records of ``stream`` one after the other as ``RawConnection`` does (the header says how
+    many bytes the record takes); the messages opened, then the error that stopped it (None: all)."""
+    view = memoryview(stream)
+    messages: list[bytes] = []
+    at = 0
+    try:
+        while at < len(stream):
+            header = view[at : at + HEADER.size]
+            kind, length = RecordSealing.parse_header(header, limit)
+            end = at + RecordSealing.sealed_size(length)
+            assert end <= len(stream), "the test stream ended inside a record: give it more bytes"
+            target = bytearray(length)
+            sealing.open_into(header, view[at + HEADER.size : end], memoryview(target))
+            messages.append(bytes(target))
+            at = end
+            if kind == CLOSE:
+                break
+    except SealedRecordError as exc:
+        return messages, exc
+    return messages, None
+
+
+def test_messages_of_every_size_round_trip_both_ways_with_crossed_keys() -> None:
+    a, b = _sealings()
+    for size in (0, 1, 16 << 10, 1 << 20):
+        message = os.urandom(size)
+        record = _seal(a, message)
+        assert len(record) == HEADER.size + size + TAG_BYTES
+        assert HEADER.unpack(record[: HEADER.size]) == (MESSAGE, size)
+        if size >= 16:
+            assert message not in record  # encrypted, not just authenticated
+        assert _receive(b, record, limit=2 << 20) == ([message], None)
+        assert _receive(a, _seal(b, message), limit=2 << 20) == ([message], None)
+
+
+def test_records_round_trip_across_many_key_changes_and_each_key_seals_differently() -> None:
+    limit = 100
+    a, b = _sealings(limit)
+    same = b"thirty bytes of one plaintext!"
+    assert len(same) == 30  # three records fill a key's 100-byte budget; the fourth moves to the next
+    records = [_seal(a, same) for _ in range(30)]  # ten keys
+    messages, error = _receive(b, b"".join(records), limit)
+    assert error is None and messages == [same] * 30
+    # Records 0, 3, 6, ... are each the first under a new key: the same nonce (the counter restarts),
+    # so only the key can make them differ -- a ratchet that kept the key would reuse nonces.
+    firsts = [records[index] for index in range(0, 30, 3)]
+    assert len(set(firsts)) == len(firsts)
+    # A receiver that never moves to the next key opens the first three records, then none.
+    keys = (os.urandom(32), os.urandom(32))
+    ratcheting, _ = _sealings(limit, keys)
+    _, stuck = _sealings(1 << 36, keys)
+    stream = b"".join(_seal(ratcheting, same) for _ in range(4))
+    messages, error = _receive(stuck, stream, limit)
+    assert messages == [same] * 3
+    assert isinstance(error, SealedRecordError) and "authentication" in str(error)
+
+
+def test_every_flipped_bit_of_a_record_is_refused_and_nothing_wrong_is_delivered() -> None:
+    limit = 4096
+    keys = (os.urandom(32), os.urandom(32))
+    a, _ = _sealings(limit, keys)
+    m0, m1, m2 = b"A" * 100, b"B" * 100, b"C" * 100
+    r0, r1, r2 = _seal(a, m0), _seal(a, m1), _seal(a, m2)
+    # Whatever a changed length makes the receiver wait for is there: it must then fail to authenticate.
+    tail = r2 + bytes(limit + TAG_BYTES)
+    causes: dict[str, set[str]] = {"kind": set(), "length": set(), "ciphertext": set(), "tag": set()}
+    for bit in range(len(r1) * 8):
+        changed = bytearray(r1)
+        changed[bit // 8] ^= 1 << (bit % 8)
+        _, receiver = _sealings(limit, keys)
+        messages, error = _receive(receiver, r0 + bytes(changed) + tail, limit)
+        assert messages == [m0], f"bit {bit}: delivered {len(messages)} messages"
+        assert isinstance(error, SealedRecordError), f"bit {bit}: no error"
+        byte = bit // 8
+        part = (
+            "kind"
+            if byte == 0
+            else "length"
+            if byte < HEADER.size
+            else "ciphertext"
+            if byte < HEADER.size + len(m1)
+            else "tag"
+        )
+        causes[part].add(str(error).split(" (")[0].rsplit(" ", 1)[0] if part == "kind" else str(error))
+    assert causes["kind"] == {"a sealed record of unknown kind"}
+    auth = "a sealed record failed authentication (changed, replayed, reordered or cut on the way)"
+    assert causes["ciphertext"] == {auth} and causes["tag"] == {auth}
+    assert auth in causes["length"]  # low bits: the wrong span of bytes fails authentication
+    assert all(cause == auth or "announced" in cause for cause in causes["length"])  # high bits: over limit
+
+
+@pytest.mark.parametrize(
+    "order",
+    [[1, 0, 2, 3], [0, 0, 1, 2], [0, 2, 3], [0, 1, 3], [1, 2, 3]],
+    ids=["reordered", "replayed", "skipped", "dropped-before-last", "first-dropped"],
+)
+def test_records_opened_out_of_order_twice_or_with_one_missing_are_refused(order: list[int]) -> None:
+    keys = (os.urandom(32), os.urandom(32))
+    a, b = _sealings(keys=keys)
+    messages = [bytes([index]) * (10 + index) for index in range(4)]
+    records = [_seal(a, message) for message in messages]
+    opened, error = _receive(b, b"".join(records[index] for index in order))
+    in_order = 0
+    while in_order < len(order) and order[in_order] == in_order:
+        in_order += 1
+    assert opened == messages[:in_order]  # those before the first wrong record, and nothing after
+    assert isinstance(error, SealedRecordError) and "failed authentication" in str(error)
+
+
+def test_a_record_sealed_in_one_direction_cannot_be_opened_as_the_other_directions() -> None:
+    keys = (os.urandom(32), os.urandom(32))
+    a, b = _sealings(keys=keys)
+    to_b, to_a = _seal(a, b"for b"), _seal(b, b"for a")
+    # Reflected back to its sender (who expects the other direction's first record, counter 0 too).
+    for sealing, record in ((a, to_b), (b, to_a)):
+        messages, error = _receive(sealing, record)
+        assert messages == [] and isinstance(error, SealedRecordError)
+    # The right receivers open them (fresh ones: a failed record ends a receiver's direction for good).
+    a, b = _sealings(keys=keys)
+    assert _receive(b, to_b) == ([b"for b"], None)
+    assert _receive(a, to_a) == ([b"for a"], None)
+
+
+def test_a_close_record_is_authenticated_like_a_message() -> None:
+    a, b = _sealings()
+    close = _seal(a, b"", CLOSE)
+    assert HEADER.unpack(close[: HEADER.size]) == (CLOSE, 0)
+    assert _receive(b, close) == ([b""], None)
+    # A message record of zero bytes relabelled CLOSE (a forged end) fails authentication.
+    a, b = _sealings()
+    forged = bytearray(_seal(a, b""))
+    forged[0] = CLOSE
+    messages, error = _receive(b, bytes(forged))
+    assert messages == [] and isinstance(error, SealedRecordError) and "authentication" in str(error)
+
+
+def test_parse_header_refuses_unknown_kinds_oversized_lengths_and_a_close_with_bytes() -> None:
+    assert RecordSealing.parse_header(HEADER.pack(MESSAGE, 1000), 1000) == (MESSAGE, 1000)
+    assert RecordSealing.parse_header(memoryview(HEADER.pack(CLOSE, 0)), 1000) == (CLOSE, 0)
+    for kind in (0, 3, 0x17, 255):
+        with pytest.raises(SealedRecordError, match=f"unknown kind {kind}$"):
+            RecordSealing.parse_header(HEADER.pack(kind, 10), 1000)
+    with pytest.raises(SealedRecordError, match=r"announced 1001 bytes \(limit 1000\)"):
+        RecordSealing.parse_header(HEADER.pack(MESSAGE, 1001), 1000)
+    with pytest.raises(SealedRecordError, match=r"announced 4294967295 bytes"):
+        RecordSealing.parse_header(HEADER.pack(MESSAGE, 0xFFFFFFFF), 64 << 20)
+    with pytest.raises(SealedRecordError):
+        RecordSealing.parse_header(HEADER.pack(CLOSE, 5), 1000)
+
+
+def test_parse_header_says_a_close_record_must_be_empty() -> None:
+    with pytest.raises(SealedRecordError, match=r"(?i)close"):
+        RecordSealing.parse_header(HEADER.pack(CLOSE, 5), 1000)
+
+
+# ----- 2. The negotiation over real mutual TLS -----------------------------------------------------------
+def test_both_wanting_sealed_records_get_crossed_sealings_on_the_bare_sockets(
+    identities: dict[str, ServiceTlsFiles],
+) -> None:
+    dialer_tls, acceptor_tls = _handshaken(identities)
+    fds = dialer_tls.fileno(), acceptor_tls.fileno()
+    dialer, acceptor = _concurrently(
+        lambda: negotiate_dialer(dialer_tls, True), lambda: negotiate_acceptor(acceptor_tls, True)
+    )
+    assert not isinstance(dialer, BaseException) and not isinstance(acceptor, BaseException)
+    (dialer_sock, dialer_sealing), (acceptor_sock, acceptor_sealing) = dialer, acceptor
+    assert dialer_sealing is not None and acceptor_sealing is not None
+    for sock, fd, tls in ((dialer_sock, fds[0], dialer_tls), (acceptor_sock, fds[1], acceptor_tls)):
+        assert type(sock) is socket.socket and not isinstance(sock, ssl.SSLSocket)
+        assert sock.fileno() == fd and tls.fileno() == -1  # the same TCP connection, TLS detached
+        assert sock.gettimeout() == IO_TIMEOUT_S
+    try:
+        # Sealed records flow both ways on the bare sockets; a record reflected to its sender is refused.
+        to_acceptor, to_dialer = (
+            _seal(dialer_sealing, b"dialer says hi"),
+            _seal(acceptor_sealing, b"acceptor too"),
+        )
+        dialer_sock.sendall(to_acceptor)
+        acceptor_sock.sendall(to_dialer)
+        assert _receive(acceptor_sealing, _recv_exact(acceptor_sock, len(to_acceptor))) == (
+            [b"dialer says hi"],
+            None,
+        )
+        assert _receive(dialer_sealing, _recv_exact(dialer_sock, len(to_dialer))) == ([b"acceptor too"], None)
+        messages, error = _receive(dialer_sealing, _seal(dialer_sealing, b"reflected"))
+        assert messages == [] and isinstance(error, SealedRecordError)
+    finally:
+        dialer_sock.close()
+        acceptor_sock.close()
+
+
+@pytest.mark.parametrize(("want", "allow"), [(True, False), (False, True), (False, False)])
+def test_unless_both_want_sealed_records_both_keep_tls_and_messages_still_flow(
+    identities: dict[str, ServiceTlsFiles], want: bool, allow: bool
+) -> None:
+    dialer_tls, acceptor_tls = _handshaken(identities)
+    dialer, acceptor = _concurrently(
+        lambda: negotiate_dialer(dialer_tls, want), lambda: negotiate_acceptor(acceptor_tls, allow)
+    )
+    try:
+        assert dialer == (dialer_tls, None) and acceptor == (acceptor_tls, None)
+        assert dialer_tls.fileno() != -1 and acceptor_tls.fileno() != -1  # not detached
+        dialer_tls.sendall(b"still TLS")
+        assert _recv_exact(acceptor_tls, 9) == b"still TLS"
+        acceptor_tls.sendall(b"both ways")
+        assert _recv_exact(dialer_tls, 9) == b"both ways"
+    finally:
+        dialer_tls.close()
+        acceptor_tls.close()
+
+
+@pytest.mark.parametrize(
+    "offer",
+    [
+        NEGOTIATION.pack(b"NBSEAL2", 1, bytes(SECRET_BYTES)),
+        NEGOTIATION.pack(MAGIC, 2, bytes(SECRET_BYTES)),
+        b"\0\0\0\x24" + b"an old dialer's first record" + bytes(8),
+    ],
+    ids=["wrong-magic", "wish-out-of-range", "a-plain-record"],
+)
+def test_an_acceptor_refuses_a_first_message_that_is_not_the_offer(
+    identities: dict[str, ServiceTlsFiles], offer: bytes
+) -> None:
+    assert len(offer) == NEGOTIATION.size
+    dialer_tls, acceptor_tls = _handshaken(identities)
+    try:
+        _, acceptor = _concurrently(
+            lambda: dialer_tls.sendall(offer), lambda: negotiate_acceptor(acceptor_tls, True)
+        )
+        assert isinstance(acceptor, SealedRecordError), acceptor
+        assert "is not a sealed-records offer" in str(acceptor)
+    finally:
+        dialer_tls.close()
+        acceptor_tls.close()
+
+
+@pytest.mark.parametrize(
+    ("want", "answer"),
+    [
+        (True, NEGOTIATION.pack(b"NBSEAL0", 1, bytes(SECRET_BYTES))),
+        (True, NEGOTIATION.pack(MAGIC, 7, bytes(SECRET_BYTES))),
+        (False, NEGOTIATION.pack(MAGIC, 1, bytes(SECRET_BYTES))),  # sealed although not offered
+    ],
+    ids=["wrong-magic", "decision-out-of-range", "sealed-without-the-wish"],
+)
+def test_a_dialer_refuses_an_answer_that_is_not_a_valid_answer_to_its_offer(
+    identities: dict[str, ServiceTlsFiles], want: bool, answer: bytes
+) -> None:
+    dialer_tls, acceptor_tls = _handshaken(identities)
+
+    def fake_acceptor() -> bytes:
+        offer = _recv_exact(acceptor_tls, NEGOTIATION.size)
+        acceptor_tls.sendall(answer)
+        return offer
+
+    try:
+        dialer, offer = _concurrently(lambda: negotiate_dialer(dialer_tls, want), fake_acceptor)
+        assert isinstance(offer, bytes) and NEGOTIATION.unpack(offer)[:2] == (MAGIC, int(want))
+        assert isinstance(dialer, SealedRecordError), dialer
+        assert "answered the sealed-records offer with something else" in str(dialer)
+    finally:
+        dialer_tls.close()
+        acceptor_tls.close()
+
+
+def test_an_acceptor_holding_bytes_past_the_offer_refuses_to_switch(
+    identities: dict[str, ServiceTlsFiles],
+) -> None:
+    """Bytes after the offer inside its TLS record would be lost by the switch to the bare socket."""
+    dialer_tls, acceptor_tls = _handshaken(identities)
+    offer = NEGOTIATION.pack(MAGIC, 1, os.urandom(SECRET_BYTES))
+    try:
+        _, acceptor = _concurrently(
+            lambda: dialer_tls.sendall(offer + b"early"), lambda: negotiate_acceptor(acceptor_tls, True)
+        )
+        assert isinstance(acceptor, SealedRecordError) and "TLS holds bytes" in str(acceptor)
+    finally:
+        dialer_tls.close()
+        acceptor_tls.close()
+
+
+@pytest.mark.parametrize("side", ["dialer", "acceptor"])
+def test_a_peer_that_stops_sending_during_the_negotiation_is_an_error_not_a_hang(
+    identities: dict[str, ServiceTlsFiles], side: str
+) -> None:
+    dialer_tls, acceptor_tls = _handshaken(identities)
+    offer = NEGOTIATION.pack(MAGIC, 1, os.urandom(SECRET_BYTES))
+
+    def half_offer_then_end() -> None:
+        dialer_tls.sendall(offer[:20])
+        socket.socket.shutdown(dialer_tls, socket.SHUT_WR)  # the TCP end, no close_notify
+
+    def read_offer_then_end() -> None:
+        _recv_exact(acceptor_tls, NEGOTIATION.size)
+        socket.socket.shutdown(acceptor_tls, socket.SHUT_WR)
+
+    started = time.monotonic()
+    try:
+        if side == "dialer":
+            _, error = _concurrently(half_offer_then_end, lambda: negotiate_acceptor(acceptor_tls, True))
+        else:
+            error, _ = _concurrently(lambda: negotiate_dialer(dialer_tls, True), read_offer_then_end)
+        assert isinstance(error, SealedRecordError), error
+        assert "closed the connection during the sealed-records negotiation" in str(error)
+        assert time.monotonic() - started < IO_TIMEOUT_S  # its own end, not the socket timeout
+    finally:
+        dialer_tls.close()
+        acceptor_tls.close()
+
+
+def test_a_peer_that_closes_its_socket_during_the_negotiation_is_an_error_not_a_hang(
+    identities: dict[str, ServiceTlsFiles],
+) -> None:
+    dialer_tls, acceptor_tls = _handshaken(identities)
+    started = time.monotonic()
+    try:
+        _, error = _concurrently(dialer_tls.close, lambda: negotiate_acceptor(acceptor_tls, True))
+        assert isinstance(error, OSError) and not isinstance(error, TimeoutError), repr(error)
+        assert time.monotonic() - started < IO_TIMEOUT_S
+    finally:
+        acceptor_tls.close()
+
+
+# ----- 3. A man in the middle on the sealed stream ------------------------------------------------------
+class _Attack:
+    """What the proxy does to the dialer -> acceptor sealed records from record ``at`` on."""
+
+    def __init__(self, name: str, at: int) -> None:
+        self.name = name
+        self.at = at
+        self.applied = threading.Event()
+        self._held: bytes | None = None
+
+    def feed(self, index: int, record: bytes) -> tuple[list[bytes], bool]:
+        """The bytes to forward for the ``index``-th whole record, and whether to cut the connection."""
+        if index < self.at or (self.applied.is_set() and self._held is None):
+            return [record], False
+        changed = bytearray(record)
+        parts: list[bytes]
+        cut = False
+        if self.name == "ciphertext-bit":
+            changed[HEADER.size + (len(record) - HEADER.size - TAG_BYTES) // 2] ^= 0x04
+            parts = [bytes(changed)]
+        elif self.name == "length-bit":
+            changed[HEADER.size - 1] ^= 0x01  # the length's lowest bit: the record now takes one byte more
+            parts = [bytes(changed)]
+        elif self.name == "replay":
+            parts = [record, record]
+        elif self.name == "swap":
+            if self._held is None:
+                self._held = record
+                return [], False
+            parts, self._held = [record, self._held], None
+        elif self.name == "drop":
+            parts = []
+        elif self.name == "cut":
+            parts, cut = [], True
+        elif self.name == "cut-inside":
+            parts, cut = [record[: len(record) // 2]], True
+        else:
+            raise AssertionError(f"unknown attack {self.name}")
+        self.applied.set()
+        return parts, cut
+
+
+class _Proxy:
+    """A loopback TCP proxy: the dialer connects to it, it connects to the acceptor.
+
+    It forwards both directions byte for byte (the TLS handshake and the negotiation included) until
+    ``parse_from_here``; from then on it cuts the dialer -> acceptor bytes into whole sealed records
+    (5-byte header, plaintext length, 16-byte tag) and hands each to the attack.
+    """
+
+    def __init__(self, target: tuple[str, int], attack: _Attack | None) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(IO_TIMEOUT_S)
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._target = target
+        self.attack = attack
+        self._lock = threading.Lock()
+        self._forwarded = 0  # dialer -> acceptor bytes forwarded before parsing
+        self._tail = b""  # their last bytes
+        self._parsing = False
+        self.records: list[tuple[int, int]] = []  # (kind, length) of each whole record seen once parsing
+        self._sockets: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._serve, name="mitm-accept", daemon=True)]
+        self._threads[0].start()
+
+    def parse_from_here(self, last_message: bytes) -> None:
+        """Parse sealed records from the next dialer byte on; everything forwarded so far must end with
+        the record of ``last_message`` (the dialer sent nothing since: the boundary is exact)."""
+        size = RecordSealing.sealed_size(len(last_message))
+        with self._lock:
+            assert self._forwarded > size, "nothing forwarded: the proxy is not in the path"
+            header = self._tail[-size:][: HEADER.size]
+            assert header == HEADER.pack(MESSAGE, len(last_message)), (
+                f"the dialer's bytes do not end with the sealed record of the first message: {header.hex()}"
+            )
+            self._parsing = True
+
+    def close(self) -> None:
+        for sock in [self._listener, *self._sockets]:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for thread in self._threads:
+            thread.join(IO_TIMEOUT_S)
+            assert not thread.is_alive(), f"{thread.name} did not end"
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            dialer, _ = self._listener.accept()
+            acceptor = socket.create_connection(self._target, timeout=IO_TIMEOUT_S)
+            self._sockets += [dialer, acceptor]
+            for sock in (dialer, acceptor):
+                sock.settimeout(DEADLINE_S)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for name, pump in (
+                ("mitm-d2a", self._dialer_to_acceptor),
+                ("mitm-a2d", self._acceptor_to_dialer),
+            ):
+                thread = threading.Thread(target=pump, args=(dialer, acceptor), name=name, daemon=True)
+                self._threads.append(thread)
+                thread.start()
+
+    @staticmethod
+    def _acceptor_to_dialer(dialer: socket.socket, acceptor: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while chunk := acceptor.recv(1 << 16):
+                dialer.sendall(chunk)
+        with contextlib.suppress(OSError):
+            dialer.shutdown(socket.SHUT_WR)
+
+    def _dialer_to_acceptor(self, dialer: socket.socket, acceptor: socket.socket) -> None:
+        pending = bytearray()
+        index = 0
+        cut = False  # the acceptor's side is cut (or gone): the dialer's bytes are drained, not forwarded
+        while True:
+            try:
+                chunk = dialer.recv(1 << 16)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            if cut:
+                continue
+            with self._lock:
+                parsing = self._parsing
+                if not parsing:  # counted before it can reach the acceptor
+                    self._forwarded += len(chunk)
+                    self._tail = (self._tail + chunk)[-(1 << 10) :]
+            out: list[bytes] = []
+            if not parsing:
+                out.append(chunk)
+            else:
+                pending += chunk
+                while len(pending) >= HEADER.size:
+                    kind, length = HEADER.unpack_from(pending)
+                    size = RecordSealing.sealed_size(length)
+                    if len(pending) < size:
+                        break
+                    record = bytes(pending[:size])
+                    del pending[:size]
+                    with self._lock:
+                        self.records.append((kind, length))
+                    parts, cut = self.attack.feed(index, record) if self.attack else ([record], False)
+                    index += 1
+                    out += parts
+                    if cut:
+                        break
+            try:
+                acceptor.sendall(b"".join(out))
+            except OSError:
+                cut = True
+            if cut:
+                with contextlib.suppress(OSError):
+                    acceptor.shutdown(socket.SHUT_WR)  # a TCP end right after the last forwarded byte
+        if not cut:
+            with contextlib.suppress(OSError):
+                acceptor.shutdown(socket.SHUT_WR)
+
+
+async def _through_proxy(
+    identities: dict[str, ServiceTlsFiles], attack: _Attack | None, views: bool = False
+) -> tuple[RawConnection, RawConnection, _Proxy]:
+    """A sealed (dialer, acceptor) RawConnection pair whose every byte passes the proxy."""
+    loop = asyncio.get_running_loop()
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(IO_TIMEOUT_S)
+    proxy = _Proxy(listener.getsockname()[:2], attack)
+    client, server = _client(identities), _server(identities)
+
+    def sealed(tls: ssl.SSLSocket, dialer: bool) -> RawConnection:
+        cert = peer_certificate(tls)
+        sock, sealing = negotiate_dialer(tls, True) if dialer else negotiate_acceptor(tls, True)
+        assert sealing is not None, "the negotiation through the proxy did not seal"
+        return RawConnection(
+            sock, "acceptor" if dialer else "dialer", loop, views=views, sealing=sealing, peer_cert=cert
+        )
+
+    def dial() -> RawConnection:
+        sock = socket.create_connection(proxy.address, timeout=IO_TIMEOUT_S)
+        return sealed(client.wrap_socket(sock, server_hostname=NAME), True)
+
+    def accept() -> RawConnection:
+        sock, _ = listener.accept()
+        sock.settimeout(IO_TIMEOUT_S)
+        return sealed(server.wrap_socket(sock, server_side=True), False)
+
+    try:
+        results = await _step(
+            asyncio.gather(
+                in_thread(dial, "test-dial"), in_thread(accept, "test-accept"), return_exceptions=True
+            ),
+            "the handshake and the negotiation through the proxy",
+        )
+    finally:
+        listener.close()
+    for result in results:
+        if isinstance(result, BaseException):
+            for other in results:
+                if isinstance(other, RawConnection):
+                    await other.close()
+            proxy.close()
+            raise result
+    dialer, acceptor = results
+    assert isinstance(dialer, RawConnection) and isinstance(acceptor, RawConnection)
+    return dialer, acceptor, proxy
+
+
+FIRST = b"the first sealed message, passed through untouched"
+SIZES = [100, 20_000, 70_000, 4_000, 1_000, 200_000, 64, 30_000]
+"""Even sizes: a flipped lowest length bit makes the attacked record claim one byte more."""
+ATTACKED = 3
+"""The proxy attacks the record after this many whole records (after FIRST)."""
+
+
+def _messages() -> list[bytes]:
+    return [bytes([index + 1]) * size for index, size in enumerate(SIZES)]
+
+
+@pytest.mark.parametrize(
+    ("attack", "expected", "delivered"),
+    [
+        ("ciphertext-bit", "failed authentication", ATTACKED),
+        ("length-bit", "failed authentication", ATTACKED),
+        ("replay", "failed authentication", ATTACKED + 1),  # the first copy is the genuine record
+        ("swap", "failed authentication", ATTACKED),
+        ("drop", "failed authentication", ATTACKED),
+        ("cut", "the connection ended without its sealed close", ATTACKED),
+        ("cut-inside", "the raw connection ended inside a record", ATTACKED),
+    ],
+)
+def test_a_man_in_the_middle_gets_the_messages_before_the_attack_delivered_then_an_error(
+    identities: dict[str, ServiceTlsFiles], attack: str, expected: str, delivered: int
+) -> None:
+    messages = _messages()
+
+    async def body() -> None:
+        tamper = _Attack(attack, ATTACKED)
+        dialer, acceptor, proxy = await _through_proxy(identities, tamper)
+        try:
+            await _step(dialer.write(FIRST), "the first write")
+            assert await _step(acceptor.read(), "the first message") == FIRST
+            proxy.parse_from_here(FIRST)
+
+            async def send() -> None:
+                with contextlib.suppress(RawConnectionError):  # the acceptor may be gone already
+                    for message in messages:
+                        await dialer.write(message)
+
+            sender = asyncio.create_task(send())
+            for index, message in enumerate(messages[:delivered]):
+                got = await _step(acceptor.read(), f"message {index} (before the attack)")
+                assert got == message, f"message {index} changed"
+            with pytest.raises(RawConnectionError, match=expected):
+                got = await _step(acceptor.read(), "the read after the attack")
+                pytest.fail(f"a message was delivered after the attack: {len(got)} bytes")  # type: ignore[arg-type]
+            assert tamper.applied.is_set()
+            with pytest.raises(RawConnectionError):  # and it stays failed
+                await _step(acceptor.read(), "a second read after the attack")
+            await _step(sender, "the dialer's writes")
+        finally:
+            await _step(asyncio.gather(dialer.close(), acceptor.close()), "the closes")
+            proxy.close()
+
+    _run(body)
+
+
+def test_a_faithful_proxy_delivers_everything_and_a_close_arrives_as_the_sealed_end(
+    identities: dict[str, ServiceTlsFiles],
+) -> None:
+    messages = _messages()
+
+    async def body() -> None:
+        dialer, acceptor, proxy = await _through_proxy(identities, None)
+        try:
+            await _step(dialer.write(FIRST), "the first write")
+            assert await _step(acceptor.read(), "the first message") == FIRST
+            proxy.parse_from_here(FIRST)
+
+            async def send() -> None:
+                for message in messages:
+                    await dialer.write(message)
+
+            sender = asyncio.create_task(send())
+            for index, message in enumerate(messages):
+                assert await _step(acceptor.read(), f"message {index}") == message, f"message {index} changed"
+            await _step(sender, "the dialer's writes")
+            await _step(acceptor.write(b"and back"), "the acceptor's write")
+            assert await _step(dialer.read(), "the answer") == b"and back"
+            await _step(dialer.close(), "the dialer's close")
+            assert await _step(acceptor.read(), "the end") is grpc.aio.EOF
+            assert await _step(acceptor.read(), "the end again") is grpc.aio.EOF
+            assert proxy.records == [(MESSAGE, len(message)) for message in messages] + [(CLOSE, 0)]
+        finally:
+            await _step(asyncio.gather(dialer.close(), acceptor.close()), "the closes")
+            proxy.close()
+
+    _run(body)
+
+
+# ----- 4. Large sealed messages as views ----------------------------------------------------------------
+def test_a_large_sealed_message_is_handed_on_as_a_view_of_its_own_buffer(
+    identities: dict[str, ServiceTlsFiles],
+) -> None:
+    size = (3 << 20) + 7
+    first = (bytes(range(251)) * (size // 251 + 1))[:size]
+    second = bytes(reversed(first))
+
+    async def body() -> None:
+        dialer, acceptor, proxy = await _through_proxy(identities, None, views=True)
+        try:
+            for message in (first, second, b"small"):
+                await _step(dialer.write(message), "a write")
+            one = await _step(acceptor.read(), "the first large message")
+            two = await _step(acceptor.read(), "the second large message")
+            three = await _step(acceptor.read(), "the small message")
+            assert isinstance(one, memoryview) and isinstance(two, memoryview)
+            assert one.obj is not None and two.obj is not None and one.obj is not two.obj
+            assert len(one) == size and bytes(one) == first  # not overwritten by the second
+            assert len(two) == size and bytes(two) == second
+            assert isinstance(three, bytes) and three == b"small"
+        finally:
+            await _step(asyncio.gather(dialer.close(), acceptor.close()), "the closes")
+            proxy.close()
+
+    _run(body)
