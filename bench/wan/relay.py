@@ -254,6 +254,7 @@ def relay_receiver(
     tls: tuple[str, ...] | None,
     raw: bool,
     unix: str,
+    window_bytes: int,
     done: Any,
 ) -> None:
     """The downstream stage: a real edge on switch b receiving ``count + 1`` tensors."""
@@ -263,7 +264,9 @@ def relay_receiver(
     keep_freed_memory_for_reuse()  # as the trainer service does at start
 
     transport = edge_transport(address, token, job, tls, raw, unix)
-    edge = EdgeConnection(transport, job_id=job, edge=EDGE, upstream=False)
+    edge = EdgeConnection(
+        transport, job_id=job, edge=EDGE, upstream=False, settings=edge_settings(window_bytes)
+    )
     for step in range(count + 1):
         edge.receive_tensor(step, 0, timeout=600)
         if step == 0:
@@ -272,6 +275,14 @@ def relay_receiver(
     done.put(time.monotonic())
     done.put(time.process_time() - cpu)
     edge.close("finished", timeout=60)
+
+
+def edge_settings(window_bytes: int) -> Any:
+    """The trainers' edge settings: the product's defaults, or its credit window set to ``window_bytes``
+    (``NEBULA_TRAINER_EDGE_WINDOW_BYTES`` in the trainer service)."""
+    from services.trainer.edge import EdgeSettings
+
+    return EdgeSettings(window_bytes=window_bytes) if window_bytes else EdgeSettings()
 
 
 # ----------------------------------------------------------------------------- senders (this process)
@@ -583,7 +594,7 @@ class Deployment:
 
 
 def bench_relay(
-    deployment: Deployment, tensor: Any, count: int, job_index: int
+    deployment: Deployment, tensor: Any, count: int, job_index: int, window_bytes: int = 0
 ) -> tuple[Timed, dict[str, float]]:
     from services.trainer.edge import EdgeConnection
 
@@ -599,6 +610,7 @@ def bench_relay(
         deployment.tls("b"),
         raw,
         deployment.unix("b"),
+        window_bytes,
     )
     edge = None
     try:
@@ -610,7 +622,9 @@ def bench_relay(
             raw,
             deployment.unix("a"),
         )
-        edge = EdgeConnection(transport, job_id=job, edge=EDGE, upstream=True)
+        edge = EdgeConnection(
+            transport, job_id=job, edge=EDGE, upstream=True, settings=edge_settings(window_bytes)
+        )
         edge.send_tensor(tensor, 0, 0)
         _expect(done, "warm", process, timeout=300)
         before = deployment.switch_cpu()
@@ -718,6 +732,13 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     parser.add_argument("--name", default="relay", help="file stem of the JSON and markdown")
     parser.add_argument(
+        "--window-mib",
+        type=int,
+        default=0,
+        help="credit window of the relay paths, MiB: the switches' NEBULA_SWITCH_MAX_WINDOW_BYTES and both "
+        "trainers' edge window (NEBULA_TRAINER_EDGE_WINDOW_BYTES); 0: the product defaults (16 MiB)",
+    )
+    parser.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -744,12 +765,16 @@ def main() -> None:
                 str(args.repeat),
                 "--paths",
                 *args.paths,
+                *(["--window-mib", str(args.window_mib)] if args.window_mib else []),
             ]
         ),
         "taken": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "load_before": load_info(),
         "rows": [],
     }
+    window_bytes = args.window_mib << 20
+    if window_bytes:
+        os.environ["NEBULA_SWITCH_MAX_WINDOW_BYTES"] = str(window_bytes)  # inherited by the switches
     root = Path(tempfile.mkdtemp(prefix="nebula-bench-relay-"))
     deployments: dict[str, Deployment] = {}
     try:
@@ -778,7 +803,9 @@ def main() -> None:
                 for path in args.paths:
                     if path in deployments:
                         deployment = deployments[path]
-                        timed, cpu = bench_relay(deployment, tensor, count, index * 1000 + repeat)
+                        timed, cpu = bench_relay(
+                            deployment, tensor, count, index * 1000 + repeat, window_bytes
+                        )
                         suffix = SUFFIX[path]
                         total = row.setdefault("cpu_s" + suffix, {})
                         for key, value in cpu.items():

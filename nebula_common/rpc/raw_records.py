@@ -16,6 +16,7 @@ import ssl
 import threading
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -40,6 +41,8 @@ WRITE_AHEAD = 2
 """Messages a writer may queue for the I/O thread before it waits for the oldest to be sent."""
 SMALL_MESSAGE = 64 << 10
 """Messages up to this size are joined with their header (one TLS record); bigger ones are not copied."""
+PREFIX_BYTES = 1024
+"""First bytes of a large message a placer reads before it decides where the rest goes."""
 _EOF = object()
 
 
@@ -52,6 +55,35 @@ def fresh_buffer(size: int) -> memoryview:
 
 class RawConnectionError(ConnectionError):
     """A raw connection failed or was closed (the default error of ``RawConnection``)."""
+
+
+@dataclass
+class Placement:
+    """Where a large message's tail is received: ``dest`` takes the message from byte ``start`` on.
+
+    A placer (``RawConnection(placer=...)``) returns one after reading the message's first bytes, so
+    the payload lands in its final buffer with no copy (the receiving trainer's tensor buffer). The I/O
+    thread calls ``release`` exactly once, when it stops writing into ``dest``: the message is complete
+    (before it is handed on), or the connection ended inside it.
+    """
+
+    dest: memoryview
+    start: int
+    release: Callable[[], None]
+    info: object = None
+
+
+@dataclass(frozen=True)
+class PlacedMessage:
+    """A message received through a placement: its first ``placement.start`` bytes (``head``), its
+    tail in ``placement.dest``."""
+
+    head: bytes
+    placement: Placement
+
+
+Placer = Callable[[memoryview, int], Placement | None]
+"""(the message's first bytes, its size) -> where its tail goes, or None (received whole as usual)."""
 
 
 def peer_certificate(sock: socket.socket) -> x509.Certificate | None:
@@ -92,8 +124,13 @@ class RawConnection:
         views: bool = False,
         sealing: RecordSealing | None = None,
         peer_cert: x509.Certificate | None = None,
+        placer: Placer | None = None,
     ) -> None:
         self.sock = sock
+        #: With ``views``: decides where large messages (over SMALL_MESSAGE) are received (not sealed).
+        self._placer = placer if sealing is None else None
+        self._placement: Placement | None = None  # the I/O thread's current one (it alone touches it)
+        self._placed_head = b""
         #: Sealed records (``nebula_common/rpc/sealed_records.py``) on the bare socket ``sock`` after a
         #: TLS handshake whose peer certificate is ``peer_cert``; None: the records of ``sock`` itself.
         self.sealing = sealing
@@ -275,6 +312,9 @@ class RawConnection:
             error = exc
             self._post(exc)
         finally:
+            placement, self._placement = self._placement, None
+            if placement is not None:
+                placement.release()  # ended inside a placed message: nothing writes into it any more
             with self._lock:
                 self._failure = error or ConnectionError("connection closed")
                 self._outbox.clear()
@@ -306,6 +346,8 @@ class RawConnection:
         seal_buffer = bytearray(0)  # sealed: the record being sent (one at a time, reused)
         target, need, got, reading_head = head_view, head_size, 0, True
         fresh = False
+        prefix = bytearray(PREFIX_BYTES)  # a large message's first bytes, when a placer decides on them
+        prefixing = False
         size = 0
         current: memoryview | None = None
         whole = False  # ``current`` is the last part of a message (its send completes the message)
@@ -350,6 +392,11 @@ class RawConnection:
                         message = b""
                     else:
                         fresh = self.views and size > SMALL_MESSAGE
+                        if fresh and self._placer is not None:  # its first bytes decide where it goes
+                            prefixing = True
+                            target = memoryview(prefix)[: min(size, PREFIX_BYTES)]
+                            need, got, reading_head = len(target), 0, False
+                            continue
                         if fresh:
                             target = fresh_buffer(size)  # handed on as is: received once, never copied
                         else:
@@ -372,7 +419,18 @@ class RawConnection:
                         return
                     message = opened if fresh else bytes(opened)
                 else:
-                    message = target if fresh else bytes(target[:need])
+                    if prefixing:
+                        prefixing = False
+                        target, got, need = self._place(target, size)
+                        if got < need:
+                            continue
+                    placement = self._placement
+                    if placement is not None:
+                        self._placement = None
+                        placement.release()  # nothing writes into its buffer any more
+                        message = PlacedMessage(self._placed_head, placement)
+                    else:
+                        message = target if fresh else bytes(target[:need])
                 with self._lock:
                     self._room -= 1
                     room = self._room
@@ -425,6 +483,27 @@ class RawConnection:
                         pass
         if sealing is not None and current is None:
             self._send_close(sealing)
+
+    def _place(self, prefix: memoryview, size: int) -> tuple[memoryview, int, int]:
+        """After a large message's first bytes: (target, got, need) to receive the rest into -- the
+        placer's buffer (its part of the first bytes copied there), or a fresh buffer holding them."""
+        assert self._placer is not None
+        placement = self._placer(prefix, size)
+        if placement is None:
+            body = fresh_buffer(size)
+            body[: len(prefix)] = prefix
+            return body, len(prefix), size
+        start = placement.start
+        if not 0 <= start <= len(prefix) or len(placement.dest) != size - start:
+            placement.release()
+            raise ConnectionError(
+                f"placer placed bytes {start}.. of a {size}-byte message into {len(placement.dest)} bytes"
+            )
+        self._placement = placement
+        self._placed_head = bytes(prefix[:start])
+        early = len(prefix) - start
+        placement.dest[:early] = prefix[start:]
+        return placement.dest, early, len(placement.dest)
 
     def _send_close(self, sealing: RecordSealing) -> None:
         """Closed here between records: end with the sealed close, so the peer can tell an end from a cut."""

@@ -17,7 +17,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -102,11 +102,14 @@ def switch_pair(
     clusters: dict[str, Cluster],
     shape: LinkShape | None = None,
     a_overrides: dict[str, Any] | None = None,
+    front: Callable[[int], int] | None = None,
     **overrides: Any,
 ) -> Iterator[Pair]:
     """Switch b accepting, switch a dialing it (through a WAN emulator of ``shape`` if given).
 
-    ``overrides`` are settings of both switches; ``a_overrides`` replace some of them for switch a only.
+    ``overrides`` are settings of both switches; ``a_overrides`` replace some of them for switch a only;
+    ``front``, given b's WAN port once b is up, returns the port a dials instead (a test's own proxy,
+    which the test stops after the pair).
     """
     b = SwitchThread(
         switch_settings(tmp_path, pki, "b", "a", clusters["b"].auth.address, link_role="accept", **overrides)
@@ -117,6 +120,8 @@ def switch_pair(
         if shape is not None:
             emulator = WanEmulator("127.0.0.1", wan_port, shape)
             wan_port = asyncio.run_coroutine_threadsafe(emulator.start(), b._loop).result(10)
+        if front is not None:
+            wan_port = front(wan_port)
         a = SwitchThread(
             switch_settings(
                 tmp_path,

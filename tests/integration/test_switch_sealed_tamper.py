@@ -42,10 +42,9 @@ from tests.integration.test_switch_data_plane import (  # noqa: F401  (clusters:
     Pair,
     clusters,
     frame,
-    switch_settings,
+    switch_pair,
     wait_for,
 )
-from tests.support.servers import SwitchThread
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -253,35 +252,20 @@ def _leave(done: threading.Barrier) -> None:
 def proxied_pair(
     tmp_path: Path, pki: PkiLayout, accounts: dict[str, Cluster], action: Action
 ) -> Iterator[tuple[Pair, TamperingProxy]]:
-    """Switch b accepting, switch a dialing it through a ``TamperingProxy`` (as ``switch_pair`` does
-    through a WAN emulator), both with sealed raw link records."""
-    b = SwitchThread(
-        switch_settings(tmp_path, pki, "b", "a", accounts["b"].auth.address, link_role="accept", **SEALED)
-    )
-    proxy = None
+    """Switch b accepting, switch a dialing it through a ``TamperingProxy`` (``switch_pair``'s
+    ``front``), both with sealed raw link records."""
+    proxies: list[TamperingProxy] = []
+
+    def front(wan_port: int) -> int:
+        proxies.append(TamperingProxy(wan_port, action))
+        return proxies[0].port
+
     try:
-        proxy = TamperingProxy(b.running.wan_port, action)
-        a = SwitchThread(
-            switch_settings(
-                tmp_path,
-                pki,
-                "a",
-                "b",
-                accounts["a"].auth.address,
-                link_role="dial",
-                peer_address=f"127.0.0.1:{proxy.port}",
-                **SEALED,
-            )
-        )
-        try:
-            wait_for(lambda: a.running.link.connected and b.running.link.connected, 30, "the link to come up")
-            yield Pair(a, b), proxy
-        finally:
-            a.stop()
+        with switch_pair(tmp_path, pki, accounts, front=front, **SEALED) as pair:
+            yield pair, proxies[0]
     finally:
-        if proxy is not None:
+        for proxy in proxies:
             proxy.stop()
-        b.stop()
 
 
 def _received(end: EdgeClient) -> list[relay_pb2.EdgeMessage | bytes]:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from nebula_common.codec import TensorStreamEncoder, to_frames
+from nebula_common.codec import EncodedTensor, TensorStreamDecoder, TensorStreamEncoder, to_frames
 from nebula_common.jobspec.runtime import ProgramError
 from nebula_common.proto.nebula.v1 import relay_pb2, tensor_pb2
+from nebula_common.rpc.framing import ChunkHead, encode_chunk, parse_chunk, parse_chunk_head
+from nebula_common.rpc.raw_records import PREFIX_BYTES, PlacedMessage, Placement
 from services.trainer.edge import INITIAL_WINDOW_BYTES, EdgeClosedError, EdgeConnection, EdgeSettings
-from services.trainer.edge.session import EdgeSession, TransportHandler, wire_size
+from services.trainer.edge.raw_transport import placed_chunk
+from services.trainer.edge.session import EdgeSession, TransportHandler, _Assembly, wire_size
 from tests.support.edges import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -239,3 +243,308 @@ def test_a_reopened_stream_resends_what_is_unacknowledged_without_waiting_for_th
     resent = transport.take()
     assert [m for m in resent if m.HasField("frame")] == original[2:]  # frame 2 only
     assert [m.ack.resume for m in resent if m.HasField("ack")] == [True]
+
+
+# ---------------------------------------------------------------- placed chunks (a raw edge's I/O thread)
+
+PLACED_CHUNK = 4096
+"""Chunk size of the placement tests: PLACED_NUMEL float32 make four full chunks and a short one."""
+PLACED_NUMEL = 4121
+
+
+@dataclass
+class FramedTensor:
+    """A tensor as the sending session frames it on a link-framing stream: a header and framed chunks."""
+
+    tensor: torch.Tensor
+    header: relay_pb2.EdgeMessage
+    chunks: list[bytes]
+    offsets: list[int]
+    payload: bytes
+
+
+def framed_tensor(frame_id: int, seed: int = 0, numel: int = PLACED_NUMEL) -> FramedTensor:
+    tensor = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    encoded = TensorStreamEncoder("none").encode(tensor, step=0, direction=FORWARD, frame_id=frame_id)
+    header = relay_pb2.EdgeMessage(frame=tensor_pb2.TensorFrame(header=encoded.header))
+    payload = memoryview(encoded.payload)
+    chunks: list[bytes] = []
+    offsets = list(range(0, len(payload), PLACED_CHUNK))
+    for offset in offsets:
+        end = min(offset + PLACED_CHUNK, len(payload))
+        raw, _ = encode_chunk("j", "e", 0, frame_id, offset, payload[offset:end], end == len(payload))
+        chunks.append(raw)
+    return FramedTensor(tensor, header, chunks, offsets, bytes(payload))
+
+
+def head_of(raw: bytes) -> ChunkHead:
+    """What the I/O thread reads first: the head of a chunk from its first PREFIX_BYTES bytes."""
+    head = parse_chunk_head(raw[:PREFIX_BYTES], len(raw))
+    assert head is not None
+    return head
+
+
+def place(session: EdgeSession, raw: bytes) -> Placement | None:
+    return session.place_chunk(head_of(raw))
+
+
+def write_placed(placement: Placement, raw: bytes) -> None:
+    """The I/O thread receiving the chunk's tail straight into ``dest`` (its first bytes, then the rest)."""
+    assert len(placement.dest) == len(raw) - placement.start
+    early = min(PREFIX_BYTES, len(raw)) - placement.start
+    placement.dest[:early] = raw[placement.start : placement.start + early]
+    placement.dest[early:] = raw[placement.start + early :]
+
+
+def deliver_placed(session: EdgeSession, raw: bytes, placement: Placement) -> None:
+    session.on_message(placed_chunk(PlacedMessage(raw[: placement.start], placement)))
+
+
+def place_write_release_deliver(session: EdgeSession, raw: bytes) -> Placement:
+    placement = place(session, raw)
+    assert placement is not None
+    write_placed(placement, raw)
+    placement.release()
+    deliver_placed(session, raw, placement)
+    return placement
+
+
+def deliver_whole(session: EdgeSession, raw: bytes) -> None:
+    session.on_message(parse_chunk(raw))
+
+
+def received_tensor(session: EdgeSession) -> tuple[EncodedTensor, torch.Tensor]:
+    item = session.receive_item(5, "placed tensor")
+    assert isinstance(item, EncodedTensor)
+    return item, TensorStreamDecoder("none").decode(item.header, item.payload)
+
+
+def assembly_of(placement: Placement) -> _Assembly:
+    info = placement.info
+    assert isinstance(info, tuple) and isinstance(info[1], _Assembly)
+    return info[1]
+
+
+def test_placed_chunks_land_in_the_frame_buffer_which_becomes_the_delivered_payload_without_a_copy() -> None:
+    session, transport = receiver()
+    transport.take()
+    sent = framed_tensor(1)
+    assert len(sent.chunks) == 5
+    transport.deliver(sent.header)
+    frame_buffer = session._assembly.payload if session._assembly is not None else None
+    assert isinstance(frame_buffer, bytearray) and len(frame_buffer) == len(sent.payload)
+    placements: list[Placement] = []
+    for index, (raw, offset) in enumerate(zip(sent.chunks, sent.offsets, strict=True)):
+        placement = place(session, raw)
+        assert placement is not None, f"chunk {index} was not placed"
+        head = head_of(raw)
+        assert placement.start == head.data_start
+        assert assembly_of(placement) is session._assembly
+        assert placement.dest.obj is frame_buffer  # a view of the frame's own buffer ...
+        assert len(placement.dest) == head.data_size
+        write_placed(placement, raw)
+        end = offset + head.data_size
+        assert frame_buffer[offset:end] == sent.payload[offset:end]  # ... at this chunk's offset
+        placement.release()
+        deliver_placed(session, raw, placement)
+        placements.append(placement)
+        if index < len(sent.chunks) - 1:
+            assert not session._queue  # the frame is complete only with its last chunk
+    item, tensor = received_tensor(session)
+    assert torch.equal(tensor, sent.tensor)
+    assert bytes(item.payload) == sent.payload
+    assert item.payload is frame_buffer  # no copy: the frame's buffer is the payload
+    assert all(assembly_of(p).payload is item.payload for p in placements)
+    assert assembly_of(placements[0]).writers == 0
+    assert session.max_over_grant_bytes <= 0
+    assert [a.ack.received for a in transport.take("ack")][-1] == 1
+
+
+def test_the_next_chunk_may_be_placed_before_the_previous_one_is_handled() -> None:
+    """The I/O thread reads on while the event loop has not yet handled the chunk it handed on."""
+    session, transport = receiver()
+    transport.take()
+    sent = framed_tensor(1, seed=1)
+    transport.deliver(sent.header)
+    placements: list[Placement] = []
+    for raw in sent.chunks:  # all placed and written before any is delivered
+        placement = place(session, raw)
+        assert placement is not None
+        write_placed(placement, raw)
+        placement.release()
+        placements.append(placement)
+    for raw, placement in zip(sent.chunks, placements, strict=True):
+        deliver_placed(session, raw, placement)
+    item, tensor = received_tensor(session)
+    assert torch.equal(tensor, sent.tensor)
+    assert item.payload is assembly_of(placements[0]).payload
+
+
+def test_placement_is_refused_without_a_frame_being_assembled() -> None:
+    session, transport = receiver()
+    transport.take()
+    sent = framed_tensor(1)
+    assert place(session, sent.chunks[0]) is None  # no header yet
+    transport.deliver(sent.header)
+    for raw in sent.chunks:
+        place_write_release_deliver(session, raw)
+    received_tensor(session)
+    assert place(session, sent.chunks[0]) is None  # the frame is complete: none assembled any more
+
+
+def test_placement_is_refused_for_a_chunk_that_is_not_the_next_one_of_the_frame() -> None:
+    session, transport = receiver()
+    transport.take()
+    sent = framed_tensor(1)
+    transport.deliver(sent.header)
+    assembly = session._assembly
+    assert assembly is not None
+    assert place(session, sent.chunks[1]) is None  # ahead
+    assert place(session, sent.chunks[4]) is None  # the last one, far ahead
+    place_write_release_deliver(session, sent.chunks[0])
+    place_write_release_deliver(session, sent.chunks[1])
+    assert place(session, sent.chunks[0]) is None  # behind
+    assert place(session, sent.chunks[1]) is None  # the one just handled
+    assert place(session, sent.chunks[3]) is None  # ahead
+    assert (assembly.placed, assembly.writers) == (2 * PLACED_CHUNK, 0)  # refusals changed nothing
+    for raw in sent.chunks[2:]:
+        place_write_release_deliver(session, raw)
+    _, tensor = received_tensor(session)
+    assert torch.equal(tensor, sent.tensor)
+
+
+def test_placement_is_refused_for_a_chunk_of_another_frame_or_past_the_declared_payload() -> None:
+    session, transport = receiver()
+    transport.take()
+    sent = framed_tensor(1)
+    transport.deliver(sent.header)
+    size = len(sent.payload)
+    other_frame, _ = encode_chunk("j", "e", 0, 2, 0, sent.payload[:PLACED_CHUNK], False)
+    too_long, _ = encode_chunk("j", "e", 0, 1, 0, sent.payload + b"\x00", True)
+    assert place(session, other_frame) is None
+    assert place(session, too_long) is None
+    for raw in sent.chunks[:4]:
+        place_write_release_deliver(session, raw)
+    last_offset = sent.offsets[4]
+    overrun, _ = encode_chunk("j", "e", 0, 1, last_offset, sent.payload[last_offset:] + b"\x00" * 9, True)
+    assert place(session, overrun) is None
+    assert session._assembly is not None and session._assembly.placed == last_offset
+    place_write_release_deliver(session, sent.chunks[4])
+    _, tensor = received_tensor(session)
+    assert torch.equal(tensor, sent.tensor)
+    assert size == PLACED_NUMEL * 4
+
+
+def test_placement_is_refused_once_the_session_failed() -> None:
+    session, transport = receiver()
+    transport.take()
+    sent = framed_tensor(1)
+    transport.deliver(sent.header)
+    place_write_release_deliver(session, sent.chunks[0])
+    session.on_failed("switch connection lost for good")
+    assert place(session, sent.chunks[1]) is None
+    assert session._assembly is not None and session._assembly.writers == 0
+
+
+def test_chunks_received_whole_complete_the_frame_and_the_next_chunk_is_placed_again() -> None:
+    session, transport = receiver()
+    transport.take()
+    first, second = framed_tensor(1, seed=2), framed_tensor(2, seed=3)
+    transport.deliver(first.header)
+    buffer = session._assembly.payload if session._assembly is not None else None
+    placed_flags = [True, False, True, False, False]  # the last one whole
+    for raw, placed in zip(first.chunks, placed_flags, strict=True):
+        if placed:
+            placement = place_write_release_deliver(session, raw)
+            assert placement.dest.obj is buffer
+        else:
+            deliver_whole(session, raw)
+    item, tensor = received_tensor(session)
+    assert torch.equal(tensor, first.tensor)
+    assert item.payload is buffer  # no placement outstanding: still no copy
+
+    transport.deliver(second.header)
+    deliver_whole(session, second.chunks[0])
+    for raw in second.chunks[1:]:  # whole, then placed again up to the last one
+        placement = place_write_release_deliver(session, raw)
+    item, tensor = received_tensor(session)
+    assert torch.equal(tensor, second.tensor)
+    assert item.payload is assembly_of(placement).payload
+    assert session.max_over_grant_bytes <= 0
+
+
+@pytest.mark.parametrize("rest_placed", [False, True], ids=["rest-whole", "rest-placed"])
+def test_a_frame_completed_while_a_placement_is_still_written_delivers_a_copy(rest_placed: bool) -> None:
+    """Chunk 2's writer (a connection that died inside it) has not released it when chunk 2 arrives
+    again (a replay) and the frame completes: the delivered payload must not be the buffer it writes."""
+    session, transport = receiver()
+    transport.take()
+    sent = framed_tensor(1, seed=4)
+    transport.deliver(sent.header)
+    for raw in sent.chunks[:2]:
+        place_write_release_deliver(session, raw)
+    stale = place(session, sent.chunks[2])
+    assert stale is not None
+    buffer = assembly_of(stale).payload
+    early = PREFIX_BYTES - stale.start
+    stale.dest[:early] = sent.chunks[2][stale.start : PREFIX_BYTES]  # the writer got this far ...
+    deliver_whole(session, sent.chunks[2])  # ... and the chunk arrives again, whole
+    for raw in sent.chunks[3:]:
+        if rest_placed:
+            place_write_release_deliver(session, raw)
+        else:
+            deliver_whole(session, raw)
+    item, tensor = received_tensor(session)
+    assert item.payload is not buffer  # a copy ...
+    assert bytes(item.payload) == sent.payload  # ... with the right bytes
+    assert torch.equal(tensor, sent.tensor)
+    stale.dest[:] = b"\xff" * len(stale.dest)  # the late writer goes on into the frame's buffer
+    stale.release()
+    assert bytes(item.payload) == sent.payload
+    assert torch.equal(tensor, sent.tensor)
+    assert torch.equal(TensorStreamDecoder("none").decode(item.header, item.payload), sent.tensor)
+
+
+def test_a_placed_chunk_handled_after_a_replayed_header_restarted_the_frame_is_copied_from_its_buffer() -> (
+    None
+):
+    session, transport = receiver()
+    transport.take()
+    sent = framed_tensor(1, seed=5)
+    transport.deliver(sent.header)
+    old = place(session, sent.chunks[0])  # placed into the first assembly of frame 1 ...
+    assert old is not None
+    write_placed(old, sent.chunks[0])
+    old.release()
+    old_assembly = assembly_of(old)
+    transport.deliver(sent.header)  # ... which a replayed header replaces before the chunk is handled
+    new_assembly = session._assembly
+    assert new_assembly is not None and new_assembly is not old_assembly
+    deliver_placed(session, sent.chunks[0], old)
+    assert new_assembly.received == PLACED_CHUNK
+    assert new_assembly.payload[:PLACED_CHUNK] == sent.payload[:PLACED_CHUNK]  # copied across
+    for raw in sent.chunks[1:]:
+        placement = place_write_release_deliver(session, raw)
+        assert assembly_of(placement) is new_assembly
+    item, tensor = received_tensor(session)
+    assert torch.equal(tensor, sent.tensor)
+    assert bytes(item.payload) == sent.payload
+    assert item.payload is new_assembly.payload and item.payload is not old_assembly.payload
+
+
+def test_a_placed_chunk_of_an_abandoned_assembly_still_being_written_cannot_touch_the_new_frame() -> None:
+    session, transport = receiver()
+    transport.take()
+    sent = framed_tensor(1, seed=6)
+    transport.deliver(sent.header)
+    stale = place(session, sent.chunks[0])
+    assert stale is not None
+    transport.deliver(sent.header)  # a replay restarts the frame while the old writer is still busy
+    for raw in sent.chunks:
+        place_write_release_deliver(session, raw)
+    item, tensor = received_tensor(session)
+    stale.dest[:] = b"\xee" * len(stale.dest)
+    stale.release()
+    assert item.payload is not assembly_of(stale).payload
+    assert bytes(item.payload) == sent.payload
+    assert torch.equal(tensor, sent.tensor)

@@ -33,10 +33,17 @@ from collections.abc import Callable
 import grpc
 
 from nebula_common.proto.nebula.v1 import relay_pb2
-from nebula_common.rpc.framing import LINK_FRAMING_VERSION
+from nebula_common.rpc.framing import LINK_FRAMING_VERSION, ChunkHead, FramedChunk, parse_chunk_head
 from nebula_common.rpc.internal_tls import ClientTls, endpoint_tls, process_client_tls, server_name
 from nebula_common.rpc.raw_edge import RAW_EDGE_VERSION, parse_error_record
-from nebula_common.rpc.raw_records import RawConnection, RawConnectionError, in_thread
+from nebula_common.rpc.raw_records import (
+    PlacedMessage,
+    Placement,
+    Placer,
+    RawConnection,
+    RawConnectionError,
+    in_thread,
+)
 from services.trainer.edge.grpc_transport import _END, FATAL_CODES, GrpcEdgeTransport, _received, _serialize
 from services.trainer.edge.session import TransportHandler
 
@@ -57,6 +64,37 @@ class RawEdgeUnavailable(Exception):
 
 class _Fatal(Exception):
     pass
+
+
+def chunk_placer(place: Callable[[ChunkHead], Placement | None]) -> Placer:
+    """A ``RawConnection`` placer for an edge session: a framed chunk's payload goes where the session
+    says (``EdgeSession.place_chunk``: the frame's own buffer), read from the chunk's first bytes."""
+
+    def placer(prefix: memoryview, size: int) -> Placement | None:
+        head = parse_chunk_head(prefix, size)
+        return place(head) if head is not None else None
+
+    return placer
+
+
+def placed_chunk(message: PlacedMessage) -> FramedChunk:
+    """The framed chunk a placed message carries (its payload already in the session's buffer)."""
+    head = message.placement.info
+    assert isinstance(head, tuple) and isinstance(head[0], ChunkHead)
+    chunk, owner = head
+    return FramedChunk(
+        raw=message.head,
+        job_id=chunk.job_id,
+        edge=chunk.edge,
+        epoch=chunk.epoch,
+        frame_id=chunk.frame_id,
+        offset=chunk.offset,
+        last=chunk.last,
+        data=message.placement.dest,
+        frame_size=chunk.frame_size,
+        item=chunk.item,
+        placed=owner,
+    )
 
 
 def client_context(tls: ClientTls) -> ssl.SSLContext:
@@ -179,7 +217,10 @@ class RawEdgeTransport(GrpcEdgeTransport):
             address = f"{self.switch_address.rpartition(':')[0]}:{offer.raw_edge_port}"
             name = server_name("switch", tls.cluster_id)
             sock = await in_thread(lambda: _connect(address, context, name), "raw-edge-dial")
-        connection = RawConnection(sock, address, loop, views=True)
+        place = getattr(handler, "place_chunk", None)
+        connection = RawConnection(
+            sock, address, loop, views=True, placer=chunk_placer(place) if place is not None else None
+        )
         self.raw_opens += 1
         stop: asyncio.Future[None] = loop.create_future()
 
@@ -230,6 +271,9 @@ class RawEdgeTransport(GrpcEdgeTransport):
                 return f"raw edge connection failed: {exc}"
             if raw is grpc.aio.EOF:
                 return "the switch ended the raw edge"
+            if isinstance(raw, PlacedMessage):  # a chunk whose payload is in the session's buffer already
+                handler.on_message(placed_chunk(raw))
+                continue
             assert isinstance(raw, bytes | memoryview)
             refused = parse_error_record(raw)
             if refused is not None:
