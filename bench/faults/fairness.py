@@ -56,6 +56,8 @@ from nebula_common.rpc import bearer_metadata
 from nebula_common.rpc.internal_tls import ClientTls, internal_channel
 from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.jobs import ProgramJob
+from services.switch.config import SwitchSettings
+from services.switch.routing import INITIAL_WINDOW_BYTES, SLACK_BYTES, Limits
 from tests.support.accounts import make_user
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,10 +70,13 @@ SLOW_MIX_STEPS = 10_000  # runs for the whole mix; cancelled when the healthy jo
 SUBMIT_FAILURES: list[dict[str, str]] = []
 FLOODER_NICE = 19
 ACCOUNTS = ("user0", "user1", "user2", "user3")
-# Stated bound (docs/architecture.md, "Memory bound"): 256 x 2 x (8 MiB + 64 KiB) + 256 x (1 MiB + 64 KiB)
-# of buffered items per switch with the defaults.
-W, S = 8 << 20, 64 << 10
-STATED_BOUND_BYTES = 256 * 2 * (W + S) + 256 * ((1 << 20) + S)
+# Stated bound (docs/architecture.md, "Memory bound"): max_attached_routes x 2 x (2W + S) +
+# max_unattached_routes x (1 MiB + S) of buffered items per switch with the defaults (about 8.3 GiB).
+W = SwitchSettings.model_fields["max_window_bytes"].default
+S = SLACK_BYTES
+STATED_BOUND_BYTES = Limits.max_attached_routes * 2 * (2 * W + S) + Limits.max_unattached_routes * (
+    INITIAL_WINDOW_BYTES + S
+)
 
 
 class Flooder:
