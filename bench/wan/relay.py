@@ -45,9 +45,11 @@ import os
 import queue
 import secrets
 import shutil
+import signal
 import socket
 import ssl
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -852,4 +854,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     threading.current_thread().name = "bench-relay"
+    # A SIGTERM (``timeout``, a closed terminal's job control) ends the run through ``main``'s cleanup, so
+    # the deployments' services are stopped instead of left holding their ports.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     main()
