@@ -747,6 +747,8 @@ def main() -> None:
         help="rounds per size: the paths take turns each round; MB/s are the medians over the rounds",
     )
     args = parser.parse_args()
+    if args.window_mib < 0 or args.window_mib > 1024:
+        parser.error(f"--window-mib {args.window_mib}: expected 0 (the defaults) or 1 to 1024 MiB")
 
     import torch
 

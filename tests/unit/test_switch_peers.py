@@ -129,3 +129,11 @@ def test_items_from_a_peer_reach_only_its_own_routes_and_limits_count_every_rout
         assert to_a.open_routes() == to_c.open_routes() == 3
 
     asyncio.run(scenario())
+
+
+def test_link_records_are_tls_unless_sealed_is_chosen_and_another_value_is_refused_by_name() -> None:
+    peer = {"peer_cluster_id": "a", "peer_address": "wan-a:7443"}
+    assert settings(**peer).link_records == "tls"
+    assert settings(**peer, link_records="sealed").link_records == "sealed"
+    with pytest.raises(ValidationError, match=r"link_records\n.*'tls' or 'sealed'"):
+        settings(**peer, link_records="aead")
