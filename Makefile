@@ -13,9 +13,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # Which tests `make test` runs: all but the long fault scenarios (`make test TEST_SELECT=` runs every test).
-TEST_SELECT ?= -m "not faults and not rawedge"
+TEST_SELECT ?= -m "not faults and not rawedge and not containment"
 
-.PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-faults test-stop lint format clean bench \
+.PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-faults test-stop test-containment bench-stage-isolation lint format clean bench \
 	test-raw-edge \
 	bench-faults bench-relay soak smoke-containers bench-wan-roofline bench-wan-table3 check-dashboards test-orgs test-orgs-netns \
 	bench-table5 bench-table5-quick
@@ -150,6 +150,15 @@ bench-wan: $(STAMP)
 	done; \
 	if [ -n "$$failed" ]; then echo "bench-wan: failed:$$failed"; exit 1; fi
 
+# What confining stages costs a user: `nebula demo` on this tree and on the tree before stage processes
+# (a git worktree of STAGE_BASELINE_REV), alternating, 5 rounds (about 6 minutes on 2 cores).
+STAGE_BASELINE_REV ?= d3ef4b8
+bench-stage-isolation: $(STAMP)
+	rm -rf bench-results/baseline-tree && git worktree prune
+	git worktree add --detach bench-results/baseline-tree $(STAGE_BASELINE_REV)
+	$(BIN)/python bench/security/stage_isolation.py --baseline bench-results/baseline-tree --rounds 5; \
+	status=$$?; git worktree remove --force bench-results/baseline-tree; exit $$status
+
 # Every test but the long fault scenarios (marker `faults`: `make test-faults`, `make test-stop`; CI runs
 # all three). About 9 minutes on a quiet 2-core machine.
 test: $(STAMP)
@@ -164,6 +173,11 @@ test: $(STAMP)
 # `make test-stop`, which repeats each case.
 test-faults: $(STAMP)
 	$(BIN)/pytest -q -m faults tests/integration --ignore=tests/integration/test_service_stop.py $(PYTEST_ARGS)
+
+# Misbehaving stages (fork bomb, unbounded allocation, detached children, SIGKILL, endless loop) on a
+# deployment of their own with small stage limits (about 1.5 minutes; needs bubblewrap to mean anything).
+test-containment: $(STAMP)
+	$(BIN)/pytest -q -m containment tests/integration/test_stage_containment.py $(PYTEST_ARGS)
 
 # The raw edge transport end to end (two `nebula local up` deployments; a few minutes).
 test-raw-edge: $(STAMP)

@@ -213,6 +213,8 @@ def deployment_status(run_dir: Path) -> dict:
                     "restarts": info.get("restarts", 0),
                     "ports": {k: v for k, v in info.items() if k.endswith("_port")},
                 }
+                if "stage_isolation" in info:  # how the trainer confines its stages (never silently weak)
+                    status["services"][name]["stage_isolation"] = info["stage_isolation"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         status["error"] = f"{description_file}: unreadable deployment description ({exc})"
     return status
@@ -244,6 +246,8 @@ def status(
                 f"  {name:14} pid {service['pid']} {alive}, {service['state']}, "
                 f"{service['restarts']} restarts; {ports}"
             )
+            if service.get("stage_isolation"):
+                typer.echo(f"  {'':14} stages: {service['stage_isolation']}")
         if result.get("clusters"):
             typer.echo(f"  clusters: {', '.join(result['clusters'])}")
         if "error" in result:

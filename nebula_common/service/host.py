@@ -67,7 +67,9 @@ class Started(Generic[H]):
     """What a service's ``start`` hands back: an in-process handle and the ports to announce."""
 
     handle: H
-    ports: dict[str, int | None]
+    ports: dict[str, int | str | None]
+    """Ports to announce (``*_port``), and any other fact of the running service an operator must see
+    (the trainer's ``stage_isolation``)."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class RunningService(Generic[H]):
     name: str
     cluster_id: str
     handle: H
-    ports: dict[str, int | None]
+    ports: dict[str, int | str | None]
     _stack: contextlib.AsyncExitStack = field(repr=False)
 
     def announcement(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -77,6 +78,28 @@ class TrainerSettings(ServiceSettings):
     )
     ranks: int | None = Field(
         None, ge=1, le=64, description="How many rank processes join ranks_listen (their WORLD_SIZE)."
+    )
+    stage_isolation: Literal["auto", "bwrap", "process"] = Field(
+        "auto",
+        description="How stages are confined: 'bwrap' (bubblewrap namespaces: no network, no view of the "
+        "host beyond the stage's code and its account's files; start-up fails if unavailable), 'process' "
+        "(a separate process as the trainer's user), 'auto' (bwrap where it works, else process, "
+        "with a warning naming why). Stages on cluster ranks run in the trainer (not confined).",
+    )
+    stage_memory_mb: int = Field(
+        8192, ge=256, description="Address-space limit of each stage process (MiB; RLIMIT_AS)."
+    )
+    stage_cpu_seconds: int = Field(
+        30 * 24 * 3600, ge=10, description="CPU time limit of each stage process (seconds; RLIMIT_CPU)."
+    )
+    stage_max_processes: int = Field(
+        512,
+        ge=16,
+        description="Processes and threads of each stage together (its control group's pids.max, where "
+        "the trainer can make control groups).",
+    )
+    stage_open_files: int = Field(
+        4096, ge=64, le=1 << 20, description="Open files limit of each stage process (RLIMIT_NOFILE)."
     )
     stop_grace_s: float = Field(
         10.0, gt=0, description="On stop, how long running stages get to end before the process exits."

@@ -33,6 +33,15 @@ STAGES_RUNNING = Gauge("nebula_trainer_stages_running", "Stages currently runnin
 PER_STAGE = (STEP_SECONDS, WAIT_SECONDS, STEPS_TOTAL, LOSS)
 
 
+def record_step(job_id: str, stage: str, elapsed: float, waited: float, loss: float | None) -> None:
+    """One step of a stage on this trainer's ``/metrics`` (called for a stage process by its supervisor)."""
+    STEP_SECONDS.labels(job_id, stage).observe(elapsed)
+    WAIT_SECONDS.labels(job_id, stage).inc(waited)
+    STEPS_TOTAL.labels(job_id, stage).inc()
+    if loss is not None:
+        LOSS.labels(job_id, stage).set(loss)
+
+
 def forget_stage(job_id: str, stage: str) -> None:
     """Remove every per-stage series of (``job_id``, ``stage``) now (those it never had are skipped)."""
     for metric in PER_STAGE:

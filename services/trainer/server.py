@@ -1,9 +1,10 @@
 """The trainer service (``nebula-trainer``): the control API of one cluster's compute.
 
-Stages run on threads of this process; each is recorded on disk (``records.py``), so after a
-crash or ``kill -9`` the restarted process resumes them before it serves (``restore.py``). On
-stop, running stages are cancelled and joined (each within ``stop_grace_s``) before the audit log
-is sealed, so no stage thread is inside torch when the interpreter exits.
+Each stage runs in a confined process of its own (``stage_process``, ``sandbox``), never in this one,
+which holds the cluster's service identity and every running job's token. Each is recorded on disk
+(``records.py``), so after a crash or ``kill -9`` (which takes the stage processes with it) the
+restarted process resumes them before it serves (``restore.py``). On stop, running stages are
+cancelled and joined (each within ``stop_grace_s``) before the audit log is sealed.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from services.trainer.edge import EdgeSettings
 from services.trainer.restore import restore_stages
 from services.trainer.retention import FinishedStages
 from services.trainer.runtime.rank_sources import ClusterRanks
+from services.trainer.sandbox import StageLimits, choose_confinement
 from services.trainer.servicer import TrainerServicer
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,21 @@ async def start_trainer(
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Submits and stage starts/stops are rare: fsync each record so none is lost in a crash.
     audit = await service_audit(stack, data_dir, service="trainer", cluster=settings.cluster_id)
+    confinement = await asyncio.to_thread(
+        choose_confinement, settings.stage_isolation, data_dir / "sandbox-probe"
+    )
+    if settings.ranks_listen is not None:
+        log.warning(
+            "stages on cluster ranks run inside the trainer process, not confined",
+            extra={"fields": {"ranks_listen": settings.ranks_listen}},
+        )
+    elif confinement.weaker_because:
+        log.warning(
+            "stages run without namespaces: a job's code can read what the trainer's user can",
+            extra={"fields": {"isolation": confinement.mode, "reason": confinement.weaker_because}},
+        )
+    else:
+        log.info("stages run confined", extra={"fields": {"isolation": confinement.describe()}})
     servicer = TrainerServicer(
         settings.cluster_id,
         settings.switch_address,
@@ -77,6 +94,15 @@ async def start_trainer(
         finished=FinishedStages(settings.finished_ttl_s, settings.max_finished),
         metrics_grace_s=settings.metrics_grace_s,
         receive_ahead=settings.receive_ahead,
+        confinement=confinement,
+        limits=StageLimits(
+            memory_bytes=settings.stage_memory_mb << 20,
+            cpu_seconds=settings.stage_cpu_seconds,
+            open_files=settings.stage_open_files,
+            processes=settings.stage_max_processes,
+        ),
+        torch_threads=settings.torch_threads,
+        log_level=settings.log_level,
         cluster_ranks=(
             ClusterRanks(settings.ranks_listen, settings.ranks)
             if settings.ranks_listen is not None and settings.ranks is not None
@@ -97,7 +123,15 @@ async def start_trainer(
     )
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server.server)
     add_audit_api(server.server, audit, "trainer", settings.cluster_id)
-    return Started(servicer, await start_internal(server, identity, settings, settings.listen))
+    announced: dict[str, int | str | None] = {
+        **await start_internal(server, identity, settings, settings.listen)
+    }
+    announced["stage_isolation"] = (
+        "none: stages on cluster ranks run in the trainer"
+        if settings.ranks_listen is not None
+        else confinement.describe()
+    )
+    return Started(servicer, announced)
 
 
 SERVICE = ServiceDefinition("trainer", TrainerSettings, start_trainer)

@@ -35,10 +35,14 @@ from services.trainer.retention import FinishedStages
 from services.trainer.runtime.checkpoint import CheckpointError, CheckpointStore
 from services.trainer.runtime.rank_sources import ClusterRanks
 from services.trainer.runtime.stage import ProgramRunner
+from services.trainer.sandbox import Confinement, StageLimits
+from services.trainer.stage_process import StageProcess
 from services.trainer.status import TERMINAL_STATES
 from services.trainer.validation import validate_stage_spec
 
 log = logging.getLogger(__name__)
+Stage = ProgramRunner | StageProcess
+"""A stage as the servicer keeps it: in a confined process of its own, or (no confinement) on a thread."""
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
@@ -54,7 +58,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         metrics_grace_s: float = 60.0,
         receive_ahead: int | None = None,
         cluster_ranks: ClusterRanks | None = None,
+        confinement: Confinement | None = None,
+        limits: StageLimits | None = None,
+        torch_threads: int = 1,
+        log_level: str = "INFO",
     ) -> None:
+        self.confinement = confinement
+        """How stages are confined (``sandbox``); None runs them on threads of this process (tests)."""
+        self.limits = limits or StageLimits(memory_bytes=8 << 30, cpu_seconds=30 * 24 * 3600, open_files=4096)
+        self.torch_threads = torch_threads
+        self.log_level = log_level
         self.receive_ahead = receive_ahead
         self.cluster_ranks = cluster_ranks
         self.finished = finished or FinishedStages()
@@ -66,7 +79,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.audit = audit
         self.data_service_address = data_service_address
         self.records = StageRecords(data_dir, audit)
-        self.runners: dict[str, ProgramRunner] = {}
+        self.runners: dict[str, Stage] = {}
         self.owners: dict[str, str] = {}
         # Each known stage's record (digest, steps, start and end): what ListStages shows beside its status.
         self.stage_records: dict[str, StageRecord] = {}
@@ -84,7 +97,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def _owned_runner(
         self, job_id: str, context: grpc.aio.ServicerContext, action: str
-    ) -> tuple[Principal, ProgramRunner]:
+    ) -> tuple[Principal, Stage]:
         principal, _ = self._authenticate()
         runner = self.runners.get(job_id)
         # Another account's job is reported as absent, not forbidden: its existence is not ours to reveal.
@@ -181,7 +194,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def _make_runner(
         self, spec: trainer_pb2.StageSpec, token: str, owner: str, record: StageRecord | None = None
-    ) -> ProgramRunner:
+    ) -> Stage:
         """The runner of a stage, remembered on disk first so that a restarted trainer can resume it.
 
         A new stage gets a record at epoch 0; a restored one (``record``, see ``restore.py``) runs at
@@ -191,19 +204,39 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         epoch = 0 if record is None else record.epoch + 1
         record = record or self.records.create(spec, token, owner)
         self.stage_records[spec.job_id] = record
-        runner = ProgramRunner(
-            spec,
-            token,
-            self.switch_address,
-            self.checkpoints.root,
-            owner,
-            self.data_service_address,
-            edge_settings=self.edge_settings,
-            epoch=epoch,
-            on_epoch=lambda epoch: self.records.set_epoch(record, epoch),
-            receive_ahead=self.receive_ahead,
-            cluster_ranks=self.cluster_ranks,
-        )
+        runner: Stage
+        if self.confinement is None or self.cluster_ranks is not None:
+            runner = ProgramRunner(
+                spec,
+                token,
+                self.switch_address,
+                self.checkpoints.root,
+                owner,
+                self.data_service_address,
+                edge_settings=self.edge_settings,
+                epoch=epoch,
+                on_epoch=lambda epoch: self.records.set_epoch(record, epoch),
+                receive_ahead=self.receive_ahead,
+                cluster_ranks=self.cluster_ranks,
+            )
+        else:
+            runner = StageProcess(
+                spec,
+                token,
+                self.switch_address,
+                self.checkpoints.root,
+                owner,
+                self.data_service_address,
+                confinement=self.confinement,
+                limits=self.limits,
+                edge_settings=self.edge_settings,
+                epoch=epoch,
+                on_epoch=lambda epoch: self.records.set_epoch(record, epoch),
+                receive_ahead=self.receive_ahead,
+                torch_threads=self.torch_threads,
+                log_level=self.log_level,
+                on_refusal=functools.partial(self._stage_refused, owner, spec.job_id),
+            )
         # First of the finish callbacks (``_launch`` adds the release after it): the end is on disk
         # before the stage is released or forgotten.
         runner.lifecycle.add_finish_callback(functools.partial(self.records.store_end, record, runner.board))
@@ -245,13 +278,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         infos.sort(key=lambda info: (info.started_unix, info.status.job_id))
         return trainer_pb2.ListStagesResponse(stages=infos)
 
-    def _launch(self, runner: ProgramRunner, account: str) -> None:
+    def _stage_refused(self, account: str, job_id: str, reason: str) -> None:
+        """A stage process asked its proxy for something that is not its own (on a proxy thread)."""
+        self.audit.append(
+            "stage.refused", outcome="refused", account=account, job_id=job_id, details={"reason": reason}
+        )
+
+    def _launch(self, runner: Stage, account: str) -> None:
         """Start ``runner``'s thread; its end (``_stage_finished``) is a callback from that thread."""
         runner.lifecycle.add_finish_callback(functools.partial(self._stage_finished, runner, account))
         STAGES_RUNNING.inc()
         runner.start()
 
-    def _stage_finished(self, runner: ProgramRunner, account: str) -> None:
+    def _stage_finished(self, runner: Stage, account: str) -> None:
         """On the stage's own thread, after its terminal status: release it, count it, audit its end."""
         runner.release()  # the status board stays; the model, optimizer and edge buffers go
         # The program's source and a hot start's weights are only needed to start it.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import Callable
 
 from nebula_common.proto.nebula.v1 import trainer_pb2
 
@@ -44,6 +45,15 @@ class StatusBoard:
         self._dropped = 0  # updates evicted from the front of the history
         self._last_step: dict[str, float] = {}  # the newest value of each PER_STEP field
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = set()
+        self._listeners: list[Callable[[trainer_pb2.StageStatus], None]] = []
+
+    def subscribe(self, listener: Callable[[trainer_pb2.StageStatus], None]) -> None:
+        """Call ``listener`` with every new status, in order, on the updating thread (after the lock).
+
+        A stage process forwards its board to the trainer's copy this way (``stage_process``). Listeners
+        run under the board's lock, so they see statuses in the history's order; they must not update it.
+        """
+        self._listeners.append(listener)
 
     @property
     def _version(self) -> int:
@@ -53,31 +63,52 @@ class StatusBoard:
         with self._condition:
             status = trainer_pb2.StageStatus()
             status.CopyFrom(self._history[-1])
-            terminal = fields.get("state", status.state) in TERMINAL_STATES
-            for per_step in PER_STEP:
-                if per_step in fields:
-                    continue
-                if terminal and per_step in self._last_step:  # the end keeps the last step's loss
-                    setattr(status, per_step, self._last_step[per_step])
-                else:  # otherwise per-step values never carry over to the next update
-                    status.ClearField(per_step)
-            for name, value in fields.items():
-                if status.DESCRIPTOR.fields_by_name[name].is_repeated:
-                    # a repeated field (e.g. edges), given as a list or as another status's container
-                    # (a stage record's final status restored by FinishedStage): replaced whole
-                    repeated = getattr(status, name)
-                    del repeated[:]
-                    repeated.extend(value)
-                else:
-                    setattr(status, name, value)
+            self._apply(status, fields)
+            self._append_locked(status)
+        self._notify()
+
+    def publish(self, status: trainer_pb2.StageStatus) -> None:
+        """Append a status computed elsewhere (a stage process's board), as it is."""
+        with self._condition:
             for per_step in PER_STEP:
                 if status.HasField(per_step):
                     self._last_step[per_step] = getattr(status, per_step)
-            self._history.append(status)
-            if len(self._history) > HISTORY_LIMIT:
-                del self._history[0]
-                self._dropped += 1
-            self._condition.notify_all()
+            self._append_locked(status)
+        self._notify()
+
+    def _apply(self, status: trainer_pb2.StageStatus, fields: dict[str, object]) -> None:
+        terminal = fields.get("state", status.state) in TERMINAL_STATES
+        for per_step in PER_STEP:
+            if per_step in fields:
+                continue
+            if terminal and per_step in self._last_step:  # the end keeps the last step's loss
+                setattr(status, per_step, self._last_step[per_step])
+            else:  # otherwise per-step values never carry over to the next update
+                status.ClearField(per_step)
+        for name, value in fields.items():
+            if status.DESCRIPTOR.fields_by_name[name].is_repeated:
+                # a repeated field (e.g. edges), given as a list or as another status's container
+                # (a stage record's final status restored by FinishedStage): replaced whole
+                repeated = getattr(status, name)
+                del repeated[:]
+                repeated.extend(value)
+            else:
+                setattr(status, name, value)
+        for per_step in PER_STEP:
+            if status.HasField(per_step):
+                self._last_step[per_step] = getattr(status, per_step)
+
+    def _append_locked(self, status: trainer_pb2.StageStatus) -> None:
+        self._history.append(status)
+        if len(self._history) > HISTORY_LIMIT:
+            del self._history[0]
+            self._dropped += 1
+        self._condition.notify_all()
+        for listener in self._listeners:  # under the lock: every listener sees the history's order
+            listener(status)
+
+    def _notify(self) -> None:
+        with self._condition:
             waiters, self._waiters = self._waiters, set()
         for loop, future in waiters:
             with contextlib.suppress(RuntimeError):  # that watcher's loop is closed: nobody waits

@@ -41,6 +41,7 @@ from nebula_common.sdk.data_client import DataClient, DatasetNotFoundError
 from nebula_common.sdk.jobs import ProgramJob
 from tests.support.accounts import admin_token, create_account
 from tests.support.internal import service_channel, user_channel
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -247,6 +248,17 @@ def victim_jobs(deployment: LocalDeployment) -> Iterator[dict[str, Any]]:
     # Only cluster a's stage: it attaches its edge at the switch and waits for a peer that never comes.
     waiting = _numbers_job(steps=50)
     sessions["a"].assign(waiting.stage_spec("encoder"))
+    # Its stage process starts, then opens the edge: only then is the route the victim's.
+    switch_log = deployment.log_dir / "switch-a.log"
+    wait_for(
+        lambda: any(
+            '"edge opened"' in line and waiting.job_id in line
+            for line in switch_log.read_text(errors="replace").splitlines()
+        ),
+        60.0,
+        f"switch a opened the edge of the victim's waiting job {waiting.job_id}",
+        interval=0.1,
+    )
     yield {"sessions": sessions, "finished": finished, "waiting": waiting}
     sessions["a"].cancel(waiting.job_id)
     for session in sessions.values():

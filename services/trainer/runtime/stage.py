@@ -61,7 +61,7 @@ from services.trainer.edge import (
     grpc_edge_factory,
     renewed,
 )
-from services.trainer.metrics import LOSS, STEP_SECONDS, STEPS_TOTAL, WAIT_SECONDS
+from services.trainer.metrics import record_step
 from services.trainer.runtime.chain import (
     FailureRelay,
     LocalMiddle,
@@ -142,6 +142,7 @@ class ProgramRunner:
         on_epoch: Callable[[int], None] | None = None,
         receive_ahead: int | None = None,
         cluster_ranks: ClusterRanks | None = None,
+        step_sink: Callable[[str, str, float, float, float | None], None] = record_step,
     ) -> None:
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
@@ -150,6 +151,8 @@ class ProgramRunner:
                 f"receive_ahead must be >= 0 (0: receive on the stage thread), got {receive_ahead}"
             )
         self.receive_ahead = receive_ahead
+        self.step_sink = step_sink
+        """Where each step's numbers go besides the board (a stage process: to its trainer)."""
         self.cluster_ranks = cluster_ranks
         """Rank processes started on their own (``worker.py``) that compute this stage, if any."""
         self.timer = StepTimer()
@@ -651,10 +654,7 @@ class ProgramRunner:
         **extra: object,
     ) -> None:
         """One step's numbers to the status board (what watchers see) and to Prometheus."""
-        labels = (self.spec.job_id, self.spec.stage)
-        STEP_SECONDS.labels(*labels).observe(elapsed)
-        WAIT_SECONDS.labels(*labels).inc(waited)
-        STEPS_TOTAL.labels(*labels).inc()
+        self.step_sink(self.spec.job_id, self.spec.stage, elapsed, waited, loss)
         fields: dict[str, object] = dict(
             steps_done=step + 1,
             step_seconds=elapsed,
@@ -666,7 +666,6 @@ class ProgramRunner:
             **extra,
         )
         if loss is not None:
-            LOSS.labels(*labels).set(loss)
             fields["loss"] = loss
         self.board.update(**fields)
 

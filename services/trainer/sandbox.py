@@ -1,0 +1,200 @@
+"""Where a stage process runs: the confinement the trainer puts every stage in, and how it is probed.
+
+Two modes, the strongest available chosen at start-up (``NEBULA_TRAINER_STAGE_ISOLATION``):
+
+* ``bwrap`` (Debian's bubblewrap): the stage gets its own user, PID, IPC, UTS, cgroup and network
+  namespaces (no network at all: its one way out is the trainer's Unix socket, ``stage_proxy``), a
+  fresh ``/proc`` that shows only its own processes, a new session, and a filesystem view of only the
+  interpreter, the installed packages, Nebula's own code, its account's directory of the trainer's
+  data dir (read-write) and the pre-trained directories its spec declares (read-only). Nothing else of
+  the host exists for it: no PKI, no run directory, no other account's checkpoints, no records.
+  ``--die-with-parent``: a trainer that dies takes its stages with it (and resumes them on restart).
+* ``process``: a separate process with an empty environment, its own session and the limits below,
+  but the trainer's user and view of the host: it can read whatever the trainer's user can. Only
+  where bubblewrap is missing or cannot create namespaces; the trainer logs a warning at start-up
+  naming why, and reports the mode (``nebula local status``).
+
+In both, the stage's own entry point (``stage_main``) sets its limits (memory, CPU seconds, open
+files), refuses ptrace and core dumps of itself (``PR_SET_DUMPABLE`` 0) and new privileges
+(``PR_SET_NO_NEW_PRIVS``) before any of the job's code is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.trainer import cgroup
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "bwrap", "process")
+STAGE_UID = 40000
+"""The stage's user and group id inside its namespace (not a user of the host)."""
+INSIDE_SOCKET_DIR = "/run/nebula-stage"
+"""Where the stage finds its trainer's socket (bound from a private directory of the host)."""
+PROBE_TIMEOUT_S = 60.0
+
+
+class SandboxError(RuntimeError):
+    """The requested confinement cannot be had on this host (message names the setting and why)."""
+
+
+@dataclass(frozen=True)
+class StageLimits:
+    """Per stage process: what ``stage_main`` sets on itself before loading the job's code."""
+
+    memory_bytes: int
+    cpu_seconds: int
+    open_files: int
+    processes: int = 512
+    """Processes and threads of the stage together (its control group's ``pids.max``)."""
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Confinement:
+    """The mode this trainer runs stages in, and why not a stronger one (empty when it is the strongest)."""
+
+    mode: str
+    weaker_because: str = ""
+    cgroups_missing: str = ""
+    """Why stages get no control group here ("" when they do: ``cgroup.StageGroup``)."""
+
+    def describe(self) -> str:
+        groups = (
+            "a control group each"
+            if not self.cgroups_missing
+            else f"no control group ({self.cgroups_missing})"
+        )
+        if self.mode == "bwrap":
+            return f"bwrap: own user, PID and network namespaces, sees its code and account only; {groups}"
+        return f"process: the trainer's user, no namespaces ({self.weaker_because}); {groups}"
+
+
+def _code_roots() -> list[Path]:
+    """What a stage needs to import: the interpreter's prefix, the environment's and Nebula's packages."""
+    import nebula_common
+    import services
+
+    roots = {Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve()}
+    for package in (nebula_common, services):
+        roots.add(Path(package.__file__).resolve().parent)  # the package only: never the repo (runs/)
+    for entry in sys.path:
+        path = Path(entry or ".").resolve()
+        if "site-packages" in path.parts or "dist-packages" in path.parts:
+            roots.add(path)
+    return sorted(r for r in roots if r.exists())
+
+
+def _system_binds() -> list[str]:
+    """/usr and the usual top-level links into it (merged /usr), as the host has them."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        path = Path(top)
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), top]
+        elif path.is_dir():
+            args += ["--ro-bind", top, top]
+    for etc in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/localtime", "/etc/nsswitch.conf"):
+        if Path(etc).exists():
+            args += ["--ro-bind", etc, etc]
+    return args
+
+
+def bwrap_command(work_dir: Path, socket_dir: Path, read_only: list[Path], command: list[str]) -> list[str]:
+    """``command`` in a bubblewrap sandbox (see the module doc); ``work_dir`` read-write at its own path."""
+    args = [
+        shutil.which("bwrap") or "bwrap",
+        "--unshare-all",  # user, ipc, pid, net, uts, cgroup namespaces
+        "--unshare-user",
+        "--uid",
+        str(STAGE_UID),
+        "--gid",
+        str(STAGE_UID),
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        *_system_binds(),
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--tmpfs",
+        "/tmp",
+    ]
+    for root in _code_roots():
+        args += ["--ro-bind", str(root), str(root)]
+    for path in read_only:
+        args += ["--ro-bind", str(path), str(path)]
+    args += ["--bind", str(work_dir), str(work_dir)]
+    args += ["--bind", str(socket_dir), INSIDE_SOCKET_DIR]
+    args += ["--chdir", str(work_dir), "--"]
+    return args + command
+
+
+def stage_environment(home: Path) -> dict[str, str]:
+    """The whole environment of a stage process: nothing of the trainer's (no secret, no setting)."""
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(home),
+        "TMPDIR": "/tmp",
+        "USER": "stage",
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def _probe_bwrap(scratch: Path) -> str:
+    """Why bubblewrap cannot run a stage here ("" when it can): a real sandbox running the interpreter."""
+    if shutil.which("bwrap") is None:
+        return "bubblewrap (bwrap) is not installed"
+    scratch.mkdir(parents=True, exist_ok=True)
+    command = bwrap_command(scratch, scratch, [], [sys.executable, "-c", "import nebula_common"])
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=stage_environment(scratch)
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bubblewrap did not start: {exc}"
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines()
+        return f"bubblewrap cannot create the namespaces here: {said[-1] if said else done.returncode}"
+    return ""
+
+
+def choose_confinement(requested: str, scratch: Path) -> Confinement:
+    """The confinement for ``requested`` (``auto``: the strongest that works), probed for real."""
+    if requested not in MODES:
+        expected = ", ".join(MODES)
+        raise SandboxError(f"NEBULA_TRAINER_STAGE_ISOLATION={requested!r}: expected one of {expected}")
+    groups = cgroup.available()
+    if requested == "process":
+        return Confinement("process", "NEBULA_TRAINER_STAGE_ISOLATION=process", groups)
+    why = _probe_bwrap(scratch)
+    if not why:
+        return Confinement("bwrap", "", groups)
+    if requested == "bwrap":
+        raise SandboxError(f"NEBULA_TRAINER_STAGE_ISOLATION=bwrap, but {why}")
+    return Confinement("process", why, groups)
+
+
+__all__ = [
+    "INSIDE_SOCKET_DIR",
+    "Confinement",
+    "SandboxError",
+    "StageLimits",
+    "bwrap_command",
+    "choose_confinement",
+    "stage_environment",
+]

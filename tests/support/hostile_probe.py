@@ -1,0 +1,91 @@
+"""The hostile half of ``tests/integration/test_security_hostile_stage.py``: appended to a stage module.
+
+Run inside a stage process by the module's ``build()``; every attempt records whether it succeeded
+(it must not) and what it saw, into ``probe-<job>.json`` in the stage's working directory.
+"""
+
+import ctypes
+import gc
+import json
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from nebula_common.proto.nebula.v1 import relay_pb2
+
+found: dict[str, dict[str, Any]] = {}
+PTRACE_ATTACH = 16
+WATCHWORDS = ("NEBULA", "KEY", "TOKEN", "PASSWORD", "SECRET")
+FOREIGN_METHODS = (
+    "/nebula.v1.Trainer/ListStages",
+    "/nebula.v1.Trainer/CancelStage",
+    "/nebula.v1.Auth/ListAccounts",
+    "/nebula.v1.Data/ReadBatch",
+    "/nebula.v1.Data/DownloadDataset",
+)
+
+
+def attempt(name: str, action: Callable[[], object]) -> None:
+    try:
+        result = action()
+    except BaseException as exc:  # refused: what we want to see
+        found[name] = {"succeeded": False, "detail": f"{type(exc).__name__}: {exc}"[:300]}
+        return
+    found[name] = {"succeeded": True, "detail": str(result)[:300]}
+
+
+def read(path: str) -> object:
+    target = Path(path)
+    return target.read_bytes()[:16] if target.is_file() else os.listdir(target)
+
+
+def ptrace(pid: int) -> str:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.ptrace(PTRACE_ATTACH, pid, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "ptrace refused")
+    return "attached"
+
+
+def connect(address: str) -> None:
+    host, port = address.rsplit(":", 1)
+    socket.create_connection((host, int(port)), timeout=2).close()
+
+
+def probe(options: dict[str, Any]) -> None:
+    trainer = int(options["trainer_pid"])
+    for path in options["secrets"]:
+        attempt(f"read {path}", lambda p=path: read(p))
+    leaked = [k for k in os.environ if any(w in k.upper() for w in WATCHWORDS)]
+    found["environment"] = {"succeeded": bool(leaked), "detail": ",".join(sorted(os.environ))}
+    pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+    found["trainer visible in /proc"] = {"succeeded": trainer in pids, "detail": str(pids)}
+    for what in ("environ", "mem", "maps"):
+        attempt(f"/proc/trainer/{what}", lambda w=what: Path(f"/proc/{trainer}/{w}").read_bytes()[:16])
+    attempt("ptrace the trainer", lambda: ptrace(trainer))
+    for name, address in options["ports"].items():
+        attempt(f"connect {name}", lambda a=address: connect(a))
+    # The stage's secret for its proxy is in its own memory; an attacker finds it there.
+    runner = next(o for o in gc.get_objects() if type(o).__name__ == "ProgramRunner")
+    channel = grpc.insecure_channel(runner.switch_address)
+    meta = (("authorization", "Bearer " + runner.token),)
+    found["stage secret found in memory"] = {"succeeded": True, "detail": runner.switch_address}
+
+    def other_edge() -> object:
+        opened = relay_pb2.EdgeMessage(
+            open=relay_pb2.EdgeOpen(job_id=options["victim_job"], edge="encoder->decoder")
+        )
+        call = channel.stream_stream("/nebula.v1.Relay/OpenEdge")(
+            iter([opened.SerializeToString()]), metadata=meta, timeout=10
+        )
+        return list(call)
+
+    attempt("open another job's edge", other_edge)
+    for method in FOREIGN_METHODS:
+        attempt(f"call {method}", lambda m=method: channel.unary_unary(m)(b"", metadata=meta, timeout=10))
+    for target in options["writes"]:
+        attempt(f"write {target}", lambda t=target: Path(t).write_text("owned"))
+    Path(os.getcwd(), f"probe-{options['job']}.json").write_text(json.dumps(found))

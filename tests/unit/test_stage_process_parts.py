@@ -1,0 +1,104 @@
+"""The parts of a stage process that need no deployment: its channel, the trainer's settings for it,
+the board it mirrors into, the sandbox command and the proxy's close detection."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from nebula_common.proto.nebula.v1 import relay_pb2, trainer_pb2
+from services.trainer import stage_channel as channel
+from services.trainer.config import TrainerSettings
+from services.trainer.sandbox import SandboxError, bwrap_command, choose_confinement, stage_environment
+from services.trainer.stage_proxy import _is_close
+from services.trainer.status import StatusBoard
+
+
+def _pair() -> tuple[Connection, Connection]:
+    left, right = socket.socketpair()
+    return Connection(left.detach()), Connection(right.detach())
+
+
+def test_channel_carries_kinds_and_payloads_and_refuses_what_is_not_a_message() -> None:
+    ours, theirs = _pair()
+    channel.send_json(theirs, channel.STEP, {"elapsed": 0.5, "waited": 0.1, "loss": None})
+    kind, payload = channel.receive(ours)
+    assert kind == channel.STEP and channel.parse_json(payload)["elapsed"] == 0.5
+    theirs.send_bytes(b"")
+    with pytest.raises(channel.ChannelError, match="empty message"):
+        channel.receive(ours)
+    for bad in (b"\xff\xfe", b"[1, 2]"):
+        with pytest.raises(channel.ChannelError, match="JSON"):
+            channel.parse_json(bad)
+    theirs.close()
+    with pytest.raises(EOFError):
+        channel.receive(ours)
+
+
+def test_channel_refuses_a_message_past_the_bound() -> None:
+    ours, theirs = _pair()
+    # A length prefix announcing more than the bound: refused before anything is read into memory.
+    raw = socket.socket(fileno=os.dup(theirs.fileno()))
+    raw.sendall(struct.pack("!i", channel.MAX_MESSAGE_BYTES + 1))
+    with pytest.raises(channel.ChannelError, match="bad message"):
+        channel.receive(ours)
+    raw.close()
+
+
+def test_isolation_setting_refuses_an_unknown_mode_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEBULA_TRAINER_STAGE_ISOLATION", "chroot")
+    with pytest.raises(ValidationError, match="stage_isolation"):
+        TrainerSettings(cluster_id="a", switch_address="127.0.0.1:1", auth_address="127.0.0.1:2")
+    with pytest.raises(SandboxError, match="NEBULA_TRAINER_STAGE_ISOLATION='chroot'"):
+        choose_confinement("chroot", Path("/tmp"))
+
+
+def test_process_mode_is_chosen_on_request_and_says_why(tmp_path: Path) -> None:
+    chosen = choose_confinement("process", tmp_path)
+    assert chosen.mode == "process" and "NEBULA_TRAINER_STAGE_ISOLATION=process" in chosen.describe()
+
+
+def test_the_sandbox_binds_code_and_the_work_dir_never_the_repository(tmp_path: Path) -> None:
+    command = bwrap_command(tmp_path / "work", tmp_path / "sock", [], ["python"])
+    binds = [command[i + 1] for i, arg in enumerate(command) if arg in ("--ro-bind", "--bind")]
+    repository = Path(__file__).resolve().parents[2]
+    assert str(repository / "nebula_common") in binds and str(repository / "services") in binds
+    assert str(repository) not in binds  # its runs/ hold PKIs and passwords
+    assert str(tmp_path / "work") in binds and "--unshare-all" in command and command[-1] == "python"
+    assert set(stage_environment(tmp_path)) == {
+        "PATH",
+        "HOME",
+        "TMPDIR",
+        "USER",
+        "LANG",
+        "PYTHONDONTWRITEBYTECODE",
+        "PYTHONUNBUFFERED",
+    }
+
+
+def test_a_board_mirror_publishes_statuses_as_they_are_and_listeners_see_them_in_order() -> None:
+    source, mirror = StatusBoard("j", "s"), StatusBoard("j", "s")
+    seen: list[int] = []
+    source.subscribe(mirror.publish)
+    mirror.subscribe(lambda status: seen.append(status.steps_done))
+    for step in range(1, 4):
+        source.update(state=trainer_pb2.STAGE_STATE_RUNNING, steps_done=step, loss=1.0 / step)
+    source.update(state=trainer_pb2.STAGE_STATE_SUCCEEDED)
+    assert seen == [1, 2, 3, 3]
+    assert (
+        mirror.latest().state == trainer_pb2.STAGE_STATE_SUCCEEDED
+        and mirror.latest().loss == pytest.approx(1 / 3)
+    )
+
+
+def test_the_proxy_recognises_a_stage_close_and_nothing_else() -> None:
+    close = relay_pb2.EdgeMessage(close=relay_pb2.EdgeClose(reason="finished")).SerializeToString()
+    signal = relay_pb2.EdgeMessage(signal=relay_pb2.EdgeSignal()).SerializeToString()
+    assert _is_close(close)
+    assert not _is_close(signal) and not _is_close(b"\xff" * 10) and not _is_close(close + b"\x00" * 5000)
