@@ -157,7 +157,7 @@ def run(conn: Connection, config: dict[str, Any], spec_bytes: bytes) -> int:
     runner.join()
     # A failed stage's edge sends its error close on a thread of its own (``EdgeSession.fail``): let
     # it reach the trainer before the process ends, so the other cluster hears the reason.
-    deadline = time.monotonic() + 3.0
+    deadline = time.monotonic() + 1.5  # within the trainer's ENDED_GRACE_S
     for thread in threading.enumerate():
         if thread.name.endswith("-abort"):
             thread.join(max(0.0, deadline - time.monotonic()))

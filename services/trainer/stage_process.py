@@ -12,9 +12,9 @@ used of an in-process ``ProgramRunner`` (``board``, ``lifecycle.add_finish_callb
 * mirrors the stage's status board (every status, in order, checked to be this stage's), stores
   each epoch before the stage may open it (``on_epoch``), puts each step on ``/metrics``;
 * ends it: a cancel is asked over the channel and enforced with SIGKILL of the whole sandbox
-  ``CANCEL_GRACE_S`` later; a stage that posted its end but does not exit, or closed its channel, is
-  killed the same way; one that died without an end is FAILED with its exit code or signal. Finish
-  callbacks run once the process, and everything it started, is gone.
+  ``CANCEL_GRACE_S`` later; a stage that posted its end but does not exit (``ENDED_GRACE_S``), or
+  closed its channel, is killed the same way; one that died without an end is FAILED with its exit
+  code or signal. Finish callbacks run once the process, and everything it started, is gone.
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ STAGE_LOG = logging.getLogger("stage")
 STARTUP_TIMEOUT_S = 60.0
 """How long a new stage process may take to say HELLO (an interpreter starting on a loaded host)."""
 CANCEL_GRACE_S = 4.0
-"""How long a cancelled (or ended) stage process may take to exit before it is killed."""
+"""How long a cancelled stage process may take to end before it is killed."""
+ENDED_GRACE_S = 2.0
+"""How long a stage process that posted its end may take to exit (its edge's close going out)."""
 
 
 MAX_LOG_LINE = 16 << 10
@@ -72,23 +74,28 @@ MAX_LOG_LINE = 16 << 10
 
 
 def relay_log(stream: IO[bytes], job_id: str, stage: str) -> None:
-    """The stage's stderr into the trainer's log, every line marked as the stage's, never as the
-    trainer's own: a JSON record keeps its fields under ``stage_record``, anything else is a message."""
+    """The stage's stderr into the trainer's log, every line marked as the stage's (logger ``stage``,
+    its own ``job_id`` and ``stage`` whatever it wrote): a JSON record keeps its other fields, never
+    the trainer's (``ts``, ``severity``, ``service``, ``logger``); anything else becomes a message."""
     for raw in stream:
         line = raw[:MAX_LOG_LINE].decode(errors="replace").rstrip("\n")
         if not line:
             continue
-        message, fields = line, {"job_id": job_id, "stage": stage}
+        message, fields = line, {}
         level = logging.INFO
         with contextlib.suppress(ValueError):
             parsed = json.loads(line)
             if isinstance(parsed, dict):
                 message = str(parsed.get("message", ""))
-                fields["stage_record"] = parsed  # nested: it cannot pass for the trainer's own fields
+                fields = {k: v for k, v in parsed.items() if k not in _TRAINERS_OWN}
                 if parsed.get("severity") in ("WARNING", "ERROR", "CRITICAL"):
                     level = logging.getLevelName(parsed["severity"])
+        fields.update(job_id=job_id, stage=stage)
         STAGE_LOG.log(level, message, extra={"fields": fields})
     stream.close()
+
+
+_TRAINERS_OWN = frozenset({"ts", "severity", "service", "logger", "message"})
 
 
 class StageProcess:
@@ -338,7 +345,7 @@ class StageProcess:
                 status.state = trainer_pb2.STAGE_STATE_CANCELLED
             self.board.publish(status)
             if status.state in TERMINAL_STATES:
-                self._deadline(CANCEL_GRACE_S)
+                self._deadline(ENDED_GRACE_S)
         elif kind == channel.STEP:
             body = channel.parse_json(payload)
             loss = body.get("loss")

@@ -187,6 +187,10 @@ def test_local_up_restarts_a_killed_service_and_a_second_up_keeps_every_secret(t
         assert json.loads(status.stdout)["command"] == "nebula local up"
         services = json.loads(status.stdout)["services"]
         assert len(services) == 10 and all(s["alive"] for s in services.values()), services
+        # How each trainer confines its stages is never silent: named in the status, bubblewrap or why not.
+        for trainer in ("trainer-a", "trainer-b"):
+            isolation = services[trainer]["stage_isolation"]
+            assert isolation.startswith("bwrap:") or "process: the trainer's user" in isolation, isolation
         created = cli("account", "create", "keeper", "--run-dir", str(run_dir), "--json")
         assert created.exit_code == 0, created.output
         keeper = json.loads(created.stdout)["accounts"]

@@ -3,6 +3,9 @@ the board it mirrors into, the sandbox command and the proxy's close detection."
 
 from __future__ import annotations
 
+import io
+import json
+import logging
 import os
 import socket
 import struct
@@ -16,6 +19,7 @@ from nebula_common.proto.nebula.v1 import relay_pb2, trainer_pb2
 from services.trainer import stage_channel as channel
 from services.trainer.config import TrainerSettings
 from services.trainer.sandbox import SandboxError, bwrap_command, choose_confinement, stage_environment
+from services.trainer.stage_process import MAX_LOG_LINE, relay_log
 from services.trainer.stage_proxy import _is_close
 from services.trainer.status import StatusBoard
 
@@ -102,3 +106,22 @@ def test_the_proxy_recognises_a_stage_close_and_nothing_else() -> None:
     signal = relay_pb2.EdgeMessage(signal=relay_pb2.EdgeSignal()).SerializeToString()
     assert _is_close(close)
     assert not _is_close(signal) and not _is_close(b"\xff" * 10) and not _is_close(close + b"\x00" * 5000)
+
+
+def test_stage_log_lines_are_marked_as_the_stages_and_cannot_pass_for_the_trainers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    forged = {"severity": "ERROR", "service": "switch", "logger": "services.trainer.server", "message": "x"}
+    lines = [
+        json.dumps({"message": "resume exchanged", "epoch": 1, "held": [2, 4], "job_id": "someone-else"}),
+        json.dumps(forged),
+        "plain text" + "y" * 20_000,
+        "",
+    ]
+    with caplog.at_level(logging.INFO, logger="stage"):
+        relay_log(io.BytesIO("\n".join(lines).encode()), "job-1", "encoder")
+    records = [(r.name, r.levelname, r.getMessage(), getattr(r, "fields", {})) for r in caplog.records]
+    assert [r[0] for r in records] == ["stage"] * 3
+    assert records[0][3] == {"epoch": 1, "held": [2, 4], "job_id": "job-1", "stage": "encoder"}
+    assert records[1][1] == "ERROR" and records[1][3] == {"job_id": "job-1", "stage": "encoder"}
+    assert len(records[2][2]) == MAX_LOG_LINE and records[2][2].startswith("plain text")
