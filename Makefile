@@ -174,10 +174,12 @@ test: $(STAMP)
 test-faults: $(STAMP)
 	$(BIN)/pytest -q -m faults tests/integration --ignore=tests/integration/test_service_stop.py $(PYTEST_ARGS)
 
-# Misbehaving stages (fork bomb, unbounded allocation, detached children, SIGKILL, endless loop) on a
-# deployment of their own with small stage limits (about 1.5 minutes; needs bubblewrap to mean anything).
+# A hostile stage module trying every key, token, process and port of its cluster, then misbehaving stages
+# (fork bomb, unbounded allocation, detached children, SIGKILL, endless loop) on a deployment of their own
+# with small stage limits (about 2.5 minutes; needs bubblewrap to mean anything: CI requires it).
 test-containment: $(STAMP)
-	$(BIN)/pytest -q -m containment tests/integration/test_stage_containment.py $(PYTEST_ARGS)
+	$(BIN)/pytest -q -m containment tests/integration/test_security_hostile_stage.py \
+	  tests/integration/test_stage_containment.py $(PYTEST_ARGS)
 
 # The raw edge transport end to end (two `nebula local up` deployments; a few minutes).
 test-raw-edge: $(STAMP)

@@ -11,7 +11,9 @@ writes what it found to its own directory; every attempt must have failed, and t
 must be audited. Misbehaving stages (fork bombs and the like): ``test_stage_containment.py``.
 
 The strongest mode needs bubblewrap; where the trainer runs the weaker mode this test skips, and
-with ``NEBULA_REQUIRE_BWRAP=1`` (CI) it fails instead.
+with ``NEBULA_REQUIRE_BWRAP=1`` (CI) it fails instead. Run by ``make test-containment`` (in CI), not
+``make test``: every stage process costs its interpreter's start (about 1.5 s), and ``make test`` is
+kept under ten minutes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from tests.support.accounts import make_user
 from tests.support.hostile import hostile_job, require_bwrap, run_job
 from tests.support.jobs import numbers_job
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.containment, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
