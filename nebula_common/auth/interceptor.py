@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import grpc
 from prometheus_client import Counter
 
-from nebula_common.auth.policy import is_public, needs_admin
+from nebula_common.auth.policy import is_public, job_token_may_call, needs_admin
 from nebula_common.auth.verifier import Principal, TokenVerifier
 from nebula_common.errors import AuthenticationError
 from nebula_common.rpc.metadata import bearer_token_from_metadata
@@ -134,6 +134,12 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             principal = verifier.verify(token)
         except AuthenticationError as exc:
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED, f"invalid token: {exc}", "bad-token") from None
+        if principal.job_id and not job_token_may_call(method):
+            raise _Refused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"a job token acts only for job {principal.job_id}'s edges and batches, not {method}",
+                "job-token",
+            )
         if self._account_check is not None and (reason := await self._account_check(principal)):
             raise _Refused(grpc.StatusCode.UNAUTHENTICATED, reason, "account")
         if needs_admin(method):

@@ -43,6 +43,18 @@ ADMIN_METHODS = frozenset(
 )
 """Methods that need an admin of this cluster (PERMISSION_DENIED for any other account)."""
 
+JOB_METHODS = frozenset(
+    {
+        "/nebula.v1.Relay/OpenEdge",
+        "/nebula.v1.Data/ListDatasets",
+        "/nebula.v1.Data/ReadBatch",
+        "/nebula.v1.Auth/IssueJobToken",
+    }
+)
+"""The only methods a job token may call: its job's edges (the switch checks the job), its batches,
+and its own renewal. Anything else with a job token is PERMISSION_DENIED, so a job token stolen
+from a running job is worth that job's traffic and nothing of its account."""
+
 INFRASTRUCTURE_PREFIXES = (
     "/grpc.health.v1.Health/",
     "/grpc.reflection.v1alpha.ServerReflection/",
@@ -58,3 +70,8 @@ def is_public(method: str) -> bool:
 
 def needs_admin(method: str) -> bool:
     return method in ADMIN_METHODS
+
+
+def job_token_may_call(method: str) -> bool:
+    """True for the methods a job token (``Principal.job_id`` set) is valid for."""
+    return method in JOB_METHODS

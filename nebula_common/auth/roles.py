@@ -66,6 +66,9 @@ ROLE_MATRIX: MappingProxyType[str, Access] = MappingProxyType(
         "/nebula.v1.Auth/DeleteAccount": _user("admins manage accounts (nebula account)"),
         "/nebula.v1.Auth/ChangePassword": _user("users change their own password"),
         "/nebula.v1.Auth/RotateSigningKey": _user("admins rotate the signing key"),
+        "/nebula.v1.Auth/IssueJobToken": _service(
+            "the trainer trades a submitter's token for a job-scoped one and renews it", "trainer"
+        ),
         # --- audit (served by auth, data, switch and trainer) -----------------------------------
         "/nebula.v1.AuditLog/Query": _user("admins read a service's audit log (nebula audit query)"),
         "/nebula.v1.AuditLog/GetAuditKey": _user("admins fetch the key that seals the audit log"),

@@ -54,6 +54,9 @@ how long a disabled account's token keeps working (plus one fetch), at one small
 FETCH_TIMEOUT_SECONDS = 2.0
 """Deadline of one refetch, so a hung auth service cannot pile up work in the refresh thread."""
 
+JOB_ROLE = "job"
+"""The role claim of a job token: never an account's role, so no role check can mistake it for one."""
+
 REQUIRED_CLAIMS = ("iss", "aud", "sub", "role", "cluster", "iat", "nbf", "exp", "jti")
 
 log = logging.getLogger(__name__)
@@ -66,11 +69,16 @@ def issuer_for(cluster_id: str) -> str:
 
 @dataclass(frozen=True)
 class Principal:
-    """Who authorised a call: an account of ``cluster_id`` with ``role``."""
+    """Who authorised a call: an account of ``cluster_id`` with ``role``.
+
+    ``job_id`` is set for a job token (role ``job``, ``auth.proto`` IssueJobToken): it acts for
+    ``username`` in that one job only (``policy.JOB_METHODS``).
+    """
 
     username: str
     role: str
     cluster_id: str
+    job_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -396,7 +404,10 @@ class TokenVerifier:
         # the issuer is broken, so refuse rather than guess which one is right.
         if cluster != self._cluster_id:
             raise AuthenticationError(f"token cluster claim {cluster!r} does not match issuer {self._issuer}")
-        return Principal(username=username, role=role, cluster_id=self._cluster_id)
+        job = claims.get("job", "")
+        if not isinstance(job, str) or (role == JOB_ROLE) != bool(job):
+            raise AuthenticationError("malformed token: a job token names one job, an account token none")
+        return Principal(username=username, role=role, cluster_id=self._cluster_id, job_id=job)
 
 
 def _parse_jwks(jwks_json: str) -> dict[str, jwt.PyJWK]:

@@ -97,16 +97,25 @@ def parse_dataset_ref(ref: str) -> tuple[str, str]:
 
 
 class DataClient:
-    """Client of the data service at ``address`` acting with ``token`` (an account of that cluster)."""
+    """Client of the data service at ``address`` acting with ``token`` (an account of that cluster).
 
-    def __init__(self, address: str, token: str, *, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> None:
+    ``token`` may be a callable read at every call: a running stage's job token is renewed under it.
+    """
+
+    def __init__(
+        self, address: str, token: str | Callable[[], str], *, timeout: float = DEFAULT_TIMEOUT_SECONDS
+    ) -> None:
         if not token:
             raise AuthenticationError("a bearer token of this cluster is required")
         self._address = address
         self._timeout = timeout
-        self._metadata = bearer_metadata(token)
+        self._token = token
         self._channel = cast(grpc.Channel, internal_channel(address, service="data"))
         self._stub = data_pb2_grpc.DataStub(self._channel)
+
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return bearer_metadata(self._token() if callable(self._token) else self._token)
 
     # ------------------------------------------------------------------ datasets
     def upload_bytes(self, name: str, chunks: Iterable[bytes]) -> DatasetInfo:

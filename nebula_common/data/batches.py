@@ -9,7 +9,7 @@ data service's audit log shows every batch that was read, by whom.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -25,7 +25,9 @@ class GrantedBatchSource:
     its size, so a missing grant fails the stage at start-up rather than mid-step.
     """
 
-    def __init__(self, address: str, token: str, dataset: str, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self, address: str, token: str | Callable[[], str], dataset: str, *, timeout: float = 30.0
+    ) -> None:
         owner, _ = parse_dataset_ref(dataset)
         if not owner:
             raise InvalidRequestError(f"dataset {dataset!r} must name its owner: OWNER/NAME")

@@ -21,6 +21,14 @@ class AuthSettings(ServiceSettings):
     listen: HostPort = Field("127.0.0.1:0", description="Cluster-internal gRPC address host:port.")
     data_dir: Path = Field(description="Holds accounts.db and signing-key.pem; must persist across restarts.")
     token_ttl_seconds: int = Field(3600, gt=0, description="Lifetime of issued tokens.")
+    job_token_ttl_seconds: int = Field(
+        900,
+        gt=0,
+        description=(
+            "Lifetime of a job token (IssueJobToken; never longer than token_ttl_seconds): the trainer "
+            "renews it at half-life while the job runs."
+        ),
+    )
     admin_username: str = Field("admin", min_length=1, description="Name of the bootstrap admin.")
     admin_password_file: Path | None = Field(
         None,

@@ -116,7 +116,11 @@ async def start_auth(settings: AuthSettings, stack: contextlib.AsyncExitStack) -
     )
     store = await acquire_in_thread(stack, lambda: _open_store(settings), AccountStore.close)
     issuer = await asyncio.to_thread(
-        TokenIssuer, settings.data_dir, settings.cluster_id, settings.token_ttl_seconds
+        TokenIssuer,
+        settings.data_dir,
+        settings.cluster_id,
+        settings.token_ttl_seconds,
+        settings.job_token_ttl_seconds,
     )
     await asyncio.to_thread(ensure_bootstrap_admin, store, settings, hasher, audit)
     servicer = AuthServicer(

@@ -22,6 +22,7 @@ from nebula_common.auth.verifier import LEEWAY_SECONDS, KeySnapshot, Principal, 
 from nebula_common.errors import AuthenticationError, InvalidRequestError
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
 from services.auth import metrics
+from services.auth.job_tokens import JobTokenRpc
 from services.auth.passwords import (
     DEFAULT_HASHER,
     MAX_PASSWORD_LENGTH,
@@ -41,7 +42,7 @@ LOGIN_FAILED = "invalid username or password"
 """One message for every login failure, so callers cannot tell which names exist."""
 
 
-class AuthServicer(auth_pb2_grpc.AuthServicer):
+class AuthServicer(JobTokenRpc, auth_pb2_grpc.AuthServicer):
     def __init__(
         self,
         store: AccountStore,

@@ -23,7 +23,14 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from jwt.algorithms import ECAlgorithm
 
-from nebula_common.auth.verifier import ALGORITHM, AUDIENCE, LEEWAY_SECONDS, TokenVerifier, issuer_for
+from nebula_common.auth.verifier import (
+    ALGORITHM,
+    AUDIENCE,
+    JOB_ROLE,
+    LEEWAY_SECONDS,
+    TokenVerifier,
+    issuer_for,
+)
 from nebula_common.durable import atomic_write, create_new
 
 logger = logging.getLogger(__name__)
@@ -32,6 +39,8 @@ KEY_FILE_NAME = "signing-key.pem"
 RETIRED_KEYS_FILE_NAME = "retired-signing-keys.json"
 """Public halves of rotated-out keys, kept while tokens they signed can still be valid."""
 DEFAULT_TTL_SECONDS = 3600
+DEFAULT_JOB_TTL_SECONDS = 900
+"""Lifetime of a job token: the trainer renews it at half-life, so a stolen one is soon worthless."""
 
 
 @dataclass(frozen=True)
@@ -79,12 +88,21 @@ def _create_key_file(path: Path) -> None:
 class TokenIssuer:
     """Issues ES256 tokens for the accounts of ``cluster_id``."""
 
-    def __init__(self, data_dir: Path, cluster_id: str, ttl_seconds: int = DEFAULT_TTL_SECONDS) -> None:
-        if ttl_seconds <= 0:
-            raise ValueError("token ttl_seconds must be positive")
+    def __init__(
+        self,
+        data_dir: Path,
+        cluster_id: str,
+        ttl_seconds: int = DEFAULT_TTL_SECONDS,
+        job_ttl_seconds: int = DEFAULT_JOB_TTL_SECONDS,
+    ) -> None:
+        if ttl_seconds <= 0 or job_ttl_seconds <= 0:
+            raise ValueError("token ttl_seconds and job_ttl_seconds must be positive")
         self._cluster_id = cluster_id
         self._issuer = issuer_for(cluster_id)
         self._ttl = ttl_seconds
+        # Never longer than an account token: revocations and retired keys are kept for one account
+        # token lifetime, which must cover every token still valid.
+        self._job_ttl = min(job_ttl_seconds, ttl_seconds)
         self._key_path = Path(data_dir) / KEY_FILE_NAME
         self._retired_path = Path(data_dir) / RETIRED_KEYS_FILE_NAME
         self._private_key = load_or_create_signing_key(self._key_path)
@@ -105,6 +123,10 @@ class TokenIssuer:
         return self._ttl
 
     @property
+    def job_ttl_seconds(self) -> int:
+        return self._job_ttl
+
+    @property
     def kid(self) -> str:
         return self._kid
 
@@ -114,8 +136,19 @@ class TokenIssuer:
 
     def issue(self, username: str, role: str, *, now: float | None = None) -> IssuedToken:
         """Sign a token for ``username``; ``now`` is overridable so tests can mint old tokens."""
+        return self._sign(username, role, self._ttl, {}, now)
+
+    def issue_job(self, username: str, job_id: str, *, now: float | None = None) -> IssuedToken:
+        """Sign a job token: acts for ``username`` in ``job_id`` only (``policy.JOB_METHODS``)."""
+        if not job_id:
+            raise ValueError("a job token needs a job id")
+        return self._sign(username, JOB_ROLE, self._job_ttl, {"job": job_id}, now)
+
+    def _sign(
+        self, username: str, role: str, ttl: int, extra: dict[str, Any], now: float | None
+    ) -> IssuedToken:
         issued_at = int(time.time() if now is None else now)
-        expires_at = issued_at + self._ttl
+        expires_at = issued_at + ttl
         jti = secrets.token_urlsafe(16)
         claims: dict[str, Any] = {
             "iss": self._issuer,
@@ -127,6 +160,7 @@ class TokenIssuer:
             "nbf": issued_at,
             "exp": expires_at,
             "jti": jti,
+            **extra,
         }
         token = jwt.encode(claims, self._private_key, algorithm=ALGORITHM, headers={"kid": self._kid})
         return IssuedToken(token=token, expires_at=expires_at, jti=jti)

@@ -139,12 +139,26 @@ class RelayServicer:
             await stream.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "the first message on an edge must be 'open'"
             )
+        if principal.job_id and first.open.job_id != principal.job_id:
+            # A job token (auth.proto IssueJobToken) acts for its one job: a stage's token cannot
+            # open, take over or close another job's edges, even one of its own account.
+            await self._refuse_open(
+                stream,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"this job token is for job {principal.job_id}, not {first.open.job_id}",
+                account=principal.username,
+                job_id=first.open.job_id,
+                edge=first.open.edge,
+                token_job=principal.job_id,
+            )
         if first.open.raw_edge >= RAW_EDGE_VERSION and self.raw_edges is not None:
             certified = peer_certificate(context)  # verified by the role interceptor; None in plaintext
             if certified is not None:
                 await self._offer_raw(stream, principal.username, first.open, *certified)
                 return
-        await self.serve_edge(stream, principal.username, first.open)
+        await self.serve_edge(
+            stream, principal.username, first.open, credential="job" if principal.job_id else "account"
+        )
 
     async def _offer_raw(
         self, stream: EdgeStream, account: str, open_: relay_pb2.EdgeOpen, identity: Identity, serial: int
@@ -171,20 +185,26 @@ class RelayServicer:
         )
         await stream.write(_serialize(relay_pb2.EdgeMessage(ready=ready)))
 
-    async def serve_edge(self, stream: EdgeStream, account: str, open_: relay_pb2.EdgeOpen) -> None:
+    async def serve_edge(
+        self, stream: EdgeStream, account: str, open_: relay_pb2.EdgeOpen, *, credential: str = ""
+    ) -> None:
         """The body of an edge after its open, on any transport: checks, attach, then pump both ways.
 
-        ``account`` is the caller the transport authenticated (the token interceptor's principal).
+        ``account`` is the caller the transport authenticated (the token interceptor's principal);
+        ``credential`` what it proved it with (``job``: a job token of this edge's job; ``account``),
+        named in the audit record when known.
         """
         task = asyncio.current_task()
         assert task is not None
         self._edges.add(task)
         try:
-            await self._serve_edge(stream, account, open_)
+            await self._serve_edge(stream, account, open_, credential)
         finally:
             self._edges.discard(task)
 
-    async def _serve_edge(self, stream: EdgeStream, account: str, open_: relay_pb2.EdgeOpen) -> None:
+    async def _serve_edge(
+        self, stream: EdgeStream, account: str, open_: relay_pb2.EdgeOpen, credential: str
+    ) -> None:
         job_id, edge, reconnect = open_.job_id, open_.edge, open_.reconnect
         epoch = open_.epoch
         framing = open_.link_framing >= LINK_FRAMING_VERSION
@@ -235,6 +255,7 @@ class RelayServicer:
             epoch=epoch,
             peer=link.expected_peer.cluster_id,
             **({} if stream.transport == "grpc" else {"transport": stream.transport}),
+            **({"credential": credential} if credential else {}),
         )
         running = (account, job_id)
         self._running[running] = self._running.get(running, 0) + 1

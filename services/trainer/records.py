@@ -258,6 +258,14 @@ class StageRecords:
             record.epoch, record.state = epoch, state
             self._write(record)
 
+    def set_token(self, record: StageRecord, token: str) -> None:
+        """The stage's job token was renewed: durable before the stage uses it (``job_tokens``)."""
+        with self._lock:
+            if record.terminal:
+                return
+            record.token = token
+            self._write(record)
+
     def finish(self, record: StageRecord, final: trainer_pb2.StageStatus) -> None:
         """The stage ended: keep only how (its final status), for watchers after any restart."""
         with self._lock:

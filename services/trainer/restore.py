@@ -7,11 +7,12 @@ restore is audited (``stage.recover``) and its status is RECOVERING, with a mess
 until it runs again. A stage that had ended comes back as its final status only, so a client that
 watches it after any restart still learns how it ended.
 
-A restored stage acts with the token its owner submitted it with (the switch checks it when the
-stage reopens its edge, the data service on every batch). A token that no longer verifies (expired:
-the auth service issues them for ``token_ttl_seconds``, 1 h by default; or revoked) cannot be
-renewed here, so that stage fails at once with a reason naming it, instead of failing later at the
-switch with a message that does not say why.
+A restored stage acts with its record's job token (``job_tokens``; the switch checks it when the
+stage reopens its edge, the data service on every batch), renewed here before it runs. The running
+trainer renewed it at half-life, so it still verifies after any restart shorter than half a job
+token's life (``job_token_ttl_seconds``, 15 min by default) whatever the job's age. A token that no
+longer verifies (expired, or revoked with its account) cannot be renewed, so that stage fails at once
+with a reason naming it, instead of failing later at the switch with a message that does not say why.
 
 Runs before the trainer serves: a client that re-watches after the restart finds its stage.
 """
@@ -27,6 +28,7 @@ import jwt
 from nebula_common.auth import TokenVerifier
 from nebula_common.errors import AuthenticationError
 from nebula_common.proto.nebula.v1 import trainer_pb2
+from services.trainer.job_tokens import JobTokenError
 from services.trainer.records import FinishedStage, StageRecord
 from services.trainer.servicer import TrainerServicer
 
@@ -47,6 +49,8 @@ def token_problem(verifier: TokenVerifier, record: StageRecord) -> str | None:
         return reason
     if principal.username != record.owner:
         return f"token is {principal.username!r}'s, the stage is {record.owner!r}'s"
+    if principal.job_id and principal.job_id != record.job_id:
+        return f"token is for job {principal.job_id!r}, the stage is of job {record.job_id!r}"
     return None
 
 
@@ -71,6 +75,7 @@ async def restore_stages(servicer: TrainerServicer, verifier: TokenVerifier) -> 
             await _fail(servicer, record, f"cannot resume after the trainer restarted: the owner's {problem}")
             counts["failed"] += 1
             continue
+        await _fresh_token(servicer, record)
         try:
             runner = servicer._make_runner(record.spec, record.token, record.owner, record)
         except Exception as exc:  # one stage that cannot be rebuilt must not keep the trainer down
@@ -102,6 +107,18 @@ async def restore_stages(servicer: TrainerServicer, verifier: TokenVerifier) -> 
             extra={"fields": {"job_id": record.job_id, "stage": record.stage, "epoch": record.epoch + 1}},
         )
     return counts
+
+
+async def _fresh_token(servicer: TrainerServicer, record: StageRecord) -> None:
+    """A new job token for a restored stage (a record of an older trainer may hold its owner's token)."""
+    if servicer.job_tokens is None:
+        return
+    try:
+        fresh = await servicer.job_tokens.issue(record.token, record.job_id)
+    except JobTokenError as exc:  # the token it has is still valid: the renewal task tries again
+        log.warning("restored stage keeps its token: %s", exc, extra={"fields": {"job_id": record.job_id}})
+        return
+    await asyncio.to_thread(servicer.records.set_token, record, fresh)
 
 
 async def _fail(servicer: TrainerServicer, record: StageRecord, message: str) -> None:

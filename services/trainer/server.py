@@ -30,6 +30,7 @@ from nebula_common.service.resources import (
 )
 from services.trainer.config import TrainerSettings
 from services.trainer.edge import EdgeSettings
+from services.trainer.job_tokens import JobTokens
 from services.trainer.restore import restore_stages
 from services.trainer.retention import FinishedStages
 from services.trainer.runtime.rank_sources import ClusterRanks
@@ -52,6 +53,12 @@ def _stop_stages(servicer: TrainerServicer, grace: float) -> None:
     deadline = time.monotonic() + grace
     for runner in runners:
         runner.join(max(0.0, deadline - time.monotonic()))
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def start_trainer(
@@ -80,6 +87,8 @@ async def start_trainer(
         )
     else:
         log.info("stages run confined", extra={"fields": {"isolation": confinement.describe()}})
+    job_tokens = JobTokens(settings.auth_address, identity.client)
+    stack.push_async_callback(job_tokens.close)
     servicer = TrainerServicer(
         settings.cluster_id,
         settings.switch_address,
@@ -103,6 +112,7 @@ async def start_trainer(
         ),
         torch_threads=settings.torch_threads,
         log_level=settings.log_level,
+        job_tokens=job_tokens,
         cluster_ranks=(
             ClusterRanks(settings.ranks_listen, settings.ranks)
             if settings.ranks_listen is not None and settings.ranks is not None
@@ -112,6 +122,8 @@ async def start_trainer(
     stack.push_async_callback(asyncio.to_thread, _stop_stages, servicer, settings.stop_grace_s)
     # Before serving: a client re-watching its stage after this restart finds it (RECOVERING or ended).
     restored = await restore_stages(servicer, verifier)
+    renewals = asyncio.create_task(servicer.renew_job_tokens(), name="job-token-renewal")
+    stack.push_async_callback(_cancelled, renewals)
     if any(restored.values()):
         log.info("stages restored from their records", extra={"fields": restored})
     server = grpc_server(

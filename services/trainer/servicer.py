@@ -28,6 +28,7 @@ from nebula_common.auth.interceptor import caller
 from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2, trainer_pb2_grpc
 from services.trainer.edge import EdgeSettings
+from services.trainer.job_tokens import CHECK_INTERVAL_S, JobTokenError, JobTokens
 from services.trainer.memory import return_freed_memory
 from services.trainer.metrics import REAPER, STAGES_RUNNING
 from services.trainer.records import StageRecord, StageRecords
@@ -62,7 +63,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         limits: StageLimits | None = None,
         torch_threads: int = 1,
         log_level: str = "INFO",
+        job_tokens: JobTokens | None = None,
     ) -> None:
+        self.job_tokens = job_tokens
+        """Where stages get job tokens (``job_tokens``); None: a stage acts with its submitter's token."""
         self.confinement = confinement
         """How stages are confined (``sandbox``); None runs them on threads of this process (tests)."""
         self.limits = limits or StageLimits(memory_bytes=8 << 30, cpu_seconds=30 * 24 * 3600, open_files=4096)
@@ -174,6 +178,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                     f"no checkpoint of job {resume!r} stage {spec.stage!r} at step "
                     f"{spec.program.resume_step} for this account on cluster {self.cluster_id}",
                 )
+        if self.job_tokens is not None:
+            try:
+                token = await self.job_tokens.issue(token, job_id)
+            except JobTokenError as exc:
+                await self._record(
+                    "job.submit",
+                    outcome="refused",
+                    account=account,
+                    job_id=job_id,
+                    details={**submitted, "reason": str(exc)},
+                )
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         await self._record("job.submit", account=account, job_id=job_id, details=submitted)
         runner = self._make_runner(spec, token, principal.username)
         self.runners[spec.job_id] = runner
@@ -241,6 +257,20 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         # before the stage is released or forgotten.
         runner.lifecycle.add_finish_callback(functools.partial(self.records.store_end, record, runner.board))
         return runner
+
+    async def renew_job_tokens(self, interval_s: float = CHECK_INTERVAL_S) -> None:
+        """Keep every running stage's job token fresh until cancelled (a task of the trainer)."""
+        assert self.job_tokens is not None
+        while True:
+            await asyncio.sleep(interval_s)
+            running = [
+                (job_id, runner, functools.partial(self.records.set_token, self.stage_records[job_id]))
+                for job_id, runner in list(self.runners.items())
+                if isinstance(runner, ProgramRunner | StageProcess)
+                and job_id in self.stage_records
+                and not self.stage_records[job_id].terminal
+            ]
+            await self.job_tokens.renew_due(running)
 
     async def ListCheckpoints(
         self, request: trainer_pb2.ListCheckpointsRequest, context: grpc.aio.ServicerContext

@@ -63,8 +63,11 @@ def edge_transport_class() -> type[GrpcEdgeTransport]:
     raise ValueError(f"{EDGE_TRANSPORT_ENV}={value!r}: expected 'grpc' or 'raw'")
 
 
-def grpc_edge_factory(switch_address: str, token: str) -> EdgeFactory:
-    """The default factory: the stage's edge through this cluster's switch (gRPC, or raw when configured)."""
+def grpc_edge_factory(switch_address: str, token: str | Callable[[], str]) -> EdgeFactory:
+    """The default factory: the stage's edge through this cluster's switch (gRPC, or raw when configured).
+
+    ``token`` may be a callable, read at every open: a stage's job token is renewed while it runs.
+    """
     transport_class = edge_transport_class()
 
     def open_edge(spec: trainer_pb2.StageSpec, settings: EdgeSettings, epoch: int) -> EdgeConnection:

@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -66,7 +66,7 @@ class GrpcEdgeTransport:
     def __init__(
         self,
         switch_address: str,
-        token: str,
+        token: str | Callable[[], str],
         job_id: str,
         edge: str,
         *,
@@ -135,7 +135,8 @@ class GrpcEdgeTransport:
             )
             channel = internal_channel(self.switch_address, service="switch")
             open_edge = channel.stream_stream(OPEN_EDGE, request_serializer=_serialize)  # raw replies
-            call = open_edge(self._requests(outgoing), metadata=bearer_metadata(self.token))
+            token = self.token() if callable(self.token) else self.token  # a job token renewed under us
+            call = open_edge(self._requests(outgoing), metadata=bearer_metadata(token))
             with self._lock:
                 self._call, self._channel = call, channel
             if self._stopping.is_set():  # shut down while we were opening

@@ -170,7 +170,7 @@ class ProgramRunner:
         self.recoveries = 0
         self.token = token
         self.switch_address = switch_address
-        self.edge_factory = edge_factory or grpc_edge_factory(switch_address, token)
+        self.edge_factory = edge_factory or grpc_edge_factory(switch_address, lambda: self.token)
         self.edge_settings = edge_settings or EdgeSettings()
         self.lifecycle = StageLifecycle(spec.job_id, spec.stage, self._run_stage, cleanup=self._stop_helpers)
         self.data_service_address = data_service_address
@@ -252,7 +252,7 @@ class ProgramRunner:
                 f"stage {self.spec.stage!r} trains on dataset {dataset!r} but this trainer has no "
                 "data service (NEBULA_TRAINER_DATA_SERVICE_ADDRESS)"
             )
-        return GrantedBatchSource(self.data_service_address, self.token, dataset)
+        return GrantedBatchSource(self.data_service_address, lambda: self.token, dataset)
 
     def _start_barrier(
         self, edge: EdgeConnection, upstream: bool, down: EdgeConnection | None = None

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14nebula/v1/auth.proto\x12\tnebula.v1\"H\n\x14\x43reateAccountRequest\x12\x10\n\x08username\x18\x01 \x01(\t\x12\x10\n\x08password\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\"y\n\x07\x41\x63\x63ount\x12\x10\n\x08username\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\ncluster_id\x18\x03 \x01(\t\x12\x12\n\ncreated_at\x18\x04 \x01(\x03\x12\x10\n\x08\x64isabled\x18\x05 \x01(\x08\x12\x14\n\x0clocked_until\x18\x06 \x01(\x03\"\x1e\n\nAccountRef\x12\x10\n\x08username\x18\x01 \x01(\t\"\x15\n\x13ListAccountsRequest\"<\n\x14ListAccountsResponse\x12$\n\x08\x61\x63\x63ounts\x18\x01 \x03(\x0b\x32\x12.nebula.v1.Account\"\x17\n\x15\x44\x65leteAccountResponse\"Y\n\x15\x43hangePasswordRequest\x12\x10\n\x08username\x18\x01 \x01(\t\x12\x18\n\x10\x63urrent_password\x18\x02 \x01(\t\x12\x14\n\x0cnew_password\x18\x03 \x01(\t\"\x19\n\x17RotateSigningKeyRequest\"<\n\x18RotateSigningKeyResponse\x12\x0f\n\x07old_kid\x18\x01 \x01(\t\x12\x0f\n\x07new_kid\x18\x02 \x01(\t\"2\n\x0cLoginRequest\x12\x10\n\x08username\x18\x01 \x01(\t\x12\x10\n\x08password\x18\x02 \x01(\t\"2\n\rLoginResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12\x12\n\nexpires_at\x18\x02 \x01(\x03\"#\n\x12VerifyTokenRequest\x12\r\n\x05token\x18\x01 \x01(\t\"h\n\x13VerifyTokenResponse\x12\r\n\x05valid\x18\x01 \x01(\x08\x12\x10\n\x08username\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x12\n\ncluster_id\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x17\n\x15GetSigningKeysRequest\"{\n\x0bSigningKeys\x12\x11\n\tjwks_json\x18\x01 \x01(\t\x12\x0e\n\x06issuer\x18\x02 \x01(\t\x12\x18\n\x10revocation_epoch\x18\x03 \x01(\x04\x12/\n\x0brevocations\x18\x04 \x03(\x0b\x32\x1a.nebula.v1.TokenRevocation\"J\n\x0fTokenRevocation\x12\x10\n\x08username\x18\x01 \x01(\t\x12\x15\n\rnot_before_ms\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t2\xdb\x05\n\x04\x41uth\x12\x44\n\rCreateAccount\x12\x1f.nebula.v1.CreateAccountRequest\x1a\x12.nebula.v1.Account\x12:\n\x05Login\x12\x17.nebula.v1.LoginRequest\x1a\x18.nebula.v1.LoginResponse\x12L\n\x0bVerifyToken\x12\x1d.nebula.v1.VerifyTokenRequest\x1a\x1e.nebula.v1.VerifyTokenResponse\x12J\n\x0eGetSigningKeys\x12 .nebula.v1.GetSigningKeysRequest\x1a\x16.nebula.v1.SigningKeys\x12O\n\x0cListAccounts\x12\x1e.nebula.v1.ListAccountsRequest\x1a\x1f.nebula.v1.ListAccountsResponse\x12;\n\x0e\x44isableAccount\x12\x15.nebula.v1.AccountRef\x1a\x12.nebula.v1.Account\x12:\n\rEnableAccount\x12\x15.nebula.v1.AccountRef\x1a\x12.nebula.v1.Account\x12H\n\rDeleteAccount\x12\x15.nebula.v1.AccountRef\x1a .nebula.v1.DeleteAccountResponse\x12\x46\n\x0e\x43hangePassword\x12 .nebula.v1.ChangePasswordRequest\x1a\x12.nebula.v1.Account\x12[\n\x10RotateSigningKey\x12\".nebula.v1.RotateSigningKeyRequest\x1a#.nebula.v1.RotateSigningKeyResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14nebula/v1/auth.proto\x12\tnebula.v1\"H\n\x14\x43reateAccountRequest\x12\x10\n\x08username\x18\x01 \x01(\t\x12\x10\n\x08password\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\"y\n\x07\x41\x63\x63ount\x12\x10\n\x08username\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\ncluster_id\x18\x03 \x01(\t\x12\x12\n\ncreated_at\x18\x04 \x01(\x03\x12\x10\n\x08\x64isabled\x18\x05 \x01(\x08\x12\x14\n\x0clocked_until\x18\x06 \x01(\x03\"\x1e\n\nAccountRef\x12\x10\n\x08username\x18\x01 \x01(\t\"\x15\n\x13ListAccountsRequest\"<\n\x14ListAccountsResponse\x12$\n\x08\x61\x63\x63ounts\x18\x01 \x03(\x0b\x32\x12.nebula.v1.Account\"\x17\n\x15\x44\x65leteAccountResponse\"Y\n\x15\x43hangePasswordRequest\x12\x10\n\x08username\x18\x01 \x01(\t\x12\x18\n\x10\x63urrent_password\x18\x02 \x01(\t\x12\x14\n\x0cnew_password\x18\x03 \x01(\t\"\x19\n\x17RotateSigningKeyRequest\"<\n\x18RotateSigningKeyResponse\x12\x0f\n\x07old_kid\x18\x01 \x01(\t\x12\x0f\n\x07new_kid\x18\x02 \x01(\t\"&\n\x14IssueJobTokenRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"-\n\x08JobToken\x12\r\n\x05token\x18\x01 \x01(\t\x12\x12\n\nexpires_at\x18\x02 \x01(\x03\"2\n\x0cLoginRequest\x12\x10\n\x08username\x18\x01 \x01(\t\x12\x10\n\x08password\x18\x02 \x01(\t\"2\n\rLoginResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12\x12\n\nexpires_at\x18\x02 \x01(\x03\"#\n\x12VerifyTokenRequest\x12\r\n\x05token\x18\x01 \x01(\t\"h\n\x13VerifyTokenResponse\x12\r\n\x05valid\x18\x01 \x01(\x08\x12\x10\n\x08username\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x12\n\ncluster_id\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x17\n\x15GetSigningKeysRequest\"{\n\x0bSigningKeys\x12\x11\n\tjwks_json\x18\x01 \x01(\t\x12\x0e\n\x06issuer\x18\x02 \x01(\t\x12\x18\n\x10revocation_epoch\x18\x03 \x01(\x04\x12/\n\x0brevocations\x18\x04 \x03(\x0b\x32\x1a.nebula.v1.TokenRevocation\"J\n\x0fTokenRevocation\x12\x10\n\x08username\x18\x01 \x01(\t\x12\x15\n\rnot_before_ms\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t2\xa2\x06\n\x04\x41uth\x12\x44\n\rCreateAccount\x12\x1f.nebula.v1.CreateAccountRequest\x1a\x12.nebula.v1.Account\x12:\n\x05Login\x12\x17.nebula.v1.LoginRequest\x1a\x18.nebula.v1.LoginResponse\x12L\n\x0bVerifyToken\x12\x1d.nebula.v1.VerifyTokenRequest\x1a\x1e.nebula.v1.VerifyTokenResponse\x12J\n\x0eGetSigningKeys\x12 .nebula.v1.GetSigningKeysRequest\x1a\x16.nebula.v1.SigningKeys\x12O\n\x0cListAccounts\x12\x1e.nebula.v1.ListAccountsRequest\x1a\x1f.nebula.v1.ListAccountsResponse\x12;\n\x0e\x44isableAccount\x12\x15.nebula.v1.AccountRef\x1a\x12.nebula.v1.Account\x12:\n\rEnableAccount\x12\x15.nebula.v1.AccountRef\x1a\x12.nebula.v1.Account\x12H\n\rDeleteAccount\x12\x15.nebula.v1.AccountRef\x1a .nebula.v1.DeleteAccountResponse\x12\x46\n\x0e\x43hangePassword\x12 .nebula.v1.ChangePasswordRequest\x1a\x12.nebula.v1.Account\x12[\n\x10RotateSigningKey\x12\".nebula.v1.RotateSigningKeyRequest\x1a#.nebula.v1.RotateSigningKeyResponse\x12\x45\n\rIssueJobToken\x12\x1f.nebula.v1.IssueJobTokenRequest\x1a\x13.nebula.v1.JobTokenb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,20 +49,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROTATESIGNINGKEYREQUEST']._serialized_end=490
   _globals['_ROTATESIGNINGKEYRESPONSE']._serialized_start=492
   _globals['_ROTATESIGNINGKEYRESPONSE']._serialized_end=552
-  _globals['_LOGINREQUEST']._serialized_start=554
-  _globals['_LOGINREQUEST']._serialized_end=604
-  _globals['_LOGINRESPONSE']._serialized_start=606
-  _globals['_LOGINRESPONSE']._serialized_end=656
-  _globals['_VERIFYTOKENREQUEST']._serialized_start=658
-  _globals['_VERIFYTOKENREQUEST']._serialized_end=693
-  _globals['_VERIFYTOKENRESPONSE']._serialized_start=695
-  _globals['_VERIFYTOKENRESPONSE']._serialized_end=799
-  _globals['_GETSIGNINGKEYSREQUEST']._serialized_start=801
-  _globals['_GETSIGNINGKEYSREQUEST']._serialized_end=824
-  _globals['_SIGNINGKEYS']._serialized_start=826
-  _globals['_SIGNINGKEYS']._serialized_end=949
-  _globals['_TOKENREVOCATION']._serialized_start=951
-  _globals['_TOKENREVOCATION']._serialized_end=1025
-  _globals['_AUTH']._serialized_start=1028
-  _globals['_AUTH']._serialized_end=1759
+  _globals['_ISSUEJOBTOKENREQUEST']._serialized_start=554
+  _globals['_ISSUEJOBTOKENREQUEST']._serialized_end=592
+  _globals['_JOBTOKEN']._serialized_start=594
+  _globals['_JOBTOKEN']._serialized_end=639
+  _globals['_LOGINREQUEST']._serialized_start=641
+  _globals['_LOGINREQUEST']._serialized_end=691
+  _globals['_LOGINRESPONSE']._serialized_start=693
+  _globals['_LOGINRESPONSE']._serialized_end=743
+  _globals['_VERIFYTOKENREQUEST']._serialized_start=745
+  _globals['_VERIFYTOKENREQUEST']._serialized_end=780
+  _globals['_VERIFYTOKENRESPONSE']._serialized_start=782
+  _globals['_VERIFYTOKENRESPONSE']._serialized_end=886
+  _globals['_GETSIGNINGKEYSREQUEST']._serialized_start=888
+  _globals['_GETSIGNINGKEYSREQUEST']._serialized_end=911
+  _globals['_SIGNINGKEYS']._serialized_start=913
+  _globals['_SIGNINGKEYS']._serialized_end=1036
+  _globals['_TOKENREVOCATION']._serialized_start=1038
+  _globals['_TOKENREVOCATION']._serialized_end=1112
+  _globals['_AUTH']._serialized_start=1115
+  _globals['_AUTH']._serialized_end=1917
 # @@protoc_insertion_point(module_scope)

@@ -74,6 +74,20 @@ class RotateSigningKeyResponse(_message.Message):
     new_kid: str
     def __init__(self, old_kid: _Optional[str] = ..., new_kid: _Optional[str] = ...) -> None: ...
 
+class IssueJobTokenRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class JobToken(_message.Message):
+    __slots__ = ("token", "expires_at")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    expires_at: int
+    def __init__(self, token: _Optional[str] = ..., expires_at: _Optional[int] = ...) -> None: ...
+
 class LoginRequest(_message.Message):
     __slots__ = ("username", "password")
     USERNAME_FIELD_NUMBER: _ClassVar[int]

@@ -84,6 +84,11 @@ class AuthStub:
                 request_serializer=nebula_dot_v1_dot_auth__pb2.RotateSigningKeyRequest.SerializeToString,
                 response_deserializer=nebula_dot_v1_dot_auth__pb2.RotateSigningKeyResponse.FromString,
                 _registered_method=True)
+        self.IssueJobToken = channel.unary_unary(
+                '/nebula.v1.Auth/IssueJobToken',
+                request_serializer=nebula_dot_v1_dot_auth__pb2.IssueJobTokenRequest.SerializeToString,
+                response_deserializer=nebula_dot_v1_dot_auth__pb2.JobToken.FromString,
+                _registered_method=True)
 
 
 class AuthServicer:
@@ -165,6 +170,19 @@ class AuthServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def IssueJobToken(self, request, context):
+        """A short-lived token for one job of the caller's account, so a running job
+        never holds its owner's own token: it is valid only for that job's edges
+        (Relay/OpenEdge naming that job), its batches (Data/ListDatasets and
+        ReadBatch) and its own renewal here, for job_token_ttl_seconds. The trainer
+        calls it with the submitter's token when a stage is assigned, then with the
+        job token itself to renew it while the job runs; revoking the account's
+        tokens revokes its job tokens too. Service-only: the trainer's certificate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AuthServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +235,11 @@ def add_AuthServicer_to_server(servicer, server):
                     servicer.RotateSigningKey,
                     request_deserializer=nebula_dot_v1_dot_auth__pb2.RotateSigningKeyRequest.FromString,
                     response_serializer=nebula_dot_v1_dot_auth__pb2.RotateSigningKeyResponse.SerializeToString,
+            ),
+            'IssueJobToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.IssueJobToken,
+                    request_deserializer=nebula_dot_v1_dot_auth__pb2.IssueJobTokenRequest.FromString,
+                    response_serializer=nebula_dot_v1_dot_auth__pb2.JobToken.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -489,6 +512,33 @@ class Auth:
             '/nebula.v1.Auth/RotateSigningKey',
             nebula_dot_v1_dot_auth__pb2.RotateSigningKeyRequest.SerializeToString,
             nebula_dot_v1_dot_auth__pb2.RotateSigningKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IssueJobToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nebula.v1.Auth/IssueJobToken',
+            nebula_dot_v1_dot_auth__pb2.IssueJobTokenRequest.SerializeToString,
+            nebula_dot_v1_dot_auth__pb2.JobToken.FromString,
             options,
             channel_credentials,
             insecure,

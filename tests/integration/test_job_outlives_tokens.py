@@ -1,0 +1,137 @@
+"""A job runs longer than any token it was given, and survives a trainer restart after they all expired.
+
+A deployment of its own where account tokens and job tokens live 5 s (verifiers accept 30 s of clock
+skew past that). The job runs for a minute or more; 40 s after the submit, when the submitter's token
+and the first job tokens are refused everywhere, trainer a is killed with SIGKILL. Its supervisor
+restarts it; it can resume the stage only with the job token it renewed while the job ran (a record
+holding the first one would fail the stage at once: "token expired"). The job must end SUCCEEDED on
+both clusters, the restored stage audited ``stage.recover`` ok, and auth must have renewed job tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from nebula_common.audit.query import AuditFilter, query_log
+from nebula_common.errors import AuthenticationError
+from nebula_common.launcher import LocalDeployment
+from nebula_common.proto.nebula.v1 import trainer_pb2, trainer_pb2_grpc
+from nebula_common.sdk.client import ClusterSession
+from tests.support.accounts import create_account
+from tests.support.internal import user_channel
+from tests.support.jobs import numbers_job
+from tests.support.waiting import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(420)]
+
+TTL_S = "5"
+KILL_AFTER_S = 40.0  # past the 5 s lifetime and the 30 s leeway of the submitter's token
+STEPS = 600  # about a minute of stepping on an idle machine, so the kill lands mid-job
+TERMINAL = (
+    trainer_pb2.STAGE_STATE_SUCCEEDED,
+    trainer_pb2.STAGE_STATE_FAILED,
+    trainer_pb2.STAGE_STATE_CANCELLED,
+)
+
+
+@pytest.fixture(scope="module")
+def short_tokens(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NEBULA_AUTH_TOKEN_TTL_SECONDS", TTL_S)  # the services inherit it
+        patch.setenv("NEBULA_AUTH_JOB_TOKEN_TTL_SECONDS", TTL_S)
+        running = LocalDeployment(
+            run_dir=tmp_path_factory.mktemp("short-tokens"), bandwidth_mbit=100.0, delay_ms=5.0
+        )
+        running.start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def _status(
+    deployment: LocalDeployment, cluster: str, user: tuple[str, str], job_id: str
+) -> trainer_pb2.StageStatus:
+    """The stage's latest status (ListStages), asked with a fresh login: every token here is seconds old."""
+    session = ClusterSession.login(deployment.endpoints(cluster), *user)
+    try:
+        with user_channel(deployment.endpoints(cluster).trainer, "trainer") as channel:
+            reply = trainer_pb2_grpc.TrainerStub(channel).ListStages(
+                trainer_pb2.ListStagesRequest(job_id=job_id), metadata=session.metadata, timeout=10
+            )
+    finally:
+        session.close()
+    (stage,) = reply.stages
+    return stage.status
+
+
+def test_a_job_outlives_every_token_and_a_trainer_restart(short_tokens: LocalDeployment) -> None:
+    deployment = short_tokens
+    users = {}
+    for cluster in ("a", "b"):
+        name = f"long-{cluster}-{secrets.token_hex(2)}"
+        users[cluster] = (name, create_account(deployment, cluster, name))
+    job = numbers_job(steps=STEPS, checkpoint__interval=20)
+    submitted = time.monotonic()
+    first_tokens = {}
+    for cluster, stage in (("a", "encoder"), ("b", "decoder")):
+        session = ClusterSession.login(deployment.endpoints(cluster), *users[cluster])
+        session.assign(job.stage_spec(stage))
+        first_tokens[cluster] = session.token
+        session.close()
+
+    wait_for(
+        lambda: time.monotonic() - submitted >= KILL_AFTER_S,
+        KILL_AFTER_S + 5,
+        f"{KILL_AFTER_S} s since the submit",
+        interval=0.5,
+    )
+    running = _status(deployment, "a", users["a"], job.job_id)
+    assert running.state in (trainer_pb2.STAGE_STATE_RUNNING, trainer_pb2.STAGE_STATE_RECOVERING), running
+    # The submitter's token is dead by now: only the renewed job token can carry the stage on.
+    stale = ClusterSession(deployment.endpoints("a"), first_tokens["a"], users["a"][0])
+    with pytest.raises(AuthenticationError, match="token expired"):
+        next(iter(stale.watch(job.job_id)))
+    stale.close()
+
+    os.kill(deployment.process("trainer-a").pid, signal.SIGKILL)  # type: ignore[arg-type]
+    killed_at_step = running.steps_done
+    finals: dict[str, trainer_pb2.StageStatus] = {}
+
+    def ended() -> bool:
+        for cluster in ("a", "b"):
+            try:
+                status = _status(deployment, cluster, users[cluster], job.job_id)
+            except grpc.RpcError:  # trainer a is restarting
+                return False
+            if status.state in TERMINAL:
+                finals[cluster] = status
+        return len(finals) == 2
+
+    wait_for(ended, 300.0, f"job {job.job_id} ended on both clusters after trainer a's restart", interval=1.0)
+    assert {c: trainer_pb2.StageState.Name(s.state) for c, s in finals.items()} == {
+        "a": "STAGE_STATE_SUCCEEDED",
+        "b": "STAGE_STATE_SUCCEEDED",
+    }, finals
+    assert finals["a"].epoch >= 1 and finals["a"].steps_done == STEPS > killed_at_step
+    recover = query_log(
+        deployment.run_dir / "a" / "trainer" / "audit.log",
+        AuditFilter(event="stage.recover", job_id=job.job_id),
+    )
+    assert [r["outcome"] for r in recover.records] == ["ok"], recover.records
+    issued = [
+        json.loads(line)
+        for line in Path(deployment.run_dir / "a" / "auth" / "audit.log").read_text().splitlines()
+        if '"token.job_issue"' in line
+    ]
+    renewals = [r for r in issued if r["details"]["job_id"] == job.job_id and r["details"]["renewal"]]
+    assert len(renewals) >= 5, issued
