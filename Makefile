@@ -12,8 +12,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# Which tests `make test` runs: all but the long fault scenarios (`make test TEST_SELECT=` runs every test).
-TEST_SELECT ?= -m "not faults and not rawedge and not containment"
+# Which tests `make test` runs: all but the long fault, containment and rank-process scenarios, which CI
+# runs as targets of their own (`make test TEST_SELECT=` runs every test).
+TEST_SELECT ?= -m "not faults and not rawedge and not containment and not ranks"
 
 .PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-faults test-stop test-containment bench-stage-isolation lint format clean bench \
 	test-raw-edge \
@@ -179,7 +180,7 @@ test-faults: $(STAMP)
 # with small stage limits (about 2.5 minutes; needs bubblewrap to mean anything: CI requires it).
 test-containment: $(STAMP)
 	$(BIN)/pytest -q -m containment tests/integration/test_security_hostile_stage.py \
-	  tests/integration/test_stage_containment.py $(PYTEST_ARGS)
+	  tests/integration/test_stage_containment.py tests/integration/test_trainer_load.py $(PYTEST_ARGS)
 
 # The raw edge transport end to end (two `nebula local up` deployments; a few minutes).
 test-raw-edge: $(STAMP)
@@ -225,7 +226,13 @@ test-orgs-netns: $(STAMP)
 # A stage on two separately started trainer workers, each in its own network namespace (two hosts of one
 # cluster, veths to the trainer and between them): equals one process with the combined batch (ddp, fsdp).
 # Needs root and iproute2 (ip netns); about 1 min on 2 busy cores. Not in `make test` (it skips there).
-.PHONY: test-ranks-netns
+.PHONY: test-ranks-netns test-ranks
+# Every stage on separately started rank processes: workers behind the rank store's TLS gate, under
+# torchrun, a rank dying mid-stage, an unsigned stage refused, and the two namespaces above (about 3
+# minutes; the namespaced part needs root). In CI.
+test-ranks: $(STAMP)
+	NEBULA_NETNS_RANKS_E2E=1 $(BIN)/pytest -q -m ranks tests/unit tests/integration/test_netns_ranks.py $(PYTEST_ARGS)
+
 test-ranks-netns: $(STAMP)
 	NEBULA_NETNS_RANKS_E2E=1 $(BIN)/pytest -q -s tests/integration/test_netns_ranks.py $(PYTEST_ARGS)
 

@@ -14,6 +14,8 @@ This script copies, per cluster ``<c>``:
                                -> <out>/<svc>-<c>-internal-tls/   (each service's internal identity)
     /pki/<c>/crl.pem           -> <out>/<svc>-<c>-internal-tls/crl.pem (the cluster CA's CRL: the
                                   service refuses client certificates it lists, NEBULA_<SVC>_INTERNAL_CRL)
+    /pki/<c>/services/worker/  -> <out>/worker-<c>-internal-tls/  (only when that volume is mounted:
+                                  the cluster ranks' identity for the trainer's rank store)
 
 Service certificates (``spiffe://nebula/cluster/<c>/<svc>``, for the mutual TLS of the internal
 ports) are issued here by the cluster CA, ``--service-validity-hours`` long (168), and kept while
@@ -103,6 +105,14 @@ def export_internal(
         _write(targets[service] / "service.crt", files.cert.read_bytes(), 0o400, uid, gid)
         _write(targets[service] / "crl.pem", crl.read_bytes(), 0o400, uid, gid)
     print(f"pki-init: cluster {cluster}: exported internal identities and CRL of {', '.join(SERVICES)}")
+    worker_out = out / f"worker-{cluster}-internal-tls"
+    if worker_out.is_dir():  # mounted only where cluster ranks run (docker-compose.ranks.yml)
+        validity = timedelta(hours=validity_hours)
+        files = ensure_service_certificates(pki, cluster, ("worker",), validity=validity)["worker"]
+        _write(worker_out / "ca.crt", files.ca.read_bytes(), 0o400, uid, gid)
+        _write(worker_out / "service.key", files.key.read_bytes(), 0o400, uid, gid)
+        _write(worker_out / "service.crt", files.cert.read_bytes(), 0o400, uid, gid)
+        print(f"pki-init: cluster {cluster}: exported the rank workers' identity")
 
 
 def export(

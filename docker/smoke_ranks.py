@@ -80,6 +80,27 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
         workers[service] = {"rank": rank, "backend": found.group(2), "device": found.group(3)}  # type: ignore[union-attr]
     lap("both workers joined")
 
+    # A stranger inside cluster a's network (the data service's container: no worker certificate)
+    # gets nothing from trainer-a's rank store: a plain TCPStore client, as the port used to accept.
+    probe = (
+        "import datetime, torch.distributed as dist\n"
+        "dist.TCPStore('trainer-a', 7510, is_master=False, timeout=datetime.timedelta(seconds=5))"
+        ".get('stage/posted')\n"
+    )
+    stranger = subprocess.run(
+        ["podman", "exec", names["data-a"], "python", "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    check(stranger.returncode != 0, f"a plain client read trainer-a's rank store: {stranger.stdout[-400:]}")
+    wait(
+        lambda: "rank store refused a connection" in logs(names["trainer-a"]),
+        30,
+        "trainer-a to log the stranger's refusal",
+    )
+    lap("a stranger refused by the rank store")
+
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cas = Path(tempfile.mkdtemp(prefix="smoke-ranks-ca-"))
     for cluster, (password, _) in compose.admin_secrets("ab", cas).items():

@@ -32,8 +32,11 @@ DNS_SUFFIX = "nebula.internal"
 #: Roles a certificate may carry. Kept closed so a typo cannot create an identity nobody authorizes.
 #: ``auth``, ``codec``, ``data`` and ``trainer`` are the per-service identities of the internal
 #: ports (:mod:`nebula_common.pki.service_identity`); what each may call is
-#: :mod:`nebula_common.auth.roles`.
-KNOWN_ROLES: frozenset[str] = frozenset({"switch", "service", "operator", "auth", "codec", "data", "trainer"})
+#: :mod:`nebula_common.auth.roles`. ``worker`` is a cluster rank process: it calls no RPC, it only joins
+#: its trainer's rank store (``services/trainer/runtime/rank_gate.py``).
+KNOWN_ROLES: frozenset[str] = frozenset(
+    {"switch", "service", "operator", "auth", "codec", "data", "trainer", "worker"}
+)
 
 CLUSTER_ID_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"
 """The one cluster-id rule: a lowercase DNS label, so it fits SPIFFE URIs, DNS names and token issuers."""

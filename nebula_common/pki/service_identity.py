@@ -45,7 +45,9 @@ from nebula_common.pki.store import (
 
 __all__ = [
     "DEFAULT_SERVICE_VALIDITY",
+    "IDENTITY_ROLES",
     "SERVICE_ROLES",
+    "WORKER_ROLE",
     "ServiceTlsFiles",
     "ensure_service_certificates",
     "issue_service_certificate",
@@ -55,6 +57,10 @@ __all__ = [
 
 #: The services that get an internal identity (every process of a cluster).
 SERVICE_ROLES: tuple[str, ...] = ("auth", "codec", "data", "switch", "trainer")
+WORKER_ROLE = "worker"
+"""A cluster rank process (``services.trainer.worker``): it serves no port, it joins its trainer's rank
+store through mutual TLS (``services/trainer/runtime/rank_gate.py``); issued only where ranks run."""
+IDENTITY_ROLES: tuple[str, ...] = (*SERVICE_ROLES, WORKER_ROLE)
 DEFAULT_SERVICE_VALIDITY = timedelta(hours=24)
 #: Renew once less than this fraction of a leaf's lifetime is left.
 RENEW_FRACTION = 1 / 3
@@ -86,8 +92,8 @@ def service_tls_dir(pki_root: Path, cluster_id: str, service: str) -> Path:
 
 
 def _check_service(service: str) -> None:
-    if service not in SERVICE_ROLES:
-        raise PkiError(f"unknown service {service!r}; services with an identity: {', '.join(SERVICE_ROLES)}")
+    if service not in IDENTITY_ROLES:
+        raise PkiError(f"unknown service {service!r}; services with an identity: {', '.join(IDENTITY_ROLES)}")
 
 
 def renewal_due(cert: x509.Certificate, *, now: datetime | None = None) -> bool:

@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar
@@ -44,6 +45,9 @@ S = TypeVar("S", bound="ServiceSettings")
 H = TypeVar("H")
 T = TypeVar("T")
 
+EXIT_JOIN_S = 10.0
+"""How long a stopped service waits for its remaining non-daemon threads before it exits anyway
+(within the launcher's 15 s before SIGKILL, so the log says which thread held it)."""
 EXIT_OK = 0
 EXIT_RUNTIME_ERROR = 1
 EXIT_CONFIG_ERROR = 2
@@ -219,9 +223,12 @@ def _end_process(code: int) -> NoReturn:
     ones terminated, then all joined. Module teardown, the slow part, is what is skipped.
     """
     current = threading.current_thread()
+    deadline = time.monotonic() + EXIT_JOIN_S
     for thread in threading.enumerate():
         if thread is not current and not thread.daemon:
-            thread.join()
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():  # an idle pool's worker waits forever; a stop must not
+                log.warning("thread %r still running after the stop; exiting without it", thread.name)
     if "multiprocessing" in sys.modules:
         import multiprocessing
 

@@ -100,13 +100,20 @@ class StageRecord:
         )
 
     def info(self, latest: trainer_pb2.StageStatus) -> trainer_pb2.StageRecordInfo:
-        """What ``ListStages`` shows of this stage, with ``latest`` its newest status."""
+        """What ``ListStages`` shows of this stage, with ``latest`` its newest status.
+
+        A final status is published a moment before the record stores its end (a finish callback):
+        in between, the stage ended now, not "never".
+        """
+        ended = self.ended_unix
+        if not ended and latest.state in TERMINAL_STATES:
+            ended = round(time.time(), 3)
         return trainer_pb2.StageRecordInfo(
             status=latest,
             owner=self.owner,
             spec_digest=self.spec_digest,
             started_unix=self.started_unix,
-            ended_unix=self.ended_unix,
+            ended_unix=ended,
             steps=self.steps,
             edge=self.edge,
         )

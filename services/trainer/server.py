@@ -20,7 +20,7 @@ from nebula_common.audit.servicer import AUDIT_SERVICE_NAME, add_audit_api
 from nebula_common.auth.interceptor import TokenAuthInterceptor
 from nebula_common.proto.nebula.v1 import trainer_pb2_grpc
 from nebula_common.service.host import ServiceDefinition, Started
-from nebula_common.service.identity import service_identity
+from nebula_common.service.identity import ServiceIdentity, service_identity
 from nebula_common.service.resources import (
     grpc_server,
     internal_server_options,
@@ -33,6 +33,7 @@ from services.trainer.edge import EdgeSettings
 from services.trainer.job_tokens import JobTokens
 from services.trainer.restore import restore_stages
 from services.trainer.retention import FinishedStages
+from services.trainer.runtime.rank_gate import RankTls
 from services.trainer.runtime.rank_sources import ClusterRanks
 from services.trainer.sandbox import StageLimits, choose_confinement
 from services.trainer.servicer import TrainerServicer
@@ -59,6 +60,24 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+def _cluster_ranks(
+    settings: TrainerSettings, identity: ServiceIdentity, stack: contextlib.AsyncExitStack
+) -> ClusterRanks | None:
+    """The rank store of cluster ranks, behind mutual TLS with this trainer's identity (``rank_gate``)."""
+    if settings.ranks_listen is None or settings.ranks is None:
+        return None
+    tls = (
+        RankTls(identity.server.files, settings.cluster_id, lambda: identity.revoked)
+        if identity.server is not None
+        else None
+    )
+    if tls is None:
+        log.warning("the rank store listens without TLS (plaintext development flag): anyone may join it")
+    ranks = ClusterRanks(settings.ranks_listen, settings.ranks, tls=tls)
+    stack.callback(ranks.close)
+    return ranks
 
 
 async def start_trainer(
@@ -113,12 +132,9 @@ async def start_trainer(
         torch_threads=settings.torch_threads,
         log_level=settings.log_level,
         job_tokens=job_tokens,
-        cluster_ranks=(
-            ClusterRanks(settings.ranks_listen, settings.ranks)
-            if settings.ranks_listen is not None and settings.ranks is not None
-            else None
-        ),
+        cluster_ranks=_cluster_ranks(settings, identity, stack),
     )
+    stack.callback(servicer.close)  # after the stages stopped (below): their ends are audited
     stack.push_async_callback(asyncio.to_thread, _stop_stages, servicer, settings.stop_grace_s)
     # Before serving: a client re-watching its stage after this restart finds it (RECOVERING or ended).
     restored = await restore_stages(servicer, verifier)

@@ -89,6 +89,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.stage_records: dict[str, StageRecord] = {}
         self._audit_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-audit")
 
+    def close(self) -> None:
+        """Release the audit thread once every stage has stopped (its worker would hold the exit)."""
+        self._audit_thread.shutdown(wait=True)
+
     async def _record(self, event: str, **fields: object) -> None:
         append = functools.partial(self.audit.append, event, **fields)  # type: ignore[arg-type]
         await asyncio.get_running_loop().run_in_executor(self._audit_thread, append)

@@ -76,8 +76,9 @@ class StageProxy:
             if data_address and dataset
             else None
         )
+        self._executor = ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"stage-proxy-{job_id}")
         self._server = grpc.server(
-            ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"stage-proxy-{job_id}"),
+            self._executor,
             handlers=[_Handlers(self)],
             options=_OPTIONS,
         )
@@ -101,6 +102,8 @@ class StageProxy:
                 edge.ended.wait(max(0.0, deadline - time.monotonic()))
             edge.call.cancel()
         self._server.stop(grace=None).wait(5)
+        # Its worker threads are not daemons: left idle, they would hold the trainer's exit.
+        self._executor.shutdown(wait=False)
         self._switch.close()
         if self._data is not None:
             self._data.close()

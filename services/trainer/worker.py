@@ -8,6 +8,11 @@ once (gloo on CPU, NCCL when CUDA is present); then each joins its cluster's tra
 stages the trainer posts there, one after the other, as the trainer's stage thread drives them
 (``runtime/rank_group.py``). Only the trainer talks to the switch; a worker never leaves the cluster.
 
+The rank store is reached through mutual TLS (``runtime/rank_gate.py``): ``NEBULA_WORKER_INTERNAL_TLS_DIR``
+holds the worker's identity (``ca.crt``, ``service.crt``, ``service.key``; role ``worker`` of the
+cluster: ``nebula pki issue-service --service worker``), and a worker runs only specs its cluster's
+trainer signed.
+
 ``NEBULA_WORKER_DATA_DIR`` must be the trainer's data dir (the same host, or one shared volume):
 the ranks write the stage's checkpoints there. A worker whose group broke (another rank died, or
 the trainer went away) exits non-zero, and its process manager starts the ranks again.
@@ -28,6 +33,11 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+
+from nebula_common.errors import NebulaError
+from nebula_common.pki.service_identity import ServiceTlsFiles
+from nebula_common.rpc.internal_tls import cluster_of_ca, plaintext_allowed
+from services.trainer.runtime.rank_gate import RankAuthError, RankTls, RankTunnel, verify_spec
 
 log = logging.getLogger("nebula.trainer.worker")
 POLL_S = 30.0
@@ -70,12 +80,42 @@ def settings() -> dict[str, object]:
     return {
         "rank": rank,
         "world": world,
+        "trainer": trainer,
         "trainer_host": host,
         "trainer_port": int(port),
+        "tls_dir": _tls_dir(),
         "data_dir": Path(_env("NEBULA_WORKER_DATA_DIR")),
         "threads": _int("NEBULA_WORKER_TORCH_THREADS", "1", low=1),
         "timeout": float(_int("NEBULA_WORKER_TIMEOUT_S", "300", low=1)),
     }
+
+
+def _tls_dir() -> Path | None:
+    """Where the worker's identity is (None only under the plaintext development flag)."""
+    directory = os.environ.get("NEBULA_WORKER_INTERNAL_TLS_DIR", "")
+    if not directory:
+        if plaintext_allowed():
+            return None
+        raise WorkerConfigError(
+            "NEBULA_WORKER_INTERNAL_TLS_DIR is required: the worker's ca.crt, service.crt and service.key "
+            "(role worker of its cluster); the trainer's rank store accepts no one else"
+        )
+    return Path(directory)
+
+
+def load_tls(directory: Path | None) -> RankTls | None:
+    """The worker's identity from its directory, checked readable; the cluster is its CA's."""
+    if directory is None:
+        return None
+    files = ServiceTlsFiles.in_dir(directory)
+    try:
+        ca_pem = files.ca.read_bytes()
+        for path in (files.cert, files.key):
+            path.read_bytes()
+        cluster = cluster_of_ca(ca_pem, str(files.ca))
+    except (OSError, NebulaError) as exc:
+        raise WorkerConfigError(f"NEBULA_WORKER_INTERNAL_TLS_DIR={directory}: {exc}") from None
+    return RankTls(files, cluster)
 
 
 def serve(config: dict[str, object]) -> None:
@@ -97,6 +137,10 @@ def serve(config: dict[str, object]) -> None:
         device,
         "torchrun's agent store" if os.environ.get("TORCHELASTIC_RUN_ID") else "MASTER_ADDR/MASTER_PORT",
     )
+    tls = config.get("tls")
+    if isinstance(tls, RankTls):  # the store's clients (this one, the heartbeat's) go through the tunnel
+        tunnel = RankTunnel(str(config["trainer"]), tls)
+        config["trainer_host"], config["trainer_port"] = "127.0.0.1", tunnel.port
     trainer = dist.TCPStore(
         str(config["trainer_host"]),
         int(config["trainer_port"]),
@@ -120,10 +164,27 @@ def serve(config: dict[str, object]) -> None:
                 continue  # no stage yet
             raise
         stage = dist.PrefixStore(f"stage/{number}", trainer)  # the key above is its "spec"
-        owner = stage.get("owner").decode()
+        owner, spec = stage.get("owner").decode(), stage.get("spec")
+        if isinstance(tls, RankTls):
+            try:
+                verify_spec(
+                    tls.files.ca.read_bytes(),
+                    tls.cluster_id,
+                    number,
+                    owner,
+                    spec,
+                    stage.get("signature") if stage.check(["signature"]) else b"",
+                    stage.get("signer") if stage.check(["signer"]) else b"",
+                )
+            except RankAuthError as exc:  # not the trainer's: never run it, say so, wait for the next
+                log.error("rank %d: stage %d refused: %s", rank, number, exc)
+                report_failure(stage, rank, exc)
+                number += 1
+                current[0] = number
+                continue
         log.info("rank %d: stage %d posted; joining its command group", rank, number)
         try:
-            follow(stage.get("spec"), rank, world, stage, config["data_dir"], owner, timeout)  # type: ignore[arg-type]
+            follow(spec, rank, world, stage, config["data_dir"], owner, timeout)  # type: ignore[arg-type]
         except Exception as exc:
             report_failure(stage, rank, exc)
             raise
@@ -165,6 +226,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = settings()
+        config["tls"] = load_tls(config["tls_dir"])  # type: ignore[arg-type]
     except WorkerConfigError as exc:
         print(f"nebula trainer worker: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ and the first job tokens are refused everywhere, trainer a is killed with SIGKIL
 restarts it; it can resume the stage only with the job token it renewed while the job ran (a record
 holding the first one would fail the stage at once: "token expired"). The job must end SUCCEEDED on
 both clusters, the restored stage audited ``stage.recover`` ok, and auth must have renewed job tokens.
+Then trainer b, which ran its stage throughout, must exit by itself on SIGTERM.
 """
 
 from __future__ import annotations
@@ -135,3 +136,9 @@ def test_a_job_outlives_every_token_and_a_trainer_restart(short_tokens: LocalDep
     ]
     renewals = [r for r in issued if r["details"]["job_id"] == job.job_id and r["details"]["renewal"]]
     assert len(renewals) >= 5, issued
+
+    # A trainer that ran stages exits by itself on SIGTERM (no idle worker thread holds it until the
+    # launcher's SIGKILL 15 s later).
+    started = time.monotonic()
+    assert deployment.process("trainer-b").stop() == 0
+    assert time.monotonic() - started < 10.0

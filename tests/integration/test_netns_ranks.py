@@ -36,9 +36,11 @@ from pathlib import Path
 
 import pytest
 
+from nebula_common.pki import PkiLayout
 from services.trainer.runtime.rank_sources import ClusterRanks
 from tests.support.edges import StageRun, finish, wait_for
 from tests.support.netns import namespaces, run_ip, veth_between, veth_to_us
+from tests.support.ranks import gated_ranks
 from tests.support.stage_log import STAGE_LOGGER, stage_running
 from tests.unit.test_runtime_cluster_ranks import run_on_ranks
 from tests.unit.test_runtime_sharded_stage import STEPS, reference, same_training, small
@@ -50,6 +52,7 @@ JOIN_DEADLINE_S = 240.0
 __all__ = ["reference"]  # the one-process run with the combined batch (a fixture)
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.ranks,
     pytest.mark.timeout(600),
     pytest.mark.skipif(
         not os.environ.get(E2E_ENV), reason=f"1-2 min scenario: `make test-ranks-netns` ({E2E_ENV}=1)"
@@ -100,12 +103,14 @@ def _bytes(host: Host) -> int:
 class NamespacedWorkers:
     """One worker per namespace, each started on its own by ``ip netns exec`` (our children, by handle)."""
 
-    def __init__(self, hosts: list[Host], ranks: ClusterRanks, data_dir: Path, logs: Path) -> None:
+    def __init__(
+        self, hosts: list[Host], ranks: ClusterRanks, data_dir: Path, logs: Path, env: dict[str, str]
+    ) -> None:
         self.hosts, self.logs = hosts, logs
         self.processes: list[subprocess.Popen[bytes]] = []
         for host in hosts:
-            env = {
-                **os.environ,
+            worker = {
+                **env,  # its identity for the rank store's gate
                 "PYTHONPATH": str(ROOT),
                 "RANK": str(host.rank),
                 "WORLD_SIZE": str(len(hosts)),
@@ -117,12 +122,12 @@ class NamespacedWorkers:
                 "OMP_NUM_THREADS": "1",
             }
             for name in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-                env.pop(name, None)
+                worker.pop(name, None)
             with (logs / f"worker-{host.rank}.log").open("wb") as log:
                 self.processes.append(
                     subprocess.Popen(
                         ["ip", "netns", "exec", host.netns, sys.executable, "-m", "services.trainer.worker"],
-                        env=env,
+                        env=worker,
                         stdout=log,
                         stderr=log,
                         cwd=ROOT,
@@ -151,12 +156,13 @@ Cluster = tuple[NamespacedWorkers, ClusterRanks, Path]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, pki_ab: PkiLayout) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("netns-ranks")
     with two_hosts() as hosts:
-        ranks = ClusterRanks("0.0.0.0:0", world=2)  # reached from each namespace over its own veth
+        # Reached from each namespace over its own veth, through the mutual-TLS gate.
+        ranks, env = gated_ranks(pki_ab, world=2, listen="0.0.0.0:0")
         work = tmp / "work"
-        workers = NamespacedWorkers(hosts, ranks, work / "head", tmp)
+        workers = NamespacedWorkers(hosts, ranks, work / "head", tmp, env)
         try:
             wait_for(
                 lambda: len(ranks.joined()) == 2 or any(p.poll() is not None for p in workers.processes),
@@ -167,6 +173,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             yield workers, ranks, work
         finally:
             workers.stop()
+            ranks.close()
 
 
 def test_the_two_workers_live_in_different_network_namespaces(
@@ -180,6 +187,27 @@ def test_the_two_workers_live_in_different_network_namespaces(
     assert len(set(spaces)) == 2 and ours not in spaces, (spaces, ours)
     for host, space in zip(workers.hosts, spaces, strict=True):
         assert os.stat(f"/run/netns/{host.netns}").st_ino == int(space.strip("net:[]")), (host, space)
+
+
+def test_a_stranger_on_another_host_gets_nothing_from_the_rank_store(cluster: Cluster) -> None:
+    """A plain TCPStore client in a worker's namespace (what the port accepted before the gate)."""
+    workers, ranks, _ = cluster
+    host = workers.hosts[0]
+    probe = (
+        "import datetime, sys, torch.distributed as dist\n"
+        f"s = dist.TCPStore('{host.trainer_ip}', {ranks.port}, is_master=False,"
+        " timeout=datetime.timedelta(seconds=3))\n"
+        "print(s.get('stage/posted'))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        ["ip", "netns", "exec", host.netns, sys.executable, "-c", probe],
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert done.returncode != 0, done.stdout
+    assert len(ranks.joined()) == 2  # the workers are still in
 
 
 @pytest.mark.parametrize(("replicas", "parallel"), [(1, "ddp"), (2, "fsdp")])

@@ -19,7 +19,7 @@ from nebula_common.sdk.client import TERMINAL, ClusterSession, JobHandle
 from tests.support.edges import wait_for
 from tests.support.jobs import numbers_job
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.containment, pytest.mark.timeout(120)]
 WAITING_STAGES = 16
 ANSWER_WITHIN_S = 5.0
 

@@ -22,15 +22,17 @@ import pytest
 
 from nebula_common.jobspec import load_spec
 from nebula_common.jobspec.reference import run_unsplit
+from nebula_common.pki import PkiLayout
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.jobs import ProgramJob
 from services.trainer.edge.memory import MemoryLink
 from services.trainer.runtime.rank_sources import ClusterRanks
 from tests.support.edges import StageRun, finish, wait_for, wait_for_step
+from tests.support.ranks import gated_ranks
 from tests.unit.test_runtime_cluster_ranks import Workers
 from tests.unit.test_stage_chain import EXAMPLE, SETTINGS, chain_job, chain_runner, check_equals_unsplit
 
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.ranks, pytest.mark.timeout(1200)]
 STEPS = 8
 CHECKPOINT = 4  # the chain checkpoints every 2 steps; the kill comes after step 5
 FAILED = trainer_pb2.STAGE_STATE_FAILED
@@ -59,16 +61,17 @@ def start_chain(job: ProgramJob, work: Path, ranks: ClusterRanks) -> list[StageR
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[Workers, Path]]:
-    ranks = ClusterRanks("127.0.0.1:0", world=2)
+def cluster(tmp_path: Path, pki_ab: PkiLayout) -> Iterator[tuple[Workers, Path]]:
+    ranks, env = gated_ranks(pki_ab, world=2)
     work = tmp_path / "work"
-    workers = Workers(ranks, work / "mixer1", tmp_path)  # the middle's data dir: the ranks write there
+    workers = Workers(ranks, work / "mixer1", tmp_path, env)  # the middle's data dir: the ranks write there
     workers.start()
     try:
         wait_for(lambda: len(ranks.joined()) == ranks.world, 240, "the workers to join the rank store")
         yield workers, work
     finally:
         workers.stop()
+        ranks.close()
 
 
 def test_a_ddp_middle_stage_on_two_separately_started_ranks_equals_one_process(

@@ -70,6 +70,8 @@ def test_cluster_a_gets_two_rank_containers_wired_to_its_trainer(
         assert data_mount in service["volumes"], f"{name}: the ranks write checkpoints on trainer-a's volume"
         assert service["networks"] == ["cluster_a"], f"{name}: ranks stay inside cluster a"
         assert service["command"] == ["python", "-m", "services.trainer.worker"]
+        # The rank store answers only the cluster's workers: each rank holds the worker identity.
+        assert f"worker-a-internal-tls:{parsed['tls_dir']}:ro" in service["volumes"], name
         assert (
             service["read_only"] is True
             and service["cap_drop"] == ["ALL"]
@@ -78,6 +80,8 @@ def test_cluster_a_gets_two_rank_containers_wired_to_its_trainer(
         assert service["restart"] == "unless-stopped", f"{name}: a rank that died must come back"
         assert service["depends_on"]["trainer-a"]["condition"] == "service_healthy"
     assert seen == set(range(len(ranks)))
+    assert "worker-a-internal-tls:/export/worker-a-internal-tls" in rendered["pki-init"]["volumes"]
+    assert not any("worker-a-internal-tls" in v for v in trainer["volumes"])  # the trainer has its own
     for key, value in trainer_env.items():
         monkeypatch.setenv(key, value)
     assert TrainerSettings().ranks == len(ranks)

@@ -413,6 +413,24 @@ def test_pki_export_hands_each_switch_its_peers_crl(tmp_path: Path) -> None:
         assert (volume / "ca.crt").read_bytes() == layout.cluster(cluster).ca_cert.read_bytes()
         assert (volume / "crl.pem").read_bytes() == layout.cluster(cluster).crl.read_bytes()
         assert (volume / "service.key").stat().st_mode & 0o777 == 0o400
+    # No rank workers mounted here: no worker identity exported anywhere.
+    assert not (out / "worker-a-internal-tls").exists()
+
+
+def test_pki_export_issues_the_rank_workers_identity_only_where_it_is_mounted(tmp_path: Path) -> None:
+    layout = init_pki(tmp_path / "pki", ["a", "b"])
+    out = tmp_path / "export"
+    internal = [
+        f"{svc}-{c}-internal-tls" for c in "ab" for svc in ("auth", "codec", "data", "switch", "trainer")
+    ]
+    for volume in ("switch-a", "switch-b", "auth-a", "auth-b", *internal, "worker-a-internal-tls"):
+        (out / volume).mkdir(parents=True)
+    assert _load_pki_export().main(["--pki", str(layout.root), "--out", str(out), "--clusters", "a,b"]) == 0
+    volume = out / "worker-a-internal-tls"
+    assert sorted(p.name for p in volume.iterdir()) == ["ca.crt", "service.crt", "service.key"]
+    assert identity_from_pem((volume / "service.crt").read_bytes()) == Identity("a", "worker")
+    assert (volume / "service.key").stat().st_mode & 0o777 == 0o400
+    assert not (out / "worker-b-internal-tls").exists()
 
 
 def _load_pki_export() -> Any:

@@ -186,6 +186,15 @@ def test_rank_pods_are_hardened_and_bounded() -> None:
     assert {"cpu", "memory"} <= set(container["resources"]["requests"])
     assert {"cpu", "memory"} <= set(container["resources"]["limits"])
     assert container["command"] == ["python", "-m", "services.trainer.worker"]
+    # The rank store admits only the worker identity: mounted read-only where the worker reads it.
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    tls = mounts[env["NEBULA_WORKER_INTERNAL_TLS_DIR"]]
+    assert tls["readOnly"] is True
+    volume = next(v for v in pod["volumes"] if v["name"] == tls["name"])
+    (source,) = volume["projected"]["sources"]
+    assert source["secret"]["name"] == "nebula-worker-internal-tls"
+    assert {i["path"] for i in source["secret"]["items"]} == {"ca.crt", "service.crt", "service.key"}
 
 
 def _admits(

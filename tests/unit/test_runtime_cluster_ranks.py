@@ -2,15 +2,16 @@
 
 Two worker processes are started separately (each with the variables torchrun sets: RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT), form their own gloo group by c10d rendezvous and join the
-trainer's rank store; the stage's runner (which alone holds the edge) drives them. The stage
+trainer's rank store through its mutual-TLS gate (each with a ``worker`` certificate of the cluster);
+the stage's runner (which alone holds the edge) drives them. The stage
 trains exactly like one process with the combined batch; a rank that dies fails the stage naming
 it, the surviving rank leaves the aborted stage at once (for its process manager to restart), and
-the restarted ranks resume the job from its checkpoint.
+the restarted ranks resume the job from its checkpoint. A stage the trainer did not sign (written
+into the store by job code on a worker, say) is refused by every rank and never run.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -19,14 +20,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
+from nebula_common.pki import PkiLayout
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from services.trainer.edge.memory import MemoryLink
 from services.trainer.runtime.rank_sources import ClusterRanks
 from tests.support.edges import StageRun, finish, stage_runner, wait_for, wait_for_step
+from tests.support.ranks import gated_ranks
 from tests.unit.test_runtime_sharded_stage import SETTINGS, reference, same_training, small
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.ranks, pytest.mark.timeout(600)]
 __all__ = ["reference"]  # the one-process run every test here compares with (a fixture)
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,15 +44,15 @@ def _free_port() -> int:
 class Workers:
     """``world`` worker processes (our own children, ended by handle) joined to one ClusterRanks."""
 
-    def __init__(self, ranks: ClusterRanks, data_dir: Path, logs: Path) -> None:
-        self.ranks, self.data_dir, self.logs = ranks, data_dir, logs
+    def __init__(self, ranks: ClusterRanks, data_dir: Path, logs: Path, env: dict[str, str]) -> None:
+        self.ranks, self.data_dir, self.logs, self.env = ranks, data_dir, logs, env
         self.processes: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> None:
         port = _free_port()
         for rank in range(self.ranks.world):
             env = {
-                **os.environ,
+                **self.env,  # its identity for the rank store's gate
                 "PYTHONPATH": str(ROOT),
                 "RANK": str(rank),
                 "WORLD_SIZE": str(self.ranks.world),
@@ -81,16 +85,17 @@ class Workers:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[Workers, Path]]:
-    ranks = ClusterRanks("127.0.0.1:0", world=2)
+def cluster(tmp_path: Path, pki_ab: PkiLayout) -> Iterator[tuple[Workers, Path]]:
+    ranks, env = gated_ranks(pki_ab, world=2)
     work = tmp_path / "work"
-    workers = Workers(ranks, work / "head", tmp_path)
+    workers = Workers(ranks, work / "head", tmp_path, env)
     workers.start()
     wait_for(lambda: len(ranks.joined()) == ranks.world, 240, "the workers to join the rank store")
     try:
         yield workers, work
     finally:
         workers.stop()
+        ranks.close()
 
 
 def run_on_ranks(job: object, work: Path, ranks: ClusterRanks) -> tuple[StageRun, StageRun]:
@@ -157,3 +162,25 @@ def test_after_a_rank_died_the_restarted_ranks_resume_the_job_from_its_checkpoin
     for run in (up, down):
         finish(run, 300)  # includes the ranks' restart
     same_training((up, down), reference, first=3)
+
+
+def test_a_stage_the_trainer_did_not_sign_is_refused_by_every_rank_and_the_next_one_runs(
+    cluster: tuple[Workers, Path], reference: tuple[StageRun, StageRun]
+) -> None:
+    workers, work = cluster
+    ranks = workers.ranks
+    number = ranks.store.add("stage/posted", 1) - 1  # as job code on a worker could, through its tunnel
+    forged = dist.PrefixStore(f"stage/{number}", ranks.store)
+    forged.set("owner", "mallory")
+    forged.set("spec", b"anything at all")
+    wait_for(
+        lambda: all(forged.check([f"error/{rank}"]) for rank in range(ranks.world)),
+        60,
+        "both ranks to refuse the unsigned stage",
+    )
+    assert "signer is not a certificate" in forged.get("error/0").decode()
+    assert all(process.poll() is None for process in workers.processes)  # refused, not crashed
+    up, down = run_on_ranks(small("after-forgery"), work, ranks)
+    for run in (up, down):
+        finish(run, 120)
+    same_training((up, down), reference)

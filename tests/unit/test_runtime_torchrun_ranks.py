@@ -23,12 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from nebula_common.pki import PkiLayout
 from services.trainer.runtime.rank_sources import ClusterRanks
 from tests.support.edges import StageRun, finish, wait_for
+from tests.support.ranks import gated_ranks
 from tests.unit.test_runtime_cluster_ranks import _free_port, run_on_ranks
 from tests.unit.test_runtime_sharded_stage import reference, same_training, small
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.ranks, pytest.mark.timeout(600)]
 __all__ = ["reference"]  # the one-process run with the combined batch (a fixture)
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
@@ -37,11 +39,13 @@ TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or sh
 class Torchrun:
     """One ``torchrun`` agent (our own child, in its own process group) running ``nproc`` workers."""
 
-    def __init__(self, ranks: ClusterRanks, data_dir: Path, log: Path, nproc: int) -> None:
+    def __init__(
+        self, ranks: ClusterRanks, data_dir: Path, log: Path, nproc: int, tls: dict[str, str]
+    ) -> None:
         if TORCHRUN is None:
             pytest.skip("torchrun is not installed next to this Python (it ships with torch)")
         env = {
-            **os.environ,
+            **tls,  # the environment with the workers' identity for the rank store's gate
             "PYTHONPATH": str(ROOT),
             "NEBULA_WORKER_TRAINER": f"127.0.0.1:{ranks.port}",
             "NEBULA_WORKER_DATA_DIR": str(data_dir),
@@ -79,10 +83,10 @@ class Torchrun:
                 self.process.wait(5)
 
 
-def _start(tmp_path: Path, nproc: int) -> Iterator[tuple[Torchrun, ClusterRanks, Path]]:
-    ranks = ClusterRanks("127.0.0.1:0", world=nproc)
+def _start(tmp_path: Path, nproc: int, pki: PkiLayout) -> Iterator[tuple[Torchrun, ClusterRanks, Path]]:
+    ranks, env = gated_ranks(pki, world=nproc)
     work = tmp_path / "work"
-    agent = Torchrun(ranks, work / "head", tmp_path / "torchrun.log", nproc)
+    agent = Torchrun(ranks, work / "head", tmp_path / "torchrun.log", nproc, env)
     try:
         wait_for(
             lambda: len(ranks.joined()) == nproc or agent.process.poll() is not None,
@@ -93,12 +97,15 @@ def _start(tmp_path: Path, nproc: int) -> Iterator[tuple[Torchrun, ClusterRanks,
         yield agent, ranks, work
     finally:
         agent.stop()
+        ranks.close()
 
 
 @pytest.fixture(scope="module")
-def torchrun(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Torchrun, ClusterRanks, Path]]:
+def torchrun(
+    tmp_path_factory: pytest.TempPathFactory, pki_ab: PkiLayout
+) -> Iterator[tuple[Torchrun, ClusterRanks, Path]]:
     """Two workers under one torchrun agent, kept for every stage of this module (as in a cluster)."""
-    yield from _start(tmp_path_factory.mktemp("torchrun"), 2)
+    yield from _start(tmp_path_factory.mktemp("torchrun"), 2, pki_ab)
 
 
 def _groups(log: str) -> list[tuple[str, str, str]]:

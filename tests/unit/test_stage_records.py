@@ -105,6 +105,19 @@ def test_an_ended_stage_keeps_its_final_status_and_drops_its_token(tmp_path: Pat
     assert back.terminal and back.final == final and back.epoch == 0
 
 
+def test_a_stage_whose_final_status_is_out_shows_an_end_before_its_record_stores_it(tmp_path: Path) -> None:
+    """ListStages between the final status and its finish callback: ended now, never 0."""
+    records = StageRecords(tmp_path)
+    record = records.create(stage_spec(), "secret-token", "alice")
+    running = trainer_pb2.StageStatus(job_id="job-1", stage="encoder", state=trainer_pb2.STAGE_STATE_RUNNING)
+    assert record.info(running).ended_unix == 0
+    final = trainer_pb2.StageStatus(job_id="job-1", stage="encoder", state=trainer_pb2.STAGE_STATE_CANCELLED)
+    shown = record.info(final).ended_unix
+    assert record.started_unix <= shown <= time.time() + 0.001  # both rounded to the millisecond
+    records.finish(record, final)
+    assert record.info(final).ended_unix == record.ended_unix > 0
+
+
 def test_a_finished_stage_record_keeps_the_last_steps_loss_and_step_time(tmp_path: Path) -> None:
     records = StageRecords(tmp_path)
     record = records.create(stage_spec(), "secret-token", "alice")

@@ -237,6 +237,9 @@ def report_failure(stage_store: dist.Store, rank: int, exc: BaseException) -> No
     """Leave why this rank stopped where the driver looks (best effort: the store may be gone too)."""
     with contextlib.suppress(Exception):  # the driver then reports the rank as gone without a reason
         stage_store.set(f"error/{rank}", f"{type(exc).__name__}: {exc}")
+        # A set gets no answer; a check does, after the set (one connection, in order): the reason
+        # is in the store before this rank exits, even through a worker's TLS tunnel (rank_gate).
+        stage_store.check([f"error/{rank}"])
 
 
 def spawned_rank_main(

@@ -7,7 +7,8 @@ of a trainer without cluster ranks). They join a private TCPStore on 127.0.0.1 a
 or a process manager running ``python -m services.trainer.worker``; two containers in compose; a StatefulSet
 in Kubernetes), on any hosts of the cluster. They form their own default group once (c10d
 rendezvous: ``MASTER_ADDR``/``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``) and join the trainer's rank
-store (``NEBULA_TRAINER_RANKS_LISTEN``; the worker's ``NEBULA_WORKER_TRAINER``), where the trainer
+store (``NEBULA_TRAINER_RANKS_LISTEN``, behind mutual TLS: ``rank_gate``; the worker's
+``NEBULA_WORKER_TRAINER``), where the trainer
 posts each stage that runs on them (``stage/<n>/spec``); every stage gets a fresh command group
 under ``stage/<n>/``. They run one stage at a time; a second stage that asks for them while
 they are busy fails at once, saying so, rather than queueing behind a job that may run for days.
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from services.trainer.runtime.parallel import HOST, DataParallelError
+from services.trainer.runtime.rank_gate import RankGate, RankTls, sign_spec
 from services.trainer.runtime.rank_main import spawned_rank_main
 
 JOIN_TIMEOUT_S = 300.0
@@ -88,16 +90,28 @@ class ClusterRanks:
     the ranks that are joined when it starts.
     """
 
-    def __init__(self, listen: str, world: int, timeout: float = 300.0) -> None:
+    def __init__(
+        self, listen: str, world: int, timeout: float = 300.0, *, tls: RankTls | None = None
+    ) -> None:
         host, _, port = listen.rpartition(":")
         self.world = world
         self.timeout = timeout
+        self.tls = tls
         span = datetime.timedelta(seconds=timeout)
+        # With TLS (always, but for the plaintext development flag) the store itself is on loopback
+        # and ``listen`` is its gate (``rank_gate``): only this cluster's workers get through.
+        store_host, store_port = ("127.0.0.1", 0) if tls is not None else (host, int(port))
         self.store = dist.TCPStore(
-            host, int(port), world + 1, is_master=True, timeout=span, wait_for_workers=False
+            store_host, store_port, world + 1, is_master=True, timeout=span, wait_for_workers=False
         )
-        self.port = self.store.port
+        self.gate = RankGate(listen, self.store.port, tls) if tls is not None else None
+        self.port = self.gate.port if self.gate is not None else self.store.port
         self._busy = threading.Lock()
+
+    def close(self) -> None:
+        """Stop admitting workers (the store itself ends with the trainer's process)."""
+        if self.gate is not None:
+            self.gate.close()
 
     def joined(self) -> list[dict[str, object]]:
         """The workers that joined (``worker/<rank>``: host, pid, generation), by rank."""
@@ -127,6 +141,10 @@ class ClusterRanks:
             number = self.store.add("stage/posted", 1) - 1
             stage = dist.PrefixStore(f"stage/{number}", self.store)  # keys "stage/<n>/<key>"
             stage.set("owner", owner)
+            if self.tls is not None:  # the workers run only what this trainer signed (rank_gate)
+                signature, signer = sign_spec(self.tls.files, number, owner, spec_bytes)
+                stage.set("signature", signature)
+                stage.set("signer", signer)
             stage.set("spec", spec_bytes)  # last: the ranks start on this key
         except BaseException:
             self._busy.release()
