@@ -128,12 +128,11 @@ class ClusterLauncher:
         return f"{LOOPBACK}:{process.info['service_port']}"
 
     def _tls_settings(self, state: ClusterProcesses, service: str) -> dict[str, str]:
-        """Where ``service`` finds its internal identity; the cluster's CA key lets it renew itself."""
+        """Where ``service`` finds its internal identity (never the CA key: the launcher renews it)."""
         if not state.service_tls or self.pki_dir is None:
             return {}
         return {
             "INTERNAL_TLS_DIR": str(state.service_tls[service].dir),
-            "INTERNAL_CA_KEY": str(self.pki_dir / state.cluster_id / "ca.key"),
             # The cluster CA's CRL: `nebula pki revoke` refuses a service leaf on every internal port.
             "INTERNAL_CRL": str(self.pki_dir / state.cluster_id / "crl.pem"),
         }
@@ -249,9 +248,8 @@ class ClusterLauncher:
             "DATA_DIR": str(self.run_dir / cluster / "switch"),
             **self._tls_settings(state, "switch"),
             "OWN_CRL": str(paths.crl),
-            # The organisation's own CA on its own machine: the switch may renew itself before expiry.
-            "CA_CERT": str(paths.ca_cert),
-            "CA_KEY": str(paths.ca_key),
+            # No CA key: the launcher renews the switch's certificate (launcher/renewal.py), which
+            # the switch reloads from disk.
         }
         if peer_crl is not None:
             env["PEER_CRL"] = str(peer_crl)

@@ -58,6 +58,7 @@ from nebula_common.launcher.cluster import (
 )
 from nebula_common.launcher.ports import service_port
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command
+from nebula_common.launcher.renewal import LeafRenewer
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor
 from nebula_common.pki import init_pki
 from nebula_common.pki.service_identity import ensure_service_certificates
@@ -185,6 +186,7 @@ class LocalDeployment:
     restart_policy: RestartPolicy | None = None
     on_event: Callable[[dict[str, Any]], None] | None = None
     supervisor: Supervisor | None = None
+    renewer: LeafRenewer | None = None
     _lock: IO[str] | None = None
     _passwords: dict[str, str | None] = field(default_factory=dict)
     # Development only (side-by-side measurements): plaintext internal ports. Requires the
@@ -255,6 +257,9 @@ class LocalDeployment:
                 self._start_pair(layout)
             for cluster in self.clusters:
                 self._start_trainer(cluster)
+            if self.internal_tls:  # the one issuer of the services' certificates: they hold no CA key
+                self.renewer = LeafRenewer(self.pki_dir, self.clusters)
+                self.renewer.start()
             if self.supervise:
                 self.supervisor = Supervisor(
                     self.all_processes(),
@@ -497,6 +502,8 @@ class LocalDeployment:
         cluster's trainer, ...) stop together: one after another, 11 graceful exits took 55 s at
         load 25, close to `local down`'s and the tests' limits.
         """
+        if self.renewer is not None:
+            self.renewer.stop()
         if self.supervisor is not None:
             self.supervisor.stop()
         for process in self.all_processes():

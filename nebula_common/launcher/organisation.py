@@ -36,6 +36,7 @@ from nebula_common.launcher.cluster import (
     parse_host_port,
 )
 from nebula_common.launcher.local import _lock_run_dir, check_run_dir
+from nebula_common.launcher.renewal import LeafRenewer
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor
 from nebula_common.pki.store import ClusterPaths, PkiError, load_layout
 
@@ -80,6 +81,7 @@ class ClusterDeployment:
     on_event: Callable[[dict[str, Any]], None] | None = None
     state: ClusterProcesses | None = None
     supervisor: Supervisor | None = None
+    renewer: LeafRenewer | None = None
     _lock: IO[str] | None = field(default=None, repr=False)
 
     @property
@@ -128,6 +130,9 @@ class ClusterDeployment:
                     self.state, paths, self.peer, peer_address=self.peer_address, wan_listen=self.wan_listen
                 )
             launcher.start_trainer(self.state)
+            # The one issuer of this organisation's certificates: no service holds the CA key.
+            self.renewer = LeafRenewer(self.pki, [self.cluster])
+            self.renewer.start()
             if self.supervise:
                 self.supervisor = Supervisor(
                     self.state.processes(),
@@ -179,6 +184,8 @@ class ClusterDeployment:
 
     def stop(self) -> None:
         """Trainer, switch, then data, codec, auth; nothing is restarted while going down."""
+        if self.renewer is not None:
+            self.renewer.stop()
         if self.supervisor is not None:
             self.supervisor.stop()
         state = self.state

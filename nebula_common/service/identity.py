@@ -5,12 +5,12 @@
 * with ``NEBULA_<SVC>_INTERNAL_TLS_DIR`` it loads the service's leaf (it must name exactly this
   service of this cluster), makes it the identity the process presents on its own internal calls,
   and starts a background task that re-reads the files every
-  ``NEBULA_<SVC>_INTERNAL_CERT_CHECK_INTERVAL_S`` and, when the service holds the CA key (local
-  development: ``NEBULA_<SVC>_INTERNAL_CA_KEY``), renews the leaf once a third of its life is
-  left. Servers pick the new files up before their next handshake; live connections keep theirs,
-  so no call is dropped. Expiry is ``nebula_internal_certificate_expiry_seconds``, renewals
-  ``nebula_internal_certificate_renewals_total``, each reload is audited as ``cert.reload``
-  (``cert.renew`` when the service renewed itself).
+  ``NEBULA_<SVC>_INTERNAL_CERT_CHECK_INTERVAL_S``. A service never holds a CA key: its leaf is
+  renewed by whoever issued it (the launcher under ``local up``/``cluster up``, pki-init in compose,
+  the operator or cert-manager in Kubernetes), who replaces the files. Servers pick the new files up
+  before their next handshake; live connections keep theirs, so no call is dropped. Expiry is
+  ``nebula_internal_certificate_expiry_seconds``, renewals ``nebula_internal_certificate_renewals_total``,
+  each reload is audited as ``cert.reload``.
 * without it, only the development flag ``NEBULA_INTERNAL_PLAINTEXT=1`` lets the service start
   (plaintext ports, a warning in the log); otherwise start-up fails naming the setting.
 """
@@ -21,21 +21,19 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import grpc
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from prometheus_client import Counter, Gauge
 
 from nebula_common.auth.interceptor import AuditSink
 from nebula_common.auth.peer_roles import PeerRoleInterceptor
-from nebula_common.pki.ca import CLOCK_SKEW
 from nebula_common.pki.identity import Identity
-from nebula_common.pki.service_identity import ServiceTlsFiles, issue_from_ca, renewal_due
+from nebula_common.pki.service_identity import ServiceTlsFiles
 from nebula_common.rpc.internal_tls import (
     PLAINTEXT_ENV,
     ClientTls,
@@ -48,8 +46,6 @@ from nebula_common.rpc.internal_tls import (
 from nebula_common.service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
-
-MIN_RENEWED_VALIDITY = timedelta(hours=1)
 
 CERT_EXPIRY = Gauge(
     "nebula_internal_certificate_expiry_seconds",
@@ -207,7 +203,7 @@ async def service_identity(
     identity.refresh_crl()  # in force before the first call
     holder["identity"] = identity
     task = asyncio.create_task(
-        _maintain(identity, settings.internal_ca_key, settings.internal_cert_check_interval_s),
+        _maintain(identity, settings.internal_cert_check_interval_s),
         name=f"{service}-internal-cert",
     )
 
@@ -225,8 +221,8 @@ def _observe_expiry(service: str, not_after: datetime) -> None:
     CERT_EXPIRY.labels(service).set((not_after - datetime.now(UTC)).total_seconds())
 
 
-async def _maintain(identity: ServiceIdentity, ca_key_path: Any, interval: float) -> None:
-    """Re-read the files, renew from the CA key when due (dev PKI), keep the expiry metric current."""
+async def _maintain(identity: ServiceIdentity, interval: float) -> None:
+    """Re-read the files (a renewal by their issuer) and the CRL; keep the expiry metric current."""
     server = identity.server
     assert server is not None  # only started with internal TLS on
     while True:
@@ -234,39 +230,6 @@ async def _maintain(identity: ServiceIdentity, ca_key_path: Any, interval: float
         try:
             await asyncio.to_thread(server.refresh)
             await asyncio.to_thread(identity.refresh_crl)
-            if ca_key_path is not None and renewal_due(_current_cert(server)):
-                await asyncio.to_thread(_renew, identity, ca_key_path)
-        except Exception as exc:  # keep serving the current certificate; say why renewal failed
+        except Exception as exc:  # keep serving the current certificate; say why the reload failed
             log.warning("internal certificate maintenance failed: %s", exc)
         _observe_expiry(identity.service, server.not_after)
-
-
-def _current_cert(server: ServerTls) -> x509.Certificate:
-    return x509.load_pem_x509_certificate(server.files.cert.read_bytes())
-
-
-def _renew(identity: ServiceIdentity, ca_key_path: Any) -> None:
-    server = identity.server
-    assert server is not None
-    files = server.files
-    ca_cert = x509.load_pem_x509_certificate(files.ca.read_bytes())
-    ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise InternalTlsError(f"{ca_key_path} is not an ECDSA key")
-    old = _current_cert(server)
-    # The lifetime of the leaf it replaces (issue_certificate backdates not_before by CLOCK_SKEW again),
-    # at least MIN_RENEWED_VALIDITY: a very short-lived leaf would otherwise be due again at once.
-    validity = max(old.not_valid_after_utc - old.not_valid_before_utc - CLOCK_SKEW, MIN_RENEWED_VALIDITY)
-    cert = issue_from_ca(
-        ca_cert, ca_key, files, Identity(identity.cluster_id, identity.service), validity=validity
-    )
-    identity.record(
-        "cert.renew",
-        {
-            "kind": "internal",
-            "serial": f"{cert.serial_number:x}",
-            "previous_serial": f"{old.serial_number:x}",
-            "not_after": cert.not_valid_after_utc.isoformat(),
-        },
-    )
-    server.refresh()

@@ -85,13 +85,6 @@ class ServiceSettings(BaseSettings):
             "the internal ports; re-read every check interval, accepted only if ca.crt signed it."
         ),
     )
-    internal_ca_key: Path | None = Field(
-        None,
-        description=(
-            "The cluster CA's key, local development only: the service renews its own internal "
-            "certificate from it before expiry (otherwise an operator or cert-manager replaces the files)."
-        ),
-    )
     handshake_timeout_s: float = Field(
         5.0,
         gt=0,

@@ -7,6 +7,7 @@ import functools
 import json
 import time
 import urllib.request
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -156,3 +157,19 @@ def test_renewing_every_service_certificate_during_a_job_loses_nothing(
             relay_pb2.GetLinkStatusRequest(), metadata=sessions["a"].metadata, timeout=10
         )
     assert status.connected
+
+
+def test_no_service_is_given_a_ca_key(deployment: LocalDeployment) -> None:
+    """The launcher renews every certificate itself: no service's environment names a CA key."""
+    ca_keys = {str(deployment.pki_dir / cluster / "ca.key") for cluster in deployment.clusters}
+    checked = []
+    for process in deployment.all_processes():
+        pid = process.pid
+        assert pid is not None, process.name
+        environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+        pairs = dict(item.split("=", 1) for item in environ if "=" in item)
+        named = {k for k in pairs if k.endswith("CA_KEY")}
+        pointing = {k for k, v in pairs.items() if v in ca_keys or v.endswith("/ca.key")}
+        assert not named and not pointing, (process.name, named | pointing)
+        checked.append(process.name)
+    assert {f"{s}-{c}" for s in SERVICE_ROLES for c in deployment.clusters} <= set(checked)
