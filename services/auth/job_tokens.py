@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -23,19 +24,16 @@ from nebula_common.proto.nebula.v1 import auth_pb2
 if TYPE_CHECKING:
     from services.auth.tokens import TokenIssuer
 
-JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """What a job id may be (the trainer's own rule for ``StageSpec.job_id``)."""
 
 
 class JobTokenRpc:
     """The IssueJobToken method of ``AuthServicer`` (its issuer and audit log are the servicer's)."""
 
+    # Both provided by ``AuthServicer``, which this class is mixed into.
     _issuer: TokenIssuer
-
-    async def _record(
-        self, event: str, *, outcome: str = "ok", account: str = "", details: dict[str, object] | None = None
-    ) -> None:
-        raise NotImplementedError  # AuthServicer's
+    _record: Callable[..., Awaitable[None]]
 
     async def IssueJobToken(
         self, request: auth_pb2.IssueJobTokenRequest, context: grpc.aio.ServicerContext
@@ -44,7 +42,8 @@ class JobTokenRpc:
         job_id = request.job_id
         if not JOB_ID.fullmatch(job_id):
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "job_id must be 1-128 characters of [A-Za-z0-9._-]"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "job_id must be 1-128 characters of [A-Za-z0-9._-], the first a letter or digit",
             )
         renewal = bool(principal.job_id)
         if renewal and principal.job_id != job_id:
