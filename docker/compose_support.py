@@ -249,6 +249,7 @@ def run_smoke(
         except (SmokeFailure, subprocess.TimeoutExpired, subprocess.CalledProcessError) as exc:
             log(f"FAILED: {exc}")
             compose.log_tails(log)
+            result["failed"] = str(exc)[-2000:]  # again at the end: CI keeps only the tail of a long log
         finally:
             if not args.keep:
                 timings.restart()

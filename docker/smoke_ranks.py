@@ -81,11 +81,29 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
     lap("both workers joined")
 
     # A stranger inside cluster a's network (the data service's container: no worker certificate)
-    # gets nothing from trainer-a's rank store: a plain TCPStore client, as the port used to accept.
+    # gets nothing from trainer-a's rank store: a plain TCP client that speaks first, as TCPStore's does.
+    # Only a TLS alert may come back; the probe prints what happened so a failure names it.
     probe = (
-        "import datetime, torch.distributed as dist\n"
-        "dist.TCPStore('trainer-a', 7510, is_master=False, timeout=datetime.timedelta(seconds=5))"
-        ".get('stage/posted')\n"
+        "import socket, time\n"
+        "deadline = time.monotonic() + 60\n"
+        "while True:\n"
+        "    try:\n"
+        "        s = socket.create_connection(('trainer-a', 7510), timeout=30)\n"
+        "        break\n"
+        "    except OSError as exc:\n"  # the network's DNS may lag behind a new container
+        "        if time.monotonic() > deadline:\n"
+        "            raise\n"
+        "        print('retrying:', exc, flush=True)\n"
+        "        time.sleep(1)\n"
+        "print('connected', flush=True)\n"
+        "s.sendall(bytes(64))\n"
+        "data = b''\n"
+        "try:\n"
+        "    while chunk := s.recv(4096):\n"
+        "        data += chunk\n"
+        "except ConnectionResetError:\n"
+        "    pass\n"
+        "print('received', len(data), data[:32].hex(), flush=True)\n"
     )
     stranger = subprocess.run(
         ["podman", "exec", names["data-a"], "python", "-c", probe],
@@ -93,10 +111,16 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
         text=True,
         timeout=120,
     )
-    check(stranger.returncode != 0, f"a plain client read trainer-a's rank store: {stranger.stdout[-400:]}")
+    said = f"exit {stranger.returncode}: {stranger.stdout[-400:]} {stranger.stderr[-800:]}"
+    ran = stranger.returncode == 0 and "connected" in stranger.stdout
+    check(ran, f"the stranger's probe did not run: {said}")
+    got = re.search(r"received (\d+) (\w*)", stranger.stdout)
+    check(got is not None, f"the stranger's probe printed no result: {said}")
+    nothing = got.group(1) == "0" or got.group(2).startswith("15")  # type: ignore[union-attr]  # 0x15: TLS alert
+    check(nothing, f"trainer-a's rank store answered a plain client: {said}")
     wait(
         lambda: "rank store refused a connection" in logs(names["trainer-a"]),
-        30,
+        60,
         "trainer-a to log the stranger's refusal",
     )
     lap("a stranger refused by the rank store")
