@@ -16,6 +16,7 @@ from rich.markup import escape
 from nebula_common.cli.console import new_console, print_error
 from nebula_common.pki.fingerprint import parse_fingerprint
 from nebula_common.pki.identity import KNOWN_ROLES, validate_cluster_id
+from nebula_common.pki.pins import PinnedCa
 from nebula_common.pki.store import (
     ClusterPaths,
     FingerprintMismatch,
@@ -201,7 +202,11 @@ def trust_add(
         raise typer.Exit(code=2) from None
     except (PkiError, OSError) as exc:
         raise _fail(str(exc)) from None
-    new_console().print(f"cluster {cluster} now trusts peer {peer} ({escape(str(path))})", soft_wrap=True)
+    scope = PinnedCa(x509.load_pem_x509_certificate(path.read_bytes()), peer).scope()
+    new_console().print(
+        f"cluster {cluster} now trusts peer {peer} ({escape(str(path))}); it may certify {scope}",
+        soft_wrap=True,
+    )
 
 
 @trust_app.command("list")
@@ -210,7 +215,7 @@ def trust_list(
     cluster: Annotated[str, typer.Option(help="Your cluster id.", callback=_check_cluster)],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
 ) -> None:
-    """The peer CAs this cluster trusts, with the fingerprints to compare."""
+    """The peer CAs this cluster trusts, with the fingerprints to compare and what each may certify."""
     try:
         peers = list_trust(pki_dir, cluster)
     except (PkiError, OSError) as exc:
@@ -229,6 +234,7 @@ def trust_list(
         else:
             crl = "no CRL file (the switch gets it over the link)"
         typer.echo(f"{p.peer}  {p.fingerprint}  until {p.not_after.isoformat()}  {crl}")
+        typer.echo(f"    may certify: {p.scope}")
 
 
 @trust_app.command("remove")

@@ -21,6 +21,7 @@ __all__ = [
     "CrlError",
     "LoadedCrl",
     "build_crl",
+    "key_id",
     "load_crl_for",
 ]
 
@@ -38,6 +39,8 @@ class LoadedCrl:
     """A verified CRL: which CA issued it, which serials it revokes, and until when it is current."""
 
     issuer: x509.Name
+    #: Key identifier of the CA whose signature verified (``key_id``): which CA issued it, by key.
+    issuer_key: bytes
     revoked: frozenset[int]
     number: int
     next_update: datetime
@@ -87,28 +90,58 @@ def _crl_number(crl: x509.CertificateRevocationList) -> int:
         return 0
 
 
+def key_id(cert: x509.Certificate) -> bytes:
+    """The CA's key identifier: its subjectKeyIdentifier, else the SHA-1 of its public key (RFC 5280)."""
+    try:
+        return cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value.digest
+    except x509.ExtensionNotFound:
+        return x509.SubjectKeyIdentifier.from_public_key(cert.public_key()).digest
+
+
+def _authority_key_id(crl: x509.CertificateRevocationList) -> bytes | None:
+    try:
+        return crl.extensions.get_extension_for_class(x509.AuthorityKeyIdentifier).value.key_identifier
+    except x509.ExtensionNotFound:
+        return None
+
+
 def load_crl_for(pem: bytes, trusted_cas: list[x509.Certificate], *, source: str = "CRL") -> LoadedCrl:
-    """Parse ``pem`` and accept it only if one of ``trusted_cas`` issued and signed it."""
+    """Parse ``pem`` and accept it only if one of ``trusted_cas`` issued and signed it.
+
+    The issuer is found by key, never by name alone: every trusted CA whose subject matches (and
+    whose key identifier matches the CRL's authorityKeyIdentifier, when it has one) is tried, and
+    the one whose key verifies the signature is the issuer. So a second CA with the same subject
+    (a rotation, or another organisation's look-alike) can neither sign for this one nor make its
+    genuine CRL fail.
+    """
     try:
         crl = x509.load_pem_x509_crl(pem)
     except ValueError as exc:
         raise CrlError(f"{source} is not a PEM CRL: {exc}") from exc
-    issuers = [ca for ca in trusted_cas if ca.subject == crl.issuer]
-    if not issuers:
+    authority = _authority_key_id(crl)
+    named = [ca for ca in trusted_cas if ca.subject == crl.issuer]
+    if not named:
         raise CrlError(f"{source} was issued by {crl.issuer.rfc4514_string()!r}, which is not a trusted CA")
-    public_key = issuers[0].public_key()
-    if not isinstance(public_key, ec.EllipticCurvePublicKey) or not crl.is_signature_valid(public_key):
+    candidates = [ca for ca in named if authority is None or key_id(ca) == authority]
+    issuer = next((ca for ca in candidates if _signed_by(crl, ca)), None)
+    if issuer is None:
         raise CrlError(f"{source} is not validly signed by {crl.issuer.rfc4514_string()!r}")
     next_update = crl.next_update_utc
     if next_update is None:
         raise CrlError(f"{source} has no nextUpdate")
     return LoadedCrl(
         issuer=crl.issuer,
+        issuer_key=key_id(issuer),
         revoked=frozenset(entry.serial_number for entry in crl),
         number=_crl_number(crl),
         next_update=next_update,
         pem=crl.public_bytes(serialization.Encoding.PEM),
     )
+
+
+def _signed_by(crl: x509.CertificateRevocationList, ca: x509.Certificate) -> bool:
+    public_key = ca.public_key()
+    return isinstance(public_key, ec.EllipticCurvePublicKey) and crl.is_signature_valid(public_key)
 
 
 def crl_entries(crl: x509.CertificateRevocationList) -> dict[int, datetime]:

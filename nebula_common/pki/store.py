@@ -7,7 +7,8 @@ Layout under a PKI root::
     <root>/<cluster>/switch.crt          PEM leaf of the cluster's switch
     <root>/<cluster>/switch.key          PEM PKCS#8 leaf key (0600)
     <root>/<cluster>/trust/<peer>.crt    a peer cluster's CA, trusted on the WAN
-    <root>/<cluster>/trust-bundle.pem    all trust/*.crt concatenated (gRPC root_certificates)
+    <root>/<cluster>/trust-bundle.pem    all trust/*.crt concatenated (gRPC root_certificates), each
+                                         pinned to its peer (``Nebula-Peer: <id>``, pki/pins.py)
     <root>/<cluster>/crl.pem             CRL signed by this cluster's CA (``nebula pki revoke``)
     <root>/<cluster>/trust/<peer>.crl.pem    the peer CA's CRL (demo layout with every cluster in one
                                          root; between organisations the switch receives it over
@@ -55,6 +56,7 @@ from nebula_common.pki.identity import (
     identity_from_certificate,
     validate_cluster_id,
 )
+from nebula_common.pki.pins import permitted_domains, pinned_pem
 
 __all__ = [
     "ClusterPaths",
@@ -232,15 +234,6 @@ def _ca_problem(cert: x509.Certificate) -> str | None:
     return None
 
 
-def _permitted_domains(cert: x509.Certificate) -> list[str] | None:
-    """DNS names a CA's name constraint permits, or None when it is not name-constrained."""
-    try:
-        constraints = cert.extensions.get_extension_for_class(x509.NameConstraints).value
-    except x509.ExtensionNotFound:
-        return None
-    return [name.value for name in constraints.permitted_subtrees or [] if isinstance(name, x509.DNSName)]
-
-
 def _check_own(paths: ClusterPaths) -> None:
     """Raise ``PkiError`` unless ``paths`` holds a consistent CA and switch pair (trust not checked).
 
@@ -360,8 +353,9 @@ def _exclusive(root: Path) -> Iterator[None]:
 
 
 def _write_bundle(paths: ClusterPaths) -> None:
-    """Rebuild trust-bundle.pem from trust/*.crt (sorted, so the output is deterministic)."""
-    pem = b"".join(_cert_pem(_read_cert(p)) for p in sorted(paths.trust_dir.glob("*.crt")))
+    """Rebuild trust-bundle.pem from trust/*.crt (sorted, so the output is deterministic), each CA
+    pinned to the peer it was added for (nebula_common/pki/pins.py)."""
+    pem = b"".join(pinned_pem(p.stem, _read_cert(p)) for p in sorted(paths.trust_dir.glob("*.crt")))
     atomic_write(paths.trust_bundle, pem, mode=_CERT_MODE)
 
 
@@ -524,7 +518,9 @@ def add_trust(
     side hands the other its ``ca.crt`` out of band. The PEM must hold exactly one self-signed,
     unexpired CA certificate: a leaf here would not work as an anchor, and a bundle could smuggle in
     extra anchors. A CA name-constrained to another cluster's domain is refused (it could never
-    certify this peer). Replacing an existing ``trust/<peer>.crt`` is allowed (that is CA rotation).
+    certify this peer); any other CA is pinned to ``peer_cluster_id`` in the bundle, so the switch
+    accepts it for that peer's identities and CRLs only, never another's. Replacing an existing
+    ``trust/<peer>.crt`` is allowed (that is CA rotation).
 
     ``expected_fingerprint`` (SHA-256 of the certificate, compared out of band) is checked before
     anything is written: a mismatch raises :class:`FingerprintMismatch` and leaves the disk as it was.
@@ -558,7 +554,7 @@ def add_trust(
         raise PkiError(
             f"the certificate given for peer {peer_cluster_id!r} is cluster {cluster_id!r}'s own CA"
         )
-    if (domains := _permitted_domains(peer_ca)) is not None and domains != [
+    if (domains := permitted_domains(peer_ca)) is not None and domains != [
         cluster_dns_domain(peer_cluster_id)
     ]:
         raise PkiError(

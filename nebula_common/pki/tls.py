@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from cryptography import x509
 
 from nebula_common.pki.identity import Identity, identity_from_pem
 from nebula_common.pki.store import ClusterPaths, PkiError
@@ -141,3 +142,12 @@ def peer_identity(context: grpc.aio.ServicerContext | grpc.ServicerContext) -> I
         raise PermissionError(
             f"caller's verified certificate carries no valid Nebula identity: {exc}"
         ) from exc
+
+
+def peer_certificate(context: grpc.aio.ServicerContext | grpc.ServicerContext) -> x509.Certificate | None:
+    """The verified client certificate of the current RPC, or None (none presented, unparsable)."""
+    pems = (context.auth_context() or {}).get(_PEM_CERT_KEY) or []
+    try:
+        return x509.load_pem_x509_certificate(pems[0]) if pems else None
+    except ValueError:
+        return None

@@ -18,6 +18,7 @@ from cryptography import x509
 from nebula_common.durable import atomic_write
 from nebula_common.pki.crl import CrlError, load_crl_for
 from nebula_common.pki.fingerprint import format_fingerprint
+from nebula_common.pki.pins import PinnedCa
 from nebula_common.pki.store import ClusterPaths, PkiError
 
 __all__ = ["TrustedPeer", "export_ca", "list_trust"]
@@ -37,6 +38,8 @@ class TrustedPeer:
     crl_next_update: datetime | None
     #: Why the CRL file next to the CA could not be used (unreadable, not signed by the CA...), else None.
     crl_error: str | None = None
+    #: What this CA may certify here: the peer it is pinned to, and its own name constraint if any.
+    scope: str = ""
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -48,6 +51,7 @@ class TrustedPeer:
             "crl_number": self.crl_number,
             "crl_next_update": self.crl_next_update.isoformat() if self.crl_next_update else None,
             "crl_error": self.crl_error,
+            "scope": self.scope,
         }
 
 
@@ -109,6 +113,7 @@ def list_trust(root: Path, cluster_id: str) -> list[TrustedPeer]:
                 crl_number=number,
                 crl_next_update=next_update,
                 crl_error=crl_error,
+                scope=PinnedCa(cert, path.stem).scope(),
             )
         )
     return peers

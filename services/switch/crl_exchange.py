@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 from cryptography import x509
 
-from nebula_common.pki import peer_identity
+from nebula_common.pki import peer_certificate, peer_identity
 from nebula_common.pki.crl import CrlError, crl_number
 from nebula_common.proto.nebula.v1 import trust_pb2, trust_pb2_grpc
 from services.switch.link import PeerLink
@@ -144,10 +144,16 @@ class SwitchTrustServicer(trust_pb2_grpc.SwitchTrustServicer):
 
     async def ExchangeCrl(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         try:
-            link = self.links.select(peer_identity(context))
+            certified = peer_identity(context)
+            link = self.links.select(certified)
         except PermissionError as exc:
             self.links.refuse("identity", str(exc), address=context.peer(), rpc="ExchangeCrl")
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        # Only the genuine peer's certificate (issued by a CA pinned to it, not revoked) is answered.
+        if (refused := link.refusal(peer_certificate(context))) is not None:
+            layer, reason = refused
+            link.refuse(layer, reason, address=context.peer(), rpc="ExchangeCrl", identity=certified.uri)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
         await self.exchanges[link.expected_peer.cluster_id].run(context.read, context.write, context.peer())
 
 

@@ -65,7 +65,7 @@ from services.switch.metrics import (
     PEER_LINK_UP,
     DirectionCounters,
 )
-from services.switch.revocation import RevocationList
+from services.switch.peer_trust import PeerTrust
 from services.switch.routing import Outbound, Router
 from services.switch.transfers import StepTotals, TransferKey, TransferLedger
 
@@ -256,7 +256,7 @@ class PeerLink:
         router: Router,
         *,
         audit: AuditLog | None = None,
-        revocation: RevocationList | None = None,
+        revocation: PeerTrust | None = None,
         liveness: LivenessPolicy | None = None,
         connections: int | None = 1,
         raw_dialer: RawDialFn | None = None,
@@ -399,6 +399,13 @@ class PeerLink:
 
     def is_revoked(self, cert: x509.Certificate | None) -> bool:
         return cert is not None and self.revocation is not None and self.revocation.is_revoked(cert)
+
+    def refusal(self, cert: x509.Certificate | None) -> tuple[str, str] | None:
+        """(audit layer, reason) when the peer's ``cert`` is not accepted: ``revoked`` (its CRL, a
+        closed gate) or ``trust`` (no CA pinned to this peer issued it); None to accept it."""
+        if cert is None or self.revocation is None:
+            return None
+        return self.revocation.check(cert)
 
     def enforce_revocation(self) -> bool:
         """Close the live session if its peer certificate is now revoked; True if one was closed."""
@@ -766,14 +773,10 @@ class PeerLink:
         while not self._stopping:
             try:
                 peer_cert = await probe() if probe is not None else None
-                if self.is_revoked(peer_cert):
+                if (refused := self.refusal(peer_cert)) is not None:
                     assert peer_cert is not None
-                    self.refuse(
-                        "revoked",
-                        "peer presented a revoked certificate",
-                        serial=f"{peer_cert.serial_number:x}",
-                    )
-                    raise HandshakeError(f"peer certificate {peer_cert.serial_number:x} is revoked")
+                    self.refuse(*refused, serial=f"{peer_cert.serial_number:x}")
+                    raise HandshakeError(refused[1])
                 offer_raw = self.raw_dialer is not None and time.monotonic() >= self._raw_fallback_until
                 session_id = os.urandom(16)
                 striping = self.connections != 1
@@ -904,9 +907,9 @@ class PeerLink:
             except PermissionError as exc:
                 self.refuse("identity", str(exc), serial=serial)
                 raise HandshakeError(str(exc)) from exc
-            if self.is_revoked(cert):
-                self.refuse("revoked", "peer presented a revoked certificate", serial=serial)
-                raise HandshakeError(f"peer certificate {serial} is revoked")
+            if (refused := self.refusal(cert)) is not None:
+                self.refuse(*refused, serial=serial)
+                raise HandshakeError(refused[1])
             hello = self.hello(
                 lanes=self.connections != 1, session_id=session_id, lane=lane, raw_link=RAW_LINK_VERSION
             )

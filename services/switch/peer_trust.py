@@ -3,13 +3,15 @@
 Between organisations nothing is shared but CA certificates, so revocation cannot arrive by file
 copy: the peer's switch sends its CA's CRL over the WAN port (services/switch/crl_exchange.py) and
 this class decides whether to believe it. A CRL is accepted only if a CA of this cluster's trust
-bundle that may certify the peer signed it, and never replaced by an older one (a replayed CRL
-must not un-revoke a certificate). The last accepted CRL is kept in the switch's data directory so
-a restart enforces it before the peer is reachable again. A CRL file (``NEBULA_SWITCH_PEER_CRL``,
+bundle pinned to this peer (nebula_common/pki/pins.py) signed it, and never replaced by an older one
+(a replayed CRL must not un-revoke a certificate) nor by another with the same number. The last
+accepted CRL is kept in the switch's data directory so a restart enforces it before the peer is
+reachable again. A CRL file (``NEBULA_SWITCH_PEER_CRL``,
 the single-operator layout) is still polled and goes through the same checks.
 
 The same object is the link's revocation gate (``PeerLink.revocation``): a peer certificate is
-refused when its serial is on the CRL, when no trusted CA issued it (``nebula pki trust remove``
+refused when its serial is on the CRL, when no CA pinned to this peer issued it (another peer's CA
+vouches for its own cluster only; ``nebula pki trust remove``
 took the peer's CA out of the bundle: the live link closes at the next poll), or, with
 ``fail_closed``, while the CRL is past its nextUpdate or none arrived yet. A stale CRL is always an
 alarm (``nebula_switch_crl_stale`` and an error in the log); failing closed is a setting because it
@@ -31,6 +33,7 @@ from prometheus_client import Gauge
 from nebula_common.durable import atomic_write
 from nebula_common.pki.crl import CrlError, LoadedCrl, load_crl_for
 from nebula_common.pki.identity import cluster_dns_domain
+from nebula_common.pki.pins import load_pinned
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +58,6 @@ PEER_TRUSTED_CAS = Gauge(
 )
 
 Event = tuple[str, dict[str, object]]
-
-
-def _permits(ca: x509.Certificate, domain: str) -> bool:
-    """True if ``ca`` may certify names under ``domain`` (its DNS name constraint, if any, allows it)."""
-    try:
-        constraints = ca.extensions.get_extension_for_class(x509.NameConstraints).value
-    except x509.ExtensionNotFound:
-        return True
-    permitted = [n.value for n in constraints.permitted_subtrees or [] if isinstance(n, x509.DNSName)]
-    return any(domain == p or domain.endswith("." + p) for p in permitted)
 
 
 class _RefusedSerials:
@@ -156,17 +149,26 @@ class PeerTrust:
 
     def refusal(self, cert: x509.Certificate) -> str | None:
         """Why ``cert`` (presented by the peer) must be refused, or None."""
+        found = self.check(cert)
+        return found[1] if found is not None else None
+
+    def check(self, cert: x509.Certificate) -> tuple[str, str] | None:
+        """(audit layer, reason) for refusing ``cert``: ``revoked`` for the CRL and a closed gate,
+        ``trust`` for a certificate no CA pinned to this peer issued; None to accept it."""
         if cert.serial_number in self.crl_serials:
-            return f"peer certificate {cert.serial_number:x} is revoked"
+            return "revoked", f"peer certificate {cert.serial_number:x} is revoked"
         if (reason := self.closed_reason()) is not None:
-            return reason
+            return "revoked", reason
         for ca in self.peer_cas:
             try:
                 cert.verify_directly_issued_by(ca)
                 return None
             except (InvalidSignature, ValueError, TypeError):
                 continue
-        return f"peer certificate {cert.serial_number:x} was not issued by a CA this cluster trusts"
+        return "trust", (
+            f"peer certificate {cert.serial_number:x} was not issued by a CA this cluster trusts for "
+            f"cluster {self.peer_cluster_id!r}"
+        )
 
     def is_revoked(self, cert: x509.Certificate) -> bool:
         reason = self.refusal(cert)
@@ -184,13 +186,18 @@ class PeerTrust:
         with self._lock:
             loaded = load_crl_for(pem, self._peer_cas, source=source)
             current = self.loaded
-            if current is not None and loaded.issuer == current.issuer:
+            if current is not None and loaded.issuer_key == current.issuer_key:
                 if loaded.number < current.number:
                     raise CrlError(
                         f"{source} has CRLNumber {loaded.number}, older than the {current.number} in force"
                     )
                 if loaded.pem == current.pem:
                     return None
+                if loaded.number == current.number:
+                    raise CrlError(
+                        f"{source} repeats CRLNumber {loaded.number} with other contents than the CRL in "
+                        "force; a CA must number every new CRL higher"
+                    )
             self.loaded = loaded
             if persist:
                 try:
@@ -239,14 +246,13 @@ class PeerTrust:
             st = self.bundle_path.stat()
         except FileNotFoundError:
             stamp = None
-            cas: list[x509.Certificate] = []
+            pinned = []
         else:
             stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
             if stamp == self._bundle_stamp:
                 return False
             try:
-                data = self.bundle_path.read_bytes()
-                cas = x509.load_pem_x509_certificates(data) if data.strip() else []
+                pinned = load_pinned(self.bundle_path.read_bytes())
             except (OSError, ValueError) as exc:
                 log.error(
                     "keeping the previous peer CAs: unreadable trust bundle %s: %s", self.bundle_path, exc
@@ -256,7 +262,15 @@ class PeerTrust:
             return False
         with self._lock:
             self._bundle_stamp = stamp
-            self._peer_cas = [ca for ca in cas if _permits(ca, self.peer_domain)]
+            self._peer_cas = [entry.cert for entry in pinned if entry.may_certify(self.peer_cluster_id)]
+        for entry in pinned:
+            if entry.peer is None and not entry.may_certify(self.peer_cluster_id):
+                log.error(
+                    "CA %r in %s certifies %s: rebuild the bundle with `nebula pki trust add`",
+                    entry.cert.subject.rfc4514_string(),
+                    self.bundle_path,
+                    entry.scope(),
+                )
         log.info(
             "trust bundle loaded: %d CA(s) may certify peer %s", len(self._peer_cas), self.peer_cluster_id
         )

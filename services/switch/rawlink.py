@@ -355,9 +355,9 @@ async def serve_raw(links: PeerLinks, connection: RawConnection, handshake_timeo
         links.refuse("identity", str(exc), address=peer, serial=serial)
         log.warning("refused raw WAN link: %s", exc, extra={"fields": {"peer": peer}})
         return
-    if link.is_revoked(cert):
-        reason = f"peer certificate {serial} is revoked"
-        link.refuse("revoked", reason, address=peer, serial=serial, identity=certified.uri)
+    if (refused := link.refusal(cert)) is not None:
+        layer, reason = refused
+        link.refuse(layer, reason, address=peer, serial=serial, identity=certified.uri)
         log.warning("refused raw WAN link: %s", reason, extra={"fields": {"peer": peer}})
         return
     try:

@@ -19,9 +19,8 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-from cryptography import x509
 
-from nebula_common.pki import peer_identity
+from nebula_common.pki import peer_certificate, peer_identity
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION
 from services.switch.link import (
     HANDSHAKE_TIMEOUT_S,
@@ -35,20 +34,12 @@ from services.switch.peers import PeerLinks
 log = logging.getLogger(__name__)
 
 
-def _peer_certificate(context: grpc.aio.ServicerContext) -> x509.Certificate | None:
-    pems = (context.auth_context() or {}).get("x509_pem_cert") or []
-    try:
-        return x509.load_pem_x509_certificate(pems[0]) if pems else None
-    except ValueError:
-        return None
-
-
 class SwitchLinkServicer:
     def __init__(self, links: PeerLinks) -> None:
         self.links = links
 
     async def Link(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
-        cert = _peer_certificate(context)
+        cert = peer_certificate(context)
         serial = f"{cert.serial_number:x}" if cert is not None else ""
         try:
             certified = peer_identity(context)
@@ -57,9 +48,9 @@ class SwitchLinkServicer:
             self.links.refuse("identity", str(exc), address=context.peer(), serial=serial)
             log.warning("refused WAN link: %s", exc, extra={"fields": {"peer": context.peer()}})
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
-        if link.is_revoked(cert):
-            reason = f"peer certificate {serial} is revoked"
-            link.refuse("revoked", reason, address=context.peer(), serial=serial, identity=certified.uri)
+        if (refused := link.refusal(cert)) is not None:
+            layer, reason = refused
+            link.refuse(layer, reason, address=context.peer(), serial=serial, identity=certified.uri)
             log.warning("refused WAN link: %s", reason, extra={"fields": {"peer": context.peer()}})
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
         try:

@@ -88,8 +88,9 @@ class JobTokens:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 # A new channel presents the certificate on disk now (a renewal may have replaced it).
-                old, self._channel = self._channel, internal_channel(
-                    self._address, service="auth", tls=self._tls, aio=True
+                old, self._channel = (
+                    self._channel,
+                    internal_channel(self._address, service="auth", tls=self._tls, aio=True),
                 )
                 self._stub = auth_pb2_grpc.AuthStub(self._channel)
                 await old.close()

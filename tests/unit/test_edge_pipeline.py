@@ -57,8 +57,12 @@ def cut_and_restore(at_step: int, outage_s: float = 0.5) -> Callable[[StageRun, 
             30,
             "both ends to see the link down",
         )
-        assert up.runner.edge is not None
-        wait_for(lambda: up.runner.edge.session.outage_seconds() >= outage_s, 30, "the outage to last")
+        # Each end counts its outage from when it saw the link go down, which may differ by a poll.
+        wait_for(
+            lambda: all(run.runner.edge.session.outage_seconds() >= outage_s for run in ends),  # type: ignore[union-attr]
+            30,
+            "the outage to last at both ends",
+        )
         link.restore()
 
     return during

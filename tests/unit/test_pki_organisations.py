@@ -19,7 +19,10 @@ from typer.testing import CliRunner
 from nebula_common.cli.pki import app
 from nebula_common.pki import ClusterPaths, load_layout
 from nebula_common.pki.fingerprint import format_fingerprint, parse_fingerprint
+from nebula_common.pki.pins import load_pinned
 from nebula_common.pki.store import FingerprintMismatch, PkiError, add_trust, init_cluster, remove_trust
+from tests.support.rogue_ca import pem as rogue_pem
+from tests.support.rogue_ca import unconstrained_ca
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -299,3 +302,28 @@ def test_a_fingerprint_is_printed_to_the_letter_even_where_it_spells_an_emoji_co
         "trust", "add", "--dir", root_a, "--cluster", "a", "--peer", "b", "--ca", b_ca, "--fingerprint", told
     )
     assert code == 2 and told in err, err
+
+
+def test_a_ca_without_name_constraint_is_pinned_to_its_peer_and_listed_so(tmp_path: Path) -> None:
+    root_a, a = _org(tmp_path, "a")
+    root_b, _ = _org(tmp_path, "b")
+    b_ca, b_fp = _export(tmp_path, root_b, "b")
+    enterprise, _ = unconstrained_ca()
+    c_ca = tmp_path / "c-ca.crt"
+    c_ca.write_bytes(rogue_pem(enterprise))
+    c_fp = format_fingerprint(enterprise)
+    for peer, ca, fp in (("b", b_ca, b_fp), ("c", c_ca, c_fp)):
+        code, out, err = _invoke(
+            "trust", "add", "--dir", root_a, "--cluster", "a", "--peer", peer, "--ca", ca, "--fingerprint", fp
+        )
+        assert code == 0, out + err
+    assert "may certify cluster c only (pinned by this cluster; the CA has no name constraint)" in out
+
+    bundle = a.trust_bundle.read_bytes()
+    assert [(e.peer, format_fingerprint(e.cert)) for e in load_pinned(bundle)] == [("b", b_fp), ("c", c_fp)]
+    code, out, _ = _invoke("trust", "list", "--dir", root_a, "--cluster", "a")
+    assert code == 0
+    assert "may certify: cluster b only (pinned, and name-constrained to b.nebula.internal)" in out
+    assert "may certify: cluster c only (pinned by this cluster" in out
+    code, out, _ = _invoke("trust", "list", "--dir", root_a, "--cluster", "a", "--json")
+    assert [p["scope"].split(" (")[0] for p in json.loads(out)] == ["cluster b only", "cluster c only"]

@@ -1,11 +1,13 @@
 """The switch's peer trust: which CRL it believes, what a stale one does, and what trust removal does.
 
 Real CAs and CRLs from two organisations' separate PKI roots; a third party ("mallory") makes a CA
-with the very same name as b's to forge CRLs.
+with the very same name as b's to forge CRLs, and a third organisation c brings a CA without any
+name constraint (tests/support/rogue_ca.py).
 """
 
 from __future__ import annotations
 
+import ssl
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -13,7 +15,9 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from nebula_common.pki.crl import CrlError, build_crl
+from nebula_common.pki import Identity, issue_certificate
+from nebula_common.pki.crl import CrlError, build_crl, key_id, load_crl_for
+from nebula_common.pki.pins import load_pinned, pinned_pem
 from nebula_common.pki.store import (
     ClusterPaths,
     _read_key,
@@ -22,7 +26,10 @@ from nebula_common.pki.store import (
     remove_trust,
     revoke_certificate,
 )
+from nebula_common.pki.trust import list_trust
 from services.switch.peer_trust import PEER_CRL_STALE, PeerTrust
+from tests.support.rogue_ca import pem as rogue_pem
+from tests.support.rogue_ca import unconstrained_ca
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -142,3 +149,72 @@ def test_removed_trust_closes_the_gate_and_an_unknown_issuer_is_refused(
     assert ("trust.reload", {"trusted_peer_cas": 0}) in events
     assert "trust removed" in (trust.closed_reason() or "")
     assert b_switch.serial_number in trust.revoked and trust.is_revoked(b_switch)
+
+
+def test_an_unconstrained_peer_ca_vouches_for_its_own_cluster_only(
+    orgs: tuple[ClusterPaths, ClusterPaths], tmp_path: Path
+) -> None:
+    """Organisation c brings an enterprise root with no name constraint, named like b's CA: a trusts
+    it for c, and it can neither certify b's switch nor sign b's CRL, nor spoil b's genuine CRL."""
+    a, b = orgs
+    b_ca = _cert(b.ca_cert)
+    c_ca, c_key = unconstrained_ca(b_ca.subject)  # a look-alike of b's CA name
+    add_trust(a.dir.parent, "a", "c", rogue_pem(c_ca))
+    for_b, for_c = _trust(a, tmp_path), PeerTrust("c", a.trust_bundle, cache_path=tmp_path / "crl-c.pem")
+    assert for_b.peer_cas == [b_ca] and for_c.peer_cas == [c_ca]
+
+    forged_b, _ = issue_certificate(c_ca, c_key, Identity("b", "switch"))
+    found = for_b.check(forged_b)
+    assert found is not None and found[0] == "trust" and "for cluster 'b'" in found[1]
+    own_c, _ = issue_certificate(c_ca, c_key, Identity("c", "switch"))
+    assert for_c.check(own_c) is None
+    assert for_b.check(_cert(b.switch_cert)) is None
+
+    with pytest.raises(CrlError, match="not validly signed"):
+        for_b.apply(_pem(build_crl(c_ca, c_key, {0xB0B: datetime.now(UTC)}, number=50)), source="link")
+    # The loader finds the issuer by key: a same-named CA listed first does not make b's CRL fail.
+    genuine = load_crl_for(b.crl.read_bytes(), [c_ca, b_ca], source="b's CRL")
+    assert genuine.issuer_key == key_id(b_ca)
+    trust_list = {p.peer: p.scope for p in list_trust(a.dir.parent, "a")}
+    assert trust_list["c"].startswith("cluster c only (pinned by this cluster; the CA has no name constraint")
+    assert trust_list["b"].startswith("cluster b only (pinned, and name-constrained to b.nebula")
+
+
+def test_a_hand_made_bundle_without_pins_trusts_only_self_constrained_cas(
+    orgs: tuple[ClusterPaths, ClusterPaths], tmp_path: Path
+) -> None:
+    _, b = orgs
+    c_ca, _ = unconstrained_ca()
+    bundle = tmp_path / "hand-made.pem"
+    bundle.write_bytes(b.ca_cert.read_bytes() + rogue_pem(c_ca))  # no Nebula-Peer lines
+    for_b = PeerTrust("b", bundle, cache_path=tmp_path / "b.pem")
+    for_c = PeerTrust("c", bundle, cache_path=tmp_path / "c.pem")
+    assert for_b.peer_cas == [_cert(b.ca_cert)]  # b's CA is constrained to b's domain itself
+    assert for_c.peer_cas == [] and "trusts no CA of peer 'c'" in (for_c.closed_reason() or "")
+
+
+def test_a_crl_number_never_repeats_with_other_contents(
+    orgs: tuple[ClusterPaths, ClusterPaths], tmp_path: Path
+) -> None:
+    a, b = orgs
+    b_ca, b_key = _cert(b.ca_cert), _read_key(b.ca_key)
+    trust = _trust(a, tmp_path)
+    five = _pem(build_crl(b_ca, b_key, {0x5: datetime.now(UTC)}, number=5))
+    assert trust.apply(five, source="link") is not None
+    assert trust.apply(five, source="link") is None  # the same CRL again is no news
+    other_five = _pem(build_crl(b_ca, b_key, {}, number=5))
+    with pytest.raises(CrlError, match="repeats CRLNumber 5 with other contents"):
+        trust.apply(other_five, source="link")
+    assert trust.crl_serials == {0x5}
+
+
+def test_pins_survive_tls_libraries_and_are_read_back(tmp_path: Path) -> None:
+    layout_ca, _ = unconstrained_ca()
+    bundle = pinned_pem("b", layout_ca) + pinned_pem("c", layout_ca)
+    assert [(e.peer, e.cert) for e in load_pinned(bundle)] == [("b", layout_ca), ("c", layout_ca)]
+    assert len(x509.load_pem_x509_certificates(bundle)) == 2
+    path = tmp_path / "bundle.pem"
+    path.write_bytes(bundle)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_verify_locations(cafile=str(path))  # OpenSSL skips the explanatory text
+    assert len(context.get_ca_certs()) == 1  # the same CA twice is one root

@@ -1,4 +1,4 @@
-"""The switch's certificate manager, CRL loader, TLS-refusal parser and transfer ledger, on real files."""
+"""The switch's certificate manager, TLS-refusal parser and transfer ledger, on real files."""
 
 from __future__ import annotations
 
@@ -10,12 +10,9 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from nebula_common.audit import open_service_audit
-from nebula_common.pki import Identity, create_ca, init_pki
-from nebula_common.pki.crl import CrlError, build_crl
-from nebula_common.pki.store import revoke_certificate
+from nebula_common.pki import Identity, init_pki
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, tensor_pb2
 from services.switch.certs import CertificateManager
-from services.switch.revocation import RevocationList
 from services.switch.tls_refusals import parse_refusal
 from services.switch.transfers import StepTotals, TransferKey, TransferLedger
 
@@ -57,22 +54,6 @@ def test_switch_renews_itself_before_expiry_and_serves_the_new_pair(tmp_path: Pa
         json.loads(line)["event"] for line in (tmp_path / "data" / "audit.log").read_text().splitlines()
     ]
     assert events.count("cert.renew") == 1 and events.count("cert.reload") == 1
-
-
-def test_crl_must_be_signed_by_the_trusted_peer_ca_and_lists_revocations(tmp_path: Path) -> None:
-    layout = init_pki(tmp_path, ["a", "b"])
-    b = layout.cluster("b")
-    crl = RevocationList(b.trust_crl("a"), b.trust_bundle)
-    assert crl.revoked == frozenset()
-    revoke_certificate(tmp_path, "a", 0xABC, reason="test")
-    assert crl.refresh() is not None and crl.revoked == {0xABC}
-    # A CRL signed by some other CA (claiming to be a's) is refused; the last good list stays.
-    rogue_ca, rogue_key = create_ca("a")
-    forged = build_crl(rogue_ca, rogue_key, {}, number=99)
-    b.trust_crl("a").write_bytes(forged.public_bytes(serialization.Encoding.PEM))
-    assert crl.refresh() is None and crl.revoked == {0xABC}
-    with pytest.raises(CrlError, match="not validly signed"):
-        RevocationList(b.trust_crl("a"), b.trust_bundle)
 
 
 @pytest.mark.parametrize(
