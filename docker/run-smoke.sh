@@ -79,6 +79,9 @@ lap "smoke.py $*"
 # role is PERMISSION_DENIED and audited (probes run inside each cluster's network: docker/smoke_tls.py).
 "$PYTHON" docker/smoke_tls.py --compose "$COMPOSE"
 lap "smoke_tls.py (internal TLS)"
+# Every key has one owner (issue 29): what each service container's user can read, listed and checked.
+"$PYTHON" docker/smoke_secrets.py --compose "$COMPOSE"
+lap "smoke_secrets.py (one owner per key)"
 # Operating it (issue 11): the endpoints file, watch/status/report/logs/cancel through the CLI, and
 # trainer-a killed mid-job (named volume: checkpoints and a verifying audit log survive). SMOKE_OPS=0 skips.
 if [ "${SMOKE_OPS:-1}" != 0 ]; then
