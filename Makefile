@@ -151,6 +151,12 @@ bench-wan: $(STAMP)
 	done; \
 	if [ -n "$$failed" ]; then echo "bench-wan: failed:$$failed"; exit 1; fi
 
+# How long the CLI takes to answer (median of 3 fresh processes per command against a `nebula local up` of
+# its own with one finished job; about 1.5 minutes): JSON in bench-results/cli/, fails above 0.5 s.
+.PHONY: bench-cli
+bench-cli: $(STAMP)
+	$(BIN)/python bench/cli/startup.py --out bench-results/cli
+
 # What confining stages costs a user: `nebula demo` on this tree and on the tree before stage processes
 # (a git worktree of STAGE_BASELINE_REV), alternating, 5 rounds (about 6 minutes on 2 cores).
 STAGE_BASELINE_REV ?= d3ef4b8

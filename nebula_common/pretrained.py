@@ -27,9 +27,10 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:  # torch only where a model is loaded: checking a job spec must stay light
+    from torch import nn
 
 DECLARATION = "PRETRAINED_DIRS"
 CONFIG = "config.json"
@@ -256,6 +257,8 @@ def load_dir(path: str, class_name: str = "AutoModel") -> nn.Module:
         model = getattr(transformers, class_name).from_pretrained(path, local_files_only=True, **no_dropout)
     except (OSError, ValueError, RuntimeError) as exc:
         raise PretrainedError(f"{path}: cannot load as {class_name}: {exc}") from None
+    from torch import nn
+
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -264,6 +267,8 @@ def load_dir(path: str, class_name: str = "AutoModel") -> nn.Module:
 
 def transformer_layers(model: nn.Module) -> nn.ModuleList:
     """The model's list of transformer blocks (``encoder.layer``, ``transformer.h``, ``model.layers``...)."""
+    from torch import nn
+
     count = getattr(model.config, "num_hidden_layers", None)
     for _, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) == count:

@@ -9,15 +9,12 @@ from __future__ import annotations
 import json
 import os
 
-import torch
 import typer
 from rich.table import Table
 
 from nebula_common.cli.console import new_console
-from nebula_common.codec import CodecError, available_codecs, canonical_spec, get_codec
-from nebula_common.codec.advice import advise, job_advice_request
-from nebula_common.codec.base import dtype_from_name, numel
-from nebula_common.codec.calibration import Calibrator, default_cache_path
+
+# The codec package imports torch: each command imports what it uses, so `nebula --help` stays fast.
 
 app = typer.Typer(help="Codec specs and advice.", no_args_is_help=True)
 console = new_console()
@@ -36,6 +33,8 @@ def _shape(text: str) -> tuple[int, ...]:
 @app.command("list")
 def list_codecs() -> None:
     """Registered codec names (wire codecs and stream options)."""
+    from nebula_common.codec import available_codecs
+
     for name in available_codecs():
         console.print(name)
 
@@ -47,6 +46,11 @@ def inspect_spec(
     dtype: str = typer.Option("float32", help="Tensor dtype."),
 ) -> None:
     """Canonical spelling, exact encoded size and ratio for a shape, and any fallback note."""
+    import torch
+
+    from nebula_common.codec import CodecError, canonical_spec, get_codec
+    from nebula_common.codec.base import dtype_from_name, numel
+
     try:
         canonical = canonical_spec(spec)
         torch_dtype = dtype_from_name(dtype)
@@ -107,6 +111,10 @@ def advise_command(
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Rank codec specs for a link and tensor shape by predicted step time."""
+    from nebula_common.codec import CodecError
+    from nebula_common.codec.advice import advise, job_advice_request
+    from nebula_common.codec.calibration import Calibrator, default_cache_path
+
     request = job_advice_request(
         bandwidth_bps=bandwidth_mbit * 1e6,
         rtt_seconds=rtt_ms / 1e3,

@@ -12,9 +12,10 @@ from rich.console import Console
 from rich.markup import escape
 
 
-def new_console(*, stderr: bool = False) -> Console:
-    """A rich console on stdout (or ``stderr``) that prints ``:name:`` as it is, never as an emoji."""
-    return Console(emoji=False, stderr=stderr)
+def new_console(*, stderr: bool = False, width: int | None = None) -> Console:
+    """A rich console on stdout (or ``stderr``) that prints ``:name:`` as it is, never as an emoji;
+    ``width`` fixes its width instead of the terminal's (measuring, or a table printed whole)."""
+    return Console(emoji=False, stderr=stderr, width=width)
 
 
 def print_error(message: str) -> None:

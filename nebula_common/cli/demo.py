@@ -18,14 +18,12 @@ import typer
 from nebula_common.cli.console import new_console
 from nebula_common.cli.job import follow, onboard, print_summary
 from nebula_common.errors import NebulaError
-from nebula_common.jobspec import SpecError, load_spec
-from nebula_common.jobspec.builtin import builtin_spec
 from nebula_common.launcher import LocalDeployment
 from nebula_common.rpc.internal_tls import PLAINTEXT_ENV, warn_plaintext
 from nebula_common.sdk.client import ClusterSession
-from nebula_common.sdk.codec_advice import LinkProfile
 from nebula_common.sdk.deployment import ENDPOINTS, DeploymentTarget, write_endpoints_file
 from nebula_common.sdk.jobs import ProgramJob
+from nebula_common.sdk.links import LinkProfile
 
 console = new_console()
 DEMO_JOBS = ("numbers", "electra")
@@ -88,6 +86,9 @@ def demo(
         "stages.1.replicas": replicas,
     }
     overrides = {key: value for key, value in given.items() if value is not None}  # else the spec's value
+    from nebula_common.jobspec import SpecError, load_spec
+    from nebula_common.jobspec.builtin import builtin_spec
+
     try:
         job = ProgramJob(load_spec(builtin_spec(job_name), overrides))
     except (SpecError, ValueError) as exc:

@@ -22,10 +22,8 @@ from rich.table import Table
 from nebula_common.cli.console import new_console
 from nebula_common.credentials import CredentialsError, store_new
 from nebula_common.errors import NebulaError
-from nebula_common.jobspec import SpecError, load_spec
 from nebula_common.safe_yaml import YamlInputError, load_yaml_text
 from nebula_common.sdk.client import ClusterEndpoints, ClusterSession, common_checkpoint_step, submit_job
-from nebula_common.sdk.codec_advice import LinkProfile
 from nebula_common.sdk.deployment import (
     Credentials,
     DeploymentFileError,
@@ -35,6 +33,7 @@ from nebula_common.sdk.deployment import (
 )
 from nebula_common.sdk.deployment import onboard as onboard_account
 from nebula_common.sdk.jobs import ProgramJob
+from nebula_common.sdk.links import LinkProfile
 from nebula_common.sdk.progress import ProgressBar
 from nebula_common.sdk.summary import JobSummary, chain_edges, summarize
 
@@ -240,6 +239,8 @@ def submit(
         raise typer.BadParameter(
             "--resume needs --credentials: checkpoints belong to the accounts that made them"
         )
+    from nebula_common.jobspec import SpecError, load_spec  # pydantic models: built only to submit
+
     try:
         loaded = load_spec(spec, parse_overrides(overrides))
     except SpecError as exc:  # plain text on stderr: the message quotes the user's input (no markup)

@@ -24,6 +24,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
+from nebula_common.cli.console import new_console
 from nebula_common.cli.job import app, console, reattach_hint
 from nebula_common.errors import NebulaError
 from nebula_common.proto.nebula.v1 import trainer_pb2
@@ -70,34 +71,96 @@ def _loss(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
+LIST_COLUMNS = ("job", "state", "steps", "loss", "owners", "started (UTC)", "ended (UTC)")
+LIST_DROP_ORDER = ("started (UTC)", "ended (UTC)", "owners", "loss", "steps")
+"""Columns ``job list`` leaves out, in this order, when the terminal is too narrow: never the id."""
+
+
+def _list_rows(jobs: list[JobRecord]) -> list[dict[str, str]]:
+    return [
+        {
+            "job": job.job_id,
+            "state": job.state,
+            "steps": f"{job.steps_done}/{job.steps}",
+            "loss": _loss(job.loss),
+            "owners": ", ".join(f"{c}:{o}" for c, o in job.owners.items()),
+            "started (UTC)": _when(job.started_unix),
+            "ended (UTC)": _when(job.ended_unix),
+        }
+        for job in jobs
+    ]
+
+
+def jobs_table(jobs: list[JobRecord], width: int | None) -> Table:
+    """The job list as a table that fits ``width`` (None: every column) without cutting an id.
+
+    The id and the state never wrap; when the table cannot fit, the least useful columns are left out
+    (``LIST_DROP_ORDER``) before anything of the id would be.
+    """
+    from rich.measure import Measurement
+
+    rows = _list_rows(jobs)
+    columns = list(LIST_COLUMNS)
+
+    def build() -> Table:
+        table = Table(title=f"{len(jobs)} job(s)")
+        for column in columns:
+            whole = column in ("job", "state")
+            table.add_column(
+                column,
+                no_wrap=whole,
+                min_width=max((len(r[column]) for r in rows), default=0) if whole else None,
+            )
+        for row in rows:
+            table.add_row(*(row[c] for c in columns))
+        return table
+
+    table = build()
+    if width is None:
+        return table
+    measuring = new_console(width=10_000)
+    for column in LIST_DROP_ORDER:
+        if Measurement.get(measuring, measuring.options, table).minimum <= width:
+            break
+        columns.remove(column)
+        table = build()
+    return table
+
+
 @app.command("list")
 def list_command(
     deployment: Path = typer.Option(..., help=DEPLOYMENT_HELP),
     credentials: Path = typer.Option(None, help=CREDENTIALS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    output: str = typer.Option(
+        "table",
+        "--output",
+        "-o",
+        help="table: fit the terminal, leaving columns out before an id is cut; wide: every column, "
+        "whatever the width; name: one job id per line (for scripts and shells).",
+    ),
 ) -> None:
     """The jobs you may see (yours; an admin's: every job), oldest first, running and ended."""
+    if output not in ("table", "wide", "name"):
+        raise typer.BadParameter(f"{output!r}: choose table, wide or name", param_hint="'--output'")
     with opened(deployment, credentials) as target:
         jobs = target.jobs()
     if as_json:
         _emit_json([job.to_json() for job in jobs])
         return
-    table = Table(title=f"{len(jobs)} job(s)")
-    for column in ("job", "state", "owners", "steps", "loss", "started (UTC)", "ended (UTC)"):
-        table.add_column(column)
-    for job in jobs:
-        owners = ", ".join(f"{c}:{o}" for c, o in job.owners.items())
-        steps = f"{job.steps_done}/{job.steps}"
-        table.add_row(
-            job.job_id,
-            job.state,
-            owners,
-            steps,
-            _loss(job.loss),
-            _when(job.started_unix),
-            _when(job.ended_unix),
-        )
-    console.print(table)
+    if output == "name":
+        for job in jobs:
+            typer.echo(job.job_id)
+        return
+    if output == "wide":
+        from rich.measure import Measurement
+
+        table = jobs_table(jobs, None)
+        wide = new_console(width=10_000)
+        needed = Measurement.get(wide, wide.options, table).maximum
+        new_console(width=max(needed, console.width)).print(table)
+        return
+    console.print(jobs_table(jobs, console.width))
 
 
 def print_status(job: JobRecord) -> None:

@@ -20,7 +20,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from nebula_common.codec import CodecError, get_codec
 from nebula_common.errors import InvalidRequestError
 from nebula_common.pretrained import PretrainedError, declared_dirs, dir_problems, resolve_dirs
 from nebula_common.safe_yaml import YamlInputError, decode_text, load_yaml_file, load_yaml_text
@@ -183,6 +182,8 @@ class CodecPair(_Strict):
     @field_validator("forward", "backward")
     @classmethod
     def _known_codec(cls, value: str) -> str:
+        from nebula_common.codec import CodecError, get_codec  # torch: only when a spec is parsed
+
         try:
             return get_codec(value).spec
         except CodecError as exc:

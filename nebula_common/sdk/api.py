@@ -24,13 +24,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from nebula_common.errors import NebulaError
-from nebula_common.jobspec import LoadedJob, SpecError, load_spec
-from nebula_common.jobspec.spec import _set_dotted, parse_spec
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.client import ClusterSession, JobHandle, submit_job
 from nebula_common.sdk.deployment import Credentials, DeploymentTarget, read_credentials
@@ -50,6 +48,9 @@ from nebula_common.sdk.progress import ProgressBar
 from nebula_common.sdk.report import write_report
 from nebula_common.sdk.summary import JobSummary, summarize
 
+if TYPE_CHECKING:  # specs are pydantic models: built when a job is loaded, not to list or watch jobs
+    from nebula_common.jobspec import LoadedJob
+
 SpecSource = Path | str | dict[str, Any]
 
 
@@ -61,6 +62,9 @@ def load_job(
     A ``str`` is a path when it names an existing file or ends in ``.yaml``/``.yml`` on one line,
     YAML text otherwise. ``overrides`` use dotted keys (``edges.0.codec.forward``) as ``--set`` does.
     """
+    from nebula_common.jobspec import SpecError, load_spec
+    from nebula_common.jobspec.spec import _set_dotted, parse_spec
+
     if isinstance(spec, Path) or (isinstance(spec, str) and _looks_like_path(spec)):
         return load_spec(Path(spec), overrides)
     origin = "spec dict"

@@ -20,22 +20,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nebula_common.clients.auth import AuthClient
 from nebula_common.clients.endpoints import ClusterEndpoints
-from nebula_common.codec import CodecError
-from nebula_common.codec.advice_client import AdviceUnavailableError, advise_specs_sync
-from nebula_common.codec.stream import canonical_spec
 from nebula_common.errors import AuthenticationError, InvalidRequestError, NebulaError, PermissionDeniedError
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from nebula_common.rpc import bearer_metadata
 from nebula_common.rpc.internal_tls import internal_channel
-from nebula_common.sdk.codec_advice import (
-    AUTO,
-    Advisor,
-    LinkProfile,
-    needs_advice,
-    resolve_auto_codecs,
-    resolve_chain_codecs,
-)
 from nebula_common.sdk.jobs import ProgramJob
+from nebula_common.sdk.links import AUTO, LinkProfile
 
 _STATUS_ERRORS: dict[grpc.StatusCode, type[NebulaError]] = {
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
@@ -331,6 +321,11 @@ def submit_job(
     missing = sorted(set(clusters.values()) - set(sessions))
     if missing:
         raise InvalidRequestError(f"no session for cluster(s) {', '.join(missing)} named in the job spec")
+    # Advice measures a micro-batch with torch: imported here, so listing or cancelling jobs never does.
+    from nebula_common.codec import CodecError
+    from nebula_common.codec.advice_client import AdviceUnavailableError
+    from nebula_common.sdk.codec_advice import needs_advice
+
     if needs_advice(job):
         try:
             _resolve_auto(job, sessions, link, dict(links or {}), measure_links)
@@ -388,6 +383,10 @@ def _resolve_auto(
 ) -> None:
     """`auto` codecs: each edge advised by its sending cluster's codec service, for the link toward
     the receiving cluster as the sending switch measures it (``switch_link``; else the stated one)."""
+    from nebula_common.codec.advice_client import advise_specs_sync
+    from nebula_common.codec.stream import canonical_spec
+    from nebula_common.sdk.codec_advice import Advisor, resolve_auto_codecs, resolve_chain_codecs
+
     edges = job.spec.edges
     sources = [sessions[job.spec.stages[index].cluster] for index in range(len(edges))]
     edge_links: list[LinkProfile | None] = []

@@ -50,29 +50,13 @@ from nebula_common.codec.trial import (
 from nebula_common.jobspec.reference import build_programs
 from nebula_common.jobspec.runtime import example_ids
 from nebula_common.sdk.jobs import ProgramJob
+from nebula_common.sdk.links import AUTO, LinkProfile
 
-AUTO = "auto"
 DEFAULT_ERROR_BUDGET = 0.05
 TRIAL_OPTIONS_PER_DIRECTION = 3
 """The codec service's top options per direction that the trial pairs up (at most 3 x 3 pairs)."""
 TRIAL_MAX_PAIRS = 3
 """Pairs trained ``trial_steps`` steps at most (fastest-predicted first); the rest are only calibrated."""
-
-
-@dataclass(frozen=True)
-class LinkProfile:
-    """The WAN between the clusters as the submitter knows it (emulator settings, or measured)."""
-
-    bandwidth_mbit: float
-    rtt_ms: float
-    source: str = ""
-    """Where the numbers come from (measured by a switch, or stated and why), for the job report."""
-
-    def __post_init__(self) -> None:
-        if not self.bandwidth_mbit > 0:
-            raise ValueError(f"link bandwidth must be > 0 Mbit/s, got {self.bandwidth_mbit}")
-        if self.rtt_ms < 0:
-            raise ValueError(f"link RTT must be >= 0 ms, got {self.rtt_ms}")
 
 
 @dataclass(frozen=True)

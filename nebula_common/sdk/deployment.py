@@ -42,7 +42,7 @@ from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 from nebula_common.safe_yaml import YamlInputError, load_yaml_file
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterSession
-from nebula_common.sdk.codec_advice import LinkProfile
+from nebula_common.sdk.links import LinkProfile
 
 LOOPBACK = "127.0.0.1"
 DESCRIPTION = "deployment.json"

@@ -5,13 +5,15 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from typing import TYPE_CHECKING
 
 from nebula_common.errors import InvalidRequestError
-from nebula_common.jobspec import LoadedJob
-from nebula_common.jobspec.reference import UnsplitResult, hot_start_states, run_unsplit
-from nebula_common.jobspec.spec import stage_role
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.rpc.server import GRPC_MESSAGE_LIMIT
+
+if TYPE_CHECKING:  # job specs (pydantic) and the reference run (torch): loaded by whoever builds a job
+    from nebula_common.jobspec import LoadedJob
+    from nebula_common.jobspec.reference import UnsplitResult
 
 # A StageSpec travels in one AssignStage message; keep headroom below the 64 MiB gRPC limit for framing.
 MAX_STAGE_SPEC_BYTES = GRPC_MESSAGE_LIMIT - 64 * 1024
@@ -67,6 +69,8 @@ class ProgramJob:
                 f"hot start: {steps} unsplit steps must be in 1..{loaded.spec.steps - 1} "
                 f"(the job has {loaded.spec.steps} steps and at least one must run split)"
             )
+        from nebula_common.jobspec.reference import hot_start_states, run_unsplit  # torch, on demand
+
         result = run_unsplit(loaded, steps)
         return cls(loaded, job_id, initial_states=hot_start_states(result), initial_step=steps), result
 
@@ -175,6 +179,8 @@ class ProgramJob:
         return {stage.name: stage.cluster for stage in self.spec.stages}
 
     def stage_spec(self, stage_name: str) -> trainer_pb2.StageSpec:
+        from nebula_common.jobspec.spec import stage_role
+
         spec = self.spec
         index = next((i for i, s in enumerate(spec.stages) if s.name == stage_name), None)
         if index is None:

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from nebula_common.durable import atomic_write
-from nebula_common.sdk.codec_advice import LinkProfile
 from nebula_common.sdk.job_records import JobRecord
+from nebula_common.sdk.links import LinkProfile
 from nebula_common.sdk.summary import JobSummary
 
 WIDTH, HEIGHT, PAD = 640, 260, 48
