@@ -79,6 +79,9 @@ class Principal:
     role: str
     cluster_id: str
     job_id: str = ""
+    issued_at: float = field(default=0.0, compare=False)
+    """The token's ``iat`` (Unix seconds): a live edge opened with it ends once the account's tokens
+    issued before some time are revoked (``revocation_reason``). Not part of who the principal is."""
 
 
 @dataclass(frozen=True)
@@ -378,6 +381,15 @@ class TokenVerifier:
         self._check_revocation(principal.username, claims["iat"])
         return principal
 
+    def revocation_reason(self, username: str, issued_at: float) -> str | None:
+        """Why a token of ``username`` issued at ``issued_at`` is no longer good (account disabled,
+        deleted, new password), or None. For what outlives one call: a live edge is checked with it."""
+        try:
+            self._check_revocation(username, issued_at)
+        except AuthenticationError as exc:
+            return str(exc)
+        return None
+
     def _check_revocation(self, username: str, issued_at: Any) -> None:
         """Refuse a token issued before its account was disabled, deleted or given a new password."""
         revocation = self._state.revocations.get(username)
@@ -407,7 +419,14 @@ class TokenVerifier:
         job = claims.get("job", "")
         if not isinstance(job, str) or (role == JOB_ROLE) != bool(job):
             raise AuthenticationError("malformed token: a job token names one job, an account token none")
-        return Principal(username=username, role=role, cluster_id=self._cluster_id, job_id=job)
+        issued = claims.get("iat")
+        return Principal(
+            username=username,
+            role=role,
+            cluster_id=self._cluster_id,
+            job_id=job,
+            issued_at=float(issued) if isinstance(issued, int | float) else 0.0,
+        )
 
 
 def _parse_jwks(jwks_json: str) -> dict[str, jwt.PyJWK]:

@@ -79,7 +79,9 @@ class EdgeServer(Protocol):
 
     link: Any
 
-    async def serve_edge(self, stream: Any, account: str, open_: relay_pb2.EdgeOpen) -> None: ...
+    async def serve_edge(
+        self, stream: Any, account: str, open_: relay_pb2.EdgeOpen, *, issued_at: float = 0.0
+    ) -> None: ...
 
 
 class TicketError(Exception):
@@ -94,6 +96,8 @@ class Ticket:
     account: str
     open: relay_pb2.EdgeOpen
     expires: float
+    issued_at: float = 0.0
+    """``iat`` of the token the ticket was obtained with (the route ends if it is revoked)."""
 
 
 class EdgeTickets:
@@ -104,12 +108,19 @@ class EdgeTickets:
         self._clock = clock
         self._tickets: dict[bytes, Ticket] = {}
 
-    def issue(self, identity: Identity, serial: int, account: str, open_: relay_pb2.EdgeOpen) -> bytes:
+    def issue(
+        self,
+        identity: Identity,
+        serial: int,
+        account: str,
+        open_: relay_pb2.EdgeOpen,
+        issued_at: float = 0.0,
+    ) -> bytes:
         now = self._clock()
         for key in [key for key, each in self._tickets.items() if each.expires <= now]:
             del self._tickets[key]
         key = secrets.token_bytes(32)
-        self._tickets[key] = Ticket(identity.uri, serial, account, open_, now + self.ttl_s)
+        self._tickets[key] = Ticket(identity.uri, serial, account, open_, now + self.ttl_s, issued_at)
         return key
 
     def redeem(self, key: bytes, identity: Identity | None, serial: int | None) -> Ticket:
@@ -443,7 +454,7 @@ class RawEdgeListener:
                 **extra,
             )
             await stream.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
-        await self.servicer.serve_edge(stream, ticket.account, ticket.open)
+        await self.servicer.serve_edge(stream, ticket.account, ticket.open, issued_at=ticket.issued_at)
 
 
 def server_context(cert: str, key: str, ca: str) -> ssl.SSLContext:

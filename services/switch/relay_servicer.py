@@ -154,14 +154,24 @@ class RelayServicer:
         if first.open.raw_edge >= RAW_EDGE_VERSION and self.raw_edges is not None:
             certified = peer_certificate(context)  # verified by the role interceptor; None in plaintext
             if certified is not None:
-                await self._offer_raw(stream, principal.username, first.open, *certified)
+                await self._offer_raw(stream, principal.username, first.open, *certified, principal.issued_at)
                 return
         await self.serve_edge(
-            stream, principal.username, first.open, credential="job" if principal.job_id else "account"
+            stream,
+            principal.username,
+            first.open,
+            credential="job" if principal.job_id else "account",
+            issued_at=principal.issued_at,
         )
 
     async def _offer_raw(
-        self, stream: EdgeStream, account: str, open_: relay_pb2.EdgeOpen, identity: Identity, serial: int
+        self,
+        stream: EdgeStream,
+        account: str,
+        open_: relay_pb2.EdgeOpen,
+        identity: Identity,
+        serial: int,
+        issued_at: float,
     ) -> None:
         """Answer a raw edge offer: the open's checks that need no route, then a one-time ticket.
 
@@ -174,7 +184,7 @@ class RelayServicer:
             await stream.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.job_id and open.edge are required")
         link = await self._link_for(stream, account, job_id, edge, open_.peer_cluster)
         await self._refuse_if_backing_off(stream, link.router, account, job_id, edge)
-        ticket = self.raw_edges.tickets.issue(identity, serial, account, open_)
+        ticket = self.raw_edges.tickets.issue(identity, serial, account, open_, issued_at)
         ready = relay_pb2.EdgeReady(
             peer_cluster=link.expected_peer.cluster_id,
             max_window_bytes=link.router.max_window_bytes,
@@ -186,24 +196,31 @@ class RelayServicer:
         await stream.write(_serialize(relay_pb2.EdgeMessage(ready=ready)))
 
     async def serve_edge(
-        self, stream: EdgeStream, account: str, open_: relay_pb2.EdgeOpen, *, credential: str = ""
+        self,
+        stream: EdgeStream,
+        account: str,
+        open_: relay_pb2.EdgeOpen,
+        *,
+        credential: str = "",
+        issued_at: float = 0.0,
     ) -> None:
         """The body of an edge after its open, on any transport: checks, attach, then pump both ways.
 
         ``account`` is the caller the transport authenticated (the token interceptor's principal);
         ``credential`` what it proved it with (``job``: a job token of this edge's job; ``account``),
-        named in the audit record when known.
+        named in the audit record when known; ``issued_at`` that token's ``iat``, so the route ends
+        when the account's tokens are revoked (``Router.close_revoked``).
         """
         task = asyncio.current_task()
         assert task is not None
         self._edges.add(task)
         try:
-            await self._serve_edge(stream, account, open_, credential)
+            await self._serve_edge(stream, account, open_, credential, issued_at)
         finally:
             self._edges.discard(task)
 
     async def _serve_edge(
-        self, stream: EdgeStream, account: str, open_: relay_pb2.EdgeOpen, credential: str
+        self, stream: EdgeStream, account: str, open_: relay_pb2.EdgeOpen, credential: str, issued_at: float
     ) -> None:
         job_id, edge, reconnect = open_.job_id, open_.edge, open_.reconnect
         epoch = open_.epoch
@@ -215,7 +232,9 @@ class RelayServicer:
         router = link.router
         await self._refuse_if_backing_off(stream, router, account, job_id, edge)
         try:
-            route, attachment = router.attach(key, owner=account, reconnect=reconnect, epoch=epoch)
+            route, attachment = router.attach(
+                key, owner=account, reconnect=reconnect, epoch=epoch, issued_at=issued_at
+            )
         except StaleEpochError as exc:
             # The route belongs to a newer attempt: this stream is void from the start.
             self.link.record(

@@ -224,6 +224,9 @@ class Route:
     detached_epoch: int = 0
     #: Since when no trainer is attached (the unattached and orphan timeouts count from here).
     unattached_since: float = 0.0
+    #: ``iat`` of the token the owner's latest stream opened with: the route ends when tokens of the
+    #: owner issued before some time are revoked (``close_revoked``).
+    issued_at: float = 0.0
 
     @property
     def attached(self) -> bool:
@@ -317,7 +320,7 @@ class Router:
 
     # ----- local trainers --------------------------------------------------------------------
     def attach(
-        self, key: RouteKey, owner: str, reconnect: bool = False, epoch: int = 0
+        self, key: RouteKey, owner: str, reconnect: bool = False, epoch: int = 0, issued_at: float = 0.0
     ) -> tuple[Route, Attachment]:
         """Bind the local end of an edge to a trainer stream opened by account ``owner`` at ``epoch``.
 
@@ -373,6 +376,7 @@ class Router:
         route.attachment = attachment
         route.detached = None
         route.owner = owner
+        route.issued_at = issued_at
         if route.inbound or route.inbound_ack is not None:
             attachment.wake.set()
         if claimed_by is None:
@@ -698,6 +702,20 @@ class Router:
             del self._routes[route.key]
         self._tombstone(route.key, route.epoch)
         self._closed(route.key, route.owner, label, reason)
+
+    def close_revoked(self, reason_of: Callable[[str, float], str | None]) -> int:
+        """Close every route whose owner's credential is revoked now (``reason_of(owner, issued_at)``
+        says why: account disabled, deleted, new password); both trainers get the reason. Returns how
+        many were closed."""
+        closed = 0
+        for route in list(self._routes.values()):
+            if not route.owner or route.closed_reason is not None:
+                continue
+            reason = reason_of(route.owner, route.issued_at)
+            if reason is not None:
+                self.close_route(route, "credential", f"account {route.owner!r}: {reason}")
+                closed += 1
+        return closed
 
     def _refuse_new(self, key: RouteKey, label: str, detail: str, epoch: int) -> None:
         reason = (

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -92,9 +93,13 @@ async def _cancel(task: asyncio.Task[None]) -> None:
 
 
 async def _maintain(
-    settings: SwitchSettings, gates: list[tuple[PeerLink, PeerTrust]], certs: CertificateManager
+    settings: SwitchSettings,
+    gates: list[tuple[PeerLink, PeerTrust]],
+    certs: CertificateManager,
+    revoked: Callable[[str, float], str | None],
 ) -> None:
-    """Poll each peer's trust (bundle, CRL file, staleness; enforced on its live link) and own certificate."""
+    """Poll each peer's trust (bundle, CRL file, staleness; enforced on its live link), own certificate,
+    and the accounts behind live edges (``revoked(account, token iat)``: a disabled account's edges end)."""
     loop = asyncio.get_running_loop()
     next_cert_check = loop.time() + settings.cert_check_interval_s
     several = len(gates) > 1
@@ -107,6 +112,7 @@ async def _maintain(
                     link.record(event, outcome="alarm" if event == "crl.stale" else "ok", **details, **peer)
                 if link.enforce_revocation() and (reason := trust.closed_reason()) is not None:
                     link.record("trust.closed", outcome="refused", reason=reason, **peer)
+                link.router.close_revoked(revoked)
             if loop.time() >= next_cert_check:
                 next_cert_check = loop.time() + settings.cert_check_interval_s
                 await asyncio.to_thread(certs.check)
@@ -301,7 +307,12 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         if peer.dials(settings.cluster_id):
             _dial(settings, stack, peer, links, exchanges, certs, raw)
     maintenance = asyncio.create_task(
-        _maintain(settings, [(each, trusts[each.expected_peer.cluster_id]) for each in links], certs),
+        _maintain(
+            settings,
+            [(each, trusts[each.expected_peer.cluster_id]) for each in links],
+            certs,
+            verifier.revocation_reason,
+        ),
         name="switch-maintenance",
     )
     stack.push_async_callback(_cancel, maintenance)
