@@ -315,9 +315,18 @@ def logs_command(
         return
     for record in records:
         typer.echo(
-            f"{record.get('ts', '-')} {record.get('service', '-'):<8} {record.get('severity', '-'):<7} "
+            f"{record.get('ts', '-')} {_source(record):<10} {record.get('severity', '-'):<7} "
             f"{record.get('message', '')}"
         )
+
+
+def _source(record: dict[str, Any]) -> str:
+    """Which process said it, service and cluster (``trainer-a``), however the record was read."""
+    source = record.get("source")
+    if isinstance(source, str) and source:
+        return source
+    service, cluster = record.get("service", "-"), record.get("cluster_id")
+    return f"{service}-{cluster}" if cluster else str(service)
 
 
 __all__ = ["opened", "print_status"]

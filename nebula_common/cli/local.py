@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -62,6 +63,9 @@ def up(
         help="How many clusters (a, b, c, ...). Three or more: every switch links to every other one "
         "(chains of stages across them), through a WAN emulator in front of each accepting switch.",
     ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the whole deployment description (deployment.json) once it is up."
+    ),
 ) -> None:
     """Start clusters a and b (auth, codec, data, switch, trainer each) and the WAN emulator between them.
 
@@ -86,7 +90,12 @@ def up(
     def announce() -> None:
         # The same deployment as an endpoints file: the one format every deployment kind offers.
         write_endpoints_file(DeploymentTarget.load(run_dir / "deployment.json"), run_dir / ENDPOINTS)
-        console.print_json(json.dumps(deployment.describe()))
+        description = deployment.describe()
+        if as_json:
+            console.print_json(json.dumps(description))
+        else:
+            for line in summary_lines(description):
+                console.print(line, soft_wrap=True, highlight=False)
         console.print(
             f"[green]up[/]: PKI in {deployment.pki_dir}, logs in {deployment.log_dir}; "
             f"description in {run_dir / 'deployment.json'} (endpoints: {run_dir / ENDPOINTS}). "
@@ -97,6 +106,38 @@ def up(
         )
 
     serve_until_stopped(deployment, run_dir, announce)
+
+
+PORT_KEYS = {"switch": "internal_port", "wan": "wan_port"}
+
+
+def summary_lines(description: dict[str, Any]) -> list[str]:
+    """What a user needs from a fresh deployment, a line or two per cluster (``--json``: everything)."""
+    lines = []
+    for cluster, entry in description.get("clusters", {}).items():
+        processes = entry.get("processes", {})
+        ports = []
+        isolation = ""
+        for name, process in processes.items():
+            service = process.get("service", name.rsplit("-", 1)[0])
+            port = process.get(PORT_KEYS.get(service, "grpc_port")) or process.get("grpc_port")
+            state = "" if process.get("state") in (None, "running") else f" {process['state'].upper()}"
+            ports.append(f"{service} :{port}{state}")
+            if service == "switch" and process.get("wan_port"):
+                ports[-1] += f" (WAN :{process['wan_port']})"
+            isolation = process.get("stage_isolation") or isolation
+        lines.append(f"cluster {cluster}: {'  '.join(ports)}")
+        if isolation:
+            lines.append(f"  stages: {isolation}")
+        if entry.get("admin_password_file"):
+            lines.append(f"  admin password: {entry['admin_password_file']}")
+    emulator = description.get("wan_emulator")
+    if isinstance(emulator, dict) and "bandwidth_mbit" in emulator:
+        lines.append(
+            f"WAN emulator: {emulator['bandwidth_mbit']:g} Mbit/s and {emulator['delay_ms']:g} ms each way"
+            + (f", {len(description['wan_emulators'])} links" if description.get("wan_emulators") else "")
+        )
+    return lines
 
 
 def serve_until_stopped(

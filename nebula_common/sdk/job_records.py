@@ -377,7 +377,8 @@ def command_log_records(logs: dict[str, Any], job_id: str) -> list[dict[str, Any
 
 
 def job_log_records(description: dict[str, Any], job_id: str) -> list[dict[str, Any]]:
-    """Every JSON log record naming ``job_id`` in the deployment's log directory, oldest first."""
+    """Every JSON log record naming ``job_id`` in the deployment's log directory, oldest first; each
+    gets ``source``, the process whose log file it is in (``trainer-a``: service and cluster)."""
     log_dir = description.get("log_dir")
     if not isinstance(log_dir, str) or not Path(log_dir).is_dir():
         raise NebulaError(
@@ -395,6 +396,7 @@ def job_log_records(description: dict[str, Any], job_id: str) -> list[dict[str, 
                 except ValueError:
                     continue
                 if isinstance(record, dict) and record.get("job_id") == job_id:
+                    record["source"] = path.stem  # the process: service and cluster (trainer-a)
                     records.append(record)
     return sorted(records, key=lambda r: str(r.get("ts", "")))
 

@@ -171,6 +171,9 @@ def test_list_status_cancel_logs_watch_and_only_owners_and_admins_see_a_job(
     logs = nebula_json("job", "logs", job_id, *dep, "--credentials", str(owner))
     assert {r["job_id"] for r in logs} == {job_id}
     assert any(r["message"] == "stage assigned" for r in logs), logs
+    assert {r["source"] for r in logs} >= {"trainer-a", "trainer-b"}, logs  # each names its process
+    text = nebula_stdout("job", "logs", job_id, *dep, "--credentials", str(owner))
+    assert " trainer-a " in text and " trainer-b " in text, text
     code, output = nebula("job", "logs", job_id, *dep, "--credentials", str(stranger))
     assert code == 1 and "no job" in flat(output), output
     for session in sessions.values():

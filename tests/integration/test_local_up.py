@@ -58,6 +58,8 @@ def test_local_up_runs_until_interrupted_and_leaves_nothing_behind(tmp_path: Pat
         reap(up, run_dir)
         raise
     assert up.returncode == 0, output
+    assert "cluster a: auth :" in output and "WAN emulator: 60 Mbit/s" in output, output
+    assert '"clusters"' not in output, "the whole description is printed only with --json"
     assert_gone(pids)
 
 
