@@ -47,6 +47,7 @@ class Scene:
     c_ca: x509.Certificate
     c_key: ec.EllipticCurvePrivateKey
     work: Path
+    auth_b: str
 
     def audit(self, event: str) -> list[dict[str, Any]]:
         path = Path(self.b.running.audit.path)
@@ -95,7 +96,7 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
         link = b.running.links.get("a")
         assert link is not None
         wait_for(lambda: link.connected, 30, "the genuine a-b link")
-        yield Scene(pki, a, b, c_ca, c_key, work)
+        yield Scene(pki, a, b, c_ca, c_key, work, auth.address)
 
 
 def _pem_file(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> Path:
@@ -224,3 +225,58 @@ def test_c_cannot_reach_the_crl_exchange_as_a_nor_revoke_a_in_its_own_name(scene
     assert a_switch.serial_number not in a_trust.crl_serials
     assert a_trust.check(a_switch) is None
     assert _session(scene) == sessions
+
+
+def test_b_dialing_a_refuses_c_answering_in_a_s_place(scene: Scene) -> None:
+    """The dialer's side: c takes over a's address (DNS, a route) and answers b with its a/switch
+    certificate; b's dialer refuses it before any link message (audited, layer ``trust``)."""
+    work = scene.work / "dialer"
+    (work / "impostor").mkdir(parents=True)
+    cert, key = scene.credentials(Identity("a", "switch"))
+    cert_file, key_file = work / "impostor.crt", work / "impostor.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    with ExitStack() as stack:
+        auth = stack.enter_context(running_auth(auth_settings(work / "impostor", "a")))
+        impostor = SwitchThread(
+            chain_settings(
+                work / "impostor",
+                scene.pki,
+                "a",
+                auth.address,
+                peer_cluster_id="b",
+                link_role="accept",
+                tls_cert=cert_file,
+                tls_key=key_file,
+            )
+        )
+        stack.callback(impostor.stop)
+        dialer = SwitchThread(
+            chain_settings(
+                work,
+                scene.pki,
+                "b",
+                scene.auth_b,
+                peer_cluster_id="a",
+                peer_address=f"127.0.0.1:{impostor.running.wan_port}",
+                link_role="dial",
+            )
+        )
+        stack.callback(dialer.stop)
+        path = Path(dialer.running.audit.path)
+
+        def refused() -> list[dict[str, Any]]:
+            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            return [
+                r["details"]
+                for r in records
+                if r["event"] == "link.refused" and r["details"]["layer"] == "trust"
+            ]
+
+        found = wait_for(refused, 20, "b's dialer to refuse c's a/switch certificate")
+        assert "not issued by a CA this cluster trusts for cluster 'a'" in found[0]["reason"]
+        assert not dialer.running.link.connected
