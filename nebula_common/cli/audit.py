@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -50,6 +51,9 @@ def verify(
     max_seal_age_s: Annotated[
         float | None, typer.Option(min=0, help="Fail when the newest seal is older than this.")
     ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the verdict as JSON (the exit code is the same).")
+    ] = False,
 ) -> None:
     """Detect any edit, deletion, reordering, insertion or truncation; name the first bad record.
 
@@ -69,6 +73,11 @@ def verify(
         max_seal_age=None if max_seal_age_s is None else timedelta(seconds=max_seal_age_s),
     )
     console = new_console()
+    if as_json:
+        typer.echo(json.dumps({"log": str(log), **dataclasses.asdict(result)}, indent=2))
+        if not result.ok:
+            raise typer.Exit(1)
+        return
     if not result.ok:
         where = f"first bad record: {result.first_bad}: " if result.first_bad is not None else ""
         raise _fail(f"TAMPERED {log}: {where}{result.reason}")

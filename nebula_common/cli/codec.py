@@ -31,11 +31,17 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 @app.command("list")
-def list_codecs() -> None:
+def list_codecs(
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON list instead of one name per line."),
+) -> None:
     """Registered codec names (wire codecs and stream options)."""
     from nebula_common.codec import available_codecs
 
-    for name in available_codecs():
+    names = list(available_codecs())
+    if as_json:
+        typer.echo(json.dumps(names))
+        return
+    for name in names:
         console.print(name)
 
 
@@ -44,6 +50,7 @@ def inspect_spec(
     spec: str = typer.Argument(..., help="Codec spec, e.g. 'fp16(svd(0.6))' or 'start(ef(int8),1000)'."),
     shape: str = typer.Option("64,12,128", help="Tensor shape, e.g. 64,12,128."),
     dtype: str = typer.Option("float32", help="Tensor dtype."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
 ) -> None:
     """Canonical spelling, exact encoded size and ratio for a shape, and any fallback note."""
     import torch
@@ -57,22 +64,40 @@ def inspect_spec(
     except CodecError as exc:
         raise typer.BadParameter(str(exc)) from exc
     dims = _shape(shape)
-    console.print(f"canonical: {canonical}")
     codec = get_codec(canonical)
     while not codec.wire and getattr(codec, "inner", None) is not None:
         codec = codec.inner  # type: ignore[attr-defined]
     if not codec.wire:
+        if as_json:
+            typer.echo(json.dumps({"canonical": canonical, "wire_codec": None, "resolved_at": "job start"}))
+            return
+        console.print(f"canonical: {canonical}")
         console.print("auto is resolved by the codec service's Advise at job start")
         return
     raw = numel(dims) * torch.empty((), dtype=torch_dtype).element_size()
     size = codec.encoded_size(dims, torch_dtype)
     kind = "at most" if codec.variable_size else "exactly"
     ratio = size / raw if raw else 0.0
+    note = codec.plan_note(dims, torch_dtype)
+    if as_json:
+        body = {
+            "canonical": canonical,
+            "wire_codec": codec.spec,
+            "shape": list(dims),
+            "dtype": dtype,
+            "raw_bytes": raw,
+            "encoded_bytes": size,
+            "variable_size": bool(codec.variable_size),
+            "ratio": ratio,
+            "note": note or "",
+        }
+        typer.echo(json.dumps(body, indent=2))
+        return
+    console.print(f"canonical: {canonical}")
     console.print(
         f"wire codec {codec.spec}: {kind} {size} bytes for {list(dims)} {dtype} ({raw} raw), "
         f"ratio {ratio:.4f}"
     )
-    note = codec.plan_note(dims, torch_dtype)
     if note:
         console.print(f"[yellow]{note}[/]")
 

@@ -114,10 +114,14 @@ def test_every_kind_of_tampering_is_detected_and_located(
         expected = len(original) - 2  # the first record that is gone
     assert result.first_bad == expected, result
 
-    # The CLI says the same, names the record, and exits 1.
+    # The CLI says the same, names the record, and exits 1; with --json as one document.
     outcome = CliRunner().invoke(app, ["audit", "verify", str(log)])
     assert outcome.exit_code == 1
     assert f"first bad record: {expected}" in " ".join(outcome.output.split())
+    as_json = CliRunner().invoke(app, ["audit", "verify", str(log), "--json"])
+    assert as_json.exit_code == 1
+    verdict = json.loads(as_json.output)
+    assert (verdict["ok"], verdict["first_bad"], verdict["log"]) == (False, expected, str(log))
 
 
 def test_rewrite_with_recomputed_hashes_is_caught_by_the_seal(tmp_path: Path) -> None:
@@ -244,3 +248,7 @@ def test_cli_verify_ok_and_pinned_key(tmp_path: Path) -> None:
     assert "OK" in ok.output and "0 later record(s)" in " ".join(ok.output.split())
     wrong = CliRunner().invoke(app, ["audit", "verify", str(log), "--expect-key-id", "0" * 16])
     assert wrong.exit_code == 1
+    as_json = CliRunner().invoke(app, ["audit", "verify", str(log), "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    verdict = json.loads(as_json.output)
+    assert verdict["ok"] is True and verdict["key_id"] == key_id and verdict["records"] > 0
