@@ -308,7 +308,11 @@ class ClusterLauncher:
                 env[prefix + setting] = str(port) if setting == "METRICS_PORT" else f"{LOOPBACK}:{port}"
             env.update({prefix + key: value for key, value in fixed.items()})
             process = ServiceProcess(
-                name=name, command=console_command(module), env=env, log_dir=self.log_dir
+                name=name,
+                command=console_command(module),
+                env=env,
+                log_dir=self.log_dir,
+                holds_early_stop=True,
             )
             process.start()
             try:

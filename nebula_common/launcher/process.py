@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nebula_common.errors import NebulaError
 from nebula_common.rpc.internal_tls import internal_channel
+from nebula_common.stop_signals import stop_signals_blocked
 
 
 class ServiceStartError(NebulaError):
@@ -40,6 +41,9 @@ class ServiceProcess:
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
     # For a process that prints no JSON ports line (the WAN emulator): True once it is ready.
     ready_probe: Callable[[], bool] | None = field(default=None, repr=False, compare=False)
+    # A Nebula service (its entry point is ``run_service_main``, which unblocks them): started with
+    # SIGINT and SIGTERM blocked, so a stop in its first milliseconds waits for its handler.
+    holds_early_stop: bool = False
 
     @property
     def pid(self) -> int | None:
@@ -55,7 +59,13 @@ class ServiceProcess:
 
     def start(self) -> None:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
-        with self.lock, open(self.stdout_path, "wb") as out, open(self.log_path, "ab") as err:
+        held = stop_signals_blocked() if self.holds_early_stop else contextlib.nullcontext()
+        with (
+            self.lock,
+            open(self.stdout_path, "wb") as out,
+            open(self.log_path, "ab") as err,
+            held,  # a stop before its handler exists waits for it (stop_signals.py)
+        ):
             self.popen = subprocess.Popen(
                 self.command,
                 env=env,

@@ -36,6 +36,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar
 
+from nebula_common.stop_signals import unblock_stop_signals
+
 if TYPE_CHECKING:
     from nebula_common.service.settings import ServiceSettings
 
@@ -207,6 +209,7 @@ def run_service_main(name: str, definition_ref: str) -> NoReturn:
         importing = False
 
     previous = {signum: signal.signal(signum, remember) for signum in (signal.SIGINT, signal.SIGTERM)}
+    unblock_stop_signals()  # the launcher starts services with them blocked: one that came early arrives now
     try:
         code = _run(name, definition_ref, signals, imported)
     finally:

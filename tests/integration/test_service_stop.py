@@ -1,8 +1,10 @@
 """SIGTERM at any moment of a service's life ends its process with exit 0, within its grace period.
 
 Each of the five services is started as its own process (``python -m services.<name>``) and
-signalled at three moments, each detected, never guessed with a sleep:
+signalled at four moments, each detected, never guessed with a sleep:
 
+* ``exec``: at once, as the launcher starts it (SIGINT and SIGTERM blocked across the exec,
+  ``nebula_common/stop_signals.py``): before Python has even started, let alone installed a handler;
 * ``importing``: as soon as the kernel shows the process catching SIGTERM (``SigCgt`` in
   ``/proc/<pid>/status``), i.e. while torch and gRPC are still loading;
 * ``starting``: after its "starting" log line, while it acquires resources (the services that
@@ -30,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from nebula_common.pki import init_pki
+from nebula_common.stop_signals import stop_signals_blocked
 from services.auth.config import AuthSettings
 from services.auth.server import SERVICE as AUTH_SERVICE
 from tests.support.service_thread import ServiceThread
@@ -41,7 +44,7 @@ REPEAT = int(os.environ.get("NEBULA_STOP_REPEAT", "1"))
 GRACE_S = 15.0
 """Longest any service may take from SIGTERM to exit (the k8s manifests allow 15 s)."""
 SERVICES = ("auth", "codec", "data", "switch", "trainer")
-MOMENTS = ("importing", "starting", "serving")
+MOMENTS = ("exec", "importing", "starting", "serving")
 
 
 @dataclass(frozen=True)
@@ -161,16 +164,19 @@ def test_sigterm_at_any_moment_exits_zero(
         run.mkdir()
         # Waiting in start-up means waiting for an auth service that never answers.
         auth_address = cluster.silent_address if moment == "starting" else cluster.auth_address
-        process = subprocess.Popen(
-            [sys.executable, "-m", f"services.{service}"],
-            cwd=REPO_ROOT,
-            env=_env(service, cluster, run, auth_address),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        with stop_signals_blocked():  # as the launcher starts services (launcher/process.py)
+            process = subprocess.Popen(
+                [sys.executable, "-m", f"services.{service}"],
+                cwd=REPO_ROOT,
+                env=_env(service, cluster, run, auth_address),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
         try:
-            if moment == "importing":
+            if moment == "exec":
+                pass  # the signal goes out right after the fork, before the interpreter runs
+            elif moment == "importing":
                 pid = process.pid
                 _wait_for(lambda pid=pid: _catches_sigterm(pid), "SIGTERM handler", process)
             elif moment == "starting":
