@@ -80,7 +80,7 @@ class EdgeServer(Protocol):
     link: Any
 
     async def serve_edge(
-        self, stream: Any, account: str, open_: relay_pb2.EdgeOpen, *, issued_at: float = 0.0
+        self, stream: Any, account: str, open_: relay_pb2.EdgeOpen, *, issued_at: float = 0.0, serial: int = 0
     ) -> None: ...
 
 
@@ -454,7 +454,9 @@ class RawEdgeListener:
                 **extra,
             )
             await stream.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
-        await self.servicer.serve_edge(stream, ticket.account, ticket.open, issued_at=ticket.issued_at)
+        await self.servicer.serve_edge(
+            stream, ticket.account, ticket.open, issued_at=ticket.issued_at, serial=ticket.serial
+        )
 
 
 def server_context(cert: str, key: str, ca: str) -> ssl.SSLContext:

@@ -151,17 +151,17 @@ class RelayServicer:
                 edge=first.open.edge,
                 token_job=principal.job_id,
             )
-        if first.open.raw_edge >= RAW_EDGE_VERSION and self.raw_edges is not None:
-            certified = peer_certificate(context)  # verified by the role interceptor; None in plaintext
-            if certified is not None:
-                await self._offer_raw(stream, principal.username, first.open, *certified, principal.issued_at)
-                return
+        certified = peer_certificate(context)  # verified by the role interceptor; None in plaintext
+        if first.open.raw_edge >= RAW_EDGE_VERSION and self.raw_edges is not None and certified is not None:
+            await self._offer_raw(stream, principal.username, first.open, *certified, principal.issued_at)
+            return
         await self.serve_edge(
             stream,
             principal.username,
             first.open,
             credential="job" if principal.job_id else "account",
             issued_at=principal.issued_at,
+            serial=certified[1] if certified is not None else 0,
         )
 
     async def _offer_raw(
@@ -203,24 +203,31 @@ class RelayServicer:
         *,
         credential: str = "",
         issued_at: float = 0.0,
+        serial: int = 0,
     ) -> None:
         """The body of an edge after its open, on any transport: checks, attach, then pump both ways.
 
         ``account`` is the caller the transport authenticated (the token interceptor's principal);
         ``credential`` what it proved it with (``job``: a job token of this edge's job; ``account``),
-        named in the audit record when known; ``issued_at`` that token's ``iat``, so the route ends
-        when the account's tokens are revoked (``Router.close_revoked``).
+        named in the audit record when known; ``issued_at`` that token's ``iat`` and ``serial`` the
+        caller's certificate, so the route ends when either is revoked (``Router.close_revoked``).
         """
         task = asyncio.current_task()
         assert task is not None
         self._edges.add(task)
         try:
-            await self._serve_edge(stream, account, open_, credential, issued_at)
+            await self._serve_edge(stream, account, open_, credential, issued_at, serial)
         finally:
             self._edges.discard(task)
 
     async def _serve_edge(
-        self, stream: EdgeStream, account: str, open_: relay_pb2.EdgeOpen, credential: str, issued_at: float
+        self,
+        stream: EdgeStream,
+        account: str,
+        open_: relay_pb2.EdgeOpen,
+        credential: str,
+        issued_at: float,
+        serial: int,
     ) -> None:
         job_id, edge, reconnect = open_.job_id, open_.edge, open_.reconnect
         epoch = open_.epoch
@@ -233,7 +240,7 @@ class RelayServicer:
         await self._refuse_if_backing_off(stream, router, account, job_id, edge)
         try:
             route, attachment = router.attach(
-                key, owner=account, reconnect=reconnect, epoch=epoch, issued_at=issued_at
+                key, owner=account, reconnect=reconnect, epoch=epoch, issued_at=issued_at, serial=serial
             )
         except StaleEpochError as exc:
             # The route belongs to a newer attempt: this stream is void from the start.

@@ -227,6 +227,8 @@ class Route:
     #: ``iat`` of the token the owner's latest stream opened with: the route ends when tokens of the
     #: owner issued before some time are revoked (``close_revoked``).
     issued_at: float = 0.0
+    #: Serial of the client certificate that stream presented (0: none): revoking it ends the route.
+    serial: int = 0
 
     @property
     def attached(self) -> bool:
@@ -320,7 +322,13 @@ class Router:
 
     # ----- local trainers --------------------------------------------------------------------
     def attach(
-        self, key: RouteKey, owner: str, reconnect: bool = False, epoch: int = 0, issued_at: float = 0.0
+        self,
+        key: RouteKey,
+        owner: str,
+        reconnect: bool = False,
+        epoch: int = 0,
+        issued_at: float = 0.0,
+        serial: int = 0,
     ) -> tuple[Route, Attachment]:
         """Bind the local end of an edge to a trainer stream opened by account ``owner`` at ``epoch``.
 
@@ -377,6 +385,7 @@ class Router:
         route.detached = None
         route.owner = owner
         route.issued_at = issued_at
+        route.serial = serial
         if route.inbound or route.inbound_ack is not None:
             attachment.wake.set()
         if claimed_by is None:
@@ -703,17 +712,24 @@ class Router:
         self._tombstone(route.key, route.epoch)
         self._closed(route.key, route.owner, label, reason)
 
-    def close_revoked(self, reason_of: Callable[[str, float], str | None]) -> int:
-        """Close every route whose owner's credential is revoked now (``reason_of(owner, issued_at)``
-        says why: account disabled, deleted, new password); both trainers get the reason. Returns how
-        many were closed."""
+    def close_revoked(
+        self, reason_of: Callable[[str, float], str | None], revoked_serials: frozenset[int] = frozenset()
+    ) -> int:
+        """Close every route whose credential is revoked now: its owner's token (``reason_of(owner,
+        issued_at)`` says why: account disabled, deleted, new password) or the certificate its trainer
+        presented (its serial on the cluster CA's CRL). Both trainers get the reason; returns how many
+        were closed."""
         closed = 0
         for route in list(self._routes.values()):
             if not route.owner or route.closed_reason is not None:
                 continue
             reason = reason_of(route.owner, route.issued_at)
             if reason is not None:
-                self.close_route(route, "credential", f"account {route.owner!r}: {reason}")
+                reason = f"account {route.owner!r}: {reason}"
+            elif route.serial and route.serial in revoked_serials:
+                reason = f"the certificate {route.serial:x} its trainer opened it with is revoked"
+            if reason is not None:
+                self.close_route(route, "credential", reason)
                 closed += 1
         return closed
 

@@ -97,9 +97,11 @@ async def _maintain(
     gates: list[tuple[PeerLink, PeerTrust]],
     certs: CertificateManager,
     revoked: Callable[[str, float], str | None],
+    revoked_serials: Callable[[], frozenset[int]],
 ) -> None:
     """Poll each peer's trust (bundle, CRL file, staleness; enforced on its live link), own certificate,
-    and the accounts behind live edges (``revoked(account, token iat)``: a disabled account's edges end)."""
+    and the credentials behind live edges (``revoked(account, token iat)``: a disabled account's edges
+    end; ``revoked_serials()``: the cluster CA's CRL, a revoked trainer certificate's edges end)."""
     loop = asyncio.get_running_loop()
     next_cert_check = loop.time() + settings.cert_check_interval_s
     several = len(gates) > 1
@@ -112,7 +114,7 @@ async def _maintain(
                     link.record(event, outcome="alarm" if event == "crl.stale" else "ok", **details, **peer)
                 if link.enforce_revocation() and (reason := trust.closed_reason()) is not None:
                     link.record("trust.closed", outcome="refused", reason=reason, **peer)
-                link.router.close_revoked(revoked)
+                link.router.close_revoked(revoked, revoked_serials())
             if loop.time() >= next_cert_check:
                 next_cert_check = loop.time() + settings.cert_check_interval_s
                 await asyncio.to_thread(certs.check)
@@ -312,6 +314,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
             [(each, trusts[each.expected_peer.cluster_id]) for each in links],
             certs,
             verifier.revocation_reason,
+            lambda: identity.revoked,
         ),
         name="switch-maintenance",
     )

@@ -627,3 +627,38 @@ def test_the_peers_close_reaches_a_trainer_that_reattaches_to_its_orphan() -> No
         assert message.close.reason == "finished"
 
     run(scenario)
+
+
+def test_revoked_credentials_close_only_their_routes_to_both_sides() -> None:
+    """An account's revoked tokens, or the revoked certificate its trainer presented, end its live routes:
+    an error close to the peer and to the attached trainer, audited with bound ``credential``."""
+
+    async def scenario() -> None:
+        audit = Recorder()
+        router = Router(cluster_id="a", record=audit)
+        alice, alice_end = router.attach(("job-1", "e"), "alice", issued_at=100.0, serial=0xA)
+        router.attach(("job-2", "e"), "bob", issued_at=100.0, serial=0xB)
+        carol, _ = router.attach(("job-3", "e"), "carol", issued_at=300.0, serial=0xC)
+
+        def reason_of(account: str, issued_at: float) -> str | None:
+            # Tokens of alice issued before t=200 are revoked (a disable at t=200).
+            return "token revoked: account disabled" if account == "alice" and issued_at < 200 else None
+
+        assert router.close_revoked(reason_of, frozenset({0xB})) == 2
+        assert router.get(("job-1", "e")) is None and router.get(("job-2", "e")) is None
+        assert router.get(("job-3", "e")) is carol  # neither revoked
+        closes = {m.routed.job_id: m.routed.item.close for m in drain(router)}
+        assert (
+            closes["job-1"].error
+            and "account 'alice': token revoked: account disabled" in closes["job-1"].reason
+        )
+        assert "certificate b its trainer opened it with is revoked" in closes["job-2"].reason
+        told = router.pop_inbound(alice, alice_end)
+        assert told is not None and told.close.error and "account disabled" in told.close.reason
+        bounds = [
+            (fields["account"], fields["bound"]) for event, fields in audit.records if event == "route.closed"
+        ]
+        assert bounds == [("alice", "credential"), ("bob", "credential")]
+        assert router.close_revoked(reason_of, frozenset({0xB})) == 0  # once
+
+    run(scenario)
