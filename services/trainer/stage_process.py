@@ -192,7 +192,9 @@ class StageProcess:
         store = CheckpointStore(self._data_dir)
         account = store.stage_dir(self.owner, self.spec.job_id, self.spec.stage).parents[2]
         account.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return account
+        # Absolute: it is the stage's cwd, and bubblewrap resolves its bind sources from there (a
+        # relative data dir, as `make demo`'s runs/demo gives, named a path that did not exist).
+        return account.resolve()
 
     def _read_only(self) -> list[Path]:
         """The pre-trained folders the spec's module declares (validated before the stage started)."""
