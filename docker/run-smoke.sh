@@ -82,6 +82,10 @@ lap "smoke_tls.py (internal TLS)"
 # Every key has one owner (issue 29): what each service container's user can read, listed and checked.
 "$PYTHON" docker/smoke_secrets.py --compose "$COMPOSE"
 lap "smoke_secrets.py (one owner per key)"
+# A stage written to break out (issue 29): under Landlock in trainer-a's container it reaches no key,
+# record, other account's files, port or process, and its refusals are audited.
+COMPOSE="$COMPOSE" PYTHONPATH="$PWD" "$PYTHON" docker/smoke_hostile.py
+lap "smoke_hostile.py (a hostile stage)"
 # Operating it (issue 11): the endpoints file, watch/status/report/logs/cancel through the CLI, and
 # trainer-a killed mid-job (named volume: checkpoints and a verifying audit log survive). SMOKE_OPS=0 skips.
 if [ "${SMOKE_OPS:-1}" != 0 ]; then

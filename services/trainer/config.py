@@ -79,12 +79,15 @@ class TrainerSettings(ServiceSettings):
     ranks: int | None = Field(
         None, ge=1, le=64, description="How many rank processes join ranks_listen (their WORLD_SIZE)."
     )
-    stage_isolation: Literal["auto", "bwrap", "process"] = Field(
+    stage_isolation: Literal["auto", "bwrap", "landlock", "process"] = Field(
         "auto",
         description="How stages are confined: 'bwrap' (bubblewrap namespaces: no network, no view of the "
-        "host beyond the stage's code and its account's files; start-up fails if unavailable), 'process' "
-        "(a separate process as the trainer's user), 'auto' (bwrap where it works, else process, "
-        "with a warning naming why). Stages on cluster ranks run in the trainer (not confined).",
+        "host beyond the stage's code and its account's files; start-up fails if unavailable), "
+        "'landlock' (the kernel's Landlock, for containers: reads only its code and account, no TCP, "
+        "no signal or ptrace outside; start-up fails if unavailable), 'process' (a separate process as "
+        "the trainer's user), 'auto' (the first of bwrap, landlock, process that works here, with a "
+        "warning naming why when it is not bwrap). Stages on cluster ranks run in the trainer "
+        "(not confined).",
     )
     stage_memory_mb: int = Field(
         8192, ge=256, description="Address-space limit of each stage process (MiB; RLIMIT_AS)."

@@ -1,6 +1,6 @@
 """Where a stage process runs: the confinement the trainer puts every stage in, and how it is probed.
 
-Two modes, the strongest available chosen at start-up (``NEBULA_TRAINER_STAGE_ISOLATION``):
+Three modes, the strongest available chosen at start-up (``NEBULA_TRAINER_STAGE_ISOLATION``):
 
 * ``bwrap`` (Debian's bubblewrap): the stage gets its own user, PID, IPC, UTS, cgroup and network
   namespaces (no network at all: its one way out is the trainer's Unix socket, ``stage_proxy``), a
@@ -9,12 +9,16 @@ Two modes, the strongest available chosen at start-up (``NEBULA_TRAINER_STAGE_IS
   data dir (read-write) and the pre-trained directories its spec declares (read-only). Nothing else of
   the host exists for it: no PKI, no run directory, no other account's checkpoints, no records.
   ``--die-with-parent``: a trainer that dies takes its stages with it (and resumes them on restart).
+* ``landlock`` (where bubblewrap cannot create namespaces, as in a container): a separate process
+  that restricts itself with Landlock before the job's code is loaded (``landlock``): it reads only
+  its code and declared folders, writes only its account's directory and private ones, has no TCP and
+  may neither signal nor ptrace anything outside its box; it keeps the trainer's user.
 * ``process``: a separate process with an empty environment, its own session and the limits below,
   but the trainer's user and view of the host: it can read whatever the trainer's user can. Only
-  where bubblewrap is missing or cannot create namespaces; the trainer logs a warning at start-up
-  naming why, and reports the mode (``nebula local status``).
+  where neither of the above works; the trainer logs a warning at start-up naming why, and reports
+  the mode (``nebula local status``).
 
-In both, the stage's own entry point (``stage_main``) sets its limits (memory, CPU seconds, open
+In all of them, the stage's own entry point (``stage_main``) sets its limits (memory, CPU seconds, open
 files), refuses ptrace and core dumps of itself (``PR_SET_DUMPABLE`` 0) and new privileges
 (``PR_SET_NO_NEW_PRIVS``) before any of the job's code is loaded.
 """
@@ -22,6 +26,7 @@ files), refuses ptrace and core dumps of itself (``PR_SET_DUMPABLE`` 0) and new 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -30,11 +35,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.trainer import cgroup
+from services.trainer import cgroup, landlock
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "bwrap", "process")
+MODES = ("auto", "bwrap", "landlock", "process")
 STAGE_UID = 40000
 """The stage's user and group id inside its namespace (not a user of the host)."""
 INSIDE_SOCKET_DIR = "/run/nebula-stage"
@@ -68,6 +73,8 @@ class Confinement:
     weaker_because: str = ""
     cgroups_missing: str = ""
     """Why stages get no control group here ("" when they do: ``cgroup.StageGroup``)."""
+    landlock_abi: int = 0
+    """The kernel's Landlock ABI (``landlock`` mode)."""
 
     def describe(self) -> str:
         groups = (
@@ -77,6 +84,14 @@ class Confinement:
         )
         if self.mode == "bwrap":
             return f"bwrap: own user, PID and network namespaces, sees its code and account only; {groups}"
+        if self.mode == "landlock":
+            gaps = landlock.gaps(self.landlock_abi)
+            left = f"; not covered: {', '.join(gaps)}" if gaps else ""
+            return (
+                f"landlock (ABI {self.landlock_abi}): reads its code and account only, no TCP, no signal "
+                f"or ptrace outside its box; the trainer's user, no namespaces ({self.weaker_because})"
+                f"{left}; {groups}"
+            )
         return f"process: the trainer's user, no namespaces ({self.weaker_because}); {groups}"
 
 
@@ -142,12 +157,17 @@ def bwrap_command(work_dir: Path, socket_dir: Path, read_only: list[Path], comma
     return args + command
 
 
-def stage_environment(home: Path) -> dict[str, str]:
+def landlock_rules(work_dir: Path, private_dirs: list[Path], read_only: list[Path]) -> dict[str, list[str]]:
+    """What a stage in ``landlock`` mode may read and write (``landlock.enforce`` in the stage)."""
+    return landlock.rules(_code_roots(), work_dir, private_dirs, read_only)
+
+
+def stage_environment(home: Path, tmp: str = "/tmp") -> dict[str, str]:
     """The whole environment of a stage process: nothing of the trainer's (no secret, no setting)."""
     return {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "HOME": str(home),
-        "TMPDIR": "/tmp",
+        "TMPDIR": tmp,
         "USER": "stage",
         "LANG": "C.UTF-8",
         "PYTHONDONTWRITEBYTECODE": "1",
@@ -173,6 +193,36 @@ def _probe_bwrap(scratch: Path) -> str:
     return ""
 
 
+def _probe_landlock(scratch: Path) -> tuple[int, str]:
+    """The Landlock ABI a stage gets here and why not ("" when it does): a real process enforcing the
+    stage's rules, then importing Nebula as a stage does."""
+    version = landlock.abi()
+    if version < 1:
+        return 0, "the kernel has no Landlock (Linux 5.13 or newer with Landlock enabled)"
+    work = scratch / "landlock"
+    work.mkdir(parents=True, exist_ok=True)
+    rules = json.dumps(landlock_rules(work, [], []))
+    script = (
+        "import json, sys\nfrom services.trainer import landlock\n"
+        "landlock.enforce(json.loads(sys.argv[1]))\nimport nebula_common.proto.nebula.v1.trainer_pb2"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script, rules],
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            env=stage_environment(work, str(work)),
+            cwd=work,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return 0, f"a Landlock probe did not run: {exc}"
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines()
+        return 0, f"Landlock refused here: {said[-1] if said else done.returncode}"
+    return version, ""
+
+
 def choose_confinement(requested: str, scratch: Path) -> Confinement:
     """The confinement for ``requested`` (``auto``: the strongest that works), probed for real."""
     if requested not in MODES:
@@ -181,12 +231,17 @@ def choose_confinement(requested: str, scratch: Path) -> Confinement:
     groups = cgroup.available()
     if requested == "process":
         return Confinement("process", "NEBULA_TRAINER_STAGE_ISOLATION=process", groups)
-    why = _probe_bwrap(scratch)
+    why = _probe_bwrap(scratch) if requested != "landlock" else "NEBULA_TRAINER_STAGE_ISOLATION=landlock"
     if not why:
         return Confinement("bwrap", "", groups)
     if requested == "bwrap":
         raise SandboxError(f"NEBULA_TRAINER_STAGE_ISOLATION=bwrap, but {why}")
-    return Confinement("process", why, groups)
+    version, no_landlock = _probe_landlock(scratch)
+    if not no_landlock:
+        return Confinement("landlock", why, groups, landlock_abi=version)
+    if requested == "landlock":
+        raise SandboxError(f"NEBULA_TRAINER_STAGE_ISOLATION=landlock, but {no_landlock}")
+    return Confinement("process", f"{why}; {no_landlock}", groups)
 
 
 __all__ = [
@@ -196,5 +251,6 @@ __all__ = [
     "StageLimits",
     "bwrap_command",
     "choose_confinement",
+    "landlock_rules",
     "stage_environment",
 ]

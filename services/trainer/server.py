@@ -101,8 +101,10 @@ async def start_trainer(
         )
     elif confinement.weaker_because:
         log.warning(
-            "stages run without namespaces: a job's code can read what the trainer's user can",
-            extra={"fields": {"isolation": confinement.mode, "reason": confinement.weaker_because}},
+            "stages run under Landlock, without namespaces"
+            if confinement.mode == "landlock"
+            else "stages run without namespaces: a job's code can read what the trainer's user can",
+            extra={"fields": {"isolation": confinement.describe(), "reason": confinement.weaker_because}},
         )
     else:
         log.info("stages run confined", extra={"fields": {"isolation": confinement.describe()}})

@@ -1,12 +1,12 @@
 """A stage process: one stage of one job, confined, talking only to its trainer (``stage_process``).
 
-Started by the trainer as ``python -m services.trainer.stage_main FD`` (inside bubblewrap where the
-host allows it, ``sandbox``), with an empty environment and the control channel on ``FD``. Before
-anything of the job is loaded it limits itself (memory, CPU seconds, open files), forbids ptrace,
-core dumps and new privileges; then it runs the same ``ProgramRunner`` a trainer thread used to run,
-with its edges and dataset reads going to the trainer's proxy socket under the stage's secret
-(``stage_proxy``), its status board and step numbers to the trainer over the channel, and its
-checkpoints into its account's directory. It exits when the stage has ended.
+Started by the trainer as ``python -m services.trainer.stage_main FD`` (inside bubblewrap where the host
+allows it, else under Landlock it enforces on itself: ``sandbox``), with an empty environment and the
+control channel on ``FD``. Before anything of the job is loaded it limits itself (memory, CPU seconds,
+open files), forbids ptrace, core dumps and new privileges; then it runs the same ``ProgramRunner`` a
+trainer thread used to run, with its edges and dataset reads going to the trainer's proxy socket under
+the stage's secret (``stage_proxy``), its status board and step numbers to the trainer over the channel,
+and its checkpoints into its account's directory. It exits when the stage has ended.
 """
 
 from __future__ import annotations
@@ -59,6 +59,10 @@ def main(argv: list[str]) -> int:
     if kind != channel.SPEC:
         return 2
     confine(config["limits"])
+    if config.get("landlock"):  # before the job's code, and before any thread: it binds this one
+        from services.trainer import landlock
+
+        landlock.enforce(config["landlock"])
     return run(conn, config, payload)
 
 

@@ -53,6 +53,7 @@ from services.trainer.sandbox import (
     Confinement,
     StageLimits,
     bwrap_command,
+    landlock_rules,
     stage_environment,
 )
 from services.trainer.stage_proxy import StageProxy
@@ -236,14 +237,21 @@ class StageProcess:
         ours, theirs = socket.socketpair()
         command = [sys.executable, "-m", "services.trainer.stage_main", str(theirs.fileno())]
         socket_inside = str(self._socket_dir / "edge.sock")
+        tmp = "/tmp"
+        rules = None
         if self.confinement.mode == "bwrap":
             command = bwrap_command(work, self._socket_dir, self._read_only(), command)
             socket_inside = f"{INSIDE_SOCKET_DIR}/edge.sock"
+        elif self.confinement.mode == "landlock":
+            private_tmp = self._socket_dir / "tmp"  # goes with the socket's directory at the end
+            private_tmp.mkdir(mode=0o700)
+            tmp = str(private_tmp)
+            rules = landlock_rules(work, [self._socket_dir], self._read_only())
         try:
             self._process = subprocess.Popen(
                 command,
                 pass_fds=[theirs.fileno()],
-                env=stage_environment(work),
+                env=stage_environment(work, tmp),
                 cwd=work,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -281,6 +289,7 @@ class StageProcess:
             "receive_ahead": self._receive_ahead,
             "torch_threads": self._torch_threads,
             "log_level": self._log_level,
+            "landlock": rules,
             # Memory: the control group's limit where there is one (a stage past it is OOM-killed and
             # its end says so); else the address-space rlimit (a MemoryError inside the stage).
             "limits": {

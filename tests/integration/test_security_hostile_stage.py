@@ -1,25 +1,28 @@
 """A hostile stage on a real ``nebula local up`` deployment: the job's code tries to own its cluster.
 
 Every job's stage module runs in a confined process (``services/trainer/stage_process.py``,
-``sandbox.py``). Here the encoder module of an ordinary account's job, written to break out, tries
-from inside ``build()``: to read every private key, password and record of cluster a (named to it by
-path, as an attacker who knows the layout would), another account's checkpoints, its trainer's
-environment and memory; to ptrace it; to reach auth, the switch and the trainer over the network; to
-use its own proxy socket, with the secret it digs out of its own memory, for another job's edge,
-another dataset, or the trainer's and auth's RPCs; to write outside its account's directory. It
-writes what it found to its own directory; every attempt must have failed, and the proxy's refusals
-must be audited. Misbehaving stages (fork bombs and the like): ``test_stage_containment.py``.
+``sandbox.py``). Here the encoder module of an ordinary account's job, written to break out, tries from
+inside ``build()``: to read every private key, password and record of cluster a (named to it by path, as
+an attacker who knows the layout would), another account's checkpoints, its trainer's environment and
+memory; to ptrace it; to reach auth, the switch and the trainer over the network; to use its own proxy
+socket, with the secret it digs out of its own memory, for another job's edge, another dataset, or the
+trainer's and auth's RPCs; to write outside its account's directory. It writes what it found to its own
+directory; every attempt must have failed, and the proxy's refusals must be audited. Misbehaving stages
+(fork bombs and the like): ``test_stage_containment.py``.
 
-The strongest mode needs bubblewrap; where the trainer runs the weaker mode this test skips, and
-with ``NEBULA_REQUIRE_BWRAP=1`` (CI) it fails instead. Run by ``make test-containment`` (in CI), not
-``make test``: every stage process costs its interpreter's start (about 1.5 s), and ``make test`` is
-kept under ten minutes.
+It runs twice: on the shared deployment in its default mode (bubblewrap; where the trainer runs a weaker
+mode that one skips, and with ``NEBULA_REQUIRE_BWRAP=1`` (CI) it fails instead), and on a deployment of
+its own whose trainers run stages under Landlock (``NEBULA_TRAINER_STAGE_ISOLATION=landlock``, the mode
+compose and Kubernetes get), which fails where the kernel has no Landlock. Run by
+``make test-containment`` (in CI), not ``make test``: every stage process costs its interpreter's start (about
+1.5 s), and ``make test`` is kept under ten minutes.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +30,6 @@ import pytest
 
 from nebula_common.launcher import LocalDeployment
 from nebula_common.proto.nebula.v1 import trainer_pb2
-from nebula_common.sdk.client import ClusterSession
 from tests.support.accounts import make_user
 from tests.support.hostile import hostile_job, require_bwrap, run_job
 from tests.support.jobs import numbers_job
@@ -36,18 +38,37 @@ pytestmark = [pytest.mark.integration, pytest.mark.containment, pytest.mark.time
 
 
 @pytest.fixture(scope="module")
-def tenants(deployment: LocalDeployment) -> dict[str, ClusterSession]:
+def landlocked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
+    """A deployment whose trainers confine stages with Landlock (start-up fails where they cannot)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NEBULA_TRAINER_STAGE_ISOLATION", "landlock")  # the services inherit it
+        running = LocalDeployment(
+            run_dir=tmp_path_factory.mktemp("landlocked"), bandwidth_mbit=100.0, delay_ms=5.0
+        )
+        running.start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_stage_code_reaches_no_key_token_process_or_port(deployment: LocalDeployment, tmp_path: Path) -> None:
     require_bwrap(deployment)
+    break_out(deployment, tmp_path)
+
+
+def test_under_landlock_too(landlocked: LocalDeployment, tmp_path: Path) -> None:
+    log = (landlocked.log_dir / "trainer-a.log").read_text(errors="replace")
+    assert '"isolation": "landlock (ABI' in log, "trainer-a does not run stages under Landlock"
+    break_out(landlocked, tmp_path)
+
+
+def break_out(deployment: LocalDeployment, tmp_path: Path) -> None:
     suffix = secrets.token_hex(3)
-    return {
+    tenants = {
         "a": make_user(deployment, "a", f"mallory-{suffix}"),
         "b": make_user(deployment, "b", f"mallory-{suffix}"),
     }
-
-
-def test_stage_code_reaches_no_key_token_process_or_port(
-    deployment: LocalDeployment, tenants: dict[str, ClusterSession], tmp_path: Path
-) -> None:
     run = deployment.run_dir
     victim = {"a": make_user(deployment, "a", f"victim-{secrets.token_hex(3)}")}
     victim["b"] = make_user(deployment, "b", victim["a"].username)
@@ -93,7 +114,7 @@ def test_stage_code_reaches_no_key_token_process_or_port(
     report_file = trainer_dir / "accounts" / tenants["a"].username / "probe-probe.json"
     found = json.loads(report_file.read_text())
     assert found.pop("stage secret found in memory")["succeeded"]  # the attacker did its homework
-    # A write may land in the sandbox's own throw-away tmpfs; what matters is that the host has none.
+    # A write may land in bubblewrap's own throw-away tmpfs; what matters is that the host has none.
     writes = [w for w in found if w.startswith("write ")]
     assert len(writes) == 4 and not [w for w in writes if Path(w[len("write ") :]).exists()], writes
     broke = {name: r["detail"] for name, r in found.items() if r["succeeded"] and name not in writes}

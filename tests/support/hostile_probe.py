@@ -61,8 +61,13 @@ def probe(options: dict[str, Any]) -> None:
         attempt(f"read {path}", lambda p=path: read(p))
     leaked = [k for k in os.environ if any(w in k.upper() for w in WATCHWORDS)]
     found["environment"] = {"succeeded": bool(leaked), "detail": ",".join(sorted(os.environ))}
-    pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
-    found["trainer visible in /proc"] = {"succeeded": trainer in pids, "detail": str(pids)}
+    try:
+        pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+    except OSError as exc:  # Landlock: no /proc but its own
+        pids, exc_seen = [], f"{type(exc).__name__}: {exc}"
+    else:
+        exc_seen = ""
+    found["trainer visible in /proc"] = {"succeeded": trainer in pids, "detail": exc_seen or str(pids)}
     for what in ("environ", "mem", "maps"):
         attempt(f"/proc/trainer/{what}", lambda w=what: Path(f"/proc/{trainer}/{w}").read_bytes()[:16])
     attempt("ptrace the trainer", lambda: ptrace(trainer))

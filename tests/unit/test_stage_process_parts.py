@@ -125,3 +125,78 @@ def test_stage_log_lines_are_marked_as_the_stages_and_cannot_pass_for_the_traine
     assert records[0][3] == {"epoch": 1, "held": [2, 4], "job_id": "job-1", "stage": "encoder"}
     assert records[1][1] == "ERROR" and records[1][3] == {"job_id": "job-1", "stage": "encoder"}
     assert len(records[2][2]) == MAX_LOG_LINE and records[2][2].startswith("plain text")
+
+
+LANDLOCKED = """
+import json, os, socket, sys
+from pathlib import Path
+from services.trainer import landlock
+landlock.enforce(json.loads(sys.argv[1]))
+seen = {}
+def attempt(name, action):
+    try:
+        action()
+        seen[name] = "allowed"
+    except OSError as exc:
+        seen[name] = exc.errno
+attempt("read outside", lambda: Path(sys.argv[2]).read_bytes())
+attempt("write outside", lambda: Path(sys.argv[2]).with_name("owned").write_text("x"))
+attempt("write work", lambda: Path(sys.argv[3], "out").write_text("x"))
+attempt("read work", lambda: Path(sys.argv[3], "out").read_text())
+attempt("tcp", lambda: socket.create_connection(("127.0.0.1", 9), timeout=2))
+attempt("signal", lambda: os.kill(os.getppid(), 0))
+attempt("other /proc", lambda: os.listdir("/proc"))
+import nebula_common.proto.nebula.v1.trainer_pb2  # its code stays importable
+print(json.dumps(seen))
+"""
+
+
+def test_landlock_keeps_a_stage_to_its_code_and_work_dir(tmp_path: Path) -> None:
+    """The rules a landlock-mode stage enforces on itself, enforced for real in a child process."""
+    import subprocess
+    import sys
+
+    from services.trainer import landlock
+    from services.trainer.sandbox import landlock_rules
+
+    if landlock.abi() < 6:
+        pytest.skip(f"this kernel's Landlock ABI is {landlock.abi()} (6 needed for this test)")
+    secret, work = tmp_path / "pki" / "ca.key", tmp_path / "work"
+    secret.parent.mkdir()
+    secret.write_text("key")
+    work.mkdir()
+    rules = landlock_rules(work, [], [])
+    repository = Path(__file__).resolve().parents[2]
+    assert str(repository) not in rules["read"] and str(repository / "services") in rules["read"]
+    done = subprocess.run(
+        [sys.executable, "-c", LANDLOCKED, json.dumps(rules), str(secret), str(work)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=stage_environment(work, str(work)),
+        cwd=work,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen == {
+        "read outside": 13,  # EACCES
+        "write outside": 13,
+        "write work": "allowed",
+        "read work": "allowed",
+        "tcp": 13,
+        "signal": 1,  # EPERM: the trainer is outside the stage's box
+        "other /proc": 13,
+    }, seen
+    assert not (tmp_path / "pki" / "owned").exists()
+
+
+def test_landlock_mode_is_chosen_on_request_and_named_in_the_description(tmp_path: Path) -> None:
+    from services.trainer import landlock
+
+    if landlock.abi() < 1:
+        with pytest.raises(SandboxError, match="NEBULA_TRAINER_STAGE_ISOLATION=landlock, but"):
+            choose_confinement("landlock", tmp_path)
+        return
+    chosen = choose_confinement("landlock", tmp_path)
+    assert chosen.mode == "landlock" and chosen.landlock_abi == landlock.abi()
+    assert chosen.describe().startswith(f"landlock (ABI {landlock.abi()}): reads its code and account only")
