@@ -20,6 +20,7 @@ those accounts; without, jobs are submitted as a fresh account per cluster (crea
 from __future__ import annotations
 
 import copy
+import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ from nebula_common.sdk.job_records import (
     job_log_records,
     list_jobs,
     list_recorded_jobs,
+    recorded_history,
 )
 from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.progress import ProgressBar
@@ -94,16 +96,26 @@ class DeploymentStoppedError(NebulaError):
 
 @dataclass(frozen=True)
 class _Recorded:
-    """A stopped deployment's stage records, as much of a ``JobHandle`` as ``summarize`` reads:
-    each stage's last recorded status (an ended stage's final one), upstream first."""
+    """A stopped deployment's stage records, as much of a ``JobHandle`` as ``summarize`` reads: every
+    step each stage's history file holds (the stages' steps interleaved, as a live watch sees them),
+    then each stage's last recorded status (an ended stage's final one), upstream first."""
 
     record: JobRecord
+    data_dirs: dict[str, Path]
+    """Cluster -> its trainer's data dir (``Deployment.stopped``)."""
 
     @property
     def stages(self) -> dict[str, None]:
         return {stage: None for stage in self.record.clusters}
 
     def updates(self) -> Iterator[Any]:
+        histories = [
+            recorded_history(self.data_dirs[view.cluster], view.owner, self.record.job_id, view.stage)
+            for view in self.record._ordered()
+            if view.cluster in self.data_dirs
+        ]
+        for status in heapq.merge(*histories, key=lambda status: status.steps_done):
+            yield _Update(status)
         for view in self.record._ordered():
             status = trainer_pb2.StageStatus(
                 job_id=self.record.job_id,
@@ -172,7 +184,7 @@ class Job:
         On a stopped deployment: each stage's last recorded status only.
         """
         if self.deployment.stopped is not None:
-            for update in _Recorded(self.status()).updates():
+            for update in _Recorded(self.status(), self.deployment.stopped).updates():
                 yield update.status
             return
         handle, _ = self._handle()
@@ -188,7 +200,7 @@ class Job:
         """
         if self.deployment.stopped is not None:
             record = self.status()
-            summary = summarize(_Watched(self.id, record.steps), _Recorded(record))  # type: ignore[arg-type]
+            summary = summarize(_Watched(self.id, record.steps), _Recorded(record, self.deployment.stopped))  # type: ignore[arg-type]
             clusters = list(record.clusters.values())
             if len(clusters) == 2:
                 summary._fill_wan_from_stages(clusters[0], clusters[1])

@@ -27,7 +27,8 @@ import grpc
 from nebula_common.errors import NebulaError
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.client import ClusterSession, _raise_for
-from services.trainer.records import RECORDS_DIR, RecordError, StageRecord
+from services.trainer.history import history_path, read_history
+from services.trainer.records import RECORDS_DIR, RecordError, StageRecord, StageRecords
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 CANCEL_WAIT_S = 60.0
@@ -309,6 +310,15 @@ def recorded_stage_infos(data_dir: Path) -> list[trainer_pb2.StageRecordInfo]:
             latest = trainer_pb2.StageStatus(job_id=record.job_id, stage=record.stage, state=record.state)
         infos.append(record.info(latest))
     return infos
+
+
+def recorded_history(data_dir: Path, owner: str, job_id: str, stage: str) -> list[trainer_pb2.StageStatus]:
+    """Every step a stopped trainer's history file holds of one stage (``services/trainer/history.py``)."""
+    try:
+        path = StageRecords(Path(data_dir)).path(owner, job_id)
+    except RecordError:
+        return []
+    return read_history(history_path(path), job_id, stage)
 
 
 def list_recorded_jobs(

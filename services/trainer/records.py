@@ -41,6 +41,7 @@ from google.protobuf.message import DecodeError
 
 from nebula_common.durable import atomic_write
 from nebula_common.proto.nebula.v1 import trainer_pb2
+from services.trainer.history import history_path
 from services.trainer.status import TERMINAL_STATES, StatusBoard
 
 log = logging.getLogger(__name__)
@@ -286,7 +287,9 @@ class StageRecords:
         """Forget an ended stage for good (the trainer's retention of ended stages let it go)."""
         with self._lock:
             try:
-                self.path(owner, job_id).unlink(missing_ok=True)
+                path = self.path(owner, job_id)
+                path.unlink(missing_ok=True)
+                history_path(path).unlink(missing_ok=True)
             except (OSError, RecordError) as exc:  # a record left behind only shows an old end again
                 log.error("cannot remove the record of %s/%s: %s", owner, job_id, exc)
 
@@ -346,10 +349,15 @@ class FinishedStage:
     shutdown treat it like any ended stage: its board holds the final status, nothing runs.
     """
 
-    def __init__(self, final: trainer_pb2.StageStatus, owner: str) -> None:
+    def __init__(
+        self, final: trainer_pb2.StageStatus, owner: str, history: list[trainer_pb2.StageStatus] | None = None
+    ) -> None:
         self.owner = owner
         self.spec = trainer_pb2.StageSpec(job_id=final.job_id, stage=final.stage)
         self.board = StatusBoard(final.job_id, final.stage)
+        for status in history or ():  # its steps, from its history file (``history``)
+            if status.state not in TERMINAL_STATES:
+                self.board.publish(status)
         fields = {f.name: value for f, value in final.ListFields()}
         self.board.update(**fields)
 

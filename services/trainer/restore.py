@@ -28,6 +28,7 @@ import jwt
 from nebula_common.auth import TokenVerifier
 from nebula_common.errors import AuthenticationError
 from nebula_common.proto.nebula.v1 import trainer_pb2
+from services.trainer.history import history_path, read_history
 from services.trainer.job_tokens import JobTokenError
 from services.trainer.records import FinishedStage, StageRecord
 from services.trainer.servicer import TrainerServicer
@@ -63,7 +64,9 @@ async def restore_stages(servicer: TrainerServicer, verifier: TokenVerifier) -> 
             log.error("stage record %s skipped: job id %r is already restored", record.path, record.job_id)
             continue
         if record.terminal:
-            servicer.runners[record.job_id] = FinishedStage(record.final, record.owner)  # type: ignore[assignment, arg-type]
+            history = history_path(record.path)
+            steps = await asyncio.to_thread(read_history, history, record.job_id, record.stage)
+            servicer.runners[record.job_id] = FinishedStage(record.final, record.owner, steps)  # type: ignore[assignment, arg-type]
             servicer.owners[record.job_id] = record.owner
             servicer.stage_records[record.job_id] = record
             # Ended before the restart, still bounded like any ended stage (time and count).

@@ -28,6 +28,7 @@ from nebula_common.auth.interceptor import caller
 from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2, trainer_pb2_grpc
 from services.trainer.edge import EdgeSettings
+from services.trainer.history import StepHistory, history_path, read_history
 from services.trainer.job_tokens import CHECK_INTERVAL_S, JobTokenError, JobTokens
 from services.trainer.memory import return_freed_memory
 from services.trainer.metrics import REAPER, STAGES_RUNNING
@@ -257,9 +258,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 log_level=self.log_level,
                 on_refusal=functools.partial(self._stage_refused, owner, spec.job_id),
             )
+        # Every step goes to the stage's history file (``history``); a restored stage's watchers see
+        # the steps before the restart first.
+        history = StepHistory(history_path(record.path))
+        if epoch > 0:
+            earlier = read_history(history.path, spec.job_id, spec.stage)
+            for status in earlier:
+                runner.board.publish(status)
+            history.follows(earlier[-1] if earlier else None)
+        runner.board.subscribe(history.record)
         # First of the finish callbacks (``_launch`` adds the release after it): the end is on disk
         # before the stage is released or forgotten.
         runner.lifecycle.add_finish_callback(functools.partial(self.records.store_end, record, runner.board))
+        runner.lifecycle.add_finish_callback(history.close)
         return runner
 
     async def renew_job_tokens(self, interval_s: float = CHECK_INTERVAL_S) -> None:

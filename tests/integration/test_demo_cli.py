@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from nebula_common.cli.app import app
+from nebula_common.sdk.api import Deployment
 
 # The demo starts 11 processes one after another, trains and stops them: 96 s at load 20, 246 s at
 # load 30 (of the old 280 s), the start alone over 180 s at load 32.
@@ -117,6 +118,15 @@ def check_the_stopped_demo_is_still_listed(run: Path, summary: dict, tmp_path: P
     )
     assert report.exit_code == 0, report.output
     assert f"Job {summary['job_id']}" in page.read_text() and "SUCCEEDED" in page.read_text()
+    # Every step is in it, from the trainers' history files: the same losses and step times the
+    # demo watched live, to the last bit.
+    with Deployment.open(run) as deployment:
+        recorded = deployment.job(summary["job_id"]).wait()
+    assert recorded.losses == summary["loss_per_step"], (recorded.losses, summary["loss_per_step"])
+    assert recorded.step_seconds == summary["step_seconds_per_step"]
+    assert len(recorded.wan_bytes_per_step) == 6 and recorded.wan_bytes_per_step[-1] > 0
+    first, last = summary["loss_per_step"][0], summary["loss_per_step"][-1]
+    assert f"{first:.4f} -&gt; {last:.4f}" in page.read_text(), "the report's loss does not span the steps"
     # Nothing runs any more: a cancel says so instead of pretending, and names no traceback.
     cancel = runner.invoke(app, ["job", "cancel", summary["job_id"], "--deployment", str(run)])
     assert cancel.exit_code == 1 and "deployment is stopped" in " ".join(cancel.output.split())

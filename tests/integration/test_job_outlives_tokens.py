@@ -124,6 +124,18 @@ def test_a_job_outlives_every_token_and_a_trainer_restart(short_tokens: LocalDep
         "b": "STAGE_STATE_SUCCEEDED",
     }, finals
     assert finals["a"].epoch >= 1 and finals["a"].steps_done == STEPS > killed_at_step
+    # The restarted trainer still shows every step of the stage, those before its kill included
+    # (its history file, services/trainer/history.py), each epoch's in order.
+    session = ClusterSession.login(deployment.endpoints("a"), *users["a"])
+    try:
+        steps: dict[int, list[int]] = {}
+        for status in session.watch(job.job_id):
+            if status.steps_done and status.state == trainer_pb2.STAGE_STATE_RUNNING:
+                steps.setdefault(status.epoch, []).append(status.steps_done)
+    finally:
+        session.close()
+    assert steps[0][:3] == [1, 2, 3] and steps[0][-1] >= killed_at_step - 1, steps.get(0)
+    assert steps[0] == sorted(steps[0]) and max(steps) >= 1 and steps[max(steps)][-1] == STEPS
     recover = query_log(
         deployment.run_dir / "a" / "trainer" / "audit.log",
         AuditFilter(event="stage.recover", job_id=job.job_id),
