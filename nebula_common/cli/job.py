@@ -51,6 +51,11 @@ def sessions_for(
 ) -> dict[str, ClusterSession]:
     """A session per cluster of the job: the ``credentials`` accounts, else fresh ones via the admins."""
     target = DeploymentTarget.load(deployment_file)
+    if target.stopped_records() is not None:
+        raise NebulaError(
+            f"the deployment in {target.run_dir} is stopped: start it again first "
+            f"(`nebula local up --run-dir {target.run_dir}`); its running jobs resume by themselves"
+        )
     target.check_clusters(clusters)
     given = {c: entry for c, entry in (read_credentials(credentials) or {}).items() if c in clusters}
     sessions = target.login(given)

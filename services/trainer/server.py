@@ -3,8 +3,9 @@
 Each stage runs in a confined process of its own (``stage_process``, ``sandbox``), never in this one,
 which holds the cluster's service identity and every running job's token. Each is recorded on disk
 (``records.py``), so after a crash or ``kill -9`` (which takes the stage processes with it) the
-restarted process resumes them before it serves (``restore.py``). On stop, running stages are
-cancelled and joined (each within ``stop_grace_s``) before the audit log is sealed.
+restarted process resumes them before it serves (``restore.py``). On stop, stage processes are
+drained (left for the next start to resume, as after a kill) and in-process stages cancelled, all
+joined (within ``stop_grace_s``) before the audit log is sealed.
 """
 
 from __future__ import annotations
@@ -43,14 +44,21 @@ STOP_GRACE_SECONDS = 2.0
 
 
 def _stop_stages(servicer: TrainerServicer, grace: float) -> None:
-    """Cancel every stage, then wait (``grace`` seconds in all) for their threads to end.
+    """Drain every stage process, cancel the rest, then wait (``grace`` seconds in all) for them.
 
-    A stage thread stores its end in its record before it exits (a finish callback), so a restart
-    shows watchers how each ended.
+    A trainer that stops (``nebula local down``, a rolling restart, SIGTERM) does not end its jobs: a
+    stage process is drained (``StageProcess.drain``: killed, its record left running) and the next
+    start of this trainer resumes it, its peer waiting meanwhile as for a killed trainer. Cancelling a
+    job is ``nebula job cancel``. Stages in the trainer itself (cluster ranks) are cancelled: a
+    stage thread stores its end in its record before it exits, so a restart shows how each ended.
     """
     runners = list(servicer.runners.values())
     for runner in runners:
-        runner.cancel()
+        drain = getattr(runner, "drain", None)
+        if drain is not None:
+            drain()
+        else:
+            runner.cancel()
     deadline = time.monotonic() + grace
     for runner in runners:
         runner.join(max(0.0, deadline - time.monotonic()))
@@ -151,6 +159,9 @@ async def start_trainer(
         interceptors=[*identity.interceptors(audit), TokenAuthInterceptor("trainer", verifier, audit=audit)],
         options=internal_server_options(settings),
     )
+    # Again, to run first on a stop: stages are drained at once, not after the server's grace for
+    # its open calls (watch streams stay open until they end); the earlier one covers a failed start.
+    stack.push_async_callback(asyncio.to_thread, _stop_stages, servicer, settings.stop_grace_s)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server.server)
     add_audit_api(server.server, audit, "trainer", settings.cluster_id)
     announced: dict[str, int | str | None] = {

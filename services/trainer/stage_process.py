@@ -15,6 +15,9 @@ used of an in-process ``ProgramRunner`` (``board``, ``lifecycle.add_finish_callb
   ``CANCEL_GRACE_S`` later; a stage that posted its end but does not exit (``ENDED_GRACE_S``), or
   closed its channel, is killed the same way; one that died without an end is FAILED with its exit
   code or signal. Finish callbacks run once the process, and everything it started, is gone.
+* drains it when the trainer stops (``drain``): the process is killed, but the stage has not ended:
+  nothing is recorded, no callback runs and its peer is not told, exactly as if the trainer had been
+  killed, so the trainer's next start resumes it from its record (``restore.py``).
 """
 
 from __future__ import annotations
@@ -148,6 +151,7 @@ class StageProcess:
         self._kill_at: float | None = None
         self._group: StageGroup | None = None
         self._cancelled = False
+        self._draining = False
         self.pid: int | None = None
 
     # --- what the servicer uses ------------------------------------------------------------------
@@ -176,6 +180,19 @@ class StageProcess:
         self._cancelled = True
         self._deadline(CANCEL_GRACE_S)
         self._send(channel.CANCEL)
+
+    def drain(self) -> None:
+        """The trainer stops, not the job: end the process now and leave the stage to be resumed.
+
+        Its record stays as it is (running, at its epoch, with its job token), its peer is not told
+        (its route waits, orphaned, for the next trainer), and no finish callback runs: to the job
+        this is the same as a trainer killed outright, which the restarted trainer resumes. A stage
+        that has already ended is left to finish as usual.
+        """
+        if self.board.finished:
+            return
+        self._draining = True
+        self._kill()
 
     def join(self, timeout: float | None = None) -> None:
         self._done.wait(timeout)
@@ -396,6 +413,9 @@ class StageProcess:
                 log.error("stage processes survived SIGKILL", extra={"fields": {"pids": left}})
 
     def _finish(self, reason: str) -> None:
+        if self._draining and not self.board.finished:
+            self._drained()
+            return
         process = self._process
         code: int | None = None
         oom = False
@@ -445,6 +465,22 @@ class StageProcess:
             self._proxy.stop()
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+    def _drained(self) -> None:
+        self._kill()
+        if self._process is not None:
+            self._process.wait()
+        if self._conn is not None:
+            self._conn.close()
+        if self._proxy is not None:
+            self._proxy.stop()  # its streams vanish, as a killed trainer's would: the routes wait
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+        log.info(
+            "stage left for the next start to resume",
+            extra={"fields": {"job_id": self.spec.job_id, "stage": self.spec.stage, "epoch": self.epoch}},
+        )
+        self._done.set()
 
     def _end_now(self, message: str) -> None:
         self.board.update(state=trainer_pb2.STAGE_STATE_FAILED, message=message)

@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from nebula_common.cli.app import app
+from nebula_common.jobspec.builtin import builtin_spec
 from nebula_common.sdk.api import Deployment
 
 # The demo starts 11 processes one after another, trains and stops them: 96 s at load 20, 246 s at
@@ -131,6 +132,9 @@ def check_the_stopped_demo_is_still_listed(run: Path, summary: dict, tmp_path: P
     cancel = runner.invoke(app, ["job", "cancel", summary["job_id"], "--deployment", str(run)])
     assert cancel.exit_code == 1 and "deployment is stopped" in " ".join(cancel.output.split())
     assert "Traceback" not in cancel.output
+    spec = str(builtin_spec("numbers"))
+    submitted = runner.invoke(app, ["job", "submit", spec, "--deployment", str(run)])
+    assert submitted.exit_code == 1 and "is stopped: start it again" in " ".join(submitted.output.split())
     unknown = runner.invoke(app, ["job", "status", "no-such-job", "--deployment", str(run)])
     assert unknown.exit_code == 1 and "no job 'no-such-job'" in " ".join(unknown.output.split())
 

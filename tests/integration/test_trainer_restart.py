@@ -37,7 +37,7 @@ from nebula_common.launcher import LocalDeployment
 from nebula_common.launcher.ports import ephemeral_range
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.client import ClusterSession, submit_job
-from tests.support.accounts import make_user
+from tests.support.accounts import create_account, make_user
 from tests.support.jobs import numbers_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults, pytest.mark.timeout(240)]
@@ -73,8 +73,13 @@ def sessions(own_deployment: LocalDeployment) -> dict[str, ClusterSession]:
     return {"a": make_user(own_deployment, "a", "alice"), "b": make_user(own_deployment, "b", "bob")}
 
 
-def run_job(deployment: LocalDeployment, sessions: dict[str, ClusterSession], kill: str | None = None) -> Run:
-    """Run the job to its end through the SDK's watch; ``kill -9`` trainer ``kill`` at KILL_AT_STEP."""
+def run_job(
+    deployment: LocalDeployment,
+    sessions: dict[str, ClusterSession],
+    kill: str | None = None,
+    how: signal.Signals = signal.SIGKILL,
+) -> Run:
+    """Run the job to its end through the SDK's watch; signal ``how`` to trainer ``kill`` at KILL_AT_STEP."""
     handle = submit_job(numbers_job(**SPEC), sessions)
     run = Run(handle.job.job_id)
     at_kill = 0
@@ -95,7 +100,7 @@ def run_job(deployment: LocalDeployment, sessions: dict[str, ClusterSession], ki
         ):
             at_kill = status.steps_done
             run.killed_at = time.monotonic()
-            os.kill(deployment.process(kill).pid, signal.SIGKILL)  # type: ignore[arg-type]
+            os.kill(deployment.process(kill).pid, how)  # type: ignore[arg-type]
         if (
             run.killed_at is not None
             and run.resumed_after_s is None
@@ -172,3 +177,69 @@ def test_a_killed_trainer_resumes_its_stage_and_the_job_ends_bit_identical(
     )
     assert [r["outcome"] for r in audit.records] == ["ok"], audit.records
     assert_bit_identical(own_deployment, calm, faulty)
+
+
+def test_a_stopped_trainer_leaves_its_stage_to_resume_and_the_job_ends_bit_identical(
+    own_deployment: LocalDeployment, sessions: dict[str, ClusterSession], calm: Run
+) -> None:
+    """SIGTERM (a rolling restart, ``nebula local down``) stops the trainer, not its jobs: its stage
+    process is drained, its record left running; the supervisor starts the trainer again, which
+    resumes the stage as after a kill. No stage is CANCELLED (``run_job`` fails on one)."""
+    name = "trainer-a"
+    restarts = own_deployment.supervisor.restarts(name)  # type: ignore[union-attr]
+
+    stopped = run_job(own_deployment, sessions, kill=name, how=signal.SIGTERM)
+
+    assert stopped.killed_at is not None, "the job ended before the stop"
+    assert own_deployment.supervisor.restarts(name) == restarts + 1  # type: ignore[union-attr]
+    assert {s: f.state for s, f in stopped.finals.items()} == {
+        "encoder": trainer_pb2.STAGE_STATE_SUCCEEDED,
+        "decoder": trainer_pb2.STAGE_STATE_SUCCEEDED,
+    }
+    recovering = [s for s in stopped.statuses if s.stage == "encoder" and s.state == RECOVERING]
+    assert recovering and "trainer restarted" in recovering[0].message, recovering
+    log = (own_deployment.log_dir / f"{name}.log").read_text()
+    assert "stage left for the next start to resume" in log and stopped.job_id in log
+    assert_bit_identical(own_deployment, calm, stopped)
+
+
+def test_local_down_then_up_continues_a_running_job_bit_identical(
+    tmp_path: Path, own_deployment: LocalDeployment, calm: Run
+) -> None:
+    """`nebula local down` with a job running, then `local up` on the same run directory: the job goes
+    on by itself from its last common checkpoint, every loss as in the run without the stop."""
+    run_dir = tmp_path / "down-up"
+    first = LocalDeployment(run_dir=run_dir, bandwidth_mbit=100.0, delay_ms=5.0)
+    first.start()
+    users: dict[str, tuple[str, str]] = {}
+    try:
+        for cluster, user, _ in STAGES:
+            users[cluster] = (user, create_account(first, cluster, user))
+        sessions = {c: ClusterSession.login(first.endpoints(c), *users[c]) for c in users}
+        handle = submit_job(numbers_job(**SPEC), sessions)
+        for update in handle.updates():
+            if update.status.stage == "decoder" and update.status.steps_done >= KILL_AT_STEP:
+                break
+        for session in sessions.values():
+            session.close()
+    finally:
+        first.stop()
+    again = LocalDeployment(run_dir=run_dir, bandwidth_mbit=100.0, delay_ms=5.0)
+    again.start()
+    try:
+        session = ClusterSession.login(again.endpoints("b"), *users["b"])
+        losses = [
+            (status.steps_done, status.loss)
+            for status in session.watch(handle.job.job_id)
+            if status.HasField("loss") and status.state == trainer_pb2.STAGE_STATE_RUNNING
+        ]
+        final = session.watch(handle.job.job_id)
+        *_, last = final
+        session.close()
+    finally:
+        again.stop()
+    assert last.state == trainer_pb2.STAGE_STATE_SUCCEEDED and last.epoch >= 1, last
+    reference = dict(calm.losses)
+    assert {step for step, _ in losses} == set(reference), sorted({step for step, _ in losses})
+    for step, loss in losses:
+        assert loss == reference[step], f"step {step}: {loss!r} != {reference[step]!r} without the stop"

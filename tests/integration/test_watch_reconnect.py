@@ -109,10 +109,15 @@ def test_a_watch_rides_through_a_trainer_restart_and_ends_once(
     recovering = next(s for s in seen if s.state == trainer_pb2.STAGE_STATE_RECOVERING)
     assert recovering.epoch == 1 and "trainer restarted" in recovering.message
 
-    trainer.stop()  # the watch loses its stream; the stage is cancelled on the way down
+    trainer.stop()  # the watch loses its stream; the stage is drained, left to resume, not ended
     assert watcher.is_alive() and not errors, errors
     trainer = start_trainer(auth, switch, data_dir, port)
     try:
+        wait_for(
+            lambda: any(s.state == trainer_pb2.STAGE_STATE_RECOVERING and s.epoch == 2 for s in seen),
+            "the stage is resumed at epoch 2 by the restarted trainer",
+        )
+        session.cancel("job-w")  # only a cancel ends it
         watcher.join(30)
         assert not watcher.is_alive() and not errors, (errors, seen)
         finals = [s for s in seen if s.state in (trainer_pb2.STAGE_STATE_CANCELLED,)]
