@@ -24,3 +24,8 @@ def pki_ab(tmp_path_factory: pytest.TempPathFactory) -> PkiLayout:
 # files: the development flag lets them (and their clients) use plaintext. Deployments the tests
 # start with `nebula local up` are given their TLS directories and use TLS regardless.
 os.environ.setdefault(PLAINTEXT_ENV, "1")
+# `nebula login` contexts: never the developer's own (~/.config/nebula), one empty file per test run;
+# subprocesses inherit it. Tests that log in point NEBULA_CONTEXTS at a file of their own.
+os.environ["NEBULA_CONTEXTS"] = os.path.join(
+    os.environ.get("TMPDIR", "/tmp"), f"nebula-test-contexts-{os.getpid()}.json"
+)

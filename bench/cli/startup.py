@@ -56,7 +56,7 @@ def main() -> int:
         deployment.write_description(run_dir / "deployment.json")
         subprocess.run(
             [NEBULA, "job", "submit", str(ROOT / "examples" / "digit_sum" / "job.yaml"),
-             "--deployment", str(run_dir / "deployment.json")],
+             "--deployment", str(run_dir / "deployment.json"), "--new-account"],
             check=True, capture_output=True, timeout=600,
         )  # fmt: skip
         listed = subprocess.run(

@@ -15,6 +15,7 @@ from nebula_common.cli import (
     job,
     job_view,
     local,
+    login,
     pki,
     wan,
 )
@@ -35,6 +36,9 @@ app.add_typer(data.app, name="data")
 app.add_typer(account.app, name="account")
 app.add_typer(compose.app, name="compose")
 app.command("demo")(demo.demo)
+app.command("login")(login.login)
+app.command("logout")(login.logout)
+app.add_typer(login.app, name="context")
 __all__ = ["app", "job_view", "main"]
 
 

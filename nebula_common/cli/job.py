@@ -11,6 +11,7 @@ stored once in ``<run dir>/credentials/<name>.yaml`` (0600) and that path is pri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -24,11 +25,11 @@ from nebula_common.credentials import CredentialsError, store_new
 from nebula_common.errors import NebulaError
 from nebula_common.safe_yaml import YamlInputError, load_yaml_text
 from nebula_common.sdk.client import ClusterEndpoints, ClusterSession, common_checkpoint_step, submit_job
+from nebula_common.sdk.contexts import resolve as resolve_identity
 from nebula_common.sdk.deployment import (
     Credentials,
     DeploymentFileError,
     DeploymentTarget,
-    link_from_description,
     read_credentials,
 )
 from nebula_common.sdk.deployment import onboard as onboard_account
@@ -46,16 +47,20 @@ def onboard(endpoints: ClusterEndpoints, admin_password: str, username: str) -> 
     return onboard_account(endpoints, admin_password, username)[0]
 
 
+def stopped_message(target: DeploymentTarget) -> str:
+    return (
+        f"the deployment in {target.run_dir} is stopped: start it again first "
+        f"(`nebula local up --run-dir {target.run_dir}`); its running jobs resume by themselves"
+    )
+
+
 def sessions_for(
     deployment_file: Path, credentials: Path | Credentials | None, clusters: set[str]
 ) -> dict[str, ClusterSession]:
     """A session per cluster of the job: the ``credentials`` accounts, else fresh ones via the admins."""
     target = DeploymentTarget.load(deployment_file)
     if target.stopped_records() is not None:
-        raise NebulaError(
-            f"the deployment in {target.run_dir} is stopped: start it again first "
-            f"(`nebula local up --run-dir {target.run_dir}`); its running jobs resume by themselves"
-        )
+        raise NebulaError(stopped_message(target))
     target.check_clusters(clusters)
     given = {c: entry for c, entry in (read_credentials(credentials) or {}).items() if c in clusters}
     sessions = target.login(given)
@@ -213,10 +218,20 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 def submit(
     spec: Path = typer.Argument(..., help="The job spec (YAML)."),
     deployment: Path = typer.Option(
-        ..., help="deployment.json written by `nebula local up` (ports, admin password files)."
+        None,
+        help="A run directory, its deployment.json or an endpoints file (default: the current context's, "
+        "`nebula login`).",
     ),
     credentials: Path = typer.Option(
-        None, help="YAML {cluster: {username, password}}; default: new accounts via each cluster's admin."
+        None,
+        help="YAML {cluster: {username, password}} (default: the account `nebula login` keeps for this "
+        "deployment).",
+    ),
+    new_account: bool = typer.Option(
+        False,
+        "--new-account",
+        help="With no login and no --credentials: create an account in each cluster through its admin "
+        "(stored in credentials/ beside the deployment), as the demo does.",
     ),
     overrides: list[str] = typer.Option([], "--set", help="Override a spec field, e.g. --set steps=10."),
     resume: str = typer.Option(
@@ -240,10 +255,6 @@ def submit(
     """Validate the spec and its modules, then run each stage in its cluster and follow the job."""
     if resume and hot_start_steps:
         raise typer.BadParameter("--resume and --hot-start-steps are exclusive: a job starts from one state")
-    if resume and credentials is None:
-        raise typer.BadParameter(
-            "--resume needs --credentials: checkpoints belong to the accounts that made them"
-        )
     from nebula_common.jobspec import SpecError, load_spec  # pydantic models: built only to submit
 
     try:
@@ -252,10 +263,28 @@ def submit(
         typer.echo(f"invalid job spec\n{exc}", err=True)
         raise typer.Exit(2) from None
     try:  # read before anything is created: a broken file is refused up front, like a bad spec
-        given = read_credentials(credentials)
+        deployment, identity, _ = resolve_identity(deployment, credentials)
+        given = read_credentials(identity)
     except DeploymentFileError as exc:
-        typer.echo(f"invalid --credentials file\n{exc}", err=True)
+        typer.echo(f"invalid --credentials file or context\n{exc}", err=True)
         raise typer.Exit(2) from None
+    if given is None and not new_account:
+        with contextlib.suppress(NebulaError, ValueError):  # a bad path is named by the submit below
+            target = DeploymentTarget.load(deployment)
+            if target.stopped_records() is not None:
+                console.print(f"[red]job failed:[/] {stopped_message(target)}")
+                raise typer.Exit(1)
+        typer.echo(
+            f"no account to submit as on {deployment}: `nebula login --deployment {deployment} --username "
+            "NAME` once (or --credentials FILE; --new-account creates one through the admins)",
+            err=True,
+        )
+        raise typer.Exit(2)
+    if resume and given is None:
+        raise typer.BadParameter(
+            "--resume needs an account (a login or --credentials): checkpoints belong to the accounts "
+            "that made them"
+        )
     try:
         if hot_start_steps:
             console.print(f"hot start: training steps 0..{hot_start_steps - 1} unsplit in this process")
@@ -273,7 +302,7 @@ def submit(
                 raise NebulaError(f"no checkpoint of job {resume!r} held by every cluster for these accounts")
             job = ProgramJob(loaded, resume_job_id=resume, resume_step=step)
         console.print(f"job [bold]{job.job_id}[/]: stages {job.clusters()}")
-        link = link_from_description(json.loads(deployment.read_text()))
+        link = DeploymentTarget.load(deployment).link  # a run directory, deployment.json or endpoints
         if link_mbit is not None or link_rtt_ms is not None:
             link = LinkProfile(
                 bandwidth_mbit=link_mbit

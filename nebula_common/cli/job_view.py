@@ -29,23 +29,30 @@ from nebula_common.cli.job import app, console, reattach_hint
 from nebula_common.errors import NebulaError
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.api import Deployment, Job
+from nebula_common.sdk.contexts import resolve as resolve_identity
 from nebula_common.sdk.job_records import CANCEL_WAIT_S, JobRecord
 from nebula_common.sdk.progress import ProgressBar, Throughput
 from nebula_common.sdk.report import write_report
 
-DEPLOYMENT_HELP = "deployment.json written by `nebula local up` (or its run directory)."
+DEPLOYMENT_HELP = (
+    "A run directory, its deployment.json or an endpoints file (default: the current context's, "
+    "`nebula login`)."
+)
 CREDENTIALS_HELP = (
-    "YAML {cluster: {username, password}}: act as that account (default: each cluster's admin)."
+    "YAML {cluster: {username, password}}: act as that account (default: the account `nebula login` "
+    "keeps for this deployment, else each cluster's admin)."
 )
 JOB_HELP = "The job id (from `nebula job list`)."
 
 
 @contextlib.contextmanager
-def opened(deployment: Path, credentials: Path | None) -> Iterator[Deployment]:
-    """The deployment as the given account (or the admins); any Nebula error exits 1 with its message."""
+def opened(deployment: Path | None, credentials: Path | None) -> Iterator[Deployment]:
+    """The deployment as the given account (or the login's, or the admins); any Nebula error exits 1
+    with its message."""
     target: Deployment | None = None
     try:
-        target = Deployment.open(deployment, credentials)
+        where, identity, _ = resolve_identity(deployment, credentials)
+        target = Deployment.open(where, identity)
         if target.records_note:  # on stderr: --json output stays one document
             typer.echo(target.records_note, err=True)
         yield target
@@ -129,7 +136,7 @@ def jobs_table(jobs: list[JobRecord], width: int | None) -> Table:
 
 @app.command("list")
 def list_command(
-    deployment: Path = typer.Option(..., help=DEPLOYMENT_HELP),
+    deployment: Path = typer.Option(None, help=DEPLOYMENT_HELP),
     credentials: Path = typer.Option(None, help=CREDENTIALS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     output: str = typer.Option(
@@ -186,7 +193,7 @@ def print_status(job: JobRecord) -> None:
 @app.command("status")
 def status_command(
     job_id: str = typer.Argument(..., metavar="JOB", help=JOB_HELP),
-    deployment: Path = typer.Option(..., help=DEPLOYMENT_HELP),
+    deployment: Path = typer.Option(None, help=DEPLOYMENT_HELP),
     credentials: Path = typer.Option(None, help=CREDENTIALS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
@@ -202,7 +209,7 @@ def status_command(
 @app.command("watch")
 def watch_command(
     job_id: str = typer.Argument(..., metavar="JOB", help=JOB_HELP),
-    deployment: Path = typer.Option(..., help=DEPLOYMENT_HELP),
+    deployment: Path = typer.Option(None, help=DEPLOYMENT_HELP),
     credentials: Path = typer.Option(None, help=CREDENTIALS_HELP),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per status update."),
 ) -> None:
@@ -252,7 +259,7 @@ def _watch_progress(job: Job) -> None:
 @app.command("cancel")
 def cancel_command(
     job_id: str = typer.Argument(..., metavar="JOB", help=JOB_HELP),
-    deployment: Path = typer.Option(..., help=DEPLOYMENT_HELP),
+    deployment: Path = typer.Option(None, help=DEPLOYMENT_HELP),
     credentials: Path = typer.Option(None, help=CREDENTIALS_HELP),
     wait_s: float = typer.Option(
         CANCEL_WAIT_S, "--wait", min=0.0, help="Seconds to wait for both stages to stop."
@@ -277,7 +284,7 @@ def cancel_command(
 @app.command("report")
 def report_command(
     job_id: str = typer.Argument(..., metavar="JOB", help=JOB_HELP),
-    deployment: Path = typer.Option(..., help=DEPLOYMENT_HELP),
+    deployment: Path = typer.Option(None, help=DEPLOYMENT_HELP),
     credentials: Path = typer.Option(None, help=CREDENTIALS_HELP),
     out: Path = typer.Option(None, help="The HTML page to write (default: <JOB>-report.html here)."),
     as_json: bool = typer.Option(False, "--json", help="Print the written paths as JSON."),
@@ -300,7 +307,7 @@ def report_command(
 @app.command("logs")
 def logs_command(
     job_id: str = typer.Argument(..., metavar="JOB", help=JOB_HELP),
-    deployment: Path = typer.Option(..., help=DEPLOYMENT_HELP),
+    deployment: Path = typer.Option(None, help=DEPLOYMENT_HELP),
     credentials: Path = typer.Option(None, help=CREDENTIALS_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the log records as a JSON list."),
 ) -> None:

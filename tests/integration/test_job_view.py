@@ -85,6 +85,7 @@ def test_two_jobs_back_to_back_each_report_their_own_codec_ratio(
             str(builtin_spec("numbers")),
             "--deployment",
             str(deployment_file),
+            "--new-account",
             "--set",
             "steps=3",
             "--set",

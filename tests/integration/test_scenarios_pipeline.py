@@ -150,7 +150,7 @@ def test_job_submit_runs_the_example_on_a_running_deployment(
     description = tmp_path / "deployment.json"
     deployment.write_description(description)
     out = tmp_path / "summary.json"
-    submit = ["job", "submit", str(EXAMPLE), "--deployment", str(description)]
+    submit = ["job", "submit", str(EXAMPLE), "--deployment", str(description), "--new-account"]
     result = nebula_cli(*submit, "--set", "steps=12", "--json", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(out.read_text())
@@ -164,7 +164,8 @@ def test_job_submit_hot_start_trains_unsplit_then_split(deployment: LocalDeploym
     description = tmp_path / "deployment.json"
     deployment.write_description(description)
     out = tmp_path / "summary.json"
-    submit = ["job", "submit", str(EXAMPLE), "--deployment", str(description), "--set", "steps=4"]
+    submit = ["job", "submit", str(EXAMPLE), "--deployment", str(description), "--new-account"]
+    submit += ["--set", "steps=4"]
     result = nebula_cli(*submit, "--hot-start-steps", "2", "--json", str(out), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "hot start: training steps 0..1 unsplit" in result.stdout
