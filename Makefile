@@ -84,24 +84,24 @@ bench-faults: $(STAMP)
 
 # Relay throughput on loopback (a few minutes; never part of `make test`): the full path edge -> switch ->
 # mTLS link -> switch -> edge side by side with one TLS socket hop, TCP, one gRPC stream and gloo, on 1, 16 and
-# 64 MiB tensors, and the switches' CPU-seconds per GB. JSON + markdown in bench/results/relay/.
+# 64 MiB tensors, and the switches' CPU-seconds per GB. JSON + markdown in bench-results/relay/.
 bench-relay: $(STAMP)
-	nice -n 10 $(BIN)/python bench/wan/relay.py --out bench/results/relay
+	nice -n 10 $(BIN)/python bench/wan/relay.py --out bench-results/relay
 # Step time vs the roofline max(compute, transfer), clusters pinned to CPU 0 / CPU 1, 1-8 micro-batches,
 # GPipe and 1F1B, overlapped vs serial step pipeline, at the paper's regime (numbers job, batch 1024,
 # 12+12 layers: about 10 minutes; the demo's batch 128: --batch-size 128 --layers 2,2). JSON + markdown + PNG.
 bench-wan-roofline: $(STAMP)
-	$(BIN)/python bench/wan/roofline.py --out bench/results/roofline
+	$(BIN)/python bench/wan/roofline.py --out bench-results/roofline
 
 # One job's throughput across the emulated WAN vs on a local link (the paper's Table 3), pinned cores,
 # numbers (batch 1024, 12+12 layers: the roofline's regime) and electra, interleaved runs (about 4
 # minutes). JSON + markdown.
 bench-wan-table3: $(STAMP)
-	$(BIN)/python bench/wan/table3.py --out bench/results/table3
+	$(BIN)/python bench/wan/table3.py --out bench-results/table3
 
 # The paper's Table 5 / Figure 10 analogue (issue 13): ABNet Es->En on 25k catalogue pairs over a WAN-bound
 # emulated link, every codec row x 3 seeds + the learned bottleneck; fetches its corpus once into .cache/table5
-# (pip download / apt-get download). JSON + markdown + PNG in bench/results/table5/, results in
+# (pip download / apt-get download). JSON + markdown + PNG in bench-results/table5/, results in
 # docs/bench/table5.md (pre-training once, then two shards of rows in parallel, one per core, then a merge; about
 # 40 minutes on 2 idle cores: 13 rows x 3 seeds + 4 Figure 10 runs of ~95 CPU s, estimated, not run end to end; never part
 # of `make test`). bench-table5-quick: a smoke run of every stage (~1-2 minutes on idle cores).
@@ -111,7 +111,7 @@ bench-table5: $(STAMP)
 	$(TABLE5) --shard 0/2 --out bench-results/table5 & pid=$$!; \
 	$(TABLE5) --shard 1/2 --out bench-results/table5 || { kill $$pid; exit 1; }; wait $$pid
 	$(TABLE5) --merge bench-results/table5/table5-full-shard0of2.json bench-results/table5/table5-full-shard1of2.json \
-	  --out bench/results/table5 --doc docs/bench/table5.md
+	  --out bench-results/table5 --doc docs/bench/table5.md
 bench-table5-quick: $(STAMP)
 	nice -n 10 $(BIN)/python bench/table5/run.py --quick --out bench-results/table5
 
@@ -123,22 +123,22 @@ soak: $(STAMP)
 # Internal TLS vs plaintext internal ports (issue 14): the demo job on two deployments side by side, in
 # pairs (one after the other, then both at once), every process pinned to the same cores; step-time ratios,
 # CPU-seconds per step from /proc, and a unary + streaming micro-benchmark. JSON + markdown in
-# bench/results/internal-tls/, report in docs/bench/internal-tls.md (about 40 minutes on 2 cores at load 20;
+# bench-results/internal-tls/, report in docs/bench/internal-tls.md (about 40 minutes on 2 cores at load 20;
 # never part of `make test`).
 INTLS_CPUS ?= 0-$(shell expr $$(nproc) - 1)
 .PHONY: bench-internal-tls
 bench-internal-tls: $(STAMP)
 	taskset -c $(INTLS_CPUS) nice -n 10 $(BIN)/python bench/security/internal_tls.py --cpus $(INTLS_CPUS) \
-	  --out bench/results/internal-tls --doc docs/bench/internal-tls.md
+	  --out bench-results/internal-tls --doc docs/bench/internal-tls.md
 
 # The WAN emulator against kernel shaping (`tc tbf` between two network namespaces, same bytes; needs root,
 # otherwise recorded as skipped) and link utilisation through a real switch pair. JSON + markdown in
-# bench/results/wan-link/, report in docs/bench/wan-link.md (about 15 minutes; never part of `make test`).
+# bench-results/wan-link/, report in docs/bench/wan-link.md (about 15 minutes; never part of `make test`).
 .PHONY: bench-wan-link bench-wan
 bench-wan-link: $(STAMP)
-	$(BIN)/python bench/wan/link.py --out bench/results/wan-link
-	$(BIN)/python bench/wan/loss_model.py --out bench/results/wan-link
-	$(BIN)/python bench/wan/utilisation.py --out bench/results/wan-link
+	$(BIN)/python bench/wan/link.py --out bench-results/wan-link
+	$(BIN)/python bench/wan/loss_model.py --out bench-results/wan-link
+	$(BIN)/python bench/wan/utilisation.py --out bench-results/wan-link
 
 # Every WAN data-plane benchmark of issue 15; a target that does not exist (yet) is skipped with a message,
 # one that fails does not stop the others but fails the whole run at the end.

@@ -20,7 +20,7 @@ seeds per row in the full run, greedy decoding of the held-out split, sacrebleu 
 Writes ``table5.json``, ``table5.md`` and ``table5-pareto.png`` into ``--out``; with ``--doc``
 also the results section of that markdown file.
 
-    .venv/bin/python bench/table5/run.py [--quick] --out bench/results/table5 --doc docs/bench/table5.md
+    .venv/bin/python bench/table5/run.py [--quick] --out bench-results/table5 --doc docs/bench/table5.md
 """
 
 from __future__ import annotations

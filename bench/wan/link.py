@@ -16,7 +16,7 @@ Output: ``<out>/link.json``, ``<out>/link.md`` and ``<out>/link.png``. Run as ro
 without root or iproute2 the benchmark records why it was skipped and exits 0, so ``make bench-wan``
 carries on.
 
-    .venv/bin/python bench/wan/link.py --out bench/results/wan-link            # ~4 min
+    .venv/bin/python bench/wan/link.py --out bench-results/wan-link            # ~4 min
     .venv/bin/python bench/wan/link.py --out /tmp/wl --quick                   # ~1 min, noisier
 """
 
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, default=Path("bench/results/wan-link"))
+    parser.add_argument("--out", type=Path, default=Path("bench-results/wan-link"))
     parser.add_argument("--quick", action="store_true", help="one repetition, shorter transfers")
     parser.add_argument("--bandwidths", default="60,200", help="Mbit/s, comma-separated")
     parser.add_argument("--delays", default="0,20", help="one-way ms, comma-separated")

@@ -9,7 +9,7 @@ Steady state is measured as a difference, so slow start and the connection set-u
 transfers of S1 and S2 bytes over the same emulated link (same seed), throughput
 ``(S2 - S1) / (t2 - t1)``. Everything runs in this process on loopback (sender, emulator, sink).
 
-    .venv/bin/python bench/wan/loss_model.py --out bench/results/wan-link      # ~1-2 min
+    .venv/bin/python bench/wan/loss_model.py --out bench-results/wan-link      # ~1-2 min
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, default=Path("bench/results/wan-link"))
+    parser.add_argument("--out", type=Path, default=Path("bench-results/wan-link"))
     args = parser.parse_args(argv)
     command = " ".join([Path(sys.executable).name, *sys.argv])
     load_before = [round(x, 2) for x in os.getloadavg()]

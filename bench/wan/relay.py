@@ -30,7 +30,7 @@ time from the first send to the receiver holding the last tensor (``time.monoton
 every process of the machine). The switches' CPU seconds (user + system, ``/proc/<pid>/stat``) over
 the relay run give CPU-seconds per GB relayed.
 
-    make bench-relay           # or: .venv/bin/python bench/wan/relay.py --out bench/results/relay
+    make bench-relay           # or: .venv/bin/python bench/wan/relay.py --out bench-results/relay
 
 Writes ``relay.json`` and ``relay.md`` under ``--out``. Never part of ``make test``.
 """
@@ -728,7 +728,7 @@ def render(result: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/relay"))
+    parser.add_argument("--out", type=Path, default=Path("bench-results/relay"))
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES_MIB), help="tensor sizes, MiB")
     parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per size and path, MiB")
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)

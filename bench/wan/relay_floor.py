@@ -279,7 +279,7 @@ def main() -> None:
     parser.add_argument("--total-mib", type=int, default=1024, help="bytes per configuration and round, MiB")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
-    parser.add_argument("--out", type=Path, default=Path("bench/results/relay/floor.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench-results/relay/floor.json"))
     args = parser.parse_args()
     for config in args.configs:
         if config != "hop-tls" and (len(config.split("/")) != 3 or set(config.split("/")) - set(KINDS)):

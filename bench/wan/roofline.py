@@ -20,7 +20,7 @@ Per run (the built-in ``numbers`` job, steady steps only, the first ``--warmup``
 * ``ratio = step / max(compute, transfer)``; ``rtt`` = 2 x one-way delay, the part of every step
   the schedule cannot hide (the upstream's next forward needs this step's last gradient).
 
-    .venv/bin/python bench/wan/roofline.py --out bench/results/roofline        # make bench-wan-roofline
+    .venv/bin/python bench/wan/roofline.py --out bench-results/roofline        # make bench-wan-roofline
 
 Defaults: the paper's regime (batch 1024, 12 encoder + 12 decoder layers, 8 steps; ~10 min), where a
 step's compute (~2.5 s on one core) is large against one RTT; the demo's job: ``--batch-size 128

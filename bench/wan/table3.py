@@ -19,7 +19,7 @@ encoder and 12 decoder layers, where a step's compute is large against one RTT) 
 (one way: token ids forward, a SYNC back per step, the generator ``sync_lag`` 1 step ahead; one
 discriminator replica, since each cluster has one core).
 
-    .venv/bin/python bench/wan/table3.py --out bench/results/table3          # make bench-wan-table3
+    .venv/bin/python bench/wan/table3.py --out bench-results/table3          # make bench-wan-table3
 
 Writes ``table3.json`` and ``table3.md`` under ``--out``.
 """

@@ -17,7 +17,7 @@ so those rows are recorded as ``unsupported`` (the emulator's count of open conn
 too). Every connection shares one aggregate cap in the emulator, so more connections can only help
 by filling the same link better, never by getting more of it.
 
-    .venv/bin/python bench/wan/utilisation.py --out bench/results/wan-link        # ~5-15 min
+    .venv/bin/python bench/wan/utilisation.py --out bench-results/wan-link        # ~5-15 min
     .venv/bin/python bench/wan/utilisation.py --out /tmp/wu --quick               # shorter windows
 """
 
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, default=Path("bench/results/wan-link"))
+    parser.add_argument("--out", type=Path, default=Path("bench-results/wan-link"))
     parser.add_argument("--quick", action="store_true", help="shorter warm-up and window")
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--window", type=float, default=10.0)
