@@ -16,7 +16,9 @@ podman-compose). Every step goes through the one endpoints file and the `nebula`
    "resume exchanged" log record), and its sealed audit log verifies (``nebula audit verify``);
 4. ``nebula job status|report|logs|list`` work against the compose deployment (the report's PNGs are
    checked as PNGs; logs come from the containers through the endpoints file's log command);
-5. a second, long job is cancelled with ``nebula job cancel``: both stages end CANCELLED.
+5. a second, long job rides a restart of trainer-a asked for politely (SIGTERM) and resumes
+   by itself at a higher epoch (the trainer drains its stages, it cancels nothing); then it is
+   cancelled with ``nebula job cancel``: both stages end CANCELLED.
 
 Prints one JSON summary; exits 1 naming the first thing that was not as expected.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +40,7 @@ from typer.testing import CliRunner
 
 from nebula_common.cli.app import app
 from nebula_common.jobspec.builtin import builtin_spec
+from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.api import Deployment
 
 # The deployment docker/run-smoke.sh brought up (its project: COMPOSE may carry `-p NAME`).
@@ -92,6 +96,41 @@ def restart_trainer_a(deployment: Deployment, job_id: str) -> float:
                     f"trainer-a not answering {RESTART_TIMEOUT_S:.0f} s after its kill: {exc}"
                 ) from None
         time.sleep(1.0)
+
+
+def rolling_restart_keeps(job: Any) -> dict[str, Any]:
+    """SIGTERM to trainer-a (what an upgrade or `compose stop` sends) stops the trainer, not the job: its
+    stage is drained, the trainer exits 0, and once started again it resumes the stage at a higher
+    epoch; nothing is CANCELLED. (podman-compose 1.6's `restart` refuses a service whose one-shot
+    dependency has exited, and says so with exit code 0: hence the signal, a wait and a start.)"""
+    statuses = job.metrics()
+    next(statuses)  # the job's record is read and its watch open before the trainer goes: it rides through
+    started = time.monotonic()
+    names = subprocess.run(
+        ["podman", "ps", "--filter", "label=io.podman.compose.service=trainer-a", "--format", "{{.Names}}"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout.split()  # fmt: skip
+    check(len(names) == 1, f"trainer-a's container: {names}")
+    compose("kill", "-s", "TERM", "trainer-a")
+    # It drains and exits 0 by itself; podman's restart policy leaves a signalled container stopped, so
+    # the operator's start (as after an upgrade) brings it back.
+    ended = subprocess.run(["podman", "wait", names[0]], capture_output=True, text=True, timeout=60)
+    check(ended.stdout.strip() == "0", f"trainer-a did not exit 0 on SIGTERM: {ended.stdout} {ended.stderr}")
+    compose("start", "trainer-a")
+    for status in statuses:
+        state = status.state
+        check(
+            time.monotonic() - started < RESTART_TIMEOUT_S,
+            f"trainer-a's stage not resumed {RESTART_TIMEOUT_S:.0f} s after its SIGTERM (last: {status})",
+        )
+        check(
+            state not in (trainer_pb2.STAGE_STATE_CANCELLED, trainer_pb2.STAGE_STATE_FAILED),
+            f"the job ended across trainer-a's restart: {status}",
+        )
+        stepping = state == trainer_pb2.STAGE_STATE_RUNNING and status.steps_done > status.resumed_from_step
+        if status.stage == "encoder" and status.epoch >= 1 and stepping:
+            return {"resumed_epoch": status.epoch, "seconds": round(time.monotonic() - started, 1)}
+    raise SmokeFailure(f"job {job.id} ended before its stage in a resumed after the restart")
 
 
 def is_png(path: Path) -> bool:
@@ -190,6 +229,7 @@ def run(steps: int, out: Path) -> dict[str, Any]:
     with Deployment.open(endpoints) as deployment:
         long_job = deployment.submit(builtin_spec("numbers"), {"steps": 100_000, "checkpoint.interval": 0})
         wait_for_step(long_job, 2)
+        summary["rolling_restart"] = rolling_restart_keeps(long_job)
     cancelled = nebula("job", "cancel", long_job.id, *dep, "--json")
     check(
         cancelled["state"] == "CANCELLED" and all(s["state"] == "CANCELLED" for s in cancelled["stages"]),
