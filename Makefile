@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # Which tests `make test` runs: all but the long fault, containment and rank-process scenarios, which CI
 # runs as targets of their own (`make test TEST_SELECT=` runs every test).
-TEST_SELECT ?= -m "not faults and not rawedge and not containment and not ranks"
+TEST_SELECT ?= -m "not faults and not long and not rawedge and not containment and not ranks"
 
 .PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-faults test-stop test-containment bench-stage-isolation lint format clean bench \
 	test-raw-edge \
@@ -179,7 +179,7 @@ test: $(STAMP)
 # on a quiet 2-core machine, 18 on a busy one). The SIGTERM matrix (also marked `faults`) is
 # `make test-stop`, which repeats each case.
 test-faults: $(STAMP)
-	$(BIN)/pytest -q -m faults tests/integration --ignore=tests/integration/test_service_stop.py $(PYTEST_ARGS)
+	$(BIN)/pytest -q -m "faults or long" tests/integration --ignore=tests/integration/test_service_stop.py $(PYTEST_ARGS)
 
 # A hostile stage module trying every key, token, process and port of its cluster, then misbehaving stages
 # (fork bomb, unbounded allocation, detached children, SIGKILL, endless loop) on a deployment of their own

@@ -23,7 +23,8 @@ from nebula_common.launcher import LocalDeployment
 from nebula_common.sdk.api import Deployment
 from nebula_common.sdk.deployment import DeploymentTarget, write_endpoints_file
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]  # with the shared deployment's start
+# Ten jobs in a row (about 50 s): in `make test-faults` (CI), keeping `make test` under ten minutes.
+pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(420)]  # with its start
 JOBS = 10
 STEPS = 2
 CODECS = ("fp16", "int8")

@@ -51,6 +51,7 @@ def checkpoint(
     return torch.load(path, weights_only=True)
 
 
+@pytest.mark.long  # about 40 s: in `make test-faults` (CI), keeping `make test` under ten minutes
 @pytest.mark.parametrize("replicas", [2])
 def test_electra_with_replicated_discriminator_equals_the_unsplit_run(
     replicas: int, deployment: LocalDeployment, sessions: dict[str, ClusterSession]
