@@ -175,11 +175,12 @@ test: $(STAMP)
 	$(BIN)/pytest -q $(TEST_SELECT) $(PYTEST_ARGS)
 
 # The long fault scenarios, each on a deployment of its own: WAN outages and link loss mid-job, killed
-# services healing, a trainer killed mid-job, the outage limit, `local up` after a kill (about 7 minutes
-# on a quiet 2-core machine, 18 on a busy one). The SIGTERM matrix (also marked `faults`) is
+# services healing, a trainer killed mid-job, the outage limit, `local up` after a kill; and the `long`
+# scenarios kept out of `make test` (many jobs, four-rank sharding, ABNet's bottleneck and HF models)
+# (about 10 minutes on a quiet 2-core machine). The SIGTERM matrix (also marked `faults`) is
 # `make test-stop`, which repeats each case.
 test-faults: $(STAMP)
-	$(BIN)/pytest -q -m "faults or long" tests/integration --ignore=tests/integration/test_service_stop.py $(PYTEST_ARGS)
+	$(BIN)/pytest -q -m "faults or long" tests/integration tests/unit --ignore=tests/integration/test_service_stop.py $(PYTEST_ARGS)
 
 # A hostile stage module trying every key, token, process and port of its cluster, then misbehaving stages
 # (fork bomb, unbounded allocation, detached children, SIGKILL, endless loop) on a deployment of their own
@@ -205,10 +206,13 @@ test-integration: $(STAMP)
 
 # Every panel query of docker/monitoring/nebula-dashboard.json evaluated by a real Prometheus (Debian
 # package `prometheus`) scraping a local deployment during a short job; fails naming any query that
-# returns nothing (about 3 min on 2 busy cores, mostly starting the deployment). Also part of `make test`,
-# where the test skips if prometheus is absent; here, and in CI, its absence is a failure.
+# returns nothing; the alert rules' promtool tests, and the rules firing on a live deployment (a cut
+# link, an expiring certificate). About 4 min on 2 busy cores. The first two are also part of `make
+# test`, the live alerts of `make test-faults`; there they skip if prometheus is absent, here (and in
+# CI, which sets NEBULA_REQUIRE_PROMETHEUS) its absence is a failure.
 check-dashboards: $(STAMP)
-	NEBULA_REQUIRE_PROMETHEUS=1 $(BIN)/pytest -q tests/integration/test_dashboards.py $(PYTEST_ARGS)
+	NEBULA_REQUIRE_PROMETHEUS=1 $(BIN)/pytest -q tests/integration/test_dashboards.py tests/integration/test_alerts.py \
+	  tests/unit/test_alert_rules.py $(PYTEST_ARGS)
 
 # Two organisations: two `nebula cluster up` process trees on two run directories and PKIs that exchanged
 # only CA certificates, training the numbers job; revocation and trust removal over the link (about 2.5 min

@@ -16,6 +16,8 @@ This script copies, per cluster ``<c>``:
                                   service refuses client certificates it lists, NEBULA_<SVC>_INTERNAL_CRL)
     /pki/<c>/services/worker/  -> <out>/worker-<c>-internal-tls/  (only when that volume is mounted:
                                   the cluster ranks' identity for the trainer's rank store)
+    /pki/<c>/services/monitoring/ -> <out>/monitoring-<c>-tls/  (only when mounted: the identity the
+                                  cluster's Prometheus reads every service's /metrics with)
 
 Service certificates (``spiffe://nebula/cluster/<c>/<svc>``, for the mutual TLS of the internal
 ports) are issued here by the cluster CA, ``--service-validity-hours`` long (168), and kept while
@@ -105,14 +107,26 @@ def export_internal(
         _write(targets[service] / "service.crt", files.cert.read_bytes(), 0o400, uid, gid)
         _write(targets[service] / "crl.pem", crl.read_bytes(), 0o400, uid, gid)
     print(f"pki-init: cluster {cluster}: exported internal identities and CRL of {', '.join(SERVICES)}")
-    worker_out = out / f"worker-{cluster}-internal-tls"
-    if worker_out.is_dir():  # mounted only where cluster ranks run (docker-compose.ranks.yml)
-        validity = timedelta(hours=validity_hours)
-        files = ensure_service_certificates(pki, cluster, ("worker",), validity=validity)["worker"]
-        _write(worker_out / "ca.crt", files.ca.read_bytes(), 0o400, uid, gid)
-        _write(worker_out / "service.key", files.key.read_bytes(), 0o400, uid, gid)
-        _write(worker_out / "service.crt", files.cert.read_bytes(), 0o400, uid, gid)
-        print(f"pki-init: cluster {cluster}: exported the rank workers' identity")
+    validity = timedelta(hours=validity_hours)
+    # The scraper's identity is always kept in /pki: `nebula compose endpoints` hands it to the host.
+    scraper = ensure_service_certificates(pki, cluster, ("monitoring",), validity=validity)["monitoring"]
+    optional = {
+        "worker": out
+        / f"worker-{cluster}-internal-tls",  # where cluster ranks run (docker-compose.ranks.yml)
+        "monitoring": out / f"monitoring-{cluster}-tls",  # the `monitoring` profile's Prometheus
+    }
+    for role, target in optional.items():
+        if not target.is_dir():
+            continue
+        files = (
+            scraper
+            if role == "monitoring"
+            else ensure_service_certificates(pki, cluster, (role,), validity=validity)[role]
+        )
+        _write(target / "ca.crt", files.ca.read_bytes(), 0o400, uid, gid)
+        _write(target / "service.key", files.key.read_bytes(), 0o400, uid, gid)
+        _write(target / "service.crt", files.cert.read_bytes(), 0o400, uid, gid)
+        print(f"pki-init: cluster {cluster}: exported the {role} identity")
 
 
 def export(

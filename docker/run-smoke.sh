@@ -73,6 +73,14 @@ ca_dir=$(mktemp -d)
 $COMPOSE exec -T auth-a cat /etc/nebula/internal-tls/ca.crt > "$ca_dir/a-ca.crt"
 $COMPOSE exec -T auth-b cat /etc/nebula/internal-tls/ca.crt > "$ca_dir/b-ca.crt"
 export NEBULA_CA_CERT_A="$ca_dir/a-ca.crt" NEBULA_CA_CERT_B="$ca_dir/b-ca.crt"
+# /metrics answer only each cluster's scraper identity, which only the PKI volume holds (pki-init).
+for c in a b; do
+  PYTHONPATH=$PWD "$PYTHON" -c 'import shlex, sys; from pathlib import Path
+from nebula_common.cli.compose import fetch_monitoring_identity
+fetch_monitoring_identity(shlex.split(sys.argv[1]), sys.argv[2], Path(sys.argv[3]))' "$COMPOSE" "$c" "$ca_dir/$c-monitoring"
+done
+export NEBULA_MONITORING_TLS_A="$ca_dir/a-monitoring" NEBULA_MONITORING_TLS_B="$ca_dir/b-monitoring"
+lap "CA certificates and scraper identities copied out"
 "$PYTHON" docker/smoke.py "$@"
 lap "smoke.py $*"
 # Issue 14 on this deployment: plaintext and certificate-less calls to internal ports fail, a wrong

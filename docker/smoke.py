@@ -28,6 +28,8 @@ from pathlib import Path
 
 from nebula_common.jobspec import load_spec
 from nebula_common.jobspec.builtin import builtin_spec
+from nebula_common.metrics import trust_metrics_endpoint
+from nebula_common.pki.service_identity import ServiceTlsFiles
 from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterEndpoints, ClusterSession, submit_job
@@ -39,17 +41,25 @@ HOST = "127.0.0.1"
 DEFAULT_PORTS = {"a": "17400,17500,17600,19100", "b": "27400,27500,27600,29100"}
 
 
-def endpoints(cluster: str, ports: str, ca: Path) -> ClusterEndpoints:
-    """The cluster's published ports, each verified against the cluster's own CA (internal TLS)."""
+def endpoints(cluster: str, ports: str, ca: Path, monitoring: Path | None = None) -> ClusterEndpoints:
+    """The cluster's published ports, each verified against the cluster's own CA (internal TLS).
+
+    ``monitoring``: the cluster's scraper identity (``nebula compose endpoints`` copies it out), which
+    the switch's ``/metrics`` asks for; without it the trainers count the job's WAN bytes.
+    """
     switch, trainer, auth, metrics = (int(p) for p in ports.split(","))
     for port in (switch, trainer, auth):
         trust_endpoint(f"{HOST}:{port}", ClientTls(cluster, ca))
+    scraped = {}
+    if monitoring is not None:
+        trust_metrics_endpoint(f"{HOST}:{metrics}", ServiceTlsFiles.in_dir(monitoring), cluster, "switch")
+        scraped = {f"switch-{cluster}": f"https://{HOST}:{metrics}/metrics"}
     return ClusterEndpoints(
         cluster_id=cluster,
         auth=f"{HOST}:{auth}",
         trainer=f"{HOST}:{trainer}",
         switch=f"{HOST}:{switch}",
-        metrics={f"switch-{cluster}": f"http://{HOST}:{metrics}/metrics"},
+        metrics=scraped,
     )
 
 
@@ -112,8 +122,15 @@ def main() -> int:
             default=os.environ.get(f"NEBULA_CA_CERT_{c.upper()}"),
             help=f"cluster {c}'s CA certificate (default: $NEBULA_CA_CERT_{c.upper()})",
         )
+        parser.add_argument(
+            f"--monitoring-{c}",
+            type=Path,
+            default=os.environ.get(f"NEBULA_MONITORING_TLS_{c.upper()}"),
+            help=f"cluster {c}'s scraper identity, a directory (default: $NEBULA_MONITORING_TLS_{c.upper()})",
+        )
     args = parser.parse_args()
     cas = {"a": args.ca_a, "b": args.ca_b}
+    scrapers = {"a": args.monitoring_a, "b": args.monitoring_b}
     missing = [c for c, ca in cas.items() if ca is None or not ca.is_file()]
     if missing:
         raise SystemExit(f"the CA certificate of cluster(s) {', '.join(missing)} is missing (--ca-a/--ca-b)")
@@ -121,7 +138,10 @@ def main() -> int:
     passwords = {c: os.environ.get(f"NEBULA_ADMIN_PASSWORD_{c.upper()}", "").strip() for c in "ab"}
     if not all(passwords.values()):
         raise SystemExit("set NEBULA_ADMIN_PASSWORD_A and NEBULA_ADMIN_PASSWORD_B (see the docstring)")
-    eps = {"a": endpoints("a", args.host_ports_a, cas["a"]), "b": endpoints("b", args.host_ports_b, cas["b"])}
+    eps = {
+        "a": endpoints("a", args.host_ports_a, cas["a"], scrapers["a"]),
+        "b": endpoints("b", args.host_ports_b, cas["b"], scrapers["b"]),
+    }
 
     suffix = secrets.token_hex(3)
     source = create_user(eps["a"], passwords["a"], f"smoke-a-{suffix}")

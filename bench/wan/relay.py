@@ -562,16 +562,22 @@ class Deployment:
 
     def link_connections(self) -> dict[str, float]:
         """``nebula_switch_link_connections`` of each switch right now (from its metrics endpoint)."""
-        import urllib.request
+        from nebula_common.metrics import metrics_url, read_metrics, trust_metrics_endpoint
+        from nebula_common.pki.service_identity import MONITORING_ROLE, ServiceTlsFiles, service_tls_dir
 
         found = {}
         for cluster, process in self.switches.items():
-            url = f"http://127.0.0.1:{process.info['metrics_port']}/metrics"
-            with urllib.request.urlopen(url, timeout=5) as response:
-                for line in response.read().decode().splitlines():
-                    # One series per peer (label ``peer``); older switches export one without labels.
-                    if line.startswith("nebula_switch_link_connections") and " " in line:
-                        found[cluster] = found.get(cluster, 0.0) + float(line.split()[-1])
+            url = metrics_url("127.0.0.1", process.info)
+            if url is None:
+                continue
+            if url.startswith("https:"):  # read as the cluster's Prometheus would
+                scraper = ServiceTlsFiles.in_dir(service_tls_dir(self.root / "pki", cluster, MONITORING_ROLE))
+                address = f"127.0.0.1:{process.info['metrics_port']}"
+                trust_metrics_endpoint(address, scraper, cluster, "switch")
+            for line in read_metrics(url).splitlines():
+                # One series per peer (label ``peer``).
+                if line.startswith("nebula_switch_link_connections") and " " in line:
+                    found[cluster] = found.get(cluster, 0.0) + float(line.split()[-1])
         return found
 
     def link_transport(self) -> dict[str, str]:

@@ -31,7 +31,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ import torch
 
 from bench.wan.plots import PALETTE, grouped_bars
 from nebula_common.launcher.local import LocalDeployment
+from nebula_common.metrics import read_metrics
 from nebula_common.pki.service_identity import ServiceTlsFiles, service_tls_dir
 from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 from nebula_common.sdk.auth_client import AuthClient
@@ -61,8 +61,7 @@ def _load() -> list[float]:
 def _switch_connections_metric(url: str) -> float | None:
     """The switch's ``nebula_switch_link_connections`` gauge, or None if it does not export one."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
+        text = read_metrics(url)
     except OSError:
         return None
     match = re.search(rf"^{_METRIC}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.MULTILINE)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from nebula_common.audit.log import AuditError, AuditLog, record_hash, seal_path_for
+from nebula_common.audit.metrics import watch_audit_disk
 from nebula_common.audit.query import AuditFilter, QueryResult, query_log
 from nebula_common.audit.signing import PUBLIC_KEY_NAME, AuditKeyError, AuditSigner, SealVerifier
 from nebula_common.audit.verify import VerifyResult, verify_log
@@ -46,6 +47,7 @@ def open_service_audit(
     """Open (or start) ``<data_dir>/audit.log`` sealed by ``<data_dir>/audit-key.pem``."""
     data_dir = Path(data_dir)
     signer = AuditSigner.load_or_create(data_dir)
+    watch_audit_disk(data_dir, service)
     return AuditLog(
         data_dir / LOG_FILE_NAME,
         signer,

@@ -39,6 +39,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from nebula_common.audit.metrics import WRITE_FAILURES
 from nebula_common.audit.signing import AuditSigner, canonical_json
 from nebula_common.durable import atomic_write
 
@@ -242,6 +243,7 @@ class AuditLog:
             if self._fsync_each:
                 os.fsync(self._fd)
         except OSError as exc:
+            WRITE_FAILURES.labels(self._service).inc()
             raise AuditError(f"cannot append to audit log {self.path}: {exc}") from exc
         self._seq = record["seq"]
         self._head = record["hash"]

@@ -6,7 +6,8 @@ cluster's own CA, which only the containers hold. This command reads where each 
 the compose file (literal ``HOST:PORT:CONTAINER`` mappings; any other is asked of the engine,
 ``<compose> port``), copies each cluster's CA certificate and, unless
 ``--no-admin``, its bootstrap admin password (mode 0600) out of the auth containers
-(``<compose> exec -T``), and writes them with ``endpoints.json`` into one host directory. From
+(``<compose> exec -T``), and the scraper identity through ``pki-init``, and writes them with
+``endpoints.json`` into one host directory. From
 then on every CLI command and the SDK target the deployment with ``--deployment DIR`` (or
 ``Deployment.open(DIR)``), as they target a local run directory: ``nebula job list|status|watch|
 cancel|report|logs``, ``nebula job submit`` and ``nebula account``. ``nebula job logs`` reads the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -35,6 +37,7 @@ CA_IN_CONTAINER = "/etc/nebula/internal-tls/ca.crt"
 ADMIN_IN_CONTAINER = "/etc/nebula/admin/admin-password"
 LOGGED = ("trainer", "switch")  # the services whose log records name jobs (`nebula job logs`)
 TIMEOUT_S = 60.0
+PEM_BLOCK = re.compile(r"-----BEGIN ([A-Z ]+)-----.*?-----END \1-----", re.S)
 
 
 class ComposeError(Exception):
@@ -50,6 +53,29 @@ def _run(argv: list[str]) -> str:
         last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["no output"]
         raise ComposeError(f"`{shlex.join(argv)}` exited {done.returncode}: {last[0]}")
     return done.stdout
+
+
+def fetch_monitoring_identity(compose: list[str], cluster: str, target: Path) -> Path:
+    """Copy ``cluster``'s scraper identity (role ``monitoring``) out of the PKI volume into ``target``.
+
+    Every ``/metrics`` answers only that identity (or an operator's). No service container holds it,
+    so it is read through the one-shot ``pki-init`` (which mounts the PKI volume, and nothing else
+    runs): ``<compose> run --rm --no-deps -T pki-init cat ...``. The key is written 0600.
+    """
+    source = f"/pki/{cluster}/services/monitoring"
+    names = ("ca.crt", "service.crt", "service.key")
+    text = _run(
+        [*compose, "run", "--rm", "--no-deps", "-T", "pki-init", "cat", *(f"{source}/{n}" for n in names)]
+    )
+    blocks = [m.group(0) for m in PEM_BLOCK.finditer(text)]
+    if len(blocks) != 3 or "PRIVATE KEY" not in blocks[2]:
+        raise ComposeError(f"pki-init: {source} does not hold a monitoring identity (re-run pki-init)")
+    target.mkdir(parents=True, exist_ok=True)
+    for name, block in zip(names, blocks, strict=True):
+        atomic_write(
+            target / name, (block.strip() + "\n").encode(), mode=0o600 if name.endswith(".key") else 0o644
+        )
+    return target
 
 
 def published(compose: list[str], service: str, port: int, host: str) -> str:
@@ -123,12 +149,14 @@ def endpoints(
                 raise ComposeError(f"auth-{cluster}: {CA_IN_CONTAINER} is not a PEM certificate")
             atomic_write(ca, pem.encode(), mode=0o644)
             metrics = address(f"switch-{cluster}", METRICS)
+            scraper = fetch_monitoring_identity(compose, cluster, out / f"{cluster}-monitoring")
             entry = {
                 "auth": address(f"auth-{cluster}", AUTH),
                 "trainer": address(f"trainer-{cluster}", TRAINER),
                 "switch": address(f"switch-{cluster}", SWITCH),
                 "ca_cert": ca.name,
-                "metrics": {f"switch-{cluster}": f"http://{metrics}/metrics"},
+                "metrics": {f"switch-{cluster}": f"https://{metrics}/metrics"},
+                "monitoring_tls": scraper.name,
             }
             if admin:
                 secret = _run([*compose, "exec", "-T", f"auth-{cluster}", "cat", ADMIN_IN_CONTAINER]).strip()

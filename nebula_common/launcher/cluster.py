@@ -20,8 +20,9 @@ from nebula_common.durable import atomic_write
 from nebula_common.errors import NebulaError
 from nebula_common.launcher.ports import service_port
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command, wait_healthy
+from nebula_common.metrics import metrics_url, trust_metrics_endpoint
 from nebula_common.pki.identity import validate_cluster_id
-from nebula_common.pki.service_identity import ServiceTlsFiles, ensure_service_certificates
+from nebula_common.pki.service_identity import MONITORING_ROLE, ServiceTlsFiles, ensure_service_certificates
 from nebula_common.pki.store import ClusterPaths
 from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 
@@ -146,6 +147,11 @@ class ClusterLauncher:
             port = process.info.get(key)
             if isinstance(port, int) and port > 0:
                 trust_endpoint(f"{LOOPBACK}:{port}", tls)
+        scraper = state.service_tls.get(MONITORING_ROLE)
+        port = process.info.get("metrics_port")
+        if scraper is not None and process.info.get("metrics_scheme") == "https" and isinstance(port, int):
+            service = process.name.removesuffix(f"-{state.cluster_id}")
+            trust_metrics_endpoint(f"{LOOPBACK}:{port}", scraper, state.cluster_id, service)
 
     def new_state(self, cluster: str, password: str | None) -> ClusterProcesses:
         """The cluster's (not yet started) processes, with its admin password (written if new)."""
@@ -336,11 +342,8 @@ class ClusterLauncher:
 
 
 def cluster_endpoints(state: ClusterProcesses) -> ClusterEndpoints:
-    metrics = {
-        p.name: f"http://{LOOPBACK}:{p.info['metrics_port']}/metrics"
-        for p in state.processes()
-        if (p.info.get("metrics_port") or -1) > 0
-    }
+    urls = {p.name: metrics_url(LOOPBACK, p.info) for p in state.processes()}
+    metrics = {name: url for name, url in urls.items() if url}
     return ClusterEndpoints(
         cluster_id=state.cluster_id,
         auth=ClusterLauncher.address(state.auth),

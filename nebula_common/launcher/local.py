@@ -61,7 +61,7 @@ from nebula_common.launcher.process import ServiceProcess, ServiceStartError, co
 from nebula_common.launcher.renewal import LeafRenewer
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor
 from nebula_common.pki import init_pki
-from nebula_common.pki.service_identity import ensure_service_certificates
+from nebula_common.pki.service_identity import MONITORING_ROLE, ensure_service_certificates
 from nebula_common.pki.store import PkiError
 from nebula_common.rpc.internal_tls import PLAINTEXT_ENV, plaintext_allowed
 from nebula_common.wan.control import WanControl
@@ -455,6 +455,10 @@ class LocalDeployment:
             }
             if self.internal_tls:  # every internal port of the cluster serves TLS verified against this CA
                 clusters[cluster]["ca_cert"] = str(self.ca_cert(cluster))
+                # The scraper's identity (role monitoring): /metrics refuse readers without it.
+                scraper = state.service_tls.get(MONITORING_ROLE)
+                if scraper is not None:
+                    clusters[cluster]["monitoring_tls"] = str(scraper.dir)
         emulator = entry(self.emulator) if self.emulator is not None else {}
         return {
             # Which command holds the run directory's lock (``nebula local status|down`` name it).

@@ -38,6 +38,7 @@ from nebula_common.launcher.cluster import (
 from nebula_common.launcher.local import _lock_run_dir, check_run_dir
 from nebula_common.launcher.renewal import LeafRenewer
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor
+from nebula_common.pki.service_identity import MONITORING_ROLE, service_tls_dir
 from nebula_common.pki.store import ClusterPaths, PkiError, load_layout
 
 
@@ -175,6 +176,7 @@ class ClusterDeployment:
                     "admin_password_file": str(self.run_dir / self.cluster / "admin-password"),
                     # Every internal port of the cluster serves TLS verified against this CA.
                     "ca_cert": str(self.pki / self.cluster / "ca.crt"),
+                    "monitoring_tls": str(service_tls_dir(self.pki, self.cluster, MONITORING_ROLE)),
                 }
             },
         }

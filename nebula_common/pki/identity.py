@@ -33,9 +33,10 @@ DNS_SUFFIX = "nebula.internal"
 #: ``auth``, ``codec``, ``data`` and ``trainer`` are the per-service identities of the internal
 #: ports (:mod:`nebula_common.pki.service_identity`); what each may call is
 #: :mod:`nebula_common.auth.roles`. ``worker`` is a cluster rank process: it calls no RPC, it only joins
-#: its trainer's rank store (``services/trainer/runtime/rank_gate.py``).
+#: its trainer's rank store (``services/trainer/runtime/rank_gate.py``). ``monitoring`` is the cluster's
+#: Prometheus: it calls no RPC, it only reads the services' ``/metrics`` (``nebula_common.metrics``).
 KNOWN_ROLES: frozenset[str] = frozenset(
-    {"switch", "service", "operator", "auth", "codec", "data", "trainer", "worker"}
+    {"switch", "service", "operator", "auth", "codec", "data", "trainer", "worker", "monitoring"}
 )
 
 CLUSTER_ID_PATTERN = r"^[a-z][a-z0-9-]{0,30}$"

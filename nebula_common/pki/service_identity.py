@@ -46,6 +46,8 @@ from nebula_common.pki.store import (
 __all__ = [
     "DEFAULT_SERVICE_VALIDITY",
     "IDENTITY_ROLES",
+    "LAUNCHED_IDENTITIES",
+    "MONITORING_ROLE",
     "SERVICE_ROLES",
     "WORKER_ROLE",
     "ServiceTlsFiles",
@@ -60,7 +62,12 @@ SERVICE_ROLES: tuple[str, ...] = ("auth", "codec", "data", "switch", "trainer")
 WORKER_ROLE = "worker"
 """A cluster rank process (``services.trainer.worker``): it serves no port, it joins its trainer's rank
 store through mutual TLS (``services/trainer/runtime/rank_gate.py``); issued only where ranks run."""
-IDENTITY_ROLES: tuple[str, ...] = (*SERVICE_ROLES, WORKER_ROLE)
+MONITORING_ROLE = "monitoring"
+"""The cluster's Prometheus: it serves no port, it reads the services' ``/metrics`` over mutual TLS
+(``nebula_common.metrics``), which refuse every other reader but an operator."""
+IDENTITY_ROLES: tuple[str, ...] = (*SERVICE_ROLES, WORKER_ROLE, MONITORING_ROLE)
+LAUNCHED_IDENTITIES: tuple[str, ...] = (*SERVICE_ROLES, MONITORING_ROLE)
+"""What ``nebula local up`` keeps issued per cluster: every service's identity and the scraper's."""
 DEFAULT_SERVICE_VALIDITY = timedelta(hours=24)
 #: Renew once less than this fraction of a leaf's lifetime is left.
 RENEW_FRACTION = 1 / 3
@@ -197,7 +204,7 @@ def issue_service_certificate(
 def ensure_service_certificates(
     pki_root: Path,
     cluster_id: str,
-    services: tuple[str, ...] = SERVICE_ROLES,
+    services: tuple[str, ...] = LAUNCHED_IDENTITIES,
     *,
     validity: timedelta = DEFAULT_SERVICE_VALIDITY,
 ) -> dict[str, ServiceTlsFiles]:

@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from nebula_common.metrics import MetricsEndpoint, start_metrics_endpoint
+from nebula_common.pki.mutual_tls import MutualTls
 
 GRPC_MESSAGE_LIMIT = 64 * 1024 * 1024
 """Largest single gRPC message we accept; tensor payloads are chunked well below it."""
@@ -76,9 +77,9 @@ class ServiceServer:
         self.ports["health"] = port
         return port
 
-    def start_metrics(self, port: int, listen: str) -> int | None:
+    def start_metrics(self, port: int, listen: str, tls: MutualTls | None = None) -> int | None:
         """Serve Prometheus metrics next to this server (see ``start_metrics_endpoint``)."""
-        self.metrics = start_metrics_endpoint(port, listen)
+        self.metrics = start_metrics_endpoint(port, listen, tls)
         if self.metrics is None:
             return None
         self.ports["metrics"] = self.metrics.port
@@ -87,6 +88,11 @@ class ServiceServer:
     @property
     def metrics_port(self) -> int | None:
         return self.metrics.port if self.metrics is not None else None
+
+    @property
+    def metrics_scheme(self) -> str | None:
+        """``https`` (readers need a monitoring identity), ``http`` (plaintext development), or None."""
+        return self.metrics.scheme if self.metrics is not None else None
 
     async def start(self) -> None:
         await self.server.start()

@@ -13,7 +13,8 @@ port-forward or ingress::
                         "data": "HOST:PORT",   # optional: the data service (`nebula account grants`)
                         "ca_cert": "a-ca.crt",                    # every port is verified against it
                         "admin_password_file": "a-admin-password", # optional (else --credentials)
-                        "metrics": {"switch-a": "http://HOST:PORT/metrics"}},   # optional
+                        "metrics": {"switch-a": "https://HOST:PORT/metrics"},   # optional
+                        "monitoring_tls": "a-monitoring"},  # the scraper identity /metrics ask for
                   "b": {...}},
      "link": {"bandwidth_mbit": 60, "rtt_ms": 40},                 # optional: for `codec: auto`
      "logs": {"command": ["podman-compose", "-f", "docker-compose.yml", "logs"],
@@ -30,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,8 @@ from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.durable import atomic_write
 from nebula_common.errors import NebulaError
 from nebula_common.launcher.local import running_deployment_pid
+from nebula_common.metrics import metrics_url, trust_metrics_endpoint
+from nebula_common.pki.service_identity import ServiceTlsFiles
 from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 from nebula_common.safe_yaml import YamlInputError, load_yaml_file
 from nebula_common.sdk.auth_client import AuthClient
@@ -66,11 +70,16 @@ def trust_described_cluster(cluster: str, entry: dict[str, Any]) -> None:
     if not ca:
         return
     tls = ClientTls(cluster, Path(ca))
-    for info in entry["processes"].values():
+    scraper = entry.get("monitoring_tls")
+    for name, info in entry["processes"].items():
         for key in ("grpc_port", "internal_port", "service_port"):
             port = info.get(key)
             if isinstance(port, int) and port > 0:
                 trust_endpoint(f"{LOOPBACK}:{port}", tls)
+        port = info.get("metrics_port")
+        if isinstance(scraper, str) and info.get("metrics_scheme") == "https" and isinstance(port, int):
+            files = ServiceTlsFiles.in_dir(Path(scraper))
+            trust_metrics_endpoint(f"{LOOPBACK}:{port}", files, cluster, name.removesuffix(f"-{cluster}"))
 
 
 def endpoints_from_description(description: dict[str, Any]) -> dict[str, tuple[ClusterEndpoints, Path]]:
@@ -80,11 +89,8 @@ def endpoints_from_description(description: dict[str, Any]) -> dict[str, tuple[C
         for cluster, entry in description["clusters"].items():
             processes = entry["processes"]
             trust_described_cluster(cluster, entry)
-            metrics = {
-                name: f"http://{LOOPBACK}:{info['metrics_port']}/metrics"
-                for name, info in processes.items()
-                if (info.get("metrics_port") or -1) > 0
-            }
+            urls = {name: metrics_url(LOOPBACK, info) for name, info in processes.items()}
+            metrics = {name: url for name, url in urls.items() if url}
             endpoints = ClusterEndpoints(
                 cluster_id=cluster,
                 auth=f"{LOOPBACK}:{processes[f'auth-{cluster}']['grpc_port']}",
@@ -207,12 +213,32 @@ def endpoints_from_file(
         for address in (auth, trainer, switch, codec, data):
             if address:
                 trust_endpoint(address, tls)
+        _trust_metrics_of_file(str(cluster), entry, metrics, base, origin)
         admin = entry.get("admin_password_file")
         if admin is not None and not isinstance(admin, str):
             raise DeploymentFileError(f"{origin}: clusters.{cluster}.admin_password_file must be a path")
         endpoints = ClusterEndpoints(str(cluster), auth, trainer, switch, dict(metrics), codec, data)
         result[str(cluster)] = (endpoints, base / admin if admin else None)
     return result
+
+
+def _trust_metrics_of_file(
+    cluster: str, entry: dict[str, Any], metrics: dict[str, str], base: Path, origin: str
+) -> None:
+    """Read the ``https`` metrics URLs of an endpoints file with its ``monitoring_tls`` identity."""
+    scraper = entry.get("monitoring_tls")
+    if scraper is None:
+        return
+    if not isinstance(scraper, str) or not (base / scraper).is_dir():
+        raise DeploymentFileError(
+            f"{origin}: clusters.{cluster}.monitoring_tls: no directory {base / str(scraper)} "
+            "(the scraper identity: ca.crt, service.crt, service.key)"
+        )
+    files = ServiceTlsFiles.in_dir(base / scraper)
+    for name, url in metrics.items():
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme == "https" and parts.netloc:
+            trust_metrics_endpoint(parts.netloc, files, cluster, name.removesuffix(f"-{cluster}"))
 
 
 def endpoints_body(target: DeploymentTarget, base: Path) -> dict[str, Any]:
@@ -239,6 +265,9 @@ def endpoints_body(target: DeploymentTarget, base: Path) -> dict[str, Any]:
             entry["admin_password_file"] = rel(admin)
         if endpoints.metrics:
             entry["metrics"] = dict(endpoints.metrics)
+        scraper = target.monitoring.get(cluster)
+        if scraper is not None:
+            entry["monitoring_tls"] = rel(scraper)
         clusters[cluster] = entry
     body: dict[str, Any] = {"nebula_endpoints": ENDPOINTS_FORMAT, "clusters": clusters}
     if target.link is not None:
@@ -284,6 +313,7 @@ class DeploymentTarget:
     origin: str = DESCRIPTION
     ca_certs: dict[str, Path] = field(default_factory=dict)
     logs: dict[str, Any] = field(default_factory=dict)  # how to read the services' logs (endpoints file)
+    monitoring: dict[str, Path] = field(default_factory=dict)  # each cluster's scraper identity (a dir)
 
     @classmethod
     def load(cls, path: Path) -> DeploymentTarget:
@@ -306,14 +336,25 @@ class DeploymentTarget:
             cas = {c: origin.parent / description["clusters"][c]["ca_cert"] for c in clusters}
             if isinstance(description.get("run_dir"), str):  # a local run's: its records, once stopped
                 description = {**description, "run_dir": str(origin.parent / description["run_dir"])}
-            return cls(clusters, link, description, str(path), cas, _logs_from(description, str(origin)))
+            scrapers = {
+                c: origin.parent / description["clusters"][c]["monitoring_tls"]
+                for c in clusters
+                if isinstance(description["clusters"][c].get("monitoring_tls"), str)
+            }
+            logs = _logs_from(description, str(origin))
+            return cls(clusters, link, description, str(path), cas, logs, scrapers)
         clusters = endpoints_from_description(description)
         cas = {
             c: Path(e["ca_cert"])
             for c, e in description["clusters"].items()
             if isinstance(e.get("ca_cert"), str)
         }
-        return cls(clusters, link_from_description(description), description, str(path), cas)
+        scrapers = {
+            c: Path(e["monitoring_tls"])
+            for c, e in description["clusters"].items()
+            if isinstance(e.get("monitoring_tls"), str)
+        }
+        return cls(clusters, link_from_description(description), description, str(path), cas, {}, scrapers)
 
     def admin_password(self, cluster: str) -> str:
         _, admin_file = self.clusters[cluster]

@@ -3,7 +3,8 @@
 The WAN numbers are this job's own: the switches' per-job series (``nebula_switch_job_*``, labels
 ``job_id`` and ``direction``), never their lifetime link counters, which add up every job a
 deployment ever ran (a codec saving 4x showed x1.33 on a deployment's second job). Where a
-switch's metrics endpoint is not known (a deployment description without metrics ports), the
+switch's metrics endpoint is not known or not readable (a description without metrics ports; no
+monitoring identity at hand: ``/metrics`` serve the cluster's Prometheus and operators only), the
 trainers' per-stage edge counters stand in (``counted_by: trainers``): also per job, but payload
 bytes only.
 """
@@ -11,13 +12,13 @@ bytes only.
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from nebula_common.metrics import MetricsReadError, read_metrics
 from nebula_common.proto.nebula.v1 import relay_pb2, trainer_pb2
 from nebula_common.sdk.client import ClusterSession, JobHandle, SubmittedJob
 from nebula_common.sdk.jobs import ProgramJob
@@ -25,8 +26,7 @@ from nebula_common.sdk.jobs import ProgramJob
 
 def scrape_counter(url: str, name: str, labels: dict[str, str]) -> float | None:
     """Read one counter sample from a Prometheus endpoint (None if absent)."""
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
+    text = read_metrics(url)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
@@ -55,8 +55,10 @@ def job_wan_counters(
     url = session.endpoints.metrics.get(f"switch-{session.endpoints.cluster_id}")
     if not url:
         return None
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
+    try:
+        text = read_metrics(url)
+    except MetricsReadError:  # no monitoring identity at hand (a tenant's view): the trainers count
+        return None
     counts = {direction: dict.fromkeys(_JOB_SERIES.values(), 0) for direction in ("sent", "received")}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

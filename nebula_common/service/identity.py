@@ -33,6 +33,7 @@ from prometheus_client import Counter, Gauge
 from nebula_common.auth.interceptor import AuditSink
 from nebula_common.auth.peer_roles import PeerRoleInterceptor
 from nebula_common.pki.identity import Identity
+from nebula_common.pki.mutual_tls import MutualTls
 from nebula_common.pki.service_identity import ServiceTlsFiles
 from nebula_common.rpc.internal_tls import (
     PLAINTEXT_ENV,
@@ -133,6 +134,13 @@ class ServiceIdentity:
         if self.server is None:
             return None
         return self.server.credentials(require_client_auth=require_client_auth)
+
+    def metrics_tls(self) -> MutualTls | None:
+        """Who may read this service's ``/metrics``: its cluster's monitoring or operator identities
+        (None in plaintext development mode: plain HTTP)."""
+        if self.server is None:
+            return None
+        return MutualTls(self.server.files, self.cluster_id, lambda: self.revoked)
 
     def describe(self) -> dict[str, Any]:
         if self.server is None:

@@ -109,11 +109,12 @@ async def start_internal(
     bind_internal(server, identity, listen, settings.service_listen)
     if settings.health_listen:
         server.add_health_port(settings.health_listen)
-    server.start_metrics(settings.metrics_port, listen)
+    server.start_metrics(settings.metrics_port, listen, identity.metrics_tls())
     await server.start()
     return {
         "grpc_port": server.ports["grpc"],
         "service_port": server.ports["service"],
         "metrics_port": server.metrics_port,
+        "metrics_scheme": server.metrics_scheme,
         **({"health_port": server.ports["health"]} if settings.health_listen else {}),
     }

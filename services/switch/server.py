@@ -323,7 +323,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         sweeper = asyncio.create_task(each.router.run_sweeper(), name=f"route-sweeper-{each.expected_peer}")
         stack.push_async_callback(_cancel, sweeper)
     stack.callback(relay.stopping)  # first of all: edges ending from here on were cut by the stop
-    internal.start_metrics(settings.metrics_port, settings.internal_listen)
+    internal.start_metrics(settings.metrics_port, settings.internal_listen, identity.metrics_tls())
     running = RunningSwitch(
         internal=internal,
         wan=wan,
@@ -342,6 +342,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         **({"health_port": internal.ports["health"]} if settings.health_listen else {}),
         "wan_port": running.wan_port,
         "metrics_port": internal.metrics_port,
+        "metrics_scheme": internal.metrics_scheme,
     }
     return Started(running, ports)
 

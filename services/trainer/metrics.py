@@ -30,6 +30,13 @@ LOSS = Gauge(
     "nebula_trainer_loss", "Training loss of the last step (loss-owning stage only).", ["job_id", "stage"]
 )
 STAGES_RUNNING = Gauge("nebula_trainer_stages_running", "Stages currently running on this trainer.")
+STAGES_FINISHED = Counter(
+    "nebula_trainer_stages_finished",
+    "Stages that ended on this trainer, by final state (no job or account label).",
+    ["state"],
+)
+for _state in ("succeeded", "failed", "cancelled"):
+    STAGES_FINISHED.labels(_state)
 PER_STAGE = (STEP_SECONDS, WAIT_SECONDS, STEPS_TOTAL, LOSS)
 
 

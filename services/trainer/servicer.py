@@ -31,7 +31,7 @@ from services.trainer.edge import EdgeSettings
 from services.trainer.history import StepHistory, history_path, read_history
 from services.trainer.job_tokens import CHECK_INTERVAL_S, JobTokenError, JobTokens
 from services.trainer.memory import return_freed_memory
-from services.trainer.metrics import REAPER, STAGES_RUNNING
+from services.trainer.metrics import REAPER, STAGES_FINISHED, STAGES_RUNNING
 from services.trainer.records import StageRecord, StageRecords
 from services.trainer.retention import FinishedStages
 from services.trainer.runtime.checkpoint import CheckpointError, CheckpointStore
@@ -344,6 +344,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         return_freed_memory()
         STAGES_RUNNING.dec()
         final = runner.board.latest()
+        STAGES_FINISHED.labels(
+            trainer_pb2.StageState.Name(final.state).removeprefix("STAGE_STATE_").lower()
+        ).inc()
         REAPER.forget_after(final.job_id, final.stage, self.metrics_grace_s)
         self._forget(self.finished.add(final.job_id))
         self.audit.append(

@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -19,12 +18,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nebula_common.clients.data import DataClient
 from nebula_common.launcher import LocalDeployment
+from nebula_common.launcher.monitoring import described_targets
+from nebula_common.metrics import read_metrics
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc
 from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.summary import summarize
 from tests.support.internal import user_channel
 from tests.support.jobs import numbers_job
-from tests.support.prometheus import REQUIRE_ENV, Target, prometheus_binary, running_prometheus
+from tests.support.prometheus import REQUIRE_ENV, prometheus_binary, running_prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docker" / "monitoring" / "nebula-dashboard.json"
@@ -37,9 +38,8 @@ def exported_sample_names(deployment: LocalDeployment) -> set[str]:
     names: set[str] = set()
     for cluster in deployment.clusters:
         for url in deployment.endpoints(cluster).metrics.values():
-            with urllib.request.urlopen(url, timeout=5) as response:
-                for family in text_string_to_metric_families(response.read().decode()):
-                    names.update(sample.name for sample in family.samples)
+            for family in text_string_to_metric_families(read_metrics(url)):
+                names.update(sample.name for sample in family.samples)
     return names
 
 
@@ -77,10 +77,21 @@ def test_every_dashboard_metric_is_exported(
     assert len(queried) >= 10
     missing = sorted(queried - exported)
     assert not missing, f"dashboard queries metrics no service exports: {missing}"
+    rules = yaml.safe_load((MONITORING / "alerts.yml").read_text())
+    alerted = {
+        name
+        for group in rules["groups"]
+        for rule in group["rules"]
+        for name in re.findall(r"\bnebula_[a-z0-9_]+", rule["expr"])
+    }
+    assert len(alerted) >= 9
+    missing = sorted(alerted - exported)
+    assert not missing, f"alert rules name metrics no service exports: {missing}"
 
 
 def test_prometheus_configs_scrape_every_service() -> None:
-    """The compose Prometheus configs list each cluster's five services, labelled like the dashboard wants."""
+    """The compose Prometheus configs scrape each cluster's five services over mutual TLS, labelled like the
+    dashboard wants, and load the alert rules."""
     for cluster in ("a", "b"):
         config = yaml.safe_load((MONITORING / f"prometheus-cluster-{cluster}.yml").read_text())
         groups = [group for job in config["scrape_configs"] for group in job["static_configs"]]
@@ -89,6 +100,12 @@ def test_prometheus_configs_scrape_every_service() -> None:
         for service, targets in services.items():
             assert targets == [f"{service}-{cluster}:9100"]
         assert {group["labels"]["cluster"] for group in groups} == {cluster}
+        for job in config["scrape_configs"]:  # every scrape is mutual TLS, pinning its service
+            service = job["static_configs"][0]["labels"]["service"]
+            assert job["scheme"] == "https", job
+            assert job["tls_config"]["server_name"] == f"{service}.{cluster}.nebula.internal"
+            assert job["tls_config"]["cert_file"] == "/etc/prometheus/nebula-tls/service.crt"
+        assert config["rule_files"] == ["/etc/prometheus/alerts.yml"]
 
 
 def test_every_dashboard_query_returns_data_in_prometheus_during_a_job(
@@ -103,12 +120,12 @@ def test_every_dashboard_query_returns_data_in_prometheus_during_a_job(
         if os.environ.get(REQUIRE_ENV):
             pytest.fail(f"{REQUIRE_ENV} is set but no prometheus binary is on PATH (apt-get install it)")
         pytest.skip("prometheus not installed (Debian: apt-get install prometheus; CI installs it)")
+    description = deployment.describe()
     targets = [
-        Target(url, {"cluster": cluster, "service": name.rsplit("-", 1)[0]})
-        for cluster in deployment.clusters
-        for name, url in deployment.endpoints(cluster).metrics.items()
+        target for cluster in deployment.clusters for target in described_targets(description, cluster)
     ]
-    assert {t.labels["service"] for t in targets} >= {"auth", "codec", "data", "switch", "trainer"}
+    assert {t.service for t in targets} >= {"auth", "codec", "data", "switch", "trainer"}
+    assert all(t.tls_dir for t in targets)  # every /metrics is read with the monitoring identity
     provoke_labelled_series(deployment, sessions)
     with running_prometheus(tmp_path / "prometheus", targets, interval_s=SCRAPE_S) as prometheus:
         prometheus.wait_targets_up(len(targets), timeout_s=60)

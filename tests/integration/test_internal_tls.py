@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import json
 import time
-import urllib.request
 from pathlib import Path
 from typing import TypeVar
 
@@ -16,6 +15,7 @@ from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nebula_common.launcher import LocalDeployment
+from nebula_common.metrics import read_metrics
 from nebula_common.pki.service_identity import (
     SERVICE_ROLES,
     ServiceTlsFiles,
@@ -104,10 +104,9 @@ def test_a_role_that_may_not_call_is_denied_and_audited(
 
 
 def _scrape(url: str, name: str, labels: str) -> float:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(f"{name}{{{labels}}}"):
-                return float(line.rsplit(" ", 1)[1])
+    for line in read_metrics(url, timeout=10).splitlines():
+        if line.startswith(f"{name}{{{labels}}}"):
+            return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 

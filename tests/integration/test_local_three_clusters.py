@@ -15,11 +15,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from nebula_common.metrics import read_metrics
+from nebula_common.sdk.deployment import DeploymentTarget
 from tests.support.deployments import assert_gone, wait_description
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
@@ -39,9 +40,8 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _links_up(metrics_port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
-        text = response.read().decode()
+def _links_up(url: str) -> dict[str, float]:
+    text = read_metrics(url)
     pattern = r'^nebula_switch_peer_link_up\{peer="([a-z]+)"\} ([0-9.]+)$'
     return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.MULTILINE)}
 
@@ -77,12 +77,14 @@ def test_local_up_three_clusters_links_every_pair_and_status_shows_them(tmp_path
         assert "clusters: a, b, c" in text.stdout, text.stdout
         assert all(f"switch-{c}" in text.stdout for c in CLUSTERS), text.stdout
 
-        switches = {c: deployment["clusters"][c]["processes"][f"switch-{c}"] for c in CLUSTERS}
+        # The CLI's view of the description registers the monitoring identity for each /metrics.
+        target = DeploymentTarget.load(run_dir)
+        switches = {c: target.clusters[c][0].metrics[f"switch-{c}"] for c in CLUSTERS}
         expected = {c: {p: 1.0 for p in CLUSTERS if p != c} for c in CLUSTERS}
         links: dict[str, dict[str, float]] = {}
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            links = {c: _links_up(switches[c]["metrics_port"]) for c in CLUSTERS}
+            links = {c: _links_up(switches[c]) for c in CLUSTERS}
             if links == expected:
                 break
             time.sleep(0.2)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -22,6 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from nebula_common.auth.policy import PUBLIC_METHODS, is_public
 from nebula_common.auth.roles import ROLE_MATRIX
 from nebula_common.launcher import LocalDeployment
+from nebula_common.metrics import read_metrics
 from nebula_common.proto.nebula.v1 import (  # noqa: F401  (importing registers the descriptors)
     audit_pb2,
     audit_pb2_grpc,
@@ -190,6 +190,5 @@ def test_refusals_are_audited_and_counted(deployment: LocalDeployment) -> None:
         for d in details
     ), details
     metrics_url = deployment.endpoints("a").metrics["trainer-a"]
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        body = response.read().decode()
+    body = read_metrics(metrics_url, timeout=10)
     assert 'nebula_rpc_refusals_total{method="ListCheckpoints",reason="bad-token",service="trainer"}' in body

@@ -67,6 +67,7 @@ def test_pretrain_finetune_and_cross_cluster_bleu(
     assert not list((deployment.run_dir / "a").glob(f"**/jobs/{job.job_id}/**/eval.json"))  # BLEU stays in T
 
 
+@pytest.mark.long  # in `make test-faults`; `make test` keeps the pretrain-finetune scenario above
 @pytest.mark.timeout(420)  # two jobs with evaluation: ~25 s on an idle host; 240 s ran out once at load 20
 def test_learned_bottleneck_shrinks_both_directions_by_d_over_k_on_the_wire(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession]
@@ -90,6 +91,7 @@ def test_learned_bottleneck_shrinks_both_directions_by_d_over_k_on_the_wire(
         assert raw[k][direction] * d_model == raw[0][direction] * k, (direction, raw)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(480)  # two tiny HF models saved, a 3-step job, a refusal; transformers loads slowly
 def test_abnet_from_two_local_hf_directories_and_a_broken_one_refused_by_the_trainer(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession], tmp_path: Path

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from nebula_common.launcher import LocalDeployment
@@ -55,13 +57,19 @@ def test_split_job_trains_and_switches_count_every_byte(
     assert sent_delta(before, after, "b", "payload_bytes") == expected_raw
     assert sent_delta(before, after, "a", "frames") == 50
 
-    # The Prometheus counters are the same numbers the RPC reports.
+    # The Prometheus counters are the same numbers the RPC reports (read between two equal RPC reads:
+    # the link's keepalives may add bytes at any moment).
     for cluster in ("a", "b"):
         url = deployment.endpoints(cluster).metrics[f"switch-{cluster}"]
-        assert (
-            scrape_counter(url, "nebula_switch_wan_bytes_total", {"direction": "sent"})
-            == after[cluster].sent.bytes
-        )
+        readings: list[tuple[int, float | None, int]] = []
+        deadline = time.monotonic() + 30
+        while not readings or not readings[-1][0] == readings[-1][1] == readings[-1][2]:
+            assert time.monotonic() < deadline, (
+                f"switch {cluster}: RPC, scrape, RPC never agreed: {readings[-5:]}"
+            )
+            first = sessions[cluster].link_status().sent.bytes
+            scraped = scrape_counter(url, "nebula_switch_wan_bytes_total", {"direction": "sent"})
+            readings.append((first, scraped, sessions[cluster].link_status().sent.bytes))
 
     # Each switch verified the other's identity from its certificate.
     assert after["a"].verified_peer_identity == "spiffe://nebula/cluster/b/switch"

@@ -18,12 +18,12 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from nebula_common.launcher.monitoring import ScrapeTarget, prometheus_config
 from nebula_common.launcher.ports import service_port
 
 REQUIRE_ENV = "NEBULA_REQUIRE_PROMETHEUS"  # set by .ci/run and `make check-dashboards`: absent = failure
@@ -31,24 +31,6 @@ REQUIRE_ENV = "NEBULA_REQUIRE_PROMETHEUS"  # set by .ci/run and `make check-dash
 
 def prometheus_binary() -> str | None:
     return shutil.which("prometheus")
-
-
-@dataclass(frozen=True)
-class Target:
-    url: str  # http://host:port/metrics
-    labels: dict[str, str]
-
-
-def scrape_config(targets: list[Target], interval_s: float) -> dict[str, Any]:
-    """One static target per service, labelled like the compose/k8s configs (cluster, service)."""
-    configs = []
-    for target in targets:
-        parsed = urllib.parse.urlsplit(target.url)
-        configs.append({"targets": [parsed.netloc], "labels": target.labels})
-    return {
-        "global": {"scrape_interval": f"{interval_s:g}s", "evaluation_interval": f"{interval_s:g}s"},
-        "scrape_configs": [{"job_name": "nebula", "metrics_path": "/metrics", "static_configs": configs}],
-    }
 
 
 class Prometheus:
@@ -121,6 +103,30 @@ class Prometheus:
             1 for series in data["result"] for _, value in series["values"] if math.isfinite(float(value))
         )
 
+    def rules(self) -> list[dict[str, Any]]:
+        """Every loaded rule with its health (``ok``, ``err``, ``unknown``) and last error."""
+        return [rule for group in self._get("/api/v1/rules")["groups"] for rule in group["rules"]]
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """The alerts Prometheus holds now (pending and firing), each with its labels and state."""
+        return list(self._get("/api/v1/alerts")["alerts"])
+
+    def wait_alert(self, name: str, labels: dict[str, str], timeout_s: float) -> dict[str, Any]:
+        """The alert ``name`` whose labels include ``labels``, once it is firing."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            alerts = self.alerts()
+            for alert in alerts:
+                ours = alert["labels"].get("alertname") == name
+                if ours and labels.items() <= alert["labels"].items() and alert["state"] == "firing":
+                    return alert
+            if time.monotonic() > deadline:
+                held = [(a["labels"], a["state"]) for a in alerts]
+                raise AssertionError(
+                    f"alert {name} {labels} not firing within {timeout_s:.0f}s; held: {held}"
+                )
+            time.sleep(0.5)
+
     def log_tail(self, lines: int = 20) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -141,14 +147,19 @@ def _parse_time(text: str) -> float:
 
 
 @contextmanager
-def running_prometheus(workdir: Path, targets: list[Target], interval_s: float = 1.0) -> Iterator[Prometheus]:
-    """Start ``prometheus`` scraping ``targets`` every ``interval_s``; stop it (and wait) on exit."""
+def running_prometheus(
+    workdir: Path, targets: list[ScrapeTarget], interval_s: float = 1.0, rule_files: list[str] | None = None
+) -> Iterator[Prometheus]:
+    """Start ``prometheus`` scraping ``targets`` every ``interval_s`` (and evaluating ``rule_files``);
+    stop it (and wait) on exit."""
     binary = prometheus_binary()
     if binary is None:
         raise FileNotFoundError("prometheus binary not on PATH (Debian: apt-get install prometheus)")
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "prometheus.yml"
-    config.write_text(yaml.safe_dump(scrape_config(targets, interval_s)))
+    config.write_text(
+        yaml.safe_dump(prometheus_config(targets, interval_s=interval_s, rule_files=rule_files))
+    )
     log = workdir / "prometheus.log"
     server = None
     for _attempt in range(3):  # another program may take the port between the check and the bind

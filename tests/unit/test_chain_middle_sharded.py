@@ -90,7 +90,12 @@ def test_an_fsdp_middle_stage_on_two_ranks_equals_one_rank_and_holds_half_of_it(
 
 
 @pytest.mark.parametrize(
-    ("layout", "schedule"), [("fsdp-2", "1f1b"), ("hsdp-4", "gpipe"), ("hsdp-4", "1f1b")]
+    ("layout", "schedule"),
+    [
+        ("fsdp-2", "1f1b"),
+        pytest.param("hsdp-4", "gpipe", marks=pytest.mark.long),  # four ranks: `make test-faults`
+        pytest.param("hsdp-4", "1f1b", marks=pytest.mark.long),
+    ],
 )
 def test_a_sharded_middle_stage_equals_one_rank_and_each_rank_holds_less(
     tmp_path: Path,
@@ -110,7 +115,7 @@ def test_a_sharded_middle_stage_equals_one_rank_and_each_rank_holds_less(
     assert sum(held) == pytest.approx(whole * (1 if layout == "fsdp-2" else 2), rel=0.05), (held, whole)
 
 
-@pytest.mark.parametrize("layout", ["plain-1", "hsdp-4"])
+@pytest.mark.parametrize("layout", ["plain-1", pytest.param("hsdp-4", marks=pytest.mark.long)])
 def test_a_sharded_middle_checkpoint_resumes_on_another_rank_count_with_the_same_next_loss(
     fsdp_gpipe: tuple[Path, list[Any]], references: dict[str, UnsplitResult], layout: str
 ) -> None:

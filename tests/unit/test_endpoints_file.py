@@ -117,8 +117,10 @@ def test_the_kubernetes_port_forward_example_is_a_valid_endpoints_file(tmp_path:
         ca = tmp_path / "pki" / cluster / "services" / "auth" / "ca.crt"
         ca.parent.mkdir(parents=True)
         ca.write_text("-----BEGIN CERTIFICATE-----\n")
+        (tmp_path / "pki" / cluster / "services" / "monitoring").mkdir(parents=True)
     (tmp_path / "endpoints.json").write_text(json.dumps(body))
     target = DeploymentTarget.load(tmp_path / "endpoints.json")
+    assert target.monitoring["a"] == tmp_path / "pki" / "a" / "services" / "monitoring"
     assert sorted(target.clusters) == ["a", "b"]
     assert target.clusters["b"][0].trainer == "127.0.0.1:27500"
     assert target.clusters["b"][0].data == "127.0.0.1:27800"  # `nebula account grants` needs it

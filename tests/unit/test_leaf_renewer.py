@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 
 from nebula_common.launcher.renewal import LeafRenewer
 from nebula_common.pki import init_pki
-from nebula_common.pki.service_identity import SERVICE_ROLES, ensure_service_certificates
+from nebula_common.pki.service_identity import LAUNCHED_IDENTITIES, ensure_service_certificates
 from nebula_common.pki.store import renew_switch_certificate
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
 from nebula_common.rpc.internal_tls import ClientTls, internal_channel, set_process_client_tls
@@ -85,7 +85,7 @@ def test_the_renewer_renews_only_what_is_due_and_the_switch_too(tmp_path: Path) 
     due_switch = _serial(switch)
     LeafRenewer(pki.root, ["a"]).step()
     assert {service: _serial(files.cert) for service, files in fresh.items()} == before
-    assert set(before) == set(SERVICE_ROLES)
+    assert set(before) == set(LAUNCHED_IDENTITIES)  # every service and the scraper
     renewed = x509.load_pem_x509_certificate(switch.read_bytes())
     assert renewed.serial_number != due_switch
     assert renewed.not_valid_after_utc - renewed.not_valid_before_utc >= timedelta(hours=1)

@@ -205,6 +205,7 @@ def test_fsdp_on_two_ranks_trains_as_ddp_and_holds_half_the_parameters(ddp: dict
     assert ddp["losses"][-1] < ddp["losses"][0]  # it did train
 
 
+@pytest.mark.long  # four ranks; in `make test-faults`
 def test_hsdp_on_four_ranks_trains_as_ddp_and_shards_inside_groups_of_two(ddp: dict, tmp_path: Path) -> None:
     hsdp = run(4, tmp_path, parallel="hsdp", shard_size=2, steps=STEPS)
     _same_training(hsdp, ddp)
@@ -221,7 +222,9 @@ def saved_on_two(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     return out / "dcp", result
 
 
-@pytest.mark.parametrize(("world", "parallel"), [(1, "plain"), (4, "hsdp")])
+@pytest.mark.parametrize(
+    ("world", "parallel"), [(1, "plain"), pytest.param(4, "hsdp", marks=pytest.mark.long)]
+)
 def test_a_checkpoint_saved_on_two_ranks_resumes_on_another_count_with_the_same_next_loss(
     saved_on_two: tuple[Path, dict], world: int, parallel: str, tmp_path: Path
 ) -> None:

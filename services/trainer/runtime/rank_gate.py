@@ -25,7 +25,6 @@ import logging
 import ssl
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from cryptography import x509
@@ -34,6 +33,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from nebula_common.pki import Identity, identity_from_certificate
+from nebula_common.pki.mutual_tls import MutualTls, PeerAuthError, ReloadingContext
 from nebula_common.pki.service_identity import WORKER_ROLE, ServiceTlsFiles
 from nebula_common.rpc.internal_tls import server_name
 
@@ -44,43 +44,10 @@ SPEC_CONTEXT = b"nebula rank stage spec v1\x00"
 """Domain separation: this signature means "the trainer posted this spec as stage n for owner"."""
 
 
-class RankAuthError(Exception):
-    """A rank connection or a posted spec that is not this cluster's trainer's or workers'."""
-
-
-@dataclass(frozen=True)
-class RankTls:
-    """One side's TLS material: its own identity's files, the cluster, and the CA's revoked serials."""
-
-    files: ServiceTlsFiles
-    cluster_id: str
-    revoked: Callable[[], frozenset[int]] = field(default=lambda: frozenset())
-
-    def context(self, *, server_side: bool) -> ssl.SSLContext:
-        """Read from disk at every use: a renewed certificate is taken at the next connection."""
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
-        context.minimum_version = ssl.TLSVersion.TLSv1_3
-        context.load_verify_locations(cafile=str(self.files.ca))
-        context.load_cert_chain(str(self.files.cert), str(self.files.key))
-        if server_side:
-            context.verify_mode = ssl.CERT_REQUIRED
-        return context
-
-    def check_peer(self, ssl_object: ssl.SSLObject | None, role: str) -> Identity:
-        """The verified peer's identity, if it is ``role`` of this cluster and not revoked."""
-        der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
-        if not der:
-            raise RankAuthError("no certificate presented")
-        cert = x509.load_der_x509_certificate(der)
-        try:
-            identity = identity_from_certificate(cert)
-        except ValueError as exc:
-            raise RankAuthError(str(exc)) from None
-        if identity != Identity(self.cluster_id, role):
-            raise RankAuthError(f"{identity.uri} is not {Identity(self.cluster_id, role).uri}")
-        if cert.serial_number in self.revoked():
-            raise RankAuthError(f"certificate {cert.serial_number:x} of {identity.uri} is revoked")
-        return identity
+RankAuthError = PeerAuthError
+"""A rank connection or a posted spec that is not this cluster's trainer's or workers'."""
+RankTls = MutualTls
+"""One side's TLS material: its own identity's files, the cluster, and the CA's revoked serials."""
 
 
 class _Pipes:
@@ -143,23 +110,6 @@ async def _splice(
     await asyncio.gather(_pump(a[0], b[1]), _pump(b[0], a[1]))
 
 
-class _ServerContext:
-    """The gate's TLS context, rebuilt when the trainer's files change (a renewal is used at once)."""
-
-    def __init__(self, tls: RankTls) -> None:
-        self._tls = tls
-        self._stamp: tuple[tuple[int, int], ...] = ()
-        self._context: ssl.SSLContext | None = None
-
-    def current(self) -> ssl.SSLContext:
-        files = self._tls.files
-        stats = [path.stat() for path in (files.ca, files.cert, files.key)]
-        stamp = tuple((st.st_mtime_ns, st.st_size) for st in stats)
-        if self._context is None or stamp != self._stamp:
-            self._context, self._stamp = self._tls.context(server_side=True), stamp
-        return self._context
-
-
 class _Paused(asyncio.Protocol):
     """Takes a new connection with reading paused: its first bytes wait in the kernel for TLS."""
 
@@ -181,7 +131,7 @@ class RankGate:
     def __init__(self, listen: str, store_port: int, tls: RankTls) -> None:
         host, _, port = listen.rpartition(":")
         self._tls = tls
-        self._contexts = _ServerContext(tls)
+        self._contexts = ReloadingContext(tls)
         self._store_port = store_port
         self._tasks: set[asyncio.Task[None]] = set()
         self._pipes = _Pipes("rank-gate")
