@@ -18,6 +18,8 @@ This script copies, per cluster ``<c>``:
                                   the cluster ranks' identity for the trainer's rank store)
     /pki/<c>/services/monitoring/ -> <out>/monitoring-<c>-tls/  (only when mounted: the identity the
                                   cluster's Prometheus reads every service's /metrics with)
+    /pki/<c>/grafana-admin-password -> <out>/grafana-<c>-admin/admin-password  (only when mounted;
+                                  generated once: the `monitoring` profile's Grafana login)
 
 Service certificates (``spiffe://nebula/cluster/<c>/<svc>``, for the mutual TLS of the internal
 ports) are issued here by the cluster CA, ``--service-validity-hours`` long (168), and kept while
@@ -61,12 +63,12 @@ def _write(path: Path, data: bytes, mode: int, uid: int | None, gid: int | None)
     os.replace(tmp, path)
 
 
-def _admin_password(cluster_dir: Path) -> bytes:
-    """The cluster's bootstrap admin password; created once, reused on every later run."""
-    path = cluster_dir / "admin-password"
+def _admin_password(cluster_dir: Path, name: str = "admin-password") -> bytes:
+    """The cluster's bootstrap admin password (or another, ``name``); created once, reused after."""
+    path = cluster_dir / name
     if not path.exists():
         _write(path, secrets.token_urlsafe(24).encode(), 0o600, None, None)
-        print(f"pki-init: generated bootstrap admin password for cluster {cluster_dir.name}")
+        print(f"pki-init: generated {name} for cluster {cluster_dir.name}")
     return path.read_bytes().strip()
 
 
@@ -158,6 +160,11 @@ def export(
         _write(auth_out / "admin-password", _admin_password(src), 0o400, uid, gid)
         print(f"pki-init: cluster {cluster}: exported {switch_out} and {auth_out}")
         export_internal(pki, out, cluster, validity_hours, uid, gid)
+        grafana_out = out / f"grafana-{cluster}-admin"
+        if grafana_out.is_dir():  # the `monitoring` profile's Grafana: its own admin, not the cluster's
+            password = _admin_password(src, "grafana-admin-password")
+            _write(grafana_out / "admin-password", password, 0o400, uid, gid)
+            print(f"pki-init: cluster {cluster}: exported Grafana's admin password")
 
 
 def export_organisation(pki: Path, out: Path, cluster: str, uid: int | None, gid: int | None) -> None:

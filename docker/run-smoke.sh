@@ -35,13 +35,14 @@ cleanup() {
   fi
   if [ "${KEEP:-0}" != 1 ]; then
     phase=$SECONDS
-    $COMPOSE down -v >/dev/null 2>&1 || true
+    $COMPOSE --profile monitoring down -v >/dev/null 2>&1 || true
     lap "down -v"
   fi
   exit "$status"
 }
 
 $COMPOSE build
+$COMPOSE --profile monitoring build prometheus-a
 lap "build"
 
 trap cleanup EXIT
@@ -64,6 +65,13 @@ while :; do
   sleep 1
 done
 lap "every service healthy"
+
+# The `monitoring` profile's Prometheus of each cluster (Grafana is an upstream image: not pulled here),
+# scraping from before the job on, so the checks after it see the job's series.
+$COMPOSE --profile monitoring up -d --no-deps prometheus-a prometheus-b
+monitoring_since=$(date +%s)
+"$PYTHON" docker/smoke_monitoring.py --compose "$COMPOSE" --since "$monitoring_since" --targets-only >/dev/null
+lap "monitoring profile up, every service scraped over mutual TLS"
 
 NEBULA_ADMIN_PASSWORD_A="$($COMPOSE exec -T auth-a cat /etc/nebula/admin/admin-password)"
 NEBULA_ADMIN_PASSWORD_B="$($COMPOSE exec -T auth-b cat /etc/nebula/admin/admin-password)"
@@ -99,4 +107,10 @@ lap "smoke_hostile.py (a hostile stage)"
 if [ "${SMOKE_OPS:-1}" != 0 ]; then
   COMPOSE="$COMPOSE" "$PYTHON" docker/smoke_ops.py
   lap "smoke_ops.py"
+  # Every alert rule evaluated; every dashboard panel has data over the jobs above (the data-service
+  # panel counts smoke_ops' `account grants`). Exactly one alert fires, in both clusters: stages failed
+  # (smoke_hostile's probe stage in a, the decoder of the job smoke_ops cancels in b).
+  "$PYTHON" docker/smoke_monitoring.py --compose "$COMPOSE" --since "$monitoring_since" \
+    --expect-firing NebulaJobsFailing:a --expect-firing NebulaJobsFailing:b
+  lap "smoke_monitoring.py (Prometheus: targets, rules, panels)"
 fi

@@ -143,6 +143,8 @@ VOLUMES = (
     "switch-{c}-data",
     "data-{c}-data",
     "trainer-{c}-data",
+    "monitoring-{c}-tls",
+    "grafana-{c}-admin",
 )
 
 

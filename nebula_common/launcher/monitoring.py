@@ -6,8 +6,8 @@ the cluster's ``monitoring`` role (``nebula_common.metrics``): each target is sc
 that identity and pins the service it expects (``<service>.<cluster>.nebula.internal``). One scrape
 config per target carries that pin; all of them are relabelled ``job="nebula"``, the job the
 dashboard and the alert rules select. The same function writes the compose configs
-(``docker/monitoring/prometheus-cluster-<c>.yml``, by ``tools/build_dashboard.py``) and the ones
-``nebula local monitoring`` and the tests use for a local deployment.
+(``docker/monitoring/prometheus-cluster-<c>.yml``, by ``tools/build_dashboard.py``) and the ones the
+tests use for a local deployment (``described_targets`` reads a ``nebula local up`` description).
 """
 
 from __future__ import annotations

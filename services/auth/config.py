@@ -34,9 +34,15 @@ class AuthSettings(ServiceSettings):
         None,
         description="If set and the admin account is missing at start-up, it is created with this password.",
     )
-    argon2_time_cost: int = Field(DEFAULT_TIME_COST, ge=1)
-    argon2_memory_cost_kib: int = Field(DEFAULT_MEMORY_COST_KIB, ge=8)
-    argon2_parallelism: int = Field(DEFAULT_PARALLELISM, ge=1)
+    argon2_time_cost: int = Field(
+        DEFAULT_TIME_COST, ge=1, description="Argon2id passes per password hash (OWASP's minimum: 2)."
+    )
+    argon2_memory_cost_kib: int = Field(
+        DEFAULT_MEMORY_COST_KIB, ge=8, description="Argon2id memory per password hash, KiB (OWASP: 19 MiB)."
+    )
+    argon2_parallelism: int = Field(
+        DEFAULT_PARALLELISM, ge=1, description="Argon2id lanes per password hash."
+    )
     max_failed_logins: int = Field(5, ge=1, description="Consecutive wrong passwords before a lockout.")
     lockout_seconds: int = Field(
         300, ge=1, description="How long a locked account refuses logins (EnableAccount lifts it early)."

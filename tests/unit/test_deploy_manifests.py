@@ -62,7 +62,8 @@ def _compose() -> dict[str, Any]:
 
 
 def _compose_services() -> dict[str, dict[str, Any]]:
-    return _compose()["services"]
+    """The default deployment's services (profile services, e.g. `monitoring`: test_monitoring_manifests)."""
+    return {name: svc for name, svc in _compose()["services"].items() if not svc.get("profiles")}
 
 
 def _is_one_shot(svc: dict[str, Any]) -> bool:
@@ -328,8 +329,9 @@ def test_secrets_reach_only_their_own_service() -> None:
             else:
                 pytest.fail(f"{name} mounts unexpected volume {source}")
     declared = set(_compose()["volumes"])
-    used = {src for svc in services.values() for src, _, _ in _volume_mounts(svc)}
-    assert used == declared
+    every = [mount for svc in _compose()["services"].values() for mount in _volume_mounts(svc)]
+    used = {src for src, _, _ in every if not src.startswith((".", "/"))}  # named volumes, not bind mounts
+    assert used == declared  # profile services' volumes included
 
 
 def test_compose_env_names_are_settings_fields(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -705,10 +707,14 @@ def test_kustomize_builds(overlay: str) -> None:
         [kubectl, "kustomize", str(OVERLAYS[overlay])], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
-    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
-    invalid = [error for doc in docs for error in k8s_schemas.errors(doc)]  # strict: unknown fields too
+    rendered = [d for d in yaml.safe_load_all(result.stdout) if d]
+    invalid = [error for doc in rendered for error in k8s_schemas.errors(doc)]  # strict: unknown fields too
     assert not invalid, "\n".join(invalid)
-    assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {"nebula"}
+    assert {d["metadata"].get("namespace") for d in rendered if d["kind"] != "Namespace"} == {"nebula"}
+    # The Nebula services (the monitoring component: tests/unit/test_monitoring_manifests.py).
+    docs = [
+        d for d in rendered if not d["metadata"]["name"].startswith(("nebula-prometheus", "nebula-grafana"))
+    ]
     claims = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
     assert sorted(claims) == [f"nebula-{s}-data" for s in ("auth", "data", "switch")]
     # The trainer's claim is one per pod, from its StatefulSet's template (data-nebula-trainer-0).
