@@ -122,6 +122,62 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], int]] = [
     ),
     # Prometheus' own `up` per scrape target: a service missing here is not scraped at all.
     ("Services scraped (up)", "none", [('up{job="nebula"}', "{{cluster}} {{service}}")], 12),
+    (
+        "Certificates: days left",
+        "d",
+        [
+            (
+                "min by (cluster) (nebula_switch_certificate_expiry_seconds) / 86400",
+                "{{cluster}} switch (WAN)",
+            ),
+            (
+                "min by (cluster, service) (nebula_internal_certificate_expiry_seconds) / 86400",
+                "{{cluster}} {{service}} (internal)",
+            ),
+        ],
+        12,
+    ),
+    # A peer's CRL past its nextUpdate is stale: revocations the peer made since are not enforced.
+    (
+        "Peer CRLs: hours until stale",
+        "h",
+        [
+            (
+                "(nebula_switch_peer_crl_next_update_timestamp_seconds - time()) / 3600",
+                "{{cluster}} holds {{peer}}'s",
+            )
+        ],
+        12,
+    ),
+    (
+        "Codecs per stage (forward / backward)",
+        "none",
+        [("nebula_trainer_stage_codec", "{{job_id}} {{stage}}: {{forward}} / {{backward}} ({{choice}})")],
+        12,
+    ),
+    (
+        "Stages ended per hour (by state)",
+        "none",
+        [
+            (
+                "sum by (cluster, state) (increase(nebula_trainer_stages_finished_total[1h]))",
+                "{{cluster}} {{state}}",
+            )
+        ],
+        12,
+    ),
+    (
+        "Audit logs: free disk, failed writes",
+        "percentunit",
+        [
+            ("min by (cluster, service) (nebula_audit_disk_free_ratio)", "{{cluster}} {{service}} free"),
+            (
+                "sum by (cluster, service) (increase(nebula_audit_write_failures_total[1h]))",
+                "{{cluster}} {{service}} failed writes / h",
+            ),
+        ],
+        12,
+    ),
 ]
 
 

@@ -48,6 +48,11 @@ PEER_CRL_STALE = Gauge(
     "1 while the peer CA's CRL is past its nextUpdate (or none was received), per peer.",
     ["peer"],
 )
+PEER_CRL_NEXT_UPDATE = Gauge(
+    "nebula_switch_peer_crl_next_update_timestamp_seconds",
+    "nextUpdate of the peer CA's CRL this switch enforces (unix time; stale after it), per peer.",
+    ["peer"],
+)
 PEER_CRL_REVOKED = Gauge(
     "nebula_switch_peer_crl_revoked", "Serials on the peer CA's CRL this switch enforces, per peer.", ["peer"]
 )
@@ -302,4 +307,6 @@ class PeerTrust:
         PEER_TRUSTED_CAS.labels(peer).set(len(self._peer_cas))
         PEER_CRL_STALE.labels(peer).set(1 if self.is_stale(now) else 0)
         PEER_CRL_NUMBER.labels(peer).set(loaded.number if loaded is not None else 0)
+        if loaded is not None:
+            PEER_CRL_NEXT_UPDATE.labels(peer).set(loaded.next_update.timestamp())
         PEER_CRL_REVOKED.labels(peer).set(len(loaded.revoked) if loaded is not None else 0)

@@ -38,6 +38,28 @@ STAGES_FINISHED = Counter(
 for _state in ("succeeded", "failed", "cancelled"):
     STAGES_FINISHED.labels(_state)
 PER_STAGE = (STEP_SECONDS, WAIT_SECONDS, STEPS_TOTAL, LOSS)
+STAGE_CODEC = Gauge(
+    "nebula_trainer_stage_codec",
+    "1 per stage: the codecs it uses each way, and whether they were configured or advised (codec: auto).",
+    ["job_id", "stage", "forward", "backward", "choice"],
+)
+_CODECS: dict[tuple[str, str], tuple[str, str, str]] = {}
+_CODECS_LOCK = threading.Lock()
+
+
+def record_codecs(job_id: str, stage: str, forward: str, backward: str, choice: str) -> None:
+    """The codecs a starting stage uses (``choice``: the spec's codec_choice; "" means configured)."""
+    labels = (
+        forward or "none",
+        backward or "none",
+        "configured" if choice in ("", "configured") else "advised",
+    )
+    with _CODECS_LOCK:
+        old = _CODECS.pop((job_id, stage), None)
+        if old is not None:
+            STAGE_CODEC.remove(job_id, stage, *old)
+        _CODECS[(job_id, stage)] = labels
+        STAGE_CODEC.labels(job_id, stage, *labels).set(1)
 
 
 def record_step(job_id: str, stage: str, elapsed: float, waited: float, loss: float | None) -> None:
@@ -54,6 +76,10 @@ def forget_stage(job_id: str, stage: str) -> None:
     for metric in PER_STAGE:
         with contextlib.suppress(KeyError):  # a stage that never stepped has no series
             metric.remove(job_id, stage)
+    with _CODECS_LOCK:
+        codecs = _CODECS.pop((job_id, stage), None)
+        if codecs is not None:
+            STAGE_CODEC.remove(job_id, stage, *codecs)
 
 
 class SeriesReaper:

@@ -31,7 +31,7 @@ from services.trainer.edge import EdgeSettings
 from services.trainer.history import StepHistory, history_path, read_history
 from services.trainer.job_tokens import CHECK_INTERVAL_S, JobTokenError, JobTokens
 from services.trainer.memory import return_freed_memory
-from services.trainer.metrics import REAPER, STAGES_FINISHED, STAGES_RUNNING
+from services.trainer.metrics import REAPER, STAGES_FINISHED, STAGES_RUNNING, record_codecs
 from services.trainer.records import StageRecord, StageRecords
 from services.trainer.retention import FinishedStages
 from services.trainer.runtime.checkpoint import CheckpointError, CheckpointStore
@@ -332,6 +332,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def _launch(self, runner: Stage, account: str) -> None:
         """Start ``runner``'s thread; its end (``_stage_finished``) is a callback from that thread."""
         runner.lifecycle.add_finish_callback(functools.partial(self._stage_finished, runner, account))
+        spec = runner.spec
+        record_codecs(spec.job_id, spec.stage, spec.codec_forward, spec.codec_backward, spec.codec_choice)
         STAGES_RUNNING.inc()
         runner.start()
 

@@ -8,7 +8,14 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from services.trainer.metrics import LOSS, STEP_SECONDS, STEPS_TOTAL, WAIT_SECONDS, SeriesReaper
+from services.trainer.metrics import (
+    LOSS,
+    STEP_SECONDS,
+    STEPS_TOTAL,
+    WAIT_SECONDS,
+    SeriesReaper,
+    record_codecs,
+)
 from services.trainer.retention import FinishedStages
 
 pytestmark = pytest.mark.timeout(30)
@@ -25,6 +32,7 @@ def _series(job_id: str) -> list[str]:
 
 
 def _step(job_id: str, stage: str) -> None:
+    record_codecs(job_id, stage, "int8", "fp16", "")
     STEP_SECONDS.labels(job_id, stage).observe(0.1)
     WAIT_SECONDS.labels(job_id, stage).inc(0.01)
     STEPS_TOTAL.labels(job_id, stage).inc()
@@ -38,6 +46,7 @@ def test_a_finished_stages_series_stay_for_the_grace_period_then_leave() -> None
     reaper.forget_after("reaped-1", "encoder", 0.5)
     forgotten_at = time.monotonic()
     assert "nebula_trainer_loss" in _series("reaped-1")  # the last scrape still sees the final values
+    assert "nebula_trainer_stage_codec" in _series("reaped-1")
     deadline = time.monotonic() + 10
     while _series("reaped-1"):
         assert time.monotonic() < deadline, f"series still exported: {_series('reaped-1')}"
