@@ -220,6 +220,16 @@ class SwitchSettings(ServiceSettings):
         "certificates are accepted until they expire; the switch warns at start-up.",
     )
     crl_refresh_s: float = Field(1.0, gt=0, le=300, description="How often the peer CRL file is checked.")
+    refusal_audit_interval_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description=(
+            "WAN refusals are audited once per source, layer and reason per this interval: the first at "
+            "once, its repeats as one record with their count at the interval's end "
+            "(nebula_common/audit/aggregate.py), so a stranger cannot fill the audit disk."
+        ),
+    )
     own_crl: Path | None = Field(
         None,
         description="PEM CRL of this cluster's own CA (<pki>/<cluster>/crl.pem). Sent to the peer switch "

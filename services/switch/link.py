@@ -45,6 +45,7 @@ import grpc
 from cryptography import x509
 
 from nebula_common.audit import AuditLog
+from nebula_common.audit.aggregate import DEFAULT_INTERVAL_S, RefusalAggregator
 from nebula_common.pki import Identity, identity_from_certificate
 from nebula_common.proto.nebula.v1 import link_pb2
 from nebula_common.rpc.framing import (
@@ -261,6 +262,7 @@ class PeerLink:
         connections: int | None = 1,
         raw_dialer: RawDialFn | None = None,
         serves_raw: bool = False,
+        refusal_interval_s: float = DEFAULT_INTERVAL_S,
     ) -> None:
         self.cluster_id = cluster_id
         #: Dialer: opens a raw connection to the peer (offered in the handshake; None: gRPC only).
@@ -281,6 +283,10 @@ class PeerLink:
         if not router.peer_cluster_id:
             router.peer_cluster_id = peer_cluster_id
         self.audit = audit
+        # Refusals by strangers on the WAN port: one record per source, layer and reason per minute.
+        self.refusals = (
+            RefusalAggregator(audit.append, interval_s=refusal_interval_s) if audit is not None else None
+        )
         self.liveness = liveness or LivenessPolicy()
         self.rtt = RttEstimator()
         self._priority: deque[link_pb2.LinkMessage] = deque()  # pings and pongs, ahead of every item
@@ -375,9 +381,11 @@ class PeerLink:
             self.audit.append(event, outcome=outcome, account=account, job_id=job_id, details=details)
 
     def refuse(self, layer: str, reason: str, **details: object) -> None:
-        """Count and audit a refused peer: every refusal leaves a record, whatever the layer."""
+        """Count and audit a refused peer: each new (source, layer, reason) is written at once, its
+        repeats within the minute as one record with their count (``RefusalAggregator``)."""
         AUTH_REFUSALS.labels("wan", layer).inc()
-        self.record("link.refused", outcome="refused", layer=layer, reason=reason, **details)
+        if self.refusals is not None:
+            self.refusals.refused("link.refused", layer, reason, dict(details))
 
     def _emit_transfer(self, key: TransferKey, totals: StepTotals) -> None:
         job_id, edge, direction = key
@@ -1026,3 +1034,5 @@ class PeerLink:
 
     def stop(self) -> None:
         self._stopping = True
+        if self.refusals is not None:
+            self.refusals.flush()

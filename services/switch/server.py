@@ -115,6 +115,8 @@ async def _maintain(
                 if link.enforce_revocation() and (reason := trust.closed_reason()) is not None:
                     link.record("trust.closed", outcome="refused", reason=reason, **peer)
                 link.router.close_revoked(revoked, revoked_serials())
+                if link.refusals is not None:
+                    link.refusals.tick()  # a minute's repeated refusals, as one record each
             if loop.time() >= next_cert_check:
                 next_cert_check = loop.time() + settings.cert_check_interval_s
                 await asyncio.to_thread(certs.check)
@@ -201,6 +203,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
                 audit=audit,
                 revocation=trusts[peer.cluster_id],
                 connections=settings.connections(),
+                refusal_interval_s=settings.refusal_audit_interval_s,
             )
             for peer in peers
         ],

@@ -19,8 +19,12 @@ from tests.support.accounts import make_user
 @pytest.fixture(scope="package")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
     run_dir: Path = tmp_path_factory.mktemp("nebula-run")
-    with LocalDeployment(run_dir=run_dir, bandwidth_mbit=100.0, delay_ms=5.0) as running:
-        yield running
+    with pytest.MonkeyPatch.context() as env:
+        # Repeated WAN refusals reach the audit log as counted records every 2 s, not every minute
+        # (test_security_wan waits for them); the launched switches inherit this environment.
+        env.setenv("NEBULA_SWITCH_REFUSAL_AUDIT_INTERVAL_S", "2")
+        with LocalDeployment(run_dir=run_dir, bandwidth_mbit=100.0, delay_ms=5.0) as running:
+            yield running
 
 
 @pytest.fixture(scope="package")

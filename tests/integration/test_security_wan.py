@@ -10,8 +10,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
+import socket
+import ssl
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -21,11 +24,13 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from nebula_common.audit import SealVerifier, verify_log
 from nebula_common.cli.app import app
 from nebula_common.launcher import LocalDeployment
+from nebula_common.metrics import read_metrics
 from nebula_common.pki import Identity, channel_options, create_ca, issue_certificate, load_layout
 from nebula_common.pki.store import renew_switch_certificate
 from nebula_common.proto.nebula.v1 import (
@@ -347,3 +352,52 @@ def test_job_keeps_running_across_certificate_rotation_of_both_switches(
     for direction in ("received", "sent"):
         steps = [r["details"]["step"] for r in transfers if r["details"]["direction"] == direction]
         assert sorted(steps) == list(range(job.steps)), (direction, steps)
+
+
+def _wan_refusals(deployment: LocalDeployment) -> float:
+    text = read_metrics(deployment.endpoints("b").metrics["switch-b"])
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "nebula_switch_refusals_total" and sample.labels.get("port") == "wan"
+    )
+
+
+def _handshake_without_certificate(address: tuple[str, int], context: ssl.SSLContext) -> None:
+    """A TLS client without a certificate (the server asks for one); whatever it answers."""
+    with (
+        contextlib.suppress(ssl.SSLError, OSError),
+        socket.create_connection(address, timeout=10) as raw,
+        context.wrap_socket(raw) as tls,
+    ):
+        tls.sendall(b"PRI * HTTP/2.0\r\n\r\n")
+        tls.recv(1)
+
+
+def test_a_strangers_flood_of_handshakes_leaves_a_handful_of_audit_records(
+    deployment: LocalDeployment, sessions: dict[str, ClusterSession]
+) -> None:
+    """300 TLS handshakes without a certificate on b's WAN port: each is refused and counted, but the
+    audit log gets one record per source, layer and reason per interval (the first at once, the repeats
+    as one record with their count), so a stranger cannot fill the disk; the genuine link is undisturbed."""
+    address = ("127.0.0.1", deployment.cluster_state["b"].switch.info["wan_port"])  # type: ignore[union-attr]
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    since, before = time.time(), _wan_refusals(deployment)
+    attempts = 300
+    for _ in range(attempts):
+        _handshake_without_certificate(address, context)
+    counted = f"{attempts} refusals counted on b's WAN port"
+    _wait_for(lambda: _wan_refusals(deployment) - before >= attempts, 60, counted)
+
+    # The repeats arrive as counted records at the end of the interval (2 s in these tests).
+    def counted_records() -> list[dict[str, Any]]:
+        records = _audit(deployment, "b", event="link.refused", since_unix=since)
+        return records if sum(r["details"]["count"] for r in records) >= attempts else []
+
+    records = _wait_for(counted_records, 30, f"audit records counting the {attempts} refusals")
+    print(f"{attempts} refused handshakes: {len(records)} audit records")
+    assert len(records) <= 5, [r["details"] for r in records]
+    assert sessions["b"].link_status().connected
