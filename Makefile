@@ -99,7 +99,7 @@ bench-wan-roofline: $(STAMP)
 bench-wan-table3: $(STAMP)
 	$(BIN)/python bench/wan/table3.py --out bench-results/table3
 
-# The paper's Table 5 / Figure 10 analogue (issue 13): ABNet Es->En on 25k catalogue pairs over a WAN-bound
+# The paper's Table 5 / Figure 10 analogue: ABNet Es->En on 25k catalogue pairs over a WAN-bound
 # emulated link, every codec row x 3 seeds + the learned bottleneck; fetches its corpus once into .cache/table5
 # (pip download / apt-get download). JSON + markdown + PNG in bench-results/table5/, results in
 # docs/bench/table5.md (pre-training once, then two shards of rows in parallel, one per core, then a merge; about
@@ -120,7 +120,7 @@ SOAK_SECONDS ?= 600
 soak: $(STAMP)
 	SOAK_SECONDS=$(SOAK_SECONDS) $(BIN)/python bench/faults/soak.py --out bench-results
 
-# Internal TLS vs plaintext internal ports (issue 14): the demo job on two deployments side by side, in
+# Internal TLS vs plaintext internal ports: the demo job on two deployments side by side, in
 # pairs (one after the other, then both at once), every process pinned to the same cores; step-time ratios,
 # CPU-seconds per step from /proc, and a unary + streaming micro-benchmark. JSON + markdown in
 # bench-results/internal-tls/, report in docs/bench/internal-tls.md (about 40 minutes on 2 cores at load 20;
@@ -140,7 +140,7 @@ bench-wan-link: $(STAMP)
 	$(BIN)/python bench/wan/loss_model.py --out bench-results/wan-link
 	$(BIN)/python bench/wan/utilisation.py --out bench-results/wan-link
 
-# Every WAN data-plane benchmark of issue 15; a target that does not exist (yet) is skipped with a message,
+# Every WAN data-plane benchmark; a target that does not exist (yet) is skipped with a message,
 # one that fails does not stop the others but fails the whole run at the end.
 WAN_BENCHES := bench-wan-link bench-relay bench-wan-roofline bench-wan-table3
 bench-wan: $(STAMP)

@@ -91,18 +91,18 @@ export NEBULA_MONITORING_TLS_A="$ca_dir/a-monitoring" NEBULA_MONITORING_TLS_B="$
 lap "CA certificates and scraper identities copied out"
 "$PYTHON" docker/smoke.py "$@"
 lap "smoke.py $*"
-# Issue 14 on this deployment: plaintext and certificate-less calls to internal ports fail, a wrong
+# Internal TLS on this deployment: plaintext and certificate-less calls to internal ports fail, a wrong
 # role is PERMISSION_DENIED and audited (probes run inside each cluster's network: docker/smoke_tls.py).
 "$PYTHON" docker/smoke_tls.py --compose "$COMPOSE"
 lap "smoke_tls.py (internal TLS)"
-# Every key has one owner (issue 29): what each service container's user can read, listed and checked.
+# Every key has one owner: what each service container's user can read, listed and checked.
 "$PYTHON" docker/smoke_secrets.py --compose "$COMPOSE"
 lap "smoke_secrets.py (one owner per key)"
-# A stage written to break out (issue 29): under Landlock in trainer-a's container it reaches no key,
+# A stage written to break out: under Landlock in trainer-a's container it reaches no key,
 # record, other account's files, port or process, and its refusals are audited.
 COMPOSE="$COMPOSE" PYTHONPATH="$PWD" "$PYTHON" docker/smoke_hostile.py
 lap "smoke_hostile.py (a hostile stage)"
-# Operating it (issue 11): the endpoints file, watch/status/report/logs/cancel through the CLI, and
+# Operating it: the endpoints file, watch/status/report/logs/cancel through the CLI, and
 # trainer-a killed mid-job (named volume: checkpoints and a verifying audit log survive). SMOKE_OPS=0 skips.
 if [ "${SMOKE_OPS:-1}" != 0 ]; then
   COMPOSE="$COMPOSE" "$PYTHON" docker/smoke_ops.py

@@ -1,4 +1,4 @@
-"""A stage written to break out, run by an ordinary account on the compose deployment (issue 29).
+"""A stage written to break out, run by an ordinary account on the compose deployment.
 
 Run by docker/run-smoke.sh after smoke.py, with the same environment (each cluster's admin password and
 CA certificate) and ``PYTHONPATH`` at the repository. The trainer's container cannot create namespaces,

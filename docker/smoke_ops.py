@@ -1,4 +1,4 @@
-"""Operating the compose deployment from the host, as an operator would (issue 11), after docker/smoke.py.
+"""Operating the compose deployment from the host, as an operator would, after docker/smoke.py.
 
     PYTHONPATH=$PWD .venv/bin/python docker/smoke_ops.py [--steps 200] [--out DIR]
 
@@ -242,7 +242,7 @@ def run(steps: int, out: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description="Operate the compose deployment from the host (issue 11).")
+    parser = argparse.ArgumentParser(description="Operate the compose deployment from the host.")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--out", type=Path, default=None, help="Where the endpoints file and report go.")
     args = parser.parse_args()

@@ -1,4 +1,4 @@
-"""Internal TLS of the compose deployment, checked from inside each cluster's network (issue 14).
+"""Internal TLS of the compose deployment, checked from inside each cluster's network.
 
     bash docker/run-smoke.sh          # runs this after docker/smoke.py, on the same deployment
     export NEBULA_ADMIN_PASSWORD_A=... NEBULA_CA_CERT_A=a-ca.crt    # as docker/smoke.py's docstring
@@ -127,7 +127,7 @@ def audited_refusals(cluster: str, ca: Path, admin_password: str, since: float) 
 
 
 def failures(cluster: str, found: dict[str, Any], refusals: list[dict[str, Any]]) -> list[str]:
-    """What the probe and the audit log show that issue 14 says must not happen."""
+    """What the probe and the audit log show that must not happen on an internal port."""
     bad = [
         f"plaintext call to {addr} answered: {r}" for addr, r in found["plaintext"].items() if r == "SERVING"
     ]

@@ -1,4 +1,4 @@
-"""Table 5 analogue: ABNet Es->En over a WAN-bound link, BLEU/chrF against speed-up per codec (issue 13).
+"""Table 5 analogue: ABNet Es->En over a WAN-bound link, BLEU/chrF against speed-up per codec.
 
 Why this shape: the paper's Table 5 (60 Mbit/s Internet, V100s) is link-bound: codec
 none spends most of its 4.42 s step on the WAN. Our CPUs compute ~100x slower, so the

@@ -135,7 +135,7 @@ class CrossAdapter(nn.Module):
         # The gate is the source's share of the stream: the context is rescaled to the stream's RMS at
         # each position. Added as it comes out of attention (RMS ~0.1 against the frozen LM's ~8, its
         # embeddings x sqrt(d)), the source stayed ~1% of the stream for hundreds of steps while the
-        # gate grew by ~lr a step, and the decoder kept continuing its own LM (issue 13's BLEU < 1).
+        # gate grew by ~lr a step, and the decoder kept continuing its own LM (BLEU < 1).
         context = context * (rms(h.detach()) / (rms(context) + 1e-6))
         return self.ff(h + self.gate * context)
 

@@ -577,7 +577,7 @@ class Router:
         it already had. Whatever of that stream still waits in this buffer was not delivered, so
         not acknowledged, so it sits at or after the replay's start and its copy follows: keeping
         the original too would hold a window per rewind (a second rewind before the first drained
-        overran the route's bound of two windows, issue 15). Dropping it keeps the order the
+        overran the route's bound of two windows). Dropping it keeps the order the
         receiver sees (what already left, then the replay from its start) and delivery exactly once;
         a session that ends mid-replay purges both and the trainers resume.
         """

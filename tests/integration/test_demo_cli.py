@@ -72,7 +72,7 @@ def test_demo_writes_a_summary_with_wan_bytes_and_verified_peers(tmp_path: Path)
         assert (trainer_dir / "accounts" / account / "jobs" / summary["job_id"] / stage / "step-6").is_dir()
     # Every process was stopped: no stray services left behind by the demo.
     assert "summary written to" in result.stdout
-    # It trained over internal TLS (issue 14): each service had its own identity, nothing fell back to
+    # It trained over internal TLS: each service had its own identity, nothing fell back to
     # plaintext (that needs the development flag, and logs a warning naming it).
     for cluster in ("a", "b"):
         for service in ("auth", "codec", "data", "switch", "trainer"):

@@ -1,4 +1,4 @@
-"""Issue 14 against a fresh `nebula local up`: every internal port is TLS, roles are enforced, and
+"""Internal TLS on a fresh `nebula local up`: every internal port is TLS, roles are enforced, and
 service certificates are renewed during a running job without a failed call or a lost step."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A trainer with many stages at once still answers at once (issue 10: AssignStage deadlines).
+"""A trainer with many stages at once still answers at once (AssignStage deadlines).
 
 Before, each running stage parked a thread of asyncio's default executor (6 workers on 2 cores)
 in ``join()`` and each watcher polled through another: with more than 5 stages every call that

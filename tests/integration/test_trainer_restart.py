@@ -9,11 +9,11 @@ parameters must be bit-identical to the same job without a fault (codec none, fi
 micro-batch lost or applied twice, or a step resumed from the wrong state, would change them.
 
 Bound: the job steps past the step it was at when the trainer was killed within RESUME_BOUND_S of the
-kill (measured on an idle machine: ~4-6 s). Where it goes (stop 25, trainer logs, load 11-12, gRPC and raw
+kill (measured on an idle machine: ~4-6 s). Where it goes (trainer logs, load 11-12, gRPC and raw
 edges alike, 12-15 s in all): the supervisor's restart delay 0.5 s; the new process importing torch and the
 trainer (8.8-11.4 s: ``python -X importtime -c "import services.trainer.server"`` gave 6.6 s, 2.1 s of it
 ``torch.distributed.tensor``/``checkpoint``, which ``runtime.sharding`` now imports only where a sharded
-stage or checkpoint needs them: stop 26); records, serving and the resume exchange 0.2 s; then 1.7-2.3 s
+stage or checkpoint needs them); records, serving and the resume exchange 0.2 s; then 1.7-2.3 s
 to the stage's first step, torch's lazy imports of a fresh process (building the first optimizer loads
 ``torch._dynamo``).
 No backoff or fixed timeout: the peer stage restarts within 30 ms of the new edge's open. So the time is

@@ -1,4 +1,4 @@
-"""The compression codecs of issue 3: grammar, exact sizes, error bounds, low-rank fallback, zstd, top-k.
+"""The compression codecs: grammar, exact sizes, error bounds, low-rank fallback, zstd, top-k.
 
 Every spec the issue names must parse and round-trip to its canonical spelling;
 every fixed-size codec's payload length is pinned by a formula computed here

@@ -1,4 +1,4 @@
-"""The sender's retransmit timeout follows measured RTT and throughput (issue 10), on a fake clock.
+"""The sender's retransmit timeout follows measured RTT and throughput, on a fake clock.
 
 Timers are driven explicitly (``poll_timers`` after moving the fake clock); the session's own
 timer thread reads the same clock, so it can only do what ``poll_timers`` would.

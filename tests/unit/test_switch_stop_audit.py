@@ -1,6 +1,6 @@
 """A switch stopped while an edge is open records that edge's end before its audit log closes.
 
-Seen in stop 24: at switch shutdown ``OpenEdge`` logged ``AuditError: audit log ... is closed``.
+The failure this guards against: at shutdown ``OpenEdge`` logged ``AuditError: audit log ... is closed``.
 gRPC's ``server.stop(grace)`` returns once the core has cancelled the calls still open after the
 grace, before their handlers have run their ``finally``; the stack then closed the audit log, so the
 edge's ``edge.close`` record either failed with that error or was never written.
