@@ -40,6 +40,7 @@ def source_host(address: object) -> str:
 
 @dataclass
 class _Pending:
+    event: str
     count: int = 0
     first_seen: float = 0.0
     details: dict[str, Any] = field(default_factory=dict)
@@ -64,53 +65,53 @@ class RefusalAggregator:
         self._clock = clock
         self._lock = threading.Lock()
         self._window_start = clock()
-        self._pending: dict[tuple[str, str, str], _Pending] = {}
+        self._pending: dict[tuple[str, str, str, str], _Pending] = {}
 
     def refused(self, event: str, layer: str, reason: str, details: dict[str, Any]) -> None:
         """One refusal (``details`` may name its ``address``): written now if new, else counted."""
         now = self._clock()
         source = source_host(details.get("address"))
-        key = (source, layer, reason)
+        key = (event, source, layer, reason)
         with self._lock:
             if now - self._window_start >= self._interval:
-                self._flush_locked(event)
+                self._flush_locked()
                 self._window_start = now
             pending = self._pending.get(key)
             if pending is None and len(self._pending) >= self._max_keys:
-                key = ("*", layer, "")
+                key = (event, "*", layer, "")
                 pending = self._pending.get(key)
                 if pending is None:  # the overflow key of this layer: a record now, the count later
                     overflow = {"layer": layer, "reason": OVERFLOW_REASON}
-                    self._pending[key] = _Pending(0, now, overflow)
+                    self._pending[key] = _Pending(event, 0, now, overflow)
                     self._write(event, {**overflow, "source": "*", "count": 1})
                     return
             if pending is None:
-                self._pending[key] = _Pending(0, now, {**details, "layer": layer, "reason": reason})
+                self._pending[key] = _Pending(event, 0, now, {**details, "layer": layer, "reason": reason})
                 self._write(
                     event, {**details, "layer": layer, "reason": reason, "source": source, "count": 1}
                 )
                 return
             pending.count += 1
 
-    def tick(self, event: str = "link.refused") -> None:
+    def tick(self) -> None:
         """Write the repeats once the interval is over (a periodic task calls this; cheap otherwise)."""
         with self._lock:
             if self._clock() - self._window_start >= self._interval:
-                self._flush_locked(event)
+                self._flush_locked()
                 self._window_start = self._clock()
 
-    def flush(self, event: str = "link.refused") -> None:
+    def flush(self) -> None:
         """Write the counted repeats of the current interval now (a stop, or a periodic tick)."""
         with self._lock:
-            self._flush_locked(event)
+            self._flush_locked()
             self._window_start = self._clock()
 
-    def _flush_locked(self, event: str) -> None:
+    def _flush_locked(self) -> None:
         pending, self._pending = self._pending, {}
-        for (source, _layer, _reason), entry in pending.items():
+        for (_event, source, _layer, _reason), entry in pending.items():
             if entry.count:
                 self._write(
-                    event,
+                    entry.event,
                     {
                         **entry.details,
                         "source": source,

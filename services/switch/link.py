@@ -45,7 +45,7 @@ import grpc
 from cryptography import x509
 
 from nebula_common.audit import AuditLog
-from nebula_common.audit.aggregate import DEFAULT_INTERVAL_S, RefusalAggregator
+from nebula_common.audit.aggregate import RefusalAggregator
 from nebula_common.pki import Identity, identity_from_certificate
 from nebula_common.proto.nebula.v1 import link_pb2
 from nebula_common.rpc.framing import (
@@ -262,7 +262,7 @@ class PeerLink:
         connections: int | None = 1,
         raw_dialer: RawDialFn | None = None,
         serves_raw: bool = False,
-        refusal_interval_s: float = DEFAULT_INTERVAL_S,
+        refusals: RefusalAggregator | None = None,
     ) -> None:
         self.cluster_id = cluster_id
         #: Dialer: opens a raw connection to the peer (offered in the handshake; None: gRPC only).
@@ -283,10 +283,9 @@ class PeerLink:
         if not router.peer_cluster_id:
             router.peer_cluster_id = peer_cluster_id
         self.audit = audit
-        # Refusals by strangers on the WAN port: one record per source, layer and reason per minute.
-        self.refusals = (
-            RefusalAggregator(audit.append, interval_s=refusal_interval_s) if audit is not None else None
-        )
+        # Refusals by strangers on the WAN port: one record per source, layer and reason per interval
+        # (the switch shares one aggregator among its links and its raw edge port).
+        self.refusals = refusals or (RefusalAggregator(audit.append) if audit is not None else None)
         self.liveness = liveness or LivenessPolicy()
         self.rtt = RttEstimator()
         self._priority: deque[link_pb2.LinkMessage] = deque()  # pings and pongs, ahead of every item

@@ -54,6 +54,7 @@ from typing import Any, NoReturn, Protocol
 import grpc
 from cryptography import x509
 
+from nebula_common.audit.aggregate import RefusalAggregator
 from nebula_common.auth.interceptor import REFUSALS, AuditSink
 from nebula_common.auth.roles import refusal
 from nebula_common.pki import Identity, identity_from_certificate
@@ -200,8 +201,11 @@ class RawEdgeListener:
         revoked: Callable[[], frozenset[int]] = frozenset,
         tickets: EdgeTickets | None = None,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+        refusals: RefusalAggregator | None = None,
     ) -> None:
         self.servicer = servicer
+        #: Refusals written once per source, reason per interval, repeats counted (None: each one).
+        self.refusals = refusals
         self.cluster_id = cluster_id
         self.context = context
         self.audit = audit
@@ -345,7 +349,10 @@ class RawEdgeListener:
         """Count and audit a refusal on the transport identity, as the role interceptor does."""
         REFUSALS.labels("switch", "OpenEdge", label).inc()
         log.warning("refused raw edge from %s: %s", peer, reason)
-        if self.audit is not None:
+        details = {"method": OPEN_EDGE, "peer": peer, "peer_identity": identity, "transport": transport}
+        if self.refusals is not None:
+            self.refusals.refused("auth.refused", label, reason, {**details, "address": peer})
+        elif self.audit is not None:
             self.audit.append(
                 "auth.refused",
                 outcome="refused",

@@ -25,6 +25,7 @@ from datetime import timedelta
 from cryptography import x509
 
 from nebula_common.audit import AuditLog
+from nebula_common.audit.aggregate import RefusalAggregator
 from nebula_common.audit.servicer import AUDIT_SERVICE_NAME, add_audit_api
 from nebula_common.auth.interceptor import TokenAuthInterceptor
 from nebula_common.pki import Identity, channel_options, server_options
@@ -193,6 +194,8 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         tombstone_s=settings.route_tombstone_s,
     )
     shared = SharedRoutes()
+    # One per switch: refusals on the WAN port and the raw edge port, counted per source, layer and reason.
+    refusals = RefusalAggregator(audit.append, interval_s=settings.refusal_audit_interval_s)
     links = PeerLinks(
         settings.cluster_id,
         [
@@ -203,7 +206,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
                 audit=audit,
                 revocation=trusts[peer.cluster_id],
                 connections=settings.connections(),
-                refusal_interval_s=settings.refusal_audit_interval_s,
+                refusals=refusals,
             )
             for peer in peers
         ],
@@ -291,7 +294,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     await internal.start()
     await wan.start()
     if settings.edge_transport == "raw":
-        await _start_raw_edges(settings, stack, identity, relay, audit)
+        await _start_raw_edges(settings, stack, identity, relay, audit, refusals)
     frontend = None
     if raw:
         frontend = WanFrontend(
@@ -356,6 +359,7 @@ async def _start_raw_edges(
     identity: ServiceIdentity,
     relay: RelayServicer,
     audit: AuditLog,
+    refusals: RefusalAggregator,
 ) -> None:
     """Serve the raw edge port (``raw_edge.py``) next to the service port; OpenEdge offers then get it."""
     if identity.server is None:
@@ -368,6 +372,7 @@ async def _start_raw_edges(
         lambda: raw_edge_context(str(files.cert), str(files.key), str(files.ca)),
         audit=audit,
         revoked=lambda: identity.revoked,
+        refusals=refusals,
     )
     listen = settings.raw_edge_listen or f"{settings.service_listen.rpartition(':')[0]}:0"
     port = await listener.start(listen)
