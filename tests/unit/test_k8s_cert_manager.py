@@ -206,7 +206,12 @@ def test_an_acme_issuer_is_checked_down_to_its_solvers() -> None:
 def test_rendered_org_overlay_keeps_the_hardening_of_the_base(cluster: str) -> None:
     """As tests/unit/test_deploy_manifests.py checks the base: the org overlays change none of it."""
     docs = _render(cluster)
-    deployments = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]  # the trainer: StatefulSet
+    monitoring = ("nebula-prometheus", "nebula-grafana")  # components/monitoring: test_monitoring_manifests
+    deployments = [  # the trainer: a StatefulSet
+        d
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet") and not d["metadata"]["name"].startswith(monitoring)
+    ]
     assert len(deployments) == 5, [d["metadata"]["name"] for d in deployments]
     for deployment in deployments:
         name, pod = deployment["metadata"]["name"], deployment["spec"]["template"]["spec"]
