@@ -100,7 +100,8 @@ def job_wan(before: dict, after: dict) -> dict:
         for key in _COUNTS:
             if isinstance(entry.get(key), int) and isinstance(start.get(key), int):
                 delta[key] = entry[key] - start[key]
-        raw, payload, wire = delta["raw_bytes"], delta["payload_bytes"], delta["bytes"]
+        # Without the switches' series (no scraper identity given) the trainers count payload only.
+        raw, payload, wire = delta.get("raw_bytes", 0), delta.get("payload_bytes", 0), delta.get("bytes", 0)
         delta["compression_ratio"] = raw / payload if payload else 0.0
         delta["wire_ratio"] = raw / wire if wire else 0.0
         out[direction] = delta
