@@ -8,7 +8,7 @@ kernel faults and zeroes every 4 KiB page again: on the relay benchmark (``bench
 switch's. With mmap off and a high trim threshold, freed chunks stay in the heap and the next tensor
 reuses the same, already-mapped pages (a pooled receive buffer, kept by the allocator).
 
-One arena (``M_ARENA_MAX`` 1, session 27): glibc gives other threads arenas of their own, whose heaps
+One arena (``M_ARENA_MAX`` 1): glibc gives other threads arenas of their own, whose heaps
 are at most 64 MiB, and serves an allocation that does not fit one with a fresh ``mmap`` whatever
 ``M_MMAP_MAX`` says. The receiving edge assembles each tensor on its loop thread, so every 64 MiB
 tensor faulted all of its 16,384 pages again: 35% of the receiving trainer's CPU on the relay
@@ -88,7 +88,7 @@ def uninitialized_bytearray(size: int) -> bytearray:
 
     ``bytearray(size)`` writes ``size`` zero bytes: for a 64 MiB tensor a memset pass over memory
     that the received chunks overwrite at once (with page faults when the pages are new), a fifth of
-    the receiving trainer's samples on the relay benchmark (``docs/bench/relay.md``, session 27).
+    the receiving trainer's samples on the relay benchmark (``docs/bench/relay.md``).
     CPython builds the object with ``PyByteArray_FromStringAndSize(NULL, size)``, which allocates
     without writing; elsewhere this is ``bytearray(size)``. A real ``bytearray``, so a decoder may
     adopt it (``tensor_from_bytes``).

@@ -1,6 +1,6 @@
 """Build docs/settings.md: every service's environment settings, from the settings classes themselves.
 
-Why generated: the services read 130-odd ``NEBULA_<SERVICE>_*`` variables through pydantic settings
+Why generated: the services read about a hundred ``NEBULA_<SERVICE>_*`` variables through pydantic settings
 classes whose fields carry their type, default, bounds and a description. A hand-kept list drifts from
 them; this page cannot (``--check`` fails when it is stale; ``make test`` runs it).
 
@@ -27,6 +27,72 @@ SERVICES = (
     ("switch", "services.switch.config", "SwitchSettings", "the gateway: WAN link, edges, certificates"),
     ("trainer", "services.trainer.config", "TrainerSettings", "runs this cluster's stages"),
 )
+
+
+CONSTANTS = (
+    (
+        "nebula_common.service.resources",
+        "HANDSHAKE_TIMEOUT_S",
+        "s: an internal port drops a connection that has not finished TLS and HTTP/2 set-up by then",
+    ),
+    (
+        "nebula_common.service.resources",
+        "MAX_CONNECTIONS",
+        "connections an internal port holds at once",
+    ),
+    (
+        "nebula_common.service.identity",
+        "CERT_CHECK_INTERVAL_S",
+        "s between re-reads of a service's certificate files and the cluster CRL",
+    ),
+    (
+        "nebula_common.audit",
+        "SEAL_INTERVAL_S",
+        "s: the longest an audit record stays unsealed while events arrive",
+    ),
+    (
+        "services.switch.server",
+        "MAINTENANCE_INTERVAL_S",
+        "s between the switch's checks of peer trust, CRLs and live edges' credentials",
+    ),
+    (
+        "services.switch.server",
+        "CERT_CHECK_INTERVAL_S",
+        "s between the switch's checks of its own certificate",
+    ),
+    (
+        "services.switch.server",
+        "LINK_WINDOW_BYTES",
+        "bytes: fixed HTTP/2 window (raw link: send buffer) of a WAN link connection",
+    ),
+    (
+        "services.switch.certs",
+        "RENEW_BEFORE_FRACTION",
+        "of a certificate's lifetime left when the switch renews it itself (development PKI)",
+    ),
+    (
+        "services.switch.certs",
+        "WARN_BEFORE_S",
+        "s before expiry from which the switch logs a warning",
+    ),
+    (
+        "services.switch.routing",
+        "TOMBSTONE_S",
+        "s items of a route the switch closed are dropped silently",
+    ),
+    (
+        "services.trainer.edge.session",
+        "MAX_FRAME_BYTES",
+        "bytes: largest tensor a peer may announce on an edge",
+    ),
+    (
+        "services.trainer.servicer",
+        "METRICS_GRACE_S",
+        "s a finished stage's series stay on /metrics",
+    ),
+)
+"""Values fixed on purpose (an operator has no reason to turn them), listed so that nobody looks for a
+variable: module, attribute, what it bounds."""
 
 
 def _type(annotation: Any) -> str:
@@ -91,10 +157,29 @@ def build() -> str:
         "edit by hand. Each service reads only its own `NEBULA_<SERVICE>_*` variables; an unknown or",
         "malformed value stops it at start with a message naming the variable. `nebula local up`,",
         "`docker-compose.yml` and `k8s/` set the ones a deployment needs; the rest keep their defaults.",
+        "A variable under a service's prefix that names no setting also stops it (a typo, or a value that",
+        "is now fixed: see the last section).",
         "",
     ]
     for service, module, cls_name, what in SERVICES:
         lines += [f"## {service} ({what})", "", *service_table(service, module, cls_name), ""]
+        other = getattr(getattr(__import__(module, fromlist=[cls_name]), cls_name), "OTHER_VARIABLES", ())
+        if other:
+            names = ", ".join(f"`{name}`" for name in other)
+            lines += [f"Also read by the {service}, outside its settings class: {names}.", ""]
+    lines += [
+        "## Fixed values",
+        "",
+        "Not settings: the code's constants, tuned once and the same in every deployment.",
+        "",
+        "| constant | value | meaning |",
+        "|---|---|---|",
+    ]
+    for module, attribute, meaning in CONSTANTS:
+        value = getattr(__import__(module, fromlist=[attribute]), attribute)
+        shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+        lines.append(f"| `{module}.{attribute}` | {shown} | {_cell(meaning)} |")
+    lines.append("")
     return "\n".join(lines)
 
 

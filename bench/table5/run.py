@@ -53,7 +53,7 @@ from nebula_common.zoo.adapters import NO_REPEAT_NGRAM
 
 Row = train.Row
 CALIBRATED = {"down_residual": 256, "up_residual": 256, "cut_pretrain": 3000}
-"""The calibrated bottleneck (session 27): residual paths of width 256 on both halves, trained 3,000 steps
+"""The calibrated bottleneck: residual paths of width 256 on both halves, trained 3,000 steps
 as an autoencoder on the starting model's cut activations before fine-tuning (``pretrain_bottleneck``;
 the product's ``calibrate`` + ``cut_init``). It keeps 88% of the cut's energy at k = 16, the linear
 start 69%."""
@@ -70,8 +70,8 @@ FULL_ROWS = (
     Row("BOTTLENECK(48)+ZSTD(INT8)", "zstd(int8)", "zstd(int8)", cut_k=48),
 )
 """The full plan's rows: the paper's, lossless zstd over int8 (it takes out the padding rows), and the learned
-bottleneck at 16x both ways (k = 16 calibrated, with int8; session 27: it replaced the linear start's
-k = 16 row, now in EXTRA_ROWS, 2.2 BLEU short) and with zstd (k = 48). Two shards take the rows alternately:
+bottleneck at 16x both ways (k = 16 calibrated, with int8; the linear start's k = 16 row, 2.2 BLEU short,
+is in EXTRA_ROWS) and with zstd (k = 48). Two shards take the rows alternately:
 shard 0 also runs the advisor and shard 1 the Figure 10 row's extra runs, so the row count keeps them even."""
 EXTRA_ROWS = (
     Row("BOTTLENECK(16)+INT8", "int8", "int8", cut_k=16),
@@ -85,7 +85,7 @@ EXTRA_ROWS = (
     Row("BOTTLENECK(16,AE)+ZSTD(INT8)", "zstd(int8)", "zstd(int8)", cut_k=16, **CALIBRATED),
     Row("BOTTLENECK(8,AE)+INT8", "int8", "int8", cut_k=8, **CALIBRATED),
 )
-"""Rows of session 25-26's probes (docs/bench/table5.md), not in the full plan: ``--rows`` can name them."""
+"""Rows of the probes (docs/bench/table5.md), not in the full plan: ``--rows`` can name them."""
 _BY_LABEL = {row.label: row for row in (*FULL_ROWS, *EXTRA_ROWS)}
 QUICK_ROWS = tuple(
     replace(_BY_LABEL[label], cut_pretrain=min(_BY_LABEL[label].cut_pretrain, 200))
@@ -97,11 +97,11 @@ FIGURE10_STARTS = (0.0, 0.10, 0.25)
 FULL_MODEL = train.ModelConfig(
     pretrain_steps=400, lr=1e-2, warmup=50, train_head=True, finetune_batch=128, cut_lr=1e-4
 )
-"""The full plan's model: the best of sessions 24-25's probes (docs/bench/table5.md): LMs pre-trained 400
+"""The full plan's model: the best of the probes (docs/bench/table5.md): LMs pre-trained 400
 steps a side (batch 32, the cached LMs); the adapters and the decoder's output layer fine-tuned with Adam
 at 1e-2 after a 50-step linear warm-up, 128 sentence pairs a step (8.60 BLEU at 300 steps in the probe)."""
 FULL = {"seeds": 3, "steps": 300, "eval_pairs": None, "advisor_steps": 90, "model": FULL_MODEL}
-"""About 40 minutes on 2 idle cores, estimated from session 26's measured CPU seconds (docs/bench/table5.md):
+"""About 40 minutes on 2 cores (docs/bench/table5.md: 39.5 min measured end to end on a loaded host):
 13 rows x 3 seeds + Figure 10's 2 starts x 2 seeds = 43 runs of ~95 CPU s, the advisor's trials (~200 CPU s)
 and the link clock (~1 min), over 2 shards; pre-training (~90 CPU s) once, cached after."""
 FIGURE10_SEEDS = 2
@@ -122,7 +122,7 @@ ADVISOR_LOSS_TOLERANCE = 0.02
 ADVISOR_PROGRESS_TOLERANCE = 0.10
 """And the trial-loss gap may be at most 10% of what none's loss fell during the trial (the first half's
 mean minus the last half's): a harmful row's gap opens as training starts to pay, when it is still ~1-2%
-of the loss (session 26's probes: at 90 steps the bottleneck rows were +1.6-2.2% over none)."""
+of the loss (the probes of docs/bench/table5.md: at 90 steps the bottleneck rows were +1.6-2.2% over none)."""
 ADVISOR_MAX_TRIALS = 6
 """Rows trained in the trial at most, fastest-predicted first (several bottleneck rows are predicted fast)."""
 ADVISOR_SPEED_RULE = 1.10

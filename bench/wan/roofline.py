@@ -283,7 +283,7 @@ def render_png(path: Path, rows: list[dict[str, Any]]) -> None:
     """Ratio (y, 1.0 to the worst) over micro-batches (x, 1..8, log2 spaced), one line per mode+schedule.
 
     Colours: overlap gpipe blue, overlap 1f1b green, serial gpipe red, serial 1f1b orange; the
-    grey line is ratio 1.0 (the roofline), the black one 1.15 (the issue's target at 8 micro-batches).
+    grey line is ratio 1.0 (the roofline), the black one 1.15 (the target at 8 micro-batches).
     """
     canvas = Canvas(800, 480)
     counts = sorted({r["micro_batches"] for r in rows})
@@ -316,8 +316,8 @@ def floor_ms(row: dict[str, Any]) -> float:
     next step: max(compute, transfer) + the other stage's compute of one micro-batch (its
     fill/drain) + one RTT + one micro-batch's transfer each way (the last gradient and the first
     activation, each serialised at the link's rate, less the emulator's token-bucket burst of
-    ``BURST_MS`` that an idle link lets through at once; session 25's floor left this out, which
-    is small at batch 128 but 2 x 50 ms of a step at batch 2048) (stages' compute from the same run).
+    ``BURST_MS`` that an idle link lets through at once: small at batch 128, but 2 x 50 ms of a
+    step at batch 2048) (stages' compute from the same run).
     """
     computes = sorted(1000 * s["compute_s"] for s in row["stages"].values())
     other = computes[0] if len(computes) > 1 else 0.0
@@ -417,7 +417,7 @@ def main() -> None:
         choices=("micro-batches", "half"),
         default="micro-batches",
         help="the jobs' pipeline.max_in_flight: the step's micro-batches (1F1B then holds what covers "
-        "the measured round trip, see schedule.covering_window) or max(2, micro-batches / 2) (session 25)",
+        "the measured round trip, see schedule.covering_window) or max(2, micro-batches / 2)",
     )
     parser.add_argument(
         "--layers",

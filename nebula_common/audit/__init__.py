@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nebula_common.audit.log import AuditError, AuditLog, record_hash, seal_path_for
+from nebula_common.audit.log import SEAL_INTERVAL_S, AuditError, AuditLog, record_hash, seal_path_for
 from nebula_common.audit.metrics import watch_audit_disk
 from nebula_common.audit.query import AuditFilter, QueryResult, query_log
 from nebula_common.audit.signing import PUBLIC_KEY_NAME, AuditKeyError, AuditSigner, SealVerifier
@@ -41,7 +41,7 @@ def open_service_audit(
     service: str,
     cluster: str,
     seal_every: int = 64,
-    seal_interval_s: float = 5.0,
+    seal_interval_s: float = SEAL_INTERVAL_S,
     fsync_each: bool = True,
 ) -> AuditLog:
     """Open (or start) ``<data_dir>/audit.log`` sealed by ``<data_dir>/audit-key.pem``."""

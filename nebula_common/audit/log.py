@@ -59,6 +59,8 @@ GENESIS_PREV = "0" * 64
 SEAL_EVENT = "audit.seal"
 OPEN_EVENT = "audit.open"
 OUTCOMES = frozenset({"ok", "failure", "refused"})
+SEAL_INTERVAL_S = 5.0
+"""The longest a record stays unsealed while events arrive (a seal also every ``seal_every`` records)."""
 log = logging.getLogger(__name__)
 
 
@@ -99,7 +101,7 @@ class AuditLog:
         service: str,
         cluster: str,
         seal_every: int = 64,
-        seal_interval_s: float = 5.0,
+        seal_interval_s: float = SEAL_INTERVAL_S,
         fsync_each: bool = True,
     ) -> None:
         if seal_every < 1:

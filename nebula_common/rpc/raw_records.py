@@ -107,7 +107,7 @@ class RawConnection:
     keeps routing while bytes move.
 
     Hand-offs between the two threads cost a system call and a wake-up each, so they happen only when
-    the other side waits (session 27, ``docs/bench/relay.md``): received messages go into a deque
+    the other side waits (``docs/bench/relay.md``): received messages go into a deque
     the loop's reader takes from, and the loop is woken only when a reader waits on it; written
     messages go into the thread's outbox, and the thread is woken only when it sleeps in ``select``;
     a writer counts sent messages and is woken only when it waits for the thread to catch up
@@ -143,7 +143,7 @@ class RawConnection:
         self._loop = loop
         if send_buffer:
             # A fixed send buffer bounds what waits first-in first-out below the switch's fair scheduler,
-            # as the gRPC link's fixed HTTP/2 window does (link_window_bytes; 0 keeps kernel autotuning).
+            # as the gRPC link's fixed HTTP/2 window does (LINK_WINDOW_BYTES; 0 keeps kernel autotuning).
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
         sock.setblocking(False)

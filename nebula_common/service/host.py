@@ -256,11 +256,19 @@ def _run(name: str, definition_ref: str, signals: list[int], imported: Callable[
 
     from nebula_common.errors import NebulaError
     from nebula_common.logging import configure_logging
-    from nebula_common.service.settings import describe_validation_error
+    from nebula_common.service.settings import describe_validation_error, unknown_variables
 
     module_name, _, attribute = definition_ref.partition(":")
     definition: ServiceDefinition[Any, Any] = getattr(importlib.import_module(module_name), attribute)
     imported()
+    unknown = unknown_variables(definition.settings, os.environ)
+    if unknown:
+        sys.stderr.write(
+            f"nebula-{name}: invalid configuration: "
+            + "; ".join(f"{variable}: not a setting of this service" for variable in unknown)
+            + " (docs/settings.md lists them)\n"
+        )
+        return EXIT_CONFIG_ERROR
     try:
         settings = definition.settings()
     except ValidationError as exc:

@@ -4,9 +4,9 @@
 
 * with ``NEBULA_<SVC>_INTERNAL_TLS_DIR`` it loads the service's leaf (it must name exactly this
   service of this cluster), makes it the identity the process presents on its own internal calls,
-  and starts a background task that re-reads the files every
-  ``NEBULA_<SVC>_INTERNAL_CERT_CHECK_INTERVAL_S``. A service never holds a CA key: its leaf is
-  renewed by whoever issued it (the launcher under ``local up``/``cluster up``, pki-init in compose,
+  and starts a background task that re-reads the files every ``CERT_CHECK_INTERVAL_S``. A service
+  never holds a CA key: its leaf is renewed by whoever issued it (the launcher under
+  ``local up``/``cluster up``, pki-init in compose,
   the operator or cert-manager in Kubernetes), who replaces the files. Servers pick the new files up
   before their next handshake; live connections keep theirs, so no call is dropped. Expiry is
   ``nebula_internal_certificate_expiry_seconds``, renewals ``nebula_internal_certificate_renewals_total``,
@@ -47,6 +47,10 @@ from nebula_common.rpc.internal_tls import (
 from nebula_common.service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
+
+CERT_CHECK_INTERVAL_S = 5.0
+"""How often a service re-reads its certificate files (a renewal by their issuer) and the cluster CRL:
+a revoked client is refused within this, a renewed certificate served within this."""
 
 CERT_EXPIRY = Gauge(
     "nebula_internal_certificate_expiry_seconds",
@@ -211,7 +215,7 @@ async def service_identity(
     identity.refresh_crl()  # in force before the first call
     holder["identity"] = identity
     task = asyncio.create_task(
-        _maintain(identity, settings.internal_cert_check_interval_s),
+        _maintain(identity),
         name=f"{service}-internal-cert",
     )
 
@@ -229,12 +233,12 @@ def _observe_expiry(service: str, not_after: datetime) -> None:
     CERT_EXPIRY.labels(service).set((not_after - datetime.now(UTC)).total_seconds())
 
 
-async def _maintain(identity: ServiceIdentity, interval: float) -> None:
+async def _maintain(identity: ServiceIdentity) -> None:
     """Re-read the files (a renewal by their issuer) and the CRL; keep the expiry metric current."""
     server = identity.server
     assert server is not None  # only started with internal TLS on
     while True:
-        await asyncio.sleep(interval)
+        await asyncio.sleep(CERT_CHECK_INTERVAL_S)
         try:
             await asyncio.to_thread(server.refresh)
             await asyncio.to_thread(identity.refresh_crl)

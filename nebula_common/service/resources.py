@@ -73,15 +73,24 @@ def grpc_server(
     return server
 
 
-def internal_server_options(settings: ServiceSettings) -> list[tuple[str, Any]]:
+HANDSHAKE_TIMEOUT_S = 5.0
+"""A connection to an internal port that has not finished TLS and HTTP/2 set-up by then is dropped
+(gRPC's default is 120 s): the cluster's own services finish in milliseconds."""
+
+MAX_CONNECTIONS = 1024
+"""Connections the internal ports hold at once, TLS finished or not; further ones are closed at accept.
+A cluster's services, trainers and ranks need a few dozen."""
+
+
+def internal_server_options() -> list[tuple[str, Any]]:
     """Bounds on unauthenticated connections: how long one may take to finish TLS, how many at once.
 
-    An idle TCP client that never sends a ClientHello is dropped after ``handshake_timeout_s``, so a
-    flood of them costs at most ``max_connections`` sockets for that long.
+    An idle TCP client that never sends a ClientHello is dropped after ``HANDSHAKE_TIMEOUT_S``, so a
+    flood of them costs at most ``MAX_CONNECTIONS`` sockets for that long.
     """
     return [
-        ("grpc.server_handshake_timeout_ms", int(settings.handshake_timeout_s * 1000)),
-        ("grpc.max_allowed_incoming_connections", settings.max_connections),
+        ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+        ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
     ]
 
 

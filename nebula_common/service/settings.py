@@ -11,6 +11,7 @@ variable an operator has to fix.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -85,23 +86,21 @@ class ServiceSettings(BaseSettings):
             "the internal ports; re-read every check interval, accepted only if ca.crt signed it."
         ),
     )
-    handshake_timeout_s: float = Field(
-        5.0,
-        gt=0,
-        le=120,
-        description="A connection to an internal port that has not finished TLS and HTTP/2 set-up by then "
-        "is dropped (gRPC's default: 120 s).",
-    )
-    max_connections: int = Field(
-        1024,
-        ge=1,
-        le=1_000_000,
-        description="Connections the internal ports hold at once, TLS finished or not; further ones are "
-        "closed at accept.",
-    )
-    internal_cert_check_interval_s: float = Field(
-        5.0, gt=0, le=3600, description="How often the internal certificate files are checked for renewal."
-    )
+
+
+def unknown_variables(settings: type[BaseSettings], environ: Mapping[str, str]) -> list[str]:
+    """``environ``'s variables under the service's prefix that name no setting, sorted.
+
+    pydantic-settings ignores them; a service refuses to start with one instead, so a typo or a
+    variable that is no longer a setting (a constant now) is not silently without effect. A settings
+    class may list variables of its prefix read elsewhere in ``OTHER_VARIABLES``.
+    """
+    prefix = str(settings.model_config.get("env_prefix", "")).upper()
+    if not prefix:
+        return []
+    known = {prefix + name.upper() for name in settings.model_fields}
+    known |= {name.upper() for name in getattr(settings, "OTHER_VARIABLES", ())}
+    return sorted(k for k in environ if k.upper().startswith(prefix) and k.upper() not in known)
 
 
 def describe_validation_error(settings: type[BaseSettings], exc: ValidationError) -> str:

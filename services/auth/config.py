@@ -47,8 +47,3 @@ class AuthSettings(ServiceSettings):
     lockout_seconds: int = Field(
         300, ge=1, description="How long a locked account refuses logins (EnableAccount lifts it early)."
     )
-    audit_seal_interval_s: float = Field(
-        5.0,
-        gt=0,
-        description="Seal the audit log (data_dir/audit.log) at least this often while events arrive.",
-    )

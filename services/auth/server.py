@@ -112,7 +112,6 @@ async def start_auth(settings: AuthSettings, stack: contextlib.AsyncExitStack) -
         settings.data_dir,
         service="auth",
         cluster=settings.cluster_id,
-        seal_interval_s=settings.audit_seal_interval_s,
     )
     store = await acquire_in_thread(stack, lambda: _open_store(settings), AccountStore.close)
     issuer = await asyncio.to_thread(
@@ -143,7 +142,7 @@ async def start_auth(settings: AuthSettings, stack: contextlib.AsyncExitStack) -
         [SERVICE_NAME, AUDIT_SERVICE_NAME],
         grace=STOP_GRACE_SECONDS,
         interceptors=[*identity.interceptors(audit), interceptor],
-        options=internal_server_options(settings),
+        options=internal_server_options(),
     )
     auth_pb2_grpc.add_AuthServicer_to_server(servicer, server.server)
     add_audit_api(server.server, audit, "auth", settings.cluster_id)

@@ -55,7 +55,7 @@ async def start_codec(settings: CodecSettings, stack: contextlib.AsyncExitStack)
         [SERVICE_NAME],
         grace=STOP_GRACE_SECONDS,
         interceptors=[*identity.interceptors(), TokenAuthInterceptor("codec", verifier)],
-        options=internal_server_options(settings),
+        options=internal_server_options(),
     )
     servicer = CodecServicer(calibrator=calibrator, max_tensor_bytes=settings.max_tensor_bytes)
     codec_pb2_grpc.add_CodecServicer_to_server(servicer, server.server)

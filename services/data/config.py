@@ -26,4 +26,3 @@ class DataSettings(ServiceSettings):
     max_batch_examples: int = Field(
         4096, ge=1, le=1_000_000, description="Most example ids one ReadBatch may ask for."
     )
-    audit_seal_interval_s: float = Field(5.0, gt=0, description="Seal the audit log at least this often.")

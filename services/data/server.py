@@ -46,7 +46,6 @@ async def start_data(settings: DataSettings, stack: contextlib.AsyncExitStack) -
         settings.data_dir,
         service="data",
         cluster=settings.cluster_id,
-        seal_interval_s=settings.audit_seal_interval_s,
         # Each ReadBatch is audited; fsync at each seal keeps a batch from waiting on the disk.
         fsync_each=False,
     )
@@ -55,7 +54,7 @@ async def start_data(settings: DataSettings, stack: contextlib.AsyncExitStack) -
         [SERVICE_NAME, AUDIT_SERVICE_NAME],
         grace=STOP_GRACE_SECONDS,
         interceptors=[*identity.interceptors(audit), TokenAuthInterceptor("data", verifier, audit=audit)],
-        options=internal_server_options(settings),
+        options=internal_server_options(),
     )
     data_pb2_grpc.add_DataServicer_to_server(
         DataServicer(store, audit, max_batch_examples=settings.max_batch_examples), server.server

@@ -10,9 +10,9 @@ rebuilt from the same material whenever its generation changes.
 Renewal has two sources, and the switch handles both the same way (reload from disk):
 
 * external: something else (``nebula pki renew``, cert-manager updating a mounted Secret) replaces
-  the files; the switch notices the change within ``cert_check_interval_s``;
+  the files; the switch notices the change within ``CERT_CHECK_INTERVAL_S`` (5 s);
 * internal: when ``ca_cert``/``ca_key`` are configured the switch issues itself a fresh key and
-  certificate, with the same lifetime as the current one, once less than ``renew_before_fraction``
+  certificate, with the same lifetime as the current one, once less than a third
   of that lifetime remains. That puts the CA key inside the switch: fine for the local dev PKI,
   production should use the external path.
 
@@ -44,6 +44,11 @@ from nebula_common.durable import atomic_write
 from nebula_common.pki import Identity, identity_from_certificate, issue_certificate
 
 log = logging.getLogger(__name__)
+
+RENEW_BEFORE_FRACTION = 1 / 3
+"""Self-renewal (development PKI) when less than this fraction of the lifetime is left."""
+WARN_BEFORE_S = 3600.0
+"""A warning is logged while the certificate expires within this (alerts: a day before)."""
 
 CERT_EXPIRY = Gauge(
     "nebula_switch_certificate_expiry_seconds", "Seconds until this switch's TLS certificate expires."
@@ -99,8 +104,8 @@ class CertificateManager:
         audit: AuditLog,
         ca_cert_path: Path | None = None,
         ca_key_path: Path | None = None,
-        renew_before_fraction: float = 1 / 3,
-        warn_before: timedelta = timedelta(hours=1),
+        renew_before_fraction: float = RENEW_BEFORE_FRACTION,
+        warn_before: timedelta = timedelta(seconds=WARN_BEFORE_S),
     ) -> None:
         if not 0 < renew_before_fraction < 1:
             raise ValueError(f"renew_before_fraction must be between 0 and 1, got {renew_before_fraction}")

@@ -147,16 +147,6 @@ class SwitchSettings(ServiceSettings):
     max_unattached_routes: int = Field(
         256, ge=1, description="Routes the peer may create that no local trainer has attached to yet."
     )
-    route_tombstone_s: float = Field(
-        60.0, gt=0, description="How long items for a route the switch closed are dropped without a trace."
-    )
-    link_window_bytes: int = Field(
-        1 << 20,
-        ge=0,
-        description="Fixed HTTP/2 receive window of the WAN link (0: gRPC's BDP-probed default, which grew "
-        "to ~4 MiB in tests). Bounds what waits first-in first-out below the switch's fair scheduler; "
-        "caps one link's throughput at window / RTT (1 MiB: 84 Mbit/s at 100 ms RTT).",
-    )
     link_connections: str = Field(
         "1",
         description="Connections the dialing switch stripes the link over: a number (1-16) or 'auto' "
@@ -213,13 +203,11 @@ class SwitchSettings(ServiceSettings):
         "lanes plus reconnects); further ones are closed at accept.",
     )
     data_dir: Path = Field(description="Writable directory for the audit log, its seal and the audit key.")
-    audit_seal_interval_s: float = Field(5.0, gt=0, description="Seal the audit log at least this often.")
     peer_crl: Path | None = Field(
         None,
         description="PEM CRL of the peer cluster's CA (trust/<peer>.crl.pem). Without it revoked peer "
         "certificates are accepted until they expire; the switch warns at start-up.",
     )
-    crl_refresh_s: float = Field(1.0, gt=0, le=300, description="How often the peer CRL file is checked.")
     refusal_audit_interval_s: float = Field(
         60.0,
         gt=0,
@@ -245,18 +233,6 @@ class SwitchSettings(ServiceSettings):
     ca_cert: Path | None = Field(None, description="This cluster's CA certificate (enables self-renewal).")
     ca_key: Path | None = Field(
         None, description="This cluster's CA key (enables self-renewal; dev PKI only)."
-    )
-    cert_check_interval_s: float = Field(
-        5.0, gt=0, le=3600, description="How often the certificate files are checked for changes and expiry."
-    )
-    renew_before_fraction: float = Field(
-        1 / 3,
-        gt=0,
-        lt=1,
-        description="Renew when less than this fraction of the certificate's lifetime is left.",
-    )
-    cert_warn_before_s: float = Field(
-        3600.0, ge=0, description="Log a warning while the certificate expires within this many seconds."
     )
 
     @field_validator("peer_address", mode="before")

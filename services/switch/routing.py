@@ -48,7 +48,7 @@ holds in its own buffers, per route and direction (W = ``max_window_bytes``, S =
 * per switch: ``max_attached_routes`` x 2 x (2W + S) + ``max_unattached_routes`` x (INITIAL_WINDOW_BYTES
   + S) (a route kept for its owner after its trainer vanished or was restarted counts as attached for
   the route limits until it is re-attached or times out), plus ``TOMBSTONES_MAX`` remembered keys,
-  ``CONTROL_MAX`` pending closes and the link's HTTP/2 window (``link_window_bytes``) each way (defaults:
+  ``CONTROL_MAX`` pending closes and the link's HTTP/2 window (``LINK_WINDOW_BYTES``) each way (defaults:
   128 x 2 x 32.06 MiB + 256 x 1.06 MiB = 8.3 GiB worst case; conforming trainers keep at most one
   window per direction in transit across both switches, so a healthy route holds at most W here).
   Acks are coalesced, one per route and direction.
@@ -93,6 +93,8 @@ SLACK_BYTES = 64 * 1024
 UNATTACHED_MAX_ITEMS = 4096
 ATTACHED_MAX_ITEMS = 65536
 TOMBSTONES_MAX = 4096
+TOMBSTONE_S = 60.0
+"""How long items for a route the switch closed are dropped without a trace."""
 CONTROL_MAX = 4096
 JOB_OWNERS_REMEMBERED = 100_000
 REPLAY_FACTOR = 2
@@ -162,7 +164,7 @@ class Limits:
     max_routes_per_account: int = 32
     max_attached_routes: int = 128
     max_unattached_routes: int = 256
-    tombstone_s: float = 60.0
+    tombstone_s: float = TOMBSTONE_S
 
     @property
     def route_bound_bytes(self) -> int:

@@ -20,7 +20,6 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 
 from cryptography import x509
 
@@ -56,6 +55,15 @@ from services.switch.wan_servicer import SwitchLinkServicer, add_link_to_server
 
 log = logging.getLogger(__name__)
 STOP_GRACE_SECONDS = 2.0
+MAINTENANCE_INTERVAL_S = 1.0
+"""How often peer trust (bundle, CRL, staleness), live edges' credentials and refusal counts are polled:
+a revoked peer or trainer is cut within about this."""
+CERT_CHECK_INTERVAL_S = 5.0
+"""How often the switch's own certificate files are checked for a change, renewal and expiry."""
+LINK_WINDOW_BYTES = 1 << 20
+"""Fixed HTTP/2 receive window (and raw link send buffer) of a WAN link: it bounds what waits first-in
+first-out below the switch's fair scheduler, and caps one link connection at window / RTT (1 MiB:
+84 Mbit/s at 100 ms RTT; the link stripes over more connections for more)."""
 
 
 @dataclass
@@ -104,10 +112,10 @@ async def _maintain(
     and the credentials behind live edges (``revoked(account, token iat)``: a disabled account's edges
     end; ``revoked_serials()``: the cluster CA's CRL, a revoked trainer certificate's edges end)."""
     loop = asyncio.get_running_loop()
-    next_cert_check = loop.time() + settings.cert_check_interval_s
+    next_cert_check = loop.time() + CERT_CHECK_INTERVAL_S
     several = len(gates) > 1
     while True:
-        await asyncio.sleep(min(settings.crl_refresh_s, settings.cert_check_interval_s))
+        await asyncio.sleep(MAINTENANCE_INTERVAL_S)
         try:
             for link, trust in gates:
                 peer = {"peer": trust.peer_cluster_id} if several else {}
@@ -119,22 +127,20 @@ async def _maintain(
                 if link.refusals is not None:
                     link.refusals.tick()  # a minute's repeated refusals, as one record each
             if loop.time() >= next_cert_check:
-                next_cert_check = loop.time() + settings.cert_check_interval_s
+                next_cert_check = loop.time() + CERT_CHECK_INTERVAL_S
                 await asyncio.to_thread(certs.check)
         except Exception:  # one bad poll must not end revocation enforcement for good
             log.exception("switch maintenance step failed")
 
 
-def _window_options(settings: SwitchSettings) -> list[tuple[str, object]]:
-    """A fixed HTTP/2 window on the link (no BDP probing), when configured.
+def _window_options() -> list[tuple[str, object]]:
+    """A fixed HTTP/2 window on the link (no BDP probing).
 
     Everything the link writer has handed to gRPC is first-in first-out below the scheduler (HTTP/2
     window, socket buffers, the path); a fixed window bounds it, at the price of capping one link's
     throughput at window / RTT.
     """
-    if not settings.link_window_bytes:
-        return []
-    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", settings.link_window_bytes)]
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", LINK_WINDOW_BYTES)]
 
 
 async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStack) -> Started[RunningSwitch]:
@@ -150,7 +156,6 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         settings.data_dir,
         service="switch",
         cluster=settings.cluster_id,
-        seal_interval_s=settings.audit_seal_interval_s,
         # Records reach the kernel at once (a crashed process loses none); fsync happens at each seal
         # so the relay's event loop never waits on the disk per transfer record.
         fsync_each=False,
@@ -181,8 +186,6 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         audit=audit,
         ca_cert_path=settings.ca_cert,
         ca_key_path=settings.ca_key,
-        renew_before_fraction=settings.renew_before_fraction,
-        warn_before=timedelta(seconds=settings.cert_warn_before_s),
     )
     limits = Limits(
         max_window_bytes=settings.max_window_bytes,
@@ -191,7 +194,6 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         max_routes_per_account=settings.max_routes_per_account,
         max_attached_routes=settings.max_attached_routes,
         max_unattached_routes=settings.max_unattached_routes,
-        tombstone_s=settings.route_tombstone_s,
     )
     shared = SharedRoutes()
     # One per switch: refusals on the WAN port and the raw edge port, counted per source, layer and reason.
@@ -253,7 +255,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         ["nebula.v1.Relay", AUDIT_SERVICE_NAME],
         grace=STOP_GRACE_SECONDS,
         interceptors=[*identity.interceptors(audit), TokenAuthInterceptor("switch", verifier, audit=audit)],
-        options=internal_server_options(settings),
+        options=internal_server_options(),
     )
     add_relay_to_server(relay, internal.server)
     add_audit_api(internal.server, audit, "switch", settings.cluster_id)
@@ -269,7 +271,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         *server_options(),
         ("grpc.server_handshake_timeout_ms", int(settings.wan_handshake_timeout_s * 1000)),
         ("grpc.max_allowed_incoming_connections", settings.wan_max_connections),
-        *_window_options(settings),
+        *_window_options(),
     ]
     wan = grpc_server(
         stack,
@@ -302,7 +304,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
             f"127.0.0.1:{grpc_wan_port}",
             lambda: certs.ssl_context(server_side=True),
             handshake_timeout_s=settings.wan_handshake_timeout_s,
-            send_buffer=settings.link_window_bytes,
+            send_buffer=LINK_WINDOW_BYTES,
             sealed_records=settings.link_records == "sealed",
         )
         wan.ports["wan"] = await frontend.start(settings.wan_listen)
@@ -410,7 +412,7 @@ def _dial(
                 address,
                 certs.ssl_context(server_side=False),
                 link.expected_peer.dns_name,
-                send_buffer=settings.link_window_bytes,
+                send_buffer=LINK_WINDOW_BYTES,
                 sealed=settings.link_records == "sealed",
             )
 
@@ -420,7 +422,7 @@ def _dial(
         link.dial_forever(
             address,
             certs.channel_credentials,
-            [*channel_options(link.expected_peer), *_window_options(settings)],
+            [*channel_options(link.expected_peer), *_window_options()],
             probe=probe,
         ),
         name=f"wan-dialer-{peer.cluster_id}",

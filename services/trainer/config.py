@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -16,6 +16,11 @@ class TrainerSettings(ServiceSettings):
     """One cluster's compute: where it listens and which of its cluster's services it uses."""
 
     model_config = SettingsConfigDict(env_prefix="NEBULA_TRAINER_")
+    OTHER_VARIABLES: ClassVar[tuple[str, ...]] = (
+        "NEBULA_TRAINER_EDGE_TRANSPORT",
+        "NEBULA_TRAINER_RAW_EDGE_UNIX",
+    )
+    """Read where the edges are made (``services/trainer/edge``), not here."""
 
     listen: HostPort = Field("127.0.0.1:0", description="Cluster-internal control port (SDK -> trainer).")
     switch_address: HostPort = Field(description="host:port of this cluster's switch internal port.")
@@ -37,15 +42,6 @@ class TrainerSettings(ServiceSettings):
         16 << 20,
         ge=1 << 20,
         description="Receive window per job edge (bytes beyond what it holds; the switch may cap it lower).",
-    )
-    edge_max_frame_bytes: int = Field(
-        1 << 30, ge=1 << 20, description="Largest tensor payload a peer may announce on a job edge."
-    )
-    metrics_grace_s: float = Field(
-        60.0,
-        ge=0,
-        description="How long a finished stage's per-job metric series (labels job_id, stage) stay on "
-        "/metrics, so the last scrape sees its final values; 0 removes them at once.",
     )
     finished_ttl_s: float = Field(
         3600.0,

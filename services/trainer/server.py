@@ -126,11 +126,9 @@ async def start_trainer(
         data_service_address=settings.data_service_address,
         edge_settings=EdgeSettings(
             window_bytes=settings.edge_window_bytes,
-            max_frame_bytes=settings.edge_max_frame_bytes,
             max_outage_s=settings.edge_max_outage_s,
         ),
         finished=FinishedStages(settings.finished_ttl_s, settings.max_finished),
-        metrics_grace_s=settings.metrics_grace_s,
         receive_ahead=settings.receive_ahead,
         confinement=confinement,
         limits=StageLimits(
@@ -157,7 +155,7 @@ async def start_trainer(
         ["nebula.v1.Trainer", AUDIT_SERVICE_NAME],
         grace=STOP_GRACE_SECONDS,
         interceptors=[*identity.interceptors(audit), TokenAuthInterceptor("trainer", verifier, audit=audit)],
-        options=internal_server_options(settings),
+        options=internal_server_options(),
     )
     # Again, to run first on a stop: stages are drained at once, not after the server's grace for
     # its open calls (watch streams stay open until they end); the earlier one covers a failed start.

@@ -43,6 +43,9 @@ from services.trainer.status import TERMINAL_STATES
 from services.trainer.validation import validate_stage_spec
 
 log = logging.getLogger(__name__)
+METRICS_GRACE_S = 60.0
+"""How long a finished stage's per-job series (labels job_id, stage) stay on /metrics, so that the last
+scrape sees its final values."""
 Stage = ProgramRunner | StageProcess
 """A stage as the servicer keeps it: in a confined process of its own, or (no confinement) on a thread."""
 
@@ -57,7 +60,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         data_service_address: str | None = None,
         edge_settings: EdgeSettings | None = None,
         finished: FinishedStages | None = None,
-        metrics_grace_s: float = 60.0,
+        metrics_grace_s: float = METRICS_GRACE_S,
         receive_ahead: int | None = None,
         cluster_ranks: ClusterRanks | None = None,
         confinement: Confinement | None = None,

@@ -109,7 +109,6 @@ def organisation_switches(
             "auth_address": auth,
             "data_dir": tmp_path / f"org-{cluster}" / "switch",
             "metrics_port": -1,
-            "crl_refresh_s": 0.2,
         }
         return SwitchSettings(**(fields | extra | per_cluster.get(cluster, {})))
 

@@ -495,7 +495,7 @@ def test_a_small_item_of_one_job_is_not_queued_behind_a_large_tensor_of_another(
         big_last = big_receiver.received[-1][1]
         # First in, first out, the small frames would arrive with the last chunk. Measured on an idle
         # machine: 0.35 s after sending with the default 1 MiB link window (1.0 s with gRPC's
-        # BDP-probed window, link_window_bytes = 0), the tensor's last chunk 3.2 s.
+        # BDP-probed window), the tensor's last chunk 3.2 s.
         assert small_last < big_last - 1.0, (small_last - sent, big_last - sent)
         for pair_ends in ends.values():
             for end in pair_ends:

@@ -75,7 +75,6 @@ def chain_settings(work: Path, pki: PkiLayout, cluster: str, auth: str, **fields
             "auth_address": auth,
             "data_dir": work / cluster / "switch",
             "metrics_port": -1,
-            "crl_refresh_s": 0.2,
             **fields,
         }
     )

@@ -16,7 +16,7 @@ LINK = Link(**RECORDED["link"])
 
 
 def replay(candidate: Candidate, steps: int) -> TrialRun:
-    """Session 26's recorded losses, compute and frame bytes of that row (seed 0, 90 steps; no timing)."""
+    """The recorded losses, compute and frame bytes of that row (full plan, seed 0, 90 steps; no timing)."""
     row = ROWS[candidate.label]
     assert steps <= len(row["losses"]), "the recording holds 90 steps"
     return TrialRun(row["losses"][:steps], [row["compute_ms"] / 1000] * steps, *_bytes(row))

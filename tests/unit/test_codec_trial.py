@@ -145,7 +145,7 @@ def test_a_jobs_own_programs_run_the_trial_with_the_codecs_in_the_loop() -> None
 
 
 def test_a_gap_that_opens_late_is_caught_by_the_progress_rule_not_by_the_relative_loss_alone() -> None:
-    # Trial curves shaped like Table 5's at 90 steps (session 26): the loss is flat through the lr
+    # Trial curves shaped like Table 5's at 90 steps (full plan): the loss is flat through the lr
     # warm-up, then none's falls; a bottleneck row falls 20% slower, so after 90 steps it is only ~2%
     # over none (within a 2% loss tolerance) but 20% of none's progress short; int8 both ways falls 1%
     # slower. Recorded-style numbers, no timing: compute seconds and bytes are given.

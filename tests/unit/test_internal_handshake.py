@@ -19,6 +19,7 @@ from nebula_common.pki import init_pki
 from nebula_common.pki.service_identity import ensure_service_certificates
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
 from nebula_common.rpc.internal_tls import ClientTls, internal_channel, set_process_client_tls
+from nebula_common.service import resources
 from services.auth.config import AuthSettings
 from tests.support.accounts import ADMIN_PASSWORD
 from tests.support.servers import AuthServerThread
@@ -37,17 +38,19 @@ def auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[AuthServerT
     services = ensure_service_certificates(root / "pki", "a", ("auth",))
     password = root / "admin-password"
     password.write_text(ADMIN_PASSWORD)
-    server = AuthServerThread(
-        AuthSettings(
-            cluster_id="a",
-            data_dir=root / "auth",
-            admin_password_file=password,
-            metrics_port=-1,
-            internal_tls_dir=services["auth"].dir,
-            handshake_timeout_s=HANDSHAKE_TIMEOUT_S,
-            max_connections=MAX_CONNECTIONS,
+    # The bounds are constants; shorter and fewer here so that the test runs in seconds.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(resources, "HANDSHAKE_TIMEOUT_S", HANDSHAKE_TIMEOUT_S)
+        patch.setattr(resources, "MAX_CONNECTIONS", MAX_CONNECTIONS)
+        server = AuthServerThread(
+            AuthSettings(
+                cluster_id="a",
+                data_dir=root / "auth",
+                admin_password_file=password,
+                metrics_port=-1,
+                internal_tls_dir=services["auth"].dir,
+            )
         )
-    )
     try:
         yield server, root / "pki" / "a" / "ca.crt"
     finally:

@@ -28,6 +28,7 @@ from nebula_common.rpc.internal_tls import (
     internal_channel,
     set_process_client_tls,
 )
+from nebula_common.service import identity as service_identity_runtime
 from services.auth.config import AuthSettings
 from tests.support.accounts import ADMIN_PASSWORD
 from tests.support.servers import AuthServerThread
@@ -217,8 +218,11 @@ def test_probe_port_is_plaintext_health_only(setup: Setup) -> None:
     assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def test_revoked_service_certificate_is_refused_within_seconds(setup: Setup, tmp_path: Path) -> None:
+def test_revoked_service_certificate_is_refused_within_seconds(
+    setup: Setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`nebula pki revoke` of a service's leaf: a service given the cluster CRL refuses it at once."""
+    monkeypatch.setattr(service_identity_runtime, "CERT_CHECK_INTERVAL_S", 0.2)  # 5 s in services
     password = tmp_path / "admin-password"
     password.write_text(ADMIN_PASSWORD)
     auth = AuthServerThread(
@@ -229,7 +233,6 @@ def test_revoked_service_certificate_is_refused_within_seconds(setup: Setup, tmp
             metrics_port=-1,
             internal_tls_dir=setup.services["auth"].dir,
             internal_crl=setup.pki.cluster("a").crl,
-            internal_cert_check_interval_s=0.2,
         )
     )
     try:

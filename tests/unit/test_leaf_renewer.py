@@ -22,6 +22,7 @@ from nebula_common.pki.service_identity import LAUNCHED_IDENTITIES, ensure_servi
 from nebula_common.pki.store import renew_switch_certificate
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
 from nebula_common.rpc.internal_tls import ClientTls, internal_channel, set_process_client_tls
+from nebula_common.service import identity as service_identity_runtime
 from services.auth.config import AuthSettings
 from tests.support.accounts import ADMIN_PASSWORD
 from tests.support.servers import AuthServerThread
@@ -41,7 +42,10 @@ def _renewals() -> float:
     return REGISTRY.get_sample_value("nebula_internal_certificate_renewals_total", {"service": "auth"}) or 0.0
 
 
-def test_a_due_leaf_is_renewed_by_the_launcher_and_served_without_a_dropped_call(tmp_path: Path) -> None:
+def test_a_due_leaf_is_renewed_by_the_launcher_and_served_without_a_dropped_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(service_identity_runtime, "CERT_CHECK_INTERVAL_S", 0.2)  # 5 s in services
     pki = init_pki(tmp_path / "pki", ["a", "b"])
     files = ensure_service_certificates(pki.root, "a", validity=timedelta(seconds=60))["auth"]
     first = _serial(files.cert)
@@ -55,7 +59,6 @@ def test_a_due_leaf_is_renewed_by_the_launcher_and_served_without_a_dropped_call
             admin_password_file=password,
             metrics_port=-1,
             internal_tls_dir=files.dir,
-            internal_cert_check_interval_s=0.2,
         )
     )
     try:

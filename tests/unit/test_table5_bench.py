@@ -219,7 +219,7 @@ def test_row_labels_keep_a_comma_inside_parentheses() -> None:
 
 
 def test_the_advisor_rule_on_recorded_table5_trials_rejects_the_bottleneck_and_keeps_int8() -> None:
-    # Session 26's recorded trial numbers (seed 0, full plan; no timing here): the first 90 losses,
+    # Recorded trial numbers of the full plan (seed 0; no timing here): the first 90 losses,
     # compute and frame bytes of none, int8 both ways (what zstd(int8) computes: zstd is lossless) and
     # three bottlenecks that all ended >= 1.4 BLEU below none after 300 steps (or are not run to 300).
     recorded = json.loads((Path(__file__).parent / "data" / "table5_trials.json").read_text())

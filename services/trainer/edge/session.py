@@ -74,6 +74,8 @@ from nebula_common.rpc.raw_records import Placement
 log = logging.getLogger(__name__)
 
 INITIAL_WINDOW_BYTES = 1 << 20
+MAX_FRAME_BYTES = 1 << 30
+"""Largest tensor payload a peer may announce on an edge; a larger header fails the edge."""
 """Credit a sender has before the peer's first ack (relay.proto, delivery contract)."""
 
 
@@ -113,7 +115,7 @@ class EdgeSettings:
 
     window_bytes: int = 16 << 20
     """Window this receiver grants beyond what it holds (capped by EdgeReady.max_window_bytes)."""
-    max_frame_bytes: int = 1 << 30
+    max_frame_bytes: int = MAX_FRAME_BYTES
     """Largest tensor payload a peer may announce; a larger header fails the edge."""
     max_outage_s: float = 300.0
     """How long the link (or the stream to the switch) may stay down before the edge fails."""
