@@ -191,6 +191,11 @@ class AuditLog:
         """Number of records written so far (the last ``seq``)."""
         return self._seq
 
+    def head(self) -> tuple[str, int, str]:
+        """(log id, records so far, hash of the last record): what a witness records of this log."""
+        with self._lock:
+            return self._log_id, self._seq, self._head
+
     def append(
         self,
         event: str,

@@ -21,6 +21,7 @@ from nebula_common.audit import (
     verify_log,
 )
 from nebula_common.audit.query import MAX_LIMIT
+from nebula_common.audit.witness import WitnessResult, check_witnessed
 from nebula_common.cli.console import new_console, print_error
 from nebula_common.proto.nebula.v1 import audit_pb2, audit_pb2_grpc
 from nebula_common.rpc import bearer_metadata
@@ -51,13 +52,22 @@ def verify(
     max_seal_age_s: Annotated[
         float | None, typer.Option(min=0, help="Fail when the newest seal is older than this.")
     ] = None,
+    witness: Annotated[
+        Path | None,
+        typer.Option(
+            help="The audit log of the peer switch that witnessed this one (its audit.witness records): "
+            "also prove the log was not rewritten or cut short up to the newest head it witnessed, "
+            "whoever holds the signing key. Verify that log with its own pinned key too."
+        ),
+    ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the verdict as JSON (the exit code is the same).")
     ] = False,
 ) -> None:
     """Detect any edit, deletion, reordering, insertion or truncation; name the first bad record.
 
-    Exit code 0: intact. 1: tampered (or unreadable), with the first bad record named.
+    Exit code 0: intact (and, with --witness, as witnessed). 1: tampered (or unreadable), with the
+    first bad record named.
     """
     key_path = key if key is not None else log.parent / PUBLIC_KEY_NAME
     try:
@@ -72,21 +82,38 @@ def verify(
         seal_path=seal,
         max_seal_age=None if max_seal_age_s is None else timedelta(seconds=max_seal_age_s),
     )
+    witnessed: WitnessResult | None = None
+    if witness is not None and result.ok:
+        try:
+            witnessed = check_witnessed(log, witness)
+        except (OSError, ValueError) as exc:
+            raise _fail(f"cannot read the witness log: {exc}") from None
     console = new_console()
     if as_json:
-        typer.echo(json.dumps({"log": str(log), **dataclasses.asdict(result)}, indent=2))
-        if not result.ok:
+        verdict = {"log": str(log), **dataclasses.asdict(result)}
+        if witnessed is not None:
+            verdict["witness"] = {"log": str(witness), **dataclasses.asdict(witnessed)}
+        typer.echo(json.dumps(verdict, indent=2))
+        if not result.ok or (witnessed is not None and not witnessed.ok):
             raise typer.Exit(1)
         return
     if not result.ok:
         where = f"first bad record: {result.first_bad}: " if result.first_bad is not None else ""
         raise _fail(f"TAMPERED {log}: {where}{result.reason}")
+    if witnessed is not None and not witnessed.ok:
+        raise _fail(f"NOT AS WITNESSED {log}: {witnessed.reason}")
     console.print(
         f"OK {escape(str(log))}: {result.records} records, sealed through record {result.sealed_through} "
         f"at {result.sealed_at} by key {result.key_id}; {result.unsealed_tail} later record(s) protected "
         "by the hash chain only",
         soft_wrap=True,
     )
+    if witnessed is not None:
+        console.print(
+            f"WITNESSED {escape(str(log))}: {witnessed.heads} head(s) recorded by {witnessed.witness}; the "
+            f"log is as witnessed through record {witnessed.witnessed_through} (at {witnessed.witnessed_at})",
+            soft_wrap=True,
+        )
 
 
 def _epoch(value: str | None, name: str) -> float:

@@ -69,6 +69,7 @@ from services.switch.metrics import (
 from services.switch.peer_trust import PeerTrust
 from services.switch.routing import Outbound, Router
 from services.switch.transfers import StepTotals, TransferKey, TransferLedger
+from services.switch.witness import AuditWitness
 
 PROTOCOL_VERSION = 2
 ROUTED_KINDS = ("frame", "signal", "ack", "close")
@@ -87,14 +88,14 @@ CredentialsFn = Callable[[], grpc.ChannelCredentials]
 ProbeFn = Callable[[], Awaitable[x509.Certificate]]
 RAW_LINK_VERSION = 1
 """``Handshake.raw_link`` of a switch that serves (acceptor) or wants (dialer) the raw transport."""
-RAW_FALLBACK_S = 60.0
-"""After a failed raw connection the dialer uses gRPC (without offering raw) for this long."""
 
 
 class RawConnectionLike(Protocol):
     """A raw link connection (services/switch/rawlink.py): whole messages both ways, the peer's cert."""
 
     peer_cert: x509.Certificate | None
+    preamble: bytes
+    """The preamble exchanged in clear before TLS (``rawlink.PREAMBLE`` or ``PREAMBLE_SEALED``)."""
 
     async def read(self) -> object: ...
 
@@ -113,6 +114,10 @@ LaneOpenFn = Callable[[int], Awaitable[tuple[Closeable, "asyncio.Task[None]"]]]
 
 class HandshakeError(Exception):
     """The peer's handshake contradicts its certificate or our protocol."""
+
+
+class PreambleError(HandshakeError):
+    """The raw link's preamble (exchanged in clear) is not the one sent: rewritten on path, or no raw peer."""
 
 
 class DeadPeerError(Exception):
@@ -269,7 +274,6 @@ class PeerLink:
         self.raw_dialer = raw_dialer
         #: Acceptor: this switch's WAN port takes raw connections (rawlink.WanFrontend).
         self.serves_raw = serves_raw
-        self._raw_fallback_until = 0.0
         #: Connections the dialer keeps per session: a fixed count, or None to self-tune (lanes.py).
         self.connections = connections
         self._lanes: _Lanes | None = None
@@ -283,6 +287,9 @@ class PeerLink:
         if not router.peer_cluster_id:
             router.peer_cluster_id = peer_cluster_id
         self.audit = audit
+        #: Witnessed audit (witness.py): this switch's head to the peer, the peer's into our log.
+        self.witness = AuditWitness(audit, peer_cluster_id, self.record)
+        self._peer_witness = False  # the session's peer takes audit heads (Handshake.audit_witness)
         # Refusals by strangers on the WAN port: one record per source, layer and reason per interval
         # (the switch shares one aggregator among its links and its raw edge port).
         self.refusals = refusals or (RefusalAggregator(audit.append) if audit is not None else None)
@@ -332,7 +339,13 @@ class PeerLink:
 
     # ----- the session, shared by both roles -------------------------------------------
     def hello(
-        self, *, lanes: bool = True, session_id: bytes = b"", lane: int = 0, raw_link: int = 0
+        self,
+        *,
+        lanes: bool = True,
+        session_id: bytes = b"",
+        lane: int = 0,
+        raw_link: int = 0,
+        raw_preamble: bytes = b"",
     ) -> link_pb2.LinkMessage:
         return link_pb2.LinkMessage(
             hello=link_pb2.Handshake(
@@ -344,6 +357,8 @@ class PeerLink:
                 session_id=session_id,
                 lane=lane,
                 raw_link=raw_link,
+                raw_preamble=raw_preamble,
+                audit_witness=True,
             )
         )
 
@@ -440,12 +455,14 @@ class PeerLink:
         session_id: bytes = b"",
         marking: bool = False,
         transport: str = "grpc",
+        peer_witness: bool = False,
     ) -> None:
         """Pump frames both ways until either side ends; only one session runs at a time.
 
         ``read`` returns the raw bytes of each message (or EOF), ``write`` takes raw bytes;
-        ``peer_framing`` is what the peer's handshake announced. This connection is lane 0; with
-        ``marking`` (both ends announced lanes) further connections may join with ``run_lane``.
+        ``peer_framing`` and ``peer_witness`` are what the peer's handshake announced. This connection
+        is lane 0; with ``marking`` (both ends announced lanes) further connections may join with
+        ``run_lane``.
 
         A new session supersedes the current one: when a peer reconnects, the old stream is
         usually a dead TCP flow that keepalive has not noticed yet, and waiting for it would
@@ -475,6 +492,8 @@ class PeerLink:
             )
             log.info("WAN link up", extra={"fields": {"peer": certified.uri, "role": role}})
             self._priority.clear()
+            self._peer_witness = peer_witness
+            self.witness.session_started()
             self._ping_outstanding = None
             self._last_received = time.monotonic()
             lanes = self._lanes = _Lanes(
@@ -675,6 +694,8 @@ class PeerLink:
                     self._ping_nonce += 1
                     self._queue_priority(link_pb2.LinkMessage(ping=link_pb2.Ping(nonce=self._ping_nonce)))
                 next_ping = now + self.liveness.interval(self.rtt)
+            if self._peer_witness and (head := self.witness.due(now)) is not None:
+                self._queue_priority(head)
             await asyncio.sleep(max(0.01, min(next_ping, self._last_received + dead_after) - now))
 
     async def measure_bandwidth(self, timeout: float = 8.0) -> Measurement:
@@ -757,6 +778,8 @@ class PeerLink:
                 self._queue_priority(link_pb2.LinkMessage(pong=link_pb2.Pong(nonce=message.ping.nonce)))
             elif kind == "pong":
                 self._on_pong(message.pong.nonce)
+            elif kind == "audit_head":
+                self.witness.received(message.audit_head)
             else:
                 raise HandshakeError(f"unexpected {kind!r} message after the handshake")
 
@@ -784,7 +807,7 @@ class PeerLink:
                     assert peer_cert is not None
                     self.refuse(*refused, serial=f"{peer_cert.serial_number:x}")
                     raise HandshakeError(refused[1])
-                offer_raw = self.raw_dialer is not None and time.monotonic() >= self._raw_fallback_until
+                offer_raw = self.raw_dialer is not None
                 session_id = os.urandom(16)
                 striping = self.connections != 1
                 async with grpc.aio.secure_channel(address, credentials(), options=options) as channel:
@@ -866,6 +889,7 @@ class PeerLink:
                 session_id=session_id,
                 marking=marking,
                 transport=transport,
+                peer_witness=reply.hello.audit_witness,
             ),
             name="link-session",
         )
@@ -898,6 +922,9 @@ class PeerLink:
         except ssl.SSLError as exc:
             self.refuse("tls", f"peer's TLS certificate refused on the raw link: {exc}")
             raise
+        except PreambleError as exc:
+            self.refuse("transport", str(exc))
+            raise
         try:
             cert = connection.peer_cert
             serial = f"{cert.serial_number:x}" if cert is not None else ""
@@ -918,7 +945,11 @@ class PeerLink:
                 self.refuse(*refused, serial=serial)
                 raise HandshakeError(refused[1])
             hello = self.hello(
-                lanes=self.connections != 1, session_id=session_id, lane=lane, raw_link=RAW_LINK_VERSION
+                lanes=self.connections != 1,
+                session_id=session_id,
+                lane=lane,
+                raw_link=RAW_LINK_VERSION,
+                raw_preamble=connection.preamble,
             )
             await connection.write(hello.SerializeToString())
             raw = await asyncio.wait_for(connection.read(), HANDSHAKE_TIMEOUT_S)
@@ -930,20 +961,29 @@ class PeerLink:
             except HandshakeError as exc:
                 self.refuse("handshake", str(exc), serial=serial)
                 raise
+            if reply.hello.raw_preamble != connection.preamble:
+                reason = (
+                    f"the raw link preamble was rewritten on path: sent {connection.preamble!r}, the peer "
+                    f"confirms {reply.hello.raw_preamble!r} inside TLS"
+                )
+                self.refuse("transport", reason, serial=serial)
+                raise PreambleError(reason)
         except BaseException:
             await connection.close()
             raise
         return connection, reply
 
     async def _dial_raw_session(self, session_id: bytes, striping: bool) -> None:
-        """The session over a raw connection (its lanes raw too); gRPC for a while if it cannot start."""
+        """The session over a raw connection (its lanes raw too).
+
+        The peer agreed to the raw transport inside the authenticated gRPC handshake, so a raw connection
+        that cannot start (a rewritten preamble, a path that drops it) is an error to retry, never a
+        reason to run the gRPC link instead: nothing said in clear chooses the transport.
+        """
         try:
             connection, reply = await self._raw_connect(session_id, 0)
         except (HandshakeError, TimeoutError, OSError) as exc:
-            self._raw_fallback_until = time.monotonic() + RAW_FALLBACK_S
-            raise HandshakeError(
-                f"raw link connection failed ({exc}); gRPC link for the next {RAW_FALLBACK_S:.0f} s"
-            ) from exc
+            raise HandshakeError(f"raw link connection failed: {exc}") from exc
         marking = striping and reply.hello.lanes and reply.hello.session_id == session_id
 
         async def open_raw_lane(index: int) -> tuple[Closeable, asyncio.Task[None]]:

@@ -53,6 +53,12 @@ LINK_CONNECTIONS = Gauge(
     ["peer"],
 )
 EDGES_OPEN = Gauge("nebula_switch_edges_open", "Local trainer edge streams currently open.")
+AUDIT_WITNESSED = Gauge(
+    "nebula_switch_audit_witnessed_records",
+    "Records of the peer switch's audit log this switch has witnessed (the count of the newest head it "
+    "recorded as audit.witness), per peer.",
+    ["peer"],
+)
 AUTH_REFUSALS = Counter(
     "nebula_switch_refusals", "WAN link attempts refused by the switch, by layer.", ["port", "reason"]
 )

@@ -11,10 +11,12 @@ Negotiation (``Handshake.raw_link``). The dialer always starts on gRPC and offer
 its handshake. An acceptor that serves the raw transport answers with ``raw_link = 1`` and ends the
 call without starting a session; the dialer then reconnects raw to the SAME WAN address. An older
 acceptor (or one with ``NEBULA_SWITCH_LINK_TRANSPORT=grpc``) answers without it and the session runs
-on that gRPC call as before. A dialer whose raw connection fails falls back to gRPC for a while.
+on that gRPC call as before. The choice is thus made inside TLS; a raw connection that does not start is
+retried raw, never replaced by the gRPC link (nothing sent in clear can choose the transport).
 
-One port for both. An acceptor with the raw transport owns its WAN port in Python
-(:class:`WanFrontend`) and keeps gRPC's WAN server on a loopback port behind it. Each accepted
+One port for both. Every switch owns its WAN port in Python (:class:`WanFrontend`, which also gives
+each source address a few slots before its handshake completes: ``source_limits.py``) and keeps gRPC's
+WAN server on a loopback port behind it. Each accepted
 connection starts either with the raw preamble (``NBLINK1\\n``, plaintext; the frontend answers with the
 same 8 bytes, then TLS starts) or with a TLS record (a gRPC peer): the latter is passed through byte for
 byte to the gRPC server, whose TLS still authenticates the peer end to end. So one address (and one
@@ -25,7 +27,9 @@ Authentication is the gRPC link's: mutual TLS with this switch's certificate (ho
 certificate's DNS name (the peer switch's), the acceptor requires a client certificate; then the
 certificate must name exactly the configured peer switch (``PeerLink.check_identity``), not be revoked
 (``PeerLink.is_revoked``), and the handshake must agree with it (``PeerLink.check_hello``). Every refusal
-is counted and audited (``link.refused`` with the layer: tls, identity, revoked, handshake).
+is counted and audited (``link.refused`` with the layer: tls, identity, revoked, handshake, transport).
+The preamble crosses in clear, so each side confirms it inside TLS (``Handshake.raw_preamble``): a
+preamble rewritten on path fails the connection (layer ``transport``) whatever it was rewritten to.
 """
 
 from __future__ import annotations
@@ -44,13 +48,16 @@ from nebula_common.pki import Identity, identity_from_certificate
 from nebula_common.rpc.raw_records import MAX_MESSAGE_BYTES, in_thread, peer_certificate
 from nebula_common.rpc.raw_records import RawConnection as _RawConnection
 from nebula_common.rpc.sealed_records import RecordSealing, negotiate_acceptor, negotiate_dialer
+from services.switch import passthrough
 from services.switch.link import (
     HANDSHAKE_TIMEOUT_S,
     RAW_LINK_VERSION,
     HandshakeError,
+    PreambleError,
     parse_link_message,
 )
 from services.switch.peers import PeerLinks
+from services.switch.source_limits import SourceLimits
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +66,6 @@ PREAMBLE = b"NBLINK1\n"
 PREAMBLE_SEALED = b"NBLINK2\n"
 """First bytes of a raw connection whose dialer offers sealed records after TLS (``link_records=sealed``);
 an acceptor that knows it answers the same, and the two negotiate inside TLS (``sealed_records.py``)."""
-PASSTHROUGH_READ = 256 << 10
 MAX_RAW_HANDSHAKES = 16
 """Raw TLS handshakes the frontend runs at once (each on a thread of its own, bounded by the timeout)."""
 
@@ -75,10 +81,13 @@ class RawConnection(_RawConnection):
         send_buffer: int = 0,
         sealing: RecordSealing | None = None,
         peer_cert: x509.Certificate | None = None,
+        preamble: bytes = PREAMBLE,
     ) -> None:
         super().__init__(
             sock, peer, loop, send_buffer, HandshakeError, views=True, sealing=sealing, peer_cert=peer_cert
         )
+        #: The preamble exchanged in clear; each side confirms it inside TLS (``Handshake.raw_preamble``).
+        self.preamble = preamble
 
     @property
     def transport(self) -> str:
@@ -105,12 +114,14 @@ def _connect(
         while len(answer) < len(preamble):
             part = sock.recv(len(preamble) - len(answer))
             if not part:
-                raise HandshakeError(f"peer at {address} closed the raw link connection during the preamble")
+                raise PreambleError(
+                    f"peer at {address} closed the raw link connection during the preamble {preamble!r} "
+                    f"(after {answer!r}): a path that rewrites or drops it, or no raw link there"
+                )
             answer += part
         if answer != preamble:
-            raise HandshakeError(
-                f"peer at {address} does not serve the raw link transport"
-                + (" with sealed records (set link_records=tls on this switch for it)" if sealed else "")
+            raise PreambleError(
+                f"peer at {address} answered the raw link preamble {preamble!r} with {answer!r}"
             )
         tls = context.wrap_socket(sock, server_hostname=server_name)
     except BaseException:
@@ -146,7 +157,8 @@ async def dial_raw(
     )
     with contextlib.suppress(OSError):
         sock.settimeout(None)
-    return RawConnection(sock, address, asyncio.get_running_loop(), send_buffer, sealing, cert)
+    preamble = PREAMBLE_SEALED if sealed else PREAMBLE
+    return RawConnection(sock, address, asyncio.get_running_loop(), send_buffer, sealing, cert, preamble)
 
 
 async def _readable(sock: socket.socket, timeout: float) -> bool:
@@ -164,7 +176,8 @@ async def _readable(sock: socket.socket, timeout: float) -> bool:
 
 
 class WanFrontend:
-    """The WAN port of a switch serving the raw transport: raw connections here, gRPC ones passed through.
+    """The WAN port of a switch: per-source slots for every connection (source_limits.py), raw
+    connections served here (``serves_raw``), gRPC ones passed through to the gRPC WAN server.
 
     ``backend`` is the loopback address of the gRPC WAN server; ``context`` returns the current server
     TLS context (hot reload); ``handshake_timeout_s`` bounds preamble + TLS + the link handshake, as
@@ -180,8 +193,11 @@ class WanFrontend:
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         send_buffer: int = 0,
         sealed_records: bool = False,
+        serves_raw: bool = True,
     ) -> None:
         self.links = links
+        #: Raw link connections are served here (link_transport=raw); else only gRPC ones, passed through.
+        self.serves_raw = serves_raw
         self.send_buffer = send_buffer
         #: A dialer's offer of sealed records is taken (``link_records=sealed``); else it keeps TLS records.
         self.sealed_records = sealed_records
@@ -192,6 +208,8 @@ class WanFrontend:
         self._acceptor: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._handshakes = asyncio.Semaphore(MAX_RAW_HANDSHAKES)
+        #: Slots per source address until mutual TLS completes (source_limits.py).
+        self.limits = SourceLimits()
 
     async def start(self, listen: str) -> int:
         host, _, port = listen.rpartition(":")
@@ -225,12 +243,23 @@ class WanFrontend:
                 log.warning("WAN frontend accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            task = asyncio.create_task(self._accepted(conn, f"{address[0]}:{address[1]}"))
+            host, peer = str(address[0]), f"{address[0]}:{address[1]}"
+            if (refused := self.limits.admit(host)) is not None:
+                conn.close()
+                self.links.refuse("limit", refused, address=peer)
+                continue
+            task = asyncio.create_task(self._accepted(conn, peer, host))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _accepted(self, conn: socket.socket, peer: str) -> None:
+    async def _accepted(self, conn: socket.socket, peer: str, host: str) -> None:
         handed_off = False
+        slot: list[str] = ["pending"]  # the kind of slot this connection holds ([] once released)
+
+        def authenticated() -> None:
+            if slot:
+                self.limits.release(host, slot.pop())
+
         try:
             conn.setblocking(False)
             if not await _readable(conn, self.handshake_timeout_s):
@@ -242,8 +271,16 @@ class WanFrontend:
             if not first:
                 return
             if first == PREAMBLE[:1]:
-                handed_off = await self._raw(conn, peer)
+                if not self.serves_raw:
+                    self.links.refuse("transport", "this switch does not serve the raw link", address=peer)
+                    return
+                handed_off = await self._raw(conn, peer, authenticated)
             else:
+                slot.clear()
+                if (refused := self.limits.move(host, "relayed")) is not None:
+                    self.links.refuse("limit", refused, address=peer)
+                    return
+                slot.append("relayed")
                 handed_off = True
                 await self._pass_through(conn)
         except asyncio.CancelledError:
@@ -251,38 +288,19 @@ class WanFrontend:
         except Exception as exc:  # one connection's failure never takes the port down
             log.warning("WAN connection from %s ended: %s", peer, exc)
         finally:
+            authenticated()
             if not handed_off:
                 conn.close()
 
     async def _pass_through(self, conn: socket.socket) -> None:
         """A gRPC (TLS) peer: relay its encrypted bytes to the gRPC WAN server and back, untouched."""
-        reader, writer = await asyncio.open_connection(sock=conn)
-        host, _, port = self.backend.rpartition(":")
-        back_reader, back_writer = await asyncio.open_connection(host, int(port))
+        await passthrough.relay(conn, self.backend)
 
-        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-            try:
-                while data := await source.read(PASSTHROUGH_READ):
-                    sink.write(data)
-                    await sink.drain()
-            finally:
-                with contextlib.suppress(Exception):
-                    sink.write_eof()
+    async def _raw(self, conn: socket.socket, peer: str, authenticated: Callable[[], None]) -> bool:
+        """Preamble, mutual TLS (on a thread), then the link handshake and session; True once handed off.
 
-        tasks = [
-            asyncio.create_task(pump(reader, back_writer)),
-            asyncio.create_task(pump(back_reader, writer)),
-        ]
-        try:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        finally:
-            for task in tasks:
-                task.cancel()
-            back_writer.close()
-            writer.close()
-
-    async def _raw(self, conn: socket.socket, peer: str) -> bool:
-        """Preamble, mutual TLS (on a thread), then the link handshake and session; True once handed off."""
+        ``authenticated`` is called once mutual TLS has completed: the source's slot is free from then.
+        """
         links = self.links
         loop = asyncio.get_running_loop()
         preamble = b""
@@ -296,7 +314,7 @@ class WanFrontend:
                 return False
             preamble += part
         if preamble not in (PREAMBLE, PREAMBLE_SEALED):
-            links.refuse("handshake", "connection sent neither TLS nor the raw link preamble", address=peer)
+            links.refuse("transport", "connection sent neither TLS nor a raw link preamble", address=peer)
             return False
         offered = preamble == PREAMBLE_SEALED
         if self._handshakes.locked():
@@ -326,9 +344,10 @@ class WanFrontend:
                 links.refuse("tls", f"raw link TLS handshake refused: {reason}", address=peer)
                 log.warning("refused raw WAN link from %s: %s", peer, reason)
                 return False
+        authenticated()
         with contextlib.suppress(OSError):
             carrier.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        connection = RawConnection(carrier, peer, loop, self.send_buffer, sealing, cert)
+        connection = RawConnection(carrier, peer, loop, self.send_buffer, sealing, cert, preamble)
         try:
             await serve_raw(links, connection, self.handshake_timeout_s)
         finally:
@@ -367,6 +386,14 @@ async def serve_raw(links: PeerLinks, connection: RawConnection, handshake_timeo
         hello = parse_link_message(raw)
         link.check_hello(hello, certified)
         lane, session_id = hello.hello.lane, hello.hello.session_id
+        if hello.hello.raw_preamble != connection.preamble:
+            reason = (
+                f"the raw link preamble was rewritten on path: received {connection.preamble!r}, the peer "
+                f"says inside TLS it sent {hello.hello.raw_preamble!r}"
+            )
+            link.refuse("transport", reason, address=peer, serial=serial, identity=certified.uri)
+            log.warning("refused raw WAN link from %s: %s", certified.uri, reason)
+            return
         if lane and not link.joins_current_session(session_id):
             raise HandshakeError(f"connection {lane} names no running session of this link")
     except (HandshakeError, TimeoutError) as exc:
@@ -374,7 +401,9 @@ async def serve_raw(links: PeerLinks, connection: RawConnection, handshake_timeo
         log.warning("refused raw WAN link from %s: %s", certified.uri, exc)
         return
     await connection.write(
-        link.hello(session_id=session_id, lane=lane, raw_link=RAW_LINK_VERSION).SerializeToString()
+        link.hello(
+            session_id=session_id, lane=lane, raw_link=RAW_LINK_VERSION, raw_preamble=connection.preamble
+        ).SerializeToString()
     )
     if lane:
         await link.run_lane(lane, connection.read, connection.write)
@@ -389,6 +418,7 @@ async def serve_raw(links: PeerLinks, connection: RawConnection, handshake_timeo
         session_id=session_id,
         marking=hello.hello.lanes and bool(session_id),
         transport=connection.transport,
+        peer_witness=hello.hello.audit_witness,
     )
 
 

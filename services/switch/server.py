@@ -83,7 +83,7 @@ class RunningSwitch:
     revocation: PeerTrust
     links: PeerLinks
     trusts: dict[str, PeerTrust]
-    #: The raw transport's frontend on the WAN port (None with link_transport=grpc).
+    #: The WAN port's listener (rawlink.py): per-source slots, raw connections, gRPC ones passed through.
     frontend: WanFrontend | None = None
 
     @property
@@ -287,31 +287,30 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     }
     add_trust_to_server(links, exchanges, wan.server)
     raw = settings.link_transport == "raw"
-    # With the raw transport the WAN port is the frontend's (rawlink.py); gRPC's WAN server then listens
-    # on loopback only, reached through the frontend, which passes a gRPC peer's TLS bytes through
-    # (the link of a switch without the raw transport, and the CRL exchange).
-    grpc_wan_port = wan.add_secure_port(
-        "wan", "127.0.0.1:0" if raw else settings.wan_listen, certs.server_credentials()
-    )
+    # The WAN port is the frontend's (rawlink.py, source_limits.py): strangers get a few slots per
+    # address before their handshake completes, so none can crowd the peer out. gRPC's WAN server
+    # listens on loopback only, reached through the frontend, which passes a gRPC peer's TLS bytes
+    # through untouched (the gRPC link and the CRL exchange); with the raw transport the frontend also
+    # serves raw link connections itself.
+    grpc_wan_port = wan.add_secure_port("wan", "127.0.0.1:0", certs.server_credentials())
     await internal.start()
     await wan.start()
     if settings.edge_transport == "raw":
         await _start_raw_edges(settings, stack, identity, relay, audit, refusals)
-    frontend = None
-    if raw:
-        frontend = WanFrontend(
-            links,
-            f"127.0.0.1:{grpc_wan_port}",
-            lambda: certs.ssl_context(server_side=True),
-            handshake_timeout_s=settings.wan_handshake_timeout_s,
-            send_buffer=LINK_WINDOW_BYTES,
-            sealed_records=settings.link_records == "sealed",
-        )
-        wan.ports["wan"] = await frontend.start(settings.wan_listen)
-        wan.ports["wan_grpc_backend"] = grpc_wan_port
-        stack.push_async_callback(frontend.stop)
-        for each in links:
-            each.serves_raw = True
+    frontend = WanFrontend(
+        links,
+        f"127.0.0.1:{grpc_wan_port}",
+        lambda: certs.ssl_context(server_side=True),
+        handshake_timeout_s=settings.wan_handshake_timeout_s,
+        send_buffer=LINK_WINDOW_BYTES,
+        sealed_records=settings.link_records == "sealed",
+        serves_raw=raw,
+    )
+    wan.ports["wan"] = await frontend.start(settings.wan_listen)
+    wan.ports["wan_grpc_backend"] = grpc_wan_port
+    stack.push_async_callback(frontend.stop)
+    for each in links:
+        each.serves_raw = raw
     stack.callback(links.stop)
     for peer in peers:
         if peer.dials(settings.cluster_id):

@@ -88,6 +88,7 @@ class SwitchLinkServicer:
             peer_framing=hello.hello.link_framing >= LINK_FRAMING_VERSION,
             session_id=session_id,
             marking=hello.hello.lanes and bool(session_id),
+            peer_witness=hello.hello.audit_witness,
         )
 
 

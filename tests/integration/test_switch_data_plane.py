@@ -90,8 +90,10 @@ class Pair:
         self.switches = {"a": a, "b": b}
 
     def audit(self, cluster_id: str, event: str) -> list[dict[str, Any]]:
+        """The switch's audit records of ``event`` so far (a line still being written is left out)."""
         path = self.switches[cluster_id].running.audit.path
-        records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        lines = Path(path).read_text().splitlines(keepends=True)
+        records = [json.loads(line) for line in lines if line.endswith("\n") and line.strip()]
         return [r for r in records if r["event"] == event]
 
 

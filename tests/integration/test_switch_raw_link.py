@@ -5,8 +5,8 @@
   byte for byte either way; sealed records (link_records=sealed) only when both switches choose them,
   audited as transport ``raw+sealed``;
 * authenticated as the gRPC link is: no client certificate, an untrusted CA, a certificate of the right
-  CA naming another role, and a handshake contradicting the certificate are refused and audited, and no
-  session starts;
+  CA naming another role, a handshake contradicting the certificate, and a hello confirming another
+  preamble than the one that crossed in clear are refused and audited, and no session starts;
 * lanes over raw connections: striping in order, losing one connection mid-transfer, retiring one (the
   data-plane tests of test_switch_data_plane.py, run with the raw transport, with TLS and with sealed
   records).
@@ -28,7 +28,7 @@ from nebula_common.pki import Identity, PkiLayout, init_pki, issue_certificate
 from nebula_common.proto.nebula.v1 import link_pb2
 from nebula_common.rpc.framing import encode_chunk
 from services.switch.link import PROTOCOL_VERSION, HandshakeError
-from services.switch.rawlink import RawConnection, dial_raw
+from services.switch.rawlink import PREAMBLE, PREAMBLE_SEALED, RawConnection, dial_raw
 from tests.integration import test_switch_data_plane as plane
 from tests.integration.test_switch_data_plane import (  # noqa: F401  (clusters: a module fixture)
     Cluster,
@@ -90,7 +90,8 @@ def test_the_transport_is_negotiated_and_chunks_cross_byte_for_byte(
             assert switch.running.link.state.transport == expected
         ups = [r["details"] for r in pair.audit("b", "link.up")]
         assert ups and ups[-1]["transport"] == expected
-        assert (pair.b.running.frontend is not None) == b_transport.startswith("raw")
+        frontend = pair.b.running.frontend
+        assert frontend is not None and frontend.serves_raw == b_transport.startswith("raw")
         _cross(pair, clusters, f"{b_transport}-{a_transport}")
         assert pair.a.running.link.state.sessions == 1  # one session: the offer itself started none
 
@@ -115,8 +116,9 @@ def _pem_pair(tmp_path: Path, name: str, cert: Any, key: Any) -> Callable[[ssl.S
     return lambda context: context.load_cert_chain(str(path))
 
 
-async def _attempt(address: str, context: ssl.SSLContext, claim: str) -> str:
-    """Dial raw, send a handshake claiming ``claim``; what happened (the refusal shows as a closed link)."""
+async def _attempt(address: str, context: ssl.SSLContext, claim: str, preamble: bytes = PREAMBLE) -> str:
+    """Dial raw, send a handshake claiming ``claim`` and to have sent ``preamble`` in clear; what happened
+    (the refusal shows as a closed link)."""
     try:
         connection: RawConnection = await dial_raw(
             address, context, Identity("b", "switch").dns_name, timeout=10
@@ -125,7 +127,9 @@ async def _attempt(address: str, context: ssl.SSLContext, claim: str) -> str:
         return f"refused: {exc}"
     try:
         hello = link_pb2.LinkMessage(
-            hello=link_pb2.Handshake(protocol_version=PROTOCOL_VERSION, cluster_id=claim, raw_link=1)
+            hello=link_pb2.Handshake(
+                protocol_version=PROTOCOL_VERSION, cluster_id=claim, raw_link=1, raw_preamble=preamble
+            )
         )
         await connection.write(hello.SerializeToString())
         reply = await asyncio.wait_for(connection.read(), 10)
@@ -172,13 +176,16 @@ def test_the_raw_port_refuses_what_the_grpc_link_refuses_and_audits_it(
         ),
         "another role": (_pem_pair(tmp_path, "operator", operator, operator_key), "a", "identity"),
         "handshake lies": (genuine, "z", "handshake"),
+        # The genuine switch a, saying inside TLS that it sent another preamble than b received in clear.
+        "preamble differs": (genuine, "a", "transport"),
     }
     with switch_pair(tmp_path, pki_ab, clusters, link_transport="raw") as pair:
         address = f"127.0.0.1:{pair.b.running.wan_port}"
         sessions = pair.b.running.link.state.sessions
         for name, (material, claim, layer) in cases.items():
             before = len([r for r in pair.audit("b", "link.refused") if r["details"]["layer"] == layer])
-            outcome = asyncio.run(_attempt(address, _context(material, bundle), claim))
+            said = PREAMBLE_SEALED if name == "preamble differs" else PREAMBLE
+            outcome = asyncio.run(_attempt(address, _context(material, bundle), claim, said))
             assert outcome != "answered", f"{name}: the raw port answered a handshake"
             wait_for(
                 lambda layer=layer, before=before: (

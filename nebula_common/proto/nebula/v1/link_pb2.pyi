@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Handshake(_message.Message):
-    __slots__ = ("protocol_version", "cluster_id", "software_version", "link_framing", "lanes", "session_id", "lane", "raw_link")
+    __slots__ = ("protocol_version", "cluster_id", "software_version", "link_framing", "lanes", "session_id", "lane", "raw_link", "raw_preamble", "audit_witness")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class Handshake(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     RAW_LINK_FIELD_NUMBER: _ClassVar[int]
+    RAW_PREAMBLE_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_WITNESS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     cluster_id: str
     software_version: str
@@ -24,7 +26,21 @@ class Handshake(_message.Message):
     session_id: bytes
     lane: int
     raw_link: int
-    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., software_version: _Optional[str] = ..., link_framing: _Optional[int] = ..., lanes: _Optional[bool] = ..., session_id: _Optional[bytes] = ..., lane: _Optional[int] = ..., raw_link: _Optional[int] = ...) -> None: ...
+    raw_preamble: bytes
+    audit_witness: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., software_version: _Optional[str] = ..., link_framing: _Optional[int] = ..., lanes: _Optional[bool] = ..., session_id: _Optional[bytes] = ..., lane: _Optional[int] = ..., raw_link: _Optional[int] = ..., raw_preamble: _Optional[bytes] = ..., audit_witness: _Optional[bool] = ...) -> None: ...
+
+class AuditHead(_message.Message):
+    __slots__ = ("log_id", "count", "head", "read_at")
+    LOG_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    READ_AT_FIELD_NUMBER: _ClassVar[int]
+    log_id: str
+    count: int
+    head: str
+    read_at: str
+    def __init__(self, log_id: _Optional[str] = ..., count: _Optional[int] = ..., head: _Optional[str] = ..., read_at: _Optional[str] = ...) -> None: ...
 
 class LaneMark(_message.Message):
     __slots__ = ("seq", "last")
@@ -61,17 +77,19 @@ class Pong(_message.Message):
     def __init__(self, nonce: _Optional[int] = ...) -> None: ...
 
 class LinkMessage(_message.Message):
-    __slots__ = ("hello", "routed", "ping", "pong", "framed", "mark")
+    __slots__ = ("hello", "routed", "ping", "pong", "framed", "mark", "audit_head")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ROUTED_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     PONG_FIELD_NUMBER: _ClassVar[int]
     FRAMED_FIELD_NUMBER: _ClassVar[int]
     MARK_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_HEAD_FIELD_NUMBER: _ClassVar[int]
     hello: Handshake
     routed: RoutedItem
     ping: Ping
     pong: Pong
     framed: _relay_pb2.FramedItem
     mark: LaneMark
-    def __init__(self, hello: _Optional[_Union[Handshake, _Mapping]] = ..., routed: _Optional[_Union[RoutedItem, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., framed: _Optional[_Union[_relay_pb2.FramedItem, _Mapping]] = ..., mark: _Optional[_Union[LaneMark, _Mapping]] = ...) -> None: ...
+    audit_head: AuditHead
+    def __init__(self, hello: _Optional[_Union[Handshake, _Mapping]] = ..., routed: _Optional[_Union[RoutedItem, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., framed: _Optional[_Union[_relay_pb2.FramedItem, _Mapping]] = ..., mark: _Optional[_Union[LaneMark, _Mapping]] = ..., audit_head: _Optional[_Union[AuditHead, _Mapping]] = ...) -> None: ...

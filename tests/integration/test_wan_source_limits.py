@@ -1,0 +1,135 @@
+"""One stranger cannot crowd the genuine peer out of the WAN port (rawlink.WanFrontend, source_limits.py).
+
+From another loopback address (127.0.0.2, as a host on the internet would be) the test opens 1,000
+connections that say nothing, 40 that send the raw link preamble and 100 that send the first bytes of a
+TLS record, each then stalling: the cheapest ways to hold one of the raw transport's 16 handshake
+threads, or one of the gRPC WAN server's 64 connections, for the whole handshake timeout. Without
+per-source slots they kept the genuine peer out entirely on either transport; with them the source holds
+at most ``PER_SOURCE_PENDING`` + ``PER_SOURCE_RELAYED`` slots, its other connections are closed at accept
+and audited as a handful of aggregated ``link.refused`` records (layer ``limit``), and the genuine
+peer's mutual TLS handshake (with gRPC's WAN server behind the frontend, or the raw transport) takes
+about what it takes on an idle port, while the running link keeps its session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+from nebula_common.pki import Identity, PkiLayout
+from services.switch.rawlink import PREAMBLE, dial_raw
+from services.switch.source_limits import PER_SOURCE_PENDING, PER_SOURCE_RELAYED
+from tests.integration.test_switch_data_plane import (  # noqa: F401  (clusters: a module fixture)
+    Cluster,
+    clusters,
+    switch_pair,
+    wait_for,
+)
+from tests.integration.test_switch_raw_link import _context, _pem_pair
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+STRANGER = "127.0.0.2"
+IDLE, STALLED, GARBLED = 1000, 40, 100
+TLS_START = b"\x16\x03\x01"  # a TLS handshake record's first bytes: relayed to gRPC, which then waits
+
+
+def _handshake_seconds(address: str, context: ssl.SSLContext, transport: str) -> float:
+    """Seconds to a completed mutual TLS 1.3 handshake with switch b's WAN port, as switch a: with
+    gRPC's WAN server (HTTP/2 by ALPN, as a gRPC channel) or the raw transport."""
+    if transport == "grpc":
+        host, _, port = address.rpartition(":")
+        started = time.perf_counter()
+        sock = socket.create_connection((host, int(port)), timeout=30)
+        with context.wrap_socket(sock, server_hostname=Identity("b", "switch").dns_name):
+            return time.perf_counter() - started
+
+    async def once() -> float:
+        started = time.perf_counter()
+        connection = await dial_raw(address, context, Identity("b", "switch").dns_name, timeout=30)
+        elapsed = time.perf_counter() - started
+        await connection.close()
+        return elapsed
+
+    return asyncio.run(once())
+
+
+def _stranger_connections(port: int) -> list[socket.socket]:
+    sockets = []
+    for index in range(IDLE + STALLED + GARBLED):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        try:
+            sock.bind((STRANGER, 0))
+            sock.connect(("127.0.0.1", port))
+            if index < STALLED:
+                sock.sendall(PREAMBLE)  # then nothing: no ClientHello
+            elif index < STALLED + GARBLED:
+                sock.sendall(TLS_START)  # then nothing
+        except OSError:  # the port's backlog may drop a SYN now and then: a stranger retries or not
+            sock.close()
+            continue
+        sockets.append(sock)
+    return sockets
+
+
+@pytest.mark.parametrize("transport", ["grpc", "raw"])
+def test_one_source_cannot_crowd_out_the_genuine_peer(
+    tmp_path: Path,
+    pki_ab: PkiLayout,
+    clusters: dict[str, Cluster],  # noqa: F811
+    transport: str,
+) -> None:
+    paths = pki_ab.cluster("a")
+    genuine = _context(
+        _pem_pair(
+            tmp_path,
+            "switch-a",
+            x509.load_pem_x509_certificate(paths.switch_cert.read_bytes()),
+            load_pem_private_key(paths.switch_key.read_bytes(), password=None),
+        ),
+        paths.trust_bundle,
+    )
+    if transport == "grpc":
+        genuine.set_alpn_protocols(["h2"])
+    with switch_pair(tmp_path, pki_ab, clusters, link_transport=transport) as pair:
+        frontend = pair.b.running.frontend
+        assert frontend is not None
+        port = pair.b.running.wan_port
+        address = f"127.0.0.1:{port}"
+        sessions = pair.a.running.link.state.sessions
+        idle = statistics.median(_handshake_seconds(address, genuine, transport) for _ in range(5))
+        strangers = _stranger_connections(port)
+        try:
+            assert len(strangers) >= IDLE // 2, f"only {len(strangers)} stranger connections were made"
+            attacked = statistics.median(_handshake_seconds(address, genuine, transport) for _ in range(5))
+            assert attacked <= 2 * idle + 0.25, (
+                f"handshake {attacked:.3f} s under the flood, {idle:.3f} s idle"
+            )
+            wait_for(
+                lambda: any(
+                    r["details"]["layer"] == "limit" and r["details"].get("source") == STRANGER
+                    for r in pair.audit("b", "link.refused")
+                ),
+                30,
+                "the stranger's connections over its slots refused and audited",
+            )
+            held = frontend.limits.held_by(STRANGER)
+            assert held <= PER_SOURCE_PENDING + PER_SOURCE_RELAYED, f"the stranger holds {held} slots"
+            assert pair.a.running.link.connected and pair.a.running.link.state.sessions == sessions
+        finally:
+            for sock in strangers:
+                with contextlib.suppress(OSError):
+                    sock.close()
+        refusals = [r for r in pair.audit("b", "link.refused") if r["details"].get("source") == STRANGER]
+        assert 1 <= len(refusals) <= 10, f"{len(refusals)} refusal records for one stranger"
+        wait_for(lambda: frontend.limits.held_by(STRANGER) == 0, 30, "every stranger's slot released")
