@@ -51,6 +51,16 @@ CONSTANTS = (
         "s: the longest an audit record stays unsealed while events arrive",
     ),
     (
+        "nebula_common.audit.log",
+        "SEGMENT_BYTES",
+        "bytes at which an audit log is sealed and rotated",
+    ),
+    (
+        "nebula_common.audit.log",
+        "SEGMENTS_KEPT",
+        "rotated audit segments kept (with the current one: at most 576 MiB a log)",
+    ),
+    (
         "services.switch.server",
         "MAINTENANCE_INTERVAL_S",
         "s between the switch's checks of peer trust, CRLs and live edges' credentials",

@@ -20,6 +20,12 @@ in :mod:`nebula_common.audit.verify`.
 A single process owns a log (an exclusive ``flock``); every record is written with one
 ``write`` on an ``O_APPEND`` descriptor so a crash can at worst leave the last line torn, never
 interleave two records.
+
+Rotation: once the file holds ``SEGMENT_BYTES`` the writer seals it and renames it (with its seal) to
+``<log>.1``, older segments moving up to ``<log>.<SEGMENTS_KEPT>`` and the oldest dropped; the new file
+starts with an ``audit.open`` record whose ``details.continues`` names the seq and hash it chains to, so
+seq and hash chain run on across segments (``verify_segments``). A service's log therefore takes at
+most ``(SEGMENTS_KEPT + 1) * SEGMENT_BYTES`` (576 MiB) plus one seal file per segment.
 """
 
 from __future__ import annotations
@@ -33,13 +39,14 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from nebula_common.audit.metrics import WRITE_FAILURES
+from nebula_common.audit.metrics import WRITABLE, WRITE_FAILURES
+from nebula_common.audit.segments import seal_path_for, segment_path, segments, shift_segments
 from nebula_common.audit.signing import AuditSigner, canonical_json
 from nebula_common.durable import atomic_write
 
@@ -47,10 +54,14 @@ __all__ = [
     "FORMAT_VERSION",
     "GENESIS_PREV",
     "SEAL_EVENT",
+    "SEGMENTS_KEPT",
+    "SEGMENT_BYTES",
     "AuditError",
     "AuditLog",
     "record_hash",
     "seal_path_for",
+    "segment_path",
+    "segments",
     "utc_timestamp",
 ]
 
@@ -59,6 +70,12 @@ GENESIS_PREV = "0" * 64
 SEAL_EVENT = "audit.seal"
 OPEN_EVENT = "audit.open"
 OUTCOMES = frozenset({"ok", "failure", "refused"})
+SEGMENT_BYTES = 64 << 20
+"""Size at which the log file is sealed and rotated."""
+SEGMENTS_KEPT = 8
+"""Rotated segments kept beside the current file (``<log>.1`` newest .. ``<log>.8`` oldest)."""
+RESUMED_EVENT = "audit.resumed"
+"""First record after writes failed (a full disk): how many failed and since when."""
 SEAL_INTERVAL_S = 5.0
 """The longest a record stays unsealed while events arrive (a seal also every ``seal_every`` records)."""
 log = logging.getLogger(__name__)
@@ -80,11 +97,6 @@ def record_hash(record: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical_json(body)).hexdigest()
 
 
-def seal_path_for(log_path: Path) -> Path:
-    """Where the external seal of ``log_path`` lives: same directory, ``.seal`` appended."""
-    return log_path.with_name(log_path.name + ".seal")
-
-
 def seal_payload(log_id: str, count: int, head: str, ts: str) -> dict[str, Any]:
     """What a seal signs: which log, how many records, the hash of the last one, and when."""
     return {"log_id": log_id, "count": count, "head": head, "ts": ts}
@@ -103,7 +115,19 @@ class AuditLog:
         seal_every: int = 64,
         seal_interval_s: float = SEAL_INTERVAL_S,
         fsync_each: bool = True,
+        segment_bytes: int = SEGMENT_BYTES,
+        segments_kept: int = SEGMENTS_KEPT,
     ) -> None:
+        if segment_bytes < 1 or segments_kept < 1:
+            raise ValueError(
+                f"segment_bytes and segments_kept must be positive, got {segment_bytes}, {segments_kept}"
+            )
+        self._segment_bytes = segment_bytes
+        self._segments_kept = segments_kept
+        self._failed_writes = 0  # since the last record written (a full disk, an I/O error)
+        self._failing_since = ""
+        self._listeners: list[Callable[[bool], None]] = []
+        WRITABLE.labels(service).set(1)
         if seal_every < 1:
             raise ValueError(f"seal_every must be at least 1, got {seal_every}")
         if seal_interval_s <= 0:
@@ -119,13 +143,7 @@ class AuditLog:
         self._lock = threading.Lock()
         self._closed = False
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-        self._fd = os.open(self.path, flags, 0o640)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._fd)
-            raise AuditError(f"audit log {self.path} is already open by another process") from None
+        self._fd = self._open_file()
         try:
             self._seq, self._head, self._log_id = self._resume()
         except BaseException:
@@ -145,6 +163,45 @@ class AuditLog:
             )
         self._sealer = threading.Thread(target=self._seal_periodically, name="audit-sealer", daemon=True)
         self._sealer.start()
+
+    def _open_file(self) -> int:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(self.path, flags, 0o640)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise AuditError(f"audit log {self.path} is already open by another process") from None
+        self._size = os.fstat(fd).st_size
+        return fd
+
+    def _rotate_locked(self) -> None:
+        """Seal this segment, move it (and older ones) up, and start the next one chained to it."""
+        self._seal_locked()
+        try:
+            self._move_segments_up()
+        except OSError as exc:
+            WRITE_FAILURES.labels(self._service).inc()
+            raise AuditError(f"cannot rotate audit log {self.path}: {exc}") from exc
+        self._start_segment()
+
+    def _move_segments_up(self) -> None:
+        fd, self._fd = self._fd, -1  # a failure below leaves no descriptor a later write could reuse
+        os.close(fd)
+        shift_segments(self.path, self._segments_kept)
+        self._fd = self._open_file()
+
+    def _start_segment(self) -> None:
+        continues = {"seq": self._seq, "hash": self._head, "segment": segment_path(self.path, 1).name}
+        self._write(
+            OPEN_EVENT,
+            "ok",
+            "",
+            "",
+            {"log_id": self._log_id, "key_id": self._signer.key_id, "resumed": True, "continues": continues},
+        )
+        self._unsealed = 1
+        self._seal_locked()  # the new file has its seal file from its first record on
 
     # ------------------------------------------------------------------ reading back on start
     def _resume(self) -> tuple[int, str, str]:
@@ -186,6 +243,36 @@ class AuditLog:
         """PEM of the public key that verifies this log's seals."""
         return self._signer.public_pem()
 
+    def watch(self, listener: Callable[[bool], None]) -> None:
+        """Call ``listener(writable)`` now and whenever writes start failing (False) or work again (True).
+
+        Called with the log's lock held, from whichever thread appended: schedule, do not block.
+        """
+        self._listeners.append(listener)
+        listener(self._failed_writes == 0)
+
+    @property
+    def failing(self) -> tuple[int, str]:
+        """(writes failed since the last record written, when the first of them failed); (0, "") if none."""
+        return self._failed_writes, self._failing_since
+
+    def _notify(self, writable: bool) -> None:
+        WRITABLE.labels(self._service).set(1 if writable else 0)
+        for listener in self._listeners:
+            try:
+                listener(writable)
+            except Exception:  # a listener must not turn a written record into a failed operation
+                log.exception("audit state listener failed")
+
+    def _resume_writing_locked(self) -> None:
+        """After failed writes: record how many failed (``audit.resumed``), then accept records again."""
+        failed, since = self._failed_writes, self._failing_since
+        self._write(RESUMED_EVENT, "ok", "", "", {"failed_writes": failed, "failing_since": since})
+        self._unsealed += 1
+        self._failed_writes, self._failing_since = 0, ""
+        log.warning("audit log writable again after %d failed writes since %s", failed, since)
+        self._notify(True)
+
     @property
     def records(self) -> int:
         """Number of records written so far (the last ``seq``)."""
@@ -217,11 +304,15 @@ class AuditLog:
         with self._lock:
             if self._closed:
                 raise AuditError(f"audit log {self.path} is closed")
+            if self._failed_writes:
+                self._resume_writing_locked()
             record = self._write(event, outcome, account, job_id, dict(details or {}))
             if event != SEAL_EVENT:
                 self._unsealed += 1
                 if self._unsealed >= self._seal_every:
                     self._seal_locked()
+                if self._size >= self._segment_bytes:
+                    self._rotate_locked()
         return record
 
     def _write(
@@ -250,10 +341,20 @@ class AuditLog:
             if self._fsync_each:
                 os.fsync(self._fd)
         except OSError as exc:
+            # A full disk may take part of the line: cut it off, so the file never holds a torn record
+            # that the next one would chain after.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
             WRITE_FAILURES.labels(self._service).inc()
+            self._failed_writes += 1
+            if self._failed_writes == 1:
+                self._failing_since = utc_timestamp()
+                log.error("audit log %s cannot be written: %s", self.path, exc)
+                self._notify(False)
             raise AuditError(f"cannot append to audit log {self.path}: {exc}") from exc
         self._seq = record["seq"]
         self._head = record["hash"]
+        self._size += len(data)
         return record
 
     def seal(self) -> None:
@@ -301,6 +402,9 @@ class AuditLog:
             with self._lock:
                 if self._closed:
                     return
+                if self._failed_writes:  # room again? say so without waiting for the next operation
+                    with contextlib.suppress(AuditError):
+                        self._resume_writing_locked()
                 if self._unsealed and time.monotonic() - self._last_seal >= self._seal_interval_s:
                     try:
                         self._seal_locked()
@@ -319,7 +423,8 @@ class AuditLog:
                 self._seal_locked()
             finally:
                 self._closed = True
-                os.close(self._fd)
+                if self._fd >= 0:
+                    os.close(self._fd)
         if self._sealer is not threading.current_thread():
             self._sealer.join(timeout=5)
 

@@ -17,6 +17,12 @@ WRITE_FAILURES = Counter(
     "Audit records this service could not write (the operation failed).",
     ["service"],
 )
+WRITABLE = Gauge(
+    "nebula_audit_writable",
+    "1 while this service's audit log takes records, 0 from a failed write until one succeeds again "
+    "(also the health of nebula.v1.AuditLog).",
+    ["service"],
+)
 DISK_FREE = Gauge(
     "nebula_audit_disk_free_bytes",
     "Free bytes on the file system holding this service's audit log.",

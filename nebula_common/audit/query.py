@@ -15,6 +15,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from nebula_common.audit.log import segments
+
 __all__ = ["DEFAULT_LIMIT", "MAX_LIMIT", "AuditFilter", "QueryResult", "query_log"]
 
 DEFAULT_LIMIT = 1000
@@ -73,14 +75,20 @@ def _records(path: Path) -> Iterator[dict[str, Any]]:
                 yield record
 
 
+def _all_records(path: Path) -> Iterator[dict[str, Any]]:
+    """The records of every segment of the log at ``path``, oldest first."""
+    for segment in segments(path) or [path]:
+        yield from _records(segment)
+
+
 def query_log(path: Path, where: AuditFilter, limit: int = DEFAULT_LIMIT) -> QueryResult:
-    """The oldest ``limit`` records of ``path`` matching ``where``."""
+    """The oldest ``limit`` records of ``path`` (its rotated segments included) matching ``where``."""
     if limit < 1 or limit > MAX_LIMIT:
         raise ValueError(f"limit must be between 1 and {MAX_LIMIT}, got {limit}")
     found: list[dict[str, Any]] = []
     truncated = False
     total = 0
-    for record in _records(Path(path)):
+    for record in _all_records(Path(path)):
         total += 1
         if where.matches(record):
             if len(found) == limit:

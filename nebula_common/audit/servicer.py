@@ -18,6 +18,7 @@ from nebula_common.audit.query import DEFAULT_LIMIT, MAX_LIMIT, AuditFilter, que
 from nebula_common.auth.interceptor import caller
 from nebula_common.auth.verifier import Principal
 from nebula_common.proto.nebula.v1 import audit_pb2, audit_pb2_grpc
+from nebula_common.rpc.server import ServiceServer
 
 __all__ = ["AuditServicer"]
 
@@ -90,6 +91,11 @@ AUDIT_SERVICE_NAME = audit_pb2.DESCRIPTOR.services_by_name["AuditLog"].full_name
 """The name every service that keeps a log serves its ``AuditLog`` API under."""
 
 
-def add_audit_api(server: grpc.aio.Server, audit: AuditLog, service: str, cluster_id: str) -> None:
-    """Serve ``audit`` read-only to this cluster's admins on ``server`` (list AUDIT_SERVICE_NAME too)."""
-    audit_pb2_grpc.add_AuditLogServicer_to_server(AuditServicer(audit, service, cluster_id), server)
+def add_audit_api(server: ServiceServer, audit: AuditLog, service: str, cluster_id: str) -> None:
+    """Serve ``audit`` read-only to this cluster's admins on ``server`` (list AUDIT_SERVICE_NAME too).
+
+    The health of ``AUDIT_SERVICE_NAME`` is the log's: NOT_SERVING while records cannot be written
+    (operations that must be audited fail meanwhile), SERVING again once they can.
+    """
+    audit_pb2_grpc.add_AuditLogServicer_to_server(AuditServicer(audit, service, cluster_id), server.server)
+    server.follow(AUDIT_SERVICE_NAME, audit.watch)

@@ -14,11 +14,14 @@ What a successful verification guarantees, exactly (the key is the *pinned* publ
   older genuine copy (a rollback). ``max_seal_age`` turns a stale seal into a failure; shipping
   seals off the host closes the gap completely.
 
-The first bad record is named by its line number, which equals its ``seq`` in an intact log.
+The first bad record is named by its ``seq``. A rotated segment starts with an ``audit.open`` record
+naming the seq and hash it continues; ``verify_segments`` checks every segment kept and that each
+continues the one before it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -33,10 +36,11 @@ from nebula_common.audit.log import (
     record_hash,
     seal_path_for,
     seal_payload,
+    segments,
 )
 from nebula_common.audit.signing import SealVerifier
 
-__all__ = ["REQUIRED_FIELDS", "VerifyResult", "verify_log"]
+__all__ = ["REQUIRED_FIELDS", "VerifyResult", "verify_log", "verify_segments"]
 
 REQUIRED_FIELDS: dict[str, type | tuple[type, ...]] = {
     "v": int,
@@ -67,6 +71,10 @@ class VerifyResult:
     key_id: str
     first_bad: int | None = None
     reason: str = ""
+    first_record: int = 1
+    """Seq of the first record read (above 1 when older segments were rotated away)."""
+    head: str = ""
+    """Hash of the last record read."""
 
     @property
     def unsealed_tail(self) -> int:
@@ -130,23 +138,31 @@ def verify_log(
     except FileNotFoundError:
         return VerifyResult(False, 0, 0, "", verifier.key_id, 1, f"audit log {path} does not exist")
 
+    base = 0  # seq of the record before this file's first (a segment continuing a rotated one)
+
     def fail(bad: _Bad) -> VerifyResult:
         return VerifyResult(
-            False, bad.line - 1, sealed_through, sealed_at, verifier.key_id, bad.line, bad.reason
+            False, bad.line - 1, sealed_through, sealed_at, verifier.key_id, bad.line, bad.reason, base + 1
         )
 
     def tampered(first_bad: int | None, reason: str) -> VerifyResult:
         """A failed verdict that still reports how far the log checked out (read at call time)."""
-        return VerifyResult(False, count, sealed_through, sealed_at, verifier.key_id, first_bad, reason)
+        return VerifyResult(
+            False, count, sealed_through, sealed_at, verifier.key_id, first_bad, reason, base + 1
+        )
 
     try:
-        for line_no, raw in enumerate(raw_lines, 1):
+        for index, raw in enumerate(raw_lines, 1):
+            line_no = base + index  # the record number this line must hold
             if not raw.endswith(b"\n"):
                 raise _Bad(line_no, f"record {line_no} is incomplete (the file was cut inside it)")
             try:
                 record = _check_fields(json.loads(raw), line_no)
             except ValueError as exc:
                 raise _Bad(line_no, f"record {line_no} is not valid JSON ({exc})") from None
+            if index == 1 and (start := _continues(record)) is not None:
+                base, prev = start
+                line_no, last_seal_line = base + 1, base
             seq = record["seq"]
             if seq != line_no:
                 if seq == line_no - 1:
@@ -167,9 +183,9 @@ def verify_log(
                 )
             if record_hash(record) != record["hash"]:
                 raise _Bad(line_no, f"record {line_no} does not match its hash: it was edited")
-            if line_no == 1:
+            if index == 1:
                 if record["event"] != OPEN_EVENT or not isinstance(record["details"].get("log_id"), str):
-                    raise _Bad(1, "record 1 is not the audit.open record that starts a log")
+                    raise _Bad(line_no, f"record {line_no} is not the audit.open record that starts a log")
                 log_id = record["details"]["log_id"]
             if record["event"] == SEAL_EVENT:
                 details = record["details"]
@@ -192,7 +208,7 @@ def verify_log(
         return fail(bad)
 
     if count == 0:
-        return tampered(1, f"audit log {path} is empty")
+        return tampered(base + 1, f"audit log {path} is empty")
 
     # The external seal: the only thing that notices records cut off the end of the file.
     try:
@@ -216,7 +232,7 @@ def verify_log(
         if not verifier.valid(payload, signature):
             return tampered(None, f"seal file {seal_path} has no valid signature by key {verifier.key_id}")
         if payload["log_id"] != log_id:
-            return tampered(1, f"seal file {seal_path} belongs to another log ({payload['log_id']})")
+            return tampered(base + 1, f"seal file {seal_path} belongs to another log ({payload['log_id']})")
         sealed = payload["count"]
         if sealed > count:
             return tampered(
@@ -224,7 +240,7 @@ def verify_log(
                 f"log ends at record {count} but its seal of {payload['ts']} covers {sealed} "
                 f"records: records {count + 1}..{sealed} were removed (truncated)",
             )
-        if sealed < 1 or hashes[sealed - 1] != payload["head"]:
+        if sealed <= base or hashes[sealed - 1 - base] != payload["head"]:
             return tampered(
                 max(sealed, 1),
                 f"record {sealed} does not match the hash its seal signed: the log was rewritten",
@@ -242,4 +258,59 @@ def verify_log(
         moment = now or datetime.now(UTC)
         if not sealed_at or moment - _parse_time(sealed_at) > max_seal_age:
             return tampered(None, f"newest seal ({sealed_at or 'none'}) is older than {max_seal_age}")
-    return VerifyResult(True, count, sealed_through, sealed_at, verifier.key_id)
+    return VerifyResult(
+        True, count, sealed_through, sealed_at, verifier.key_id, first_record=base + 1, head=prev
+    )
+
+
+def _continues(record: dict[str, Any]) -> tuple[int, str] | None:
+    """(seq, hash) that the first record of a rotated segment chains to; None for a log's first record."""
+    if record.get("event") != OPEN_EVENT or not isinstance(record.get("details"), dict):
+        return None
+    start = record["details"].get("continues")
+    if not isinstance(start, dict):
+        return None
+    seq, head = start.get("seq"), start.get("hash")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 1 or not isinstance(head, str):
+        return None
+    return seq, head
+
+
+def verify_segments(
+    path: Path,
+    verifier: SealVerifier,
+    *,
+    max_seal_age: timedelta | None = None,
+    now: datetime | None = None,
+) -> VerifyResult:
+    """Verify every segment of the log at ``path`` (``<path>.N`` .. ``<path>``) and that each continues
+    the one before it: a removed, replaced or reordered segment in between fails. Segments rotated
+    away before the oldest one kept show as ``first_record`` above 1."""
+    files = segments(Path(path))
+    if not files:
+        return verify_log(path, verifier, max_seal_age=max_seal_age, now=now)
+    result: VerifyResult | None = None
+    first_record = 0
+    for number, file in enumerate(files):
+        newest = number == len(files) - 1
+        checked = verify_log(file, verifier, max_seal_age=max_seal_age if newest else None, now=now)
+        if not checked.ok:
+            return dataclasses.replace(checked, reason=f"{file.name}: {checked.reason}")
+        if result is not None and (checked.first_record != result.records + 1 or not _chains(file, result)):
+            return dataclasses.replace(
+                checked,
+                ok=False,
+                first_bad=checked.first_record,
+                reason=f"{file.name} does not continue {files[number - 1].name} (records "
+                f"{result.first_record}..{result.records}): a segment was removed, replaced or reordered",
+            )
+        first_record = first_record or checked.first_record
+        result = checked
+    assert result is not None
+    return dataclasses.replace(result, first_record=first_record)
+
+
+def _chains(file: Path, before: VerifyResult) -> bool:
+    with open(file, "rb") as handle:
+        first = json.loads(handle.readline())
+    return _continues(first) == (before.records, before.head)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nebula_common.audit.log import segments
+
 __all__ = ["WITNESS_EVENT", "WitnessResult", "check_witnessed", "witnessed_heads"]
 
 WITNESS_EVENT = "audit.witness"
@@ -73,55 +75,46 @@ def witnessed_heads(witness_log: Path, log_id: str) -> list[dict[str, Any]]:
 
 
 def check_witnessed(log: Path, witness_log: Path) -> WitnessResult:
-    """Compare ``log`` with every head ``witness_log`` recorded of it (ValueError: a file unreadable)."""
-    records = _records(log)
+    """Compare ``log`` (all its segments) with every head ``witness_log`` recorded of it; heads of
+    records in segments rotated away are skipped (ValueError: a file unreadable)."""
+    records = [record for segment in segments(log) or [log] for record in _records(segment)]
     if not records:
         return WitnessResult(False, "", 0, 0, "", "", f"{log} is empty")
+    first = records[0].get("seq")
+    offset = first - 1 if isinstance(first, int) and not isinstance(first, bool) and first >= 1 else 0
     details = records[0].get("details")
     log_id = str(details.get("log_id", "")) if isinstance(details, dict) else ""
     if not log_id:
         return WitnessResult(False, "", 0, 0, "", "", f"{log}: its first record names no log_id")
     heads = witnessed_heads(witness_log, log_id)
-    if not heads:
-        return WitnessResult(False, log_id, 0, 0, "", "", f"{witness_log} witnessed no head of log {log_id}")
     through, at, witness = 0, "", ""
+
+    def failed(reason: str) -> WitnessResult:
+        return WitnessResult(False, log_id, len(heads), through, at, witness, reason)
+
+    if not heads:
+        return failed(f"{witness_log} witnessed no head of log {log_id}")
     for record in heads:
         seen = record["details"]
         count, head = seen.get("count"), seen.get("head")
         who = f"{record.get('service', '?')}/{record.get('cluster', '?')}"
         when = str(record.get("ts", ""))
         if not isinstance(count, int) or isinstance(count, bool) or count < 1 or not isinstance(head, str):
-            return WitnessResult(
-                False,
-                log_id,
-                len(heads),
-                through,
-                at,
-                witness,
-                f"{witness_log}: witness record {record.get('seq')} is malformed",
+            return failed(f"{witness_log}: witness record {record.get('seq')} is malformed")
+        if count <= offset:
+            continue  # in a segment rotated away
+        if count > offset + len(records):
+            return failed(
+                f"TRUNCATED: {who} witnessed {count} records at {when}, the log has {offset + len(records)}"
             )
-        if count > len(records):
-            return WitnessResult(
-                False,
-                log_id,
-                len(heads),
-                through,
-                at,
-                witness,
-                f"TRUNCATED: {who} witnessed {count} records at {when}, the log has {len(records)}",
-            )
-        kept = records[count - 1]
+        kept = records[count - 1 - offset]
         if kept.get("seq") != count or kept.get("hash") != head:
-            return WitnessResult(
-                False,
-                log_id,
-                len(heads),
-                through,
-                at,
-                witness,
+            return failed(
                 f"REWRITTEN: record {count} (or one before it) is not what {who} witnessed at {when}: "
-                f"witnessed hash {head[:16]}..., the log has {str(kept.get('hash'))[:16]}...",
+                f"witnessed hash {head[:16]}..., the log has {str(kept.get('hash'))[:16]}..."
             )
         if count >= through:
             through, at, witness = count, when, who
+    if not through:
+        return failed(f"every head witnessed of log {log_id} lies in segments rotated away")
     return WitnessResult(True, log_id, len(heads), through, at, witness)

@@ -21,6 +21,7 @@ from nebula_common.audit import (
     verify_log,
 )
 from nebula_common.audit.query import MAX_LIMIT
+from nebula_common.audit.verify import verify_segments
 from nebula_common.audit.witness import WitnessResult, check_witnessed
 from nebula_common.cli.console import new_console, print_error
 from nebula_common.proto.nebula.v1 import audit_pb2, audit_pb2_grpc
@@ -76,11 +77,13 @@ def verify(
         raise _fail(str(exc)) from None
     if expect_key_id is not None and verifier.key_id != expect_key_id:
         raise _fail(f"{key_path} has key id {verifier.key_id}, expected {expect_key_id}")
-    result = verify_log(
-        log,
-        verifier,
-        seal_path=seal,
-        max_seal_age=None if max_seal_age_s is None else timedelta(seconds=max_seal_age_s),
+    max_age = None if max_seal_age_s is None else timedelta(seconds=max_seal_age_s)
+    # The log with its rotated segments (<log>.1 ..), each continuing the one before; or one file
+    # against a seal file given by hand.
+    result = (
+        verify_segments(log, verifier, max_seal_age=max_age)
+        if seal is None
+        else verify_log(log, verifier, seal_path=seal, max_seal_age=max_age)
     )
     witnessed: WitnessResult | None = None
     if witness is not None and result.ok:
@@ -103,7 +106,9 @@ def verify(
     if witnessed is not None and not witnessed.ok:
         raise _fail(f"NOT AS WITNESSED {log}: {witnessed.reason}")
     console.print(
-        f"OK {escape(str(log))}: {result.records} records, sealed through record {result.sealed_through} "
+        f"OK {escape(str(log))}: records {result.first_record}..{result.records}"
+        + (" (older segments rotated away)" if result.first_record > 1 else "")
+        + f", sealed through record {result.sealed_through} "
         f"at {result.sealed_at} by key {result.key_id}; {result.unsealed_tail} later record(s) protected "
         "by the hash chain only",
         soft_wrap=True,

@@ -9,7 +9,7 @@ for tensor payloads, and a graceful stop that drains in-flight calls.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,30 @@ class ServiceServer:
     ports: dict[str, int] = field(default_factory=dict)
     metrics: MetricsEndpoint | None = None
     probe_server: grpc.aio.Server | None = None
+    states: dict[str, bool] = field(default_factory=dict)
+    """Services whose health follows a state of their own (``follow``): name -> serving now."""
+    _started: bool = False
+    _publishing: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def follow(self, name: str, watch: Callable[[Callable[[bool], None]], None]) -> None:
+        """Report ``name``'s health from a state: ``watch(listener)`` calls ``listener(ok)`` now and on
+        every change, from any thread. NOT_SERVING while not ok, e.g. the audit API while its log
+        cannot be written (a full disk): probes and ``nebula local status`` see it, the server runs on.
+        """
+        loop = asyncio.get_running_loop()
+
+        def changed(ok: bool) -> None:
+            self.states[name] = ok
+
+            def publish() -> None:
+                if self._started:
+                    task = loop.create_task(self.health.set(name, _status(ok)))
+                    self._publishing.add(task)
+                    task.add_done_callback(self._publishing.discard)
+
+            loop.call_soon_threadsafe(publish)
+
+        watch(changed)
 
     def add_insecure_port(self, name: str, address: str) -> int:
         """Bind a plaintext port (cluster-internal listeners only) and remember it under ``name``."""
@@ -99,10 +123,12 @@ class ServiceServer:
         if self.probe_server is not None:
             await self.probe_server.start()
         for name in ("", *self.service_names):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self.health.set(name, _status(self.states.get(name, True)))
+        self._started = True
 
     async def stop(self, grace: float = 2.0) -> None:
         """Report NOT_SERVING first so probes stop routing here, then drain calls."""
+        self._started = False
         for name in ("", *self.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace)
@@ -111,6 +137,10 @@ class ServiceServer:
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.stop)
             self.metrics = None
+
+
+def _status(ok: bool) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
+    return health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def create_server(

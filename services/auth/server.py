@@ -145,7 +145,7 @@ async def start_auth(settings: AuthSettings, stack: contextlib.AsyncExitStack) -
         options=internal_server_options(),
     )
     auth_pb2_grpc.add_AuthServicer_to_server(servicer, server.server)
-    add_audit_api(server.server, audit, "auth", settings.cluster_id)
+    add_audit_api(server, audit, "auth", settings.cluster_id)
     ports = await start_internal(server, identity, settings, settings.listen)
     logger.info(
         "auth service started",

@@ -59,7 +59,7 @@ async def start_data(settings: DataSettings, stack: contextlib.AsyncExitStack) -
     data_pb2_grpc.add_DataServicer_to_server(
         DataServicer(store, audit, max_batch_examples=settings.max_batch_examples), server.server
     )
-    add_audit_api(server.server, audit, "data", settings.cluster_id)
+    add_audit_api(server, audit, "data", settings.cluster_id)
     ports = await start_internal(server, identity, settings, settings.listen)
     await asyncio.to_thread(audit.append, "data.start", details={"listen": settings.listen})
     log.info("data service started", extra={"fields": {"cluster_id": settings.cluster_id, **ports}})

@@ -258,7 +258,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         options=internal_server_options(),
     )
     add_relay_to_server(relay, internal.server)
-    add_audit_api(internal.server, audit, "switch", settings.cluster_id)
+    add_audit_api(internal, audit, "switch", settings.cluster_id)
     # The internal port (users: TLS, token) and the service port (trainers: mutual TLS, role checked).
     bind_internal(internal, identity, settings.internal_listen, settings.service_listen, name="internal")
     if settings.health_listen:

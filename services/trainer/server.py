@@ -161,7 +161,7 @@ async def start_trainer(
     # its open calls (watch streams stay open until they end); the earlier one covers a failed start.
     stack.push_async_callback(asyncio.to_thread, _stop_stages, servicer, settings.stop_grace_s)
     trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server.server)
-    add_audit_api(server.server, audit, "trainer", settings.cluster_id)
+    add_audit_api(server, audit, "trainer", settings.cluster_id)
     announced: dict[str, int | str | None] = {
         **await start_internal(server, identity, settings, settings.listen)
     }
