@@ -40,6 +40,9 @@ class AuditWitness:
         self._sent: tuple[str, int] | None = None
         self._next_send = 0.0
         self._seen: dict[str, tuple[int, str]] = {}  # the peer's log id -> (count, head) last witnessed
+        self._next_record = 0.0
+        #: Heads the peer sent faster than every half interval, not recorded (see ``received``).
+        self.dropped = 0
 
     def session_started(self) -> None:
         """Send the head at the next tick: a new session may follow a gap in witnessing."""
@@ -62,8 +65,17 @@ class AuditWitness:
             audit_head=link_pb2.AuditHead(log_id=log_id, count=count, head=head, read_at=utc_timestamp())
         )
 
-    def received(self, head: link_pb2.AuditHead) -> None:
-        """Record the peer's head in this switch's audit log (``audit.witness``)."""
+    def received(self, head: link_pb2.AuditHead, now: float | None = None) -> None:
+        """Record the peer's head in this switch's audit log (``audit.witness``).
+
+        At most one head per half interval is recorded: a hostile peer flooding heads would otherwise
+        fill this switch's audit log and rotate its own history out of it.
+        """
+        now = time.monotonic() if now is None else now
+        if now < self._next_record:
+            self.dropped += 1
+            return
+        self._next_record = now + WITNESS_INTERVAL_S / 2
         details = {
             "peer": self.peer_cluster_id,
             "log_id": head.log_id,

@@ -136,10 +136,23 @@ def test_a_peer_head_that_goes_back_is_recorded_as_refused(
 ) -> None:
     b = open_service_audit(tmp_path / "b", service="switch", cluster="b")
     receiver = AuditWitness(b, "a", _recorder(b))
-    receiver.received(link_pb2.AuditHead(log_id="L", count=20, head="h" * 64, read_at="t"))
-    receiver.received(link_pb2.AuditHead(log_id="L", count=count, head=head, read_at="t"))
+    receiver.received(link_pb2.AuditHead(log_id="L", count=20, head="h" * 64, read_at="t"), now=0.0)
+    receiver.received(link_pb2.AuditHead(log_id="L", count=count, head=head, read_at="t"), now=60.0)
     b.close()
     records = [json.loads(line) for line in b.path.read_text().splitlines()]
     witnessed = [r for r in records if r["event"] == WITNESS_EVENT]
     assert [r["outcome"] for r in witnessed] == ["ok", "refused"]
     assert problem in witnessed[1]["details"]["reason"]
+
+
+def test_a_peer_flooding_heads_gets_one_recorded_per_half_interval(tmp_path: Path) -> None:
+    """A hostile peer cannot fill this switch's audit log (and rotate its history out) with heads."""
+    b = open_service_audit(tmp_path / "b", service="switch", cluster="b")
+    receiver = AuditWitness(b, "a", _recorder(b))
+    for n in range(1000):
+        head = link_pb2.AuditHead(log_id="L", count=n + 1, head="h" * 64, read_at="t")
+        receiver.received(head, now=100.0 + n * 0.01)  # 10 s of heads, one every 10 ms
+    b.close()
+    witnessed = [json.loads(line) for line in b.path.read_text().splitlines() if WITNESS_EVENT in line]
+    assert len(witnessed) == 1  # the product's interval is 60 s: one head per 30 s at most
+    assert receiver.dropped == 999
