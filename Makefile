@@ -82,6 +82,13 @@ bench-faults: $(STAMP)
 	$(BIN)/python bench/faults/timeline.py --out bench-results
 	$(BIN)/python bench/faults/fairness.py --out bench-results
 
+# A small job beside a big neighbour that fills the link (60 Mbit/s, 20 ms): the small job's step time
+# against alone, with a CPU-only control (the big job on a second deployment), and what the big job keeps
+# (about 6 minutes; `--quick`: one short round that fails on a ratio above 2). JSON + markdown in bench-results/.
+.PHONY: bench-neighbour
+bench-neighbour: $(STAMP)
+	$(BIN)/python bench/faults/neighbour.py --out bench-results
+
 # Relay throughput on loopback (a few minutes; never part of `make test`): the full path edge -> switch ->
 # mTLS link -> switch -> edge side by side with one TLS socket hop, TCP, one gRPC stream and gloo, on 1, 16 and
 # 64 MiB tensors, and the switches' CPU-seconds per GB. JSON + markdown in bench-results/relay/.

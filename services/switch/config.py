@@ -116,6 +116,12 @@ class SwitchSettings(ServiceSettings):
         "account's edges, all together; above it the account's streams are not read for a while (gRPC "
         "flow control pushes back on the sender). Nothing is closed and no other account is slowed.",
     )
+    account_weights: Annotated[dict[str, int], NoDecode] = Field(
+        default_factory=dict,
+        description="Shares of the WAN link by account: `alice=4,bob=2` (or a JSON object). While the link "
+        "is busy, each route of an account gets this many quanta of bytes per round of the scheduler "
+        "(deficit round robin); accounts not named get 1.",
+    )
     account_item_burst: int = Field(
         4000, ge=1, description="Items one account may send at once above its rate before it is paced."
     )
@@ -240,6 +246,32 @@ class SwitchSettings(ServiceSettings):
     def _empty_address_is_unset(cls, value: object) -> object:
         # A compose file cannot leave a variable out for one organisation only: "" means not set.
         return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("account_weights", mode="before")
+    @classmethod
+    def _parse_weights(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if not text:
+            return {}
+        if text.startswith("{"):
+            return json.loads(text)
+        weights: dict[str, str] = {}
+        for entry in text.split(","):
+            account, sep, weight = entry.partition("=")
+            if not sep or not account.strip():
+                raise ValueError(f"account_weights entry {entry.strip()!r} is not ACCOUNT=WEIGHT")
+            weights[account.strip()] = weight.strip()
+        return weights
+
+    @field_validator("account_weights")
+    @classmethod
+    def _weights_in_range(cls, value: dict[str, int]) -> dict[str, int]:
+        for account, weight in value.items():
+            if not 1 <= weight <= 1000:
+                raise ValueError(f"account_weights: weight {weight} of {account!r} is not in 1..1000")
+        return value
 
     @field_validator("link_connections")
     @classmethod

@@ -4,8 +4,10 @@ One bidirectional gRPC stream carries every job's items (link protocol 2: Routed
 The cluster whose id sorts first dials (through the WAN, via mTLS); the other accepts. Either way the
 session is the same code: the reader hands each item to the router, which never waits (it buffers
 per route, or closes a route over its bound); the writer takes the router's next message (acks first,
-then one item per route in round robin). Identity comes from the peer's verified certificate only: the
-handshake's claimed cluster id must match it, or the link is refused.
+then the routes by deficit round robin over bytes), on a paced session only while what the peer has
+not read yet is under the pacer's cap, cutting large items into fragments (``pacing.py``). Identity
+comes from the peer's verified certificate only: the handshake's claimed cluster id must match it, or
+the link is refused.
 
 Raw bytes on the stream (link framing, ``nebula_common/rpc/framing.py``). The Link method is served and
 called with identity (de)serializers: the switch parses small link messages itself and forwards a
@@ -61,11 +63,15 @@ from services.switch.lanes import LaneGapError, LaneTuner, ReorderBuffer
 from services.switch.metrics import (
     AUTH_REFUSALS,
     LINK_CONNECTIONS,
+    LINK_DELIVERY_RATE,
+    LINK_INFLIGHT,
+    LINK_INFLIGHT_LIMIT,
     LINK_RTT,
     LINK_UP,
     PEER_LINK_UP,
     DirectionCounters,
 )
+from services.switch.pacing import Fragment, LinkPacer, PacingError, Reassembler
 from services.switch.peer_trust import PeerTrust
 from services.switch.routing import Outbound, Router
 from services.switch.transfers import StepTotals, TransferKey, TransferLedger
@@ -290,6 +296,11 @@ class PeerLink:
         #: Witnessed audit (witness.py): this switch's head to the peer, the peer's into our log.
         self.witness = AuditWitness(audit, peer_cluster_id, self.record)
         self._peer_witness = False  # the session's peer takes audit heads (Handshake.audit_witness)
+        # A paced session (pacing.py): what we may write, what we read (acknowledged to the peer).
+        self._pacer: LinkPacer | None = None
+        self._rx_bytes = 0
+        self._ack_due = False
+        self._reassembly = Reassembler()
         # Refusals by strangers on the WAN port: one record per source, layer and reason per interval
         # (the switch shares one aggregator among its links and its raw edge port).
         self.refusals = refusals or (RefusalAggregator(audit.append) if audit is not None else None)
@@ -317,6 +328,13 @@ class PeerLink:
         self.on_up_change: Callable[[], None] | None = None
         PEER_LINK_UP.labels(peer_cluster_id).set(0)
         LINK_CONNECTIONS.labels(peer_cluster_id).set(0)
+        LINK_INFLIGHT.labels(peer_cluster_id).set_function(lambda: self._pacer.inflight if self._pacer else 0)
+        LINK_INFLIGHT_LIMIT.labels(peer_cluster_id).set_function(
+            lambda: self._pacer.cap() if self._pacer else 0
+        )
+        LINK_DELIVERY_RATE.labels(peer_cluster_id).set_function(
+            lambda: self._pacer.rate if self._pacer else 0
+        )
 
     def _publish_up(self, up: bool) -> None:
         PEER_LINK_UP.labels(self.expected_peer.cluster_id).set(1 if up else 0)
@@ -359,6 +377,7 @@ class PeerLink:
                 raw_link=raw_link,
                 raw_preamble=raw_preamble,
                 audit_witness=True,
+                paced=True,
             )
         )
 
@@ -456,6 +475,7 @@ class PeerLink:
         marking: bool = False,
         transport: str = "grpc",
         peer_witness: bool = False,
+        peer_paced: bool = False,
     ) -> None:
         """Pump frames both ways until either side ends; only one session runs at a time.
 
@@ -493,13 +513,15 @@ class PeerLink:
             log.info("WAN link up", extra={"fields": {"peer": certified.uri, "role": role}})
             self._priority.clear()
             self._peer_witness = peer_witness
+            self._pacer = LinkPacer() if peer_paced else None
+            self._rx_bytes, self._ack_due, self._reassembly = 0, False, Reassembler()
             self.witness.session_started()
             self._ping_outstanding = None
             self._last_received = time.monotonic()
             lanes = self._lanes = _Lanes(
                 session_id=session_id,
                 marking=marking,
-                reorder=ReorderBuffer(lambda item: self.router.deliver(*item)),  # type: ignore[arg-type]
+                reorder=ReorderBuffer(lambda item: self._in_order(*item)),
             )
             LINK_CONNECTIONS.labels(self.expected_peer.cluster_id).set(1)
             self.router.link_came_up()
@@ -552,10 +574,19 @@ class PeerLink:
                 # Buffers are purged both ways (the trainers replay) and attached routes told.
                 self.router.link_down(reason)
 
-    def _next_message(self) -> Outbound | None:
+    def _next_message(self) -> Outbound | Fragment | None:
+        """Our acknowledgement, pings and pongs first; then items while the pacer has room."""
+        if self._ack_due:
+            self._ack_due = False
+            return link_pb2.LinkMessage(received=link_pb2.LinkReceived(bytes=self._rx_bytes))
         if self._priority:
             return self._priority.popleft()
-        return self.router.next_outbound()
+        pacer = self._pacer
+        if pacer is None:
+            return self.router.next_outbound()
+        if not pacer.has_room():
+            return None  # an acknowledgement wakes the writers
+        return self.router.next_outbound(pacer.fragment_bytes, pacer.cut_above)
 
     async def run_lane(self, lane: int, read: ReadFn, write: WriteFn) -> None:
         """Carry the current session's items over one more connection until it is retired or lost.
@@ -641,26 +672,47 @@ class PeerLink:
             finally:
                 self._writing -= 1
 
-    async def _write_item(self, write: WriteFn, message: Outbound, lanes: _Lanes | None, lane: int) -> None:
-        if (
-            lanes is not None
-            and lanes.marking
-            and (isinstance(message, FramedChunk) or message.WhichOneof("body") == "routed")
-        ):
+    async def _write_item(
+        self, write: WriteFn, message: Outbound | Fragment, lanes: _Lanes | None, lane: int
+    ) -> None:
+        data = isinstance(message, FramedChunk | Fragment) or message.WhichOneof("body") == "routed"
+        if lanes is not None and lanes.marking and data:
             lanes.send_seq += 1
             lanes.written[lane] = lanes.written.get(lane, 0) + 1
             await write(link_pb2.LinkMessage(mark=link_pb2.LaneMark(seq=lanes.send_seq)).SerializeToString())
+        if isinstance(message, Fragment):
+            raw = message.encode()
+            if self._pacer is not None:
+                self._pacer.on_sent(len(raw))
+            await write(raw)
+            if message.whole is not None:
+                self._count_sent(message.whole)  # type: ignore[arg-type]
+            return
         if isinstance(message, FramedChunk):
-            framed = self.state.peer_framing
-            await write(message.raw if framed else as_routed_link_message(message.raw))
-            self.sent.count_chunk(message)
-            self.ledger.observe_chunk("sent", message)
+            raw = message.raw if self.state.peer_framing else as_routed_link_message(message.raw)
+            if self._pacer is not None:
+                self._pacer.on_sent(len(raw))
+            await write(raw)
+            self._count_sent(message)
+            return
+        if data and self._pacer is not None:
+            raw = message.SerializeToString()
+            self._pacer.on_sent(len(raw))
+            await write(raw)
+            self._count_sent(message)
             return
         if message.WhichOneof("body") == "ping" and not BandwidthMeter.is_probe(message.ping.nonce):
             self._ping_outstanding = (message.ping.nonce, time.monotonic())
         await write(message.SerializeToString())
-        self.sent.count(message)
-        self.ledger.observe("sent", message)
+        self._count_sent(message)
+
+    def _count_sent(self, message: Outbound) -> None:
+        if isinstance(message, FramedChunk):
+            self.sent.count_chunk(message)
+            self.ledger.observe_chunk("sent", message)
+        else:
+            self.sent.count(message)
+            self.ledger.observe("sent", message)
 
     def link_busy(self) -> bool:
         """Items wait for the link: queued in the router, or a writer is blocked in a write.
@@ -719,7 +771,7 @@ class PeerLink:
         """Hand an item to the router, in lane-mark order when the session stripes over lanes."""
         lanes = self._lanes
         if lanes is None or not lanes.marking:
-            self.router.deliver(key, item, epoch)  # type: ignore[arg-type]
+            self._in_order(key, item, epoch)
             return
         if seq is None:
             raise HandshakeError("peer sent an item without its lane mark")
@@ -727,6 +779,48 @@ class PeerLink:
             lanes.reorder.put(seq, (key, item, epoch))
         except LaneGapError as exc:
             raise HandshakeError(str(exc)) from exc
+
+    def _in_order(self, key: tuple[str, str], item: object, epoch: int) -> None:
+        """An item in the session's order: to the router (a fragment: once its item is whole)."""
+        if isinstance(item, link_pb2.LinkFragment):
+            try:
+                whole = self._reassembly.add(item)
+            except PacingError as exc:
+                raise HandshakeError(f"peer broke the paced link protocol: {exc}") from exc
+            if whole is None:
+                return
+            key, item, epoch = self._data_item(whole)
+        self.router.deliver(key, item, epoch)  # type: ignore[arg-type]
+
+    def _data_item(self, raw: bytes | memoryview) -> tuple[tuple[str, str], object, int]:
+        """(route key, item, epoch) of a framed chunk or a routed message, counted as received."""
+        if is_framed(raw):
+            try:
+                chunk = parse_chunk(raw)
+            except FramingError as exc:
+                raise HandshakeError(f"peer sent an invalid framed chunk: {exc}") from exc
+            self.received.count_chunk(chunk)
+            self.ledger.observe_chunk("received", chunk)
+            return (chunk.job_id, chunk.edge), chunk, chunk.epoch
+        message = parse_link_message(raw)
+        if message.WhichOneof("body") != "routed":
+            raise HandshakeError("peer's fragments joined into something else than an item")
+        return self._routed(message)
+
+    def _routed(self, message: link_pb2.LinkMessage) -> tuple[tuple[str, str], object, int]:
+        self.received.count(message)
+        self.ledger.observe("received", message)
+        routed = message.routed
+        if routed.item.WhichOneof("body") not in ROUTED_KINDS:
+            raise HandshakeError("peer routed an item that may not cross the link")
+        return (routed.job_id, routed.edge), routed.item, routed.epoch
+
+    def _read_data(self, size: int) -> None:
+        """``size`` bytes of data messages were read: acknowledge them (a paced session)."""
+        self._rx_bytes += size
+        if self._pacer is not None:
+            self._ack_due = True
+            self.router.outbound_wake.set()
 
     async def _pump_in(self, read: ReadFn, lane: int = 0) -> None:
         lanes = self._lanes
@@ -738,14 +832,10 @@ class PeerLink:
                     raise HandshakeError(f"the peer ended connection {lane} without retiring it")
                 return
             if isinstance(raw, bytes | memoryview) and is_framed(raw):
-                try:
-                    chunk = parse_chunk(raw)
-                except FramingError as exc:
-                    raise HandshakeError(f"peer sent an invalid framed chunk: {exc}") from exc
                 self._last_received = time.monotonic()
-                self.received.count_chunk(chunk)
-                self.ledger.observe_chunk("received", chunk)
-                self._deliver((chunk.job_id, chunk.edge), chunk, chunk.epoch, seq)
+                self._read_data(len(raw))
+                key, item, epoch = self._data_item(raw)
+                self._deliver(key, item, epoch, seq)
                 seq = None
                 continue
             message = parse_link_message(raw)
@@ -764,16 +854,29 @@ class PeerLink:
                     raise HandshakeError("peer sent two lane marks in a row")
                 seq = message.mark.seq
                 continue
-            self.received.count(message)
-            self.ledger.observe("received", message)
             kind = message.WhichOneof("body")
+            if kind not in ("routed", "fragment"):  # items are counted whole (_data_item)
+                self.received.count(message)
+                self.ledger.observe("received", message)
             if kind == "routed":
-                routed = message.routed
-                if routed.item.WhichOneof("body") not in ROUTED_KINDS:
-                    raise HandshakeError("peer routed an item that may not cross the link")
+                self._read_data(len(raw))  # type: ignore[arg-type]
                 # Never waits; drops items of an epoch the route has left behind.
-                self._deliver((routed.job_id, routed.edge), routed.item, routed.epoch, seq)
+                self._deliver(*self._routed(message), seq)
                 seq = None
+            elif kind == "fragment":
+                if self._pacer is None:
+                    raise HandshakeError("peer sent a fragment on a session that is not paced")
+                self._read_data(len(raw))  # type: ignore[arg-type]
+                self._deliver(("", ""), message.fragment, 0, seq)
+                seq = None
+            elif kind == "received":
+                if self._pacer is None:
+                    raise HandshakeError("peer acknowledged bytes on a session that is not paced")
+                try:
+                    self._pacer.on_ack(message.received.bytes)
+                except PacingError as exc:
+                    raise HandshakeError(f"peer broke the paced link protocol: {exc}") from exc
+                self.router.outbound_wake.set()
             elif kind == "ping":
                 self._queue_priority(link_pb2.LinkMessage(pong=link_pb2.Pong(nonce=message.ping.nonce)))
             elif kind == "pong":
@@ -890,6 +993,7 @@ class PeerLink:
                 marking=marking,
                 transport=transport,
                 peer_witness=reply.hello.audit_witness,
+                peer_paced=reply.hello.paced,
             ),
             name="link-session",
         )

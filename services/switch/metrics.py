@@ -132,6 +132,22 @@ LINK_RTT = Gauge(
     "Smoothed round-trip time to this peer switch (RFC 6298 SRTT, Ping/Pong), per peer.",
     ["peer"],
 )
+LINK_INFLIGHT = Gauge(
+    "nebula_switch_link_inflight_bytes",
+    "Bytes of items written to this peer switch that it has not read yet (a paced link; 0 otherwise).",
+    ["peer"],
+)
+LINK_INFLIGHT_LIMIT = Gauge(
+    "nebula_switch_link_inflight_limit_bytes",
+    "The paced link's cap on those bytes: about one bandwidth-delay product and two fragments "
+    "(services/switch/pacing.py; 0 on a link that is not paced).",
+    ["peer"],
+)
+LINK_DELIVERY_RATE = Gauge(
+    "nebula_switch_link_delivery_rate_bytes",
+    "Delivery rate toward this peer switch as the paced link estimates it, bytes per second.",
+    ["peer"],
+)
 
 JOB_WAN_BYTES = Counter(
     "nebula_switch_job_wan_bytes",

@@ -419,6 +419,7 @@ async def serve_raw(links: PeerLinks, connection: RawConnection, handshake_timeo
         marking=hello.hello.lanes and bool(session_id),
         transport=connection.transport,
         peer_witness=hello.hello.audit_witness,
+        peer_paced=hello.hello.paced,
     )
 
 

@@ -9,8 +9,12 @@ Nothing here ever waits. The link reader hands each item to :meth:`Router.delive
 to the route's buffer toward the local trainer (or closes the route when a bound is exceeded); the
 relay servicer hands each item of its trainer to :meth:`Router.accept_local`; the link writer takes
 items with :meth:`Router.next_outbound`: every pending ack first (tiny, they unblock senders), then
-closes of routes the switch dropped, then one item per route in round robin, so a big tensor of one job
-never holds up a small item of another. Within a route, frames, signals and close keep their order.
+closes of routes the switch dropped, then the routes' items by deficit round robin over bytes
+(Shreedhar and Varghese, 1995): each route with items gets a quantum of bytes per round (times its
+account's weight), so a big tensor of one job never holds up a small item of another, and two busy
+routes share the link by bytes, not by items. On a paced link (``pacing.py``) items larger than the
+link's fragment size leave as fragments, one per turn. Within a route, frames, signals and close keep
+their order.
 
 End-to-end reliability (sequence numbers, acks, credit, replay) belongs to the two trainers (edge
 protocol 2, ``proto/nebula/v1/relay.proto``); the switch only enforces the bounds below.
@@ -83,6 +87,7 @@ from services.switch.metrics import (
     ROUTES_CLOSED,
     STALE_ITEMS,
 )
+from services.switch.pacing import Fragment
 
 RouteKey = tuple[str, str]
 
@@ -97,6 +102,8 @@ TOMBSTONE_S = 60.0
 """How long items for a route the switch closed are dropped without a trace."""
 CONTROL_MAX = 4096
 JOB_OWNERS_REMEMBERED = 100_000
+QUANTUM_BYTES = 256 << 10
+"""A route's bytes per round of the scheduler on a link that is not paced (a paced link: one fragment)."""
 REPLAY_FACTOR = 2
 """Windows a route may hold per direction: right after a resume or a reconnect the sender replays up to
 one window while originals of the same items may still be buffered here (receivers drop the copies)."""
@@ -231,6 +238,15 @@ class Route:
     issued_at: float = 0.0
     #: Serial of the client certificate that stream presented (0: none): revoking it ends the route.
     serial: int = 0
+    # The scheduler's state (``next_outbound``): bytes this route may still send in its turn, whether
+    # its turn has begun, its fragment stream, and the item being sent in fragments (with its bytes
+    # and how far they went).
+    deficit: int = 0
+    turn: bool = False
+    stream: int = 0
+    sending: Item | None = None
+    sending_raw: bytes | memoryview = b""
+    sent_offset: int = 0
 
     @property
     def attached(self) -> bool:
@@ -290,6 +306,7 @@ class Router:
         record: Record | None = None,
         clock: Callable[[], float] = time.monotonic,
         shared: SharedRoutes | None = None,
+        weights: dict[str, int] | None = None,
     ) -> None:
         self.limits = limits or Limits()
         self.cluster_id = cluster_id
@@ -310,6 +327,9 @@ class Router:
         self._acks: OrderedDict[RouteKey, Item] = OrderedDict()
         self._control: deque[link_pb2.LinkMessage] = deque(maxlen=CONTROL_MAX)
         self._ready: deque[Route] = deque()
+        #: Account -> weight of its routes in the deficit round robin (absent: 1).
+        self.weights: dict[str, int] = dict(weights or {})
+        self._streams = 0
         self.outbound_wake = asyncio.Event()
         self.link_up = False
         self.buffered_in = 0
@@ -440,8 +460,11 @@ class Router:
         route.outbound_bytes += item.size
         self.buffered_out += item.size
         if not route.in_ready:
+            # A route that had nothing queued goes first, as a new flow in FQ-CoDel (RFC 8290): a
+            # job that sends little waits for no busy route's turn. It gets one quantum like any
+            # other, then joins the round; a busy route is never empty, so it never jumps the queue.
             route.in_ready = True
-            self._ready.append(route)
+            self._ready.appendleft(route)
         self.outbound_wake.set()
 
     def pop_inbound(self, route: Route, attachment: Attachment) -> EdgeItem | None:
@@ -773,8 +796,9 @@ class Router:
             self._tombstones.popitem(last=False)
 
     def _new_route(self, key: RouteKey, epoch: int) -> Route:
+        self._streams = (self._streams + 1) & 0xFFFFFFFF
         now = self._clock()
-        return Route(key=key, created_at=now, unattached_since=now, epoch=epoch)
+        return Route(key=key, created_at=now, unattached_since=now, epoch=epoch, stream=self._streams)
 
     def _drop_inbound(self, route: Route, keep_close: bool = False) -> None:
         kept: deque[Item] = deque()
@@ -805,11 +829,15 @@ class Router:
             self.buffered_out -= ack.size
 
     # ----- the link writer -------------------------------------------------------------------
-    def next_outbound(self) -> Outbound | None:
-        """The next message for the peer: acks, then closes of dropped routes, then round robin.
+    def next_outbound(
+        self, fragment_bytes: int | None = None, cut_above: int | None = None
+    ) -> Outbound | Fragment | None:
+        """The next message for the peer: acks, then closes of dropped routes, then the routes' items.
 
         Every item is tagged with the epoch of the stream it came from (``RoutedItem.epoch``); a
         framed chunk already carries its stream's job, edge and epoch and is returned as it came.
+        With ``fragment_bytes`` (a paced link) an item larger than ``cut_above`` (default: the
+        fragment size) leaves in fragments of that size.
         """
         if self._acks:
             (job_id, edge), item = self._acks.popitem(last=False)
@@ -820,25 +848,74 @@ class Router:
         if self._control:
             return self._control.popleft()
         while self._ready:
-            route = self._ready.popleft()
+            route = self._ready[0]
             if not route.outbound:
-                route.in_ready = False
+                self._leave_ready()
                 continue
-            item = route.outbound.popleft()
-            route.outbound_bytes -= item.size
-            self.buffered_out -= item.size
-            if route.outbound:
-                self._ready.append(route)
-            else:
-                route.in_ready = False
-            if isinstance(item.message, FramedChunk):
-                return item.message
-            return link_pb2.LinkMessage(
-                routed=link_pb2.RoutedItem(
-                    job_id=route.key[0], edge=route.key[1], item=item.message, epoch=item.epoch
-                )
-            )
+            if not route.turn:  # its turn begins: a quantum of bytes, weighted by its account
+                weight = self.weights.get(route.owner, 1)
+                route.deficit += weight * (fragment_bytes or QUANTUM_BYTES)
+                route.turn = True
+                if route.deficit <= 0:  # still paying for an item larger than its quanta
+                    route.turn = False
+                    self._ready.rotate(-1)
+                    continue
+            piece, size = self._piece(route, fragment_bytes, cut_above or fragment_bytes)
+            route.deficit -= size
+            if not route.outbound:
+                self._leave_ready()
+            elif route.deficit <= 0:
+                route.turn = False
+                self._ready.rotate(-1)
+            return piece
         return None
+
+    def _leave_ready(self) -> None:
+        """The route at the front has nothing more to send: out of the round, its deficit forgotten."""
+        route = self._ready.popleft()
+        route.in_ready = False
+        route.turn = False
+        route.deficit = 0
+        route.sending, route.sending_raw = None, b""  # an item cut short was purged: forget its bytes
+
+    def _piece(
+        self, route: Route, fragment_bytes: int | None, cut_above: int | None
+    ) -> tuple[Outbound | Fragment, int]:
+        """The next piece of the route's first item (the item itself, or its next fragment), and its size."""
+        item = route.outbound[0]
+        whole: Outbound | None = None
+        if route.sending is not item:
+            route.sending, route.sent_offset = None, 0
+            whole = self._as_outbound(route, item)
+            if fragment_bytes is None or cut_above is None or item.size <= cut_above:
+                self._pop_outbound(route)
+                return whole, item.size
+            route.sending = item
+            route.sending_raw = whole.raw if isinstance(whole, FramedChunk) else whole.SerializeToString()
+        raw, offset = route.sending_raw, route.sent_offset
+        end = min(offset + (fragment_bytes or len(raw)), len(raw))
+        last = end >= len(raw)
+        piece = Fragment(route.stream, offset, memoryview(raw)[offset:end], last, whole)
+        route.sent_offset = end
+        if last:
+            route.sending, route.sending_raw = None, b""
+            self._pop_outbound(route)
+        return piece, end - offset
+
+    def _pop_outbound(self, route: Route) -> None:
+        item = route.outbound.popleft()
+        route.outbound_bytes -= item.size
+        self.buffered_out -= item.size
+
+    @staticmethod
+    def _as_outbound(route: Route, item: Item) -> Outbound:
+        if isinstance(item.message, FramedChunk):
+            return item.message
+        return link_pb2.LinkMessage(
+            routed=link_pb2.RoutedItem(
+                job_id=route.key[0], edge=route.key[1], item=item.message, epoch=item.epoch
+            )
+        )
 
     def has_outbound(self) -> bool:
         return bool(self._acks or self._control or any(route.outbound for route in self._ready))

@@ -204,7 +204,9 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
             PeerLink(
                 settings.cluster_id,
                 peer.cluster_id,
-                Router(limits, cluster_id=settings.cluster_id, shared=shared),
+                Router(
+                    limits, cluster_id=settings.cluster_id, shared=shared, weights=settings.account_weights
+                ),
                 audit=audit,
                 revocation=trusts[peer.cluster_id],
                 connections=settings.connections(),

@@ -89,6 +89,7 @@ class SwitchLinkServicer:
             session_id=session_id,
             marking=hello.hello.lanes and bool(session_id),
             peer_witness=hello.hello.audit_witness,
+            peer_paced=hello.hello.paced,
         )
 
 

@@ -157,6 +157,20 @@ def test_the_orphan_timeout_defaults_to_two_minutes_reads_its_env_and_refuses_no
         SwitchSettings(**switch_env())
 
 
+def test_account_weights_read_from_the_environment_or_refused_naming_the_entry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert SwitchSettings(**switch_env()).account_weights == {}
+    monkeypatch.setenv("NEBULA_SWITCH_ACCOUNT_WEIGHTS", "alice=4, bob=2")
+    assert SwitchSettings(**switch_env()).account_weights == {"alice": 4, "bob": 2}
+    monkeypatch.setenv("NEBULA_SWITCH_ACCOUNT_WEIGHTS", '{"carol": 3}')
+    assert SwitchSettings(**switch_env()).account_weights == {"carol": 3}
+    for bad, reason in [("alice:4", "'alice:4' is not ACCOUNT=WEIGHT"), ("alice=0", "weight 0 of 'alice'")]:
+        monkeypatch.setenv("NEBULA_SWITCH_ACCOUNT_WEIGHTS", bad)
+        with pytest.raises(ValidationError, match=reason):
+            SwitchSettings(**switch_env())
+
+
 @pytest.mark.parametrize("peer_framing", [True, False])
 def test_a_framed_chunk_goes_out_as_is_or_as_a_classic_routed_item_for_an_older_peer(
     peer_framing: bool,

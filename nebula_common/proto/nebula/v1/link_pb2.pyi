@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Handshake(_message.Message):
-    __slots__ = ("protocol_version", "cluster_id", "software_version", "link_framing", "lanes", "session_id", "lane", "raw_link", "raw_preamble", "audit_witness")
+    __slots__ = ("protocol_version", "cluster_id", "software_version", "link_framing", "lanes", "session_id", "lane", "raw_link", "raw_preamble", "audit_witness", "paced")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class Handshake(_message.Message):
     RAW_LINK_FIELD_NUMBER: _ClassVar[int]
     RAW_PREAMBLE_FIELD_NUMBER: _ClassVar[int]
     AUDIT_WITNESS_FIELD_NUMBER: _ClassVar[int]
+    PACED_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     cluster_id: str
     software_version: str
@@ -28,7 +29,26 @@ class Handshake(_message.Message):
     raw_link: int
     raw_preamble: bytes
     audit_witness: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., software_version: _Optional[str] = ..., link_framing: _Optional[int] = ..., lanes: _Optional[bool] = ..., session_id: _Optional[bytes] = ..., lane: _Optional[int] = ..., raw_link: _Optional[int] = ..., raw_preamble: _Optional[bytes] = ..., audit_witness: _Optional[bool] = ...) -> None: ...
+    paced: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., software_version: _Optional[str] = ..., link_framing: _Optional[int] = ..., lanes: _Optional[bool] = ..., session_id: _Optional[bytes] = ..., lane: _Optional[int] = ..., raw_link: _Optional[int] = ..., raw_preamble: _Optional[bytes] = ..., audit_witness: _Optional[bool] = ..., paced: _Optional[bool] = ...) -> None: ...
+
+class LinkFragment(_message.Message):
+    __slots__ = ("stream", "offset", "data", "last")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    offset: int
+    data: bytes
+    last: bool
+    def __init__(self, stream: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+
+class LinkReceived(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
 
 class AuditHead(_message.Message):
     __slots__ = ("log_id", "count", "head", "read_at")
@@ -77,7 +97,7 @@ class Pong(_message.Message):
     def __init__(self, nonce: _Optional[int] = ...) -> None: ...
 
 class LinkMessage(_message.Message):
-    __slots__ = ("hello", "routed", "ping", "pong", "framed", "mark", "audit_head")
+    __slots__ = ("hello", "routed", "ping", "pong", "framed", "mark", "audit_head", "fragment", "received")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ROUTED_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +105,8 @@ class LinkMessage(_message.Message):
     FRAMED_FIELD_NUMBER: _ClassVar[int]
     MARK_FIELD_NUMBER: _ClassVar[int]
     AUDIT_HEAD_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
     hello: Handshake
     routed: RoutedItem
     ping: Ping
@@ -92,4 +114,6 @@ class LinkMessage(_message.Message):
     framed: _relay_pb2.FramedItem
     mark: LaneMark
     audit_head: AuditHead
-    def __init__(self, hello: _Optional[_Union[Handshake, _Mapping]] = ..., routed: _Optional[_Union[RoutedItem, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., framed: _Optional[_Union[_relay_pb2.FramedItem, _Mapping]] = ..., mark: _Optional[_Union[LaneMark, _Mapping]] = ..., audit_head: _Optional[_Union[AuditHead, _Mapping]] = ...) -> None: ...
+    fragment: LinkFragment
+    received: LinkReceived
+    def __init__(self, hello: _Optional[_Union[Handshake, _Mapping]] = ..., routed: _Optional[_Union[RoutedItem, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., framed: _Optional[_Union[_relay_pb2.FramedItem, _Mapping]] = ..., mark: _Optional[_Union[LaneMark, _Mapping]] = ..., audit_head: _Optional[_Union[AuditHead, _Mapping]] = ..., fragment: _Optional[_Union[LinkFragment, _Mapping]] = ..., received: _Optional[_Union[LinkReceived, _Mapping]] = ...) -> None: ...

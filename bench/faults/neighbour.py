@@ -1,0 +1,214 @@
+"""A small job beside a big one: does the big neighbour's traffic stall the small job?
+
+One two-cluster deployment (``LocalDeployment``, 60 Mbit/s, 20 ms each way). Two accounts:
+
+* ``small``: ``examples/digit_sum`` (a few KiB per micro-batch);
+* ``big``: ``big_neighbour/job.yaml``, a legitimate job that sends 4 MiB per micro-batch forward and
+  4 MiB of gradients back, codec none: it alone can fill the link.
+
+Per round, side by side: the small job alone, the big job alone, the big job with the small job beside
+it on the same link, and (the control) the small job beside a big job that runs on a second deployment
+of its own: the same CPUs, another link. Reported: the small job's mean step beside the big one against
+alone (the ratio a tenant feels), the same for the control (what sharing two cores costs it, which no
+switch can remove), and the big job's step in the mix against alone (what it keeps of the link). Step
+times are the trainers' own (``StageStatus.step_seconds``), steps after the second.
+
+Usage: ``python bench/faults/neighbour.py [--out DIR] [--rounds N] [--small-steps N]``; writes
+``faults-neighbour.json`` and ``.md``. ``--quick`` (one round, fewer steps) fails when the small job's
+ratio exceeds 2 or the big job keeps less than 0.8 of its throughput (without pacing the ratio is 10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import JobFollower, load_info, md_table, write_json
+
+from nebula_common.jobspec import load_spec
+from nebula_common.launcher import LocalDeployment
+from nebula_common.sdk.client import ClusterSession, submit_job
+from nebula_common.sdk.jobs import ProgramJob
+from tests.support.accounts import make_user
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL_SPEC = ROOT / "examples" / "digit_sum" / "job.yaml"
+BIG_SPEC = Path(__file__).resolve().parent / "big_neighbour" / "job.yaml"
+BANDWIDTH_MBIT, DELAY_MS = 60.0, 20.0
+BIG_BYTES_PER_STEP = 4 * (4 << 20)  # each way: 4 micro-batches x 4 MiB
+TIMEOUT_S = 900.0
+
+
+def job(spec: Path, label: str, steps: int) -> ProgramJob:
+    loaded = load_spec(spec, {"steps": steps, "checkpoint.interval": steps})
+    return ProgramJob(loaded, f"{label}-{int(time.time() * 1000) % 10**8}")
+
+
+def follow(program: ProgramJob, sessions: dict[str, ClusterSession]) -> tuple[Any, JobFollower]:
+    handle = submit_job(program, sessions)
+    return handle, JobFollower(handle.job.job_id, handle.stages, give_up_s=TIMEOUT_S)
+
+
+def finished(follower: JobFollower, what: str) -> None:
+    if not follower.wait(TIMEOUT_S):
+        raise SystemExit(f"{what} did not finish within {TIMEOUT_S:.0f} s")
+    states = {o["state"] for o in follower.outcome().values()}
+    if states != {"succeeded"}:
+        raise SystemExit(f"{what} ended {states}: {follower.outcome()}")
+
+
+def reported_between(follower: JobFollower, stage: str, start: float, end: float) -> list[float]:
+    """Step wall times the trainer reported for steps completed inside [start, end] (monotonic)."""
+    return [
+        follower.reported[stage][step]
+        for step, at in sorted(follower.steps[stage].items())
+        if start <= at <= end and step in follower.reported[stage] and step > 2
+    ]
+
+
+def beside_big(
+    small_users: dict[str, ClusterSession], big_users: dict[str, ClusterSession], small_steps: int, label: str
+) -> tuple[float, list[float]]:
+    """The small job's mean step while a big job streams (on ``big_users``' deployment), and the big
+    job's step times meanwhile."""
+    big_handle, big = follow(job(BIG_SPEC, f"big-{label}", 100_000), big_users)
+    deadline = time.monotonic() + TIMEOUT_S
+    while big.done_steps("sink") < 3:  # the big job is streaming before the small one starts
+        if time.monotonic() > deadline:
+            raise SystemExit("the big job did not reach its third step")
+        time.sleep(0.2)
+    started = time.monotonic()
+    _, small = follow(job(SMALL_SPEC, f"small-{label}", small_steps), small_users)
+    finished(small, f"the small job beside the big one ({label})")
+    ended = time.monotonic()
+    big_handle.cancel()
+    big.wait(60)
+    mean = small.mean_reported_step_seconds("head")
+    if not mean:
+        raise SystemExit(f"the small job reported no step time ({label})")
+    return mean, reported_between(big, "sink", started, ended)
+
+
+def one_round(
+    users: dict[str, dict[str, ClusterSession]],
+    control_users: dict[str, ClusterSession],
+    small_steps: int,
+    big_steps: int,
+) -> dict[str, Any]:
+    _, small = follow(job(SMALL_SPEC, "small-alone", small_steps), users["small"])
+    finished(small, "the small job alone")
+    small_alone = small.mean_reported_step_seconds("head")
+    _, big = follow(job(BIG_SPEC, "big-alone", big_steps), users["big"])
+    finished(big, "the big job alone")
+    big_alone = big.mean_reported_step_seconds("sink")
+    small_mix, big_steps_mix = beside_big(users["small"], users["big"], small_steps, "mix")
+    small_control, _ = beside_big(users["small"], control_users, small_steps, "control")
+    big_mix = statistics.mean(big_steps_mix) if big_steps_mix else None
+    if not (small_alone and big_alone):
+        raise SystemExit(f"a step time is missing: {small_alone=} {big_alone=}")
+    return {
+        "small_alone_s": round(small_alone, 4),
+        "small_mix_s": round(small_mix, 4),
+        "small_ratio": round(small_mix / small_alone, 3),
+        "small_control_s": round(small_control, 4),
+        "control_ratio": round(small_control / small_alone, 3),
+        "big_alone_s": round(big_alone, 4),
+        "big_mix_s": round(big_mix, 4) if big_mix else None,
+        "big_mix_steps": len(big_steps_mix),
+        "big_share": round(big_alone / big_mix, 3) if big_mix else None,
+        "big_alone_mbit_each_way": round(BIG_BYTES_PER_STEP * 8 / big_alone / 1e6, 1),
+        "load": load_info(),
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    rows = [
+        [
+            i + 1,
+            r["small_alone_s"],
+            r["small_mix_s"],
+            r["small_ratio"],
+            r["small_control_s"],
+            r["control_ratio"],
+            r["big_alone_s"],
+            r["big_mix_s"],
+            r["big_share"],
+            r["big_alone_mbit_each_way"],
+        ]
+        for i, r in enumerate(result["rounds"])
+    ]
+    head = [
+        "round",
+        "small alone s",
+        "beside big s",
+        "ratio",
+        "beside big elsewhere s",
+        "CPU-only ratio",
+        "big alone s",
+        "big beside s",
+        "big keeps",
+        "big alone Mbit/s each way",
+    ]
+    return (
+        f"# Small job beside a big neighbour ({BANDWIDTH_MBIT:g} Mbit/s, {DELAY_MS:g} ms each way)\n\n"
+        + md_table(head, rows)
+        + f"\n\nMedian ratio: **{result['median_small_ratio']}** (CPU-only control: "
+        f"{result['median_control_ratio']}); the big job keeps **{result['median_big_share']}** of its "
+        "alone throughput.\n"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--small-steps", type=int, default=40)
+    parser.add_argument("--big-steps", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="one short round: a smoke check")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.small_steps, args.big_steps = 1, 20, 5
+    run_dir = args.out / "run-faults-neighbour"
+    for old in (run_dir, run_dir.with_name(run_dir.name + "-control")):
+        if old.exists():
+            shutil.rmtree(old)
+    rounds = []
+    shape = {"bandwidth_mbit": BANDWIDTH_MBIT, "delay_ms": DELAY_MS}
+    with (
+        LocalDeployment(run_dir=run_dir, **shape) as deployment,  # type: ignore[arg-type]
+        LocalDeployment(run_dir=run_dir.with_name(run_dir.name + "-control"), **shape) as control,  # type: ignore[arg-type]
+    ):
+        users = {u: {c: make_user(deployment, c, u) for c in ("a", "b")} for u in ("small", "big")}
+        control_users = {c: make_user(control, c, "big") for c in ("a", "b")}
+        for k in range(args.rounds):
+            rounds.append(one_round(users, control_users, args.small_steps, args.big_steps))
+            print(f"round {k + 1}: {rounds[-1]}", flush=True)
+    result = {
+        "bandwidth_mbit": BANDWIDTH_MBIT,
+        "delay_ms": DELAY_MS,
+        "rounds": rounds,
+        "median_small_ratio": statistics.median(r["small_ratio"] for r in rounds),
+        "median_control_ratio": statistics.median(r["control_ratio"] for r in rounds),
+        "median_big_share": statistics.median(r["big_share"] or 0.0 for r in rounds),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_json(args.out / "faults-neighbour.json", result)
+    (args.out / "faults-neighbour.md").write_text(report(result))
+    print(report(result))
+    if args.quick and (result["median_small_ratio"] > 2.0 or result["median_big_share"] < 0.8):
+        raise SystemExit(
+            f"quick check failed: ratio {result['median_small_ratio']} (at most 2), big job keeps "
+            f"{result['median_big_share']} (at least 0.8)"
+        )
+
+
+if __name__ == "__main__":
+    main()

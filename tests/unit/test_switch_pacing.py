@@ -1,0 +1,362 @@
+"""The paced link: deficit round robin by bytes, fragments, and the pacer against a simulated path."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+
+import pytest
+
+from nebula_common.pki import Identity
+from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, tensor_pb2
+from nebula_common.rpc.framing import FramedChunk, encode_chunk, parse_chunk
+from services.switch import pacing
+from services.switch.link import PeerLink
+from services.switch.pacing import Fragment, LinkPacer, PacingError, Reassembler
+from services.switch.routing import Router
+
+
+def framed(job: str, frame_id: int, size: int, offset: int = 0) -> FramedChunk:
+    raw, _ = encode_chunk(job, "e", 0, frame_id, offset, memoryview(bytes([frame_id % 251]) * size), False)
+    return parse_chunk(raw)
+
+
+def header(frame_id: int) -> relay_pb2.EdgeMessage:
+    return relay_pb2.EdgeMessage(
+        frame=tensor_pb2.TensorFrame(header=tensor_pb2.TensorHeader(frame_id=frame_id, codec="none"))
+    )
+
+
+def size_of(piece: object) -> int:
+    if isinstance(piece, Fragment):
+        return len(piece.data)
+    if isinstance(piece, FramedChunk):
+        return len(piece.raw)
+    assert isinstance(piece, link_pb2.LinkMessage)
+    return piece.ByteSize()
+
+
+def job_of(piece: object, streams: dict[int, str]) -> str:
+    if isinstance(piece, Fragment):
+        return streams[piece.stream]
+    if isinstance(piece, FramedChunk):
+        return piece.job_id
+    assert isinstance(piece, link_pb2.LinkMessage)
+    return piece.routed.job_id
+
+
+def test_busy_routes_share_the_link_by_bytes_whatever_their_item_sizes() -> None:
+    router = Router(cluster_id="a")
+    big, big_at = router.attach(("big", "e"), "alice")
+    many, many_at = router.attach(("many", "e"), "bob")
+    for i in range(8):  # 8 MiB each, in 1 MiB items and in 64 KiB items
+        router.accept_local(big, big_at, framed("big", 1, 1 << 20, i << 20))
+    for i in range(128):
+        router.accept_local(many, many_at, framed("many", 1, 64 << 10, i << 16))
+    sent = {"big": 0, "many": 0}
+    gaps = []
+    while (piece := router.next_outbound()) is not None:
+        sent[job_of(piece, {})] += size_of(piece)
+        if min(sent.values()) < 6 << 20:  # while both are busy
+            gaps.append(abs(sent["big"] - sent["many"]))
+    # Never more than one big item (plus a quantum) apart; item round robin would send 16x as many
+    # bytes of the big route.
+    assert max(gaps) <= (1 << 20) + (320 << 10), max(gaps)
+
+
+def test_an_accounts_weight_multiplies_its_share() -> None:
+    router = Router(cluster_id="a")
+    router.weights = {"alice": 3}
+    heavy, heavy_at = router.attach(("heavy", "e"), "alice")
+    light, light_at = router.attach(("light", "e"), "bob")
+    for i in range(64):
+        router.accept_local(heavy, heavy_at, framed("heavy", 1, 64 << 10, i << 16))
+        router.accept_local(light, light_at, framed("light", 1, 64 << 10, i << 16))
+    sent = {"heavy": 0, "light": 0}
+    for _ in range(64):  # both still busy throughout
+        piece = router.next_outbound()
+        sent[job_of(piece, {})] += size_of(piece)
+    assert sent["heavy"] == pytest.approx(3 * sent["light"], rel=0.1), sent
+
+
+def test_a_paced_link_cuts_big_items_and_a_small_one_waits_at_most_one_fragment() -> None:
+    router = Router(cluster_id="a")
+    big, big_at = router.attach(("big", "e"), "alice")
+    small, small_at = router.attach(("small", "e"), "bob")
+    originals = [framed("big", 1, 2 << 20, i * (2 << 20)) for i in range(3)]
+    for item in originals:
+        router.accept_local(big, big_at, item)
+    streams = {big.stream: "big", small.stream: "small"}
+    first = router.next_outbound(64 << 10)
+    assert isinstance(first, Fragment) and first.offset == 0 and first.whole is originals[0]
+    router.accept_local(small, small_at, header(7))  # arrives while the big item is on its way
+    rest = list(iter(lambda: router.next_outbound(64 << 10), None))
+    # Behind at most one more fragment (the big route's turn had begun), not the rest of 2 MiB.
+    assert [job_of(piece, streams) for piece in rest].index("small") <= 1
+    # Every fragment joins back into exactly the bytes of the item.
+    joined, whole = Reassembler(), []
+    for piece in [first, *(p for p in rest if job_of(p, streams) == "big")]:
+        assert isinstance(piece, Fragment) and len(piece.data) <= 64 << 10
+        message = link_pb2.LinkMessage.FromString(piece.encode())
+        if (item := joined.add(message.fragment)) is not None:
+            whole.append(item)
+    assert whole == [bytes(item.raw) for item in originals]
+    assert joined.held == 0
+
+
+def test_on_a_fast_link_items_shorter_than_the_cut_leave_whole_without_a_copy() -> None:
+    router = Router(cluster_id="a")
+    route, attachment = router.attach(("job", "e"), "alice")
+    item = framed("job", 1, 2 << 20)
+    router.accept_local(route, attachment, item)
+    pacer = LinkPacer(clock=lambda: 0.0)
+    pacer.rate = 300e6  # 2 MiB is 7 ms at 300 MB/s: under CUT_ABOVE_S
+    assert pacer.fragment_bytes < len(item.raw) <= pacer.cut_above
+    assert router.next_outbound(pacer.fragment_bytes, pacer.cut_above) is item
+
+
+def test_an_item_replaced_in_mid_send_restarts_its_stream() -> None:
+    router = Router(cluster_id="a")
+    route, attachment = router.attach(("job", "e"), "alice")
+    router.accept_local(route, attachment, framed("job", 1, 256 << 10))
+    receiver = Reassembler()
+    piece = router.next_outbound(64 << 10)
+    assert receiver.add(link_pb2.LinkMessage.FromString(piece.encode()).fragment) is None
+    router.link_down("cut")  # the partly sent item is purged; the trainer replays
+    replay = framed("job", 2, 100 << 10)
+    router.accept_local(route, attachment, replay)
+    pieces = list(iter(lambda: router.next_outbound(64 << 10), None))
+    assert pieces[0].offset == 0
+    done = [receiver.add(link_pb2.LinkMessage.FromString(p.encode()).fragment) for p in pieces]
+    assert done[-1] == bytes(replay.raw) and receiver.held == 0
+
+
+def fragment(stream: int, offset: int, size: int, last: bool = False) -> link_pb2.LinkFragment:
+    return link_pb2.LinkFragment(stream=stream, offset=offset, data=b"z" * size, last=last)
+
+
+def test_a_hostile_peers_fragments_are_refused_within_stated_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    receiver = Reassembler()
+    receiver.add(fragment(1, 0, 10))
+    with pytest.raises(PacingError, match="offset 20, expected 10"):
+        receiver.add(fragment(1, 20, 10))
+    with pytest.raises(PacingError, match="expected a first fragment"):
+        Reassembler().add(fragment(9, 5, 10))
+    monkeypatch.setattr(pacing, "MAX_STREAMS", 4)
+    crowd = Reassembler()
+    for stream in range(4):
+        crowd.add(fragment(stream, 0, 1))
+    with pytest.raises(PacingError, match="more than 4 fragment streams"):
+        crowd.add(fragment(99, 0, 1))
+    monkeypatch.setattr(pacing, "MAX_ITEM_BYTES", 100)
+    grows = Reassembler()
+    grows.add(fragment(1, 0, 60))
+    with pytest.raises(PacingError, match="grew past 100 bytes"):
+        grows.add(fragment(1, 60, 60))
+    monkeypatch.setattr(pacing, "MAX_PARTIAL_BYTES", 150)
+    hoard = Reassembler()
+    hoard.add(fragment(1, 0, 90))
+    with pytest.raises(PacingError, match="exceed 150 bytes"):
+        hoard.add(fragment(2, 0, 90))
+
+
+def test_an_acknowledgement_beyond_what_was_sent_is_refused_and_an_older_one_ignored() -> None:
+    pacer = LinkPacer(clock=lambda: 1.0)
+    pacer.on_sent(1000)
+    pacer.on_ack(600)
+    with pytest.raises(PacingError, match="acknowledged 1001 bytes, but only 1000"):
+        pacer.on_ack(1001)
+    pacer.on_ack(500)  # crossed on another lane after the newer one
+    assert pacer.acked == 600 and pacer.inflight == 400
+
+
+def simulate(rates: list[tuple[float, float]], delay_s: float, seconds: float) -> dict[str, list[float]]:
+    """A sender with endless data, paced, through one bottleneck FIFO of ``rates`` [(from time, bytes/s)]
+    and ``delay_s`` each way; the receiver acknowledges every byte it reads. Samples every 10 ms."""
+    now, dt = 0.0, 0.0005
+    pacer = LinkPacer(clock=lambda: now)
+    queue: list[int] = []  # bytes of each piece waiting at the bottleneck
+    head_left = 0.0
+    arrivals: list[tuple[float, int]] = []  # (when the receiver reads it, bytes)
+    acks: list[tuple[float, int]] = []  # (when the sender reads it, cumulative bytes)
+    received = 0
+    samples: dict[str, list[float]] = {"t": [], "queue": [], "delivered": [], "rate": [], "rtt": []}
+    next_sample = 0.0
+    while now < seconds:
+        rate = [r for start, r in rates if start <= now][-1]
+        while pacer.has_room():
+            piece = pacer.fragment_bytes
+            pacer.on_sent(piece)
+            queue.append(piece)
+        budget = rate * dt + head_left
+        while queue and budget >= queue[0]:
+            budget -= queue[0]
+            heapq.heappush(arrivals, (now + delay_s, queue.pop(0)))
+        head_left = budget if queue else 0.0
+        while arrivals and arrivals[0][0] <= now:
+            received += heapq.heappop(arrivals)[1]
+            heapq.heappush(acks, (now + delay_s, received))
+        while acks and acks[0][0] <= now:
+            pacer.on_ack(heapq.heappop(acks)[1])
+        if now >= next_sample:
+            samples["t"].append(now)
+            samples["queue"].append(sum(queue))
+            samples["delivered"].append(received)
+            samples["rate"].append(pacer.rate)
+            samples["rtt"].append(pacer.min_rtt)
+            next_sample += 0.01
+        now += dt
+    return samples
+
+
+def window(samples: dict[str, list[float]], start: float, end: float) -> dict[str, list[float]]:
+    keep = [i for i, t in enumerate(samples["t"]) if start <= t <= end]
+    return {k: [v[i] for i in keep] for k, v in samples.items()}
+
+
+def test_the_pacer_fills_the_path_and_keeps_its_queue_near_a_fragment() -> None:
+    rate, delay = 7.5e6, 0.02  # 60 Mbit/s, 20 ms each way: one bandwidth-delay product is 300 kB
+    bdp = rate * 2 * delay
+    late = window(simulate([(0.0, rate)], delay, 8.0), 3.0, 8.0)
+    throughput = (late["delivered"][-1] - late["delivered"][0]) / (late["t"][-1] - late["t"][0])
+    assert throughput >= 0.95 * rate, throughput
+    assert late["rate"][-1] == pytest.approx(rate, rel=0.1)
+    # The round trip as the pacer sees it: the propagation and its own piece's serialisation.
+    assert 2 * delay <= late["rtt"][-1] <= 2 * delay + 2 * pacing.FRAGMENT_TIME_S
+    mean_queue = sum(late["queue"]) / len(late["queue"])
+    fragment = rate * pacing.FRAGMENT_TIME_S
+    # One to two fragments (4-8 ms) queued; a fixed 1 MiB cap would keep 750 kB (100 ms) there.
+    assert mean_queue <= 2.5 * fragment, (mean_queue, bdp)
+    assert max(late["queue"]) <= 4 * fragment, max(late["queue"])
+
+
+def test_the_pacer_follows_a_path_that_slows_down() -> None:
+    fast, slow, delay = 7.5e6, 2.5e6, 0.02
+    samples = simulate([(0.0, fast), (4.0, slow)], delay, 12.0)
+    late = window(samples, 8.0, 12.0)
+    assert late["rate"][-1] == pytest.approx(slow, rel=0.1)
+    mean_queue = sum(late["queue"]) / len(late["queue"])
+    assert mean_queue <= 3 * pacing.MIN_FRAGMENT_BYTES, mean_queue  # 16 KiB fragments at 20 Mbit/s
+    throughput = (late["delivered"][-1] - late["delivered"][0]) / (late["t"][-1] - late["t"][0])
+    assert throughput >= 0.95 * slow, throughput
+
+
+async def _inbound(router: Router, route: object, attachment: object, count: int) -> list[object]:
+    items: list[object] = []
+    for _ in range(500):
+        while (item := router.pop_inbound(route, attachment)) is not None:  # type: ignore[arg-type]
+            items.append(item)
+        if len(items) >= count:
+            return items
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"only {len(items)} of {count} items arrived within 5 s")
+
+
+def test_two_paced_switches_carry_big_and_small_items_whole_through_fragments() -> None:
+    async def scenario() -> tuple[list[bytes], list[bytes], int, LinkPacer]:
+        ab: asyncio.Queue[bytes] = asyncio.Queue()
+        ba: asyncio.Queue[bytes] = asyncio.Queue()
+        written: list[str] = []
+
+        async def write_ab(message: bytes) -> None:
+            written.append(link_pb2.LinkMessage.FromString(message).WhichOneof("body") or "framed")
+            await ab.put(message)
+
+        sender, receiver = Router(cluster_id="a"), Router(cluster_id="b")
+        a, b = PeerLink("a", "b", sender), PeerLink("b", "a", receiver)
+        kwargs = {"peer_framing": True, "peer_paced": True}
+        sessions = [
+            asyncio.create_task(a.run_session(ba.get, write_ab, Identity("b", "switch"), "dialer", **kwargs)),
+            asyncio.create_task(b.run_session(ab.get, ba.put, Identity("a", "switch"), "acceptor", **kwargs)),
+        ]
+        assert await a.wait_connected(5) and await b.wait_connected(5)
+        big, big_at = sender.attach(("big", "e"), "alice")
+        small, small_at = sender.attach(("small", "e"), "bob")
+        big_in, big_in_at = receiver.attach(("big", "e"), "alice")
+        small_in, small_in_at = receiver.attach(("small", "e"), "bob")
+        chunks = [framed("big", 1, 1 << 20, i << 20) for i in range(3)]
+        for chunk in chunks:
+            sender.accept_local(big, big_at, chunk)
+        sender.accept_local(small, small_at, framed("small", 1, 100))
+        got_big = await _inbound(receiver, big_in, big_in_at, 3)
+        got_small = await _inbound(receiver, small_in, small_in_at, 1)
+        for _ in range(500):  # the last acknowledgement comes back
+            if a._pacer is not None and a._pacer.acked == a._pacer.sent:
+                break
+            await asyncio.sleep(0.01)
+        for session in sessions:
+            session.cancel()
+        await asyncio.gather(*sessions, return_exceptions=True)
+        assert a._pacer is not None
+        return (
+            [bytes(c.raw) for c in got_big],  # type: ignore[attr-defined]
+            [bytes(c.raw) for c in got_small],  # type: ignore[attr-defined]
+            written.count("fragment"),
+            a._pacer,
+        )
+
+    big, small, fragments, pacer = asyncio.run(scenario())
+    assert big == [bytes(framed("big", 1, 1 << 20, i << 20).raw) for i in range(3)]
+    assert small == [bytes(framed("small", 1, 100).raw)]
+    # Before any rate estimate items are cut at 64 KiB: the first big item at least went in pieces.
+    assert fragments >= (1 << 20) // pacing.INITIAL_FRAGMENT_BYTES
+    assert pacer.sent > 3 << 20 and pacer.acked == pacer.sent
+
+
+@pytest.mark.parametrize(
+    ("paced", "messages", "reason"),
+    [
+        (
+            True,
+            [fragment(1, 0, 10), fragment(1, 99, 1)],
+            "peer broke the paced link protocol: fragment of stream 1 at offset 99, expected 10",
+        ),
+        (False, [fragment(1, 0, 10)], "peer sent a fragment on a session that is not paced"),
+        (
+            True,
+            [link_pb2.LinkReceived(bytes=5)],
+            "peer broke the paced link protocol: the peer acknowledged 5 bytes, but only 0 were sent",
+        ),
+        (False, [link_pb2.LinkReceived(bytes=0)], "peer acknowledged bytes on a session that is not paced"),
+        (
+            True,
+            [
+                link_pb2.LinkFragment(
+                    stream=3,
+                    data=link_pb2.LinkMessage(ping=link_pb2.Ping(nonce=1)).SerializeToString(),
+                    last=True,
+                )
+            ],
+            "peer's fragments joined into something else than an item",
+        ),
+    ],
+)
+def test_a_hostile_peer_that_breaks_the_paced_protocol_ends_its_session_saying_why(
+    paced: bool, messages: list[object], reason: str
+) -> None:
+    async def scenario() -> str:
+        router = Router(cluster_id="a")
+        link = PeerLink("a", "b", router)
+        route, attachment = router.attach(("j", "e"), "alice")
+        inbox: asyncio.Queue[object] = asyncio.Queue()
+
+        async def write(message: bytes) -> None:
+            return None
+
+        session = asyncio.create_task(
+            link.run_session(
+                inbox.get, write, Identity("b", "switch"), "dialer", peer_framing=True, peer_paced=paced
+            )
+        )
+        assert await link.wait_connected(5)
+        for message in messages:
+            body = "fragment" if isinstance(message, link_pb2.LinkFragment) else "received"
+            await inbox.put(link_pb2.LinkMessage(**{body: message}).SerializeToString())
+        await asyncio.wait_for(session, 5)
+        notices = []
+        while (item := router.pop_inbound(route, attachment)) is not None:
+            if item.WhichOneof("body") == "notice":
+                notices.append(item.notice.reason)
+        return notices[-1]
+
+    assert reason in asyncio.run(scenario())
