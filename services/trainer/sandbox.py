@@ -20,7 +20,9 @@ Three modes, the strongest available chosen at start-up (``NEBULA_TRAINER_STAGE_
 
 In all of them, the stage's own entry point (``stage_main``) sets its limits (memory, CPU seconds, open
 files), refuses ptrace and core dumps of itself (``PR_SET_DUMPABLE`` 0) and new privileges
-(``PR_SET_NO_NEW_PRIVS``) before any of the job's code is loaded.
+(``PR_SET_NO_NEW_PRIVS``), and loads a seccomp filter of the system calls no stage may make
+(``seccomp_filter``; probed at start-up, and named when missing) before any of the job's code is
+loaded.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.trainer import cgroup, landlock
+from services.trainer import cgroup, landlock, seccomp_filter
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +77,19 @@ class Confinement:
     """Why stages get no control group here ("" when they do: ``cgroup.StageGroup``)."""
     landlock_abi: int = 0
     """The kernel's Landlock ABI (``landlock`` mode)."""
+    seccomp_missing: str = ""
+    """Why stages get no system-call filter here ("" when they do: ``seccomp_filter``)."""
 
     def describe(self) -> str:
         groups = (
             "a control group each"
             if not self.cgroups_missing
             else f"no control group ({self.cgroups_missing})"
+        )
+        groups += (
+            f"; seccomp denies {len(seccomp_filter.DENIED)} system calls"
+            if not self.seccomp_missing
+            else f"; no seccomp filter ({self.seccomp_missing})"
         )
         if self.mode == "bwrap":
             return f"bwrap: own user, PID and network namespaces, sees its code and account only; {groups}"
@@ -229,19 +238,22 @@ def choose_confinement(requested: str, scratch: Path) -> Confinement:
         expected = ", ".join(MODES)
         raise SandboxError(f"NEBULA_TRAINER_STAGE_ISOLATION={requested!r}: expected one of {expected}")
     groups = cgroup.available()
+    no_filter = seccomp_filter.unavailable()
     if requested == "process":
-        return Confinement("process", "NEBULA_TRAINER_STAGE_ISOLATION=process", groups)
+        return Confinement(
+            "process", "NEBULA_TRAINER_STAGE_ISOLATION=process", groups, seccomp_missing=no_filter
+        )
     why = _probe_bwrap(scratch) if requested != "landlock" else "NEBULA_TRAINER_STAGE_ISOLATION=landlock"
     if not why:
-        return Confinement("bwrap", "", groups)
+        return Confinement("bwrap", "", groups, seccomp_missing=no_filter)
     if requested == "bwrap":
         raise SandboxError(f"NEBULA_TRAINER_STAGE_ISOLATION=bwrap, but {why}")
     version, no_landlock = _probe_landlock(scratch)
     if not no_landlock:
-        return Confinement("landlock", why, groups, landlock_abi=version)
+        return Confinement("landlock", why, groups, landlock_abi=version, seccomp_missing=no_filter)
     if requested == "landlock":
         raise SandboxError(f"NEBULA_TRAINER_STAGE_ISOLATION=landlock, but {no_landlock}")
-    return Confinement("process", f"{why}; {no_landlock}", groups)
+    return Confinement("process", f"{why}; {no_landlock}", groups, seccomp_missing=no_filter)
 
 
 __all__ = [

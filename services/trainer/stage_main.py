@@ -3,10 +3,11 @@
 Started by the trainer as ``python -m services.trainer.stage_main FD`` (inside bubblewrap where the host
 allows it, else under Landlock it enforces on itself: ``sandbox``), with an empty environment and the
 control channel on ``FD``. Before anything of the job is loaded it limits itself (memory, CPU seconds,
-open files), forbids ptrace, core dumps and new privileges; then it runs the same ``ProgramRunner`` a
-trainer thread used to run, with its edges and dataset reads going to the trainer's proxy socket under
-the stage's secret (``stage_proxy``), its status board and step numbers to the trainer over the channel,
-and its checkpoints into its account's directory. It exits when the stage has ended.
+open files), forbids ptrace, core dumps and new privileges, and loads its system-call filter
+(``seccomp_filter``); then it runs the same ``ProgramRunner`` a trainer thread used to run, with its
+edges and dataset reads going to the trainer's proxy socket under the stage's secret (``stage_proxy``),
+its status board and step numbers to the trainer over the channel, and its checkpoints into its
+account's directory. It exits when the stage has ended.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ def main(argv: list[str]) -> int:
     if kind != channel.SPEC:
         return 2
     confine(config["limits"])
+    if config.get("seccomp"):  # after PR_SET_NO_NEW_PRIVS, before Landlock (whose calls it allows)
+        from services.trainer import seccomp_filter
+
+        seccomp_filter.enforce()
     if config.get("landlock"):  # before the job's code, and before any thread: it binds this one
         from services.trainer import landlock
 

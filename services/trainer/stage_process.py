@@ -307,6 +307,7 @@ class StageProcess:
             "torch_threads": self._torch_threads,
             "log_level": self._log_level,
             "landlock": rules,
+            "seccomp": not self.confinement.seccomp_missing,
             # Memory: the control group's limit where there is one (a stage past it is OOM-killed and
             # its end says so); else the address-space rlimit (a MemoryError inside the stage).
             "limits": {

@@ -8,6 +8,7 @@ import ctypes
 import gc
 import json
 import os
+import platform
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,8 @@ from nebula_common.proto.nebula.v1 import relay_pb2
 
 found: dict[str, dict[str, Any]] = {}
 PTRACE_ATTACH = 16
+CLONE_NEWUSER = 0x10000000
+KEYCTL = {"x86_64": 250, "aarch64": 219}
 WATCHWORDS = ("NEBULA", "KEY", "TOKEN", "PASSWORD", "SECRET")
 FOREIGN_METHODS = (
     "/nebula.v1.Trainer/ListStages",
@@ -50,6 +53,18 @@ def ptrace(pid: int) -> str:
     return "attached"
 
 
+def kernel(call: str) -> str:
+    """A system call the stage's seccomp filter refuses, which would succeed without it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if call == "unshare a user namespace":
+        result = libc.unshare(CLONE_NEWUSER)
+    else:  # KEYCTL_GET_KEYRING_ID of the session keyring (KEY_SPEC_SESSION_KEYRING, create it)
+        result = libc.syscall(KEYCTL[platform.machine()], 0, -3, 1)
+    if result == -1:
+        raise OSError(ctypes.get_errno(), f"{call} refused")
+    return f"{call}: {result}"
+
+
 def connect(address: str) -> None:
     host, port = address.rsplit(":", 1)
     socket.create_connection((host, int(port)), timeout=2).close()
@@ -71,6 +86,8 @@ def probe(options: dict[str, Any]) -> None:
     for what in ("environ", "mem", "maps"):
         attempt(f"/proc/trainer/{what}", lambda w=what: Path(f"/proc/{trainer}/{w}").read_bytes()[:16])
     attempt("ptrace the trainer", lambda: ptrace(trainer))
+    for call in ("unshare a user namespace", "keyctl the session keyring"):
+        attempt(call, lambda c=call: kernel(c))
     for name, address in options["ports"].items():
         attempt(f"connect {name}", lambda a=address: connect(a))
     # The stage's secret for its proxy is in its own memory; an attacker finds it there.

@@ -200,3 +200,78 @@ def test_landlock_mode_is_chosen_on_request_and_named_in_the_description(tmp_pat
     chosen = choose_confinement("landlock", tmp_path)
     assert chosen.mode == "landlock" and chosen.landlock_abi == landlock.abi()
     assert chosen.describe().startswith(f"landlock (ABI {landlock.abi()}): reads its code and account only")
+
+
+FILTERED = """
+import ctypes, errno, json, os, subprocess, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS, as stage_main.confine sets it
+from services.trainer import seccomp_filter
+denied = seccomp_filter.enforce()
+NR = {"ptrace": 101, "keyctl": 250, "bpf": 321, "userfaultfd": 323, "perf_event_open": 298,
+      "io_uring_setup": 425, "mount": 165, "unshare": 272, "setns": 308, "init_module": 175,
+      "process_vm_readv": 310, "kexec_load": 246, "clone3": 435}
+seen = {}
+for name, number in NR.items():
+    ctypes.set_errno(0)
+    result = libc.syscall(number, 0, 0, 0, 0, 0, 0)
+    seen[name] = ctypes.get_errno() if result == -1 else "allowed"
+CLONE_NEWUSER, SIGCHLD = 0x10000000, 17
+ctypes.set_errno(0)
+pid = libc.syscall(56, CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0)  # clone into a new user namespace
+seen["clone newuser"] = ctypes.get_errno() if pid == -1 else "allowed"
+if pid == 0:
+    os._exit(0)
+# What a training job does keeps working: threads, a child process, torch.
+worker = threading.Thread(target=lambda: None)
+worker.start()
+worker.join()
+child = subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True)
+seen["subprocess"] = child.stdout.strip()
+import torch
+seen["torch"] = float(torch.ones(3, 3).matmul(torch.ones(3)).sum())
+seen["denied"] = denied
+print(json.dumps(seen))
+"""
+
+
+def test_the_seccomp_filter_refuses_what_no_stage_needs_and_keeps_a_job_working(tmp_path: Path) -> None:
+    """The filter ``stage_main`` loads, loaded for real in a child: every probed call fails with EPERM
+    (``clone3`` with ENOSYS, so the C library falls back to ``clone``, whose flags it sees), while
+    threads, child processes and torch still work."""
+    import platform
+    import subprocess
+    import sys
+
+    from services.trainer import seccomp_filter
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the probe uses x86-64 system call numbers")
+    if why := seccomp_filter.unavailable():
+        pytest.fail(f"seccomp is expected on Linux hosts with libseccomp: {why}")
+    done = subprocess.run(
+        [sys.executable, "-c", FILTERED],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=stage_environment(tmp_path),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    eperm = {name: 1 for name in ("ptrace", "keyctl", "bpf", "userfaultfd", "perf_event_open",
+                                  "io_uring_setup", "mount", "unshare", "setns", "init_module",
+                                  "process_vm_readv", "kexec_load", "clone newuser")}  # fmt: skip
+    assert seen == {**eperm, "clone3": 38, "subprocess": "42", "torch": 9.0, "denied": seen["denied"]}, seen
+    assert seen["denied"] >= len(seccomp_filter.DENIED)
+
+
+def test_every_mode_says_whether_stages_get_the_seccomp_filter(tmp_path: Path) -> None:
+    from services.trainer.sandbox import Confinement
+    from services.trainer.seccomp_filter import DENIED
+
+    chosen = choose_confinement("process", tmp_path)
+    assert not chosen.seccomp_missing
+    assert f"seccomp denies {len(DENIED)} system calls" in chosen.describe()
+    missing = Confinement("bwrap", seccomp_missing="seccomp cannot be loaded here: no libseccomp")
+    assert "no seccomp filter (seccomp cannot be loaded here: no libseccomp)" in missing.describe()
