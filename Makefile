@@ -182,7 +182,8 @@ test: $(STAMP)
 	$(BIN)/pytest -q $(TEST_SELECT) $(PYTEST_ARGS)
 
 # The long fault scenarios, each on a deployment of its own: WAN outages and link loss mid-job, killed
-# services healing, a trainer killed mid-job, the outage limit, `local up` after a kill; and the `long`
+# services healing, a trainer killed mid-job, the outage limit, `local up` after a kill, a small job beside a
+# big neighbour on the paced link; and the `long`
 # scenarios kept out of `make test` (many jobs, four-rank sharding, ABNet's bottleneck and HF models)
 # (about 10 minutes on a quiet 2-core machine). The SIGTERM matrix (also marked `faults`) is
 # `make test-stop`, which repeats each case.
