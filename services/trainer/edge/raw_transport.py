@@ -15,8 +15,8 @@ connection is an outage like a failed stream: ``on_down``, then a reconnecting o
 A refusal on the raw port (the switch's error record) that a retry cannot fix fails the edge.
 
 With ``NEBULA_TRAINER_RAW_EDGE_UNIX`` (a trainer on its switch's host, the switch's ``raw_edge_unix``)
-the ticketed connection is that Unix socket instead: the same records without TLS on this hop (the
-switch checks this process's uid; the open on gRPC keeps mutual TLS and the token).
+the ticketed connection is that Unix socket instead: the same records without TLS on this hop (each end
+checks the other's uid from the kernel; the open on gRPC keeps mutual TLS and the token).
 """
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ import logging
 import os
 import socket
 import ssl
+import stat
+import struct
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 
@@ -121,8 +124,28 @@ def _connect(address: str, context: ssl.SSLContext, name: str) -> ssl.SSLSocket:
     return tls
 
 
+def _check_unix_path(path: str) -> None:
+    """The socket and its directory must be this user's and closed to others, as the switch makes them."""
+    where = Path(path)
+    directory, me = where.parent.stat(), os.getuid()
+    if directory.st_uid != me or stat.S_IMODE(directory.st_mode) & 0o022:
+        raise PermissionError(
+            f"Unix socket edge {path}: its directory belongs to uid {directory.st_uid} with mode "
+            f"{stat.S_IMODE(directory.st_mode):o}; a switch's is this trainer's (uid {me}), closed to others"
+        )
+    info = where.lstat()
+    if not stat.S_ISSOCK(info.st_mode) or info.st_uid != me:
+        raise PermissionError(f"Unix socket edge {path}: not a socket of this trainer's uid {me}")
+
+
 def _connect_unix(path: str) -> socket.socket:
-    """A Unix socket edge connection (the switch checks this process's uid; no TLS on this hop)."""
+    """A Unix socket edge connection: no TLS on this hop, so both ends check the other's uid.
+
+    The switch reads this process's credentials from the kernel; this side checks the path before
+    connecting and the listening process's credentials (``SO_PEERCRED``) after, so a socket that
+    another user put in the way never receives the edge's one-time ticket.
+    """
+    _check_unix_path(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
@@ -131,6 +154,12 @@ def _connect_unix(path: str) -> socket.socket:
         sock.settimeout(CONNECT_TIMEOUT_S)
         sock.connect(path)
         sock.settimeout(None)
+        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        if uid != os.getuid():
+            raise PermissionError(
+                f"Unix socket edge {path} is served by pid {pid} of uid {uid}, not by a switch of this "
+                f"trainer's uid {os.getuid()}: the edge's ticket is not sent there"
+            )
     except BaseException:
         sock.close()
         raise
