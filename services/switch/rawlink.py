@@ -57,7 +57,7 @@ from services.switch.link import (
     parse_link_message,
 )
 from services.switch.peers import PeerLinks
-from services.switch.source_limits import SourceLimits
+from services.switch.source_limits import UNTRUSTED_ROOM, SourceLimits
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +194,7 @@ class WanFrontend:
         send_buffer: int = 0,
         sealed_records: bool = False,
         serves_raw: bool = True,
+        grpc_max_connections: int | None = None,
     ) -> None:
         self.links = links
         #: Raw link connections are served here (link_transport=raw); else only gRPC ones, passed through.
@@ -208,8 +209,10 @@ class WanFrontend:
         self._acceptor: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._handshakes = asyncio.Semaphore(MAX_RAW_HANDSHAKES)
-        #: Slots per source address until mutual TLS completes (source_limits.py).
-        self.limits = SourceLimits()
+        #: Slots per source address until mutual TLS completes (source_limits.py); relayed connections of
+        #: unknown addresses leave room under the gRPC WAN server's cap for the known peer's.
+        untrusted = None if grpc_max_connections is None else grpc_max_connections - UNTRUSTED_ROOM
+        self.limits = SourceLimits(relayed_untrusted=untrusted)
 
     async def start(self, listen: str) -> int:
         host, _, port = listen.rpartition(":")
@@ -282,7 +285,15 @@ class WanFrontend:
                     return
                 slot.append("relayed")
                 handed_off = True
-                await self._pass_through(conn)
+                # gRPC drops a connection that has not finished mutual TLS within the handshake timeout:
+                # one still relayed after it comes from an authenticated peer.
+                known = asyncio.get_running_loop().call_later(
+                    self.handshake_timeout_s + 1.0, self.limits.trust, host
+                )
+                try:
+                    await self._pass_through(conn)
+                finally:
+                    known.cancel()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one connection's failure never takes the port down
@@ -345,6 +356,7 @@ class WanFrontend:
                 log.warning("refused raw WAN link from %s: %s", peer, reason)
                 return False
         authenticated()
+        self.limits.trust(peer.rpartition(":")[0].strip("[]"))
         with contextlib.suppress(OSError):
             carrier.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         connection = RawConnection(carrier, peer, loop, self.send_buffer, sealing, cert, preamble)

@@ -307,6 +307,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         send_buffer=LINK_WINDOW_BYTES,
         sealed_records=settings.link_records == "sealed",
         serves_raw=raw,
+        grpc_max_connections=settings.wan_max_connections,
     )
     wan.ports["wan"] = await frontend.start(settings.wan_listen)
     wan.ports["wan_grpc_backend"] = grpc_wan_port

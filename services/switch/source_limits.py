@@ -13,11 +13,21 @@ when relayed) and ``MAX_RAW_HANDSHAKES`` threads.
 A genuine peer needs at most 16 lane connections and their reconnects, from one address: well inside
 ``PER_SOURCE_RELAYED``; its raw handshakes take a few milliseconds each, so ``PER_SOURCE_PENDING``
 leaves it room beside any number of other sources' stalled ones.
+
+Many sources together (a flood from a botnet, or one host with many IPv6 addresses) can still fill the
+totals. So an address from which a connection passed mutual TLS (``trust``: a raw connection's
+handshake, or a relayed one that outlived the handshake timeout, which gRPC only allows one that
+finished it) is **known** for ``TRUSTED_FOR_S``: it is not counted against the totals, only against its
+own per-source caps. And relayed connections of unknown addresses together stay ``UNTRUSTED_ROOM``
+below the gRPC WAN server's connection cap, so the peer's lanes always find room there. A peer that
+has never connected, or comes back from a new address, is not helped: it competes like anyone else.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 PER_SOURCE_PENDING = 8
 """Connections of one source address not yet through mutual TLS (idle, in a preamble or a handshake)."""
@@ -26,6 +36,12 @@ PER_SOURCE_RELAYED = 32
 the gRPC server caps all of them at ``NEBULA_SWITCH_WAN_MAX_CONNECTIONS``)."""
 MAX_PENDING = 512
 """Connections of all sources not yet through mutual TLS, or relayed."""
+TRUSTED_FOR_S = 24 * 3600.0
+"""How long an address stays known after its last connection that passed mutual TLS."""
+TRUSTED_MAX = 256
+"""Known addresses kept (the least recently seen forgotten first)."""
+UNTRUSTED_ROOM = 16
+"""Connections of the gRPC WAN server's cap left to known addresses (a peer's lanes and reconnects)."""
 
 
 class SourceLimits:
@@ -36,10 +52,35 @@ class SourceLimits:
         per_source_pending: int = PER_SOURCE_PENDING,
         per_source_relayed: int = PER_SOURCE_RELAYED,
         total: int = MAX_PENDING,
+        relayed_untrusted: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._caps = {"pending": per_source_pending, "relayed": per_source_relayed}
         self._total = total
+        #: Relayed connections of unknown addresses, all together (None: only ``total`` bounds them).
+        self._relayed_untrusted = relayed_untrusted
         self._held: dict[str, Counter[str]] = {"pending": Counter(), "relayed": Counter()}
+        self._trusted: OrderedDict[str, float] = OrderedDict()  # address -> last seen authenticated
+        self._clock = clock
+
+    def trust(self, source: str) -> None:
+        """A connection from ``source`` passed mutual TLS: the address is known from now on."""
+        self._trusted.pop(source, None)
+        self._trusted[source] = self._clock()
+        while len(self._trusted) > TRUSTED_MAX:
+            self._trusted.popitem(last=False)
+
+    def trusted(self, source: str) -> bool:
+        seen = self._trusted.get(source)
+        if seen is None:
+            return False
+        if self._clock() - seen > TRUSTED_FOR_S:
+            del self._trusted[source]
+            return False
+        return True
+
+    def _untrusted(self, kind: str) -> int:
+        return sum(n for source, n in self._held[kind].items() if source not in self._trusted)
 
     @property
     def held(self) -> int:
@@ -55,10 +96,17 @@ class SourceLimits:
         held = self._held[kind]
         if held[source] >= self._caps[kind]:
             return f"more than {self._caps[kind]} {kind} connections from one address"
-        if self.held >= self._total:
-            return f"more than {self._total} connections before their handshake, all addresses"
+        if not self.trusted(source):
+            if self.held - self._held_trusted() >= self._total:
+                return f"more than {self._total} connections before their handshake, all addresses"
+            cap = self._relayed_untrusted
+            if kind == "relayed" and cap is not None and self._untrusted("relayed") >= cap:
+                return f"more than {cap} relayed connections of addresses not yet authenticated"
         held[source] += 1
         return None
+
+    def _held_trusted(self) -> int:
+        return sum(self.held_by(source) for source in self._trusted)
 
     def move(self, source: str, kind: str) -> str | None:
         """Turn ``source``'s pending slot into one of ``kind`` (None, or why refused: the slot is gone)."""

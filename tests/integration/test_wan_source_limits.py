@@ -8,7 +8,8 @@ per-source slots they kept the genuine peer out entirely on either transport; wi
 at most ``PER_SOURCE_PENDING`` + ``PER_SOURCE_RELAYED`` slots, its other connections are closed at accept
 and audited as a handful of aggregated ``link.refused`` records (layer ``limit``), and the genuine
 peer's mutual TLS handshake (with gRPC's WAN server behind the frontend, or the raw transport) takes
-about what it takes on an idle port, while the running link keeps its session.
+about what it takes on an idle port, while the running link keeps its session. A flood from a hundred
+addresses, which fills every total, does not keep out a peer whose address passed mutual TLS before.
 """
 
 from __future__ import annotations
@@ -153,3 +154,79 @@ def test_one_source_cannot_crowd_out_the_genuine_peer(
         refusals = [r for r in pair.audit("b", "link.refused") if r["details"].get("source") == STRANGER]
         assert 1 <= len(refusals) <= 10, f"{len(refusals)} refusal records for one stranger"
         wait_for(lambda: frontend.limits.held_by(STRANGER) == 0, 30, "every stranger's slot released")
+
+
+SOURCES, IDLE_EACH = 100, 6  # 600 idle connections: past the frontend's total of 512
+
+
+def _many_sources(port: int) -> list[socket.socket]:
+    """From 127.0.0.2 .. 127.0.0.101 (a botnet): six idle connections and one stalled TLS start each."""
+    sockets = []
+    for host in range(2, 2 + SOURCES):
+        for index in range(IDLE_EACH + 1):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.settimeout(5)
+            try:
+                sock.bind((f"127.0.0.{host}", 0))
+                sock.connect(("127.0.0.1", port))
+                if index == IDLE_EACH:
+                    sock.sendall(TLS_START)  # relayed to gRPC, then nothing
+            except OSError:
+                sock.close()
+                continue
+            sockets.append(sock)
+    return sockets
+
+
+def test_many_sources_cannot_crowd_out_a_peer_that_authenticated_before(
+    tmp_path: Path,
+    pki_ab: PkiLayout,
+    clusters: dict[str, Cluster],  # noqa: F811
+) -> None:
+    """A flood from a hundred addresses fills the frontend's total and would fill gRPC's connection cap;
+    the peer's address, known since its link passed mutual TLS, still gets in as fast as on an idle port."""
+    paths = pki_ab.cluster("a")
+    genuine = _context(
+        _pem_pair(
+            tmp_path,
+            "switch-a",
+            x509.load_pem_x509_certificate(paths.switch_cert.read_bytes()),
+            load_pem_private_key(paths.switch_key.read_bytes(), password=None),
+        ),
+        paths.trust_bundle,
+    )
+    genuine.set_alpn_protocols(["h2"])
+    with switch_pair(tmp_path, pki_ab, clusters, link_transport="grpc") as pair:
+        frontend = pair.b.running.frontend
+        assert frontend is not None
+        port = pair.b.running.wan_port
+        address = f"127.0.0.1:{port}"
+        # The link's connection outlives the WAN handshake timeout (10 s): its address is known.
+        wait_for(lambda: frontend.limits.trusted("127.0.0.1"), 30, "the peer's address known")
+        sessions = pair.a.running.link.state.sessions
+        idle = statistics.median(_handshake_seconds(address, genuine, "grpc") for _ in range(5))
+        strangers = _many_sources(port)
+        try:
+            assert len(strangers) >= SOURCES * IDLE_EACH * 0.9, f"only {len(strangers)} connections made"
+            wait_for(
+                lambda: any(
+                    "all addresses" in r["details"]["reason"] for r in pair.audit("b", "link.refused")
+                ),
+                30,
+                "the flood over the total refused and audited",
+            )
+            wait_for(lambda: _closed_by_peer(strangers[-2]), 30, "the flood's last connections dealt with")
+            attacked = statistics.median(_handshake_seconds(address, genuine, "grpc") for _ in range(5))
+            assert attacked <= 2 * idle + 0.25, (
+                f"handshake {attacked:.3f} s under the flood, {idle:.3f} s idle"
+            )
+            untrusted = frontend.limits.held - frontend.limits.held_by("127.0.0.1")
+            assert untrusted <= 512, f"the flood holds {untrusted} slots"
+            print(
+                f"many sources: handshake idle {idle:.4f} s, flooded {attacked:.4f} s; {untrusted} slots held"
+            )
+            assert pair.a.running.link.connected and pair.a.running.link.state.sessions == sessions
+        finally:
+            for sock in strangers:
+                with contextlib.suppress(OSError):
+                    sock.close()
