@@ -52,6 +52,23 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], int]] = [
         4,
     ),
     ("Open job edges", "none", [("nebula_switch_edges_open", "{{cluster}}")], 4),
+    # The paced link (services/switch/pacing.py): what the peer has not read yet, kept under the cap, so a
+    # big job's bytes wait in the scheduler; unread bytes pinned at the cap mean a full link.
+    (
+        "WAN link: bytes the peer has not read / cap",
+        "bytes",
+        [
+            ("nebula_switch_link_inflight_bytes", "{{cluster}} to {{peer}} unread"),
+            ("nebula_switch_link_inflight_limit_bytes", "{{cluster}} to {{peer}} cap"),
+        ],
+        12,
+    ),
+    (
+        "WAN link delivery rate, as the pacer estimates it (bits/s)",
+        "bps",
+        [("nebula_switch_link_delivery_rate_bytes * 8", "{{cluster}} to {{peer}}")],
+        12,
+    ),
     (
         "Frames relayed / s",
         "ops",
