@@ -92,6 +92,8 @@ ReadFn = Callable[[], Awaitable[object]]
 WriteFn = Callable[[bytes], Awaitable[None]]
 CredentialsFn = Callable[[], grpc.ChannelCredentials]
 ProbeFn = Callable[[], Awaitable[x509.Certificate]]
+READER_GRACE_S = 1.0
+"""How long a session whose write failed waits for its reader to say why the connection ended."""
 RAW_LINK_VERSION = 1
 """``Handshake.raw_link`` of a switch that serves (acceptor) or wants (dialer) the raw transport."""
 
@@ -536,7 +538,15 @@ class PeerLink:
                 done, _ = await asyncio.wait(
                     {writer, reader, keepalive, closer, lane_lost}, return_when=asyncio.FIRST_COMPLETED
                 )
-                for task in done:
+                if writer in done and writer.exception() is not None and reader not in done:
+                    # A write into a connection that broke says only that it is closed; the reader
+                    # learns why (a cut, a tampered record, the peer's close): give it a moment.
+                    finished, _ = await asyncio.wait({reader}, timeout=READER_GRACE_S)
+                    done = {*done, *finished}
+                # The most telling reason is assigned last: this switch's close, a lost lane, then
+                # what the reader saw, then any other task's failure.
+                rank = {reader: 1, lane_lost: 2, closer: 3}
+                for task in sorted(done, key=lambda t: rank.get(t, 0)):
                     if task is closer:
                         reason = "the WAN link session was closed by this switch"
                     elif task is lane_lost:
