@@ -89,6 +89,12 @@ bench-faults: $(STAMP)
 bench-neighbour: $(STAMP)
 	$(BIN)/python bench/faults/neighbour.py --out bench-results
 
+# 100,000 TLS handshakes without a certificate on a switch's WAN port (`nebula local up`'s defaults): the
+# audit records they leave, aggregated per source, layer and reason a minute (about 5 minutes).
+.PHONY: bench-refusals
+bench-refusals: $(STAMP)
+	$(BIN)/python bench/security/refusal_flood.py --out bench-results
+
 # Relay throughput on loopback (a few minutes; never part of `make test`): the full path edge -> switch ->
 # mTLS link -> switch -> edge side by side with one TLS socket hop, TCP, one gRPC stream and gloo, on 1, 16 and
 # 64 MiB tensors, and the switches' CPU-seconds per GB. JSON + markdown in bench-results/relay/.
