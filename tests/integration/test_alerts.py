@@ -12,6 +12,7 @@ switches and restoring it ends it; a switch certificate that has 12 hours left f
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -26,6 +27,7 @@ from nebula_common.pki.store import renew_switch_certificate
 from tests.integration.test_link_loss import restore_wan
 from tests.support.prometheus import REQUIRE_ENV, Prometheus, prometheus_binary, running_prometheus
 
+AUDIT_DISK_LOW_BYTES = 1 << 30  # NebulaAuditDiskLow's threshold in alerts.yml
 RULES = Path(__file__).resolve().parents[2] / "docker" / "monitoring" / "alerts.yml"
 # A cut and a certificate change on a deployment of its own (about 40 s): `make test-faults` and
 # `make check-dashboards`, both in CI.
@@ -68,12 +70,18 @@ def _firing(prometheus: Prometheus) -> list[tuple[str, str]]:
     )
 
 
-def test_nothing_fires_on_a_healthy_deployment(prometheus: Prometheus) -> None:
+def test_nothing_fires_on_a_healthy_deployment(deployment: LocalDeployment, prometheus: Prometheus) -> None:
     started = time.time()
     prometheus.wait_scraped_after(started + 2, timeout_s=30)  # a few evaluations over fresh series
     rules = prometheus.rules()
     assert len(rules) >= 9 and all(rule["health"] == "ok" for rule in rules), rules
-    assert _firing(prometheus) == []
+    # The one alert about the host rather than Nebula: it must fire when this machine's disk is low.
+    disk_rule = next(rule for rule in rules if rule["name"] == "NebulaAuditDiskLow")
+    metric, threshold = disk_rule["query"].split(" < ")
+    assert (metric, float(threshold)) == ("nebula_audit_disk_free_bytes", AUDIT_DISK_LOW_BYTES), disk_rule
+    low_disk = shutil.disk_usage(deployment.run_dir).free < AUDIT_DISK_LOW_BYTES
+    expected = sorted({("NebulaAuditDiskLow", cluster) for cluster in ("a", "b")}) if low_disk else []
+    assert sorted(set(_firing(prometheus))) == expected
 
 
 def test_a_cut_link_fires_link_down_on_both_switches_and_the_restore_ends_it(
