@@ -84,7 +84,7 @@ def test_every_dashboard_metric_is_exported(
         for rule in group["rules"]
         for name in re.findall(r"\bnebula_[a-z0-9_]+", rule["expr"])
     }
-    assert len(alerted) >= 9
+    assert len(alerted) >= 8  # the regex found the rules: nine alerts over eight metrics
     missing = sorted(alerted - exported)
     assert not missing, f"alert rules name metrics no service exports: {missing}"
 
