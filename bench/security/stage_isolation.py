@@ -34,6 +34,9 @@ def run_demo(tree: Path, steps: int) -> dict[str, float]:
         env = {**os.environ, "PYTHONPATH": str(tree)}
         command = [sys.executable, "-m", "nebula_common.cli.app", "demo", "--steps", str(steps)]
         command += ["--run-dir", str(Path(scratch) / "run"), "--json", str(summary)]
+        # One job, the same on both trees: codec none on the 60 Mbit/s, 20 ms link the demo ran before
+        # it compared none with auto on a slower one.
+        command += ["--codec-forward", "none", "--codec-backward", "none", "--bandwidth-mbit", "60"]
         done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             raise RuntimeError(

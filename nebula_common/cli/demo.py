@@ -16,6 +16,7 @@ from typing import Any
 import typer
 
 from nebula_common.cli.console import new_console
+from nebula_common.cli.demo_compare import Comparison, choice_of
 from nebula_common.cli.job import follow, onboard, print_summary
 from nebula_common.errors import NebulaError
 from nebula_common.launcher import LocalDeployment
@@ -28,6 +29,9 @@ from nebula_common.sdk.links import LinkProfile
 console = new_console()
 DEMO_JOBS = ("numbers", "electra")
 """Built-in jobs that run from scratch in a couple of minutes on a laptop (``abnet`` needs its text data)."""
+COMPARE_STEPS = 150
+"""Steps of each job when the demo compares none with auto: long enough that auto's one-off costs
+(probing the job, measuring the link, its trial: about 4 s on 2 cores) are a small part of the job."""
 
 
 def _create_account(deployment: LocalDeployment, cluster: str, username: str) -> ClusterSession:
@@ -47,13 +51,19 @@ def _pipeline(job: ProgramJob) -> str:
 
 def demo(
     job_name: str = typer.Option("numbers", "--job", help=f"Which built-in job: {', '.join(DEMO_JOBS)}."),
-    steps: int = typer.Option(None, min=1, help="Optimizer steps (default: the job's, 60)."),
+    steps: int = typer.Option(
+        None,
+        min=1,
+        help=f"Optimizer steps (default: the job's, 60; {COMPARE_STEPS} when comparing none with auto).",
+    ),
     bandwidth_mbit: float = typer.Option(
-        60.0, min=0.001, help="Emulated WAN bandwidth per direction (Mbit/s)."
+        10.0, min=0.001, help="Emulated WAN bandwidth per direction (Mbit/s)."
     ),
     delay_ms: float = typer.Option(20.0, min=0.0, help="Emulated one-way WAN delay (ms)."),
     codec_forward: str = typer.Option(
-        None, help="Codec for what crosses a->b, e.g. fp16, int8 (default none)."
+        None,
+        help="Codec for what crosses a->b, e.g. fp16, int8, auto. Without either codec option the demo "
+        "runs the job twice, with none and with auto, and compares them.",
     ),
     codec_backward: str = typer.Option(None, help="Codec for activation gradients b->a (default none)."),
     micro_batches: int = typer.Option(
@@ -86,19 +96,21 @@ def demo(
         "stages.1.replicas": replicas,
     }
     overrides = {key: value for key, value in given.items() if value is not None}  # else the spec's value
-    from nebula_common.jobspec import SpecError, load_spec
-    from nebula_common.jobspec.builtin import builtin_spec
-
-    try:
-        job = ProgramJob(load_spec(builtin_spec(job_name), overrides))
-    except (SpecError, ValueError) as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    codecs = job.spec.edge.codec
+    compare = codec_forward is None and codec_backward is None
+    if compare:  # none first, then auto: the same job on the same link
+        overrides.setdefault("steps", COMPARE_STEPS)
+        job = _job(job_name, overrides | {"edges.0.codec.forward": "auto", "edges.0.codec.backward": "auto"})
+        baseline = _job(
+            job_name, overrides | {"edges.0.codec.forward": "none", "edges.0.codec.backward": "none"}
+        )
+        codecs_line = "codecs none, then auto (both directions)"
+    else:
+        job = _job(job_name, overrides)
+        codecs_line = f"codecs forward={job.spec.edge.codec.forward} backward={job.spec.edge.codec.backward}"
     run_dir = run_dir or Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     console.print(
         f"[bold]Nebula demo[/] ({job_name}): clusters a and b, WAN {bandwidth_mbit:g} Mbit/s, "
-        f"{delay_ms:g} ms one-way; codecs forward={codecs.forward} backward={codecs.backward}; "
-        f"{_pipeline(job)}; run dir {run_dir}"
+        f"{delay_ms:g} ms one-way; {codecs_line}; {_pipeline(job)}; run dir {run_dir}"
     )
     started = time.perf_counter()
     if dev_plaintext_internal:
@@ -119,7 +131,21 @@ def demo(
         deployment.write_description(run_dir / "deployment.json")
         write_endpoints_file(DeploymentTarget.load(run_dir / "deployment.json"), run_dir / ENDPOINTS)
         sessions = {c: _create_account(deployment, c, f"researcher-{c}") for c in ("a", "b")}
-        summary = follow(job, sessions, link=LinkProfile(bandwidth_mbit=bandwidth_mbit, rtt_ms=2 * delay_ms))
+        link = LinkProfile(bandwidth_mbit=bandwidth_mbit, rtt_ms=2 * delay_ms)
+        comparison = None
+        if compare:
+            console.print("1/2: the job with codec none")
+            clock = time.perf_counter()
+            reference = follow(baseline, sessions, link=link)
+            reference_seconds = time.perf_counter() - clock
+            console.print("2/2: the same job with codec auto")
+        clock = time.perf_counter()
+        summary = follow(job, sessions, link=link)
+        if compare:
+            seconds = time.perf_counter() - clock
+            comparison = Comparison(
+                reference, reference_seconds, summary, seconds, choice_of(job.codec_choice)
+            )
     except NebulaError as exc:
         console.print(f"[red]demo failed:[/] {exc}")
         raise typer.Exit(1) from exc
@@ -131,6 +157,9 @@ def demo(
         job=job_name, bandwidth_mbit=bandwidth_mbit, delay_ms=delay_ms, run_dir=str(run_dir)
     )
     print_summary(summary)
+    if comparison is not None:
+        console.print(comparison.table())
+        console.print(comparison.verdict(), markup=False, highlight=False)
     console.print(
         f"the job again, now that the clusters are stopped: nebula job list --deployment {run_dir} "
         f"(or status|report {summary.job_id})",
@@ -139,7 +168,21 @@ def demo(
         soft_wrap=True,
     )
     if json_path is not None:
-        json_path.write_text(json.dumps(summary.to_json(), indent=2))
+        document = summary.to_json()
+        if comparison is not None:  # the auto job's summary, with none's and the comparison beside it
+            document |= {"baseline": comparison.baseline.to_json(), "comparison": comparison.to_json()}
+        json_path.write_text(json.dumps(document, indent=2))
         console.print(f"summary written to {json_path}")
-    if not summary.succeeded:
+    if not summary.succeeded or (comparison is not None and not comparison.baseline.succeeded):
         raise typer.Exit(1)
+
+
+def _job(name: str, overrides: dict[str, Any]) -> ProgramJob:
+    """The built-in job ``name`` with the demo's options; a bad option is a usage error (exit 2)."""
+    from nebula_common.jobspec import SpecError, load_spec
+    from nebula_common.jobspec.builtin import builtin_spec
+
+    try:
+        return ProgramJob(load_spec(builtin_spec(name), overrides))
+    except (SpecError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from exc

@@ -176,19 +176,22 @@ def job_advice_request(
     compute_seconds: float = 0.0,
     error_budget: float = 0.0,
     dtype: str = "float32",
+    samples: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> AdviceRequest:
     """The request for a two-stage job: one activation (forward) and one gradient (backward) tensor per
-    micro-batch on ``edge``; the gradient has the activation's shape unless given."""
+    micro-batch on ``edge``; the gradient has the activation's shape unless given. ``samples``: the
+    job's own (activation, gradient), to measure each codec's error on instead of synthetic data."""
     shape = tuple(int(dim) for dim in activation_shape)
     grad = tuple(int(dim) for dim in gradient_shape) if gradient_shape is not None else shape
+    forward_sample, backward_sample = samples if samples is not None else (None, None)
     return AdviceRequest(
         bandwidth_bps=bandwidth_bps,
         rtt_seconds=rtt_seconds,
         compute_seconds=compute_seconds,
         error_budget=error_budget,
         tensors=[
-            EdgeTensor(edge=edge, direction=FORWARD, shape=shape, dtype=dtype, per_step=micro_batches),
-            EdgeTensor(edge=edge, direction=BACKWARD, shape=grad, dtype=dtype, per_step=micro_batches),
+            EdgeTensor(edge, FORWARD, shape, dtype, micro_batches, forward_sample),
+            EdgeTensor(edge, BACKWARD, grad, dtype, micro_batches, backward_sample),
         ],
     )
 

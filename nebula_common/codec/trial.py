@@ -208,12 +208,15 @@ def choose_by_trial(
     max_trials: int = DEFAULT_MAX_TRIALS,
     baseline: Candidate = Candidate("none", "none", "none"),
     progress_tolerance: float | None = None,
+    estimate: Callable[[Candidate], Assessment] | None = None,
 ) -> TrialDecision:
     """Calibrate every candidate, try the fastest-predicted ones, return the first within ``tolerance``.
 
     ``run(candidate, steps)`` trains ``steps`` steps from the job's start with the
     candidate's codecs in the loop (same seed and data for every call) and returns
     what it measured. ``progress_tolerance`` adds the progress rule (``within_budget``).
+    ``estimate``, when given, predicts each candidate's step instead of the calibration runs
+    (the product's pipelined step model: compute + transfer would ignore the overlap).
     """
     if not candidates:
         raise CodecError("give at least one candidate codec pair to choose from")
@@ -236,9 +239,13 @@ def choose_by_trial(
         )
 
     base_run = run(baseline, trial_steps)
-    base = assess(baseline, base_run)
+    base = estimate(baseline) if estimate is not None else assess(baseline, base_run)
     base.trial_loss, base.excess, base.within = trial_loss(base_run.losses), 0.0, True
-    assessments = [assess(c, run(c, calibration_steps)) for c in candidates if c != baseline]
+    others = [c for c in candidates if c != baseline]
+    if estimate is not None:
+        assessments = [estimate(c) for c in others]
+    else:
+        assessments = [assess(c, run(c, calibration_steps)) for c in others]
     assessments.sort(key=lambda a: a.predicted_step_seconds)
     progress = trial_progress(base_run.losses) if progress_tolerance is not None else None
     decision = TrialDecision(

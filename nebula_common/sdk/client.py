@@ -361,10 +361,12 @@ def switch_link(
         why = f"switch {here} could not measure it: {exc}"
     else:
         if status.bandwidth_bps > 0:
-            rtt_ms = status.rtt_seconds * 1000.0
+            # The path's lowest recent RTT: the step model adds the queueing a job causes itself.
+            rtt_ms = (status.min_rtt_seconds or status.rtt_seconds) * 1000.0
+            lowest = " (the lowest of the last 5 minutes)" if status.min_rtt_seconds else ""
             measured = (
                 f"measured by switch {here} toward {peer}: {status.bandwidth_bps / 1e6:.3g} Mbit/s, "
-                f"RTT {rtt_ms:.1f} ms"
+                f"RTT {rtt_ms:.1f} ms{lowest}"
             )
             return LinkProfile(status.bandwidth_bps / 1e6, rtt_ms, source=measured), measured
         why = f"switch {here} reports no bandwidth toward {peer} (a switch older than the measurement)"

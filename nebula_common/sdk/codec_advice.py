@@ -27,6 +27,7 @@ edge; the stages get one codec pair per edge and the per-edge choice.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +42,7 @@ from nebula_common.codec.stream import TensorStreamDecoder, TensorStreamEncoder,
 from nebula_common.codec.trial import (
     DEFAULT_LOSS_TOLERANCE,
     DEFAULT_TRIAL_STEPS,
+    Assessment,
     Candidate,
     Link,
     TrialDecision,
@@ -49,50 +51,20 @@ from nebula_common.codec.trial import (
 )
 from nebula_common.jobspec.reference import build_programs
 from nebula_common.jobspec.runtime import example_ids
+from nebula_common.sdk import auto_plan
+from nebula_common.sdk.auto_plan import TRIAL_MAX_PAIRS, EdgeModel
+from nebula_common.sdk.job_probe import MicroBatchProbe, one_torch_thread, probe_micro_batch
 from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.links import AUTO, LinkProfile
+from nebula_common.sdk.step_model import Pipeline
 
 DEFAULT_ERROR_BUDGET = 0.05
 TRIAL_OPTIONS_PER_DIRECTION = 3
 """The codec service's top options per direction that the trial pairs up (at most 3 x 3 pairs)."""
-TRIAL_MAX_PAIRS = 3
-"""Pairs trained ``trial_steps`` steps at most (fastest-predicted first); the rest are only calibrated."""
-
-
-@dataclass(frozen=True)
-class MicroBatchProbe:
-    activation_shape: tuple[int, ...]
-    compute_seconds: float
-    edge_shapes: tuple[tuple[int, ...], ...] = ()
-    """Every edge's activation shape in chain order (the first is ``activation_shape``)."""
 
 
 Advisor = Callable[[AdviceRequest], AdviceResult]
 """Ranks codecs for one edge's request: a codec service (``advise_specs_sync``), or in-process ``advise``."""
-
-
-def probe_micro_batch(job: ProgramJob) -> MicroBatchProbe:
-    """Run one real micro-batch of the job locally: each edge tensor's shape and the compute around it."""
-    spec = job.spec
-    programs = build_programs(job.loaded)
-    first, middles, last = programs[0], programs[1:-1], programs[-1]
-    size = spec.data.batch_size // spec.data.micro_batches
-    ids = example_ids(spec.seed, spec.data.examples, 0, 0, spec.data.micro_batches, size)
-    started = time.perf_counter()
-    cuts: list[tuple[torch.Tensor, torch.Tensor]] = []
-    states = first.forward(first.batch(ids))
-    for middle in middles:  # a chain: every cut as the split run has it (a leaf on the far side)
-        received = states.detach().requires_grad_(True)
-        cuts.append((states, received))
-        states = middle.relay(received, ids)
-    received = states.detach().requires_grad_(True)
-    cuts.append((states, received))
-    last.loss(received, last.batch(ids)).backward()
-    for sent, leaf in reversed(cuts):
-        sent.backward(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
-    elapsed = time.perf_counter() - started
-    shapes = tuple(tuple(sent.shape) for sent, _ in cuts)
-    return MicroBatchProbe(activation_shape=shapes[0], compute_seconds=elapsed, edge_shapes=shapes)
 
 
 def needs_advice(job: ProgramJob) -> bool:
@@ -233,6 +205,8 @@ def decide_by_trial(
     link: Link,
     settings: TrialSettings,
     trial_steps: int,
+    estimate: Callable[[Candidate], Assessment] | None = None,
+    max_trials: int = TRIAL_MAX_PAIRS,
 ) -> TrialDecision:
     """The ``auto`` decision: the fastest-predicted candidate within both of ``settings``' rules."""
     return choose_by_trial(
@@ -243,7 +217,8 @@ def decide_by_trial(
         progress_tolerance=settings.progress_tolerance,
         trial_steps=trial_steps,
         calibration_steps=2,
-        max_trials=TRIAL_MAX_PAIRS,
+        max_trials=max_trials,
+        estimate=estimate,
     )
 
 
@@ -260,39 +235,73 @@ def advise_edge(
 
     ``codecs``: every edge's (forward, backward) as known so far (a chain's other edges train with
     them in the trial; an ``auto`` one with ``none``). The request carries this edge's own tensor
-    shape and link; the trial trains the whole job with the candidates on this edge only.
+    shape and link; every pair is predicted with the pipelined step model and the trial, sized by
+    ``auto_plan``, trains the whole job with the candidates on this edge only.
     """
     declared = job.spec.edges[index]
     configured = (declared.codec.forward, declared.codec.backward)
     shapes = probe.edge_shapes or (probe.activation_shape,)
-    edge_probe = MicroBatchProbe(shapes[index], probe.compute_seconds, shapes)
+    edge_probe = dataclasses.replace(probe, activation_shape=shapes[index])
+    spec = job.spec
     request = job_advice_request(
         bandwidth_bps=link.bandwidth_mbit * 1e6,
         rtt_seconds=link.rtt_ms / 1000.0,
         edge=declared.name,
         activation_shape=edge_probe.activation_shape,
-        micro_batches=job.spec.data.micro_batches,
+        micro_batches=spec.data.micro_batches,
         compute_seconds=probe.compute_seconds,
         error_budget=settings.error_budget,
+        samples=probe.samples[index] if probe.samples else None,
     )
     advice = advisor(request)
     forward = advice.forward_spec if canonical_spec(configured[0]) == AUTO else configured[0]
     backward = advice.backward_spec if canonical_spec(configured[1]) == AUTO else configured[1]
+    if spec.pipeline.mode == "one_way":  # no gradient comes back: the service's ranking decides
+        return forward, backward, choice_record(advice, forward, backward, edge_probe, link)
     others = [(_concrete(f), _concrete(b)) for f, b in codecs]
-    trial = None
-    candidates = trial_candidates(advice, *configured)
-    trial_steps = min(settings.trial_steps, job.spec.steps)  # never trial longer than the job itself
-    if trial_steps >= 2 and job.spec.pipeline.mode != "one_way" and candidates:
+    wan = Link(bandwidth_bps=link.bandwidth_mbit * 1e6, rtt_seconds=link.rtt_ms / 1000.0)
+    model = EdgeModel(
+        stages=edge_probe.stage_times(index),
+        pipeline=Pipeline(spec.data.micro_batches, spec.pipeline.schedule, spec.pipeline.max_in_flight),
+        link=wan,
+        activation_shape=edge_probe.activation_shape,
+        steps=spec.steps,
+        trial_step_seconds=probe.compute_seconds * spec.data.micro_batches,
+        trial_setup_seconds=probe.setup_seconds,
+    )
+    sized = auto_plan.plan(model, advice, trial_candidates(advice, *configured), settings.trial_steps)
+    if sized.trial_steps:
+        clock = time.perf_counter()
         trial = decide_by_trial(
-            candidates,
-            lambda candidate, steps: trial_run(job, candidate, steps, index, others),
-            Link(bandwidth_bps=link.bandwidth_mbit * 1e6, rtt_seconds=link.rtt_ms / 1000.0),
+            [each.candidate for each in sized.faster],
+            lambda candidate, steps: _on_one_thread(trial_run, job, candidate, steps, index, others),
+            wan,
             settings,
-            trial_steps,
+            sized.trial_steps,
+            estimate=lambda candidate: auto_plan.predict(model, advice, candidate),
+            max_trials=sized.max_pairs,
         )
-        forward, backward = trial.chosen.forward, trial.chosen.backward
-    record = choice_record(advice, forward, backward, edge_probe, link, trial)
-    return forward, backward, record
+        spent = time.perf_counter() - clock
+        trial.reasons.insert(
+            1,
+            f"trial budget {sized.budget_seconds:.2f} s: {sized.trial_steps} steps a run "
+            f"(the trial took {spent:.2f} s)",
+        )
+    else:
+        trial = auto_plan.untried_decision(sized, wan, _within_budget(advice))
+    forward, backward = trial.chosen.forward, trial.chosen.backward
+    return forward, backward, choice_record(advice, forward, backward, edge_probe, link, trial)
+
+
+def _on_one_thread(run: Callable[..., TrialRun], *args: Any) -> TrialRun:
+    """A trial run on one torch thread, as the probe that priced it (and the trainers) compute."""
+    with one_torch_thread():
+        return run(*args)
+
+
+def _within_budget(advice: AdviceResult) -> dict[str, bool]:
+    """Per ranked spec, whether the service found its error within budget (both directions' specs)."""
+    return {o.spec: o.within_budget for d in advice.directions for o in d.options}
 
 
 def _concrete(codec: str) -> str:

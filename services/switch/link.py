@@ -15,18 +15,7 @@ trainer's framed chunk (``LinkMessage.framed``) byte for byte, reading only its 
 decoded or re-encoded here. Each side announces ``Handshake.link_framing``; a peer that does not (an
 older switch) is sent each framed chunk as the equivalent classic ``routed`` message.
 
-Liveness from the measured round-trip time (RFC 6298). Each side sends a Ping, at most one outstanding,
-at the keepalive interval; the peer answers with a Pong ahead of any queued item. Each Pong is an RTT
-sample R: the first sets SRTT = R, RTTVAR = R/2; later ones RTTVAR = 3/4 RTTVAR + 1/4 |SRTT - R|,
-SRTT = 7/8 SRTT + 1/8 R. Then RTO = SRTT + max(10 ms, 4 RTTVAR) (1 s before the first sample), and
-
-    keepalive interval = clamp(4 RTO, 1 s, 10 s)
-    dead-peer timeout  = clamp(3 x interval + 4 RTO, 10 s, 60 s)
-
-The peer is dead when nothing at all (item, Ping or Pong) has arrived for the dead-peer timeout; the
-session then ends and the routes get a LinkNotice (``Router.link_down``). The 10 s floor keeps a busy
-2-core host's scheduling stalls from cutting a healthy link; the RTT lowers nothing below it but raises
-it on slow or jittery paths (a 2 s RTT path waits 10 x 3 + 4 x RTO).
+Liveness from the measured round-trip time: ``liveness.py``.
 """
 
 from __future__ import annotations
@@ -60,6 +49,7 @@ from nebula_common.rpc.framing import (
 )
 from services.switch.bandwidth import BandwidthMeter, BandwidthProbeError, Measurement
 from services.switch.lanes import LaneGapError, LaneTuner, ReorderBuffer
+from services.switch.liveness import LivenessPolicy, RttEstimator
 from services.switch.metrics import (
     AUTH_REFUSALS,
     LINK_CONNECTIONS,
@@ -149,47 +139,6 @@ def parse_link_message(raw: object) -> link_pb2.LinkMessage:
         return link_pb2.LinkMessage.FromString(raw)
     except Exception as exc:  # protobuf's DecodeError
         raise HandshakeError(f"peer sent bytes that are not a link message: {exc}") from exc
-
-
-def _clamp(value: float, low: float, high: float) -> float:
-    return max(low, min(high, value))
-
-
-@dataclass
-class RttEstimator:
-    """Smoothed round-trip time and its variation, as RFC 6298 section 2 computes them."""
-
-    srtt: float | None = None
-    rttvar: float = 0.0
-    granularity: float = 0.010
-
-    def sample(self, rtt: float) -> None:
-        if self.srtt is None:
-            self.srtt, self.rttvar = rtt, rtt / 2
-        else:
-            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
-            self.srtt = 0.875 * self.srtt + 0.125 * rtt
-
-    def rto(self) -> float:
-        if self.srtt is None:
-            return 1.0
-        return self.srtt + max(self.granularity, 4 * self.rttvar)
-
-
-@dataclass(frozen=True)
-class LivenessPolicy:
-    """Clamps around the RTT-derived keepalive interval and dead-peer timeout (see the module doc)."""
-
-    interval_min_s: float = 1.0
-    interval_max_s: float = 10.0
-    dead_min_s: float = 10.0
-    dead_max_s: float = 60.0
-
-    def interval(self, rtt: RttEstimator) -> float:
-        return _clamp(4 * rtt.rto(), self.interval_min_s, self.interval_max_s)
-
-    def dead_after(self, rtt: RttEstimator) -> float:
-        return _clamp(3 * self.interval(rtt) + 4 * rtt.rto(), self.dead_min_s, self.dead_max_s)
 
 
 @dataclass

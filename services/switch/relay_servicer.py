@@ -681,6 +681,7 @@ class RelayServicer:
             link_sessions=state.sessions,
             peers=list(self.links.peer_ids),
             rtt_seconds=link.rtt.srtt or 0.0,
+            min_rtt_seconds=link.rtt.min_rtt or 0.0,
             bandwidth_bps=measured.bits_per_second if measured is not None else 0.0,
             bandwidth_age_seconds=time.monotonic() - measured.at if measured is not None else 0.0,
             **self._own_certificate(),

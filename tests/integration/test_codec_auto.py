@@ -60,11 +60,13 @@ def test_auto_is_resolved_once_used_by_both_clusters_and_audited(
     assert "auto" not in (job.codec_forward, job.codec_backward)
     assert (choice["forward"], choice["backward"]) == (job.codec_forward, job.codec_backward)
     assert choice["alternatives"]["forward"] and choice["predicted_step_seconds"] > 0
-    # The trial advisor ran the job's own programs with the service's top pairs and says why it chose.
+    # The advisor predicted the service's top pairs with the pipelined step model; a 3-step job's
+    # trial budget (5% of its predicted time) affords no trial, and the reasons say so.
     trial = choice["trial"]
     assert (trial["forward"], trial["backward"]) == (job.codec_forward, job.codec_backward)
-    assert trial["baseline_trial_loss"] > 0 and trial["candidates"]
+    assert trial["candidates"] and trial["trial_steps"] == 0 and trial["baseline_trial_loss"] is None
     assert trial["reasons"][0].startswith("link 20 Mbit/s, 80 ms RTT")
+    assert any(reason.startswith("no trial: its budget") for reason in trial["reasons"]), trial["reasons"]
     assert trial["reasons"][-1].startswith("chose")
 
     # Both stages report the same concrete codecs and the reasoning behind them.

@@ -10,7 +10,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, tensor_pb2
-from services.switch.link import LivenessPolicy, PeerLink, RttEstimator
+from services.switch.link import PeerLink
+from services.switch.liveness import MIN_RTT_WINDOW_S, LivenessPolicy, RttEstimator
 from services.switch.routing import (
     INITIAL_WINDOW_BYTES,
     SLACK_BYTES,
@@ -262,6 +263,19 @@ def test_rtt_estimator_follows_rfc_6298_and_timeouts_are_clamped() -> None:
     slow = RttEstimator()
     slow.sample(3.0)
     assert policy.interval(slow) == 10.0 and policy.dead_after(slow) == 60.0
+
+
+def test_the_lowest_rtt_is_kept_over_its_window_whatever_the_smoothed_one_says() -> None:
+    rtt = RttEstimator()
+    assert rtt.min_rtt is None
+    rtt.sample(0.040, now=0.0)
+    for second in range(1, 20):  # a busy job: queueing adds 100 ms to every sample
+        rtt.sample(0.140, now=float(second))
+    assert rtt.min_rtt == pytest.approx(0.040) and rtt.srtt is not None and rtt.srtt > 0.12
+    rtt.sample(0.090, now=MIN_RTT_WINDOW_S + 1.0)  # the 40 ms sample is out of the window now
+    assert rtt.min_rtt == pytest.approx(0.090)
+    rtt.sample(0.050, now=MIN_RTT_WINDOW_S + 2.0)
+    assert rtt.min_rtt == pytest.approx(0.050)
 
 
 def test_a_silent_peer_ends_the_session_and_attached_routes_hear_of_it() -> None:

@@ -1,0 +1,46 @@
+"""`nebula demo` as `make demo` runs it: none, then auto, on the same slow link; auto must pay off.
+
+The demo's default (no codec options): the built-in job with codec none and then with auto on one
+deployment, its emulated WAN at 10 Mbit/s and 20 ms one way. Auto's time counts from submission
+(probing the job, measuring the link, asking the codec service, its trial), so a broken advisor
+(one that picks none, trials too long, or mispredicts the step) fails the speed-up; one that picks a
+harmful codec fails the loss; one whose model is off fails the predictions.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# About 100 s on an idle 2-core machine: `make test-faults` (CI), not `make test`.
+pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(900)]
+
+
+def test_the_demo_shows_auto_faster_than_none_at_the_same_loss(tmp_path: Path) -> None:
+    out = tmp_path / "summary.json"
+    command = [sys.executable, "-m", "nebula_common.cli.app", "demo", "--json", str(out)]
+    command += ["--run-dir", str(tmp_path / "run")]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=840)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    compared, baseline = summary["comparison"], summary["baseline"]
+    assert summary["succeeded"] and baseline["succeeded"]
+    assert summary["steps"] == baseline["steps"] == 150
+    assert baseline["settings"]["codec_forward"] == baseline["settings"]["codec_backward"] == "none"
+    assert "none" not in compared["auto_codecs"], compared
+    # 2.3x on an idle machine; a busy one shares its cores with both jobs' compute, not the link.
+    assert compared["speedup"] >= 1.6, compared
+    assert compared["within_tolerance"] and compared["loss_excess"] <= 0.05, compared
+    # The step model's predictions against the steps measured (both within 25%).
+    for predicted, measured in (
+        (compared["none_predicted_step_seconds"], baseline["mean_step_seconds"]),
+        (compared["auto_predicted_step_seconds"], summary["mean_step_seconds"]),
+    ):
+        assert abs(predicted - measured) <= 0.25 * measured, (predicted, measured)
+    reasons = summary["settings"]["codec_choice"]["trial"]["reasons"]
+    assert reasons[-1].startswith("chose") and "trial budget" in reasons[1], reasons
+    assert "auto:" in result.stdout and "faster than none" in result.stdout
