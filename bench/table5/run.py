@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import checks
 import corpus
 import train
 
@@ -411,6 +412,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {point['start_fraction']:.0%} | {statistics.mean(point['bleu']):.2f} ± "
             f"{_spread(point['bleu']):.2f} | {len(point['bleu'])} | {point['step_seconds']:.3f} |"
         )
+    if len(fig) > 1:
+        lines += ["", checks.figure10_trend(fig)]
     lines += advisor_markdown(report)
     lines += [
         "",
@@ -637,9 +640,9 @@ def finish(report: dict[str, Any], args: argparse.Namespace) -> None:
         doc = doc[: doc.index(begin) + len(begin)] + "\n" + section + doc[doc.index(end) :]
         args.doc.write_text(doc)
     print(text)
-    check = report["advisor_check"]
-    if report["mode"] == "full" and not (check and check["ok"]):
-        sys.exit(f"table5: the advisor missed the 10% rule: {json.dumps(check)}")
+    failed = checks.failures(report)
+    if failed:
+        sys.exit("table5: " + "; ".join(failed))
 
 
 if __name__ == "__main__":
