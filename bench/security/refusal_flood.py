@@ -21,8 +21,6 @@ import argparse
 import contextlib
 import json
 import math
-import socket
-import ssl
 import sys
 import tempfile
 import threading
@@ -36,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from nebula_common.launcher import LocalDeployment
 from nebula_common.metrics import read_metrics
+from tests.support.tls_probe import handshakes_without_certificate
 
 THREADS = 4
 
@@ -69,20 +68,6 @@ def audit_records(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
     return records, size
 
 
-def handshakes(address: tuple[str, int], count: int) -> None:
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    for _ in range(count):
-        with (
-            contextlib.suppress(ssl.SSLError, OSError),
-            socket.create_connection(address, timeout=10) as raw,
-            context.wrap_socket(raw) as tls,
-        ):
-            tls.sendall(b"PRI * HTTP/2.0\r\n\r\n")
-            tls.recv(1)
-
-
 def wait(condition: Any, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -107,7 +92,10 @@ def main() -> None:
         records_before, bytes_before = audit_records(deployment.run_dir)
         started = time.monotonic()
         per_thread = args.handshakes // THREADS
-        threads = [threading.Thread(target=handshakes, args=(address, per_thread)) for _ in range(THREADS)]
+        threads = [
+            threading.Thread(target=handshakes_without_certificate, args=(address, per_thread))
+            for _ in range(THREADS)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:

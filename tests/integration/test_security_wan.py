@@ -10,11 +10,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
-import socket
-import ssl
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -48,6 +45,7 @@ from nebula_common.sdk.client import ClusterSession, submit_job
 from services.switch.link import PROTOCOL_VERSION, fetch_server_certificate
 from tests.support.internal import user_channel
 from tests.support.jobs import numbers_job
+from tests.support.tls_probe import handshakes_without_certificate
 from tests.support.waiting import wait_for
 
 _wait_for = functools.partial(wait_for, interval=0.1)
@@ -364,17 +362,6 @@ def _wan_refusals(deployment: LocalDeployment) -> float:
     )
 
 
-def _handshake_without_certificate(address: tuple[str, int], context: ssl.SSLContext) -> None:
-    """A TLS client without a certificate (the server asks for one); whatever it answers."""
-    with (
-        contextlib.suppress(ssl.SSLError, OSError),
-        socket.create_connection(address, timeout=10) as raw,
-        context.wrap_socket(raw) as tls,
-    ):
-        tls.sendall(b"PRI * HTTP/2.0\r\n\r\n")
-        tls.recv(1)
-
-
 def test_a_strangers_flood_of_handshakes_leaves_a_handful_of_audit_records(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession]
 ) -> None:
@@ -382,13 +369,9 @@ def test_a_strangers_flood_of_handshakes_leaves_a_handful_of_audit_records(
     audit log gets one record per source, layer and reason per interval (the first at once, the repeats
     as one record with their count), so a stranger cannot fill the disk; the genuine link is undisturbed."""
     address = ("127.0.0.1", deployment.cluster_state["b"].switch.info["wan_port"])  # type: ignore[union-attr]
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
     since, before = time.time(), _wan_refusals(deployment)
     attempts = 300
-    for _ in range(attempts):
-        _handshake_without_certificate(address, context)
+    handshakes_without_certificate(address, attempts)
     counted = f"{attempts} refusals counted on b's WAN port"
     _wait_for(lambda: _wan_refusals(deployment) - before >= attempts, 60, counted)
 

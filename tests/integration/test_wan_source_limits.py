@@ -96,13 +96,8 @@ def _stranger_connections(port: int) -> list[socket.socket]:
     return sockets
 
 
-@pytest.mark.parametrize("transport", ["grpc", "raw"])
-def test_one_source_cannot_crowd_out_the_genuine_peer(
-    tmp_path: Path,
-    pki_ab: PkiLayout,
-    clusters: dict[str, Cluster],  # noqa: F811
-    transport: str,
-) -> None:
+def _genuine_peer(tmp_path: Path, pki_ab: PkiLayout, transport: str) -> ssl.SSLContext:
+    """Switch a's own mutual-TLS client context (its certificate and trust bundle), as its link dials."""
     paths = pki_ab.cluster("a")
     genuine = _context(
         _pem_pair(
@@ -115,6 +110,17 @@ def test_one_source_cannot_crowd_out_the_genuine_peer(
     )
     if transport == "grpc":
         genuine.set_alpn_protocols(["h2"])
+    return genuine
+
+
+@pytest.mark.parametrize("transport", ["grpc", "raw"])
+def test_one_source_cannot_crowd_out_the_genuine_peer(
+    tmp_path: Path,
+    pki_ab: PkiLayout,
+    clusters: dict[str, Cluster],  # noqa: F811
+    transport: str,
+) -> None:
+    genuine = _genuine_peer(tmp_path, pki_ab, transport)
     with switch_pair(tmp_path, pki_ab, clusters, link_transport=transport) as pair:
         frontend = pair.b.running.frontend
         assert frontend is not None
@@ -185,17 +191,7 @@ def test_many_sources_cannot_crowd_out_a_peer_that_authenticated_before(
 ) -> None:
     """A flood from a hundred addresses fills the frontend's total and would fill gRPC's connection cap;
     the peer's address, known since its link passed mutual TLS, still gets in as fast as on an idle port."""
-    paths = pki_ab.cluster("a")
-    genuine = _context(
-        _pem_pair(
-            tmp_path,
-            "switch-a",
-            x509.load_pem_x509_certificate(paths.switch_cert.read_bytes()),
-            load_pem_private_key(paths.switch_key.read_bytes(), password=None),
-        ),
-        paths.trust_bundle,
-    )
-    genuine.set_alpn_protocols(["h2"])
+    genuine = _genuine_peer(tmp_path, pki_ab, "grpc")
     with switch_pair(tmp_path, pki_ab, clusters, link_transport="grpc") as pair:
         frontend = pair.b.running.frontend
         assert frontend is not None

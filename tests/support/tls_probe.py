@@ -1,7 +1,8 @@
-"""What certificate a TLS port presents right now (a new handshake, as any client would see it)."""
+"""TLS as a stranger sees a port: the certificate it presents now, and handshakes without one of ours."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 from pathlib import Path
@@ -21,3 +22,25 @@ def served_certificate(address: str, ca: Path, server_name: str, timeout: float 
         der = tls.getpeercert(binary_form=True)
     assert der is not None
     return x509.load_der_x509_certificate(der)
+
+
+def strangers_context() -> ssl.SSLContext:
+    """A client that verifies nothing and has no certificate: anyone on the internet."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def handshakes_without_certificate(address: tuple[str, int], count: int) -> None:
+    """``count`` TLS handshakes without a client certificate (the server asks for one), each sending an
+    HTTP/2 preface and reading whatever comes back: a refusal, a reset or nothing."""
+    context = strangers_context()
+    for _ in range(count):
+        with (
+            contextlib.suppress(ssl.SSLError, OSError),
+            socket.create_connection(address, timeout=10) as raw,
+            context.wrap_socket(raw) as tls,
+        ):
+            tls.sendall(b"PRI * HTTP/2.0\r\n\r\n")
+            tls.recv(1)

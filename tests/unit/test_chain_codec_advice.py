@@ -28,6 +28,7 @@ from nebula_common.sdk.codec_advice import (
 )
 from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.report import advice_section
+from tests.support.calibration import calibrated
 from tests.support.torch_threads import one_torch_thread
 from tests.unit.test_stage_chain import EXAMPLE, chain_job
 
@@ -45,10 +46,9 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def calibrator(tmp_path_factory: pytest.TempPathFactory) -> Calibrator:
-    calibrator = Calibrator(tmp_path_factory.mktemp("calibration") / "cal.json")
-    with one_torch_thread():  # as the trials below run: 0.9 s; on two threads a busy host took 25-284 s
-        calibrator.run_now()
-    return calibrator
+    return calibrated(
+        tmp_path_factory.mktemp("calibration")
+    )  # one thread: 0.9 s; two on a busy host: minutes
 
 
 def with_codecs(job: ProgramJob, *pairs: tuple[str, str]) -> ProgramJob:

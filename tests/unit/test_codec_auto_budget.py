@@ -8,7 +8,6 @@ A short job on the same link: no trial, the reasons say why.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,23 +21,16 @@ from nebula_common.sdk import codec_advice
 from nebula_common.sdk.auto_plan import TRIAL_SHARE
 from nebula_common.sdk.codec_advice import LinkProfile, advise_edge, probe_micro_batch
 from nebula_common.sdk.jobs import ProgramJob
-from tests.support.torch_threads import one_torch_thread
+from tests.support.calibration import calibrated
 
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    with one_torch_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def calibrator(tmp_path_factory: pytest.TempPathFactory) -> Calibrator:
-    calibrator = Calibrator(tmp_path_factory.mktemp("calibration") / "cal.json")
-    with one_torch_thread():
-        calibrator.run_now()
-    return calibrator
+    return calibrated(
+        tmp_path_factory.mktemp("calibration")
+    )  # one thread: 0.9 s; two on a busy host: minutes
 
 
 def numbers(steps: int) -> ProgramJob:
