@@ -30,6 +30,7 @@ def nebula(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.long  # make test's slowest (25-40 s): with the demo's comparison in `make test-faults` (CI)
 def test_demo_writes_a_summary_with_wan_bytes_and_verified_peers(tmp_path: Path) -> None:
     out = tmp_path / "summary.json"
     result = nebula(

@@ -64,7 +64,7 @@ def test_a_link_that_cannot_matter_gets_none_and_no_trial(calibrator: Calibrator
 
 
 def test_a_slow_link_trials_within_five_percent_of_the_job_and_compresses(calibrator: Calibrator) -> None:
-    job = numbers(steps=400)
+    job = numbers(steps=150)
     forward, backward, record, trained = decide(job, LinkProfile(10.0, 40.0), calibrator)
     assert "none" not in (forward, backward), record["trial"]["reasons"]
     trial = record["trial"]
