@@ -96,14 +96,12 @@ def demo(
         "stages.1.replicas": replicas,
     }
     overrides = {key: value for key, value in given.items() if value is not None}  # else the spec's value
-    compare = codec_forward is None and codec_backward is None
-    if compare:  # none first, then auto: the same job on the same link
-        overrides.setdefault("steps", COMPARE_STEPS)
-        job = _job(job_name, overrides | {"edges.0.codec.forward": "auto", "edges.0.codec.backward": "auto"})
-        baseline = _job(
-            job_name, overrides | {"edges.0.codec.forward": "none", "edges.0.codec.backward": "none"}
-        )
-        codecs_line = "codecs none, then auto (both directions)"
+    pair = comparison_jobs(job_name, overrides) if codec_forward is None and codec_backward is None else None
+    compare = pair is not None
+    if pair is not None:  # none first, then auto: the same job on the same link
+        baseline, job = pair
+        directions = "both directions" if job.spec.edge.codec.backward == "auto" else "forward"
+        codecs_line = f"codecs none, then auto ({directions})"
     else:
         job = _job(job_name, overrides)
         codecs_line = f"codecs forward={job.spec.edge.codec.forward} backward={job.spec.edge.codec.backward}"
@@ -175,6 +173,18 @@ def demo(
         console.print(f"summary written to {json_path}")
     if not summary.succeeded or (comparison is not None and not comparison.baseline.succeeded):
         raise typer.Exit(1)
+
+
+def comparison_jobs(name: str, overrides: dict[str, Any]) -> tuple[ProgramJob, ProgramJob] | None:
+    """(none, auto): the built-in job ``name`` twice, ``COMPARE_STEPS`` steps unless given; None for a
+    job whose link carries nothing a codec may touch (ELECTRA's token ids, its sync tensor back)."""
+    settings = {"steps": COMPARE_STEPS} | overrides
+    baseline = _job(name, settings | {"edges.0.codec.forward": "none", "edges.0.codec.backward": "none"})
+    if baseline.spec.edge.payload == "int64":
+        return None
+    backward = "none" if baseline.spec.pipeline.mode == "one_way" else "auto"
+    candidate = _job(name, settings | {"edges.0.codec.forward": "auto", "edges.0.codec.backward": backward})
+    return baseline, candidate
 
 
 def _job(name: str, overrides: dict[str, Any]) -> ProgramJob:

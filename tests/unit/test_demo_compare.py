@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from nebula_common.cli.demo import COMPARE_STEPS, comparison_jobs
 from nebula_common.cli.demo_compare import LOSS_TOLERANCE, Comparison, tail_loss
 from nebula_common.sdk.summary import JobSummary
 
@@ -38,3 +39,13 @@ def test_the_speed_up_counts_auto_s_advice_and_trial_time() -> None:
     assert record["auto_codecs"] == ["int8", "int8"] and record["loss_tolerance"] == LOSS_TOLERANCE
     worse = Comparison(none, 40.0, summary([3.0] * 50 + [1.2] * 10, 0.2, 250_000), 16.0, choice)
     assert not worse.within_tolerance and "beyond the 5% tolerance" in worse.verdict()
+
+
+def test_the_demo_compares_none_with_auto_where_a_codec_may_touch_the_link() -> None:
+    pair = comparison_jobs("numbers", {})
+    assert pair is not None
+    none, auto = pair
+    assert none.spec.steps == auto.spec.steps == COMPARE_STEPS
+    assert (none.spec.edge.codec.forward, none.spec.edge.codec.backward) == ("none", "none")
+    assert (auto.spec.edge.codec.forward, auto.spec.edge.codec.backward) == ("auto", "auto")
+    assert comparison_jobs("electra", {"steps": 20}) is None  # token ids one way, a sync tensor back
