@@ -46,14 +46,16 @@ ADMIN_METHODS = frozenset(
 JOB_METHODS = frozenset(
     {
         "/nebula.v1.Relay/OpenEdge",
+        "/nebula.v1.Relay/RenewEdges",
         "/nebula.v1.Data/ListDatasets",
         "/nebula.v1.Data/ReadBatch",
         "/nebula.v1.Auth/IssueJobToken",
     }
 )
 """The only methods a job token may call: its job's edges (the switch checks the job), its batches,
-and its own renewal. Anything else with a job token is PERMISSION_DENIED, so a job token stolen
-from a running job is worth that job's traffic and nothing of its account."""
+and its own renewal (at auth, then of its edges at the switch). Anything else with a job token is
+PERMISSION_DENIED, so a job token stolen from a running job is worth that job's traffic and nothing of
+its account."""
 
 INFRASTRUCTURE_PREFIXES = (
     "/grpc.health.v1.Health/",

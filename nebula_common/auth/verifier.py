@@ -82,6 +82,9 @@ class Principal:
     issued_at: float = field(default=0.0, compare=False)
     """The token's ``iat`` (Unix seconds): a live edge opened with it ends once the account's tokens
     issued before some time are revoked (``revocation_reason``). Not part of who the principal is."""
+    expires_at: float = field(default=0.0, compare=False)
+    """The token's ``exp`` (Unix seconds): a live edge opened with it ends once every service refuses
+    it (``exp`` plus :data:`LEEWAY_SECONDS`) unless its trainer renewed it (``Relay/RenewEdges``)."""
 
 
 @dataclass(frozen=True)
@@ -419,13 +422,14 @@ class TokenVerifier:
         job = claims.get("job", "")
         if not isinstance(job, str) or (role == JOB_ROLE) != bool(job):
             raise AuthenticationError("malformed token: a job token names one job, an account token none")
-        issued = claims.get("iat")
+        issued, expires = claims.get("iat"), claims.get("exp")
         return Principal(
             username=username,
             role=role,
             cluster_id=self._cluster_id,
             job_id=job,
             issued_at=float(issued) if isinstance(issued, int | float) else 0.0,
+            expires_at=float(expires) if isinstance(expires, int | float) else 0.0,
         )
 
 

@@ -116,9 +116,14 @@ def plan(
     return TrialPlan(base, faster, budget, steps if steps >= MIN_TRIAL_STEPS else 0, pairs)
 
 
-def untried_decision(plan_: TrialPlan, link: Link, within_budget: dict[str, bool]) -> TrialDecision:
+def untried_decision(
+    plan_: TrialPlan, link: Link, within_budget: dict[tuple[str, str], bool]
+) -> TrialDecision:
     """The decision when nothing is trained: ``none`` if the link cannot matter, else the fastest pair
-    whose directions the codec service found within its error budget, with the reasons."""
+    whose directions the codec service found within its error budget, with the reasons.
+
+    ``within_budget`` is keyed by (direction, spec): the same spec may be within budget on the
+    activations and not on the gradients, whose error the service measures separately."""
     base = plan_.baseline
     decision = TrialDecision(NONE, link, 0.0, 0, base, list(plan_.faster))
     decision.reasons.append(
@@ -136,7 +141,8 @@ def untried_decision(plan_: TrialPlan, link: Link, within_budget: dict[str, bool
         (
             a
             for a in plan_.faster
-            if within_budget.get(a.candidate.forward, True) and within_budget.get(a.candidate.backward, True)
+            if within_budget.get((FORWARD, a.candidate.forward), True)
+            and within_budget.get((BACKWARD, a.candidate.backward), True)
         ),
         None,
     )

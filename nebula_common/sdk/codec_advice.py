@@ -299,9 +299,15 @@ def _on_one_thread(run: Callable[..., TrialRun], *args: Any) -> TrialRun:
         return run(*args)
 
 
-def _within_budget(advice: AdviceResult) -> dict[str, bool]:
-    """Per ranked spec, whether the service found its error within budget (both directions' specs)."""
-    return {o.spec: o.within_budget for d in advice.directions for o in d.options}
+def _within_budget(advice: AdviceResult) -> dict[tuple[str, str], bool]:
+    """Per (direction, ranked spec), whether the service found its error within budget there (on
+    every edge of that direction)."""
+    within: dict[tuple[str, str], bool] = {}
+    for direction in advice.directions:
+        for option in direction.options:
+            key = (direction.direction, option.spec)
+            within[key] = within.get(key, True) and option.within_budget
+    return within
 
 
 def _concrete(codec: str) -> str:

@@ -81,7 +81,14 @@ class EdgeServer(Protocol):
     link: Any
 
     async def serve_edge(
-        self, stream: Any, account: str, open_: relay_pb2.EdgeOpen, *, issued_at: float = 0.0, serial: int = 0
+        self,
+        stream: Any,
+        account: str,
+        open_: relay_pb2.EdgeOpen,
+        *,
+        issued_at: float = 0.0,
+        serial: int = 0,
+        expires_at: float = 0.0,
     ) -> None: ...
 
 
@@ -99,6 +106,8 @@ class Ticket:
     expires: float
     issued_at: float = 0.0
     """``iat`` of the token the ticket was obtained with (the route ends if it is revoked)."""
+    token_expires_at: float = 0.0
+    """``exp`` of that token (the route ends when it passes unrenewed)."""
 
 
 class EdgeTickets:
@@ -116,12 +125,15 @@ class EdgeTickets:
         account: str,
         open_: relay_pb2.EdgeOpen,
         issued_at: float = 0.0,
+        token_expires_at: float = 0.0,
     ) -> bytes:
         now = self._clock()
         for key in [key for key, each in self._tickets.items() if each.expires <= now]:
             del self._tickets[key]
         key = secrets.token_bytes(32)
-        self._tickets[key] = Ticket(identity.uri, serial, account, open_, now + self.ttl_s, issued_at)
+        self._tickets[key] = Ticket(
+            identity.uri, serial, account, open_, now + self.ttl_s, issued_at, token_expires_at
+        )
         return key
 
     def redeem(self, key: bytes, identity: Identity | None, serial: int | None) -> Ticket:
@@ -462,7 +474,12 @@ class RawEdgeListener:
             )
             await stream.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         await self.servicer.serve_edge(
-            stream, ticket.account, ticket.open, issued_at=ticket.issued_at, serial=ticket.serial
+            stream,
+            ticket.account,
+            ticket.open,
+            issued_at=ticket.issued_at,
+            serial=ticket.serial,
+            expires_at=ticket.token_expires_at,
         )
 
 

@@ -153,7 +153,9 @@ class RelayServicer:
             )
         certified = peer_certificate(context)  # verified by the role interceptor; None in plaintext
         if first.open.raw_edge >= RAW_EDGE_VERSION and self.raw_edges is not None and certified is not None:
-            await self._offer_raw(stream, principal.username, first.open, *certified, principal.issued_at)
+            await self._offer_raw(
+                stream, principal.username, first.open, *certified, principal.issued_at, principal.expires_at
+            )
             return
         await self.serve_edge(
             stream,
@@ -162,6 +164,7 @@ class RelayServicer:
             credential="job" if principal.job_id else "account",
             issued_at=principal.issued_at,
             serial=certified[1] if certified is not None else 0,
+            expires_at=principal.expires_at,
         )
 
     async def _offer_raw(
@@ -172,6 +175,7 @@ class RelayServicer:
         identity: Identity,
         serial: int,
         issued_at: float,
+        expires_at: float,
     ) -> None:
         """Answer a raw edge offer: the open's checks that need no route, then a one-time ticket.
 
@@ -184,7 +188,7 @@ class RelayServicer:
             await stream.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.job_id and open.edge are required")
         link = await self._link_for(stream, account, job_id, edge, open_.peer_cluster)
         await self._refuse_if_backing_off(stream, link.router, account, job_id, edge)
-        ticket = self.raw_edges.tickets.issue(identity, serial, account, open_, issued_at)
+        ticket = self.raw_edges.tickets.issue(identity, serial, account, open_, issued_at, expires_at)
         ready = relay_pb2.EdgeReady(
             peer_cluster=link.expected_peer.cluster_id,
             max_window_bytes=link.router.max_window_bytes,
@@ -204,19 +208,21 @@ class RelayServicer:
         credential: str = "",
         issued_at: float = 0.0,
         serial: int = 0,
+        expires_at: float = 0.0,
     ) -> None:
         """The body of an edge after its open, on any transport: checks, attach, then pump both ways.
 
         ``account`` is the caller the transport authenticated (the token interceptor's principal);
         ``credential`` what it proved it with (``job``: a job token of this edge's job; ``account``),
         named in the audit record when known; ``issued_at`` that token's ``iat`` and ``serial`` the
-        caller's certificate, so the route ends when either is revoked (``Router.close_revoked``).
+        caller's certificate, so the route ends when either is revoked (``Router.close_revoked``), and
+        ``expires_at`` the token's ``exp``, so it ends when that passes unrenewed (``RenewEdges``).
         """
         task = asyncio.current_task()
         assert task is not None
         self._edges.add(task)
         try:
-            await self._serve_edge(stream, account, open_, credential, issued_at, serial)
+            await self._serve_edge(stream, account, open_, credential, (issued_at, serial, expires_at))
         finally:
             self._edges.discard(task)
 
@@ -226,9 +232,9 @@ class RelayServicer:
         account: str,
         open_: relay_pb2.EdgeOpen,
         credential: str,
-        issued_at: float,
-        serial: int,
+        held: tuple[float, int, float],
     ) -> None:
+        issued_at, serial, expires_at = held
         job_id, edge, reconnect = open_.job_id, open_.edge, open_.reconnect
         epoch = open_.epoch
         framing = open_.link_framing >= LINK_FRAMING_VERSION
@@ -240,7 +246,13 @@ class RelayServicer:
         await self._refuse_if_backing_off(stream, router, account, job_id, edge)
         try:
             route, attachment = router.attach(
-                key, owner=account, reconnect=reconnect, epoch=epoch, issued_at=issued_at, serial=serial
+                key,
+                owner=account,
+                reconnect=reconnect,
+                epoch=epoch,
+                issued_at=issued_at,
+                serial=serial,
+                expires_at=expires_at,
             )
         except StaleEpochError as exc:
             # The route belongs to a newer attempt: this stream is void from the start.
@@ -687,6 +699,28 @@ class RelayServicer:
             **self._own_certificate(),
         )
 
+    async def RenewEdges(
+        self, request: relay_pb2.RenewEdgesRequest, context: grpc.aio.ServicerContext
+    ) -> relay_pb2.RenewEdgesReply:
+        """Move the caller's open edges of one job onto the token this call presents (``relay.proto``).
+
+        Only edges the caller's account owns are touched, and a job token only for its own job, so a
+        renewal can extend nothing but what that token could have opened itself.
+        """
+        principal = caller().principal
+        if not request.job_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id is required")
+        if principal.job_id and principal.job_id != request.job_id:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"this job token is for job {principal.job_id}, not {request.job_id}",
+            )
+        renewed = sum(
+            link.router.renew(request.job_id, principal.username, principal.issued_at, principal.expires_at)
+            for link in self.links
+        )
+        return relay_pb2.RenewEdgesReply(renewed=renewed, expires_at=int(principal.expires_at))
+
     def _own_certificate(self) -> dict[str, object]:
         if self.certificates is None:
             return {}
@@ -709,6 +743,11 @@ def add_relay_to_server(servicer: RelayServicer, server: grpc.aio.Server) -> Non
                 servicer.GetLinkStatus,
                 request_deserializer=relay_pb2.GetLinkStatusRequest.FromString,
                 response_serializer=relay_pb2.LinkStatus.SerializeToString,
+            ),
+            "RenewEdges": grpc.unary_unary_rpc_method_handler(
+                servicer.RenewEdges,
+                request_deserializer=relay_pb2.RenewEdgesRequest.FromString,
+                response_serializer=relay_pb2.RenewEdgesReply.SerializeToString,
             ),
         },
     )

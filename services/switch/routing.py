@@ -238,6 +238,9 @@ class Route:
     issued_at: float = 0.0
     #: Serial of the client certificate that stream presented (0: none): revoking it ends the route.
     serial: int = 0
+    #: ``exp`` of that token (0: none known): the route ends once it is past on every service, unless
+    #: the owner's trainer renewed it (``renew``).
+    expires_at: float = 0.0
     # The scheduler's state (``next_outbound``): bytes this route may still send in its turn, whether
     # its turn has begun, its fragment stream, and the item being sent in fragments (with its bytes
     # and how far they went).
@@ -351,6 +354,7 @@ class Router:
         epoch: int = 0,
         issued_at: float = 0.0,
         serial: int = 0,
+        expires_at: float = 0.0,
     ) -> tuple[Route, Attachment]:
         """Bind the local end of an edge to a trainer stream opened by account ``owner`` at ``epoch``.
 
@@ -408,6 +412,7 @@ class Router:
         route.owner = owner
         route.issued_at = issued_at
         route.serial = serial
+        route.expires_at = expires_at
         if route.inbound or route.inbound_ack is not None:
             attachment.wake.set()
         if claimed_by is None:
@@ -737,13 +742,28 @@ class Router:
         self._tombstone(route.key, route.epoch)
         self._closed(route.key, route.owner, label, reason)
 
+    def renew(self, job_id: str, owner: str, issued_at: float, expires_at: float) -> int:
+        """The open routes of ``owner``'s job ``job_id`` now run on a token issued at ``issued_at`` that
+        expires at ``expires_at`` (its trainer renewed the job's token); returns how many."""
+        renewed = 0
+        for route in self._routes.values():
+            if route.key[0] == job_id and route.owner == owner and route.closed_reason is None:
+                route.issued_at = max(route.issued_at, issued_at)
+                route.expires_at = max(route.expires_at, expires_at)
+                renewed += 1
+        return renewed
+
     def close_revoked(
-        self, reason_of: Callable[[str, float], str | None], revoked_serials: frozenset[int] = frozenset()
+        self,
+        reason_of: Callable[[str, float], str | None],
+        revoked_serials: frozenset[int] = frozenset(),
+        expired_before: float = 0.0,
     ) -> int:
         """Close every route whose credential is revoked now: its owner's token (``reason_of(owner,
-        issued_at)`` says why: account disabled, deleted, new password) or the certificate its trainer
-        presented (its serial on the cluster CA's CRL). Both trainers get the reason; returns how many
-        were closed."""
+        issued_at)`` says why: account disabled, deleted, new password), the certificate its trainer
+        presented (its serial on the cluster CA's CRL), or a token that expired before
+        ``expired_before`` (wall clock) and was not renewed. Both trainers get the reason; returns how
+        many were closed."""
         closed = 0
         for route in list(self._routes.values()):
             if not route.owner or route.closed_reason is not None:
@@ -753,6 +773,9 @@ class Router:
                 reason = f"account {route.owner!r}: {reason}"
             elif route.serial and route.serial in revoked_serials:
                 reason = f"the certificate {route.serial:x} its trainer opened it with is revoked"
+            elif route.expires_at and route.expires_at < expired_before:
+                expired = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(route.expires_at))
+                reason = f"account {route.owner!r}: the token it runs on expired at {expired}, not renewed"
             if reason is not None:
                 self.close_route(route, "credential", reason)
                 closed += 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from nebula_common.audit import AuditLog
 from nebula_common.audit.aggregate import RefusalAggregator
 from nebula_common.audit.servicer import AUDIT_SERVICE_NAME, add_audit_api
 from nebula_common.auth.interceptor import TokenAuthInterceptor
+from nebula_common.auth.verifier import LEEWAY_SECONDS
 from nebula_common.pki import Identity, channel_options, server_options
 from nebula_common.rpc import ServiceServer
 from nebula_common.service.host import ServiceDefinition, Started, before_process_end
@@ -110,7 +112,9 @@ async def _maintain(
 ) -> None:
     """Poll each peer's trust (bundle, CRL file, staleness; enforced on its live link), own certificate,
     and the credentials behind live edges (``revoked(account, token iat)``: a disabled account's edges
-    end; ``revoked_serials()``: the cluster CA's CRL, a revoked trainer certificate's edges end)."""
+    end; ``revoked_serials()``: the cluster CA's CRL, a revoked trainer certificate's edges end; a token
+    that every verifier refuses by now, its ``exp`` plus the clock-skew leeway past, ends its edges unless
+    the trainer renewed them)."""
     loop = asyncio.get_running_loop()
     next_cert_check = loop.time() + CERT_CHECK_INTERVAL_S
     several = len(gates) > 1
@@ -123,7 +127,7 @@ async def _maintain(
                     link.record(event, outcome="alarm" if event == "crl.stale" else "ok", **details, **peer)
                 if link.enforce_revocation() and (reason := trust.closed_reason()) is not None:
                     link.record("trust.closed", outcome="refused", reason=reason, **peer)
-                link.router.close_revoked(revoked, revoked_serials())
+                link.router.close_revoked(revoked, revoked_serials(), time.time() - LEEWAY_SECONDS)
                 if link.refusals is not None:
                     link.refusals.tick()  # a minute's repeated refusals, as one record each
             if loop.time() >= next_cert_check:

@@ -51,10 +51,14 @@ def abi() -> int:
         return 0
 
 
+TCP_ABI = 4
+"""The first Landlock ABI that can deny TCP connect and bind (Linux 6.7)."""
+
+
 def gaps(version: int) -> list[str]:
     """What Landlock of ABI ``version`` leaves a stage (empty from ABI 6 on, but for UDP)."""
     missing = []
-    if version < 4:
+    if version < TCP_ABI:
         missing.append("TCP connections (needs Landlock ABI 4, Linux 6.7)")
     if version < 6:
         missing.append("signals to other processes of its user (needs Landlock ABI 6, Linux 6.12)")

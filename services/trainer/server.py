@@ -116,7 +116,7 @@ async def start_trainer(
         )
     else:
         log.info("stages run confined", extra={"fields": {"isolation": confinement.describe()}})
-    job_tokens = JobTokens(settings.auth_address, identity.client)
+    job_tokens = JobTokens(settings.auth_address, identity.client, switch_address=settings.switch_address)
     stack.push_async_callback(job_tokens.close)
     servicer = TrainerServicer(
         settings.cluster_id,

@@ -27,6 +27,7 @@ from nebula_common.auth import Principal
 from nebula_common.auth.interceptor import caller
 from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2, trainer_pb2_grpc
+from services.trainer import landlock
 from services.trainer.edge import EdgeSettings
 from services.trainer.history import StepHistory, history_path, read_history
 from services.trainer.job_tokens import CHECK_INTERVAL_S, JobTokenError, JobTokens
@@ -150,6 +151,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         try:
             # In a thread: a pre-trained directory's check reads files and may import transformers.
             await asyncio.to_thread(validate_stage_spec, spec)
+            self._check_confinement_allows(spec)
         except InvalidRequestError as exc:
             await self._record(
                 "job.submit", outcome="refused", account=account, job_id=job_id, details={"reason": str(exc)}
@@ -275,6 +277,26 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         runner.lifecycle.add_finish_callback(functools.partial(self.records.store_end, record, runner.board))
         runner.lifecycle.add_finish_callback(history.close)
         return runner
+
+    def _check_confinement_allows(self, spec: trainer_pb2.StageSpec) -> None:
+        """Refuse what this trainer's confinement cannot run, before anything starts.
+
+        A stage's data-parallel ranks meet over loopback TCP (torch's store and gloo), which Landlock's
+        TCP rule denies; under bubblewrap they share the stage's own network namespace instead.
+        """
+        confined = self.confinement is not None and self.cluster_ranks is None
+        if (
+            confined
+            and self.confinement is not None
+            and self.confinement.mode == "landlock"
+            and self.confinement.landlock_abi >= landlock.TCP_ABI
+            and spec.program.replicas > 1
+        ):
+            raise InvalidRequestError(
+                f"program.replicas {spec.program.replicas}: a stage's ranks meet over TCP, which this "
+                f"trainer's Landlock confinement denies its stages ({self.confinement.weaker_because}); "
+                "run the stage with one replica, or on a trainer that has bubblewrap"
+            )
 
     async def renew_job_tokens(self, interval_s: float = CHECK_INTERVAL_S) -> None:
         """Keep every running stage's job token fresh until cancelled (a task of the trainer)."""

@@ -15,20 +15,24 @@ import json
 import os
 import secrets
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import jwt
 import pytest
 
 from nebula_common.audit.query import AuditFilter, query_log
+from nebula_common.auth.verifier import LEEWAY_SECONDS
 from nebula_common.errors import AuthenticationError
 from nebula_common.launcher import LocalDeployment
-from nebula_common.proto.nebula.v1 import trainer_pb2, trainer_pb2_grpc
+from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from nebula_common.rpc import bearer_metadata
 from nebula_common.sdk.client import ClusterSession
 from tests.support.accounts import create_account
-from tests.support.internal import user_channel
+from tests.support.internal import service_channel, user_channel
 from tests.support.jobs import numbers_job
 from tests.support.waiting import wait_for
 
@@ -154,3 +158,108 @@ def test_a_job_outlives_every_token_and_a_trainer_restart(short_tokens: LocalDep
     started = time.monotonic()
     assert deployment.process("trainer-b").stop() == 0
     assert time.monotonic() - started < 10.0
+
+
+class _HeldEdge:
+    """One edge held open on switch a through the trainer's certificate, its messages collected."""
+
+    def __init__(self, deployment: LocalDeployment, token: str, job_id: str) -> None:
+        self._done = threading.Event()
+        self.messages: list[tuple[float, relay_pb2.EdgeMessage]] = []
+        self.ended = threading.Event()
+        self._channel = service_channel(deployment, "a", "switch", as_role="trainer")
+        opening = relay_pb2.EdgeMessage(open=relay_pb2.EdgeOpen(job_id=job_id, edge="cut"))
+        self._call = relay_pb2_grpc.RelayStub(self._channel).OpenEdge(
+            self._requests(opening), metadata=bearer_metadata(token), timeout=180
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _requests(self, opening: relay_pb2.EdgeMessage) -> Iterator[relay_pb2.EdgeMessage]:
+        yield opening
+        self._done.wait(180)  # never half-close: a trainer keeps its edge open until told otherwise
+
+    def _read(self) -> None:
+        try:
+            for message in self._call:
+                self.messages.append((time.time(), message))
+        except grpc.RpcError:
+            pass
+        self.ended.set()
+
+    def closes(self) -> list[tuple[float, relay_pb2.EdgeClose]]:
+        return [(at, m.close) for at, m in self.messages if m.WhichOneof("body") == "close"]
+
+    def release(self) -> None:
+        self._done.set()
+        self._call.cancel()
+        self._reader.join(10)
+        self._channel.close()
+
+
+def test_an_edge_ends_when_its_token_expires_unless_renewed(short_tokens: LocalDeployment) -> None:
+    """Two edges of one account open with 5 s tokens; only one is renewed (``Relay/RenewEdges``).
+
+    The other must end within 10 s of the moment every service refuses its token (``exp`` plus the
+    verifiers' 30 s of clock-skew leeway), with the reason on the stream and in switch a's audit log;
+    the renewed one must still be open then. Another account's renewal moves neither.
+    """
+    deployment = short_tokens
+    name = f"expiry-{secrets.token_hex(2)}"
+    user = (name, create_account(deployment, "a", name))
+    stranger = f"stranger-{secrets.token_hex(2)}"
+    stranger_user = (stranger, create_account(deployment, "a", stranger))
+    jobs = {"lapsed": f"lapsed-{secrets.token_hex(3)}", "renewed": f"renewed-{secrets.token_hex(3)}"}
+    opened = ClusterSession.login(deployment.endpoints("a"), *user)
+    expires_at = float(jwt.decode(opened.token, options={"verify_signature": False})["exp"])
+    edges = {kind: _HeldEdge(deployment, opened.token, job_id) for kind, job_id in jobs.items()}
+    opened.close()
+    renewals: list[int] = []
+    try:
+        with service_channel(deployment, "a", "switch", as_role="trainer") as channel:
+            relay = relay_pb2_grpc.RelayStub(channel)
+
+            def renew(who: tuple[str, str], job_id: str) -> int:
+                session = ClusterSession.login(deployment.endpoints("a"), *who)
+                try:
+                    request = relay_pb2.RenewEdgesRequest(job_id=job_id)
+                    return int(relay.RenewEdges(request, metadata=session.metadata, timeout=10).renewed)
+                finally:
+                    session.close()
+
+            wait_for(
+                lambda: renew(user, jobs["renewed"]) == 1,
+                30.0,
+                "switch a renews the open edge of the renewed job",
+                interval=0.2,
+            )
+            assert renew(stranger_user, jobs["lapsed"]) == 0  # not its account's edge
+
+            deadline = expires_at + LEEWAY_SECONDS + 10.0
+
+            def lapsed_closed() -> bool:
+                renewals.append(renew(user, jobs["renewed"]))  # a trainer renewing every few seconds
+                return bool(edges["lapsed"].closes())
+
+            wait_for(
+                lambda: lapsed_closed() or time.time() > deadline,
+                deadline - time.time() + 15.0,
+                "the lapsed edge closed or its deadline passed",
+                interval=2.0,
+            )
+        closes = edges["lapsed"].closes()
+        assert closes, f"the edge opened with a token that expired at {expires_at:.0f} is still open"
+        closed_at, close = closes[0]
+        assert expires_at + LEEWAY_SECONDS - 2.0 <= closed_at <= deadline, (closed_at, expires_at)
+        assert close.error and "expired" in close.reason and name in close.reason, close
+        assert edges["renewed"].closes() == [] and not edges["renewed"].ended.is_set()
+        assert renewals and all(count == 1 for count in renewals), renewals
+        records = query_log(
+            deployment.run_dir / "a" / "switch" / "audit.log",
+            AuditFilter(event="route.closed", job_id=jobs["lapsed"]),
+        ).records
+        closed = [(r["account"], "expired" in r["details"]["reason"]) for r in records]
+        assert closed == [(name, True)], records
+    finally:
+        for edge in edges.values():
+            edge.release()

@@ -38,12 +38,13 @@ def model(bandwidth_mbit: float, steps: int, compute: float = 0.03) -> EdgeModel
 
 ADVICE = advice(("int8", 0.25, True), ("int4", 0.125, False))
 PAIRS = [Candidate("int8", "int8"), Candidate("int4", "int4"), Candidate("int8", "none")]
+BOTH_WAYS = {(d, spec): spec == "int8" for d in (FORWARD, BACKWARD) for spec in ("int8", "int4")}
 
 
 def test_a_fast_link_chooses_none_and_trains_nothing() -> None:
     sized = plan(model(10_000, steps=1000), ADVICE, PAIRS, wanted_steps=30)
     assert sized.faster == [] and sized.trial_steps == 0
-    decision = untried_decision(sized, model(10_000, 1000).link, {"int8": True, "int4": False})
+    decision = untried_decision(sized, model(10_000, 1000).link, BOTH_WAYS)
     assert decision.chosen.name == "none" and "the link cannot matter" in decision.reasons[-1]
 
 
@@ -61,9 +62,26 @@ def test_a_short_job_is_not_trialled_and_takes_the_fastest_pair_within_the_error
     edge = model(10, steps=20)
     sized = plan(edge, ADVICE, PAIRS, wanted_steps=30)
     assert sized.faster and sized.trial_steps == 0
-    decision = untried_decision(sized, edge.link, {"int8": True, "int4": False})
+    decision = untried_decision(sized, edge.link, BOTH_WAYS)
     assert decision.chosen == Candidate("int8", "int8")  # int4 is faster but over the error budget
     assert any(reason.startswith("no trial: its budget") for reason in decision.reasons)
+
+
+def test_the_error_budget_is_judged_per_direction() -> None:
+    """int4 within budget on the activations but not on the gradients: int4 / int4 is out, and the
+    pair keeping int4 forward only is chosen over int8 / int8 when it is faster."""
+    edge = model(10, steps=20)
+    pairs = [Candidate("int4", "int4"), Candidate("int4", "int8"), Candidate("int8", "int8")]
+    sized = plan(edge, ADVICE, pairs, wanted_steps=30)
+    within = {(FORWARD, "int4"): True, (BACKWARD, "int4"): False} | {
+        (d, "int8"): True for d in (FORWARD, BACKWARD)
+    }
+    decision = untried_decision(sized, edge.link, within)
+    assert decision.chosen == Candidate("int4", "int8")
+    flipped = {(FORWARD, "int4"): False, (BACKWARD, "int4"): True} | {
+        (d, "int8"): True for d in (FORWARD, BACKWARD)
+    }
+    assert untried_decision(sized, edge.link, flipped).chosen == Candidate("int8", "int8")
 
 
 def test_the_budget_is_at_most_half_the_predicted_saving() -> None:

@@ -678,3 +678,33 @@ def test_revoked_credentials_close_only_their_routes_to_both_sides() -> None:
         assert router.close_revoked(reason_of, frozenset({0xB})) == 0  # once
 
     run(scenario)
+
+
+def test_an_expired_token_closes_its_routes_unless_its_owner_renewed_them() -> None:
+    """A route ends once its token's ``exp`` is before ``expired_before``; ``renew`` moves only the
+    renewing account's routes of that one job onto the new token."""
+
+    async def scenario() -> None:
+        router = Router(cluster_id="a", record=Recorder())
+        renewed, _ = router.attach(("job-1", "e"), "alice", issued_at=0.0, expires_at=100.0)
+        router.attach(("job-1", "f"), "alice", issued_at=0.0, expires_at=100.0)
+        lapsed, lapsed_end = router.attach(("job-2", "e"), "alice", issued_at=0.0, expires_at=100.0)
+        router.attach(("job-3", "e"), "bob", issued_at=0.0, expires_at=100.0)
+        never, _ = router.attach(("job-4", "e"), "bob")  # no expiry known: only revocation ends it
+
+        def nobody(account: str, issued_at: float) -> str | None:
+            return None
+
+        assert router.close_revoked(nobody, expired_before=100.0) == 0  # not past yet
+        assert router.renew("job-1", "alice", 90.0, 190.0) == 2
+        assert router.renew("job-3", "alice", 90.0, 190.0) == 0  # bob's job: not alice's to extend
+        assert router.close_revoked(nobody, expired_before=150.0) == 2
+        assert router.get(("job-1", "e")) is renewed and renewed.expires_at == 190.0
+        assert renewed.issued_at == 90.0
+        assert router.get(("job-2", "e")) is None and router.get(("job-3", "e")) is None
+        assert router.get(("job-4", "e")) is never
+        told = router.pop_inbound(lapsed, lapsed_end)
+        assert told is not None and told.close.error and "expired" in told.close.reason
+        assert "account 'alice'" in told.close.reason
+
+    run(scenario)

@@ -21,6 +21,20 @@ SIGNAL_KIND_SYNC: SignalKind
 SIGNAL_KIND_EVAL_DONE: SignalKind
 SIGNAL_KIND_RESUME: SignalKind
 
+class RenewEdgesRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class RenewEdgesReply(_message.Message):
+    __slots__ = ("renewed", "expires_at")
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    renewed: int
+    expires_at: int
+    def __init__(self, renewed: _Optional[int] = ..., expires_at: _Optional[int] = ...) -> None: ...
+
 class EdgeOpen(_message.Message):
     __slots__ = ("job_id", "edge", "reconnect", "epoch", "link_framing", "peer_cluster", "raw_edge")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class RelayStub:
                 request_serializer=nebula_dot_v1_dot_relay__pb2.GetLinkStatusRequest.SerializeToString,
                 response_deserializer=nebula_dot_v1_dot_relay__pb2.LinkStatus.FromString,
                 _registered_method=True)
+        self.RenewEdges = channel.unary_unary(
+                '/nebula.v1.Relay/RenewEdges',
+                request_serializer=nebula_dot_v1_dot_relay__pb2.RenewEdgesRequest.SerializeToString,
+                response_deserializer=nebula_dot_v1_dot_relay__pb2.RenewEdgesReply.FromString,
+                _registered_method=True)
 
 
 class RelayServicer:
@@ -65,6 +70,19 @@ class RelayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewEdges(self, request, context):
+        """Carry a job's live edges over to a renewed token. A live edge ends once
+        the token it was opened with has expired on every service (its `exp`
+        plus the verifiers' clock-skew leeway), with the reason to both trainers
+        and a `route.closed` audit record; the trainer that renews a running
+        job's token presents the new one here (`authorization: Bearer <token>`,
+        a job token of `job_id` or a token of the job's owner; only a trainer's
+        certificate may call).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RelayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +95,11 @@ def add_RelayServicer_to_server(servicer, server):
                     servicer.GetLinkStatus,
                     request_deserializer=nebula_dot_v1_dot_relay__pb2.GetLinkStatusRequest.FromString,
                     response_serializer=nebula_dot_v1_dot_relay__pb2.LinkStatus.SerializeToString,
+            ),
+            'RenewEdges': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewEdges,
+                    request_deserializer=nebula_dot_v1_dot_relay__pb2.RenewEdgesRequest.FromString,
+                    response_serializer=nebula_dot_v1_dot_relay__pb2.RenewEdgesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +156,33 @@ class Relay:
             '/nebula.v1.Relay/GetLinkStatus',
             nebula_dot_v1_dot_relay__pb2.GetLinkStatusRequest.SerializeToString,
             nebula_dot_v1_dot_relay__pb2.LinkStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewEdges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nebula.v1.Relay/RenewEdges',
+            nebula_dot_v1_dot_relay__pb2.RenewEdgesRequest.SerializeToString,
+            nebula_dot_v1_dot_relay__pb2.RenewEdgesReply.FromString,
             options,
             channel_credentials,
             insecure,
