@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # runs as targets of their own (`make test TEST_SELECT=` runs every test).
 TEST_SELECT ?= -m "not faults and not long and not rawedge and not containment and not ranks"
 
-.PHONY: install lock proto check-proto check-layers demo test test-unit test-integration test-faults test-stop test-containment bench-stage-isolation lint format clean bench \
+.PHONY: install lock proto check-proto seccomp-allowlist check-layers demo test test-unit test-integration test-faults test-stop test-containment bench-stage-isolation lint format clean bench \
 	test-raw-edge \
 	bench-faults bench-relay soak smoke-containers bench-wan-roofline bench-wan-table3 check-dashboards test-orgs test-orgs-netns \
 	bench-table5 bench-table5-quick
@@ -57,6 +57,11 @@ proto: $(STAMP)
 
 check-proto: $(STAMP)
 	$(BIN)/python tools/gen_proto.py --check
+
+# The stage's seccomp allow list from systemd's @system-service set (needs systemd-analyze; the
+# result is committed: services/trainer/seccomp_allowlist.txt).
+seccomp-allowlist: $(STAMP)
+	$(BIN)/python tools/gen_seccomp_allowlist.py
 
 # Imports point down only (library -> services -> sdk/cli/launcher) and form no circle.
 check-layers: $(STAMP)

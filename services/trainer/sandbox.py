@@ -87,7 +87,8 @@ class Confinement:
             else f"no control group ({self.cgroups_missing})"
         )
         groups += (
-            f"; seccomp denies {len(seccomp_filter.DENIED)} system calls"
+            f"; seccomp allows {len(seccomp_filter.allowed())} system calls (systemd's @system-service "
+            f"less {len(seccomp_filter.DENIED)})"
             if not self.seccomp_missing
             else f"; no seccomp filter ({self.seccomp_missing})"
         )

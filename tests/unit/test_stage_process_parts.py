@@ -207,10 +207,12 @@ import ctypes, errno, json, os, subprocess, sys, threading
 libc = ctypes.CDLL(None, use_errno=True)
 assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS, as stage_main.confine sets it
 from services.trainer import seccomp_filter
-denied = seccomp_filter.enforce()
+allowed = seccomp_filter.enforce()
 NR = {"ptrace": 101, "keyctl": 250, "bpf": 321, "userfaultfd": 323, "perf_event_open": 298,
       "io_uring_setup": 425, "mount": 165, "unshare": 272, "setns": 308, "init_module": 175,
-      "process_vm_readv": 310, "kexec_load": 246, "clone3": 435}
+      "process_vm_readv": 310, "kexec_load": 246, "clone3": 435,
+      # Named nowhere in the filter: refused because they are not on the allow list.
+      "pkey_alloc": 330, "lookup_dcookie": 212, "memfd_secret": 447, "uselib": 134}
 seen = {}
 for name, number in NR.items():
     ctypes.set_errno(0)
@@ -230,15 +232,16 @@ child = subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=Tr
 seen["subprocess"] = child.stdout.strip()
 import torch
 seen["torch"] = float(torch.ones(3, 3).matmul(torch.ones(3)).sum())
-seen["denied"] = denied
+seen["allowed"] = allowed
 print(json.dumps(seen))
 """
 
 
 def test_the_seccomp_filter_refuses_what_no_stage_needs_and_keeps_a_job_working(tmp_path: Path) -> None:
-    """The filter ``stage_main`` loads, loaded for real in a child: every probed call fails with EPERM
-    (``clone3`` with ENOSYS, so the C library falls back to ``clone``, whose flags it sees), while
-    threads, child processes and torch still work."""
+    """The filter ``stage_main`` loads, loaded for real in a child: every probed call fails with EPERM,
+    those it denies by name and those it never names alike (an allow list), ``clone3`` with ENOSYS (so
+    the C library falls back to ``clone``, whose flags it sees), while threads, child processes and
+    torch still work."""
     import platform
     import subprocess
     import sys
@@ -261,17 +264,18 @@ def test_the_seccomp_filter_refuses_what_no_stage_needs_and_keeps_a_job_working(
     seen = json.loads(done.stdout)
     eperm = {name: 1 for name in ("ptrace", "keyctl", "bpf", "userfaultfd", "perf_event_open",
                                   "io_uring_setup", "mount", "unshare", "setns", "init_module",
-                                  "process_vm_readv", "kexec_load", "clone newuser")}  # fmt: skip
-    assert seen == {**eperm, "clone3": 38, "subprocess": "42", "torch": 9.0, "denied": seen["denied"]}, seen
-    assert seen["denied"] >= len(seccomp_filter.DENIED)
+                                  "process_vm_readv", "kexec_load", "clone newuser", "pkey_alloc",
+                                  "lookup_dcookie", "memfd_secret", "uselib")}  # fmt: skip
+    assert seen == {**eperm, "clone3": 38, "subprocess": "42", "torch": 9.0, "allowed": seen["allowed"]}, seen
+    assert 300 <= seen["allowed"] <= len(seccomp_filter.allowed()) + 1
 
 
 def test_every_mode_says_whether_stages_get_the_seccomp_filter(tmp_path: Path) -> None:
     from services.trainer.sandbox import Confinement
-    from services.trainer.seccomp_filter import DENIED
+    from services.trainer.seccomp_filter import allowed
 
     chosen = choose_confinement("process", tmp_path)
     assert not chosen.seccomp_missing
-    assert f"seccomp denies {len(DENIED)} system calls" in chosen.describe()
+    assert f"seccomp allows {len(allowed())} system calls (systemd's @system-service" in chosen.describe()
     missing = Confinement("bwrap", seccomp_missing="seccomp cannot be loaded here: no libseccomp")
     assert "no seccomp filter (seccomp cannot be loaded here: no libseccomp)" in missing.describe()
