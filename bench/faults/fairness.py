@@ -70,7 +70,7 @@ SLOW_MIX_STEPS = 10_000  # runs for the whole mix; cancelled when the healthy jo
 SUBMIT_FAILURES: list[dict[str, str]] = []
 FLOODER_NICE = 19
 ACCOUNTS = ("user0", "user1", "user2", "user3")
-# Stated bound (docs/architecture.md, "Memory bound"): max_attached_routes x 2 x (2W + S) +
+# Stated bound (docs/data-plane.md, "Memory bound"): max_attached_routes x 2 x (2W + S) +
 # max_unattached_routes x (1 MiB + S) of buffered items per switch with the defaults (about 8.3 GiB).
 W = SwitchSettings.model_fields["max_window_bytes"].default
 S = SLACK_BYTES
@@ -653,7 +653,7 @@ def report(r: dict[str, Any], stem: str = "faults-fairness") -> str:
             "first "
             f"penalty: `{json.dumps(first_penalty)[:500] if first_penalty else None}`.",
             f"- Switch RSS: a {mib(sw['switch-a'])} MiB, b {mib(sw['switch-b'])} MiB "
-            f"(stated bound of buffered items: {bound_mib:.0f} MiB per switch, docs/architecture.md); "
+            f"(stated bound of buffered items: {bound_mib:.0f} MiB per switch, docs/data-plane.md); "
             "open fds "
             f"a {sw['switch-a']['fds_min']}-{sw['switch-a']['fds_max']}, b {sw['switch-b']['fds_min']}-"
             f"{sw['switch-b']['fds_max']}; threads max a {sw['switch-a']['threads_max']}, "

@@ -7,7 +7,7 @@ connection keeps the mutual TLS 1.3 handshake -- certificates, names, revocation
 check stay exactly as they are -- and then carries each whole message as ONE authenticated record
 (up to ``MAX_MESSAGE_BYTES``), decrypted straight into the buffer the message is handed on in.
 
-The design (reviewed in ``docs/architecture.md``, "Sealed link records"):
+The design (reviewed in ``docs/data-plane.md``, "Sealed link records"):
 
 * **Negotiation inside TLS.** Right after the handshake the dialer sends, through the verified TLS
   session, ``OFFER`` = magic ``NBSEAL1`` + its wish (1: sealed records, 0: TLS records) + a fresh 32-byte

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -59,47 +59,17 @@ from services.trainer.sandbox import (
     landlock_rules,
     stage_environment,
 )
+from services.trainer.stage_log import relay_log
 from services.trainer.stage_proxy import StageProxy
 from services.trainer.status import TERMINAL_STATES, StatusBoard
 
 log = logging.getLogger(__name__)
-STAGE_LOG = logging.getLogger("stage")
-"""What stage processes write (their records and any other output), marked with their job and stage."""
 STARTUP_TIMEOUT_S = 60.0
 """How long a new stage process may take to say HELLO (an interpreter starting on a loaded host)."""
 CANCEL_GRACE_S = 4.0
 """How long a cancelled stage process may take to end before it is killed."""
 ENDED_GRACE_S = 2.0
 """How long a stage process that posted its end may take to exit (its edge's close going out)."""
-
-
-MAX_LOG_LINE = 16 << 10
-"""Longest stage log line the trainer passes on (the rest is cut)."""
-
-
-def relay_log(stream: IO[bytes], job_id: str, stage: str) -> None:
-    """The stage's stderr into the trainer's log, every line marked as the stage's (logger ``stage``,
-    its own ``job_id`` and ``stage`` whatever it wrote): a JSON record keeps its other fields, never
-    the trainer's (``ts``, ``severity``, ``service``, ``logger``); anything else becomes a message."""
-    for raw in stream:
-        line = raw[:MAX_LOG_LINE].decode(errors="replace").rstrip("\n")
-        if not line:
-            continue
-        message, fields = line, {}
-        level = logging.INFO
-        with contextlib.suppress(ValueError):
-            parsed = json.loads(line)
-            if isinstance(parsed, dict):
-                message = str(parsed.get("message", ""))
-                fields = {k: v for k, v in parsed.items() if k not in _TRAINERS_OWN}
-                if parsed.get("severity") in ("WARNING", "ERROR", "CRITICAL"):
-                    level = logging.getLevelName(parsed["severity"])
-        fields.update(job_id=job_id, stage=stage)
-        STAGE_LOG.log(level, message, extra={"fields": fields})
-    stream.close()
-
-
-_TRAINERS_OWN = frozenset({"ts", "severity", "service", "logger", "message"})
 
 
 class StageProcess:

@@ -85,6 +85,28 @@ def test_a_stage_that_misbehaves_is_contained_and_leaves_nothing(
     assert deployment.process("trainer-a").popen.poll() is None  # type: ignore[union-attr]
 
 
+def test_a_stage_flooding_its_log_adds_a_bounded_amount_to_the_trainers(
+    deployment: LocalDeployment, tenants: dict[str, ClusterSession], tmp_path: Path
+) -> None:
+    """32 MB written to stderr in lines of 100 bytes: the trainer's log grows by the stage's budget
+    (256 KiB of burst, 4 KiB/s) and a warning counting what was dropped, not by 32 MB."""
+    log = deployment.log_dir / "trainer-a.log"
+    before = log.stat().st_size
+    job = hostile_job(tmp_path, "log_flood", {})
+    submit_job(job, tenants, measure_links=False)
+    final = ended(job.job_id, {"a": tenants["a"]}, 120.0)["encoder"]
+    tenants["b"].cancel(job.job_id)
+    ended(job.job_id, tenants, 30.0)
+    assert final.state == trainer_pb2.STAGE_STATE_FAILED and "flood done" in final.message, final
+    with log.open("rb") as grown:
+        grown.seek(before)
+        added = grown.read()
+    assert len(added) < 2 << 20, f"the trainer's log grew by {len(added)} bytes"
+    said = [line for line in added.splitlines() if b"stage log over its budget" in line]
+    assert said and all(job.job_id.encode() in line for line in said), said
+    assert deployment.process("trainer-a").popen.poll() is None  # type: ignore[union-attr]
+
+
 def test_a_spinning_stage_is_cancelled_within_seconds_while_another_job_trains(
     deployment: LocalDeployment, tenants: dict[str, ClusterSession], tmp_path: Path
 ) -> None:

@@ -34,6 +34,14 @@ HOSTILE_BUILD = {
     "fork_bomb": "import os\n    while True:\n        os.fork()",
     "memory": "blocks = []\n    while True:\n        blocks.append(bytearray(64 << 20))",
     "spin": "while True:\n        pass",
+    "log_flood": (
+        "import sys\n"
+        "    line = 'x' * 99 + '\\n'\n"
+        "    for _ in range(320_000):\n"
+        "        sys.stderr.write(line)\n"
+        "    sys.stderr.flush()\n"
+        "    raise RuntimeError('flood done')"
+    ),
     "killed": "import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)",
     "outlive": (
         "import os, subprocess, threading, time\n"

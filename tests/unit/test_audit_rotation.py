@@ -135,4 +135,4 @@ def test_witnessed_heads_are_checked_across_segments(tmp_path: Path) -> None:
 
 
 def test_the_product_bound_is_stated() -> None:
-    assert (SEGMENT_BYTES, SEGMENTS_KEPT) == (64 << 20, 8)  # 576 MiB a log, docs/architecture.md
+    assert (SEGMENT_BYTES, SEGMENTS_KEPT) == (64 << 20, 8)  # 576 MiB a log, docs/accounts-and-audit.md

@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import struct
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from nebula_common.proto.nebula.v1 import relay_pb2, trainer_pb2
 from services.trainer import stage_channel as channel
 from services.trainer.config import TrainerSettings
 from services.trainer.sandbox import SandboxError, bwrap_command, choose_confinement, stage_environment
-from services.trainer.stage_process import MAX_LOG_LINE, relay_log
+from services.trainer.stage_log import MAX_LOG_LINE, LogBudget, relay_log
 from services.trainer.stage_proxy import _is_close
 from services.trainer.status import StatusBoard
 
@@ -125,6 +126,38 @@ def test_stage_log_lines_are_marked_as_the_stages_and_cannot_pass_for_the_traine
     assert records[0][3] == {"epoch": 1, "held": [2, 4], "job_id": "job-1", "stage": "encoder"}
     assert records[1][1] == "ERROR" and records[1][3] == {"job_id": "job-1", "stage": "encoder"}
     assert len(records[2][2]) == MAX_LOG_LINE and records[2][2].startswith("plain text")
+
+
+def test_a_stage_flooding_its_log_is_held_to_its_budget_and_the_drops_are_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """100,000 lines of 100 bytes written in 10 s (a clock the test moves): what reaches the trainer's
+    log is the burst plus 10 s at the sustained rate, and one warning counts what was dropped."""
+    now = [0.0]
+    budget = LogBudget(rate=1000.0, burst=10_000.0, clock=lambda: now[0])
+
+    def flood() -> Iterator[bytes]:
+        for index in range(100_000):
+            now[0] = index / 10_000  # 10,000 lines a second
+            yield b"x" * 99 + b"\n"
+        now[0] = 60.0  # the stage goes quiet, then writes once more
+        yield b"after the flood\n"
+
+    class Stream(io.RawIOBase):
+        def __iter__(self) -> Iterator[bytes]:
+            return flood()
+
+    with caplog.at_level(logging.INFO, logger="stage"):
+        relay_log(Stream(), "job-1", "encoder", budget)  # type: ignore[arg-type]
+    passed = [r for r in caplog.records if r.getMessage() == "x" * 99]
+    # 10,000 bytes of burst + 10 s x 1,000 bytes/s, in lines of 99 bytes (one more for rounding).
+    assert 190 <= len(passed) <= 203, len(passed)
+    # Said at most every 10 s while it lasts: here once in the flood, once when a line passes after it.
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2, [w.getMessage() for w in warnings]
+    counted = [w.fields["dropped_lines"] for w in warnings]  # type: ignore[attr-defined]
+    assert sum(counted) == 100_000 - len(passed) and warnings[0].fields["job_id"] == "job-1"  # type: ignore[attr-defined]
+    assert caplog.records[-1].getMessage() == "after the flood" and caplog.records[-2] is warnings[-1]
 
 
 LANDLOCKED = """
