@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -386,8 +387,42 @@ def _resolve_auto(
     """`auto` codecs: each edge advised by its sending cluster's codec service, for the link toward
     the receiving cluster as the sending switch measures it (``switch_link``; else the stated one)."""
     from nebula_common.codec.advice_client import advise_specs_sync
-    from nebula_common.codec.stream import canonical_spec
     from nebula_common.sdk.codec_advice import Advisor, resolve_auto_codecs, resolve_chain_codecs
+    from nebula_common.sdk.job_probe import probe_micro_batch
+
+    # The probe computes here while the switches measure their links: neither waits for the other.
+    with ThreadPoolExecutor(1, thread_name_prefix="auto-probe") as pool:
+        probing = pool.submit(probe_micro_batch, job)
+        edge_links = _auto_links(job, sessions, link, links, measure)
+        probe = probing.result()
+    edges = job.spec.edges
+    sources = [sessions[job.spec.stages[index].cluster] for index in range(len(edges))]
+    if len(edges) == 1 and edge_links[0] is not None:
+        codec, token = sources[0].endpoints.codec, sources[0].token
+        resolve_auto_codecs(job, codec, edge_links[0], token=token, probe=probe)
+        return
+
+    def advisor(source: ClusterSession) -> Advisor:
+        return lambda request: advise_specs_sync(source.endpoints.codec, request, token=source.token)
+
+    fallback = LinkProfile(1.0, 0.0)  # never asked: an edge without auto keeps its configured codecs
+    resolve_chain_codecs(
+        job,
+        [advisor(source) for source in sources],
+        [lk or fallback for lk in edge_links],
+        probe=probe,
+    )
+
+
+def _auto_links(
+    job: ProgramJob,
+    sessions: dict[str, ClusterSession],
+    link: LinkProfile | None,
+    links: dict[str, LinkProfile],
+    measure: bool,
+) -> list[LinkProfile | None]:
+    """Each edge's link for ``auto``: measured by its sending switch, else stated (None: no auto)."""
+    from nebula_common.codec.stream import canonical_spec
 
     edges = job.spec.edges
     sources = [sessions[job.spec.stages[index].cluster] for index in range(len(edges))]
@@ -408,15 +443,7 @@ def _resolve_auto(
                 f"{source.endpoints.cluster_id}; link: {why})"
             )
         edge_links.append(found)
-    if len(edges) == 1 and edge_links[0] is not None:
-        resolve_auto_codecs(job, sources[0].endpoints.codec, edge_links[0], token=sources[0].token)
-        return
-
-    def advisor(source: ClusterSession) -> Advisor:
-        return lambda request: advise_specs_sync(source.endpoints.codec, request, token=source.token)
-
-    fallback = LinkProfile(1.0, 0.0)  # never asked: an edge without auto keeps its configured codecs
-    resolve_chain_codecs(job, [advisor(source) for source in sources], [lk or fallback for lk in edge_links])
+    return edge_links
 
 
 def common_checkpoint_step(job_id: str, stages: dict[str, ClusterSession]) -> int | None:

@@ -325,6 +325,7 @@ def resolve_auto_codecs(
     trial_steps: int = DEFAULT_TRIAL_STEPS,
     loss_tolerance: float = DEFAULT_LOSS_TOLERANCE,
     progress_tolerance: float | None = None,
+    probe: MicroBatchProbe | None = None,
 ) -> dict[str, Any] | None:
     """Replace `auto` in the job's codecs with the advised specs; the recorded choice, or None if no auto.
 
@@ -334,6 +335,7 @@ def resolve_auto_codecs(
     (module docstring);
     a trial is never longer than the job (``trial_steps`` is capped at its steps). A chain asks this
     one service for every edge, each with the same ``link`` (``resolve_chain_codecs`` takes one each).
+    ``probe``: the job's micro-batch probe when already taken (else taken here).
     """
     if not needs_advice(job):
         return None
@@ -344,9 +346,9 @@ def resolve_auto_codecs(
 
     if len(job.spec.edges) > 1:
         count = len(job.spec.edges)
-        return resolve_chain_codecs(job, [advisor] * count, [link] * count, settings)
+        return resolve_chain_codecs(job, [advisor] * count, [link] * count, settings, probe=probe)
     forward, backward, record = advise_edge(
-        job, 0, probe_micro_batch(job), advisor, link, job.edge_codecs(), settings
+        job, 0, probe or probe_micro_batch(job), advisor, link, job.edge_codecs(), settings
     )
     job.set_codecs(forward, backward, json.dumps(record, sort_keys=True))
     return record
@@ -357,6 +359,7 @@ def resolve_chain_codecs(
     advisors: Sequence[Advisor],
     links: Sequence[LinkProfile],
     settings: TrialSettings = TrialSettings(),
+    probe: MicroBatchProbe | None = None,
 ) -> dict[str, Any]:
     """A chain's ``auto``: the advisor per edge, edge by edge in chain order; the per-edge choice.
 
@@ -369,7 +372,7 @@ def resolve_chain_codecs(
     count = len(job.spec.edges)
     if len(advisors) != count or len(links) != count:
         raise ValueError(f"a chain of {count} edges needs one advisor and one link per edge")
-    probe = probe_micro_batch(job)
+    probe = probe or probe_micro_batch(job)
     codecs = [(e.codec.forward, e.codec.backward) for e in job.spec.edges]
     records: list[dict[str, Any]] = []
     for index, declared in enumerate(job.spec.edges):
