@@ -22,7 +22,7 @@ from nebula_common.launcher import LocalDeployment
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.client import ClusterSession, submit_job
 from tests.support.accounts import make_user
-from tests.support.hostile import STAGE_MAIN, ended, host_pids, hostile_job, require_bwrap, run_job
+from tests.support.hostile import ended, host_pids, hostile_job, require_bwrap, run_job, stage_pids
 from tests.support.jobs import numbers_job
 from tests.support.waiting import wait_for
 
@@ -77,7 +77,7 @@ def test_a_stage_that_misbehaves_is_contained_and_leaves_nothing(
     assert reason in final.message, final.message
     # Nothing of the stage outlives it by 5 s: not its process, not what it forked or detached.
     wait_for(
-        lambda: not host_pids("nebula-outlive-marker") and not host_pids(STAGE_MAIN),
+        lambda: not host_pids("nebula-outlive-marker") and not stage_pids(),
         5.0,
         f"every process of {kind} gone",
     )
@@ -133,7 +133,7 @@ def test_a_spinning_stage_is_cancelled_within_seconds_while_another_job_trains(
 
 def _spinning() -> bool:
     """A stage process burning CPU (the spin job's only process in state R for long)."""
-    return any(_cpu_seconds(pid) > 1.0 for pid in host_pids(STAGE_MAIN))
+    return any(_cpu_seconds(pid) > 1.0 for pid in stage_pids())
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -11,6 +11,7 @@ import json
 import os
 import secrets
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from nebula_common.sdk.jobs import ProgramJob
 from services.trainer.status import TERMINAL_STATES as TERMINAL
 from tests.support.waiting import wait_for
 
-STAGE_MAIN = "services.trainer.stage_main"  # every stage process's command line (no other job runs meanwhile)
+STAGE_MAIN = "services.trainer.stage_main"  # every stage process's command line
 NUMBERS = Path(__file__).resolve().parents[2] / "nebula_common/jobspec/builtin/numbers"
 
 PROBE = (Path(__file__).resolve().parent / "hostile_probe.py").read_text()
@@ -122,14 +123,21 @@ def stage_status(session: ClusterSession, job_id: str) -> trainer_pb2.StageStatu
     return reply.stages[0].status if reply.stages else None
 
 
-def host_pids(marker: str) -> list[int]:
-    """Host processes whose command line mentions ``marker``."""
+def host_pids(*markers: str) -> list[int]:
+    """Host processes whose command line mentions every one of ``markers``."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if marker.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
+                cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
+            if all(marker.encode() in cmdline for marker in markers):
+                found.append(int(entry.name))
     return found
+
+
+def stage_pids() -> list[int]:
+    """Stage processes of this tree's interpreter: those of a deployment another checkout runs beside
+    the test (a second clone's loop, say) do not count."""
+    return host_pids(STAGE_MAIN, sys.prefix)
