@@ -7,8 +7,9 @@ is an allow list: systemd's ``@system-service`` set (``seccomp_allowlist.txt``, 
 the stage's own Landlock calls, minus the calls below that no training job needs even so. Every
 other call, including any the kernel adds later, fails with ``EPERM``; ``clone`` only without
 namespace flags, ``clone3`` with ``ENOSYS`` (so the C library falls back to ``clone``, whose flags
-the filter can see). Nothing is killed: job code that probes gets an error it can report. Built and
-loaded with libseccomp (``pyseccomp`` bindings).
+the filter can see), ``socket`` only for Unix, netlink and TCP sockets (no UDP, raw, packet or other
+family). Nothing is killed: job code that probes gets an error it can report. Built and loaded with
+libseccomp (``pyseccomp`` bindings).
 
 The stage's entry point (``stage_main``) loads it after its limits and ``PR_SET_NO_NEW_PRIVS`` and
 before Landlock and the job's module; every process the stage starts inherits it. The trainer probes
@@ -18,6 +19,7 @@ it at start-up (``sandbox.choose_confinement``) and says when stages run without
 from __future__ import annotations
 
 import errno
+import socket
 import subprocess
 import sys
 from functools import cache
@@ -76,6 +78,8 @@ DENIED: dict[str, str] = {
     ),
 }
 """Calls of the allowed set a stage is refused even so -> what they would reach."""
+SOCKET_TYPE_MASK = 0xF
+"""The type bits of ``socket``'s second argument (``SOCK_NONBLOCK``/``SOCK_CLOEXEC`` sit above them)."""
 ALLOWLIST = Path(__file__).with_name("seccomp_allowlist.txt")
 STAGE_OWN = ("landlock_create_ruleset", "landlock_add_rule", "landlock_restrict_self")
 """Calls outside ``@system-service`` the stage itself makes: its Landlock rules, after this filter."""
@@ -96,7 +100,7 @@ def allowed() -> tuple[str, ...]:
     """The names the filter allows (those this kernel's architecture lacks are skipped when loading)."""
     names = [line.strip() for line in ALLOWLIST.read_text().splitlines()]
     listed = {name for name in names if name and not name.startswith("#")}
-    return tuple(sorted((listed | set(STAGE_OWN)) - set(DENIED) - {"clone", "clone3"}))
+    return tuple(sorted((listed | set(STAGE_OWN)) - set(DENIED) - {"clone", "clone3", "socket"}))
 
 
 def enforce() -> int:
@@ -120,8 +124,15 @@ def enforce() -> int:
     # clone's flags are its first argument on x86-64 and arm64: a thread or a child, never a namespace.
     rules.add_rule(seccomp.ALLOW, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, namespaces, 0))
     rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    # Sockets: local ones (Unix, netlink for the C library's address queries) and TCP (a stage's ranks
+    # meet over loopback); no UDP (Landlock covers it only from ABI 10), no raw, packet or other family.
+    for family in (socket.AF_UNIX, socket.AF_NETLINK):
+        rules.add_rule(seccomp.ALLOW, "socket", seccomp.Arg(0, seccomp.EQ, family))
+    for family in (socket.AF_INET, socket.AF_INET6):
+        stream = seccomp.Arg(1, seccomp.MASKED_EQ, SOCKET_TYPE_MASK, socket.SOCK_STREAM)
+        rules.add_rule(seccomp.ALLOW, "socket", seccomp.Arg(0, seccomp.EQ, family), stream)
     rules.load()
-    return count + 1
+    return count + 2
 
 
 def unavailable() -> str:

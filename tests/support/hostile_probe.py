@@ -65,6 +65,13 @@ def kernel(call: str) -> str:
     return f"{call}: {result}"
 
 
+def send_udp() -> None:
+    """A datagram to this host's discard port: no way out for a stage (Landlock covers UDP only from
+    ABI 10; the seccomp filter refuses the socket)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        udp.sendto(b"nebula", ("127.0.0.1", 9))
+
+
 def connect(address: str) -> None:
     host, port = address.rsplit(":", 1)
     socket.create_connection((host, int(port)), timeout=2).close()
@@ -90,6 +97,7 @@ def probe(options: dict[str, Any]) -> None:
         attempt(call, lambda c=call: kernel(c))
     for name, address in options["ports"].items():
         attempt(f"connect {name}", lambda a=address: connect(a))
+    attempt("send UDP", send_udp)
     # The stage's secret for its proxy is in its own memory; an attacker finds it there.
     runner = next(o for o in gc.get_objects() if type(o).__name__ == "ProgramRunner")
     channel = grpc.insecure_channel(runner.switch_address)

@@ -265,6 +265,19 @@ child = subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=Tr
 seen["subprocess"] = child.stdout.strip()
 import torch
 seen["torch"] = float(torch.ones(3, 3).matmul(torch.ones(3)).sum())
+import socket
+def make(family, kind):
+    try:
+        socket.socket(family, kind).close()
+        return "allowed"
+    except OSError as exc:
+        return exc.errno
+SOCKETS = (("udp", socket.AF_INET, socket.SOCK_DGRAM), ("udp6", socket.AF_INET6, socket.SOCK_DGRAM),
+           ("packet", socket.AF_PACKET, socket.SOCK_RAW), ("alg", 38, socket.SOCK_SEQPACKET),
+           ("tcp", socket.AF_INET, socket.SOCK_STREAM), ("unix", socket.AF_UNIX, socket.SOCK_STREAM),
+           ("netlink", socket.AF_NETLINK, socket.SOCK_RAW))
+for label, family, kind in SOCKETS:
+    seen["socket " + label] = make(family, kind)
 seen["allowed"] = allowed
 print(json.dumps(seen))
 """
@@ -299,7 +312,16 @@ def test_the_seccomp_filter_refuses_what_no_stage_needs_and_keeps_a_job_working(
                                   "io_uring_setup", "mount", "unshare", "setns", "init_module",
                                   "process_vm_readv", "kexec_load", "clone newuser", "pkey_alloc",
                                   "lookup_dcookie", "memfd_secret", "uselib")}  # fmt: skip
-    assert seen == {**eperm, "clone3": 38, "subprocess": "42", "torch": 9.0, "allowed": seen["allowed"]}, seen
+    sockets = {"socket udp": 1, "socket udp6": 1, "socket packet": 1, "socket alg": 1}
+    sockets |= {"socket tcp": "allowed", "socket unix": "allowed", "socket netlink": "allowed"}
+    assert seen == {
+        **eperm,
+        **sockets,
+        "clone3": 38,
+        "subprocess": "42",
+        "torch": 9.0,
+        "allowed": seen["allowed"],
+    }, seen
     assert 300 <= seen["allowed"] <= len(seccomp_filter.allowed()) + 1
 
 
