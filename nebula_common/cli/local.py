@@ -244,6 +244,8 @@ def deployment_status(run_dir: Path) -> dict:
     try:
         description = json.loads(description_file.read_text(encoding="utf-8"))
         status["clusters"] = sorted(description["clusters"])
+        if description.get("service_isolation"):  # what keeps each service from the others' keys
+            status["service_isolation"] = description["service_isolation"]
         for cluster, entry in sorted(description["clusters"].items()):
             for name, info in sorted(entry["processes"].items()):
                 status["services"][name] = {
@@ -291,6 +293,8 @@ def status(
                 typer.echo(f"  {'':14} stages: {service['stage_isolation']}")
         if result.get("clusters"):
             typer.echo(f"  clusters: {', '.join(result['clusters'])}")
+        if result.get("service_isolation"):
+            typer.echo(f"  services: {result['service_isolation']}")
         if "error" in result:
             typer.echo(result["error"], err=True)
     if not result["running"]:

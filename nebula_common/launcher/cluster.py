@@ -8,7 +8,9 @@ own CA's CRL to send to the peer over the WAN port (services/switch/crl_exchange
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 import secrets
 from collections.abc import Sequence
@@ -20,9 +22,15 @@ from nebula_common.durable import atomic_write
 from nebula_common.errors import NebulaError
 from nebula_common.launcher.ports import service_port
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command, wait_healthy
+from nebula_common.launcher.service_box import ServiceBox, boxes_enabled
 from nebula_common.metrics import metrics_url, trust_metrics_endpoint
 from nebula_common.pki.identity import validate_cluster_id
-from nebula_common.pki.service_identity import MONITORING_ROLE, ServiceTlsFiles, ensure_service_certificates
+from nebula_common.pki.service_identity import (
+    MONITORING_ROLE,
+    ServiceTlsFiles,
+    ensure_service_certificates,
+    mirror_crl,
+)
 from nebula_common.pki.store import ClusterPaths
 from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 
@@ -114,6 +122,15 @@ class ClusterLauncher:
     # The PKI root holding ``<cluster>/ca.crt`` and ``ca.key``; the cluster CA issues every service's
     # internal identity. None turns internal TLS off (the development flag, ``rpc/internal_tls.py``).
     pki_dir: Path | None = None
+    # Each service but the trainer in a bubblewrap box of its own (``service_box.py``); None: where
+    # bubblewrap can (decided at the first start).
+    boxed: bool | None = None
+
+    def __post_init__(self) -> None:
+        # Absolute: a boxed service starts in its own /tmp (relative paths would point there).
+        self.run_dir, self.log_dir = Path(self.run_dir).absolute(), Path(self.log_dir).absolute()
+        if self.pki_dir is not None:
+            self.pki_dir = Path(self.pki_dir).absolute()
 
     @staticmethod
     def address(process: ServiceProcess | None) -> str:
@@ -135,8 +152,40 @@ class ClusterLauncher:
         return {
             "INTERNAL_TLS_DIR": str(state.service_tls[service].dir),
             # The cluster CA's CRL: `nebula pki revoke` refuses a service leaf on every internal port.
-            "INTERNAL_CRL": str(self.pki_dir / state.cluster_id / "crl.pem"),
+            # The launcher's copy in the service's own directory (``mirror_crl``), which its box shows.
+            "INTERNAL_CRL": str(state.service_tls[service].dir / "crl.pem"),
         }
+
+    def _box(
+        self,
+        state: ClusterProcesses,
+        service: str,
+        state_dir: Path | None = None,
+        files: tuple[Path, ...] = (),
+        pki: ClusterPaths | None = None,
+    ) -> ServiceBox | None:
+        """What ``service`` sees: its state directory, ``files``, its cluster's PKI less others' secrets."""
+        if self.boxed is None:
+            self.boxed = boxes_enabled()
+        if not self.boxed:
+            return None
+        read_only, hidden, shown = list(files), [], []
+        own = state.service_tls[service].dir if service in state.service_tls else None
+        if self.pki_dir is not None and service == "switch":
+            # The switch reads its WAN certificate and key, the trust bundle, peers' CAs and CRLs from
+            # the cluster's directory, which the operator's `nebula pki` and the launcher rewrite: the
+            # directory is bound (a file bound alone would keep its old contents), less the CA key
+            # (written once, at `pki init`), the PKI's audit log and key, and other services' identities.
+            paths = pki or ClusterPaths.for_cluster(self.pki_dir, state.cluster_id)
+            read_only.append(paths.dir)
+            hidden += [paths.ca_key, paths.audit_dir]
+            if own is not None:
+                hidden.append(own.parent)
+                shown.append(own)
+        elif own is not None:  # its identity and its copy of the CRL (``mirror_crl``): nothing else
+            read_only.append(own)
+        writable = (state_dir,) if state_dir is not None else ()
+        return ServiceBox(tuple(read_only), writable, tuple(hidden), tuple(shown))
 
     def _trust(self, state: ClusterProcesses, process: ServiceProcess) -> None:
         """Let this process's clients (health checks, SDK, CLI) verify ``process``'s ports."""
@@ -164,6 +213,7 @@ class ClusterLauncher:
         if self.pki_dir is not None:
             # One internal identity per service: kept while good, renewed with a third of its life left.
             state.service_tls = ensure_service_certificates(self.pki_dir, cluster)
+            mirror_crl(self.pki_dir, cluster)  # kept current by the renewer while the cluster runs
         return state
 
     def start_core(self, state: ClusterProcesses) -> None:
@@ -188,6 +238,7 @@ class ClusterLauncher:
                 **self._tls_settings(state, "auth"),
             },
             LISTEN_PINS,
+            box=self._box(state, "auth", cluster_dir / "auth", (password_file,)),
         )
         self._trust(state, state.auth)
         wait_healthy(self.address(state.auth), "nebula.v1.Auth")
@@ -202,6 +253,7 @@ class ClusterLauncher:
                 **self._tls_settings(state, "codec"),
             },
             LISTEN_PINS,
+            box=self._box(state, "codec"),
         )
         self._trust(state, state.codec)
         wait_healthy(self.address(state.codec), "nebula.v1.Codec")
@@ -217,6 +269,7 @@ class ClusterLauncher:
                 **self._tls_settings(state, "data"),
             },
             LISTEN_PINS,
+            box=self._box(state, "data", cluster_dir / "data"),
         )
         self._trust(state, state.data)
         wait_healthy(self.address(state.data), "nebula.v1.Data")
@@ -262,8 +315,15 @@ class ClusterLauncher:
         if peer_address is not None:
             env["PEER_ADDRESS"] = peer_address
         fixed = {"WAN_LISTEN": wan_listen} if wan_listen is not None else {}
+        crls = [peer_crl] if isinstance(peer, str) else [each.crl for each in peer]
+        own = [paths.switch_cert, paths.switch_key, paths.trust_bundle, paths.crl, *(c for c in crls if c)]
+        elsewhere = tuple(p for p in own if not p.is_relative_to(paths.dir))  # an operator's own layout
+        box = self._box(state, "switch", self.run_dir / cluster / "switch", elsewhere, pki=paths)
+        unix_edge = os.environ.get("NEBULA_SWITCH_RAW_EDGE_UNIX", "").replace("{cluster}", cluster)
+        if box is not None and unix_edge:  # its socket's directory, shared with the trainer
+            box = dataclasses.replace(box, read_write=(*box.read_write, Path(unix_edge).parent))
         state.switch = self.launch(
-            f"switch-{cluster}", "services.switch", "NEBULA_SWITCH_", env, SWITCH_PINS, fixed=fixed
+            f"switch-{cluster}", "services.switch", "NEBULA_SWITCH_", env, SWITCH_PINS, fixed=fixed, box=box
         )
         self._trust(state, state.switch)
         wait_healthy(f"{LOOPBACK}:{state.switch.info['internal_port']}", "nebula.v1.Relay")
@@ -298,6 +358,7 @@ class ClusterLauncher:
         pins: dict[str, str],
         *,
         fixed: dict[str, str] | None = None,
+        box: ServiceBox | None = None,
     ) -> ServiceProcess:
         """Start a service on ports of its own, outside the ephemeral range (see ``ports.py``).
 
@@ -319,6 +380,7 @@ class ClusterLauncher:
                 env=env,
                 log_dir=self.log_dir,
                 holds_early_stop=True,
+                box=box,
             )
             process.start()
             try:

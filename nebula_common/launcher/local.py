@@ -46,6 +46,7 @@ from typing import IO, Any
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.durable import atomic_write
 from nebula_common.errors import NebulaError
+from nebula_common.launcher import service_box
 from nebula_common.launcher.cluster import (
     BIND_ATTEMPTS,
     BIND_FAILURE,
@@ -192,6 +193,11 @@ class LocalDeployment:
     # Development only (side-by-side measurements): plaintext internal ports. Requires the
     # NEBULA_INTERNAL_PLAINTEXT=1 flag in this process's environment, which the services inherit.
     internal_tls: bool = True
+    _boxed: bool | None = None  # services in boxes of their own (``service_box.py``), decided at start
+
+    def __post_init__(self) -> None:
+        # Absolute: a service in its box starts in its own /tmp, and a stage in its account's directory.
+        self.run_dir = Path(self.run_dir).absolute()
 
     @property
     def control_token_file(self) -> Path:
@@ -229,6 +235,7 @@ class LocalDeployment:
                 f"internal_tls=False needs the development flag {PLAINTEXT_ENV}=1 in the environment"
             )
         self._passwords = check_run_dir(self.run_dir, self.clusters)
+        self._boxed = service_box.boxes_enabled()  # before anything is written
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_run_dir(self.run_dir)
         try:
@@ -378,8 +385,14 @@ class LocalDeployment:
     @property
     def launcher(self) -> ClusterLauncher:
         """Starts each cluster's services, the same way ``nebula cluster up`` starts one cluster's."""
+        if self._boxed is None:
+            self._boxed = service_box.boxes_enabled()
         return ClusterLauncher(
-            self.run_dir, self.log_dir, self.log_level, pki_dir=self.pki_dir if self.internal_tls else None
+            self.run_dir,
+            self.log_dir,
+            self.log_level,
+            pki_dir=self.pki_dir if self.internal_tls else None,
+            boxed=self._boxed,
         )
 
     def _start_cluster_services(self, cluster: str) -> None:
@@ -465,6 +478,7 @@ class LocalDeployment:
             "command": {"name": "nebula local up", "pid": os.getpid()},
             "run_dir": str(self.run_dir),
             "pki_dir": str(self.pki_dir),
+            "service_isolation": service_box.describe(bool(self._boxed)),
             "log_dir": str(self.log_dir),
             "supervisor_log": str(self.log_dir / "supervisor.jsonl"),
             "wan_emulator": {

@@ -27,6 +27,7 @@ from typing import IO, Any
 
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.durable import atomic_write
+from nebula_common.launcher import service_box
 from nebula_common.launcher.cluster import (
     ClusterDeploymentError,
     ClusterLauncher,
@@ -84,6 +85,7 @@ class ClusterDeployment:
     supervisor: Supervisor | None = None
     renewer: LeafRenewer | None = None
     _lock: IO[str] | None = field(default=None, repr=False)
+    _boxed: bool | None = field(default=None, repr=False)  # services boxed (``service_box.py``)
 
     @property
     def pki(self) -> Path:
@@ -115,11 +117,12 @@ class ClusterDeployment:
         for peer in ids:
             paths = check_organisation_pki(self.pki, self.cluster, peer)
         passwords = check_run_dir(self.run_dir, (self.cluster,))
+        self._boxed = boxed = service_box.boxes_enabled()  # before anything is written
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_run_dir(self.run_dir)
         self.log_dir.mkdir(exist_ok=True)
         # Every internal port serves mutual TLS with identities from this organisation's own CA.
-        launcher = ClusterLauncher(self.run_dir, self.log_dir, self.log_level, pki_dir=self.pki)
+        launcher = ClusterLauncher(self.run_dir, self.log_dir, self.log_level, pki_dir=self.pki, boxed=boxed)
         try:
             self.state = launcher.new_state(self.cluster, passwords.get(self.cluster))
             launcher.start_core(self.state)
@@ -163,6 +166,7 @@ class ClusterDeployment:
             "run_dir": str(self.run_dir),
             "pki_dir": str(self.pki),
             "log_dir": str(self.log_dir),
+            "service_isolation": service_box.describe(bool(self._boxed)),
             "peer": {"cluster": self.peer, "address": self.peer_address},
             **(
                 {"peers": [{"cluster": peer, "address": address} for peer, address in self.peers]}

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nebula_common.errors import NebulaError
+from nebula_common.launcher.service_box import ServiceBox
 from nebula_common.rpc.internal_tls import internal_channel
 from nebula_common.stop_signals import stop_signals_blocked
 
@@ -44,10 +45,28 @@ class ServiceProcess:
     # A Nebula service (its entry point is ``run_service_main``, which unblocks them): started with
     # SIGINT and SIGTERM blocked, so a stop in its first milliseconds waits for its handler.
     holds_early_stop: bool = False
+    # Started inside a bubblewrap box of its own (``service_box.py``): ``pid`` is then the service's
+    # own process (the box's first), which is what is signalled; ``popen`` is bubblewrap's.
+    box: ServiceBox | None = field(default=None, repr=False, compare=False)
+    boxed_pid: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def pid(self) -> int | None:
+        if self.box is not None:
+            return self.boxed_pid
         return self.popen.pid if self.popen is not None else None
+
+    def poll(self) -> int | None:
+        """The exit status as Popen reports it (a signal negative), for a boxed service too.
+
+        bubblewrap exits with 128 + the signal's number when its service was killed by one.
+        """
+        if self.popen is None:
+            return None
+        code = self.popen.poll()
+        if code is not None and self.box is not None and 128 < code < 128 + 65:
+            return -(code - 128)
+        return code
 
     @property
     def stdout_path(self) -> Path:
@@ -66,16 +85,45 @@ class ServiceProcess:
             open(self.log_path, "ab") as err,
             held,  # a stop before its handler exists waits for it (stop_signals.py)
         ):
+            if self.box is None:
+                self.popen = subprocess.Popen(
+                    self.command,
+                    env=env,
+                    stdout=out,
+                    stderr=err,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            else:
+                self._start_boxed(self.box, env, out, err)
+            keep_priority(self.popen.pid)  # type: ignore[union-attr]
+            self.wanted = True
+
+    def _start_boxed(self, box: ServiceBox, env: dict[str, str], out: Any, err: Any) -> None:
+        """Start inside the box; learn the service's own pid from bubblewrap's status line."""
+        read, write = os.pipe()
+        try:
+            self.boxed_pid = None
             self.popen = subprocess.Popen(
-                self.command,
+                [*box.argv(write), *self.command],
                 env=env,
                 stdout=out,
                 stderr=err,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                pass_fds=(write,),
             )
-            keep_priority(self.popen.pid)
-            self.wanted = True
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+        status = os.fdopen(read, "rb")
+        line = status.readline()  # the child's pid, written once its namespaces exist; b"" if it failed
+        with contextlib.suppress(ValueError, KeyError, json.JSONDecodeError):
+            self.boxed_pid = int(json.loads(line)["child-pid"])
+        # bubblewrap writes its exit code there at the end: read until then, or it dies of SIGPIPE.
+        threading.Thread(target=_drain, args=(status,), name=f"box-{self.name}", daemon=True).start()
 
     def poll_ready(self) -> dict[str, Any] | None:
         """The ports line if the process has written it (non-blocking), else None."""
@@ -91,9 +139,9 @@ class ServiceProcess:
         """Wait for the JSON line announcing the ports; fail fast if the process dies."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.popen is not None and self.popen.poll() is not None:
+            if self.popen is not None and self.poll() is not None:
                 raise ServiceStartError(
-                    f"{self.name} exited with code {self.popen.returncode} during start-up; "
+                    f"{self.name} exited with code {self.poll()} during start-up; "
                     f"last log lines:\n{self.tail()}"
                 )
             info = self.poll_ready()
@@ -112,13 +160,37 @@ class ServiceProcess:
         with self.lock:
             self.wanted = False
             if self.popen is None or self.popen.poll() is not None:
-                return None if self.popen is None else self.popen.returncode
-            self.popen.send_signal(signal.SIGTERM)
+                return None if self.popen is None else self.poll()
+            self.signal(signal.SIGTERM)
         try:
-            return self.popen.wait(timeout)
+            self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.popen.kill()
-            return self.popen.wait(5)
+            self.kill()
+            self.popen.wait(5)
+        return self.poll()
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the service itself (inside its box, not to bubblewrap)."""
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        if self.box is None or self.boxed_pid is None:
+            self.popen.send_signal(signum)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.boxed_pid, signum)
+
+    def kill(self) -> None:
+        """SIGKILL the service; bubblewrap, whose child it is, then exits with it."""
+        self.signal(signal.SIGKILL)
+        if self.popen is not None and self.box is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.popen.kill()  # --die-with-parent: the box's process goes with it
+
+
+def _drain(status: Any) -> None:
+    with status:
+        while status.readline():
+            pass
 
 
 def keep_priority(pid: int) -> None:

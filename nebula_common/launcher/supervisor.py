@@ -148,7 +148,7 @@ class Supervisor:
                     with self._lock:
                         watch.state, watch.since = "starting", now
                 return
-            code = process.popen.poll() if process.popen is not None else -1
+            code = process.poll() if process.popen is not None else -1
         if code is None:
             if watch.state == "starting":
                 self._check_started(watch, now)
@@ -166,7 +166,7 @@ class Supervisor:
             info = None
         if info is None:
             if now - watch.since > self.policy.start_timeout_s:
-                process.popen.kill()  # type: ignore[union-attr]
+                process.kill()
                 process.popen.wait(5)  # type: ignore[union-attr]
                 self._died(watch, f"no ready line within {self.policy.start_timeout_s:.0f}s", now)
             return

@@ -53,6 +53,7 @@ __all__ = [
     "ServiceTlsFiles",
     "ensure_service_certificates",
     "issue_service_certificate",
+    "mirror_crl",
     "renewal_due",
     "service_tls_dir",
 ]
@@ -75,6 +76,7 @@ RENEW_FRACTION = 1 / 3
 CA_FILE = "ca.crt"
 CERT_FILE = "service.crt"
 KEY_FILE = "service.key"
+CRL_FILE = "crl.pem"
 
 
 @dataclass(frozen=True)
@@ -232,3 +234,26 @@ def ensure_service_certificates(
     for cert in issued:
         _audit(paths, "cert.issue", cert, "nebula local up")
     return result
+
+
+def mirror_crl(
+    pki_root: Path, cluster_id: str, services: tuple[str, ...] = LAUNCHED_IDENTITIES
+) -> list[Path]:
+    """Copy the cluster CA's CRL into each service's own directory where it differs; the copies written.
+
+    A service boxed by the launcher (``launcher/service_box.py``) sees its own directory and not the
+    cluster's, which holds keys that are not its own; the launcher keeps this copy current so that
+    ``nebula pki revoke`` still reaches its internal ports.
+    """
+    source = ClusterPaths.for_cluster(Path(pki_root), cluster_id).crl
+    try:
+        content = source.read_bytes()
+    except FileNotFoundError:
+        return []
+    written = []
+    for service in services:
+        target = service_tls_dir(pki_root, cluster_id, service) / CRL_FILE
+        if target.parent.is_dir() and (not target.exists() or target.read_bytes() != content):
+            atomic_write(target, content, mode=0o644)
+            written.append(target)
+    return written

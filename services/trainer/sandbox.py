@@ -30,13 +30,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from nebula_common.bwrap import code_roots, system_binds
 from services.trainer import cgroup, landlock, seccomp_filter
 
 log = logging.getLogger(__name__)
@@ -110,29 +110,7 @@ def _code_roots() -> list[Path]:
     import nebula_common
     import services
 
-    roots = {Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve()}
-    for package in (nebula_common, services):
-        roots.add(Path(package.__file__).resolve().parent)  # the package only: never the repo (runs/)
-    for entry in sys.path:
-        path = Path(entry or ".").resolve()
-        if "site-packages" in path.parts or "dist-packages" in path.parts:
-            roots.add(path)
-    return sorted(r for r in roots if r.exists())
-
-
-def _system_binds() -> list[str]:
-    """/usr and the usual top-level links into it (merged /usr), as the host has them."""
-    args = ["--ro-bind", "/usr", "/usr"]
-    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
-        path = Path(top)
-        if path.is_symlink():
-            args += ["--symlink", os.readlink(path), top]
-        elif path.is_dir():
-            args += ["--ro-bind", top, top]
-    for etc in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/localtime", "/etc/nsswitch.conf"):
-        if Path(etc).exists():
-            args += ["--ro-bind", etc, etc]
-    return args
+    return code_roots((nebula_common, services))
 
 
 def bwrap_command(work_dir: Path, socket_dir: Path, read_only: list[Path], command: list[str]) -> list[str]:
@@ -149,7 +127,7 @@ def bwrap_command(work_dir: Path, socket_dir: Path, read_only: list[Path], comma
         "--new-session",
         "--cap-drop",
         "ALL",
-        *_system_binds(),
+        *system_binds(),
         "--proc",
         "/proc",
         "--dev",

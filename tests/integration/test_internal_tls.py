@@ -110,6 +110,7 @@ def _scrape(url: str, name: str, labels: str) -> float:
     return 0.0
 
 
+@pytest.mark.faults  # renews every certificate under a running job (`make test-faults`)
 def test_renewing_every_service_certificate_during_a_job_loses_nothing(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession]
 ) -> None:

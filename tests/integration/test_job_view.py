@@ -72,6 +72,7 @@ def sessions_from(deployment: LocalDeployment, credentials: Path) -> dict[str, C
     }
 
 
+@pytest.mark.long  # two jobs, one after the other (`make test-faults`)
 def test_two_jobs_back_to_back_each_report_their_own_codec_ratio(
     deployment_file: Path, tmp_path: Path
 ) -> None:

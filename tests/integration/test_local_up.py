@@ -27,6 +27,7 @@ START_DEADLINE_S = 420.0
 STOP_DEADLINE_S = 120.0
 
 
+@pytest.mark.faults  # kills a service and restarts the deployment (`make test-faults`)
 def test_local_up_runs_until_interrupted_and_leaves_nothing_behind(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     up = subprocess.Popen(
@@ -194,6 +195,9 @@ def test_local_up_restarts_a_killed_service_and_a_second_up_keeps_every_secret(t
             isolation = services[trainer]["stage_isolation"]
             named = isolation.startswith(("bwrap:", "landlock (ABI")) or "process: the trainer" in isolation
             assert named, isolation
+        # So is what keeps each service from the others' keys: their boxes, or that there are none.
+        boxes = json.loads(status.stdout)["service_isolation"]
+        assert boxes.startswith(("bwrap: auth, codec, data and the switch", "none (")), boxes
         created = cli("account", "create", "keeper", "--run-dir", str(run_dir), "--json")
         assert created.exit_code == 0, created.output
         keeper = json.loads(created.stdout)["accounts"]

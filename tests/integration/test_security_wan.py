@@ -298,6 +298,7 @@ def test_revoking_the_live_peer_closes_the_link_within_seconds_and_renewal_resto
     print(f"revoked link closed after {closed_after:.2f}s")
 
 
+@pytest.mark.faults  # rotates both switches' certificates under a running job (`make test-faults`)
 def test_job_keeps_running_across_certificate_rotation_of_both_switches(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession]
 ) -> None:

@@ -772,6 +772,7 @@ def _refused(client: EdgeClient) -> grpc.RpcError:
     return ended
 
 
+@pytest.mark.faults  # a flooding edge, closed and refused (`make test-faults`)
 def test_a_flooder_is_closed_then_refused_while_other_edges_keep_working(
     tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster]
 ) -> None:

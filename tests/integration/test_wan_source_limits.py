@@ -184,6 +184,7 @@ def _many_sources(port: int) -> list[socket.socket]:
     return sockets
 
 
+@pytest.mark.faults  # a crowd of strangers at the WAN port (`make test-faults`)
 def test_many_sources_cannot_crowd_out_a_peer_that_authenticated_before(
     tmp_path: Path,
     pki_ab: PkiLayout,

@@ -76,6 +76,7 @@ def wait_for(condition: object, what: str, timeout: float = 30.0) -> None:
     raise AssertionError(f"timed out after {timeout:.0f}s waiting until {what}")
 
 
+@pytest.mark.faults  # restarts a trainer under a watch (`make test-faults`)
 def test_a_watch_rides_through_a_trainer_restart_and_ends_once(
     tmp_path: Path, auth: AuthServerThread, switch: SwitchThread
 ) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from nebula_common.launcher.local import LocalDeployment
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command
 
 pytestmark = pytest.mark.timeout(60)
@@ -86,3 +87,14 @@ def test_services_name_the_bad_setting(module: str, env: dict[str, str], named: 
     )
     assert result.returncode == 2, result.stderr
     assert named in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_relative_run_directory_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Services start in their box's /tmp and stages in their account's directory: a relative
+    ``--run-dir runs/demo`` would point each elsewhere (the stage's checkpoints once nested there)."""
+    monkeypatch.chdir(tmp_path)
+    deployment = LocalDeployment(Path("runs/demo"))
+    assert deployment.run_dir == tmp_path / "runs" / "demo"
+    launcher = deployment.launcher
+    assert launcher.run_dir.is_absolute() and launcher.log_dir.is_absolute()
+    assert launcher.pki_dir is not None and launcher.pki_dir.is_absolute()

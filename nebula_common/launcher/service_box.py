@@ -1,0 +1,156 @@
+"""Each service of a local deployment in a box of its own, so it can read only its own secrets.
+
+Under ``nebula local up`` and ``nebula cluster up`` every process runs as the operator's user, so
+file modes cannot keep one service from another's keys. Where Debian's bubblewrap can create
+namespaces, the launcher starts auth, codec, data and the switch each in its own user, mount and PID
+namespaces, every capability dropped, with an empty root to which only these are added:
+
+* read-only: the system's ``/usr`` (and its top-level links), the few ``/etc`` files the C library
+  reads, the interpreter, the installed packages and Nebula's own packages (never the repository
+  around them, whose ``runs/`` holds deployments);
+* read-only: the cluster's PKI directory *minus* every secret in it that is not the service's own:
+  the CA key, the PKI's audit key and log, the other services' identities, and (except for the
+  switch) the switch's WAN key. The directory itself is bound, not its files, so a certificate the
+  launcher renews, a peer the operator trusts or a CRL they publish reaches the service at once;
+* read-write: the service's own state directory (auth's accounts and signing key, the switch's and
+  the data service's audit logs and keys, datasets); auth also reads the admin password file;
+* a private ``/tmp``, ``/dev`` and a ``/proc`` that shows only the service's own processes, so it
+  cannot reach another process's memory or environment either.
+
+The service is the namespace's first process (``--as-pid-1``), so the launcher signals it directly
+(its pid comes from bubblewrap's ``--json-status-fd``) and a SIGTERM drains it as without the box.
+The trainer stays outside: it is the one process that must create the stages' own boxes and control
+groups (``services/trainer/sandbox.py``). Where bubblewrap is missing or may not create namespaces,
+services run unboxed and ``describe()`` says so (``nebula local status``); ``NEBULA_REQUIRE_BWRAP=1``
+turns that into an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from nebula_common.bwrap import code_roots, system_binds
+from nebula_common.errors import NebulaError
+
+SERVICE_ETC = (
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/localtime",
+    "/etc/nsswitch.conf",
+    "/etc/hosts",
+    "/etc/host.conf",
+    "/etc/passwd",
+    "/etc/group",
+    "/etc/ssl/certs",
+)
+"""What of /etc a service reads: the loader's, the resolver's (``localhost``) and the user database."""
+REQUIRE_ENV = "NEBULA_REQUIRE_BWRAP"
+PROBE_TIMEOUT_S = 30.0
+
+
+class ServiceBoxError(NebulaError):
+    """A box was required (``NEBULA_REQUIRE_BWRAP=1``) but cannot be had here; the message says why."""
+
+
+@dataclass(frozen=True)
+class ServiceBox:
+    """What one service sees besides the system and the code (see the module doc)."""
+
+    read_only: tuple[Path, ...] = ()
+    read_write: tuple[Path, ...] = ()
+    hidden: tuple[Path, ...] = ()
+    """Inside a read-only directory: hidden (a directory becomes empty, a file a device node it may not
+    open: its box's mounts are ``nodev``)."""
+    shown: tuple[Path, ...] = ()
+    """Bound read-only again inside a hidden directory (the service's own identity)."""
+
+    def argv(self, status_fd: int) -> list[str]:
+        """bubblewrap's arguments up to ``--``; it writes ``{"child-pid": N}`` to ``status_fd``."""
+        args = [
+            shutil.which("bwrap") or "bwrap",
+            "--unshare-user",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--as-pid-1",
+            "--die-with-parent",
+            "--cap-drop",
+            "ALL",
+            "--json-status-fd",
+            str(status_fd),
+            *system_binds(SERVICE_ETC),
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--tmpfs",
+            "/tmp",
+        ]
+        args += _code_binds()
+        for path in self.read_write:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            args += ["--bind", str(path), str(path)]
+        for path in self.read_only:
+            args += ["--ro-bind", str(path), str(path)]
+        for path in self.hidden:
+            if path.is_dir():
+                args += ["--tmpfs", str(path)]  # private and empty: what the box writes there goes nowhere
+            elif path.exists():
+                args += ["--ro-bind", "/dev/null", str(path)]
+        for path in self.shown:
+            args += ["--ro-bind", str(path), str(path)]
+        return [*args, "--chdir", "/tmp", "--"]
+
+
+def _code_binds() -> list[str]:
+    import nebula_common
+    import services
+
+    args = []
+    for root in code_roots((nebula_common, services)):
+        args += ["--ro-bind", str(root), str(root)]
+    return args
+
+
+@functools.cache
+def unavailable() -> str:
+    """Why services cannot be boxed here ("" when they can): bubblewrap missing or refused namespaces."""
+    if shutil.which("bwrap") is None:
+        return "bubblewrap (bwrap) is not installed"
+    read, write = os.pipe()
+    try:
+        command = [*ServiceBox().argv(write), "/usr/bin/env", "true"]
+        result = subprocess.run(
+            command, pass_fds=(write,), capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bubblewrap could not be run: {exc}"
+    finally:
+        os.close(write)
+        os.close(read)
+    if result.returncode != 0:
+        return f"bubblewrap may not create namespaces here: {result.stderr.strip() or result.returncode}"
+    return ""
+
+
+def boxes_enabled() -> bool:
+    """True where services can be boxed; raises when required (``NEBULA_REQUIRE_BWRAP=1``) but not."""
+    why = unavailable()
+    if why and os.environ.get(REQUIRE_ENV) == "1":
+        raise ServiceBoxError(f"{REQUIRE_ENV}=1, but the services cannot be boxed: {why}")
+    return not why
+
+
+def describe(enabled: bool) -> str:
+    """One line for ``nebula local status``: what keeps each service from the others' keys."""
+    if enabled:
+        return (
+            "bwrap: auth, codec, data and the switch each see only their own keys and state "
+            "(own user, mount and PID namespaces); the trainer runs outside, to box its stages"
+        )
+    return f"none ({unavailable()}): every service can read every key of the run directory"

@@ -1,0 +1,113 @@
+"""Under `nebula local up` each service reads only its own secrets: every key has one owner.
+
+For every process of the shared two-cluster deployment, every secret file of the run directory (private
+keys, audit and signing keys, the account database, the admin passwords, the WAN control token) is
+looked up through that process's own root (``/proc/<pid>/root``: its mount namespace, what it can
+open) and counted as readable only when the bytes there are the real file's. Auth, codec, data and the
+switch must read exactly their own; their ``/proc`` must show no process but their own, so no other
+process's memory or environment is within reach either. The trainer runs outside a box (it must create
+its stages' namespaces and control groups): it is the one process that still reads everything, and
+the deployment says so.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from nebula_common.launcher import LocalDeployment
+from nebula_common.launcher.service_box import unavailable
+from nebula_common.pki.store import renew_switch_certificate
+
+pytestmark = pytest.mark.integration
+
+BOXED = ("auth", "codec", "data", "switch")
+
+
+def _secrets(run_dir: Path) -> list[Path]:
+    """Every file of the run directory whose bytes must stay with their owner."""
+    found = []
+    for path in sorted(run_dir.rglob("*")):
+        name = path.name
+        secret = (
+            path.suffix in (".key", ".db")
+            or (name.endswith("key.pem") and not name.endswith(".pub.pem"))
+            or name in ("admin-password", "wan-control-token")
+        )
+        if secret and path.is_file():
+            found.append(path)
+    return found
+
+
+def _readable(pid: int, secrets: list[Path]) -> set[Path]:
+    """The secrets whose real bytes ``pid`` would read at their path (its mount namespace's view)."""
+    root = Path(f"/proc/{pid}/root")
+    seen = set()
+    for path in secrets:
+        try:
+            if (root / path.relative_to("/")).read_bytes() == path.read_bytes():
+                seen.add(path)
+        except OSError:
+            continue
+    return seen
+
+
+def _own(run_dir: Path, cluster: str, service: str) -> set[Path]:
+    """Where ``service`` of ``cluster`` keeps its own secrets."""
+    pki = run_dir / "pki" / cluster
+    own = {*(pki / "services" / service).glob("*.key")}
+    own |= {p for p in _secrets(run_dir / cluster / service)}
+    if service == "auth":
+        own.add(run_dir / cluster / "admin-password")
+    if service == "switch":
+        own.add(pki / "switch.key")
+    return own
+
+
+def test_each_boxed_service_reads_only_its_own_secrets(deployment: LocalDeployment) -> None:
+    if unavailable():
+        pytest.skip(f"services are not boxed here: {unavailable()}")
+    run_dir = deployment.run_dir
+    # Replaced files must stay hidden too: a file hidden by a mount over its path would show again once
+    # renamed over (a renewal writes a new file and renames it), so rotate the WAN keys first.
+    for cluster in deployment.clusters:
+        renew_switch_certificate(deployment.pki_dir, cluster, validity=timedelta(hours=24))
+    secrets = _secrets(run_dir)
+    assert len(secrets) >= 30, secrets  # keys of 2 clusters x 6 identities, CA and audit keys, ...
+    for cluster in deployment.clusters:
+        for service in BOXED:
+            process = deployment.process(f"{service}-{cluster}")
+            assert process.box is not None and process.pid is not None, process.name
+            readable = _readable(process.pid, secrets)
+            own = _own(run_dir, cluster, service)
+            assert own, process.name
+            assert readable == own, (
+                f"{process.name} reads {sorted(map(str, readable - own))} of others and misses "
+                f"{sorted(map(str, own - readable))} of its own"
+            )
+            pids = [entry for entry in os.listdir(f"/proc/{process.pid}/root/proc") if entry.isdigit()]
+            assert pids == ["1"], f"{process.name} sees processes {pids} besides itself"
+    assert "the trainer runs outside" in deployment.describe()["service_isolation"]
+
+
+def test_each_service_reads_the_current_crl_in_its_own_directory(deployment: LocalDeployment) -> None:
+    """The launcher copies the cluster's CRL to each service (its box shows no other part of the PKI)."""
+    for cluster in deployment.clusters:
+        crl = (deployment.pki_dir / cluster / "crl.pem").read_bytes()
+        for service in (*BOXED, "trainer"):
+            process = deployment.process(f"{service}-{cluster}")
+            copy = Path(process.env["NEBULA_" + service.upper() + "_INTERNAL_CRL"])
+            assert copy.parent.name == service and copy.read_bytes() == crl, copy
+            if process.box is not None:
+                assert (Path(f"/proc/{process.pid}/root") / copy.relative_to("/")).read_bytes() == crl
+
+
+def test_the_unboxed_trainer_is_named_as_the_one_reader_of_everything(deployment: LocalDeployment) -> None:
+    """A check that can fail: the same lookup finds every secret from the trainer, which has no box."""
+    secrets = _secrets(deployment.run_dir)
+    trainer = deployment.process("trainer-a")
+    assert trainer.box is None
+    assert _readable(trainer.pid, secrets) == set(secrets)  # type: ignore[arg-type]

@@ -1,0 +1,141 @@
+"""A service in its bubblewrap box: it sees only what its box names, is signalled itself, and heals.
+
+Real bubblewrap (skipped where it cannot create namespaces, failed instead under
+``NEBULA_REQUIRE_BWRAP=1``, as in CI): the boxed process reads its own file and not a secret beside
+it, sees no other process, drains on SIGTERM with its own exit code, reports a SIGKILL as a signal
+(bubblewrap's 128 + n is translated), and the supervisor restarts it after a kill. The launcher keeps a
+copy of the cluster's CRL in each service's own directory, the one part of the PKI its box shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+
+from nebula_common.launcher.process import ServiceProcess
+from nebula_common.launcher.renewal import LeafRenewer
+from nebula_common.launcher.service_box import REQUIRE_ENV, ServiceBox, unavailable
+from nebula_common.launcher.supervisor import RestartPolicy, Supervisor, describe_exit
+from nebula_common.pki import init_pki
+from nebula_common.pki.service_identity import ensure_service_certificates, mirror_crl
+from nebula_common.pki.store import revoke_certificate
+
+pytestmark = pytest.mark.timeout(120)
+
+SERVICE = """
+import json, os, signal, sys, time
+from pathlib import Path
+def readable(path):
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        return exc.strerror
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+report = {
+    "grpc_port": 1,
+    "own": readable(sys.argv[1]),
+    "hidden": readable(sys.argv[2]),
+    "beside": readable(sys.argv[3]),
+    "pids": sorted(p for p in os.listdir("/proc") if p.isdigit()),
+    "pid": os.getpid(),
+}
+print(json.dumps(report), flush=True)
+time.sleep(600)
+"""
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting until {what}")
+
+
+@pytest.fixture
+def boxed(tmp_path: Path) -> ServiceProcess:
+    if unavailable() and os.environ.get(REQUIRE_ENV) != "1":
+        pytest.skip(f"no service boxes here: {unavailable()}")
+    shared = tmp_path / "pki"
+    (shared / "mine").mkdir(parents=True)
+    (shared / "mine" / "service.key").write_text("mine")
+    (shared / "ca.key").write_text("the CA's")
+    (tmp_path / "beside.key").write_text("another service's")
+    box = ServiceBox(read_only=(shared,), read_write=(tmp_path / "state",), hidden=(shared / "ca.key",))
+    command = [
+        sys.executable,
+        "-c",
+        SERVICE,
+        str(shared / "mine" / "service.key"),
+        str(shared / "ca.key"),
+        str(tmp_path / "beside.key"),
+    ]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    return ServiceProcess(name="boxed", command=command, env={}, log_dir=logs, box=box)
+
+
+def test_a_boxed_service_reads_its_own_file_only_and_drains_on_sigterm(boxed: ServiceProcess) -> None:
+    boxed.start()
+    try:
+        report = boxed.wait_ready(timeout=60)
+    finally:
+        code = boxed.stop(timeout=20)
+    assert report["own"] == "mine"
+    assert report["hidden"] == "Permission denied"  # the CA key's path is a device it may not open
+    assert report["beside"] == "No such file or directory"  # not bound: does not exist for it
+    assert report["pids"] == ["1"] and report["pid"] == 1  # its own PID namespace, first process
+    assert boxed.pid is not None and boxed.pid != boxed.popen.pid  # type: ignore[union-attr]
+    assert code == 7, f"SIGTERM went to bubblewrap, not the service: {code}"
+
+
+def test_a_killed_boxed_service_reports_the_signal_and_is_restarted(boxed: ServiceProcess) -> None:
+    boxed.start()
+    boxed.wait_ready(timeout=60)
+    events: list[dict[str, Any]] = []
+    policy = RestartPolicy(base_delay_s=0.05, max_delay_s=0.2, max_restarts=3, window_s=60.0)
+    supervisor = Supervisor([boxed], policy, on_event=events.append)
+    supervisor.start()
+    try:
+        old = boxed.pid
+        assert old is not None
+        os.kill(old, signal.SIGKILL)
+        wait_for(
+            lambda: boxed.pid not in (None, old) and supervisor.status()["boxed"]["state"] == "running",
+            "the killed service was restarted in a new box",
+        )
+        deaths = [e for e in events if e.get("event") == "died"]
+        assert deaths and deaths[0]["last_exit"] == describe_exit(-signal.SIGKILL), json.dumps(events)
+    finally:
+        supervisor.stop()
+        boxed.stop(timeout=20)
+
+
+def test_the_renewer_copies_a_new_crl_into_every_service_directory_within_seconds(tmp_path: Path) -> None:
+    """What reaches a boxed service's internal ports of `nebula pki revoke`: its own copy of the CRL."""
+    pki = tmp_path / "pki"
+    init_pki(pki, ["a", "b"])
+    files = ensure_service_certificates(pki, "a")
+    assert mirror_crl(pki, "a")  # a first copy for every service
+    assert mirror_crl(pki, "a") == []  # nothing changed: nothing written
+    renewer = LeafRenewer(pki, ["a"], interval_s=3600)
+    renewer.start()
+    try:
+        codec = x509.load_pem_x509_certificate(files["codec"].cert.read_bytes())
+        revoke_certificate(pki, "a", codec.serial_number)
+        current = (pki / "a" / "crl.pem").read_bytes()
+        copies = [tls.dir / "crl.pem" for tls in files.values()]
+        wait_for(lambda: all(c.read_bytes() == current for c in copies), "every service has the new CRL", 10)
+    finally:
+        renewer.stop()
