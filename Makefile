@@ -226,9 +226,10 @@ test-integration: $(STAMP)
 # Every panel query of docker/monitoring/nebula-dashboard.json evaluated by a real Prometheus (Debian
 # package `prometheus`) scraping a local deployment during a short job; fails naming any query that
 # returns nothing; the alert rules' promtool tests, and the rules firing on a live deployment (a cut
-# link, an expiring certificate). About 4 min on 2 busy cores. The first two are also part of `make
-# test`, the live alerts of `make test-faults`; there they skip if prometheus is absent, here (and in
-# CI, which sets NEBULA_REQUIRE_PROMETHEUS) its absence is a failure.
+# link, an expiring certificate). About 4 min on 2 busy cores. The dashboards' metrics and rules are
+# also part of `make test`, the queries during a job and the live alerts of `make test-faults`; there
+# they skip if prometheus is absent, here (and in CI, which sets NEBULA_REQUIRE_PROMETHEUS) its absence
+# is a failure.
 check-dashboards: $(STAMP)
 	NEBULA_REQUIRE_PROMETHEUS=1 $(BIN)/pytest -q tests/integration/test_dashboards.py tests/integration/test_alerts.py \
 	  tests/unit/test_alert_rules.py $(PYTEST_ARGS)

@@ -108,6 +108,7 @@ def test_prometheus_configs_scrape_every_service() -> None:
         assert config["rule_files"] == ["/etc/prometheus/alerts.yml"]
 
 
+@pytest.mark.long  # a Prometheus beside a job (`make test-faults`)
 def test_every_dashboard_query_returns_data_in_prometheus_during_a_job(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession], tmp_path: Path
 ) -> None:

@@ -40,6 +40,7 @@ def accounts(deployment: LocalDeployment) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.long  # a deployment of its own, several jobs (`make test-faults`)
 def test_one_login_then_jobs_without_deployment_or_credentials_and_no_new_account(
     deployment: LocalDeployment, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

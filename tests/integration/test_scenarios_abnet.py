@@ -38,6 +38,7 @@ def stage_file(deployment: LocalDeployment, job: ProgramJob, stage: str, name: s
     return found[0]
 
 
+@pytest.mark.long  # pre-trains and fine-tunes ABNet (`make test-faults`)
 def test_pretrain_finetune_and_cross_cluster_bleu(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession]
 ) -> None:

@@ -89,6 +89,7 @@ def test_pipelined_split_run_equals_the_sequential_unsplit_run(
     assert reference.losses[-1] != reference.losses[0]  # it trained: equality is not of two no-ops
 
 
+@pytest.mark.faults  # a job stopped and resumed (`make test-faults`)
 def test_resume_continues_the_exact_step_sequence(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession]
 ) -> None:
@@ -172,6 +173,7 @@ def test_job_submit_runs_the_example_on_a_running_deployment(
     assert 0.0 <= summary["wait_fraction"]["reader"] <= 1.0
 
 
+@pytest.mark.long  # an unsplit run, then a split one (`make test-faults`)
 def test_job_submit_hot_start_trains_unsplit_then_split(deployment: LocalDeployment, tmp_path: Path) -> None:
     description = tmp_path / "deployment.json"
     deployment.write_description(description)
@@ -202,6 +204,7 @@ def test_job_submit_refuses_a_bad_spec_naming_the_field(deployment: LocalDeploym
     assert "pipeline.schedule" not in result.stdout and "Traceback" not in result.output
 
 
+@pytest.mark.long  # two ranks and one, side by side (`make test-faults`)
 def test_data_parallel_downstream_with_two_ranks_equals_one_rank_with_the_combined_batch(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession]
 ) -> None:
@@ -218,6 +221,7 @@ def test_data_parallel_downstream_with_two_ranks_equals_one_rank_with_the_combin
     assert reference.losses[-1] != reference.losses[0]
 
 
+@pytest.mark.long  # two ranks and one, side by side (`make test-faults`)
 def test_data_parallel_upstream_with_two_ranks_equals_one_rank_with_the_combined_batch(
     deployment: LocalDeployment, sessions: dict[str, ClusterSession]
 ) -> None:
