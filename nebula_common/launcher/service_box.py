@@ -8,10 +8,11 @@ namespaces, every capability dropped, with an empty root to which only these are
 * read-only: the system's ``/usr`` (and its top-level links), the few ``/etc`` files the C library
   reads, the interpreter, the installed packages and Nebula's own packages (never the repository
   around them, whose ``runs/`` holds deployments);
-* read-only: the cluster's PKI directory *minus* every secret in it that is not the service's own:
-  the CA key, the PKI's audit key and log, the other services' identities, and (except for the
-  switch) the switch's WAN key. The directory itself is bound, not its files, so a certificate the
-  launcher renews, a peer the operator trusts or a CRL they publish reaches the service at once;
+* read-only: the service's own identity directory, where the launcher keeps a copy of the cluster
+  CA's CRL (``mirror_crl``); the switch instead sees the cluster's whole PKI directory (its WAN
+  certificate and key, the trust bundle, peers' CAs and CRLs, which ``nebula pki`` rewrites: the
+  directory is bound, not its files, so what is renamed into it shows at once) *less* the CA key, the
+  PKI's audit log and key and the other services' identities;
 * read-write: the service's own state directory (auth's accounts and signing key, the switch's and
   the data service's audit logs and keys, datasets); auth also reads the admin password file;
 * a private ``/tmp``, ``/dev`` and a ``/proc`` that shows only the service's own processes, so it

@@ -13,8 +13,6 @@ import json
 import os
 import signal
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ from nebula_common.launcher.supervisor import RestartPolicy, Supervisor, describ
 from nebula_common.pki import init_pki
 from nebula_common.pki.service_identity import ensure_service_certificates, mirror_crl
 from nebula_common.pki.store import revoke_certificate
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,16 +50,6 @@ report = {
 print(json.dumps(report), flush=True)
 time.sleep(600)
 """
-
-
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting until {what}")
 
 
 @pytest.fixture
@@ -113,6 +102,7 @@ def test_a_killed_boxed_service_reports_the_signal_and_is_restarted(boxed: Servi
         os.kill(old, signal.SIGKILL)
         wait_for(
             lambda: boxed.pid not in (None, old) and supervisor.status()["boxed"]["state"] == "running",
+            30,
             "the killed service was restarted in a new box",
         )
         deaths = [e for e in events if e.get("event") == "died"]
@@ -136,6 +126,6 @@ def test_the_renewer_copies_a_new_crl_into_every_service_directory_within_second
         revoke_certificate(pki, "a", codec.serial_number)
         current = (pki / "a" / "crl.pem").read_bytes()
         copies = [tls.dir / "crl.pem" for tls in files.values()]
-        wait_for(lambda: all(c.read_bytes() == current for c in copies), "every service has the new CRL", 10)
+        wait_for(lambda: all(c.read_bytes() == current for c in copies), 10, "every service has the new CRL")
     finally:
         renewer.stop()
