@@ -14,10 +14,9 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # Which tests `make test` runs: all but the long fault, containment and rank-process scenarios, which CI
 # runs as targets of their own (`make test TEST_SELECT=` runs every test).
-TEST_SELECT ?= -m "not faults and not long and not rawedge and not containment and not ranks"
+TEST_SELECT ?= -m "not faults and not long and not containment and not ranks"
 
 .PHONY: install lock proto check-proto seccomp-allowlist check-layers demo test test-unit test-integration test-faults test-stop test-containment bench-stage-isolation lint format clean bench \
-	test-raw-edge \
 	bench-faults bench-relay soak smoke-containers bench-wan-roofline bench-wan-table3 check-dashboards test-orgs test-orgs-netns \
 	bench-table5 bench-table5-quick
 
@@ -207,10 +206,6 @@ test-faults: $(STAMP)
 test-containment: $(STAMP)
 	$(BIN)/pytest -q -m containment tests/integration/test_security_hostile_stage.py \
 	  tests/integration/test_stage_containment.py tests/integration/test_trainer_load.py $(PYTEST_ARGS)
-
-# The raw edge transport end to end (two `nebula local up` deployments; a few minutes).
-test-raw-edge: $(STAMP)
-	$(BIN)/pytest -q -m rawedge tests/integration/test_raw_edge.py tests/integration/test_raw_edge_unix.py $(PYTEST_ARGS)
 
 test-unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit $(PYTEST_ARGS)

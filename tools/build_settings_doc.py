@@ -173,10 +173,6 @@ def build() -> str:
     ]
     for service, module, cls_name, what in SERVICES:
         lines += [f"## {service} ({what})", "", *service_table(service, module, cls_name), ""]
-        other = getattr(getattr(__import__(module, fromlist=[cls_name]), cls_name), "OTHER_VARIABLES", ())
-        if other:
-            names = ", ".join(f"`{name}`" for name in other)
-            lines += [f"Also read by the {service}, outside its settings class: {names}.", ""]
     lines += [
         "## Fixed values",
         "",

@@ -8,18 +8,11 @@ another process on loopback, measured side by side so the ratios share the machi
   the link is a gRPC stream (``NEBULA_SWITCH_LINK_TRANSPORT=grpc``);
 * ``relay-raw``: the same path with the raw link transport between the switches (length-prefixed frames
   on TLS 1.3, ``NEBULA_SWITCH_LINK_TRANSPORT=raw``, services/switch/rawlink.py), a deployment of its own;
-* ``relay-rawedge``: the raw link plus raw edges (trainer <-> switch as length-prefixed records on mutual
-  TLS 1.3 after a ticket from ``OpenEdge``; ``NEBULA_SWITCH_EDGE_TRANSPORT=raw``, raw edge transports,
-  services/switch/raw_edge.py). Its internal ports run TLS (the raw edge needs the trainers' service
-  certificates), where ``relay`` and ``relay-raw`` run plaintext internal ports: a stricter setting;
-* ``relay-unixedge``: ``relay-rawedge`` with each trainer's raw edge on its switch's Unix socket
-  (``NEBULA_SWITCH_RAW_EDGE_UNIX`` / ``NEBULA_TRAINER_RAW_EDGE_UNIX``: a trainer co-located with its
-  switch; no TLS on the edge hops, the open still on mutual-TLS gRPC with the token);
-* ``relay-sealed``: ``relay-unixedge`` with sealed link records (``NEBULA_SWITCH_LINK_RECORDS=sealed``:
+* ``relay-raw-tls``: ``relay-raw`` with internal TLS (the gRPC edges on the switches' mutual-TLS service
+  ports, as in production), where ``relay`` and ``relay-raw`` run plaintext internal ports;
+* ``relay-sealed``: ``relay-raw-tls`` with sealed link records (``NEBULA_SWITCH_LINK_RECORDS=sealed``:
   after the link's mutual TLS 1.3 handshake each message is one AES-256-GCM record on the bare TCP
   connection, ``nebula_common/rpc/sealed_records.py``);
-* ``relay-raw-tls``: ``relay-raw`` with internal TLS (the gRPC edges on the switches' mutual-TLS service
-  ports, as in production): the baseline ``relay-rawedge`` changes only the edges of;
 * ``tls``: one Python ``ssl`` TLS 1.3 socket hop (``sendall`` / ``recv_into``);
 * ``tcp``: one plain TCP socket hop;
 * ``grpc``: one plaintext gRPC stream of 4 MiB ``bytes`` messages (identity serializers);
@@ -65,8 +58,6 @@ PATHS = (
     "relay",
     "relay-raw",
     "relay-raw-tls",
-    "relay-rawedge",
-    "relay-unixedge",
     "relay-sealed",
     "tls",
     "tcp",
@@ -77,27 +68,14 @@ TRANSPORTS = {
     "relay": "grpc",
     "relay-raw": "raw",
     "relay-raw-tls": "raw",
-    "relay-rawedge": "raw",
-    "relay-unixedge": "raw",
     "relay-sealed": "raw",
 }
-EDGES = {
-    "relay": "grpc",
-    "relay-raw": "grpc",
-    "relay-raw-tls": "grpc",
-    "relay-rawedge": "raw",
-    "relay-unixedge": "unix",
-    "relay-sealed": "unix",
-}
-"""What carries the trainers' edges on each relay path."""
-INTERNAL_TLS = {"relay-raw-tls", "relay-rawedge", "relay-unixedge", "relay-sealed"}
-"""Relay paths whose internal ports run TLS (as in production; the raw edge needs it)."""
+INTERNAL_TLS = {"relay-raw-tls", "relay-sealed"}
+"""Relay paths whose internal ports run TLS (as in production)."""
 SUFFIX = {
     "relay": "",
     "relay-raw": "_raw",
     "relay-raw-tls": "_rawtls",
-    "relay-rawedge": "_rawedge",
-    "relay-unixedge": "_unixedge",
     "relay-sealed": "_sealed",
 }
 RECORDS = {"relay-sealed": "sealed"}
@@ -230,22 +208,16 @@ def gloo_receiver(port: int, size: int, count: int, done: Any) -> None:
     dist.destroy_process_group()
 
 
-def edge_transport(
-    address: str, token: str, job: str, tls: tuple[str, ...] | None, raw: bool, unix: str = ""
-) -> Any:
-    """The edge transport: gRPC, or raw with the trainer certificate ``tls`` (cluster, ca, cert, key),
-    its records on the switch's Unix socket ``unix`` if given."""
-    from services.trainer.edge import GrpcEdgeTransport, RawEdgeTransport
+def edge_transport(address: str, token: str, job: str, tls: tuple[str, ...] | None) -> Any:
+    """The edge transport (gRPC), with the trainer certificate ``tls`` (cluster, ca, cert, key) when the
+    switch's ports run internal TLS."""
+    from services.trainer.edge import GrpcEdgeTransport
 
-    if tls is None:
-        return GrpcEdgeTransport(address, token, job, EDGE)
-    from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
+    if tls is not None:
+        from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 
-    client = ClientTls(tls[0], Path(tls[1]), Path(tls[2]), Path(tls[3]))
-    trust_endpoint(address, client)
-    if not raw:
-        return GrpcEdgeTransport(address, token, job, EDGE)
-    return RawEdgeTransport(address, token, job, EDGE, tls=client, unix_path=unix)
+        trust_endpoint(address, ClientTls(tls[0], Path(tls[1]), Path(tls[2]), Path(tls[3])))
+    return GrpcEdgeTransport(address, token, job, EDGE)
 
 
 def relay_receiver(
@@ -254,8 +226,6 @@ def relay_receiver(
     job: str,
     count: int,
     tls: tuple[str, ...] | None,
-    raw: bool,
-    unix: str,
     window_bytes: int,
     done: Any,
 ) -> None:
@@ -265,7 +235,7 @@ def relay_receiver(
 
     keep_freed_memory_for_reuse()  # as the trainer service does at start
 
-    transport = edge_transport(address, token, job, tls, raw, unix)
+    transport = edge_transport(address, token, job, tls)
     edge = EdgeConnection(
         transport, job_id=job, edge=EDGE, upstream=False, settings=edge_settings(window_bytes)
     )
@@ -419,16 +389,14 @@ class Deployment:
         self,
         root: Path,
         transport: str = "grpc",
-        edge: str = "grpc",
         internal_tls: bool = False,
         records: str = "tls",
     ) -> None:
         self.root = root
         self.transport = transport
         self.records = records
-        self.edge = edge
-        self.internal_tls = internal_tls or edge in ("raw", "unix")
-        #: Per cluster (cluster, ca, cert, key) of the trainer identity (raw edges: internal TLS on).
+        self.internal_tls = internal_tls
+        #: Per cluster (cluster, ca, cert, key) of the trainer identity (internal TLS on).
         self.trainer_tls: dict[str, tuple[str, ...]] = {}
         self.processes: list[Any] = []
         self.switches: dict[str, Any] = {}
@@ -453,8 +421,8 @@ class Deployment:
 
         pki = init_pki(self.root / "pki", ["a", "b"])
         tls_dirs: dict[str, dict[str, str]] = {}
-        if self.edge in ("raw", "unix"):
-            # the raw edge needs internal TLS: every service and the trainers get identities
+        if self.internal_tls:
+            # every service and the trainers get identities
             from nebula_common.pki.service_identity import (
                 ServiceTlsFiles,
                 ensure_service_certificates,
@@ -538,8 +506,6 @@ class Deployment:
                 "LINK_ROLE": "accept" if cluster == "b" else "dial",
                 "LINK_TRANSPORT": self.transport,
                 "LINK_RECORDS": self.records,
-                "EDGE_TRANSPORT": "raw" if self.edge == "unix" else self.edge,
-                **({"RAW_EDGE_UNIX": self.unix(cluster)} if self.edge == "unix" else {}),
                 **({"INTERNAL_TLS_DIR": tls_dirs[cluster]["switch"]} if tls_dirs else {}),
             }
             if cluster == "a":
@@ -549,16 +515,12 @@ class Deployment:
         return self
 
     def internal(self, cluster: str) -> str:
-        """Where trainers open edges: the internal port, or the service port (mutual TLS) for raw edges."""
+        """Where trainers open edges: the internal port, or with internal TLS the service port."""
         port = "service_port" if self.internal_tls else "internal_port"
         return f"127.0.0.1:{self.switches[cluster].info[port]}"
 
     def tls(self, cluster: str) -> tuple[str, ...] | None:
         return self.trainer_tls.get(cluster)
-
-    def unix(self, cluster: str) -> str:
-        """The switch's Unix socket edge (``relay-unixedge``), else empty."""
-        return str(self.root / cluster / "edge-socket" / "edge.sock") if self.edge == "unix" else ""
 
     def link_connections(self) -> dict[str, float]:
         """``nebula_switch_link_connections`` of each switch right now (from its metrics endpoint)."""
@@ -608,7 +570,6 @@ def bench_relay(
 
     job = f"{JOB}-{job_index}"
     size = tensor.numel() * 4
-    raw = deployment.edge in ("raw", "unix")
     process, done = _spawn(
         relay_receiver,
         deployment.internal("b"),
@@ -616,20 +577,11 @@ def bench_relay(
         job,
         count,
         deployment.tls("b"),
-        raw,
-        deployment.unix("b"),
         window_bytes,
     )
     edge = None
     try:
-        transport = edge_transport(
-            deployment.internal("a"),
-            deployment.tokens["a"],
-            job,
-            deployment.tls("a"),
-            raw,
-            deployment.unix("a"),
-        )
+        transport = edge_transport(deployment.internal("a"), deployment.tokens["a"], job, deployment.tls("a"))
         edge = EdgeConnection(
             transport, job_id=job, edge=EDGE, upstream=True, settings=edge_settings(window_bytes)
         )
@@ -671,20 +623,17 @@ def render(result: dict[str, Any]) -> str:
         "",
         "MB/s (10^6 bytes per second), receiver holding the last tensor; ratio = relay / TLS hop; "
         "'relay' has a gRPC link between the switches, 'raw link' the raw transport (rawlink.py), "
-        "'raw edges' also the raw edge transport between each trainer and its switch (raw_edge.py). "
-        "'relay' and 'raw link' run plaintext internal ports (development flag); 'TLS edges' and 'raw edges' "
+        "'sealed' the raw link with sealed records (sealed_records.py); every edge is a gRPC stream. "
+        "'relay' and 'raw link' run plaintext internal ports (development flag); 'TLS edges' and 'sealed' "
         "run internal TLS as in production. "
         "With several rounds (the paths take turns each round) MB/s are medians and the ratio is "
         "theirs, followed by the range of the per-round ratios.",
         "",
-        "| tensor | relay | relay, raw link | raw link, TLS edges | raw link + raw edges "
-        "| raw link + Unix socket edges | Unix edges + sealed link | TLS 1.3 hop | TCP "
-        "| gRPC stream | gloo | relay / TLS | raw link / TLS | raw link, TLS edges / TLS | raw edges / TLS "
-        "| Unix edges / TLS | Unix edges, sealed link / TLS "
-        "| switch CPU-s per GB (gRPC / raw link / raw link, TLS edges / raw edges / Unix edges / sealed) "
-        "| CPU-s per GB: switch a / b, sender, receiver "
-        "(gRPC link; raw link; raw link, TLS edges; raw edges; Unix edges; Unix edges, sealed link) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tensor | relay | relay, raw link | raw link, TLS edges | sealed, TLS edges | TLS 1.3 hop | TCP "
+        "| gRPC stream | gloo | relay / TLS | raw link / TLS | raw link, TLS edges / TLS | sealed / TLS "
+        "| switch CPU-s per GB (gRPC / raw link / raw link, TLS edges / sealed) "
+        "| CPU-s per GB: switch a / b, sender, receiver (gRPC link; raw link; raw link, TLS edges; sealed) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         mb = row["mb_s"]
@@ -713,15 +662,11 @@ def render(result: dict[str, Any]) -> str:
         rounds = f", {row['repeat']} rounds" if row.get("repeat", 1) > 1 else ""
         lines.append(
             f"| {row['size_mib']} MiB x {row['count']}{rounds} | {cell('relay')} | {cell('relay-raw')} "
-            f"| {cell('relay-raw-tls')} | {cell('relay-rawedge')} | {cell('relay-unixedge')} "
-            f"| {cell('relay-sealed')} | {cell('tls')} | {cell('tcp')} "
+            f"| {cell('relay-raw-tls')} | {cell('relay-sealed')} | {cell('tls')} | {cell('tcp')} "
             f"| {cell('grpc')} | {cell('gloo')} "
-            f"| {ratio('relay')} | {ratio('relay-raw')} | {ratio('relay-raw-tls')} "
-            f"| {ratio('relay-rawedge')} | {ratio('relay-unixedge')} | {ratio('relay-sealed')} "
-            f"| {cpu('')} / {cpu('_raw')} / {cpu('_rawtls')} / {cpu('_rawedge')} / {cpu('_unixedge')} "
-            f"/ {cpu('_sealed')} "
-            f"| {parts('')}; {parts('_raw')}; {parts('_rawtls')}; {parts('_rawedge')}; {parts('_unixedge')}; "
-            f"{parts('_sealed')} |"
+            f"| {ratio('relay')} | {ratio('relay-raw')} | {ratio('relay-raw-tls')} | {ratio('relay-sealed')} "
+            f"| {cpu('')} / {cpu('_raw')} / {cpu('_rawtls')} / {cpu('_sealed')} "
+            f"| {parts('')}; {parts('_raw')}; {parts('_rawtls')}; {parts('_sealed')} |"
         )
     lines += [
         "",
@@ -793,11 +738,10 @@ def main() -> None:
                 deployments[path] = Deployment(
                     root / path,
                     transport,
-                    EDGES[path],
                     internal_tls=path in INTERNAL_TLS,
                     records=RECORDS.get(path, "tls"),
                 ).start()
-                print(f"deployment up ({transport} link, {EDGES[path]} edges)", flush=True)
+                print(f"deployment up ({path}: {transport} link)", flush=True)
         tls_pair = next(iter(deployments.values())).tls_pair if deployments else None
         if tls_pair is None:
             from nebula_common.pki import init_pki

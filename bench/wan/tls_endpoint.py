@@ -7,7 +7,7 @@ one loopback TCP connection, the sender and the receiver each in a process of it
 CPU of that process, ``time.process_time``), the variants alternating so they share the load:
 
 * ``tcp``: plain TCP, ``sendall`` / ``recv_into`` of 1 MiB (the kernel's share of every variant);
-* ``ssl``: Python ``ssl.SSLSocket``, TLS 1.3, mutual, with the raw edge's own contexts (what
+* ``ssl``: Python ``ssl.SSLSocket``, TLS 1.3, mutual, with mutual TLS 1.3 contexts (what
   ``RawConnection`` does: one ``SSL_write`` / ``write()`` per 16 KiB record, two ``read()`` per record);
 * ``bio``: the same TLS through ``ssl.MemoryBIO`` / ``SSLObject``: one ``recv_into`` of up to 1 MiB feeds
   many records, one ``sendall`` per 1 MiB of ciphertext;
@@ -16,7 +16,7 @@ CPU of that process, ``time.process_time``), the variants alternating so they sh
   (no key exchange here; this is a cost measurement, not a transport);
 * ``aead128``: the same with AES-128-GCM;
 * ``tls+aead``: the mechanism such a record layer would use, end to end: the mutual TLS 1.3 handshake
-  with the raw edge's contexts (no session tickets), each side sends a fresh 32-byte secret through the
+  with the same contexts (no session tickets), each side sends a fresh 32-byte secret through the
   verified TLS session, HKDF-SHA256 of both secrets gives one AES-256-GCM key per direction, the TLS
   socket is detached (OpenSSL holds no byte beyond the secret's record: checked) and 1 MiB records with
   counter nonces follow on the same TCP connection; the receiver checks the plaintext of every record.
@@ -47,15 +47,13 @@ PATTERN = bytes(range(256)) * (MIB // 256)
 
 def _contexts(pki: str) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     from nebula_common.pki.service_identity import ServiceTlsFiles, service_tls_dir
-    from nebula_common.rpc.internal_tls import ClientTls
-    from services.switch.raw_edge import server_context
-    from services.trainer.edge.raw_transport import client_context
+    from tests.support.raw_tls import client_context, server_context
 
     switch = ServiceTlsFiles.in_dir(service_tls_dir(Path(pki), "a", "switch"))
     trainer = ServiceTlsFiles.in_dir(service_tls_dir(Path(pki), "a", "trainer"))
     server = server_context(str(switch.cert), str(switch.key), str(switch.ca))
     server.num_tickets = 0  # no post-handshake records that could trail the key exchange
-    client = client_context(ClientTls("a", Path(trainer.ca), Path(trainer.cert), Path(trainer.key)))
+    client = client_context(str(trainer.cert), str(trainer.key), str(trainer.ca))
     return server, client
 
 

@@ -8,9 +8,7 @@ own CA's CRL to send to the peer over the WAN port (services/switch/crl_exchange
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import re
 import secrets
 from collections.abc import Sequence
@@ -319,9 +317,6 @@ class ClusterLauncher:
         own = [paths.switch_cert, paths.switch_key, paths.trust_bundle, paths.crl, *(c for c in crls if c)]
         elsewhere = tuple(p for p in own if not p.is_relative_to(paths.dir))  # an operator's own layout
         box = self._box(state, "switch", self.run_dir / cluster / "switch", elsewhere, pki=paths)
-        unix_edge = os.environ.get("NEBULA_SWITCH_RAW_EDGE_UNIX", "").replace("{cluster}", cluster)
-        if box is not None and unix_edge:  # its socket's directory, shared with the trainer
-            box = dataclasses.replace(box, read_write=(*box.read_write, Path(unix_edge).parent))
         state.switch = self.launch(
             f"switch-{cluster}", "services.switch", "NEBULA_SWITCH_", env, SWITCH_PINS, fixed=fixed, box=box
         )

@@ -136,9 +136,6 @@ class FramedChunk:
     """``TensorFrame.ByteSize()`` of this chunk: its wire size for credit."""
     item: tuple[int, int]
     """Where the serialized ``EdgeMessage`` (the routed item) lies in ``raw``."""
-    placed: object = None
-    """The receiver's buffer owner when the payload was received straight into it (``data`` is a view of
-    that buffer, ``raw`` only the bytes before the payload); None for a chunk received whole."""
 
     def edge_message_bytes(self) -> bytes:
         """The item as a classic serialized ``EdgeMessage`` (a copy), for a trainer without framing."""
@@ -222,100 +219,6 @@ def parse_chunk(raw: bytes) -> FramedChunk:
     )
 
 
-@dataclass(frozen=True)
-class ChunkHead:
-    """A framed chunk's fields read from its first bytes, and where its payload starts in the message.
-
-    For a receiver that places the payload itself (``RawConnection``'s placer): the payload runs from
-    ``data_start`` to the end of the message, so it can be received straight into its final buffer.
-    """
-
-    job_id: str
-    edge: str
-    epoch: int
-    frame_id: int
-    offset: int
-    last: bool
-    frame_size: int
-    data_start: int
-    total: int
-    item: tuple[int, int]
-
-    @property
-    def data_size(self) -> int:
-        return self.total - self.data_start
-
-
-def _open_last(
-    view: memoryview, pos: int, total: int, number: int
-) -> tuple[dict[int, int | tuple[int, int]], int] | None:
-    """The fields before field ``number`` (bytes) and where its content starts, when that field is the
-    last one and runs to ``total`` (the layout ``encode_chunk`` writes); None otherwise, or when the
-    fields before it do not lie within ``view``."""
-    end = len(view)
-    found: dict[int, int | tuple[int, int]] = {}
-    while True:
-        key, pos = _read_varint(view, pos, end)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            found[field], pos = _read_varint(view, pos, end)
-        elif wire == 2:
-            length, pos = _read_varint(view, pos, end)
-            if field == number:
-                return (found, pos) if pos + length == total else None
-            if pos + length > end:
-                return None
-            found[field] = (pos, pos + length)
-            pos += length
-        else:
-            return None
-
-
-def parse_chunk_head(prefix: bytes | memoryview, total: int) -> ChunkHead | None:
-    """The head of a framed chunk of ``total`` bytes from its first bytes ``prefix``.
-
-    None if ``prefix`` is not a framed chunk in ``encode_chunk``'s layout (payload last) or does not
-    reach the payload: such a message is then received whole and read by ``parse_chunk``, which
-    accepts any field order. Never raises for bad bytes: a None here loses nothing.
-    """
-    view = memoryview(prefix)
-    try:
-        if not is_framed(view):
-            return None
-        length, pos = _read_varint(view, 1, len(view))
-        if pos + length != total:
-            return None
-        opened = _open_last(view, pos, total, 3)  # RoutedItem.item
-        if opened is None:
-            return None
-        routed, item_start = opened
-        opened = _open_last(view, item_start, total, 2)  # EdgeMessage.frame
-        if opened is None or opened[0]:
-            return None
-        frame_start = opened[1]
-        opened = _open_last(view, frame_start, total, 2)  # TensorFrame.chunk
-        if opened is None or opened[0]:
-            return None
-        opened = _open_last(view, opened[1], total, 3)  # TensorChunk.data
-        if opened is None or set(opened[0]) - {1, 2, 4}:
-            return None
-        chunk, data_start = opened
-        return ChunkHead(
-            job_id=bytes(view[slice(*_span(routed, 1, "job_id"))]).decode(),
-            edge=bytes(view[slice(*_span(routed, 2, "edge"))]).decode(),
-            epoch=_int(routed, 4),
-            frame_id=_int(chunk, 1),
-            offset=_int(chunk, 2),
-            last=bool(_int(chunk, 4)),
-            frame_size=total - frame_start,
-            data_start=data_start,
-            total=total,
-            item=(item_start, total),
-        )
-    except (FramingError, UnicodeDecodeError):
-        return None
-
-
 def as_routed_link_message(raw: bytes) -> bytes:
     """The same item as a classic ``LinkMessage.routed`` (field 4), for a peer without link framing."""
     if not is_framed(raw):
@@ -329,7 +232,6 @@ __all__ = [
     "LINK_FRAMING_VERSION",
     "MAX_CHUNK_BYTES",
     "MIN_CHUNK_BYTES",
-    "ChunkHead",
     "FramedChunk",
     "FramingError",
     "as_routed_link_message",
@@ -337,5 +239,4 @@ __all__ = [
     "encode_chunk",
     "is_framed",
     "parse_chunk",
-    "parse_chunk_head",
 ]

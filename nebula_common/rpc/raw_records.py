@@ -1,9 +1,8 @@
 """Whole messages as ``4-byte big-endian length + bytes`` records on a TLS socket, for asyncio.
 
-Shared by the two raw transports: the switch-to-switch raw link (``services/switch/rawlink.py``) and
-the trainer-to-switch raw edge (``services/switch/raw_edge.py``, ``services/trainer/edge/raw_transport.py``).
-``RawConnection`` gives them the ``read`` / ``write`` pair a gRPC call gives (``read`` returns
-``grpc.aio.EOF`` at a clean end), so the session code above runs unchanged on either carrier.
+The carrier of the switch-to-switch raw link (``services/switch/rawlink.py``). ``RawConnection`` gives
+it the ``read`` / ``write`` pair a gRPC call gives (``read`` returns ``grpc.aio.EOF`` at a clean end),
+so the link's session code runs unchanged on either carrier.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import ssl
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -41,8 +39,6 @@ WRITE_AHEAD = 2
 """Messages a writer may queue for the I/O thread before it waits for the oldest to be sent."""
 SMALL_MESSAGE = 64 << 10
 """Messages up to this size are joined with their header (one TLS record); bigger ones are not copied."""
-PREFIX_BYTES = 1024
-"""First bytes of a large message a placer reads before it decides where the rest goes."""
 _EOF = object()
 
 
@@ -57,37 +53,8 @@ class RawConnectionError(ConnectionError):
     """A raw connection failed or was closed (the default error of ``RawConnection``)."""
 
 
-@dataclass
-class Placement:
-    """Where a large message's tail is received: ``dest`` takes the message from byte ``start`` on.
-
-    A placer (``RawConnection(placer=...)``) returns one after reading the message's first bytes, so
-    the payload lands in its final buffer with no copy (the receiving trainer's tensor buffer). The I/O
-    thread calls ``release`` exactly once, when it stops writing into ``dest``: the message is complete
-    (before it is handed on), or the connection ended inside it.
-    """
-
-    dest: memoryview
-    start: int
-    release: Callable[[], None]
-    info: object = None
-
-
-@dataclass(frozen=True)
-class PlacedMessage:
-    """A message received through a placement: its first ``placement.start`` bytes (``head``), its
-    tail in ``placement.dest``."""
-
-    head: bytes
-    placement: Placement
-
-
-Placer = Callable[[memoryview, int], Placement | None]
-"""(the message's first bytes, its size) -> where its tail goes, or None (received whole as usual)."""
-
-
 def peer_certificate(sock: socket.socket) -> x509.Certificate | None:
-    """The peer's certificate on a TLS socket (None on a plain socket: a Unix socket edge has none)."""
+    """The peer's certificate on a TLS socket (None on a plain socket, or sealed records' bare one)."""
     if not isinstance(sock, ssl.SSLSocket):
         return None
     der = sock.getpeercert(binary_form=True)
@@ -97,8 +64,7 @@ def peer_certificate(sock: socket.socket) -> x509.Certificate | None:
 class RawConnection:
     """One raw connection after TLS: ``read`` / ``write`` of whole messages, as the gRPC call's.
 
-    ``sock`` is a TLS socket, or a plain stream socket where the carrier itself is private (a Unix
-    domain socket of the switch's own user: ``services/switch/raw_edge.py``).
+    ``sock`` is a TLS socket, or the bare TCP socket under sealed records.
 
     The TLS socket belongs to one I/O thread (OpenSSL objects are not shared between threads): it
     receives records straight into a reused buffer (``recv_into``), hands each complete message to the
@@ -124,13 +90,8 @@ class RawConnection:
         views: bool = False,
         sealing: RecordSealing | None = None,
         peer_cert: x509.Certificate | None = None,
-        placer: Placer | None = None,
     ) -> None:
         self.sock = sock
-        #: With ``views``: decides where large messages (over SMALL_MESSAGE) are received (not sealed).
-        self._placer = placer if sealing is None else None
-        self._placement: Placement | None = None  # the I/O thread's current one (it alone touches it)
-        self._placed_head = b""
         #: Sealed records (``nebula_common/rpc/sealed_records.py``) on the bare socket ``sock`` after a
         #: TLS handshake whose peer certificate is ``peer_cert``; None: the records of ``sock`` itself.
         self.sealing = sealing
@@ -312,9 +273,6 @@ class RawConnection:
             error = exc
             self._post(exc)
         finally:
-            placement, self._placement = self._placement, None
-            if placement is not None:
-                placement.release()  # ended inside a placed message: nothing writes into it any more
             with self._lock:
                 self._failure = error or ConnectionError("connection closed")
                 self._outbox.clear()
@@ -346,8 +304,6 @@ class RawConnection:
         seal_buffer = bytearray(0)  # sealed: the record being sent (one at a time, reused)
         target, need, got, reading_head = head_view, head_size, 0, True
         fresh = False
-        prefix = bytearray(PREFIX_BYTES)  # a large message's first bytes, when a placer decides on them
-        prefixing = False
         size = 0
         current: memoryview | None = None
         whole = False  # ``current`` is the last part of a message (its send completes the message)
@@ -392,11 +348,6 @@ class RawConnection:
                         message = b""
                     else:
                         fresh = self.views and size > SMALL_MESSAGE
-                        if fresh and self._placer is not None:  # its first bytes decide where it goes
-                            prefixing = True
-                            target = memoryview(prefix)[: min(size, PREFIX_BYTES)]
-                            need, got, reading_head = len(target), 0, False
-                            continue
                         if fresh:
                             target = fresh_buffer(size)  # handed on as is: received once, never copied
                         else:
@@ -419,18 +370,7 @@ class RawConnection:
                         return
                     message = opened if fresh else bytes(opened)
                 else:
-                    if prefixing:
-                        prefixing = False
-                        target, got, need = self._place(target, size)
-                        if got < need:
-                            continue
-                    placement = self._placement
-                    if placement is not None:
-                        self._placement = None
-                        placement.release()  # nothing writes into its buffer any more
-                        message = PlacedMessage(self._placed_head, placement)
-                    else:
-                        message = target if fresh else bytes(target[:need])
+                    message = target if fresh else bytes(target[:need])
                 with self._lock:
                     self._room -= 1
                     room = self._room
@@ -483,27 +423,6 @@ class RawConnection:
                         pass
         if sealing is not None and current is None:
             self._send_close(sealing)
-
-    def _place(self, prefix: memoryview, size: int) -> tuple[memoryview, int, int]:
-        """After a large message's first bytes: (target, got, need) to receive the rest into -- the
-        placer's buffer (its part of the first bytes copied there), or a fresh buffer holding them."""
-        assert self._placer is not None
-        placement = self._placer(prefix, size)
-        if placement is None:
-            body = fresh_buffer(size)
-            body[: len(prefix)] = prefix
-            return body, len(prefix), size
-        start = placement.start
-        if not 0 <= start <= len(prefix) or len(placement.dest) != size - start:
-            placement.release()
-            raise ConnectionError(
-                f"placer placed bytes {start}.. of a {size}-byte message into {len(placement.dest)} bytes"
-            )
-        self._placement = placement
-        self._placed_head = bytes(prefix[:start])
-        early = len(prefix) - start
-        placement.dest[:early] = prefix[start:]
-        return placement.dest, early, len(placement.dest)
 
     def _send_close(self, sealing: RecordSealing) -> None:
         """Closed here between records: end with the sealed close, so the peer can tell an end from a cut."""

@@ -92,14 +92,12 @@ def unknown_variables(settings: type[BaseSettings], environ: Mapping[str, str]) 
     """``environ``'s variables under the service's prefix that name no setting, sorted.
 
     pydantic-settings ignores them; a service refuses to start with one instead, so a typo or a
-    variable that is no longer a setting (a constant now) is not silently without effect. A settings
-    class may list variables of its prefix read elsewhere in ``OTHER_VARIABLES``.
+    variable that is no longer a setting (a constant now) is not silently without effect.
     """
     prefix = str(settings.model_config.get("env_prefix", "")).upper()
     if not prefix:
         return []
     known = {prefix + name.upper() for name in settings.model_fields}
-    known |= {name.upper() for name in getattr(settings, "OTHER_VARIABLES", ())}
     return sorted(k for k in environ if k.upper().startswith(prefix) and k.upper() not in known)
 
 

@@ -174,26 +174,6 @@ class SwitchSettings(ServiceSettings):
         "must choose 'sealed' for it to be used: a dialer offers it, an acceptor takes the offer only if "
         "its own setting is 'sealed' (otherwise TLS records). Costs about a third less CPU per byte.",
     )
-    edge_transport: Literal["grpc", "raw"] = Field(
-        "grpc",
-        description="What may carry trainers' job edges: 'grpc' (the Relay.OpenEdge call) or 'raw' (a "
-        "trainer that offers it is given a one-time ticket on OpenEdge and continues on the raw edge port: "
-        "length-prefixed records on mutual TLS 1.3, same certificate, role, token and account checks; "
-        "services/switch/raw_edge.py). Trainers that do not offer it keep the gRPC edge.",
-    )
-    raw_edge_listen: str = Field(
-        "",
-        description="host:port of the raw edge port (edge_transport=raw). Empty: the service port's host "
-        "and a free port, announced to trainers in EdgeReady.raw_edge_port.",
-    )
-    raw_edge_unix: str = Field(
-        "",
-        description="Path of a Unix socket that also serves the raw edge (edge_transport=raw), for trainers "
-        "on this host (NEBULA_TRAINER_RAW_EDGE_UNIX): no TLS on that hop, the peer's uid must be this "
-        "switch's (SO_PEERCRED), the socket is 0600 in a 0700 directory; trainers still open on gRPC with "
-        "mutual TLS and their token and redeem the one-time ticket there. '{cluster}' in it is this "
-        "switch's cluster id. Empty: not served.",
-    )
     wan_handshake_timeout_s: float = Field(
         10.0,
         gt=0,

@@ -1,8 +1,8 @@
-"""The trainer's side of an edge as the switch sees it, whatever carries it (gRPC call or raw socket).
+"""The trainer's side of an edge as the switch sees it, whatever carries it.
 
-``RelayServicer.serve_edge`` runs on an ``EdgeStream``: the gRPC ``OpenEdge`` call
-(``GrpcEdgeStream``) and the raw edge connection (``raw_edge.RawEdgeStream``) both provide one, so
-every check, the throttle, credits and the audit records are the same code on both transports.
+``RelayServicer.serve_edge`` runs on an ``EdgeStream``, today the gRPC ``OpenEdge`` call
+(``GrpcEdgeStream``): every check, the throttle, credits and the audit records are written against
+this protocol, not against gRPC, so another carrier of the same items needs only its own stream.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class EdgeStream(Protocol):
     """
 
     transport: str
-    """What carries it (``grpc``, ``raw``), named in the edge's audit records."""
+    """What carries it (``grpc``), named in the edge's audit records."""
 
     async def read(self) -> object: ...
 

@@ -253,7 +253,7 @@ class PeerLink:
         self._ack_due = False
         self._reassembly = Reassembler()
         # Refusals by strangers on the WAN port: one record per source, layer and reason per interval
-        # (the switch shares one aggregator among its links and its raw edge port).
+        # (the switch shares one aggregator among its links).
         self.refusals = refusals or (RefusalAggregator(audit.append) if audit is not None else None)
         self.liveness = liveness or LivenessPolicy()
         self.rtt = RttEstimator()

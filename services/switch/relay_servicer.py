@@ -32,17 +32,14 @@ import grpc
 
 from nebula_common.auth.interceptor import caller
 from nebula_common.auth.peer_roles import peer_certificate
-from nebula_common.pki import Identity
 from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION, FramedChunk, FramingError, is_framed, parse_chunk
-from nebula_common.rpc.raw_edge import RAW_EDGE_VERSION
 from services.switch.bandwidth import BandwidthProbeError
 from services.switch.certs import CertificateManager
 from services.switch.edge_stream import EdgeStream, GrpcEdgeStream, TrainerVanished
 from services.switch.link import PeerLink
 from services.switch.metrics import EDGES_OPEN, JOB_SERIES
 from services.switch.peers import PeerLinks, PeerNotNamedError, UnknownPeerError
-from services.switch.raw_edge import RawEdgeListener
 from services.switch.routing import (
     Attachment,
     Route,
@@ -73,7 +70,7 @@ def _serialize(message: relay_pb2.EdgeMessage) -> bytes:
 
 
 def _parse(raw: object) -> relay_pb2.EdgeMessage | None:
-    """An EdgeMessage from raw request bytes (or a view of a raw edge's received buffer); None if not one."""
+    """An EdgeMessage from raw request bytes; None if not one."""
     if not isinstance(raw, bytes | memoryview):
         return None
     try:
@@ -100,8 +97,6 @@ class RelayServicer:
         #: The audit and penalty records of the switch (every link writes the same audit log).
         self.link = links.first
         self.certificates = certificates
-        #: The raw edge port (``raw_edge.py``), when this switch serves it: offers get a ticket for it.
-        self.raw_edges: RawEdgeListener | None = None
         # The tasks serving an edge (any transport), so a stopping switch can wait for their records.
         self._edges: set[asyncio.Task[object]] = set()
         self._stopping = False
@@ -152,11 +147,6 @@ class RelayServicer:
                 token_job=principal.job_id,
             )
         certified = peer_certificate(context)  # verified by the role interceptor; None in plaintext
-        if first.open.raw_edge >= RAW_EDGE_VERSION and self.raw_edges is not None and certified is not None:
-            await self._offer_raw(
-                stream, principal.username, first.open, *certified, principal.issued_at, principal.expires_at
-            )
-            return
         await self.serve_edge(
             stream,
             principal.username,
@@ -166,38 +156,6 @@ class RelayServicer:
             serial=certified[1] if certified is not None else 0,
             expires_at=principal.expires_at,
         )
-
-    async def _offer_raw(
-        self,
-        stream: EdgeStream,
-        account: str,
-        open_: relay_pb2.EdgeOpen,
-        identity: Identity,
-        serial: int,
-        issued_at: float,
-        expires_at: float,
-    ) -> None:
-        """Answer a raw edge offer: the open's checks that need no route, then a one-time ticket.
-
-        The route is attached (and checked again) when the ticket is redeemed on the raw edge port
-        (``raw_edge.py``); this call ends here.
-        """
-        assert self.raw_edges is not None
-        job_id, edge = open_.job_id, open_.edge
-        if not job_id or not edge:
-            await stream.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.job_id and open.edge are required")
-        link = await self._link_for(stream, account, job_id, edge, open_.peer_cluster)
-        await self._refuse_if_backing_off(stream, link.router, account, job_id, edge)
-        ticket = self.raw_edges.tickets.issue(identity, serial, account, open_, issued_at, expires_at)
-        ready = relay_pb2.EdgeReady(
-            peer_cluster=link.expected_peer.cluster_id,
-            max_window_bytes=link.router.max_window_bytes,
-            link_up=link.router.link_up,
-            epoch=open_.epoch,
-            raw_edge_port=self.raw_edges.port,
-            raw_edge_ticket=ticket,
-        )
-        await stream.write(_serialize(relay_pb2.EdgeMessage(ready=ready)))
 
     async def serve_edge(
         self,

@@ -32,7 +32,7 @@ from nebula_common.auth.verifier import LEEWAY_SECONDS
 from nebula_common.pki import Identity, channel_options, server_options
 from nebula_common.rpc import ServiceServer
 from nebula_common.service.host import ServiceDefinition, Started, before_process_end
-from nebula_common.service.identity import ServiceIdentity, service_identity
+from nebula_common.service.identity import service_identity
 from nebula_common.service.resources import (
     bind_internal,
     grpc_server,
@@ -46,8 +46,6 @@ from services.switch.crl_exchange import CrlExchange, OwnCrl, add_trust_to_serve
 from services.switch.link import PeerLink, fetch_server_certificate
 from services.switch.peer_trust import PeerTrust
 from services.switch.peers import PeerLinks
-from services.switch.raw_edge import RawEdgeListener
-from services.switch.raw_edge import server_context as raw_edge_context
 from services.switch.rawlink import RawConnection, WanFrontend, dial_raw
 from services.switch.relay_servicer import RelayServicer, add_relay_to_server
 from services.switch.routing import Limits, Router, SharedRoutes
@@ -200,7 +198,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         max_unattached_routes=settings.max_unattached_routes,
     )
     shared = SharedRoutes()
-    # One per switch: refusals on the WAN port and the raw edge port, counted per source, layer and reason.
+    # One per switch: refusals on the WAN port, counted per source, layer and reason.
     refusals = RefusalAggregator(audit.append, interval_s=settings.refusal_audit_interval_s)
     links = PeerLinks(
         settings.cluster_id,
@@ -253,7 +251,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
             ),
         ),
     )
-    # Stopped after both servers (and the raw edge port): the edges they cut record their end in the
+    # Stopped after both servers: the edges they cut record their end in the
     # audit log before it closes (a server's stop returns before its cancelled handlers finish).
     stack.push_async_callback(relay.drain_edges)
     internal = grpc_server(
@@ -301,8 +299,6 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     grpc_wan_port = wan.add_secure_port("wan", "127.0.0.1:0", certs.server_credentials())
     await internal.start()
     await wan.start()
-    if settings.edge_transport == "raw":
-        await _start_raw_edges(settings, stack, identity, relay, audit, refusals)
     frontend = WanFrontend(
         links,
         f"127.0.0.1:{grpc_wan_port}",
@@ -359,37 +355,6 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         "metrics_scheme": internal.metrics_scheme,
     }
     return Started(running, ports)
-
-
-async def _start_raw_edges(
-    settings: SwitchSettings,
-    stack: contextlib.AsyncExitStack,
-    identity: ServiceIdentity,
-    relay: RelayServicer,
-    audit: AuditLog,
-    refusals: RefusalAggregator,
-) -> None:
-    """Serve the raw edge port (``raw_edge.py``) next to the service port; OpenEdge offers then get it."""
-    if identity.server is None:
-        log.warning("edge_transport=raw needs internal TLS; plaintext development mode keeps gRPC edges")
-        return
-    files = identity.server.files
-    listener = RawEdgeListener(
-        relay,
-        settings.cluster_id,
-        lambda: raw_edge_context(str(files.cert), str(files.key), str(files.ca)),
-        audit=audit,
-        revoked=lambda: identity.revoked,
-        refusals=refusals,
-    )
-    listen = settings.raw_edge_listen or f"{settings.service_listen.rpartition(':')[0]}:0"
-    port = await listener.start(listen)
-    stack.push_async_callback(listener.stop)
-    relay.raw_edges = listener
-    log.info("raw edge port listening", extra={"fields": {"port": port}})
-    if settings.raw_edge_unix:
-        path = await listener.start_unix(settings.raw_edge_unix.replace("{cluster}", settings.cluster_id))
-        log.info("raw edge Unix socket listening", extra={"fields": {"path": path}})
 
 
 def _dial(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -16,12 +16,6 @@ class TrainerSettings(ServiceSettings):
     """One cluster's compute: where it listens and which of its cluster's services it uses."""
 
     model_config = SettingsConfigDict(env_prefix="NEBULA_TRAINER_")
-    OTHER_VARIABLES: ClassVar[tuple[str, ...]] = (
-        "NEBULA_TRAINER_EDGE_TRANSPORT",
-        "NEBULA_TRAINER_RAW_EDGE_UNIX",
-    )
-    """Read where the edges are made (``services/trainer/edge``), not here."""
-
     listen: HostPort = Field("127.0.0.1:0", description="Cluster-internal control port (SDK -> trainer).")
     switch_address: HostPort = Field(description="host:port of this cluster's switch internal port.")
     auth_address: HostPort = Field(description="host:port of this cluster's auth service.")

@@ -6,8 +6,7 @@ Unix socket in a directory only that stage can reach, and forwards exactly what 
 the trainer's mutual-TLS identity and with the stage owner's token, which the stage never sees:
 
 * ``Relay/OpenEdge`` for the stage's own job and edges only (the first message, ``EdgeOpen``, names
-  them; any other job or edge is refused), with the raw-edge offer cleared (the switch keeps the edge
-  on this stream, which the trainer sees);
+  them; any other job or edge is refused);
 * ``Data/ListDatasets`` and ``Data/ReadBatch`` of the one dataset the stage's spec names, and only
   when it names one (the data service re-checks the grant on every batch, as before).
 
@@ -198,7 +197,6 @@ class StageProxy:
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"stage of job {self._job_id!r} may not open edge {opened.edge!r} of job {opened.job_id!r}",
             )
-        opened.raw_edge = 0  # the edge stays on this stream, through the trainer
         live = _LiveEdge()
         with self._lock:
             self._latest[opened.edge] = live

@@ -1,7 +1,7 @@
 """RawConnection: whole messages over real mutual TLS 1.3 on loopback (real certificates, real sockets).
 
-Every test uses a real socket pair, real certificates of a local PKI and the contexts the raw edge
-uses (``raw_edge.server_context`` / ``raw_transport.client_context``).
+Every test uses a real socket pair, real certificates of a local PKI and mutual TLS 1.3 contexts
+(``tests/support/raw_tls.py``).
 """
 
 from __future__ import annotations
@@ -9,29 +9,23 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-import threading
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import grpc
 import pytest
 
 from nebula_common.pki import init_pki
 from nebula_common.pki.service_identity import ServiceTlsFiles, ensure_service_certificates, service_tls_dir
-from nebula_common.rpc.internal_tls import ClientTls, server_name
+from nebula_common.rpc.internal_tls import server_name
 from nebula_common.rpc.raw_records import (
-    PREFIX_BYTES,
     READ_AHEAD,
-    PlacedMessage,
-    Placement,
     RawConnection,
     RawConnectionError,
     in_thread,
     peer_certificate,
 )
 from nebula_common.rpc.sealed_records import negotiate_acceptor, negotiate_dialer
-from services.switch.raw_edge import server_context
-from services.trainer.edge.raw_transport import client_context
+from tests.support.raw_tls import client_context, server_context
 
 DEADLINE_S = 60.0
 SEALED = pytest.mark.parametrize("sealed", [False, True], ids=["tls-records", "sealed-records"])
@@ -54,7 +48,7 @@ def _server(files: ServiceTlsFiles) -> ssl.SSLContext:
 
 
 def _client(files: ServiceTlsFiles, cluster: str) -> ssl.SSLContext:
-    return client_context(ClientTls(cluster, Path(files.ca), Path(files.cert), Path(files.key)))
+    return client_context(str(files.cert), str(files.key), str(files.ca))
 
 
 async def _pair(
@@ -304,188 +298,5 @@ def test_a_client_without_a_certificate_is_refused_by_the_server(
         bare.load_verify_locations(cafile=str(files.ca))
         with pytest.raises(ssl.SSLError, match=r"(?i)certificate"):
             await _pair(_server(identities["switch-a"]), bare, server_name("switch", "a"))
-
-    _run(body)
-
-
-def test_a_plain_unix_socket_carries_the_same_records_and_cut_is_an_error() -> None:
-    """The Unix socket edge's carrier: no TLS, the same records, ends and errors as over TLS."""
-    sizes = [0, 1, 4, (64 << 10) + 1, 1 << 20, (5 << 20) + 3]
-    messages = [bytes([index + 1]) * size for index, size in enumerate(sizes)]
-
-    async def body() -> None:
-        loop = asyncio.get_running_loop()
-        left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        client = RawConnection(left, "server", loop, views=True)
-        server = RawConnection(right, "client", loop, views=True)
-        assert client.peer_cert is None and server.peer_cert is None
-
-        async def send(connection: RawConnection) -> None:
-            for message in messages:
-                await connection.write(message)
-
-        async def receive(connection: RawConnection) -> list[bytes]:
-            return [bytes(await connection.read()) for _ in messages]  # type: ignore[arg-type]
-
-        got = await asyncio.gather(send(client), send(server), receive(server), receive(client))
-        assert got[2] == messages and got[3] == messages
-        await client.close()
-        assert await server.read() is grpc.aio.EOF
-        await server.close()
-
-        # A peer that stops inside a record: an error, not a clean end.
-        left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        server = RawConnection(right, "client", loop, views=True)
-        left.sendall((1 << 20).to_bytes(4, "big") + b"x" * 1000)
-        left.close()
-        with pytest.raises(RawConnectionError, match="inside a record"):
-            await server.read()
-        await server.close()
-
-    _run(body)
-
-
-@SEALED
-def test_messages_queued_from_another_thread_arrive_in_order_between_written_ones(
-    identities: dict[str, ServiceTlsFiles], sealed: bool
-) -> None:
-    """``send_nowait`` (the trainer's session thread) and ``write`` (the loop) share one ordered outbox;
-    a reader that waits is woken, and a busy one takes what arrived meanwhile without a wake-up."""
-    rounds, burst = 20, 16
-
-    async def body() -> None:
-        client, server = await _pair(
-            _server(identities["switch-a"]),
-            _client(identities["trainer-a"], "a"),
-            server_name("switch", "a"),
-            sealed=sealed,
-        )
-        loop = asyncio.get_running_loop()
-        expected: list[bytes] = []
-        total = rounds * (burst + 1)
-
-        async def receive() -> list[bytes]:
-            return [bytes(await server.read()) for _ in range(total)]  # type: ignore[arg-type]
-
-        receiver = asyncio.create_task(receive())
-        for index in range(rounds):
-            # A burst from a thread (small and large messages), then one from the loop, in that order.
-            batch = [
-                index.to_bytes(2, "big") + part.to_bytes(2, "big") * (1 + (part % 3) * (100 << 10))
-                for part in range(burst)
-            ]
-            await loop.run_in_executor(None, lambda batch=batch: [client.send_nowait(m) for m in batch])
-            expected += batch
-            last = b"loop" + index.to_bytes(2, "big")
-            await client.write(last)
-            expected.append(last)
-        got = await receiver
-        assert got == expected
-        await client.close()
-        assert await server.read() is grpc.aio.EOF
-        with pytest.raises(RawConnectionError, match="closed"):
-            client.send_nowait(b"after the close")
-        await server.close()
-
-    _run(body)
-
-
-class _Shelf:
-    """A placer as a receiving trainer has one: large messages whose first byte is ``P`` go into one
-    big buffer, at the offset their next 4 bytes name, from byte 5 on; anything else is refused."""
-
-    def __init__(self, size: int) -> None:
-        self.buffer = bytearray(size)
-        self.asked = 0
-        self.released: list[int] = []
-        self.thread_ids: set[int] = set()
-
-    def place(self, prefix: memoryview, size: int) -> Placement | None:
-        self.asked += 1
-        self.thread_ids.add(threading.get_ident())
-        assert len(prefix) == min(size, PREFIX_BYTES)
-        if prefix[0] != ord("P"):
-            return None
-        offset = int.from_bytes(prefix[1:5], "big")
-        index = len(self.released)
-        self.released.append(0)
-
-        def release() -> None:
-            self.released[index] += 1
-
-        return Placement(memoryview(self.buffer)[offset : offset + size - 5], 5, release, index)
-
-
-def _placed(offset: int, payload: bytes) -> bytes:
-    return b"P" + offset.to_bytes(4, "big") + payload
-
-
-def test_a_placer_receives_large_messages_straight_into_its_buffer_and_releases_each_once() -> None:
-    payloads = [bytes([n]) * ((1 << 20) + n) for n in range(1, 4)]
-
-    async def body() -> None:
-        loop = asyncio.get_running_loop()
-        shelf = _Shelf(8 << 20)
-        left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        client = RawConnection(left, "server", loop, views=True)
-        server = RawConnection(right, "client", loop, views=True, placer=shelf.place)
-        offsets = [0, 2 << 20, 5 << 20]
-        for offset, payload in zip(offsets, payloads, strict=True):
-            await client.write(_placed(offset, payload))
-        await client.write(b"Q" * (100 << 10))  # refused by the placer: an ordinary view
-        await client.write(b"small")  # never asked: at most SMALL_MESSAGE
-        for offset, payload in zip(offsets, payloads, strict=True):
-            message = await server.read()
-            assert isinstance(message, PlacedMessage)
-            assert message.head == _placed(offset, b"")
-            assert message.placement.dest.obj is shelf.buffer  # the placer's own buffer, no copy
-            assert bytes(message.placement.dest) == payload
-            assert shelf.buffer[offset : offset + len(payload)] == payload
-        refused = await server.read()
-        assert isinstance(refused, memoryview) and bytes(refused) == b"Q" * (100 << 10)
-        assert await server.read() == b"small"
-        assert shelf.asked == 4 and shelf.released == [1, 1, 1]
-        assert threading.get_ident() not in shelf.thread_ids  # asked on the connection's I/O thread
-        await client.close()
-        assert await server.read() is grpc.aio.EOF
-        await server.close()
-
-    _run(body)
-
-
-def test_a_connection_cut_inside_a_placed_message_releases_the_placement_and_fails() -> None:
-    async def body() -> None:
-        loop = asyncio.get_running_loop()
-        shelf = _Shelf(4 << 20)
-        left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        server = RawConnection(right, "client", loop, views=True, placer=shelf.place)
-        message = _placed(0, b"z" * (2 << 20))
-        left.sendall(len(message).to_bytes(4, "big") + message[: 1 << 20])  # half of it, then the end
-        left.close()
-        with pytest.raises(RawConnectionError, match="inside a record"):
-            await server.read()
-        await server.close()
-        assert shelf.released == [1]  # the writer stopped: the buffer's owner may hand it on
-
-    _run(body)
-
-
-def test_a_placement_that_does_not_fit_the_message_fails_the_connection_not_the_memory() -> None:
-    async def body() -> None:
-        loop = asyncio.get_running_loop()
-        released = []
-
-        def wrong(prefix: memoryview, size: int) -> Placement:
-            return Placement(memoryview(bytearray(10)), 5, lambda: released.append(1))
-
-        left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        client = RawConnection(left, "server", loop, views=True)
-        server = RawConnection(right, "client", loop, views=True, placer=wrong)
-        await client.write(b"x" * (1 << 20))
-        with pytest.raises(RawConnectionError, match=r"placed bytes 5\.\. of a 1048576-byte message into 10"):
-            await server.read()
-        assert released == [1]
-        await client.close()
-        await server.close()
 
     _run(body)

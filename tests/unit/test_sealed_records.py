@@ -26,7 +26,6 @@ import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -34,7 +33,7 @@ import pytest
 
 from nebula_common.pki import init_pki
 from nebula_common.pki.service_identity import ServiceTlsFiles, ensure_service_certificates, service_tls_dir
-from nebula_common.rpc.internal_tls import ClientTls, server_name
+from nebula_common.rpc.internal_tls import server_name
 from nebula_common.rpc.raw_records import RawConnection, RawConnectionError, in_thread, peer_certificate
 from nebula_common.rpc.sealed_records import (
     CLOSE,
@@ -49,8 +48,7 @@ from nebula_common.rpc.sealed_records import (
     negotiate_acceptor,
     negotiate_dialer,
 )
-from services.switch.raw_edge import server_context
-from services.trainer.edge.raw_transport import client_context
+from tests.support.raw_tls import client_context, server_context
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -83,7 +81,7 @@ def _server(identities: dict[str, ServiceTlsFiles]) -> ssl.SSLContext:
 
 def _client(identities: dict[str, ServiceTlsFiles]) -> ssl.SSLContext:
     files = identities["trainer-a"]
-    return client_context(ClientTls("a", Path(files.ca), Path(files.cert), Path(files.key)))
+    return client_context(str(files.cert), str(files.key), str(files.ca))
 
 
 def _concurrently(

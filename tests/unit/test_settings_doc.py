@@ -56,12 +56,16 @@ def test_a_variable_that_names_no_setting_is_found() -> None:
     environ = {
         "NEBULA_TRAINER_LISTEN": "x",  # a setting
         "nebula_trainer_torch_threads": "1",  # a setting, as pydantic-settings reads it: any case
-        "NEBULA_TRAINER_EDGE_TRANSPORT": "grpc",  # read outside the class (OTHER_VARIABLES)
+        "NEBULA_TRAINER_EDGE_TRANSPORT": "grpc",  # no longer read: refused like a typo
         "NEBULA_TRAINER_METRICS_GRACE_S": "0",  # a constant now
         "NEBULA_TRAINER_LISTNE": "x",  # a typo
         "NEBULA_SWITCH_ROUTE_TOMBSTONE_S": "1",  # another service's prefix: not the trainer's business
     }
-    assert unknown_variables(trainer, environ) == ["NEBULA_TRAINER_LISTNE", "NEBULA_TRAINER_METRICS_GRACE_S"]
+    assert unknown_variables(trainer, environ) == [
+        "NEBULA_TRAINER_EDGE_TRANSPORT",
+        "NEBULA_TRAINER_LISTNE",
+        "NEBULA_TRAINER_METRICS_GRACE_S",
+    ]
 
 
 def test_a_service_given_an_unknown_variable_refuses_to_start_naming_it() -> None:

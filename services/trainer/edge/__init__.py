@@ -4,20 +4,16 @@
 * ``connection``: ``EdgeConnection``, the tensor/signal API the pipeline loop uses (it owns
   the edge's codec streams);
 * ``grpc_transport``: the Relay.OpenEdge stream to this cluster's switch, reconnecting;
-* ``raw_transport``: the same edge moved to the switch's raw edge port when it offers one
-  (``NEBULA_TRAINER_EDGE_TRANSPORT=raw``);
 * ``memory``: a connected in-memory pair with fault controls, for tests.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from services.trainer.edge.connection import BACKWARD, FORWARD, EdgeConnection, EdgeStats
 from services.trainer.edge.grpc_transport import GrpcEdgeTransport
-from services.trainer.edge.raw_transport import RawEdgeTransport
 from services.trainer.edge.session import (
     INITIAL_WINDOW_BYTES,
     EdgeClosedError,
@@ -49,29 +45,14 @@ def stage_edge(
     )
 
 
-EDGE_TRANSPORT_ENV = "NEBULA_TRAINER_EDGE_TRANSPORT"
-"""``grpc`` (default): edges on Relay.OpenEdge; ``raw``: offer the raw edge port (gRPC if not served)."""
-
-
-def edge_transport_class() -> type[GrpcEdgeTransport]:
-    """The transport ``NEBULA_TRAINER_EDGE_TRANSPORT`` names (ValueError naming the variable otherwise)."""
-    value = os.environ.get(EDGE_TRANSPORT_ENV, "").strip().lower() or "grpc"
-    if value == "grpc":
-        return GrpcEdgeTransport
-    if value == "raw":
-        return RawEdgeTransport
-    raise ValueError(f"{EDGE_TRANSPORT_ENV}={value!r}: expected 'grpc' or 'raw'")
-
-
 def grpc_edge_factory(switch_address: str, token: str | Callable[[], str]) -> EdgeFactory:
-    """The default factory: the stage's edge through this cluster's switch (gRPC, or raw when configured).
+    """The default factory: the stage's edge through this cluster's switch (Relay/OpenEdge).
 
     ``token`` may be a callable, read at every open: a stage's job token is renewed while it runs.
     """
-    transport_class = edge_transport_class()
 
     def open_edge(spec: trainer_pb2.StageSpec, settings: EdgeSettings, epoch: int) -> EdgeConnection:
-        transport = transport_class(
+        transport = GrpcEdgeTransport(
             switch_address, token, spec.job_id, spec.edge, epoch=epoch, peer_cluster=spec.peer_cluster
         )
         return stage_edge(spec, transport, settings, epoch)
@@ -93,7 +74,6 @@ __all__ = [
     "EdgeStats",
     "EdgeTimeout",
     "GrpcEdgeTransport",
-    "RawEdgeTransport",
     "grpc_edge_factory",
     "renewed",
     "stage_edge",

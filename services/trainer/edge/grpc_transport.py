@@ -119,7 +119,6 @@ class GrpcEdgeTransport:
         peer_closed = False
         while not self._stopping.is_set() and not peer_closed:
             outgoing: queue.Queue[object] = queue.Queue()
-            raw_edge = self._raw_offer()  # offered on this open: only then may the switch move the edge
             outgoing.put(
                 relay_pb2.EdgeMessage(
                     open=relay_pb2.EdgeOpen(
@@ -129,7 +128,6 @@ class GrpcEdgeTransport:
                         epoch=self.epoch,
                         link_framing=LINK_FRAMING_VERSION,
                         peer_cluster=self.peer_cluster,
-                        raw_edge=raw_edge,
                     )
                 )
             )
@@ -143,16 +141,12 @@ class GrpcEdgeTransport:
                 call.cancel()
             self.opens += 1
             reason = "the switch ended the edge stream"
-            offer: relay_pb2.EdgeReady | None = None  # the switch moves this edge to its raw edge port
             try:
                 for raw in call:
                     message = _received(raw)
                     kind = message.WhichOneof("body")
                     if kind == "ready":
                         assert isinstance(message, relay_pb2.EdgeMessage)
-                        if message.ready.raw_edge_port and raw_edge:
-                            offer = message.ready
-                            break
                         ever_ready = True
                         backoff = self.backoff_initial_s
                         with self._lock:
@@ -182,15 +176,6 @@ class GrpcEdgeTransport:
                 outgoing.put(_END)
                 call.cancel()
                 channel.close()
-            if offer is not None and not self._stopping.is_set():
-                carried = self._carry_raw(handler, offer)
-                if carried is None:  # refused for good: on_failed was called
-                    self._stopping.set()
-                    break
-                attached, peer_closed, reason = carried
-                if attached:
-                    ever_ready = True
-                    backoff = self.backoff_initial_s
             if self._stopping.is_set() or self._closing or peer_closed:
                 break
             log.warning(
@@ -200,16 +185,6 @@ class GrpcEdgeTransport:
             handler.on_down(reason)
             self._stopping.wait(backoff)
             backoff = min(backoff * 2, self.backoff_max_s)
-
-    def _raw_offer(self) -> int:
-        """``EdgeOpen.raw_edge`` of the next open: 0, this transport carries edges on gRPC only."""
-        return 0
-
-    def _carry_raw(
-        self, handler: TransportHandler, offer: relay_pb2.EdgeReady
-    ) -> tuple[bool, bool, str] | None:
-        """Carry the edge on the switch's raw edge port (``RawEdgeTransport``); never offered here."""
-        raise NotImplementedError("GrpcEdgeTransport does not offer the raw edge")
 
     def send(self, message: relay_pb2.EdgeMessage | bytes) -> None:
         with self._lock:

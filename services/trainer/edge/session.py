@@ -68,8 +68,7 @@ from typing import Protocol
 from nebula_common.bulk_memory import uninitialized_bytearray
 from nebula_common.codec import EncodedTensor, to_frames
 from nebula_common.proto.nebula.v1 import relay_pb2, tensor_pb2
-from nebula_common.rpc.framing import ChunkHead, FramedChunk, chunk_size_for, encode_chunk
-from nebula_common.rpc.raw_records import Placement
+from nebula_common.rpc.framing import FramedChunk, chunk_size_for, encode_chunk
 
 log = logging.getLogger(__name__)
 
@@ -226,10 +225,6 @@ class _Assembly:
     header: tensor_pb2.TensorHeader
     payload: bytearray
     received: int = 0
-    placed: int = 0
-    """End of the chunks placed into ``payload`` by a raw edge's I/O thread (``place_chunk``)."""
-    writers: int = 0
-    """Placements into ``payload`` whose I/O thread may still write: while any, it is never handed on."""
 
 
 def wire_size(message: relay_pb2.EdgeMessage) -> int:
@@ -517,7 +512,6 @@ class EdgeSession:
                         message.data,
                         message.last,
                         message.frame_size,
-                        message.placed,
                     )
                 except _ProtocolError as exc:
                     violation: str | None = str(exc)
@@ -822,36 +816,6 @@ class EdgeSession:
         chunk = frame.chunk
         self._on_chunk_locked(chunk.frame_id, chunk.offset, chunk.data, chunk.last, size)
 
-    def place_chunk(self, head: ChunkHead) -> Placement | None:
-        """Where a framed chunk's payload is to be received, asked by a raw edge's I/O thread with the
-        chunk's first bytes: straight into the frame's buffer when it is the next chunk of the frame
-        being assembled (no copy later), else None (received whole and copied, as any chunk).
-
-        The I/O thread writes into the region without this lock; the region is past every accepted
-        byte, and the buffer is handed on only when no placement into it is still being written
-        (``_Assembly.writers``), so a connection that died mid-chunk cannot change a delivered tensor.
-        """
-        with self._cond:
-            assembly = self._assembly
-            if (
-                self._failed is not None
-                or assembly is None
-                or head.frame_id != assembly.header.frame_id
-                or head.offset != max(assembly.received, assembly.placed)
-                or head.data_size <= 0
-                or head.offset + head.data_size > assembly.header.payload_size
-            ):
-                return None
-            assembly.placed = head.offset + head.data_size
-            assembly.writers += 1
-            dest = memoryview(assembly.payload)[head.offset : assembly.placed]
-
-        def release() -> None:
-            with self._cond:
-                assembly.writers -= 1
-
-        return Placement(dest, head.data_start, release, (head, assembly))
-
     def _on_chunk_locked(
         self,
         frame_id: int,
@@ -859,10 +823,8 @@ class EdgeSession:
         data: bytes | memoryview,
         last: bool,
         size: int,
-        placed: object = None,
     ) -> None:
-        """One payload chunk (classic or framed), copied once into the frame's preallocated buffer
-        (unless a raw edge received it there already: ``placed`` is that frame's assembly)."""
+        """One payload chunk (classic or framed), copied once into the frame's preallocated buffer."""
         assembly = self._assembly
         if assembly is None or frame_id != assembly.header.frame_id or offset != assembly.received:
             if assembly is not None and frame_id == assembly.header.frame_id and offset > assembly.received:
@@ -874,8 +836,7 @@ class EdgeSession:
                 f"invalid frame from peer: chunks of frame {frame_id} end at {end} bytes but "
                 f"{assembly.header.payload_size} were declared"
             )
-        if placed is not assembly:
-            assembly.payload[assembly.received : end] = data
+        assembly.payload[assembly.received : end] = data
         assembly.received = end
         self._assembly_bytes += size
         self._check_credit_locked()
@@ -883,11 +844,8 @@ class EdgeSession:
             self._maybe_ack_locked(False)
             return
         self._assembly = None
-        # The frame's buffer becomes the payload as is (no copy): nothing else holds it any more --
-        # unless a placement into it may still be written (a connection that died inside a chunk
-        # this frame then got again): a copy is handed on instead.
-        payload = assembly.payload if not assembly.writers else bytearray(assembly.payload)
-        self._complete_locked(EncodedTensor(header=assembly.header, payload=payload))
+        # The frame's buffer becomes the payload as is (no copy): nothing else holds it any more.
+        self._complete_locked(EncodedTensor(header=assembly.header, payload=assembly.payload))
 
     def _on_signal_locked(self, message: relay_pb2.EdgeMessage) -> None:
         signal = message.signal

@@ -36,22 +36,20 @@ class RenewEdgesReply(_message.Message):
     def __init__(self, renewed: _Optional[int] = ..., expires_at: _Optional[int] = ...) -> None: ...
 
 class EdgeOpen(_message.Message):
-    __slots__ = ("job_id", "edge", "reconnect", "epoch", "link_framing", "peer_cluster", "raw_edge")
+    __slots__ = ("job_id", "edge", "reconnect", "epoch", "link_framing", "peer_cluster")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EDGE_FIELD_NUMBER: _ClassVar[int]
     RECONNECT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LINK_FRAMING_FIELD_NUMBER: _ClassVar[int]
     PEER_CLUSTER_FIELD_NUMBER: _ClassVar[int]
-    RAW_EDGE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     edge: str
     reconnect: bool
     epoch: int
     link_framing: int
     peer_cluster: str
-    raw_edge: int
-    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., reconnect: _Optional[bool] = ..., epoch: _Optional[int] = ..., link_framing: _Optional[int] = ..., peer_cluster: _Optional[str] = ..., raw_edge: _Optional[int] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., reconnect: _Optional[bool] = ..., epoch: _Optional[int] = ..., link_framing: _Optional[int] = ..., peer_cluster: _Optional[str] = ...) -> None: ...
 
 class EdgeClose(_message.Message):
     __slots__ = ("reason", "error")
@@ -62,22 +60,18 @@ class EdgeClose(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., error: _Optional[bool] = ...) -> None: ...
 
 class EdgeReady(_message.Message):
-    __slots__ = ("peer_cluster", "max_window_bytes", "link_up", "epoch", "link_framing", "raw_edge_port", "raw_edge_ticket")
+    __slots__ = ("peer_cluster", "max_window_bytes", "link_up", "epoch", "link_framing")
     PEER_CLUSTER_FIELD_NUMBER: _ClassVar[int]
     MAX_WINDOW_BYTES_FIELD_NUMBER: _ClassVar[int]
     LINK_UP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LINK_FRAMING_FIELD_NUMBER: _ClassVar[int]
-    RAW_EDGE_PORT_FIELD_NUMBER: _ClassVar[int]
-    RAW_EDGE_TICKET_FIELD_NUMBER: _ClassVar[int]
     peer_cluster: str
     max_window_bytes: int
     link_up: bool
     epoch: int
     link_framing: int
-    raw_edge_port: int
-    raw_edge_ticket: bytes
-    def __init__(self, peer_cluster: _Optional[str] = ..., max_window_bytes: _Optional[int] = ..., link_up: _Optional[bool] = ..., epoch: _Optional[int] = ..., link_framing: _Optional[int] = ..., raw_edge_port: _Optional[int] = ..., raw_edge_ticket: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, peer_cluster: _Optional[str] = ..., max_window_bytes: _Optional[int] = ..., link_up: _Optional[bool] = ..., epoch: _Optional[int] = ..., link_framing: _Optional[int] = ...) -> None: ...
 
 class EdgeRestart(_message.Message):
     __slots__ = ("epoch", "reason")
