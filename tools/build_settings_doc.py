@@ -24,6 +24,7 @@ SERVICES = (
     ("auth", "services.auth.config", "AuthSettings", "accounts, passwords, token signing"),
     ("codec", "services.codec.config", "CodecSettings", "off-box tensor encode/decode"),
     ("data", "services.data.config", "DataSettings", "datasets and grants"),
+    ("signer", "services.signer.config", "SignerSettings", "holds the audit seal keys"),
     ("switch", "services.switch.config", "SwitchSettings", "the gateway: WAN link, edges, certificates"),
     ("trainer", "services.trainer.config", "TrainerSettings", "runs this cluster's stages"),
 )

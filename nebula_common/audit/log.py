@@ -146,6 +146,9 @@ class AuditLog:
         self._fd = self._open_file()
         try:
             self._seq, self._head, self._log_id = self._resume()
+            # A signer of its own process (``remote_signer``) is sent the records since its last head.
+            remote = getattr(signer, "needs_records", False)
+            self._pending: list[bytes] | None = self._unsigned() if remote else None
         except BaseException:
             os.close(self._fd)
             raise
@@ -229,6 +232,50 @@ class AuditLog:
                 f"audit log {self.path} ends in an unreadable record ({exc!r}); "
                 f"run `nebula audit verify {self.path}` and move the file aside before restarting"
             ) from exc
+
+    def _unsigned(self) -> list[bytes]:
+        """The lines after the signer's last signed head (``RemoteSigner.position``), from this file.
+
+        A rotation seals before it moves the file, so what the signer has not signed is in the current
+        file. A signer that has signed nothing yet starts from this log's last record (a log sealed by a
+        key of its own until now). A log that does not reach the signer's head, or is another log,
+        stops the service here with the reason, rather than at its first seal.
+        """
+        known = self._signer.position  # type: ignore[attr-defined]
+        if not known.log_id:
+            return self._lines_after(self._seq - 1) if self._seq else []
+        if known.log_id != self._log_id or known.count > self._seq:
+            raise AuditError(
+                f"audit log {self.path} is log {self._log_id or '(new)'} with {self._seq} records, but its "
+                f"signer sealed log {known.log_id} up to record {known.count}: the log was cut short or "
+                f"replaced (run `nebula audit verify {self.path}`)"
+            )
+        if known.count == self._seq:
+            if self._head != known.head:
+                raise AuditError(f"audit log {self.path} ends at record {self._seq}, not at the sealed head")
+            return []
+        lines = self._lines_after(known.count)
+        first = json.loads(lines[0]) if lines else {}
+        if first.get("seq") != known.count + 1 or first.get("prev") != known.head:
+            raise AuditError(
+                f"audit log {self.path} no longer holds the records after {known.count} that its signer "
+                f"sealed (run `nebula audit verify {self.path}`)"
+            )
+        return lines
+
+    def _lines_after(self, count: int) -> list[bytes]:
+        """This file's record lines with ``seq`` above ``count``, oldest first (the tail read first)."""
+        with open(self.path, "rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            for start in (max(0, size - (4 << 20)), 0):
+                handle.seek(start)
+                lines = handle.read().split(b"\n")
+                if start:
+                    lines = lines[1:]  # the first may be a line's end
+                found = [line for line in lines if line and int(json.loads(line)["seq"]) > count]
+                if not start or len(found) < len(lines) - 1:  # the tail reached back far enough
+                    return found
+        return found
 
     # ------------------------------------------------------------------ writing
     @property
@@ -355,6 +402,8 @@ class AuditLog:
         self._seq = record["seq"]
         self._head = record["hash"]
         self._size += len(data)
+        if self._pending is not None:
+            self._pending.append(data[:-1])
         return record
 
     def seal(self) -> None:
@@ -378,7 +427,7 @@ class AuditLog:
                 "head": self._head,
                 "sealed_at": ts,
                 "key_id": self._signer.key_id,
-                "sig": self._signer.sign(covered),
+                "sig": self._sign(covered),
             },
         )
         with contextlib.suppress(OSError):
@@ -388,7 +437,7 @@ class AuditLog:
             **outer,
             "v": FORMAT_VERSION,
             "key_id": self._signer.key_id,
-            "sig": self._signer.sign(outer),
+            "sig": self._sign(outer),
         }
         try:
             atomic_write(self.seal_path, canonical_json(document) + b"\n", mode=0o640)
@@ -396,6 +445,14 @@ class AuditLog:
             raise AuditError(f"cannot write audit seal {self.seal_path}: {exc}") from exc
         self._unsealed = 0
         self._last_seal = time.monotonic()
+
+    def _sign(self, payload: dict[str, Any]) -> str:
+        """The signature of ``payload``; a signer of its own process also gets the records since its last."""
+        if self._pending is None:
+            return self._signer.sign(payload)
+        signature = self._signer.sign(payload, self._pending)  # type: ignore[call-arg]
+        self._pending = []
+        return signature
 
     def _seal_periodically(self) -> None:
         while not self._stop.wait(min(1.0, self._seal_interval_s)):
@@ -425,6 +482,9 @@ class AuditLog:
                 self._closed = True
                 if self._fd >= 0:
                     os.close(self._fd)
+                closing = getattr(self._signer, "close", None)  # a signer process's channel
+                if closing is not None:
+                    closing()
         if self._sealer is not threading.current_thread():
             self._sealer.join(timeout=5)
 

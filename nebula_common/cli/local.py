@@ -116,17 +116,21 @@ def summary_lines(description: dict[str, Any]) -> list[str]:
     lines = []
     for cluster, entry in description.get("clusters", {}).items():
         processes = entry.get("processes", {})
-        ports = []
+        ports: list[str] = []
+        portless: list[str] = []
         isolation = ""
         for name, process in processes.items():
             service = process.get("service", name.rsplit("-", 1)[0])
             port = process.get(PORT_KEYS.get(service, "grpc_port")) or process.get("grpc_port")
             state = "" if process.get("state") in (None, "running") else f" {process['state'].upper()}"
+            if not port:  # the audit signer listens on Unix sockets only: named last
+                portless.append(f"{service}{state}")
+                continue
             ports.append(f"{service} :{port}{state}")
             if service == "switch" and process.get("wan_port"):
                 ports[-1] += f" (WAN :{process['wan_port']})"
             isolation = process.get("stage_isolation") or isolation
-        lines.append(f"cluster {cluster}: {'  '.join(ports)}")
+        lines.append(f"cluster {cluster}: {'  '.join(ports + portless)}")
         if isolation:
             lines.append(f"  stages: {isolation}")
         if entry.get("admin_password_file"):

@@ -21,6 +21,7 @@ from nebula_common.errors import NebulaError
 from nebula_common.launcher.ports import service_port
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command, wait_healthy
 from nebula_common.launcher.service_box import ServiceBox, boxes_enabled
+from nebula_common.launcher.signer import SignerLayout, signer_layout
 from nebula_common.metrics import metrics_url, trust_metrics_endpoint
 from nebula_common.pki.identity import validate_cluster_id
 from nebula_common.pki.service_identity import (
@@ -98,6 +99,7 @@ class SwitchPeer:
 class ClusterProcesses:
     cluster_id: str
     admin_password: str
+    signer: ServiceProcess | None = None
     auth: ServiceProcess | None = None
     codec: ServiceProcess | None = None
     switch: ServiceProcess | None = None
@@ -105,9 +107,12 @@ class ClusterProcesses:
     data: ServiceProcess | None = None
     # Each service's internal identity (``pki/service_identity.py``); empty when internal TLS is off.
     service_tls: dict[str, ServiceTlsFiles] = field(default_factory=dict)
+    # Where the audit signer keeps its keys and each service's socket (``launcher/signer.py``).
+    signing: SignerLayout | None = None
 
     def processes(self) -> list[ServiceProcess]:
-        return [p for p in (self.auth, self.codec, self.data, self.switch, self.trainer) if p is not None]
+        every = (self.signer, self.auth, self.codec, self.data, self.switch, self.trainer)
+        return [p for p in every if p is not None]
 
 
 @dataclass
@@ -153,6 +158,10 @@ class ClusterLauncher:
             # The launcher's copy in the service's own directory (``mirror_crl``), which its box shows.
             "INTERNAL_CRL": str(state.service_tls[service].dir / "crl.pem"),
         }
+
+    def _signer_settings(self, state: ClusterProcesses, service: str) -> dict[str, str]:
+        """Where ``service`` has its audit seals signed (it holds no audit key itself)."""
+        return {"AUDIT_SIGNER": state.signing.target(service)} if state.signing is not None else {}
 
     def _box(
         self,
@@ -224,6 +233,7 @@ class ClusterLauncher:
         cluster_dir = self.run_dir / cluster
         password_file = cluster_dir / "admin-password"
         common = {"LOG_LEVEL": self.log_level}
+        self.start_signer(state)
         state.auth = self.launch(
             f"auth-{cluster}",
             "services.auth",
@@ -234,6 +244,7 @@ class ClusterLauncher:
                 "DATA_DIR": str(cluster_dir / "auth"),
                 "ADMIN_PASSWORD_FILE": str(password_file),
                 **self._tls_settings(state, "auth"),
+                **self._signer_settings(state, "auth"),
             },
             LISTEN_PINS,
             box=self._box(state, "auth", cluster_dir / "auth", (password_file,)),
@@ -265,12 +276,34 @@ class ClusterLauncher:
                 "AUTH_ADDRESS": self.service_address(state.auth),
                 "DATA_DIR": str(cluster_dir / "data"),
                 **self._tls_settings(state, "data"),
+                **self._signer_settings(state, "data"),
             },
             LISTEN_PINS,
             box=self._box(state, "data", cluster_dir / "data"),
         )
         self._trust(state, state.data)
         wait_healthy(self.address(state.data), "nebula.v1.Data")
+
+    def start_signer(self, state: ClusterProcesses) -> None:
+        """The audit signer, first: every other service asks it for its seals from its first record on."""
+        cluster = state.cluster_id
+        state.signing = signer_layout(self.run_dir, cluster)
+        if self.boxed is None:
+            self.boxed = boxes_enabled()
+        state.signer = self.launch(
+            f"signer-{cluster}",
+            "services.signer",
+            "NEBULA_SIGNER_",
+            {
+                "LOG_LEVEL": self.log_level,
+                "CLUSTER_ID": cluster,
+                "DATA_DIR": str(state.signing.keys),
+                "SOCKETS": state.signing.setting(),
+                "METRICS_PORT": "-1",
+            },
+            {},
+            box=state.signing.box() if self.boxed else None,
+        )
 
     def start_switch(
         self,
@@ -304,6 +337,7 @@ class ClusterLauncher:
             "AUTH_ADDRESS": self.service_address(state.auth),
             "DATA_DIR": str(self.run_dir / cluster / "switch"),
             **self._tls_settings(state, "switch"),
+            **self._signer_settings(state, "switch"),
             "OWN_CRL": str(paths.crl),
             # No CA key: the launcher renews the switch's certificate (launcher/renewal.py), which
             # the switch reloads from disk.
@@ -338,6 +372,7 @@ class ClusterLauncher:
                 "DATA_DIR": str(self.run_dir / cluster / "trainer"),
                 "DATA_SERVICE_ADDRESS": self.service_address(state.data),
                 **self._tls_settings(state, "trainer"),
+                **self._signer_settings(state, "trainer"),
             },
             LISTEN_PINS,
         )

@@ -513,7 +513,7 @@ class LocalDeployment:
         return {"wan_emulators": mesh}
 
     def stop(self) -> None:
-        """Stop trainers first (they close their edges), then switches, emulators, data, codec, auth.
+        """Stop trainers first (they close their edges), then switches, emulators, data, codec, auth, signer.
 
         The supervisor stops first and every process is marked unwanted before any is signalled,
         so nothing is restarted while the deployment goes down. The processes of one kind (every
@@ -533,6 +533,7 @@ class LocalDeployment:
 
         emulators = list(self.emulators.values()) or ([self.emulator] if self.emulator is not None else [])
         tiers = [every("trainer"), every("switch"), emulators, every("data"), every("codec"), every("auth")]
+        tiers.append(every("signer"))  # last: the others seal their audit logs as they stop
         try:
             for tier in tiers:
                 with ThreadPoolExecutor(max_workers=max(1, len(tier)), thread_name_prefix="stop") as pool:

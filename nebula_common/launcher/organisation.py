@@ -200,7 +200,14 @@ class ClusterDeployment:
                 for process in state.processes():
                     with process.lock:
                         process.wanted = False
-                for process in [state.trainer, state.switch, state.data, state.codec, state.auth]:
+                for process in [
+                    state.trainer,
+                    state.switch,
+                    state.data,
+                    state.codec,
+                    state.auth,
+                    state.signer,
+                ]:
                     if process is not None:
                         process.stop()
         finally:

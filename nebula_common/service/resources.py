@@ -48,12 +48,21 @@ async def service_audit(
     cluster: str,
     seal_interval_s: float = 5.0,
     fsync_each: bool = True,
+    signer: str = "",
 ) -> AuditLog:
-    """Open ``<data_dir>/audit.log`` off the event loop; it is sealed and closed when the stack unwinds."""
+    """Open ``<data_dir>/audit.log`` off the event loop; it is sealed and closed when the stack unwinds.
+
+    ``signer``: the service's ``audit_signer`` setting (its seals made by that process, which holds the key).
+    """
     return await acquire_in_thread(
         stack,
         lambda: open_service_audit(
-            data_dir, service=service, cluster=cluster, seal_interval_s=seal_interval_s, fsync_each=fsync_each
+            data_dir,
+            service=service,
+            cluster=cluster,
+            seal_interval_s=seal_interval_s,
+            fsync_each=fsync_each,
+            signer=signer,
         ),
         AuditLog.close,
     )

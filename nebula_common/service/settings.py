@@ -113,3 +113,14 @@ def describe_validation_error(settings: type[BaseSettings], exc: ValidationError
             message = "required but not set"
         lines.append(f"{name}: {message}")
     return "; ".join(lines)
+
+
+class AuditedServiceSettings(ServiceSettings):
+    """A service that writes an audit log (auth, data, switch, trainer): who seals it."""
+
+    audit_signer: str = Field(
+        "",
+        description="unix:<path> of the audit signer that seals this service's audit log (services/signer): "
+        "the service then holds no audit key. Empty: it keeps its own key (audit-key.pem in its data "
+        "directory), which whoever breaks into it could use to re-sign a rewritten past.",
+    )

@@ -7,13 +7,13 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from nebula_common.service.settings import HostPort, ServiceSettings
+from nebula_common.service.settings import AuditedServiceSettings, HostPort
 from services.auth.passwords import DEFAULT_MEMORY_COST_KIB, DEFAULT_PARALLELISM, DEFAULT_TIME_COST
 
 ENV_PREFIX = "NEBULA_AUTH_"
 
 
-class AuthSettings(ServiceSettings):
+class AuthSettings(AuditedServiceSettings):
     """Accounts, tokens and the bootstrap admin of one cluster (issuer ``nebula-auth/<id>``)."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX)

@@ -112,6 +112,7 @@ async def start_auth(settings: AuthSettings, stack: contextlib.AsyncExitStack) -
         settings.data_dir,
         service="auth",
         cluster=settings.cluster_id,
+        signer=settings.audit_signer,
     )
     store = await acquire_in_thread(stack, lambda: _open_store(settings), AccountStore.close)
     issuer = await asyncio.to_thread(

@@ -7,10 +7,10 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from nebula_common.service.settings import HostPort, ServiceSettings
+from nebula_common.service.settings import AuditedServiceSettings, HostPort
 
 
-class DataSettings(ServiceSettings):
+class DataSettings(AuditedServiceSettings):
     """Each account's datasets, served to its own trainers and to grantees."""
 
     model_config = SettingsConfigDict(env_prefix="NEBULA_DATA_")

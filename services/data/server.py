@@ -46,6 +46,7 @@ async def start_data(settings: DataSettings, stack: contextlib.AsyncExitStack) -
         settings.data_dir,
         service="data",
         cluster=settings.cluster_id,
+        signer=settings.audit_signer,
         # Each ReadBatch is audited; fsync at each seal keeps a batch from waiting on the disk.
         fsync_each=False,
     )

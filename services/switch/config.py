@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from nebula_common.service.settings import ClusterId, HostPort, ServiceSettings
+from nebula_common.service.settings import AuditedServiceSettings, ClusterId, HostPort
 from services.switch.lanes import parse_connections
 
 LinkRole = Literal["auto", "dial", "accept"]
@@ -60,7 +60,7 @@ def parse_peers(value: object) -> object:
     return peers
 
 
-class SwitchSettings(ServiceSettings):
+class SwitchSettings(AuditedServiceSettings):
     """The cluster's gateway: its internal relay port, its mTLS WAN port and its certificates."""
 
     model_config = SettingsConfigDict(env_prefix="NEBULA_SWITCH_")

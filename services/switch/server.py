@@ -158,6 +158,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         settings.data_dir,
         service="switch",
         cluster=settings.cluster_id,
+        signer=settings.audit_signer,
         # Records reach the kernel at once (a crashed process loses none); fsync happens at each seal
         # so the relay's event loop never waits on the disk per transfer record.
         fsync_each=False,

@@ -9,10 +9,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from nebula_common.service.settings import HostPort, ServiceSettings
+from nebula_common.service.settings import AuditedServiceSettings, HostPort
 
 
-class TrainerSettings(ServiceSettings):
+class TrainerSettings(AuditedServiceSettings):
     """One cluster's compute: where it listens and which of its cluster's services it uses."""
 
     model_config = SettingsConfigDict(env_prefix="NEBULA_TRAINER_")

@@ -98,7 +98,9 @@ async def start_trainer(
     data_dir = settings.resolved_data_dir()
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Submits and stage starts/stops are rare: fsync each record so none is lost in a crash.
-    audit = await service_audit(stack, data_dir, service="trainer", cluster=settings.cluster_id)
+    audit = await service_audit(
+        stack, data_dir, service="trainer", cluster=settings.cluster_id, signer=settings.audit_signer
+    )
     confinement = await asyncio.to_thread(
         choose_confinement, settings.stage_isolation, data_dir / "sandbox-probe"
     )

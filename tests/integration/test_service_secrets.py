@@ -3,8 +3,9 @@
 For every process of the shared two-cluster deployment, every secret file of the run directory (private
 keys, audit and signing keys, the account database, the admin passwords, the WAN control token) is
 looked up through that process's own root (``/proc/<pid>/root``: its mount namespace, what it can
-open) and counted as readable only when the bytes there are the real file's. Auth, codec, data and the
-switch must read exactly their own; their ``/proc`` must show no process but their own, so no other
+open) and counted as readable only when the bytes there are the real file's. Auth, codec, data, the
+switch and the audit signer must read exactly their own (the signer: every service's audit seal key,
+which no service reads any more); their ``/proc`` must show no process but their own, so no other
 process's memory or environment is within reach either. The trainer runs outside a box (it must create
 its stages' namespaces and control groups): it is the one process that still reads everything, and
 the deployment says so.
@@ -78,7 +79,7 @@ def test_each_boxed_service_reads_only_its_own_secrets(deployment: LocalDeployme
     secrets = _secrets(run_dir)
     assert len(secrets) >= 30, secrets  # keys of 2 clusters x 6 identities, CA and audit keys, ...
     for cluster in deployment.clusters:
-        for service in BOXED:
+        for service in ("signer", *BOXED):
             process = deployment.process(f"{service}-{cluster}")
             assert process.box is not None and process.pid is not None, process.name
             readable = _readable(process.pid, secrets)

@@ -41,6 +41,7 @@ SETTINGS_CLASSES = {
     "auth": "services.auth.config:AuthSettings",
     "codec": "services.codec.config:CodecSettings",
     "data": "services.data.config:DataSettings",
+    "signer": "services.signer.config:SignerSettings",
     "switch": "services.switch.config:SwitchSettings",
     "trainer": "services.trainer.config:TrainerSettings",
 }

@@ -1,0 +1,1 @@
+"""``nebula-signer``: the audit signer, the one process that holds a cluster's audit seal keys."""
