@@ -151,7 +151,8 @@ def describe(enabled: bool) -> str:
     """One line for ``nebula local status``: what keeps each service from the others' keys."""
     if enabled:
         return (
-            "bwrap: auth, codec, data and the switch each see only their own keys and state "
-            "(own user, mount and PID namespaces); the trainer runs outside, to box its stages"
+            "bwrap: the audit signer, auth, codec, data and the switch each see only their own keys and "
+            "state (own user, mount and PID namespaces; no service reads its audit seal key); the trainer "
+            "runs outside, to box its stages"
         )
     return f"none ({unavailable()}): every service can read every key of the run directory"
