@@ -72,6 +72,13 @@ ROLE_MATRIX: MappingProxyType[str, Access] = MappingProxyType(
         # --- audit (served by auth, data, switch and trainer) -----------------------------------
         "/nebula.v1.AuditLog/Query": _user("admins read a service's audit log (nebula audit query)"),
         "/nebula.v1.AuditLog/GetAuditKey": _user("admins fetch the key that seals the audit log"),
+        # --- audit signer: served only on one Unix socket per service, never on a TLS port ------------
+        "/nebula.v1.AuditSigner/GetSealKey": _service(
+            "the service whose log it seals, on its own socket", "auth", "data", "switch", "trainer"
+        ),
+        "/nebula.v1.AuditSigner/SignSeal": _service(
+            "the service whose log it seals, on its own socket", "auth", "data", "switch", "trainer"
+        ),
         # --- codec --------------------------------------------------------------------------------
         "/nebula.v1.Codec/Encode": _user("off-box compression for users and the trainer", "trainer"),
         "/nebula.v1.Codec/Decode": _user("off-box compression for users and the trainer", "trainer"),
