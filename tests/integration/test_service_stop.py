@@ -1,7 +1,7 @@
 """SIGTERM at any moment of a service's life ends its process with exit 0, within its grace period.
 
-Each of the five services is started as its own process (``python -m services.<name>``) and
-signalled at four moments, each detected, never guessed with a sleep:
+Each of the six services (the audit signer included) is started as its own process
+(``python -m services.<name>``) and signalled at four moments, each detected, never guessed with a sleep:
 
 * ``exec``: at once, as the launcher starts it (SIGINT and SIGTERM blocked across the exec,
   ``nebula_common/stop_signals.py``): before Python has even started, let alone installed a handler;
@@ -43,7 +43,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 REPEAT = int(os.environ.get("NEBULA_STOP_REPEAT", "1"))
 GRACE_S = 15.0
 """Longest any service may take from SIGTERM to exit (the k8s manifests allow 15 s)."""
-SERVICES = ("auth", "codec", "data", "switch", "trainer")
+SERVICES = ("auth", "codec", "data", "switch", "trainer", "signer")
 MOMENTS = ("exec", "importing", "starting", "serving")
 
 
@@ -98,6 +98,11 @@ def _env(service: str, cluster: Cluster, run: Path, auth_address: str) -> dict[s
         settings |= {"AUTH_ADDRESS": auth_address, "CALIBRATION_CACHE": "off"}
     elif service == "data":
         settings |= {"AUTH_ADDRESS": auth_address, "DATA_DIR": str(run / "data")}
+    elif service == "signer":
+        settings |= {
+            "DATA_DIR": str(run / "signer"),
+            "SOCKETS": f"auth={run / 'auth' / 'signer' / 'signer.sock'}",
+        }
     elif service == "trainer":
         settings |= {
             "AUTH_ADDRESS": auth_address,
