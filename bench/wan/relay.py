@@ -13,6 +13,9 @@ another process on loopback, measured side by side so the ratios share the machi
 * ``relay-sealed``: ``relay-raw-tls`` with sealed link records (``NEBULA_SWITCH_LINK_RECORDS=sealed``:
   after the link's mutual TLS 1.3 handshake each message is one AES-256-GCM record on the bare TCP
   connection, ``nebula_common/rpc/sealed_records.py``);
+* ``relay-staged``: what ``nebula local up`` gives a job: ``relay`` with internal TLS, each edge opened by a
+  stage process through its trainer's stage proxy (``services/trainer/stage_proxy.py``, a gRPC hop on
+  a Unix socket, in a process of its own as in the trainer) and from there to the switch;
 * ``tls``: one Python ``ssl`` TLS 1.3 socket hop (``sendall`` / ``recv_into``);
 * ``tcp``: one plain TCP socket hop;
 * ``grpc``: one plaintext gRPC stream of 4 MiB ``bytes`` messages (identity serializers);
@@ -59,6 +62,7 @@ PATHS = (
     "relay-raw",
     "relay-raw-tls",
     "relay-sealed",
+    "relay-staged",
     "tls",
     "tcp",
     "grpc",
@@ -69,14 +73,16 @@ TRANSPORTS = {
     "relay-raw": "raw",
     "relay-raw-tls": "raw",
     "relay-sealed": "raw",
+    "relay-staged": "grpc",
 }
-INTERNAL_TLS = {"relay-raw-tls", "relay-sealed"}
+INTERNAL_TLS = {"relay-raw-tls", "relay-sealed", "relay-staged"}
 """Relay paths whose internal ports run TLS (as in production)."""
 SUFFIX = {
     "relay": "",
     "relay-raw": "_raw",
     "relay-raw-tls": "_rawtls",
     "relay-sealed": "_sealed",
+    "relay-staged": "_staged",
 }
 RECORDS = {"relay-sealed": "sealed"}
 """The raw link's records after TLS on each relay path (``NEBULA_SWITCH_LINK_RECORDS``; default tls)."""
@@ -249,6 +255,41 @@ def relay_receiver(
     edge.close("finished", timeout=60)
 
 
+def proxy_process(
+    socket_path: str,
+    secret: str,
+    token: str,
+    job: str,
+    switch_address: str,
+    tls: tuple[str, ...] | None,
+    stop: Any,
+    done: Any,
+) -> None:
+    """A trainer's stage proxy for one stage's edge (``relay-staged``), serving until ``stop`` is set."""
+    from nebula_common.bulk_memory import keep_freed_memory_for_reuse
+    from services.trainer.stage_proxy import StageProxy
+
+    keep_freed_memory_for_reuse()  # as the trainer service does at start
+    if tls is not None:
+        from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
+
+        trust_endpoint(switch_address, ClientTls(tls[0], Path(tls[1]), Path(tls[2]), Path(tls[3])))
+    proxy = StageProxy(
+        socket_path,
+        secret=secret,
+        token=lambda: token,
+        job_id=job,
+        edges={EDGE},
+        switch_address=switch_address,
+        data_address=None,
+        dataset="",
+    )
+    proxy.start()
+    done.put("ready")
+    stop.wait()
+    proxy.stop()
+
+
 def edge_settings(window_bytes: int) -> Any:
     """The trainers' edge settings: the product's defaults, or its credit window set to ``window_bytes``
     (``NEBULA_TRAINER_EDGE_WINDOW_BYTES`` in the trainer service)."""
@@ -391,8 +432,11 @@ class Deployment:
         transport: str = "grpc",
         internal_tls: bool = False,
         records: str = "tls",
+        staged: bool = False,
     ) -> None:
         self.root = root
+        #: Each edge goes through a stage proxy process (``relay-staged``).
+        self.staged = staged
         self.transport = transport
         self.records = records
         self.internal_tls = internal_tls
@@ -563,6 +607,36 @@ class Deployment:
                 process.stop()
 
 
+class Proxies:
+    """``relay-staged``: one stage proxy process per side, between the stage's edge and its switch."""
+
+    def __init__(self, deployment: Deployment, job: str) -> None:
+        context = mp.get_context("spawn")
+        self.stop = context.Event()
+        self.processes: dict[str, Any] = {}
+        self.addresses: dict[str, tuple[str, str]] = {}  # side -> (unix address, the stage's secret)
+        for side in ("a", "b"):
+            directory = deployment.root / f"{side}-stage-{job.rsplit('-', 1)[-1]}"
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            secret = secrets.token_urlsafe(24)
+            done = context.Queue()
+            args = (str(directory / "edge.sock"), secret, deployment.tokens[side], job)
+            args += (deployment.internal(side), deployment.tls(side), self.stop, done)
+            process = context.Process(target=proxy_process, args=args, daemon=True)
+            process.start()
+            _expect(done, "ready", process)
+            self.processes[side] = process
+            self.addresses[side] = (f"unix:{directory / 'edge.sock'}", secret)
+
+    def cpu(self) -> dict[str, float]:
+        return {f"proxy {side}": cpu_seconds(p.pid) for side, p in self.processes.items()}
+
+    def close(self) -> None:
+        self.stop.set()
+        for process in self.processes.values():
+            _finish(process)
+
+
 def bench_relay(
     deployment: Deployment, tensor: Any, count: int, job_index: int, window_bytes: int = 0
 ) -> tuple[Timed, dict[str, float]]:
@@ -570,30 +644,29 @@ def bench_relay(
 
     job = f"{JOB}-{job_index}"
     size = tensor.numel() * 4
-    process, done = _spawn(
-        relay_receiver,
-        deployment.internal("b"),
-        deployment.tokens["b"],
-        job,
-        count,
-        deployment.tls("b"),
-        window_bytes,
-    )
+    proxies = Proxies(deployment, job) if deployment.staged else None
+    if proxies is not None:  # the stages reach only their proxies: a Unix socket, the stage's secret
+        (address_a, token_a), (address_b, token_b) = proxies.addresses["a"], proxies.addresses["b"]
+        tls_a = tls_b = None
+    else:
+        address_a, token_a, tls_a = deployment.internal("a"), deployment.tokens["a"], deployment.tls("a")
+        address_b, token_b, tls_b = deployment.internal("b"), deployment.tokens["b"], deployment.tls("b")
+    process, done = _spawn(relay_receiver, address_b, token_b, job, count, tls_b, window_bytes)
     edge = None
     try:
-        transport = edge_transport(deployment.internal("a"), deployment.tokens["a"], job, deployment.tls("a"))
+        transport = edge_transport(address_a, token_a, job, tls_a)
         edge = EdgeConnection(
             transport, job_id=job, edge=EDGE, upstream=True, settings=edge_settings(window_bytes)
         )
         edge.send_tensor(tensor, 0, 0)
         _expect(done, "warm", process, timeout=300)
-        before = deployment.switch_cpu()
+        before = {**deployment.switch_cpu(), **(proxies.cpu() if proxies else {})}
         sender_cpu = time.process_time()
         start = time.monotonic()
         for step in range(1, count + 1):
             edge.send_tensor(tensor, step, 0)
         end = _get(done, process, 600)
-        after = deployment.switch_cpu()
+        after = {**deployment.switch_cpu(), **(proxies.cpu() if proxies else {})}
         cpu = {c: after[c] - before[c] for c in after}
         cpu["sender"] = time.process_time() - sender_cpu
         cpu["receiver"] = _get(done, process, 60)
@@ -603,6 +676,8 @@ def bench_relay(
         if edge is not None:
             edge.abort("benchmark ended")
         _finish(process)
+        if proxies is not None:
+            proxies.close()
 
 
 # ----------------------------------------------------------------------------- report
@@ -621,60 +696,38 @@ def render(result: dict[str, Any]) -> str:
         f"Taken {result['taken']}; load before {result['load_before']}, after {result['load_after']}; "
         f"{os.cpu_count()} cores.",
         "",
-        "MB/s (10^6 bytes per second), receiver holding the last tensor; ratio = relay / TLS hop; "
-        "'relay' has a gRPC link between the switches, 'raw link' the raw transport (rawlink.py), "
-        "'sealed' the raw link with sealed records (sealed_records.py); every edge is a gRPC stream. "
-        "'relay' and 'raw link' run plaintext internal ports (development flag); 'TLS edges' and 'sealed' "
-        "run internal TLS as in production. "
-        "With several rounds (the paths take turns each round) MB/s are medians and the ratio is "
-        "theirs, followed by the range of the per-round ratios.",
+        "MB/s (10^6 bytes per second), receiver holding the last tensor; ratio = the path / the TLS hop "
+        "in the same round. Relay paths: 'relay' has a gRPC link between the switches, 'relay-raw' the raw "
+        "transport (rawlink.py), 'relay-sealed' the raw link with sealed records (sealed_records.py); every "
+        "edge is a gRPC stream; 'relay' and 'relay-raw' run plaintext internal ports (development flag), "
+        "the others internal TLS as in production; 'relay-staged' is what `nebula local up` gives a job "
+        "(each edge from a stage process through its trainer's stage proxy). With several rounds (the "
+        "paths take turns each round) MB/s are medians and the ratio is theirs, followed by the range "
+        "of the per-round ratios. CPU-s per GB: user + system CPU of each process over the run, per 10^9 "
+        "payload bytes.",
         "",
-        "| tensor | relay | relay, raw link | raw link, TLS edges | sealed, TLS edges | TLS 1.3 hop | TCP "
-        "| gRPC stream | gloo | relay / TLS | raw link / TLS | raw link, TLS edges / TLS | sealed / TLS "
-        "| switch CPU-s per GB (gRPC / raw link / raw link, TLS edges / sealed) "
-        "| CPU-s per GB: switch a / b, sender, receiver (gRPC link; raw link; raw link, TLS edges; sealed) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| tensor | path | MB/s | / TLS hop | switches' CPU-s per GB | CPU-s per GB of each process |",
+        "|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         mb = row["mb_s"]
-
-        def cell(path: str, mb: dict[str, float] = mb) -> str:
-            return f"{mb[path]:.0f}" if path in mb else "-"
-
-        def ratio(path: str, mb: dict[str, float] = mb, row: dict[str, Any] = row) -> str:
-            if path not in mb or "tls" not in mb:
-                return "-"
-            each = row.get("ratio_rounds", {}).get(path)
-            spread = f" ({min(each):.2f}-{max(each):.2f})" if each else ""
-            return f"{mb[path] / mb['tls']:.2f}{spread}"
-
-        def cpu(suffix: str, row: dict[str, Any] = row) -> str:
-            value = row.get("switch_cpu_s_per_gb" + suffix)
-            return f"{value:.2f}" if value is not None else "-"
-
         gb = row["size_mib"] * MIB * row["count"] * row.get("repeat", 1) / 1e9
-
-        def parts(suffix: str, row: dict[str, Any] = row, gb: float = gb) -> str:
-            split = row.get("cpu_s" + suffix)
-            keys = ("a", "b", "sender", "receiver")
-            return " / ".join(f"{split[k] / gb:.1f}" for k in keys if k in split) if split else "-"
-
         rounds = f", {row['repeat']} rounds" if row.get("repeat", 1) > 1 else ""
-        lines.append(
-            f"| {row['size_mib']} MiB x {row['count']}{rounds} | {cell('relay')} | {cell('relay-raw')} "
-            f"| {cell('relay-raw-tls')} | {cell('relay-sealed')} | {cell('tls')} | {cell('tcp')} "
-            f"| {cell('grpc')} | {cell('gloo')} "
-            f"| {ratio('relay')} | {ratio('relay-raw')} | {ratio('relay-raw-tls')} | {ratio('relay-sealed')} "
-            f"| {cpu('')} / {cpu('_raw')} / {cpu('_rawtls')} / {cpu('_sealed')} "
-            f"| {parts('')}; {parts('_raw')}; {parts('_rawtls')}; {parts('_sealed')} |"
-        )
-    lines += [
-        "",
-        "Switch CPU-s per GB: user + system CPU of both switch processes together during the relay run,",
-        "per 10^9 payload bytes relayed (each byte passes both switches).",
-        "",
-    ]
-    return "\n".join(lines)
+        for path, value in mb.items():
+            ratio = "-"
+            if "tls" in mb and path != "tls":
+                each = row.get("ratio_rounds", {}).get(path)
+                spread = f" ({min(each):.2f}-{max(each):.2f})" if each else ""
+                ratio = f"{value / mb['tls']:.2f}{spread}"
+            suffix = SUFFIX.get(path)
+            switches = row.get("switch_cpu_s_per_gb" + suffix) if suffix is not None else None
+            split = row.get("cpu_s" + suffix, {}) if suffix is not None else {}
+            parts = ", ".join(f"{name} {seconds / gb:.2f}" for name, seconds in split.items())
+            lines.append(
+                f"| {row['size_mib']} MiB x {row['count']}{rounds} | {path} | {value:.0f} | {ratio} "
+                f"| {f'{switches:.2f}' if switches is not None else '-'} | {parts or '-'} |"
+            )
+    return "\n".join([*lines, ""])
 
 
 def main() -> None:
@@ -740,6 +793,7 @@ def main() -> None:
                     transport,
                     internal_tls=path in INTERNAL_TLS,
                     records=RECORDS.get(path, "tls"),
+                    staged=path == "relay-staged",
                 ).start()
                 print(f"deployment up ({path}: {transport} link)", flush=True)
         tls_pair = next(iter(deployments.values())).tls_pair if deployments else None
