@@ -79,7 +79,7 @@ def test_two_organisations_each_run_cluster_up_and_train_the_numbers_job(tmp_pat
         descriptions = {c: wait_description(ups[c], runs[c], START_DEADLINE_S) for c in ("b", "a")}
         for cluster, description in descriptions.items():
             assert set(description["clusters"]) == {cluster}
-            assert len(pids(description)) == 5  # auth, codec, data, switch, trainer
+            assert len(pids(description)) == 6  # signer, auth, codec, data, switch, trainer
 
         sessions = {}
         for cluster, description in descriptions.items():

@@ -72,7 +72,7 @@ def test_local_up_three_clusters_links_every_pair_and_status_shows_them(tmp_path
         assert json.loads(status.stdout)["clusters"] == list(CLUSTERS)
         services = json.loads(status.stdout)["services"]
         assert sorted({s["cluster"] for s in services.values()}) == list(CLUSTERS)
-        assert len(services) == 15 and all(s["alive"] for s in services.values()), services
+        assert len(services) == 18 and all(s["alive"] for s in services.values()), services
         text = _cli("local", "status", "--run-dir", str(run_dir))
         assert "clusters: a, b, c" in text.stdout, text.stdout
         assert all(f"switch-{c}" in text.stdout for c in CLUSTERS), text.stdout
