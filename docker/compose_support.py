@@ -85,13 +85,14 @@ class Compose:
         }
 
     def wait_healthy(self, skip: Iterable[str] = (), timeout: float = 300.0) -> dict[str, str]:
-        """Waits until every container but pki-init (a one-shot) and ``skip`` passes its healthcheck.
+        """Waits until every container but the one-shots (pki-init, signer-init-*) and ``skip`` is healthy.
 
         podman 4.3 runs healthchecks only when asked (no systemd timers), so this asks, once a second.
         Returns service -> container name for all of the project's containers.
         """
         names = self.containers()
-        checked = [n for s, n in names.items() if s != "pki-init" and s not in set(skip)]
+        one_shot = ("pki-init", "signer-init-")
+        checked = [n for s, n in names.items() if not s.startswith(one_shot) and s not in set(skip)]
         check(checked, f"project {self.project} has no containers to check")
         wait(
             lambda: all(healthy(n) for n in checked), timeout, f"every service to be healthy ({len(checked)})"

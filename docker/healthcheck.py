@@ -14,6 +14,9 @@ Only 127.0.0.1 is probed: the check runs inside the service's own network namesp
 ``healthcheck.py --listening PORT`` instead checks, without opening a connection, that some socket
 in this network namespace listens on TCP PORT (for the WAN emulator, which speaks no gRPC and would
 dial the far switch for every probe connection).
+
+``healthcheck.py --unix PATH...`` checks that each Unix socket accepts a connection (the audit signer,
+which has no network and no health service: a socket that accepts is a log it serves).
 """
 
 from __future__ import annotations
@@ -38,14 +41,30 @@ def _listening(port: int) -> bool:
     return False
 
 
+def _accepting(path: str) -> bool:
+    """Whether the Unix socket at ``path`` accepts a connection (closed at once, nothing sent)."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
+        try:
+            probe.connect(path)
+        except OSError as exc:
+            print(f"healthcheck: {path}: {exc.strerror or exc}", file=sys.stderr)
+            return False
+    return True
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) >= 2 and argv[0] == "--unix":
+        return 0 if all([_accepting(path) for path in argv[1:]]) else 1
     if len(argv) == 2 and argv[0] == "--listening" and argv[1].isdigit():
         if _listening(int(argv[1])):
             return 0
         print(f"healthcheck: nothing listens on TCP port {argv[1]}", file=sys.stderr)
         return 1
     if argv:
-        print("usage: healthcheck.py [--listening PORT]", file=sys.stderr)
+        print("usage: healthcheck.py [--listening PORT | --unix PATH...]", file=sys.stderr)
         return 2
     port = os.environ.get("NEBULA_HEALTH_PORT", "").strip()
     if not port.isdigit():

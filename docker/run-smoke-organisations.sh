@@ -77,7 +77,7 @@ lap "up -d (both organisations)"
 deadline=$((SECONDS + HEALTH_TIMEOUT))
 while :; do
   unhealthy=()
-  for c in $(podman ps -a --format '{{.Names}}' | grep '^nebula-org-' | grep -v pki-export); do
+  for c in $(podman ps -a --format '{{.Names}}' | grep '^nebula-org-' | grep -v -e pki-export -e signer-init); do
     podman healthcheck run "$c" >/dev/null 2>&1 || unhealthy+=("$c")
   done
   [ "${#unhealthy[@]}" -eq 0 ] && break

@@ -54,7 +54,7 @@ deadline=$((SECONDS + HEALTH_TIMEOUT))
 while :; do
   unhealthy=()
   for c in $(podman ps -a --filter label=io.podman.compose.project="$PROJECT" --format '{{.Names}}'); do
-    case "$c" in *pki-init*) continue ;; esac
+    case "$c" in *pki-init* | *signer-init*) continue ;; esac
     podman healthcheck run "$c" >/dev/null 2>&1 || unhealthy+=("$c")
   done
   [ "${#unhealthy[@]}" -eq 0 ] && break

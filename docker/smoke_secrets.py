@@ -11,8 +11,10 @@ password file. Then the listing must show
 1. no secret readable in two containers (each key has exactly one owner);
 2. no container reading a cluster CA key (only the one-shot ``pki-init`` holds it, in its own volume);
 3. the admin password only in ``auth-<c>``; the WAN key only in ``switch-<c>``; auth's token-signing
-   key only in ``auth-<c>``;
-4. every service holding its own internal identity key (so the probe does see what it should).
+   key only in ``auth-<c>``; the audit seal keys of auth, data, the switch and the trainer only in
+   ``signer-<c>`` (no service can re-sign its own past);
+4. every service holding its own internal identity key, and the signer its four seal keys (so the
+   probe does see what it should).
 
 Prints the listing as JSON (container -> secrets with path, kind and a short digest); exits 1 naming
 every violation.
@@ -55,6 +57,8 @@ print(json.dumps({"uid": os.getuid(), "secrets": found}))
 """
 
 SERVICES = ("auth", "codec", "data", "switch", "trainer")
+AUDITED = ("auth", "data", "switch", "trainer")
+SIGNER_KEY = "/var/lib/nebula/signer/{}/audit-key.pem"
 
 
 def run(command: list[str], timeout: float = 180) -> str:
@@ -103,7 +107,11 @@ def violations(
             bad.append(f"{owned[digest]}'s secret is readable in {where}")
     for container, found in listing.items():
         paths = {s["path"] for s in found["secrets"]}
-        if "/etc/nebula/internal-tls/service.key" not in paths:
+        if container.startswith("signer-"):
+            missing = [SIGNER_KEY.format(log) for log in AUDITED if SIGNER_KEY.format(log) not in paths]
+            if missing:
+                bad.append(f"{container} cannot read the seal keys it holds (is the probe blind?): {missing}")
+        elif "/etc/nebula/internal-tls/service.key" not in paths:
             bad.append(f"{container} cannot read its own identity key (is the probe blind?): {sorted(paths)}")
     if len(ca_keys) < 2:
         bad.append(f"found {len(ca_keys)} CA keys in the pki volume, expected one per cluster")
@@ -117,7 +125,7 @@ def main() -> int:
     args = parser.parse_args()
     compose = shlex.split(args.compose)
     project = compose[compose.index("-p") + 1] if "-p" in compose else "nebula"
-    containers = [f"{s}-{c}" for c in args.clusters for s in SERVICES]
+    containers = [f"{s}-{c}" for c in args.clusters for s in (*SERVICES, "signer")]
     listing = {name: probe(compose, name) for name in containers}
     owned: dict[str, str] = {}
     for cluster in args.clusters:
@@ -126,6 +134,8 @@ def main() -> int:
             f"auth-{cluster}"
         )
         owned[digest_of(compose, f"switch-{cluster}", "/etc/nebula/tls/tls.key")] = f"switch-{cluster}"
+        for log in AUDITED:
+            owned[digest_of(compose, f"signer-{cluster}", SIGNER_KEY.format(log))] = f"signer-{cluster}"
     bad = violations(listing, ca_key_digests(project), owned)
     summary = {
         c: sorted(f"{s['path']} ({s['kind']}, {s['sha256'][:12]})" for s in found["secrets"])

@@ -35,7 +35,7 @@ def _peers(cluster: str) -> str:
 
 def _cluster_block(block_a: str, cluster: str, index: int) -> str:
     block = block_a.replace(SECTION.format("a"), SECTION.format(cluster))
-    block = re.sub(r"\b(auth|data|codec|switch|trainer)-a\b", rf"\1-{cluster}", block)
+    block = re.sub(r"\b(auth|data|codec|switch|trainer|signer-init|signer)-a\b", rf"\1-{cluster}", block)
     block = block.replace("cluster_a", f"cluster_{cluster}")
     block = re.sub(r"CLUSTER_ID: a\n", f"CLUSTER_ID: {cluster}\n", block)
     block = block.replace(".a.nebula.internal", f".{cluster}.nebula.internal")
@@ -143,6 +143,11 @@ VOLUMES = (
     "switch-{c}-data",
     "data-{c}-data",
     "trainer-{c}-data",
+    "signer-{c}-keys",
+    "auth-{c}-signer",
+    "data-{c}-signer",
+    "switch-{c}-signer",
+    "trainer-{c}-signer",
     "monitoring-{c}-tls",
     "grafana-{c}-admin",
 )

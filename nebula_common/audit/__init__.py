@@ -67,7 +67,8 @@ def open_service_audit(
         if own.exists():
             raise AuditError(
                 f"{own} is an audit key this service could read, but its seals are made by the signer at "
-                f"{signer}: move the key to the signer's directory (nebula local up does) or delete it"
+                f"{signer}: move the key to the signer's directory (local up, compose's signer-init and "
+                "the Kubernetes pods' adopt-audit-key container do) or delete it"
             )
         remote = RemoteSigner(signer)
         data_dir.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "AuditKeyError",
     "AuditSigner",
     "SealVerifier",
+    "adopt_key",
     "canonical_json",
     "key_id_of",
 ]
@@ -140,3 +142,27 @@ class SealVerifier:
         except (InvalidSignature, ValueError, TypeError):
             return False
         return True
+
+
+def adopt_key(service_dir: Path, signer_dir: Path, *, log: str) -> bool:
+    """Move ``service_dir``'s seal key into ``signer_dir`` (made 0700); whether there was one to move.
+
+    The key a service kept before the audit signer held it: moved, never copied or replaced, so its old
+    seals still verify and no copy stays where the service reads. A key in both places stops it, naming
+    both (only the operator can tell which one verifies the log).
+    """
+    old, new = service_dir / PRIVATE_KEY_NAME, signer_dir / PRIVATE_KEY_NAME
+    if not old.exists():
+        return False
+    if new.exists():
+        raise AuditKeyError(
+            f"{old} and {new} are both audit keys of {log}: keep the one whose public half verifies the "
+            "log (nebula audit verify) in the signer's directory and delete the other"
+        )
+    signer_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        os.replace(old, new)
+    except OSError:  # two volumes: write the signer's copy whole and durable, then remove the service's
+        atomic_write(new, old.read_bytes(), mode=0o600)
+        old.unlink()
+    return True

@@ -10,10 +10,9 @@ the signer's directory before anything starts (the same key, so old seals still 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from nebula_common.audit.signing import PRIVATE_KEY_NAME
+from nebula_common.audit.signing import AuditKeyError, adopt_key
 from nebula_common.errors import NebulaError
 from nebula_common.launcher.service_box import ServiceBox
 
@@ -49,14 +48,8 @@ def signer_layout(run_dir: Path, cluster: str) -> SignerLayout:
     layout.keys.mkdir(mode=0o700, parents=True, exist_ok=True)
     for service, socket in layout.sockets.items():
         socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        old, new = socket.parent.parent / PRIVATE_KEY_NAME, layout.keys / service / PRIVATE_KEY_NAME
-        if not old.exists():
-            continue
-        if new.exists():
-            raise NebulaError(
-                f"{old} and {new} are both audit keys of {service} in cluster {cluster}: keep the one "
-                "whose public half verifies the log (nebula audit verify) in the signer's directory"
-            )
-        new.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.replace(old, new)
+        try:
+            adopt_key(socket.parent.parent, layout.keys / service, log=f"{service} in cluster {cluster}")
+        except AuditKeyError as exc:
+            raise NebulaError(str(exc)) from None
     return layout

@@ -22,6 +22,7 @@ from nebula_common.pki.store import add_trust, init_cluster
 from services.auth.config import AuthSettings
 from services.codec.config import CodecSettings
 from services.data.config import DataSettings
+from services.signer.config import SignerSettings
 from services.switch.config import SwitchSettings
 from services.trainer.config import TrainerSettings
 
@@ -33,7 +34,9 @@ SETTINGS = {
     "nebula-codec": (CodecSettings, "NEBULA_CODEC_"),
     "nebula-switch": (SwitchSettings, "NEBULA_SWITCH_"),
     "nebula-trainer": (TrainerSettings, "NEBULA_TRAINER_"),
+    "nebula-signer": (SignerSettings, "NEBULA_SIGNER_"),
 }
+ONE_SHOT = ("pki-export", "signer-init")
 ORGS = {
     "a": {"NEBULA_CLUSTER": "a", "NEBULA_PEER": "b", "NEBULA_PEER_ADDRESS": "b.example.org:7443"},
     "b": {"NEBULA_CLUSTER": "b", "NEBULA_PEER": "a"},
@@ -89,8 +92,8 @@ def test_each_organisation_runs_one_cluster_pointed_at_its_peer(
     peer = ORGS[org]["NEBULA_PEER"]
     services = compose["services"]
     assert compose["name"] == f"nebula-{org}"
-    assert set(services) == {"pki-export", "auth", "data", "codec", "switch", "trainer"}
-    built = {name: _settings(svc, monkeypatch) for name, svc in services.items() if name != "pki-export"}
+    assert set(services) == {*ONE_SHOT, "signer", "auth", "data", "codec", "switch", "trainer"}
+    built = {name: _settings(svc, monkeypatch) for name, svc in services.items() if name not in ONE_SHOT}
     for settings in built.values():
         assert settings.cluster_id == org
     switch = built["switch"]
@@ -98,6 +101,15 @@ def test_each_organisation_runs_one_cluster_pointed_at_its_peer(
     assert switch.dials() == (org == "a")  # the id that sorts first dials
     assert (switch.peer_address is not None) == (org == "a")
     assert switch.own_crl is not None and switch.peer_crl is None  # the peer's CRL comes over the link
+    sockets = built["signer"].socket_map()
+    for name in ("auth", "data", "switch", "trainer"):  # each log sealed by the signer, on its own socket
+        assert built[name].audit_signer == "unix:/var/lib/nebula/audit-signer/signer.sock"
+        assert f"{name}-signer:/var/lib/nebula/audit-signer:ro" in services[name]["volumes"]
+        assert f"{name}-signer:{sockets[name].parent}" in services["signer"]["volumes"]
+    keys = [
+        name for name, svc in services.items() if any(v.startswith("signer-keys:") for v in svc["volumes"])
+    ]
+    assert sorted(keys) == ["signer", "signer-init"], "only the signer (and its init) mount the seal keys"
 
     for name, svc in services.items():
         networks = set(svc.get("networks", []))

@@ -23,6 +23,7 @@ from nebula_common.pki import Identity, identity_from_pem, init_pki
 from services.auth.config import AuthSettings
 from services.codec.config import CodecSettings
 from services.data.config import DataSettings
+from services.signer.config import SignerSettings
 from services.switch.config import SwitchSettings
 from services.trainer.config import TrainerSettings
 from tests.support import k8s_schemas
@@ -41,6 +42,13 @@ SERVICES: dict[str, tuple[type, str, int, str]] = {
     "nebula-codec": (CodecSettings, "NEBULA_CODEC_", 7700, "nebula.v1.Codec"),
     "nebula-data": (DataSettings, "NEBULA_DATA_", 7800, "nebula.v1.Data"),
 }
+# Every process configured by a settings class: the five networked services and the audit signer.
+SETTINGS: dict[str, tuple[type, str]] = {
+    **{command: (spec[0], spec[1]) for command, spec in SERVICES.items()},
+    "nebula-signer": (SignerSettings, "NEBULA_SIGNER_"),
+}
+AUDITED = ("auth", "data", "switch", "trainer")
+"""Services whose audit logs the signer seals (the codec service writes none)."""
 # NEBULA_* names that belong to no settings class (read by docker/healthcheck.py).
 NON_SETTINGS_VARS = {
     "NEBULA_HEALTH_PORT",
@@ -118,7 +126,7 @@ def _volume_mounts(svc: dict[str, Any]) -> list[tuple[str, str, bool]]:
 
 
 def _check_env_names(where: str, command: list[str], names: set[str]) -> None:
-    settings_cls, prefix, _, _ = SERVICES[command[0]]
+    settings_cls, prefix = SETTINGS[command[0]]
     fields = {prefix + name.upper() for name in settings_cls.model_fields}
     for name in sorted(names):
         if not name.startswith("NEBULA_") or name in NON_SETTINGS_VARS:
@@ -133,7 +141,7 @@ def _check_env_names(where: str, command: list[str], names: set[str]) -> None:
 
 def _build_settings(monkeypatch: pytest.MonkeyPatch, command: list[str], env: dict[str, str]) -> Any:
     """Construct the service's settings exactly as the process would, from these variables only."""
-    settings_cls = SERVICES[command[0]][0]
+    settings_cls = SETTINGS[command[0]][0]
     with monkeypatch.context() as patch:
         for key in [k for k in os.environ if k.startswith("NEBULA_")]:
             patch.delenv(key)
@@ -190,12 +198,15 @@ def _deployments() -> dict[str, dict[str, Any]]:
     }
 
 
-def _containers() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
-    """(deployment name, pod spec, container) for every container of every Deployment."""
+def _containers(*, init: bool = False) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(deployment name, pod spec, container) for every service container of every Deployment.
+
+    ``init``: the init containers too (the audit signer's sidecar and its key adoption).
+    """
     result = []
     for name, deployment in _deployments().items():
         pod = deployment["spec"]["template"]["spec"]
-        for container in pod["containers"] + pod.get("initContainers", []):
+        for container in pod["containers"] + (pod.get("initContainers", []) if init else []):
             result.append((name, pod, container))
     return result
 
@@ -322,10 +333,23 @@ def test_secrets_reach_only_their_own_service() -> None:
                 assert source.startswith(name + "-"), f"{name} mounts another service's secrets {source}"
                 assert target.startswith("/etc/nebula/")
             elif source.endswith("-data"):
-                # auth keeps accounts and keys; the switch its audit log and key; data the datasets;
-                # the trainer its checkpoints, stage records and audit trail.
+                # auth keeps accounts and keys; the switch its audit log; data the datasets; the
+                # trainer its checkpoints, stage records and audit trail. The signer's one-shot init
+                # moves the audit keys older deployments kept there (its own cluster's only).
                 owner_ok = name.startswith(("auth-", "switch-", "data-", "trainer-"))
-                assert source == f"{name}-data" and owner_ok, f"{name} mounts {source}"
+                init_ok = name.startswith("signer-init-") and source.endswith(f"-{name[-1]}-data")
+                assert (source == f"{name}-data" and owner_ok) or init_ok, f"{name} mounts {source}"
+            elif source.endswith("-keys"):  # the audit seal keys: the signer and its init only
+                cluster = source.removeprefix("signer-").removesuffix("-keys")
+                assert name in (f"signer-{cluster}", f"signer-init-{cluster}"), f"{name} mounts {source}"
+                assert target == "/var/lib/nebula/signer", name
+            elif source.endswith("-signer"):  # a service's socket to its signer: it and the signer
+                service, cluster = source.removesuffix("-signer").rsplit("-", 1)
+                if name == f"signer-{cluster}":
+                    assert target == f"/var/lib/nebula/signer-sockets/{service}", name
+                else:
+                    assert name == f"{service}-{cluster}", f"{name} mounts {source}"
+                    assert read_only and target == "/var/lib/nebula/audit-signer", name
             else:
                 pytest.fail(f"{name} mounts unexpected volume {source}")
     declared = set(_compose()["volumes"])
@@ -339,7 +363,7 @@ def test_compose_env_names_are_settings_fields(monkeypatch: pytest.MonkeyPatch) 
     for name, svc in _compose_services().items():
         command = _command(svc)
         env = _compose_env(svc)
-        if command[0] not in SERVICES:
+        if command[0] not in SETTINGS:
             owned = {k for k in env if k.startswith("NEBULA_")} - NON_SETTINGS_VARS
             assert not owned, f"{name} runs no Nebula service but sets {owned}"
             continue
@@ -347,8 +371,37 @@ def test_compose_env_names_are_settings_fields(monkeypatch: pytest.MonkeyPatch) 
         _check_env_names(f"compose {name}", command, set(env))
         settings = _build_settings(monkeypatch, command, env)  # values pass the service's validation
         assert settings.cluster_id == name.rsplit("-", 1)[1]
-        assert settings.metrics_port == METRICS_PORT
-    assert seen == set(SERVICES)
+        # The signer has no network (and so no /metrics); every other service serves its metrics.
+        assert settings.metrics_port == (-1 if command[0] == "nebula-signer" else METRICS_PORT)
+    assert seen == set(SETTINGS)
+
+
+def test_compose_audit_logs_are_sealed_by_the_clusters_signer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No audited service holds its seal key: each asks its cluster's signer on a socket only it shares."""
+    services = _compose_services()
+    for cluster in ("a", "b"):
+        signer = services[f"signer-{cluster}"]
+        assert signer.get("network_mode") == "none", "the signer needs no network"
+        sockets = _build_settings(monkeypatch, ["nebula-signer"], _compose_env(signer)).socket_map()
+        assert set(sockets) == set(AUDITED)
+        signer_mounts = {source: target for source, target, _ in _volume_mounts(signer)}
+        for service in AUDITED:
+            name = f"{service}-{cluster}"
+            settings = _build_settings(monkeypatch, [f"nebula-{service}"], _compose_env(services[name]))
+            assert settings.audit_signer == "unix:/var/lib/nebula/audit-signer/signer.sock", name
+            mounts = {source: target for source, target, _ in _volume_mounts(services[name])}
+            assert mounts[f"{name}-signer"] == "/var/lib/nebula/audit-signer", name
+            assert sockets[service].parent == Path(signer_mounts[f"{name}-signer"]), name
+        health = signer["healthcheck"]["test"]
+        assert health[health.index("--unix") + 1 :] == [str(path) for path in sockets.values()]
+        adopt = services[f"signer-init-{cluster}"]
+        assert _command(adopt)[:3] == ["python", "-m", "services.signer.adopt"]
+        assert adopt.get("network_mode") == "none" and str(adopt["user"]).startswith(str(RUNTIME_UID))
+        moved = dict(entry.split("=", 1) for entry in _command(adopt)[5:])
+        assert set(moved) == set(AUDITED)
+        for service, directory in moved.items():
+            data = _compose_env(services[f"{service}-{cluster}"])[f"NEBULA_{service.upper()}_DATA_DIR"]
+            assert directory == data and (f"{service}-{cluster}-data", data, False) in _volume_mounts(adopt)
 
 
 def test_compose_wan_link_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -497,12 +550,18 @@ def test_compose_start_order() -> None:
 
     for name in services:
         for dep, condition in deps(name).items():
-            expected = "service_completed_successfully" if dep == "pki-init" else "service_healthy"
+            one_shot = dep == "pki-init" or dep.startswith("signer-init-")
+            expected = "service_completed_successfully" if one_shot else "service_healthy"
             assert condition == expected, f"{name} -> {dep}: {condition}"
     for cluster in ("a", "b"):
         assert {"pki-init", f"auth-{cluster}"} <= set(deps(f"switch-{cluster}"))
         assert {f"auth-{cluster}", f"switch-{cluster}"} <= set(deps(f"trainer-{cluster}"))
         assert "pki-init" in deps(f"auth-{cluster}")
+        assert f"signer-init-{cluster}" in deps(f"signer-{cluster}")
+        for service in AUDITED:
+            assert f"signer-{cluster}" in deps(f"{service}-{cluster}"), (
+                f"{service}-{cluster} before its signer"
+            )
     assert "switch-b" in deps("wan-emulator") and "wan-emulator" in deps("switch-a")
 
 
@@ -527,7 +586,7 @@ def test_every_k8s_yaml_parses_and_has_a_kind() -> None:
 
 
 def test_k8s_containers_are_non_root_read_only_and_bounded() -> None:
-    for name, pod, container in _containers():
+    for name, pod, container in _containers(init=True):
         pod_ctx = pod["securityContext"]
         assert pod_ctx["runAsNonRoot"] is True and pod_ctx["runAsUser"] == RUNTIME_UID, name
         assert pod_ctx["seccompProfile"]["type"] == "RuntimeDefault", name
@@ -553,7 +612,7 @@ def test_crashed_services_are_restarted_by_compose_and_kubernetes() -> None:
     """
     services = _compose_services()
     one_shot = sorted(name for name, svc in services.items() if _is_one_shot(svc))
-    assert one_shot == ["pki-init"], one_shot
+    assert one_shot == ["pki-init", "signer-init-a", "signer-init-b"], one_shot
     for name, svc in _long_running().items():
         assert svc.get("restart") == "unless-stopped", f"{name}: restart is {svc.get('restart')!r}"
     deployments = _deployments()
@@ -608,6 +667,56 @@ def test_k8s_overlays_wire_the_link(monkeypatch: pytest.MonkeyPatch) -> None:
     assert a.peer_crl == b.peer_crl == Path("/etc/nebula/tls/peer-crl.pem"), "switch enforces no CRL"
 
 
+def test_k8s_audit_logs_are_sealed_by_a_signer_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each audited pod runs the audit signer beside its service: the key on a claim only it mounts.
+
+    The signer is a native sidecar (an init container that keeps running), so it listens before the
+    service starts; the service reaches it only through the socket in an emptyDir the two share, and
+    the claim holding the key is mounted by the signer and the one-shot that adopts an older key.
+    """
+    config = _overlay_config("a")
+    deployments = _deployments()
+    for service in AUDITED:
+        name = f"nebula-{service}"
+        pod = deployments[name]["spec"]["template"]["spec"]
+        assert not pod.get("shareProcessNamespace"), f"{name}: the service would see the signer's process"
+        adopt, signer = pod["initContainers"]
+        (main,) = pod["containers"]
+        assert adopt["command"][:3] == ["python", "-m", "services.signer.adopt"], name
+        assert signer["command"] == ["nebula-signer"] and signer.get("restartPolicy") == "Always", name
+        for probe in ("startupProbe", "livenessProbe"):
+            assert signer[probe]["exec"]["command"][2] == "--unix", f"{name} signer {probe}"
+        _check_env_names(f"k8s {name} signer", signer["command"], {e["name"] for e in signer["env"]})
+        settings = _build_settings(monkeypatch, signer["command"], _k8s_env(signer, config))
+        assert settings.cluster_id == "a" and list(settings.socket_map()) == [service], name
+        socket = settings.socket_map()[service]
+
+        def mounts(container: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+            return {m["name"]: (m["mountPath"], m.get("readOnly", False)) for m in container["volumeMounts"]}
+
+        keys_readers = [
+            c["name"] for c in pod["initContainers"] + pod["containers"] if "signer-keys" in mounts(c)
+        ]
+        assert keys_readers == ["adopt-audit-key", "signer"], f"{name}: {keys_readers} mount the seal key"
+        assert mounts(signer)["signer-keys"] == (str(settings.data_dir), False), name
+        shared, _ = mounts(signer)["signer-socket"]
+        seen, read_only = mounts(main)["signer-socket"]
+        assert read_only and socket.is_relative_to(shared), name
+        main_settings = _build_settings(monkeypatch, main["command"], _k8s_env(main, config))
+        assert main_settings.audit_signer == f"unix:{Path(seen) / socket.relative_to(shared)}", name
+        assert "tmp" not in mounts(signer) and "signer-tmp" not in mounts(main), name  # no /tmp shared
+        data_dir = Path(str(main_settings.data_dir))
+        assert adopt["command"][-1] == f"{service}={data_dir}" and mounts(adopt)["data"] == (
+            str(data_dir),
+            False,
+        )
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert "emptyDir" in volumes["signer-socket"], name
+        templates = [t["metadata"]["name"] for t in deployments[name]["spec"].get("volumeClaimTemplates", [])]
+        if "signer-keys" not in templates:
+            assert volumes["signer-keys"]["persistentVolumeClaim"]["claimName"] == f"{name}-signer", name
+
+
 def test_k8s_secrets_are_mounted_read_only() -> None:
     deployments = _deployments()
     expected = {
@@ -643,7 +752,7 @@ def test_k8s_secrets_are_mounted_read_only() -> None:
     claims = [
         v["persistentVolumeClaim"]["claimName"] for v in auth["volumes"] if "persistentVolumeClaim" in v
     ]
-    assert claims == ["nebula-auth-data"]
+    assert claims == ["nebula-auth-data", "nebula-auth-signer"]
     for _, doc in _k8s_kind("Secret"):
         pytest.fail(f"secret {doc['metadata']['name']} committed to k8s/: create it at deploy time")
 
@@ -716,7 +825,8 @@ def test_kustomize_builds(overlay: str) -> None:
         d for d in rendered if not d["metadata"]["name"].startswith(("nebula-prometheus", "nebula-grafana"))
     ]
     claims = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
-    assert sorted(claims) == [f"nebula-{s}-data" for s in ("auth", "data", "switch")]
+    services = ("auth", "data", "switch")
+    assert sorted(claims) == sorted(f"nebula-{s}-{kind}" for s in services for kind in ("data", "signer"))
     # The trainer's claim is one per pod, from its StatefulSet's template (data-nebula-trainer-0).
     (trainer,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "nebula-trainer"]
     claims.update({t["metadata"]["name"]: t["spec"] for t in trainer["spec"]["volumeClaimTemplates"]})
@@ -750,16 +860,17 @@ def test_service_state_lives_on_named_volumes_and_persistent_volume_claims() -> 
     volumes = set(_compose()["volumes"])
     for name, svc in _long_running().items():
         data_dirs = [v for k, v in _compose_env(svc).items() if k.endswith("_DATA_DIR")]
-        if _command(svc)[0] not in STATEFUL:
+        if _command(svc)[0] not in STATEFUL | {"nebula-signer"}:
             assert not data_dirs, name
             continue
         assert len(data_dirs) == 1, f"{name}: no data directory setting"
+        volume = f"{name}-keys" if _command(svc)[0] == "nebula-signer" else f"{name}-data"
         mounts = {target: source for source, target, read_only in _volume_mounts(svc) if not read_only}
-        assert mounts.get(data_dirs[0]) == f"{name}-data" and f"{name}-data" in volumes, name
+        assert mounts.get(data_dirs[0]) == volume and volume in volumes, name
         assert f" {data_dirs[0]}" in DOCKERFILE.read_text(), f"image lacks the mount point {data_dirs[0]}"
     claims = {doc["metadata"]["name"] for _, doc in _k8s_kind("PersistentVolumeClaim")}
     stateful_seen = set()
-    for name, pod, container in _containers():
+    for name, pod, container in _containers(init=True):  # the signers' keys included
         env = {e["name"]: e.get("value") for e in container.get("env", [])}
         data_dirs = [v for k, v in env.items() if k.endswith("_DATA_DIR")]
         if container["command"][0] in STATEFUL:

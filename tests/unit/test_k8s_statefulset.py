@@ -96,21 +96,26 @@ def test_the_trainer_is_a_statefulset_with_a_headless_service_and_a_claim_per_po
     container = _container(trainer)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert {p["targetPort"] for p in headless["spec"]["ports"]} <= set(ports)
-    (template,) = spec["volumeClaimTemplates"]
-    assert template["spec"]["accessModes"] == ["ReadWriteOnce"]
-    assert template["spec"]["resources"]["requests"]["storage"]
+    # One claim per pod for the trainer's state, one for its audit signer's key (the signer sidecar's).
+    template, keys = spec["volumeClaimTemplates"]
+    for claim in (template, keys):
+        assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+        assert claim["spec"]["resources"]["requests"]["storage"]
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     assert mounts[_env(container)["NEBULA_TRAINER_DATA_DIR"]] == template["metadata"]["name"]
+    assert keys["metadata"]["name"] not in mounts.values(), "the trainer mounts its audit seal key"
     assert spec["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain", "whenScaled": "Retain"}
     resources = container["resources"]
     assert {"cpu", "memory"} <= set(resources["requests"]) and "nvidia.com/gpu" not in resources["limits"]
     # The SDK's and the services' address stays the ClusterIP Service.
     service = _one(docs, "Service", "nebula-trainer")
     assert service["spec"]["type"] == "ClusterIP"
-    # The other stateful services keep their data on a ReadWriteOnce claim each, in every cluster.
+    # The other stateful services keep their data, and their signers the seal keys, on a ReadWriteOnce
+    # claim each, in every cluster.
     claims = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
     claims.pop("nebula-prometheus-data", None)  # the monitoring component's (test_monitoring_manifests)
-    assert sorted(claims) == [f"nebula-{s}-data" for s in ("auth", "data", "switch")]
+    services = ("auth", "data", "switch")
+    assert sorted(claims) == sorted(f"nebula-{s}-{kind}" for s in services for kind in ("data", "signer"))
     assert all(claim["accessModes"] == ["ReadWriteOnce"] for claim in claims.values())
 
 
