@@ -99,6 +99,13 @@ bench-neighbour: $(STAMP)
 bench-refusals: $(STAMP)
 	$(BIN)/python bench/security/refusal_flood.py --out bench-results
 
+# A stranger's crowd at a switch's WAN port (`nebula local up`'s defaults): 1,000 idle, stalled and garbage
+# connections from one address, the genuine peer's job step and mutual TLS handshake side by side quiet and
+# in the crowd, and the switch's descriptors and memory (about 2 minutes; --quick: one round, fails on a bound).
+.PHONY: bench-crowd
+bench-crowd: $(STAMP)
+	$(BIN)/python bench/security/crowd.py --out bench-results $(BENCH_CROWD_ARGS)
+
 # Relay throughput on loopback (a few minutes; never part of `make test`): the full path edge -> switch ->
 # mTLS link -> switch -> edge side by side with one TLS socket hop, TCP, one gRPC stream and gloo, on 1, 16 and
 # 64 MiB tensors, and the switches' CPU-seconds per GB. JSON + markdown in bench-results/relay/.
