@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -26,6 +27,11 @@ from nebula_common.stop_signals import stop_signals_blocked
 
 class ServiceStartError(NebulaError):
     pass
+
+
+BOX_START_S = 30.0
+"""How long bubblewrap may take to create a box (it reports the service's pid in milliseconds); a box
+that never reports (a hung mount, say) is killed and the start fails, naming it, instead of hanging."""
 
 
 @dataclass
@@ -118,12 +124,27 @@ class ServiceProcess:
             raise
         finally:
             os.close(write)
+        if not _readable_within(read, BOX_START_S):
+            os.close(read)
+            self._kill_group()
+            raise ServiceStartError(
+                f"{self.name}: bubblewrap did not report its box within {BOX_START_S:.0f} s (killed); "
+                f"last log lines:\n{self.tail()}"
+            )
         status = os.fdopen(read, "rb")
         line = status.readline()  # the child's pid, written once its namespaces exist; b"" if it failed
         with contextlib.suppress(ValueError, KeyError, json.JSONDecodeError):
             self.boxed_pid = int(json.loads(line)["child-pid"])
         # bubblewrap writes its exit code there at the end: read until then, or it dies of SIGPIPE.
         threading.Thread(target=_drain, args=(status,), name=f"box-{self.name}", daemon=True).start()
+
+    def _kill_group(self) -> None:
+        """SIGKILL bubblewrap's whole session (it was started in a new one) and reap it."""
+        assert self.popen is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(5)
 
     def poll_ready(self) -> dict[str, Any] | None:
         """The ports line if the process has written it (non-blocking), else None."""
@@ -185,6 +206,13 @@ class ServiceProcess:
         if self.popen is not None and self.box is not None:
             with contextlib.suppress(ProcessLookupError):
                 self.popen.kill()  # --die-with-parent: the box's process goes with it
+
+
+def _readable_within(fd: int, timeout: float) -> bool:
+    """Whether ``fd`` has data (or its end of file) within ``timeout`` seconds."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP)
+    return bool(poller.poll(timeout * 1000))
 
 
 def _drain(status: Any) -> None:

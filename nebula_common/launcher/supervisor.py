@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nebula_common.launcher.process import ServiceProcess
+from nebula_common.launcher.process import ServiceProcess, ServiceStartError
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class Supervisor:
                 if now >= watch.retry_at:
                     try:
                         process.start()
-                    except OSError as exc:  # e.g. out of processes: counts towards the crash loop
+                    except (OSError, ServiceStartError) as exc:  # no processes, a hung box: a crash
                         self._died(watch, f"cannot start: {exc}", now)
                         return
                     with self._lock:

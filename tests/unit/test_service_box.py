@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 from cryptography import x509
 
-from nebula_common.launcher.process import ServiceProcess
+from nebula_common.launcher import process
+from nebula_common.launcher.process import ServiceProcess, ServiceStartError
 from nebula_common.launcher.renewal import LeafRenewer
 from nebula_common.launcher.service_box import REQUIRE_ENV, ServiceBox, unavailable
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor, describe_exit
@@ -110,6 +111,27 @@ def test_a_killed_boxed_service_reports_the_signal_and_is_restarted(boxed: Servi
     finally:
         supervisor.stop()
         boxed.stop(timeout=20)
+
+
+class StalledBox(ServiceBox):
+    """A box whose launcher stops itself before it runs bubblewrap: no pid ever reaches the status pipe."""
+
+    def argv(self, status_fd: int) -> list[str]:
+        return ["sh", "-c", 'kill -STOP $$; exec "$@"', "stalled", *super().argv(status_fd)]
+
+
+def test_a_box_that_never_reports_fails_the_start_and_is_killed(
+    boxed: ServiceProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading bubblewrap's status line has a deadline: a hung box is killed and named, never waited on."""
+    monkeypatch.setattr(process, "BOX_START_S", 1.0)
+    assert boxed.box is not None
+    boxed.box = StalledBox(boxed.box.read_only, boxed.box.read_write, boxed.box.hidden, boxed.box.shown)
+    with pytest.raises(ServiceStartError, match="boxed: bubblewrap did not report its box within 1 s"):
+        boxed.start()
+    assert boxed.popen is not None and boxed.popen.poll() is not None, "the stalled box was left running"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(boxed.popen.pid, 0)  # nothing of its session is left
 
 
 def test_the_renewer_copies_a_new_crl_into_every_service_directory_within_seconds(tmp_path: Path) -> None:
