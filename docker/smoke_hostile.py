@@ -60,10 +60,17 @@ print(json.dumps({{"pid": min(pids), "files": sorted(files)}}))
     return facts
 
 
-def run(compose: Compose) -> dict[str, Any]:
-    cas = {c: Path(os.environ[f"NEBULA_CA_CERT_{c.upper()}"]) for c in "ab"}
-    passwords = {c: os.environ[f"NEBULA_ADMIN_PASSWORD_{c.upper()}"].strip() for c in "ab"}
-    eps = {c: endpoints(c, DEFAULT_PORTS[c], cas[c]) for c in "ab"}
+def run(
+    compose: Compose,
+    cas: dict[str, Path] | None = None,
+    passwords: dict[str, str] | None = None,
+    ports: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The probe against trainer-a; each cluster's CA, admin password and published ports default to
+    run-smoke.sh's (``NEBULA_CA_CERT_<C>``, ``NEBULA_ADMIN_PASSWORD_<C>``, the default ports)."""
+    cas = cas or {c: Path(os.environ[f"NEBULA_CA_CERT_{c.upper()}"]) for c in "ab"}
+    passwords = passwords or {c: os.environ[f"NEBULA_ADMIN_PASSWORD_{c.upper()}"].strip() for c in "ab"}
+    eps = {c: endpoints(c, (ports or DEFAULT_PORTS)[c], cas[c]) for c in "ab"}
     suffix = secrets.token_hex(3)
     victim = {c: create_user(eps[c], passwords[c], f"victim-{suffix}") for c in "ab"}
     mallory = {c: create_user(eps[c], passwords[c], f"mallory-{suffix}") for c in "ab"}
@@ -116,6 +123,8 @@ def run(compose: Compose) -> dict[str, Any]:
         "secret_files_tried": len(facts["files"]),
         "audited_refusals": sum(r.get("job_id") == job.job_id for r in refused),
         "final_message": final.message[-200:],
+        "job_id": job.job_id,
+        "account": mallory["a"].username,
     }
 
 

@@ -12,7 +12,11 @@ join it), then checks, failing with the first thing that is not as expected:
 2. the numbers job (docker/smoke.py: encoder in a, decoder in b) succeeds;
 3. the encoder stage ran on the two ranks: trainer-a's "program stage running" record says
    ``ranks: 2`` and names the two worker containers' hosts, and each worker joined that stage's
-   command group.
+   command group;
+4. an account trainer-a was not told to trust (``NEBULA_RANKS_ACCOUNTS`` names docker/smoke.py's
+   ``smoke-a-*`` only) runs docker/smoke_hostile.py's stage written to break out: it runs in trainer-a's
+   Landlock box, not on the ranks (its ``stage.start`` audit record says so, the trusted stage's names
+   the ranks), and every attempt fails.
 
 Keeps the image (``--image``, default ``localhost/nebula:dev``) fresh with a cached
 ``podman-compose build`` (nothing new when the sources did not change; ``--no-build`` skips it).
@@ -34,9 +38,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import smoke_hostile
 from compose_support import ROOT, Compose, Timings, add_arguments, check, logs, run_smoke, wait
 
 FILES = ("docker-compose.yml", "docker-compose.ranks.yml")
+TRUSTED = "smoke-a-*"
+"""The accounts trainer-a lets on its ranks (NEBULA_RANKS_ACCOUNTS): docker/smoke.py's in cluster a."""
+AUDIT = "/var/lib/nebula/trainer/audit.log"
 RANKS = ("trainer-a-rank-0", "trainer-a-rank-1")
 HEALTH_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 180.0
@@ -127,7 +135,8 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cas = Path(tempfile.mkdtemp(prefix="smoke-ranks-ca-"))
-    for cluster, (password, _) in compose.admin_secrets("ab", cas).items():
+    secrets = compose.admin_secrets("ab", cas)
+    for cluster, (password, _) in secrets.items():
         env[f"NEBULA_ADMIN_PASSWORD_{cluster.upper()}"] = password
     ports = {c: ",".join(str(p + args.port_offset) for p in PORTS[c]) for c in "ab"}
     smoke = subprocess.run(
@@ -151,6 +160,31 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
     for service in RANKS:
         text = logs(names[service])
         check("posted; joining its command group" in text, f"{service} never joined a stage:\n{text[-800:]}")
+    lap("the trusted account's stage on both ranks")
+
+    # An account the operator did not name (TRUSTED) runs a stage written to break out: it must get
+    # trainer-a's Landlock box, never the ranks, and every attempt of docker/smoke_hostile.py must fail.
+    hostile = smoke_hostile.run(
+        compose,
+        cas={c: ca for c, (_, ca) in secrets.items()},
+        passwords={c: password for c, (password, _) in secrets.items()},
+        ports=ports,
+    )
+    starts = {
+        r["job_id"]: r["details"]["placement"]
+        for r in map(json.loads, filter(None, compose("exec", "-T", "trainer-a", "cat", AUDIT).splitlines()))
+        if r.get("event") == "stage.start"
+    }
+    check(
+        starts.get(summary["job_id"], "").startswith("the cluster's 2 ranks"),
+        f"the trusted account's stage.start names no ranks: {starts.get(summary['job_id'])}",
+    )
+    boxed = starts.get(hostile["job_id"], "")
+    check(
+        boxed.startswith("landlock box") and "NEBULA_TRAINER_RANKS_ACCOUNTS" in boxed,
+        f"the untrusted account's stage was not boxed off the ranks: {boxed!r}",
+    )
+    lap("an untrusted account's hostile stage boxed, off the ranks")
     return {
         "job_id": summary["job_id"],
         "succeeded": summary["succeeded"],
@@ -158,6 +192,7 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
         "losses": [round(x, 4) for x in summary["loss_per_step"]],
         "encoder_stage": {"ranks": record["ranks"], "rank_hosts": hosts},
         "workers": workers,
+        "untrusted_hostile_stage": {"placement": boxed, "attempts_refused": hostile["attempts_refused"]},
     }
 
 
@@ -166,6 +201,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     add_arguments(parser, project="nebula-ranks", up_timeout=1200.0)  # `up -d`: ~3 min on a quiet machine
     args = parser.parse_args()
+    os.environ["NEBULA_RANKS_ACCOUNTS"] = TRUSTED  # compose interpolates it into trainer-a's settings
     return run_smoke("smoke-ranks", args, FILES, lambda compose, timings: run(args, compose, timings))
 
 

@@ -24,7 +24,13 @@ from nebula_common.cli.console import new_console
 from nebula_common.credentials import CredentialsError, store_new
 from nebula_common.errors import NebulaError
 from nebula_common.safe_yaml import YamlInputError, load_yaml_text
-from nebula_common.sdk.client import ClusterEndpoints, ClusterSession, common_checkpoint_step, submit_job
+from nebula_common.sdk.client import (
+    ClusterEndpoints,
+    ClusterSession,
+    JobHandle,
+    common_checkpoint_step,
+    submit_job,
+)
 from nebula_common.sdk.contexts import resolve as resolve_identity
 from nebula_common.sdk.deployment import (
     Credentials,
@@ -100,6 +106,13 @@ def keep_created(run_dir: Path, created: Credentials) -> Path | None:
     return path
 
 
+def print_placements(job: ProgramJob, handle: JobHandle) -> None:
+    """Where each cluster runs its stage and how it is confined, as its trainer answered the submit."""
+    for stage, placement in handle.placements.items():
+        if placement:  # an older trainer says nothing
+            console.print(f"[dim]stage {stage} on {job.clusters()[stage]}: {placement}[/]")
+
+
 def follow(
     job: ProgramJob,
     sessions: dict[str, ClusterSession],
@@ -111,6 +124,8 @@ def follow(
     ``link`` describes the WAN for `codec: auto` (resolved once by the source cluster's codec service).
     """
     handle = submit_job(job, sessions, link=link)
+    if not quiet:
+        print_placements(job, handle)
     choice = json.loads(job.codec_choice) if job.codec_choice else {}
     if choice.get("source") == "per-edge" and not quiet:  # a chain: one choice per edge
         for record in choice["edges"]:
@@ -311,7 +326,7 @@ def submit(
                 rtt_ms=link_rtt_ms if link_rtt_ms is not None else (link.rtt_ms if link else 40.0),
             )
         if detach:
-            submit_job(job, sessions, link=link)
+            print_placements(job, submit_job(job, sessions, link=link))
             console.print(f"job {job.job_id} submitted; it runs on. {reattach_hint(job.job_id, deployment)}")
             if json_path is not None:
                 json_path.write_text(json.dumps({"job_id": job.job_id, "detached": True}, indent=2))

@@ -257,9 +257,13 @@ class SubmittedJob(Protocol):
 class JobHandle:
     """A submitted split job; iterate ``updates()`` for live status from both clusters."""
 
-    def __init__(self, job: SubmittedJob, stages: dict[str, ClusterSession]) -> None:
+    def __init__(
+        self, job: SubmittedJob, stages: dict[str, ClusterSession], placements: dict[str, str] | None = None
+    ) -> None:
         self.job = job
         self.stages = stages
+        self.placements = placements or {}
+        """stage -> where its trainer runs it and how it is confined (``AssignStageResponse.placement``)."""
         self.final: dict[str, trainer_pb2.StageStatus] = {}
 
     def updates(self) -> Iterator[StageUpdate]:
@@ -334,17 +338,18 @@ def submit_job(
             raise NebulaError(f"codec advice failed: {exc}") from exc
     started: list[ClusterSession] = []
     stages: dict[str, ClusterSession] = {}
+    placements: dict[str, str] = {}
     for stage, cluster in clusters.items():
         session = sessions[cluster]
         try:
-            session.assign(job.stage_spec(stage))
+            placements[stage] = session.assign(job.stage_spec(stage)).placement
         except NebulaError:
             for done in started:
                 done.cancel(job.job_id)
             raise
         started.append(session)
         stages[stage] = session
-    return JobHandle(job, stages)
+    return JobHandle(job, stages, placements)
 
 
 def switch_link(

@@ -6,10 +6,11 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from nebula_common.service.settings import AuditedServiceSettings, HostPort
+from services.trainer.rank_accounts import RankAccounts
 
 
 class TrainerSettings(AuditedServiceSettings):
@@ -69,6 +70,20 @@ class TrainerSettings(AuditedServiceSettings):
     ranks: int | None = Field(
         None, ge=1, le=64, description="How many rank processes join ranks_listen (their WORLD_SIZE)."
     )
+    ranks_accounts: str = Field(
+        "",
+        description="Comma-separated accounts whose stages may run on ranks_listen's ranks: exact names, "
+        "prefixes ending in '*' (team-*), or '*' for every account. A stage there is not confined (the job's "
+        "code runs in the trainer and the workers), so name only accounts trusted with the whole cluster; "
+        "every other account's stage runs in a stage box on this trainer. Default: none.",
+    )
+
+    @field_validator("ranks_accounts")
+    @classmethod
+    def _accounts(cls, value: str) -> str:
+        RankAccounts.parse(value)  # a bad entry is named at start-up
+        return value
+
     stage_isolation: Literal["auto", "bwrap", "landlock", "process"] = Field(
         "auto",
         description="How stages are confined: 'bwrap' (bubblewrap namespaces: no network, no view of the "
@@ -76,8 +91,8 @@ class TrainerSettings(AuditedServiceSettings):
         "'landlock' (the kernel's Landlock, for containers: reads only its code and account, no TCP, "
         "no signal or ptrace outside; start-up fails if unavailable), 'process' (a separate process as "
         "the trainer's user), 'auto' (the first of bwrap, landlock, process that works here, with a "
-        "warning naming why when it is not bwrap). Stages on cluster ranks run in the trainer "
-        "(not confined).",
+        "warning naming why when it is not bwrap). Stages of the accounts that ranks_accounts names run on "
+        "the cluster's ranks instead (not confined).",
     )
     stage_memory_mb: int = Field(
         8192, ge=256, description="Address-space limit of each stage process (MiB; RLIMIT_AS)."

@@ -32,6 +32,7 @@ from nebula_common.service.resources import (
 from services.trainer.config import TrainerSettings
 from services.trainer.edge import EdgeSettings
 from services.trainer.job_tokens import JobTokens
+from services.trainer.rank_accounts import RankAccounts
 from services.trainer.restore import restore_stages
 from services.trainer.retention import FinishedStages
 from services.trainer.runtime.rank_gate import RankTls
@@ -104,12 +105,13 @@ async def start_trainer(
     confinement = await asyncio.to_thread(
         choose_confinement, settings.stage_isolation, data_dir / "sandbox-probe"
     )
+    ranks_accounts = RankAccounts.parse(settings.ranks_accounts)
     if settings.ranks_listen is not None:
         log.warning(
-            "stages on cluster ranks run inside the trainer process, not confined",
-            extra={"fields": {"ranks_listen": settings.ranks_listen}},
+            "stages on cluster ranks run in the trainer and its workers, not confined",
+            extra={"fields": {"ranks_listen": settings.ranks_listen, "ranks_for": ranks_accounts.describe()}},
         )
-    elif confinement.weaker_because:
+    if confinement.weaker_because:
         log.warning(
             "stages run under Landlock, without namespaces"
             if confinement.mode == "landlock"
@@ -143,6 +145,7 @@ async def start_trainer(
         log_level=settings.log_level,
         job_tokens=job_tokens,
         cluster_ranks=_cluster_ranks(settings, identity, stack),
+        ranks_accounts=ranks_accounts,
     )
     stack.callback(servicer.close)  # after the stages stopped (below): their ends are audited
     stack.push_async_callback(asyncio.to_thread, _stop_stages, servicer, settings.stop_grace_s)
@@ -167,11 +170,9 @@ async def start_trainer(
     announced: dict[str, int | str | None] = {
         **await start_internal(server, identity, settings, settings.listen)
     }
-    announced["stage_isolation"] = (
-        "none: stages on cluster ranks run in the trainer"
-        if settings.ranks_listen is not None
-        else confinement.describe()
-    )
+    announced["stage_isolation"] = confinement.describe()
+    if settings.ranks_listen is not None:
+        announced["stage_isolation"] += f"; on the cluster's ranks, not confined: {ranks_accounts.describe()}"
     return Started(servicer, announced)
 
 

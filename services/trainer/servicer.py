@@ -33,6 +33,8 @@ from services.trainer.history import StepHistory, history_path, read_history
 from services.trainer.job_tokens import CHECK_INTERVAL_S, JobTokenError, JobTokens
 from services.trainer.memory import return_freed_memory
 from services.trainer.metrics import REAPER, STAGES_FINISHED, STAGES_RUNNING, record_codecs
+from services.trainer.rank_accounts import SETTING as RANKS_ACCOUNTS_SETTING
+from services.trainer.rank_accounts import RankAccounts, may_use_ranks
 from services.trainer.records import StageRecord, StageRecords
 from services.trainer.retention import FinishedStages
 from services.trainer.runtime.checkpoint import CheckpointError, CheckpointStore
@@ -64,6 +66,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         metrics_grace_s: float = METRICS_GRACE_S,
         receive_ahead: int | None = None,
         cluster_ranks: ClusterRanks | None = None,
+        ranks_accounts: RankAccounts | None = None,
         confinement: Confinement | None = None,
         limits: StageLimits | None = None,
         torch_threads: int = 1,
@@ -79,6 +82,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.log_level = log_level
         self.receive_ahead = receive_ahead
         self.cluster_ranks = cluster_ranks
+        self.ranks_accounts = ranks_accounts or RankAccounts()
+        """Whose stages may run on ``cluster_ranks``, unconfined (``rank_accounts``); others run boxed."""
         self.finished = finished or FinishedStages()
         self.metrics_grace_s = metrics_grace_s
         self.edge_settings = edge_settings or EdgeSettings()
@@ -151,7 +156,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         try:
             # In a thread: a pre-trained directory's check reads files and may import transformers.
             await asyncio.to_thread(validate_stage_spec, spec)
-            self._check_confinement_allows(spec)
+            self._check_confinement_allows(spec, account)
         except InvalidRequestError as exc:
             await self._record(
                 "job.submit", outcome="refused", account=account, job_id=job_id, details={"reason": str(exc)}
@@ -210,13 +215,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             codec_choice=spec.codec_choice,
         )
         # Recorded before the thread starts, so a stage that ends at once cannot log its stop first.
-        await self._record("stage.start", account=account, job_id=job_id, details={"stage": spec.stage})
+        started = {"stage": spec.stage, "placement": self.placement(spec, account)}
+        await self._record("stage.start", account=account, job_id=job_id, details=started)
         self._launch(runner, account)
-        log.info(
-            "stage assigned",
-            extra={"fields": {"job_id": spec.job_id, "stage": spec.stage, "account": principal.username}},
+        log.info("stage assigned", extra={"fields": {"job_id": job_id, "account": account, **started}})
+        return trainer_pb2.AssignStageResponse(
+            job_id=job_id, authorised_by=account, placement=started["placement"]
         )
-        return trainer_pb2.AssignStageResponse(job_id=spec.job_id, authorised_by=principal.username)
 
     def _make_runner(
         self, spec: trainer_pb2.StageSpec, token: str, owner: str, record: StageRecord | None = None
@@ -231,7 +236,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         record = record or self.records.create(spec, token, owner)
         self.stage_records[spec.job_id] = record
         runner: Stage
-        if self.confinement is None or self.cluster_ranks is not None:
+        on_ranks = self.on_cluster_ranks(spec, owner)
+        if self.confinement is None or on_ranks:
             runner = ProgramRunner(
                 spec,
                 token,
@@ -243,7 +249,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 epoch=epoch,
                 on_epoch=lambda epoch: self.records.set_epoch(record, epoch),
                 receive_ahead=self.receive_ahead,
-                cluster_ranks=self.cluster_ranks,
+                cluster_ranks=self.cluster_ranks if on_ranks else None,
             )
         else:
             runner = StageProcess(
@@ -278,13 +284,33 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         runner.lifecycle.add_finish_callback(history.close)
         return runner
 
-    def _check_confinement_allows(self, spec: trainer_pb2.StageSpec) -> None:
+    def on_cluster_ranks(self, spec: trainer_pb2.StageSpec, owner: str) -> bool:
+        """Whether this stage runs on the cluster's ranks, unconfined: only for an account the operator
+        trusts with them (``rank_accounts``); any other runs in a stage box on this trainer."""
+        return self.cluster_ranks is not None and may_use_ranks(spec) and self.ranks_accounts.trusts(owner)
+
+    def placement(self, spec: trainer_pb2.StageSpec, owner: str) -> str:
+        """Where the stage runs and how it is confined, as its submitter and the audit are told."""
+        if self.on_cluster_ranks(spec, owner):
+            assert self.cluster_ranks is not None
+            return (
+                f"the cluster's {self.cluster_ranks.world} ranks, not confined (account trusted by "
+                f"{RANKS_ACCOUNTS_SETTING})"
+            )
+        if self.confinement is None:
+            return "a thread of the trainer"
+        where = f"{self.confinement.mode} box on this trainer"
+        if self.cluster_ranks is not None and may_use_ranks(spec):
+            where += f" (not on the cluster's ranks: {RANKS_ACCOUNTS_SETTING} does not name this account)"
+        return where
+
+    def _check_confinement_allows(self, spec: trainer_pb2.StageSpec, owner: str) -> None:
         """Refuse what this trainer's confinement cannot run, before anything starts.
 
         A stage's data-parallel ranks meet over loopback TCP (torch's store and gloo), which Landlock's
         TCP rule denies; under bubblewrap they share the stage's own network namespace instead.
         """
-        confined = self.confinement is not None and self.cluster_ranks is None
+        confined = self.confinement is not None and not self.on_cluster_ranks(spec, owner)
         if (
             confined
             and self.confinement is not None

@@ -124,6 +124,9 @@ def test_list_status_cancel_logs_watch_and_only_owners_and_admins_see_a_job(
         "--set", "steps=10000", "--set", "checkpoint.interval=0", "--detach", "--json", str(submitted),
     )  # fmt: skip
     assert code == 0 and "nebula job watch" in flat(output) and "nebula job cancel" in flat(output), output
+    # Each trainer says where it runs its stage: in a box, as for every account's code.
+    assert "stage encoder on a:" in flat(output) and "stage decoder on b:" in flat(output), output
+    assert flat(output).count("box on this trainer") == 2, output
     job_id = json.loads(submitted.read_text())["job_id"]
     same_spec = numbers_job(steps=10_000, checkpoint__interval=0)  # same spec, modules and codecs, other id
 

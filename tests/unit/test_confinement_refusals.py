@@ -19,8 +19,10 @@ from services.trainer.servicer import TrainerServicer
 
 def _check(confinement: Confinement | None, replicas: int, cluster_ranks: object = None) -> None:
     spec = trainer_pb2.StageSpec(job_id="j", stage="s", program=trainer_pb2.ProgramStage(replicas=replicas))
-    trainer = SimpleNamespace(confinement=confinement, cluster_ranks=cluster_ranks)
-    TrainerServicer._check_confinement_allows(trainer, spec)  # type: ignore[arg-type]
+    trainer = SimpleNamespace(
+        confinement=confinement, on_cluster_ranks=lambda spec, owner: cluster_ranks is not None
+    )
+    TrainerServicer._check_confinement_allows(trainer, spec, "alice")  # type: ignore[arg-type]
 
 
 def test_landlock_refuses_replicas_naming_the_reason() -> None:
@@ -46,5 +48,5 @@ def test_other_confinements_run_replicas(confinement: Confinement | None) -> Non
     _check(confinement, replicas=2)
 
 
-def test_cluster_ranks_run_replicas_whatever_the_confinement() -> None:
+def test_stages_on_cluster_ranks_run_replicas_whatever_the_confinement() -> None:
     _check(Confinement("landlock", "no bubblewrap", landlock_abi=7), replicas=2, cluster_ranks=object())

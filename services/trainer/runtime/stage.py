@@ -62,6 +62,7 @@ from services.trainer.edge import (
     renewed,
 )
 from services.trainer.metrics import record_step
+from services.trainer.rank_accounts import may_use_ranks
 from services.trainer.runtime.chain import (
     FailureRelay,
     LocalMiddle,
@@ -417,7 +418,7 @@ class ProgramRunner:
                     extra={"fields": {"job_id": self.spec.job_id, "epoch": epoch, "reason": str(exc)}},
                 )
 
-    def _rank_processes(self, spec: trainer_pb2.StageSpec, upstream: bool) -> Ranks | None:
+    def _rank_processes(self, spec: trainer_pb2.StageSpec) -> Ranks | None:
         """The rank processes this attempt computes on, if not the stage thread itself (or DDP replicas).
 
         The cluster's own ranks (``ClusterRanks``) take every stage that may run data-parallel,
@@ -425,9 +426,7 @@ class ProgramRunner:
         trainer without them gets ``replicas`` spawned ranks.
         """
         cfg = spec.program
-        # see validation: one process
-        local_only = (upstream and self._one_way) or bool(cfg.dataset)
-        if self.cluster_ranks is not None and not local_only:
+        if self.cluster_ranks is not None and may_use_ranks(spec):  # see validation: one process
             world = self.cluster_ranks.world
             micro = cfg.batch_size // cfg.micro_batches
             problem = sharding_problem(cfg.parallel or "ddp", max(world, 2), cfg.shard_size or None)
@@ -502,7 +501,7 @@ class ProgramRunner:
         start = load_starting_state(start_spec, program, self.store, self.owner)
         if epoch > 0:
             self._discard_checkpoints_after(start)
-        ranks = self._rank_processes(start_spec, upstream)
+        ranks = self._rank_processes(start_spec)
         # Who computes the stage, for its log record: this thread, replicas, or rank processes.
         placement: dict[str, object] = {"ranks": ranks.world if ranks is not None else max(cfg.replicas, 1)}
         if isinstance(ranks, AttachedRanks) and self.cluster_ranks is not None:

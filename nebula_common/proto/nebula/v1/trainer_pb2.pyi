@@ -139,12 +139,14 @@ class AssignStageRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[StageSpec, _Mapping]] = ...) -> None: ...
 
 class AssignStageResponse(_message.Message):
-    __slots__ = ("job_id", "authorised_by")
+    __slots__ = ("job_id", "authorised_by", "placement")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     AUTHORISED_BY_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     authorised_by: str
-    def __init__(self, job_id: _Optional[str] = ..., authorised_by: _Optional[str] = ...) -> None: ...
+    placement: str
+    def __init__(self, job_id: _Optional[str] = ..., authorised_by: _Optional[str] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class WatchStageRequest(_message.Message):
     __slots__ = ("job_id",)
