@@ -57,8 +57,8 @@ proto: $(STAMP)
 check-proto: $(STAMP)
 	$(BIN)/python tools/gen_proto.py --check
 
-# The stage's seccomp allow list from systemd's @system-service set (needs systemd-analyze; the
-# result is committed: services/trainer/seccomp_allowlist.txt).
+# The seccomp allow list of stages and services, from systemd's @system-service set (needs
+# systemd-analyze; the result is committed: nebula_common/seccomp_allowlist.txt).
 seccomp-allowlist: $(STAMP)
 	$(BIN)/python tools/gen_seccomp_allowlist.py
 

@@ -19,8 +19,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from nebula_common import seccomp
 from nebula_common.errors import NebulaError
-from nebula_common.launcher.service_box import ServiceBox
+from nebula_common.launcher.service_box import ServiceBox, filter_missing
 from nebula_common.rpc.internal_tls import internal_channel
 from nebula_common.stop_signals import stop_signals_blocked
 
@@ -108,22 +109,25 @@ class ServiceProcess:
     def _start_boxed(self, box: ServiceBox, env: dict[str, str], out: Any, err: Any) -> None:
         """Start inside the box; learn the service's own pid from bubblewrap's status line."""
         read, write = os.pipe()
+        program = None if filter_missing() else seccomp.program_fd(seccomp.SERVICE)
+        passed = (write,) if program is None else (write, program)
         try:
             self.boxed_pid = None
             self.popen = subprocess.Popen(
-                [*box.argv(write), *self.command],
+                [*box.argv(write, program), *self.command],
                 env=env,
                 stdout=out,
                 stderr=err,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                pass_fds=(write,),
+                pass_fds=passed,
             )
         except BaseException:
             os.close(read)
             raise
         finally:
-            os.close(write)
+            for fd in passed:
+                os.close(fd)
         if not _readable_within(read, BOX_START_S):
             os.close(read)
             self._kill_group()

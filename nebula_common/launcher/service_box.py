@@ -18,6 +18,8 @@ namespaces, every capability dropped, with an empty root to which only these are
 * a private ``/tmp``, ``/dev`` and a ``/proc`` that shows only the service's own processes, so it
   cannot reach another process's memory or environment either.
 
+bubblewrap loads a seccomp allow list (``nebula_common.seccomp.SERVICE``: systemd's ``@system-service``
+set less the calls no service needs, no namespaces, no raw sockets) just before it executes the service.
 The service is the namespace's first process (``--as-pid-1``), so the launcher signals it directly
 (its pid comes from bubblewrap's ``--json-status-fd``) and a SIGTERM drains it as without the box.
 The trainer stays outside: it is the one process that must create the stages' own boxes and control
@@ -32,9 +34,11 @@ import functools
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from nebula_common import seccomp
 from nebula_common.bwrap import code_roots, system_binds
 from nebula_common.errors import NebulaError
 
@@ -70,8 +74,9 @@ class ServiceBox:
     shown: tuple[Path, ...] = ()
     """Bound read-only again inside a hidden directory (the service's own identity)."""
 
-    def argv(self, status_fd: int) -> list[str]:
-        """bubblewrap's arguments up to ``--``; it writes ``{"child-pid": N}`` to ``status_fd``."""
+    def argv(self, status_fd: int, seccomp_fd: int | None = None) -> list[str]:
+        """bubblewrap's arguments up to ``--``; it writes ``{"child-pid": N}`` to ``status_fd`` and, with
+        ``seccomp_fd``, loads the filter compiled there (``nebula_common.seccomp``) before the service."""
         args = [
             shutil.which("bwrap") or "bwrap",
             "--unshare-user",
@@ -105,6 +110,8 @@ class ServiceBox:
                 args += ["--ro-bind", "/dev/null", str(path)]
         for path in self.shown:
             args += ["--ro-bind", str(path), str(path)]
+        if seccomp_fd is not None:
+            args += ["--seccomp", str(seccomp_fd)]
         return [*args, "--chdir", "/tmp", "--"]
 
 
@@ -139,6 +146,46 @@ def unavailable() -> str:
     return ""
 
 
+FILTER_PROBE = (
+    "import ctypes, socket\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "if libc.unshare(0x10000000) == 0 or ctypes.get_errno() != 1:\n"
+    "    raise SystemExit(f'unshare was not refused (errno {ctypes.get_errno()})')\n"
+    "socket.socket(socket.AF_INET, socket.SOCK_DGRAM).close()\n"  # the resolver's UDP stays
+)
+"""Run in a filtered probe box: a call the filter denies fails with EPERM, one it allows works."""
+
+
+@functools.cache
+def filter_missing() -> str:
+    """Why boxed services get no seccomp filter here ("" when they do): a real probe box loading it."""
+    if why := unavailable():
+        return why
+    if why := seccomp.unavailable(seccomp.SERVICE):
+        return why
+    read, write = os.pipe()
+    program = seccomp.program_fd(seccomp.SERVICE)
+    try:
+        command = [*ServiceBox().argv(write, program), sys.executable, "-c", FILTER_PROBE]
+        result = subprocess.run(
+            command,
+            pass_fds=(write, program),
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"a filtered probe box could not be run: {exc}"
+    finally:
+        for fd in (write, read, program):
+            os.close(fd)
+    if result.returncode != 0:
+        said = (result.stderr or result.stdout).strip().splitlines()
+        return f"bubblewrap could not load the filter: {said[-1] if said else result.returncode}"
+    return ""
+
+
 def boxes_enabled() -> bool:
     """True where services can be boxed; raises when required (``NEBULA_REQUIRE_BWRAP=1``) but not."""
     why = unavailable()
@@ -150,9 +197,15 @@ def boxes_enabled() -> bool:
 def describe(enabled: bool) -> str:
     """One line for ``nebula local status``: what keeps each service from the others' keys."""
     if enabled:
+        missing = filter_missing()
+        calls = (
+            f"seccomp allows {len(seccomp.allowed(seccomp.SERVICE))} system calls"
+            if not missing
+            else f"no seccomp filter ({missing})"
+        )
         return (
             "bwrap: the audit signer, auth, codec, data and the switch each see only their own keys and "
-            "state (own user, mount and PID namespaces; no service reads its audit seal key); the trainer "
-            "runs outside, to box its stages"
+            f"state (own user, mount and PID namespaces; {calls}; no service reads its audit seal key); "
+            "the trainer runs outside, to box its stages"
         )
     return f"none ({unavailable()}): every service can read every key of the run directory"

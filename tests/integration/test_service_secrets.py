@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from nebula_common.launcher import LocalDeployment
-from nebula_common.launcher.service_box import unavailable
+from nebula_common.launcher.service_box import filter_missing, unavailable
 from nebula_common.pki.store import renew_switch_certificate
 
 pytestmark = pytest.mark.integration
@@ -91,7 +91,12 @@ def test_each_boxed_service_reads_only_its_own_secrets(deployment: LocalDeployme
             )
             pids = [entry for entry in os.listdir(f"/proc/{process.pid}/root/proc") if entry.isdigit()]
             assert pids == ["1"], f"{process.name} sees processes {pids} besides itself"
-    assert "the trainer runs outside" in deployment.describe()["service_isolation"]
+            if not filter_missing():  # bubblewrap loaded the services' seccomp filter (mode 2) before it
+                status = Path(f"/proc/{process.pid}/status").read_text()
+                assert "\nSeccomp:\t2\n" in status, f"{process.name} runs without its seccomp filter"
+    described = deployment.describe()["service_isolation"]
+    assert "the trainer runs outside" in described
+    assert ("seccomp allows" if not filter_missing() else "no seccomp filter") in described
 
 
 def test_each_service_reads_the_current_crl_in_its_own_directory(deployment: LocalDeployment) -> None:

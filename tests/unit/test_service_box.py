@@ -2,8 +2,9 @@
 
 Real bubblewrap (skipped where it cannot create namespaces, failed instead under
 ``NEBULA_REQUIRE_BWRAP=1``, as in CI): the boxed process reads its own file and not a secret beside
-it, sees no other process, drains on SIGTERM with its own exit code, reports a SIGKILL as a signal
-(bubblewrap's 128 + n is translated), and the supervisor restarts it after a kill. The launcher keeps a
+it, sees no other process, makes no system call the services' seccomp filter denies, drains on SIGTERM
+with its own exit code, reports a SIGKILL as a signal (bubblewrap's 128 + n is translated), and the
+supervisor restarts it after a kill. The launcher keeps a
 copy of the cluster's CRL in each service's own directory, the one part of the PKI its box shows.
 """
 
@@ -22,7 +23,7 @@ from cryptography import x509
 from nebula_common.launcher import process
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError
 from nebula_common.launcher.renewal import LeafRenewer
-from nebula_common.launcher.service_box import REQUIRE_ENV, ServiceBox, unavailable
+from nebula_common.launcher.service_box import REQUIRE_ENV, ServiceBox, filter_missing, unavailable
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor, describe_exit
 from nebula_common.pki import init_pki
 from nebula_common.pki.service_identity import ensure_service_certificates, mirror_crl
@@ -32,15 +33,35 @@ from tests.support.waiting import wait_for
 pytestmark = pytest.mark.timeout(120)
 
 SERVICE = """
-import json, os, signal, sys, time
+import ctypes, json, os, signal, socket, sys, time
 from pathlib import Path
 def readable(path):
     try:
         return Path(path).read_text()
     except OSError as exc:
         return exc.strerror
+libc = ctypes.CDLL(None, use_errno=True)
+def call(name, *args):
+    ctypes.set_errno(0)
+    return os.strerror(ctypes.get_errno()) if getattr(libc, name)(*args) == -1 else "allowed"
+def open_socket(family, kind):
+    try:
+        socket.socket(family, kind).close()
+        return "allowed"
+    except OSError as exc:
+        return exc.strerror
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
 report = {
+    "seccomp": [l.split()[1] for l in open("/proc/self/status") if l.startswith("Seccomp:")],
+    "refused": {
+        "unshare": call("unshare", 0x10000000),
+        "ptrace": call("ptrace", 0, 0, 0, 0),
+        "keyctl": call("syscall", 250, 0, -3, 0),
+        "bpf": call("syscall", 321, 0, 0, 0),
+        "raw socket": open_socket(socket.AF_INET, socket.SOCK_RAW),
+        "packet socket": open_socket(17, socket.SOCK_RAW),
+    },
+    "udp socket": open_socket(socket.AF_INET, socket.SOCK_DGRAM),
     "grpc_port": 1,
     "own": readable(sys.argv[1]),
     "hidden": readable(sys.argv[2]),
@@ -86,6 +107,14 @@ def test_a_boxed_service_reads_its_own_file_only_and_drains_on_sigterm(boxed: Se
     assert report["hidden"] == "Permission denied"  # the CA key's path is a device it may not open
     assert report["beside"] == "No such file or directory"  # not bound: does not exist for it
     assert report["pids"] == ["1"] and report["pid"] == 1  # its own PID namespace, first process
+    # bubblewrap loaded the services' seccomp filter before the service: what it denies gets EPERM
+    # (keyctl 250 and bpf 321 are x86-64 numbers), the resolver's UDP still works.
+    if filter_missing() and os.environ.get(REQUIRE_ENV) != "1":
+        pytest.skip(f"no seccomp filter for services here: {filter_missing()}")
+    assert report["seccomp"] == ["2"], report
+    if os.uname().machine == "x86_64":
+        assert report["refused"] == dict.fromkeys(report["refused"], "Operation not permitted"), report
+    assert report["udp socket"] == "allowed"
     assert boxed.pid is not None and boxed.pid != boxed.popen.pid  # type: ignore[union-attr]
     assert code == 7, f"SIGTERM went to bubblewrap, not the service: {code}"
 
@@ -116,8 +145,8 @@ def test_a_killed_boxed_service_reports_the_signal_and_is_restarted(boxed: Servi
 class StalledBox(ServiceBox):
     """A box whose launcher stops itself before it runs bubblewrap: no pid ever reaches the status pipe."""
 
-    def argv(self, status_fd: int) -> list[str]:
-        return ["sh", "-c", 'kill -STOP $$; exec "$@"', "stalled", *super().argv(status_fd)]
+    def argv(self, status_fd: int, seccomp_fd: int | None = None) -> list[str]:
+        return ["sh", "-c", 'kill -STOP $$; exec "$@"', "stalled", *super().argv(status_fd, seccomp_fd)]
 
 
 def test_a_box_that_never_reports_fails_the_start_and_is_killed(
