@@ -155,8 +155,9 @@ class SwitchSettings(AuditedServiceSettings):
     )
     link_connections: str = Field(
         "1",
-        description="Connections the dialing switch stripes the link over: a number (1-16) or 'auto' "
-        "(start with one, add while throughput grows by more than 5%, drop one that does not help).",
+        description="Connections the dialing switch stripes the link over: a number (1-32) or 'auto' "
+        "(start with one, double while throughput scales with them, as on a lossy long path, halve "
+        "while it does not need them; up to 32).",
     )
     link_transport: Literal["grpc", "raw"] = Field(
         "grpc",
@@ -182,10 +183,10 @@ class SwitchSettings(AuditedServiceSettings):
         "is dropped.",
     )
     wan_max_connections: int = Field(
-        64,
-        ge=17,
+        128,
+        ge=33,
         le=100_000,
-        description="Connections the WAN port holds at once, TLS finished or not (the peer needs at most 16 "
+        description="Connections the WAN port holds at once, TLS finished or not (each peer needs at most 32 "
         "lanes plus reconnects); further ones are closed at accept.",
     )
     data_dir: Path = Field(description="Writable directory for the audit log, its seal and the audit key.")

@@ -13,18 +13,23 @@ Losing any lane ends the session: items written to the dead connection may be lo
 no other lane can fill. Routes then get the usual link-down notice, the link reconnects, and the
 trainers' resume replays everything unacknowledged, so no data is lost and nothing is applied twice.
 
-How many lanes (:class:`LaneTuner`, ``NEBULA_SWITCH_LINK_CONNECTIONS=auto``): start with one; every
-measurement interval in which the link was busy (items waited for a lane most of the interval: queued
-in the router, or a lane's writer blocked in a write, ``PeerLink.link_busy``) the
-throughput of the interval is compared with the one before the last change. Probing up: add a lane
-while the last addition raised it by more than ``gain`` (5%); when an addition did not, retire that
-lane again and hold for ``hold_intervals``. Probing down (after such a hold, with more than one lane):
-retire a lane while throughput stays within ``gain`` of what it was before; when a retirement cost
-more, restore the lane and hold. Holds alternate the direction, so a count chosen while the link was
-still ramping up (a first busy interval that was partly idle, TCP slow start: every addition looks
-like a gain) is walked back to what the path needs, and a path that changes later is followed either
-way. The first busy interval after an idle one is only a start: it is neither judged nor a baseline.
-Idle intervals say nothing about capacity and are ignored.
+How many lanes (:class:`LaneTuner`, ``NEBULA_SWITCH_LINK_CONNECTIONS=auto``): start with one and
+double while the link scales, halve while it does not need them. Only intervals in which the link was
+busy count (items waited for a lane most of the interval: queued in the router, or a lane's writer
+blocked in a write, ``PeerLink.link_busy``); the first busy interval after an idle one is a start
+(slow start, partly idle), neither judged nor a baseline. A change is judged on the mean throughput of
+``judge_intervals`` busy intervals after it against the mean of as many before it, because on a lossy
+long path one interval's throughput moves with where the losses fall by more than one connection adds.
+
+* **Doubling.** Each connection of a loss-limited path gets what loss and RTT allow one TCP flow (about
+  MSS / RTT x sqrt(3 / 2p)), so such a path takes as many connections as its capacity holds flows;
+  each doubling is kept while it raised throughput by at least ``scaling`` of proportionally (x1.3
+  for x2), and doubling goes on up to ``max_lanes``. A doubling that gained more than ``gain`` (5%) but
+  less than that is kept and ends the growth (the path is nearly full); one that gained less is undone.
+* **Halving**, after a hold of ``hold_intervals``: lanes added while the link was still ramping up, or
+  a path that needs fewer later, are walked back while throughput stays within ``gain``; a halving that
+  cost more is undone. Holds alternate the direction, so the count follows a path that changes either
+  way, and each probe is a change large enough to stand out of the noise.
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+
+MAX_LANES = 32
+"""Connections of one link at most: a lossy long path's capacity in loss-limited TCP flows, capped."""
 
 
 class LaneGapError(Exception):
@@ -75,50 +84,84 @@ class ReorderBuffer(Generic[T]):
 class LaneTuner:
     """Chooses the number of lanes from measured throughput (see the module doc)."""
 
-    max_lanes: int = 8
+    max_lanes: int = MAX_LANES
     gain: float = 0.05
     hold_intervals: int = 15
+    judge_intervals: int = 3
+    start_intervals: int = 2
+    """Busy intervals after an idle one that are only a start: slow start, and on a lossy path its
+    overshoot (a flow runs far above its steady rate until the first few losses halve it)."""
+    scaling: float = 0.3
+    """A doubling is kept and growth goes on while it raised throughput by at least this share of
+    proportionally (x1.3 for x2): what a loss-limited path gives through the noise of where losses fall."""
     lanes: int = 1
-    _baseline: float | None = None  # throughput before the last change
-    _probing: int = 0  # the last change not yet judged: +1 an addition, -1 a retirement, 0 none
-    _direction: int = 1  # where the next probe goes: +1 add a lane, -1 retire one
+    _window: list[float] = field(default_factory=list)  # busy intervals since the last change or hold
+    _baseline: float | None = None  # mean throughput before the change being judged
+    _previous: int = 1  # the lane count before that change
+    _direction: int = 1  # where the next probe goes: +1 double, -1 halve
     _hold: int = 0
-    _started: bool = False  # a busy interval has been seen since the last idle one
+    _busy_run: int = 0  # busy intervals since the last idle one
 
     def observe(self, throughput: float, busy: bool) -> int:
         """One interval's throughput (bytes/s) and whether the link was busy; returns the lane count."""
         if not busy:
-            self._started = False
+            self._busy_run = 0
             return self.lanes
-        if not self._started:  # partly idle, ramping up: a start, not a measurement
-            self._started = True
+        self._busy_run += 1
+        if self._busy_run <= self.start_intervals:  # partly idle, ramping up: a start, not a measurement
+            self._window.clear()
             return self.lanes
+        self._window.append(throughput)
         if self._hold > 0:
             self._hold -= 1
             return self.lanes
-        if self._probing:
-            probe, self._probing = self._probing, 0
-            assert self._baseline is not None
-            if probe > 0 and throughput <= self._baseline * (1 + self.gain):
-                self.lanes -= 1  # the addition did not help: retire it, hold, then try fewer
-                return self._hold_then(-1)
-            if probe < 0 and throughput < self._baseline * (1 - self.gain):
-                self.lanes += 1  # the retirement cost throughput: restore it, hold, then try more
-                return self._hold_then(1)
+        if len(self._window) < self.judge_intervals:
+            return self.lanes
+        mean = sum(self._window[-self.judge_intervals :]) / self.judge_intervals
+        self._window.clear()
+        if self._baseline is not None:
+            self._judge(mean)
+            if self._hold > 0:
+                return self.lanes
+        self._probe(mean)
+        return self.lanes
+
+    def _judge(self, mean: float) -> None:
+        """Keep or undo the change made after ``_baseline`` was measured."""
+        assert self._baseline is not None
+        ratio = mean / self._baseline if self._baseline > 0 else float("inf")
+        self._baseline = None
+        if self.lanes > self._previous:
+            scaled = self.lanes / self._previous
+            if ratio >= 1 + (scaled - 1) * self.scaling and self.lanes < self.max_lanes:
+                return  # the path scales with its connections: double again (from this mean)
+            if ratio <= 1 + self.gain:
+                self.lanes = self._previous  # no gain: undo
+            self._hold_then(-1)
+        elif ratio < 1 - self.gain:
+            self.lanes = self._previous  # the halving cost throughput: restore
+            self._hold_then(1)
+        elif self.lanes <= 1:
+            self._hold_then(1)
+
+    def _probe(self, baseline: float) -> None:
+        """Double or halve from ``baseline``, the mean of the intervals just measured."""
         if self._direction < 0 and self.lanes <= 1:
             self._direction = 1
         if self._direction > 0 and self.lanes >= self.max_lanes:
-            self._direction = -1 if self.lanes > 1 else 1
-        if (self._direction > 0 and self.lanes < self.max_lanes) or self._direction < 0:
-            self._baseline = throughput
-            self._probing = self._direction
-            self.lanes += self._direction
-        return self.lanes
+            self._direction = -1
+        self._previous = self.lanes
+        if self._direction > 0:
+            self.lanes = min(self.max_lanes, self.lanes * 2)
+        else:
+            self.lanes = max(1, self.lanes - self.lanes // 2)
+        if self.lanes != self._previous:
+            self._baseline = baseline
 
-    def _hold_then(self, direction: int) -> int:
+    def _hold_then(self, direction: int) -> None:
         self._hold = self.hold_intervals
         self._direction = direction
-        return self.lanes
+        self._window.clear()
 
 
 def parse_connections(value: str) -> int | None:
@@ -132,9 +175,9 @@ def parse_connections(value: str) -> int | None:
         raise ValueError(
             f"link_connections must be 'auto' or a number of connections, got {value!r}"
         ) from None
-    if not 1 <= count <= 16:
-        raise ValueError(f"link_connections must be between 1 and 16 (or 'auto'), got {count}")
+    if not 1 <= count <= MAX_LANES:
+        raise ValueError(f"link_connections must be between 1 and {MAX_LANES} (or 'auto'), got {count}")
     return count
 
 
-__all__ = ["LaneGapError", "LaneTuner", "ReorderBuffer", "parse_connections"]
+__all__ = ["MAX_LANES", "LaneGapError", "LaneTuner", "ReorderBuffer", "parse_connections"]

@@ -48,7 +48,7 @@ from nebula_common.rpc.framing import (
     parse_chunk,
 )
 from services.switch.bandwidth import BandwidthMeter, BandwidthProbeError, Measurement
-from services.switch.lanes import LaneGapError, LaneTuner, ReorderBuffer
+from services.switch.lanes import MAX_LANES, LaneGapError, LaneTuner, ReorderBuffer
 from services.switch.liveness import LivenessPolicy, RttEstimator
 from services.switch.metrics import (
     AUTH_REFUSALS,
@@ -1081,15 +1081,19 @@ class PeerLink:
                     if task.done():
                         del lanes[index]
                         await channel.close()
-                while len(lanes) + 1 < target:
-                    index = next(i for i in range(1, 64) if i not in lanes)
-                    try:
-                        lanes[index] = await open_lane(index)
-                    except (grpc.aio.AioRpcError, HandshakeError, TimeoutError, OSError) as exc:
-                        log.warning("cannot open connection %d of the link: %s (retry later)", index, exc)
-                        break
-                if len(lanes) + 1 > target:
-                    self.retire_lane(max(lanes))
+                missing = target - len(lanes) - 1
+                if missing > 0:  # dialled together: a doubling waits one handshake, not one each
+                    free = [i for i in range(1, MAX_LANES) if i not in lanes][:missing]
+                    opened = await asyncio.gather(*(open_lane(i) for i in free), return_exceptions=True)
+                    for index, lane in zip(free, opened, strict=True):
+                        if isinstance(lane, grpc.aio.AioRpcError | HandshakeError | TimeoutError | OSError):
+                            log.warning("cannot open link connection %d: %s (retry later)", index, lane)
+                        elif isinstance(lane, BaseException):
+                            raise lane
+                        else:
+                            lanes[index] = lane
+                for index in sorted(lanes, reverse=True)[: max(0, len(lanes) + 1 - target)]:
+                    self.retire_lane(index)
                 sent, busy, samples = self.sent.bytes + self.received.bytes, 0, 0
                 started = time.monotonic()
                 while time.monotonic() - started < LANE_INTERVAL_S:

@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 PER_SOURCE_PENDING = 8
 """Connections of one source address not yet through mutual TLS (idle, in a preamble or a handshake)."""
-PER_SOURCE_RELAYED = 32
-"""Connections of one source address relayed to the gRPC WAN server (a gRPC link's lanes and reconnects;
+PER_SOURCE_RELAYED = 48
+"""Connections of one source address relayed to the gRPC WAN server (a gRPC link's 32 lanes and reconnects;
 the gRPC server caps all of them at ``NEBULA_SWITCH_WAN_MAX_CONNECTIONS``)."""
 MAX_PENDING = 512
 """Connections of all sources not yet through mutual TLS, or relayed."""
