@@ -156,8 +156,8 @@ class SwitchSettings(AuditedServiceSettings):
     link_connections: str = Field(
         "1",
         description="Connections the dialing switch stripes the link over: a number (1-32) or 'auto' "
-        "(start with one, double while throughput scales with them, as on a lossy long path, halve "
-        "while it does not need them; up to 32).",
+        "(start with one, double while that raises throughput by more than 5%, as on a lossy long path, "
+        "halve while it does not need them; up to 32).",
     )
     link_transport: Literal["grpc", "raw"] = Field(
         "grpc",

@@ -18,18 +18,23 @@ double while the link scales, halve while it does not need them. Only intervals 
 busy count (items waited for a lane most of the interval: queued in the router, or a lane's writer
 blocked in a write, ``PeerLink.link_busy``); the first busy interval after an idle one is a start
 (slow start, partly idle), neither judged nor a baseline. A change is judged on the mean throughput of
-``judge_intervals`` busy intervals after it against the mean of as many before it, because on a lossy
-long path one interval's throughput moves with where the losses fall by more than one connection adds.
+``judge_intervals`` busy intervals after it (the first ``settle_intervals`` after it skipped: new
+connections dial, leave slow start, and the link's pacer grows its cap to carry them) against the mean
+of as many before it, because on a lossy long path one interval's throughput moves with where the
+losses fall by more than one connection adds.
 
 * **Doubling.** Each connection of a loss-limited path gets what loss and RTT allow one TCP flow (about
-  MSS / RTT x sqrt(3 / 2p)), so such a path takes as many connections as its capacity holds flows;
-  each doubling is kept while it raised throughput by at least ``scaling`` of proportionally (x1.3
-  for x2), and doubling goes on up to ``max_lanes``. A doubling that gained more than ``gain`` (5%) but
-  less than that is kept and ends the growth (the path is nearly full); one that gained less is undone.
-* **Halving**, after a hold of ``hold_intervals``: lanes added while the link was still ramping up, or
-  a path that needs fewer later, are walked back while throughput stays within ``gain``; a halving that
-  cost more is undone. Holds alternate the direction, so the count follows a path that changes either
-  way, and each probe is a change large enough to stand out of the noise.
+  MSS / RTT x sqrt(3 / 2p)), so such a path takes as many connections as its capacity holds flows.
+  A doubling is kept, and doubling goes on up to ``max_lanes``, while it raised throughput by more than
+  ``gain`` (5%): on a loss-limited path the gain is about x2, far above the noise of where losses fall,
+  on a full path about nothing. A doubling that gained no more than that is undone.
+* **Halving**, after a hold: lanes added while the link was still ramping up, or a path that needs
+  fewer later, are walked back while throughput stays within ``gain``; a halving that cost more is
+  undone. Holds alternate the direction, so the count follows a path that changes either way, and each
+  probe is a change large enough to stand out of the noise. A hold lasts ``hold_intervals`` (10 s)
+  after a kept change and doubles with each probe undone in a row, up to ``max_hold_intervals``
+  (2 min): a first doubling misjudged while one flow still ran above its steady rate is tried again
+  soon, and a count that is right is probed less and less often.
 """
 
 from __future__ import annotations
@@ -86,20 +91,24 @@ class LaneTuner:
 
     max_lanes: int = MAX_LANES
     gain: float = 0.05
-    hold_intervals: int = 15
+    hold_intervals: int = 5
+    """The hold after a first undone probe; each further one in a row doubles it, up to ``max_hold``."""
+    max_hold_intervals: int = 60
     judge_intervals: int = 3
     start_intervals: int = 2
     """Busy intervals after an idle one that are only a start: slow start, and on a lossy path its
     overshoot (a flow runs far above its steady rate until the first few losses halve it)."""
-    scaling: float = 0.3
-    """A doubling is kept and growth goes on while it raised throughput by at least this share of
-    proportionally (x1.3 for x2): what a loss-limited path gives through the noise of where losses fall."""
+    settle_intervals: int = 1
+    """Busy intervals after a change that are not judged: new connections dial and leave slow start,
+    and the link's pacer grows its cap to what they can carry (``pacing.py``)."""
     lanes: int = 1
     _window: list[float] = field(default_factory=list)  # busy intervals since the last change or hold
     _baseline: float | None = None  # mean throughput before the change being judged
     _previous: int = 1  # the lane count before that change
     _direction: int = 1  # where the next probe goes: +1 double, -1 halve
     _hold: int = 0
+    _undone: int = 0  # probes undone in a row (each doubles the next hold); a kept change resets it
+    _settle: int = 0  # intervals left before the change's judging intervals begin
     _busy_run: int = 0  # busy intervals since the last idle one
 
     def observe(self, throughput: float, busy: bool) -> int:
@@ -110,6 +119,9 @@ class LaneTuner:
         self._busy_run += 1
         if self._busy_run <= self.start_intervals:  # partly idle, ramping up: a start, not a measurement
             self._window.clear()
+            return self.lanes
+        if self._settle > 0:
+            self._settle -= 1
             return self.lanes
         self._window.append(throughput)
         if self._hold > 0:
@@ -132,17 +144,20 @@ class LaneTuner:
         ratio = mean / self._baseline if self._baseline > 0 else float("inf")
         self._baseline = None
         if self.lanes > self._previous:
-            scaled = self.lanes / self._previous
-            if ratio >= 1 + (scaled - 1) * self.scaling and self.lanes < self.max_lanes:
-                return  # the path scales with its connections: double again (from this mean)
-            if ratio <= 1 + self.gain:
+            if ratio > 1 + self.gain:
+                self._undone = 0
+                if self.lanes < self.max_lanes:
+                    return  # the path gives more with more connections: double again (from this mean)
+            else:
                 self.lanes = self._previous  # no gain: undo
             self._hold_then(-1)
         elif ratio < 1 - self.gain:
             self.lanes = self._previous  # the halving cost throughput: restore
             self._hold_then(1)
-        elif self.lanes <= 1:
-            self._hold_then(1)
+        else:
+            self._undone = 0
+            if self.lanes <= 1:
+                self._hold_then(1)
 
     def _probe(self, baseline: float) -> None:
         """Double or halve from ``baseline``, the mean of the intervals just measured."""
@@ -157,9 +172,13 @@ class LaneTuner:
             self.lanes = max(1, self.lanes - self.lanes // 2)
         if self.lanes != self._previous:
             self._baseline = baseline
+            self._settle = self.settle_intervals
 
     def _hold_then(self, direction: int) -> None:
-        self._hold = self.hold_intervals
+        undone = self.lanes == self._previous
+        self._settle = self.settle_intervals if undone else 0  # an undo changes the count again
+        self._hold = min(self.max_hold_intervals, self.hold_intervals << self._undone)
+        self._undone = min(self._undone + 1, 8) if undone else 0
         self._direction = direction
         self._window.clear()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable
 
@@ -46,12 +47,13 @@ def _saturating(per_lane: float, capacity: float) -> Callable[[int, int], float]
 def test_the_tuner_doubles_while_the_path_scales_and_undoes_a_doubling_that_did_not_help() -> None:
     tuner = LaneTuner(hold_intervals=5, judge_intervals=2)
     counts = _run(tuner, _saturating(100.0, 250.0), 30)  # about 2.5 connections fill it
-    # Two start intervals, a baseline at 1; 2 scales (x2), 4 only gains x1.25: kept, growth ends there.
-    assert counts[:8] == [1, 1, 1, 2, 2, 4, 4, 4], counts
+    # Two start intervals, a baseline at 1; 2 scales (x2: one interval settles, two judge), 4 only gains
+    # x1.25: kept, growth ends there.
+    assert counts[:8] == [1, 1, 1, 2, 2, 2, 4, 4], counts
     # Halving to 2 costs 20%: restored; doubling to 8 gains nothing: undone.
     assert set(counts[8:]) <= {2, 4, 8}, counts
     assert 2 in counts[8:] and 8 in counts[8:]  # it keeps probing both ways
-    assert counts[8:].count(4) >= 0.6 * len(counts[8:]), counts
+    assert counts[8:].count(4) >= 0.5 * len(counts[8:]), counts
 
 
 def test_a_loss_limited_path_gets_as_many_connections_as_it_scales_with_up_to_the_cap() -> None:
@@ -72,6 +74,22 @@ def test_a_loss_limited_path_gets_as_many_connections_as_it_scales_with_up_to_th
     assert min(counts[counts.index(32) :]) >= 16, counts  # held there, never undone by the noise
 
 
+def test_a_first_doubling_misjudged_early_is_tried_again_soon_and_a_right_count_probed_less_often() -> None:
+    # One flow of a lossy long path runs above its steady rate for its first ~15 s (slow start's
+    # overshoot, then a congestion window that losses have not yet cut to size): the first doubling
+    # measures no gain and is undone.
+    def lossy(interval: int, lanes: int) -> float:
+        return 8.0 if interval < 8 else min(100.0, 2.8 * lanes)
+
+    tuner = LaneTuner()
+    counts = _run(tuner, lossy, 300)
+    assert counts[4:8] == [2, 2, 2, 2] and counts[8] == 1, counts  # tried at 1 s... and undone
+    assert counts.index(32) <= 40, counts  # tried again after a 10 s hold, then doubled to the cap
+    at_cap = counts[counts.index(32) :]
+    probes = sum(1 for a, b in itertools.pairwise(at_cap) if a == 32 and b == 16)
+    assert 2 <= probes <= 8 and at_cap.count(32) >= 0.85 * len(at_cap), counts  # holds back off
+
+
 def test_lanes_added_while_the_link_ramped_up_are_walked_back() -> None:
     # 60 Mbit/s that one connection fills, seen from a cold start: the first busy interval is partly
     # idle and the next ones still in slow start, so the first doubling looks like a gain.
@@ -89,18 +107,19 @@ def test_lanes_added_while_the_link_ramped_up_are_walked_back() -> None:
 
 
 def test_the_tuner_follows_a_path_that_needs_fewer_lanes_later() -> None:
-    tuner = LaneTuner(hold_intervals=5)
-    before = _run(tuner, _saturating(100.0, 380.0), 30)
-    assert before[-15:].count(4) >= 8, before
-    counts = _run(tuner, lambda i, lanes: 100.0, 60)  # now one connection fills it
-    assert counts[-20:].count(1) >= 14, f"lane counts: {counts}"
+    tuner = LaneTuner()
+    before = _run(tuner, _saturating(100.0, 380.0), 60)
+    assert before[-30:].count(4) >= 20, before
+    counts = _run(tuner, lambda i, lanes: 100.0, 120)  # now one connection fills it
+    assert counts[-60:].count(1) >= 45, f"lane counts: {counts}"
 
 
 def test_noise_on_a_path_one_connection_fills_does_not_pile_up_connections() -> None:
     noise = random.Random(11)
     tuner = LaneTuner()
     counts = _run(tuner, lambda i, lanes: 100.0 * (1 + (noise.random() - 0.5) * 0.2), 300)
-    assert max(counts) <= 4 and counts[100:].count(1) >= 0.6 * 200, counts
+    settled = counts[100:]
+    assert max(counts) <= 4 and sum(settled) / len(settled) <= 2.0, counts
 
 
 def test_the_tuner_ignores_idle_intervals() -> None:
