@@ -15,8 +15,6 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from nebula_common.audit import AuditLog
-from nebula_common.audit.signing import AuditSigner
 from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from services.trainer.config import TrainerSettings
@@ -26,6 +24,7 @@ from services.trainer.runtime.stage import ProgramRunner
 from services.trainer.sandbox import Confinement
 from services.trainer.servicer import TrainerServicer
 from services.trainer.stage_process import StageProcess
+from tests.support.trainer_audit import trainer_audit
 
 
 def test_entries_are_names_prefixes_or_everyone() -> None:
@@ -73,12 +72,7 @@ def test_one_way_senders_and_dataset_readers_never_use_ranks() -> None:
 
 @pytest.fixture
 def servicer(tmp_path: Path) -> Iterator[TrainerServicer]:
-    audit = AuditLog(
-        tmp_path / "trainer" / "audit.log",
-        AuditSigner.load_or_create(tmp_path / "trainer"),
-        service="trainer",
-        cluster="a",
-    )
+    audit = trainer_audit(tmp_path)
     ranks = ClusterRanks("127.0.0.1:0", world=2)
     trainer = TrainerServicer(
         "a",

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from nebula_common.audit import AuditLog
-from nebula_common.audit.signing import AuditSigner
 from nebula_common.auth import Principal, TokenVerifier
 from nebula_common.auth.interceptor import _CALLER, Caller
 from nebula_common.jobspec import load_spec
@@ -29,6 +28,7 @@ from services.trainer.records import RECORDS_DIR, FinishedStage, StageRecords
 from services.trainer.restore import restore_stages, token_problem
 from services.trainer.servicer import TrainerServicer
 from services.trainer.status import StatusBoard
+from tests.support.trainer_audit import trainer_audit
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -50,12 +50,7 @@ def verifier(issuer: TokenIssuer) -> TokenVerifier:
 
 @pytest.fixture
 def audit(tmp_path: Path) -> Iterator[AuditLog]:
-    log = AuditLog(
-        tmp_path / "trainer" / "audit.log",
-        AuditSigner.load_or_create(tmp_path / "trainer"),
-        service="trainer",
-        cluster="a",
-    )
+    log = trainer_audit(tmp_path)
     yield log
     log.close()
 
