@@ -53,6 +53,7 @@ from nebula_common.launcher import LocalDeployment
 from nebula_common.pki.service_identity import ServiceTlsFiles, service_tls_dir
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, tensor_pb2
 from nebula_common.rpc import bearer_metadata
+from nebula_common.rpc.framing import LINK_FRAMING_VERSION
 from nebula_common.rpc.internal_tls import ClientTls, internal_channel
 from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.jobs import ProgramJob
@@ -98,7 +99,9 @@ class Flooder:
         return self
 
     def _frames(self, job_id: str, stop: threading.Event) -> Iterator[relay_pb2.EdgeMessage]:
-        yield relay_pb2.EdgeMessage(open=relay_pb2.EdgeOpen(job_id=job_id, edge="e"))
+        yield relay_pb2.EdgeMessage(
+            open=relay_pb2.EdgeOpen(job_id=job_id, edge="e", link_framing=LINK_FRAMING_VERSION)
+        )
         for frame_id in itertools.count(1):
             if stop.is_set() or self._stop.is_set():
                 return

@@ -1,6 +1,8 @@
 """Framed chunks: a tensor chunk built once, as the exact bytes every hop of the data path carries.
 
-Link framing (``Handshake.link_framing`` / ``EdgeOpen.link_framing``). A payload chunk of edge
+Link framing is the payload format of every hop: every trainer and switch speaks it and announces
+``LINK_FRAMING_VERSION`` (``EdgeOpen.link_framing``, ``EdgeReady.link_framing``, ``Handshake.link_framing``);
+an open, ready or handshake announcing anything else is refused (``framing_refusal``). A payload chunk of edge
 protocol 2 is ``RoutedItem{job_id, edge, epoch, item: EdgeMessage{frame: TensorFrame{chunk}}}``. Field 9
 of both ``EdgeMessage`` and ``LinkMessage`` is such a ``RoutedItem`` (``framed``), so ONE byte string
 is at once a valid ``EdgeMessage`` (trainer -> switch, switch -> trainer) and a valid ``LinkMessage``
@@ -29,7 +31,7 @@ FRAMED_FIELD = 9
 """Field number of ``framed`` in both EdgeMessage and LinkMessage."""
 FRAMED_TAG = (FRAMED_FIELD << 3) | 2
 LINK_FRAMING_VERSION = 1
-"""Value of ``link_framing`` a peer that reads and forwards framed chunks announces."""
+"""The ``link_framing`` every open, ready and handshake carries; any other value is refused."""
 
 MIN_CHUNK_BYTES = 256 << 10
 MAX_CHUNK_BYTES = 4 << 20
@@ -38,6 +40,18 @@ MAX_CHUNK_BYTES = 4 << 20
 
 class FramingError(ValueError):
     """Bytes that claim to be a framed chunk but are not one (truncated, wrong fields)."""
+
+
+def framing_refusal(field: str, announced: int) -> str | None:
+    """Why an open, ready or handshake whose ``field`` announced ``announced`` is refused (None: accepted).
+
+    Framed chunks are the only payload format on every hop, so a peer announcing another value could
+    neither read what it is sent nor be read; refusing it at once names the mismatch instead of failing
+    on the first chunk.
+    """
+    if announced == LINK_FRAMING_VERSION:
+        return None
+    return f"{field} {announced} is not supported: it must be {LINK_FRAMING_VERSION} (framed payload chunks)"
 
 
 def chunk_size_for(window_bytes: int) -> int:
@@ -134,12 +148,6 @@ class FramedChunk:
     data: memoryview
     frame_size: int
     """``TensorFrame.ByteSize()`` of this chunk: its wire size for credit."""
-    item: tuple[int, int]
-    """Where the serialized ``EdgeMessage`` (the routed item) lies in ``raw``."""
-
-    def edge_message_bytes(self) -> bytes:
-        """The item as a classic serialized ``EdgeMessage`` (a copy), for a trainer without framing."""
-        return self.raw[self.item[0] : self.item[1]]
 
     def WhichOneof(self, group: str) -> str:
         """``"frame"``: a framed chunk stands where an ``EdgeMessage`` with a frame would."""
@@ -215,15 +223,7 @@ def parse_chunk(raw: bytes) -> FramedChunk:
         last=bool(_int(chunk, 4)),
         data=view[data_span[0] : data_span[1]],
         frame_size=frame_end - frame_start,
-        item=_span(routed, 3, "item"),
     )
-
-
-def as_routed_link_message(raw: bytes) -> bytes:
-    """The same item as a classic ``LinkMessage.routed`` (field 4), for a peer without link framing."""
-    if not is_framed(raw):
-        raise FramingError("not a framed chunk")
-    return b"\x22" + raw[1:]
 
 
 __all__ = [
@@ -234,9 +234,9 @@ __all__ = [
     "MIN_CHUNK_BYTES",
     "FramedChunk",
     "FramingError",
-    "as_routed_link_message",
     "chunk_size_for",
     "encode_chunk",
+    "framing_refusal",
     "is_framed",
     "parse_chunk",
 ]

@@ -12,8 +12,8 @@ the link is refused.
 Raw bytes on the stream (link framing, ``nebula_common/rpc/framing.py``). The Link method is served and
 called with identity (de)serializers: the switch parses small link messages itself and forwards a
 trainer's framed chunk (``LinkMessage.framed``) byte for byte, reading only its header, so no payload is
-decoded or re-encoded here. Each side announces ``Handshake.link_framing``; a peer that does not (an
-older switch) is sent each framed chunk as the equivalent classic ``routed`` message.
+decoded or re-encoded here. Each side announces ``Handshake.link_framing``; a handshake announcing
+another value than ``LINK_FRAMING_VERSION`` is refused like one of another protocol version.
 
 Liveness from the measured round-trip time: ``liveness.py``.
 """
@@ -43,7 +43,7 @@ from nebula_common.rpc.framing import (
     LINK_FRAMING_VERSION,
     FramedChunk,
     FramingError,
-    as_routed_link_message,
+    framing_refusal,
     is_framed,
     parse_chunk,
 )
@@ -171,8 +171,6 @@ class LinkState:
     peer_serial: int = 0
     #: Sessions established since start: a rotation that kept the link up leaves this unchanged.
     sessions: int = 0
-    #: The peer reads framed chunks (its Handshake.link_framing).
-    peer_framing: bool = False
     #: What carries the session: "grpc" (a gRPC stream per connection) or "raw" (rawlink.py).
     transport: str = ""
 
@@ -346,6 +344,8 @@ class PeerLink:
             raise HandshakeError(
                 f"peer speaks link protocol {hello.protocol_version}, this switch speaks {PROTOCOL_VERSION}"
             )
+        if (refusal := framing_refusal("Handshake.link_framing", hello.link_framing)) is not None:
+            raise HandshakeError(f"peer's {refusal}")
         if hello.cluster_id != certified.cluster_id:
             raise HandshakeError(
                 f"peer claims cluster {hello.cluster_id!r} but its certificate says {certified.cluster_id!r}"
@@ -421,7 +421,6 @@ class PeerLink:
         certified: Identity,
         role: str,
         peer_cert: x509.Certificate | None = None,
-        peer_framing: bool = False,
         session_id: bytes = b"",
         marking: bool = False,
         transport: str = "grpc",
@@ -431,7 +430,7 @@ class PeerLink:
         """Pump frames both ways until either side ends; only one session runs at a time.
 
         ``read`` returns the raw bytes of each message (or EOF), ``write`` takes raw bytes;
-        ``peer_framing`` and ``peer_witness`` are what the peer's handshake announced. This connection
+        ``peer_witness`` and ``peer_paced`` are what the peer's handshake announced. This connection
         is lane 0; with ``marking`` (both ends announced lanes) further connections may join with
         ``run_lane``.
 
@@ -453,7 +452,6 @@ class PeerLink:
                 role=role,
                 peer_serial=serial,
                 sessions=self._sessions,
-                peer_framing=peer_framing,
                 transport=transport,
             )
             self._connected.set()
@@ -648,7 +646,7 @@ class PeerLink:
                 self._count_sent(message.whole)  # type: ignore[arg-type]
             return
         if isinstance(message, FramedChunk):
-            raw = message.raw if self.state.peer_framing else as_routed_link_message(message.raw)
+            raw = message.raw
             if self._pacer is not None:
                 self._pacer.on_sent(len(raw))
             await write(raw)
@@ -947,7 +945,6 @@ class PeerLink:
                 self.expected_peer,
                 "dialer",
                 peer_cert,
-                peer_framing=reply.hello.link_framing >= LINK_FRAMING_VERSION,
                 session_id=session_id,
                 marking=marking,
                 transport=transport,

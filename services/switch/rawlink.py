@@ -426,7 +426,6 @@ async def serve_raw(links: PeerLinks, connection: RawConnection, handshake_timeo
         certified,
         "acceptor",
         cert,
-        peer_framing=hello.hello.link_framing >= 1,
         session_id=session_id,
         marking=hello.hello.lanes and bool(session_id),
         transport=connection.transport,

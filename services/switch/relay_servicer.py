@@ -14,9 +14,9 @@ router's orphan timeout instead of failing the peer at once.
 Raw bytes (link framing, ``nebula_common/rpc/framing.py``). OpenEdge is served with identity
 serializers (``add_relay_to_server``): small items are parsed here as ``EdgeMessage``; a framed payload
 chunk is kept as the bytes it came in, checked only in its header (job, edge and epoch must be this
-stream's, else INVALID_ARGUMENT and an ``edge.refused`` audit record) and forwarded to the link as is.
-Toward a trainer that opened with ``link_framing`` the chunks from the peer go out unchanged too; an
-older trainer gets them as classic ``frame`` messages.
+stream's, else INVALID_ARGUMENT and an ``edge.refused`` audit record) and forwarded to the link as is;
+the chunks from the peer go out to the trainer unchanged too. An open whose ``link_framing`` is not
+``LINK_FRAMING_VERSION`` is refused (INVALID_ARGUMENT, audited as a refused ``edge.open``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,14 @@ import grpc
 from nebula_common.auth.interceptor import caller
 from nebula_common.auth.peer_roles import peer_certificate
 from nebula_common.proto.nebula.v1 import relay_pb2
-from nebula_common.rpc.framing import LINK_FRAMING_VERSION, FramedChunk, FramingError, is_framed, parse_chunk
+from nebula_common.rpc.framing import (
+    LINK_FRAMING_VERSION,
+    FramedChunk,
+    FramingError,
+    framing_refusal,
+    is_framed,
+    parse_chunk,
+)
 from services.switch.bandwidth import BandwidthProbeError
 from services.switch.certs import CertificateManager
 from services.switch.edge_stream import EdgeStream, GrpcEdgeStream, TrainerVanished
@@ -195,9 +202,18 @@ class RelayServicer:
         issued_at, serial, expires_at = held
         job_id, edge, reconnect = open_.job_id, open_.edge, open_.reconnect
         epoch = open_.epoch
-        framing = open_.link_framing >= LINK_FRAMING_VERSION
         if not job_id or not edge:
             await stream.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.job_id and open.edge are required")
+        if (refusal := framing_refusal("EdgeOpen.link_framing", open_.link_framing)) is not None:
+            await self._refuse_open(
+                stream,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                refusal,
+                account=account,
+                job_id=job_id,
+                edge=edge,
+                link_framing=open_.link_framing,
+            )
         key = (job_id, edge)
         link = await self._link_for(stream, account, job_id, edge, open_.peer_cluster)
         router = link.router
@@ -224,9 +240,7 @@ class RelayServicer:
                 route_epoch=exc.route_epoch,
                 reason=exc.reason,
             )
-            await stream.write(
-                _serialize(relay_pb2.EdgeMessage(ready=self._ready(link, exc.route_epoch, framing)))
-            )
+            await stream.write(_serialize(relay_pb2.EdgeMessage(ready=self._ready(link, exc.route_epoch))))
             await stream.write(
                 _serialize(
                     relay_pb2.EdgeMessage(
@@ -273,10 +287,8 @@ class RelayServicer:
         received: list[relay_pb2.EdgeClose] = []  # the close this stream was sent, if any
         try:
             # Ready at once, whatever the link's state: a LinkNotice follows when it comes (back) up.
-            await stream.write(
-                _serialize(relay_pb2.EdgeMessage(ready=self._ready(link, route.epoch, framing)))
-            )
-            outcome = await self._pump(stream, router, route, attachment, account, received, framing)
+            await stream.write(_serialize(relay_pb2.EdgeMessage(ready=self._ready(link, route.epoch))))
+            outcome = await self._pump(stream, router, route, attachment, account, received)
         except TrainerVanished:
             outcome = FAILED
         finally:
@@ -423,10 +435,9 @@ class RelayServicer:
         attachment: Attachment,
         account: str,
         received: list[relay_pb2.EdgeClose],
-        framing: bool,
     ) -> str:
         reader = asyncio.create_task(self._upstream(stream, router, route, attachment, account))
-        writer = asyncio.create_task(self._downstream(stream, router, route, attachment, received, framing))
+        writer = asyncio.create_task(self._downstream(stream, router, route, attachment, received))
         try:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
             if reader in done:
@@ -581,11 +592,9 @@ class RelayServicer:
         route: Route,
         attachment: Attachment,
         received: list[relay_pb2.EdgeClose],
-        framing: bool,
     ) -> None:
         """Write the route's items to the trainer until a close (kept in ``received``) or a restart
-        went out, or the stream was superseded. Framed chunks go out as they came (classic frames to
-        a trainer without link framing)."""
+        went out, or the stream was superseded. Framed chunks go out as the bytes they came as."""
         while not attachment.superseded:
             if attachment.restart is not None:
                 await stream.write(_serialize(relay_pb2.EdgeMessage(restart=attachment.restart)))
@@ -598,20 +607,20 @@ class RelayServicer:
                     await attachment.wake.wait()
                     continue
             if isinstance(message, FramedChunk):
-                await stream.write(message.raw if framing else message.edge_message_bytes())
+                await stream.write(message.raw)
                 continue
             await stream.write(_serialize(message))
             if message.WhichOneof("body") == "close":
                 received.append(message.close)
                 return
 
-    def _ready(self, link: PeerLink, epoch: int, framing: bool) -> relay_pb2.EdgeReady:
+    def _ready(self, link: PeerLink, epoch: int) -> relay_pb2.EdgeReady:
         return relay_pb2.EdgeReady(
             peer_cluster=link.expected_peer.cluster_id,
             max_window_bytes=link.router.max_window_bytes,
             link_up=link.router.link_up,
             epoch=epoch,
-            link_framing=LINK_FRAMING_VERSION if framing else 0,
+            link_framing=LINK_FRAMING_VERSION,
         )
 
     async def GetLinkStatus(

@@ -77,7 +77,7 @@ class TransferLedger:
                 self._frames.pop(frame_key, None)
 
     def observe_chunk(self, direction: str, chunk: FramedChunk) -> None:
-        """A framed chunk counts toward its frame's step totals like a classic chunk."""
+        """A framed chunk counts toward its frame's step totals as a ``TensorChunk`` item does."""
         frame_key = (chunk.job_id, chunk.edge, chunk.frame_id)
         key = self._frames.get(frame_key)
         if key is None or key not in self._open:

@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator
 import grpc
 
 from nebula_common.pki import peer_certificate, peer_identity
-from nebula_common.rpc.framing import LINK_FRAMING_VERSION
 from services.switch.link import (
     HANDSHAKE_TIMEOUT_S,
     RAW_LINK_VERSION,
@@ -85,7 +84,6 @@ class SwitchLinkServicer:
             certified,
             "acceptor",
             cert,
-            peer_framing=hello.hello.link_framing >= LINK_FRAMING_VERSION,
             session_id=session_id,
             marking=hello.hello.lanes and bool(session_id),
             peer_witness=hello.hello.audit_witness,

@@ -30,6 +30,7 @@ from nebula_common.errors import AuthenticationError
 from nebula_common.launcher import LocalDeployment
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from nebula_common.rpc import bearer_metadata
+from nebula_common.rpc.framing import LINK_FRAMING_VERSION
 from nebula_common.sdk.client import ClusterSession
 from tests.support.accounts import create_account
 from tests.support.internal import service_channel, user_channel
@@ -168,7 +169,9 @@ class _HeldEdge:
         self.messages: list[tuple[float, relay_pb2.EdgeMessage]] = []
         self.ended = threading.Event()
         self._channel = service_channel(deployment, "a", "switch", as_role="trainer")
-        opening = relay_pb2.EdgeMessage(open=relay_pb2.EdgeOpen(job_id=job_id, edge="cut"))
+        opening = relay_pb2.EdgeMessage(
+            open=relay_pb2.EdgeOpen(job_id=job_id, edge="cut", link_framing=LINK_FRAMING_VERSION)
+        )
         self._call = relay_pb2_grpc.RelayStub(self._channel).OpenEdge(
             self._requests(opening), metadata=bearer_metadata(token), timeout=180
         )

@@ -35,6 +35,7 @@ from nebula_common.proto.nebula.v1 import (
     trainer_pb2_grpc,
 )
 from nebula_common.rpc import bearer_metadata
+from nebula_common.rpc.framing import LINK_FRAMING_VERSION
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.data_client import DataClient, DatasetNotFoundError
@@ -307,7 +308,11 @@ def test_another_accounts_jobs_and_checkpoints_are_out_of_reach(
     # through a trainer of the cluster (only a trainer's certificate may open edges at all).
     with service_channel(deployment, "a", "switch", as_role="trainer") as channel:
         relay = relay_pb2_grpc.RelayStub(channel)
-        opening = relay_pb2.EdgeMessage(open=relay_pb2.EdgeOpen(job_id=waiting.job_id, edge=waiting.edge))
+        opening = relay_pb2.EdgeMessage(
+            open=relay_pb2.EdgeOpen(
+                job_id=waiting.job_id, edge=waiting.edge, link_framing=LINK_FRAMING_VERSION
+            )
+        )
         stream = relay.OpenEdge(iter([opening]), metadata=meta, timeout=10)
         assert _code(lambda: next(iter(stream))) == grpc.StatusCode.ALREADY_EXISTS
 

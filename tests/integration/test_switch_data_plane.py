@@ -5,8 +5,8 @@
 * a link session that ends tells attached trainers (notice down, then up) and items flow again;
 * reconnect takeover, the per-account route limit, the unattached timeout, credit enforcement on the
   sending side, and the WAN port's handshake timeout;
-* link framing: a framed chunk crosses both switches byte for byte, reaches a trainer without framing
-  as a classic frame, and a chunk tagged for another route or epoch is refused and audited.
+* link framing: a framed chunk crosses both switches byte for byte, a chunk tagged for another route or
+  epoch is refused and audited, and so are an edge open and a link handshake announcing no link framing.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from nebula_common.pki import PkiLayout
-from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, tensor_pb2
+from nebula_common.pki import Identity, PkiLayout, channel_options
+from nebula_common.proto.nebula.v1 import link_pb2, link_pb2_grpc, relay_pb2, tensor_pb2
 from nebula_common.rpc import bearer_metadata
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION, encode_chunk, is_framed
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.wan.emulator import LinkShape, WanEmulator
 from services.switch.config import SwitchSettings
+from services.switch.link import PROTOCOL_VERSION
 from services.switch.routing import UNATTACHED_MAX_ITEMS
 from services.switch.throttle import PAUSE_S
 from tests.support.accounts import ADMIN_PASSWORD, auth_settings
@@ -159,8 +160,8 @@ def _from_wire(raw: bytes) -> relay_pb2.EdgeMessage | bytes:
 class EdgeClient:
     """A raw Relay.OpenEdge client standing in for a trainer; ``read=False`` never reads its stream.
 
-    With ``framing`` it opens with ``link_framing`` and may send framed chunks (bytes); framed chunks
-    it receives are kept as bytes.
+    It opens with ``link_framing`` (``LINK_FRAMING_VERSION`` unless a test says otherwise) and may send
+    framed chunks (bytes); framed chunks it receives are kept as bytes.
     """
 
     def __init__(
@@ -173,7 +174,7 @@ class EdgeClient:
         reconnect: bool = False,
         read: bool = True,
         epoch: int = 0,
-        framing: bool = False,
+        link_framing: int = LINK_FRAMING_VERSION,
     ) -> None:
         self._out: queue.Queue[relay_pb2.EdgeMessage | bytes | None] = queue.Queue()
         self.inbox: queue.Queue[tuple[relay_pb2.EdgeMessage | BaseException | None, float]] = queue.Queue()
@@ -186,16 +187,13 @@ class EdgeClient:
                     edge=edge,
                     reconnect=reconnect,
                     epoch=epoch,
-                    link_framing=LINK_FRAMING_VERSION if framing else 0,
+                    link_framing=link_framing,
                 )
             )
         )
-        if framing:
-            open_edge = self._channel.stream_stream(
-                "/nebula.v1.Relay/OpenEdge", request_serializer=_to_wire, response_deserializer=_from_wire
-            )
-        else:
-            open_edge = relay_pb2_grpc.RelayStub(self._channel).OpenEdge
+        open_edge = self._channel.stream_stream(
+            "/nebula.v1.Relay/OpenEdge", request_serializer=_to_wire, response_deserializer=_from_wire
+        )
         self.call = open_edge(self._requests(), metadata=bearer_metadata(token))
         self.ended: BaseException | None = None
         self.done = threading.Event()
@@ -226,7 +224,7 @@ class EdgeClient:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
         if isinstance(message, relay_pb2.EdgeMessage):
             self.received.append((message, at))
-        return message  # type: ignore[return-value]  # framed bytes on a framing client
+        return message  # type: ignore[return-value]  # a framed chunk stays bytes
 
     def expect_framed(self, timeout: float = 20.0) -> bytes:
         """The next message, which must be a framed chunk (acks are passed over)."""
@@ -848,37 +846,77 @@ def test_a_flooder_is_closed_then_refused_while_other_edges_keep_working(
         wait_for(opens_again, backoff + 20, "mallory's backoff to end")
 
 
-def test_framed_chunks_cross_both_switches_byte_for_byte_and_reach_a_classic_trainer_as_frames(
+def test_framed_chunks_cross_both_switches_byte_for_byte(
     tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster]
 ) -> None:
     payload = bytes(range(256)) * 4096  # 1 MiB
     with switch_pair(tmp_path, pki_ab, clusters) as pair:
-        assert pair.a.running.link.state.peer_framing and pair.b.running.link.state.peer_framing
         token_a, token_b = clusters["a"].tokens["alice"], clusters["b"].tokens["alice"]
-        sender = EdgeClient(pair.a, token_a, "framed", framing=True)
-        framed_receiver = EdgeClient(pair.b, token_b, "framed", framing=True)
-        classic_sender = EdgeClient(pair.a, token_a, "classic", framing=True)
-        classic_receiver = EdgeClient(pair.b, token_b, "classic")  # an older trainer
-        for end in (sender, framed_receiver, classic_sender):
+        sender = EdgeClient(pair.a, token_a, "framed")
+        receiver = EdgeClient(pair.b, token_b, "framed")
+        for end in (sender, receiver):
             assert end.expect("ready").ready.link_framing == LINK_FRAMING_VERSION
-        assert classic_receiver.expect("ready").ready.link_framing == 0
         raw, _ = encode_chunk("framed", "e", 0, 1, 0, payload, True)
         sender.send(frame(1))
         sender.send(raw)
-        framed_receiver.expect("frame")
-        assert framed_receiver.expect_framed() == raw  # the very bytes the sender built
-        classic_raw, _ = encode_chunk("classic", "e", 0, 1, 0, payload, True)
-        classic_sender.send(frame(1))
-        classic_sender.send(classic_raw)
-        classic_receiver.expect("frame")
-        chunk = classic_receiver.expect("frame").frame.chunk
-        assert (chunk.frame_id, chunk.offset, chunk.last, chunk.data) == (1, 0, True, payload)
+        receiver.expect("frame")
+        assert receiver.expect_framed() == raw  # the very bytes the sender built
         sent = pair.a.running.link.sent
         # Switch a counts a chunk once its write returns, which can be after b already delivered it.
-        wait_for(lambda: sent.payload_bytes >= 2 * len(payload), 10, "switch a to count both chunks sent")
-        assert sent.payload_bytes == 2 * len(payload)
-        for end in (sender, framed_receiver, classic_sender, classic_receiver):
+        wait_for(lambda: sent.payload_bytes >= len(payload), 10, "switch a to count the chunk sent")
+        assert sent.payload_bytes == len(payload)
+        for end in (sender, receiver):
             end.finish()
+
+
+def test_an_edge_opened_without_link_framing_is_refused_naming_the_field_and_audited(
+    tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster]
+) -> None:
+    with switch_pair(tmp_path, pki_ab, clusters) as pair:
+        client = EdgeClient(pair.a, clusters["a"].tokens["alice"], "unframed", link_framing=0)
+        ended = client.next(20, "the refusal")
+        assert isinstance(ended, grpc.RpcError), ended
+        assert ended.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "EdgeOpen.link_framing 0 is not supported: it must be 1" in (ended.details() or "")
+        refused = [r for r in pair.audit("a", "edge.open") if r["job_id"] == "unframed"]
+        assert [(r["outcome"], r["account"], r["details"]["link_framing"]) for r in refused] == [
+            ("refused", "alice", 0)
+        ]
+        assert pair.a.running.router.get(("unframed", "e")) is None  # no route was made for it
+        client.finish()
+
+
+def test_a_link_handshake_without_link_framing_is_refused_and_audited(
+    tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster]
+) -> None:
+    """Switch a's own certificate, so only the handshake's ``link_framing`` is wrong."""
+    paths = pki_ab.cluster("a")
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=paths.trust_bundle.read_bytes(),
+        private_key=paths.switch_key.read_bytes(),
+        certificate_chain=paths.switch_cert.read_bytes(),
+    )
+    hello = link_pb2.Handshake(protocol_version=PROTOCOL_VERSION, cluster_id="a", link_framing=0)
+    with switch_pair(tmp_path, pki_ab, clusters) as pair:
+        sessions = pair.b.running.link.state.sessions
+        with grpc.secure_channel(
+            f"127.0.0.1:{pair.b.running.wan_port}",
+            credentials,
+            options=channel_options(Identity("b", "switch")),
+        ) as channel:
+            call = link_pb2_grpc.SwitchLinkStub(channel).Link(
+                iter([link_pb2.LinkMessage(hello=hello)]), timeout=10
+            )
+            with pytest.raises(grpc.RpcError) as refused:
+                for _ in call:
+                    pass
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        reason = "peer's Handshake.link_framing 0 is not supported: it must be 1"
+        assert reason in (refused.value.details() or "")
+        records = [r["details"] for r in pair.audit("b", "link.refused")]
+        assert [d["layer"] for d in records if reason in d["reason"]] == ["handshake"], records
+        assert pair.b.running.link.state.sessions == sessions  # the live session was not touched
+        assert pair.a.running.link.connected and pair.b.running.link.connected
 
 
 @pytest.mark.parametrize(
@@ -888,8 +926,8 @@ def test_a_framed_chunk_tagged_for_another_route_or_epoch_is_refused_and_audited
     tmp_path: Path, pki_ab: PkiLayout, clusters: dict[str, Cluster], job: str, edge: str, epoch: int
 ) -> None:
     with switch_pair(tmp_path, pki_ab, clusters) as pair:
-        sender = EdgeClient(pair.a, clusters["a"].tokens["alice"], "tagged", framing=True)
-        receiver = EdgeClient(pair.b, clusters["b"].tokens["alice"], "tagged", framing=True)
+        sender = EdgeClient(pair.a, clusters["a"].tokens["alice"], "tagged")
+        receiver = EdgeClient(pair.b, clusters["b"].tokens["alice"], "tagged")
         for end in (sender, receiver):
             end.expect("ready")
         sender.send(encode_chunk(job, edge, epoch, 1, 0, b"payload", True)[0])
@@ -919,8 +957,8 @@ def test_items_striped_over_several_connections_arrive_in_order_both_ways(
         ends = {}
         for job in ("east", "west"):
             ends[job] = (
-                EdgeClient(pair.a, clusters["a"].tokens["alice"], job, framing=True),
-                EdgeClient(pair.b, clusters["b"].tokens["alice"], job, framing=True),
+                EdgeClient(pair.a, clusters["a"].tokens["alice"], job),
+                EdgeClient(pair.b, clusters["b"].tokens["alice"], job),
             )
             for end in ends[job]:
                 end.expect("ready")
@@ -1006,8 +1044,8 @@ def test_a_retired_connection_hands_over_without_losing_or_reordering_items(
             lambda: pair.a.running.link._lanes is not None and _lanes_up(pair, 3), 30, "three connections"
         )
         sessions = pair.a.running.link.state.sessions
-        sender = EdgeClient(pair.a, clusters["a"].tokens["carol"], "retire", framing=True)
-        receiver = EdgeClient(pair.b, clusters["b"].tokens["carol"], "retire", framing=True)
+        sender = EdgeClient(pair.a, clusters["a"].tokens["carol"], "retire")
+        receiver = EdgeClient(pair.b, clusters["b"].tokens["carol"], "retire")
         for end in (sender, receiver):
             end.expect("ready")
         sent = []

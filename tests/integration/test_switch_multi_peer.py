@@ -34,6 +34,7 @@ from nebula_common.pki import PkiLayout, init_pki
 from nebula_common.pki.store import revoke_certificate
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc
 from nebula_common.rpc import bearer_metadata
+from nebula_common.rpc.framing import LINK_FRAMING_VERSION
 from nebula_common.sdk.client import ClusterSession
 from nebula_common.sdk.summary import JobSummary
 from services.trainer.edge import EdgeConnection, EdgeSettings
@@ -125,9 +126,10 @@ def test_items_from_one_peer_reach_only_that_peers_routes(chain: Chain) -> None:
 
 
 def _open(chain: Chain, cluster: str, job: str, peer: str) -> grpc.RpcError:
+    opened = relay_pb2.EdgeOpen(job_id=job, edge="e", peer_cluster=peer, link_framing=LINK_FRAMING_VERSION)
     with grpc.insecure_channel(chain.switches[cluster].internal_address) as channel:
         call = relay_pb2_grpc.RelayStub(channel).OpenEdge(
-            iter([relay_pb2.EdgeMessage(open=relay_pb2.EdgeOpen(job_id=job, edge="e", peer_cluster=peer))]),
+            iter([relay_pb2.EdgeMessage(open=opened)]),
             metadata=bearer_metadata(chain.tokens[cluster]),
         )
         with pytest.raises(grpc.RpcError) as caught:

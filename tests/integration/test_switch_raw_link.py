@@ -5,8 +5,9 @@
   byte for byte either way; sealed records (link_records=sealed) only when both switches choose them,
   audited as transport ``raw+sealed``;
 * authenticated as the gRPC link is: no client certificate, an untrusted CA, a certificate of the right
-  CA naming another role, a handshake contradicting the certificate, and a hello confirming another
-  preamble than the one that crossed in clear are refused and audited, and no session starts;
+  CA naming another role, a handshake contradicting the certificate or announcing no link framing, and a
+  hello confirming another preamble than the one that crossed in clear are refused and audited, and no
+  session starts;
 * lanes over raw connections: striping in order, losing one connection mid-transfer, retiring one (the
   data-plane tests of test_switch_data_plane.py, run with the raw transport, with TLS and with sealed
   records).
@@ -26,7 +27,7 @@ from cryptography.hazmat.primitives import serialization
 
 from nebula_common.pki import Identity, PkiLayout, init_pki, issue_certificate
 from nebula_common.proto.nebula.v1 import link_pb2
-from nebula_common.rpc.framing import encode_chunk
+from nebula_common.rpc.framing import LINK_FRAMING_VERSION, encode_chunk
 from services.switch.link import PROTOCOL_VERSION, HandshakeError
 from services.switch.rawlink import PREAMBLE, PREAMBLE_SEALED, RawConnection, dial_raw
 from tests.integration import test_switch_data_plane as plane
@@ -46,8 +47,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 def _cross(pair: Pair, accounts: dict[str, Cluster], job: str) -> None:
     """A framed 1 MiB chunk from a trainer at switch a reaches one at switch b as the same bytes."""
     payload = bytes(range(256)) * 4096
-    sender = EdgeClient(pair.a, accounts["a"].tokens["alice"], job, framing=True)
-    receiver = EdgeClient(pair.b, accounts["b"].tokens["alice"], job, framing=True)
+    sender = EdgeClient(pair.a, accounts["a"].tokens["alice"], job)
+    receiver = EdgeClient(pair.b, accounts["b"].tokens["alice"], job)
     for end in (sender, receiver):
         end.expect("ready")
     raw, _ = encode_chunk(job, "e", 0, 1, 0, payload, True)
@@ -116,9 +117,15 @@ def _pem_pair(tmp_path: Path, name: str, cert: Any, key: Any) -> Callable[[ssl.S
     return lambda context: context.load_cert_chain(str(path))
 
 
-async def _attempt(address: str, context: ssl.SSLContext, claim: str, preamble: bytes = PREAMBLE) -> str:
-    """Dial raw, send a handshake claiming ``claim`` and to have sent ``preamble`` in clear; what happened
-    (the refusal shows as a closed link)."""
+async def _attempt(
+    address: str,
+    context: ssl.SSLContext,
+    claim: str,
+    preamble: bytes = PREAMBLE,
+    link_framing: int = LINK_FRAMING_VERSION,
+) -> str:
+    """Dial raw, send a handshake claiming ``claim``, to have sent ``preamble`` in clear and ``link_framing``;
+    what happened (the refusal shows as a closed link)."""
     try:
         connection: RawConnection = await dial_raw(
             address, context, Identity("b", "switch").dns_name, timeout=10
@@ -128,7 +135,11 @@ async def _attempt(address: str, context: ssl.SSLContext, claim: str, preamble: 
     try:
         hello = link_pb2.LinkMessage(
             hello=link_pb2.Handshake(
-                protocol_version=PROTOCOL_VERSION, cluster_id=claim, raw_link=1, raw_preamble=preamble
+                protocol_version=PROTOCOL_VERSION,
+                cluster_id=claim,
+                raw_link=1,
+                raw_preamble=preamble,
+                link_framing=link_framing,
             )
         )
         await connection.write(hello.SerializeToString())
@@ -176,6 +187,7 @@ def test_the_raw_port_refuses_what_the_grpc_link_refuses_and_audits_it(
         ),
         "another role": (_pem_pair(tmp_path, "operator", operator, operator_key), "a", "identity"),
         "handshake lies": (genuine, "z", "handshake"),
+        "no link framing": (genuine, "a", "handshake"),
         # The genuine switch a, saying inside TLS that it sent another preamble than b received in clear.
         "preamble differs": (genuine, "a", "transport"),
     }
@@ -185,7 +197,8 @@ def test_the_raw_port_refuses_what_the_grpc_link_refuses_and_audits_it(
         for name, (material, claim, layer) in cases.items():
             before = len([r for r in pair.audit("b", "link.refused") if r["details"]["layer"] == layer])
             said = PREAMBLE_SEALED if name == "preamble differs" else PREAMBLE
-            outcome = asyncio.run(_attempt(address, _context(material, bundle), claim, said))
+            framing = 0 if name == "no link framing" else LINK_FRAMING_VERSION
+            outcome = asyncio.run(_attempt(address, _context(material, bundle), claim, said, framing))
             assert outcome != "answered", f"{name}: the raw port answered a handshake"
             wait_for(
                 lambda layer=layer, before=before: (

@@ -289,8 +289,8 @@ def _the_link_breaks_and_recovers(
         ups = [r["details"] for r in pair.audit("b", "link.up")]
         assert [up["transport"] for up in ups] == ["raw+sealed"], ups
         assert proxy.sealed_connections == 1, proxy.sealed_connections
-        sender = EdgeClient(pair.a, accounts["a"].tokens["alice"], f"{action}-before", framing=True)
-        receiver = EdgeClient(pair.b, accounts["b"].tokens["alice"], f"{action}-before", framing=True)
+        sender = EdgeClient(pair.a, accounts["a"].tokens["alice"], f"{action}-before")
+        receiver = EdgeClient(pair.b, accounts["b"].tokens["alice"], f"{action}-before")
         for end in (sender, receiver):
             end.expect("ready")
         raw, _ = encode_chunk(f"{action}-before", "e", 0, 1, 0, PAYLOAD, True)
@@ -325,8 +325,8 @@ def _the_link_breaks_and_recovers(
 
         # A chunk sent now crosses byte for byte.
         job = f"{action}-after"
-        after_sender = EdgeClient(pair.a, accounts["a"].tokens["bob"], job, framing=True)
-        after_receiver = EdgeClient(pair.b, accounts["b"].tokens["bob"], job, framing=True)
+        after_sender = EdgeClient(pair.a, accounts["a"].tokens["bob"], job)
+        after_receiver = EdgeClient(pair.b, accounts["b"].tokens["bob"], job)
         for end in (after_sender, after_receiver):
             end.expect("ready")
         after, _ = encode_chunk(job, "e", 0, 1, 0, PAYLOAD[::-1], True)

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from nebula_common.proto.nebula.v1 import relay_pb2
+from nebula_common.rpc.framing import LINK_FRAMING_VERSION
 
 found: dict[str, dict[str, Any]] = {}
 PTRACE_ATTACH = 16
@@ -106,7 +107,9 @@ def probe(options: dict[str, Any]) -> None:
 
     def other_edge() -> object:
         opened = relay_pb2.EdgeMessage(
-            open=relay_pb2.EdgeOpen(job_id=options["victim_job"], edge="encoder->decoder")
+            open=relay_pb2.EdgeOpen(
+                job_id=options["victim_job"], edge="encoder->decoder", link_framing=LINK_FRAMING_VERSION
+            )
         )
         call = channel.stream_stream("/nebula.v1.Relay/OpenEdge")(
             iter([opened.SerializeToString()]), metadata=meta, timeout=10

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc, tensor_pb2
+from nebula_common.rpc.framing import LINK_FRAMING_VERSION
 from services.trainer.edge import EdgeClosedError, EdgeSession, EdgeSettings, GrpcEdgeTransport
 from services.trainer.edge.session import TransportHandler
 from tests.support.edges import wait_for
@@ -20,7 +21,8 @@ pytestmark = pytest.mark.timeout(60)
 
 class ScriptedRelay(relay_pb2_grpc.RelayServicer):
     """Each OpenEdge call takes the next entry of ``script``: a status code to abort with after
-    ready ("drop"), a code to refuse the open with, or "stay" to keep the stream open."""
+    ready ("drop"), a code to refuse the open with, "stay" to keep the stream open, or "unframed" to
+    answer with a ready announcing no link framing."""
 
     def __init__(self, script: list[tuple[str, grpc.StatusCode | None]]) -> None:
         self.script = script
@@ -37,7 +39,9 @@ class ScriptedRelay(relay_pb2_grpc.RelayServicer):
             action, code = self.script.pop(0) if self.script else ("stay", None)
         if action == "refuse":
             context.abort(code, "token expired")
-        yield relay_pb2.EdgeMessage(ready=relay_pb2.EdgeReady(max_window_bytes=1 << 20, link_up=True))
+        framing = 0 if action == "unframed" else LINK_FRAMING_VERSION
+        ready = relay_pb2.EdgeReady(max_window_bytes=1 << 20, link_up=True, link_framing=framing)
+        yield relay_pb2.EdgeMessage(ready=ready)
         if action == "drop":
             next(request_iterator)  # the session's resume ack
             context.abort(code, "switch restarting")
@@ -112,6 +116,26 @@ def test_a_refusal_fails_at_once_with_the_switch_message(
     wait_for(lambda: any(e.startswith("failed") for e in events.log), 10, "the refusal")
     assert events.log == [f"failed: switch refused edge 'e': {code.name}: token expired"]
     assert len(servicer.opens) == 1  # no retry
+    transport.shutdown()
+
+
+def test_a_ready_without_link_framing_fails_at_once_naming_the_field(
+    relay: tuple[ScriptedRelay, str],
+) -> None:
+    servicer, address = relay
+    servicer.script = [("unframed", None)]
+    events = Events()
+    transport = GrpcEdgeTransport(address, "token", "job", "e", backoff_initial_s=0.05)
+    handler: TransportHandler = events
+    transport.start(handler)
+    wait_for(lambda: any(e.startswith("failed") for e in events.log), 10, "the refusal")
+    assert events.log == [
+        "failed: refused the switch's ready for edge 'e': EdgeReady.link_framing 0 is not supported: "
+        "it must be 1 (framed payload chunks)"
+    ]
+    assert [o.link_framing for o in servicer.opens] == [
+        LINK_FRAMING_VERSION
+    ]  # the open announced it; no retry
     transport.shutdown()
 
 

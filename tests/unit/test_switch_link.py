@@ -23,8 +23,12 @@ def routed(item: relay_pb2.EdgeMessage) -> link_pb2.LinkMessage:
     return link_pb2.LinkMessage(routed=link_pb2.RoutedItem(job_id="j", edge="e", item=item))
 
 
-def hello(cluster: str, version: int = PROTOCOL_VERSION) -> link_pb2.LinkMessage:
-    return link_pb2.LinkMessage(hello=link_pb2.Handshake(protocol_version=version, cluster_id=cluster))
+def hello(
+    cluster: str, version: int = PROTOCOL_VERSION, framing: int = LINK_FRAMING_VERSION
+) -> link_pb2.LinkMessage:
+    return link_pb2.LinkMessage(
+        hello=link_pb2.Handshake(protocol_version=version, cluster_id=cluster, link_framing=framing)
+    )
 
 
 def make_link() -> PeerLink:
@@ -45,6 +49,14 @@ def test_handshake_refuses_another_protocol_version_and_non_hello_first_message(
     frame = link_pb2.LinkMessage(routed=link_pb2.RoutedItem(job_id="j", edge="e"))
     with pytest.raises(HandshakeError, match="did not start with a handshake"):
         link.check_hello(frame, Identity("b", "switch"))
+
+
+@pytest.mark.parametrize("framing", [0, 2])
+def test_handshake_refuses_a_peer_without_link_framing(framing: int) -> None:
+    with pytest.raises(
+        HandshakeError, match=rf"Handshake.link_framing {framing} is not supported: it must be 1"
+    ):
+        make_link().check_hello(hello("b", framing=framing), Identity("b", "switch"))
 
 
 @pytest.mark.parametrize(
@@ -171,12 +183,7 @@ def test_account_weights_read_from_the_environment_or_refused_naming_the_entry(
             SwitchSettings(**switch_env())
 
 
-@pytest.mark.parametrize("peer_framing", [True, False])
-def test_a_framed_chunk_goes_out_as_is_or_as_a_classic_routed_item_for_an_older_peer(
-    peer_framing: bool,
-) -> None:
-    """Link framing is negotiated: a peer whose handshake did not announce it gets ``routed`` items."""
-
+def test_a_framed_chunk_goes_out_byte_for_byte() -> None:
     async def scenario() -> list[bytes]:
         router = Router(cluster_id="a")
         link = PeerLink("a", "b", router)
@@ -194,9 +201,7 @@ def test_a_framed_chunk_goes_out_as_is_or_as_a_classic_routed_item_for_an_older_
                 written.append(message)
                 stop.set()
 
-        session = asyncio.create_task(
-            link.run_session(read, write, Identity("b", "switch"), "dialer", peer_framing=peer_framing)
-        )
+        session = asyncio.create_task(link.run_session(read, write, Identity("b", "switch"), "dialer"))
         assert await link.wait_connected(5)  # a session start purges what was queued before it
         router.accept_local(route, attachment, parse_chunk(raw))
         await asyncio.wait_for(session, 5)
@@ -204,13 +209,8 @@ def test_a_framed_chunk_goes_out_as_is_or_as_a_classic_routed_item_for_an_older_
 
     written = asyncio.run(scenario())
     raw, _ = encode_chunk("j", "e", 0, 1, 0, b"x" * 1000, True)
-    message = link_pb2.LinkMessage.FromString(written[0])
-    if peer_framing:
-        assert written[0] == raw
-        assert message.WhichOneof("body") == "framed"
-    else:
-        assert message.WhichOneof("body") == "routed"
-        assert message.routed.item.frame.chunk.data == b"x" * 1000
+    assert written[0] == raw
+    assert link_pb2.LinkMessage.FromString(written[0]).WhichOneof("body") == "framed"
 
 
 def test_the_hello_announces_link_framing() -> None:

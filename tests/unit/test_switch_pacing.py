@@ -264,7 +264,7 @@ def test_two_paced_switches_carry_big_and_small_items_whole_through_fragments() 
 
         sender, receiver = Router(cluster_id="a"), Router(cluster_id="b")
         a, b = PeerLink("a", "b", sender), PeerLink("b", "a", receiver)
-        kwargs = {"peer_framing": True, "peer_paced": True}
+        kwargs = {"peer_paced": True}
         sessions = [
             asyncio.create_task(a.run_session(ba.get, write_ab, Identity("b", "switch"), "dialer", **kwargs)),
             asyncio.create_task(b.run_session(ab.get, ba.put, Identity("a", "switch"), "acceptor", **kwargs)),
@@ -344,9 +344,7 @@ def test_a_hostile_peer_that_breaks_the_paced_protocol_ends_its_session_saying_w
             return None
 
         session = asyncio.create_task(
-            link.run_session(
-                inbox.get, write, Identity("b", "switch"), "dialer", peer_framing=True, peer_paced=paced
-            )
+            link.run_session(inbox.get, write, Identity("b", "switch"), "dialer", peer_paced=paced)
         )
         assert await link.wait_connected(5)
         for message in messages:

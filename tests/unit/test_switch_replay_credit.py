@@ -43,8 +43,9 @@ VALUES = 200_000  # 800 KB of float32: one tensor is most of a window (a header 
 class StreamEnd:
     """A trainer's stream to its switch: what the session sends waits here until the test moves it."""
 
-    def __init__(self, framing: bool) -> None:
-        self.link_framing = framing
+    frames_chunks = True  # as the gRPC transport: payload chunks are framed bytes
+
+    def __init__(self) -> None:
         self.sent: collections.deque[relay_pb2.EdgeMessage | bytes] = collections.deque()
         self.handler: TransportHandler | None = None
 
@@ -68,7 +69,7 @@ class StreamEnd:
 class Path:
     """Sender -> switch a -> link -> switch b -> receiver, and the acks back."""
 
-    def __init__(self, framing: bool) -> None:
+    def __init__(self) -> None:
         limits = Limits(max_window_bytes=WINDOW)
         self.closes: list[dict] = []
         record = lambda event, **fields: self.closes.append({"event": event, **fields})  # noqa: E731
@@ -79,8 +80,8 @@ class Path:
         self.route_a, self.att_a = self.a.attach(KEY, "alice")
         self.route_b, self.att_b = self.b.attach(KEY, "alice")
         self.clock = FakeClock()
-        self.up = StreamEnd(framing)
-        self.down = StreamEnd(framing)
+        self.up = StreamEnd()
+        self.down = StreamEnd()
         self.sender = EdgeSession(self.up, FORWARD, SETTINGS, name="up", clock=self.clock, route=KEY)
         self.receiver = EdgeSession(self.down, BACKWARD, SETTINGS, name="down", clock=FakeClock(), route=KEY)
         self.sender.start()
@@ -183,9 +184,9 @@ def superseded_items(direction: str) -> float:
     return 0.0 if value is None else value
 
 
-@pytest.fixture(params=[True, False], ids=["framed", "classic"])
-def path(request: pytest.FixtureRequest):  # noqa: ANN201
-    p = Path(request.param)
+@pytest.fixture
+def path():  # noqa: ANN201
+    p = Path()
     try:
         p.settle()  # readies and resume acks both ways: the sender has the receiver's credit
         yield p

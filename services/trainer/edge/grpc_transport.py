@@ -14,11 +14,10 @@ and the switch's ``EdgeRestart`` goes to the session like any other message (the
 then shuts the transport down).
 
 Link framing (``nebula_common/rpc/framing.py``): the stream is called with raw-bytes serializers. The
-open announces ``link_framing``; when the switch's ready confirms it, ``link_framing`` is True and the
-session hands framed chunks (bytes) to ``send``, which go out untouched, and framed chunks from the peer
-reach the session as ``FramedChunk`` views (no protobuf parse of the payload). Framed bytes sent while
-the live stream does not speak framing (a reconnect to an older switch) are converted to a classic
-frame message here.
+open announces ``link_framing`` and the session hands framed chunks (bytes) to ``send``, which go out
+untouched; framed chunks from the peer reach the session as ``FramedChunk`` views (no protobuf parse of
+the payload). A ready announcing another ``link_framing`` fails the edge at once: that switch could not
+read the chunks.
 """
 
 from __future__ import annotations
@@ -33,7 +32,13 @@ import grpc
 
 from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc import bearer_metadata
-from nebula_common.rpc.framing import LINK_FRAMING_VERSION, FramedChunk, is_framed, parse_chunk
+from nebula_common.rpc.framing import (
+    LINK_FRAMING_VERSION,
+    FramedChunk,
+    framing_refusal,
+    is_framed,
+    parse_chunk,
+)
 from nebula_common.rpc.internal_tls import internal_channel
 from services.trainer.edge.session import TransportHandler
 
@@ -63,6 +68,9 @@ def _received(raw: bytes) -> relay_pb2.EdgeMessage | FramedChunk:
 
 
 class GrpcEdgeTransport:
+    frames_chunks = True
+    """The session hands payload chunks over framed (bytes): every switch reads them."""
+
     def __init__(
         self,
         switch_address: str,
@@ -91,8 +99,6 @@ class GrpcEdgeTransport:
         self._close_sent = threading.Event()
         self._call_ended = threading.Event()  # the live call ended after we closed
         self._outgoing: queue.Queue[object] | None = None  # the live stream's queue, once ready
-        #: The live stream speaks link framing (the switch's ready said so).
-        self.link_framing = False
         self._call: grpc.Call | None = None
         self._channel: grpc.Channel | None = None
         self._thread: threading.Thread | None = None
@@ -147,10 +153,14 @@ class GrpcEdgeTransport:
                     kind = message.WhichOneof("body")
                     if kind == "ready":
                         assert isinstance(message, relay_pb2.EdgeMessage)
+                        refusal = framing_refusal("EdgeReady.link_framing", message.ready.link_framing)
+                        if refusal is not None:  # no reconnect can fix that switch
+                            handler.on_failed(f"refused the switch's ready for edge {self.edge!r}: {refusal}")
+                            self._stopping.set()
+                            break
                         ever_ready = True
                         backoff = self.backoff_initial_s
                         with self._lock:
-                            self.link_framing = message.ready.link_framing >= LINK_FRAMING_VERSION
                             if not self._closing:
                                 self._outgoing = outgoing
                         handler.on_ready(message.ready)
@@ -190,8 +200,6 @@ class GrpcEdgeTransport:
         with self._lock:
             if self._outgoing is None:
                 return
-            if isinstance(message, bytes) and not self.link_framing:
-                message = parse_chunk(message).edge_message_bytes()  # an older switch: a classic frame
             self._outgoing.put(message)
 
     def close(self, reason: str, error: bool) -> None:

@@ -48,11 +48,12 @@ waits for the link without a deadline before it exchanges RESUME signals). The t
 switch, or the in-memory pair of the tests) calls the ``on_*`` methods from its own
 thread; ``send`` on the transport must never block.
 
-Link framing: when the session knows its route (job, edge) and the transport's live stream speaks link
-framing (``transport.link_framing``), each payload chunk is built once as its final wire bytes
-(``nebula_common/rpc/framing.py``) in chunks of the window / 8 (256 KiB .. 4 MiB), and replays resend
-those bytes; chunks from the peer arrive as ``FramedChunk`` views and are copied once, into the frame's
-buffer, which becomes the payload without another copy.
+Link framing: when the session knows its route (job, edge) and its transport carries framed chunks
+(``transport.frames_chunks``: the gRPC stream to the switch), each payload chunk is built once as its
+final wire bytes (``nebula_common/rpc/framing.py``) in chunks of the window / 8 (256 KiB .. 4 MiB), and
+replays resend those bytes; chunks from the peer arrive as ``FramedChunk`` views and are copied once, into
+the frame's buffer, which becomes the payload without another copy. Other transports (the in-memory pair
+of the tests) carry payload chunks as ``TensorFrame`` messages.
 """
 
 from __future__ import annotations
@@ -134,14 +135,18 @@ class EdgeSettings:
 
 
 class Transport(Protocol):
-    """How an edge session's messages travel (gRPC to the local switch, or an in-memory pair)."""
+    """How an edge session's messages travel (gRPC to the local switch, or an in-memory pair).
+
+    A transport whose ``frames_chunks`` attribute is true takes payload chunks framed (``bytes``);
+    without it, the session sends them as ``TensorFrame`` messages.
+    """
 
     def start(self, handler: TransportHandler) -> None: ...
 
     def send(self, message: relay_pb2.EdgeMessage | bytes) -> None:
         """Best effort and non-blocking: a message sent while the link is down may be lost.
 
-        ``bytes`` are a framed chunk, handed over only while ``link_framing`` is true."""
+        ``bytes`` are a framed chunk, handed over only when ``frames_chunks`` is true."""
 
     def close(self, reason: str, error: bool) -> None:
         """Send EdgeClose and stop reconnecting; keep delivering until the peer closes."""
@@ -579,8 +584,8 @@ class EdgeSession:
         return encoded
 
     def _frame_messages(self, encoded: EncodedTensor) -> list[tuple[relay_pb2.EdgeMessage | bytes, int]]:
-        """The header, then the payload's chunks: framed once when the stream speaks link framing."""
-        if self.route is None or not getattr(self.transport, "link_framing", False):
+        """The header, then the payload's chunks: framed once when the transport carries framed chunks."""
+        if self.route is None or not getattr(self.transport, "frames_chunks", False):
             frames = [relay_pb2.EdgeMessage(frame=f) for f in to_frames(encoded)]
             return [(m, wire_size(m)) for m in frames]
         header = relay_pb2.EdgeMessage(frame=tensor_pb2.TensorFrame(header=encoded.header))
@@ -824,7 +829,7 @@ class EdgeSession:
         last: bool,
         size: int,
     ) -> None:
-        """One payload chunk (classic or framed), copied once into the frame's preallocated buffer."""
+        """One payload chunk (a ``TensorChunk`` or framed), copied once into the frame's buffer."""
         assembly = self._assembly
         if assembly is None or frame_id != assembly.header.frame_id or offset != assembly.received:
             if assembly is not None and frame_id == assembly.header.frame_id and offset > assembly.received:
