@@ -43,6 +43,20 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _take_directory_owner(fd: int, directory: Path) -> None:
+    """Run as root, a file written into a directory of another user's belongs to that user.
+
+    The local launcher gives a boxed trainer a user of its own and its directories (``launcher/userns.py``),
+    then renews the trainer's certificate and key in them: the trainer must still read them. A user who
+    owns the directory could replace its files anyway, so this hands it nothing new.
+    """
+    if os.geteuid() != 0:
+        return
+    owner = os.stat(directory)
+    if owner.st_uid != 0:
+        os.fchown(fd, owner.st_uid, owner.st_gid)
+
+
 def _write_temp(path: Path, data: bytes, mode: int) -> Path:
     """Write ``data`` to a fresh, fsynced temp file next to ``path`` with exactly ``mode``; its path.
 
@@ -55,6 +69,7 @@ def _write_temp(path: Path, data: bytes, mode: int) -> Path:
     try:
         try:
             os.fchmod(fd, mode)  # the umask may have stripped bits from a public file; be exact
+            _take_directory_owner(fd, path.parent)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]

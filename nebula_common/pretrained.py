@@ -172,6 +172,8 @@ def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         raise PretrainedError(f"no {WEIGHTS} (nor {WEIGHTS_INDEX}): weights must be safetensors")
     shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
+        if file.exists() and not os.access(file, os.R_OK):  # safetensors would call it missing
+            raise PretrainedError(f"{file.name} is not readable by this process's user (uid {os.getuid()})")
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)

@@ -68,6 +68,13 @@ def up(
     max_restarts: Annotated[
         int, typer.Option(min=0, help="Give up on a service that dies more often than this within a minute.")
     ] = 5,
+    share: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="A folder the trainer reads (read-only) besides its own, e.g. pre-trained weights a job "
+            "names by absolute path; repeatable. A boxed trainer sees nothing else of this machine."
+        ),
+    ] = None,
 ) -> None:
     """Start this cluster's auth, codec, data, switch and trainer until interrupted.
 
@@ -76,6 +83,9 @@ def up(
     address). `nebula local status|down --run-dir` work on the same run directory.
     """
     (peer_id, peer_address), *more_peers = [parse_peer(value) for value in peer]
+    for folder in share or []:
+        if not folder.is_dir():
+            raise typer.BadParameter(f"{folder}: not a directory", param_hint="--share")
     deployment = ClusterDeployment(
         run_dir=run_dir,
         cluster=cluster,
@@ -86,6 +96,7 @@ def up(
         pki_dir=pki_dir,
         restart_policy=RestartPolicy(max_restarts=max_restarts),
         on_event=_print_event,
+        shares=tuple(share or ()),
     )
     names = ", ".join([peer_id, *(other for other, _ in more_peers)])
     console.print(f"starting cluster {cluster} (peers {names}) in [bold]{escape(str(run_dir))}[/] ...")

@@ -66,6 +66,12 @@ def up(
     as_json: bool = typer.Option(
         False, "--json", help="Print the whole deployment description (deployment.json) once it is up."
     ),
+    share: list[Path] = typer.Option(
+        [],
+        "--share",
+        help="A folder the trainers read (read-only) besides their own, e.g. pre-trained weights a job names "
+        "by absolute path; repeatable. A boxed trainer sees nothing else of this machine.",
+    ),
 ) -> None:
     """Start clusters a and b (auth, codec, data, switch, trainer each) and the WAN emulator between them.
 
@@ -75,6 +81,9 @@ def up(
     dying is given up on and reported while the rest keep running. Ctrl-C stops everything.
     """
     run_dir = run_dir or default_run_dir("local")
+    for folder in share:
+        if not folder.is_dir():
+            raise typer.BadParameter(f"{folder}: not a directory", param_hint="--share")
     deployment = LocalDeployment(
         run_dir=run_dir,
         bandwidth_mbit=bandwidth_mbit,
@@ -82,6 +91,7 @@ def up(
         clusters=tuple(CLUSTER_IDS[:clusters]),
         restart_policy=RestartPolicy(max_restarts=max_restarts),
         on_event=_print_event,
+        shares=tuple(share),
     )
     reused = " (reusing its secrets, accounts and data)" if (run_dir / "pki").exists() else ""
     names = ", ".join(CLUSTER_IDS[:clusters])

@@ -22,6 +22,7 @@ from nebula_common.launcher.ports import service_port
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command, wait_healthy
 from nebula_common.launcher.service_box import ServiceBox, boxes_enabled
 from nebula_common.launcher.signer import SignerLayout, signer_layout
+from nebula_common.launcher.trainer_box import TrainerBox
 from nebula_common.metrics import metrics_url, trust_metrics_endpoint
 from nebula_common.pki.identity import validate_cluster_id
 from nebula_common.pki.service_identity import (
@@ -109,6 +110,8 @@ class ClusterProcesses:
     service_tls: dict[str, ServiceTlsFiles] = field(default_factory=dict)
     # Where the audit signer keeps its keys and each service's socket (``launcher/signer.py``).
     signing: SignerLayout | None = None
+    # The trainer's box (``trainer_box.py``): its control-group folders go once it has stopped.
+    trainer_box: TrainerBox | None = None
 
     def processes(self) -> list[ServiceProcess]:
         every = (self.signer, self.auth, self.codec, self.data, self.switch, self.trainer)
@@ -125,13 +128,16 @@ class ClusterLauncher:
     # The PKI root holding ``<cluster>/ca.crt`` and ``ca.key``; the cluster CA issues every service's
     # internal identity. None turns internal TLS off (the development flag, ``rpc/internal_tls.py``).
     pki_dir: Path | None = None
-    # Each service but the trainer in a bubblewrap box of its own (``service_box.py``); None: where
-    # bubblewrap can (decided at the first start).
+    # Each service in a bubblewrap box of its own (``service_box.py``, the trainer's: ``trainer_box.py``);
+    # None: where bubblewrap can (decided at the first start).
     boxed: bool | None = None
+    # Folders a boxed trainer reads besides its own (pre-trained weights named by absolute path).
+    shares: tuple[Path, ...] = ()
 
     def __post_init__(self) -> None:
         # Absolute: a boxed service starts in its own /tmp (relative paths would point there).
         self.run_dir, self.log_dir = Path(self.run_dir).absolute(), Path(self.log_dir).absolute()
+        self.shares = tuple(Path(path).absolute() for path in self.shares)
         if self.pki_dir is not None:
             self.pki_dir = Path(self.pki_dir).absolute()
 
@@ -359,6 +365,15 @@ class ClusterLauncher:
 
     def start_trainer(self, state: ClusterProcesses) -> None:
         cluster = state.cluster_id
+        data_dir = self.run_dir / cluster / "trainer"
+        box, boxed = None, {}
+        if self.boxed is None:
+            self.boxed = boxes_enabled()
+        if self.boxed:  # its own directories, user and control groups (``trainer_box.py``)
+            identity = state.service_tls["trainer"].dir if "trainer" in state.service_tls else None
+            state.trainer_box = TrainerBox(data_dir, identity, self.shares)
+            boxed = state.trainer_box.prepare()
+            box = state.trainer_box.box()
         state.trainer = self.launch(
             f"trainer-{cluster}",
             "services.trainer",
@@ -369,12 +384,14 @@ class ClusterLauncher:
                 # Service-to-service calls go to the mutual-TLS service ports.
                 "SWITCH_ADDRESS": self.service_address(state.switch),
                 "AUTH_ADDRESS": self.service_address(state.auth),
-                "DATA_DIR": str(self.run_dir / cluster / "trainer"),
+                "DATA_DIR": str(data_dir),
                 "DATA_SERVICE_ADDRESS": self.service_address(state.data),
                 **self._tls_settings(state, "trainer"),
                 **self._signer_settings(state, "trainer"),
+                **boxed,
             },
             LISTEN_PINS,
+            box=box,
         )
         self._trust(state, state.trainer)
         wait_healthy(self.address(state.trainer), "nebula.v1.Trainer")

@@ -194,10 +194,17 @@ class LocalDeployment:
     # NEBULA_INTERNAL_PLAINTEXT=1 flag in this process's environment, which the services inherit.
     internal_tls: bool = True
     _boxed: bool | None = None  # services in boxes of their own (``service_box.py``), decided at start
+    # Folders each boxed trainer reads besides its own (pre-trained weights named by absolute path):
+    # a local trainer's view of "the cluster's filesystem", as a compose trainer's volumes are.
+    shares: tuple[Path, ...] = ()
 
     def __post_init__(self) -> None:
         # Absolute: a service in its box starts in its own /tmp, and a stage in its account's directory.
         self.run_dir = Path(self.run_dir).absolute()
+        self.shares = tuple(Path(path).absolute() for path in self.shares)
+        for path in self.shares:
+            if not path.is_dir():
+                raise LocalDeploymentError(f"shared folder {path}: not a directory")
 
     @property
     def control_token_file(self) -> Path:
@@ -393,6 +400,7 @@ class LocalDeployment:
             self.log_level,
             pki_dir=self.pki_dir if self.internal_tls else None,
             boxed=self._boxed,
+            shares=self.shares,
         )
 
     def _start_cluster_services(self, cluster: str) -> None:
@@ -479,6 +487,7 @@ class LocalDeployment:
             "run_dir": str(self.run_dir),
             "pki_dir": str(self.pki_dir),
             "service_isolation": service_box.describe(bool(self._boxed)),
+            "trainer_shares": [str(path) for path in self.shares],
             "log_dir": str(self.log_dir),
             "supervisor_log": str(self.log_dir / "supervisor.jsonl"),
             "wan_emulator": {
@@ -538,6 +547,9 @@ class LocalDeployment:
             for tier in tiers:
                 with ThreadPoolExecutor(max_workers=max(1, len(tier)), thread_name_prefix="stop") as pool:
                     list(pool.map(ServiceProcess.stop, tier))  # each: SIGTERM, then SIGKILL after 15 s
+            for state in self.cluster_state.values():
+                if state.trainer_box is not None:
+                    state.trainer_box.release()
         finally:
             self._release_lock()
 

@@ -86,6 +86,7 @@ class ClusterDeployment:
     renewer: LeafRenewer | None = None
     _lock: IO[str] | None = field(default=None, repr=False)
     _boxed: bool | None = field(default=None, repr=False)  # services boxed (``service_box.py``)
+    shares: tuple[Path, ...] = ()  # folders the boxed trainer reads besides its own (``trainer_box.py``)
 
     @property
     def pki(self) -> Path:
@@ -122,7 +123,9 @@ class ClusterDeployment:
         self._lock = _lock_run_dir(self.run_dir)
         self.log_dir.mkdir(exist_ok=True)
         # Every internal port serves mutual TLS with identities from this organisation's own CA.
-        launcher = ClusterLauncher(self.run_dir, self.log_dir, self.log_level, pki_dir=self.pki, boxed=boxed)
+        launcher = ClusterLauncher(
+            self.run_dir, self.log_dir, self.log_level, pki_dir=self.pki, boxed=boxed, shares=self.shares
+        )
         try:
             self.state = launcher.new_state(self.cluster, passwords.get(self.cluster))
             launcher.start_core(self.state)
@@ -210,6 +213,8 @@ class ClusterDeployment:
                 ]:
                     if process is not None:
                         process.stop()
+                if state.trainer_box is not None:
+                    state.trainer_box.release()
         finally:
             if self._lock is not None:
                 self._lock.close()

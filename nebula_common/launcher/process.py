@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nebula_common import seccomp
 from nebula_common.errors import NebulaError
 from nebula_common.launcher.service_box import ServiceBox, filter_missing
+from nebula_common.launcher.userns import user_namespace
 from nebula_common.rpc.internal_tls import internal_channel
 from nebula_common.stop_signals import stop_signals_blocked
 
@@ -109,12 +110,14 @@ class ServiceProcess:
     def _start_boxed(self, box: ServiceBox, env: dict[str, str], out: Any, err: Any) -> None:
         """Start inside the box; learn the service's own pid from bubblewrap's status line."""
         read, write = os.pipe()
-        program = None if filter_missing() else seccomp.program_fd(seccomp.SERVICE)
-        passed = (write,) if program is None else (write, program)
+        program = None if box.nests or filter_missing() else seccomp.program_fd(seccomp.SERVICE)
+        # Run as root, the launcher makes the box's user namespace (``userns.py``): the trainer's user in it.
+        namespace = user_namespace(box.user) if os.geteuid() == 0 else None
+        passed = tuple(fd for fd in (write, program, namespace) if fd is not None)
         try:
             self.boxed_pid = None
             self.popen = subprocess.Popen(
-                [*box.argv(write, program), *self.command],
+                [*box.argv(write, program, namespace), *box.command(self.command, namespace)],
                 env=env,
                 stdout=out,
                 stderr=err,

@@ -22,10 +22,10 @@ bubblewrap loads a seccomp allow list (``nebula_common.seccomp.SERVICE``: system
 set less the calls no service needs, no namespaces, no raw sockets) just before it executes the service.
 The service is the namespace's first process (``--as-pid-1``), so the launcher signals it directly
 (its pid comes from bubblewrap's ``--json-status-fd``) and a SIGTERM drains it as without the box.
-The trainer stays outside: it is the one process that must create the stages' own boxes and control
-groups (``services/trainer/sandbox.py``). Where bubblewrap is missing or may not create namespaces,
-services run unboxed and ``describe()`` says so (``nebula local status``); ``NEBULA_REQUIRE_BWRAP=1``
-turns that into an error.
+The trainer's box differs (``trainer_box.py``): it makes its stages' boxes, so it may create
+namespaces, and a root launcher runs it as a user of its own (``userns.py``, ``box_entry.py``).
+Where bubblewrap is missing or may not create namespaces, services run unboxed and ``describe()``
+says so (``nebula local status``); ``NEBULA_REQUIRE_BWRAP=1`` turns that into an error.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from pathlib import Path
 from nebula_common import seccomp
 from nebula_common.bwrap import code_roots, system_binds
 from nebula_common.errors import NebulaError
+from nebula_common.launcher import userns
 
 SERVICE_ETC = (
     "/etc/ld.so.cache",
@@ -55,6 +56,10 @@ SERVICE_ETC = (
 )
 """What of /etc a service reads: the loader's, the resolver's (``localhost``) and the user database."""
 REQUIRE_ENV = "NEBULA_REQUIRE_BWRAP"
+SYSTEM_TOPS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc", "/proc", "/dev")
+"""What ``system_binds`` and the box's own mounts make: never made again as plain folders (nor ``/tmp``)."""
+HOST_PROC_SIDE = "/run/nebula-host-proc"
+"""Where a nesting box shows the host's /proc until ``box_entry`` has mounted its own and detached this."""
 PROBE_TIMEOUT_S = 30.0
 
 
@@ -73,13 +78,19 @@ class ServiceBox:
     open: its box's mounts are ``nodev``)."""
     shown: tuple[Path, ...] = ()
     """Bound read-only again inside a hidden directory (the service's own identity)."""
+    nests: bool = False
+    """The service makes bubblewrap boxes of its own (the trainer, for its stages): no seccomp filter
+    (it must create namespaces), and, when the launcher is root, the ``box_entry`` set-up below."""
+    user: int = userns.TRAINER_UID
+    """Who a nesting service runs as when the launcher is root (``box_entry``); else the launcher's user."""
 
-    def argv(self, status_fd: int, seccomp_fd: int | None = None) -> list[str]:
+    def argv(self, status_fd: int, seccomp_fd: int | None = None, userns_fd: int | None = None) -> list[str]:
         """bubblewrap's arguments up to ``--``; it writes ``{"child-pid": N}`` to ``status_fd`` and, with
-        ``seccomp_fd``, loads the filter compiled there (``nebula_common.seccomp``) before the service."""
+        ``seccomp_fd``, loads the filter compiled there (``nebula_common.seccomp``) before the service.
+        ``userns_fd`` (a root launcher's, ``userns.user_namespace``): the box's user namespace."""
         args = [
             shutil.which("bwrap") or "bwrap",
-            "--unshare-user",
+            *(["--userns", str(userns_fd)] if userns_fd is not None else ["--unshare-user"]),
             "--unshare-pid",
             "--unshare-ipc",
             "--unshare-uts",
@@ -89,15 +100,20 @@ class ServiceBox:
             "ALL",
             "--json-status-fd",
             str(status_fd),
+            *(["--perms", "0755", "--dir", "/etc"] if self.nests else []),  # else made 0700, by root
             *system_binds(SERVICE_ETC),
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--tmpfs",
-            "/tmp",
         ]
-        args += _code_binds()
+        if self.nests and userns_fd is not None:  # box_entry mounts /proc, then drops these
+            for capability in ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"):
+                args += ["--cap-add", capability]
+            args += ["--bind", "/proc", HOST_PROC_SIDE, "--tmpfs", "/proc"]
+        else:
+            args += ["--proc", "/proc"]
+        args += ["--dev", "/dev", "--perms", "01777", "--tmpfs", "/tmp"]  # the box's own, for any user of it
+        code = _code_binds()
+        if self.nests:  # the box's own folders above what it binds, searchable by the service's user
+            args += _searchable_parents([Path(p) for p in code[2::3]] + [*self.read_write, *self.read_only])
+        args += code
         for path in self.read_write:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
             args += ["--bind", str(path), str(path)]
@@ -113,6 +129,36 @@ class ServiceBox:
         if seccomp_fd is not None:
             args += ["--seccomp", str(seccomp_fd)]
         return [*args, "--chdir", "/tmp", "--"]
+
+    def command(self, command: list[str], userns_fd: int | None) -> list[str]:
+        """What the box executes: ``command``, behind ``box_entry`` for a nesting service (its PID 1; with a
+        root launcher's namespace also its own ``/proc`` and user)."""
+        if not self.nests:
+            return command
+        entry = [sys.executable, "-m", "nebula_common.launcher.box_entry"]
+        if userns_fd is not None:
+            entry += ["--setup", HOST_PROC_SIDE, str(self.user)]
+        return [*entry, "--", *command]
+
+
+def _searchable_parents(paths: list[Path]) -> list[str]:
+    """``--dir`` with mode 0755 for every folder above ``paths`` that the box does not have yet.
+
+    bubblewrap makes a bound path's missing parents with the host's modes, so an interpreter under
+    ``/root`` (0700) would be out of reach of a service that is not root. These are the box's own empty
+    folders (a tmpfs): opening them shows nothing of the host.
+    """
+    made: list[str] = []
+    for path in paths:
+        for parent in reversed(path.parents[:-1]):  # top-down, without "/"
+            name = str(parent)
+            system = name == "/tmp" or any(name == top or name.startswith(top + "/") for top in SYSTEM_TOPS)
+            if name not in made and not system:
+                made.append(name)
+    args: list[str] = []
+    for name in made:
+        args += ["--perms", "0755", "--dir", name]
+    return args
 
 
 def _code_binds() -> list[str]:
@@ -203,9 +249,13 @@ def describe(enabled: bool) -> str:
             if not missing
             else f"no seccomp filter ({missing})"
         )
+        trainer_user = (
+            f"as user {userns.TRAINER_UID}, not root, " if os.geteuid() == 0 else "as the launcher's user, "
+        )
         return (
-            "bwrap: the audit signer, auth, codec, data and the switch each see only their own keys and "
-            f"state (own user, mount and PID namespaces; {calls}; no service reads its audit seal key); "
-            "the trainer runs outside, to box its stages"
+            "bwrap: the audit signer, auth, codec, data, the switch and the trainer each see only their own "
+            f"keys and state (own user, mount and PID namespaces; {calls}; no service reads its audit seal "
+            f"key); the trainer {trainer_user}with no seccomp filter of its own (it makes its stages' boxes, "
+            "which carry theirs)"
         )
     return f"none ({unavailable()}): every service can read every key of the run directory"

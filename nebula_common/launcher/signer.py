@@ -10,6 +10,7 @@ the signer's directory before anything starts (the same key, so old seals still 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from nebula_common.audit.signing import AuditKeyError, adopt_key
@@ -47,7 +48,9 @@ def signer_layout(run_dir: Path, cluster: str) -> SignerLayout:
     layout = SignerLayout(run_dir, cluster)
     layout.keys.mkdir(mode=0o700, parents=True, exist_ok=True)
     for service, socket in layout.sockets.items():
-        socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        socket.parent.mkdir(mode=0o711, parents=True, exist_ok=True)
+        # The service's own directory decides who reaches its socket (the signer leaves that open).
+        os.chmod(socket.parent.parent, 0o700)
         try:
             adopt_key(socket.parent.parent, layout.keys / service, log=f"{service} in cluster {cluster}")
         except AuditKeyError as exc:

@@ -26,6 +26,9 @@ from services.signer.config import SignerSettings
 log = logging.getLogger(__name__)
 
 STOP_GRACE_SECONDS = 2.0
+SOCKET_DIR_MODE = 0o711
+SOCKET_MODE = 0o666
+"""Open to whoever reaches it: the service's own directory above decides (``_private_socket``)."""
 
 
 class SignerServicer(audit_signer_pb2_grpc.AuditSignerServicer):
@@ -67,9 +70,15 @@ class SignerServicer(audit_signer_pb2_grpc.AuditSignerServicer):
 
 
 def _private_socket(path: Path) -> None:
-    """The socket's directory is 0700 (made here if missing); a socket left by a previous run is removed."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path.parent, 0o700)
+    """The socket's directory (made here if missing) may be searched, not listed, by others; a socket
+    left by a previous run is removed.
+
+    Who may connect is decided one level up: each socket lies in its service's own directory (0700,
+    the service's user's; ``launcher/signer.py``), and a boxed trainer runs as a user of its own
+    (``launcher/userns.py``), which must reach a socket the signer, as root, made.
+    """
+    path.parent.mkdir(mode=SOCKET_DIR_MODE, parents=True, exist_ok=True)
+    os.chmod(path.parent, SOCKET_DIR_MODE)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
 
@@ -91,7 +100,7 @@ async def start_signer(
             await server.start()
         finally:
             os.close(directory)
-        os.chmod(path, 0o600)
+        os.chmod(path, SOCKET_MODE)
         stack.push_async_callback(server.stop, STOP_GRACE_SECONDS)
         servers.append(server)
         log.info(

@@ -36,21 +36,23 @@ def _own_v2_path(root: Path) -> Path:
 class StageGroup:
     """The control group(s) of one stage process; ``close()`` kills what is left and removes them."""
 
-    def __init__(self, name: str, *, max_processes: int, memory_bytes: int, root: Path = ROOT) -> None:
+    def __init__(
+        self, name: str, *, max_processes: int, memory_bytes: int, root: Path = ROOT, parent: str = PARENT
+    ) -> None:
         self.paths: list[Path] = []
         if _is_v2(root):
-            path = _own_v2_path(root) / PARENT / name
+            path = _own_v2_path(root) / parent / name
             path.mkdir(parents=True, exist_ok=True)
             (path / "pids.max").write_text(str(max_processes))
             with contextlib.suppress(OSError):  # the memory controller may not be delegated here
                 (path / "memory.max").write_text(str(memory_bytes))
             self.paths.append(path)
             return
-        pids = root / "pids" / PARENT / name
+        pids = root / "pids" / parent / name
         pids.mkdir(parents=True, exist_ok=True)
         (pids / "pids.max").write_text(str(max_processes))
         self.paths.append(pids)
-        memory = root / "memory" / PARENT / name
+        memory = root / "memory" / parent / name
         with contextlib.suppress(OSError):
             memory.mkdir(parents=True, exist_ok=True)
             (memory / "memory.limit_in_bytes").write_text(str(memory_bytes))
@@ -118,10 +120,12 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def available(root: Path = ROOT) -> str:
+def available(root: Path = ROOT, parent: str = PARENT) -> str:
     """Why the trainer cannot make stage groups here ("" when it can): tried for real."""
     try:
-        group = StageGroup(f"probe-{os.getpid()}", max_processes=64, memory_bytes=1 << 30, root=root)
+        group = StageGroup(
+            f"probe-{os.getpid()}", max_processes=64, memory_bytes=1 << 30, root=root, parent=parent
+        )
     except OSError as exc:
         return f"no writable cgroup pids controller ({exc.strerror or exc})"
     group.close()

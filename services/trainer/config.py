@@ -109,6 +109,13 @@ class TrainerSettings(AuditedServiceSettings):
     stage_open_files: int = Field(
         4096, ge=64, le=1 << 20, description="Open files limit of each stage process (RLIMIT_NOFILE)."
     )
+    stage_cgroup: str = Field(
+        "nebula-stages",
+        pattern=r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$",
+        description="The control-group folder stage groups are made in: under each v1 controller's root, "
+        "or under the trainer's own group (v2). nebula local up delegates one folder per trainer, owned "
+        "by the trainer's user, since its boxed trainer may not write elsewhere in /sys/fs/cgroup.",
+    )
     stop_grace_s: float = Field(
         10.0, gt=0, description="On stop, how long running stages get to end before the process exits."
     )

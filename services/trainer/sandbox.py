@@ -79,6 +79,8 @@ class Confinement:
     """The kernel's Landlock ABI (``landlock`` mode)."""
     seccomp_missing: str = ""
     """Why stages get no system-call filter here ("" when they do: ``seccomp_filter``)."""
+    cgroup_parent: str = cgroup.PARENT
+    """The control-group folder stage groups are made in (``NEBULA_TRAINER_STAGE_CGROUP``)."""
 
     def describe(self) -> str:
         groups = (
@@ -211,12 +213,16 @@ def _probe_landlock(scratch: Path) -> tuple[int, str]:
     return version, ""
 
 
-def choose_confinement(requested: str, scratch: Path) -> Confinement:
+def choose_confinement(requested: str, scratch: Path, cgroup_parent: str = cgroup.PARENT) -> Confinement:
     """The confinement for ``requested`` (``auto``: the strongest that works), probed for real."""
     if requested not in MODES:
         expected = ", ".join(MODES)
         raise SandboxError(f"NEBULA_TRAINER_STAGE_ISOLATION={requested!r}: expected one of {expected}")
-    groups = cgroup.available()
+    confinement = _choose(requested, scratch, cgroup.available(parent=cgroup_parent))
+    return dataclasses.replace(confinement, cgroup_parent=cgroup_parent)
+
+
+def _choose(requested: str, scratch: Path, groups: str) -> Confinement:
     no_filter = seccomp_filter.unavailable()
     if requested == "process":
         return Confinement(

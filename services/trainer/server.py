@@ -103,7 +103,7 @@ async def start_trainer(
         stack, data_dir, service="trainer", cluster=settings.cluster_id, signer=settings.audit_signer
     )
     confinement = await asyncio.to_thread(
-        choose_confinement, settings.stage_isolation, data_dir / "sandbox-probe"
+        choose_confinement, settings.stage_isolation, data_dir / "sandbox-probe", settings.stage_cgroup
     )
     ranks_accounts = RankAccounts.parse(settings.ranks_accounts)
     if settings.ranks_listen is not None:

@@ -263,7 +263,10 @@ class StageProcess:
         if not self.confinement.cgroups_missing:
             name = f"{self.spec.job_id}.{self.spec.stage}.{self.pid}"
             self._group = StageGroup(
-                name, max_processes=self._limits.processes, memory_bytes=self._limits.memory_bytes
+                name,
+                max_processes=self._limits.processes,
+                memory_bytes=self._limits.memory_bytes,
+                parent=self.confinement.cgroup_parent,
             )
             self._group.add(self.pid)
         config = {

@@ -17,13 +17,24 @@ from tests.support.accounts import make_user
 
 
 @pytest.fixture(scope="package")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder the deployment's trainers read besides their own (``nebula local up --share``):
+    pre-trained weights a test names by absolute path go here. Readable by a root launcher's trainer user."""
+    folder = tmp_path_factory.mktemp("nebula-shared")
+    folder.chmod(0o755)
+    return folder
+
+
+@pytest.fixture(scope="package")
+def deployment(tmp_path_factory: pytest.TempPathFactory, shared_dir: Path) -> Iterator[LocalDeployment]:
     run_dir: Path = tmp_path_factory.mktemp("nebula-run")
     with pytest.MonkeyPatch.context() as env:
         # Repeated WAN refusals reach the audit log as counted records every 2 s, not every minute
         # (test_security_wan waits for them); the launched switches inherit this environment.
         env.setenv("NEBULA_SWITCH_REFUSAL_AUDIT_INTERVAL_S", "2")
-        with LocalDeployment(run_dir=run_dir, bandwidth_mbit=100.0, delay_ms=5.0) as running:
+        with LocalDeployment(
+            run_dir=run_dir, bandwidth_mbit=100.0, delay_ms=5.0, shares=(shared_dir,)
+        ) as running:
             yield running
 
 

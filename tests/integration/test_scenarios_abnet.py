@@ -95,7 +95,7 @@ def test_learned_bottleneck_shrinks_both_directions_by_d_over_k_on_the_wire(
 @pytest.mark.long
 @pytest.mark.timeout(480)  # two tiny HF models saved, a 3-step job, a refusal; transformers loads slowly
 def test_abnet_from_two_local_hf_directories_and_a_broken_one_refused_by_the_trainer(
-    deployment: LocalDeployment, sessions: dict[str, ClusterSession], tmp_path: Path
+    deployment: LocalDeployment, sessions: dict[str, ClusterSession], shared_dir: Path
 ) -> None:
     """The encoder and decoder come from HF-format folders (tiny BERT and GPT-2, save_pretrained).
 
@@ -109,7 +109,11 @@ def test_abnet_from_two_local_hf_directories_and_a_broken_one_refused_by_the_tra
     from nebula_common.sdk.job_records import list_stage_infos
     from tests.unit.test_pretrained_dirs import D_MODEL, _save_models
 
-    dirs = _save_models(tmp_path)
+    root = shared_dir / "abnet-hf"  # what the trainers see besides their own (`local up --share`)
+    root.mkdir(mode=0o755)
+    dirs = _save_models(root)
+    for path in root.rglob("*"):  # safetensors writes 0600: a root launcher's trainer is user 47000
+        path.chmod(0o755 if path.is_dir() else 0o644)
     options = {"d_model": D_MODEL, "n_layers": 2, "bottleneck": 16}
     overrides = {
         **SMALL,

@@ -6,9 +6,9 @@ looked up through that process's own root (``/proc/<pid>/root``: its mount names
 open) and counted as readable only when the bytes there are the real file's. Auth, codec, data, the
 switch and the audit signer must read exactly their own (the signer: every service's audit seal key,
 which no service reads any more); their ``/proc`` must show no process but their own, so no other
-process's memory or environment is within reach either. The trainer runs outside a box (it must create
-its stages' namespaces and control groups): it is the one process that still reads everything, and
-the deployment says so.
+process's memory or environment is within reach either. The trainer is boxed too (``trainer_box.py``):
+it sees only its own data directory and identity and, run by root, is a user of its own without any
+capability, so even what a stage might make it do happens without root's rights.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ import pytest
 
 from nebula_common.launcher import LocalDeployment
 from nebula_common.launcher.service_box import filter_missing, unavailable
+from nebula_common.launcher.userns import TRAINER_UID
 from nebula_common.pki.store import renew_switch_certificate
 
 pytestmark = pytest.mark.integration
 
-BOXED = ("auth", "codec", "data", "switch")
+BOXED = ("auth", "codec", "data", "switch", "trainer")
 
 
 def _secrets(run_dir: Path) -> list[Path]:
@@ -90,13 +91,35 @@ def test_each_boxed_service_reads_only_its_own_secrets(deployment: LocalDeployme
                 f"{sorted(map(str, own - readable))} of its own"
             )
             pids = [entry for entry in os.listdir(f"/proc/{process.pid}/root/proc") if entry.isdigit()]
+            status = Path(f"/proc/{process.pid}/status").read_text()
+            if service == "trainer":  # its stages' boxes may run beside it, never another service
+                assert "1" in pids and len(pids) == 1 + _descendants(process.pid), (process.name, pids)
+                _assert_not_root(status, process.name)
+                continue
             assert pids == ["1"], f"{process.name} sees processes {pids} besides itself"
             if not filter_missing():  # bubblewrap loaded the services' seccomp filter (mode 2) before it
-                status = Path(f"/proc/{process.pid}/status").read_text()
                 assert "\nSeccomp:\t2\n" in status, f"{process.name} runs without its seccomp filter"
     described = deployment.describe()["service_isolation"]
-    assert "the trainer runs outside" in described
+    assert "the switch and the trainer each see only their own" in described
     assert ("seccomp allows" if not filter_missing() else "no seccomp filter") in described
+
+
+def _descendants(pid: int) -> int:
+    """How many processes run below ``pid`` (a boxed trainer's stages and their boxes)."""
+    from services.trainer.cgroup import descendants
+
+    return len(descendants(pid))
+
+
+def _assert_not_root(status: str, name: str) -> None:
+    """Run by root, the trainer is ``TRAINER_UID`` with no capability left (``box_entry.py``)."""
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if os.geteuid() == 0:
+        assert fields["Uid"].split() == [str(TRAINER_UID)] * 4, (name, fields["Uid"])
+        assert fields["Gid"].split() == [str(TRAINER_UID)] * 4, (name, fields["Gid"])
+    for key in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(fields[key], 16) == 0, (name, key, fields[key])
+    assert fields["NoNewPrivs"].strip() == "1", name
 
 
 def test_each_service_reads_the_current_crl_in_its_own_directory(deployment: LocalDeployment) -> None:
@@ -111,9 +134,7 @@ def test_each_service_reads_the_current_crl_in_its_own_directory(deployment: Loc
                 assert (Path(f"/proc/{process.pid}/root") / copy.relative_to("/")).read_bytes() == crl
 
 
-def test_the_unboxed_trainer_is_named_as_the_one_reader_of_everything(deployment: LocalDeployment) -> None:
-    """A check that can fail: the same lookup finds every secret from the trainer, which has no box."""
+def test_the_lookup_finds_every_secret_from_a_process_without_a_box(deployment: LocalDeployment) -> None:
+    """A check that can fail: the same lookup finds every secret from this test's own process."""
     secrets = _secrets(deployment.run_dir)
-    trainer = deployment.process("trainer-a")
-    assert trainer.box is None
-    assert _readable(trainer.pid, secrets) == set(secrets)  # type: ignore[arg-type]
+    assert _readable(os.getpid(), secrets) == set(secrets)

@@ -145,8 +145,9 @@ def test_a_killed_boxed_service_reports_the_signal_and_is_restarted(boxed: Servi
 class StalledBox(ServiceBox):
     """A box whose launcher stops itself before it runs bubblewrap: no pid ever reaches the status pipe."""
 
-    def argv(self, status_fd: int, seccomp_fd: int | None = None) -> list[str]:
-        return ["sh", "-c", 'kill -STOP $$; exec "$@"', "stalled", *super().argv(status_fd, seccomp_fd)]
+    def argv(self, status_fd: int, seccomp_fd: int | None = None, userns_fd: int | None = None) -> list[str]:
+        stalled = ["sh", "-c", 'kill -STOP $$; exec "$@"', "stalled"]
+        return [*stalled, *super().argv(status_fd, seccomp_fd, userns_fd)]
 
 
 def test_a_box_that_never_reports_fails_the_start_and_is_killed(

@@ -1,0 +1,198 @@
+"""The trainer's own box (``launcher/trainer_box.py``, ``userns.py``, ``box_entry.py``), for real.
+
+A process started the way the launcher starts the trainer is a user of its own (not root) with no
+capability, sees only what its box binds, and can still make a stage's box inside its own: the one
+thing its box must allow that no other service's does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nebula_common.durable import atomic_write
+from nebula_common.launcher.service_box import ServiceBox, unavailable
+from nebula_common.launcher.trainer_box import TrainerBox
+from nebula_common.launcher.userns import TRAINER_UID, user_namespace
+
+ROOT = os.geteuid() == 0
+needs_box = pytest.mark.skipif(bool(unavailable()), reason=f"no bubblewrap box here: {unavailable()}")
+
+PROBE = """
+import json, os, subprocess, sys, time
+from pathlib import Path
+from services.trainer.sandbox import bwrap_command
+work = Path(sys.argv[1])
+status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+processes = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+def readable(path):
+    try:
+        Path(path).read_bytes()
+        return True
+    except OSError:
+        return False
+stage = subprocess.run(
+    bwrap_command(work, work, [], [sys.executable, "-c", "import os; print(os.getuid())"]),
+    capture_output=True, text=True,
+)
+def others():
+    return sorted(p for p in os.listdir("/proc") if p.isdigit() and p not in ("1", str(os.getpid())))
+deadline = time.monotonic() + 10  # what the stage's box leaves ends at once and is reaped by PID 1
+while others() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps({
+    "uid": os.getuid(),
+    "caps": [status[k].strip() for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")],
+    "no_new_privs": status["NoNewPrivs"].strip(),
+    "own": readable(sys.argv[2]),
+    "other": readable(sys.argv[3]),
+    "processes": processes,
+    "stage": stage.stdout.strip() or stage.stderr.strip(),
+    "left": {p: open(f"/proc/{p}/stat").read().split()[2] for p in others()},
+}))
+"""
+
+
+def _run_boxed(box: ServiceBox, argv: list[str]) -> dict[str, object]:
+    namespace = user_namespace(box.user) if ROOT else None
+    read, write = os.pipe()
+    passed = tuple(fd for fd in (write, namespace) if fd is not None)
+    try:
+        done = subprocess.run(
+            [*box.argv(write, None, namespace), *box.command(argv, namespace)],
+            pass_fds=passed,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        for fd in (*passed, read):
+            os.close(fd)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@needs_box
+def test_a_boxed_trainer_is_its_own_user_reads_only_its_own_files_and_can_still_box_a_stage(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "run" / "a" / "trainer"  # below root's 0700 tmp_path, as a real run directory is
+    data.mkdir(parents=True)
+    own = data / "own.key"
+    own.write_text("the trainer's")
+    own.chmod(0o600)
+    other = tmp_path / "run" / "a" / "auth" / "signing.key"
+    other.parent.mkdir(parents=True)
+    other.write_text("auth's")
+    box = TrainerBox(data, None)
+    settings = box.prepare()
+    work = data / "stage-work"
+    work.mkdir()
+    if ROOT:
+        os.chown(work, TRAINER_UID, TRAINER_UID)
+    seen = _run_boxed(box.box(), [sys.executable, "-c", PROBE, str(work), str(own), str(other)])
+    assert seen["own"] is True and seen["other"] is False, seen
+    assert seen["caps"] == ["0000000000000000"] * 5 and seen["no_new_privs"] == "1", seen
+    assert seen["processes"] == [1, 2], seen  # nothing of the host's: box_entry (PID 1) and the probe
+    if ROOT:
+        assert seen["uid"] == TRAINER_UID, seen
+        assert os.stat(data).st_uid == TRAINER_UID and os.stat(own).st_uid == TRAINER_UID
+    assert seen["stage"] == "40000", seen  # the stage's box, made from inside the trainer's (sandbox.py)
+    assert seen["left"] == {}, seen["left"]  # box_entry (PID 1) reaped what the stage's box left
+    if ROOT and not Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        assert settings == {"STAGE_CGROUP": box.cgroup_parent}
+    box.release()
+
+
+@needs_box
+def test_without_box_entry_the_same_box_is_root_inside_a_check_that_can_fail(tmp_path: Path) -> None:
+    """The entry is what makes the trainer another user: a plain box of a root launcher stays root."""
+    if not ROOT:
+        pytest.skip("the launcher is not root here: every box is the launcher's user")
+    box = ServiceBox(read_write=(tmp_path / "data",))
+    namespace = user_namespace(TRAINER_UID)
+    read, write = os.pipe()
+    try:
+        done = subprocess.run(
+            [*box.argv(write, None, namespace), sys.executable, "-c", "import os; print(os.getuid())"],
+            pass_fds=(write, namespace),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        for fd in (write, read, namespace):
+            os.close(fd)
+    assert done.stdout.strip() == "0", done.stderr
+
+
+@pytest.mark.skipif(not ROOT, reason="only root writes files as another user")
+def test_a_key_renewed_into_the_trainers_folder_stays_readable_by_the_trainer(tmp_path: Path) -> None:
+    folder = tmp_path / "identity"
+    folder.mkdir()
+    os.chown(folder, TRAINER_UID, TRAINER_UID)
+    atomic_write(folder / "service.key", b"new key", mode=0o600)
+    info = os.stat(folder / "service.key")
+    assert (info.st_uid, info.st_gid, info.st_mode & 0o777) == (TRAINER_UID, TRAINER_UID, 0o600)
+    atomic_write(tmp_path / "roots.key", b"root's", mode=0o600)  # a folder of root's: stays root's
+    assert os.stat(tmp_path / "roots.key").st_uid == 0
+
+
+@pytest.mark.skipif(not ROOT, reason="only root gives files away")
+def test_prepare_gives_the_data_folder_to_the_trainer_but_not_the_signers(tmp_path: Path) -> None:
+    data = tmp_path / "trainer"
+    (data / "signer").mkdir(parents=True)
+    (data / "accounts" / "alice").mkdir(parents=True)
+    (data / "accounts" / "alice" / "model.pt").write_bytes(b"w")
+    TrainerBox(data, None).prepare()
+    assert os.stat(data / "accounts" / "alice" / "model.pt").st_uid == TRAINER_UID
+    assert os.stat(data / "signer").st_uid == 0  # the signer (root, no capability) makes its socket there
+    assert os.stat(data).st_mode & 0o777 == 0o700
+
+
+def test_box_entry_refuses_a_bad_command_line_naming_the_usage() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "nebula_common.launcher.box_entry", "--setup", "/side", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0 and "usage: python -m nebula_common.launcher.box_entry" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_trainer_user_id_that_belongs_to_someone_is_refused_naming_the_user() -> None:
+    from nebula_common.errors import NebulaError
+    from nebula_common.launcher.trainer_box import _check_unused
+
+    with pytest.raises(NebulaError, match="belongs to user 'root'"):
+        _check_unused(0)
+    _check_unused(TRAINER_UID)  # nobody's here
+
+
+@needs_box
+@pytest.mark.skipif(not ROOT, reason="root reads every file whatever its mode")
+def test_weights_the_trainers_user_may_not_read_are_named_as_unreadable_not_missing(tmp_path: Path) -> None:
+    """safetensors calls an unreadable file missing; the trainer's validation says what is wrong."""
+    import torch
+    from safetensors.torch import save_file
+
+    share = tmp_path / "share"
+    share.mkdir(mode=0o755)
+    save_file({"w": torch.zeros(2)}, str(share / "model.safetensors"))  # 0600, root's: as HF saves
+    probe = (
+        "import json, sys; from pathlib import Path; from nebula_common.pretrained import weight_shapes, "
+        "PretrainedError\ntry:\n    weight_shapes(Path(sys.argv[1]))\n    said = ''\n"
+        "except PretrainedError as exc:\n    said = str(exc)\nprint(json.dumps({'said': said}))"
+    )
+    box = ServiceBox(read_only=(share,), nests=True)
+    said = _run_boxed(box, [sys.executable, "-c", probe, str(share)])["said"]
+    assert said == f"model.safetensors is not readable by this process's user (uid {TRAINER_UID})", said
