@@ -30,6 +30,8 @@ from dataclasses import dataclass
 FRAMED_FIELD = 9
 """Field number of ``framed`` in both EdgeMessage and LinkMessage."""
 FRAMED_TAG = (FRAMED_FIELD << 3) | 2
+_MAX_FIELD_NUMBER = 1 << 29
+"""Field numbers are below this and above 0 (protobuf's own bounds): other keys are corruption."""
 LINK_FRAMING_VERSION = 1
 """The ``link_framing`` every open, ready and handshake carries; any other value is refused."""
 
@@ -91,6 +93,8 @@ def _read_varint(view: memoryview, pos: int, end: int) -> tuple[int, int]:
         pos += 1
         value |= (byte & 0x7F) << shift
         if not byte & 0x80:
+            if value >> 64:  # a 10th byte above 1: protobuf would keep the low 64 bits, a different number
+                raise FramingError("framed chunk has a varint above 64 bits")
             return value, pos
         shift += 7
         if shift > 63:
@@ -103,6 +107,10 @@ def _fields(view: memoryview, pos: int, end: int) -> dict[int, int | tuple[int, 
     while pos < end:
         key, pos = _read_varint(view, pos, end)
         number, wire = key >> 3, key & 7
+        if not 0 < number < _MAX_FIELD_NUMBER:
+            raise FramingError(f"framed chunk has field number {number}, which protobuf does not allow")
+        if number in found:  # protobuf merges a repeated message field, this reader would keep the last
+            raise FramingError(f"framed chunk repeats field {number}")
         if wire == 0:
             value, pos = _read_varint(view, pos, end)
             found[number] = value
@@ -122,6 +130,15 @@ def _span(found: dict[int, int | tuple[int, int]], number: int, what: str) -> tu
     if not isinstance(value, tuple):
         raise FramingError(f"framed chunk has no {what}")
     return value
+
+
+def _text(view: memoryview, found: dict[int, int | tuple[int, int]], number: int, what: str) -> str:
+    """A string field as protobuf reads it: UTF-8, or a FramingError (never a bare UnicodeDecodeError,
+    which the hops catching FramingError would let through)."""
+    try:
+        return bytes(view[slice(*_span(found, number, what))]).decode()
+    except UnicodeDecodeError as exc:
+        raise FramingError(f"framed chunk {what} is not UTF-8: {exc}") from None
 
 
 def _int(found: dict[int, int | tuple[int, int]], number: int) -> int:
@@ -189,7 +206,11 @@ def is_framed(raw: bytes | memoryview) -> bool:
 
 
 def parse_chunk(raw: bytes) -> FramedChunk:
-    """Read a framed chunk's header and return it with a view of the payload; the payload is not copied."""
+    """Read a framed chunk's header and return it with a view of the payload; the payload is not copied.
+
+    Anything that is not a framed chunk, or that protobuf would read differently (truncated, wrong or
+    repeated fields, field number 0, a varint over 64 bits, a job or edge that is not UTF-8), is a
+    FramingError, the one error every hop catches."""
     view = memoryview(raw)
     end = len(view)
     if not is_framed(raw):
@@ -198,8 +219,8 @@ def parse_chunk(raw: bytes) -> FramedChunk:
     if pos + length != end:
         raise FramingError(f"framed chunk declares {length} bytes but {end - pos} follow")
     routed = _fields(view, pos, end)
-    job_id = bytes(view[slice(*_span(routed, 1, "job_id"))]).decode()
-    edge = bytes(view[slice(*_span(routed, 2, "edge"))]).decode()
+    job_id = _text(view, routed, 1, "job_id")
+    edge = _text(view, routed, 2, "edge")
     epoch = _int(routed, 4)
     item = _fields(view, *_span(routed, 3, "item"))
     frame_start, frame_end = _span(item, 2, "frame")

@@ -47,10 +47,14 @@ def receive(conn: Connection) -> tuple[bytes, bytes]:
 
 
 def parse_json(payload: bytes) -> dict[str, Any]:
+    """The JSON object in ``payload``; ChannelError for anything else (not JSON, nested too deep, not an
+    object): the stage process runs a tenant's code, so its bytes must not raise anything else."""
     try:
         body = json.loads(payload)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ChannelError(f"stage channel message is not JSON: {exc}") from exc
+    except RecursionError:  # ``[[[[...`` nested past the interpreter's limit (json's C scanner recurses)
+        raise ChannelError("stage channel message nests JSON arrays or objects too deeply") from None
     if not isinstance(body, dict):
         raise ChannelError("stage channel message is not a JSON object")
     return body

@@ -1,0 +1,372 @@
+"""Fuzzing the data path's parsers, part 2: the control messages around the byte streams.
+
+Issue "One data plane", item 2 (part 1, ``test_data_path_fuzz.py``, has the helpers and the streams).
+Whatever a peer sends, the outcome is a valid result or the parser's documented error, never another
+exception or a hang:
+
+* the sealed-records negotiation (``nebula_common/rpc/sealed_records.py``): the ``NBSEAL1`` offer and
+  answer -> a decision or SealedRecordError, and both ends agree on the decision and the keys;
+* the WAN port's first bytes (``services/switch/rawlink.py``, ``WanFrontend``): the raw preamble
+  (``NBLINK1``/``NBLINK2``, echoed), anything else passed through to gRPC's TLS, or a refusal;
+* link messages (``services/switch/link.py``: ``parse_link_message``) -> HandshakeError;
+* the stage channel (``services/trainer/stage_channel.py``: ``receive``, ``parse_json``) -> ChannelError,
+  or EOFError at the end; a length over ``MAX_MESSAGE_BYTES`` is refused before it is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import ssl
+import struct
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+from hypothesis import event, example, given
+from hypothesis import strategies as st
+
+from nebula_common.proto.nebula.v1 import link_pb2
+from nebula_common.rpc.sealed_records import (
+    HEADER,
+    MAGIC,
+    MESSAGE,
+    NEGOTIATION,
+    RecordSealing,
+    SealedRecordError,
+    negotiate_acceptor,
+    negotiate_dialer,
+)
+from services.switch.link import HandshakeError, parse_link_message
+from services.switch.rawlink import PREAMBLE, PREAMBLE_SEALED, WanFrontend
+from services.trainer import stage_channel as channel
+from tests.unit.test_data_path_fuzz import MUTATIONS, STEP_S, field, fuzz, mutated, peak_while, run_bounded
+
+
+# ----- the sealed-records negotiation (inside TLS) ----------------------------------------------
+class ScriptedTls:
+    """The verified TLS socket of a negotiation, as a script: ``recv`` gives the peer's bytes in pieces
+    of ``piece`` (then b"": it closed), ``sendall`` keeps what this side sent, ``detach`` hands over one
+    end of a fresh socket pair as the TCP connection under TLS."""
+
+    def __init__(self, incoming: bytes | Callable[[bytes], bytes], piece: int = 64) -> None:
+        self.incoming, self.piece, self.sent = incoming, piece, b""
+        self.spare: socket.socket | None = None
+
+    def recv(self, size: int) -> bytes:
+        if callable(self.incoming):  # the peer answers what it was sent
+            self.incoming = self.incoming(self.sent)
+        part, self.incoming = self.incoming[: min(size, self.piece)], self.incoming[min(size, self.piece) :]
+        return part
+
+    def sendall(self, data: bytes) -> None:
+        self.sent += data
+
+    def pending(self) -> int:
+        return 0
+
+    def gettimeout(self) -> float:
+        return STEP_S
+
+    def detach(self) -> int:
+        ours, self.spare = socket.socketpair()
+        return ours.detach()
+
+    def close(self, carrier: object) -> None:
+        for sock in (carrier, self.spare):
+            if isinstance(sock, socket.socket):
+                sock.close()
+
+
+_VALID = st.builds(NEGOTIATION.pack, st.just(MAGIC), st.integers(0, 255), st.binary(min_size=32, max_size=32))
+NEGOTIATIONS = st.one_of(
+    st.binary(max_size=48), _VALID, st.tuples(_VALID, MUTATIONS).map(lambda m: mutated(*m))
+)
+
+
+def _decision(received: bytes) -> bytes | None:
+    """The wish or decision byte of a well-formed offer or answer (None: not one)."""
+    if len(received) < NEGOTIATION.size or received[: len(MAGIC)] != MAGIC:
+        return None
+    return received[len(MAGIC) : len(MAGIC) + 1]
+
+
+@fuzz(150)
+@given(offer=NEGOTIATIONS, allow=st.booleans(), piece=st.integers(1, 64))
+def test_an_acceptor_reads_any_offer_as_a_decision_or_a_sealed_record_error(
+    offer: bytes, allow: bool, piece: int
+) -> None:
+    tls, wish = ScriptedTls(offer, piece), _decision(offer)
+    try:
+        carrier, sealing = negotiate_acceptor(tls, allow)  # type: ignore[arg-type]
+    except SealedRecordError:
+        assert wish not in (b"\0", b"\1")
+        return
+    tls.close(carrier)
+    assert wish in (b"\0", b"\1") and (sealing is not None) == (wish == b"\1" and allow)
+    assert _decision(tls.sent) == (b"\1" if sealing else b"\0")
+
+
+@fuzz(150)
+@given(answer=NEGOTIATIONS, want=st.booleans(), piece=st.integers(1, 64))
+def test_a_dialer_reads_any_answer_as_a_decision_or_a_sealed_record_error(
+    answer: bytes, want: bool, piece: int
+) -> None:
+    tls, decision = ScriptedTls(answer, piece), _decision(answer)
+    acceptable = decision in ((b"\0", b"\1") if want else (b"\0",))  # sealed records nobody asked for: no
+    try:
+        carrier, sealing = negotiate_dialer(tls, want)  # type: ignore[arg-type]
+    except SealedRecordError:
+        assert not acceptable
+        return
+    tls.close(carrier)
+    assert acceptable and (sealing is not None) == (decision == b"\1")
+    assert _decision(tls.sent) == (b"\1" if want else b"\0")
+
+
+def _opens(sender: RecordSealing, receiver: RecordSealing, message: bytes) -> bool:
+    record = bytearray(RecordSealing.sealed_size(len(message)))
+    sender.seal_into(MESSAGE, message, memoryview(record))
+    opened = bytearray(len(message))
+    try:
+        receiver.open_into(record[: HEADER.size], memoryview(record)[HEADER.size :], memoryview(opened))
+    except SealedRecordError:
+        return False
+    return opened == message
+
+
+@fuzz(20)
+@given(want=st.booleans(), allow=st.booleans(), message=st.binary(max_size=64))
+def test_both_ends_of_a_negotiation_agree_on_the_decision_and_the_keys(
+    want: bool, allow: bool, message: bytes
+) -> None:
+    accepting: list[tuple[ScriptedTls, object, RecordSealing | None]] = []
+
+    def acceptor(offer: bytes) -> bytes:
+        tls = ScriptedTls(offer)
+        accepting.append((tls, *negotiate_acceptor(tls, allow)))  # type: ignore[arg-type]
+        return tls.sent
+
+    dialing = ScriptedTls(acceptor)
+    carrier, dialer = negotiate_dialer(dialing, want)  # type: ignore[arg-type]
+    accepted, accepted_carrier, acceptor_side = accepting[0]
+    dialing.close(carrier)
+    accepted.close(accepted_carrier)
+    assert (dialer is not None) == (acceptor_side is not None) == (want and allow)
+    if dialer is not None and acceptor_side is not None:
+        assert _opens(dialer, acceptor_side, message) and _opens(acceptor_side, dialer, message)
+        # Reflected to its own sender (both counters at 1 now): the other direction's key refuses it.
+        assert not _opens(dialer, dialer, message) and not _opens(acceptor_side, acceptor_side, message)
+
+
+# ----- the WAN port's first bytes ---------------------------------------------------------------
+class _Refusals:
+    """The frontend's ``links`` as far as a connection's first bytes go: the layer of every refusal."""
+
+    def __init__(self) -> None:
+        self.layers: list[str] = []
+
+    def refuse(self, layer: str, reason: str, **details: object) -> None:
+        self.layers.append(layer)
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+CLIENT_HELLO = b"\x16\x03\x01\x00\xa5\x01"
+"""The first bytes of a TLS ClientHello (a gRPC peer's connection)."""
+FIRST_BYTES = st.one_of(
+    st.binary(max_size=24),
+    st.sampled_from([PREAMBLE, PREAMBLE_SEALED, CLIENT_HELLO]),
+    st.tuples(st.sampled_from([PREAMBLE, PREAMBLE_SEALED]), MUTATIONS).map(lambda m: mutated(*m)),
+    st.binary(max_size=16).map(lambda b: b"N" + b),
+    st.binary(max_size=16).map(lambda b: PREAMBLE_SEALED + b),
+)
+
+
+@fuzz(40)
+@given(first=FIRST_BYTES)
+@example(first=b"")
+@example(first=PREAMBLE[:5])  # the peer left before its preamble was whole
+def test_the_wan_port_sorts_any_first_bytes_into_raw_tls_or_a_refusal(first: bytes) -> None:
+    links, warnings, relayed = _Refusals(), _Warnings(), []  # relayed: the bytes each relay got
+    frontend = WanFrontend(
+        links,  # type: ignore[arg-type]
+        "127.0.0.1:9",
+        lambda: ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER),  # no certificate: every raw TLS handshake fails
+        handshake_timeout_s=STEP_S,
+    )
+
+    async def pass_through(conn: socket.socket) -> None:  # what the relay to gRPC's TLS would get
+        conn.settimeout(STEP_S)
+        relayed.append(b"".join(iter(lambda: conn.recv(64), b"")))
+        conn.close()
+
+    frontend._pass_through = pass_through  # type: ignore[method-assign]
+
+    async def accepted() -> bytes:
+        peer, ours = socket.socketpair()
+        peer.settimeout(STEP_S)
+        peer.sendall(first)
+        peer.shutdown(socket.SHUT_WR)
+        assert frontend.limits.admit("peer") is None  # as the accept loop does first
+        await frontend._accepted(ours, "peer:1", "peer")
+        echoed = b""
+        with contextlib.suppress(ConnectionResetError):  # closed with bytes unread: a reset, after its reply
+            while part := peer.recv(64):
+                echoed += part
+        peer.close()
+        return echoed
+
+    logger = logging.getLogger("services.switch.rawlink")
+    logger.addHandler(warnings)
+    try:
+        echoed = run_bounded(accepted)
+    finally:
+        logger.removeHandler(warnings)
+    assert not [m for m in warnings.messages if m.startswith("WAN connection from")], "an exception escaped"
+    assert frontend.limits.held_by("peer") == 0, "the connection's slot was not given back"
+    preamble, outcome = first[: len(PREAMBLE)], (links.layers, echoed, relayed)
+    event(f"refused {links.layers}" if links.layers else "relayed" if relayed else "dropped")
+    if not first or (first[:1] == PREAMBLE[:1] and len(first) < len(PREAMBLE)):
+        assert outcome == ([], b"", [])  # nothing, or the start of a preamble, then the end: dropped
+    elif first[:1] != PREAMBLE[:1]:
+        assert outcome == ([], b"", [first])  # TLS or anything else: to gRPC's TLS, byte for byte
+    elif preamble in (PREAMBLE, PREAMBLE_SEALED):
+        # Echoed, then the TLS handshake fails (the frontend's TLS may say so: an alert record, 0x15).
+        assert (links.layers, echoed[: len(PREAMBLE)], relayed) == (["tls"], preamble, [])
+        assert echoed[len(PREAMBLE) : len(PREAMBLE) + 1] in (b"", b"\x15")
+    else:
+        assert outcome == (["transport"], b"", [])
+
+
+# ----- link messages ---------------------------------------------------------------------------
+def _nested(levels: int) -> bytes:
+    """A LinkMessage whose routed item holds a framed item holding an item ... ``levels`` deep."""
+    inner = b""
+    for _ in range(levels):
+        inner = field(0x4A, field(0x1A, inner))  # EdgeMessage.framed -> FramedItem.item
+    return field(0x22, field(0x1A, inner))  # LinkMessage.routed -> RoutedItem.item
+
+
+HELLOS = st.builds(
+    lambda **fields: link_pb2.LinkMessage(hello=link_pb2.Handshake(**fields)).SerializeToString(),
+    protocol_version=st.integers(0, 9),
+    cluster_id=st.text(max_size=8),
+    session_id=st.binary(max_size=8),
+    raw_preamble=st.sampled_from([PREAMBLE, PREAMBLE_SEALED]),
+)
+
+
+@fuzz(200)
+@given(raw=st.one_of(st.binary(max_size=64), HELLOS, st.tuples(HELLOS, MUTATIONS).map(lambda m: mutated(*m))))
+@example(raw=_nested(2000))
+def test_link_messages_are_parsed_or_a_handshake_error(raw: bytes) -> None:
+    for received in (raw, memoryview(raw)):
+        try:
+            message = parse_link_message(received)
+        except HandshakeError:
+            continue
+        assert message == link_pb2.LinkMessage.FromString(raw)
+    with pytest.raises(HandshakeError, match="unexpected object"):
+        parse_link_message("not bytes")
+
+
+# ----- the stage channel ------------------------------------------------------------------------
+def channel_reads(stream: bytes) -> tuple[list[tuple[bytes, bytes]], BaseException]:
+    """What the trainer's ``receive`` makes of ``stream`` from a stage process that then ended: the
+    messages, then EOFError or the ChannelError."""
+    ours, theirs = socket.socketpair()
+    # A Connection reads with os.read, which no socket timeout bounds; the kernel's receive timeout does.
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(STEP_S), 0))
+    theirs.sendall(stream)
+    theirs.close()
+    conn = Connection(ours.detach())
+    got: list[tuple[bytes, bytes]] = []
+    try:
+        while True:
+            try:
+                got.append(channel.receive(conn))
+            except (EOFError, channel.ChannelError) as exc:
+                assert "temporarily unavailable" not in str(exc), "a read waited for its deadline: a hang"
+                return got, exc
+    finally:
+        conn.close()
+
+
+def sent_bytes(messages: list[tuple[bytes, bytes]]) -> bytes:
+    """The bytes ``stage_channel.send`` puts on the socket for ``messages``."""
+    ours, theirs = socket.socketpair()
+    theirs.settimeout(STEP_S)
+    writer = Connection(ours.detach())
+    for kind, payload in messages:
+        channel.send(writer, kind, payload)
+    writer.close()
+    data = b"".join(iter(lambda: theirs.recv(1 << 16), b""))
+    theirs.close()
+    return data
+
+
+KINDS = st.sampled_from([channel.HELLO, channel.STATUS, channel.STEP, channel.EPOCH, channel.START])
+CHANNEL_MESSAGES = st.lists(st.tuples(KINDS, st.binary(max_size=200)), max_size=4)
+
+
+@fuzz(100)
+@given(messages=CHANNEL_MESSAGES, mutations=st.one_of(st.just([]), MUTATIONS), raw=st.binary(max_size=32))
+def test_the_stage_channel_reads_whole_messages_or_a_channel_error(
+    messages: list[tuple[bytes, bytes]], mutations: list, raw: bytes
+) -> None:
+    stream = sent_bytes(messages)
+    got, end = channel_reads(stream)
+    assert got == messages and isinstance(end, EOFError)  # what the stage sent, whole, then its end
+    for changed in (mutated(stream, mutations) if mutations else raw, raw):
+        got, end = channel_reads(changed)  # only ChannelError or EOFError (checked there)
+        assert all(len(kind) == 1 for kind, _ in got)
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        struct.pack("!i", channel.MAX_MESSAGE_BYTES + 1),
+        struct.pack("!i", (1 << 31) - 1),
+        struct.pack("!i", -1) + struct.pack("!Q", (1 << 64) - 1),  # the 8-byte length of a big message
+    ],
+    ids=["over-limit", "2GiB", "16EiB"],
+)
+def test_a_stage_message_over_the_limit_is_refused_before_it_is_read(head: bytes) -> None:
+    outcome: list[object] = []
+    peak = peak_while(lambda: outcome.extend(channel_reads(head + b"x" * 64)))
+    got, end = outcome
+    assert got == [] and isinstance(end, channel.ChannelError) and "bad message length" in str(end)
+    assert peak < 1 << 20
+
+
+JSON = st.dictionaries(
+    st.text(max_size=6),
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=6)),
+    max_size=4,
+)
+
+
+@fuzz(300)
+@given(body=JSON, mutations=st.one_of(st.just([]), MUTATIONS), raw=st.binary(max_size=32))
+# json's C scanner recurses per level: RecursionError escaped ChannelError (the reader thread died of it).
+@example(body={}, mutations=[], raw=b"[" * 100_000)
+@example(body={}, mutations=[], raw=b'{"a":' * 100_000)
+def test_stage_json_is_an_object_or_a_channel_error(
+    body: dict[str, Any], mutations: list, raw: bytes
+) -> None:
+    kind, payload = channel_reads(sent_bytes([(channel.STEP, json.dumps(body).encode())]))[0][0]
+    assert kind == channel.STEP and channel.parse_json(payload) == body  # the round trip
+    for changed in (mutated(payload, mutations) if mutations else raw, raw):
+        with contextlib.suppress(channel.ChannelError):
+            assert isinstance(channel.parse_json(changed), dict)
