@@ -49,6 +49,7 @@ def signer_layout(run_dir: Path, cluster: str) -> SignerLayout:
     layout.keys.mkdir(mode=0o700, parents=True, exist_ok=True)
     for service, socket in layout.sockets.items():
         socket.parent.mkdir(mode=0o711, parents=True, exist_ok=True)
+        os.chmod(socket.parent, 0o711)  # whatever the umask: a boxed trainer's user searches it
         # The service's own directory decides who reaches its socket (the signer leaves that open).
         os.chmod(socket.parent.parent, 0o700)
         try:

@@ -110,9 +110,8 @@ def test_abnet_from_two_local_hf_directories_and_a_broken_one_refused_by_the_tra
     from tests.unit.test_pretrained_dirs import D_MODEL, _save_models
 
     root = shared_dir / "abnet-hf"  # what the trainers see besides their own (`local up --share`)
-    root.mkdir(mode=0o755)
     dirs = _save_models(root)
-    for path in root.rglob("*"):  # safetensors writes 0600: a root launcher's trainer is user 47000
+    for path in [root, *root.rglob("*")]:  # safetensors writes 0600: a root launcher's trainer is 47000
         path.chmod(0o755 if path.is_dir() else 0o644)
     options = {"d_model": D_MODEL, "n_layers": 2, "bottleneck": 16}
     overrides = {

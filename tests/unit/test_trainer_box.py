@@ -186,7 +186,8 @@ def test_weights_the_trainers_user_may_not_read_are_named_as_unreadable_not_miss
     from safetensors.torch import save_file
 
     share = tmp_path / "share"
-    share.mkdir(mode=0o755)
+    share.mkdir()
+    share.chmod(0o755)  # whatever the umask (a test before may have left a strict one)
     save_file({"w": torch.zeros(2)}, str(share / "model.safetensors"))  # 0600, root's: as HF saves
     probe = (
         "import json, sys; from pathlib import Path; from nebula_common.pretrained import weight_shapes, "
