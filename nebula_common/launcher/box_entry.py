@@ -86,6 +86,10 @@ def init(command: list[str]) -> int:
             os._exit(127)
     for signum in FORWARDED:
         signal.signal(signum, lambda received, _frame: os.kill(child, received))
+    # The launcher starts a service with its stop signals blocked until the service handles them
+    # (``stop_signals.py``); the service, our child, unblocks its own. Here they are handled now: one that
+    # came early is forwarded at once, and the child holds it until it is ready, as without this entry.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     while True:
         pid, status = os.waitpid(-1, 0)
         if pid == child:

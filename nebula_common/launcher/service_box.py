@@ -2,8 +2,8 @@
 
 Under ``nebula local up`` and ``nebula cluster up`` every process runs as the operator's user, so
 file modes cannot keep one service from another's keys. Where Debian's bubblewrap can create
-namespaces, the launcher starts auth, codec, data and the switch each in its own user, mount and PID
-namespaces, every capability dropped, with an empty root to which only these are added:
+namespaces, the launcher starts auth, codec, data, the switch and the trainer each in its own user,
+mount and PID namespaces, every capability dropped, with an empty root to which only these are added:
 
 * read-only: the system's ``/usr`` (and its top-level links), the few ``/etc`` files the C library
   reads, the interpreter, the installed packages and Nebula's own packages (never the repository

@@ -198,9 +198,9 @@ def test_local_up_restarts_a_killed_service_and_a_second_up_keeps_every_secret(t
             assert named, isolation
         # So is what keeps each service from the others' keys: their boxes, or that there are none.
         boxes = json.loads(status.stdout)["service_isolation"]
-        assert boxes.startswith(("bwrap: the audit signer, auth, codec, data and the switch", "none (")), (
-            boxes
-        )
+        assert boxes.startswith(
+            ("bwrap: the audit signer, auth, codec, data, the switch and the trainer", "none (")
+        ), boxes
         created = cli("account", "create", "keeper", "--run-dir", str(run_dir), "--json")
         assert created.exit_code == 0, created.output
         keeper = json.loads(created.stdout)["accounts"]

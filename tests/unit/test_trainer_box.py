@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,40 @@ def test_weights_the_trainers_user_may_not_read_are_named_as_unreadable_not_miss
     box = ServiceBox(read_only=(share,), nests=True)
     said = _run_boxed(box, [sys.executable, "-c", probe, str(share)])["said"]
     assert said == f"model.safetensors is not readable by this process's user (uid {TRAINER_UID})", said
+
+
+SERVICE = """
+import json, signal, sys, time
+def stop(*_):
+    print("drained", file=sys.stderr, flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # as a service does once it handles it
+print(json.dumps({"ready": True}), flush=True)
+time.sleep(120)
+"""
+
+
+@needs_box
+def test_a_stop_reaches_a_boxed_trainer_through_its_entry(tmp_path: Path) -> None:
+    """The launcher starts services with their stop signals blocked (``stop_signals.py``): the entry,
+    the box's PID 1, must take them and pass them on, or a SIGTERM would never drain the trainer."""
+    from nebula_common.launcher.process import ServiceProcess
+
+    service = ServiceProcess(
+        name="boxed-trainer",
+        command=[sys.executable, "-c", SERVICE],
+        env={},
+        log_dir=tmp_path,
+        holds_early_stop=True,
+        box=ServiceBox(nests=True),
+    )
+    service.start()
+    try:
+        service.wait_ready(60)
+        started = time.monotonic()
+        assert service.stop(timeout=30) == 0, service.tail()
+        assert time.monotonic() - started < 20, "the stop waited for the SIGKILL fallback"
+        assert "drained" in service.tail(), service.tail()
+    finally:
+        service.kill()
