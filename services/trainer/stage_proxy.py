@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from nebula_common.proto.nebula.v1 import data_pb2, relay_pb2
 from nebula_common.rpc import bearer_metadata
@@ -136,15 +137,18 @@ class StageProxy:
                 )
             )
             closing = relay_pb2.EdgeMessage(close=relay_pb2.EdgeClose(reason=reason, error=True))
-            ready = threading.Event()
+            ready, over = threading.Event(), threading.Event()
 
             def requests(
                 opening: relay_pb2.EdgeMessage = opening,
                 closing: relay_pb2.EdgeMessage = closing,
                 ready: threading.Event = ready,
+                over: threading.Event = over,
             ) -> Iterator[bytes]:
                 yield opening.SerializeToString()
-                if ready.wait(TELL_TIMEOUT_S):  # as any edge: nothing before the switch's READY
+                # As any edge: nothing before the switch's READY (``ready`` is also set, with ``over``,
+                # to end this wait when the call is over without one).
+                if ready.wait(TELL_TIMEOUT_S) and not over.is_set():
                     yield closing.SerializeToString()
 
             log.info(
@@ -156,7 +160,19 @@ class StageProxy:
             )
             try:
                 for raw in call:  # until the switch ends the call (the close reached the other side)
-                    if not is_framed(raw) and relay_pb2.EdgeMessage.FromString(raw).HasField("ready"):
+                    if is_framed(raw):
+                        continue
+                    try:
+                        message = relay_pb2.EdgeMessage.FromString(raw)
+                    except DecodeError as exc:  # the switch breaks the protocol: give up on this edge
+                        log.warning(
+                            "closing an edge for its stage: the switch sent a message that is not an "
+                            "EdgeMessage: %s",
+                            exc,
+                            extra={"fields": {"job_id": self._job_id, "edge": edge}},
+                        )
+                        break
+                    if message.HasField("ready"):
                         ready.set()
             except grpc.RpcError as exc:
                 log.warning(
@@ -164,6 +180,10 @@ class StageProxy:
                     exc.details() or exc.code(),
                     extra={"fields": {"job_id": self._job_id, "edge": edge}},
                 )
+            finally:
+                call.cancel()  # nothing of this call is left running (a no-op once the switch ended it)
+                over.set()
+                ready.set()
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return bearer_metadata(self._token())

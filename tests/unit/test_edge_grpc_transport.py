@@ -1,5 +1,5 @@
 """The gRPC edge transport against a scripted Relay server: reconnects after a failed stream,
-gives up on refusals."""
+gives up on refusals and on a switch whose messages do not parse."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from nebula_common.rpc.framing import LINK_FRAMING_VERSION
 from services.trainer.edge import EdgeClosedError, EdgeSession, EdgeSettings, GrpcEdgeTransport
 from services.trainer.edge.session import TransportHandler
 from tests.support.edges import wait_for
+from tests.support.hostile_switch import CORRUPT_CHUNK, NOT_AN_EDGE_MESSAGE, hostile_relay, started_threads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -148,3 +149,52 @@ def test_an_unreachable_switch_fails_the_first_open_after_ready_timeout_with_the
     )
     with pytest.raises(EdgeClosedError, match=r"did not open edge 'e' within 1s \(last error: .*UNAVAILABLE"):
         session.start()
+
+
+@pytest.mark.parametrize(
+    ("garbage", "problem"),
+    [
+        pytest.param(
+            NOT_AN_EDGE_MESSAGE,
+            "a message that is not an EdgeMessage: Error parsing message with type 'nebula.v1.EdgeMessage'",
+            id="not-an-edge-message",
+        ),
+        pytest.param(
+            CORRUPT_CHUNK,
+            "a framed chunk that does not parse: framed chunk has field number 0, which protobuf "
+            "does not allow",
+            id="corrupt-framed-chunk",
+        ),
+    ],
+)
+def test_a_message_from_the_switch_that_does_not_parse_fails_the_edge_at_once_naming_it(
+    garbage: bytes, problem: str
+) -> None:
+    with hostile_relay(garbage) as (relay, address):
+        before = set(threading.enumerate())
+        events = Events()
+        transport = GrpcEdgeTransport(address, "token", "job", "e", backoff_initial_s=0.05)
+        handler: TransportHandler = events
+        transport.start(handler)
+        wait_for(lambda: any(e.startswith("failed") for e in events.log), 10, "the edge's failure")
+        assert events.log[0] == "ready"
+        assert events.log[1].startswith(f"failed: the switch sent edge 'e' {problem}"), events.log
+        wait_for(lambda: relay.ended == 1, 10, "the trainer's end to cancel the stream")
+        # Nothing of the transport is left running, though nobody shut it down.
+        wait_for(lambda: not started_threads(before), 10, "the transport's threads to end")
+        assert len(events.log) == 2 and len(relay.opens) == 1  # failed once, no reconnect
+        transport.shutdown()
+
+
+def test_a_switch_that_sends_garbage_instead_of_its_ready_fails_the_session_start_naming_it() -> None:
+    with hostile_relay(CORRUPT_CHUNK, ready=False) as (relay, address):
+        transport = GrpcEdgeTransport(address, "token", "job", "e", backoff_initial_s=0.05)
+        session = EdgeSession(transport, tensor_pb2.DIRECTION_FORWARD, EdgeSettings(), name="e")
+        with pytest.raises(
+            EdgeClosedError,
+            match=r"^the switch sent edge 'e' a framed chunk that does not parse: framed chunk has field "
+            r"number 0",
+        ):
+            session.start()
+        assert len(relay.opens) == 1  # no reconnect
+        wait_for(lambda: relay.ended == 1, 10, "the trainer's end to cancel the stream")

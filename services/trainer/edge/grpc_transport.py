@@ -17,7 +17,9 @@ Link framing (``nebula_common/rpc/framing.py``): the stream is called with raw-b
 open announces ``link_framing`` and the session hands framed chunks (bytes) to ``send``, which go out
 untouched; framed chunks from the peer reach the session as ``FramedChunk`` views (no protobuf parse of
 the payload). A ready announcing another ``link_framing`` fails the edge at once: that switch could not
-read the chunks.
+read the chunks. So does a message from the switch that does not parse (bytes that are not an
+``EdgeMessage``, a framed chunk whose header is corrupt): a protocol violation by the switch, which a
+reconnect would only receive again; the failure names what was wrong.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ import time
 from collections.abc import Callable, Iterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc import bearer_metadata
 from nebula_common.rpc.framing import (
     LINK_FRAMING_VERSION,
     FramedChunk,
+    FramingError,
     framing_refusal,
     is_framed,
     parse_chunk,
@@ -63,8 +67,20 @@ def _serialize(item: relay_pb2.EdgeMessage | bytes) -> bytes:
     return item if isinstance(item, bytes) else item.SerializeToString()
 
 
+class _Unreadable(Exception):
+    """A message from the switch that does not parse; the text says what it was instead."""
+
+
 def _received(raw: bytes) -> relay_pb2.EdgeMessage | FramedChunk:
-    return parse_chunk(raw) if is_framed(raw) else relay_pb2.EdgeMessage.FromString(raw)
+    if is_framed(raw):
+        try:
+            return parse_chunk(raw)
+        except FramingError as exc:
+            raise _Unreadable(f"a framed chunk that does not parse: {exc}") from None
+    try:
+        return relay_pb2.EdgeMessage.FromString(raw)
+    except DecodeError as exc:
+        raise _Unreadable(f"a message that is not an EdgeMessage: {exc}") from None
 
 
 class GrpcEdgeTransport:
@@ -149,7 +165,12 @@ class GrpcEdgeTransport:
             reason = "the switch ended the edge stream"
             try:
                 for raw in call:
-                    message = _received(raw)
+                    try:
+                        message = _received(raw)
+                    except _Unreadable as exc:  # the switch breaks the protocol: a reconnect would not help
+                        handler.on_failed(f"the switch sent edge {self.edge!r} {exc}")
+                        self._stopping.set()
+                        break
                     kind = message.WhichOneof("body")
                     if kind == "ready":
                         assert isinstance(message, relay_pb2.EdgeMessage)
