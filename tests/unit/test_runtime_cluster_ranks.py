@@ -1,7 +1,8 @@
 """A stage across processes started on their own: ``python -m services.trainer.worker`` ranks, torchrun-style.
 
 Two worker processes are started separately (each with the variables torchrun sets: RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT), form their own gloo group by c10d rendezvous and join the
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE; this test hosts the store as
+torchrun's agent does), form their own gloo group by c10d rendezvous and join the
 trainer's rank store through its mutual-TLS gate (each with a ``worker`` certificate of the cluster);
 the stage's runner (which alone holds the edge) drives them. The stage
 trains exactly like one process with the combined batch; a rank that dies fails the stage naming
@@ -13,7 +14,6 @@ into the store by job code on a worker, say) is refused by every rank and never 
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,21 +35,21 @@ __all__ = ["reference"]  # the one-process run every test here compares with (a 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class Workers:
     """``world`` worker processes (our own children, ended by handle) joined to one ClusterRanks."""
 
     def __init__(self, ranks: ClusterRanks, data_dir: Path, logs: Path, env: dict[str, str]) -> None:
         self.ranks, self.data_dir, self.logs, self.env = ranks, data_dir, logs, env
         self.processes: list[subprocess.Popen[bytes]] = []
+        self.agent_store: dist.TCPStore | None = None
 
     def start(self) -> None:
-        port = _free_port()
+        # A fresh store per start, held on its port by this process, as torchrun's agent does (a port
+        # probed free and released could be taken by anyone before rank 0 bound it).
+        self.agent_store = dist.TCPStore(
+            "127.0.0.1", 0, self.ranks.world + 1, is_master=True, wait_for_workers=False
+        )
+        port = self.agent_store.port
         for rank in range(self.ranks.world):
             env = {
                 **self.env,  # its identity for the rank store's gate
@@ -58,6 +58,7 @@ class Workers:
                 "WORLD_SIZE": str(self.ranks.world),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "NEBULA_WORKER_TRAINER": f"127.0.0.1:{self.ranks.port}",
                 "NEBULA_WORKER_DATA_DIR": str(self.data_dir),
             }

@@ -10,7 +10,6 @@ are reduced in the last micro-batch's backward, the optimizer steps once per ste
 from __future__ import annotations
 
 import json
-import socket
 import traceback
 from pathlib import Path
 
@@ -113,7 +112,7 @@ def _rank_main(rank: int, world: int, port: int, job: dict, out: str) -> None:
         program = _program(steps)
         compute: object | None = None
         if world > 1 or job["parallel"] != "plain":
-            store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
+            store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
             if device == "cuda":
                 torch.cuda.set_device(rank)
             dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world)
@@ -141,23 +140,20 @@ def _rank_main(rank: int, world: int, port: int, job: dict, out: str) -> None:
                 Path(out) / "result.pt",
             )
         if dist.is_initialized():
-            dist.barrier()  # rank 0 hosts the store: nobody may still need it when it exits
+            dist.barrier()  # no rank leaves while another still needs the group
     except BaseException:
         (Path(out) / f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run(world: int, out: Path, **job: object) -> dict:
     """Run one job on ``world`` fresh processes; its rank 0's result, or fail with every rank's error."""
     out.mkdir(parents=True, exist_ok=True)
     context = mp.get_context("spawn")
-    port = _free_port()
+    # This process hosts the ranks' store on a port it holds for the whole run (as torchrun's agent
+    # does): a port probed free and released could be taken by anyone before rank 0 bound it.
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
+    port = store.port
     processes = [
         context.Process(target=_rank_main, args=(rank, world, port, job, str(out)), daemon=True)
         for rank in range(world)

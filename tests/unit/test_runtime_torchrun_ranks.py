@@ -27,7 +27,7 @@ from nebula_common.pki import PkiLayout
 from services.trainer.runtime.rank_sources import ClusterRanks
 from tests.support.edges import StageRun, finish, wait_for
 from tests.support.ranks import gated_ranks
-from tests.unit.test_runtime_cluster_ranks import _free_port, run_on_ranks
+from tests.unit.test_runtime_cluster_ranks import run_on_ranks
 from tests.unit.test_runtime_sharded_stage import reference, same_training, small
 
 pytestmark = [pytest.mark.ranks, pytest.mark.timeout(600)]
@@ -58,9 +58,7 @@ class Torchrun:
             TORCHRUN,
             "--nnodes=1",
             f"--nproc-per-node={nproc}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
-            "--rdzv-id=nebula-test",
+            "--standalone",  # c10d rendezvous on a port the agent binds itself (a probed one could be taken)
             "--max-restarts=0",
             "-m",
             "services.trainer.worker",
