@@ -85,7 +85,10 @@ class Int8Codec(Codec):
         if not math.isfinite(scale) or scale < 0.0:
             raise CodecError(f"int8 payload has invalid scale {scale!r}; expected a finite value >= 0")
         work = _work_dtype(dtype, scale)
-        values = np.frombuffer(payload, dtype=np.int8, offset=_SCALE.size).astype(_NUMPY_WORK[work])
+        codes = np.frombuffer(payload, dtype=np.int8, offset=_SCALE.size)
+        if bool(np.any(codes == -128)):
+            raise CodecError("int8 payload holds code -128, which the encoder never produces")
+        values = codes.astype(_NUMPY_WORK[work])
         values *= _NUMPY_WORK[work](scale)
         return torch.from_numpy(values).reshape(shape).to(dtype)
 

@@ -119,6 +119,8 @@ class RecordSealing:
     def parse_header(header: bytes | memoryview, limit: int) -> tuple[int, int]:
         """(kind, plaintext length) of a record header; SealedRecordError for an unknown kind or a
         length over ``limit`` (checked before any buffer is sized from it)."""
+        if len(header) != HEADER.size:
+            raise SealedRecordError(f"a sealed record header is {HEADER.size} bytes, got {len(header)}")
         kind, length = HEADER.unpack(header)
         if kind not in (MESSAGE, CLOSE):
             raise SealedRecordError(f"a sealed record of unknown kind {kind}")

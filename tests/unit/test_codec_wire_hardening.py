@@ -124,6 +124,18 @@ def test_corrupt_factors_are_refused_not_multiplied() -> None:
         decode_tensor(header, bytes(payload))
 
 
+@pytest.mark.parametrize(("spec", "code", "named"), [("int8", 0x80, "-128"), ("int4", 0x00, "-8")])
+def test_a_code_outside_the_symmetric_range_is_refused(spec: str, code: int, named: str) -> None:
+    """The encoders clip to [-127, 127] (int4: [-7, 7]); a peer's -128 (-8) is not ours."""
+    encoded = encode_tensor(torch.randn(6, 4), spec)
+    payload = bytearray(encoded.payload)
+    payload[-1] = code  # the last code (int4: the last two)
+    header = _copy(encoded.header)
+    header.checksum = header_checksum(header, bytes(payload))
+    with pytest.raises(WireFormatError, match=f"code {named}"):
+        decode_tensor(header, bytes(payload))
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     spec=st.sampled_from(FUZZ_SPECS),
