@@ -23,7 +23,7 @@ import contextlib
 import hashlib
 import os
 import pwd
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nebula_common.errors import NebulaError
@@ -36,7 +36,7 @@ KEPT_AS_ROOT = ("signer",)
 """Folders of the trainer's data directory that stay root's: the audit signer makes its socket there."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class TrainerBox:
     """One cluster's trainer box: what it is given, and the settings that tell the trainer."""
 
@@ -44,6 +44,8 @@ class TrainerBox:
     identity_dir: Path | None
     shares: tuple[Path, ...] = ()
     cgroup_root: Path = CGROUP_ROOT
+    delegated: tuple[Path, ...] = field(default=(), init=False)
+    """The control-group folders ``prepare`` made for this trainer and gave to its user."""
 
     @property
     def cgroup_parent(self) -> str:
@@ -61,12 +63,13 @@ class TrainerBox:
         _give(self.data_dir, skip=KEPT_AS_ROOT)
         if self.identity_dir is not None:
             _give(self.identity_dir)
-        return {"STAGE_CGROUP": self.cgroup_parent} if self.delegated() else {}
+        self.delegated = self._delegate()
+        return {"STAGE_CGROUP": self.cgroup_parent} if self.delegated else {}
 
-    def delegated(self) -> list[Path]:
-        """The control-group folders made for this trainer and given to its user (cgroup v1, root)."""
-        if os.geteuid() != 0 or (self.cgroup_root / "cgroup.controllers").exists():
-            return []
+    def _delegate(self) -> tuple[Path, ...]:
+        """Make this trainer's control-group folders and give them to its user (cgroup v1, root)."""
+        if (self.cgroup_root / "cgroup.controllers").exists():
+            return ()
         folders = []
         for controller in CONTROLLERS:
             base = self.cgroup_root / controller
@@ -80,19 +83,20 @@ class TrainerBox:
             except OSError:
                 continue  # the trainer finds no writable group and says so
             folders.append(folder)
-        return folders
+        return tuple(folders)
 
     def box(self) -> ServiceBox:
         read_only = (*((self.identity_dir,) if self.identity_dir is not None else ()), *self.shares)
         return ServiceBox(
-            read_only=read_only, read_write=(self.data_dir, *self.delegated()), nests=True, user=TRAINER_UID
+            read_only=read_only, read_write=(self.data_dir, *self.delegated), nests=True, user=TRAINER_UID
         )
 
     def release(self) -> None:
         """Remove this trainer's control-group folders (empty once its stages' groups are gone)."""
-        for folder in self.delegated():
+        for folder in self.delegated:
             with contextlib.suppress(OSError):
                 folder.rmdir()
+        self.delegated = ()
 
 
 def _check_unused(uid: int) -> None:
