@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from nebula_common.pki import PkiLayout, init_pki
 from nebula_common.rpc.internal_tls import PLAINTEXT_ENV
+
+if TYPE_CHECKING:
+    from tests.support.edges import SwitchPair
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +23,15 @@ def pki_ab(tmp_path_factory: pytest.TempPathFactory) -> PkiLayout:
     certificates cannot leak that into another module.
     """
     return init_pki(tmp_path_factory.mktemp("pki"), ["a", "b"])
+
+
+@pytest.fixture(scope="module")
+def switches(tmp_path_factory: pytest.TempPathFactory, pki_ab: PkiLayout) -> Iterator[SwitchPair]:
+    """Two real switch services (clusters a and b, linked) with a token for each, per test module."""
+    from tests.support.edges import switch_pair  # only the modules that use it pay for the import
+
+    with switch_pair(tmp_path_factory.mktemp("switches"), pki_ab) as pair:
+        yield pair
 
 
 # In-process test servers (tests/support/servers.py and the unit tests) run without internal TLS

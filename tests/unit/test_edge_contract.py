@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from nebula_common.pki import PkiLayout
 from nebula_common.proto.nebula.v1 import relay_pb2
 from services.trainer.edge import (
     EdgeClosedError,
@@ -25,7 +24,7 @@ from services.trainer.edge import (
 )
 from services.trainer.edge.memory import MemoryLink
 from tests.support import edges as edge_support
-from tests.support.edges import SwitchPair, memory_pair, switch_pair, wait_for
+from tests.support.edges import SwitchPair, memory_pair, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,12 +37,6 @@ READY, SYNC, EVAL_DONE, RESUME = (
     relay_pb2.SIGNAL_KIND_RESUME,
 )
 _jobs = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def switches(tmp_path_factory: pytest.TempPathFactory, pki_ab: PkiLayout) -> Iterator[SwitchPair]:
-    with switch_pair(tmp_path_factory.mktemp("switches"), pki_ab) as pair:
-        yield pair
 
 
 @pytest.fixture(params=["memory", "grpc"])

@@ -8,17 +8,15 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from nebula_common.pki import PkiLayout
 from nebula_common.proto.nebula.v1 import relay_pb2
 from services.trainer.edge import EdgeConnection, EdgeSettings, GrpcEdgeTransport
 from services.trainer.edge.session import TransportHandler
 from services.trainer.stage_proxy import TELL_TIMEOUT_S, StageProxy
-from tests.support.edges import SwitchPair, edge_end, open_pair, switch_pair
+from tests.support.edges import SwitchPair, edge_end, open_pair
 from tests.support.hostile_switch import CORRUPT_CHUNK, NOT_AN_EDGE_MESSAGE, hostile_relay, started_threads
 from tests.support.waiting import wait_for
 
@@ -84,12 +82,6 @@ class Recorder:
 
     def on_failed(self, reason: str) -> None:
         self.log.append(f"failed: {reason}")
-
-
-@pytest.fixture(scope="module")
-def switches(tmp_path_factory: pytest.TempPathFactory, pki_ab: PkiLayout) -> Iterator[SwitchPair]:
-    with switch_pair(tmp_path_factory.mktemp("switches"), pki_ab) as pair:
-        yield pair
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,6 @@ same per-step losses and bit-identical final parameters).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ import torch
 
 from nebula_common.jobspec import load_spec
 from nebula_common.jobspec.builtin import builtin_spec
-from nebula_common.pki import PkiLayout
 from nebula_common.proto.nebula.v1 import relay_pb2, trainer_pb2
 from nebula_common.sdk.jobs import ProgramJob
 from services.trainer.edge import EdgeConnection, EdgeSettings, stage_edge
@@ -31,7 +29,6 @@ from tests.support.edges import (
     finish,
     run_stages,
     stage_runner,
-    switch_pair,
     wait_for,
     wait_for_step,
 )
@@ -107,12 +104,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[StageRun, Stage
     runs = run_stages(small_numbers(), tmp_path_factory.mktemp("ref"), MemoryLink(), SETTINGS)
     assert [r.final.state for r in runs] == [SUCCEEDED, SUCCEEDED], [r.final.message for r in runs]
     return runs
-
-
-@pytest.fixture(scope="module")
-def switches(tmp_path_factory: pytest.TempPathFactory, pki_ab: PkiLayout) -> Iterator[SwitchPair]:
-    with switch_pair(tmp_path_factory.mktemp("switches"), pki_ab) as pair:
-        yield pair
 
 
 @pytest.mark.parametrize(
