@@ -87,7 +87,7 @@ CONSTANTS = (
         "s before expiry from which the switch logs a warning",
     ),
     (
-        "services.switch.routing",
+        "services.switch.route_limits",
         "TOMBSTONE_S",
         "s items of a route the switch closed are dropped silently",
     ),

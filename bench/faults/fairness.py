@@ -58,7 +58,7 @@ from nebula_common.rpc.internal_tls import ClientTls, internal_channel
 from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.jobs import ProgramJob
 from services.switch.config import SwitchSettings
-from services.switch.routing import INITIAL_WINDOW_BYTES, SLACK_BYTES, Limits
+from services.switch.route_limits import INITIAL_WINDOW_BYTES, SLACK_BYTES, Limits
 from tests.support.accounts import make_user
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -63,7 +63,8 @@ from services.switch.metrics import (
 )
 from services.switch.pacing import Fragment, LinkPacer, PacingError, Reassembler
 from services.switch.peer_trust import PeerTrust
-from services.switch.routing import Outbound, Router
+from services.switch.route_state import Outbound
+from services.switch.routing import Router
 from services.switch.transfers import StepTotals, TransferKey, TransferLedger
 from services.switch.witness import AuditWitness
 

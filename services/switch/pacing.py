@@ -1,6 +1,6 @@
 """Pacing the WAN link: little unsent data below the scheduler, items cut to a few ms of link time.
 
-The router's scheduler (deficit round robin by bytes, ``routing.py``) can only be fair with what it
+The router's scheduler (deficit round robin by bytes, ``route_scheduler.py``) can only be fair with what it
 still holds. Every byte a switch has written but the peer has not read yet waits, in order, in gRPC's
 buffers, the sockets and whatever queue the path has (a router's, or the WAN emulator's), and a small
 job's message written after it waits behind all of it. Measured without pacing: beside a job sending

@@ -47,14 +47,14 @@ from services.switch.edge_stream import EdgeStream, GrpcEdgeStream, TrainerVanis
 from services.switch.link import PeerLink
 from services.switch.metrics import EDGES_OPEN, JOB_SERIES
 from services.switch.peers import PeerLinks, PeerNotNamedError, UnknownPeerError
-from services.switch.routing import (
+from services.switch.route_state import (
     Attachment,
     Route,
     RouteInUseError,
     RouteLimitError,
-    Router,
     StaleEpochError,
 )
+from services.switch.routing import Router
 from services.switch.throttle import AccountThrottle, Penalties, closed_bound, is_offence
 
 log = logging.getLogger(__name__)

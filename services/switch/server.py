@@ -48,7 +48,9 @@ from services.switch.peer_trust import PeerTrust
 from services.switch.peers import PeerLinks
 from services.switch.rawlink import RawConnection, WanFrontend, dial_raw
 from services.switch.relay_servicer import RelayServicer, add_relay_to_server
-from services.switch.routing import Limits, Router, SharedRoutes
+from services.switch.route_limits import Limits
+from services.switch.route_table import SharedRoutes
+from services.switch.routing import Router
 from services.switch.throttle import AccountThrottle, Penalties, PenaltyRules
 from services.switch.tls_refusals import StderrTap
 from services.switch.wan_servicer import SwitchLinkServicer, add_link_to_server

@@ -19,7 +19,8 @@ from services.data.store import (
     DatasetStore,
     DatasetTooLargeError,
 )
-from services.switch.routing import RouteInUseError, Router
+from services.switch.route_state import RouteInUseError
+from services.switch.routing import Router
 
 
 def _lines(*records: object) -> list[bytes]:

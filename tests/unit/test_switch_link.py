@@ -14,7 +14,8 @@ from nebula_common.rpc.framing import LINK_FRAMING_VERSION, encode_chunk, parse_
 from services.switch.config import SwitchSettings
 from services.switch.link import PROTOCOL_VERSION, HandshakeError, PeerLink
 from services.switch.metrics import DirectionCounters
-from services.switch.routing import RouteInUseError, Router
+from services.switch.route_state import RouteInUseError
+from services.switch.routing import Router
 
 pytestmark = pytest.mark.timeout(30)
 

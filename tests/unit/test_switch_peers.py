@@ -12,7 +12,10 @@ from nebula_common.proto.nebula.v1 import relay_pb2, tensor_pb2
 from services.switch.config import PeerSettings, SwitchSettings
 from services.switch.link import PeerLink
 from services.switch.peers import PeerLinks, PeerNotNamedError, UnknownPeerError
-from services.switch.routing import Limits, RouteInUseError, RouteLimitError, Router, SharedRoutes
+from services.switch.route_limits import Limits
+from services.switch.route_state import RouteInUseError, RouteLimitError
+from services.switch.route_table import SharedRoutes
+from services.switch.routing import Router
 
 BASE = {
     "cluster_id": "b",

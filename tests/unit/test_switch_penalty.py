@@ -10,7 +10,8 @@ from prometheus_client import REGISTRY
 
 from nebula_common.proto.nebula.v1 import relay_pb2, tensor_pb2
 from services.switch.config import SwitchSettings
-from services.switch.routing import UNATTACHED_MAX_ITEMS, Limits, Router
+from services.switch.route_limits import UNATTACHED_MAX_ITEMS, Limits
+from services.switch.routing import Router
 from services.switch.throttle import (
     AccountThrottle,
     Penalties,

@@ -25,7 +25,8 @@ from nebula_common.codec import TensorStreamEncoder
 from nebula_common.codec.wire import decode_tensor
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, tensor_pb2
 from nebula_common.rpc.framing import FramedChunk, is_framed, parse_chunk
-from services.switch.routing import SLACK_BYTES, Limits, Router
+from services.switch.route_limits import SLACK_BYTES, Limits
+from services.switch.routing import Router
 from services.trainer.edge import EdgeSettings
 from services.trainer.edge.session import EdgeSession, EdgeTimeout, TransportHandler
 from tests.support.clock import FakeClock

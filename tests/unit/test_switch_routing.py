@@ -12,18 +12,9 @@ from prometheus_client import REGISTRY
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, tensor_pb2
 from services.switch.link import PeerLink
 from services.switch.liveness import MIN_RTT_WINDOW_S, LivenessPolicy, RttEstimator
-from services.switch.routing import (
-    INITIAL_WINDOW_BYTES,
-    SLACK_BYTES,
-    UNATTACHED_MAX_ITEMS,
-    Attachment,
-    Limits,
-    Route,
-    RouteInUseError,
-    RouteLimitError,
-    Router,
-    StaleEpochError,
-)
+from services.switch.route_limits import INITIAL_WINDOW_BYTES, SLACK_BYTES, UNATTACHED_MAX_ITEMS, Limits
+from services.switch.route_state import Attachment, Route, RouteInUseError, RouteLimitError, StaleEpochError
+from services.switch.routing import Router
 
 pytestmark = pytest.mark.timeout(30)
 KEY = ("job", "e")

@@ -1,0 +1,130 @@
+"""Which route's item the link writer sends next: acks, then the switch's closes, then fair shares.
+
+One link carries every job, so the order in which routes reach it decides whether a small item of one
+job waits behind a big tensor of another. The link writer takes items with
+:meth:`LinkScheduler.next_outbound`: every pending ack first (tiny, they unblock senders), then closes
+of routes the switch dropped, then the routes' items by deficit round robin over bytes (Shreedhar and
+Varghese, 1995): each route with items gets a quantum of bytes per round (times its account's
+weight), so a big tensor of one job never holds up a small item of another, and two busy routes share
+the link by bytes, not by items. A route that had nothing queued goes first, as a new flow in
+FQ-CoDel (RFC 8290). On a paced link (``pacing.py``) items larger than the link's fragment size leave
+as fragments, one per turn. Within a route, frames, signals and close keep their order.
+"""
+
+from __future__ import annotations
+
+from nebula_common.proto.nebula.v1 import link_pb2
+from nebula_common.rpc.framing import FramedChunk
+from services.switch.pacing import Fragment
+from services.switch.route_state import Item, Outbound, Route
+from services.switch.route_table import RouteTable
+
+QUANTUM_BYTES = 256 << 10
+"""A route's bytes per round of the scheduler on a link that is not paced (a paced link: one fragment)."""
+
+
+class LinkScheduler(RouteTable):
+    """The routes' queues toward the peer, and the deficit round robin that empties them."""
+
+    def _push_outbound(self, route: Route, item: Item) -> None:
+        route.outbound.append(item)
+        route.outbound_bytes += item.size
+        self.buffered_out += item.size
+        if not route.in_ready:
+            # A route that had nothing queued goes first, as a new flow in FQ-CoDel (RFC 8290): a
+            # job that sends little waits for no busy route's turn. It gets one quantum like any
+            # other, then joins the round; a busy route is never empty, so it never jumps the queue.
+            route.in_ready = True
+            self._ready.appendleft(route)
+        self.outbound_wake.set()
+
+    def next_outbound(
+        self, fragment_bytes: int | None = None, cut_above: int | None = None
+    ) -> Outbound | Fragment | None:
+        """The next message for the peer: acks, then closes of dropped routes, then the routes' items.
+
+        Every item is tagged with the epoch of the stream it came from (``RoutedItem.epoch``); a
+        framed chunk already carries its stream's job, edge and epoch and is returned as it came.
+        With ``fragment_bytes`` (a paced link) an item larger than ``cut_above`` (default: the
+        fragment size) leaves in fragments of that size.
+        """
+        if self._acks:
+            (job_id, edge), item = self._acks.popitem(last=False)
+            self.buffered_out -= item.size
+            return link_pb2.LinkMessage(
+                routed=link_pb2.RoutedItem(job_id=job_id, edge=edge, item=item.message, epoch=item.epoch)
+            )
+        if self._control:
+            return self._control.popleft()
+        while self._ready:
+            route = self._ready[0]
+            if not route.outbound:
+                self._leave_ready()
+                continue
+            if not route.turn:  # its turn begins: a quantum of bytes, weighted by its account
+                weight = self.weights.get(route.owner, 1)
+                route.deficit += weight * (fragment_bytes or QUANTUM_BYTES)
+                route.turn = True
+                if route.deficit <= 0:  # still paying for an item larger than its quanta
+                    route.turn = False
+                    self._ready.rotate(-1)
+                    continue
+            piece, size = self._piece(route, fragment_bytes, cut_above or fragment_bytes)
+            route.deficit -= size
+            if not route.outbound:
+                self._leave_ready()
+            elif route.deficit <= 0:
+                route.turn = False
+                self._ready.rotate(-1)
+            return piece
+        return None
+
+    def _leave_ready(self) -> None:
+        """The route at the front has nothing more to send: out of the round, its deficit forgotten."""
+        route = self._ready.popleft()
+        route.in_ready = False
+        route.turn = False
+        route.deficit = 0
+        route.sending, route.sending_raw = None, b""  # an item cut short was purged: forget its bytes
+
+    def _piece(
+        self, route: Route, fragment_bytes: int | None, cut_above: int | None
+    ) -> tuple[Outbound | Fragment, int]:
+        """The next piece of the route's first item (the item itself, or its next fragment), and its size."""
+        item = route.outbound[0]
+        whole: Outbound | None = None
+        if route.sending is not item:
+            route.sending, route.sent_offset = None, 0
+            whole = self._as_outbound(route, item)
+            if fragment_bytes is None or cut_above is None or item.size <= cut_above:
+                self._pop_outbound(route)
+                return whole, item.size
+            route.sending = item
+            route.sending_raw = whole.raw if isinstance(whole, FramedChunk) else whole.SerializeToString()
+        raw, offset = route.sending_raw, route.sent_offset
+        end = min(offset + (fragment_bytes or len(raw)), len(raw))
+        last = end >= len(raw)
+        piece = Fragment(route.stream, offset, memoryview(raw)[offset:end], last, whole)
+        route.sent_offset = end
+        if last:
+            route.sending, route.sending_raw = None, b""
+            self._pop_outbound(route)
+        return piece, end - offset
+
+    def _pop_outbound(self, route: Route) -> None:
+        item = route.outbound.popleft()
+        route.outbound_bytes -= item.size
+        self.buffered_out -= item.size
+
+    @staticmethod
+    def _as_outbound(route: Route, item: Item) -> Outbound:
+        if isinstance(item.message, FramedChunk):
+            return item.message
+        return link_pb2.LinkMessage(
+            routed=link_pb2.RoutedItem(
+                job_id=route.key[0], edge=route.key[1], item=item.message, epoch=item.epoch
+            )
+        )
+
+    def has_outbound(self) -> bool:
+        return bool(self._acks or self._control or any(route.outbound for route in self._ready))
