@@ -92,7 +92,7 @@ CONSTANTS = (
         "s items of a route the switch closed are dropped silently",
     ),
     (
-        "services.trainer.edge.session",
+        "services.trainer.edge.settings",
         "MAX_FRAME_BYTES",
         "bytes: largest tensor a peer may announce on an edge",
     ),

@@ -169,7 +169,7 @@ def test_a_lost_item_is_resent_after_about_the_measured_rto_not_the_cap(
     assert [m.signal.seq for m in s.transport.take("signal")] == [seq]
     s.wait(0.9)
     assert s.transport.take("signal") == [] and s.session.retransmitted_messages == 0
-    with caplog.at_level(logging.INFO, logger="services.trainer.edge.session"):
+    with caplog.at_level(logging.INFO, logger="services.trainer.edge.replay"):
         s.wait(0.2)
     assert [m.signal.seq for m in s.transport.take("signal")] == [seq]
     (record,) = [r for r in caplog.records if "retransmit timeout" in r.getMessage()]

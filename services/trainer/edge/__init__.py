@@ -1,6 +1,12 @@
 """The trainer's end of one job edge (edge protocol 2; see ``session`` for the delivery contract).
 
-* ``session``: sequence, credit, acks, replay and outage handling, transport-agnostic;
+* ``session``: ``EdgeSession``, sequence, credit, acks, replay and outage handling, transport-agnostic,
+  in parts of one concern each: ``send_window`` (numbering, credit, the buffer of unacknowledged
+  items), ``replay`` (rewinds and the retransmit timeout), ``receive_window`` (in-order acceptance,
+  reassembly, acks and grants), ``link_state`` (link up/down, outages, how the edge ended) and
+  ``tensor_frames`` (the messages a tensor travels as, its reassembly buffer);
+* ``settings``, ``errors``, ``transport``: the tunables, how an edge ends, the interface transports
+  implement;
 * ``connection``: ``EdgeConnection``, the tensor/signal API the pipeline loop uses (it owns
   the edge's codec streams);
 * ``grpc_transport``: the Relay.OpenEdge stream to this cluster's switch, reconnecting;
@@ -13,17 +19,16 @@ from collections.abc import Callable
 
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from services.trainer.edge.connection import BACKWARD, FORWARD, EdgeConnection, EdgeStats
-from services.trainer.edge.grpc_transport import GrpcEdgeTransport
-from services.trainer.edge.session import (
-    INITIAL_WINDOW_BYTES,
+from services.trainer.edge.errors import (
     EdgeClosedError,
     EdgeOutage,
     EdgeRestartRequired,
-    EdgeSession,
-    EdgeSettings,
     EdgeTimeout,
     renewed,
 )
+from services.trainer.edge.grpc_transport import GrpcEdgeTransport
+from services.trainer.edge.session import EdgeSession
+from services.trainer.edge.settings import INITIAL_WINDOW_BYTES, EdgeSettings
 
 EdgeFactory = Callable[[trainer_pb2.StageSpec, EdgeSettings, int], EdgeConnection]
 """Opens a stage's edge end: (stage spec, settings, epoch) -> a started ``EdgeConnection``."""

@@ -30,7 +30,10 @@ from nebula_common.codec.wire import (
     is_integer_header,
 )
 from nebula_common.proto.nebula.v1 import relay_pb2, tensor_pb2
-from services.trainer.edge.session import EdgeClosedError, EdgeSession, EdgeSettings, Transport
+from services.trainer.edge.errors import EdgeClosedError
+from services.trainer.edge.session import EdgeSession
+from services.trainer.edge.settings import EdgeSettings
+from services.trainer.edge.transport import Transport
 
 FORWARD = tensor_pb2.DIRECTION_FORWARD
 BACKWARD = tensor_pb2.DIRECTION_BACKWARD

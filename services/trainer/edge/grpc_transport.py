@@ -44,7 +44,7 @@ from nebula_common.rpc.framing import (
     parse_chunk,
 )
 from nebula_common.rpc.internal_tls import internal_channel
-from services.trainer.edge.session import TransportHandler
+from services.trainer.edge.transport import TransportHandler
 
 log = logging.getLogger(__name__)
 _END = object()

@@ -40,7 +40,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from nebula_common.proto.nebula.v1 import relay_pb2
-from services.trainer.edge.session import TransportHandler, wire_size
+from services.trainer.edge.tensor_frames import wire_size
+from services.trainer.edge.transport import TransportHandler
 
 _STOP = object()
 _SEQUENCED = ("frame", "signal")
