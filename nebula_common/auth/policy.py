@@ -9,7 +9,7 @@ proves it for every method.
 
 The switch's WAN port is not in this table: the peer switch holds no token of this
 cluster, so that port is authenticated by mutual TLS and the certificate's SPIFFE
-identity instead (``services/switch/link.py``).
+identity instead (``services/switch/link_handshake.py``).
 """
 
 from __future__ import annotations

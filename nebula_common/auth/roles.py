@@ -107,7 +107,7 @@ ROLE_MATRIX: MappingProxyType[str, Access] = MappingProxyType(
         "/nebula.v1.Relay/GetLinkStatus": _user(
             "the SDK's job summary and operators read link state; the trainer may too", "trainer"
         ),
-        # --- switch, WAN port (mutual TLS with the *peer* CA; checked in services/switch/link.py) --
+        # --- switch, WAN port (mutual TLS with the *peer* CA; checked in services/switch/link_handshake.py)
         "/nebula.v1.SwitchLink/Link": _service("the peer cluster's switch, on the WAN port only", "switch"),
         "/nebula.v1.SwitchTrust/ExchangeCrl": _service(
             "the peer cluster's switch sends its CA's CRL, WAN port only (switch/peer_trust.py)",

@@ -6,7 +6,7 @@ receiving cluster (``GetLinkStatusRequest.measure_bandwidth``) and falls back to
 only when no measurement can be had.
 
 How (packet-train dispersion): ``TRAIN`` Pings carrying ``size`` bytes of padding each are queued
-back to back ahead of any item; the peer answers each with a small Pong at once (link.py), so the
+back to back ahead of any item; the peer answers each with a small Pong at once (link_pumps.py), so the
 Pongs come back spaced as the Pings left the slowest hop. Only the second half of the train is
 timed (the first half may pass at line rate while a shaper's token bucket drains its burst, which
 would overstate the rate): the seconds per Ping are the least-squares slope of the Pongs' arrival

@@ -39,6 +39,7 @@ losses fall by more than one connection adds.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -83,6 +84,31 @@ class ReorderBuffer(Generic[T]):
         while self.next_seq in self.waiting:
             self.deliver(self.waiting.pop(self.next_seq))
             self.next_seq += 1
+
+
+@dataclass
+class SessionLanes:
+    """The lanes of one link session: marks, reordering, retiring, failure (``link_lanes.py`` runs them).
+
+    ``marking`` is set when both ends announced lanes: every item is then preceded by its mark and
+    further connections may join. Any lane's failure ends the whole session (``failed``).
+    """
+
+    session_id: bytes
+    marking: bool
+    reorder: ReorderBuffer[tuple[tuple[str, str], object, int]]
+    send_seq: int = 0
+    active: set[int] = field(default_factory=lambda: {0})
+    retiring: set[int] = field(default_factory=set)
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
+    failure: str = ""
+    #: Items written per lane (a lane's share of the striping, for status and tests).
+    written: dict[int, int] = field(default_factory=dict)
+
+    def fail(self, reason: str) -> None:
+        if not self.failed.is_set():
+            self.failure = reason
+            self.failed.set()
 
 
 @dataclass
@@ -199,4 +225,4 @@ def parse_connections(value: str) -> int | None:
     return count
 
 
-__all__ = ["MAX_LANES", "LaneGapError", "LaneTuner", "ReorderBuffer", "parse_connections"]
+__all__ = ["MAX_LANES", "LaneGapError", "LaneTuner", "ReorderBuffer", "SessionLanes", "parse_connections"]

@@ -18,13 +18,22 @@ for its min-RTT filters) is the path's propagation delay without the queueing a 
 ``codec: auto`` predicts a step with. The smoothed RTT after a busy job still carries that job's
 queueing for many keepalive intervals (it moves an eighth of the way per sample, one sample a second
 or slower).
+
+:class:`Keepalive` runs this on one link (``PeerLink``): it pings while nothing is outstanding, takes
+each Pong of its own as an RTT sample, and ends the session with :class:`DeadPeerError` when the peer
+has gone silent. Pings and Pongs go out ahead of every item (the link's priority queue); the link's
+bandwidth probes (``bandwidth.py``) are Pings too, but the link hands their Pongs to its meter.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from nebula_common.proto.nebula.v1 import link_pb2
 
 MIN_RTT_WINDOW_S = 300.0
 """The lowest RTT is kept over this window (Linux TCP's min-RTT filter keeps 5 minutes)."""
@@ -82,3 +91,75 @@ class LivenessPolicy:
 
     def dead_after(self, rtt: RttEstimator) -> float:
         return _clamp(3 * self.interval(rtt) + 4 * rtt.rto(), self.dead_min_s, self.dead_max_s)
+
+
+class DeadPeerError(Exception):
+    """Nothing arrived from the peer for the dead-peer timeout."""
+
+
+class Keepalive:
+    """One link's pings, RTT samples and dead-peer timeout (see the module doc).
+
+    ``send`` queues a message ahead of every item; ``ping_queued`` says whether a Ping already waits
+    there (a bandwidth probe's counts too: then this interval sends none).
+    """
+
+    def __init__(
+        self,
+        policy: LivenessPolicy,
+        send: Callable[[link_pb2.LinkMessage], None],
+        ping_queued: Callable[[], bool],
+    ) -> None:
+        self.policy = policy
+        self.rtt = RttEstimator()
+        self._send = send
+        self._ping_queued = ping_queued
+        self._nonce = 0
+        self._outstanding: tuple[int, float] | None = None
+        self.last_received = 0.0
+
+    def session_started(self) -> None:
+        """A new session: no Ping outstanding, and the peer was just heard (its handshake)."""
+        self._outstanding = None
+        self.last_received = time.monotonic()
+
+    def heard(self) -> None:
+        """Something (an item, a Ping, a Pong) arrived from the peer."""
+        self.last_received = time.monotonic()
+
+    def ping_sent(self, nonce: int) -> None:
+        """One of our Pings was written: its Pong times the round trip."""
+        self._outstanding = (nonce, time.monotonic())
+
+    def on_pong(self, nonce: int) -> bool:
+        """The peer answered Ping ``nonce``; True if it was the outstanding one (a new RTT sample)."""
+        outstanding = self._outstanding
+        if outstanding is None or outstanding[0] != nonce:
+            return False
+        self._outstanding = None
+        self.rtt.sample(time.monotonic() - outstanding[1])
+        return True
+
+    async def run(self, tick: Callable[[float], None]) -> None:
+        """Ping at the RTT-derived interval; end the session when the peer has gone silent.
+
+        ``tick`` is called with the time on every wake-up, for what else the link sends periodically
+        (its witnessed audit head).
+        """
+        next_ping = time.monotonic()
+        while True:
+            now = time.monotonic()
+            dead_after = self.policy.dead_after(self.rtt)
+            silent = now - self.last_received
+            if silent > dead_after:
+                raise DeadPeerError(
+                    f"nothing received from the peer switch for {silent:.1f} s (dead-peer timeout "
+                    f"{dead_after:.1f} s from SRTT {self.rtt.srtt or 0:.3f} s)"
+                )
+            if now >= next_ping:
+                if self._outstanding is None and not self._ping_queued():
+                    self._nonce += 1
+                    self._send(link_pb2.LinkMessage(ping=link_pb2.Ping(nonce=self._nonce)))
+                next_ping = now + self.policy.interval(self.rtt)
+            tick(now)
+            await asyncio.sleep(max(0.01, min(next_ping, self.last_received + dead_after) - now))

@@ -49,7 +49,7 @@ from nebula_common.rpc.raw_records import MAX_MESSAGE_BYTES, in_thread, peer_cer
 from nebula_common.rpc.raw_records import RawConnection as _RawConnection
 from nebula_common.rpc.sealed_records import RecordSealing, negotiate_acceptor, negotiate_dialer
 from services.switch import passthrough
-from services.switch.link import (
+from services.switch.link_handshake import (
     HANDSHAKE_TIMEOUT_S,
     RAW_LINK_VERSION,
     HandshakeError,

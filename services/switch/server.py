@@ -43,7 +43,8 @@ from nebula_common.service.resources import (
 from services.switch.certs import CertificateManager
 from services.switch.config import PeerSettings, SwitchSettings
 from services.switch.crl_exchange import CrlExchange, OwnCrl, add_trust_to_server, exchange_forever
-from services.switch.link import PeerLink, fetch_server_certificate
+from services.switch.link import PeerLink
+from services.switch.link_handshake import fetch_server_certificate
 from services.switch.peer_trust import PeerTrust
 from services.switch.peers import PeerLinks
 from services.switch.rawlink import RawConnection, WanFrontend, dial_raw
@@ -271,7 +272,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     if settings.health_listen:
         internal.add_health_port(settings.health_listen)
     # The WAN port has no token interceptor: the peer switch holds no token of this cluster; mTLS and
-    # the certificate's SPIFFE identity authenticate it (services/switch/link.py).
+    # the certificate's SPIFFE identity authenticate it (services/switch/link_handshake.py).
     # A client that connects and never finishes TLS (and HTTP/2 settings) is dropped after
     # wan_handshake_timeout_s instead of gRPC's default 120 s.
     wan_options = [

@@ -7,7 +7,7 @@ link, services/switch/peers.py), it is not on that peer CA's revocation list, an
 with it. Every refusal is audited.
 
 The method is registered with raw-bytes (identity) serializers (``add_link_to_server``): the session
-parses link messages itself and forwards framed chunks without re-encoding them (services/switch/link.py).
+parses link messages itself and forwards framed chunks without re-encoding them (link_pumps.py).
 A dialer that offers the raw transport (``Handshake.raw_link``) to a switch serving it is told so and the
 call ends; the session then runs over a raw connection (services/switch/rawlink.py).
 """
@@ -21,13 +21,13 @@ from collections.abc import AsyncIterator
 import grpc
 
 from nebula_common.pki import peer_certificate, peer_identity
-from services.switch.link import (
+from services.switch.link_handshake import (
     HANDSHAKE_TIMEOUT_S,
     RAW_LINK_VERSION,
     HandshakeError,
-    grpc_writer,
     parse_link_message,
 )
+from services.switch.link_transport import grpc_writer
 from services.switch.peers import PeerLinks
 
 log = logging.getLogger(__name__)

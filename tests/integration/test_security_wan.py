@@ -42,7 +42,7 @@ from nebula_common.proto.nebula.v1 import (
 from nebula_common.rpc import bearer_metadata
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterSession, submit_job
-from services.switch.link import PROTOCOL_VERSION, fetch_server_certificate
+from services.switch.link_handshake import PROTOCOL_VERSION, fetch_server_certificate
 from tests.support.internal import user_channel
 from tests.support.jobs import numbers_job
 from tests.support.tls_probe import handshakes_without_certificate

@@ -33,7 +33,7 @@ from nebula_common.rpc.framing import LINK_FRAMING_VERSION, encode_chunk, is_fra
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.wan.emulator import LinkShape, WanEmulator
 from services.switch.config import SwitchSettings
-from services.switch.link import PROTOCOL_VERSION
+from services.switch.link_handshake import PROTOCOL_VERSION
 from services.switch.route_limits import UNATTACHED_MAX_ITEMS
 from services.switch.throttle import PAUSE_S
 from tests.support.accounts import ADMIN_PASSWORD, auth_settings

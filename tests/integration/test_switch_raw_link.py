@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives import serialization
 from nebula_common.pki import Identity, PkiLayout, init_pki, issue_certificate
 from nebula_common.proto.nebula.v1 import link_pb2
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION, encode_chunk
-from services.switch.link import PROTOCOL_VERSION, HandshakeError
+from services.switch.link_handshake import PROTOCOL_VERSION, HandshakeError
 from services.switch.rawlink import PREAMBLE, PREAMBLE_SEALED, RawConnection, dial_raw
 from tests.integration import test_switch_data_plane as plane
 from tests.integration.test_switch_data_plane import (  # noqa: F401  (clusters: a module fixture)

@@ -8,7 +8,7 @@ exception or a hang:
   answer -> a decision or SealedRecordError, and both ends agree on the decision and the keys;
 * the WAN port's first bytes (``services/switch/rawlink.py``, ``WanFrontend``): the raw preamble
   (``NBLINK1``/``NBLINK2``, echoed), anything else passed through to gRPC's TLS, or a refusal;
-* link messages (``services/switch/link.py``: ``parse_link_message``) -> HandshakeError;
+* link messages (``services/switch/link_handshake.py``: ``parse_link_message``) -> HandshakeError;
 * the stage channel (``services/trainer/stage_channel.py``: ``receive``, ``parse_json``) -> ChannelError,
   or EOFError at the end; a length over ``MAX_MESSAGE_BYTES`` is refused before it is read.
 """
@@ -40,7 +40,7 @@ from nebula_common.rpc.sealed_records import (
     negotiate_acceptor,
     negotiate_dialer,
 )
-from services.switch.link import HandshakeError, parse_link_message
+from services.switch.link_handshake import HandshakeError, parse_link_message
 from services.switch.rawlink import PREAMBLE, PREAMBLE_SEALED, WanFrontend
 from services.trainer import stage_channel as channel
 from tests.unit.test_data_path_fuzz import MUTATIONS, STEP_S, field, fuzz, mutated, peak_while, run_bounded

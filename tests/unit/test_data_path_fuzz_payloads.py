@@ -35,7 +35,7 @@ from nebula_common.codec.wire import (
 )
 from nebula_common.proto.nebula.v1 import relay_pb2, tensor_pb2
 from nebula_common.rpc.framing import encode_chunk
-from services.switch.link import parse_link_message
+from services.switch.link_handshake import parse_link_message
 from services.switch.pacing import MAX_PARTIAL_BYTES, Fragment, PacingError, Reassembler
 from services.trainer.stage_proxy import _is_close
 from tests.unit.test_data_path_fuzz import MUTATIONS, fuzz, mutated, peak_while

@@ -12,7 +12,8 @@ from nebula_common.pki import Identity
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, tensor_pb2
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION, encode_chunk, parse_chunk
 from services.switch.config import SwitchSettings
-from services.switch.link import PROTOCOL_VERSION, HandshakeError, PeerLink
+from services.switch.link import PeerLink
+from services.switch.link_handshake import PROTOCOL_VERSION, HandshakeError
 from services.switch.metrics import DirectionCounters
 from services.switch.route_state import RouteInUseError
 from services.switch.routing import Router
@@ -259,3 +260,14 @@ def test_a_writer_blocked_in_a_write_counts_as_a_busy_link() -> None:
     assert not backlog  # the writer took the item: the router alone would call this link idle
     assert busy
     assert not drained
+
+
+def test_the_link_module_still_exports_what_moved_to_its_parts() -> None:
+    """Callers of the one-module link keep working: each name is the part's own object, not a copy."""
+    from services.switch import link, link_handshake, link_pumps, link_transport, liveness
+
+    for module in (link_handshake, link_pumps, link_transport, liveness):
+        for name in link.__all__:
+            if hasattr(module, name):
+                assert getattr(link, name) is getattr(module, name), name
+    assert set(link.__all__) <= set(dir(link))

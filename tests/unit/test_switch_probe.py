@@ -20,7 +20,7 @@ import pytest
 from cryptography import x509
 
 from nebula_common.pki import Identity, PkiLayout
-from services.switch.link import fetch_server_certificate
+from services.switch.link_handshake import fetch_server_certificate
 
 pytestmark = pytest.mark.timeout(120)
 PREFACE_WAIT_S = 60

@@ -1,0 +1,150 @@
+"""The link's lanes at work: further connections joining a session, retiring, and how many to keep.
+
+The lane protocol and its algorithms (marks, in-order delivery, the tuner) are ``lanes.py``; this module
+runs them on a :class:`~services.switch.link.PeerLink`. Both roles run a joined connection the same way
+(:meth:`LinkLanes.run_lane`): a lane that fails ends the whole session, since what it carried may be
+lost, a gap no other lane can fill; a retired lane ends alone once both last marks crossed. Only the
+dialer opens lanes, and keeps their count at its target (:meth:`LinkLanes._manage_lanes`): a fixed
+count, or the tuner's, from the link's throughput over busy intervals (``PeerLink.link_busy``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import grpc
+
+from services.switch.lanes import MAX_LANES, LaneTuner
+from services.switch.link_handshake import HandshakeError
+from services.switch.link_pumps import LinkPumps
+from services.switch.link_transport import Closeable, LaneOpenFn, ReadFn, WriteFn
+from services.switch.metrics import LINK_CONNECTIONS
+
+log = logging.getLogger(__name__)
+
+LANE_SAMPLE_S = 0.1
+LANE_INTERVAL_S = 2.0
+"""The lane tuner's measurement interval (busy is sampled every LANE_SAMPLE_S within it)."""
+
+
+class LinkLanes(LinkPumps):
+    """The lanes of a link's sessions (see the module doc); the pumps carry each lane's items."""
+
+    #: Connections the dialer keeps per session: a fixed count, or None to self-tune (lanes.py).
+    connections: int | None
+    _lane_channels: dict[int, tuple[Closeable, asyncio.Task[None]]]
+
+    def joins_current_session(self, session_id: bytes) -> bool:
+        """True if a further connection with ``session_id`` may join the running session as a lane."""
+        lanes = self._lanes
+        return lanes is not None and lanes.marking and bool(session_id) and lanes.session_id == session_id
+
+    async def run_lane(self, lane: int, read: ReadFn, write: WriteFn) -> None:
+        """Carry the current session's items over one more connection until it is retired or lost.
+
+        A lane that fails (read or write error, EOF without a retiring mark) ends the whole session:
+        items written to it may be lost, a gap no other lane can fill (lanes.py). A lane that is
+        retired (``retire_lane``, or the peer's last mark) ends alone once both last marks crossed.
+        """
+        lanes = self._lanes
+        if lanes is None or not lanes.marking:
+            raise HandshakeError(f"lane {lane} has no session to join")
+        lanes.active.add(lane)
+        LINK_CONNECTIONS.labels(self.expected_peer.cluster_id).set(len(lanes.active))
+        writer = asyncio.create_task(self._pump_out(write, lane), name=f"link-writer-{lane}")
+        reader = asyncio.create_task(self._pump_in(read, lane), name=f"link-reader-{lane}")
+        ended = asyncio.create_task(lanes.failed.wait(), name=f"link-lane-{lane}-session")
+        try:
+            pending: set[asyncio.Task[object]] = {writer, reader}  # type: ignore[arg-type]
+            while pending:
+                done, pending = await asyncio.wait({*pending, ended}, return_when=asyncio.FIRST_COMPLETED)
+                if ended in done:
+                    return
+                pending.discard(ended)
+                for task in done:
+                    error = task.exception()
+                    if error is not None:
+                        lanes.fail(f"connection {lane} of the link failed: {error}")
+                        return
+        except asyncio.CancelledError:
+            # The call was cancelled under us (the peer dropped this connection): unless the lane was
+            # being retired, what it carried may be lost, so the session must end.
+            if lane not in lanes.retiring:
+                lanes.fail(f"connection {lane} of the link was cancelled")
+            raise
+        finally:
+            for task in (writer, reader, ended):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            lanes.active.discard(lane)
+            lanes.retiring.discard(lane)
+            if self._lanes is lanes:
+                LINK_CONNECTIONS.labels(self.expected_peer.cluster_id).set(len(lanes.active))
+
+    def lane_counts(self) -> dict[int, int]:
+        """Items written per connection in the current session ({} without lanes)."""
+        lanes = self._lanes
+        return dict(lanes.written) if lanes is not None else {}
+
+    async def drop_connection(self, lane: int) -> bool:
+        """Fault control: close one extra connection abruptly (no retiring). The session ends, the
+        link reconnects and the trainers replay (lanes.py). False if this switch has no such lane."""
+        entry = self._lane_channels.get(lane)
+        if entry is None:
+            return False
+        await entry[0].close()
+        return True
+
+    def retire_lane(self, lane: int) -> None:
+        """Stop sending on ``lane``: its writer sends a last mark, the peer answers with its own."""
+        lanes = self._lanes
+        if lanes is not None and lane in lanes.active and lane != 0:
+            lanes.retiring.add(lane)
+            self.router.outbound_wake.set()
+
+    async def _manage_lanes(self, open_lane: LaneOpenFn) -> None:
+        """Keep the session's connection count at its target: fixed, or self-tuned (lanes.py)."""
+        tuner = LaneTuner() if self.connections is None else None
+        target = self.connections or 1
+        lanes: dict[int, tuple[Closeable, asyncio.Task[None]]] = {}
+        self._lane_channels = lanes
+        try:
+            while True:
+                for index, (channel, task) in list(lanes.items()):
+                    if task.done():
+                        del lanes[index]
+                        await channel.close()
+                missing = target - len(lanes) - 1
+                if missing > 0:  # dialled together: a doubling waits one handshake, not one each
+                    free = [i for i in range(1, MAX_LANES) if i not in lanes][:missing]
+                    opened = await asyncio.gather(*(open_lane(i) for i in free), return_exceptions=True)
+                    for index, lane in zip(free, opened, strict=True):
+                        if isinstance(lane, grpc.aio.AioRpcError | HandshakeError | TimeoutError | OSError):
+                            log.warning("cannot open link connection %d: %s (retry later)", index, lane)
+                        elif isinstance(lane, BaseException):
+                            raise lane
+                        else:
+                            lanes[index] = lane
+                for index in sorted(lanes, reverse=True)[: max(0, len(lanes) + 1 - target)]:
+                    self.retire_lane(index)
+                sent, busy, samples = self.sent.bytes + self.received.bytes, 0, 0
+                started = time.monotonic()
+                while time.monotonic() - started < LANE_INTERVAL_S:
+                    await asyncio.sleep(LANE_SAMPLE_S)
+                    samples += 1
+                    busy += self.link_busy()
+                if tuner is not None:
+                    rate = (self.sent.bytes + self.received.bytes - sent) / (time.monotonic() - started)
+                    target = tuner.observe(rate, busy * 2 >= samples)
+                elif self.connections is not None:
+                    target = self.connections  # a changed fixed count applies from the next interval
+        finally:
+            for channel, task in lanes.values():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+                await channel.close()
