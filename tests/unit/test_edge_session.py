@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -211,19 +210,18 @@ def test_a_header_above_max_frame_bytes_fails_the_edge_and_tells_the_peer() -> N
     assert transport.closes and transport.closes[0][1] is True
 
 
-def test_a_one_way_stage_refuses_a_produce_dtype_its_edge_payload_does_not_declare(tmp_path: Path) -> None:
+def test_a_one_way_stage_refuses_a_produce_dtype_its_edge_payload_does_not_declare() -> None:
     from nebula_common.jobspec import load_spec
     from nebula_common.jobspec.builtin import builtin_spec
     from nebula_common.sdk.jobs import ProgramJob
-    from services.trainer.runtime.stage import ProgramRunner
+    from services.trainer.runtime.one_way_steps import checked_payload
 
-    spec = ProgramJob(load_spec(builtin_spec("electra")), "j").stage_spec("generator")
-    runner = ProgramRunner(spec, "t", "unused:0", tmp_path, "o")
-    assert torch.equal(runner._check_payload(torch.tensor([2**40])), torch.tensor([2**40]))
+    cfg = ProgramJob(load_spec(builtin_spec("electra")), "j").stage_spec("generator").program
+    assert torch.equal(checked_payload(cfg, torch.tensor([2**40])), torch.tensor([2**40]))
     with pytest.raises(
         ProgramError, match=r"the edge payload is int64 but produce\(\) returned torch.float32"
     ):
-        runner._check_payload(torch.zeros(3))
+        checked_payload(cfg, torch.zeros(3))
 
 
 def test_a_reopened_stream_resends_what_is_unacknowledged_without_waiting_for_the_peer() -> None:

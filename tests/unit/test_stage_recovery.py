@@ -307,9 +307,9 @@ def test_a_stage_restarted_after_its_job_finished_ends_succeeded_when_the_peer_i
     """Killed after its last step (e.g. while closing the edge), restarted once the other stage had
     finished: nobody answers its RESUME, and since it holds its final checkpoint it ends SUCCEEDED with
     the reason instead of waiting START_TIMEOUT_S and reporting a finished job as failed."""
-    from services.trainer.runtime import stage as stage_module
+    from services.trainer.runtime import resume
 
-    monkeypatch.setattr(stage_module, "PEER_FINISHED_AFTER_S", 1.0)
+    monkeypatch.setattr(resume, "PEER_FINISHED_AFTER_S", 1.0)
     job = small_numbers()
     link = MemoryLink()
     runs = run_stages(job, tmp_path, link, SETTINGS)
@@ -326,10 +326,10 @@ def test_a_restarted_stage_without_its_final_checkpoint_still_waits_for_the_peer
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Only a stage that did every step may conclude the job finished: one that did not keeps waiting."""
-    from services.trainer.runtime import stage as stage_module
+    from services.trainer.runtime import resume
 
-    monkeypatch.setattr(stage_module, "PEER_FINISHED_AFTER_S", 0.5)
-    monkeypatch.setattr(stage_module, "START_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(resume, "PEER_FINISHED_AFTER_S", 0.5)
+    monkeypatch.setattr(resume, "START_TIMEOUT_S", 2.0)  # how long it waits for the peer's RESUME
     job = small_numbers()
     restarted = stage_runner(job, 0, tmp_path, MemoryLink(), SETTINGS, epoch=1)
     restarted.runner.start()

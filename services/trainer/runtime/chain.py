@@ -25,6 +25,7 @@ once instead of waiting out a receive timeout.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -39,6 +40,7 @@ from services.trainer.edge import (
     EdgeStats,
     renewed,
 )
+from services.trainer.runtime.program import micro_batch_ids
 from services.trainer.runtime.schedule import upstream_ops
 from services.trainer.runtime.transfer import AsyncSender, ReceiveAhead
 
@@ -171,18 +173,18 @@ class LocalMiddle:
 
 
 class MiddleStep:
-    """One optimizer step's micro-batches through a middle stage (the schedule in the module doc).
+    """One attempt's optimizer steps through a middle stage (the schedule in the module doc).
 
     ``compute``: ``LocalMiddle`` on one process, or the stage's ``DataParallelGroup`` on n ranks
     (rank 0, the stage thread, holds both edges; each rank relays its rows of every micro-batch).
+    ``finish(step)`` steps the optimizer (the stage's, or its ranks' together).
     """
 
     def __init__(
         self,
         compute: MiddleCompute,
-        schedule: str,
-        micro_batches: int,
-        max_in_flight: int,
+        cfg: trainer_pb2.ProgramStage,
+        finish: Callable[[int], None],
         *,
         from_above: ReceiveAhead,
         to_above: AsyncSender,
@@ -190,12 +192,16 @@ class MiddleStep:
         to_below: AsyncSender,
     ) -> None:
         self.compute = compute
-        self.ops = upstream_ops(schedule, micro_batches, max_in_flight)
+        self.cfg = cfg
+        self.finish = finish
+        self.ops = upstream_ops(cfg.schedule, cfg.micro_batches, cfg.max_in_flight)
         self.from_above, self.to_above = from_above, to_above
         self.from_below, self.to_below = from_below, to_below
 
-    def run(self, step: int, ids_of: dict[int, list[int]]) -> None:
-        """``ids_of``: each micro-batch's example ids (the same in every cluster)."""
+    def run(self, step: int) -> tuple[float | None, dict[str, object]]:
+        """One step's micro-batches both ways, then the optimizer step (a middle owns no loss)."""
+        # each micro-batch's example ids (the same in every cluster)
+        ids_of = {mb: micro_batch_ids(self.cfg, step, mb) for mb in range(self.cfg.micro_batches)}
         for op in self.ops:  # what each edge will deliver, in the order the ops take it
             source = self.from_above if op.kind == "F" else self.from_below
             source.expect_tensor(step, op.micro_batch, ids_of[op.micro_batch])
@@ -207,6 +213,8 @@ class MiddleStep:
                 continue
             grad = self.compute.relay_backward(step, mb, self.from_below.tensor(step, mb))
             self.to_above.send(grad, step, mb, ids)
+        self.finish(step)  # the ranks sum their gradients and step together
+        return None, {}
 
 
 __all__ = [

@@ -65,6 +65,14 @@ class CheckpointStore:
         found = (_STEP_DIR.match(p.name) for p in directory.iterdir())
         return sorted(int(m.group(1)) for m in found if m and (directory / m.group(0) / "meta.json").exists())
 
+    def discard_after(self, owner: str, job_id: str, stage: str, step: int) -> None:
+        """Delete the checkpoints of steps after ``step``: a recovery that restarts from ``step`` voids them,
+        and a later recovery must not pick one of them."""
+        directory = self.stage_dir(owner, job_id, stage)
+        for later in self.steps(owner, job_id, stage):
+            if later > step:
+                shutil.rmtree(directory / f"step-{later}", ignore_errors=True)
+
     def save(self, job_id: str, stage: str, owner: str, step: int, program: StageProgram) -> Path:
         directory = self.stage_dir(owner, job_id, stage)
         directory.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from nebula_common.jobspec.runtime import (
     OptimSettings,
     ProgramError,
     StageProgram,
+    example_ids,
     load_program,
 )
 from nebula_common.jobspec.spec import required_functions
@@ -85,4 +86,10 @@ def build_program(spec: trainer_pb2.StageSpec, examples_source: ExampleSource | 
     )
 
 
-__all__ = ["build_program", "hot_start_problems", "load_starting_state"]
+def micro_batch_ids(cfg: trainer_pb2.ProgramStage, step: int, micro_batch: int) -> list[int]:
+    """The example ids of one micro-batch of a step: the same in every cluster, so the stages agree."""
+    size = cfg.batch_size // cfg.micro_batches
+    return example_ids(cfg.seed, cfg.num_examples, step, micro_batch, cfg.micro_batches, size)
+
+
+__all__ = ["build_program", "hot_start_problems", "load_starting_state", "micro_batch_ids"]
