@@ -50,7 +50,7 @@ from nebula_common.pki import Identity
 from nebula_common.pki.store import PkiLayout
 from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.jobs import ProgramJob
-from services.switch.rawlink import PREAMBLE
+from services.switch.rawlink_connection import PREAMBLE
 from services.switch.source_limits import MAX_PENDING
 from tests.support.accounts import make_user
 

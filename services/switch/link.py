@@ -124,7 +124,7 @@ class PeerLink(LinkDialer):
         self.cluster_id = cluster_id
         #: Dialer: opens a raw connection to the peer (offered in the handshake; None: gRPC only).
         self.raw_dialer = raw_dialer
-        #: Acceptor: this switch's WAN port takes raw connections (rawlink.WanFrontend).
+        #: Acceptor: this switch's WAN port takes raw connections (wan_frontend.WanFrontend).
         self.serves_raw = serves_raw
         #: Connections the dialer keeps per session: a fixed count, or None to self-tune (lanes.py).
         self.connections = connections

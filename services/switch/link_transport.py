@@ -25,11 +25,11 @@ ProbeFn = Callable[[], Awaitable[x509.Certificate]]
 
 
 class RawConnectionLike(Protocol):
-    """A raw link connection (services/switch/rawlink.py): whole messages both ways, the peer's cert."""
+    """A raw link connection (``rawlink_connection.py``): whole messages both ways, the peer's cert."""
 
     peer_cert: x509.Certificate | None
     preamble: bytes
-    """The preamble exchanged in clear before TLS (``rawlink.PREAMBLE`` or ``PREAMBLE_SEALED``)."""
+    """The preamble exchanged in clear before TLS (``rawlink_connection.PREAMBLE`` or ``PREAMBLE_SEALED``)."""
 
     async def read(self) -> object: ...
 

@@ -1,6 +1,6 @@
 """Relaying a gRPC peer's TLS bytes through the WAN frontend without copying them through Python.
 
-The frontend (``rawlink.WanFrontend``) owns the WAN port so that it can give every source address a few
+The frontend (``wan_frontend.WanFrontend``) owns the WAN port so that it can give every source address a few
 slots (``source_limits.py``); a gRPC peer's connection is then relayed, encrypted and untouched, to the
 gRPC WAN server on loopback. Copying those bytes through Python buffers doubled the accepting switch's CPU
 per relayed GB; ``os.splice`` moves them socket -> pipe -> socket inside the kernel instead, driven by the

@@ -47,13 +47,15 @@ from services.switch.link import PeerLink
 from services.switch.link_handshake import fetch_server_certificate
 from services.switch.peer_trust import PeerTrust
 from services.switch.peers import PeerLinks
-from services.switch.rawlink import RawConnection, WanFrontend, dial_raw
+from services.switch.rawlink_connection import RawConnection
+from services.switch.rawlink_dialer import dial_raw
 from services.switch.relay_servicer import RelayServicer, add_relay_to_server
 from services.switch.route_limits import Limits
 from services.switch.route_table import SharedRoutes
 from services.switch.routing import Router
 from services.switch.throttle import AccountThrottle, Penalties, PenaltyRules
 from services.switch.tls_refusals import StderrTap
+from services.switch.wan_frontend import WanFrontend
 from services.switch.wan_servicer import SwitchLinkServicer, add_link_to_server
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ class RunningSwitch:
     revocation: PeerTrust
     links: PeerLinks
     trusts: dict[str, PeerTrust]
-    #: The WAN port's listener (rawlink.py): per-source slots, raw connections, gRPC ones passed through.
+    #: The WAN port's listener (wan_frontend.py): per-source slots, raw connections, gRPC ones passed through.
     frontend: WanFrontend | None = None
 
     @property
@@ -295,7 +297,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     }
     add_trust_to_server(links, exchanges, wan.server)
     raw = settings.link_transport == "raw"
-    # The WAN port is the frontend's (rawlink.py, source_limits.py): strangers get a few slots per
+    # The WAN port is the frontend's (wan_frontend.py, source_limits.py): strangers get a few slots per
     # address before their handshake completes, so none can crowd the peer out. gRPC's WAN server
     # listens on loopback only, reached through the frontend, which passes a gRPC peer's TLS bytes
     # through untouched (the gRPC link and the CRL exchange); with the raw transport the frontend also

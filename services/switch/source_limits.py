@@ -3,7 +3,7 @@
 The WAN port is open to the internet by design, and everything it does before a handshake completes
 (waiting for a preamble, a TLS handshake on a thread, relaying a gRPC peer's bytes) costs descriptors,
 tasks and threads. Global caps alone let one host take them all: 16 stalled raw TLS handshakes kept the
-genuine peer out. So every connection the raw front end (``rawlink.WanFrontend``) accepts holds a slot of
+genuine peer out. So every connection the raw front end (``wan_frontend.WanFrontend``) accepts holds a slot of
 its source address until its mutual TLS handshake completes (raw) or for its whole life (relayed to
 gRPC, whose own handshake timeout ends a stranger's within seconds); a source at its cap, or the port at
 its total, has further connections closed at accept, refused and audited per source and reason

@@ -29,7 +29,8 @@ from nebula_common.pki import Identity, PkiLayout, add_trust, channel_options, i
 from nebula_common.pki.crl import build_crl
 from nebula_common.proto.nebula.v1 import link_pb2, link_pb2_grpc, trust_pb2, trust_pb2_grpc
 from services.switch.link_handshake import PROTOCOL_VERSION, HandshakeError
-from services.switch.rawlink import RawConnection, dial_raw
+from services.switch.rawlink_connection import RawConnection
+from services.switch.rawlink_dialer import dial_raw
 from tests.support.accounts import auth_settings
 from tests.support.rogue_ca import pem, unconstrained_ca
 from tests.support.servers import SwitchThread, running_auth

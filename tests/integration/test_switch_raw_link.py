@@ -29,7 +29,8 @@ from nebula_common.pki import Identity, PkiLayout, init_pki, issue_certificate
 from nebula_common.proto.nebula.v1 import link_pb2
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION, encode_chunk
 from services.switch.link_handshake import PROTOCOL_VERSION, HandshakeError
-from services.switch.rawlink import PREAMBLE, PREAMBLE_SEALED, RawConnection, dial_raw
+from services.switch.rawlink_connection import PREAMBLE, PREAMBLE_SEALED, RawConnection
+from services.switch.rawlink_dialer import dial_raw
 from tests.integration import test_switch_data_plane as plane
 from tests.integration.test_switch_data_plane import (  # noqa: F401  (clusters: a module fixture)
     Cluster,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from nebula_common.pki import PkiLayout
-from services.switch.rawlink import PREAMBLE
+from services.switch.rawlink_connection import PREAMBLE
 from tests.integration.test_switch_data_plane import (  # noqa: F401  (clusters: a module fixture)
     Cluster,
     clusters,

@@ -35,7 +35,7 @@ from nebula_common.pki import PkiLayout
 from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc.framing import encode_chunk
 from nebula_common.rpc.sealed_records import CLOSE, HEADER, MESSAGE, TAG_BYTES
-from services.switch.rawlink import PREAMBLE_SEALED
+from services.switch.rawlink_connection import PREAMBLE_SEALED
 from tests.integration.test_switch_data_plane import (  # noqa: F401  (clusters: a module fixture)
     Cluster,
     EdgeClient,

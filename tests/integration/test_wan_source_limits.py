@@ -1,4 +1,4 @@
-"""One stranger cannot crowd the genuine peer out of the WAN port (rawlink.WanFrontend, source_limits.py).
+"""One stranger cannot crowd the genuine peer out of the WAN port (``wan_frontend.py``, ``source_limits.py``).
 
 From another loopback address (127.0.0.2, as a host on the internet would be) the test opens 1,000
 connections that say nothing, 40 that send the raw link preamble and 100 that send the first bytes of a
@@ -28,7 +28,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
 from nebula_common.pki import Identity, PkiLayout
-from services.switch.rawlink import PREAMBLE, dial_raw
+from services.switch.rawlink_connection import PREAMBLE
+from services.switch.rawlink_dialer import dial_raw
 from services.switch.source_limits import PER_SOURCE_PENDING, PER_SOURCE_RELAYED
 from tests.integration.test_switch_data_plane import (  # noqa: F401  (clusters: a module fixture)
     Cluster,

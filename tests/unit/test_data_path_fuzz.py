@@ -33,7 +33,8 @@ from hypothesis import strategies as st
 
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2
 from nebula_common.rpc.framing import FRAMED_TAG, FramingError, encode_chunk, is_framed, parse_chunk
-from nebula_common.rpc.raw_records import MAX_MESSAGE_BYTES, RawConnection, RawConnectionError
+from nebula_common.rpc.raw_record_bounds import MAX_MESSAGE_BYTES
+from nebula_common.rpc.raw_records import RawConnection, RawConnectionError
 from nebula_common.rpc.sealed_records import (
     CLOSE,
     HEADER,

@@ -6,7 +6,7 @@ exception or a hang:
 
 * the sealed-records negotiation (``nebula_common/rpc/sealed_records.py``): the ``NBSEAL1`` offer and
   answer -> a decision or SealedRecordError, and both ends agree on the decision and the keys;
-* the WAN port's first bytes (``services/switch/rawlink.py``, ``WanFrontend``): the raw preamble
+* the WAN port's first bytes (``services/switch/wan_frontend.py``, ``WanFrontend``): the raw preamble
   (``NBLINK1``/``NBLINK2``, echoed), anything else passed through to gRPC's TLS, or a refusal;
 * link messages (``services/switch/link_handshake.py``: ``parse_link_message``) -> HandshakeError;
 * the stage channel (``services/trainer/stage_channel.py``: ``receive``, ``parse_json``) -> ChannelError,
@@ -41,7 +41,8 @@ from nebula_common.rpc.sealed_records import (
     negotiate_dialer,
 )
 from services.switch.link_handshake import HandshakeError, parse_link_message
-from services.switch.rawlink import PREAMBLE, PREAMBLE_SEALED, WanFrontend
+from services.switch.rawlink_connection import PREAMBLE, PREAMBLE_SEALED
+from services.switch.wan_frontend import WanFrontend
 from services.trainer import stage_channel as channel
 from tests.unit.test_data_path_fuzz import MUTATIONS, STEP_S, field, fuzz, mutated, peak_while, run_bounded
 
@@ -227,7 +228,7 @@ def test_the_wan_port_sorts_any_first_bytes_into_raw_tls_or_a_refusal(first: byt
         peer.close()
         return echoed
 
-    logger = logging.getLogger("services.switch.rawlink")
+    logger = logging.getLogger("services.switch.wan_frontend")
     logger.addHandler(warnings)
     try:
         echoed = run_bounded(accepted)

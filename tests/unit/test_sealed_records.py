@@ -3,7 +3,7 @@
 A sealed connection drops TLS's own records after the mutual TLS 1.3 handshake and carries each message
 as one AES-256-GCM record of its own, so everything TLS used to guarantee on the data path -- that a
 changed, replayed, reordered, dropped, reflected or truncated byte stream is refused, never delivered --
-now rests on this module and on ``RawConnection``'s sealed path (``nebula_common/rpc/raw_records.py``).
+now rests on this module and on ``RawConnection``'s sealed path (``nebula_common/rpc/raw_io_thread.py``).
 These tests pin those guarantees where they would break:
 
 * ``RecordSealing`` alone (no sockets): round trips of every size, the key ratchet after ``limit``
@@ -33,8 +33,9 @@ import pytest
 
 from nebula_common.pki import init_pki
 from nebula_common.pki.service_identity import ServiceTlsFiles, ensure_service_certificates, service_tls_dir
+from nebula_common.rpc.blocking_steps import in_thread
 from nebula_common.rpc.internal_tls import server_name
-from nebula_common.rpc.raw_records import RawConnection, RawConnectionError, in_thread, peer_certificate
+from nebula_common.rpc.raw_records import RawConnection, RawConnectionError, peer_certificate
 from nebula_common.rpc.sealed_records import (
     CLOSE,
     HEADER,

@@ -271,3 +271,14 @@ def test_the_link_module_still_exports_what_moved_to_its_parts() -> None:
             if hasattr(module, name):
                 assert getattr(link, name) is getattr(module, name), name
     assert set(link.__all__) <= set(dir(link))
+
+
+def test_the_rawlink_module_still_exports_what_moved_to_its_parts() -> None:
+    """Callers of the one-module raw link transport keep working: each name is the part's own object."""
+    from services.switch import rawlink, rawlink_acceptor, rawlink_connection, rawlink_dialer, wan_frontend
+
+    for module in (rawlink_acceptor, rawlink_connection, rawlink_dialer, wan_frontend):
+        for name in rawlink.__all__:
+            if hasattr(module, name):
+                assert getattr(rawlink, name) is getattr(module, name), name
+    assert set(rawlink.__all__) <= set(dir(rawlink))

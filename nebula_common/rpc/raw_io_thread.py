@@ -1,0 +1,281 @@
+"""The I/O thread of a ``RawConnection``: the one thread that touches its socket, and its hand-offs.
+
+The TLS socket belongs to this thread alone (OpenSSL objects are not shared between threads): it
+receives records straight into a reused buffer (``recv_into``), hands each complete message to the
+event loop, and sends queued messages without copying them; with sealed records
+(``sealed_records.py``) it opens and seals each record itself. Encryption, decryption and the socket
+calls run with the GIL released, so the event loop keeps routing while bytes move.
+
+Hand-offs to the loop cost a system call and a wake-up each, so they happen only when the loop waits
+(``docs/bench/relay.md``): a received message goes into a deque and the loop is woken only if a reader
+waits; sent messages are counted and a writer is woken only when it waits for them.
+
+:class:`RawIoThread` is part of :class:`~nebula_common.rpc.raw_records.RawConnection`, whose
+``__init__`` sets the state it declares and starts ``_run`` on a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import select
+import socket
+import ssl
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from nebula_common.rpc.raw_record_bounds import END, MAX_MESSAGE_BYTES, SMALL_MESSAGE
+from nebula_common.rpc.sealed_records import (
+    CLOSE,
+    HEADER,
+    MESSAGE,
+    TAG_BYTES,
+    RecordSealing,
+    SealedRecordError,
+)
+
+
+def fresh_buffer(size: int) -> memoryview:
+    """A writable ``size``-byte buffer that is not zeroed first (numpy's ``empty``: malloc, reused memory)."""
+    import numpy
+
+    return memoryview(numpy.empty(size, dtype=numpy.uint8)).cast("B")
+
+
+class RawIoThread:
+    """The I/O thread's loop and its hand-offs to the event loop (see the module doc)."""
+
+    sock: ssl.SSLSocket | socket.socket
+    sealing: RecordSealing | None
+    views: bool
+    peer: str
+    _error: type[Exception]
+    _loop: asyncio.AbstractEventLoop
+    _wake_r: socket.socket
+    _wake_w: socket.socket
+    # Shared with the loop, under ``_lock``.
+    _lock: threading.Lock
+    _outbox: deque[tuple[bytes | memoryview, bool]]
+    _sent: int
+    _send_waiters: list[tuple[int, asyncio.Future[None]]]
+    _arrived: deque[object]
+    _read_waiter: asyncio.Future[None] | None
+    _room: int
+    _parked: bool
+    _closing: bool
+    _failure: BaseException | None
+    _stopped: asyncio.Future[None]
+
+    # ----- hand-offs from the I/O thread (each only when the loop waits for it) ----------
+    def _call(self, callback: Callable[..., object], *args: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    def _post(self, item: object) -> None:
+        """A received message (or the end) for the loop; the loop is woken only if a reader waits."""
+        with self._lock:
+            self._arrived.append(item)
+            waiter = self._read_waiter
+            self._read_waiter = None
+        if waiter is not None:
+            self._call(_release, waiter)
+
+    def _count_sent(self) -> None:
+        """One more message sent; writers waiting for it are released (one wake-up for all)."""
+        with self._lock:
+            self._sent += 1
+            if not self._send_waiters or self._send_waiters[0][0] > self._sent:
+                return
+            ready = [waiter for count, waiter in self._send_waiters if count <= self._sent]
+            self._send_waiters = [(c, w) for c, w in self._send_waiters if c > self._sent]
+        self._call(_release_all, ready, None)
+
+    # ----- the I/O thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        error: BaseException | None = None
+        try:
+            self._pump()
+            if self._closing:  # closed here (a lane dropped, the session over): a reader must not wait
+                error = ConnectionError("the connection was closed by this switch")
+                self._post(error)
+        except BaseException as exc:  # handed to the session as a read error
+            error = exc
+            self._post(exc)
+        finally:
+            with self._lock:
+                self._failure = error or ConnectionError("connection closed")
+                self._outbox.clear()
+                waiting = [waiter for _, waiter in self._send_waiters]
+                self._send_waiters = []
+            failure = self._error(f"raw write to {self.peer} failed: {self._failure}")
+            if waiting:
+                self._call(_release_all, waiting, failure)
+            with contextlib.suppress(OSError):
+                self.sock.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+            def stopped() -> None:
+                if not self._stopped.done():
+                    self._stopped.set_result(None)
+
+            self._call(stopped)
+
+    def _pump(self) -> None:
+        sock = self.sock
+        tls = isinstance(sock, ssl.SSLSocket)
+        sealing = self.sealing
+        head_size = HEADER.size if sealing is not None else 4
+        head = bytearray(head_size)
+        head_view = memoryview(head)
+        buffer = bytearray(1 << 20)  # small messages (and, sealed, every record's ciphertext)
+        plain = bytearray(SMALL_MESSAGE) if sealing is not None else buffer
+        seal_buffer = bytearray(0)  # sealed: the record being sent (one at a time, reused)
+        target, need, got, reading_head = head_view, head_size, 0, True
+        fresh = False
+        size = 0
+        current: memoryview | None = None
+        whole = False  # ``current`` is the last part of a message (its send completes the message)
+        while True:
+            with self._lock:
+                if self._closing:
+                    break
+                room = self._room
+            # Receive: as much as TLS has ready, while the session has room for messages.
+            wants_write_to_read = False
+            while room > 0:
+                try:
+                    n = sock.recv_into(target[got:need])
+                except (ssl.SSLWantReadError, BlockingIOError):  # TLS / a plain socket: nothing ready
+                    break
+                except ssl.SSLWantWriteError:
+                    wants_write_to_read = True
+                    break
+                if n == 0:
+                    if reading_head and got == 0:
+                        if sealing is not None:
+                            raise SealedRecordError("the connection ended without its sealed close: cut")
+                        self._post(END)
+                        return
+                    raise ConnectionError("the raw connection ended inside a record")
+                got += n
+                if got < need:
+                    continue
+                if reading_head:
+                    if sealing is not None:
+                        _, size = RecordSealing.parse_header(head, MAX_MESSAGE_BYTES)
+                        sealed_size = size + TAG_BYTES
+                        if sealed_size > len(buffer):
+                            buffer = bytearray(sealed_size)
+                        target = memoryview(buffer)
+                        need, got, reading_head = sealed_size, 0, False
+                        continue
+                    size = int.from_bytes(head, "big")
+                    if size > MAX_MESSAGE_BYTES:
+                        raise ConnectionError(f"peer sent a {size}-byte record (limit {MAX_MESSAGE_BYTES})")
+                    if size == 0:
+                        message = b""
+                    else:
+                        fresh = self.views and size > SMALL_MESSAGE
+                        if fresh:
+                            target = fresh_buffer(size)  # handed on as is: received once, never copied
+                        else:
+                            if size > len(buffer):
+                                buffer = bytearray(size)
+                            target = memoryview(buffer)
+                        need, got, reading_head = size, 0, False
+                        continue
+                elif sealing is not None:
+                    fresh = self.views and size > SMALL_MESSAGE
+                    if fresh:
+                        opened = fresh_buffer(size)  # decrypted straight into the buffer handed on
+                    else:
+                        if size > len(plain):
+                            plain = bytearray(size)
+                        opened = memoryview(plain)[:size]
+                    sealing.open_into(head_view, target[:need], opened)
+                    if head[0] == CLOSE:
+                        self._post(END)
+                        return
+                    message = opened if fresh else bytes(opened)
+                else:
+                    message = target if fresh else bytes(target[:need])
+                with self._lock:
+                    self._room -= 1
+                    room = self._room
+                self._post(message)
+                target, need, got, reading_head = head_view, head_size, 0, True
+            # Send: queued parts, each as one SSL_write (retried with the same bytes if it would block).
+            blocked = False
+            while True:
+                if current is None:
+                    with self._lock:
+                        if not self._outbox:
+                            break
+                        data, whole = self._outbox.popleft()
+                    if sealing is not None:  # the whole message as one record, sealed here (GIL released)
+                        if RecordSealing.sealed_size(len(data)) > len(seal_buffer):
+                            seal_buffer = bytearray(RecordSealing.sealed_size(len(data)))
+                        end = sealing.seal_into(MESSAGE, data, memoryview(seal_buffer))
+                        current = memoryview(seal_buffer)[:end]
+                    else:
+                        current = memoryview(data).cast("B")
+                try:
+                    sent = sock.send(current)
+                except (ssl.SSLWantWriteError, BlockingIOError):
+                    blocked = True
+                    break
+                except ssl.SSLWantReadError:
+                    break
+                current = current[sent:] if sent < len(current) else None
+                if current is None and whole:
+                    self._count_sent()
+            # Sleep until there is something to do: the wake pipe, the socket readable (when the
+            # session has room), the socket writable (when a send would block).
+            with self._lock:
+                if self._closing:
+                    break
+                room = self._room
+                if not blocked and not wants_write_to_read and (current is not None or self._outbox):
+                    continue  # written meanwhile
+                if room > 0 and tls and sock.pending():
+                    continue  # decrypted bytes already waiting in TLS
+                self._parked = True
+            readers = [self._wake_r] + ([sock] if room > 0 else [])
+            writers = [sock] if blocked or wants_write_to_read else []
+            ready, _, _ = select.select(readers, writers, [], 1.0)
+            with self._lock:
+                self._parked = False
+            if self._wake_r in ready:
+                with contextlib.suppress(OSError):
+                    while self._wake_r.recv(4096):
+                        pass
+        if sealing is not None and current is None:
+            self._send_close(sealing)
+
+    def _send_close(self, sealing: RecordSealing) -> None:
+        """Closed here between records: end with the sealed close, so the peer can tell an end from a cut."""
+        record = bytearray(RecordSealing.sealed_size(0))
+        sealing.seal_into(CLOSE, b"", memoryview(record))
+        with contextlib.suppress(OSError):
+            self.sock.settimeout(2.0)
+            self.sock.sendall(record)
+
+
+def _release(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _release_all(waiters: list[asyncio.Future[None]], error: BaseException | None) -> None:
+    for waiter in waiters:
+        if waiter.done():
+            continue
+        if error is None:
+            waiter.set_result(None)
+        else:
+            waiter.set_exception(error)
+
+
+__all__ = ["RawIoThread", "fresh_buffer"]
