@@ -2,7 +2,7 @@
 
 Framing is ``multiprocessing.connection``'s (a length, then the bytes); each message is one kind byte
 and a payload. Nothing is ever unpickled: the stage process runs a tenant's code, so everything the
-trainer reads from it is parsed as a bounded protobuf or JSON and checked (``stage_process``).
+trainer reads from it is parsed as a bounded protobuf or JSON and checked (``stage_supervision``).
 
 Trainer -> stage: ``START`` (JSON: the settings below), ``SPEC`` (a ``StageSpec``), ``CANCEL``,
 ``EPOCH_OK`` (the epoch the stage announced is on disk). Stage -> trainer: ``HELLO`` (first, before it
