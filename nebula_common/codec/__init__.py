@@ -3,28 +3,18 @@
 Importing this package registers the built-in codecs: ``none``, ``fp16``, ``bf16``,
 ``int8`` (per-tensor/row/block, optional stochastic rounding), ``int4``, ``topk``,
 ``svd``, ``lowrank``, ``powersgd``, ``zstd``, and the stream options ``ef``,
-``delta``, ``start`` and ``auto`` (see ``stream``). Further codecs plug in with
+``delta``, ``start`` and ``auto`` (see ``stream_options``). Further codecs plug in with
 ``register_codec``.
 """
 
 from nebula_common.codec import entropy, floating, lowrank, quantization, sparse  # noqa: F401  (registers codecs)
 from nebula_common.codec.base import Codec, CodecError, reconstruction_error
 from nebula_common.codec.registry import available_codecs, get_codec, parse_direction_pair, register_codec
-from nebula_common.codec.stream import (
-    StreamConfig,
-    TensorStreamDecoder,
-    TensorStreamEncoder,
-    canonical_spec,
-    parse_stream_spec,
-)
-from nebula_common.codec.wire import (
-    EncodedTensor,
-    FrameAssembler,
-    WireFormatError,
-    decode_tensor,
-    encode_tensor,
-    to_frames,
-)
+from nebula_common.codec.stream_endpoints import TensorStreamDecoder, TensorStreamEncoder
+from nebula_common.codec.stream_options import StreamConfig, canonical_spec, parse_stream_spec
+from nebula_common.codec.wire_frames import FrameAssembler, to_frames
+from nebula_common.codec.wire_header import EncodedTensor, WireFormatError
+from nebula_common.codec.wire_tensor import decode_tensor, encode_tensor
 
 __all__ = [
     "Codec",

@@ -25,8 +25,8 @@ import torch
 
 from nebula_common.codec.base import CodecError, dtype_from_name, matrix_view, numel, reconstruction_error
 from nebula_common.codec.calibration import Calibrator
+from nebula_common.codec.raw_tensor import raw_to_tensor, tensor_to_raw
 from nebula_common.codec.registry import get_codec
-from nebula_common.codec.wire import raw_to_tensor, tensor_to_raw
 from nebula_common.proto.nebula.v1 import codec_pb2, tensor_pb2
 
 FORWARD = "forward"

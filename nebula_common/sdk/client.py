@@ -427,7 +427,7 @@ def _auto_links(
     measure: bool,
 ) -> list[LinkProfile | None]:
     """Each edge's link for ``auto``: measured by its sending switch, else stated (None: no auto)."""
-    from nebula_common.codec.stream import canonical_spec
+    from nebula_common.codec.stream_options import canonical_spec
 
     edges = job.spec.edges
     sources = [sessions[job.spec.stages[index].cluster] for index in range(len(edges))]

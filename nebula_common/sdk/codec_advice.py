@@ -38,7 +38,8 @@ import torch
 
 from nebula_common.codec.advice import BACKWARD, FORWARD, AdviceRequest, AdviceResult, job_advice_request
 from nebula_common.codec.advice_client import advise_specs_sync
-from nebula_common.codec.stream import TensorStreamDecoder, TensorStreamEncoder, canonical_spec
+from nebula_common.codec.stream_endpoints import TensorStreamDecoder, TensorStreamEncoder
+from nebula_common.codec.stream_options import canonical_spec
 from nebula_common.codec.trial import (
     DEFAULT_LOSS_TOLERANCE,
     DEFAULT_TRIAL_STEPS,

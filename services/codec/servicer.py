@@ -33,13 +33,9 @@ from nebula_common.codec import (
 from nebula_common.codec.advice import advise, request_from_proto, result_to_proto
 from nebula_common.codec.base import element_size, numel
 from nebula_common.codec.calibration import Calibrator
-from nebula_common.codec.wire import (
-    DEFAULT_CHUNK_SIZE,
-    raw_to_tensor,
-    tensor_to_raw,
-    validate_dtype,
-    validate_shape,
-)
+from nebula_common.codec.raw_tensor import raw_to_tensor, tensor_to_raw
+from nebula_common.codec.wire_frames import DEFAULT_CHUNK_SIZE
+from nebula_common.codec.wire_header import validate_dtype, validate_shape
 from nebula_common.proto.nebula.v1 import codec_pb2, codec_pb2_grpc, tensor_pb2
 
 DEFAULT_MAX_TENSOR_BYTES = 1 << 30

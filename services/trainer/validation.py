@@ -6,7 +6,7 @@ import json
 import re
 
 from nebula_common.codec import CodecError
-from nebula_common.codec.stream import canonical_spec
+from nebula_common.codec.stream_options import canonical_spec
 from nebula_common.errors import InvalidRequestError
 from nebula_common.jobspec.spec import sharding_problem
 from nebula_common.pretrained import PretrainedError, declared_dirs, dir_problems

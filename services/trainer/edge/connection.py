@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from nebula_common.codec import EncodedTensor, TensorStreamDecoder, TensorStreamEncoder
-from nebula_common.codec.wire import (
+from nebula_common.codec.wire_integers import (
     INTEGER_DTYPES,
     decode_integer_tensor,
     encode_integer_tensor,
