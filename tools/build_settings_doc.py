@@ -62,17 +62,17 @@ CONSTANTS = (
         "rotated audit segments kept (with the current one: at most 576 MiB a log)",
     ),
     (
-        "services.switch.server",
+        "services.switch.server_tasks",
         "MAINTENANCE_INTERVAL_S",
         "s between the switch's checks of peer trust, CRLs and live edges' credentials",
     ),
     (
-        "services.switch.server",
+        "services.switch.server_tasks",
         "CERT_CHECK_INTERVAL_S",
         "s between the switch's checks of its own certificate",
     ),
     (
-        "services.switch.server",
+        "services.switch.server_wan",
         "LINK_WINDOW_BYTES",
         "bytes: fixed HTTP/2 window (raw link: send buffer) of a WAN link connection",
     ),

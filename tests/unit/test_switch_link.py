@@ -282,3 +282,17 @@ def test_the_rawlink_module_still_exports_what_moved_to_its_parts() -> None:
             if hasattr(module, name):
                 assert getattr(rawlink, name) is getattr(module, name), name
     assert set(rawlink.__all__) <= set(dir(rawlink))
+
+
+def test_the_server_module_still_exports_what_moved_to_its_parts() -> None:
+    """Callers of the one-module switch server keep working: each name is the part's own object."""
+    from services.switch import server, server_internal, server_peers, server_tasks, server_wan
+
+    for module in (server_internal, server_peers, server_tasks, server_wan):
+        for name in server.__all__:
+            if hasattr(module, name):
+                assert getattr(server, name) is getattr(module, name), name
+    assert set(server.__all__) <= set(dir(server))
+    assert server.LINK_WINDOW_BYTES == 1 << 20
+    assert server.MAINTENANCE_INTERVAL_S == 1.0
+    assert server.CERT_CHECK_INTERVAL_S == 5.0
