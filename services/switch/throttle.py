@@ -217,11 +217,11 @@ class Penalties:
 
     Why split: the backoff is per account because a flooder re-opens under a new job id each time it
     is closed (a per-job backoff would never bite), and it only refuses edges of jobs the account does
-    not already have running (the relay servicer's check), so a running job of the same account keeps
-    its edges. The reduced item rate is per (account, job): only the job whose route was closed is
-    slowed, not its owner's other jobs. A strike during a backoff does not double it again (the
-    routes it closed were opened before the backoff began); strikes are forgotten after ``quiet_s``
-    past the end of the last backoff.
+    not already have running (the relay's check, ``relay_penalties.py``), so a running job of the same
+    account keeps its edges. The reduced item rate is per (account, job): only the job whose route was
+    closed is slowed, not its owner's other jobs. A strike during a backoff does not double it again
+    (the routes it closed were opened before the backoff began); strikes are forgotten after
+    ``quiet_s`` past the end of the last backoff.
     """
 
     def __init__(self, rules: PenaltyRules, clock: Callable[[], float] = time.monotonic) -> None:
