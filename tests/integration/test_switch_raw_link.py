@@ -90,8 +90,9 @@ def test_the_transport_is_negotiated_and_chunks_cross_byte_for_byte(
     ) as pair:
         for switch in (pair.a, pair.b):
             assert switch.running.link.state.transport == expected
-        ups = [r["details"] for r in pair.audit("b", "link.up")]
-        assert ups and ups[-1]["transport"] == expected
+        # The link's state is set just before its link.up record is written (on the switch's own loop).
+        ups = wait_for(lambda: pair.audit("b", "link.up"), 10, "switch b's link.up audit record")
+        assert ups[-1]["details"]["transport"] == expected
         frontend = pair.b.running.frontend
         assert frontend is not None and frontend.serves_raw == b_transport.startswith("raw")
         _cross(pair, clusters, f"{b_transport}-{a_transport}")

@@ -286,7 +286,8 @@ def _the_link_breaks_and_recovers(
     tmp_path: Path, pki: PkiLayout, accounts: dict[str, Cluster], action: Action, named: str
 ) -> None:
     with proxied_pair(tmp_path, pki, accounts, action) as (pair, proxy):
-        ups = [r["details"] for r in pair.audit("b", "link.up")]
+        # The link's state is set just before its link.up record is written (on the switch's own loop).
+        ups = [r["details"] for r in wait_for(lambda: pair.audit("b", "link.up"), 10, "b's link.up record")]
         assert [up["transport"] for up in ups] == ["raw+sealed"], ups
         assert proxy.sealed_connections == 1, proxy.sealed_connections
         sender = EdgeClient(pair.a, accounts["a"].tokens["alice"], f"{action}-before")
