@@ -11,7 +11,13 @@ the host's ``/proc`` at a side path and an empty ``/proc``, and this entry, stil
 3. becomes the trainer's own user (``userns.TRAINER_UID``), dropping every capability, the bounding
    set included, and sets ``no_new_privs``;
 4. runs the service as its only child, staying the box's PID 1 to reap what the stages' boxes leave
-   (``init``; a non-root launcher's trainer box uses only this step).
+   (``init``; a non-root launcher's trainer box uses only this step);
+5. holds the read end of the launcher's *lifeline*, a pipe whose write end only the launcher has: when
+   the launcher ends in any way (``kill -9`` included) the pipe reads end-of-file and this entry exits,
+   and the kernel kills everything left in the box's PID namespace, stage boxes and their work included.
+   bubblewrap's ``--die-with-parent`` cannot do this for a root launcher: the parent-death signal is
+   cleared when step 3 changes the user, and set again it would come from bubblewrap, a process of
+   root's that has no capability left to signal another user's process.
 
 The fresh ``/proc`` is uncovered but harmless to a process that is neither root nor capable: the kernel's
 settings under it are writable by the host's root only.
@@ -23,6 +29,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x2, 0x4, 0x8
 MNT_DETACH = 2
@@ -70,14 +77,30 @@ def enter(side: str, uid: int) -> None:
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def init(command: list[str]) -> int:
+LAUNCHER_GONE = 137
+"""The entry's status when its launcher went away: as if killed (128 + SIGKILL), which it is in effect."""
+
+
+def _watch_lifeline(fd: int) -> None:
+    """Exit this process (the box's PID 1, so the whole box) once the launcher's end of ``fd`` closes."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except OSError:
+        pass
+    os._exit(LAUNCHER_GONE)
+
+
+def init(command: list[str], lifeline: int | None = None) -> int:
     """Run ``command`` as this box's only child and be its PID 1: forward signals, reap every orphan.
 
     Why not execute the service as PID 1 itself: a stage's bubblewrap leaves a process behind that
     the kernel hands to PID 1, and a Python service never waits for processes it did not start, so
     they would pile up as zombies for as long as the trainer runs. Returns the exit status the
-    service's own would give the launcher (128 + the signal that ended it).
+    service's own would give the launcher (128 + the signal that ended it). ``lifeline``: step 5.
     """
+    if lifeline is not None:
+        os.set_inheritable(lifeline, False)  # the service must not hold the box open on its own
     child = os.fork()
     if child == 0:
         try:
@@ -90,6 +113,8 @@ def init(command: list[str]) -> int:
     # (``stop_signals.py``); the service, our child, unblocks its own. Here they are handled now: one that
     # came early is forwarded at once, and the child holds it until it is ready, as without this entry.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+    if lifeline is not None:
+        threading.Thread(target=_watch_lifeline, args=(lifeline,), name="lifeline", daemon=True).start()
     while True:
         pid, status = os.waitpid(-1, 0)
         if pid == child:
@@ -97,19 +122,30 @@ def init(command: list[str]) -> int:
 
 
 def main(argv: list[str]) -> None:
-    """``[--setup SIDE UID] -- COMMAND...``: steps 1-3 with ``--setup`` (a root launcher), then ``init``."""
-    usage = "usage: python -m nebula_common.launcher.box_entry [--setup SIDE UID] -- COMMAND..."
+    """``[--setup SIDE UID] [--lifeline FD] -- COMMAND...``: steps 1-3 with ``--setup`` (a root
+    launcher), then ``init``, watching ``FD`` (step 5) when given."""
+    usage = (
+        "usage: python -m nebula_common.launcher.box_entry [--setup SIDE UID] [--lifeline FD] -- COMMAND..."
+    )
+    setup = lifeline = None
     if argv[:1] == ["--setup"]:
         if len(argv) < 3 or not argv[2].isdigit():
             raise SystemExit(usage)
         setup, argv = (argv[1], int(argv[2])), argv[3:]
-    else:
-        setup = None
+    if argv[:1] == ["--lifeline"]:
+        if len(argv) < 2 or not argv[1].isdigit():
+            raise SystemExit(usage)
+        lifeline, argv = int(argv[1]), argv[2:]
+        try:
+            os.fstat(lifeline)
+        except OSError as exc:
+            said = f"box entry: the lifeline {lifeline} is not an open file: {exc.strerror}"
+            raise SystemExit(said) from None
     if len(argv) < 2 or argv[0] != "--":
         raise SystemExit(usage)
     if setup is not None:
         enter(*setup)
-    sys.exit(init(argv[1:]))
+    sys.exit(init(argv[1:], lifeline))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,9 @@ class ServiceProcess:
     # own process (the box's first), which is what is signalled; ``popen`` is bubblewrap's.
     box: ServiceBox | None = field(default=None, repr=False, compare=False)
     boxed_pid: int | None = field(default=None, repr=False, compare=False)
+    # A nesting box's lifeline (``box_entry`` step 5): the write end, held only here (not inherited by
+    # anything this process starts) and closed once the box has ended, or with this process.
+    lifeline: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def pid(self) -> int | None:
@@ -113,11 +116,15 @@ class ServiceProcess:
         program = None if box.nests or filter_missing() else seccomp.program_fd(seccomp.SERVICE)
         # Run as root, the launcher makes the box's user namespace (``userns.py``): the trainer's user in it.
         namespace = user_namespace(box.user) if os.geteuid() == 0 else None
-        passed = tuple(fd for fd in (write, program, namespace) if fd is not None)
+        self._cut_lifeline()
+        held = None
+        if box.nests:
+            held, self.lifeline = os.pipe()
+        passed = tuple(fd for fd in (write, program, namespace, held) if fd is not None)
         try:
             self.boxed_pid = None
             self.popen = subprocess.Popen(
-                [*box.argv(write, program, namespace), *box.command(self.command, namespace)],
+                [*box.argv(write, program, namespace), *box.command(self.command, namespace, held)],
                 env=env,
                 stdout=out,
                 stderr=err,
@@ -127,6 +134,7 @@ class ServiceProcess:
             )
         except BaseException:
             os.close(read)
+            self._cut_lifeline()
             raise
         finally:
             for fd in passed:
@@ -152,6 +160,13 @@ class ServiceProcess:
             os.killpg(self.popen.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(5)
+        self._cut_lifeline()
+
+    def _cut_lifeline(self) -> None:
+        """Close the lifeline's write end: a box still running behind it ends (``box_entry`` step 5)."""
+        if self.lifeline is not None:
+            os.close(self.lifeline)
+            self.lifeline = None
 
     def poll_ready(self) -> dict[str, Any] | None:
         """The ports line if the process has written it (non-blocking), else None."""
@@ -188,6 +203,7 @@ class ServiceProcess:
         with self.lock:
             self.wanted = False
             if self.popen is None or self.popen.poll() is not None:
+                self._cut_lifeline()
                 return None if self.popen is None else self.poll()
             self.signal(signal.SIGTERM)
         try:
@@ -195,6 +211,7 @@ class ServiceProcess:
         except subprocess.TimeoutExpired:
             self.kill()
             self.popen.wait(5)
+        self._cut_lifeline()
         return self.poll()
 
     def signal(self, signum: int) -> None:
@@ -213,6 +230,7 @@ class ServiceProcess:
         if self.popen is not None and self.box is not None:
             with contextlib.suppress(ProcessLookupError):
                 self.popen.kill()  # --die-with-parent: the box's process goes with it
+        self._cut_lifeline()  # and a nesting box's PID 1 (another user's) with its lifeline
 
 
 def _readable_within(fd: int, timeout: float) -> bool:

@@ -130,14 +130,17 @@ class ServiceBox:
             args += ["--seccomp", str(seccomp_fd)]
         return [*args, "--chdir", "/tmp", "--"]
 
-    def command(self, command: list[str], userns_fd: int | None) -> list[str]:
+    def command(self, command: list[str], userns_fd: int | None, lifeline_fd: int | None = None) -> list[str]:
         """What the box executes: ``command``, behind ``box_entry`` for a nesting service (its PID 1; with a
-        root launcher's namespace also its own ``/proc`` and user)."""
+        root launcher's namespace also its own ``/proc`` and user). ``lifeline_fd``: the read end of a pipe
+        whose write end only the launcher holds; the box ends with the launcher (``box_entry`` step 5)."""
         if not self.nests:
             return command
         entry = [sys.executable, "-m", "nebula_common.launcher.box_entry"]
         if userns_fd is not None:
             entry += ["--setup", HOST_PROC_SIDE, str(self.user)]
+        if lifeline_fd is not None:
+            entry += ["--lifeline", str(lifeline_fd)]
         return [*entry, "--", *command]
 
 

@@ -7,6 +7,7 @@ thing its box must allow that no other service's does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -81,7 +82,7 @@ def _run_boxed(box: ServiceBox, argv: list[str]) -> dict[str, object]:
 
 @needs_box
 def test_a_boxed_trainer_is_its_own_user_reads_only_its_own_files_and_can_still_box_a_stage(
-    tmp_path: Path,
+    tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     data = tmp_path / "run" / "a" / "trainer"  # below root's 0700 tmp_path, as a real run directory is
     data.mkdir(parents=True)
@@ -93,6 +94,7 @@ def test_a_boxed_trainer_is_its_own_user_reads_only_its_own_files_and_can_still_
     other.write_text("auth's")
     box = TrainerBox(data, None)
     settings = box.prepare()
+    request.addfinalizer(box.release)
     work = data / "stage-work"
     work.mkdir()
     if ROOT:
@@ -108,7 +110,6 @@ def test_a_boxed_trainer_is_its_own_user_reads_only_its_own_files_and_can_still_
     assert seen["left"] == {}, seen["left"]  # box_entry (PID 1) reaped what the stage's box left
     if ROOT and not Path("/sys/fs/cgroup/cgroup.controllers").exists():
         assert settings == {"STAGE_CGROUP": box.cgroup_parent}
-    box.release()
 
 
 @needs_box
@@ -152,21 +153,33 @@ def test_prepare_gives_the_data_folder_to_the_trainer_but_not_the_signers(tmp_pa
     (data / "signer").mkdir(parents=True)
     (data / "accounts" / "alice").mkdir(parents=True)
     (data / "accounts" / "alice" / "model.pt").write_bytes(b"w")
-    TrainerBox(data, None).prepare()
-    assert os.stat(data / "accounts" / "alice" / "model.pt").st_uid == TRAINER_UID
-    assert os.stat(data / "signer").st_uid == 0  # the signer (root, no capability) makes its socket there
-    assert os.stat(data).st_mode & 0o777 == 0o700
+    box = TrainerBox(data, None)
+    box.prepare()
+    try:
+        assert os.stat(data / "accounts" / "alice" / "model.pt").st_uid == TRAINER_UID
+        assert os.stat(data / "signer").st_uid == 0  # the signer (root, no capability) makes its socket there
+        assert os.stat(data).st_mode & 0o777 == 0o700
+    finally:
+        box.release()  # its control-group folders, which outlive the test's tmp_path otherwise
 
 
-def test_box_entry_refuses_a_bad_command_line_naming_the_usage() -> None:
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--setup", "/side", "true"], "usage: python -m nebula_common.launcher.box_entry"),
+        (["--lifeline", "x", "--", "true"], "usage: python -m nebula_common.launcher.box_entry"),
+        (["--lifeline", "987", "--", "true"], "the lifeline 987 is not an open file"),
+    ],
+)
+def test_box_entry_refuses_a_bad_command_line_naming_what_is_wrong(argv: list[str], said: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "nebula_common.launcher.box_entry", "--setup", "/side", "true"],
+        [sys.executable, "-m", "nebula_common.launcher.box_entry", *argv],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
-    assert done.returncode != 0 and "usage: python -m nebula_common.launcher.box_entry" in done.stderr
+    assert done.returncode != 0 and said in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
 
 
@@ -235,3 +248,76 @@ def test_a_stop_reaches_a_boxed_trainer_through_its_entry(tmp_path: Path) -> Non
         assert "drained" in service.tail(), service.tail()
     finally:
         service.kill()
+
+
+LAUNCHER = """
+import sys, time
+from pathlib import Path
+from nebula_common.launcher.process import ServiceProcess
+from nebula_common.launcher.service_box import ServiceBox
+marker, log_dir = sys.argv[1], Path(sys.argv[2])
+# The trainer's place in the box: it starts a process of its own (a stage's) and both just run.
+program = (
+    "import json, subprocess, sys, time; "
+    f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {marker!r}]); "
+    "print(json.dumps({'ready': True}), flush=True); time.sleep(600)"
+)
+service = ServiceProcess(
+    name="boxed-trainer", command=[sys.executable, "-c", program, marker], env={}, log_dir=log_dir,
+    box=ServiceBox(nests=True),
+)
+service.start()
+service.wait_ready(60)
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def _holding(marker: str) -> dict[int, list[bytes]]:
+    """The processes of this machine whose command line names ``marker``: their command lines."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in argv:
+            found[int(entry)] = argv
+    return found
+
+
+@needs_box
+def test_a_boxed_trainer_and_what_it_started_end_with_a_launcher_killed_outright(tmp_path: Path) -> None:
+    """``kill -9`` of the launcher leaves nothing of a nesting box: its lifeline (``box_entry`` step 5)."""
+    import signal
+    import uuid
+
+    marker = f"nebula-lifeline-{uuid.uuid4().hex}"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, marker, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert launcher.stdout is not None
+        line = launcher.stdout.readline()  # "up" once the boxed service has said it is ready
+        assert line.strip() == "up", f"the launcher did not start its box: {line!r} {launcher.stderr.read()}"
+        running = _holding(marker).values()  # the launcher, bubblewrap, box_entry, the service, its child
+        assert any(b"import time; time.sleep(600)" in argv for argv in running), running
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(30)
+        deadline = time.monotonic() + 5  # issue 29: nothing of a job outlives it by more than 5 s
+        while _holding(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = _holding(marker)
+        assert not left, f"still running 5 s after the launcher was killed: {left}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for pid in _holding(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
