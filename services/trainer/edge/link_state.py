@@ -48,7 +48,6 @@ class EdgeLinkState:
         self._last_down_reason = ""
         self._peer_closed: str | None = None
         self._peer_error = False  # the peer's close said it failed
-        self._closing = False
 
     @property
     def link_up(self) -> bool:

@@ -143,7 +143,6 @@ class EdgeSession(EdgeLinkState, EdgeSender, EdgeReplay, EdgeReceiver):
     def close(self, reason: str = "finished", timeout: float = 30.0) -> None:
         """Wait until the peer holds all we sent, close our side, wait (bounded) for the peer's close."""
         with self._cond:
-            self._closing = True
             started, outage = self._clock(), self._outage_locked()
             while self._buffer and self._terminal_reason_locked() is None:
                 if self._clock() - started - (self._outage_locked() - outage) > timeout:
