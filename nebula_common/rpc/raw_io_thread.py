@@ -3,8 +3,11 @@
 The TLS socket belongs to this thread alone (OpenSSL objects are not shared between threads): it
 receives records straight into a reused buffer (``recv_into``), hands each complete message to the
 event loop, and sends queued messages without copying them; with sealed records
-(``sealed_records.py``) it opens and seals each record itself. Encryption, decryption and the socket
-calls run with the GIL released, so the event loop keeps routing while bytes move.
+(``sealed_records.py``) it seals each message's records itself and opens them through its
+``SealedReceiver`` (``sealed_receive.py``), and ends the connection when a sealed record stays incomplete
+with no byte of it arriving for ``read_timeout_s`` (a peer that stops mid-record cannot hold a reader).
+Encryption, decryption and the socket calls run with the GIL released, so the event loop keeps routing
+while bytes move.
 
 Hand-offs to the loop cost a system call and a wake-up each, so they happen only when the loop waits
 (``docs/bench/relay.md``): a received message goes into a deque and the loop is woken only if a reader
@@ -22,17 +25,19 @@ import select
 import socket
 import ssl
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
+from nebula_common.rpc.exporter_tls import OpenSslSocket
 from nebula_common.rpc.raw_record_bounds import END, MAX_MESSAGE_BYTES, SMALL_MESSAGE
+from nebula_common.rpc.sealed_receive import SealedReceiver
 from nebula_common.rpc.sealed_records import (
-    CLOSE,
-    HEADER,
-    MESSAGE,
+    MAX_RECORD_BYTES,
     TAG_BYTES,
     RecordSealing,
     SealedRecordError,
+    sealed_size,
 )
 
 
@@ -46,8 +51,9 @@ def fresh_buffer(size: int) -> memoryview:
 class RawIoThread:
     """The I/O thread's loop and its hand-offs to the event loop (see the module doc)."""
 
-    sock: ssl.SSLSocket | socket.socket
+    sock: ssl.SSLSocket | socket.socket | OpenSslSocket
     sealing: RecordSealing | None
+    read_timeout_s: float
     views: bool
     peer: str
     _error: type[Exception]
@@ -124,17 +130,19 @@ class RawIoThread:
 
     def _pump(self) -> None:
         sock = self.sock
-        tls = isinstance(sock, ssl.SSLSocket)
+        tls = isinstance(sock, (ssl.SSLSocket, OpenSslSocket))
         sealing = self.sealing
-        head_size = HEADER.size if sealing is not None else 4
+        receiver = SealedReceiver(sealing, self.views, fresh_buffer) if sealing is not None else None
+        head_size = receiver.header_size if receiver is not None else 4
         head = bytearray(head_size)
         head_view = memoryview(head)
-        buffer = bytearray(1 << 20)  # small messages (and, sealed, every record's ciphertext)
-        plain = bytearray(SMALL_MESSAGE) if sealing is not None else buffer
-        seal_buffer = bytearray(0)  # sealed: the record being sent (one at a time, reused)
+        # Small messages (and, sealed, every record's ciphertext: at most one record's worth).
+        buffer = bytearray(MAX_RECORD_BYTES + TAG_BYTES if receiver is not None else 1 << 20)
+        seal_buffer = bytearray(0)  # sealed: the records of the message being sent (reused)
         target, need, got, reading_head = head_view, head_size, 0, True
         fresh = False
         size = 0
+        last_byte = time.monotonic()  # sealed: when a byte last arrived (read timeout inside a record)
         current: memoryview | None = None
         whole = False  # ``current`` is the last part of a message (its send completes the message)
         while True:
@@ -153,24 +161,29 @@ class RawIoThread:
                     wants_write_to_read = True
                     break
                 if n == 0:
+                    if receiver is not None:
+                        raise SealedRecordError("the connection ended without its sealed close: cut")
                     if reading_head and got == 0:
-                        if sealing is not None:
-                            raise SealedRecordError("the connection ended without its sealed close: cut")
                         self._post(END)
                         return
                     raise ConnectionError("the raw connection ended inside a record")
+                last_byte = time.monotonic()
                 got += n
                 if got < need:
                     continue
-                if reading_head:
-                    if sealing is not None:
-                        _, size = RecordSealing.parse_header(head, MAX_MESSAGE_BYTES)
-                        sealed_size = size + TAG_BYTES
-                        if sealed_size > len(buffer):
-                            buffer = bytearray(sealed_size)
-                        target = memoryview(buffer)
-                        need, got, reading_head = sealed_size, 0, False
+                if receiver is not None:
+                    if reading_head:
+                        need = receiver.header(head)
+                        target, got, reading_head = memoryview(buffer), 0, False
                         continue
+                    message = receiver.body(target[:need])
+                    target, need, got, reading_head = head_view, head_size, 0, True
+                    if message is None:
+                        continue  # a part: its message continues in the next record
+                    if message is END:
+                        self._post(END)
+                        return
+                elif reading_head:
                     size = int.from_bytes(head, "big")
                     if size > MAX_MESSAGE_BYTES:
                         raise ConnectionError(f"peer sent a {size}-byte record (limit {MAX_MESSAGE_BYTES})")
@@ -186,19 +199,6 @@ class RawIoThread:
                             target = memoryview(buffer)
                         need, got, reading_head = size, 0, False
                         continue
-                elif sealing is not None:
-                    fresh = self.views and size > SMALL_MESSAGE
-                    if fresh:
-                        opened = fresh_buffer(size)  # decrypted straight into the buffer handed on
-                    else:
-                        if size > len(plain):
-                            plain = bytearray(size)
-                        opened = memoryview(plain)[:size]
-                    sealing.open_into(head_view, target[:need], opened)
-                    if head[0] == CLOSE:
-                        self._post(END)
-                        return
-                    message = opened if fresh else bytes(opened)
                 else:
                     message = target if fresh else bytes(target[:need])
                 with self._lock:
@@ -214,10 +214,10 @@ class RawIoThread:
                         if not self._outbox:
                             break
                         data, whole = self._outbox.popleft()
-                    if sealing is not None:  # the whole message as one record, sealed here (GIL released)
-                        if RecordSealing.sealed_size(len(data)) > len(seal_buffer):
-                            seal_buffer = bytearray(RecordSealing.sealed_size(len(data)))
-                        end = sealing.seal_into(MESSAGE, data, memoryview(seal_buffer))
+                    if sealing is not None:  # the message's records, sealed here (GIL released)
+                        if sealed_size(len(data), sealing.record_bytes) > len(seal_buffer):
+                            seal_buffer = bytearray(sealed_size(len(data), sealing.record_bytes))
+                        end = sealing.seal_into(data, memoryview(seal_buffer))
                         current = memoryview(seal_buffer)[:end]
                     else:
                         current = memoryview(data).cast("B")
@@ -242,9 +242,19 @@ class RawIoThread:
                 if room > 0 and tls and sock.pending():
                     continue  # decrypted bytes already waiting in TLS
                 self._parked = True
+            wait = 1.0
+            if receiver is not None and room > 0 and (got or not reading_head or receiver.inside_message):
+                left = last_byte + self.read_timeout_s - time.monotonic()
+                if left <= 0:
+                    raise SealedRecordError(
+                        f"no byte of an unfinished sealed record for {self.read_timeout_s:g} s: peer stalled"
+                    )
+                wait = min(wait, left)
+            else:
+                last_byte = time.monotonic()
             readers = [self._wake_r] + ([sock] if room > 0 else [])
             writers = [sock] if blocked or wants_write_to_read else []
-            ready, _, _ = select.select(readers, writers, [], 1.0)
+            ready, _, _ = select.select(readers, writers, [], wait)
             with self._lock:
                 self._parked = False
             if self._wake_r in ready:
@@ -256,8 +266,8 @@ class RawIoThread:
 
     def _send_close(self, sealing: RecordSealing) -> None:
         """Closed here between records: end with the sealed close, so the peer can tell an end from a cut."""
-        record = bytearray(RecordSealing.sealed_size(0))
-        sealing.seal_into(CLOSE, b"", memoryview(record))
+        record = bytearray(sealed_size(0))
+        sealing.seal_close_into(memoryview(record))
         with contextlib.suppress(OSError):
             self.sock.settimeout(2.0)
             self.sock.sendall(record)

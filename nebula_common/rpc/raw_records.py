@@ -24,6 +24,7 @@ import grpc
 from cryptography import x509
 
 from nebula_common.rpc.blocking_steps import in_thread
+from nebula_common.rpc.exporter_tls import OpenSslSocket
 from nebula_common.rpc.raw_io_thread import RawIoThread, fresh_buffer
 from nebula_common.rpc.raw_record_bounds import (
     END,
@@ -32,14 +33,14 @@ from nebula_common.rpc.raw_record_bounds import (
     SMALL_MESSAGE,
     WRITE_AHEAD,
 )
-from nebula_common.rpc.sealed_records import RecordSealing
+from nebula_common.rpc.sealed_records import READ_TIMEOUT_S, RecordSealing
 
 
 class RawConnectionError(ConnectionError):
     """A raw connection failed or was closed (the default error of ``RawConnection``)."""
 
 
-def peer_certificate(sock: socket.socket) -> x509.Certificate | None:
+def peer_certificate(sock: socket.socket | OpenSslSocket) -> x509.Certificate | None:
     """The peer's certificate on a TLS socket (None on a plain socket, or sealed records' bare one)."""
     if not isinstance(sock, ssl.SSLSocket):
         return None
@@ -50,7 +51,8 @@ def peer_certificate(sock: socket.socket) -> x509.Certificate | None:
 class RawConnection(RawIoThread):
     """One raw connection after TLS: ``read`` / ``write`` of whole messages, as the gRPC call's.
 
-    ``sock`` is a TLS socket, or the bare TCP socket under sealed records.
+    ``sock`` is a TLS socket (``ssl``'s, or pyOpenSSL's after a declined sealed-records offer), or the
+    bare TCP socket under sealed records.
 
     The TLS socket belongs to one I/O thread (OpenSSL objects are not shared between threads): it
     receives records straight into a reused buffer (``recv_into``), hands each complete message to the
@@ -68,7 +70,7 @@ class RawConnection(RawIoThread):
 
     def __init__(
         self,
-        sock: ssl.SSLSocket | socket.socket,
+        sock: ssl.SSLSocket | socket.socket | OpenSslSocket,
         peer: str,
         loop: asyncio.AbstractEventLoop,
         send_buffer: int = 0,
@@ -76,11 +78,14 @@ class RawConnection(RawIoThread):
         views: bool = False,
         sealing: RecordSealing | None = None,
         peer_cert: x509.Certificate | None = None,
+        read_timeout_s: float = READ_TIMEOUT_S,
     ) -> None:
         self.sock = sock
         #: Sealed records (``nebula_common/rpc/sealed_records.py``) on the bare socket ``sock`` after a
         #: TLS handshake whose peer certificate is ``peer_cert``; None: the records of ``sock`` itself.
         self.sealing = sealing
+        #: Sealed: how long a record may stay incomplete with no byte of it arriving (then an error).
+        self.read_timeout_s = read_timeout_s
         self._error = error
         #: Messages over SMALL_MESSAGE are received into a fresh buffer each and handed on as a
         #: ``memoryview`` of it (no copy); otherwise as ``bytes`` copied out of one reused buffer.

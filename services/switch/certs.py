@@ -37,11 +37,13 @@ import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from OpenSSL import SSL
 from prometheus_client import Gauge
 
 from nebula_common.audit import AuditLog
 from nebula_common.durable import atomic_write
 from nebula_common.pki import Identity, identity_from_certificate, issue_certificate
+from nebula_common.rpc.exporter_tls import openssl_context
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +122,7 @@ class CertificateManager:
         self._fetched_generation = 0
         self._listeners: list[Callable[[Material], None]] = []
         self._ssl_contexts: dict[tuple[bool, int], ssl.SSLContext] = {}
+        self._openssl_contexts: dict[tuple[bool, int], SSL.Context] = {}
         self._current = self._load(generation=1)
         self._stamp = self._file_stamp()
         CERT_RENEWALS.set(1)
@@ -244,6 +247,25 @@ class CertificateManager:
         with self._lock:
             self._ssl_contexts = {k: v for k, v in self._ssl_contexts.items() if k[1] == material.generation}
             self._ssl_contexts[key] = context
+        return context
+
+    def openssl_context(self, *, server_side: bool) -> SSL.Context:
+        """The pyOpenSSL twin of ``ssl_context`` (same material, same checks: ``exporter_tls.py``) for a
+        raw connection that offers sealed records, whose keys come from the TLS exporter."""
+        material = self.current
+        key = (server_side, material.generation)
+        with self._lock:
+            cached = self._openssl_contexts.get(key)
+        if cached is not None:
+            return cached
+        context = openssl_context(
+            material.cert_pem, material.key_pem, material.bundle_pem, server_side=server_side
+        )
+        with self._lock:
+            self._openssl_contexts = {
+                k: v for k, v in self._openssl_contexts.items() if k[1] == material.generation
+            }
+            self._openssl_contexts[key] = context
         return context
 
     def channel_credentials(self) -> grpc.ChannelCredentials:

@@ -10,21 +10,23 @@ build it from what their TLS set-up hands over (``Secured``).
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 
 from cryptography import x509
 
 from nebula_common.pki import Identity, identity_from_certificate
 from nebula_common.rpc.raw_records import RawConnection as _RawConnection
+from nebula_common.rpc.sealed_negotiation import Carrier
 from nebula_common.rpc.sealed_records import RecordSealing
 from services.switch.link_handshake import HandshakeError
 
 PREAMBLE = b"NBLINK1\n"
 """First bytes of a raw connection (plaintext, both ways); a TLS record starts with 0x16 instead."""
-PREAMBLE_SEALED = b"NBLINK2\n"
+PREAMBLE_SEALED = b"NBLINK3\n"
 """First bytes of a raw connection whose dialer offers sealed records after TLS (``link_records=sealed``);
-an acceptor that knows it answers the same, and the two negotiate inside TLS (``sealed_records.py``)."""
+an acceptor that knows it answers the same, and the two negotiate inside TLS (``sealed_negotiation.py``)."""
+OLD_PREAMBLE_SEALED = b"NBLINK2\n"
+"""What a switch from before exporter-keyed sealed records offers: refused, with a reason that says so."""
 
 
 class RawConnection(_RawConnection):
@@ -32,7 +34,7 @@ class RawConnection(_RawConnection):
 
     def __init__(
         self,
-        sock: ssl.SSLSocket | socket.socket,
+        sock: ssl.SSLSocket | Carrier,
         peer: str,
         loop: asyncio.AbstractEventLoop,
         send_buffer: int = 0,
@@ -52,7 +54,7 @@ class RawConnection(_RawConnection):
         return "raw+sealed" if self.sealing is not None else "raw"
 
 
-Secured = tuple[ssl.SSLSocket | socket.socket, RecordSealing | None, x509.Certificate | None]
+Secured = tuple[ssl.SSLSocket | Carrier, RecordSealing | None, x509.Certificate | None]
 """A raw connection after TLS: its socket (bare when sealed), the sealing, the peer's certificate."""
 
 
@@ -66,4 +68,4 @@ def identity_of(connection: RawConnection) -> Identity:
         raise PermissionError(f"peer's certificate carries no valid Nebula identity: {exc}") from exc
 
 
-__all__ = ["PREAMBLE", "PREAMBLE_SEALED", "RawConnection", "Secured", "identity_of"]
+__all__ = ["OLD_PREAMBLE_SEALED", "PREAMBLE", "PREAMBLE_SEALED", "RawConnection", "Secured", "identity_of"]

@@ -134,7 +134,9 @@ def dial_peer(
                 certs.ssl_context(server_side=False),
                 link.expected_peer.dns_name,
                 send_buffer=LINK_WINDOW_BYTES,
-                sealed=settings.link_records == "sealed",
+                sealed=(
+                    certs.openssl_context(server_side=False) if settings.link_records == "sealed" else None
+                ),
             )
 
         link.raw_dialer = raw_dialer

@@ -99,6 +99,7 @@ async def start_frontend(
         sealed_records=settings.link_records == "sealed",
         serves_raw=settings.link_transport == "raw",
         grpc_max_connections=settings.wan_max_connections,
+        sealed_context=lambda: certs.openssl_context(server_side=True),
     )
     wan.ports["wan"] = await frontend.start(settings.wan_listen)
     wan.ports["wan_grpc_backend"] = grpc_wan_port

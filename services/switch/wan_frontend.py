@@ -3,7 +3,8 @@
 Every switch owns its WAN port in Python so that it can give each source address a few slots before
 its handshake completes (``source_limits.py``) and serve both transports on one address: a connection
 that starts with the raw preamble is a raw link connection (preamble, mutual TLS on a thread, with a
-dialer's offer the sealed-records negotiation, then ``rawlink_acceptor.serve_raw``); one that starts
+dialer's offer of sealed records pyOpenSSL's TLS and the sealed-records negotiation, then
+``rawlink_acceptor.serve_raw``); one that starts
 with a TLS record is relayed byte for byte to gRPC's WAN server on loopback (``passthrough.py``).
 """
 
@@ -14,16 +15,26 @@ import contextlib
 import logging
 import socket
 import ssl
+import time
 from collections.abc import Callable
 
+from OpenSSL import SSL
+
 from nebula_common.rpc.blocking_steps import in_thread
+from nebula_common.rpc.exporter_tls import handshake as openssl_handshake
 from nebula_common.rpc.raw_records import peer_certificate
-from nebula_common.rpc.sealed_records import negotiate_acceptor
+from nebula_common.rpc.sealed_negotiation import negotiate_acceptor
 from services.switch import passthrough
 from services.switch.link_handshake import HANDSHAKE_TIMEOUT_S
 from services.switch.peers import PeerLinks
 from services.switch.rawlink_acceptor import serve_raw
-from services.switch.rawlink_connection import PREAMBLE, PREAMBLE_SEALED, RawConnection, Secured
+from services.switch.rawlink_connection import (
+    OLD_PREAMBLE_SEALED,
+    PREAMBLE,
+    PREAMBLE_SEALED,
+    RawConnection,
+    Secured,
+)
 from services.switch.source_limits import UNTRUSTED_ROOM, SourceLimits
 
 log = logging.getLogger(__name__)
@@ -51,8 +62,9 @@ class WanFrontend:
     connections served here (``serves_raw``), gRPC ones passed through to the gRPC WAN server.
 
     ``backend`` is the loopback address of the gRPC WAN server; ``context`` returns the current server
-    TLS context (hot reload); ``handshake_timeout_s`` bounds preamble + TLS + the link handshake, as
-    ``grpc.server_handshake_timeout_ms`` does on the gRPC port.
+    TLS context (hot reload), ``sealed_context`` its pyOpenSSL twin for connections that offer sealed
+    records (None: such offers are refused); ``handshake_timeout_s`` bounds preamble + TLS + the link
+    handshake, as ``grpc.server_handshake_timeout_ms`` does on the gRPC port.
     """
 
     def __init__(
@@ -66,6 +78,7 @@ class WanFrontend:
         sealed_records: bool = False,
         serves_raw: bool = True,
         grpc_max_connections: int | None = None,
+        sealed_context: Callable[[], SSL.Context] | None = None,
     ) -> None:
         self.links = links
         #: Raw link connections are served here (link_transport=raw); else only gRPC ones, passed through.
@@ -75,6 +88,7 @@ class WanFrontend:
         self.sealed_records = sealed_records
         self.backend = backend
         self.context = context
+        self.sealed_context = sealed_context
         self.handshake_timeout_s = handshake_timeout_s
         self._listener: socket.socket | None = None
         self._acceptor: asyncio.Task[None] | None = None
@@ -195,10 +209,20 @@ class WanFrontend:
             if not part:
                 return False
             preamble += part
+        if preamble == OLD_PREAMBLE_SEALED:
+            reason = (
+                f"the dialer offers sealed records of the old version ({OLD_PREAMBLE_SEALED!r}: keyed by "
+                f"secrets of its own); this switch speaks {PREAMBLE_SEALED!r} (keyed by the TLS exporter)"
+            )
+            links.refuse("transport", reason, address=peer)
+            return False
         if preamble not in (PREAMBLE, PREAMBLE_SEALED):
             links.refuse("transport", "connection sent neither TLS nor a raw link preamble", address=peer)
             return False
         offered = preamble == PREAMBLE_SEALED
+        if offered and self.sealed_context is None:
+            links.refuse("transport", "this switch has no TLS exporter for sealed records", address=peer)
+            return False
         if self._handshakes.locked():
             links.refuse(
                 "handshake", f"more than {MAX_RAW_HANDSHAKES} raw TLS handshakes at once", address=peer
@@ -207,21 +231,25 @@ class WanFrontend:
         async with self._handshakes:
             await loop.sock_sendall(conn, preamble)
             context = self.context()
+            sealed_context = self.sealed_context() if offered and self.sealed_context else None
             timeout = max(0.1, deadline - loop.time())
             allow = self.sealed_records
 
             def handshake() -> Secured:
+                if sealed_context is not None:
+                    ends = time.monotonic() + timeout
+                    tls, cert = openssl_handshake(conn, sealed_context, server_name=None, deadline=ends)
+                    carrier, sealing = negotiate_acceptor(tls, conn, allow, ends)
+                    return carrier, sealing, cert
                 conn.setblocking(True)
                 conn.settimeout(timeout)
-                tls = context.wrap_socket(conn, server_side=True)
-                cert = peer_certificate(tls)
-                carrier, sealing = negotiate_acceptor(tls, allow) if offered else (tls, None)
-                carrier.settimeout(None)
-                return carrier, sealing, cert
+                wrapped = context.wrap_socket(conn, server_side=True)
+                wrapped.settimeout(None)
+                return wrapped, None, peer_certificate(wrapped)
 
             try:
                 carrier, sealing, cert = await in_thread(handshake, f"raw-link-accept {peer}")
-            except (ssl.SSLError, OSError) as exc:  # TimeoutError and SealedRecordError are OSErrors
+            except (ssl.SSLError, SSL.Error, OSError) as exc:  # Timeout/SealedRecord/TlsHandshake: OSErrors
                 reason = str(exc) or "no TLS handshake in time"
                 links.refuse("tls", f"raw link TLS handshake refused: {reason}", address=peer)
                 log.warning("refused raw WAN link from %s: %s", peer, reason)

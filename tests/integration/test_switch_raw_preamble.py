@@ -1,6 +1,6 @@
 """Nothing of the raw link is negotiable in clear: a rewritten preamble fails closed and is audited.
 
-The raw link's first bytes (``NBLINK1\\n``, or ``NBLINK2\\n`` offering sealed records) cross the WAN before
+The raw link's first bytes (``NBLINK1\\n``, or ``NBLINK3\\n`` offering sealed records) cross the WAN before
 TLS. Which transport runs is decided inside the authenticated gRPC handshake (``Handshake.raw_link``), the
 record layer inside TLS, and the acceptor confirms inside TLS the preamble the dialer sent
 (``Handshake.raw_preamble``). So a man in the middle who rewrites the preamble gets no other transport: the
@@ -115,7 +115,8 @@ def _close(*sockets: socket.socket) -> None:
 @pytest.mark.parametrize(
     "replacement",
     [
-        pytest.param(b"NBLINK2\n", id="sealed-offer-forged"),  # an offer the dialer never made
+        pytest.param(b"NBLINK3\n", id="sealed-offer-forged"),  # an offer the dialer never made
+        pytest.param(b"NBLINK2\n", id="old-sealed-offer"),  # an older switch's offer: refused by name
         pytest.param(b"XBLINK1\n", id="garbled"),  # neither preamble nor TLS: the acceptor passes it to gRPC
     ],
 )

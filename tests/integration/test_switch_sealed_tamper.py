@@ -2,10 +2,11 @@
 
 Both switches run ``link_transport=raw, link_records=sealed``; a TCP proxy of this module sits in front
 of switch b's WAN port and forwards every byte faithfully, except on the FIRST raw connection that opens
-with the sealed preamble (``NBLINK2\\n``). There it follows the dialer's (a -> b) stream record by record
--- TLS records (type 0x14-0x17, ``type version length`` headers) until the first sealed record (kind 1
-or 2, ``>BI`` header: a sealed header can never be taken for a TLS one) -- and, once the first sealed
-record of a few KiB passes (the framed 1 MiB chunk a trainer at a sends to one at b), either
+with the sealed preamble (``NBLINK3\\n``). There it follows the dialer's (a -> b) stream record by record
+-- TLS records (type 0x14-0x17, ``type version length`` headers) until the first sealed record (kind 1,
+2 or 3, ``>BII`` header: a sealed header can never be taken for a TLS one) -- and, once the first sealed
+record of a few KiB passes (the first 1 MiB part of the framed chunk a trainer at a sends to one at b),
+either
 
 * flips one bit of its ciphertext: switch b must end the link session, audit ``link.down`` with a reason
   naming the failed authentication, and tell its attached trainer; no wrong byte may ever reach the
@@ -34,7 +35,7 @@ import pytest
 from nebula_common.pki import PkiLayout
 from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc.framing import encode_chunk
-from nebula_common.rpc.sealed_records import CLOSE, HEADER, MESSAGE, TAG_BYTES
+from nebula_common.rpc.sealed_records import CLOSE, HEADER, LAST, PART, TAG_BYTES
 from services.switch.rawlink_connection import PREAMBLE_SEALED
 from tests.integration.test_switch_data_plane import (  # noqa: F401  (clusters: a module fixture)
     Cluster,
@@ -53,6 +54,7 @@ BIG_RECORD = 4096
 """Plaintext bytes from which a sealed record is the one the proxy acts on (the chunk, not a ping)."""
 PAYLOAD = bytes(range(256)) * 4096  # 1 MiB
 TLS_TYPES = (0x14, 0x15, 0x16, 0x17)  # change_cipher_spec, alert, handshake, application_data
+TLS_HEADER = 5
 READ = 256 << 10
 Action = Literal["flip", "cut"]
 
@@ -82,7 +84,7 @@ class _Stream:
         self.head.clear()
         if self.preamble:
             self.preamble = False
-            self.need = HEADER.size  # == a TLS record header's 5 bytes
+            self.need = TLS_HEADER
             if head != PREAMBLE_SEALED:
                 self._broken(f"preamble {head!r}")
             return
@@ -90,14 +92,19 @@ class _Stream:
             self.tls_records += 1
             self.body = int.from_bytes(head[3:5], "big")
             return
-        kind, length = HEADER.unpack(head)
-        if kind not in (MESSAGE, CLOSE):
+        if len(head) < HEADER.size:  # not TLS: the rest of a sealed header first
+            self.head += head
+            self.need = HEADER.size
+            return
+        kind, length, _ = HEADER.unpack(head)
+        if kind not in (PART, LAST, CLOSE):
             self._broken(f"header {head.hex()} after {self.tls_records} TLS / {self.sealed_records} sealed")
             return
         self.sealed = True
+        self.need = HEADER.size
         self.sealed_records += 1
         self.body = length + TAG_BYTES
-        if kind == MESSAGE and length >= BIG_RECORD and not self.proxy.acted.is_set():
+        if kind != CLOSE and length >= BIG_RECORD and not self.proxy.acted.is_set():
             if self.proxy.action == "flip":
                 self.flip_at = length // 2  # inside the ciphertext, well before the tag
             else:

@@ -1,5 +1,7 @@
 """Mutual TLS 1.3 contexts from a test PKI's service certificates, for tests of ``RawConnection``.
 
+``ssl``'s for TLS records, pyOpenSSL's (the same checks, with the TLS exporter) for sealed records.
+
 The switch's raw link builds its own from its certificate manager (``services/switch/certs.py``); these
 are the same construction for a socket pair made in a test or a benchmark.
 """
@@ -7,6 +9,11 @@ are the same construction for a socket pair made in a test or a benchmark.
 from __future__ import annotations
 
 import ssl
+from pathlib import Path
+
+from OpenSSL import SSL
+
+from nebula_common.rpc.exporter_tls import openssl_context
 
 
 def server_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
@@ -26,3 +33,17 @@ def client_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
     context.load_verify_locations(cafile=ca)
     context.load_cert_chain(cert, key)
     return context
+
+
+def openssl_server_context(cert: str, key: str, ca: str) -> SSL.Context:
+    """The pyOpenSSL twin of ``server_context`` (``nebula_common/rpc/exporter_tls.py``): sealed records."""
+    return openssl_context(*_read(cert, key, ca), server_side=True)
+
+
+def openssl_client_context(cert: str, key: str, ca: str) -> SSL.Context:
+    """The pyOpenSSL twin of ``client_context`` (the server's name is checked at the handshake)."""
+    return openssl_context(*_read(cert, key, ca), server_side=False)
+
+
+def _read(*paths: str) -> tuple[bytes, ...]:
+    return tuple(Path(path).read_bytes() for path in paths)

@@ -9,8 +9,11 @@ a length over the limit:
   protobuf reads the same (the module's promise: "any parser reads them");
 * raw records (``raw_records.py``: a ``RawConnection`` reading one end of a socket pair) -> exactly the
   stream's whole records, then ``grpc.aio.EOF`` or RawConnectionError;
-* sealed records (``sealed_records.py``): a header -> SealedRecordError; a sealed stream changed anywhere
-  delivers exactly the records before the change, then fails (never altered plaintext).
+* sealed records (``sealed_records.py``, ``sealed_receive.py``): a header, checked against the message
+  in progress -> SealedRecordError; a stream of records (messages in several parts too) fed to the
+  receiving state machine piece by piece, or read by a sealed ``RawConnection``, changed anywhere,
+  delivers exactly the messages before the change, then fails with SealedRecordError (never altered
+  plaintext); one stopped inside a record ends with the read timeout, not a hang.
 
 The helpers here (``fuzz``, ``MUTATIONS``, ...) serve the other two parts too:
 ``test_data_path_fuzz_control.py`` (the sealed-records negotiation, the WAN port's first bytes, link
@@ -33,14 +36,19 @@ from hypothesis import strategies as st
 
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2
 from nebula_common.rpc.framing import FRAMED_TAG, FramingError, encode_chunk, is_framed, parse_chunk
-from nebula_common.rpc.raw_record_bounds import MAX_MESSAGE_BYTES
+from nebula_common.rpc.raw_record_bounds import END, MAX_MESSAGE_BYTES
 from nebula_common.rpc.raw_records import RawConnection, RawConnectionError
+from nebula_common.rpc.sealed_receive import SealedReceiver
 from nebula_common.rpc.sealed_records import (
     CLOSE,
     HEADER,
-    MESSAGE,
+    LAST,
+    MAX_RECORD_BYTES,
+    PART,
     RecordSealing,
     SealedRecordError,
+    parse_header,
+    sealed_size,
 )
 
 T = TypeVar("T")
@@ -219,16 +227,27 @@ def test_a_chunk_claiming_more_bytes_than_follow_is_refused_without_allocating_t
 
 
 # ----- raw and sealed records, read by RawConnection --------------------------------------------
-def read_stream(stream: bytes, sealing: RecordSealing | None = None) -> tuple[list[bytes], object]:
+def read_stream(
+    stream: bytes, sealing: RecordSealing | None = None, read_timeout_s: float = STEP_S, ends: bool = True
+) -> tuple[list[bytes], object]:
     """What a switch's RawConnection (``views``) reads from a peer that sent ``stream`` and ended its
-    side: (the messages, then ``grpc.aio.EOF`` or the RawConnectionError)."""
+    side (or, without ``ends``, stopped sending): (the messages, then ``grpc.aio.EOF`` or the
+    RawConnectionError)."""
 
     async def body() -> tuple[list[bytes], object]:
         peer, ours = socket.socketpair()
         peer.settimeout(STEP_S)
         peer.sendall(stream)  # before the reader starts: the streams here fit the socket buffer
-        peer.shutdown(socket.SHUT_WR)
-        connection = RawConnection(ours, "fuzz", asyncio.get_running_loop(), views=True, sealing=sealing)
+        if ends:
+            peer.shutdown(socket.SHUT_WR)
+        connection = RawConnection(
+            ours,
+            "fuzz",
+            asyncio.get_running_loop(),
+            views=True,
+            sealing=sealing,
+            read_timeout_s=read_timeout_s,
+        )
         got: list[bytes] = []
         try:
             while True:
@@ -289,31 +308,95 @@ def test_raw_records_read_exactly_the_whole_records_then_end_or_fail(stream: byt
         assert isinstance(outcome, RawConnectionError) and end in str(outcome)
 
 
-KEYS = (bytes(range(32)), bytes(range(32, 64)))
+SECRETS = (bytes(range(32)), bytes(range(32, 64)))
 LIMIT = 512
 """A small key budget: the fuzzed streams move to the next key (both ends at the same record)."""
+RECORD = 96
+"""The fuzzed writer's record size: messages over it go as several parts."""
 
 
 def sealed_stream(messages: list[bytes], close: bool) -> tuple[bytes, list[int]]:
-    """The sealed records of ``messages`` (then a CLOSE), and the end offset of each record."""
-    writer = RecordSealing(send_key=KEYS[0], receive_key=KEYS[1], limit=LIMIT)
+    """The sealed records of ``messages`` (then a CLOSE), and the end offset of each message's last one."""
+    writer = RecordSealing(SECRETS[0], SECRETS[1], limit_bytes=LIMIT, limit_records=5, record_bytes=RECORD)
     out, ends = bytearray(), []
-    for kind, message in [(MESSAGE, m) for m in messages] + ([(CLOSE, b"")] if close else []):
-        record = bytearray(RecordSealing.sealed_size(len(message)))
-        writer.seal_into(kind, message, memoryview(record))
+    for message in messages:
+        record = bytearray(sealed_size(len(message), RECORD))
+        assert writer.seal_into(message, memoryview(record)) == len(record)
+        out += record
+        ends.append(len(out))
+    if close:
+        record = bytearray(sealed_size(0))
+        writer.seal_close_into(memoryview(record))
         out += record
         ends.append(len(out))
     return bytes(out), ends
 
 
 def _reader() -> RecordSealing:
-    return RecordSealing(send_key=KEYS[1], receive_key=KEYS[0], limit=LIMIT)
+    return RecordSealing(SECRETS[1], SECRETS[0], limit_bytes=LIMIT, limit_records=5)
+
+
+def receive_pieces(stream: bytes, piece: int) -> tuple[list[bytes], object]:
+    """Drive a SealedReceiver with ``stream`` as a reader would, ``piece`` bytes at a time at most: the
+    messages, then END, ``"cut"`` (the stream stopped) or the SealedRecordError."""
+    receiver, got = SealedReceiver(_reader(), views=True), []
+    position, need, heading = 0, receiver.header_size, True
+    buffer = b""
+    while True:
+        while len(buffer) < need:
+            if position >= len(stream):
+                return got, "cut"
+            take = stream[position : position + min(piece, need - len(buffer))]
+            buffer += take
+            position += len(take)
+        try:
+            if heading:
+                need, heading = receiver.header(buffer), False
+            else:
+                message = receiver.body(memoryview(buffer))
+                need, heading = receiver.header_size, True
+                if message is END:
+                    return got, END
+                if message is not None:
+                    got.append(bytes(message))  # type: ignore[arg-type]
+        except SealedRecordError as exc:
+            return got, exc
+        buffer = b""
+
+
+MESSAGES_IN_PARTS = st.lists(st.binary(max_size=300), max_size=5)
+
+
+@fuzz(300)
+@given(
+    messages=MESSAGES_IN_PARTS,
+    close=st.booleans(),
+    mutations=st.one_of(st.just([]), MUTATIONS),
+    piece=st.integers(1, 200),
+)
+@example(messages=[b"x" * 400, b"y" * 200, b"z" * 400], close=True, mutations=[], piece=7)  # keys move on
+@example(messages=[b"a" * 200], close=True, mutations=[("flip", 0, 0), ("flip", 0, 1)], piece=200)
+def test_the_sealed_receiver_delivers_exactly_the_messages_before_any_change(
+    messages: list[bytes], close: bool, mutations: list, piece: int
+) -> None:
+    original, ends = sealed_stream(messages, close)
+    stream = mutated(original, mutations)
+    common = min(len(original), len(stream))
+    change = next((i for i in range(common) if original[i] != stream[i]), common)
+    intact = len(ends) if stream == original else sum(1 for end in ends if end <= change)
+    got, outcome = receive_pieces(stream, piece)
+    expected = messages[: min(intact, len(messages))]
+    assert got == expected, "a sealed receiver delivered a changed or extra message"
+    if stream == original or (close and intact == len(ends)):  # after an intact close: nothing read
+        assert outcome is (END if close else "cut")
+    else:
+        assert outcome == "cut" or isinstance(outcome, SealedRecordError), outcome
 
 
 @fuzz(60)
 @given(messages=MESSAGES, close=st.booleans(), mutations=st.one_of(st.just([]), MUTATIONS))
 @example(messages=[b"x" * 400, b"y" * 200, b"z" * 400], close=True, mutations=[])  # the key moves on twice
-@example(messages=[b""], close=True, mutations=[("flip", 0, 0), ("flip", 0, 1)])  # MESSAGE -> CLOSE: refused
+@example(messages=[b""], close=True, mutations=[("flip", 0, 0), ("flip", 0, 1)])  # LAST -> CLOSE: refused
 def test_a_sealed_stream_delivers_exactly_the_records_before_any_change(
     messages: list[bytes], close: bool, mutations: list
 ) -> None:
@@ -324,11 +407,24 @@ def test_a_sealed_stream_delivers_exactly_the_records_before_any_change(
     intact = len(ends) if stream == original else sum(1 for end in ends if end <= change)
     got, outcome = read_stream(stream, _reader())
     event(f"{'eof' if outcome is grpc.aio.EOF else 'refused'} after {intact} of {len(ends)} records")
-    assert got == messages[:intact], "a sealed reader delivered a changed or extra message"
+    assert got == messages[: min(intact, len(messages))], "a sealed reader delivered a changed message"
     if close and intact == len(ends):
         assert outcome is grpc.aio.EOF
     else:
         assert isinstance(outcome, RawConnectionError), "a changed or cut sealed stream ended cleanly"
+        assert isinstance(outcome.__cause__, SealedRecordError), repr(outcome.__cause__)
+
+
+@pytest.mark.parametrize(
+    "cut", [1, HEADER.size, HEADER.size + 5, -1], ids=["header", "body", "inside", "tag"]
+)
+def test_a_peer_that_stops_inside_a_sealed_message_meets_the_read_timeout(cut: int) -> None:
+    stream, _ = sealed_stream([b"whole", b"m" * 300], close=False)
+    first = sealed_size(5, RECORD)
+    stopped = stream[: first + (cut if cut > 0 else sealed_size(RECORD, RECORD) + cut)]
+    got, outcome = read_stream(stopped, _reader(), read_timeout_s=0.3, ends=False)
+    assert got == [b"whole"]
+    assert isinstance(outcome, RawConnectionError) and "peer stalled" in str(outcome), outcome
 
 
 @pytest.mark.parametrize(
@@ -336,15 +432,17 @@ def test_a_sealed_stream_delivers_exactly_the_records_before_any_change(
     [
         ((MAX_MESSAGE_BYTES + 1).to_bytes(4, "big") + b"x" * 64, False, "limit"),
         (b"\xff\xff\xff\xff", False, "limit"),
-        (HEADER.pack(MESSAGE, MAX_MESSAGE_BYTES + 1) + b"x" * 64, True, "limit"),
-        (HEADER.pack(MESSAGE, (1 << 32) - 1), True, "limit"),
-        (HEADER.pack(7, 16), True, "unknown kind 7"),
-        (HEADER.pack(CLOSE, 1 << 20), True, "a close carries none"),
+        (HEADER.pack(LAST, 16, MAX_MESSAGE_BYTES + 1) + b"x" * 64, True, "limit"),
+        (HEADER.pack(PART, MAX_RECORD_BYTES + 1, MAX_MESSAGE_BYTES) + b"x" * 64, True, "limit"),
+        (HEADER.pack(LAST, (1 << 32) - 1, (1 << 32) - 1), True, "limit"),
+        (HEADER.pack(7, 16, 16), True, "unknown kind 7"),
+        (HEADER.pack(CLOSE, 1 << 20, 0), True, "a close carries none"),
     ],
     ids=[
         "raw-over-limit",
         "raw-4GiB",
-        "sealed-over-limit",
+        "sealed-message-over-limit",
+        "sealed-record-over-limit",
         "sealed-4GiB",
         "sealed-unknown-kind",
         "sealed-close-with-bytes",
@@ -357,23 +455,42 @@ def test_a_record_claiming_more_than_the_limit_is_refused_before_a_buffer_is_siz
     peak = peak_while(lambda: outcome.extend(read_stream(stream, _reader() if sealed else None)))
     got, end = outcome
     assert got == [] and isinstance(end, RawConnectionError) and named in str(end)
-    assert peak < 8 << 20, f"{peak} bytes allocated to refuse {stream[:5].hex()} (its fixed buffers: 1 MiB)"
+    assert peak < 8 << 20, f"{peak} bytes allocated to refuse {stream[:5].hex()} (its fixed buffers: 2 MiB)"
 
 
-@fuzz(300)
+def _valid_header(kind: int, length: int, message: int, offset: int, total: int) -> bool:
+    """What a sender of sealed records can write next, ``offset`` bytes into a message of ``total``."""
+    if kind == CLOSE:
+        return length == message == 0 and offset == 0
+    if kind not in (PART, LAST) or length > MAX_RECORD_BYTES or message > MAX_MESSAGE_BYTES:
+        return False
+    if offset and message != total:
+        return False
+    if kind == PART:
+        return length > 0 and offset + length < message
+    return offset + length == message
+
+
+_LENGTHS = st.one_of(st.integers(0, 300), st.integers(0, (1 << 32) - 1), st.just(MAX_RECORD_BYTES))
+
+
+@fuzz(500)
 @given(
     header=st.one_of(
-        st.binary(min_size=0, max_size=9),  # the wrong size too: a SealedRecordError, never struct's
-        st.builds(HEADER.pack, st.integers(0, 255), st.integers(0, (1 << 32) - 1)),
+        st.binary(min_size=0, max_size=12),  # the wrong size too: a SealedRecordError, never struct's
+        st.builds(HEADER.pack, st.integers(0, 255), _LENGTHS, _LENGTHS),
     ),
-    limit=st.sampled_from([0, 1, 1 << 16, MAX_MESSAGE_BYTES]),
+    at=st.sampled_from([(0, 0), (100, 300), (MAX_RECORD_BYTES, MAX_MESSAGE_BYTES)]),
 )
-def test_a_sealed_header_is_a_kind_and_bounded_length_or_a_sealed_record_error(
-    header: bytes, limit: int
+def test_a_sealed_header_is_what_a_sender_can_write_next_or_a_sealed_record_error(
+    header: bytes, at: tuple[int, int]
 ) -> None:
-    kind, length = HEADER.unpack(header) if len(header) == HEADER.size else (-1, 0)
-    valid = kind in (MESSAGE, CLOSE) and length <= limit and not (kind == CLOSE and length)
+    offset, total = at
+    fields = HEADER.unpack(header) if len(header) == HEADER.size else (-1, 0, 0)
+    valid = len(header) == HEADER.size and _valid_header(*fields, offset, total)
     try:
-        assert RecordSealing.parse_header(memoryview(header), limit) == (kind, length) and valid
+        parsed = parse_header(memoryview(header), offset, total)
     except SealedRecordError:
         assert not valid
+    else:
+        assert valid and parsed == fields

@@ -4,10 +4,11 @@ Issue "One data plane", item 2 (part 1, ``test_data_path_fuzz.py``, has the help
 Whatever a peer sends, the outcome is a valid result or the parser's documented error, never another
 exception or a hang:
 
-* the sealed-records negotiation (``nebula_common/rpc/sealed_records.py``): the ``NBSEAL1`` offer and
-  answer -> a decision or SealedRecordError, and both ends agree on the decision and the keys;
+* the sealed-records negotiation (``nebula_common/rpc/sealed_negotiation.py``): the ``NBSEAL2`` offer and
+  answer -> a decision or SealedRecordError (the old ``NBSEAL1`` named), and both ends agree on the
+  decision and, through the exporter, on the keys;
 * the WAN port's first bytes (``services/switch/wan_frontend.py``, ``WanFrontend``): the raw preamble
-  (``NBLINK1``/``NBLINK2``, echoed), anything else passed through to gRPC's TLS, or a refusal;
+  (``NBLINK1``/``NBLINK3``, echoed), anything else passed through to gRPC's TLS, or a refusal;
 * link messages (``services/switch/link_handshake.py``: ``parse_link_message``) -> HandshakeError;
 * the stage channel (``services/trainer/stage_channel.py``: ``receive``, ``parse_json``) -> ChannelError,
   or EOFError at the end; a length over ``MAX_MESSAGE_BYTES`` is refused before it is read.
@@ -21,27 +22,31 @@ import logging
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from hypothesis import event, example, given
 from hypothesis import strategies as st
+from OpenSSL import SSL
 
 from nebula_common.proto.nebula.v1 import link_pb2
-from nebula_common.rpc.sealed_records import (
-    HEADER,
+from nebula_common.rpc.sealed_negotiation import (
     MAGIC,
-    MESSAGE,
     NEGOTIATION,
-    RecordSealing,
-    SealedRecordError,
+    OLD_MAGIC,
     negotiate_acceptor,
     negotiate_dialer,
+    parse_answer,
+    parse_offer,
 )
+from nebula_common.rpc.sealed_records import HEADER, RecordSealing, SealedRecordError, sealed_size
 from services.switch.link_handshake import HandshakeError, parse_link_message
-from services.switch.rawlink_connection import PREAMBLE, PREAMBLE_SEALED
+from services.switch.rawlink_connection import OLD_PREAMBLE_SEALED, PREAMBLE, PREAMBLE_SEALED
 from services.switch.wan_frontend import WanFrontend
 from services.trainer import stage_channel as channel
 from tests.unit.test_data_path_fuzz import MUTATIONS, STEP_S, field, fuzz, mutated, peak_while, run_bounded
@@ -49,13 +54,16 @@ from tests.unit.test_data_path_fuzz import MUTATIONS, STEP_S, field, fuzz, mutat
 
 # ----- the sealed-records negotiation (inside TLS) ----------------------------------------------
 class ScriptedTls:
-    """The verified TLS socket of a negotiation, as a script: ``recv`` gives the peer's bytes in pieces
-    of ``piece`` (then b"": it closed), ``sendall`` keeps what this side sent, ``detach`` hands over one
-    end of a fresh socket pair as the TCP connection under TLS."""
+    """The verified pyOpenSSL connection of a negotiation, as a script: ``recv`` gives the peer's bytes in
+    pieces of ``piece`` (then b"": it closed), ``send`` keeps what this side sent, the exporter is a
+    function of the session (``session``) and its arguments, as TLS's is; ``sock`` is one end of a fresh
+    socket pair, the TCP connection under TLS."""
 
-    def __init__(self, incoming: bytes | Callable[[bytes], bytes], piece: int = 64) -> None:
-        self.incoming, self.piece, self.sent = incoming, piece, b""
-        self.spare: socket.socket | None = None
+    def __init__(
+        self, incoming: bytes | Callable[[bytes], bytes], piece: int = 64, session: bytes = b"s"
+    ) -> None:
+        self.incoming, self.piece, self.sent, self.session = incoming, piece, b"", session
+        self.sock, self.spare = socket.socketpair()
 
     def recv(self, size: int) -> bytes:
         if callable(self.incoming):  # the peer answers what it was sent
@@ -63,26 +71,31 @@ class ScriptedTls:
         part, self.incoming = self.incoming[: min(size, self.piece)], self.incoming[min(size, self.piece) :]
         return part
 
-    def sendall(self, data: bytes) -> None:
-        self.sent += data
+    def send(self, data: bytes | memoryview) -> int:
+        self.sent += bytes(data)
+        return len(data)
 
     def pending(self) -> int:
         return 0
 
-    def gettimeout(self) -> float:
-        return STEP_S
+    def export_keying_material(self, label: bytes, olen: int, context: bytes | None = None) -> bytes:
+        return HKDF(hashes.SHA256(), olen, salt=self.session, info=label + b"|" + (context or b"")).derive(
+            b"k"
+        )
 
-    def detach(self) -> int:
-        ours, self.spare = socket.socketpair()
-        return ours.detach()
-
-    def close(self, carrier: object) -> None:
-        for sock in (carrier, self.spare):
-            if isinstance(sock, socket.socket):
-                sock.close()
+    def close(self) -> None:
+        self.sock.close()
+        self.spare.close()
 
 
-_VALID = st.builds(NEGOTIATION.pack, st.just(MAGIC), st.integers(0, 255), st.binary(min_size=32, max_size=32))
+def _negotiate(side: Callable[..., Any], tls: ScriptedTls, flag: bool) -> tuple[object, RecordSealing | None]:
+    try:
+        return side(tls, tls.sock, flag, time.monotonic() + STEP_S)  # type: ignore[no-any-return]
+    finally:
+        tls.close()
+
+
+_VALID = st.builds(NEGOTIATION.pack, st.sampled_from([MAGIC, OLD_MAGIC]), st.integers(0, 255))
 NEGOTIATIONS = st.one_of(
     st.binary(max_size=48), _VALID, st.tuples(_VALID, MUTATIONS).map(lambda m: mutated(*m))
 )
@@ -95,6 +108,25 @@ def _decision(received: bytes) -> bytes | None:
     return received[len(MAGIC) : len(MAGIC) + 1]
 
 
+@fuzz(300)
+@given(message=NEGOTIATIONS, want=st.booleans())
+@example(message=NEGOTIATION.pack(OLD_MAGIC, 1), want=True)
+def test_negotiation_messages_parse_to_a_flag_or_a_sealed_record_error(message: bytes, want: bool) -> None:
+    flag = _decision(message) if len(message) == NEGOTIATION.size else None
+    for parse, acceptable in (
+        (parse_offer, (b"\0", b"\1")),
+        (lambda m: parse_answer(m, want), (b"\0", b"\1")[: 1 + want]),
+    ):
+        try:
+            parsed = parse(message)
+        except SealedRecordError as exc:
+            assert flag not in acceptable
+            if message[: len(OLD_MAGIC)] == OLD_MAGIC and len(message) == NEGOTIATION.size:
+                assert "NBSEAL1" in str(exc) and "update the older switch" in str(exc)
+        else:
+            assert flag in acceptable and parsed == (flag == b"\1")
+
+
 @fuzz(150)
 @given(offer=NEGOTIATIONS, allow=st.booleans(), piece=st.integers(1, 64))
 def test_an_acceptor_reads_any_offer_as_a_decision_or_a_sealed_record_error(
@@ -102,11 +134,10 @@ def test_an_acceptor_reads_any_offer_as_a_decision_or_a_sealed_record_error(
 ) -> None:
     tls, wish = ScriptedTls(offer, piece), _decision(offer)
     try:
-        carrier, sealing = negotiate_acceptor(tls, allow)  # type: ignore[arg-type]
+        _, sealing = _negotiate(negotiate_acceptor, tls, allow)
     except SealedRecordError:
         assert wish not in (b"\0", b"\1")
         return
-    tls.close(carrier)
     assert wish in (b"\0", b"\1") and (sealing is not None) == (wish == b"\1" and allow)
     assert _decision(tls.sent) == (b"\1" if sealing else b"\0")
 
@@ -119,18 +150,17 @@ def test_a_dialer_reads_any_answer_as_a_decision_or_a_sealed_record_error(
     tls, decision = ScriptedTls(answer, piece), _decision(answer)
     acceptable = decision in ((b"\0", b"\1") if want else (b"\0",))  # sealed records nobody asked for: no
     try:
-        carrier, sealing = negotiate_dialer(tls, want)  # type: ignore[arg-type]
+        _, sealing = _negotiate(negotiate_dialer, tls, want)
     except SealedRecordError:
         assert not acceptable
         return
-    tls.close(carrier)
     assert acceptable and (sealing is not None) == (decision == b"\1")
     assert _decision(tls.sent) == (b"\1" if want else b"\0")
 
 
 def _opens(sender: RecordSealing, receiver: RecordSealing, message: bytes) -> bool:
-    record = bytearray(RecordSealing.sealed_size(len(message)))
-    sender.seal_into(MESSAGE, message, memoryview(record))
+    record = bytearray(sealed_size(len(message)))
+    sender.seal_into(message, memoryview(record))
     opened = bytearray(len(message))
     try:
         receiver.open_into(record[: HEADER.size], memoryview(record)[HEADER.size :], memoryview(opened))
@@ -144,18 +174,15 @@ def _opens(sender: RecordSealing, receiver: RecordSealing, message: bytes) -> bo
 def test_both_ends_of_a_negotiation_agree_on_the_decision_and_the_keys(
     want: bool, allow: bool, message: bytes
 ) -> None:
-    accepting: list[tuple[ScriptedTls, object, RecordSealing | None]] = []
+    accepting: list[RecordSealing | None] = []
 
     def acceptor(offer: bytes) -> bytes:
         tls = ScriptedTls(offer)
-        accepting.append((tls, *negotiate_acceptor(tls, allow)))  # type: ignore[arg-type]
+        accepting.append(_negotiate(negotiate_acceptor, tls, allow)[1])
         return tls.sent
 
-    dialing = ScriptedTls(acceptor)
-    carrier, dialer = negotiate_dialer(dialing, want)  # type: ignore[arg-type]
-    accepted, accepted_carrier, acceptor_side = accepting[0]
-    dialing.close(carrier)
-    accepted.close(accepted_carrier)
+    _, dialer = _negotiate(negotiate_dialer, ScriptedTls(acceptor), want)
+    acceptor_side = accepting[0]
     assert (dialer is not None) == (acceptor_side is not None) == (want and allow)
     if dialer is not None and acceptor_side is not None:
         assert _opens(dialer, acceptor_side, message) and _opens(acceptor_side, dialer, message)
@@ -191,6 +218,7 @@ FIRST_BYTES = st.one_of(
     st.tuples(st.sampled_from([PREAMBLE, PREAMBLE_SEALED]), MUTATIONS).map(lambda m: mutated(*m)),
     st.binary(max_size=16).map(lambda b: b"N" + b),
     st.binary(max_size=16).map(lambda b: PREAMBLE_SEALED + b),
+    st.just(OLD_PREAMBLE_SEALED),  # an older switch's sealed offer: refused (transport), never echoed
 )
 
 
@@ -205,6 +233,7 @@ def test_the_wan_port_sorts_any_first_bytes_into_raw_tls_or_a_refusal(first: byt
         "127.0.0.1:9",
         lambda: ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER),  # no certificate: every raw TLS handshake fails
         handshake_timeout_s=STEP_S,
+        sealed_context=lambda: SSL.Context(SSL.TLS_METHOD),  # pyOpenSSL's (a sealed offer), as bare
     )
 
     async def pass_through(conn: socket.socket) -> None:  # what the relay to gRPC's TLS would get

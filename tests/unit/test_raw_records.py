@@ -9,19 +9,27 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
+from OpenSSL import SSL
 
 from nebula_common.pki import init_pki
 from nebula_common.pki.service_identity import ServiceTlsFiles, ensure_service_certificates, service_tls_dir
 from nebula_common.rpc.blocking_steps import in_thread
+from nebula_common.rpc.exporter_tls import handshake
 from nebula_common.rpc.internal_tls import server_name
 from nebula_common.rpc.raw_record_bounds import READ_AHEAD
-from nebula_common.rpc.raw_records import RawConnection, RawConnectionError, peer_certificate
-from nebula_common.rpc.sealed_records import negotiate_acceptor, negotiate_dialer
-from tests.support.raw_tls import client_context, server_context
+from nebula_common.rpc.raw_records import RawConnection, RawConnectionError
+from nebula_common.rpc.sealed_negotiation import negotiate_acceptor, negotiate_dialer
+from tests.support.raw_tls import (
+    client_context,
+    openssl_client_context,
+    openssl_server_context,
+    server_context,
+)
 
 DEADLINE_S = 60.0
 SEALED = pytest.mark.parametrize("sealed", [False, True], ids=["tls-records", "sealed-records"])
@@ -39,47 +47,57 @@ def identities(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ServiceTls
     return found
 
 
+_TWINS: dict[int, tuple[ssl.SSLContext, SSL.Context]] = {}
+"""Each ``ssl`` context made here with its pyOpenSSL twin (same files), for the sealed pairs."""
+
+
 def _server(files: ServiceTlsFiles) -> ssl.SSLContext:
-    return server_context(str(files.cert), str(files.key), str(files.ca))
+    context = server_context(str(files.cert), str(files.key), str(files.ca))
+    _TWINS[id(context)] = (context, openssl_server_context(str(files.cert), str(files.key), str(files.ca)))
+    return context
 
 
 def _client(files: ServiceTlsFiles, cluster: str) -> ssl.SSLContext:
-    return client_context(str(files.cert), str(files.key), str(files.ca))
+    context = client_context(str(files.cert), str(files.key), str(files.ca))
+    _TWINS[id(context)] = (context, openssl_client_context(str(files.cert), str(files.key), str(files.ca)))
+    return context
 
 
 async def _pair(
     server: ssl.SSLContext, client: ssl.SSLContext, name: str, views: bool = True, sealed: bool = False
 ) -> tuple[RawConnection, RawConnection]:
     """A connected (client, server) pair after the TLS handshake, both on this loop; with ``sealed``
-    both ask for sealed records (``nebula_common/rpc/sealed_records.py``) after it."""
+    the handshake is pyOpenSSL's (the contexts' twins) and both ask for sealed records
+    (``nebula_common/rpc/sealed_negotiation.py``) after it."""
     left, right = socket.socketpair()
     for sock in (left, right):
         sock.settimeout(10)
 
     def connection(
-        tls: ssl.SSLSocket, peer: str, loop: asyncio.AbstractEventLoop, dialer: bool
+        sock: socket.socket, peer: str, loop: asyncio.AbstractEventLoop, dialer: bool
     ) -> RawConnection:
         if not sealed:
+            tls = (
+                client.wrap_socket(sock, server_hostname=name)
+                if dialer
+                else server.wrap_socket(sock, server_side=True)
+            )
             return RawConnection(tls, peer, loop, views=views)
-        cert = peer_certificate(tls)
+        deadline = time.monotonic() + 10
+        twin = _TWINS[id(client if dialer else server)][1]
+        conn, cert = handshake(sock, twin, server_name=name if dialer else None, deadline=deadline)
         negotiate = negotiate_dialer if dialer else negotiate_acceptor
-        sock, sealing = negotiate(tls, True)
+        carrier, sealing = negotiate(conn, sock, True, deadline)
         assert sealing is not None
-        return RawConnection(sock, peer, loop, views=views, sealing=sealing, peer_cert=cert)
+        return RawConnection(carrier, peer, loop, views=views, sealing=sealing, peer_cert=cert)
 
     async def accept() -> RawConnection:
         loop = asyncio.get_running_loop()
-        return await in_thread(
-            lambda: connection(server.wrap_socket(right, server_side=True), "client", loop, False),
-            "test-accept",
-        )
+        return await in_thread(lambda: connection(right, "client", loop, False), "test-accept")
 
     async def dial() -> RawConnection:
         loop = asyncio.get_running_loop()
-        return await in_thread(
-            lambda: connection(client.wrap_socket(left, server_hostname=name), "server", loop, True),
-            "test-dial",
-        )
+        return await in_thread(lambda: connection(left, "server", loop, True), "test-dial")
 
     accepted, dialed = await asyncio.gather(accept(), dial(), return_exceptions=True)
     for connection in (dialed, accepted):

@@ -1,0 +1,230 @@
+"""Mutual TLS 1.3 through pyOpenSSL, for the connections that key sealed records from its exporter.
+
+Why: Python's ``ssl`` offers no TLS exporter (RFC 8446 section 7.5), and sealed records must be keyed
+from the authenticated session, not from secrets of our own. pyOpenSSL (PyCA, on ``cryptography``'s
+OpenSSL) offers ``export_keying_material``. A connection that offers sealed records therefore runs its
+handshake here, with the very checks of the ``ssl`` contexts the raw link uses otherwise
+(``CertificateManager.ssl_context``): TLS 1.3 only, this switch's certificate chain and key, the peer's
+chain verified against the same trust bundle, a client certificate demanded by the server, the server's
+DNS name checked by the client as ``ssl``'s ``check_hostname`` does (subject alternative names, a
+wildcard only as a whole leftmost label, the common name only without DNS names). Revocation and the
+peer's identity are checked after the handshake on the peer certificate, as for every raw connection.
+
+``OpenSslSocket`` lets a connection that then keeps TLS records (the acceptor declined sealed ones) run
+on the raw I/O thread like an ``ssl.SSLSocket``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import select
+import socket
+import ssl
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import NameOID
+from OpenSSL import SSL, crypto
+
+T = TypeVar("T")
+
+
+class TlsHandshakeError(ConnectionError):
+    """The TLS handshake of a sealed-records connection failed or was refused (the ``tls`` layer)."""
+
+
+def openssl_context(cert_pem: bytes, key_pem: bytes, bundle_pem: bytes, *, server_side: bool) -> SSL.Context:
+    """A TLS 1.3-only context with this certificate chain and key, verifying the peer against the bundle."""
+    context = SSL.Context(SSL.TLS_METHOD)
+    context.set_min_proto_version(SSL.TLS1_3_VERSION)
+    chain = x509.load_pem_x509_certificates(cert_pem)
+    context.use_certificate(chain[0])
+    for extra in chain[1:]:
+        context.add_extra_chain_cert(extra)
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    context.use_privatekey(key)  # type: ignore[arg-type]
+    context.check_privatekey()
+    store = context.get_cert_store()
+    assert store is not None
+    for trusted in x509.load_pem_x509_certificates(bundle_pem):
+        store.add_cert(crypto.X509.from_cryptography(trusted))
+    mode = SSL.VERIFY_PEER | (SSL.VERIFY_FAIL_IF_NO_PEER_CERT if server_side else 0)
+    context.set_verify(mode)
+    return context
+
+
+def name_matches(cert: x509.Certificate, server_name: str) -> bool:
+    """Whether ``cert`` is for ``server_name``, as ``ssl``'s hostname check (OpenSSL X509_check_host with
+    no partial wildcards, or X509_check_ip for an address) decides."""
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        sans = None
+    try:
+        address = ipaddress.ip_address(server_name.strip("[]"))
+    except ValueError:
+        address = None
+    if address is not None:
+        return sans is not None and address in sans.get_values_for_type(x509.IPAddress)
+    name = server_name.rstrip(".").lower()
+    dns = sans.get_values_for_type(x509.DNSName) if sans is not None else []
+    if not dns:
+        dns = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    for pattern in (p.rstrip(".").lower() for p in dns):
+        if pattern == name:
+            return True
+        if pattern.startswith("*.") and pattern.count(".") >= 2 and "." in name:
+            first, rest = name.split(".", 1)
+            if first and not first.startswith("xn--") and rest == pattern[2:]:
+                return True
+    return False
+
+
+def _until(conn: SSL.Connection, sock: socket.socket, deadline: float, call: Callable[[], T]) -> T:
+    """Run a pyOpenSSL call on the non-blocking ``sock`` to completion, waiting on the socket until
+    ``deadline`` (TimeoutError after it)."""
+    while True:
+        try:
+            return call()
+        except SSL.WantReadError:
+            readable, writable = [sock], []
+        except SSL.WantWriteError:
+            readable, writable = [], [sock]
+        left = deadline - time.monotonic()
+        if left <= 0 or not any(select.select(readable, writable, [], left)[:2]):
+            raise TimeoutError("no TLS progress before the handshake deadline")
+
+
+def handshake(
+    sock: socket.socket, context: SSL.Context, *, server_name: str | None, deadline: float
+) -> tuple[SSL.Connection, x509.Certificate]:
+    """Mutual TLS 1.3 on ``sock`` (client side with ``server_name``, else server side) by ``deadline``:
+    the connection and the peer's verified certificate. TlsHandshakeError if refused, TimeoutError."""
+    sock.setblocking(False)
+    conn = SSL.Connection(context, sock)
+    if server_name is None:
+        conn.set_accept_state()
+    else:
+        if not _is_address(server_name):
+            conn.set_tlsext_host_name(server_name.encode("idna"))
+        conn.set_connect_state()
+    try:
+        _until(conn, sock, deadline, conn.do_handshake)
+    except SSL.Error as exc:
+        raise TlsHandshakeError(f"TLS handshake failed: {_reason(exc)}") from None
+    cert = conn.get_peer_certificate(as_cryptography=True)
+    if cert is None or conn.get_protocol_version_name() != "TLSv1.3":
+        raise TlsHandshakeError("TLS handshake without a verified TLS 1.3 peer certificate")
+    if server_name is not None and not name_matches(cert, server_name):
+        raise TlsHandshakeError(f"certificate verify failed: the certificate is not for {server_name!r}")
+    return conn, cert
+
+
+def send_all(conn: SSL.Connection, sock: socket.socket, data: bytes, deadline: float) -> None:
+    """Send ``data`` as TLS application data by ``deadline``."""
+    sent = 0
+    while sent < len(data):
+        rest = memoryview(data)[sent:]
+        try:
+            sent += _until(conn, sock, deadline, lambda: conn.send(rest))  # noqa: B023 (called here)
+        except SSL.Error as exc:
+            raise TlsHandshakeError(f"TLS send failed: {_reason(exc)}") from None
+
+
+def recv_exact(conn: SSL.Connection, sock: socket.socket, size: int, deadline: float) -> bytes:
+    """Exactly ``size`` bytes of TLS application data by ``deadline``; ConnectionError at an end."""
+    data = b""
+    while len(data) < size:
+        want = size - len(data)
+        try:
+            part = _until(conn, sock, deadline, lambda: conn.recv(want))  # noqa: B023 (called here)
+        except (SSL.ZeroReturnError, SSL.SysCallError):
+            part = b""
+        except SSL.Error as exc:
+            raise TlsHandshakeError(f"TLS receive failed: {_reason(exc)}") from None
+        if not part:
+            raise ConnectionError("the peer closed the connection during the sealed-records negotiation")
+        data += part
+    return data
+
+
+class OpenSslSocket:
+    """A pyOpenSSL connection with the ``ssl.SSLSocket`` calls the raw I/O thread makes (its exceptions
+    mapped to ``ssl``'s), for a sealed-records offer that ended with TLS records."""
+
+    def __init__(self, conn: SSL.Connection, sock: socket.socket) -> None:
+        self._conn = conn
+        self._sock = sock
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def setblocking(self, flag: bool) -> None:
+        self._sock.setblocking(flag)
+
+    def settimeout(self, value: float | None) -> None:
+        self._sock.settimeout(value)
+
+    def setsockopt(self, level: int, option: int, value: int) -> None:
+        self._sock.setsockopt(level, option, value)
+
+    def pending(self) -> int:
+        return self._conn.pending()
+
+    def recv_into(self, buffer: memoryview, nbytes: int = 0) -> int:
+        try:
+            return self._conn.recv_into(buffer, nbytes or None)
+        except (SSL.ZeroReturnError, SSL.SysCallError):
+            return 0  # an end, clean or ragged, as ``ssl`` reports it (suppress_ragged_eofs)
+        except SSL.WantReadError:
+            raise ssl.SSLWantReadError() from None
+        except SSL.WantWriteError:
+            raise ssl.SSLWantWriteError() from None
+        except SSL.Error as exc:
+            raise ConnectionError(f"TLS receive failed: {_reason(exc)}") from None
+
+    def send(self, data: memoryview | bytes) -> int:
+        try:
+            return self._conn.send(data)
+        except SSL.WantWriteError:
+            raise ssl.SSLWantWriteError() from None
+        except SSL.WantReadError:
+            raise ssl.SSLWantReadError() from None
+        except SSL.Error as exc:
+            raise ConnectionError(f"TLS send failed: {_reason(exc)}") from None
+
+    def sendall(self, data: bytes) -> None:
+        send_all(self._conn, self._sock, data, time.monotonic() + 2.0)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def _reason(exc: SSL.Error) -> str:
+    """OpenSSL's reason strings of ``exc`` (e.g. ``certificate verify failed``)."""
+    details = exc.args[0] if exc.args else None
+    if isinstance(details, list):
+        return "; ".join(str(entry[-1]) for entry in details if entry) or repr(exc)
+    return str(exc) or repr(exc)
+
+
+__all__ = [
+    "OpenSslSocket",
+    "TlsHandshakeError",
+    "handshake",
+    "name_matches",
+    "openssl_context",
+    "recv_exact",
+    "send_all",
+]
