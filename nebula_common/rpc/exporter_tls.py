@@ -32,6 +32,19 @@ from OpenSSL import SSL, crypto
 T = TypeVar("T")
 
 
+_VERIFY_ERRORS = {
+    9: "certificate is not yet valid",
+    10: "certificate has expired",
+    18: "self-signed certificate",
+    19: "self-signed certificate in certificate chain",
+    20: "unable to get local issuer certificate",
+    21: "unable to verify the first certificate",
+    26: "unsupported certificate purpose",
+    47: "permitted subtree violation",
+}
+"""OpenSSL's X509_V_ERR reasons an audit names (as ``ssl``'s CERTIFICATE_VERIFY_FAILED message does)."""
+
+
 class TlsHandshakeError(ConnectionError):
     """The TLS handshake of a sealed-records connection failed or was refused (the ``tls`` layer)."""
 
@@ -52,8 +65,17 @@ def openssl_context(cert_pem: bytes, key_pem: bytes, bundle_pem: bytes, *, serve
     for trusted in x509.load_pem_x509_certificates(bundle_pem):
         store.add_cert(crypto.X509.from_cryptography(trusted))
     mode = SSL.VERIFY_PEER | (SSL.VERIFY_FAIL_IF_NO_PEER_CERT if server_side else 0)
-    context.set_verify(mode)
+    context.set_verify(mode, _note_verify_error)
     return context
+
+
+def _note_verify_error(conn: SSL.Connection, cert: object, errno: int, depth: int, ok: int) -> bool:
+    """OpenSSL's own verdict, unchanged; the first failure's reason kept for the refusal's message."""
+    if not ok and conn.get_app_data() is None:
+        conn.set_app_data(
+            _VERIFY_ERRORS.get(errno, f"certificate verify error {errno}") + f" (depth {depth})"
+        )
+    return bool(ok)
 
 
 def name_matches(cert: x509.Certificate, server_name: str) -> bool:
@@ -114,7 +136,9 @@ def handshake(
     try:
         _until(conn, sock, deadline, conn.do_handshake)
     except SSL.Error as exc:
-        raise TlsHandshakeError(f"TLS handshake failed: {_reason(exc)}") from None
+        noted = conn.get_app_data()
+        detail = f": {noted}" if noted else ""
+        raise TlsHandshakeError(f"TLS handshake failed: {_reason(exc)}{detail}") from None
     cert = conn.get_peer_certificate(as_cryptography=True)
     if cert is None or conn.get_protocol_version_name() != "TLSv1.3":
         raise TlsHandshakeError("TLS handshake without a verified TLS 1.3 peer certificate")
