@@ -11,8 +11,8 @@ another process on loopback, measured side by side so the ratios share the machi
 * ``relay-raw-tls``: ``relay-raw`` with internal TLS (the gRPC edges on the switches' mutual-TLS service
   ports, as in production), where ``relay`` and ``relay-raw`` run plaintext internal ports;
 * ``relay-sealed``: ``relay-raw-tls`` with sealed link records (``NEBULA_SWITCH_LINK_RECORDS=sealed``:
-  after the link's mutual TLS 1.3 handshake each message is one AES-256-GCM record on the bare TCP
-  connection, ``nebula_common/rpc/sealed_records.py``);
+  after the link's mutual TLS 1.3 handshake each message goes as AES-256-GCM records of up to 1 MiB,
+  keyed from the TLS exporter, on the bare TCP connection, ``nebula_common/rpc/sealed_records.py``);
 * ``relay-staged``: what ``nebula local up`` gives a job: ``relay`` with internal TLS, each edge opened by a
   stage process through its trainer's stage proxy (``services/trainer/stage_proxy.py``, a gRPC hop on
   a Unix socket, in a process of its own as in the trainer) and from there to the switch;

@@ -169,9 +169,9 @@ class SwitchSettings(AuditedServiceSettings):
     link_records: Literal["tls", "sealed"] = Field(
         "tls",
         description="How the raw link (link_transport=raw) carries records after its mutual TLS 1.3 "
-        "handshake: 'tls' (TLS records, 16 KiB each) or 'sealed' (each whole message as one AES-256-GCM "
-        "record on the bare TCP connection, keyed by fresh secrets exchanged inside the verified TLS "
-        "session, counter nonces, authenticated end; nebula_common/rpc/sealed_records.py). Both switches "
+        "handshake: 'tls' (TLS records, 16 KiB each) or 'sealed' (AES-256-GCM records of up to 1 MiB on "
+        "the bare TCP connection, keyed from the TLS exporter of the verified session, RFC 8446 nonces, "
+        "authenticated end; nebula_common/rpc/sealed_records.py). Both switches "
         "must choose 'sealed' for it to be used: a dialer offers it, an acceptor takes the offer only if "
         "its own setting is 'sealed' (otherwise TLS records). Costs about a third less CPU per byte.",
     )
