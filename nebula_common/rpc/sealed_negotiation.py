@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
 
 from OpenSSL import SSL
 
@@ -120,11 +119,6 @@ def negotiate_acceptor(
     return _bare(conn, sock), exported_sealing(conn, offer, answer, dialer=False)
 
 
-def deadline_in(seconds: float) -> float:
-    """A ``time.monotonic`` deadline ``seconds`` from now, as the blocking steps here take it."""
-    return time.monotonic() + seconds
-
-
 __all__ = [
     "EXPORTER_LABEL",
     "MAGIC",
@@ -132,7 +126,6 @@ __all__ = [
     "OLD_MAGIC",
     "Carrier",
     "TlsHandshakeError",
-    "deadline_in",
     "exported_sealing",
     "negotiate_acceptor",
     "negotiate_dialer",

@@ -26,6 +26,8 @@ from cryptography import x509
 
 from nebula_common.pki import identity_from_certificate
 from nebula_common.proto.nebula.v1 import link_pb2
+from nebula_common.rpc.exporter_tls import TlsHandshakeError
+from nebula_common.rpc.sealed_records import SealedRecordError
 from services.switch.link_handshake import (
     HANDSHAKE_TIMEOUT_S,
     RAW_LINK_VERSION,
@@ -195,8 +197,11 @@ class LinkDialer(LinkLanes, PeerChecks):
         assert self.raw_dialer is not None
         try:
             connection = await self.raw_dialer()
-        except ssl.SSLError as exc:
+        except (ssl.SSLError, TlsHandshakeError) as exc:  # ssl's handshake, or pyOpenSSL's (sealed offer)
             self.refuse("tls", f"peer's TLS certificate refused on the raw link: {exc}")
+            raise
+        except SealedRecordError as exc:  # the sealed-records negotiation inside TLS (e.g. an old peer)
+            self.refuse("transport", str(exc))
             raise
         except PreambleError as exc:
             self.refuse("transport", str(exc))

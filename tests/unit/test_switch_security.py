@@ -168,3 +168,58 @@ def test_raw_link_tls_contexts_follow_renewal_and_complete_a_mutual_handshake(tm
             tls.recv(1)  # TLS 1.3: the server's refusal arrives after the client's handshake
         thread.join(10)
         assert refused
+
+
+def test_sealed_records_openssl_contexts_follow_renewal_and_complete_a_mutual_handshake(
+    tmp_path: Path,
+) -> None:
+    """The pyOpenSSL twins of the raw-link contexts (sealed records' exporter) come from the same current
+    material: cached per generation, the renewed leaf presented after a renewal, without a restart."""
+    import socket
+    import threading
+    import time
+
+    from nebula_common.rpc.exporter_tls import handshake
+
+    layout = init_pki(tmp_path / "pki", ["a", "b"], leaf_validity=timedelta(hours=3))
+    managers = {}
+    with (
+        open_service_audit(tmp_path / "a", service="switch", cluster="a") as audit_a,
+        open_service_audit(tmp_path / "b", service="switch", cluster="b") as audit_b,
+    ):
+        for cluster, audit in (("a", audit_a), ("b", audit_b)):
+            paths = layout.cluster(cluster)
+            managers[cluster] = CertificateManager(
+                paths.switch_cert,
+                paths.switch_key,
+                paths.trust_bundle,
+                Identity(cluster, "switch"),
+                audit=audit,
+                ca_cert_path=paths.ca_cert,
+                ca_key_path=paths.ca_key,
+            )
+        server = managers["b"].openssl_context(server_side=True)
+        assert server is managers["b"].openssl_context(server_side=True)  # cached per generation
+        before = managers["a"].openssl_context(server_side=False)
+        renewed = managers["a"].check(now=datetime.now(UTC) + timedelta(hours=2, minutes=30))
+        assert renewed is not None
+        client = managers["a"].openssl_context(server_side=False)
+        assert client is not before  # a new generation, a new context
+
+        left, right = socket.socketpair()
+        seen: dict[str, object] = {}
+        deadline = time.monotonic() + 10
+
+        def serve() -> None:
+            seen["client"] = handshake(right, server, server_name=None, deadline=deadline)[1]
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        _, presented_server = handshake(
+            left, client, server_name=Identity("b", "switch").dns_name, deadline=deadline
+        )
+        thread.join(10)
+        left.close()
+        right.close()
+        assert presented_server.serial_number == managers["b"].current.serial
+        assert getattr(seen["client"], "serial_number", None) == renewed.serial  # the renewed leaf
