@@ -2,10 +2,10 @@
 
 Every switch owns its WAN port in Python so that it can give each source address a few slots before
 its handshake completes (``source_limits.py``) and serve both transports on one address: a connection
-that starts with the raw preamble is a raw link connection (preamble, mutual TLS on a thread, with a
-dialer's offer of sealed records pyOpenSSL's TLS and the sealed-records negotiation, then
-``rawlink_acceptor.serve_raw``); one that starts
-with a TLS record is relayed byte for byte to gRPC's WAN server on loopback (``passthrough.py``).
+that starts with the raw preamble is a raw link connection (preamble, mutual TLS on a thread --
+pyOpenSSL's and then the sealed-records negotiation when the dialer offers sealed records -- then
+``rawlink_acceptor.serve_raw``); one that starts with a TLS record is relayed byte for byte to gRPC's
+WAN server on loopback (``passthrough.py``).
 """
 
 from __future__ import annotations
