@@ -6,8 +6,8 @@ OpenSSL) offers ``export_keying_material``. A connection that offers sealed reco
 handshake here, with the very checks of the ``ssl`` contexts the raw link uses otherwise
 (``CertificateManager.ssl_context``): TLS 1.3 only, this switch's certificate chain and key, the peer's
 chain verified against the same trust bundle, a client certificate demanded by the server, the server's
-DNS name checked by the client as ``ssl``'s ``check_hostname`` does (subject alternative names, a
-wildcard only as a whole leftmost label, the common name only without DNS names). Revocation and the
+name checked by the client by RFC 6125 through PyCA's ``service-identity`` (subject alternative names;
+``ssl``'s ``check_hostname`` decides alike for every certificate our PKI issues). Revocation and the
 peer's identity are checked after the handshake on the peer certificate, as for every raw connection.
 
 ``OpenSslSocket`` lets a connection that then keeps TLS records (the acceptor declined sealed ones) run
@@ -26,8 +26,9 @@ from typing import TypeVar
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from cryptography.x509.oid import NameOID
 from OpenSSL import SSL, crypto
+from service_identity import CertificateError, VerificationError
+from service_identity.cryptography import verify_certificate_hostname, verify_certificate_ip_address
 
 T = TypeVar("T")
 
@@ -79,30 +80,17 @@ def _note_verify_error(conn: SSL.Connection, cert: object, errno: int, depth: in
 
 
 def name_matches(cert: x509.Certificate, server_name: str) -> bool:
-    """Whether ``cert`` is for ``server_name``, as ``ssl``'s hostname check (OpenSSL X509_check_host with
-    no partial wildcards, or X509_check_ip for an address) decides."""
+    """Whether ``cert`` is for ``server_name`` (a DNS name or an IP address), by RFC 6125 as PyCA's
+    ``service-identity`` decides it: subject alternative names only, a wildcard only as a whole leftmost
+    label. Our PKI puts every name a switch is dialled by there."""
     try:
-        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except x509.ExtensionNotFound:
-        sans = None
-    try:
-        address = ipaddress.ip_address(server_name.strip("[]"))
-    except ValueError:
-        address = None
-    if address is not None:
-        return sans is not None and address in sans.get_values_for_type(x509.IPAddress)
-    name = server_name.rstrip(".").lower()
-    dns = sans.get_values_for_type(x509.DNSName) if sans is not None else []
-    if not dns:
-        dns = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
-    for pattern in (p.rstrip(".").lower() for p in dns):
-        if pattern == name:
-            return True
-        if pattern.startswith("*.") and pattern.count(".") >= 2 and "." in name:
-            first, rest = name.split(".", 1)
-            if first and not first.startswith("xn--") and rest == pattern[2:]:
-                return True
-    return False
+        if _is_address(server_name):
+            verify_certificate_ip_address(cert, server_name.strip("[]"))
+        else:
+            verify_certificate_hostname(cert, server_name.rstrip("."))
+    except (VerificationError, CertificateError, ValueError):
+        return False
+    return True
 
 
 def _until(conn: SSL.Connection, sock: socket.socket, deadline: float, call: Callable[[], T]) -> T:

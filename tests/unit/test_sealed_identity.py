@@ -207,3 +207,46 @@ def test_the_sealed_handshake_accepts_and_refuses_exactly_what_the_ssl_handshake
     assert outcomes == {"ssl": expected, "pyopenssl": expected}, reasons
     if "expired" in case or "not yet valid" in case:
         assert "certificate has expired" in reasons["pyopenssl"] or "not yet valid" in reasons["pyopenssl"]
+
+
+def test_the_name_check_follows_rfc_6125_for_names_wildcards_and_addresses() -> None:
+    """``name_matches`` is PyCA's ``service-identity``: a wildcard covers one whole label, an address only
+    an IP entry, and a certificate without subject alternative names matches nothing."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from nebula_common.rpc.exporter_tls import name_matches
+
+    key = ec.generate_private_key(ec.SECP256R1())
+
+    def cert(names: list[x509.GeneralName] | None) -> x509.Certificate:
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "switch.b.example")])
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(subject)
+            .public_key(key.public_key())
+            .serial_number(1)
+            .not_valid_before(NOW - timedelta(days=1))
+            .not_valid_after(NOW + timedelta(days=1))
+        )
+        if names is not None:
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        return builder.sign(key, hashes.SHA256())
+
+    sans = cert(
+        [
+            x509.DNSName("switch.b.example"),
+            x509.DNSName("*.wild.example"),
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        ]
+    )
+    for name in ("switch.b.example", "SWITCH.b.example.", "x.wild.example", "127.0.0.1"):
+        assert name_matches(sans, name), name
+    for name in ("other.example", "a.b.wild.example", "wild.example", "127.0.0.2", "::1", ""):
+        assert not name_matches(sans, name), name
+    assert not name_matches(cert(None), "switch.b.example")  # the common name alone is not enough
