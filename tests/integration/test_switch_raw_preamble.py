@@ -139,7 +139,11 @@ def test_a_rewritten_preamble_is_refused_and_never_moves_the_link_to_grpc(
             assert proxy.rewritten == REWRITES
             for switch in (pair.a, pair.b):
                 assert switch.running.link.state.transport == "raw"
-            ups = {c: [r["details"]["transport"] for r in pair.audit(c, "link.up")] for c in ("a", "b")}
+            # The link's state is set just before its link.up record is written (on each switch's loop).
+            ups = {}
+            for c in ("a", "b"):
+                records = wait_for(lambda c=c: pair.audit(c, "link.up"), 10, f"switch {c}'s link.up record")
+                ups[c] = [r["details"]["transport"] for r in records]
             assert ups == {"a": ["raw"], "b": ["raw"]}, ups  # never a gRPC session in between
             wait_for(
                 lambda: [
