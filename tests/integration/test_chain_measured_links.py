@@ -73,6 +73,7 @@ def calibrator(tmp_path_factory: pytest.TempPathFactory) -> Calibrator:
     return calibrator
 
 
+@pytest.mark.long  # every switch measures every link (`make test-faults`)
 def test_each_switch_measures_the_link_toward_each_peer(sessions: dict[str, ClusterSession]) -> None:
     rates = {}
     for here, peer in (("a", "b"), ("b", "a"), ("b", "c"), ("c", "b")):

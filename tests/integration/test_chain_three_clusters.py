@@ -166,6 +166,7 @@ def test_a_three_cluster_chain_over_real_switches_equals_the_unsplit_model(
         session.close()
 
 
+@pytest.mark.long  # a chain job and an unsplit run (`make test-faults`)
 def test_a_lossy_codec_on_each_edge_trains_to_within_two_percent_of_the_unsplit_loss(
     clusters: tuple[Chain, dict[str, ServiceThread[TrainerServicer]], Path],
 ) -> None:
@@ -189,6 +190,7 @@ def test_a_lossy_codec_on_each_edge_trains_to_within_two_percent_of_the_unsplit_
         session.close()
 
 
+@pytest.mark.long  # auto's probe, advice and a chain job (`make test-faults`)
 def test_auto_on_a_three_cluster_chain_is_advised_per_edge_and_each_edge_has_its_wan_numbers(
     clusters: tuple[Chain, dict[str, ServiceThread[TrainerServicer]], Path], codecs: dict[str, str]
 ) -> None:

@@ -39,6 +39,7 @@ def data_audit(deployment: LocalDeployment, cluster: str) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
+@pytest.mark.long  # a grant, a job and a revocation (about 25 s) (`make test-faults`)
 def test_grantee_stage_trains_through_the_owner_service_and_stops_at_the_next_batch_after_revoke(
     deployment: LocalDeployment,
     sessions: dict[str, ClusterSession],

@@ -77,6 +77,7 @@ def test_split_job_trains_and_switches_count_every_byte(
     assert {after["a"].link_role, after["b"].link_role} == {"dialer", "acceptor"}
 
 
+@pytest.mark.long  # two jobs, one after the other (`make test-faults`)
 def test_codecs_shrink_wan_bytes_by_their_ratio(sessions: dict[str, ClusterSession]) -> None:
     plain, plain_before, plain_after = run_job(sessions, numbers_job(steps=4, data__batch_size=64))
     packed, packed_before, packed_after = run_job(

@@ -86,6 +86,7 @@ def test_an_fsdp_downstream_stage_on_two_ranks_trains_like_one_process(
     assert not list(stage.glob(".*partial*"))
 
 
+@pytest.mark.long  # four ranks (`make test-faults`)
 def test_an_hsdp_upstream_stage_on_four_ranks_trains_like_one_process(
     tmp_path: Path, reference: tuple[StageRun, StageRun]
 ) -> None:

@@ -75,6 +75,7 @@ def assert_same_training(reference: tuple[StageRun, StageRun], run: tuple[StageR
     assert sorted(run[1].losses()) == list(range(STEPS))
 
 
+@pytest.mark.long  # two schedules over a slow link (`make test-faults`)
 def test_the_1f1b_window_grows_with_the_round_trip_and_trains_bit_identical_to_gpipe(tmp_path: Path) -> None:
     gpipe = run_stages(job("gpipe"), tmp_path / "gpipe", MemoryLink(), SETTINGS, receive_ahead=4)
     near = run_stages(job("1f1b"), tmp_path / "near", MemoryLink(), SETTINGS, receive_ahead=4)
