@@ -367,6 +367,15 @@ def receive_pieces(stream: bytes, piece: int) -> tuple[list[bytes], object]:
 MESSAGES_IN_PARTS = st.lists(st.binary(max_size=300), max_size=5)
 
 
+def _intact(original: bytes, stream: bytes, ends: list[int]) -> int:
+    """How many messages of ``original`` (ending at ``ends``) lie wholly before ``stream``'s first change."""
+    if stream == original:
+        return len(ends)
+    common = min(len(original), len(stream))
+    change = next((i for i in range(common) if original[i] != stream[i]), common)
+    return sum(1 for end in ends if end <= change)
+
+
 @fuzz(300)
 @given(
     messages=MESSAGES_IN_PARTS,
@@ -381,9 +390,7 @@ def test_the_sealed_receiver_delivers_exactly_the_messages_before_any_change(
 ) -> None:
     original, ends = sealed_stream(messages, close)
     stream = mutated(original, mutations)
-    common = min(len(original), len(stream))
-    change = next((i for i in range(common) if original[i] != stream[i]), common)
-    intact = len(ends) if stream == original else sum(1 for end in ends if end <= change)
+    intact = _intact(original, stream, ends)
     got, outcome = receive_pieces(stream, piece)
     expected = messages[: min(intact, len(messages))]
     assert got == expected, "a sealed receiver delivered a changed or extra message"
@@ -402,9 +409,7 @@ def test_a_sealed_stream_delivers_exactly_the_records_before_any_change(
 ) -> None:
     original, ends = sealed_stream(messages, close)
     stream = mutated(original, mutations)
-    common = min(len(original), len(stream))
-    change = next((i for i in range(common) if original[i] != stream[i]), common)
-    intact = len(ends) if stream == original else sum(1 for end in ends if end <= change)
+    intact = _intact(original, stream, ends)
     got, outcome = read_stream(stream, _reader())
     event(f"{'eof' if outcome is grpc.aio.EOF else 'refused'} after {intact} of {len(ends)} records")
     assert got == messages[: min(intact, len(messages))], "a sealed reader delivered a changed message"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from nebula_common.audit import open_service_audit
-from nebula_common.pki import Identity, init_pki
+from nebula_common.pki import Identity, PkiLayout, init_pki
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, tensor_pb2
 from services.switch.certs import CertificateManager
 from services.switch.tls_refusals import parse_refusal
@@ -102,19 +104,15 @@ def test_transfer_ledger_emits_one_summary_per_step_and_direction() -> None:
     assert all(t.codecs == {"fp16"} for _, t in emitted)
 
 
-def test_raw_link_tls_contexts_follow_renewal_and_complete_a_mutual_handshake(tmp_path: Path) -> None:
-    import socket
-    import ssl
-    import threading
-
-    from cryptography import x509
-
+@contextlib.contextmanager
+def _switch_managers(tmp_path: Path) -> Iterator[tuple[PkiLayout, dict[str, CertificateManager]]]:
+    """The PKI and certificate managers of switches a and b (3-hour leaves: a renewal can be forced)."""
     layout = init_pki(tmp_path / "pki", ["a", "b"], leaf_validity=timedelta(hours=3))
-    managers = {}
     with (
         open_service_audit(tmp_path / "a", service="switch", cluster="a") as audit_a,
         open_service_audit(tmp_path / "b", service="switch", cluster="b") as audit_b,
     ):
+        managers = {}
         for cluster, audit in (("a", audit_a), ("b", audit_b)):
             paths = layout.cluster(cluster)
             managers[cluster] = CertificateManager(
@@ -126,6 +124,17 @@ def test_raw_link_tls_contexts_follow_renewal_and_complete_a_mutual_handshake(tm
                 ca_cert_path=paths.ca_cert,
                 ca_key_path=paths.ca_key,
             )
+        yield layout, managers
+
+
+def test_raw_link_tls_contexts_follow_renewal_and_complete_a_mutual_handshake(tmp_path: Path) -> None:
+    import socket
+    import ssl
+    import threading
+
+    from cryptography import x509
+
+    with _switch_managers(tmp_path) as (layout, managers):
         server = managers["b"].ssl_context(server_side=True)
         assert server is managers["b"].ssl_context(server_side=True)  # cached per generation
         assert server.minimum_version == ssl.TLSVersion.TLSv1_3 and server.verify_mode == ssl.CERT_REQUIRED
@@ -181,23 +190,7 @@ def test_sealed_records_openssl_contexts_follow_renewal_and_complete_a_mutual_ha
 
     from nebula_common.rpc.exporter_tls import handshake
 
-    layout = init_pki(tmp_path / "pki", ["a", "b"], leaf_validity=timedelta(hours=3))
-    managers = {}
-    with (
-        open_service_audit(tmp_path / "a", service="switch", cluster="a") as audit_a,
-        open_service_audit(tmp_path / "b", service="switch", cluster="b") as audit_b,
-    ):
-        for cluster, audit in (("a", audit_a), ("b", audit_b)):
-            paths = layout.cluster(cluster)
-            managers[cluster] = CertificateManager(
-                paths.switch_cert,
-                paths.switch_key,
-                paths.trust_bundle,
-                Identity(cluster, "switch"),
-                audit=audit,
-                ca_cert_path=paths.ca_cert,
-                ca_key_path=paths.ca_key,
-            )
+    with _switch_managers(tmp_path) as (_layout, managers):
         server = managers["b"].openssl_context(server_side=True)
         assert server is managers["b"].openssl_context(server_side=True)  # cached per generation
         before = managers["a"].openssl_context(server_side=False)
