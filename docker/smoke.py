@@ -78,10 +78,12 @@ def wait_link(sessions: list[ClusterSession], timeout: float) -> float:
         if all(st.connected for st in states):
             for st in states:
                 print(
-                    f"switch {st.cluster_id}: link up as {st.link_role}, "
+                    f"switch {st.cluster_id}: link up as {st.link_role} over {st.link_carrier}, "
                     f"verified peer {st.verified_peer_identity}",
                     file=sys.stderr,
                 )
+                if st.link_carrier != "records":  # compose runs the default carrier
+                    raise SystemExit(f"switch {st.cluster_id}: link carrier {st.link_carrier!r}, not records")
             return time.perf_counter() - started
         if time.perf_counter() - started > timeout:
             raise SystemExit(f"WAN link not up after {timeout:.0f}s: {states}")

@@ -4,18 +4,16 @@ Paths, each moving the same tensors (float32, codec ``none``) from a sender to a
 another process on loopback, measured side by side so the ratios share the machine's load:
 
 * ``relay``: edge -> switch a -> mTLS link -> switch b -> edge (four processes: this one sends,
-  a spawned process receives; both switches and both auth services are real service processes);
-  the link is a gRPC stream (``NEBULA_SWITCH_LINK_TRANSPORT=grpc``);
-* ``relay-raw``: the same path with the raw link transport between the switches (length-prefixed frames
-  on TLS 1.3, ``NEBULA_SWITCH_LINK_TRANSPORT=raw``, services/switch/rawlink.py), a deployment of its own;
-* ``relay-raw-tls``: ``relay-raw`` with internal TLS (the gRPC edges on the switches' mutual-TLS service
-  ports, as in production), where ``relay`` and ``relay-raw`` run plaintext internal ports;
-* ``relay-sealed``: ``relay-raw-tls`` with sealed link records (``NEBULA_SWITCH_LINK_RECORDS=sealed``:
-  after the link's mutual TLS 1.3 handshake each message goes as AES-256-GCM records of up to 1 MiB,
-  keyed from the TLS exporter, on the bare TCP connection, ``nebula_common/rpc/sealed_records.py``);
-* ``relay-staged``: what ``nebula local up`` gives a job: ``relay`` with internal TLS, each edge opened by a
-  stage process through its trainer's stage proxy (``services/trainer/stage_proxy.py``, a gRPC hop on
-  a Unix socket, in a process of its own as in the trainer) and from there to the switch;
+  a spawned process receives; both switches and both auth services are real service processes, their
+  internal ports on mutual TLS as in production); the link on the default carrier, sealed records
+  (``NEBULA_SWITCH_LINK_CARRIER=records``: after the link's mutual TLS 1.3 handshake each message goes
+  as AES-256-GCM records of up to 1 MiB, keyed from the TLS exporter, on the bare TCP connection,
+  services/switch/rawlink.py);
+* ``relay-grpc``: the same path with the gRPC link carrier (``NEBULA_SWITCH_LINK_CARRIER=grpc``), a
+  deployment of its own;
+* ``relay-staged``: what ``nebula local up`` gives a job: ``relay``, each edge opened by a stage process
+  through its trainer's stage proxy (``services/trainer/stage_proxy.py``, a gRPC hop on a Unix socket,
+  in a process of its own as in the trainer) and from there to the switch;
 * ``tls``: one Python ``ssl`` TLS 1.3 socket hop (``sendall`` / ``recv_into``);
 * ``tcp``: one plain TCP socket hop;
 * ``grpc``: one plaintext gRPC stream of 4 MiB ``bytes`` messages (identity serializers);
@@ -59,33 +57,16 @@ GRPC_MESSAGE = 4 * MIB
 SIZES_MIB = (1, 16, 64)
 PATHS = (
     "relay",
-    "relay-raw",
-    "relay-raw-tls",
-    "relay-sealed",
+    "relay-grpc",
     "relay-staged",
     "tls",
     "tcp",
     "grpc",
     "gloo",
 )
-TRANSPORTS = {
-    "relay": "grpc",
-    "relay-raw": "raw",
-    "relay-raw-tls": "raw",
-    "relay-sealed": "raw",
-    "relay-staged": "grpc",
-}
-INTERNAL_TLS = {"relay-raw-tls", "relay-sealed", "relay-staged"}
-"""Relay paths whose internal ports run TLS (as in production)."""
-SUFFIX = {
-    "relay": "",
-    "relay-raw": "_raw",
-    "relay-raw-tls": "_rawtls",
-    "relay-sealed": "_sealed",
-    "relay-staged": "_staged",
-}
-RECORDS = {"relay-sealed": "sealed"}
-"""The raw link's records after TLS on each relay path (``NEBULA_SWITCH_LINK_RECORDS``; default tls)."""
+TRANSPORTS = {"relay": "records", "relay-grpc": "grpc", "relay-staged": "records"}
+"""The link carrier of each relay path (``NEBULA_SWITCH_LINK_CARRIER``)."""
+SUFFIX = {"relay": "", "relay-grpc": "_grpc", "relay-staged": "_staged"}
 JOB = "bench/relay"
 EDGE = "up->down"
 
@@ -429,16 +410,14 @@ class Deployment:
     def __init__(
         self,
         root: Path,
-        transport: str = "grpc",
-        internal_tls: bool = False,
-        records: str = "tls",
+        transport: str = "records",
+        internal_tls: bool = True,
         staged: bool = False,
     ) -> None:
         self.root = root
         #: Each edge goes through a stage proxy process (``relay-staged``).
         self.staged = staged
         self.transport = transport
-        self.records = records
         self.internal_tls = internal_tls
         #: Per cluster (cluster, ca, cert, key) of the trainer identity (internal TLS on).
         self.trainer_tls: dict[str, tuple[str, ...]] = {}
@@ -548,8 +527,7 @@ class Deployment:
                 "METRICS_PORT": str(service_port()),
                 "LOG_LEVEL": "WARNING",
                 "LINK_ROLE": "accept" if cluster == "b" else "dial",
-                "LINK_TRANSPORT": self.transport,
-                "LINK_RECORDS": self.records,
+                "LINK_CARRIER": self.transport,
                 **({"INTERNAL_TLS_DIR": tls_dirs[cluster]["switch"]} if tls_dirs else {}),
             }
             if cluster == "a":
@@ -697,10 +675,9 @@ def render(result: dict[str, Any]) -> str:
         f"{os.cpu_count()} cores.",
         "",
         "MB/s (10^6 bytes per second), receiver holding the last tensor; ratio = the path / the TLS hop "
-        "in the same round. Relay paths: 'relay' has a gRPC link between the switches, 'relay-raw' the raw "
-        "transport (rawlink.py), 'relay-sealed' the raw link with sealed records (sealed_records.py); every "
-        "edge is a gRPC stream; 'relay' and 'relay-raw' run plaintext internal ports (development flag), "
-        "the others internal TLS as in production; 'relay-staged' is what `nebula local up` gives a job "
+        "in the same round. Relay paths: 'relay' has the default link carrier between the switches (sealed "
+        "records, rawlink.py), 'relay-grpc' a gRPC link; every edge is a gRPC stream on the switches' "
+        "mutual-TLS internal ports, as in production; 'relay-staged' is what `nebula local up` gives a job "
         "(each edge from a stage process through its trainer's stage proxy). With several rounds (the "
         "paths take turns each round) MB/s are medians and the ratio is theirs, followed by the range "
         "of the per-round ratios. CPU-s per GB: user + system CPU of each process over the run, per 10^9 "
@@ -791,8 +768,6 @@ def main() -> None:
                 deployments[path] = Deployment(
                     root / path,
                     transport,
-                    internal_tls=path in INTERNAL_TLS,
-                    records=RECORDS.get(path, "tls"),
                     staged=path == "relay-staged",
                 ).start()
                 print(f"deployment up ({path}: {transport} link)", flush=True)

@@ -180,12 +180,16 @@ def print_summary(summary: JobSummary) -> None:
     for cluster, identity in summary.peer_identities.items():
         links = summary.links.get(cluster, {})
         if len(links) <= 1:
-            table.add_row(f"switch {cluster} verified peer", identity)
+            carrier = next(iter(links.values()), {}).get("link_carrier", "")
+            table.add_row(
+                f"switch {cluster} verified peer", f"{identity} ({carrier})" if carrier else identity
+            )
             continue
         for peer, link in links.items():  # a switch with several peers: each link, named
             state = "up" if link["connected"] else "down"
             table.add_row(
-                f"switch {cluster} link to {peer}", f"{state} {link['verified_peer_identity']}".strip()
+                f"switch {cluster} link to {peer}",
+                f"{state} {link['verified_peer_identity']} {link.get('link_carrier', '')}".strip(),
             )
     console.print(table)
     for stage, message in summary.stage_messages.items():

@@ -100,11 +100,13 @@ def _until(conn: SSL.Connection, sock: socket.socket, deadline: float, call: Cal
         try:
             return call()
         except SSL.WantReadError:
-            readable, writable = [sock], []
+            events = select.POLLIN
         except SSL.WantWriteError:
-            readable, writable = [], [sock]
+            events = select.POLLOUT
         left = deadline - time.monotonic()
-        if left <= 0 or not any(select.select(readable, writable, [], left)[:2]):
+        poller = select.poll()  # not select(): a busy switch has descriptors above its 1024
+        poller.register(sock, events)
+        if left <= 0 or not poller.poll(left * 1000):
             raise TimeoutError("no TLS progress before the handshake deadline")
 
 

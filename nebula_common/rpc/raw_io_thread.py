@@ -252,12 +252,18 @@ class RawIoThread:
                 wait = min(wait, left)
             else:
                 last_byte = time.monotonic()
-            readers = [self._wake_r] + ([sock] if room > 0 else [])
-            writers = [sock] if blocked or wants_write_to_read else []
-            ready, _, _ = select.select(readers, writers, [], wait)
+            # poll, not select: a busy switch has descriptors above select's 1024.
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            events = (select.POLLIN if room > 0 else 0) | (
+                select.POLLOUT if blocked or wants_write_to_read else 0
+            )
+            if events:
+                poller.register(sock, events)
+            woken = any(fd == self._wake_r.fileno() for fd, _ in poller.poll(wait * 1000))
             with self._lock:
                 self._parked = False
-            if self._wake_r in ready:
+            if woken:
                 with contextlib.suppress(OSError):
                     while self._wake_r.recv(4096):
                         pass

@@ -3,8 +3,9 @@
 Why: whether a connection moves to sealed records must be decided where nobody on the path can change
 it, and their keys must come from the authenticated TLS 1.3 session itself (RFC 8446 section 7.5), so
 no secret of ours ever crosses the wire. Right after the handshake (``exporter_tls.py``) the dialer sends,
-as TLS application data, ``OFFER`` = magic ``NBSEAL2`` + its wish (1: sealed records, 0: TLS records);
-the acceptor answers the magic + its decision (1 only if both want them). Then, with sealed records,
+as TLS application data, ``OFFER`` = magic ``NBSEAL2`` + its wish (1: sealed records); the acceptor
+answers the magic + its decision (1). Nebula carries the link only in sealed records, so a wish or a
+decision of 0 (TLS records, which older switches could keep) ends the connection with a reason. Then
 each end exports 64 bytes from TLS under ``EXPORTER_LABEL`` with the offer and the answer as the
 exporter's context: the first 32 are the dialer -> acceptor traffic secret, the last 32 the acceptor ->
 dialer one (``sealed_records.py`` derives each direction's key and IV from them). The TLS connection
@@ -22,7 +23,7 @@ import struct
 
 from OpenSSL import SSL
 
-from nebula_common.rpc.exporter_tls import OpenSslSocket, TlsHandshakeError, recv_exact, send_all
+from nebula_common.rpc.exporter_tls import TlsHandshakeError, recv_exact, send_all
 from nebula_common.rpc.sealed_records import SECRET_BYTES, RecordSealing, SealedRecordError
 
 MAGIC = b"NBSEAL2"
@@ -31,9 +32,7 @@ OLD_MAGIC = b"NBSEAL1"
 NEGOTIATION = struct.Struct(f">{len(MAGIC)}sB")
 """The offer and the answer: magic, then the wish or the decision (1 = sealed records)."""
 EXPORTER_LABEL = b"EXPORTER-nebula-sealed-link-records-v2"
-
-Carrier = socket.socket | OpenSslSocket
-"""What carries a connection after the negotiation: the bare TCP socket (sealed) or TLS itself."""
+DECLINED = "TLS records instead of sealed ones, which this switch does not carry: update the older switch"
 
 
 def parse_offer(offer: bytes) -> bool:
@@ -91,40 +90,43 @@ def _bare(conn: SSL.Connection, sock: socket.socket) -> socket.socket:
 
 
 def negotiate_dialer(
-    conn: SSL.Connection, sock: socket.socket, want: bool, deadline: float
-) -> tuple[Carrier, RecordSealing | None]:
+    conn: SSL.Connection, sock: socket.socket, deadline: float
+) -> tuple[socket.socket, RecordSealing]:
     """The dialer's side, blocking, right after the handshake: offer, read the decision, key.
 
-    Returns the carrier (the bare socket when sealed, else TLS) and the sealing (None: TLS records).
-    SealedRecordError / TlsHandshakeError / OSError if the peer breaks the negotiation.
+    Returns the bare TCP socket and the sealing. SealedRecordError / TlsHandshakeError / OSError if the
+    peer breaks the negotiation or declines sealed records.
     """
-    offer = NEGOTIATION.pack(MAGIC, 1 if want else 0)
+    offer = NEGOTIATION.pack(MAGIC, 1)
     send_all(conn, sock, offer, deadline)
     answer = _receive(conn, sock, deadline)
-    if not parse_answer(answer, want):
-        return OpenSslSocket(conn, sock), None
+    if not parse_answer(answer, True):
+        raise SealedRecordError(f"the peer answered with {DECLINED}")
     return _bare(conn, sock), exported_sealing(conn, offer, answer, dialer=True)
 
 
 def negotiate_acceptor(
-    conn: SSL.Connection, sock: socket.socket, allow: bool, deadline: float
-) -> tuple[Carrier, RecordSealing | None]:
-    """The acceptor's side, blocking, right after the handshake: read the offer, decide, answer, key."""
+    conn: SSL.Connection, sock: socket.socket, deadline: float
+) -> tuple[socket.socket, RecordSealing]:
+    """The acceptor's side, blocking, right after the handshake: read the offer, answer, key.
+
+    An offer that wishes TLS records is answered with a decline (so the dialer reads why) and refused.
+    """
     offer = _receive(conn, sock, deadline)
-    decision = parse_offer(offer) and allow
-    answer = NEGOTIATION.pack(MAGIC, 1 if decision else 0)
+    wanted = parse_offer(offer)
+    answer = NEGOTIATION.pack(MAGIC, 1 if wanted else 0)
     send_all(conn, sock, answer, deadline)
-    if not decision:
-        return OpenSslSocket(conn, sock), None
+    if not wanted:
+        raise SealedRecordError(f"the dialer wishes {DECLINED}")
     return _bare(conn, sock), exported_sealing(conn, offer, answer, dialer=False)
 
 
 __all__ = [
+    "DECLINED",
     "EXPORTER_LABEL",
     "MAGIC",
     "NEGOTIATION",
     "OLD_MAGIC",
-    "Carrier",
     "TlsHandshakeError",
     "exported_sealing",
     "negotiate_acceptor",

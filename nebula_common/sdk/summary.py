@@ -125,6 +125,7 @@ def link_summary(status: relay_pb2.LinkStatus) -> dict[str, Any]:
         "verified_peer_identity": status.verified_peer_identity,
         "link_role": status.link_role,
         "link_sessions": status.link_sessions,
+        "link_carrier": status.link_carrier,
     }
 
 

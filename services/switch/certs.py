@@ -3,8 +3,8 @@
 New TLS handshakes pick up a new certificate without a restart: the WAN server is built with
 ``grpc.dynamic_ssl_server_credentials``, whose fetcher gRPC calls before *every* new handshake, and
 the dialer rebuilds its channel credentials on each (re)connect. Live HTTP/2 connections keep the
-TLS session they negotiated, so a rotation never drops a training stream. The raw link transport
-(``rawlink.py``) takes a Python ``ssl`` context per handshake from :meth:`CertificateManager.ssl_context`,
+TLS session they negotiated, so a rotation never drops a training stream. The records link carrier
+(``rawlink.py``) takes a pyOpenSSL context per handshake from :meth:`CertificateManager.openssl_context`,
 rebuilt from the same material whenever its generation changes.
 
 Renewal has two sources, and the switch handles both the same way (reload from disk):
@@ -24,9 +24,6 @@ in use and the problem is logged, so a half-written rotation can never take the 
 from __future__ import annotations
 
 import logging
-import os
-import ssl
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,7 +118,6 @@ class CertificateManager:
         self._lock = threading.Lock()
         self._fetched_generation = 0
         self._listeners: list[Callable[[Material], None]] = []
-        self._ssl_contexts: dict[tuple[bool, int], ssl.SSLContext] = {}
         self._openssl_contexts: dict[tuple[bool, int], SSL.Context] = {}
         self._current = self._load(generation=1)
         self._stamp = self._file_stamp()
@@ -206,52 +202,12 @@ class CertificateManager:
             material = self._current
         return self._configuration(material)
 
-    def ssl_context(self, *, server_side: bool) -> ssl.SSLContext:
-        """A TLS 1.3 context for the raw link transport, from the current material (cached per generation).
-
-        Both sides present this switch's leaf and verify the peer against the trust bundle only; the
-        client side also checks the server certificate's DNS name (``server_hostname`` at connect time),
-        as the gRPC channel's target-name override does. The server side demands a client certificate.
-        """
-        material = self.current
-        key = (server_side, material.generation)
-        with self._lock:
-            cached = self._ssl_contexts.get(key)
-        if cached is not None:
-            return cached
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
-        context.minimum_version = ssl.TLSVersion.TLSv1_3
-        context.verify_mode = ssl.CERT_REQUIRED
-        context.load_verify_locations(cadata=material.bundle_pem.decode())
-        # ssl loads a key pair only from a file: hand it the validated material (never the paths on
-        # disk, which may already hold a half-written rotation) through an anonymous in-memory file
-        # (Linux), else a private temporary file removed at once.
-        pem = material.cert_pem + b"\n" + material.key_pem
-        if hasattr(os, "memfd_create"):
-            fd = os.memfd_create("nebula-switch-tls", os.MFD_CLOEXEC)
-            try:
-                view = memoryview(pem)
-                while view:
-                    view = view[os.write(fd, view) :]
-                context.load_cert_chain(f"/proc/self/fd/{fd}")
-            finally:
-                os.close(fd)
-        else:
-            fd, name = tempfile.mkstemp(prefix="nebula-switch-tls-", suffix=".pem")
-            try:
-                with os.fdopen(fd, "wb") as handle:
-                    handle.write(pem)
-                context.load_cert_chain(name)
-            finally:
-                os.unlink(name)
-        with self._lock:
-            self._ssl_contexts = {k: v for k, v in self._ssl_contexts.items() if k[1] == material.generation}
-            self._ssl_contexts[key] = context
-        return context
-
     def openssl_context(self, *, server_side: bool) -> SSL.Context:
-        """The pyOpenSSL twin of ``ssl_context`` (same material, same checks: ``exporter_tls.py``) for a
-        raw connection that offers sealed records, whose keys come from the TLS exporter."""
+        """A TLS 1.3 context for the records link carrier from the current material (cached per
+        generation): both sides present this switch's leaf and verify the peer against the trust bundle
+        only; the server side demands a client certificate, the client side checks the server's DNS name
+        (``exporter_tls.handshake``), as the gRPC channel's target-name override does. pyOpenSSL, because
+        the records' keys come from the session's TLS exporter, which Python's ``ssl`` does not offer."""
         material = self.current
         key = (server_side, material.generation)
         with self._lock:

@@ -159,21 +159,15 @@ class SwitchSettings(AuditedServiceSettings):
         "(start with one, double while that raises throughput by more than 5%, as on a lossy long path, "
         "halve while it does not need them; up to 32).",
     )
-    link_transport: Literal["grpc", "raw"] = Field(
-        "grpc",
-        description="What carries the WAN link: 'grpc' (a gRPC stream per connection) or 'raw' (length-"
-        "prefixed frames on a Python TLS 1.3 connection, same certificates and checks; services/switch/"
-        "rawlink.py). With 'raw' the WAN port takes both (a gRPC peer is passed through to the gRPC "
-        "server) and the dialer offers raw; a peer that does not take it gets the gRPC link.",
-    )
-    link_records: Literal["tls", "sealed"] = Field(
-        "tls",
-        description="How the raw link (link_transport=raw) carries records after its mutual TLS 1.3 "
-        "handshake: 'tls' (TLS records, 16 KiB each) or 'sealed' (AES-256-GCM records of up to 1 MiB on "
-        "the bare TCP connection, keyed from the TLS exporter of the verified session, RFC 8446 nonces, "
-        "authenticated end; nebula_common/rpc/sealed_records.py). Both switches "
-        "must choose 'sealed' for it to be used: a dialer offers it, an acceptor takes the offer only if "
-        "its own setting is 'sealed' (otherwise TLS records). Costs about a third less CPU per byte.",
+    link_carrier: Literal["records", "grpc"] = Field(
+        "records",
+        description="What carries the WAN link, the same on both switches: 'records' (after a mutual "
+        "TLS 1.3 handshake, AES-256-GCM records of up to 1 MiB on the bare TCP connection, keyed from "
+        "the TLS exporter of the verified session with RFC 8446 nonces; services/switch/rawlink.py, "
+        "nebula_common/rpc/sealed_records.py) or 'grpc' (a gRPC stream per connection, for a path that "
+        "passes only HTTP/2). The carrier is agreed inside the authenticated gRPC handshake: a peer "
+        "that chose the other one is refused and audited (link.refused, layer transport), never "
+        "carried some other way.",
     )
     wan_handshake_timeout_s: float = Field(
         10.0,

@@ -95,7 +95,7 @@ class LinkState:
     peer_serial: int = 0
     #: Sessions established since start: a rotation that kept the link up leaves this unchanged.
     sessions: int = 0
-    #: What carries the session: "grpc" (a gRPC stream per connection) or "raw" (rawlink.py).
+    #: What carries the session: "records" (rawlink.py) or "grpc" (a gRPC stream per connection).
     transport: str = ""
 
 

@@ -3,10 +3,11 @@
 The cluster whose id sorts first dials (through the WAN, via mTLS); the other accepts
 (``wan_servicer.py``, ``rawlink.py``). The dialer learns the certificate the peer presents first
 (``link_handshake.fetch_server_certificate``), so a revoked or untrusted peer is refused before the link
-starts, then handshakes on a gRPC call. With a ``raw_dialer`` that handshake offers the raw transport; a
-peer that takes it ends the call and the session runs over raw connections instead (``rawlink.py``),
-whose certificates get the same checks here. A striping dialer then opens the session's further
-connections (``link_lanes.py``). Any failure is retried with capped exponential backoff.
+starts, then handshakes on a gRPC call. With a ``raw_dialer`` (the records carrier) that handshake offers
+records; a peer of the same carrier ends the call and the session runs over records connections instead
+(``rawlink.py``), whose certificates get the same checks here; a peer of the other carrier is refused.
+A striping dialer then opens the session's further connections (``link_lanes.py``). Any failure is
+retried with capped exponential backoff.
 
 :class:`LinkDialer` is part of :class:`~services.switch.link.PeerLink`, which provides the session
 (``run_session``); the identity checks are ``link_handshake.PeerChecks``.
@@ -34,6 +35,7 @@ from services.switch.link_handshake import (
     HandshakeError,
     PeerChecks,
     PreambleError,
+    carrier_mismatch,
     parse_link_message,
 )
 from services.switch.link_lanes import LinkLanes
@@ -74,8 +76,9 @@ class LinkDialer(LinkLanes, PeerChecks):
         ``credentials`` is called on every attempt so a renewed certificate is used at the next
         reconnect; ``probe`` (when given) learns the certificate the peer presents, so a revoked
         peer is refused before the link starts and the session can be closed if it is revoked later.
-        With a ``raw_dialer`` the gRPC handshake offers the raw transport; a peer that takes it ends
-        the call and the session runs over a raw connection instead (rawlink.py).
+        With a ``raw_dialer`` the gRPC handshake offers the records carrier; a peer that takes it ends
+        the call and the session runs over a records connection instead (rawlink.py). A peer whose
+        carrier differs is refused (audited, layer ``transport``) and dialed again after the backoff.
         """
         backoff = 0.2
         while not self._stopping:
@@ -106,7 +109,11 @@ class LinkDialer(LinkLanes, PeerChecks):
                     except HandshakeError as exc:
                         self.refuse("handshake", str(exc))
                         raise
-                    use_raw = offer_raw and bool(reply.hello.raw_link)
+                    use_raw = bool(reply.hello.raw_link)
+                    if use_raw != offer_raw:
+                        reason = carrier_mismatch(ours=offer_raw, peer_offers=use_raw)
+                        self.refuse("transport", reason)
+                        raise HandshakeError(reason)
                     if not use_raw:
                         backoff = 0.2
                         marking = striping and reply.hello.lanes and reply.hello.session_id == session_id
@@ -130,7 +137,7 @@ class LinkDialer(LinkLanes, PeerChecks):
                         finally:
                             call.cancel()
                     else:
-                        call.cancel()  # the peer takes the raw transport: this call carried only the offer
+                        call.cancel()  # the peer takes records: this call carried only the offer
                 if use_raw:
                     await self._dial_raw_session(session_id, striping)
                     backoff = 0.2

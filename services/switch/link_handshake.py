@@ -31,7 +31,21 @@ PROTOCOL_VERSION = 2
 SOFTWARE_VERSION = "nebula/0.1.0"
 HANDSHAKE_TIMEOUT_S = 10.0
 RAW_LINK_VERSION = 1
-"""``Handshake.raw_link`` of a switch that serves (acceptor) or wants (dialer) the raw transport."""
+"""``Handshake.raw_link`` of a switch whose link carrier is records (an acceptor serves it, a dialer
+wants it)."""
+
+
+def carrier_name(records: bool) -> str:
+    """The ``link_carrier`` setting's value for a switch that does (not) carry the link in records."""
+    return "records" if records else "grpc"
+
+
+def carrier_mismatch(*, ours: bool, peer_offers: bool) -> str:
+    """Why a link whose two switches chose different carriers is refused (both carriers named)."""
+    return (
+        f"the peer's link carrier is {carrier_name(peer_offers)}, this switch's is {carrier_name(ours)}: "
+        "set NEBULA_SWITCH_LINK_CARRIER the same on both switches"
+    )
 
 
 class HandshakeError(Exception):

@@ -60,6 +60,7 @@ class LinkStatusService:
             received=link.received.to_proto(),
             peer_certificate_serial=f"{state.peer_serial:x}" if state.peer_serial else "",
             link_sessions=state.sessions,
+            link_carrier=state.transport if state.connected else "",
             peers=list(self.links.peer_ids),
             rtt_seconds=link.rtt.srtt or 0.0,
             min_rtt_seconds=link.rtt.min_rtt or 0.0,

@@ -98,7 +98,7 @@ def start_links(
     certs: CertificateManager,
 ) -> None:
     """Set each link's transport, stop the links on stop, and dial the peers this switch opens links to."""
-    raw = settings.link_transport == "raw"
+    raw = settings.link_carrier == "records"
     for each in links:
         each.serves_raw = raw
     stack.callback(links.stop)
@@ -131,12 +131,9 @@ def dial_peer(
         async def raw_dialer() -> RawConnection:
             return await dial_raw(
                 address,
-                certs.ssl_context(server_side=False),
+                certs.openssl_context(server_side=False),
                 link.expected_peer.dns_name,
                 send_buffer=LINK_WINDOW_BYTES,
-                sealed=(
-                    certs.openssl_context(server_side=False) if settings.link_records == "sealed" else None
-                ),
             )
 
         link.raw_dialer = raw_dialer

@@ -2,7 +2,7 @@
 
 Split from server.py so the WAN carriers are wired in one place: the gRPC server listens on loopback only,
 and the frontend (wan_frontend.py) owns the public port, passing a gRPC peer's TLS bytes through and, with the
-raw transport, serving raw link connections itself.
+records link carrier (the default), serving records link connections itself.
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def wan_server(
     # The WAN port is the frontend's (wan_frontend.py, source_limits.py): strangers get a few slots per
     # address before their handshake completes, so none can crowd the peer out. gRPC's WAN server
     # listens on loopback only, reached through the frontend, which passes a gRPC peer's TLS bytes
-    # through untouched (the gRPC link and the CRL exchange); with the raw transport the frontend also
-    # serves raw link connections itself.
+    # through untouched (the link handshake, a gRPC link and the CRL exchange); with the records carrier
+    # the frontend also serves records link connections itself.
     grpc_wan_port = wan.add_secure_port("wan", "127.0.0.1:0", certs.server_credentials())
     return wan, exchanges, grpc_wan_port
 
@@ -93,13 +93,11 @@ async def start_frontend(
     frontend = WanFrontend(
         links,
         f"127.0.0.1:{grpc_wan_port}",
-        lambda: certs.ssl_context(server_side=True),
+        lambda: certs.openssl_context(server_side=True),
         handshake_timeout_s=settings.wan_handshake_timeout_s,
         send_buffer=LINK_WINDOW_BYTES,
-        sealed_records=settings.link_records == "sealed",
-        serves_raw=settings.link_transport == "raw",
+        serves_raw=settings.link_carrier == "records",
         grpc_max_connections=settings.wan_max_connections,
-        sealed_context=lambda: certs.openssl_context(server_side=True),
     )
     wan.ports["wan"] = await frontend.start(settings.wan_listen)
     wan.ports["wan_grpc_backend"] = grpc_wan_port

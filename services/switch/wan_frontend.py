@@ -1,11 +1,11 @@
-"""The switch's WAN port: per-source slots, raw link connections served, gRPC ones passed through.
+"""The switch's WAN port: per-source slots, records link connections served, gRPC ones passed through.
 
 Every switch owns its WAN port in Python so that it can give each source address a few slots before
-its handshake completes (``source_limits.py``) and serve both transports on one address: a connection
-that starts with the raw preamble is a raw link connection (preamble, mutual TLS on a thread --
-pyOpenSSL's and then the sealed-records negotiation when the dialer offers sealed records -- then
-``rawlink_acceptor.serve_raw``); one that starts with a TLS record is relayed byte for byte to gRPC's
-WAN server on loopback (``passthrough.py``).
+its handshake completes (``source_limits.py``) and serve both kinds on one address: a connection that
+starts with the records preamble is a records link connection (preamble, mutual TLS 1.3 through
+pyOpenSSL on a thread, the sealed-records negotiation inside it, then ``rawlink_acceptor.serve_raw``);
+one that starts with a TLS record is relayed byte for byte to gRPC's WAN server on loopback
+(``passthrough.py``): the link handshake that agrees on the carrier, and the gRPC link itself.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import ssl
 import time
 from collections.abc import Callable
 
@@ -22,25 +21,20 @@ from OpenSSL import SSL
 
 from nebula_common.rpc.blocking_steps import in_thread
 from nebula_common.rpc.exporter_tls import handshake as openssl_handshake
-from nebula_common.rpc.raw_records import peer_certificate
 from nebula_common.rpc.sealed_negotiation import negotiate_acceptor
+from nebula_common.rpc.sealed_records import SealedRecordError
 from services.switch import passthrough
 from services.switch.link_handshake import HANDSHAKE_TIMEOUT_S
 from services.switch.peers import PeerLinks
 from services.switch.rawlink_acceptor import serve_raw
-from services.switch.rawlink_connection import (
-    OLD_PREAMBLE_SEALED,
-    PREAMBLE,
-    PREAMBLE_SEALED,
-    RawConnection,
-    Secured,
-)
+from services.switch.rawlink_connection import OLD_PREAMBLES, PREAMBLE, RawConnection, Secured
 from services.switch.source_limits import UNTRUSTED_ROOM, SourceLimits
 
 log = logging.getLogger(__name__)
 
 MAX_RAW_HANDSHAKES = 16
-"""Raw TLS handshakes the frontend runs at once (each on a thread of its own, bounded by the timeout)."""
+"""Records link TLS handshakes the frontend runs at once (each on a thread of its own, bounded by the
+timeout)."""
 
 
 async def _readable(sock: socket.socket, timeout: float) -> bool:
@@ -58,12 +52,11 @@ async def _readable(sock: socket.socket, timeout: float) -> bool:
 
 
 class WanFrontend:
-    """The WAN port of a switch: per-source slots for every connection (source_limits.py), raw
+    """The WAN port of a switch: per-source slots for every connection (source_limits.py), records
     connections served here (``serves_raw``), gRPC ones passed through to the gRPC WAN server.
 
     ``backend`` is the loopback address of the gRPC WAN server; ``context`` returns the current server
-    TLS context (hot reload), ``sealed_context`` its pyOpenSSL twin for connections that offer sealed
-    records (None: such offers are refused); ``handshake_timeout_s`` bounds preamble + TLS + the link
+    TLS context as pyOpenSSL's (hot reload); ``handshake_timeout_s`` bounds preamble + TLS + the link
     handshake, as ``grpc.server_handshake_timeout_ms`` does on the gRPC port.
     """
 
@@ -71,24 +64,19 @@ class WanFrontend:
         self,
         links: PeerLinks,
         backend: str,
-        context: Callable[[], ssl.SSLContext],
+        context: Callable[[], SSL.Context],
         *,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
         send_buffer: int = 0,
-        sealed_records: bool = False,
         serves_raw: bool = True,
         grpc_max_connections: int | None = None,
-        sealed_context: Callable[[], SSL.Context] | None = None,
     ) -> None:
         self.links = links
-        #: Raw link connections are served here (link_transport=raw); else only gRPC ones, passed through.
+        #: Records link connections are served here (``link_carrier=records``); else they are refused.
         self.serves_raw = serves_raw
         self.send_buffer = send_buffer
-        #: A dialer's offer of sealed records is taken (``link_records=sealed``); else it keeps TLS records.
-        self.sealed_records = sealed_records
         self.backend = backend
         self.context = context
-        self.sealed_context = sealed_context
         self.handshake_timeout_s = handshake_timeout_s
         self._listener: socket.socket | None = None
         self._acceptor: asyncio.Task[None] | None = None
@@ -160,7 +148,12 @@ class WanFrontend:
                 return
             if first == PREAMBLE[:1]:
                 if not self.serves_raw:
-                    self.links.refuse("transport", "this switch does not serve the raw link", address=peer)
+                    self.links.refuse(
+                        "transport",
+                        "the dialer opened a records link connection, but this switch's link carrier "
+                        "is grpc (NEBULA_SWITCH_LINK_CARRIER must be the same on both switches)",
+                        address=peer,
+                    )
                     return
                 handed_off = await self._raw(conn, peer, authenticated)
             else:
@@ -209,49 +202,41 @@ class WanFrontend:
             if not part:
                 return False
             preamble += part
-        if preamble == OLD_PREAMBLE_SEALED:
+        if (old := OLD_PREAMBLES.get(preamble)) is not None:
             reason = (
-                f"the dialer offers sealed records of the old version ({OLD_PREAMBLE_SEALED!r}: keyed by "
-                f"secrets of its own); this switch speaks {PREAMBLE_SEALED!r} (keyed by the TLS exporter)"
+                f"the dialer offers {old} ({preamble!r}), which this switch does not carry; it speaks "
+                f"{PREAMBLE!r} (sealed records keyed by the TLS exporter): update the older switch"
             )
             links.refuse("transport", reason, address=peer)
             return False
-        if preamble not in (PREAMBLE, PREAMBLE_SEALED):
-            links.refuse("transport", "connection sent neither TLS nor a raw link preamble", address=peer)
-            return False
-        offered = preamble == PREAMBLE_SEALED
-        if offered and self.sealed_context is None:
-            links.refuse("transport", "this switch has no TLS exporter for sealed records", address=peer)
+        if preamble != PREAMBLE:
+            links.refuse("transport", "connection sent neither TLS nor the records preamble", address=peer)
             return False
         if self._handshakes.locked():
             links.refuse(
-                "handshake", f"more than {MAX_RAW_HANDSHAKES} raw TLS handshakes at once", address=peer
+                "handshake", f"more than {MAX_RAW_HANDSHAKES} records TLS handshakes at once", address=peer
             )
             return False
         async with self._handshakes:
             await loop.sock_sendall(conn, preamble)
             context = self.context()
-            sealed_context = self.sealed_context() if offered and self.sealed_context else None
             timeout = max(0.1, deadline - loop.time())
-            allow = self.sealed_records
 
             def handshake() -> Secured:
-                if sealed_context is not None:
-                    ends = time.monotonic() + timeout
-                    tls, cert = openssl_handshake(conn, sealed_context, server_name=None, deadline=ends)
-                    carrier, sealing = negotiate_acceptor(tls, conn, allow, ends)
-                    return carrier, sealing, cert
-                conn.setblocking(True)
-                conn.settimeout(timeout)
-                wrapped = context.wrap_socket(conn, server_side=True)
-                wrapped.settimeout(None)
-                return wrapped, None, peer_certificate(wrapped)
+                ends = time.monotonic() + timeout
+                tls, cert = openssl_handshake(conn, context, server_name=None, deadline=ends)
+                carrier, sealing = negotiate_acceptor(tls, conn, ends)
+                return carrier, sealing, cert
 
             try:
                 carrier, sealing, cert = await in_thread(handshake, f"raw-link-accept {peer}")
-            except (ssl.SSLError, SSL.Error, OSError) as exc:  # Timeout/SealedRecord/TlsHandshake: OSErrors
+            except SealedRecordError as exc:  # TLS held: the negotiation inside it was refused
+                links.refuse("transport", f"records link refused: {exc}", address=peer)
+                log.warning("refused records WAN link from %s: %s", peer, exc)
+                return False
+            except (SSL.Error, OSError) as exc:  # Timeout/TlsHandshake: both OSErrors
                 reason = str(exc) or "no TLS handshake in time"
-                links.refuse("tls", f"raw link TLS handshake refused: {reason}", address=peer)
+                links.refuse("tls", f"records link TLS handshake refused: {reason}", address=peer)
                 log.warning("refused raw WAN link from %s: %s", peer, reason)
                 return False
         authenticated()

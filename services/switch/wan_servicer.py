@@ -8,8 +8,10 @@ with it. Every refusal is audited.
 
 The method is registered with raw-bytes (identity) serializers (``add_link_to_server``): the session
 parses link messages itself and forwards framed chunks without re-encoding them (link_pumps.py).
-A dialer that offers the raw transport (``Handshake.raw_link``) to a switch serving it is told so and the
-call ends; the session then runs over a raw connection (services/switch/rawlink.py).
+Both switches carry the link the same way (``link_carrier``): a dialer of the records carrier offers it
+(``Handshake.raw_link``), is told yes and the call ends; the session then runs over a records connection
+(services/switch/rawlink.py). A dialer whose carrier differs from this switch's is refused and audited
+(layer ``transport``): the link never runs on a carrier one side did not choose.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from services.switch.link_handshake import (
     HANDSHAKE_TIMEOUT_S,
     RAW_LINK_VERSION,
     HandshakeError,
+    carrier_mismatch,
     parse_link_message,
 )
 from services.switch.link_transport import grpc_writer
@@ -67,7 +70,12 @@ class SwitchLinkServicer:
             )
             log.warning("refused WAN link from %s: %s", certified.uri, exc)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"handshake refused: {exc}")
-        if not lane and hello.hello.raw_link and link.serves_raw:
+        if not lane and bool(hello.hello.raw_link) != link.serves_raw:
+            reason = carrier_mismatch(ours=link.serves_raw, peer_offers=bool(hello.hello.raw_link))
+            link.refuse("transport", reason, address=context.peer(), serial=serial)
+            log.warning("refused WAN link from %s: %s", certified.uri, reason)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+        if not lane and link.serves_raw:
             # The dialer offered the raw transport and this port takes it (rawlink.py): say so and end the
             # call; the dialer reconnects raw to the same address. No session starts on this call.
             await context.write(

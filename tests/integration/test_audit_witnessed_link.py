@@ -1,4 +1,4 @@
-"""Two real switches witness each other's audit heads over the link, on either link transport.
+"""Two real switches witness each other's audit heads over the link, on either link carrier.
 
 Each switch sends the head of its audit chain to its peer while the link is up; the peer records it as
 ``audit.witness`` in its own log. After both stop, each log verifies against the other as witness
@@ -24,7 +24,7 @@ from tests.integration.test_switch_data_plane import (  # noqa: F401  (clusters:
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
-@pytest.mark.parametrize("transport", ["grpc", "raw"])
+@pytest.mark.parametrize("transport", ["grpc", "records"])
 def test_each_switch_witnesses_the_others_audit_log(
     tmp_path: Path,
     pki_ab: PkiLayout,
@@ -33,7 +33,7 @@ def test_each_switch_witnesses_the_others_audit_log(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(witness_module, "WITNESS_INTERVAL_S", 0.2)  # 60 s in the product
-    with switch_pair(tmp_path, pki_ab, clusters, link_transport=transport) as pair:
+    with switch_pair(tmp_path, pki_ab, clusters, link_carrier=transport) as pair:
         logs = {c: Path(pair.switches[c].running.audit.path) for c in ("a", "b")}
         log_ids = {c: pair.audit(c, "audit.open")[0]["details"]["log_id"] for c in ("a", "b")}
 

@@ -2,7 +2,7 @@
 
 Switch b links to a and to c. Organisation c brings an enterprise root without any name constraint,
 named exactly like a's CA, and b trusts it for c. c then mints ``spiffe://nebula/cluster/a/switch``
-and tries to be a on b's WAN port: over the gRPC link, over the raw link, and on the CRL exchange;
+and tries to be a on b's WAN port: over the gRPC link, over the records link, and on the CRL exchange;
 and, as itself, sends b a CRL in a's name revoking a's switch. Every attempt is refused and audited
 (layer ``trust``), the genuine a-b link stays up in the same session, and b's list for a is untouched.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import ssl
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from nebula_common.pki import Identity, PkiLayout, add_trust, channel_options, init_pki, issue_certificate
 from nebula_common.pki.crl import build_crl
 from nebula_common.proto.nebula.v1 import link_pb2, link_pb2_grpc, trust_pb2, trust_pb2_grpc
+from nebula_common.rpc.exporter_tls import openssl_context
 from services.switch.link_handshake import PROTOCOL_VERSION, HandshakeError
 from services.switch.rawlink_connection import RawConnection
 from services.switch.rawlink_dialer import dial_raw
@@ -74,11 +74,7 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
         (work / cluster).mkdir()
     with ExitStack() as stack:
         auth = stack.enter_context(running_auth(auth_settings(work / "b", "b")))
-        b = SwitchThread(
-            chain_settings(
-                work, pki, "b", auth.address, peers="a,c", link_transport="raw", link_role="accept"
-            )
-        )
+        b = SwitchThread(chain_settings(work, pki, "b", auth.address, peers="a,c", link_role="accept"))
         stack.callback(b.stop)
         auth_a = stack.enter_context(running_auth(auth_settings(work / "a", "a")))
         a = SwitchThread(
@@ -90,7 +86,6 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
                 peer_cluster_id="b",
                 peer_address=f"127.0.0.1:{b.running.wan_port}",
                 link_role="dial",
-                link_transport="raw",
             )
         )
         stack.callback(a.stop)
@@ -100,14 +95,13 @@ def scene(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
         yield Scene(pki, a, b, c_ca, c_key, work, auth.address)
 
 
-def _pem_file(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> Path:
-    path.write_bytes(
-        cert.public_bytes(serialization.Encoding.PEM)
-        + key.private_bytes(
+def _pem_pair(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> tuple[bytes, bytes]:
+    return (
+        cert.public_bytes(serialization.Encoding.PEM),
+        key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
+        ),
     )
-    return path
 
 
 def _grpc_credentials(scene: Scene, identity: Identity) -> grpc.ChannelCredentials:
@@ -154,34 +148,33 @@ def test_c_cannot_be_a_on_the_grpc_link(scene: Scene) -> None:
     assert _session(scene) == sessions
 
 
-def test_c_cannot_be_a_on_the_raw_link(scene: Scene) -> None:
+def test_c_cannot_be_a_on_the_records_link(scene: Scene) -> None:
     sessions, before = _session(scene), _refused_count(scene)
     cert, key = scene.credentials(Identity("a", "switch"))
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.minimum_version = ssl.TLSVersion.TLSv1_3
-    context.load_verify_locations(cafile=str(scene.pki.cluster("b").ca_cert))
-    context.load_cert_chain(str(_pem_file(scene.work / "impostor.pem", cert, key)))
+    context = openssl_context(
+        *_pem_pair(cert, key), scene.pki.cluster("b").ca_cert.read_bytes(), server_side=False
+    )
 
     async def attempt() -> str:
         try:
             connection: RawConnection = await dial_raw(
                 _wan(scene), context, Identity("b", "switch").dns_name, timeout=10
             )
-        except (ssl.SSLError, OSError, HandshakeError, TimeoutError) as exc:
+        except (OSError, HandshakeError, TimeoutError) as exc:
             return f"refused: {exc}"
         try:
             hello = link_pb2.Handshake(protocol_version=PROTOCOL_VERSION, cluster_id="a", raw_link=1)
             await connection.write(link_pb2.LinkMessage(hello=hello).SerializeToString())
             reply = await asyncio.wait_for(connection.read(), 10)
             return "answered" if isinstance(reply, bytes) else "closed"
-        except (ssl.SSLError, OSError, HandshakeError) as exc:
+        except (OSError, HandshakeError) as exc:
             return f"closed: {exc}"
         finally:
             await connection.close()
 
     outcome = asyncio.run(attempt())
-    assert outcome != "answered", "b's raw port answered an impostor's handshake"
-    wait_for(lambda: _refused_count(scene) > before, 10, "b to audit the impostor's raw link")
+    assert outcome != "answered", "b's records port answered an impostor's handshake"
+    wait_for(lambda: _refused_count(scene) > before, 10, "b to audit the impostor's records link")
     assert _session(scene) == sessions
 
 

@@ -75,6 +75,8 @@ def test_split_job_trains_and_switches_count_every_byte(
     assert after["a"].verified_peer_identity == "spiffe://nebula/cluster/b/switch"
     assert after["b"].verified_peer_identity == "spiffe://nebula/cluster/a/switch"
     assert {after["a"].link_role, after["b"].link_role} == {"dialer", "acceptor"}
+    # What `nebula local up` gives: the records link carrier, on both switches.
+    assert after["a"].link_carrier == after["b"].link_carrier == "records"
 
 
 @pytest.mark.long  # two jobs, one after the other (`make test-faults`)

@@ -1,13 +1,12 @@
-"""Nothing of the raw link is negotiable in clear: a rewritten preamble fails closed and is audited.
+"""Nothing of the records link is negotiable in clear: a rewritten preamble fails closed and is audited.
 
-The raw link's first bytes (``NBLINK1\\n``, or ``NBLINK3\\n`` offering sealed records) cross the WAN before
-TLS. Which transport runs is decided inside the authenticated gRPC handshake (``Handshake.raw_link``), the
-record layer inside TLS, and the acceptor confirms inside TLS the preamble the dialer sent
-(``Handshake.raw_preamble``). So a man in the middle who rewrites the preamble gets no other transport: the
-dialer refuses the connection (audited ``link.refused``, layer ``transport``), keeps offering the raw link
-and never settles for the gRPC link it used to fall back to; once the path is honest again the raw link
-comes up by itself. (That the acceptor refuses a hello whose preamble differs from what it saw is
-``test_switch_raw_link.py``'s "preamble differs" case.)
+The records link's first bytes (``NBLINK3\\n``) cross the WAN before TLS. Which carrier runs is decided
+inside the authenticated gRPC handshake (``Handshake.raw_link``), the record layer inside TLS, and the
+acceptor confirms inside TLS the preamble the dialer sent (``Handshake.raw_preamble``). So a man in the
+middle who rewrites the preamble gets no other carrier: the dialer refuses the connection (audited
+``link.refused``, layer ``transport``), keeps dialing with records and never settles for a gRPC link;
+once the path is honest again the records link comes up by itself. (That the acceptor refuses a hello
+whose preamble differs from what it saw is ``test_switch_raw_link.py``'s "preamble differs" case.)
 """
 
 from __future__ import annotations
@@ -115,9 +114,9 @@ def _close(*sockets: socket.socket) -> None:
 @pytest.mark.parametrize(
     "replacement",
     [
-        pytest.param(b"NBLINK3\n", id="sealed-offer-forged"),  # an offer the dialer never made
-        pytest.param(b"NBLINK2\n", id="old-sealed-offer"),  # an older switch's offer: refused by name
-        pytest.param(b"XBLINK1\n", id="garbled"),  # neither preamble nor TLS: the acceptor passes it to gRPC
+        pytest.param(b"NBLINK1\n", id="tls-records-forged"),  # an older switch's offer: refused by name
+        pytest.param(b"NBLINK2\n", id="old-sealed-offer"),  # the same
+        pytest.param(b"XBLINK3\n", id="garbled"),  # neither preamble nor TLS: the acceptor passes it to gRPC
     ],
 )
 def test_a_rewritten_preamble_is_refused_and_never_moves_the_link_to_grpc(
@@ -133,18 +132,18 @@ def test_a_rewritten_preamble_is_refused_and_never_moves_the_link_to_grpc(
         return proxies[0].port
 
     try:
-        # switch_pair returns once the link is up: after the proxy's rewrites, on the raw transport.
-        with switch_pair(tmp_path, pki_ab, clusters, front=front, link_transport="raw") as pair:
+        # switch_pair returns once the link is up: after the proxy's rewrites, on the records carrier.
+        with switch_pair(tmp_path, pki_ab, clusters, front=front) as pair:
             proxy = proxies[0]
             assert proxy.rewritten == REWRITES
             for switch in (pair.a, pair.b):
-                assert switch.running.link.state.transport == "raw"
+                assert switch.running.link.state.transport == "records"
             # The link's state is set just before its link.up record is written (on each switch's loop).
             ups = {}
             for c in ("a", "b"):
                 records = wait_for(lambda c=c: pair.audit(c, "link.up"), 10, f"switch {c}'s link.up record")
                 ups[c] = [r["details"]["transport"] for r in records]
-            assert ups == {"a": ["raw"], "b": ["raw"]}, ups  # never a gRPC session in between
+            assert ups == {"a": ["records"], "b": ["records"]}, ups  # never a gRPC session in between
             wait_for(
                 lambda: [
                     r

@@ -1,21 +1,20 @@
-"""A sealed raw link refuses the peers a TLS raw link refuses, two real switches, audited alike.
+"""The records link refuses the peers the gRPC link refuses, two real switches, audited alike.
 
-Both switches run ``link_transport=raw, link_records=sealed``, so switch b's WAN port answers a sealed
+Both switches run the records link carrier (the default), so switch b's WAN port answers a sealed
 offer (``NBLINK3\\n``) with pyOpenSSL's handshake (``nebula_common/rpc/exporter_tls.py``) and keys the
 records from its exporter. An impostor dials that port as switch a would, with sealed records, but
 with a certificate of another CA, an expired one, a revoked one (on a's CRL, which b has loaded) or one
 of another role: b must refuse each -- ``tls`` for the first two (the handshake), ``revoked`` and
 ``identity`` after it, on the very certificate pyOpenSSL verified -- audit it as ``link.refused`` with
-that layer, start no session and keep the genuine sealed link running. An older switch's sealed offer
-(``NBLINK2\\n``) is refused too, the audit naming the old version. The dialer's own check of b's name
-is pinned in ``tests/unit/test_sealed_identity.py``.
+that layer, start no session and keep the genuine sealed link running. An older switch's offer
+(``NBLINK1\\n`` or ``NBLINK2\\n``) is refused too, the audit naming what it offered. The dialer's own
+check of b's name is pinned in ``tests/unit/test_sealed_identity.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-import ssl
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from nebula_common.pki.store import revoke_certificate
 from nebula_common.proto.nebula.v1 import link_pb2
 from nebula_common.rpc.exporter_tls import openssl_context
 from services.switch.link_handshake import PROTOCOL_VERSION, HandshakeError
-from services.switch.rawlink_connection import OLD_PREAMBLE_SEALED
+from services.switch.rawlink_connection import OLD_PREAMBLES
 from services.switch.rawlink_dialer import dial_raw
 from tests.integration.test_switch_data_plane import (  # noqa: F401  (clusters: a module fixture)
     Cluster,
@@ -41,7 +40,7 @@ from tests.integration.test_switch_data_plane import (  # noqa: F401  (clusters:
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-SEALED = {"link_transport": "raw", "link_records": "sealed"}
+SEALED: dict[str, str] = {}  # the records carrier is the default
 
 
 def _pem(cert: x509.Certificate, key: object) -> tuple[bytes, bytes]:
@@ -57,9 +56,7 @@ async def _attempt(address: str, material: tuple[bytes, bytes], bundle: bytes) -
     """Dial b's WAN port offering sealed records with ``material``, say hello as switch a; what happened."""
     sealed = openssl_context(*material, bundle, server_side=False)
     try:
-        connection = await dial_raw(
-            address, ssl.create_default_context(), Identity("b", "switch").dns_name, timeout=10, sealed=sealed
-        )
+        connection = await dial_raw(address, sealed, Identity("b", "switch").dns_name, timeout=10)
     except (OSError, HandshakeError) as exc:
         return f"refused: {exc}"
     try:
@@ -117,7 +114,7 @@ def test_a_sealed_offer_with_a_wrong_expired_or_revoked_certificate_is_refused_a
         "a_overrides": {"peer_crl": pki_ab.cluster("a").trust_crl("b")},
     }
     with switch_pair(tmp_path, pki_ab, clusters, **SEALED, **crls) as pair:
-        assert pair.b.running.link.state.transport == "raw+sealed"
+        assert pair.b.running.link.state.transport == "records"
         since = len(pair.audit("b", "crl.reload")) + len(pair.audit("b", "crl.apply"))
         revoke_certificate(pki_ab.root, "a", revoked.serial_number, reason="test: sealed path")
         wait_for(
@@ -142,13 +139,20 @@ def test_a_sealed_offer_with_a_wrong_expired_or_revoked_certificate_is_refused_a
                 name,
                 records,
             )
-        # A switch from before exporter-keyed records offers NBLINK2: refused, the audit says why.
-        before = len(pair.audit("b", "link.refused"))
-        with socket.create_connection(("127.0.0.1", pair.b.running.wan_port), timeout=10) as old:
-            old.sendall(OLD_PREAMBLE_SEALED)
-            assert old.recv(64) == b"", "the old sealed offer was answered"
-        records = wait_for(lambda: pair.audit("b", "link.refused")[before:], 10, "b's refusal of NBLINK2")
-        assert records[0]["details"]["layer"] == "transport", records
-        assert "old version" in records[0]["details"]["reason"], records
+        # Older switches offered TLS records (NBLINK1) or self-keyed sealed ones (NBLINK2): each is
+        # refused, the audit naming what it offered.
+        for offered, named in OLD_PREAMBLES.items():
+            before = len(pair.audit("b", "link.refused"))
+            with socket.create_connection(("127.0.0.1", pair.b.running.wan_port), timeout=10) as old:
+                old.sendall(offered)
+                assert old.recv(64) == b"", f"the old offer {offered!r} was answered"
+            records = wait_for(
+                lambda before=before: pair.audit("b", "link.refused")[before:],
+                10,
+                f"b's refusal of {offered!r}",
+            )
+            assert records[0]["details"]["layer"] == "transport", records
+            assert named in records[0]["details"]["reason"], records
+            assert "update the older switch" in records[0]["details"]["reason"], records
         assert pair.b.running.link.state.sessions == sessions  # no session started or replaced
-        assert pair.b.running.link.state.transport == "raw+sealed"
+        assert pair.b.running.link.state.transport == "records"

@@ -1,6 +1,6 @@
 """Sealed link records (nebula_common/rpc/sealed_records.py) against a man in the middle, two real switches.
 
-Both switches run ``link_transport=raw, link_records=sealed``; a TCP proxy of this module sits in front
+Both switches run the records link carrier (the default); a TCP proxy of this module sits in front
 of switch b's WAN port and forwards every byte faithfully, except on the FIRST raw connection that opens
 with the sealed preamble (``NBLINK3\\n``). There it follows the dialer's (a -> b) stream record by record
 -- TLS records (type 0x14-0x17, ``type version length`` headers) until the first sealed record (kind 1,
@@ -15,7 +15,7 @@ either
   (the reason names the missing sealed close), not a clean end of the session.
 
 Either way the dialer reconnects (through the same proxy, forwarding faithfully now), the link comes back
-as ``raw+sealed`` and a chunk sent afterwards crosses byte for byte. Pinned because the sealed design
+as ``records`` and a chunk sent afterwards crosses byte for byte. Pinned because the sealed design
 rests on exactly these claims (tampering and truncation are detected, reported, and recovered from like
 any lost connection), and only a real path between real switches shows the whole chain holds.
 """
@@ -36,7 +36,7 @@ from nebula_common.pki import PkiLayout
 from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc.framing import encode_chunk
 from nebula_common.rpc.sealed_records import CLOSE, HEADER, LAST, PART, TAG_BYTES
-from services.switch.rawlink_connection import PREAMBLE_SEALED
+from services.switch.rawlink_connection import PREAMBLE
 from tests.integration.test_switch_data_plane import (  # noqa: F401  (clusters: a module fixture)
     Cluster,
     EdgeClient,
@@ -49,7 +49,7 @@ from tests.integration.test_switch_data_plane import (  # noqa: F401  (clusters:
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-SEALED = {"link_transport": "raw", "link_records": "sealed"}
+SEALED: dict[str, str] = {}  # the records carrier is the default
 BIG_RECORD = 4096
 """Plaintext bytes from which a sealed record is the one the proxy acts on (the chunk, not a ping)."""
 PAYLOAD = bytes(range(256)) * 4096  # 1 MiB
@@ -69,7 +69,7 @@ class _Stream:
     def __init__(self, proxy: TamperingProxy) -> None:
         self.proxy = proxy
         self.head = bytearray()
-        self.need = len(PREAMBLE_SEALED)
+        self.need = len(PREAMBLE)
         self.preamble = True
         self.body = 0  # bytes of the current record's body still to pass
         self.flip_at: int | None = None  # offset in the remaining body of the bit to flip
@@ -85,7 +85,7 @@ class _Stream:
         if self.preamble:
             self.preamble = False
             self.need = TLS_HEADER
-            if head != PREAMBLE_SEALED:
+            if head != PREAMBLE:
                 self._broken(f"preamble {head!r}")
             return
         if not self.sealed and head[0] in TLS_TYPES:
@@ -197,7 +197,7 @@ class TamperingProxy:
 
     def _claim(self, first: bytes) -> _Stream | None:
         """The stream follower for a connection whose first bytes are ``first`` (None: relay as is)."""
-        if not first.startswith(PREAMBLE_SEALED):
+        if not first.startswith(PREAMBLE):
             return None
         with self._lock:
             self.sealed_connections += 1
@@ -207,8 +207,8 @@ class TamperingProxy:
         """Dialer -> acceptor, where the proxy acts."""
         try:
             first = b""
-            while len(first) < len(PREAMBLE_SEALED) and not first.startswith(b"\x16"):
-                part = source.recv(len(PREAMBLE_SEALED) - len(first))
+            while len(first) < len(PREAMBLE) and not first.startswith(b"\x16"):
+                part = source.recv(len(PREAMBLE) - len(first))
                 if not part:
                     break
                 first += part
@@ -295,7 +295,7 @@ def _the_link_breaks_and_recovers(
     with proxied_pair(tmp_path, pki, accounts, action) as (pair, proxy):
         # The link's state is set just before its link.up record is written (on the switch's own loop).
         ups = [r["details"] for r in wait_for(lambda: pair.audit("b", "link.up"), 10, "b's link.up record")]
-        assert [up["transport"] for up in ups] == ["raw+sealed"], ups
+        assert [up["transport"] for up in ups] == ["records"], ups
         assert proxy.sealed_connections == 1, proxy.sealed_connections
         sender = EdgeClient(pair.a, accounts["a"].tokens["alice"], f"{action}-before")
         receiver = EdgeClient(pair.b, accounts["b"].tokens["alice"], f"{action}-before")
@@ -324,10 +324,10 @@ def _the_link_breaks_and_recovers(
         # The dialer reconnects through the (now faithful) proxy, sealed again.
         wait_for(lambda: len(pair.audit("b", "link.up")) >= 2, 30, "switch b to audit the link up again")
         ups = [r["details"] for r in pair.audit("b", "link.up")]
-        assert ups[-1]["transport"] == "raw+sealed", ups
+        assert ups[-1]["transport"] == "records", ups
         assert proxy.sealed_connections >= 2, proxy.sealed_connections
         wait_for(lambda: pair.a.running.link.connected and pair.b.running.link.connected, 30, "the link up")
-        assert pair.a.running.link.state.transport == "raw+sealed"
+        assert pair.a.running.link.state.transport == "records"
         wait_for(lambda: told(True), 30, "the receiving trainer to be told the link is up again")
         assert pair.audit("a", "link.down"), "switch a audited no link.down"
 

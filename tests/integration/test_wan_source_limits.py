@@ -2,12 +2,12 @@
 
 From another loopback address (127.0.0.2, as a host on the internet would be) the test opens 1,000
 connections that say nothing, 40 that send the raw link preamble and 100 that send the first bytes of a
-TLS record, each then stalling: the cheapest ways to hold one of the raw transport's 16 handshake
+TLS record, each then stalling: the cheapest ways to hold one of the records carrier's 16 handshake
 threads, or one of the gRPC WAN server's 64 connections, for the whole handshake timeout. Without
 per-source slots they kept the genuine peer out entirely on either transport; with them the source holds
 at most ``PER_SOURCE_PENDING`` + ``PER_SOURCE_RELAYED`` slots, its other connections are closed at accept
 and audited as a handful of aggregated ``link.refused`` records (layer ``limit``), and the genuine
-peer's mutual TLS handshake (with gRPC's WAN server behind the frontend, or the raw transport) takes
+peer's mutual TLS handshake (with gRPC's WAN server behind the frontend, or the records carrier) takes
 about what it takes on an idle port, while the running link keeps its session. A flood from a hundred
 addresses, which fills every total, does not keep out a peer whose address passed mutual TLS before.
 """
@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
+from OpenSSL import SSL
 
 from nebula_common.pki import Identity, PkiLayout
 from services.switch.rawlink_connection import PREAMBLE
@@ -46,15 +47,17 @@ IDLE, STALLED, GARBLED = 1000, 40, 100
 TLS_START = b"\x16\x03\x01"  # a TLS handshake record's first bytes: relayed to gRPC, which then waits
 
 
-def _handshake_seconds(address: str, context: ssl.SSLContext, transport: str) -> float:
+def _handshake_seconds(address: str, context: ssl.SSLContext | SSL.Context, transport: str) -> float:
     """Seconds to a completed mutual TLS 1.3 handshake with switch b's WAN port, as switch a: with
-    gRPC's WAN server (HTTP/2 by ALPN, as a gRPC channel) or the raw transport."""
-    if transport == "grpc":
+    gRPC's WAN server (HTTP/2 by ALPN, as a gRPC channel) or the records carrier."""
+    if isinstance(context, ssl.SSLContext):
         host, _, port = address.rpartition(":")
         started = time.perf_counter()
         sock = socket.create_connection((host, int(port)), timeout=30)
         with context.wrap_socket(sock, server_hostname=Identity("b", "switch").dns_name):
             return time.perf_counter() - started
+
+    assert transport == "records"
 
     async def once() -> float:
         started = time.perf_counter()
@@ -97,24 +100,26 @@ def _stranger_connections(port: int) -> list[socket.socket]:
     return sockets
 
 
-def _genuine_peer(tmp_path: Path, pki_ab: PkiLayout, transport: str) -> ssl.SSLContext:
+def _genuine_peer(tmp_path: Path, pki_ab: PkiLayout, transport: str) -> ssl.SSLContext | SSL.Context:
     """Switch a's own mutual-TLS client context (its certificate and trust bundle), as its link dials."""
     paths = pki_ab.cluster("a")
-    genuine = _context(
-        _pem_pair(
-            tmp_path,
-            "switch-a",
-            x509.load_pem_x509_certificate(paths.switch_cert.read_bytes()),
-            load_pem_private_key(paths.switch_key.read_bytes(), password=None),
-        ),
-        paths.trust_bundle,
-    )
-    if transport == "grpc":
-        genuine.set_alpn_protocols(["h2"])
+    if transport == "records":
+        return _context(
+            _pem_pair(
+                x509.load_pem_x509_certificate(paths.switch_cert.read_bytes()),
+                load_pem_private_key(paths.switch_key.read_bytes(), password=None),
+            ),
+            paths.trust_bundle,
+        )
+    genuine = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    genuine.minimum_version = ssl.TLSVersion.TLSv1_3
+    genuine.load_verify_locations(cafile=str(paths.trust_bundle))
+    genuine.load_cert_chain(str(paths.switch_cert), str(paths.switch_key))
+    genuine.set_alpn_protocols(["h2"])
     return genuine
 
 
-@pytest.mark.parametrize("transport", ["grpc", "raw"])
+@pytest.mark.parametrize("transport", ["grpc", "records"])
 def test_one_source_cannot_crowd_out_the_genuine_peer(
     tmp_path: Path,
     pki_ab: PkiLayout,
@@ -122,7 +127,7 @@ def test_one_source_cannot_crowd_out_the_genuine_peer(
     transport: str,
 ) -> None:
     genuine = _genuine_peer(tmp_path, pki_ab, transport)
-    with switch_pair(tmp_path, pki_ab, clusters, link_transport=transport) as pair:
+    with switch_pair(tmp_path, pki_ab, clusters, link_carrier=transport) as pair:
         frontend = pair.b.running.frontend
         assert frontend is not None
         port = pair.b.running.wan_port
@@ -194,7 +199,7 @@ def test_many_sources_cannot_crowd_out_a_peer_that_authenticated_before(
     """A flood from a hundred addresses fills the frontend's total and would fill gRPC's connection cap;
     the peer's address, known since its link passed mutual TLS, still gets in as fast as on an idle port."""
     genuine = _genuine_peer(tmp_path, pki_ab, "grpc")
-    with switch_pair(tmp_path, pki_ab, clusters, link_transport="grpc") as pair:
+    with switch_pair(tmp_path, pki_ab, clusters, link_carrier="grpc") as pair:
         frontend = pair.b.running.frontend
         assert frontend is not None
         port = pair.b.running.wan_port

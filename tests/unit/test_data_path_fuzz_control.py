@@ -20,7 +20,6 @@ import contextlib
 import json
 import logging
 import socket
-import ssl
 import struct
 import time
 from collections.abc import Callable
@@ -46,7 +45,7 @@ from nebula_common.rpc.sealed_negotiation import (
 )
 from nebula_common.rpc.sealed_records import HEADER, RecordSealing, SealedRecordError, sealed_size
 from services.switch.link_handshake import HandshakeError, parse_link_message
-from services.switch.rawlink_connection import OLD_PREAMBLE_SEALED, PREAMBLE, PREAMBLE_SEALED
+from services.switch.rawlink_connection import OLD_PREAMBLES, PREAMBLE
 from services.switch.wan_frontend import WanFrontend
 from services.trainer import stage_channel as channel
 from tests.unit.test_data_path_fuzz import MUTATIONS, STEP_S, field, fuzz, mutated, peak_while, run_bounded
@@ -88,9 +87,9 @@ class ScriptedTls:
         self.spare.close()
 
 
-def _negotiate(side: Callable[..., Any], tls: ScriptedTls, flag: bool) -> tuple[object, RecordSealing | None]:
+def _negotiate(side: Callable[..., Any], tls: ScriptedTls) -> tuple[object, RecordSealing]:
     try:
-        return side(tls, tls.sock, flag, time.monotonic() + STEP_S)  # type: ignore[no-any-return]
+        return side(tls, tls.sock, time.monotonic() + STEP_S)  # type: ignore[no-any-return]
     finally:
         tls.close()
 
@@ -128,34 +127,30 @@ def test_negotiation_messages_parse_to_a_flag_or_a_sealed_record_error(message: 
 
 
 @fuzz(150)
-@given(offer=NEGOTIATIONS, allow=st.booleans(), piece=st.integers(1, 64))
-def test_an_acceptor_reads_any_offer_as_a_decision_or_a_sealed_record_error(
-    offer: bytes, allow: bool, piece: int
-) -> None:
+@given(offer=NEGOTIATIONS, piece=st.integers(1, 64))
+def test_an_acceptor_reads_any_offer_as_sealed_records_or_a_refusal(offer: bytes, piece: int) -> None:
     tls, wish = ScriptedTls(offer, piece), _decision(offer)
     try:
-        _, sealing = _negotiate(negotiate_acceptor, tls, allow)
+        _, sealing = _negotiate(negotiate_acceptor, tls)
     except SealedRecordError:
-        assert wish not in (b"\0", b"\1")
+        assert wish != b"\1" or offer[: len(OLD_MAGIC)] == OLD_MAGIC
+        if wish == b"\0" and offer[: len(MAGIC)] == MAGIC:  # a wish for TLS records: declined, told so
+            assert _decision(tls.sent) == b"\0"
         return
-    assert wish in (b"\0", b"\1") and (sealing is not None) == (wish == b"\1" and allow)
-    assert _decision(tls.sent) == (b"\1" if sealing else b"\0")
+    assert wish == b"\1" and sealing is not None and _decision(tls.sent) == b"\1"
 
 
 @fuzz(150)
-@given(answer=NEGOTIATIONS, want=st.booleans(), piece=st.integers(1, 64))
-def test_a_dialer_reads_any_answer_as_a_decision_or_a_sealed_record_error(
-    answer: bytes, want: bool, piece: int
-) -> None:
+@given(answer=NEGOTIATIONS, piece=st.integers(1, 64))
+def test_a_dialer_reads_any_answer_as_sealed_records_or_a_refusal(answer: bytes, piece: int) -> None:
     tls, decision = ScriptedTls(answer, piece), _decision(answer)
-    acceptable = decision in ((b"\0", b"\1") if want else (b"\0",))  # sealed records nobody asked for: no
     try:
-        _, sealing = _negotiate(negotiate_dialer, tls, want)
+        _, sealing = _negotiate(negotiate_dialer, tls)
     except SealedRecordError:
-        assert not acceptable
+        assert decision != b"\1" or answer[: len(OLD_MAGIC)] == OLD_MAGIC
         return
-    assert acceptable and (sealing is not None) == (decision == b"\1")
-    assert _decision(tls.sent) == (b"\1" if want else b"\0")
+    assert decision == b"\1" and sealing is not None
+    assert _decision(tls.sent) == b"\1"
 
 
 def _opens(sender: RecordSealing, receiver: RecordSealing, message: bytes) -> bool:
@@ -170,24 +165,20 @@ def _opens(sender: RecordSealing, receiver: RecordSealing, message: bytes) -> bo
 
 
 @fuzz(20)
-@given(want=st.booleans(), allow=st.booleans(), message=st.binary(max_size=64))
-def test_both_ends_of_a_negotiation_agree_on_the_decision_and_the_keys(
-    want: bool, allow: bool, message: bytes
-) -> None:
-    accepting: list[RecordSealing | None] = []
+@given(message=st.binary(max_size=64))
+def test_both_ends_of_a_negotiation_agree_on_the_keys(message: bytes) -> None:
+    accepting: list[RecordSealing] = []
 
     def acceptor(offer: bytes) -> bytes:
         tls = ScriptedTls(offer)
-        accepting.append(_negotiate(negotiate_acceptor, tls, allow)[1])
+        accepting.append(_negotiate(negotiate_acceptor, tls)[1])
         return tls.sent
 
-    _, dialer = _negotiate(negotiate_dialer, ScriptedTls(acceptor), want)
+    _, dialer = _negotiate(negotiate_dialer, ScriptedTls(acceptor))
     acceptor_side = accepting[0]
-    assert (dialer is not None) == (acceptor_side is not None) == (want and allow)
-    if dialer is not None and acceptor_side is not None:
-        assert _opens(dialer, acceptor_side, message) and _opens(acceptor_side, dialer, message)
-        # Reflected to its own sender (both counters at 1 now): the other direction's key refuses it.
-        assert not _opens(dialer, dialer, message) and not _opens(acceptor_side, acceptor_side, message)
+    assert _opens(dialer, acceptor_side, message) and _opens(acceptor_side, dialer, message)
+    # Reflected to its own sender (both counters at 1 now): the other direction's key refuses it.
+    assert not _opens(dialer, dialer, message) and not _opens(acceptor_side, acceptor_side, message)
 
 
 # ----- the WAN port's first bytes ---------------------------------------------------------------
@@ -214,11 +205,11 @@ CLIENT_HELLO = b"\x16\x03\x01\x00\xa5\x01"
 """The first bytes of a TLS ClientHello (a gRPC peer's connection)."""
 FIRST_BYTES = st.one_of(
     st.binary(max_size=24),
-    st.sampled_from([PREAMBLE, PREAMBLE_SEALED, CLIENT_HELLO]),
-    st.tuples(st.sampled_from([PREAMBLE, PREAMBLE_SEALED]), MUTATIONS).map(lambda m: mutated(*m)),
+    st.sampled_from([PREAMBLE, CLIENT_HELLO]),
+    st.tuples(st.just(PREAMBLE), MUTATIONS).map(lambda m: mutated(*m)),
     st.binary(max_size=16).map(lambda b: b"N" + b),
-    st.binary(max_size=16).map(lambda b: PREAMBLE_SEALED + b),
-    st.just(OLD_PREAMBLE_SEALED),  # an older switch's sealed offer: refused (transport), never echoed
+    st.binary(max_size=16).map(lambda b: PREAMBLE + b),
+    st.sampled_from(sorted(OLD_PREAMBLES)),  # an older switch's offer: refused (transport), never echoed
 )
 
 
@@ -226,14 +217,13 @@ FIRST_BYTES = st.one_of(
 @given(first=FIRST_BYTES)
 @example(first=b"")
 @example(first=PREAMBLE[:5])  # the peer left before its preamble was whole
-def test_the_wan_port_sorts_any_first_bytes_into_raw_tls_or_a_refusal(first: bytes) -> None:
+def test_the_wan_port_sorts_any_first_bytes_into_records_tls_or_a_refusal(first: bytes) -> None:
     links, warnings, relayed = _Refusals(), _Warnings(), []  # relayed: the bytes each relay got
     frontend = WanFrontend(
         links,  # type: ignore[arg-type]
         "127.0.0.1:9",
-        lambda: ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER),  # no certificate: every raw TLS handshake fails
+        lambda: SSL.Context(SSL.TLS_METHOD),  # no certificate: every records TLS handshake fails
         handshake_timeout_s=STEP_S,
-        sealed_context=lambda: SSL.Context(SSL.TLS_METHOD),  # pyOpenSSL's (a sealed offer), as bare
     )
 
     async def pass_through(conn: socket.socket) -> None:  # what the relay to gRPC's TLS would get
@@ -271,7 +261,7 @@ def test_the_wan_port_sorts_any_first_bytes_into_raw_tls_or_a_refusal(first: byt
         assert outcome == ([], b"", [])  # nothing, or the start of a preamble, then the end: dropped
     elif first[:1] != PREAMBLE[:1]:
         assert outcome == ([], b"", [first])  # TLS or anything else: to gRPC's TLS, byte for byte
-    elif preamble in (PREAMBLE, PREAMBLE_SEALED):
+    elif preamble == PREAMBLE:
         # Echoed, then the TLS handshake fails (the frontend's TLS may say so: an alert record, 0x15).
         assert (links.layers, echoed[: len(PREAMBLE)], relayed) == (["tls"], preamble, [])
         assert echoed[len(PREAMBLE) : len(PREAMBLE) + 1] in (b"", b"\x15")
@@ -293,7 +283,7 @@ HELLOS = st.builds(
     protocol_version=st.integers(0, 9),
     cluster_id=st.text(max_size=8),
     session_id=st.binary(max_size=8),
-    raw_preamble=st.sampled_from([PREAMBLE, PREAMBLE_SEALED]),
+    raw_preamble=st.sampled_from([PREAMBLE, *sorted(OLD_PREAMBLES)]),
 )
 
 

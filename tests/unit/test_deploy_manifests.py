@@ -416,6 +416,7 @@ def test_compose_wan_link_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
     assert emulator[emulator.index("--listen") + 1] == "0.0.0.0:7000"
     assert emulator[emulator.index("--control") + 1].startswith("127.0.0.1:")  # fault controls, loopback only
     assert b.wan_listen.endswith(f":{WAN_PORT}")
+    assert a.link_carrier == b.link_carrier == "records", "compose runs the default link carrier"
     for cluster in ("a", "b"):
         # Service to service: the mutual-TLS service ports (client port + 1), docs/internal-tls.md.
         trainer = _compose_env(services[f"trainer-{cluster}"])
@@ -665,6 +666,7 @@ def test_k8s_overlays_wire_the_link(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not b.dials() and b.peer_address is None
     assert a.wan_listen == b.wan_listen == f"0.0.0.0:{WAN_PORT}"
     assert a.peer_crl == b.peer_crl == Path("/etc/nebula/tls/peer-crl.pem"), "switch enforces no CRL"
+    assert a.link_carrier == b.link_carrier == "records", "k8s runs the default link carrier"
 
 
 def test_k8s_audit_logs_are_sealed_by_a_signer_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:

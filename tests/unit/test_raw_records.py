@@ -87,7 +87,7 @@ async def _pair(
         twin = _TWINS[id(client if dialer else server)][1]
         conn, cert = handshake(sock, twin, server_name=name if dialer else None, deadline=deadline)
         negotiate = negotiate_dialer if dialer else negotiate_acceptor
-        carrier, sealing = negotiate(conn, sock, True, deadline)
+        carrier, sealing = negotiate(conn, sock, deadline)
         assert sealing is not None
         return RawConnection(carrier, peer, loop, views=views, sealing=sealing, peer_cert=cert)
 

@@ -43,7 +43,7 @@ from OpenSSL import SSL
 from nebula_common.pki import init_pki
 from nebula_common.pki.service_identity import ServiceTlsFiles, ensure_service_certificates, service_tls_dir
 from nebula_common.rpc.blocking_steps import in_thread
-from nebula_common.rpc.exporter_tls import OpenSslSocket, handshake, recv_exact, send_all
+from nebula_common.rpc.exporter_tls import handshake, recv_exact, send_all
 from nebula_common.rpc.internal_tls import server_name
 from nebula_common.rpc.raw_record_bounds import END
 from nebula_common.rpc.raw_records import RawConnection, RawConnectionError
@@ -140,9 +140,9 @@ class Tls:
     def recv_exact(self, size: int) -> bytes:
         return recv_exact(self.conn, self.sock, size, time.monotonic() + IO_TIMEOUT_S)
 
-    def negotiate(self, dialer: bool, flag: bool) -> tuple[object, RecordSealing | None]:
+    def negotiate(self, dialer: bool) -> tuple[object, RecordSealing]:
         side = negotiate_dialer if dialer else negotiate_acceptor
-        return side(self.conn, self.sock, flag, time.monotonic() + IO_TIMEOUT_S)
+        return side(self.conn, self.sock, time.monotonic() + IO_TIMEOUT_S)
 
     def close(self) -> None:
         self.sock.close()
@@ -382,7 +382,7 @@ def test_both_wanting_sealed_records_get_crossed_sealings_keyed_by_the_exporter(
 ) -> None:
     dialer_tls, acceptor_tls = _handshaken(identities)
     dialer, acceptor = _concurrently(
-        lambda: dialer_tls.negotiate(True, True), lambda: acceptor_tls.negotiate(False, True)
+        lambda: dialer_tls.negotiate(True), lambda: acceptor_tls.negotiate(False)
     )
     assert not isinstance(dialer, BaseException) and not isinstance(acceptor, BaseException)
     (dialer_sock, dialer_sealing), (acceptor_sock, acceptor_sealing) = dialer, acceptor
@@ -431,22 +431,21 @@ def _recv_all(sock: socket.socket, size: int) -> bytes:
     return data
 
 
-@pytest.mark.parametrize(("want", "allow"), [(True, False), (False, True), (False, False)])
-def test_unless_both_want_sealed_records_both_keep_tls_and_messages_still_flow(
-    identities: dict[str, ServiceTlsFiles], want: bool, allow: bool
+def test_an_acceptor_declines_a_wish_for_tls_records_and_says_why(
+    identities: dict[str, ServiceTlsFiles],
 ) -> None:
+    """An older dialer that wishes TLS records is answered 0 (so it can tell why) and refused."""
     dialer_tls, acceptor_tls = _handshaken(identities)
-    dialer, acceptor = _concurrently(
-        lambda: dialer_tls.negotiate(True, want), lambda: acceptor_tls.negotiate(False, allow)
-    )
+
+    def old_dialer() -> bytes:
+        dialer_tls.sendall(NEGOTIATION.pack(MAGIC, 0))
+        return dialer_tls.recv_exact(NEGOTIATION.size)
+
     try:
-        assert not isinstance(dialer, BaseException) and not isinstance(acceptor, BaseException)
-        assert dialer[1] is None and acceptor[1] is None
-        assert isinstance(dialer[0], OpenSslSocket) and isinstance(acceptor[0], OpenSslSocket)
-        dialer_tls.sendall(b"still TLS")
-        assert acceptor_tls.recv_exact(9) == b"still TLS"
-        acceptor_tls.sendall(b"both ways")
-        assert dialer_tls.recv_exact(9) == b"both ways"
+        answer, acceptor = _concurrently(old_dialer, lambda: acceptor_tls.negotiate(False))
+        assert answer == NEGOTIATION.pack(MAGIC, 0)
+        assert isinstance(acceptor, SealedRecordError), acceptor
+        assert "wishes TLS records instead of sealed ones" in str(acceptor)
     finally:
         dialer_tls.close()
         acceptor_tls.close()
@@ -468,9 +467,7 @@ def test_an_acceptor_refuses_a_first_message_that_is_not_the_offer(
     assert len(offer) == NEGOTIATION.size
     dialer_tls, acceptor_tls = _handshaken(identities)
     try:
-        _, acceptor = _concurrently(
-            lambda: dialer_tls.sendall(offer), lambda: acceptor_tls.negotiate(False, True)
-        )
+        _, acceptor = _concurrently(lambda: dialer_tls.sendall(offer), lambda: acceptor_tls.negotiate(False))
         assert isinstance(acceptor, SealedRecordError), acceptor
         assert reason in str(acceptor)
     finally:
@@ -479,17 +476,17 @@ def test_an_acceptor_refuses_a_first_message_that_is_not_the_offer(
 
 
 @pytest.mark.parametrize(
-    ("want", "answer"),
+    ("answer", "reason"),
     [
-        (True, NEGOTIATION.pack(b"NBSEAL0", 1)),
-        (True, NEGOTIATION.pack(MAGIC, 7)),
-        (True, NEGOTIATION.pack(OLD_MAGIC, 1)),
-        (False, NEGOTIATION.pack(MAGIC, 1)),  # sealed although not offered
+        (NEGOTIATION.pack(b"NBSEAL0", 1), "answered the sealed-records offer"),
+        (NEGOTIATION.pack(MAGIC, 7), "answered the sealed-records offer"),
+        (NEGOTIATION.pack(OLD_MAGIC, 1), "update the older switch"),
+        (NEGOTIATION.pack(MAGIC, 0), "answered with TLS records instead of sealed ones"),
     ],
-    ids=["wrong-magic", "decision-out-of-range", "old-version", "sealed-without-the-wish"],
+    ids=["wrong-magic", "decision-out-of-range", "old-version", "declined"],
 )
-def test_a_dialer_refuses_an_answer_that_is_not_a_valid_answer_to_its_offer(
-    identities: dict[str, ServiceTlsFiles], want: bool, answer: bytes
+def test_a_dialer_refuses_an_answer_that_is_not_sealed_records(
+    identities: dict[str, ServiceTlsFiles], answer: bytes, reason: str
 ) -> None:
     dialer_tls, acceptor_tls = _handshaken(identities)
 
@@ -499,10 +496,10 @@ def test_a_dialer_refuses_an_answer_that_is_not_a_valid_answer_to_its_offer(
         return offer
 
     try:
-        dialer, offer = _concurrently(lambda: dialer_tls.negotiate(True, want), fake_acceptor)
-        assert isinstance(offer, bytes) and NEGOTIATION.unpack(offer) == (MAGIC, int(want))
+        dialer, offer = _concurrently(lambda: dialer_tls.negotiate(True), fake_acceptor)
+        assert isinstance(offer, bytes) and NEGOTIATION.unpack(offer) == (MAGIC, 1)
         assert isinstance(dialer, SealedRecordError), dialer
-        assert "answered the sealed-records offer" in str(dialer)
+        assert reason in str(dialer)
     finally:
         dialer_tls.close()
         acceptor_tls.close()
@@ -516,7 +513,7 @@ def test_an_acceptor_holding_bytes_past_the_offer_refuses_to_switch(
     offer = NEGOTIATION.pack(MAGIC, 1)
     try:
         _, acceptor = _concurrently(
-            lambda: dialer_tls.sendall(offer + b"early"), lambda: acceptor_tls.negotiate(False, True)
+            lambda: dialer_tls.sendall(offer + b"early"), lambda: acceptor_tls.negotiate(False)
         )
         assert isinstance(acceptor, SealedRecordError) and "TLS holds bytes" in str(acceptor)
     finally:
@@ -542,9 +539,9 @@ def test_a_peer_that_stops_sending_during_the_negotiation_is_an_error_not_a_hang
     started = time.monotonic()
     try:
         if side == "dialer":
-            _, error = _concurrently(half_offer_then_end, lambda: acceptor_tls.negotiate(False, True))
+            _, error = _concurrently(half_offer_then_end, lambda: acceptor_tls.negotiate(False))
         else:
-            error, _ = _concurrently(lambda: dialer_tls.negotiate(True, True), read_offer_then_end)
+            error, _ = _concurrently(lambda: dialer_tls.negotiate(True), read_offer_then_end)
         assert isinstance(error, SealedRecordError), error
         assert "closed the connection during the sealed-records negotiation" in str(error)
         assert time.monotonic() - started < IO_TIMEOUT_S  # its own end, not the deadline
@@ -560,7 +557,7 @@ def test_a_peer_that_says_nothing_during_the_negotiation_meets_the_deadline(
     started = time.monotonic()
     try:
         with pytest.raises(TimeoutError):
-            negotiate_acceptor(acceptor_tls.conn, acceptor_tls.sock, True, time.monotonic() + 0.3)
+            negotiate_acceptor(acceptor_tls.conn, acceptor_tls.sock, time.monotonic() + 0.3)
         assert time.monotonic() - started < IO_TIMEOUT_S
     finally:
         dialer_tls.close()
@@ -742,7 +739,7 @@ async def _through_proxy(
             sock, client if dialer else server, server_name=NAME if dialer else None, deadline=deadline
         )
         side = negotiate_dialer if dialer else negotiate_acceptor
-        carrier, sealing = side(conn, sock, True, deadline)
+        carrier, sealing = side(conn, sock, deadline)
         assert sealing is not None, "the negotiation through the proxy did not seal"
         return RawConnection(
             carrier, "acceptor" if dialer else "dialer", loop, views=views, sealing=sealing, peer_cert=cert

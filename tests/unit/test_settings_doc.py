@@ -69,6 +69,17 @@ def test_a_variable_that_names_no_setting_is_found() -> None:
     ]
 
 
+def test_the_link_settings_the_carrier_replaced_are_refused_like_typos() -> None:
+    switch = _settings_class("switch")
+    environ = {
+        "NEBULA_SWITCH_LINK_CARRIER": "grpc",
+        "NEBULA_SWITCH_LINK_TRANSPORT": "raw",
+        "NEBULA_SWITCH_LINK_RECORDS": "sealed",
+    }
+    old = ["NEBULA_SWITCH_LINK_RECORDS", "NEBULA_SWITCH_LINK_TRANSPORT"]
+    assert unknown_variables(switch, environ) == old
+
+
 def test_a_service_given_an_unknown_variable_refuses_to_start_naming_it() -> None:
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("NEBULA_CODEC_")},

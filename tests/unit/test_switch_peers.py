@@ -134,9 +134,10 @@ def test_items_from_a_peer_reach_only_its_own_routes_and_limits_count_every_rout
     asyncio.run(scenario())
 
 
-def test_link_records_are_tls_unless_sealed_is_chosen_and_another_value_is_refused_by_name() -> None:
+def test_the_link_carrier_is_records_unless_grpc_is_chosen_and_another_value_is_refused_by_name() -> None:
     peer = {"peer_cluster_id": "a", "peer_address": "wan-a:7443"}
-    assert settings(**peer).link_records == "tls"
-    assert settings(**peer, link_records="sealed").link_records == "sealed"
-    with pytest.raises(ValidationError, match=r"link_records\n.*'tls' or 'sealed'"):
-        settings(**peer, link_records="aead")
+    assert settings(**peer).link_carrier == "records"
+    assert settings(**peer, link_carrier="grpc").link_carrier == "grpc"
+    for old in ("raw", "sealed", "tls"):  # the values of the two settings it replaced
+        with pytest.raises(ValidationError, match=r"link_carrier\n.*'records' or 'grpc'"):
+            settings(**peer, link_carrier=old)

@@ -127,63 +127,11 @@ def _switch_managers(tmp_path: Path) -> Iterator[tuple[PkiLayout, dict[str, Cert
         yield layout, managers
 
 
-def test_raw_link_tls_contexts_follow_renewal_and_complete_a_mutual_handshake(tmp_path: Path) -> None:
-    import socket
-    import ssl
-    import threading
-
-    from cryptography import x509
-
-    with _switch_managers(tmp_path) as (layout, managers):
-        server = managers["b"].ssl_context(server_side=True)
-        assert server is managers["b"].ssl_context(server_side=True)  # cached per generation
-        assert server.minimum_version == ssl.TLSVersion.TLSv1_3 and server.verify_mode == ssl.CERT_REQUIRED
-        renewed = managers["a"].check(now=datetime.now(UTC) + timedelta(hours=2, minutes=30))
-        assert renewed is not None
-        client = managers["a"].ssl_context(server_side=False)
-
-        left, right = socket.socketpair()
-        seen: dict[str, object] = {}
-
-        def serve() -> None:
-            with server.wrap_socket(right, server_side=True) as tls:
-                seen["client"] = x509.load_der_x509_certificate(tls.getpeercert(binary_form=True))
-
-        thread = threading.Thread(target=serve, daemon=True)
-        thread.start()
-        with client.wrap_socket(left, server_hostname=Identity("b", "switch").dns_name) as tls:
-            assert tls.version() == "TLSv1.3"
-        thread.join(10)
-        presented = seen["client"]
-        assert isinstance(presented, x509.Certificate)
-        assert presented.serial_number == renewed.serial  # the renewed leaf, without a restart
-        # A client without a certificate is refused by the server's handshake.
-        bare = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        bare.load_verify_locations(cafile=str(layout.cluster("a").trust_bundle))
-        left, right = socket.socketpair()
-        refused: list[BaseException] = []
-
-        def refuse() -> None:
-            try:
-                with server.wrap_socket(right, server_side=True):
-                    pass
-            except (ssl.SSLError, OSError) as exc:
-                refused.append(exc)
-
-        thread = threading.Thread(target=refuse, daemon=True)
-        thread.start()
-        name = Identity("b", "switch").dns_name
-        with pytest.raises((ssl.SSLError, OSError)), bare.wrap_socket(left, server_hostname=name) as tls:
-            tls.recv(1)  # TLS 1.3: the server's refusal arrives after the client's handshake
-        thread.join(10)
-        assert refused
-
-
 def test_sealed_records_openssl_contexts_follow_renewal_and_complete_a_mutual_handshake(
     tmp_path: Path,
 ) -> None:
-    """The pyOpenSSL twins of the raw-link contexts (sealed records' exporter) come from the same current
-    material: cached per generation, the renewed leaf presented after a renewal, without a restart."""
+    """The records link's contexts come from the current material: cached per generation, the renewed
+    leaf presented after a renewal, without a restart."""
     import socket
     import threading
     import time

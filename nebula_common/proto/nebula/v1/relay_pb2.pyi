@@ -170,7 +170,7 @@ class LinkCounters(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., frames: _Optional[int] = ...) -> None: ...
 
 class LinkStatus(_message.Message):
-    __slots__ = ("cluster_id", "expected_peer", "connected", "verified_peer_identity", "link_role", "sent", "received", "peer_certificate_serial", "link_sessions", "certificate_serial", "certificate_not_after", "certificate_generation", "peers", "rtt_seconds", "bandwidth_bps", "bandwidth_age_seconds", "min_rtt_seconds")
+    __slots__ = ("cluster_id", "expected_peer", "connected", "verified_peer_identity", "link_role", "sent", "received", "peer_certificate_serial", "link_sessions", "certificate_serial", "certificate_not_after", "certificate_generation", "peers", "rtt_seconds", "bandwidth_bps", "bandwidth_age_seconds", "min_rtt_seconds", "link_carrier")
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_PEER_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class LinkStatus(_message.Message):
     BANDWIDTH_BPS_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MIN_RTT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LINK_CARRIER_FIELD_NUMBER: _ClassVar[int]
     cluster_id: str
     expected_peer: str
     connected: bool
@@ -205,4 +206,5 @@ class LinkStatus(_message.Message):
     bandwidth_bps: float
     bandwidth_age_seconds: float
     min_rtt_seconds: float
-    def __init__(self, cluster_id: _Optional[str] = ..., expected_peer: _Optional[str] = ..., connected: _Optional[bool] = ..., verified_peer_identity: _Optional[str] = ..., link_role: _Optional[str] = ..., sent: _Optional[_Union[LinkCounters, _Mapping]] = ..., received: _Optional[_Union[LinkCounters, _Mapping]] = ..., peer_certificate_serial: _Optional[str] = ..., link_sessions: _Optional[int] = ..., certificate_serial: _Optional[str] = ..., certificate_not_after: _Optional[int] = ..., certificate_generation: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., rtt_seconds: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ..., bandwidth_age_seconds: _Optional[float] = ..., min_rtt_seconds: _Optional[float] = ...) -> None: ...
+    link_carrier: str
+    def __init__(self, cluster_id: _Optional[str] = ..., expected_peer: _Optional[str] = ..., connected: _Optional[bool] = ..., verified_peer_identity: _Optional[str] = ..., link_role: _Optional[str] = ..., sent: _Optional[_Union[LinkCounters, _Mapping]] = ..., received: _Optional[_Union[LinkCounters, _Mapping]] = ..., peer_certificate_serial: _Optional[str] = ..., link_sessions: _Optional[int] = ..., certificate_serial: _Optional[str] = ..., certificate_not_after: _Optional[int] = ..., certificate_generation: _Optional[int] = ..., peers: _Optional[_Iterable[str]] = ..., rtt_seconds: _Optional[float] = ..., bandwidth_bps: _Optional[float] = ..., bandwidth_age_seconds: _Optional[float] = ..., min_rtt_seconds: _Optional[float] = ..., link_carrier: _Optional[str] = ...) -> None: ...
