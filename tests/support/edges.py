@@ -100,6 +100,12 @@ def memory_pair(
 class SwitchPair:
     addresses: tuple[str, str]
     tokens: tuple[str, str]
+    #: Each switch's edge socket (``switch_pair(edge_sockets=True)``); empty: not served.
+    edge_sockets: tuple[str, str] = ("", "")
+    #: Each cluster's auth service.
+    auth_addresses: tuple[str, str] = ("", "")
+    #: The switches themselves (their audit logs, routers).
+    threads: tuple[SwitchThread, ...] = ()
 
     def edge_pair(
         self, job_id: str, settings: EdgeSettings, codec_forward: str = "none", codec_backward: str = "none"
@@ -112,13 +118,19 @@ class SwitchPair:
 
 
 @contextmanager
-def switch_pair(work: Path, pki: PkiLayout) -> Iterator[SwitchPair]:
-    """Clusters a and b, each an auth server and a switch; a dials b over mTLS. Admin tokens of each."""
+def switch_pair(work: Path, pki: PkiLayout, edge_sockets: bool = False) -> Iterator[SwitchPair]:
+    """Clusters a and b, each an auth server and a switch; a dials b over mTLS. Admin tokens of each.
+
+    ``edge_sockets``: each switch also serves its edge socket (``work/<cluster>/edge.sock``).
+    """
     with ExitStack() as stack:
         for cluster in "ab":
             (work / cluster).mkdir(parents=True, exist_ok=True)
+        sockets = tuple(str(work / c / "edge.sock") if edge_sockets else "" for c in "ab")
         auths = {c: stack.enter_context(running_auth(auth_settings(work / c, c))) for c in "ab"}
-        b = stack.enter_context(accepting_switch(work / "b", pki.cluster("b"), "a", auths["b"].address))
+        b = stack.enter_context(
+            accepting_switch(work / "b", pki.cluster("b"), "a", auths["b"].address, edge_socket=sockets[1])
+        )
         paths = pki.cluster("a")
         a = SwitchThread(
             SwitchSettings(
@@ -132,6 +144,7 @@ def switch_pair(work: Path, pki: PkiLayout) -> Iterator[SwitchPair]:
                 auth_address=auths["a"].address,
                 data_dir=work / "a" / "switch",
                 metrics_port=-1,
+                edge_socket=sockets[0],
             )
         )
         stack.callback(a.stop)
@@ -140,7 +153,13 @@ def switch_pair(work: Path, pki: PkiLayout) -> Iterator[SwitchPair]:
         for cluster in "ab":
             with AuthClient(auths[cluster].address) as client:
                 tokens.append(client.login("admin", ADMIN_PASSWORD).token)
-        yield SwitchPair((a.internal_address, b.internal_address), (tokens[0], tokens[1]))
+        yield SwitchPair(
+            (a.internal_address, b.internal_address),
+            (tokens[0], tokens[1]),
+            (sockets[0], sockets[1]),
+            (auths["a"].address, auths["b"].address),
+            (a, b),
+        )
 
 
 @dataclass
