@@ -45,6 +45,7 @@ from services.trainer.sandbox import (
     landlock_rules,
     stage_environment,
 )
+from services.trainer.stage_edge_fds import StageEdgeFds
 from services.trainer.stage_log import relay_log
 from services.trainer.stage_proxy import StageProxy
 
@@ -77,6 +78,8 @@ class StageLaunch:
     _conn: Connection | None
     _process: subprocess.Popen[bytes] | None
     _proxy: StageProxy | None
+    _switch_edge_socket: str
+    _edge_fds: StageEdgeFds | None
     _socket_dir: Path | None
     _group: StageGroup | None
 
@@ -127,6 +130,14 @@ class StageLaunch:
         )
         self._proxy.start()
         ours, theirs = socket.socketpair()
+        passed = [theirs]
+        edge_fd: int | None = None  # the stage's end of its edge requests' pair (the same number inside)
+        if self._switch_edge_socket:  # its edges as records: connections asked for on a pair of their own
+            edge_ours, edge_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            passed.append(edge_theirs)
+            edge_fd = edge_theirs.fileno()
+            self._edge_fds = StageEdgeFds(edge_ours, self._proxy, self._switch_edge_socket, self.spec.job_id)
+            self._edge_fds.start()
         command = [sys.executable, "-m", "services.trainer.stage_main", str(theirs.fileno())]
         socket_inside = str(self._socket_dir / "edge.sock")
         tmp = "/tmp"
@@ -142,7 +153,7 @@ class StageLaunch:
         try:
             self._process = subprocess.Popen(
                 command,
-                pass_fds=[theirs.fileno()],
+                pass_fds=[each.fileno() for each in passed],
                 env=stage_environment(work, tmp),
                 cwd=work,
                 stdin=subprocess.DEVNULL,
@@ -151,7 +162,8 @@ class StageLaunch:
                 start_new_session=True,
             )
         finally:
-            theirs.close()
+            for each in passed:
+                each.close()
         self.pid = self._process.pid
         self._conn = Connection(ours.detach())
         assert self._process.stderr is not None
@@ -177,6 +189,7 @@ class StageLaunch:
         config = {
             "secret": secret,
             "socket": socket_inside,
+            "edge_fds": edge_fd,
             "data_dir": str(self._data_dir),
             "owner": self.owner,
             "epoch": self.epoch,

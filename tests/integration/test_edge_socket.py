@@ -1,4 +1,5 @@
-"""The switch's edge socket: tickets from Relay/IssueEdgeTicket, and every way a local client can abuse it.
+"""The switch's edge socket: tickets from Relay/IssueEdgeTicket, every way a local client can abuse it,
+and a trainer's answers to its stage's requests for edge connections (``StageEdgeFds``).
 
 Real switches (clusters a and b, linked), real Unix sockets and real gRPC; the hostile client writes
 records by hand. Every refusal must reach the client as a status record naming why, be audited, and
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +27,9 @@ from nebula_common.rpc.edge_records import MAX_EDGE_RECORD_BYTES, parse_status_r
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION, encode_chunk
 from nebula_common.rpc.internal_tls import internal_channel
 from services.switch.edge_socket import EdgeSocket
+from services.trainer.edge.socket_request import EdgeSocketRefused, EdgeSocketRequester
+from services.trainer.stage_edge_fds import StageEdgeFds
+from services.trainer.stage_proxy import StageProxy
 from tests.support.edges import SwitchPair, switch_pair
 from tests.support.waiting import wait_for
 
@@ -271,3 +276,80 @@ def test_a_stall_inside_a_record_ends_the_connection(pair: SwitchPair) -> None:
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "stalled" in message
     _audited(pair, "edge.open", "stalled")
     _still_serves(pair, "h-after-stall")
+
+
+def _requester(
+    pair: SwitchPair, job_id: str, refusals: list[str], edge_socket: str = ""
+) -> EdgeSocketRequester:
+    """A stage's requester whose trainer (a real ``StageEdgeFds``) serves job ``job_id``'s one edge."""
+    proxy = StageProxy(
+        str(Path(tempfile.mkdtemp(prefix="nebula-fds-")) / "proxy.sock"),
+        secret="unused",
+        token=lambda: pair.tokens[0],
+        job_id=job_id,
+        edges={"up->down"},
+        switch_address=pair.addresses[0],
+        data_address=None,
+        dataset="",
+        on_refusal=refusals.append,
+    )
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    StageEdgeFds(ours, proxy, edge_socket or pair.edge_sockets[0], job_id).start()
+    return EdgeSocketRequester(theirs)
+
+
+def test_a_stage_gets_a_connection_for_its_own_edge_only(pair: SwitchPair) -> None:
+    refusals: list[str] = []
+    request = _requester(pair, "s-mine", refusals)
+    for job_id, edge in (("s-theirs", "up->down"), ("s-mine", "other->edge")):
+        with pytest.raises(EdgeSocketRefused) as refused:
+            request(_open(job_id, edge))
+        assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert f"may not open edge {edge!r} of job {job_id!r}" in refused.value.message
+    assert len(refusals) == 2
+    conn = request(_open("s-mine"))  # the trainer still answers, and its own edge opens
+    try:
+        conn.settimeout(30)
+        head = conn.recv(4, socket.MSG_WAITALL)
+        ready = relay_pb2.EdgeMessage.FromString(conn.recv(int.from_bytes(head, "big"), socket.MSG_WAITALL))
+        assert ready.WhichOneof("body") == "ready"
+    finally:
+        conn.close()
+
+
+def test_the_switchs_refusal_of_a_ticket_reaches_the_stage(pair: SwitchPair) -> None:
+    request = _requester(pair, "s-framing", [])
+    with pytest.raises(EdgeSocketRefused) as refused:
+        request(_open("s-framing", link_framing=9))
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "link_framing" in refused.value.message
+
+
+def test_a_missing_edge_socket_is_unavailable_naming_it(pair: SwitchPair, tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such.sock")
+    request = _requester(pair, "s-missing", [], edge_socket=missing)
+    with pytest.raises(EdgeSocketRefused) as refused:
+        request(_open("s-missing"))
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE and missing in refused.value.message
+
+
+def test_garbage_on_the_stages_request_channel_is_refused(pair: SwitchPair) -> None:
+    refusals: list[str] = []
+    proxy_side, stage_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    proxy = StageProxy(
+        str(Path(tempfile.mkdtemp(prefix="nebula-fds-")) / "proxy.sock"),
+        secret="unused",
+        token=lambda: pair.tokens[0],
+        job_id="s-garbage",
+        edges={"up->down"},
+        switch_address=pair.addresses[0],
+        data_address=None,
+        dataset="",
+        on_refusal=refusals.append,
+    )
+    StageEdgeFds(proxy_side, proxy, pair.edge_sockets[0], "s-garbage").start()
+    stage_side.settimeout(30)
+    stage_side.send(b"\xff" * 20)
+    answer = json.loads(stage_side.recv(4096))
+    assert answer["code"] == "INVALID_ARGUMENT" and "not an EdgeOpen" in answer["message"]
+    assert refusals
+    stage_side.close()
