@@ -9,7 +9,8 @@ then speaks the edge itself on it (``services/trainer/edge/records_transport.py`
 
 Each connection: the first record must be a ticket, within ``TICKET_WAIT_S``; a missing, unknown,
 reused or expired ticket (or a record that is not one) is refused with a status record naming why,
-audited as a refused ``edge.open`` (``transport: records``), and the connection closed. A redeemed
+audited as a refused ``edge.open`` (``transport: records``; through the switch's refusal aggregator, so
+repeats are counted, not each written), and the connection closed. A redeemed
 ticket runs the edge's common body (``RelayServicer.serve_edge``) on a ``RecordsEdgeStream``: the same
 checks, bounds, throttle, credits and audit records as an OpenEdge stream. Records are bounded
 (``MAX_EDGE_RECORD_BYTES``, checked from the header before any buffer), a record that stays
@@ -272,8 +273,19 @@ class EdgeSocket:
         self.relay.link.record("edge.refused", outcome="refused", reason=reason, transport=TRANSPORT)
 
     async def _refuse(self, stream: RecordsEdgeStream, reason: str) -> NoReturn:
-        """A connection without a valid ticket: audited (``edge.open`` refused) and told why."""
-        await self.relay._refuse_open(stream, grpc.StatusCode.UNAUTHENTICATED, reason, transport=TRANSPORT)
+        """A connection without a valid ticket: audited (``edge.open`` refused) and told why.
+
+        Anyone who can reach the socket can be refused here, so the records go through the switch's
+        refusal aggregator (the WAN port's: the first of each reason at once, repeats counted per
+        interval) and a local flood cannot fill the audit disk.
+        """
+        refusals = self.relay.link.refusals
+        if refusals is None:
+            await self.relay._refuse_open(
+                stream, grpc.StatusCode.UNAUTHENTICATED, reason, transport=TRANSPORT
+            )
+        refusals.refused("edge.open", "ticket", reason, {"transport": TRANSPORT, "address": self.path})
+        await stream.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
 
 __all__ = ["MAX_UNTICKETED", "STALL_S", "TICKET_WAIT_S", "TRANSPORT", "EdgeSocket", "RecordsEdgeStream"]

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from nebula_common.bulk_memory import uninitialized_bytearray
 from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc.edge_records import MAX_EDGE_RECORD_BYTES, parse_status_record
-from nebula_common.rpc.framing import LINK_FRAMING_VERSION, framing_refusal
+from nebula_common.rpc.framing import LINK_FRAMING_VERSION, framing_refusal, is_framed
 from services.trainer.edge.grpc_transport import FATAL_CODES, _received, _serialize, _Unreadable
 from services.trainer.edge.socket_request import EdgeSocketRefused
 from services.trainer.edge.transport import TransportHandler
@@ -96,7 +96,7 @@ class _Reader:
             return bytes(view)
         body = memoryview(uninitialized_bytearray(size))
         self._fill(body, False)
-        return body
+        return body if is_framed(body) else bytes(body)  # a view only where the parser takes one
 
 
 class RecordsEdgeTransport:
