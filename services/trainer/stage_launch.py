@@ -4,8 +4,10 @@ Why a module of its own: this is where a tenant's code gets its boundaries (the 
 Landlock rules, its control group, its limits, no token), so it should be read in one place, apart
 from the supervision of a process that is already running. The stage process is
 ``python -m services.trainer.stage_main`` in the trainer's confinement (``sandbox``) with an empty
-environment and a socketpair as its only link: its edges and dataset reads go to a private Unix
-socket (``stage_proxy``) that holds the owner's token, which never enters the stage process. Its
+environment and a socketpair as its link: its edges and dataset reads go to a private Unix
+socket (``stage_proxy``) that holds the owner's token, which never enters the stage process; with a
+switch edge socket its edges instead go as records on connections it asks for on a second pair
+(``stage_edge_fds``: checked, ticketed and connected here, passed as descriptors). Its
 interpreter says HELLO and waits; only then, with every process of the sandbox in the stage's
 group, does it get its settings, the proxy's secret and its spec (START, SPEC).
 

@@ -6,7 +6,8 @@ used of an in-process ``ProgramRunner`` (``board``, ``lifecycle.add_finish_callb
 ``cancel``, ``join``, ``release``) and does this instead:
 
 * starts ``python -m services.trainer.stage_main`` in the trainer's confinement (``sandbox``) with an
-  empty environment and a socketpair as its only link, and hands it its spec, settings and a secret;
+  empty environment and a socketpair as its link (and, with a switch edge socket, a second pair for its
+  edge connections: ``stage_edge_fds``), and hands it its spec, settings and a secret;
 * serves its edges and dataset reads on a private Unix socket (``stage_proxy``) with the owner's
   token, which never enters the stage process;
 * mirrors the stage's status board (every status, in order, checked to be this stage's), stores
