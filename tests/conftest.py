@@ -27,10 +27,11 @@ def pki_ab(tmp_path_factory: pytest.TempPathFactory) -> PkiLayout:
 
 @pytest.fixture(scope="module")
 def switches(tmp_path_factory: pytest.TempPathFactory, pki_ab: PkiLayout) -> Iterator[SwitchPair]:
-    """Two real switch services (clusters a and b, linked) with a token for each, per test module."""
+    """Two real switch services (clusters a and b, linked, each with its edge socket) with a token for
+    each, per test module."""
     from tests.support.edges import switch_pair  # only the modules that use it pay for the import
 
-    with switch_pair(tmp_path_factory.mktemp("switches"), pki_ab) as pair:
+    with switch_pair(tmp_path_factory.mktemp("switches"), pki_ab, edge_sockets=True) as pair:
         yield pair
 
 

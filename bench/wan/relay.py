@@ -11,9 +11,13 @@ another process on loopback, measured side by side so the ratios share the machi
   services/switch/rawlink.py);
 * ``relay-grpc``: the same path with the gRPC link carrier (``NEBULA_SWITCH_LINK_CARRIER=grpc``), a
   deployment of its own;
-* ``relay-staged``: what ``nebula local up`` gives a job: ``relay``, each edge opened by a stage process
-  through its trainer's stage proxy (``services/trainer/stage_proxy.py``, a gRPC hop on a Unix socket,
-  in a process of its own as in the trainer) and from there to the switch;
+* ``relay-staged``: what ``nebula local up`` gives a job: ``relay``, each stage's edge as records on a
+  connection to its switch's edge socket (``services/switch/edge_socket.py``) that its trainer tickets,
+  connects and passes to it (``services/trainer/stage_edge_fds.py``, in a process of its own as in the
+  trainer);
+* ``relay-staged-grpc``: ``relay``, each edge opened by a stage process through its trainer's stage proxy
+  (``services/trainer/stage_proxy.py``, a gRPC hop on a Unix socket, in a process of its own as in the
+  trainer) and from there to the switch: what a stage gets without an edge socket (compose, Kubernetes);
 * ``tls``: one Python ``ssl`` TLS 1.3 socket hop (``sendall`` / ``recv_into``);
 * ``tcp``: one plain TCP socket hop;
 * ``grpc``: one plaintext gRPC stream of 4 MiB ``bytes`` messages (identity serializers);
@@ -59,14 +63,23 @@ PATHS = (
     "relay",
     "relay-grpc",
     "relay-staged",
+    "relay-staged-grpc",
     "tls",
     "tcp",
     "grpc",
     "gloo",
 )
-TRANSPORTS = {"relay": "records", "relay-grpc": "grpc", "relay-staged": "records"}
+TRANSPORTS = {
+    "relay": "records",
+    "relay-grpc": "grpc",
+    "relay-staged": "records",
+    "relay-staged-grpc": "records",
+}
 """The link carrier of each relay path (``NEBULA_SWITCH_LINK_CARRIER``)."""
-SUFFIX = {"relay": "", "relay-grpc": "_grpc", "relay-staged": "_staged"}
+SUFFIX = {"relay": "", "relay-grpc": "_grpc", "relay-staged": "_staged", "relay-staged-grpc": "_stagedgrpc"}
+STAGED = {"relay-staged": "records", "relay-staged-grpc": "grpc"}
+"""How the stages' edges reach their switch on each staged path: as records on the edge socket, or
+through the trainer's stage proxy."""
 JOB = "bench/relay"
 EDGE = "up->down"
 
@@ -197,8 +210,17 @@ def gloo_receiver(port: int, size: int, count: int, done: Any) -> None:
 
 def edge_transport(address: str, token: str, job: str, tls: tuple[str, ...] | None) -> Any:
     """The edge transport (gRPC), with the trainer certificate ``tls`` (cluster, ca, cert, key) when the
-    switch's ports run internal TLS."""
+    switch's ports run internal TLS; ``fds:<path>``: a stage's records transport, its connections asked
+    of the trainer process listening at ``path`` (``trainer_fds_process``)."""
     from services.trainer.edge import GrpcEdgeTransport
+
+    if address.startswith("fds:"):
+        from services.trainer.edge import RecordsEdgeTransport
+        from services.trainer.edge.socket_request import EdgeSocketRequester
+
+        channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        channel.connect(address.removeprefix("fds:"))
+        return RecordsEdgeTransport(EdgeSocketRequester(channel), job, EDGE)
 
     if tls is not None:
         from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
@@ -268,6 +290,55 @@ def proxy_process(
     proxy.start()
     done.put("ready")
     stop.wait()
+    proxy.stop()
+
+
+def trainer_fds_process(
+    listen: str,
+    token: str,
+    job: str,
+    switch_address: str,
+    tls: tuple[str, ...] | None,
+    edge_socket: str,
+    stop: Any,
+    done: Any,
+) -> None:
+    """A trainer's side of its stage's edge connections (``relay-staged``): each stage that connects to
+    ``listen`` (a ``SOCK_SEQPACKET`` socket, standing for the pair the trainer makes at a stage's start)
+    is answered by a ``StageEdgeFds`` with tickets from the switch, until ``stop`` is set."""
+    from services.trainer.stage_edge_fds import StageEdgeFds
+    from services.trainer.stage_proxy import StageProxy
+
+    if tls is not None:
+        from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
+
+        trust_endpoint(switch_address, ClientTls(tls[0], Path(tls[1]), Path(tls[2]), Path(tls[3])))
+    proxy = StageProxy(
+        str(Path(listen).with_suffix(".proxy")),
+        secret=secrets.token_urlsafe(24),
+        token=lambda: token,
+        job_id=job,
+        edges={EDGE},
+        switch_address=switch_address,
+        data_address=None,
+        dataset="",
+    )
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(listen)
+    listener.listen(4)
+    listener.settimeout(0.2)
+    done.put("ready")
+    answering = []
+    while not stop.is_set():
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        fds = StageEdgeFds(conn, proxy, edge_socket, job)
+        fds.start()
+        answering.append(fds)
+    for fds in answering:
+        fds.stop()
     proxy.stop()
 
 
@@ -412,10 +483,11 @@ class Deployment:
         root: Path,
         transport: str = "records",
         internal_tls: bool = True,
-        staged: bool = False,
+        staged: str = "",
     ) -> None:
         self.root = root
-        #: Each edge goes through a stage proxy process (``relay-staged``).
+        #: How each stage's edge reaches its switch (``STAGED``): ``records`` (the edge socket, through a
+        #: trainer process's passed connections), ``grpc`` (a stage proxy process); empty: not staged.
         self.staged = staged
         self.transport = transport
         self.internal_tls = internal_tls
@@ -529,6 +601,7 @@ class Deployment:
                 "LINK_ROLE": "accept" if cluster == "b" else "dial",
                 "LINK_CARRIER": self.transport,
                 **({"INTERNAL_TLS_DIR": tls_dirs[cluster]["switch"]} if tls_dirs else {}),
+                **({"EDGE_SOCKET": self.edge_socket(cluster)} if self.staged == "records" else {}),
             }
             if cluster == "a":
                 env["PEER_ADDRESS"] = f"127.0.0.1:{wan_b}"
@@ -540,6 +613,12 @@ class Deployment:
         """Where trainers open edges: the internal port, or with internal TLS the service port."""
         port = "service_port" if self.internal_tls else "internal_port"
         return f"127.0.0.1:{self.switches[cluster].info[port]}"
+
+    def edge_socket(self, cluster: str) -> str:
+        """Where switch ``cluster`` serves its edge socket (``relay-staged``)."""
+        directory = self.root / cluster / "edges"
+        directory.mkdir(parents=True, exist_ok=True)
+        return str(directory / "switch.sock")
 
     def tls(self, cluster: str) -> tuple[str, ...] | None:
         return self.trainer_tls.get(cluster)
@@ -586,7 +665,8 @@ class Deployment:
 
 
 class Proxies:
-    """``relay-staged``: one stage proxy process per side, between the stage's edge and its switch."""
+    """A staged path's trainer side: one process per side between the stage's edge and its switch (a
+    stage proxy for ``relay-staged-grpc``, a ``StageEdgeFds`` server for ``relay-staged``)."""
 
     def __init__(self, deployment: Deployment, job: str) -> None:
         context = mp.get_context("spawn")
@@ -598,16 +678,24 @@ class Proxies:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             secret = secrets.token_urlsafe(24)
             done = context.Queue()
-            args = (str(directory / "edge.sock"), secret, deployment.tokens[side], job)
-            args += (deployment.internal(side), deployment.tls(side), self.stop, done)
-            process = context.Process(target=proxy_process, args=args, daemon=True)
+            if deployment.staged == "records":
+                target: Callable[..., None] = trainer_fds_process
+                args: tuple[Any, ...] = (str(directory / "fds.sock"), deployment.tokens[side], job)
+                args += (deployment.internal(side), deployment.tls(side), deployment.edge_socket(side))
+                self.addresses[side] = (f"fds:{directory / 'fds.sock'}", "")
+            else:
+                target = proxy_process
+                args = (str(directory / "edge.sock"), secret, deployment.tokens[side], job)
+                args += (deployment.internal(side), deployment.tls(side))
+                self.addresses[side] = (f"unix:{directory / 'edge.sock'}", secret)
+            process = context.Process(target=target, args=(*args, self.stop, done), daemon=True)
             process.start()
             _expect(done, "ready", process)
             self.processes[side] = process
-            self.addresses[side] = (f"unix:{directory / 'edge.sock'}", secret)
+        self.role = "trainer" if deployment.staged == "records" else "proxy"
 
     def cpu(self) -> dict[str, float]:
-        return {f"proxy {side}": cpu_seconds(p.pid) for side, p in self.processes.items()}
+        return {f"{self.role} {side}": cpu_seconds(p.pid) for side, p in self.processes.items()}
 
     def close(self) -> None:
         self.stop.set()
@@ -676,12 +764,13 @@ def render(result: dict[str, Any]) -> str:
         "",
         "MB/s (10^6 bytes per second), receiver holding the last tensor; ratio = the path / the TLS hop "
         "in the same round. Relay paths: 'relay' has the default link carrier between the switches (sealed "
-        "records, rawlink.py), 'relay-grpc' a gRPC link; every edge is a gRPC stream on the switches' "
+        "records, rawlink.py), 'relay-grpc' a gRPC link; their edges are gRPC streams on the switches' "
         "mutual-TLS internal ports, as in production; 'relay-staged' is what `nebula local up` gives a job "
-        "(each edge from a stage process through its trainer's stage proxy). With several rounds (the "
-        "paths take turns each round) MB/s are medians and the ratio is theirs, followed by the range "
-        "of the per-round ratios. CPU-s per GB: user + system CPU of each process over the run, per 10^9 "
-        "payload bytes.",
+        "(each edge from a stage process as records on the switch's edge socket, on connections its "
+        "trainer passes it), 'relay-staged-grpc' a stage's edge through its trainer's stage proxy. "
+        "With several rounds (the paths take turns each round) MB/s are medians and the ratio is "
+        "theirs, followed by the range of the per-round ratios. CPU-s per GB: user + system CPU of each "
+        "process over the run, per 10^9 payload bytes.",
         "",
         "| tensor | path | MB/s | / TLS hop | switches' CPU-s per GB | CPU-s per GB of each process |",
         "|---|---|---|---|---|---|",
@@ -768,7 +857,7 @@ def main() -> None:
                 deployments[path] = Deployment(
                     root / path,
                     transport,
-                    staged=path == "relay-staged",
+                    staged=STAGED.get(path, ""),
                 ).start()
                 print(f"deployment up ({path}: {transport} link)", flush=True)
         tls_pair = next(iter(deployments.values())).tls_pair if deployments else None

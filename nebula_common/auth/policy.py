@@ -47,6 +47,7 @@ JOB_METHODS = frozenset(
     {
         "/nebula.v1.Relay/OpenEdge",
         "/nebula.v1.Relay/RenewEdges",
+        "/nebula.v1.Relay/IssueEdgeTicket",
         "/nebula.v1.Data/ListDatasets",
         "/nebula.v1.Data/ReadBatch",
         "/nebula.v1.Auth/IssueJobToken",

@@ -104,6 +104,9 @@ ROLE_MATRIX: MappingProxyType[str, Access] = MappingProxyType(
         "/nebula.v1.Relay/RenewEdges": _service(
             "the trainer moves a running job's edges onto its renewed token", "trainer"
         ),
+        "/nebula.v1.Relay/IssueEdgeTicket": _service(
+            "only a trainer opens a job's edge to its switch (as records on the edge socket)", "trainer"
+        ),
         "/nebula.v1.Relay/GetLinkStatus": _user(
             "the SDK's job summary and operators read link state; the trainer may too", "trainer"
         ),

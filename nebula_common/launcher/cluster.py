@@ -18,6 +18,7 @@ from pathlib import Path
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.durable import atomic_write
 from nebula_common.errors import NebulaError
+from nebula_common.launcher.edge_socket import edge_socket_path
 from nebula_common.launcher.ports import service_port
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command, wait_healthy
 from nebula_common.launcher.service_box import ServiceBox, boxes_enabled
@@ -176,6 +177,7 @@ class ClusterLauncher:
         state_dir: Path | None = None,
         files: tuple[Path, ...] = (),
         pki: ClusterPaths | None = None,
+        writable: tuple[Path, ...] = (),
     ) -> ServiceBox | None:
         """What ``service`` sees: its state directory, ``files``, its cluster's PKI less others' secrets."""
         if self.boxed is None:
@@ -197,7 +199,7 @@ class ClusterLauncher:
                 shown.append(own)
         elif own is not None:  # its identity and its copy of the CRL (``mirror_crl``): nothing else
             read_only.append(own)
-        writable = (state_dir,) if state_dir is not None else ()
+        writable = ((state_dir,) if state_dir is not None else ()) + writable
         return ServiceBox(tuple(read_only), writable, tuple(hidden), tuple(shown))
 
     def _trust(self, state: ClusterProcesses, process: ServiceProcess) -> None:
@@ -352,11 +354,17 @@ class ClusterLauncher:
             env["PEER_CRL"] = str(peer_crl)
         if peer_address is not None:
             env["PEER_ADDRESS"] = peer_address
+        edge_socket = edge_socket_path(self.run_dir, cluster)
+        if edge_socket is not None:  # the stages' edges, as records (``launcher/edge_socket.py``)
+            env["EDGE_SOCKET"] = str(edge_socket)
         fixed = {"WAN_LISTEN": wan_listen} if wan_listen is not None else {}
         crls = [peer_crl] if isinstance(peer, str) else [each.crl for each in peer]
         own = [paths.switch_cert, paths.switch_key, paths.trust_bundle, paths.crl, *(c for c in crls if c)]
         elsewhere = tuple(p for p in own if not p.is_relative_to(paths.dir))  # an operator's own layout
-        box = self._box(state, "switch", self.run_dir / cluster / "switch", elsewhere, pki=paths)
+        sockets = (edge_socket.parent,) if edge_socket is not None else ()
+        box = self._box(
+            state, "switch", self.run_dir / cluster / "switch", elsewhere, pki=paths, writable=sockets
+        )
         state.switch = self.launch(
             f"switch-{cluster}", "services.switch", "NEBULA_SWITCH_", env, SWITCH_PINS, fixed=fixed, box=box
         )
@@ -366,13 +374,17 @@ class ClusterLauncher:
     def start_trainer(self, state: ClusterProcesses) -> None:
         cluster = state.cluster_id
         data_dir = self.run_dir / cluster / "trainer"
-        box, boxed = None, {}
+        box, extra = None, {}
+        edge_socket = edge_socket_path(self.run_dir, cluster)
+        if edge_socket is not None:  # its stages' edges go to the switch's edge socket as records
+            extra["SWITCH_EDGE_SOCKET"] = str(edge_socket)
         if self.boxed is None:
             self.boxed = boxes_enabled()
         if self.boxed:  # its own directories, user and control groups (``trainer_box.py``)
             identity = state.service_tls["trainer"].dir if "trainer" in state.service_tls else None
-            state.trainer_box = TrainerBox(data_dir, identity, self.shares)
-            boxed = state.trainer_box.prepare()
+            sockets = (edge_socket.parent,) if edge_socket is not None else ()
+            state.trainer_box = TrainerBox(data_dir, identity, self.shares + sockets)
+            extra.update(state.trainer_box.prepare())
             box = state.trainer_box.box()
         state.trainer = self.launch(
             f"trainer-{cluster}",
@@ -388,7 +400,7 @@ class ClusterLauncher:
                 "DATA_SERVICE_ADDRESS": self.service_address(state.data),
                 **self._tls_settings(state, "trainer"),
                 **self._signer_settings(state, "trainer"),
-                **boxed,
+                **extra,
             },
             LISTEN_PINS,
             box=box,

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 
 from nebula_common.rpc.exporter_tls import OpenSslSocket
-from nebula_common.rpc.raw_record_bounds import END, MAX_MESSAGE_BYTES, SMALL_MESSAGE
+from nebula_common.rpc.raw_record_bounds import END, SMALL_MESSAGE, RecordViolation
 from nebula_common.rpc.sealed_receive import SealedReceiver
 from nebula_common.rpc.sealed_records import (
     MAX_RECORD_BYTES,
@@ -54,6 +54,9 @@ class RawIoThread:
     sock: ssl.SSLSocket | socket.socket | OpenSslSocket
     sealing: RecordSealing | None
     read_timeout_s: float
+    max_message_bytes: int
+    plain_read_timeout: bool
+    violation_record: Callable[[str], bytes] | None
     views: bool
     peer: str
     _error: type[Exception]
@@ -108,6 +111,8 @@ class RawIoThread:
         except BaseException as exc:  # handed to the session as a read error
             error = exc
             self._post(exc)
+            if isinstance(exc, RecordViolation):
+                self._say_why(exc)
         finally:
             with self._lock:
                 self._failure = error or ConnectionError("connection closed")
@@ -127,6 +132,15 @@ class RawIoThread:
                     self._stopped.set_result(None)
 
             self._call(stopped)
+
+    def _say_why(self, violation: RecordViolation) -> None:
+        """A last record telling a peer that broke the bounds why it is cut (``violation_record``)."""
+        if self.violation_record is None or self.sealing is not None:
+            return
+        record = self.violation_record(str(violation))
+        with contextlib.suppress(OSError, ValueError):
+            self.sock.settimeout(2.0)
+            self.sock.sendall(len(record).to_bytes(4, "big") + record)
 
     def _pump(self) -> None:
         sock = self.sock
@@ -185,8 +199,10 @@ class RawIoThread:
                         return
                 elif reading_head:
                     size = int.from_bytes(head, "big")
-                    if size > MAX_MESSAGE_BYTES:
-                        raise ConnectionError(f"peer sent a {size}-byte record (limit {MAX_MESSAGE_BYTES})")
+                    if size > self.max_message_bytes:
+                        raise RecordViolation(
+                            f"peer sent a {size}-byte record (limit {self.max_message_bytes})"
+                        )
                     if size == 0:
                         message = b""
                     else:
@@ -243,11 +259,19 @@ class RawIoThread:
                     continue  # decrypted bytes already waiting in TLS
                 self._parked = True
             wait = 1.0
-            if receiver is not None and room > 0 and (got or not reading_head or receiver.inside_message):
+            inside = got or not reading_head
+            if receiver is not None and room > 0 and (inside or receiver.inside_message):
                 left = last_byte + self.read_timeout_s - time.monotonic()
                 if left <= 0:
                     raise SealedRecordError(
                         f"no byte of an unfinished sealed record for {self.read_timeout_s:g} s: peer stalled"
+                    )
+                wait = min(wait, left)
+            elif self.plain_read_timeout and room > 0 and inside:
+                left = last_byte + self.read_timeout_s - time.monotonic()
+                if left <= 0:
+                    raise RecordViolation(
+                        f"no byte of an unfinished record for {self.read_timeout_s:g} s: peer stalled"
                     )
                 wait = min(wait, left)
             else:

@@ -14,7 +14,13 @@ WRITE_AHEAD = 2
 """Messages a writer may queue for the I/O thread before it waits for the oldest to be sent."""
 SMALL_MESSAGE = 64 << 10
 """Messages up to this size are joined with their header (one TLS record); bigger ones are not copied."""
+
+
+class RecordViolation(ConnectionError):
+    """The peer broke the record bounds (a record over the limit, a record stalled midway): not a cut."""
+
+
 END = object()
 """What the I/O thread hands the loop after a clean end (a reader then returns ``grpc.aio.EOF``)."""
 
-__all__ = ["END", "MAX_MESSAGE_BYTES", "READ_AHEAD", "SMALL_MESSAGE", "WRITE_AHEAD"]
+__all__ = ["END", "MAX_MESSAGE_BYTES", "READ_AHEAD", "SMALL_MESSAGE", "WRITE_AHEAD", "RecordViolation"]

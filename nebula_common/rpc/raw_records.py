@@ -19,6 +19,7 @@ import socket
 import ssl
 import threading
 from collections import deque
+from collections.abc import Callable
 
 import grpc
 from cryptography import x509
@@ -79,8 +80,18 @@ class RawConnection(RawIoThread):
         sealing: RecordSealing | None = None,
         peer_cert: x509.Certificate | None = None,
         read_timeout_s: float = READ_TIMEOUT_S,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        plain_read_timeout: bool = False,
+        violation_record: Callable[[str], bytes] | None = None,
     ) -> None:
         self.sock = sock
+        #: Largest message received (a bigger record's header ends the connection before any buffer).
+        self.max_message_bytes = max_message_bytes
+        #: Plain records too end after ``read_timeout_s`` without a byte inside a record (an untrusted peer
+        #: on a local socket); sealed records always do.
+        self.plain_read_timeout = plain_read_timeout
+        #: Plain records: the record sent to a peer that broke the bounds, built from why, before the cut.
+        self.violation_record = violation_record
         #: Sealed records (``nebula_common/rpc/sealed_records.py``) on the bare socket ``sock`` after a
         #: TLS handshake whose peer certificate is ``peer_cert``; None: the records of ``sock`` itself.
         self.sealing = sealing

@@ -78,6 +78,14 @@ class SwitchSettings(AuditedServiceSettings):
         "peer_address and peer_crl (one peer: either form).",
     )
     internal_listen: HostPort = Field("127.0.0.1:0", description="Cluster-internal port for local trainers.")
+    edge_socket: str = Field(
+        "",
+        description="Path of a Unix socket where stage processes of trainers on this host carry their edges "
+        "as length-prefixed records (services/switch/edge_socket.py): the trainer obtains a one-time ticket "
+        "on Relay/IssueEdgeTicket (mutual TLS, its token, the checks of OpenEdge), presents it as the first "
+        "record and hands the connection to its stage; trainers on this host name the same file. "
+        "Empty: not served (edges on Relay/OpenEdge only).",
+    )
     wan_listen: HostPort = Field("127.0.0.1:0", description="WAN port (mTLS only) for the peer switch.")
     peer_address: HostPort | None = Field(
         None, description="host:port at which the peer's WAN port is reached."

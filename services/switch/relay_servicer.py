@@ -24,7 +24,8 @@ attach, the ``edge.open`` and ``edge.close`` records) and the wiring of the serv
 - ``relay_edge_pump.py``: pumping one open edge both ways, and how its stream ended;
 - ``relay_drain.py``: waiting, at the switch's stop, for every edge to record its end;
 - ``relay_link_status.py``: GetLinkStatus;
-- ``relay_renewals.py``: RenewEdges, moving open edges onto a renewed token.
+- ``relay_renewals.py``: RenewEdges, moving open edges onto a renewed token;
+- ``relay_tickets.py``: IssueEdgeTicket, an open checked here and redeemed on the edge socket.
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ import grpc
 
 from nebula_common.auth.interceptor import caller
 from nebula_common.auth.peer_roles import peer_certificate
+from nebula_common.auth.verifier import Principal
 from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc.framing import framing_refusal
 from services.switch.certs import CertificateManager
 from services.switch.edge_stream import EdgeStream, GrpcEdgeStream, TrainerVanished
+from services.switch.edge_tickets import EdgeTickets
+from services.switch.link import PeerLink
 from services.switch.metrics import EDGES_OPEN, JOB_SERIES
 from services.switch.peers import PeerLinks
 from services.switch.relay_drain import EDGE_DRAIN_S, EdgeDrain
@@ -57,6 +61,7 @@ from services.switch.relay_link_status import LinkStatusService
 from services.switch.relay_messages import edge_ready, parse_edge_message, serialize_edge_message
 from services.switch.relay_penalties import EdgePenalties
 from services.switch.relay_renewals import EdgeRenewals
+from services.switch.relay_tickets import EdgeTicketService
 from services.switch.route_state import RouteInUseError, RouteLimitError, StaleEpochError
 from services.switch.throttle import AccountThrottle, Penalties
 
@@ -76,7 +81,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class RelayServicer(EdgePenalties, EdgeDrain, LinkStatusService, EdgeRenewals):
+class RelayServicer(EdgePenalties, EdgeDrain, LinkStatusService, EdgeRenewals, EdgeTicketService):
     """The switch's ``nebula.v1.Relay`` service; its parts are listed in the module doc."""
 
     def __init__(
@@ -99,6 +104,8 @@ class RelayServicer(EdgePenalties, EdgeDrain, LinkStatusService, EdgeRenewals):
         # The tasks serving an edge (any transport), so a stopping switch can wait for their records.
         self._edges: set[asyncio.Task[object]] = set()
         self._stopping = False
+        #: Tickets of the edge socket (``edge_socket.py``), set when this switch serves one.
+        self.tickets: EdgeTickets | None = None
 
     async def OpenEdge(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
@@ -111,18 +118,7 @@ class RelayServicer(EdgePenalties, EdgeDrain, LinkStatusService, EdgeRenewals):
             await stream.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "the first message on an edge must be 'open'"
             )
-        if principal.job_id and first.open.job_id != principal.job_id:
-            # A job token (auth.proto IssueJobToken) acts for its one job: a stage's token cannot
-            # open, take over or close another job's edges, even one of its own account.
-            await self._refuse_open(
-                stream,
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"this job token is for job {principal.job_id}, not {first.open.job_id}",
-                account=principal.username,
-                job_id=first.open.job_id,
-                edge=first.open.edge,
-                token_job=principal.job_id,
-            )
+        await self._refuse_other_job(stream, principal, first.open)
         certified = peer_certificate(context)  # verified by the role interceptor; None in plaintext
         await self.serve_edge(
             stream,
@@ -133,6 +129,43 @@ class RelayServicer(EdgePenalties, EdgeDrain, LinkStatusService, EdgeRenewals):
             serial=certified[1] if certified is not None else 0,
             expires_at=principal.expires_at,
         )
+
+    async def _refuse_other_job(
+        self, stream: EdgeStream, principal: Principal, open_: relay_pb2.EdgeOpen
+    ) -> None:
+        """A job token (auth.proto IssueJobToken) acts for its one job: a stage's token cannot open,
+        take over or close another job's edges, even one of its own account."""
+        if principal.job_id and open_.job_id != principal.job_id:
+            await self._refuse_open(
+                stream,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"this job token is for job {principal.job_id}, not {open_.job_id}",
+                account=principal.username,
+                job_id=open_.job_id,
+                edge=open_.edge,
+                token_job=principal.job_id,
+            )
+
+    async def check_open(self, stream: EdgeStream, account: str, open_: relay_pb2.EdgeOpen) -> PeerLink:
+        """The checks of an open that need no route: job and edge named, link framing, the peer's link
+        and the account's penalty backoff; each refusal audited and aborted on ``stream``. Run at every
+        open and when a ticket for one is issued (``relay_tickets.py``)."""
+        job_id, edge = open_.job_id, open_.edge
+        if not job_id or not edge:
+            await stream.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.job_id and open.edge are required")
+        if (refusal := framing_refusal("EdgeOpen.link_framing", open_.link_framing)) is not None:
+            await self._refuse_open(
+                stream,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                refusal,
+                account=account,
+                job_id=job_id,
+                edge=edge,
+                link_framing=open_.link_framing,
+            )
+        link = await self._link_for(stream, account, job_id, edge, open_.peer_cluster)
+        await self._refuse_if_backing_off(stream, link.router, account, job_id, edge)
+        return link
 
     async def serve_edge(
         self,
@@ -172,22 +205,9 @@ class RelayServicer(EdgePenalties, EdgeDrain, LinkStatusService, EdgeRenewals):
         issued_at, serial, expires_at = held
         job_id, edge, reconnect = open_.job_id, open_.edge, open_.reconnect
         epoch = open_.epoch
-        if not job_id or not edge:
-            await stream.abort(grpc.StatusCode.INVALID_ARGUMENT, "open.job_id and open.edge are required")
-        if (refusal := framing_refusal("EdgeOpen.link_framing", open_.link_framing)) is not None:
-            await self._refuse_open(
-                stream,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                refusal,
-                account=account,
-                job_id=job_id,
-                edge=edge,
-                link_framing=open_.link_framing,
-            )
         key = (job_id, edge)
-        link = await self._link_for(stream, account, job_id, edge, open_.peer_cluster)
+        link = await self.check_open(stream, account, open_)
         router = link.router
-        await self._refuse_if_backing_off(stream, router, account, job_id, edge)
         try:
             route, attachment = router.attach(
                 key,
@@ -320,6 +340,11 @@ def add_relay_to_server(servicer: RelayServicer, server: grpc.aio.Server) -> Non
                 servicer.RenewEdges,
                 request_deserializer=relay_pb2.RenewEdgesRequest.FromString,
                 response_serializer=relay_pb2.RenewEdgesReply.SerializeToString,
+            ),
+            "IssueEdgeTicket": grpc.unary_unary_rpc_method_handler(
+                servicer.IssueEdgeTicket,
+                request_deserializer=relay_pb2.EdgeTicketRequest.FromString,
+                response_serializer=relay_pb2.EdgeTicket.SerializeToString,
             ),
         },
     )

@@ -30,11 +30,17 @@ from nebula_common.service.identity import service_identity
 from nebula_common.service.resources import service_audit, token_verifier
 from services.switch.certs import CertificateManager
 from services.switch.config import SwitchSettings
+from services.switch.edge_socket import EdgeSocket
 from services.switch.link import PeerLink
 from services.switch.peer_trust import PeerTrust
 from services.switch.peers import PeerLinks
 from services.switch.routing import Router
-from services.switch.server_internal import STOP_GRACE_SECONDS, internal_server, relay_servicer
+from services.switch.server_internal import (
+    STOP_GRACE_SECONDS,
+    internal_server,
+    relay_servicer,
+    start_edge_socket,
+)
 from services.switch.server_peers import dial_peer, peer_links, peer_trusts, start_links
 from services.switch.server_tasks import (
     CERT_CHECK_INTERVAL_S,
@@ -82,6 +88,8 @@ class RunningSwitch:
     trusts: dict[str, PeerTrust]
     #: The WAN port's listener (wan_frontend.py): per-source slots, raw connections, gRPC ones passed through.
     frontend: WanFrontend | None = None
+    #: The edge socket (edge_socket.py), when served.
+    edge_socket: EdgeSocket | None = None
 
     @property
     def internal_port(self) -> int:
@@ -121,6 +129,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     wan, exchanges, grpc_wan_port = wan_server(settings, stack, links, trusts, certs)
     await internal.start()
     await wan.start()
+    edge_socket = await start_edge_socket(settings, stack, relay) if settings.edge_socket else None
     frontend = await start_frontend(settings, stack, wan, grpc_wan_port, links, certs)
     start_links(settings, stack, peers, links, exchanges, certs)
     start_background(settings, stack, links, trusts, certs, verifier.revocation_reason, identity)
@@ -138,6 +147,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
         links=links,
         trusts=trusts,
         frontend=frontend,
+        edge_socket=edge_socket,
     )
     return Started(running, _ports(settings, running))
 

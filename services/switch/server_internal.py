@@ -8,6 +8,7 @@ on the WAN port at all.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from nebula_common.audit import AuditLog
 from nebula_common.audit.servicer import AUDIT_SERVICE_NAME, add_audit_api
@@ -18,10 +19,13 @@ from nebula_common.service.identity import ServiceIdentity
 from nebula_common.service.resources import bind_internal, grpc_server, internal_server_options
 from services.switch.certs import CertificateManager
 from services.switch.config import SwitchSettings
+from services.switch.edge_socket import EdgeSocket
+from services.switch.edge_tickets import EdgeTickets
 from services.switch.peers import PeerLinks
 from services.switch.relay_servicer import RelayServicer, add_relay_to_server
 from services.switch.throttle import AccountThrottle, Penalties, PenaltyRules
 
+log = logging.getLogger(__name__)
 STOP_GRACE_SECONDS = 2.0
 """How long each of the switch's gRPC servers lets calls finish on stop."""
 
@@ -76,3 +80,17 @@ def internal_server(
     if settings.health_listen:
         internal.add_health_port(settings.health_listen)
     return internal
+
+
+async def start_edge_socket(
+    settings: SwitchSettings, stack: contextlib.AsyncExitStack, relay: RelayServicer
+) -> None:
+    """Serve the edge socket (``edge_socket.py``) in this event loop; the relay then issues its tickets.
+
+    Stopped before the servers drain the edges: its connections end like cancelled calls and record their end.
+    """
+    edge_socket = EdgeSocket(relay, EdgeTickets())
+    path = await edge_socket.start(settings.edge_socket)
+    stack.push_async_callback(edge_socket.stop)
+    log.info("edge socket listening", extra={"fields": {"path": path}})
+    return edge_socket

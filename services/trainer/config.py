@@ -19,6 +19,14 @@ class TrainerSettings(AuditedServiceSettings):
     model_config = SettingsConfigDict(env_prefix="NEBULA_TRAINER_")
     listen: HostPort = Field("127.0.0.1:0", description="Cluster-internal control port (SDK -> trainer).")
     switch_address: HostPort = Field(description="host:port of this cluster's switch internal port.")
+    switch_edge_socket: str = Field(
+        "",
+        description="Path of this cluster's switch edge socket (the switch's NEBULA_SWITCH_EDGE_SOCKET, "
+        "on this host): each stage process then carries its edges as records on a connection the trainer "
+        "makes there with a one-time ticket and passes to it (services/trainer/stage_edge_fds.py), instead "
+        "of gRPC through its proxy. A missing or refusing socket is retried naming why, never replaced by "
+        "gRPC. Empty: gRPC edges through the stage's proxy (stages on cluster ranks always use gRPC).",
+    )
     auth_address: HostPort = Field(description="host:port of this cluster's auth service.")
     torch_threads: int = Field(1, ge=1, le=256, description="Intra-op threads for torch on this trainer.")
     data_dir: Path | None = Field(

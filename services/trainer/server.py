@@ -146,6 +146,7 @@ async def start_trainer(
         job_tokens=job_tokens,
         cluster_ranks=_cluster_ranks(settings, identity, stack),
         ranks_accounts=ranks_accounts,
+        switch_edge_socket=settings.switch_edge_socket,
     )
     stack.callback(servicer.close)  # after the stages stopped (below): their ends are audited
     stack.push_async_callback(asyncio.to_thread, _stop_stages, servicer, settings.stop_grace_s)

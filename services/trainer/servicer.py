@@ -72,7 +72,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         torch_threads: int = 1,
         log_level: str = "INFO",
         job_tokens: JobTokens | None = None,
+        switch_edge_socket: str = "",
     ) -> None:
+        self.switch_edge_socket = switch_edge_socket
+        """The switch's edge socket: stage processes carry their edges there as records (empty: gRPC)."""
         self.job_tokens = job_tokens
         """Where stages get job tokens (``job_tokens``); None: a stage acts with its submitter's token."""
         self.confinement = confinement
@@ -268,6 +271,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 torch_threads=self.torch_threads,
                 log_level=self.log_level,
                 on_refusal=functools.partial(self._stage_refused, owner, spec.job_id),
+                switch_edge_socket=self.switch_edge_socket,
             )
         # Every step goes to the stage's history file (``history``); a restored stage's watchers see
         # the steps before the restart first.

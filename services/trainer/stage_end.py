@@ -30,6 +30,7 @@ from pathlib import Path
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from services.trainer.cgroup import StageGroup
 from services.trainer.sandbox import StageLimits
+from services.trainer.stage_edge_fds import StageEdgeFds
 from services.trainer.stage_proxy import StageProxy
 from services.trainer.status import StatusBoard
 
@@ -52,6 +53,7 @@ class StageEnd:
     _conn: Connection | None
     _process: subprocess.Popen[bytes] | None
     _proxy: StageProxy | None
+    _edge_fds: StageEdgeFds | None
     _socket_dir: Path | None
     _group: StageGroup | None
     _cancelled: bool
@@ -113,6 +115,7 @@ class StageEnd:
     def _close_proxy(self) -> None:
         """The stage is gone: a peer still waiting on an edge it could not close hears why (which may
         take until that peer's stage is up: after the end was recorded), then the socket goes."""
+        self._stop_edge_fds()
         if self._proxy is not None:
             final = self.board.latest()
             if final.state != trainer_pb2.STAGE_STATE_SUCCEEDED:
@@ -127,12 +130,19 @@ class StageEnd:
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
 
+    def _stop_edge_fds(self) -> None:
+        """No more edge connections for a stage that is gone (those it had ended with its process)."""
+        if self._edge_fds is not None:
+            self._edge_fds.stop()
+            self._edge_fds = None
+
     def _drained(self) -> None:
         self._kill()
         if self._process is not None:
             self._process.wait()
         if self._conn is not None:
             self._conn.close()
+        self._stop_edge_fds()
         if self._proxy is not None:
             self._proxy.stop()  # its streams vanish, as a killed trainer's would: the routes wait
         if self._socket_dir is not None:

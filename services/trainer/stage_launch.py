@@ -4,8 +4,10 @@ Why a module of its own: this is where a tenant's code gets its boundaries (the 
 Landlock rules, its control group, its limits, no token), so it should be read in one place, apart
 from the supervision of a process that is already running. The stage process is
 ``python -m services.trainer.stage_main`` in the trainer's confinement (``sandbox``) with an empty
-environment and a socketpair as its only link: its edges and dataset reads go to a private Unix
-socket (``stage_proxy``) that holds the owner's token, which never enters the stage process. Its
+environment and a socketpair as its link: its edges and dataset reads go to a private Unix
+socket (``stage_proxy``) that holds the owner's token, which never enters the stage process; with a
+switch edge socket its edges instead go as records on connections it asks for on a second pair
+(``stage_edge_fds``: checked, ticketed and connected here, passed as descriptors). Its
 interpreter says HELLO and waits; only then, with every process of the sandbox in the stage's
 group, does it get its settings, the proxy's secret and its spec (START, SPEC).
 
@@ -45,6 +47,7 @@ from services.trainer.sandbox import (
     landlock_rules,
     stage_environment,
 )
+from services.trainer.stage_edge_fds import StageEdgeFds
 from services.trainer.stage_log import relay_log
 from services.trainer.stage_proxy import StageProxy
 
@@ -77,6 +80,8 @@ class StageLaunch:
     _conn: Connection | None
     _process: subprocess.Popen[bytes] | None
     _proxy: StageProxy | None
+    _switch_edge_socket: str
+    _edge_fds: StageEdgeFds | None
     _socket_dir: Path | None
     _group: StageGroup | None
 
@@ -127,6 +132,14 @@ class StageLaunch:
         )
         self._proxy.start()
         ours, theirs = socket.socketpair()
+        passed = [theirs]
+        edge_fd: int | None = None  # the stage's end of its edge requests' pair (the same number inside)
+        if self._switch_edge_socket:  # its edges as records: connections asked for on a pair of their own
+            edge_ours, edge_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            passed.append(edge_theirs)
+            edge_fd = edge_theirs.fileno()
+            self._edge_fds = StageEdgeFds(edge_ours, self._proxy, self._switch_edge_socket, self.spec.job_id)
+            self._edge_fds.start()
         command = [sys.executable, "-m", "services.trainer.stage_main", str(theirs.fileno())]
         socket_inside = str(self._socket_dir / "edge.sock")
         tmp = "/tmp"
@@ -142,7 +155,7 @@ class StageLaunch:
         try:
             self._process = subprocess.Popen(
                 command,
-                pass_fds=[theirs.fileno()],
+                pass_fds=[each.fileno() for each in passed],
                 env=stage_environment(work, tmp),
                 cwd=work,
                 stdin=subprocess.DEVNULL,
@@ -151,7 +164,8 @@ class StageLaunch:
                 start_new_session=True,
             )
         finally:
-            theirs.close()
+            for each in passed:
+                each.close()
         self.pid = self._process.pid
         self._conn = Connection(ours.detach())
         assert self._process.stderr is not None
@@ -177,6 +191,7 @@ class StageLaunch:
         config = {
             "secret": secret,
             "socket": socket_inside,
+            "edge_fds": edge_fd,
             "data_dir": str(self._data_dir),
             "owner": self.owner,
             "epoch": self.epoch,

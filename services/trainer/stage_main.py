@@ -5,7 +5,8 @@ allows it, else under Landlock it enforces on itself: ``sandbox``), with an empt
 control channel on ``FD``. Before anything of the job is loaded it limits itself (memory, CPU seconds,
 open files), forbids ptrace, core dumps and new privileges, and loads its system-call filter
 (``seccomp_filter``); then it runs the same ``ProgramRunner`` a trainer thread used to run, with its
-edges and dataset reads going to the trainer's proxy socket under the stage's secret (``stage_proxy``),
+edges and dataset reads going to the trainer's proxy socket under the stage's secret (``stage_proxy``)
+or, with a switch edge socket, its edges as records on connections the trainer passes it (``stage_edge_fds``),
 its status board and step numbers to the trainer over the channel, and its checkpoints into its
 account's directory. It exits when the stage has ended.
 """
@@ -104,6 +105,16 @@ def run(conn: Connection, config: dict[str, Any], spec_bytes: bytes) -> int:
             channel.send_json(conn, channel.STEP, {"elapsed": elapsed, "waited": waited, "loss": loss})
 
     address = f"unix:{config['socket']}"
+    edge_factory = None
+    if config.get("edge_fds") is not None:  # edges as records on connections the trainer passes us
+        import socket
+
+        from services.trainer.edge import records_edge_factory
+        from services.trainer.edge.socket_request import EdgeSocketRequester
+
+        edge_factory = records_edge_factory(
+            EdgeSocketRequester(socket.socket(fileno=int(config["edge_fds"])))
+        )
     runner = ProgramRunner(
         spec,
         config["secret"],  # the proxy's key; the owner's token stays with the trainer
@@ -116,6 +127,7 @@ def run(conn: Connection, config: dict[str, Any], spec_bytes: bytes) -> int:
         on_epoch=on_epoch,
         receive_ahead=config.get("receive_ahead"),
         step_sink=on_step,
+        edge_factory=edge_factory,
     )
     runner.board.update(
         codec_forward=spec.codec_forward, codec_backward=spec.codec_backward, codec_choice=spec.codec_choice

@@ -6,7 +6,8 @@ used of an in-process ``ProgramRunner`` (``board``, ``lifecycle.add_finish_callb
 ``cancel``, ``join``, ``release``) and does this instead:
 
 * starts ``python -m services.trainer.stage_main`` in the trainer's confinement (``sandbox``) with an
-  empty environment and a socketpair as its only link, and hands it its spec, settings and a secret;
+  empty environment and a socketpair as its link (and, with a switch edge socket, a second pair for its
+  edge connections: ``stage_edge_fds``), and hands it its spec, settings and a secret;
 * serves its edges and dataset reads on a private Unix socket (``stage_proxy``) with the owner's
   token, which never enters the stage process;
 * mirrors the stage's status board (every status, in order, checked to be this stage's), stores
@@ -46,6 +47,7 @@ from services.trainer import stage_channel as channel
 from services.trainer.cgroup import StageGroup
 from services.trainer.edge import EdgeSettings
 from services.trainer.sandbox import Confinement, StageLimits
+from services.trainer.stage_edge_fds import StageEdgeFds
 from services.trainer.stage_end import CANCEL_GRACE_S, StageEnd
 from services.trainer.stage_launch import STARTUP_TIMEOUT_S, StageLaunch
 from services.trainer.stage_proxy import StageProxy
@@ -76,6 +78,7 @@ class StageProcess(StageLaunch, StageSupervision, StageEnd):
         torch_threads: int = 1,
         log_level: str = "INFO",
         on_refusal: Callable[[str], None] | None = None,
+        switch_edge_socket: str = "",
     ) -> None:
         self.spec = spec
         self.token = token
@@ -94,6 +97,8 @@ class StageProcess(StageLaunch, StageSupervision, StageEnd):
         self._torch_threads = torch_threads
         self._log_level = log_level
         self._on_refusal = on_refusal
+        self._switch_edge_socket = switch_edge_socket
+        self._edge_fds: StageEdgeFds | None = None
         self._callbacks: list[Callable[[], None]] = []
         self._done = threading.Event()
         self._send_lock = threading.Lock()

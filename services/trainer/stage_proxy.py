@@ -37,6 +37,8 @@ from nebula_common.rpc.metadata import bearer_token_from_metadata
 log = logging.getLogger(__name__)
 
 OPEN_EDGE = "/nebula.v1.Relay/OpenEdge"
+ISSUE_EDGE_TICKET = "/nebula.v1.Relay/IssueEdgeTicket"
+TICKET_CALL_TIMEOUT_S = 20.0
 LIST_DATASETS = "/nebula.v1.Data/ListDatasets"
 READ_BATCH = "/nebula.v1.Data/ReadBatch"
 _OPTIONS = [
@@ -189,10 +191,34 @@ class StageProxy:
         return bearer_metadata(self._token())
 
     def _refuse(self, context: grpc.ServicerContext, code: grpc.StatusCode, reason: str) -> None:
+        self.refused(reason)
+        context.abort(code, reason)
+
+    def refused(self, reason: str) -> None:
+        """Log and report (``stage.refused``) a call of the stage that was refused."""
         log.warning("stage call refused", extra={"fields": {"job_id": self._job_id, "reason": reason}})
         if self._on_refusal is not None:
             self._on_refusal(reason)
-        context.abort(code, reason)
+
+    def edge_refusal(self, opened: relay_pb2.EdgeOpen) -> str | None:
+        """Why the stage may not open ``opened`` (another job's or edge), None if it may: the one check
+        of every open of the stage, on gRPC here or as records (``stage_edge_fds.py``)."""
+        if opened.job_id != self._job_id or opened.edge not in self._edges:
+            return f"stage of job {self._job_id!r} may not open edge {opened.edge!r} of job {opened.job_id!r}"
+        return None
+
+    def issue_ticket(self, opened: relay_pb2.EdgeOpen) -> bytes:
+        """A one-time ticket for ``opened`` on the switch's edge socket, asked with the stage's token
+        (``Relay/IssueEdgeTicket``); the open's own edge is noted, as a gRPC open's stream is, so
+        ``tell_peers`` reopens it as a reconnect. grpc.RpcError as the switch refused it."""
+        reply = self._switch.unary_unary(
+            ISSUE_EDGE_TICKET,
+            request_serializer=relay_pb2.EdgeTicketRequest.SerializeToString,
+            response_deserializer=relay_pb2.EdgeTicket.FromString,
+        )(relay_pb2.EdgeTicketRequest(open=opened), metadata=self._metadata(), timeout=TICKET_CALL_TIMEOUT_S)
+        with self._lock:
+            self._latest[opened.edge] = _LiveEdge()  # no call of ours: the stage holds the connection
+        return bytes(reply.ticket)
 
     def authorised(self, metadata: Any) -> bool:
         presented = bearer_token_from_metadata(metadata) or ""
@@ -211,12 +237,8 @@ class StageProxy:
         if message.WhichOneof("body") != "open":
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "an edge stream must start with EdgeOpen")
         opened = message.open
-        if opened.job_id != self._job_id or opened.edge not in self._edges:
-            self._refuse(
-                context,
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"stage of job {self._job_id!r} may not open edge {opened.edge!r} of job {opened.job_id!r}",
-            )
+        if (refusal := self.edge_refusal(opened)) is not None:
+            self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, refusal)
         live = _LiveEdge()
         with self._lock:
             self._latest[opened.edge] = live

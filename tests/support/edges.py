@@ -7,6 +7,8 @@ received, so tests can check that every micro-batch was applied exactly once.
 
 from __future__ import annotations
 
+import socket
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -23,7 +25,11 @@ from nebula_common.sdk.jobs import ProgramJob
 from services.switch.config import SwitchSettings
 from services.trainer.edge import EdgeConnection, EdgeSettings, GrpcEdgeTransport, stage_edge
 from services.trainer.edge.memory import MemoryLink
+from services.trainer.edge.records_transport import RecordsEdgeTransport
+from services.trainer.edge.socket_request import EdgeSocketRequester
 from services.trainer.runtime.stage import ProgramRunner
+from services.trainer.stage_edge_fds import StageEdgeFds
+from services.trainer.stage_proxy import StageProxy
 from tests.support.accounts import ADMIN_PASSWORD, auth_settings
 from tests.support.servers import SwitchThread, accepting_switch, running_auth
 from tests.support.waiting import wait_for
@@ -100,25 +106,71 @@ def memory_pair(
 class SwitchPair:
     addresses: tuple[str, str]
     tokens: tuple[str, str]
+    #: Each switch's edge socket (``switch_pair(edge_sockets=True)``); empty: not served.
+    edge_sockets: tuple[str, str] = ("", "")
+    #: Each cluster's auth service.
+    auth_addresses: tuple[str, str] = ("", "")
+    #: The switches themselves (their audit logs, routers).
+    threads: tuple[SwitchThread, ...] = ()
+
+    def transport(self, carrier: str, index: int, job_id: str, edge: str, epoch: int = 0) -> Any:
+        """A transport of cluster ``index``'s end: ``grpc`` (OpenEdge) or ``records`` (the edge socket,
+        through a trainer's real ticket and descriptor passing: ``stage_records_connector``)."""
+        if carrier == "records":
+            connect = stage_records_connector(self, index, job_id, {edge})
+            return RecordsEdgeTransport(connect, job_id, edge, epoch=epoch)
+        return GrpcEdgeTransport(self.addresses[index], self.tokens[index], job_id, edge, epoch=epoch)
 
     def edge_pair(
-        self, job_id: str, settings: EdgeSettings, codec_forward: str = "none", codec_backward: str = "none"
+        self,
+        job_id: str,
+        settings: EdgeSettings,
+        codec_forward: str = "none",
+        codec_backward: str = "none",
+        carrier: str = "grpc",
     ) -> tuple[EdgeConnection, EdgeConnection]:
         def open_end(index: int) -> EdgeConnection:
-            transport = GrpcEdgeTransport(self.addresses[index], self.tokens[index], job_id, "up->down")
+            transport = self.transport(carrier, index, job_id, "up->down")
             return edge_end(transport, job_id, "up->down", index, settings, codec_forward, codec_backward)
 
         return open_pair(open_end)
 
 
+def stage_records_connector(
+    pair: SwitchPair, index: int, job_id: str, edges: set[str]
+) -> EdgeSocketRequester:
+    """What a stage process gets: a requester on a socketpair whose other end a trainer's ``StageEdgeFds``
+    answers (checks, a ticket with cluster ``index``'s token, the connection passed as a descriptor)."""
+    work = Path(tempfile.mkdtemp(prefix="nebula-records-"))
+    proxy = StageProxy(
+        str(work / "proxy.sock"),
+        secret="unused",
+        token=lambda: pair.tokens[index],
+        job_id=job_id,
+        edges=edges,
+        switch_address=pair.addresses[index],
+        data_address=None,
+        dataset="",
+    )
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    StageEdgeFds(ours, proxy, pair.edge_sockets[index], job_id).start()
+    return EdgeSocketRequester(theirs)
+
+
 @contextmanager
-def switch_pair(work: Path, pki: PkiLayout) -> Iterator[SwitchPair]:
-    """Clusters a and b, each an auth server and a switch; a dials b over mTLS. Admin tokens of each."""
+def switch_pair(work: Path, pki: PkiLayout, edge_sockets: bool = False) -> Iterator[SwitchPair]:
+    """Clusters a and b, each an auth server and a switch; a dials b over mTLS. Admin tokens of each.
+
+    ``edge_sockets``: each switch also serves its edge socket (``work/<cluster>/edge.sock``).
+    """
     with ExitStack() as stack:
         for cluster in "ab":
             (work / cluster).mkdir(parents=True, exist_ok=True)
+        sockets = tuple(str(work / c / "edge.sock") if edge_sockets else "" for c in "ab")
         auths = {c: stack.enter_context(running_auth(auth_settings(work / c, c))) for c in "ab"}
-        b = stack.enter_context(accepting_switch(work / "b", pki.cluster("b"), "a", auths["b"].address))
+        b = stack.enter_context(
+            accepting_switch(work / "b", pki.cluster("b"), "a", auths["b"].address, edge_socket=sockets[1])
+        )
         paths = pki.cluster("a")
         a = SwitchThread(
             SwitchSettings(
@@ -132,6 +184,7 @@ def switch_pair(work: Path, pki: PkiLayout) -> Iterator[SwitchPair]:
                 auth_address=auths["a"].address,
                 data_dir=work / "a" / "switch",
                 metrics_port=-1,
+                edge_socket=sockets[0],
             )
         )
         stack.callback(a.stop)
@@ -140,7 +193,13 @@ def switch_pair(work: Path, pki: PkiLayout) -> Iterator[SwitchPair]:
         for cluster in "ab":
             with AuthClient(auths[cluster].address) as client:
                 tokens.append(client.login("admin", ADMIN_PASSWORD).token)
-        yield SwitchPair((a.internal_address, b.internal_address), (tokens[0], tokens[1]))
+        yield SwitchPair(
+            (a.internal_address, b.internal_address),
+            (tokens[0], tokens[1]),
+            (sockets[0], sockets[1]),
+            (auths["a"].address, auths["b"].address),
+            (a, b),
+        )
 
 
 @dataclass
@@ -180,13 +239,14 @@ def stage_runner(
     epoch: int = 0,
     on_epoch: Callable[[int], None] | None = None,
     receive_ahead: int | None = None,
+    carrier: str = "grpc",
 ) -> StageRun:
     """A ``ProgramRunner`` (not started) for the job's ``index``-th stage, recording its tensors.
 
     Its edge runs on the in-memory ``link`` or, given a ``SwitchPair``, through two real switches
-    (stage ``index`` in cluster a or b). Its data dir is ``data_dir / <stage name>``, so a runner
-    made again for the same stage (a restarted trainer, ``epoch > 0``) finds the checkpoints of
-    the one before.
+    (stage ``index`` in cluster a or b) on ``carrier`` (``SwitchPair.transport``). Its data dir is
+    ``data_dir / <stage name>``, so a runner made again for the same stage (a restarted trainer,
+    ``epoch > 0``) finds the checkpoints of the one before.
     """
     name = job.spec.stages[index].name
 
@@ -195,9 +255,7 @@ def stage_runner(
     ) -> EdgeConnection:
         transport: object
         if isinstance(link, SwitchPair):
-            address, token = link.addresses[index], link.tokens[index]
-            job_id, name = stage_spec.job_id, stage_spec.edge
-            transport = GrpcEdgeTransport(address, token, job_id, name, epoch=edge_epoch)
+            transport = link.transport(carrier, index, stage_spec.job_id, stage_spec.edge, edge_epoch)
         else:
             transport = link.ends[index] if edge_epoch == 0 else link.open_end(index, edge_epoch)
         edge = stage_edge(stage_spec, transport, stage_settings, edge_epoch)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from nebula_common.pki import ClusterPaths
 from nebula_common.rpc import ServiceServer
@@ -62,12 +62,12 @@ def running_auth(settings: AuthSettings) -> Iterator[AuthServerThread]:
 
 @contextmanager
 def accepting_switch(
-    work: Path, paths: ClusterPaths, peer_cluster_id: str, auth_address: str
+    work: Path, paths: ClusterPaths, peer_cluster_id: str, auth_address: str, **settings: Any
 ) -> Iterator[SwitchThread]:
     """The switch of ``paths.cluster_id`` accepting its peer's link, with state under ``work/switch``.
 
     Only ``accept`` is offered: a dialing switch would need a running peer, which in-process tests
-    of one cluster do not have.
+    of one cluster do not have. ``settings``: more of its ``SwitchSettings``.
     """
     switch = SwitchThread(
         SwitchSettings(
@@ -80,6 +80,7 @@ def accepting_switch(
             auth_address=auth_address,
             data_dir=work / "switch",
             metrics_port=-1,
+            **settings,
         )
     )
     try:

@@ -1,8 +1,9 @@
 """Edge behaviours every transport must keep: order, signals, exact integers, close, credit.
 
-Parametrized over the in-memory pair and a pair through two real mTLS switches (clusters a and
-b, each with its own auth server; a dials b). Link cuts are not tested over gRPC here: the
-switch that sends LinkNotice lands separately.
+Parametrized over the in-memory pair and pairs through two real mTLS switches (clusters a and b, each
+with its own auth server; a dials b): on OpenEdge streams (``grpc``) and as records on the switches'
+edge sockets, through a trainer's tickets and passed descriptors (``records``). Link cuts are not
+tested over the switches here: the switch that sends LinkNotice lands separately.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from services.trainer.edge import (
     EdgeConnection,
     EdgeRestartRequired,
     EdgeSettings,
-    GrpcEdgeTransport,
 )
 from services.trainer.edge.memory import MemoryLink
 from tests.support import edges as edge_support
@@ -39,7 +39,7 @@ READY, SYNC, EVAL_DONE, RESUME = (
 _jobs = itertools.count()
 
 
-@pytest.fixture(params=["memory", "grpc"])
+@pytest.fixture(params=["memory", "grpc", "records"])
 def open_pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     opened: list[EdgeConnection] = []
 
@@ -48,7 +48,7 @@ def open_pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
             pair = memory_pair(MemoryLink(max_window_bytes=settings.window_bytes), settings, **codecs)
         else:
             switches: SwitchPair = request.getfixturevalue("switches")
-            pair = switches.edge_pair(f"contract-{next(_jobs)}", settings, **codecs)
+            pair = switches.edge_pair(f"contract-{next(_jobs)}", settings, **codecs, carrier=request.param)
         opened.extend(pair)
         return pair
 
@@ -171,21 +171,19 @@ def test_a_header_above_max_frame_bytes_fails_the_edge() -> None:
         up.receive_tensor(0, 0, timeout=10)
 
 
-@pytest.fixture(params=["memory", "grpc"])
+@pytest.fixture(params=["memory", "grpc", "records"])
 def open_end(request: pytest.FixtureRequest) -> Iterator[Callable[[int, int], EdgeConnection]]:
     """``open_end(index, epoch)``: one end of this test's edge (0 upstream, 1 downstream) in ``epoch``."""
     opened: list[EdgeConnection] = []
     job = f"epochs-{next(_jobs)}"
     link = MemoryLink(max_window_bytes=SETTINGS.window_bytes)
-    switches: SwitchPair | None = request.getfixturevalue("switches") if request.param == "grpc" else None
+    switches: SwitchPair | None = request.getfixturevalue("switches") if request.param != "memory" else None
 
     def make(index: int, epoch: int) -> EdgeConnection:
         if switches is None:
             transport: object = link.ends[index] if epoch == 0 else link.open_end(index, epoch)
         else:
-            transport = GrpcEdgeTransport(
-                switches.addresses[index], switches.tokens[index], job, "up->down", epoch=epoch
-            )
+            transport = switches.transport(request.param, index, job, "up->down", epoch)
         edge = EdgeConnection(
             transport,  # type: ignore[arg-type]
             job_id=job,

@@ -10,6 +10,8 @@
 * ``connection``: ``EdgeConnection``, the tensor/signal API the pipeline loop uses (it owns
   the edge's codec streams);
 * ``grpc_transport``: the Relay.OpenEdge stream to this cluster's switch, reconnecting;
+* ``records_transport``: the edge as records on connections to the switch's edge socket, which a stage
+  process asks its trainer for (``socket_request``);
 * ``memory``: a connected in-memory pair with fault controls, for tests.
 """
 
@@ -27,6 +29,7 @@ from services.trainer.edge.errors import (
     renewed,
 )
 from services.trainer.edge.grpc_transport import GrpcEdgeTransport
+from services.trainer.edge.records_transport import Connector, RecordsEdgeTransport
 from services.trainer.edge.session import EdgeSession
 from services.trainer.edge.settings import INITIAL_WINDOW_BYTES, EdgeSettings
 
@@ -65,6 +68,19 @@ def grpc_edge_factory(switch_address: str, token: str | Callable[[], str]) -> Ed
     return open_edge
 
 
+def records_edge_factory(connect: Connector) -> EdgeFactory:
+    """A stage process's factory when its trainer names a switch edge socket: each edge as records on
+    connections ``connect`` returns (``socket_request.EdgeSocketRequester``: asked of the trainer)."""
+
+    def open_edge(spec: trainer_pb2.StageSpec, settings: EdgeSettings, epoch: int) -> EdgeConnection:
+        transport = RecordsEdgeTransport(
+            connect, spec.job_id, spec.edge, epoch=epoch, peer_cluster=spec.peer_cluster
+        )
+        return stage_edge(spec, transport, settings, epoch)
+
+    return open_edge
+
+
 __all__ = [
     "BACKWARD",
     "FORWARD",
@@ -79,7 +95,9 @@ __all__ = [
     "EdgeStats",
     "EdgeTimeout",
     "GrpcEdgeTransport",
+    "RecordsEdgeTransport",
     "grpc_edge_factory",
+    "records_edge_factory",
     "renewed",
     "stage_edge",
 ]

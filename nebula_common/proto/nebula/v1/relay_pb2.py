@@ -25,43 +25,47 @@ _sym_db = _symbol_database.Default()
 from nebula_common.proto.nebula.v1 import tensor_pb2 as nebula_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15nebula/v1/relay.proto\x12\tnebula.v1\x1a\x16nebula/v1/tensor.proto\"#\n\x11RenewEdgesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"6\n\x0fRenewEdgesReply\x12\x0f\n\x07renewed\x18\x01 \x01(\r\x12\x12\n\nexpires_at\x18\x02 \x01(\x03\"\x86\x01\n\x08\x45\x64geOpen\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04\x65\x64ge\x18\x02 \x01(\t\x12\x11\n\treconnect\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x14\n\x0clink_framing\x18\x05 \x01(\r\x12\x14\n\x0cpeer_cluster\x18\x06 \x01(\tJ\x04\x08\x07\x10\x08R\x08raw_edge\"*\n\tEdgeClose\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\x08\"\x9d\x01\n\tEdgeReady\x12\x14\n\x0cpeer_cluster\x18\x01 \x01(\t\x12\x18\n\x10max_window_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07link_up\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x14\n\x0clink_framing\x18\x05 \x01(\rJ\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08R\rraw_edge_portR\x0fraw_edge_ticket\",\n\x0b\x45\x64geRestart\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x85\x01\n\nEdgeSignal\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\tdirection\x18\x02 \x01(\x0e\x32\x14.nebula.v1.Direction\x12#\n\x04kind\x18\x03 \x01(\x0e\x32\x15.nebula.v1.SignalKind\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0e\n\x06values\x18\x05 \x03(\x01\"g\n\x07\x45\x64geAck\x12\'\n\tdirection\x18\x01 \x01(\x0e\x32\x14.nebula.v1.Direction\x12\x10\n\x08received\x18\x02 \x01(\x04\x12\x11\n\tmax_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06resume\x18\x04 \x01(\x08\"(\n\nLinkNotice\x12\n\n\x02up\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"_\n\nFramedItem\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04\x65\x64ge\x18\x02 \x01(\t\x12$\n\x04item\x18\x03 \x01(\x0b\x32\x16.nebula.v1.EdgeMessage\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\xfa\x02\n\x0b\x45\x64geMessage\x12#\n\x04open\x18\x01 \x01(\x0b\x32\x13.nebula.v1.EdgeOpenH\x00\x12\'\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x16.nebula.v1.TensorFrameH\x00\x12%\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x14.nebula.v1.EdgeCloseH\x00\x12%\n\x05ready\x18\x04 \x01(\x0b\x32\x14.nebula.v1.EdgeReadyH\x00\x12\'\n\x06signal\x18\x05 \x01(\x0b\x32\x15.nebula.v1.EdgeSignalH\x00\x12!\n\x03\x61\x63k\x18\x06 \x01(\x0b\x32\x12.nebula.v1.EdgeAckH\x00\x12\'\n\x06notice\x18\x07 \x01(\x0b\x32\x15.nebula.v1.LinkNoticeH\x00\x12)\n\x07restart\x18\x08 \x01(\x0b\x32\x16.nebula.v1.EdgeRestartH\x00\x12\'\n\x06\x66ramed\x18\t \x01(\x0b\x32\x15.nebula.v1.FramedItemH\x00\x42\x06\n\x04\x62ody\"G\n\x14GetLinkStatusRequest\x12\x14\n\x0cpeer_cluster\x18\x01 \x01(\t\x12\x19\n\x11measure_bandwidth\x18\x02 \x01(\x08\"W\n\x0cLinkCounters\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\x12\x11\n\traw_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x66rames\x18\x04 \x01(\x04\"\xeb\x03\n\nLinkStatus\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x15\n\rexpected_peer\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x1e\n\x16verified_peer_identity\x18\x04 \x01(\t\x12\x11\n\tlink_role\x18\x05 \x01(\t\x12%\n\x04sent\x18\x06 \x01(\x0b\x32\x17.nebula.v1.LinkCounters\x12)\n\x08received\x18\x07 \x01(\x0b\x32\x17.nebula.v1.LinkCounters\x12\x1f\n\x17peer_certificate_serial\x18\x08 \x01(\t\x12\x15\n\rlink_sessions\x18\t \x01(\x04\x12\x1a\n\x12\x63\x65rtificate_serial\x18\n \x01(\t\x12\x1d\n\x15\x63\x65rtificate_not_after\x18\x0b \x01(\x03\x12\x1e\n\x16\x63\x65rtificate_generation\x18\x0c \x01(\x04\x12\r\n\x05peers\x18\r \x03(\t\x12\x13\n\x0brtt_seconds\x18\x0e \x01(\x01\x12\x15\n\rbandwidth_bps\x18\x0f \x01(\x01\x12\x1d\n\x15\x62\x61ndwidth_age_seconds\x18\x10 \x01(\x01\x12\x17\n\x0fmin_rtt_seconds\x18\x11 \x01(\x01\x12\x14\n\x0clink_carrier\x18\x12 \x01(\t*\x89\x01\n\nSignalKind\x12\x1b\n\x17SIGNAL_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11SIGNAL_KIND_READY\x10\x01\x12\x14\n\x10SIGNAL_KIND_SYNC\x10\x02\x12\x19\n\x15SIGNAL_KIND_EVAL_DONE\x10\x03\x12\x16\n\x12SIGNAL_KIND_RESUME\x10\x04\x32\xd8\x01\n\x05Relay\x12>\n\x08OpenEdge\x12\x16.nebula.v1.EdgeMessage\x1a\x16.nebula.v1.EdgeMessage(\x01\x30\x01\x12G\n\rGetLinkStatus\x12\x1f.nebula.v1.GetLinkStatusRequest\x1a\x15.nebula.v1.LinkStatus\x12\x46\n\nRenewEdges\x12\x1c.nebula.v1.RenewEdgesRequest\x1a\x1a.nebula.v1.RenewEdgesReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15nebula/v1/relay.proto\x12\tnebula.v1\x1a\x16nebula/v1/tensor.proto\"6\n\x11\x45\x64geTicketRequest\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x13.nebula.v1.EdgeOpen\"3\n\nEdgeTicket\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x15\n\rexpires_in_ms\x18\x02 \x01(\r\"#\n\x11RenewEdgesRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"6\n\x0fRenewEdgesReply\x12\x0f\n\x07renewed\x18\x01 \x01(\r\x12\x12\n\nexpires_at\x18\x02 \x01(\x03\"\x86\x01\n\x08\x45\x64geOpen\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04\x65\x64ge\x18\x02 \x01(\t\x12\x11\n\treconnect\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x14\n\x0clink_framing\x18\x05 \x01(\r\x12\x14\n\x0cpeer_cluster\x18\x06 \x01(\tJ\x04\x08\x07\x10\x08R\x08raw_edge\"*\n\tEdgeClose\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\x08\"\x9d\x01\n\tEdgeReady\x12\x14\n\x0cpeer_cluster\x18\x01 \x01(\t\x12\x18\n\x10max_window_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07link_up\x18\x03 \x01(\x08\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x14\n\x0clink_framing\x18\x05 \x01(\rJ\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08R\rraw_edge_portR\x0fraw_edge_ticket\",\n\x0b\x45\x64geRestart\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x85\x01\n\nEdgeSignal\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\tdirection\x18\x02 \x01(\x0e\x32\x14.nebula.v1.Direction\x12#\n\x04kind\x18\x03 \x01(\x0e\x32\x15.nebula.v1.SignalKind\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x0e\n\x06values\x18\x05 \x03(\x01\"g\n\x07\x45\x64geAck\x12\'\n\tdirection\x18\x01 \x01(\x0e\x32\x14.nebula.v1.Direction\x12\x10\n\x08received\x18\x02 \x01(\x04\x12\x11\n\tmax_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06resume\x18\x04 \x01(\x08\"(\n\nLinkNotice\x12\n\n\x02up\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"_\n\nFramedItem\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04\x65\x64ge\x18\x02 \x01(\t\x12$\n\x04item\x18\x03 \x01(\x0b\x32\x16.nebula.v1.EdgeMessage\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"\xfa\x02\n\x0b\x45\x64geMessage\x12#\n\x04open\x18\x01 \x01(\x0b\x32\x13.nebula.v1.EdgeOpenH\x00\x12\'\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x16.nebula.v1.TensorFrameH\x00\x12%\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x14.nebula.v1.EdgeCloseH\x00\x12%\n\x05ready\x18\x04 \x01(\x0b\x32\x14.nebula.v1.EdgeReadyH\x00\x12\'\n\x06signal\x18\x05 \x01(\x0b\x32\x15.nebula.v1.EdgeSignalH\x00\x12!\n\x03\x61\x63k\x18\x06 \x01(\x0b\x32\x12.nebula.v1.EdgeAckH\x00\x12\'\n\x06notice\x18\x07 \x01(\x0b\x32\x15.nebula.v1.LinkNoticeH\x00\x12)\n\x07restart\x18\x08 \x01(\x0b\x32\x16.nebula.v1.EdgeRestartH\x00\x12\'\n\x06\x66ramed\x18\t \x01(\x0b\x32\x15.nebula.v1.FramedItemH\x00\x42\x06\n\x04\x62ody\"G\n\x14GetLinkStatusRequest\x12\x14\n\x0cpeer_cluster\x18\x01 \x01(\t\x12\x19\n\x11measure_bandwidth\x18\x02 \x01(\x08\"W\n\x0cLinkCounters\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x02 \x01(\x04\x12\x11\n\traw_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x66rames\x18\x04 \x01(\x04\"\xeb\x03\n\nLinkStatus\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x15\n\rexpected_peer\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x1e\n\x16verified_peer_identity\x18\x04 \x01(\t\x12\x11\n\tlink_role\x18\x05 \x01(\t\x12%\n\x04sent\x18\x06 \x01(\x0b\x32\x17.nebula.v1.LinkCounters\x12)\n\x08received\x18\x07 \x01(\x0b\x32\x17.nebula.v1.LinkCounters\x12\x1f\n\x17peer_certificate_serial\x18\x08 \x01(\t\x12\x15\n\rlink_sessions\x18\t \x01(\x04\x12\x1a\n\x12\x63\x65rtificate_serial\x18\n \x01(\t\x12\x1d\n\x15\x63\x65rtificate_not_after\x18\x0b \x01(\x03\x12\x1e\n\x16\x63\x65rtificate_generation\x18\x0c \x01(\x04\x12\r\n\x05peers\x18\r \x03(\t\x12\x13\n\x0brtt_seconds\x18\x0e \x01(\x01\x12\x15\n\rbandwidth_bps\x18\x0f \x01(\x01\x12\x1d\n\x15\x62\x61ndwidth_age_seconds\x18\x10 \x01(\x01\x12\x17\n\x0fmin_rtt_seconds\x18\x11 \x01(\x01\x12\x14\n\x0clink_carrier\x18\x12 \x01(\t*\x89\x01\n\nSignalKind\x12\x1b\n\x17SIGNAL_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11SIGNAL_KIND_READY\x10\x01\x12\x14\n\x10SIGNAL_KIND_SYNC\x10\x02\x12\x19\n\x15SIGNAL_KIND_EVAL_DONE\x10\x03\x12\x16\n\x12SIGNAL_KIND_RESUME\x10\x04\x32\xa0\x02\n\x05Relay\x12>\n\x08OpenEdge\x12\x16.nebula.v1.EdgeMessage\x1a\x16.nebula.v1.EdgeMessage(\x01\x30\x01\x12G\n\rGetLinkStatus\x12\x1f.nebula.v1.GetLinkStatusRequest\x1a\x15.nebula.v1.LinkStatus\x12\x46\n\nRenewEdges\x12\x1c.nebula.v1.RenewEdgesRequest\x1a\x1a.nebula.v1.RenewEdgesReply\x12\x46\n\x0fIssueEdgeTicket\x12\x1c.nebula.v1.EdgeTicketRequest\x1a\x15.nebula.v1.EdgeTicketb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nebula.v1.relay_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SIGNALKIND']._serialized_start=1958
-  _globals['_SIGNALKIND']._serialized_end=2095
-  _globals['_RENEWEDGESREQUEST']._serialized_start=60
-  _globals['_RENEWEDGESREQUEST']._serialized_end=95
-  _globals['_RENEWEDGESREPLY']._serialized_start=97
-  _globals['_RENEWEDGESREPLY']._serialized_end=151
-  _globals['_EDGEOPEN']._serialized_start=154
-  _globals['_EDGEOPEN']._serialized_end=288
-  _globals['_EDGECLOSE']._serialized_start=290
-  _globals['_EDGECLOSE']._serialized_end=332
-  _globals['_EDGEREADY']._serialized_start=335
-  _globals['_EDGEREADY']._serialized_end=492
-  _globals['_EDGERESTART']._serialized_start=494
-  _globals['_EDGERESTART']._serialized_end=538
-  _globals['_EDGESIGNAL']._serialized_start=541
-  _globals['_EDGESIGNAL']._serialized_end=674
-  _globals['_EDGEACK']._serialized_start=676
-  _globals['_EDGEACK']._serialized_end=779
-  _globals['_LINKNOTICE']._serialized_start=781
-  _globals['_LINKNOTICE']._serialized_end=821
-  _globals['_FRAMEDITEM']._serialized_start=823
-  _globals['_FRAMEDITEM']._serialized_end=918
-  _globals['_EDGEMESSAGE']._serialized_start=921
-  _globals['_EDGEMESSAGE']._serialized_end=1299
-  _globals['_GETLINKSTATUSREQUEST']._serialized_start=1301
-  _globals['_GETLINKSTATUSREQUEST']._serialized_end=1372
-  _globals['_LINKCOUNTERS']._serialized_start=1374
-  _globals['_LINKCOUNTERS']._serialized_end=1461
-  _globals['_LINKSTATUS']._serialized_start=1464
-  _globals['_LINKSTATUS']._serialized_end=1955
-  _globals['_RELAY']._serialized_start=2098
-  _globals['_RELAY']._serialized_end=2314
+  _globals['_SIGNALKIND']._serialized_start=2067
+  _globals['_SIGNALKIND']._serialized_end=2204
+  _globals['_EDGETICKETREQUEST']._serialized_start=60
+  _globals['_EDGETICKETREQUEST']._serialized_end=114
+  _globals['_EDGETICKET']._serialized_start=116
+  _globals['_EDGETICKET']._serialized_end=167
+  _globals['_RENEWEDGESREQUEST']._serialized_start=169
+  _globals['_RENEWEDGESREQUEST']._serialized_end=204
+  _globals['_RENEWEDGESREPLY']._serialized_start=206
+  _globals['_RENEWEDGESREPLY']._serialized_end=260
+  _globals['_EDGEOPEN']._serialized_start=263
+  _globals['_EDGEOPEN']._serialized_end=397
+  _globals['_EDGECLOSE']._serialized_start=399
+  _globals['_EDGECLOSE']._serialized_end=441
+  _globals['_EDGEREADY']._serialized_start=444
+  _globals['_EDGEREADY']._serialized_end=601
+  _globals['_EDGERESTART']._serialized_start=603
+  _globals['_EDGERESTART']._serialized_end=647
+  _globals['_EDGESIGNAL']._serialized_start=650
+  _globals['_EDGESIGNAL']._serialized_end=783
+  _globals['_EDGEACK']._serialized_start=785
+  _globals['_EDGEACK']._serialized_end=888
+  _globals['_LINKNOTICE']._serialized_start=890
+  _globals['_LINKNOTICE']._serialized_end=930
+  _globals['_FRAMEDITEM']._serialized_start=932
+  _globals['_FRAMEDITEM']._serialized_end=1027
+  _globals['_EDGEMESSAGE']._serialized_start=1030
+  _globals['_EDGEMESSAGE']._serialized_end=1408
+  _globals['_GETLINKSTATUSREQUEST']._serialized_start=1410
+  _globals['_GETLINKSTATUSREQUEST']._serialized_end=1481
+  _globals['_LINKCOUNTERS']._serialized_start=1483
+  _globals['_LINKCOUNTERS']._serialized_end=1570
+  _globals['_LINKSTATUS']._serialized_start=1573
+  _globals['_LINKSTATUS']._serialized_end=2064
+  _globals['_RELAY']._serialized_start=2207
+  _globals['_RELAY']._serialized_end=2495
 # @@protoc_insertion_point(module_scope)

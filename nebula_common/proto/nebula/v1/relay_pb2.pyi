@@ -21,6 +21,20 @@ SIGNAL_KIND_SYNC: SignalKind
 SIGNAL_KIND_EVAL_DONE: SignalKind
 SIGNAL_KIND_RESUME: SignalKind
 
+class EdgeTicketRequest(_message.Message):
+    __slots__ = ("open",)
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    open: EdgeOpen
+    def __init__(self, open: _Optional[_Union[EdgeOpen, _Mapping]] = ...) -> None: ...
+
+class EdgeTicket(_message.Message):
+    __slots__ = ("ticket", "expires_in_ms")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    expires_in_ms: int
+    def __init__(self, ticket: _Optional[bytes] = ..., expires_in_ms: _Optional[int] = ...) -> None: ...
+
 class RenewEdgesRequest(_message.Message):
     __slots__ = ("job_id",)
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

@@ -49,6 +49,11 @@ class RelayStub:
                 request_serializer=nebula_dot_v1_dot_relay__pb2.RenewEdgesRequest.SerializeToString,
                 response_deserializer=nebula_dot_v1_dot_relay__pb2.RenewEdgesReply.FromString,
                 _registered_method=True)
+        self.IssueEdgeTicket = channel.unary_unary(
+                '/nebula.v1.Relay/IssueEdgeTicket',
+                request_serializer=nebula_dot_v1_dot_relay__pb2.EdgeTicketRequest.SerializeToString,
+                response_deserializer=nebula_dot_v1_dot_relay__pb2.EdgeTicket.FromString,
+                _registered_method=True)
 
 
 class RelayServicer:
@@ -83,6 +88,23 @@ class RelayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def IssueEdgeTicket(self, request, context):
+        """A one-time ticket that opens `open`'s edge as records on this switch's
+        edge socket (a Unix socket, NEBULA_SWITCH_EDGE_SOCKET) instead of on an
+        OpenEdge stream. Authenticated exactly as OpenEdge (only a trainer's
+        certificate, a token of the job's owner or a job token of `open.job_id`)
+        and refused for the same reasons an open is refused before a stream
+        exists (no job or edge, another link framing, an unknown peer cluster,
+        the account's penalty backoff), each audited as a refused `edge.open`.
+        The ticket carries the caller's account, credential, token times and
+        certificate serial; the edge's route is attached (and checked again)
+        when the ticket is redeemed, as the first record on the edge socket
+        (services/switch/edge_socket.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RelayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -100,6 +122,11 @@ def add_RelayServicer_to_server(servicer, server):
                     servicer.RenewEdges,
                     request_deserializer=nebula_dot_v1_dot_relay__pb2.RenewEdgesRequest.FromString,
                     response_serializer=nebula_dot_v1_dot_relay__pb2.RenewEdgesReply.SerializeToString,
+            ),
+            'IssueEdgeTicket': grpc.unary_unary_rpc_method_handler(
+                    servicer.IssueEdgeTicket,
+                    request_deserializer=nebula_dot_v1_dot_relay__pb2.EdgeTicketRequest.FromString,
+                    response_serializer=nebula_dot_v1_dot_relay__pb2.EdgeTicket.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,6 +210,33 @@ class Relay:
             '/nebula.v1.Relay/RenewEdges',
             nebula_dot_v1_dot_relay__pb2.RenewEdgesRequest.SerializeToString,
             nebula_dot_v1_dot_relay__pb2.RenewEdgesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IssueEdgeTicket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nebula.v1.Relay/IssueEdgeTicket',
+            nebula_dot_v1_dot_relay__pb2.EdgeTicketRequest.SerializeToString,
+            nebula_dot_v1_dot_relay__pb2.EdgeTicket.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,125 @@
+"""The trainer's side of a stage's edge connections: checked, ticketed, connected, passed as a descriptor.
+
+With a switch edge socket configured (``NEBULA_TRAINER_SWITCH_EDGE_SOCKET``) a stage process carries
+its edges as records straight to the switch (``edge/records_transport.py``), but it cannot reach the
+switch's socket: its box has no network and no view of it, and it holds no token. On the stage's
+request (``edge/socket_request.py``, its own ``SOCK_SEQPACKET`` socketpair) the trainer:
+
+1. checks the open exactly as its proxy checks a gRPC one (``StageProxy.edge_refusal``: the stage's own
+   job and edges only), reporting a refusal the same way (``stage.refused``);
+2. asks the switch for a one-time ticket with the stage's job token and its own mutual-TLS identity
+   (``StageProxy.issue_ticket``, ``Relay/IssueEdgeTicket``); a refusal is passed on with its status;
+3. connects to the switch's edge socket, presents the ticket as the first record, and passes the
+   connected socket to the stage (``SCM_RIGHTS``), closing its own copy.
+
+The stage so sees its connection and nothing else: not the token, not the socket's path. A socket
+that is missing or refuses is answered ``UNAVAILABLE`` naming why (the stage retries with backoff);
+there is no other carrier to fall back to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+
+import grpc
+
+from nebula_common.proto.nebula.v1 import relay_pb2
+from services.trainer.edge.socket_request import MAX_REQUEST_BYTES, parse_request, reply
+from services.trainer.stage_proxy import StageProxy
+
+log = logging.getLogger(__name__)
+CONNECT_TIMEOUT_S = 10.0
+SOCKET_BUFFER_BYTES = 4 << 20
+"""Send and receive buffer of an edge connection (the kernel's ~208 KiB default blocks a chunk)."""
+
+
+def connect_edge_socket(path: str, ticket: bytes) -> socket.socket:
+    """A connection to the switch's edge socket at ``path`` with ``ticket`` presented (OSError if not)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        sock.settimeout(CONNECT_TIMEOUT_S)
+        sock.connect(path)
+        sock.sendall(len(ticket).to_bytes(4, "big") + ticket)
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class StageEdgeFds:
+    """Answers one stage's edge requests on ``sock`` (see the module doc), on a thread of its own."""
+
+    def __init__(self, sock: socket.socket, proxy: StageProxy, edge_socket: str, job_id: str) -> None:
+        self._sock = sock
+        self._proxy = proxy
+        self._edge_socket = edge_socket
+        self._job_id = job_id
+        self._thread = threading.Thread(target=self._serve, name=f"stage-edges-{job_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop answering (the stage is gone); its connections are its own and end with it."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(5)
+        self._sock.close()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                packet = self._sock.recv(MAX_REQUEST_BYTES + 8)
+            except OSError:
+                return
+            if not packet:
+                return
+            self._answer(packet)
+
+    def _answer(self, packet: bytes) -> None:
+        try:
+            request_id, opened = parse_request(packet)
+        except ValueError as exc:
+            self._proxy.refused(str(exc))
+            self._reply(0, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        refusal = self._proxy.edge_refusal(opened)
+        if refusal is not None:
+            self._proxy.refused(refusal)
+            self._reply(request_id, grpc.StatusCode.PERMISSION_DENIED, refusal)
+            return
+        try:
+            conn = self._connect(opened)
+        except grpc.RpcError as exc:
+            self._reply(request_id, exc.code(), exc.details() or "")
+            return
+        except OSError as exc:
+            reason = f"the switch's edge socket {self._edge_socket}: {exc}"
+            log.warning(
+                "no edge connection for a stage", extra={"fields": {"job_id": self._job_id, "reason": reason}}
+            )
+            self._reply(request_id, grpc.StatusCode.UNAVAILABLE, reason)
+            return
+        try:
+            socket.send_fds(self._sock, [reply(request_id, grpc.StatusCode.OK)], [conn.fileno()])
+        except OSError as exc:
+            log.warning("could not pass an edge connection to its stage: %s", exc)
+        finally:
+            conn.close()
+
+    def _connect(self, opened: relay_pb2.EdgeOpen) -> socket.socket:
+        return connect_edge_socket(self._edge_socket, self._proxy.issue_ticket(opened))
+
+    def _reply(self, request_id: int, code: grpc.StatusCode, message: str) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.send(reply(request_id, code, message))
+
+
+__all__ = ["StageEdgeFds", "connect_edge_socket"]
