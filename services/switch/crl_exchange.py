@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 from cryptography import x509
 
+from nebula_common.cancellation import raise_if_cancelling
 from nebula_common.pki import peer_certificate, peer_identity
 from nebula_common.pki.crl import CrlError, crl_number
 from nebula_common.proto.nebula.v1 import trust_pb2, trust_pb2_grpc
@@ -181,5 +182,6 @@ async def exchange_forever(
             log.info("CRL exchange with %s ended: %s %s", address, exc.code().name, exc.details())
         except Exception:  # one broken stream must not end revocation for good
             log.exception("CRL exchange with %s failed", address)
+        raise_if_cancelling()  # a stop whose cancellation an awaited call swallowed ends here
         await asyncio.sleep(backoff)
         backoff = min(backoff * 2, backoff_max_s)

@@ -32,6 +32,7 @@ from typing import NoReturn, Protocol
 
 import grpc
 
+from nebula_common.cancellation import raise_if_cancelling
 from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc.edge_records import MAX_EDGE_RECORD_BYTES, status_record
 from nebula_common.rpc.raw_record_bounds import RecordViolation
@@ -252,6 +253,7 @@ class EdgeSocket:
                 await self._refuse(stream, f"no edge ticket within {self.ticket_wait_s:g} s")
         finally:
             self._unticketed -= 1
+        raise_if_cancelling()  # a stop that reached the ticket's read as it finished (Python 3.11)
         if key is grpc.aio.EOF or not isinstance(key, bytes | memoryview):
             await self._refuse(stream, stream.violation or "the connection ended before its edge ticket")
         try:

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 from cryptography import x509
 
+from nebula_common.cancellation import raise_if_cancelling
 from nebula_common.pki import identity_from_certificate
 from nebula_common.proto.nebula.v1 import link_pb2
 from nebula_common.rpc.exporter_tls import TlsHandshakeError
@@ -148,6 +149,7 @@ class LinkDialer(LinkLanes, PeerChecks):
                     self.refuse("tls", f"peer's TLS certificate refused: {exc}")
                 detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                 log.warning("cannot link to peer at %s: %s (retry in %.1fs)", address, detail, backoff)
+            raise_if_cancelling()  # a stop that reached a finishing wait_for (Python 3.11) ends here
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
