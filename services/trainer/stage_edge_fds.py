@@ -15,13 +15,23 @@ request (``edge/socket_request.py``, its own ``SOCK_SEQPACKET`` socketpair) the 
 The stage so sees its connection and nothing else: not the token, not the socket's path. A socket
 that is missing or refuses is answered ``UNAVAILABLE`` naming why (the stage retries with backoff);
 there is no other carrier to fall back to.
+
+The trainer presents a ticket only to its switch: the listening end must be a socket file owned by the
+user it runs as, and that user must be root or the trainer's own (the two users a switch runs as beside
+its trainer: ``nebula local up`` as root boxes the trainer under a user of its own and leaves the switch
+root; otherwise and in compose both share one user). The kernel's word on the peer
+(``SO_PEERCRED``) decides, not the path: a process of any other user that binds or replaces the socket
+gets no ticket and no stage connection.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
+import stat
+import struct
 import threading
 
 import grpc
@@ -45,12 +55,30 @@ def connect_edge_socket(path: str, ticket: bytes) -> socket.socket:
                 sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         sock.settimeout(CONNECT_TIMEOUT_S)
         sock.connect(path)
+        check_switch_peer(sock, path)
         sock.sendall(len(ticket).to_bytes(4, "big") + ticket)
         sock.settimeout(None)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def check_switch_peer(sock: socket.socket, path: str) -> None:
+    """Raise PermissionError unless ``sock``'s peer may be this trainer's switch (see the module doc)."""
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    trusted = {0, os.geteuid()}
+    if uid not in trusted:
+        raise PermissionError(
+            f"the process listening there runs as user {uid}, not as root or this trainer's user "
+            f"{os.geteuid()}: not this cluster's switch, no ticket sent"
+        )
+    info = os.lstat(path)
+    if not stat.S_ISSOCK(info.st_mode) or info.st_uid != uid:
+        raise PermissionError(
+            f"the file there is not a socket of its listener's user {uid} (owner {info.st_uid}, mode "
+            f"{stat.filemode(info.st_mode)}): no ticket sent"
+        )
 
 
 class StageEdgeFds:
@@ -122,4 +150,4 @@ class StageEdgeFds:
             self._sock.send(reply(request_id, code, message))
 
 
-__all__ = ["StageEdgeFds", "connect_edge_socket"]
+__all__ = ["StageEdgeFds", "check_switch_peer", "connect_edge_socket"]

@@ -9,7 +9,11 @@ leave the switch serving everyone else.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -330,6 +334,46 @@ def test_a_missing_edge_socket_is_unavailable_naming_it(pair: SwitchPair, tmp_pa
     with pytest.raises(EdgeSocketRefused) as refused:
         request(_open("s-missing"))
     assert refused.value.code == grpc.StatusCode.UNAVAILABLE and missing in refused.value.message
+
+
+_IMPOSTOR = """
+import os, socket, sys
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(sys.argv[1]); server.listen(1); server.settimeout(60)
+print("listening", flush=True)
+conn, _ = server.accept(); conn.settimeout(60)
+received = b""
+while chunk := conn.recv(4096):
+    received += chunk
+print(len(received), flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="binding a socket as another user needs root")
+def test_a_socket_of_another_user_gets_no_ticket(pair: SwitchPair) -> None:
+    """A process of another user bound at the edge socket's path (a writable directory, a replaced file)
+    is not the switch: the trainer sends it nothing, and the stage is told why."""
+    directory = Path(tempfile.mkdtemp(prefix="nebula-impostor-"))  # pytest's own tmp is closed to others
+    directory.chmod(0o777)
+    path = str(directory / "switch.sock")
+    impostor = subprocess.Popen(
+        [sys.executable, "-c", _IMPOSTOR, path], stdout=subprocess.PIPE, text=True, cwd="/"
+    )
+    try:
+        assert impostor.stdout is not None
+        assert impostor.stdout.readline().strip() == "listening", "the impostor did not start"
+        request = _requester(pair, "s-impostor", [], edge_socket=path)
+        with pytest.raises(EdgeSocketRefused) as refused:
+            request(_open("s-impostor"))
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "runs as user 65534" in refused.value.message and "no ticket sent" in refused.value.message
+        received, _ = impostor.communicate(timeout=30)
+        assert received.strip() == "0", f"the impostor received {received.strip()} bytes"
+    finally:
+        impostor.kill()
+        impostor.wait(timeout=30)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_garbage_on_the_stages_request_channel_is_refused(pair: SwitchPair) -> None:
