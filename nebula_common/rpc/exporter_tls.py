@@ -2,16 +2,13 @@
 
 Why: Python's ``ssl`` offers no TLS exporter (RFC 8446 section 7.5), and sealed records must be keyed
 from the authenticated session, not from secrets of our own. pyOpenSSL (PyCA, on ``cryptography``'s
-OpenSSL) offers ``export_keying_material``. A connection that offers sealed records therefore runs its
-handshake here, with the very checks of the ``ssl`` contexts the raw link uses otherwise
-(``CertificateManager.ssl_context``): TLS 1.3 only, this switch's certificate chain and key, the peer's
-chain verified against the same trust bundle, a client certificate demanded by the server, the server's
-name checked by the client by RFC 6125 through PyCA's ``service-identity`` (subject alternative names;
-``ssl``'s ``check_hostname`` decides alike for every certificate our PKI issues). Revocation and the
-peer's identity are checked after the handshake on the peer certificate, as for every raw connection.
-
-``OpenSslSocket`` lets a connection that then keeps TLS records (the acceptor declined sealed ones) run
-on the raw I/O thread like an ``ssl.SSLSocket``.
+OpenSSL) offers ``export_keying_material``. The link's handshake therefore runs here, with the checks
+an ``ssl`` mutual-TLS context makes (``tests/unit/test_sealed_identity.py`` holds the two to the same
+answers): TLS 1.3 only, this switch's certificate chain and key, the peer's chain verified against the
+trust bundle, a client certificate demanded by the server, the server's name checked by the client by
+RFC 6125 through PyCA's ``service-identity`` (subject alternative names; ``ssl``'s ``check_hostname``
+decides alike for every certificate our PKI issues). Revocation and the peer's identity are checked
+after the handshake on the peer certificate, as for every link connection.
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ from __future__ import annotations
 import ipaddress
 import select
 import socket
-import ssl
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -165,58 +161,6 @@ def recv_exact(conn: SSL.Connection, sock: socket.socket, size: int, deadline: f
     return data
 
 
-class OpenSslSocket:
-    """A pyOpenSSL connection with the ``ssl.SSLSocket`` calls the raw I/O thread makes (its exceptions
-    mapped to ``ssl``'s), for a sealed-records offer that ended with TLS records."""
-
-    def __init__(self, conn: SSL.Connection, sock: socket.socket) -> None:
-        self._conn = conn
-        self._sock = sock
-
-    def fileno(self) -> int:
-        return self._sock.fileno()
-
-    def setblocking(self, flag: bool) -> None:
-        self._sock.setblocking(flag)
-
-    def settimeout(self, value: float | None) -> None:
-        self._sock.settimeout(value)
-
-    def setsockopt(self, level: int, option: int, value: int) -> None:
-        self._sock.setsockopt(level, option, value)
-
-    def pending(self) -> int:
-        return self._conn.pending()
-
-    def recv_into(self, buffer: memoryview, nbytes: int = 0) -> int:
-        try:
-            return self._conn.recv_into(buffer, nbytes or None)
-        except (SSL.ZeroReturnError, SSL.SysCallError):
-            return 0  # an end, clean or ragged, as ``ssl`` reports it (suppress_ragged_eofs)
-        except SSL.WantReadError:
-            raise ssl.SSLWantReadError() from None
-        except SSL.WantWriteError:
-            raise ssl.SSLWantWriteError() from None
-        except SSL.Error as exc:
-            raise ConnectionError(f"TLS receive failed: {_reason(exc)}") from None
-
-    def send(self, data: memoryview | bytes) -> int:
-        try:
-            return self._conn.send(data)
-        except SSL.WantWriteError:
-            raise ssl.SSLWantWriteError() from None
-        except SSL.WantReadError:
-            raise ssl.SSLWantReadError() from None
-        except SSL.Error as exc:
-            raise ConnectionError(f"TLS send failed: {_reason(exc)}") from None
-
-    def sendall(self, data: bytes) -> None:
-        send_all(self._conn, self._sock, data, time.monotonic() + 2.0)
-
-    def close(self) -> None:
-        self._sock.close()
-
-
 def _is_address(name: str) -> bool:
     try:
         ipaddress.ip_address(name.strip("[]"))
@@ -234,7 +178,6 @@ def _reason(exc: SSL.Error) -> str:
 
 
 __all__ = [
-    "OpenSslSocket",
     "TlsHandshakeError",
     "handshake",
     "name_matches",

@@ -1,13 +1,13 @@
 """The I/O thread of a ``RawConnection``: the one thread that touches its socket, and its hand-offs.
 
-The TLS socket belongs to this thread alone (OpenSSL objects are not shared between threads): it
-receives records straight into a reused buffer (``recv_into``), hands each complete message to the
-event loop, and sends queued messages without copying them; with sealed records
-(``sealed_records.py``) it seals each message's records itself and opens them through its
-``SealedReceiver`` (``sealed_receive.py``), and ends the connection when a sealed record stays incomplete
-with no byte of it arriving for ``read_timeout_s`` (a peer that stops mid-record cannot hold a reader).
-Encryption, decryption and the socket calls run with the GIL released, so the event loop keeps routing
-while bytes move.
+The socket belongs to this thread alone: it receives records straight into a reused buffer
+(``recv_into``), hands each complete message to the event loop, and sends queued messages without
+copying them. With sealed records (``sealed_records.py``, the link between switches) it seals each
+message's records itself and opens them through its ``SealedReceiver`` (``sealed_receive.py``), and
+ends the connection when a sealed record stays incomplete with no byte of it arriving for
+``read_timeout_s`` (a peer that stops mid-record cannot hold a reader); plain records (a local Unix
+socket: the switch's edge socket) carry the same framing unsealed. Encryption, decryption and the
+socket calls run with the GIL released, so the event loop keeps routing while bytes move.
 
 Hand-offs to the loop cost a system call and a wake-up each, so they happen only when the loop waits
 (``docs/bench/relay.md``): a received message goes into a deque and the loop is woken only if a reader
@@ -23,13 +23,11 @@ import asyncio
 import contextlib
 import select
 import socket
-import ssl
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
-from nebula_common.rpc.exporter_tls import OpenSslSocket
 from nebula_common.rpc.raw_record_bounds import END, SMALL_MESSAGE, RecordViolation
 from nebula_common.rpc.sealed_receive import SealedReceiver
 from nebula_common.rpc.sealed_records import (
@@ -51,7 +49,7 @@ def fresh_buffer(size: int) -> memoryview:
 class RawIoThread:
     """The I/O thread's loop and its hand-offs to the event loop (see the module doc)."""
 
-    sock: ssl.SSLSocket | socket.socket | OpenSslSocket
+    sock: socket.socket
     sealing: RecordSealing | None
     read_timeout_s: float
     max_message_bytes: int
@@ -144,7 +142,6 @@ class RawIoThread:
 
     def _pump(self) -> None:
         sock = self.sock
-        tls = isinstance(sock, (ssl.SSLSocket, OpenSslSocket))
         sealing = self.sealing
         receiver = SealedReceiver(sealing, self.views, fresh_buffer) if sealing is not None else None
         head_size = receiver.header_size if receiver is not None else 4
@@ -164,15 +161,11 @@ class RawIoThread:
                 if self._closing:
                     break
                 room = self._room
-            # Receive: as much as TLS has ready, while the session has room for messages.
-            wants_write_to_read = False
+            # Receive: as much as the socket has ready, while the session has room for messages.
             while room > 0:
                 try:
                     n = sock.recv_into(target[got:need])
-                except (ssl.SSLWantReadError, BlockingIOError):  # TLS / a plain socket: nothing ready
-                    break
-                except ssl.SSLWantWriteError:
-                    wants_write_to_read = True
+                except BlockingIOError:  # nothing ready
                     break
                 if n == 0:
                     if receiver is not None:
@@ -222,7 +215,7 @@ class RawIoThread:
                     room = self._room
                 self._post(message)
                 target, need, got, reading_head = head_view, head_size, 0, True
-            # Send: queued parts, each as one SSL_write (retried with the same bytes if it would block).
+            # Send: queued parts (the rest of a part retried when the socket takes it).
             blocked = False
             while True:
                 if current is None:
@@ -239,10 +232,8 @@ class RawIoThread:
                         current = memoryview(data).cast("B")
                 try:
                     sent = sock.send(current)
-                except (ssl.SSLWantWriteError, BlockingIOError):
+                except BlockingIOError:
                     blocked = True
-                    break
-                except ssl.SSLWantReadError:
                     break
                 current = current[sent:] if sent < len(current) else None
                 if current is None and whole:
@@ -253,10 +244,8 @@ class RawIoThread:
                 if self._closing:
                     break
                 room = self._room
-                if not blocked and not wants_write_to_read and (current is not None or self._outbox):
+                if not blocked and (current is not None or self._outbox):
                     continue  # written meanwhile
-                if room > 0 and tls and sock.pending():
-                    continue  # decrypted bytes already waiting in TLS
                 self._parked = True
             wait = 1.0
             inside = got or not reading_head
@@ -279,9 +268,7 @@ class RawIoThread:
             # poll, not select: a busy switch has descriptors above select's 1024.
             poller = select.poll()
             poller.register(self._wake_r, select.POLLIN)
-            events = (select.POLLIN if room > 0 else 0) | (
-                select.POLLOUT if blocked or wants_write_to_read else 0
-            )
+            events = (select.POLLIN if room > 0 else 0) | (select.POLLOUT if blocked else 0)
             if events:
                 poller.register(sock, events)
             woken = any(fd == self._wake_r.fileno() for fd, _ in poller.poll(wait * 1000))

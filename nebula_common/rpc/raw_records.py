@@ -1,6 +1,8 @@
-"""Whole messages as ``4-byte big-endian length + bytes`` records on a TLS socket, for asyncio.
+"""Whole messages as records on a socket, for asyncio: sealed (the link) or plain (the edge socket).
 
-The carrier of the switch-to-switch raw link (``services/switch/rawlink.py``). ``RawConnection`` gives
+The carrier of the switch-to-switch link (``services/switch/rawlink.py``: sealed records on the bare TCP
+connection after a mutual TLS 1.3 handshake) and of the switch's edge socket (``edge_socket.py``: plain
+``4-byte big-endian length + bytes`` records on a local Unix socket). ``RawConnection`` gives
 it the ``read`` / ``write`` pair a gRPC call gives (``read`` returns ``grpc.aio.EOF`` at a clean end),
 so the link's session code runs unchanged on either carrier.
 
@@ -16,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import ssl
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -25,7 +26,6 @@ import grpc
 from cryptography import x509
 
 from nebula_common.rpc.blocking_steps import in_thread
-from nebula_common.rpc.exporter_tls import OpenSslSocket
 from nebula_common.rpc.raw_io_thread import RawIoThread, fresh_buffer
 from nebula_common.rpc.raw_record_bounds import (
     END,
@@ -41,24 +41,15 @@ class RawConnectionError(ConnectionError):
     """A raw connection failed or was closed (the default error of ``RawConnection``)."""
 
 
-def peer_certificate(sock: socket.socket | OpenSslSocket) -> x509.Certificate | None:
-    """The peer's certificate on a TLS socket (None on a plain socket, or sealed records' bare one)."""
-    if not isinstance(sock, ssl.SSLSocket):
-        return None
-    der = sock.getpeercert(binary_form=True)
-    return x509.load_der_x509_certificate(der) if der else None
-
-
 class RawConnection(RawIoThread):
     """One raw connection after TLS: ``read`` / ``write`` of whole messages, as the gRPC call's.
 
-    ``sock`` is a TLS socket (``ssl``'s, or pyOpenSSL's after a declined sealed-records offer), or the
-    bare TCP socket under sealed records.
+    ``sock`` is the bare TCP socket under sealed records (``sealing``, after the TLS handshake whose
+    peer certificate is ``peer_cert``), or a local socket carrying plain records.
 
-    The TLS socket belongs to one I/O thread (OpenSSL objects are not shared between threads): it
-    receives records straight into a reused buffer (``recv_into``), hands each complete message to the
-    event loop, and sends queued messages without copying them (``SSLSocket.send`` of the message
-    itself). Encryption, decryption and the socket calls run with the GIL released, so the event loop
+    The socket belongs to one I/O thread: it receives records straight into a reused buffer
+    (``recv_into``), hands each complete message to the event loop, and sends queued messages without
+    copying them. Sealing, opening and the socket calls run with the GIL released, so the event loop
     keeps routing while bytes move.
 
     Hand-offs between the two threads cost a system call and a wake-up each, so they happen only when
@@ -71,7 +62,7 @@ class RawConnection(RawIoThread):
 
     def __init__(
         self,
-        sock: ssl.SSLSocket | socket.socket | OpenSslSocket,
+        sock: socket.socket,
         peer: str,
         loop: asyncio.AbstractEventLoop,
         send_buffer: int = 0,
@@ -102,7 +93,7 @@ class RawConnection(RawIoThread):
         #: ``memoryview`` of it (no copy); otherwise as ``bytes`` copied out of one reused buffer.
         self.views = views
         self.peer = peer
-        self.peer_cert = peer_cert if peer_cert is not None else peer_certificate(sock)
+        self.peer_cert = peer_cert
         self._loop = loop
         if send_buffer:
             # A fixed send buffer bounds what waits first-in first-out below the switch's fair scheduler,
@@ -247,5 +238,4 @@ __all__ = [
     "RawConnectionError",
     "fresh_buffer",
     "in_thread",
-    "peer_certificate",
 ]

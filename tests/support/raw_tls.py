@@ -1,9 +1,9 @@
-"""Mutual TLS 1.3 contexts from a test PKI's service certificates, for tests of ``RawConnection``.
+"""Mutual TLS 1.3 contexts from a test PKI's service certificates, for tests and benchmarks.
 
-``ssl``'s for TLS records, pyOpenSSL's (the same checks, with the TLS exporter) for sealed records.
-
-The switch's raw link builds its own from its certificate manager (``services/switch/certs.py``); these
-are the same construction for a socket pair made in a test or a benchmark.
+pyOpenSSL's (with the TLS exporter) are the link's construction, for sealed records; the switch builds
+its own from its certificate manager (``services/switch/certs.py``). ``ssl``'s are the reference they
+are held to (``tests/unit/test_sealed_identity.py``) and the one-hop TLS baseline of the relay
+benchmark (``bench/wan/tls_endpoint.py``).
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
-"""RawConnection: whole messages over real mutual TLS 1.3 on loopback (real certificates, real sockets).
-
-Every test uses a real socket pair, real certificates of a local PKI and mutual TLS 1.3 contexts
-(``tests/support/raw_tls.py``).
+"""RawConnection: whole messages as plain records (the edge socket's) and as sealed records after real
+mutual TLS 1.3 (the link's: real certificates of a local PKI, ``tests/support/raw_tls.py``), on real
+sockets. The handshake's accept and refuse decisions are ``tests/unit/test_sealed_identity.py``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-import ssl
 import time
 from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
-from OpenSSL import SSL
 
 from nebula_common.pki import init_pki
 from nebula_common.pki.service_identity import ServiceTlsFiles, ensure_service_certificates, service_tls_dir
@@ -25,14 +22,12 @@ from nebula_common.rpc.raw_record_bounds import READ_AHEAD
 from nebula_common.rpc.raw_records import RawConnection, RawConnectionError
 from nebula_common.rpc.sealed_negotiation import negotiate_acceptor, negotiate_dialer
 from tests.support.raw_tls import (
-    client_context,
     openssl_client_context,
     openssl_server_context,
-    server_context,
 )
 
 DEADLINE_S = 60.0
-SEALED = pytest.mark.parametrize("sealed", [False, True], ids=["tls-records", "sealed-records"])
+SEALED = pytest.mark.parametrize("sealed", [False, True], ids=["plain-records", "sealed-records"])
 
 
 @pytest.fixture(scope="module")
@@ -47,66 +42,40 @@ def identities(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ServiceTls
     return found
 
 
-_TWINS: dict[int, tuple[ssl.SSLContext, SSL.Context]] = {}
-"""Each ``ssl`` context made here with its pyOpenSSL twin (same files), for the sealed pairs."""
-
-
-def _server(files: ServiceTlsFiles) -> ssl.SSLContext:
-    context = server_context(str(files.cert), str(files.key), str(files.ca))
-    _TWINS[id(context)] = (context, openssl_server_context(str(files.cert), str(files.key), str(files.ca)))
-    return context
-
-
-def _client(files: ServiceTlsFiles, cluster: str) -> ssl.SSLContext:
-    context = client_context(str(files.cert), str(files.key), str(files.ca))
-    _TWINS[id(context)] = (context, openssl_client_context(str(files.cert), str(files.key), str(files.ca)))
-    return context
-
-
 async def _pair(
-    server: ssl.SSLContext, client: ssl.SSLContext, name: str, views: bool = True, sealed: bool = False
+    identities: dict[str, ServiceTlsFiles], *, sealed: bool, views: bool = True
 ) -> tuple[RawConnection, RawConnection]:
-    """A connected (client, server) pair after the TLS handshake, both on this loop; with ``sealed``
-    the handshake is pyOpenSSL's (the contexts' twins) and both ask for sealed records
-    (``nebula_common/rpc/sealed_negotiation.py``) after it."""
+    """A connected (client, server) pair on this loop: plain records on a socket pair (what the switch's
+    edge socket carries), or with ``sealed`` the link's construction: mutual TLS 1.3 through pyOpenSSL,
+    the sealed-records negotiation (``nebula_common/rpc/sealed_negotiation.py``), then sealed records on
+    the bare sockets."""
     left, right = socket.socketpair()
+    loop = asyncio.get_running_loop()
+    if not sealed:
+        return RawConnection(left, "server", loop, views=views), RawConnection(
+            right, "client", loop, views=views
+        )
     for sock in (left, right):
         sock.settimeout(10)
+    server_files, client_files = identities["switch-a"], identities["trainer-a"]
+    contexts = {
+        False: openssl_server_context(str(server_files.cert), str(server_files.key), str(server_files.ca)),
+        True: openssl_client_context(str(client_files.cert), str(client_files.key), str(client_files.ca)),
+    }
 
-    def connection(
-        sock: socket.socket, peer: str, loop: asyncio.AbstractEventLoop, dialer: bool
-    ) -> RawConnection:
-        if not sealed:
-            tls = (
-                client.wrap_socket(sock, server_hostname=name)
-                if dialer
-                else server.wrap_socket(sock, server_side=True)
-            )
-            return RawConnection(tls, peer, loop, views=views)
+    def connection(sock: socket.socket, peer: str, dialer: bool) -> RawConnection:
         deadline = time.monotonic() + 10
-        twin = _TWINS[id(client if dialer else server)][1]
-        conn, cert = handshake(sock, twin, server_name=name if dialer else None, deadline=deadline)
+        name = server_name("switch", "a") if dialer else None
+        conn, cert = handshake(sock, contexts[dialer], server_name=name, deadline=deadline)
         negotiate = negotiate_dialer if dialer else negotiate_acceptor
         carrier, sealing = negotiate(conn, sock, deadline)
-        assert sealing is not None
         return RawConnection(carrier, peer, loop, views=views, sealing=sealing, peer_cert=cert)
 
-    async def accept() -> RawConnection:
-        loop = asyncio.get_running_loop()
-        return await in_thread(lambda: connection(right, "client", loop, False), "test-accept")
-
-    async def dial() -> RawConnection:
-        loop = asyncio.get_running_loop()
-        return await in_thread(lambda: connection(left, "server", loop, True), "test-dial")
-
-    accepted, dialed = await asyncio.gather(accept(), dial(), return_exceptions=True)
-    for connection in (dialed, accepted):
-        if isinstance(connection, BaseException):
-            for other in (dialed, accepted):
-                if isinstance(other, RawConnection):
-                    await other.close()
-            raise connection  # the client's failure first: the server's follows from its alert
-    assert isinstance(dialed, RawConnection) and isinstance(accepted, RawConnection)
+    accepted, dialed = await asyncio.gather(
+        in_thread(lambda: connection(right, "client", False), "test-accept"),
+        in_thread(lambda: connection(left, "server", True), "test-dial"),
+    )
+    assert dialed.peer_cert is not None and accepted.peer_cert is not None
     return dialed, accepted
 
 
@@ -140,13 +109,7 @@ def test_messages_of_every_size_arrive_whole_and_in_order_both_ways(
     messages = [message[:size] for message, size in zip(messages, sizes, strict=True)]
 
     async def body() -> None:
-        client, server = await _pair(
-            _server(identities["switch-a"]),
-            _client(identities["trainer-a"], "a"),
-            server_name("switch", "a"),
-            sealed=sealed,
-        )
-        assert server.peer_cert is not None and client.peer_cert is not None
+        client, server = await _pair(identities, sealed=sealed)
 
         async def send(connection: RawConnection) -> None:
             for message in messages:
@@ -171,12 +134,7 @@ def test_a_large_message_is_handed_on_as_a_view_of_its_own_buffer(
     identities: dict[str, ServiceTlsFiles], sealed: bool
 ) -> None:
     async def body() -> None:
-        client, server = await _pair(
-            _server(identities["switch-a"]),
-            _client(identities["trainer-a"], "a"),
-            server_name("switch", "a"),
-            sealed=sealed,
-        )
+        client, server = await _pair(identities, sealed=sealed)
         payload = bytes(range(256)) * 4096  # 1 MiB
         await client.write(payload)
         await client.write(b"small")
@@ -196,12 +154,7 @@ def test_a_slow_reader_stops_the_connection_reading_and_loses_nothing(
     count = READ_AHEAD * 6
 
     async def body() -> None:
-        client, server = await _pair(
-            _server(identities["switch-a"]),
-            _client(identities["trainer-a"], "a"),
-            server_name("switch", "a"),
-            sealed=sealed,
-        )
+        client, server = await _pair(identities, sealed=sealed)
         chunk = 256 << 10
 
         async def send() -> None:
@@ -229,30 +182,13 @@ def test_a_slow_reader_stops_the_connection_reading_and_loses_nothing(
     _run(body)
 
 
-def test_a_connection_cut_inside_a_message_is_an_error_not_an_end(
-    identities: dict[str, ServiceTlsFiles],
-) -> None:
+def test_a_connection_cut_inside_a_message_is_an_error_not_an_end() -> None:
     async def body() -> None:
-        # The peer here is a plain blocking TLS socket this test alone drives: writing through a
-        # RawConnection's socket from outside its I/O thread would share one SSL object between two
-        # threads (the cause of this test's one failure in CI: nothing arrived before the end).
-        left, right = socket.socketpair()
-        for sock in (left, right):
-            sock.settimeout(10)
-        server_context = _server(identities["switch-a"])
-        client_context = _client(identities["trainer-a"], "a")
-
-        async def accept() -> RawConnection:
-            tls = await in_thread(lambda: server_context.wrap_socket(right, server_side=True), "test-accept")
-            return RawConnection(tls, "client", asyncio.get_running_loop())
-
-        dial = in_thread(
-            lambda: client_context.wrap_socket(left, server_hostname=server_name("switch", "a")), "test-dial"
-        )
-        server, peer = await asyncio.gather(accept(), dial)
-        # A record that promises 1 MiB, then the TCP connection ends.
+        peer, right = socket.socketpair()
+        server = RawConnection(right, "client", asyncio.get_running_loop())
+        # A record that promises 1 MiB, then the connection ends.
         await in_thread(lambda: peer.sendall((1 << 20).to_bytes(4, "big") + b"x" * 1000), "test-send")
-        socket.socket.shutdown(peer, socket.SHUT_WR)  # the TCP end, not TLS's close_notify
+        peer.shutdown(socket.SHUT_WR)
         with pytest.raises(RawConnectionError, match="ended inside a record"):
             await server.read()
         with pytest.raises(RawConnectionError):  # and it stays failed
@@ -263,13 +199,12 @@ def test_a_connection_cut_inside_a_message_is_an_error_not_an_end(
     _run(body)
 
 
+@SEALED
 def test_a_write_after_close_and_an_oversized_message_are_refused(
-    identities: dict[str, ServiceTlsFiles],
+    identities: dict[str, ServiceTlsFiles], sealed: bool
 ) -> None:
     async def body() -> None:
-        client, server = await _pair(
-            _server(identities["switch-a"]), _client(identities["trainer-a"], "a"), server_name("switch", "a")
-        )
+        client, server = await _pair(identities, sealed=sealed)
         with pytest.raises(RawConnectionError, match="exceeds the raw record limit"):
             await client.write(b"\0" * ((64 << 20) + 1))
         await client.close()
@@ -279,39 +214,6 @@ def test_a_write_after_close_and_an_oversized_message_are_refused(
         await server.close()
         with pytest.raises(RawConnectionError, match="closed by this switch"):
             await client.read()
-
-    _run(body)
-
-
-def test_the_handshake_checks_the_server_certificate(identities: dict[str, ServiceTlsFiles]) -> None:
-    """A server certificate of another cluster's CA, or the wrong pinned name, fails the handshake."""
-
-    async def body() -> None:
-        with pytest.raises(ssl.SSLCertVerificationError):
-            await _pair(
-                _server(identities["switch-b"]),
-                _client(identities["trainer-a"], "a"),
-                server_name("switch", "b"),
-            )
-        with pytest.raises(ssl.SSLCertVerificationError):
-            await _pair(
-                _server(identities["switch-a"]),
-                _client(identities["trainer-a"], "a"),
-                server_name("auth", "a"),
-            )
-
-    _run(body)
-
-
-def test_a_client_without_a_certificate_is_refused_by_the_server(
-    identities: dict[str, ServiceTlsFiles],
-) -> None:
-    async def body() -> None:
-        files = identities["trainer-a"]
-        bare = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        bare.load_verify_locations(cafile=str(files.ca))
-        with pytest.raises(ssl.SSLError, match=r"(?i)certificate"):
-            await _pair(_server(identities["switch-a"]), bare, server_name("switch", "a"))
 
     _run(body)
 
