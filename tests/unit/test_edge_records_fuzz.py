@@ -26,7 +26,8 @@ from nebula_common.rpc.edge_records import (
     parse_status_record,
     status_record,
 )
-from services.trainer.edge.records_transport import _Ended, _Fatal, _Reader
+from services.trainer.edge.reconnecting import EdgeFailed
+from services.trainer.edge.records_transport import _Ended, _Reader
 from services.trainer.edge.socket_request import parse_request
 
 pytestmark = pytest.mark.timeout(120)
@@ -76,7 +77,7 @@ def test_the_stage_reader_reads_records_or_fails_as_documented(records: list[byt
         try:
             while (record := reader.read()) is not None:
                 got.append(bytes(record))
-        except (_Ended, _Fatal):
+        except (_Ended, EdgeFailed):
             assert tail, "well-formed records ended in an error"
             return
         assert got[: len(records)] == records
@@ -86,5 +87,5 @@ def test_the_stage_reader_refuses_a_record_over_the_bound_before_reading_it() ->
     ours, theirs = socket.socketpair()
     with ours, theirs:
         theirs.sendall((MAX_EDGE_RECORD_BYTES + 1).to_bytes(4, "big"))
-        with pytest.raises(_Fatal, match="limit"):
+        with pytest.raises(EdgeFailed, match="limit"):
             _Reader(ours).read()
