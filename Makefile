@@ -191,7 +191,7 @@ bench-stage-isolation: $(STAMP)
 	status=$$?; git worktree remove --force bench-results/baseline-tree; exit $$status
 
 # Every test but the long fault scenarios (marker `faults`: `make test-faults`, `make test-stop`; CI runs
-# all three). About 9 minutes on a quiet 2-core machine.
+# all three). About 9.5 minutes on a quiet 2-core machine; the 25 slowest are in CI's log.
 test: $(STAMP)
 	$(BIN)/python tools/gen_proto.py --check
 	$(BIN)/python tools/check_layers.py
@@ -201,8 +201,9 @@ test: $(STAMP)
 # The long fault scenarios, each on a deployment of its own: WAN outages and link loss mid-job, killed
 # services healing, a trainer killed mid-job, the outage limit, `local up` after a kill, a small job beside a
 # big neighbour on the paced link; and the `long`
-# scenarios kept out of `make test` (many jobs, four-rank sharding, ABNet's bottleneck and HF models)
-# (about 10 minutes on a quiet 2-core machine). The SIGTERM matrix (also marked `faults`) is
+# scenarios kept out of `make test` (many jobs, sharded stages on rank processes, resharded checkpoints,
+# the gpipe pipeline on a deployment, ABNet's bottleneck and HF models)
+# (about 25 minutes on CI's 2 cores). The SIGTERM matrix (also marked `faults`) is
 # `make test-stop`, which repeats each case.
 test-faults: $(STAMP)
 	$(BIN)/pytest -q -m "faults or long" tests/integration tests/unit --ignore=tests/integration/test_service_stop.py $(PYTEST_ARGS)

@@ -77,7 +77,7 @@ def assert_matches(summary: JobSummary, states: dict, reference: UnsplitResult, 
             torch.testing.assert_close(tensor, reference.state_dicts[stage][name], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.long), "1f1b"])  # gpipe: CI
 def test_pipelined_split_run_equals_the_sequential_unsplit_run(
     schedule: str, deployment: LocalDeployment, sessions: dict[str, ClusterSession]
 ) -> None:

@@ -26,7 +26,7 @@ from tests.support.stage_log import STAGE_LOGGER, stage_running
 from tests.support.torch_threads import one_torch_thread
 from tests.unit.test_stage_chain import EXAMPLE, chain_job, check_equals_unsplit, run_chain
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.long]  # rank processes: `make test-faults`
 STEPS = 20
 # Generous: 4 rank processes each import torch and set up FSDP2 first; on 2 cores at load 35+ that
 # alone took over 240 s once.

@@ -22,7 +22,7 @@ from services.trainer.edge.memory import MemoryLink
 from tests.support.edges import StageRun, run_stages
 from tests.support.torch_threads import one_torch_thread
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.long]  # two-rank stages: `make test-faults`
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digit_sum" / "job.yaml"
 SETTINGS = EdgeSettings(window_bytes=1 << 20, max_outage_s=20.0, retransmit_s=0.3, ready_timeout_s=60)

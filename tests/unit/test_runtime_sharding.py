@@ -219,7 +219,11 @@ def saved_on_two(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 
 
 @pytest.mark.parametrize(
-    ("world", "parallel"), [(1, "plain"), pytest.param(4, "hsdp", marks=pytest.mark.long)]
+    ("world", "parallel"),
+    [  # resharding checkpoints: `make test-faults`
+        pytest.param(1, "plain", marks=pytest.mark.long),
+        pytest.param(4, "hsdp", marks=pytest.mark.long),
+    ],
 )
 def test_a_checkpoint_saved_on_two_ranks_resumes_on_another_count_with_the_same_next_loss(
     saved_on_two: tuple[Path, dict], world: int, parallel: str, tmp_path: Path
