@@ -21,6 +21,7 @@ from nebula_common.audit.log import AuditError
 from nebula_common.audit.seal_keeper import SealPosition
 from nebula_common.audit.signing import SealVerifier
 from nebula_common.proto.nebula.v1 import audit_signer_pb2, audit_signer_pb2_grpc
+from nebula_common.rpc.unix_paths import held_directory_path
 
 __all__ = ["MAX_MESSAGE_BYTES", "TIMEOUT_S", "RemoteSigner", "short_unix_target"]
 
@@ -37,8 +38,8 @@ def short_unix_target(path: Path) -> tuple[int, str]:
     kernel resolves to it on bind and on connect. The caller keeps the descriptor open as long as the
     target is used (gRPC reconnects through it) and closes it after.
     """
-    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    return fd, f"unix:/proc/self/fd/{fd}/{path.name}"
+    fd, short = held_directory_path(path)
+    return fd, f"unix:{short}"
 
 
 class RemoteSigner:

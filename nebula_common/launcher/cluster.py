@@ -354,14 +354,13 @@ class ClusterLauncher:
             env["PEER_CRL"] = str(peer_crl)
         if peer_address is not None:
             env["PEER_ADDRESS"] = peer_address
-        edge_socket = edge_socket_path(self.run_dir, cluster)
-        if edge_socket is not None:  # the stages' edges, as records (``launcher/edge_socket.py``)
-            env["EDGE_SOCKET"] = str(edge_socket)
+        edge_socket = edge_socket_path(self.run_dir, cluster)  # the stages' edges, as records
+        env["EDGE_SOCKET"] = str(edge_socket)
         fixed = {"WAN_LISTEN": wan_listen} if wan_listen is not None else {}
         crls = [peer_crl] if isinstance(peer, str) else [each.crl for each in peer]
         own = [paths.switch_cert, paths.switch_key, paths.trust_bundle, paths.crl, *(c for c in crls if c)]
         elsewhere = tuple(p for p in own if not p.is_relative_to(paths.dir))  # an operator's own layout
-        sockets = (edge_socket.parent,) if edge_socket is not None else ()
+        sockets = (edge_socket.parent,)
         box = self._box(
             state, "switch", self.run_dir / cluster / "switch", elsewhere, pki=paths, writable=sockets
         )
@@ -375,15 +374,13 @@ class ClusterLauncher:
         cluster = state.cluster_id
         data_dir = self.run_dir / cluster / "trainer"
         box, extra = None, {}
-        edge_socket = edge_socket_path(self.run_dir, cluster)
-        if edge_socket is not None:  # its stages' edges go to the switch's edge socket as records
-            extra["SWITCH_EDGE_SOCKET"] = str(edge_socket)
+        edge_socket = edge_socket_path(self.run_dir, cluster)  # its stages' edges, as records
+        extra["SWITCH_EDGE_SOCKET"] = str(edge_socket)
         if self.boxed is None:
             self.boxed = boxes_enabled()
         if self.boxed:  # its own directories, user and control groups (``trainer_box.py``)
             identity = state.service_tls["trainer"].dir if "trainer" in state.service_tls else None
-            sockets = (edge_socket.parent,) if edge_socket is not None else ()
-            state.trainer_box = TrainerBox(data_dir, identity, self.shares + sockets)
+            state.trainer_box = TrainerBox(data_dir, identity, (*self.shares, edge_socket.parent))
             extra.update(state.trainer_box.prepare())
             box = state.trainer_box.box()
         state.trainer = self.launch(

@@ -11,31 +11,18 @@ ticket, not the file's mode.
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
-log = logging.getLogger(__name__)
 
-SOCKET_PATH_LIMIT = 107
-"""Longest path a Unix socket can be bound at (``sun_path`` is 108 bytes with its terminating zero)."""
-
-
-def edge_socket_path(run_dir: Path, cluster: str) -> Path | None:
-    """The switch's edge socket of ``cluster``, its directory made; None if the path is too long to bind
-    (the deployment then keeps gRPC edges for this cluster, and says so)."""
+def edge_socket_path(run_dir: Path, cluster: str) -> Path:
+    """The switch's edge socket of ``cluster``, its directory made. A path longer than a Unix socket
+    address holds is bound and reached through its directory's descriptor
+    (``nebula_common/rpc/unix_paths.py``), so every run directory gets records edges."""
     directory = Path(run_dir) / cluster / "edges"
-    path = directory / "switch.sock"
-    if len(os.fsencode(path)) > SOCKET_PATH_LIMIT:
-        log.warning(
-            "the run directory's path is too long for a Unix socket: this cluster's stages carry their "
-            "edges over gRPC through their trainer's proxy",
-            extra={"fields": {"cluster": cluster, "path": str(path)}},
-        )
-        return None
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o711)
-    return path
+    return directory / "switch.sock"
 
 
-__all__ = ["SOCKET_PATH_LIMIT", "edge_socket_path"]
+__all__ = ["edge_socket_path"]

@@ -37,6 +37,7 @@ from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc.edge_records import MAX_EDGE_RECORD_BYTES, status_record
 from nebula_common.rpc.raw_record_bounds import RecordViolation
 from nebula_common.rpc.raw_records import RawConnection, RawConnectionError
+from nebula_common.rpc.unix_paths import bind_unix
 from services.switch.edge_stream import EdgeStream, TrainerVanished
 from services.switch.edge_tickets import EdgeTickets, TicketError
 from services.switch.link import PeerLink
@@ -138,7 +139,7 @@ def bind_socket(path: Path) -> socket.socket:
         path.unlink()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        listener.bind(str(path))
+        bind_unix(listener, str(path))  # at any depth (``unix_paths.py``)
         os.chmod(path, 0o666)
         listener.listen(128)
         listener.setblocking(False)

@@ -37,6 +37,7 @@ import threading
 import grpc
 
 from nebula_common.proto.nebula.v1 import relay_pb2
+from nebula_common.rpc.unix_paths import connect_unix
 from services.trainer.edge.socket_request import MAX_REQUEST_BYTES, parse_request, reply
 from services.trainer.stage_proxy import StageProxy
 
@@ -54,7 +55,7 @@ def connect_edge_socket(path: str, ticket: bytes) -> socket.socket:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         sock.settimeout(CONNECT_TIMEOUT_S)
-        sock.connect(path)
+        connect_unix(sock, path)  # at any depth (``unix_paths.py``)
         check_switch_peer(sock, path)
         sock.sendall(len(ticket).to_bytes(4, "big") + ticket)
         sock.settimeout(None)

@@ -30,6 +30,7 @@ from nebula_common.rpc import bearer_metadata
 from nebula_common.rpc.edge_records import MAX_EDGE_RECORD_BYTES, parse_status_record
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION, encode_chunk
 from nebula_common.rpc.internal_tls import internal_channel
+from nebula_common.rpc.unix_paths import SUN_PATH_LIMIT, connect_unix
 from services.switch.edge_socket import EdgeSocket
 from services.trainer.edge.socket_request import EdgeSocketRefused, EdgeSocketRequester
 from services.trainer.stage_edge_fds import StageEdgeFds
@@ -43,7 +44,12 @@ ISSUE = "/nebula.v1.Relay/IssueEdgeTicket"
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory, pki_ab: PkiLayout) -> Iterator[SwitchPair]:
-    with switch_pair(tmp_path_factory.mktemp("edge-socket"), pki_ab, edge_sockets=True) as switches:
+    # Deeper than a Unix socket address holds: every test here also proves the socket is bound and
+    # reached at such a path (``nebula_common/rpc/unix_paths.py``), as a long run directory makes it.
+    work = tmp_path_factory.mktemp("edge-socket") / ("a-run-directory-deep-in-a-home-" * 3)
+    work.mkdir()
+    with switch_pair(work, pki_ab, edge_sockets=True) as switches:
+        assert all(len(os.fsencode(path)) > SUN_PATH_LIMIT for path in switches.edge_sockets)
         yield switches
 
 
@@ -94,7 +100,7 @@ class _Client:
     def __init__(self, path: str) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(30)
-        self.sock.connect(path)
+        connect_unix(self.sock, path)
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(len(data).to_bytes(4, "big") + data)
