@@ -4,6 +4,12 @@ The probe runs the job's own stage programs here, every cut as the split run has
 leaf on the far side), so it measures each stage's forward and backward and each edge's tensor
 shape without any cluster. The trainers compute on one intra-op thread by default, and so does
 the probe.
+
+Each span is the probing thread's CPU time (``time.thread_time``), not the wall clock: the probe runs
+while the switches measure the link and, on a shared host, beside whatever else runs there, and a wall
+clock would count the waits for a core as the job's compute (2.5-3.5x with every core busy,
+``tests/unit/test_job_probe.py``). With one intra-op thread, torch's forward and the autograd engine's
+CPU backward both run on the calling thread, so its CPU time is the compute.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ def probe_micro_batch(job: ProgramJob, repeats: int = PROBE_REPEATS) -> MicroBat
 
     The first run is not timed (torch allocates and initialises lazily, so a cold first
     micro-batch costs many warm ones); each stage's forward and backward is the median of
-    ``repeats`` runs after it, on one intra-op thread as the trainers compute by default.
+    ``repeats`` runs after it, in CPU time of one intra-op thread as the trainers compute by default.
     """
     with one_torch_thread():
         return _probe(job, repeats)
@@ -89,22 +95,22 @@ def _probe(job: ProgramJob, repeats: int) -> MicroBatchProbe:
     shapes: tuple[tuple[int, ...], ...] = ()
     samples: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     for run in range(repeats + 1):
-        marks = [time.perf_counter()]
+        marks = [time.thread_time()]
         cuts: list[tuple[torch.Tensor, torch.Tensor]] = []
         states = first.forward(first.batch(ids))
         for middle in middles:  # a chain: every cut as the split run has it (a leaf on the far side)
-            marks.append(time.perf_counter())
+            marks.append(time.thread_time())
             received = states.detach().requires_grad_(True)
             cuts.append((states, received))
             states = middle.relay(received, ids)
-        marks.append(time.perf_counter())
+        marks.append(time.thread_time())
         received = states.detach().requires_grad_(True)
         cuts.append((states, received))
         last.loss(received, last.batch(ids)).backward()
-        marks.append(time.perf_counter())
+        marks.append(time.thread_time())
         for sent, leaf in reversed(cuts):  # stage k's backward, from the last cut's sender down
             sent.backward(_grad(leaf))
-            marks.append(time.perf_counter())
+            marks.append(time.thread_time())
         shapes = tuple(tuple(sent.shape) for sent, _ in cuts)
         samples = tuple((sent.detach(), _grad(leaf)) for sent, leaf in cuts)
         if run == 0:
