@@ -15,8 +15,12 @@ ticket runs the edge's common body (``RelayServicer.serve_edge``) on a ``Records
 checks, bounds, throttle, credits and audit records as an OpenEdge stream. Records are bounded
 (``MAX_EDGE_RECORD_BYTES``, checked from the header before any buffer), a record that stays
 incomplete with no byte arriving for ``STALL_S`` ends the connection, and at most
-``MAX_UNTICKETED`` connections may wait for their ticket at once: a local peer that stalls holds
-nothing for long. The socket's file mode is defence in depth; the ticket is the boundary.
+``MAX_UNTICKETED`` connections may wait for their ticket at once: a new one beyond that ends the one
+that has waited longest (``RESOURCE_EXHAUSTED``, which a stage retries). A trainer writes its ticket
+as it connects, so its connection is read at once; a local peer that opens connections and sends
+nothing (a stage in a container, where the socket's directory is visible to it) only pushes out its
+own older ones and cannot keep a genuine edge from opening. The socket's file mode is defence in
+depth; the ticket is the boundary.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import logging
 import os
 import socket
 import stat
+from asyncio import FIRST_COMPLETED
 from pathlib import Path
 from typing import NoReturn, Protocol
 
@@ -51,7 +56,7 @@ TICKET_WAIT_S = 10.0
 STALL_S = 60.0
 """How long a record may stay incomplete with no byte arriving (the link's dead-peer ceiling)."""
 MAX_UNTICKETED = 64
-"""Connections waiting for their ticket at once; more are refused at once."""
+"""Connections waiting for their ticket at once; a new one beyond that ends the longest waiting."""
 SOCKET_BUFFER_BYTES = 4 << 20
 """Send and receive buffer of an edge connection (the kernel's ~208 KiB default blocks a chunk)."""
 
@@ -170,7 +175,8 @@ class EdgeSocket:
         self._listener: socket.socket | None = None
         self._acceptor: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._unticketed = 0
+        #: Connections waiting for their ticket, oldest first, each with the future that pushes it out.
+        self._waiting: dict[RecordsEdgeStream, asyncio.Future[None]] = {}
 
     async def start(self, path: str) -> str:
         """Listen at ``path``; the relay then issues tickets for it."""
@@ -242,19 +248,28 @@ class EdgeSocket:
 
     async def _serve(self, stream: RecordsEdgeStream) -> None:
         """The ticket, then the edge's common body."""
-        if self._unticketed >= MAX_UNTICKETED:
-            await self._refuse(
-                stream, f"more than {MAX_UNTICKETED} edge socket connections wait for a ticket"
-            )
-        self._unticketed += 1
+        if len(self._waiting) >= MAX_UNTICKETED:
+            oldest, pushed_out = next(iter(self._waiting.items()))
+            del self._waiting[oldest]
+            pushed_out.set_result(None)
+        pushed_out = asyncio.get_running_loop().create_future()
+        self._waiting[stream] = pushed_out
+        reading = asyncio.ensure_future(stream.read())
         try:
-            try:
-                key = await asyncio.wait_for(stream.read(), self.ticket_wait_s)
-            except TimeoutError:
-                await self._refuse(stream, f"no edge ticket within {self.ticket_wait_s:g} s")
+            await asyncio.wait({reading, pushed_out}, timeout=self.ticket_wait_s, return_when=FIRST_COMPLETED)
         finally:
-            self._unticketed -= 1
-        raise_if_cancelling()  # a stop that reached the ticket's read as it finished (Python 3.11)
+            self._waiting.pop(stream, None)
+            if not reading.done():
+                reading.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reading
+        raise_if_cancelling()  # a stop that reached the ticket's read as it finished
+        if not reading.done() or reading.cancelled():
+            if pushed_out.done():
+                reason = f"{MAX_UNTICKETED} newer edge socket connections waited for a ticket"
+                await self._refuse(stream, reason, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await self._refuse(stream, f"no edge ticket within {self.ticket_wait_s:g} s")
+        key = reading.result()
         if key is grpc.aio.EOF or not isinstance(key, bytes | memoryview):
             await self._refuse(stream, stream.violation or "the connection ended before its edge ticket")
         try:
@@ -275,7 +290,9 @@ class EdgeSocket:
         log.warning("edge socket connection broke the record bounds: %s", reason)
         self.relay.link.record("edge.refused", outcome="refused", reason=reason, transport=TRANSPORT)
 
-    async def _refuse(self, stream: RecordsEdgeStream, reason: str) -> NoReturn:
+    async def _refuse(
+        self, stream: RecordsEdgeStream, reason: str, code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED
+    ) -> NoReturn:
         """A connection without a valid ticket: audited (``edge.open`` refused) and told why.
 
         Anyone who can reach the socket can be refused here, so the records go through the switch's
@@ -284,11 +301,9 @@ class EdgeSocket:
         """
         refusals = self.relay.link.refusals
         if refusals is None:
-            await self.relay._refuse_open(
-                stream, grpc.StatusCode.UNAUTHENTICATED, reason, transport=TRANSPORT
-            )
+            await self.relay._refuse_open(stream, code, reason, transport=TRANSPORT)
         refusals.refused("edge.open", "ticket", reason, {"transport": TRANSPORT, "address": self.path})
-        await stream.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+        await stream.abort(code, reason)
 
 
 __all__ = ["MAX_UNTICKETED", "STALL_S", "TICKET_WAIT_S", "TRANSPORT", "EdgeSocket", "RecordsEdgeStream"]

@@ -31,7 +31,7 @@ from nebula_common.rpc.edge_records import MAX_EDGE_RECORD_BYTES, parse_status_r
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION, encode_chunk
 from nebula_common.rpc.internal_tls import internal_channel
 from nebula_common.rpc.unix_paths import SUN_PATH_LIMIT, connect_unix
-from services.switch.edge_socket import EdgeSocket
+from services.switch.edge_socket import MAX_UNTICKETED, EdgeSocket
 from services.trainer.edge.socket_request import EdgeSocketRefused, EdgeSocketRequester
 from services.trainer.stage_edge_fds import StageEdgeFds
 from services.trainer.stage_proxy import StageProxy
@@ -212,6 +212,25 @@ def test_a_connection_that_sends_no_ticket_is_refused_in_time(pair: SwitchPair, 
     assert code == grpc.StatusCode.UNAUTHENTICATED and "no edge ticket within" in message
     _audited(pair, "edge.open", "no edge ticket within")
     _still_serves(pair, "h-after-silence")
+
+
+def test_connections_that_never_send_a_ticket_cannot_keep_a_genuine_edge_out(pair: SwitchPair) -> None:
+    """A local peer (a stage in a container sees the socket's directory) opens more silent connections
+    than may wait for a ticket: each new one pushes out the longest waiting, told to retry, and a
+    genuine connection, whose ticket comes with it, still opens its edge."""
+    extra = 8
+    flood = [_Client(pair.edge_sockets[0]) for _ in range(MAX_UNTICKETED + extra)]
+    try:
+        _still_serves(pair, "h-beside-a-flood")
+        for pushed in flood[: extra + 1]:  # the oldest: pushed out by the newer flood and the genuine one
+            code, message = pushed.status()
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, message)
+            assert "newer edge socket connections waited for a ticket" in message
+        _audited(pair, "edge.open", "newer edge socket connections waited for a ticket")
+    finally:
+        for silent in flood:
+            silent.close()
+    _still_serves(pair, "h-after-the-flood")
 
 
 def test_a_ticket_is_used_once(pair: SwitchPair) -> None:
