@@ -32,6 +32,7 @@ DEFAULT_IMAGE = "localhost/nebula:dev"
 BUILD_FILE = "docker-compose.yml"
 ADMIN_PASSWORD = "/etc/nebula/admin/admin-password"
 INTERNAL_CA = "/etc/nebula/internal-tls/ca.crt"
+SWITCH_AUDIT_LOG = "/var/lib/nebula/switch/audit.log"
 
 
 class SmokeFailure(Exception):
@@ -122,6 +123,30 @@ class Compose:
             subprocess.run([*self.base, "down", "-v"], capture_output=True, timeout=timeout, cwd=ROOT)
         except (OSError, subprocess.TimeoutExpired) as exc:
             print(f"`{shlex.join([*self.base, 'down', '-v'])}` failed: {exc}", file=sys.stderr)
+
+
+def edge_transports(compose: Compose, switch: str, job_id: str) -> list[str]:
+    """The carrier of each edge of ``job_id`` that ``switch`` opened: its audit log's ``edge.open``
+    records (``transport`` is absent for gRPC, ``records`` on the edge socket)."""
+    opened = []
+    for line in compose("exec", "-T", switch, "cat", SWITCH_AUDIT_LOG).splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if (record.get("event"), record.get("job_id"), record.get("outcome")) == ("edge.open", job_id, "ok"):
+            opened.append(str((record.get("details") or {}).get("transport", "grpc")))
+    return opened
+
+
+def check_records_edges(compose: Compose, switches: Iterable[str], job_id: str) -> dict[str, list[str]]:
+    """Every switch in ``switches`` opened edges of ``job_id``, each as records on its edge socket (the
+    carrier a compose deployment gives its stages); switch -> the transports seen, or SmokeFailure."""
+    seen = {switch: edge_transports(compose, switch, job_id) for switch in switches}
+    for switch, transports in seen.items():
+        check(transports, f"{switch} opened no edge of job {job_id} (its audit log has no edge.open)")
+        check(
+            set(transports) == {"records"},
+            f"{switch} opened edges of job {job_id} as {transports}, not all records on its edge socket",
+        )
+    return seen
 
 
 def logs(container: str) -> str:

@@ -9,7 +9,11 @@
 1. waits until both switches report the WAN link up (GetLinkStatus) and prints the verified peers;
 2. each cluster's admin creates a user in its own cluster (tokens never cross clusters);
 3. submits the built-in numbers job (the demo's: encoder in a, decoder in b) and follows it to the end;
-4. prints a JSON summary (losses, step times, WAN bytes, Prometheus cross-check) and exits 0 on success.
+4. reads both switches' audit logs (``compose exec``; COMPOSE names the engine, as for smoke_ops.py):
+   every edge of the job must have opened as records on the switch's edge socket, the carrier compose
+   gives its stages (``edge.open`` with ``transport: records``), and none over gRPC;
+5. prints a JSON summary (losses, step times, WAN bytes, Prometheus cross-check, each switch's edge
+   transports) and exits 0 on success.
    The switches count WAN bytes over the link's life, so the script reads them before and after the
    job and reports this job's share (the counters are not reset between runs on one `up`).
 
@@ -25,6 +29,8 @@ import secrets
 import sys
 import time
 from pathlib import Path
+
+from compose_support import Compose, SmokeFailure, check_records_edges  # this script's directory
 
 from nebula_common.jobspec import load_spec
 from nebula_common.jobspec.builtin import builtin_spec
@@ -174,10 +180,20 @@ def main() -> int:
     summary.total_seconds = time.perf_counter() - started
     out = summary.to_json()
     out["link_wait_seconds"] = link_wait
+    failed = None
+    if summary.succeeded:
+        try:
+            out["edge_transports"] = check_records_edges(
+                Compose(None, ("docker-compose.yml",)), ("switch-a", "switch-b"), job.job_id
+            )
+        except SmokeFailure as exc:
+            failed = out["failed"] = str(exc)
     print(json.dumps(out, indent=2))
     for session in (source, target):
         session.close()
-    return 0 if summary.succeeded else 1
+    if failed:
+        print(f"smoke: FAILED: {failed}", file=sys.stderr)
+    return 0 if summary.succeeded and not failed else 1
 
 
 if __name__ == "__main__":
