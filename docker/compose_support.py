@@ -136,15 +136,17 @@ def edge_transports(compose: Compose, switch: str, job_id: str) -> list[str]:
     return opened
 
 
-def check_records_edges(compose: Compose, switches: Iterable[str], job_id: str) -> dict[str, list[str]]:
-    """Every switch in ``switches`` opened edges of ``job_id``, each as records on its edge socket (the
-    carrier a compose deployment gives its stages); switch -> the transports seen, or SmokeFailure."""
-    seen = {switch: edge_transports(compose, switch, job_id) for switch in switches}
+def check_edge_transports(compose: Compose, expected: dict[str, str], job_id: str) -> dict[str, list[str]]:
+    """Each switch of ``expected`` opened edges of ``job_id``, every one on the carrier named there:
+    ``records`` (on its edge socket: what compose gives the stages a trainer runs itself) or ``grpc``
+    (through the trainer's stage proxy: stages on cluster ranks). switch -> the transports seen, or
+    SmokeFailure."""
+    seen = {switch: edge_transports(compose, switch, job_id) for switch in expected}
     for switch, transports in seen.items():
         check(transports, f"{switch} opened no edge of job {job_id} (its audit log has no edge.open)")
         check(
-            set(transports) == {"records"},
-            f"{switch} opened edges of job {job_id} as {transports}, not all records on its edge socket",
+            set(transports) == {expected[switch]},
+            f"{switch} opened edges of job {job_id} as {transports}, not all {expected[switch]}",
         )
     return seen
 

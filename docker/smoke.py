@@ -9,9 +9,10 @@
 1. waits until both switches report the WAN link up (GetLinkStatus) and prints the verified peers;
 2. each cluster's admin creates a user in its own cluster (tokens never cross clusters);
 3. submits the built-in numbers job (the demo's: encoder in a, decoder in b) and follows it to the end;
-4. reads both switches' audit logs (``compose exec``; COMPOSE names the engine, as for smoke_ops.py):
-   every edge of the job must have opened as records on the switch's edge socket, the carrier compose
-   gives its stages (``edge.open`` with ``transport: records``), and none over gRPC;
+4. reads both switches' audit logs (``$COMPOSE exec``, default ``podman-compose``, from the repo
+   root): every edge of the job must have opened on the carrier ``--edge-transports`` names, by default
+   records on the switch's edge socket in both clusters (``edge.open`` with ``transport: records``),
+   the carrier compose gives the stages a trainer runs itself;
 5. prints a JSON summary (losses, step times, WAN bytes, Prometheus cross-check, each switch's edge
    transports) and exits 0 on success.
    The switches count WAN bytes over the link's life, so the script reads them before and after the
@@ -30,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from compose_support import Compose, SmokeFailure, check_records_edges  # this script's directory
+from compose_support import Compose, SmokeFailure, check_edge_transports  # this script's directory
 
 from nebula_common.jobspec import load_spec
 from nebula_common.jobspec.builtin import builtin_spec
@@ -124,6 +125,11 @@ def main() -> int:
     parser.add_argument("--host-ports-a", default=DEFAULT_PORTS["a"], help="switch,trainer,auth,metrics")
     parser.add_argument("--host-ports-b", default=DEFAULT_PORTS["b"], help="switch,trainer,auth,metrics")
     parser.add_argument("--link-timeout", type=float, default=60.0)
+    parser.add_argument(
+        "--edge-transports",
+        default="switch-a=records,switch-b=records",
+        help="SWITCH=records|grpc,...: the carrier every edge of the job must have opened on at that switch",
+    )
     for c in "ab":
         parser.add_argument(
             f"--ca-{c}",
@@ -183,9 +189,8 @@ def main() -> int:
     failed = None
     if summary.succeeded:
         try:
-            out["edge_transports"] = check_records_edges(
-                Compose(None, ("docker-compose.yml",)), ("switch-a", "switch-b"), job.job_id
-            )
+            expected = dict(item.split("=", 1) for item in args.edge_transports.split(","))
+            out["edge_transports"] = check_edge_transports(Compose(None, ()), expected, job.job_id)
         except SmokeFailure as exc:
             failed = out["failed"] = str(exc)
     print(json.dumps(out, indent=2))

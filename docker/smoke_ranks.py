@@ -9,7 +9,8 @@ join it), then checks, failing with the first thing that is not as expected:
 
 1. every service is healthy and both worker containers joined trainer-a's rank store, each from
    its own container (the workers' log lines name their rank and group);
-2. the numbers job (docker/smoke.py: encoder in a, decoder in b) succeeds;
+2. the numbers job (docker/smoke.py: encoder in a, decoder in b) succeeds, its encoder's edge at
+   switch-a over gRPC (a stage on cluster ranks), its decoder's at switch-b as records on the edge socket;
 3. the encoder stage ran on the two ranks: trainer-a's "program stage running" record says
    ``ranks: 2`` and names the two worker containers' hosts, and each worker joined that stage's
    command group;
@@ -32,6 +33,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -133,7 +135,7 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
     )
     lap("a stranger refused by the rank store")
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COMPOSE=shlex.join(compose.base))
     cas = Path(tempfile.mkdtemp(prefix="smoke-ranks-ca-"))
     secrets = compose.admin_secrets("ab", cas)
     for cluster, (password, _) in secrets.items():
@@ -142,7 +144,8 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
     smoke = subprocess.run(
         [sys.executable, str(ROOT / "docker" / "smoke.py"), "--steps", str(args.steps),
          "--ca-a", str(cas / "a-ca.crt"), "--ca-b", str(cas / "b-ca.crt"),
-         "--host-ports-a", ports["a"], "--host-ports-b", ports["b"]],
+         "--host-ports-a", ports["a"], "--host-ports-b", ports["b"],
+         "--edge-transports", "switch-a=grpc,switch-b=records"],
         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
     )  # fmt: skip
     sys.stderr.write(smoke.stderr)

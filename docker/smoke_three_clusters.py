@@ -36,7 +36,7 @@ from compose_support import (
     Timings,
     add_arguments,
     check,
-    check_records_edges,
+    check_edge_transports,
     logs,
     run_smoke,
     wait,
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
         f"the chain job did not succeed: {states}; {[s.message for s in handle.final.values()]}",
     )
     lap(f"chain job ({args.steps} steps)")
-    transports = check_records_edges(compose, [f"switch-{c}" for c in CLUSTERS], job.job_id)
+    transports = check_edge_transports(compose, {f"switch-{c}": "records" for c in CLUSTERS}, job.job_id)
     lap("edges as records on each switch's edge socket")
     reference = run_unsplit(job.loaded)
     check(sorted(losses) == list(range(args.steps)), f"losses for steps {sorted(losses)}")
