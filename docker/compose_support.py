@@ -74,6 +74,10 @@ class Compose:
         )
         return done.stdout
 
+    def exec_in(self, service: str, *command: str) -> str:
+        """``exec -T SERVICE COMMAND...``: its stdout."""
+        return self("exec", "-T", service, *command)
+
     def containers(self) -> dict[str, str]:
         """service -> container name, for this project's containers."""
         out = subprocess.run(
@@ -125,23 +129,39 @@ class Compose:
             print(f"`{shlex.join([*self.base, 'down', '-v'])}` failed: {exc}", file=sys.stderr)
 
 
-def edge_transports(compose: Compose, switch: str, job_id: str) -> list[str]:
+def exec_prefix(prefix: str) -> Callable[..., str]:
+    """Runs ``PREFIX CONTAINER COMMAND...`` (``podman-compose -p P exec -T`` and a service, or
+    ``podman exec`` and a container) from the repo root: its stdout, or SmokeFailure naming it."""
+
+    def run(container: str, *command: str) -> str:
+        argv = [*shlex.split(prefix), container, *command]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False, cwd=ROOT)
+        check(done.returncode == 0, f"`{shlex.join(argv)}` exited {done.returncode}: {done.stderr[-800:]}")
+        return done.stdout
+
+    return run
+
+
+def edge_transports(exec_in: Callable[..., str], switch: str, job_id: str) -> list[str]:
     """The carrier of each edge of ``job_id`` that ``switch`` opened: its audit log's ``edge.open``
-    records (``transport`` is absent for gRPC, ``records`` on the edge socket)."""
+    records (``transport`` is absent for gRPC, ``records`` on the edge socket). ``exec_in(switch,
+    *command)`` runs a command in the switch's container (``Compose.exec_in``, ``exec_prefix``)."""
     opened = []
-    for line in compose("exec", "-T", switch, "cat", SWITCH_AUDIT_LOG).splitlines():
+    for line in exec_in(switch, "cat", SWITCH_AUDIT_LOG).splitlines():
         record = json.loads(line) if line.strip() else {}
         if (record.get("event"), record.get("job_id"), record.get("outcome")) == ("edge.open", job_id, "ok"):
             opened.append(str((record.get("details") or {}).get("transport", "grpc")))
     return opened
 
 
-def check_edge_transports(compose: Compose, expected: dict[str, str], job_id: str) -> dict[str, list[str]]:
+def check_edge_transports(
+    exec_in: Callable[..., str], expected: dict[str, str], job_id: str
+) -> dict[str, list[str]]:
     """Each switch of ``expected`` opened edges of ``job_id``, every one on the carrier named there:
     ``records`` (on its edge socket: what compose gives the stages a trainer runs itself) or ``grpc``
     (through the trainer's stage proxy: stages on cluster ranks). switch -> the transports seen, or
     SmokeFailure."""
-    seen = {switch: edge_transports(compose, switch, job_id) for switch in expected}
+    seen = {switch: edge_transports(exec_in, switch, job_id) for switch in expected}
     for switch, transports in seen.items():
         check(transports, f"{switch} opened no edge of job {job_id} (its audit log has no edge.open)")
         check(

@@ -135,7 +135,7 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
     )
     lap("a stranger refused by the rank store")
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), COMPOSE=shlex.join(compose.base))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     cas = Path(tempfile.mkdtemp(prefix="smoke-ranks-ca-"))
     secrets = compose.admin_secrets("ab", cas)
     for cluster, (password, _) in secrets.items():
@@ -145,7 +145,8 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
         [sys.executable, str(ROOT / "docker" / "smoke.py"), "--steps", str(args.steps),
          "--ca-a", str(cas / "a-ca.crt"), "--ca-b", str(cas / "b-ca.crt"),
          "--host-ports-a", ports["a"], "--host-ports-b", ports["b"],
-         "--edge-transports", "switch-a=grpc,switch-b=records"],
+         "--edge-transports", "switch-a=grpc,switch-b=records",
+         "--audit-exec", shlex.join([*compose.base, "exec", "-T"])],
         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
     )  # fmt: skip
     sys.stderr.write(smoke.stderr)
@@ -195,7 +196,12 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
         "losses": [round(x, 4) for x in summary["loss_per_step"]],
         "encoder_stage": {"ranks": record["ranks"], "rank_hosts": hosts},
         "workers": workers,
-        "untrusted_hostile_stage": {"placement": boxed, "attempts_refused": hostile["attempts_refused"]},
+        "edge_transports": summary["edge_transports"],
+        "untrusted_hostile_stage": {
+            "placement": boxed,
+            "attempts_refused": hostile["attempts_refused"],
+            "forged_edge_ticket": hostile["forged_edge_ticket"],
+        },
     }
 
 

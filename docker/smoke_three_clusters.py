@@ -118,7 +118,8 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
         f"the chain job did not succeed: {states}; {[s.message for s in handle.final.values()]}",
     )
     lap(f"chain job ({args.steps} steps)")
-    transports = check_edge_transports(compose, {f"switch-{c}": "records" for c in CLUSTERS}, job.job_id)
+    expected = {f"switch-{c}": "records" for c in CLUSTERS}
+    transports = check_edge_transports(compose.exec_in, expected, job.job_id)
     lap("edges as records on each switch's edge socket")
     reference = run_unsplit(job.loaded)
     check(sorted(losses) == list(range(args.steps)), f"losses for steps {sorted(losses)}")
