@@ -32,6 +32,7 @@ DEFAULT_IMAGE = "localhost/nebula:dev"
 BUILD_FILE = "docker-compose.yml"
 ADMIN_PASSWORD = "/etc/nebula/admin/admin-password"
 INTERNAL_CA = "/etc/nebula/internal-tls/ca.crt"
+SWITCH_AUDIT_LOG = "/var/lib/nebula/switch/audit.log"
 
 
 class SmokeFailure(Exception):
@@ -72,6 +73,10 @@ class Compose:
             f"`{shlex.join([*self.base, *args])}` exited {done.returncode}: {done.stderr[-800:]}",
         )
         return done.stdout
+
+    def exec_in(self, service: str, *command: str) -> str:
+        """``exec -T SERVICE COMMAND...``: its stdout."""
+        return self("exec", "-T", service, *command)
 
     def containers(self) -> dict[str, str]:
         """service -> container name, for this project's containers."""
@@ -122,6 +127,48 @@ class Compose:
             subprocess.run([*self.base, "down", "-v"], capture_output=True, timeout=timeout, cwd=ROOT)
         except (OSError, subprocess.TimeoutExpired) as exc:
             print(f"`{shlex.join([*self.base, 'down', '-v'])}` failed: {exc}", file=sys.stderr)
+
+
+def exec_prefix(prefix: str) -> Callable[..., str]:
+    """Runs ``PREFIX CONTAINER COMMAND...`` (``podman-compose -p P exec -T`` and a service, or
+    ``podman exec`` and a container) from the repo root: its stdout, or SmokeFailure naming it."""
+
+    def run(container: str, *command: str) -> str:
+        argv = [*shlex.split(prefix), container, *command]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False, cwd=ROOT)
+        check(done.returncode == 0, f"`{shlex.join(argv)}` exited {done.returncode}: {done.stderr[-800:]}")
+        return done.stdout
+
+    return run
+
+
+def edge_transports(exec_in: Callable[..., str], switch: str, job_id: str) -> list[str]:
+    """The carrier of each edge of ``job_id`` that ``switch`` opened: its audit log's ``edge.open``
+    records (``transport`` is absent for gRPC, ``records`` on the edge socket). ``exec_in(switch,
+    *command)`` runs a command in the switch's container (``Compose.exec_in``, ``exec_prefix``)."""
+    opened = []
+    for line in exec_in(switch, "cat", SWITCH_AUDIT_LOG).splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if (record.get("event"), record.get("job_id"), record.get("outcome")) == ("edge.open", job_id, "ok"):
+            opened.append(str((record.get("details") or {}).get("transport", "grpc")))
+    return opened
+
+
+def check_edge_transports(
+    exec_in: Callable[..., str], expected: dict[str, str], job_id: str
+) -> dict[str, list[str]]:
+    """Each switch of ``expected`` opened edges of ``job_id``, every one on the carrier named there:
+    ``records`` (on its edge socket: what compose gives the stages a trainer runs itself) or ``grpc``
+    (through the trainer's stage proxy: stages on cluster ranks). switch -> the transports seen, or
+    SmokeFailure."""
+    seen = {switch: edge_transports(exec_in, switch, job_id) for switch in expected}
+    for switch, transports in seen.items():
+        check(transports, f"{switch} opened no edge of job {job_id} (its audit log has no edge.open)")
+        check(
+            set(transports) == {expected[switch]},
+            f"{switch} opened edges of job {job_id} as {transports}, not all {expected[switch]}",
+        )
+    return seen
 
 
 def logs(container: str) -> str:

@@ -93,5 +93,7 @@ NEBULA_ADMIN_PASSWORD_A=$(podman exec nebula-org-a_auth_1 cat /etc/nebula/admin/
 NEBULA_ADMIN_PASSWORD_B=$(podman exec nebula-org-b_auth_1 cat /etc/nebula/admin/admin-password) \
   PYTHONPATH=$PWD "$PYTHON" docker/smoke.py --host-ports-a 37400,37500,37600,39100 \
   --host-ports-b 47400,47500,47600,49100 \
-  --ca-a "$work/pki-a/a/ca.crt" --ca-b "$work/pki-b/b/ca.crt" "$@"  # internal TLS: each org's own CA
+  --ca-a "$work/pki-a/a/ca.crt" --ca-b "$work/pki-b/b/ca.crt" \
+  --audit-exec "podman exec" --edge-transports nebula-org-a_switch_1=records,nebula-org-b_switch_1=records \
+  "$@"  # internal TLS: each org's own CA; each org's stages' edges as records on its switch's edge socket
 lap "smoke job"

@@ -89,7 +89,8 @@ fetch_monitoring_identity(shlex.split(sys.argv[1]), sys.argv[2], Path(sys.argv[3
 done
 export NEBULA_MONITORING_TLS_A="$ca_dir/a-monitoring" NEBULA_MONITORING_TLS_B="$ca_dir/b-monitoring"
 lap "CA certificates and scraper identities copied out"
-"$PYTHON" docker/smoke.py "$@"
+# smoke.py also reads both switches' audit logs: every edge of its job opened as records on the edge socket.
+COMPOSE="$COMPOSE" PYTHONPATH="$PWD" "$PYTHON" docker/smoke.py "$@"
 lap "smoke.py $*"
 # Internal TLS on this deployment: plaintext and certificate-less calls to internal ports fail, a wrong
 # role is PERMISSION_DENIED and audited (probes run inside each cluster's network: docker/smoke_tls.py).

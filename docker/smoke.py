@@ -9,7 +9,12 @@
 1. waits until both switches report the WAN link up (GetLinkStatus) and prints the verified peers;
 2. each cluster's admin creates a user in its own cluster (tokens never cross clusters);
 3. submits the built-in numbers job (the demo's: encoder in a, decoder in b) and follows it to the end;
-4. prints a JSON summary (losses, step times, WAN bytes, Prometheus cross-check) and exits 0 on success.
+4. reads both switches' audit logs (``--audit-exec``, default ``$COMPOSE exec -T`` with COMPOSE
+   ``podman-compose``, from the repo root): every edge of the job must have opened on the carrier
+   ``--edge-transports`` names, by default records on the switch's edge socket in both clusters
+   (``edge.open`` with ``transport: records``), the carrier compose gives the stages a trainer runs;
+5. prints a JSON summary (losses, step times, WAN bytes, Prometheus cross-check, each switch's edge
+   transports) and exits 0 on success.
    The switches count WAN bytes over the link's life, so the script reads them before and after the
    job and reports this job's share (the counters are not reset between runs on one `up`).
 
@@ -25,6 +30,8 @@ import secrets
 import sys
 import time
 from pathlib import Path
+
+from compose_support import SmokeFailure, check_edge_transports, exec_prefix  # this script's directory
 
 from nebula_common.jobspec import load_spec
 from nebula_common.jobspec.builtin import builtin_spec
@@ -118,6 +125,17 @@ def main() -> int:
     parser.add_argument("--host-ports-a", default=DEFAULT_PORTS["a"], help="switch,trainer,auth,metrics")
     parser.add_argument("--host-ports-b", default=DEFAULT_PORTS["b"], help="switch,trainer,auth,metrics")
     parser.add_argument("--link-timeout", type=float, default=60.0)
+    parser.add_argument(
+        "--edge-transports",
+        default="switch-a=records,switch-b=records",
+        help="SWITCH=records|grpc,...: the carrier every edge of the job must have opened on at that switch",
+    )
+    parser.add_argument(
+        "--audit-exec",
+        default=f"{os.environ.get('COMPOSE', 'podman-compose')} exec -T",
+        help="command prefix that runs a command in a SWITCH of --edge-transports (default: $COMPOSE "
+        "exec -T, a compose service; `podman exec` takes container names)",
+    )
     for c in "ab":
         parser.add_argument(
             f"--ca-{c}",
@@ -174,10 +192,19 @@ def main() -> int:
     summary.total_seconds = time.perf_counter() - started
     out = summary.to_json()
     out["link_wait_seconds"] = link_wait
+    failed = None
+    if summary.succeeded:
+        try:
+            expected = dict(item.split("=", 1) for item in args.edge_transports.split(","))
+            out["edge_transports"] = check_edge_transports(exec_prefix(args.audit_exec), expected, job.job_id)
+        except SmokeFailure as exc:
+            failed = out["failed"] = str(exc)
     print(json.dumps(out, indent=2))
     for session in (source, target):
         session.close()
-    return 0 if summary.succeeded else 1
+    if failed:
+        print(f"smoke: FAILED: {failed}", file=sys.stderr)
+    return 0 if summary.succeeded and not failed else 1
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ so its stages run under Landlock (``services/trainer/landlock.py``). The hostile
 container what it tries on ``nebula local up`` (tests/integration/test_security_hostile_stage.py):
 read the trainer's TLS key and every other key, record and audit file of its data volume, another
 account's checkpoints, the trainer's ``/proc`` entries; ptrace it; connect to auth, trainer, switch and
-data; use its proxy socket for another job's edge and five foreign RPCs; write into the volume,
+data; use its proxy socket for another job's edge and five foreign RPCs; open an edge on switch-a's
+edge socket with a forged ticket; write into the volume,
 ``/etc``, ``/usr`` and ``/tmp``. Every attempt must fail, the trainer must run stages under Landlock,
 and the proxy's refusals must be in trainer-a's audit log. Prints one JSON summary; exit 0 on success.
 """
@@ -32,6 +33,8 @@ from tests.support.hostile import hostile_job, run_job
 from tests.support.jobs import numbers_job
 
 TRAINER_DIR = "/var/lib/nebula/trainer"
+EDGE_SOCKET = "/var/lib/nebula/edges/switch.sock"
+"""switch-a's edge socket (docker-compose.yml): in trainer-a's container; a stage gets no ticket for it."""
 PORTS = {"auth": "auth-a:7601", "trainer": "trainer-a:7500", "switch": "switch-a:7400", "data": "data-a:7800"}
 log = logger("smoke-hostile")
 
@@ -96,6 +99,7 @@ def run(
                 "victim_job": victim_job.job_id,
                 "job": "probe",
                 "writes": writes,
+                "edge_socket": EDGE_SOCKET,
             },
         )
         final = run_job(job, mallory, timeout=300)["encoder"]
@@ -115,6 +119,17 @@ def run(
         r for r in map(json.loads, filter(None, audit.splitlines())) if r.get("event") == "stage.refused"
     ]
     check(any(r.get("job_id") == job.job_id for r in refused), f"no stage.refused record: {refused[-3:]}")
+    # The forged ticket reached switch-a's edge socket, which refused it and audited the refusal.
+    forged = found["open an edge with a forged ticket"]["detail"]
+    check("refused: UNAUTHENTICATED" in forged, f"the forged ticket was not refused by the switch: {forged}")
+    switch_audit = compose("exec", "-T", "switch-a", "cat", "/var/lib/nebula/switch/audit.log")
+    ticket_refusals = [
+        r
+        for r in map(json.loads, filter(None, switch_audit.splitlines()))
+        if (r.get("event"), r.get("outcome")) == ("edge.open", "refused")
+        and (r.get("details") or {}).get("layer") == "ticket"
+    ]
+    check(ticket_refusals, "switch-a's audit log has no edge.open refused at its edge socket's ticket")
     for sessions in (victim, mallory):
         for session in sessions.values():
             session.close()
@@ -123,6 +138,7 @@ def run(
         "secret_files_tried": len(facts["files"]),
         "audited_refusals": sum(r.get("job_id") == job.job_id for r in refused),
         "final_message": final.message[-200:],
+        "forged_edge_ticket": forged,
         "job_id": job.job_id,
         "account": mallory["a"].username,
     }

@@ -9,7 +9,8 @@ join it), then checks, failing with the first thing that is not as expected:
 
 1. every service is healthy and both worker containers joined trainer-a's rank store, each from
    its own container (the workers' log lines name their rank and group);
-2. the numbers job (docker/smoke.py: encoder in a, decoder in b) succeeds;
+2. the numbers job (docker/smoke.py: encoder in a, decoder in b) succeeds, its encoder's edge at
+   switch-a over gRPC (a stage on cluster ranks), its decoder's at switch-b as records on the edge socket;
 3. the encoder stage ran on the two ranks: trainer-a's "program stage running" record says
    ``ranks: 2`` and names the two worker containers' hosts, and each worker joined that stage's
    command group;
@@ -32,6 +33,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -142,7 +144,9 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
     smoke = subprocess.run(
         [sys.executable, str(ROOT / "docker" / "smoke.py"), "--steps", str(args.steps),
          "--ca-a", str(cas / "a-ca.crt"), "--ca-b", str(cas / "b-ca.crt"),
-         "--host-ports-a", ports["a"], "--host-ports-b", ports["b"]],
+         "--host-ports-a", ports["a"], "--host-ports-b", ports["b"],
+         "--edge-transports", "switch-a=grpc,switch-b=records",
+         "--audit-exec", shlex.join([*compose.base, "exec", "-T"])],
         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
     )  # fmt: skip
     sys.stderr.write(smoke.stderr)
@@ -192,7 +196,12 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
         "losses": [round(x, 4) for x in summary["loss_per_step"]],
         "encoder_stage": {"ranks": record["ranks"], "rank_hosts": hosts},
         "workers": workers,
-        "untrusted_hostile_stage": {"placement": boxed, "attempts_refused": hostile["attempts_refused"]},
+        "edge_transports": summary["edge_transports"],
+        "untrusted_hostile_stage": {
+            "placement": boxed,
+            "attempts_refused": hostile["attempts_refused"],
+            "forged_edge_ticket": hostile["forged_edge_ticket"],
+        },
     }
 
 

@@ -9,7 +9,9 @@ emulator), then checks, failing with the first thing that is not as expected:
 1. every service is healthy and each switch reports its links to both other clusters up;
 2. the chain job ``examples/chain`` (reader in a, mixer in b, head in c) with codec ``none`` on both
    edges succeeds, every stage SUCCEEDED;
-3. its per-step losses equal the unsplit model's (``run_unsplit``, the same seed) within 1e-5.
+3. every edge of it opened as records on its switch's edge socket (each switch's audit log:
+   ``edge.open`` with ``transport: records``), the carrier compose gives its stages;
+4. its per-step losses equal the unsplit model's (``run_unsplit``, the same seed) within 1e-5.
 
 Keeps the image (``--image``, default ``localhost/nebula:dev``) fresh with a cached
 ``podman-compose build`` of docker-compose.yml (nothing new when the sources did not change;
@@ -34,6 +36,7 @@ from compose_support import (
     Timings,
     add_arguments,
     check,
+    check_edge_transports,
     logs,
     run_smoke,
     wait,
@@ -115,6 +118,9 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
         f"the chain job did not succeed: {states}; {[s.message for s in handle.final.values()]}",
     )
     lap(f"chain job ({args.steps} steps)")
+    expected = {f"switch-{c}": "records" for c in CLUSTERS}
+    transports = check_edge_transports(compose.exec_in, expected, job.job_id)
+    lap("edges as records on each switch's edge socket")
     reference = run_unsplit(job.loaded)
     check(sorted(losses) == list(range(args.steps)), f"losses for steps {sorted(losses)}")
     worst = max(abs(losses[s] - reference.losses[s]) for s in range(args.steps))
@@ -133,6 +139,7 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
         "max_abs_diff_to_unsplit": worst,
         "link_wait_seconds": round(link_wait, 1),
         "links": links,
+        "edge_transports": transports,
     }
 
 

@@ -148,6 +148,7 @@ VOLUMES = (
     "data-{c}-signer",
     "switch-{c}-signer",
     "trainer-{c}-signer",
+    "switch-{c}-edges",
     "monitoring-{c}-tls",
     "grafana-{c}-admin",
 )

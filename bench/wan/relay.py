@@ -17,7 +17,7 @@ another process on loopback, measured side by side so the ratios share the machi
   trainer);
 * ``relay-staged-grpc``: ``relay``, each edge opened by a stage process through its trainer's stage proxy
   (``services/trainer/stage_proxy.py``, a gRPC hop on a Unix socket, in a process of its own as in the
-  trainer) and from there to the switch: what a stage gets without an edge socket (compose, Kubernetes);
+  trainer) and from there to the switch: what a stage gets without an edge socket (Kubernetes);
 * ``tls``: one Python ``ssl`` TLS 1.3 socket hop (``sendall`` / ``recv_into``);
 * ``tcp``: one plain TCP socket hop;
 * ``grpc``: one plaintext gRPC stream of 4 MiB ``bytes`` messages (identity serializers);

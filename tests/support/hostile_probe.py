@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from nebula_common.proto.nebula.v1 import relay_pb2
+from nebula_common.rpc.edge_records import parse_status_record
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION
 
 found: dict[str, dict[str, Any]] = {}
@@ -78,6 +79,24 @@ def connect(address: str) -> None:
     socket.create_connection((host, int(port)), timeout=2).close()
 
 
+def forged_ticket(path: str) -> str:
+    """An edge on the switch's edge socket with a made-up ticket as its first record (the socket's path
+    is in the trainer's container under Landlock): the switch must refuse it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        ticket = os.urandom(32)
+        sock.sendall(len(ticket).to_bytes(4, "big") + ticket)
+        header = sock.recv(4, socket.MSG_WAITALL)
+        record = sock.recv(int.from_bytes(header, "big"), socket.MSG_WAITALL) if len(header) == 4 else b""
+    if not record:
+        raise ConnectionError("closed without an answer")
+    status = parse_status_record(record)
+    if status is not None:
+        raise PermissionError(f"refused: {status[0].name}: {status[1]}")
+    return f"answered with a record that is no status: {record[:40]!r}"
+
+
 def probe(options: dict[str, Any]) -> None:
     trainer = int(options["trainer_pid"])
     for path in options["secrets"]:
@@ -99,6 +118,8 @@ def probe(options: dict[str, Any]) -> None:
     for name, address in options["ports"].items():
         attempt(f"connect {name}", lambda a=address: connect(a))
     attempt("send UDP", send_udp)
+    if options.get("edge_socket"):
+        attempt("open an edge with a forged ticket", lambda: forged_ticket(options["edge_socket"]))
     # The stage's secret for its proxy is in its own memory; an attacker finds it there.
     runner = next(o for o in gc.get_objects() if type(o).__name__ == "ProgramRunner")
     channel = grpc.insecure_channel(runner.switch_address)

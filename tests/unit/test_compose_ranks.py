@@ -87,6 +87,14 @@ def test_cluster_a_gets_two_rank_containers_wired_to_its_trainer(
     assert not any("worker-a-internal-tls" in v for v in trainer["volumes"])  # the trainer has its own
     for key, value in trainer_env.items():
         monkeypatch.setenv(key, value)
-    assert TrainerSettings().ranks == len(ranks)
+    settings = TrainerSettings()
+    assert settings.ranks == len(ranks)
+    # The stages trainer-a runs itself (accounts not on the ranks) carry their edges as records on
+    # switch-a's edge socket; the ranks' stages use gRPC through trainer-a: no rank reaches the socket.
+    assert settings.switch_edge_socket == _env(rendered["switch-a"])["NEBULA_SWITCH_EDGE_SOCKET"]
+    assert f"switch-a-edges:{Path(settings.switch_edge_socket).parent}:ro" in trainer["volumes"]
+    for name, service in ranks.items():
+        assert not any(v.startswith("switch-a-edges:") for v in service["volumes"]), name
+        assert not any("EDGE_SOCKET" in key for key in _env(service)), name
     # Cluster b is untouched: its trainer runs its stages itself.
     assert "NEBULA_TRAINER_RANKS" not in _env(rendered["trainer-b"])

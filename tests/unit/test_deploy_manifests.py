@@ -350,6 +350,12 @@ def test_secrets_reach_only_their_own_service() -> None:
                 else:
                     assert name == f"{service}-{cluster}", f"{name} mounts {source}"
                     assert read_only and target == "/var/lib/nebula/audit-signer", name
+            elif source.endswith("-edges"):  # a switch's edge socket: it and its cluster's trainer
+                cluster = source.removeprefix("switch-").removesuffix("-edges")
+                assert (name, read_only) in ((f"switch-{cluster}", False), (f"trainer-{cluster}", True)), (
+                    f"{name} mounts {source}" + (" read-only" if read_only else "")
+                )
+                assert target == "/var/lib/nebula/edges", name  # tests/unit/test_edge_carriers.py
             else:
                 pytest.fail(f"{name} mounts unexpected volume {source}")
     declared = set(_compose()["volumes"])
