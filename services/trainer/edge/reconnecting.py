@@ -20,6 +20,7 @@ the gRPC stream (``grpc_transport.py``) and the records on the switch's edge soc
 
 from __future__ import annotations
 
+import abc
 import logging
 import queue
 import threading
@@ -91,7 +92,7 @@ def received(raw: bytes | memoryview, edge: str) -> relay_pb2.EdgeMessage | Fram
         ) from None
 
 
-class ReconnectingEdgeTransport:
+class ReconnectingEdgeTransport(abc.ABC):
     """An edge ``Transport`` that reconnects (see the module doc); subclasses carry one connection."""
 
     frames_chunks = True
@@ -126,14 +127,14 @@ class ReconnectingEdgeTransport:
         self._thread: threading.Thread | None = None
 
     # ----- what a carrier implements ------------------------------------------------------
+    @abc.abstractmethod
     def _carry(self, opened: relay_pb2.EdgeOpen, handler: TransportHandler) -> tuple[bool, bool, str]:
         """Open one connection with ``opened`` and run it until it ends: (it was ready, the peer closed,
         how it ended). Messages go through ``_deliver``; ``_ended`` when it is over; EdgeFailed for good."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def shutdown(self) -> None:
         """Tear down now (idempotent)."""
-        raise NotImplementedError
 
     # ----- shared -------------------------------------------------------------------------
     def start(self, handler: TransportHandler) -> None:
