@@ -35,6 +35,16 @@ def switches(tmp_path_factory: pytest.TempPathFactory, pki_ab: PkiLayout) -> Ite
         yield pair
 
 
+@pytest.fixture(scope="module")
+def tls_switches(tmp_path_factory: pytest.TempPathFactory, pki_ab: PkiLayout) -> Iterator[SwitchPair]:
+    """Two real switch services with internal TLS on, each serving its edge socket on a TCP port (what
+    Kubernetes runs), with a token and the trainer's identity for each, per test module."""
+    from tests.support.edges import switch_pair
+
+    with switch_pair(tmp_path_factory.mktemp("tls-switches"), pki_ab, edge_sockets="tcp") as pair:
+        yield pair
+
+
 # In-process test servers (tests/support/servers.py and the unit tests) run without internal TLS
 # files: the development flag lets them (and their clients) use plaintext. Deployments the tests
 # start with `nebula local up` are given their TLS directories and use TLS regardless.

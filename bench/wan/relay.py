@@ -17,7 +17,10 @@ another process on loopback, measured side by side so the ratios share the machi
   trainer);
 * ``relay-staged-grpc``: ``relay``, each edge opened by a stage process through its trainer's stage proxy
   (``services/trainer/stage_proxy.py``, a gRPC hop on a Unix socket, in a process of its own as in the
-  trainer) and from there to the switch: what a stage gets without an edge socket (Kubernetes);
+  trainer) and from there to the switch: what a stage gets without an edge socket;
+* ``relay-staged-tls``: what Kubernetes gives a job: ``relay-staged`` with the switch's edge socket on a
+  TCP port, each connection mutual TLS 1.3 as the trainer and then sealed records
+  (``nebula_common/rpc/edge_tls.py``), the stage sealing and opening its own records;
 * ``tls``: one Python ``ssl`` TLS 1.3 socket hop (``sendall`` / ``recv_into``);
 * ``tcp``: one plain TCP socket hop;
 * ``grpc``: one plaintext gRPC stream of 4 MiB ``bytes`` messages (identity serializers);
@@ -64,6 +67,7 @@ PATHS = (
     "relay-grpc",
     "relay-staged",
     "relay-staged-grpc",
+    "relay-staged-tls",
     "tls",
     "tcp",
     "grpc",
@@ -74,12 +78,20 @@ TRANSPORTS = {
     "relay-grpc": "grpc",
     "relay-staged": "records",
     "relay-staged-grpc": "records",
+    "relay-staged-tls": "records",
 }
 """The link carrier of each relay path (``NEBULA_SWITCH_LINK_CARRIER``)."""
-SUFFIX = {"relay": "", "relay-grpc": "_grpc", "relay-staged": "_staged", "relay-staged-grpc": "_stagedgrpc"}
-STAGED = {"relay-staged": "records", "relay-staged-grpc": "grpc"}
-"""How the stages' edges reach their switch on each staged path: as records on the edge socket, or
-through the trainer's stage proxy."""
+SUFFIX = {
+    "relay": "",
+    "relay-grpc": "_grpc",
+    "relay-staged": "_staged",
+    "relay-staged-grpc": "_stagedgrpc",
+    "relay-staged-tls": "_stagedtls",
+}
+STAGED = {"relay-staged": "records", "relay-staged-grpc": "grpc", "relay-staged-tls": "records-tls"}
+"""How the stages' edges reach their switch on each staged path: as records on the edge socket (a Unix
+socket, or a TCP port with mutual TLS), or through the trainer's stage proxy."""
+RECORDS = ("records", "records-tls")
 JOB = "bench/relay"
 EDGE = "up->down"
 
@@ -309,10 +321,12 @@ def trainer_fds_process(
     from services.trainer.stage_edge_fds import StageEdgeFds
     from services.trainer.stage_proxy import StageProxy
 
+    identity = None
     if tls is not None:
         from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 
-        trust_endpoint(switch_address, ClientTls(tls[0], Path(tls[1]), Path(tls[2]), Path(tls[3])))
+        identity = ClientTls(tls[0], Path(tls[1]), Path(tls[2]), Path(tls[3]))
+        trust_endpoint(switch_address, identity)
     proxy = StageProxy(
         str(Path(listen).with_suffix(".proxy")),
         secret=secrets.token_urlsafe(24),
@@ -334,7 +348,7 @@ def trainer_fds_process(
             conn, _ = listener.accept()
         except TimeoutError:
             continue
-        fds = StageEdgeFds(conn, proxy, edge_socket, job)
+        fds = StageEdgeFds(conn, proxy, edge_socket, job, tls=identity)
         fds.start()
         answering.append(fds)
     for fds in answering:
@@ -496,6 +510,7 @@ class Deployment:
         self.processes: list[Any] = []
         self.switches: dict[str, Any] = {}
         self.tokens: dict[str, str] = {}
+        self._edge_ports: dict[str, int] = {}
 
     def start(self) -> Deployment:
         """Start every process; a failure stops those already started (none is left behind)."""
@@ -601,7 +616,7 @@ class Deployment:
                 "LINK_ROLE": "accept" if cluster == "b" else "dial",
                 "LINK_CARRIER": self.transport,
                 **({"INTERNAL_TLS_DIR": tls_dirs[cluster]["switch"]} if tls_dirs else {}),
-                **({"EDGE_SOCKET": self.edge_socket(cluster)} if self.staged == "records" else {}),
+                **({"EDGE_SOCKET": self.edge_socket(cluster)} if self.staged in RECORDS else {}),
             }
             if cluster == "a":
                 env["PEER_ADDRESS"] = f"127.0.0.1:{wan_b}"
@@ -615,7 +630,11 @@ class Deployment:
         return f"127.0.0.1:{self.switches[cluster].info[port]}"
 
     def edge_socket(self, cluster: str) -> str:
-        """Where switch ``cluster`` serves its edge socket (``relay-staged``)."""
+        """Where switch ``cluster`` serves its edge socket (``relay-staged``, ``relay-staged-tls``)."""
+        if self.staged == "records-tls":
+            from nebula_common.launcher.ports import service_port
+
+            return f"127.0.0.1:{self._edge_ports.setdefault(cluster, service_port())}"
         directory = self.root / cluster / "edges"
         directory.mkdir(parents=True, exist_ok=True)
         return str(directory / "switch.sock")
@@ -678,7 +697,7 @@ class Proxies:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             secret = secrets.token_urlsafe(24)
             done = context.Queue()
-            if deployment.staged == "records":
+            if deployment.staged in RECORDS:
                 target: Callable[..., None] = trainer_fds_process
                 args: tuple[Any, ...] = (str(directory / "fds.sock"), deployment.tokens[side], job)
                 args += (deployment.internal(side), deployment.tls(side), deployment.edge_socket(side))
@@ -692,7 +711,7 @@ class Proxies:
             process.start()
             _expect(done, "ready", process)
             self.processes[side] = process
-        self.role = "trainer" if deployment.staged == "records" else "proxy"
+        self.role = "trainer" if deployment.staged in RECORDS else "proxy"
 
     def cpu(self) -> dict[str, float]:
         return {f"{self.role} {side}": cpu_seconds(p.pid) for side, p in self.processes.items()}
@@ -767,7 +786,9 @@ def render(result: dict[str, Any]) -> str:
         "records, rawlink.py), 'relay-grpc' a gRPC link; their edges are gRPC streams on the switches' "
         "mutual-TLS internal ports, as in production; 'relay-staged' is what `nebula local up` gives a job "
         "(each edge from a stage process as records on the switch's edge socket, on connections its "
-        "trainer passes it), 'relay-staged-grpc' a stage's edge through its trainer's stage proxy. "
+        "trainer passes it), 'relay-staged-tls' what Kubernetes gives (the same on the switch's TCP edge "
+        "port: mutual TLS, then sealed records), 'relay-staged-grpc' a stage's edge through its trainer's "
+        "stage proxy. "
         "With several rounds (the paths take turns each round) MB/s are medians and the ratio is "
         "theirs, followed by the range of the per-round ratios. CPU-s per GB: user + system CPU of each "
         "process over the run, per 10^9 payload bytes.",

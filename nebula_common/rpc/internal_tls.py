@@ -168,6 +168,12 @@ class ServerTls:
             self._on_reload(material.cert)
         return changed
 
+    def pem(self) -> tuple[bytes, bytes, bytes]:
+        """(certificate, key, cluster CA) in PEM, the newest that loads (for a non-gRPC mutual TLS port)."""
+        self.refresh()
+        material = self._material
+        return material.cert_pem, material.key_pem, material.ca_pem
+
     def _config(self) -> grpc.ServerCertificateConfiguration:
         material = self._material
         return grpc.ssl_server_certificate_configuration(
@@ -216,6 +222,16 @@ class ClientTls:
             root_certificates=ca,
             private_key=_read(self.key, "client private key"),
             certificate_chain=_read(self.cert, "client certificate"),
+        )
+
+    def pem(self) -> tuple[bytes, bytes, bytes]:
+        """(certificate, key, cluster CA) in PEM, read now; InternalTlsError without a certificate."""
+        if self.cert is None or self.key is None:
+            raise InternalTlsError(f"no client certificate for cluster {self.cluster_id!r}")
+        return (
+            _read(self.cert, "client certificate"),
+            _read(self.key, "client private key"),
+            _read(self.ca, "cluster CA certificate"),
         )
 
     def options(self, service: str) -> list[tuple[str, Any]]:

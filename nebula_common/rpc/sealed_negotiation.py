@@ -32,6 +32,8 @@ OLD_MAGIC = b"NBSEAL1"
 NEGOTIATION = struct.Struct(f">{len(MAGIC)}sB")
 """The offer and the answer: magic, then the wish or the decision (1 = sealed records)."""
 EXPORTER_LABEL = b"EXPORTER-nebula-sealed-link-records-v2"
+"""The link's exporter label; a stage's edge over TCP uses its own (``edge_tls.py``), so keys of one
+protocol can never be those of the other."""
 DECLINED = "TLS records instead of sealed ones, which this switch does not carry: update the older switch"
 
 
@@ -63,9 +65,11 @@ def _parse(message: bytes, what: str) -> bool:
     return bool(flag)
 
 
-def exported_sealing(conn: SSL.Connection, offer: bytes, answer: bytes, *, dialer: bool) -> RecordSealing:
+def exported_sealing(
+    conn: SSL.Connection, offer: bytes, answer: bytes, *, dialer: bool, label: bytes = EXPORTER_LABEL
+) -> RecordSealing:
     """The record sealing of one end from the TLS exporter of ``conn``'s session (both ends alike)."""
-    secrets = conn.export_keying_material(EXPORTER_LABEL, 2 * SECRET_BYTES, offer + answer)
+    secrets = conn.export_keying_material(label, 2 * SECRET_BYTES, offer + answer)
     to_acceptor, to_dialer = secrets[:SECRET_BYTES], secrets[SECRET_BYTES:]
     if dialer:
         return RecordSealing(send_secret=to_acceptor, receive_secret=to_dialer)
@@ -90,7 +94,7 @@ def _bare(conn: SSL.Connection, sock: socket.socket) -> socket.socket:
 
 
 def negotiate_dialer(
-    conn: SSL.Connection, sock: socket.socket, deadline: float
+    conn: SSL.Connection, sock: socket.socket, deadline: float, label: bytes = EXPORTER_LABEL
 ) -> tuple[socket.socket, RecordSealing]:
     """The dialer's side, blocking, right after the handshake: offer, read the decision, key.
 
@@ -102,11 +106,11 @@ def negotiate_dialer(
     answer = _receive(conn, sock, deadline)
     if not parse_answer(answer, True):
         raise SealedRecordError(f"the peer answered with {DECLINED}")
-    return _bare(conn, sock), exported_sealing(conn, offer, answer, dialer=True)
+    return _bare(conn, sock), exported_sealing(conn, offer, answer, dialer=True, label=label)
 
 
 def negotiate_acceptor(
-    conn: SSL.Connection, sock: socket.socket, deadline: float
+    conn: SSL.Connection, sock: socket.socket, deadline: float, label: bytes = EXPORTER_LABEL
 ) -> tuple[socket.socket, RecordSealing]:
     """The acceptor's side, blocking, right after the handshake: read the offer, answer, key.
 
@@ -118,7 +122,7 @@ def negotiate_acceptor(
     send_all(conn, sock, answer, deadline)
     if not wanted:
         raise SealedRecordError(f"the dialer wishes {DECLINED}")
-    return _bare(conn, sock), exported_sealing(conn, offer, answer, dialer=False)
+    return _bare(conn, sock), exported_sealing(conn, offer, answer, dialer=False, label=label)
 
 
 __all__ = [

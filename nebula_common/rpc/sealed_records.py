@@ -98,6 +98,16 @@ class _Direction:
         self._used += length
         return self._aead, nonce
 
+    def state(self) -> tuple[bytes, int, int]:
+        """(current secret, records sealed or opened under it, plaintext bytes under it)."""
+        return self._secret, self._counter, self._used
+
+    def restore(self, counter: int, used: int) -> None:
+        """Continue under the current secret after ``counter`` records of ``used`` bytes."""
+        if not (0 <= counter < self._limit_records and 0 <= used <= self._limit_bytes):
+            raise ValueError(f"a sealing state of {counter} records and {used} bytes is out of bounds")
+        self._counter, self._used = counter, used
+
 
 def parse_header(header: bytes | memoryview, offset: int, total: int) -> tuple[int, int, int]:
     """(kind, record length, message length) of a record header read ``offset`` bytes into a message of
@@ -158,6 +168,39 @@ class RecordSealing:
 
     sealed_size = staticmethod(sealed_size)
     parse_header = staticmethod(parse_header)
+
+    def handover(self) -> dict[str, str | int]:
+        """Both directions' state, for the process that takes the connection over (``resumed``).
+
+        Why: a trainer makes a stage's edge connection (its handshake, its ticket) and passes the socket
+        to the stage process, which holds no key of the trainer's; this state keys that one connection.
+        """
+        send, sent, sent_bytes = self._send.state()
+        receive, opened, opened_bytes = self._receive.state()
+        return {
+            "send": send.hex(),
+            "sent": sent,
+            "sent_bytes": sent_bytes,
+            "receive": receive.hex(),
+            "opened": opened,
+            "opened_bytes": opened_bytes,
+            "record_bytes": self.record_bytes,
+        }
+
+    @classmethod
+    def resumed(cls, state: dict[str, object]) -> RecordSealing:
+        """The sealing ``handover`` described; ValueError naming what is wrong with ``state``."""
+        try:
+            sealing = cls(
+                bytes.fromhex(str(state["send"])),
+                bytes.fromhex(str(state["receive"])),
+                record_bytes=int(str(state["record_bytes"])),
+            )
+            sealing._send.restore(int(str(state["sent"])), int(str(state["sent_bytes"])))
+            sealing._receive.restore(int(str(state["opened"])), int(str(state["opened_bytes"])))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"a sealing handover without a valid {exc}") from None
+        return sealing
 
     def seal_into(self, message: bytes | memoryview, out: memoryview) -> int:
         """Write the records of ``message`` into ``out`` (``sealed_size(len(message), record_bytes)``

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
+from nebula_common.rpc.edge_tls import edge_address
 from nebula_common.service.settings import AuditedServiceSettings, ClusterId, HostPort
 from services.switch.lanes import parse_connections
 
@@ -80,11 +81,13 @@ class SwitchSettings(AuditedServiceSettings):
     internal_listen: HostPort = Field("127.0.0.1:0", description="Cluster-internal port for local trainers.")
     edge_socket: str = Field(
         "",
-        description="Path of a Unix socket where stage processes of trainers on this host carry their edges "
-        "as length-prefixed records (services/switch/edge_socket.py): the trainer obtains a one-time ticket "
-        "on Relay/IssueEdgeTicket (mutual TLS, its token, the checks of OpenEdge), presents it as the first "
-        "record and hands the connection to its stage; trainers on this host name the same file. "
-        "Empty: not served (edges on Relay/OpenEdge only).",
+        description="Where stage processes carry their edges as records (services/switch/edge_socket.py): "
+        "a path (with a '/') is a Unix socket for trainers on this host (length-prefixed records); host:port "
+        "a TCP port for trainers elsewhere (sealed records after mutual TLS 1.3 with this switch's internal "
+        "identity, a trainer certificate of the cluster CA required). Either way the trainer obtains a "
+        "one-time ticket on Relay/IssueEdgeTicket (mutual TLS, its token, the checks of OpenEdge), presents "
+        "it as the first record and hands the connection to its stage; its trainers name the same place "
+        "(NEBULA_TRAINER_SWITCH_EDGE_SOCKET). Empty: not served (edges on Relay/OpenEdge only).",
     )
     wan_listen: HostPort = Field("127.0.0.1:0", description="WAN port (mTLS only) for the peer switch.")
     peer_address: HostPort | None = Field(
@@ -223,6 +226,13 @@ class SwitchSettings(AuditedServiceSettings):
     ca_key: Path | None = Field(
         None, description="This cluster's CA key (enables self-renewal; dev PKI only)."
     )
+
+    @field_validator("edge_socket")
+    @classmethod
+    def _edge_socket(cls, value: str) -> str:
+        if value:
+            edge_address(value, "NEBULA_SWITCH_EDGE_SOCKET")
+        return value
 
     @field_validator("peer_address", mode="before")
     @classmethod

@@ -30,7 +30,6 @@ import contextlib
 import logging
 import os
 import socket
-import stat
 from asyncio import FIRST_COMPLETED
 from pathlib import Path
 from typing import NoReturn, Protocol
@@ -40,11 +39,13 @@ import grpc
 from nebula_common.cancellation import raise_if_cancelling
 from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc.edge_records import MAX_EDGE_RECORD_BYTES, status_record
+from nebula_common.rpc.edge_tls import UNIX, edge_address
 from nebula_common.rpc.raw_record_bounds import RecordViolation
 from nebula_common.rpc.raw_records import RawConnection, RawConnectionError
-from nebula_common.rpc.unix_paths import bind_unix
+from services.switch.edge_listeners import bind_socket, bind_tcp, host_port
 from services.switch.edge_stream import EdgeStream, TrainerVanished
 from services.switch.edge_tickets import EdgeTickets, TicketError
+from services.switch.edge_tls_accept import EdgeTlsAcceptor, EdgeTlsRefused
 from services.switch.link import PeerLink
 
 log = logging.getLogger(__name__)
@@ -131,29 +132,6 @@ class RecordsEdgeStream:
         return self._ended
 
 
-def bind_socket(path: Path) -> socket.socket:
-    """A listening Unix socket at ``path``: a previous run's socket is replaced, anything else refused.
-
-    Mode 0666: the trainer may run as another user (its own box's); the ticket, not the mode, decides
-    who opens an edge, and the directory the deployment puts it in decides who reaches it.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() or path.is_symlink():
-        if not stat.S_ISSOCK(path.lstat().st_mode):
-            raise ValueError(f"NEBULA_SWITCH_EDGE_SOCKET {path}: exists and is not a socket")
-        path.unlink()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        bind_unix(listener, str(path))  # at any depth (``unix_paths.py``)
-        os.chmod(path, 0o666)
-        listener.listen(128)
-        listener.setblocking(False)
-    except BaseException:
-        listener.close()
-        raise
-    return listener
-
-
 class EdgeSocket:
     """Serves the edge socket in the internal server's event loop (see the module doc)."""
 
@@ -165,8 +143,11 @@ class EdgeSocket:
         ticket_wait_s: float = TICKET_WAIT_S,
         stall_s: float = STALL_S,
         max_record_bytes: int = MAX_EDGE_RECORD_BYTES,
+        tls: EdgeTlsAcceptor | None = None,
     ) -> None:
         self.relay = relay
+        #: Mutual TLS for a TCP edge socket (None: only a Unix socket path can be served).
+        self.tls = tls
         self.tickets = tickets
         self.ticket_wait_s = ticket_wait_s
         self.stall_s = stall_s
@@ -176,15 +157,27 @@ class EdgeSocket:
         self._acceptor: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         #: Connections waiting for their ticket, oldest first, each with the future that pushes it out.
-        self._waiting: dict[RecordsEdgeStream, asyncio.Future[None]] = {}
+        self._waiting: dict[socket.socket, asyncio.Future[None]] = {}
 
-    async def start(self, path: str) -> str:
-        """Listen at ``path``; the relay then issues tickets for it."""
-        self._listener = bind_socket(Path(path))
-        self.path = path
+    async def start(self, address: str) -> str:
+        """Listen at ``address`` (a Unix socket path, or host:port with ``tls``); the relay then issues
+        tickets for it. The address listened at (a TCP port of 0 resolved)."""
+        kind, where = edge_address(address, "NEBULA_SWITCH_EDGE_SOCKET")
+        if kind == UNIX:
+            self._listener = bind_socket(Path(where))
+            self.path = where
+        else:
+            if self.tls is None:
+                raise ValueError(
+                    f"NEBULA_SWITCH_EDGE_SOCKET={address!r} is a TCP port, which needs internal TLS "
+                    "(its edges are sealed records after mutual TLS 1.3); give a socket path instead"
+                )
+            self._listener = bind_tcp(where)
+            host, port = self._listener.getsockname()[:2]
+            self.path = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.relay.tickets = self.tickets
         self._acceptor = asyncio.create_task(self._accept_forever(), name="edge-socket")
-        return path
+        return self.path
 
     async def stop(self) -> None:
         """Stop accepting and end every connection (their edges record their end first)."""
@@ -194,34 +187,66 @@ class EdgeSocket:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._acceptor
         if self._listener is not None:
+            unix = self._listener.family == socket.AF_UNIX
             self._listener.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
+            if unix:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self.tls is not None:
+            self.tls.close()
 
     async def _accept_forever(self) -> None:
         assert self._listener is not None
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, _ = await loop.sock_accept(self._listener)
+                conn, address = await loop.sock_accept(self._listener)
             except OSError as exc:  # out of descriptors: the connection waits in the backlog
                 log.warning("edge socket accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            task = asyncio.create_task(self._accepted(conn), name="edge-socket-connection")
+            task = asyncio.create_task(self._accepted(conn, address), name="edge-socket-connection")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _accepted(self, conn: socket.socket) -> None:
-        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            with contextlib.suppress(OSError):
-                conn.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
-        peer = f"unix:{self.path}"
+    async def _accepted(self, conn: socket.socket, address: object) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ticket_wait_s
+        peer = f"unix:{self.path}" if conn.family == socket.AF_UNIX else f"tls:{host_port(address)}"
+        if len(self._waiting) >= MAX_UNTICKETED:
+            oldest, pushed = next(iter(self._waiting.items()))
+            del self._waiting[oldest]
+            pushed.set_result(None)
+        pushed_out = loop.create_future()
+        self._waiting[conn] = pushed_out
+        try:
+            await self._secured(conn, peer, pushed_out, deadline)
+        finally:
+            self._waiting.pop(conn, None)
+
+    async def _secured(
+        self, conn: socket.socket, peer: str, pushed_out: asyncio.Future[None], deadline: float
+    ) -> None:
+        """The connection, after mutual TLS on a TCP port: its ticket, then its edge."""
+        sealing = None
+        refusal: str | None = None
+        if conn.family == socket.AF_UNIX:
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                with contextlib.suppress(OSError):
+                    conn.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        else:
+            assert self.tls is not None
+            try:
+                conn, sealing, _serial, refusal = await self.tls.secure(conn, pushed_out, deadline)
+            except EdgeTlsRefused as exc:
+                conn.close()
+                self._refused_unheard(str(exc), peer)
+                return
         connection = RawConnection(
             conn,
             peer,
@@ -231,10 +256,13 @@ class EdgeSocket:
             max_message_bytes=self.max_record_bytes,
             plain_read_timeout=True,
             violation_record=lambda why: status_record(grpc.StatusCode.INVALID_ARGUMENT, why),
+            sealing=sealing,
         )
         stream = RecordsEdgeStream(connection)
         try:
-            await self._serve(stream)
+            if refusal is not None:
+                await self._refuse(stream, refusal, grpc.StatusCode.PERMISSION_DENIED, peer)
+            await self._serve(stream, peer, pushed_out, deadline)
             if stream.violation:  # the edge ended as a vanished stage's would; say why
                 self._audit_violation(stream.violation)
         except EdgeAborted as exc:
@@ -246,19 +274,15 @@ class EdgeSocket:
         finally:
             await connection.close()
 
-    async def _serve(self, stream: RecordsEdgeStream) -> None:
+    async def _serve(
+        self, stream: RecordsEdgeStream, peer: str, pushed_out: asyncio.Future[None], deadline: float
+    ) -> None:
         """The ticket, then the edge's common body."""
-        if len(self._waiting) >= MAX_UNTICKETED:
-            oldest, pushed_out = next(iter(self._waiting.items()))
-            del self._waiting[oldest]
-            pushed_out.set_result(None)
-        pushed_out = asyncio.get_running_loop().create_future()
-        self._waiting[stream] = pushed_out
         reading = asyncio.ensure_future(stream.read())
+        left = max(0.0, deadline - asyncio.get_running_loop().time())
         try:
-            await asyncio.wait({reading, pushed_out}, timeout=self.ticket_wait_s, return_when=FIRST_COMPLETED)
+            await asyncio.wait({reading, pushed_out}, timeout=left, return_when=FIRST_COMPLETED)
         finally:
-            self._waiting.pop(stream, None)
             if not reading.done():
                 reading.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -267,15 +291,17 @@ class EdgeSocket:
         if not reading.done() or reading.cancelled():
             if pushed_out.done():
                 reason = f"{MAX_UNTICKETED} newer edge socket connections waited for a ticket"
-                await self._refuse(stream, reason, grpc.StatusCode.RESOURCE_EXHAUSTED)
-            await self._refuse(stream, f"no edge ticket within {self.ticket_wait_s:g} s")
+                await self._refuse(stream, reason, grpc.StatusCode.RESOURCE_EXHAUSTED, peer)
+            await self._refuse(stream, f"no edge ticket within {self.ticket_wait_s:g} s", peer=peer)
         key = reading.result()
         if key is grpc.aio.EOF or not isinstance(key, bytes | memoryview):
-            await self._refuse(stream, stream.violation or "the connection ended before its edge ticket")
+            await self._refuse(
+                stream, stream.violation or "the connection ended before its edge ticket", peer=peer
+            )
         try:
             ticket = self.tickets.redeem(key)
         except TicketError as exc:
-            await self._refuse(stream, str(exc))
+            await self._refuse(stream, str(exc), peer=peer)
         await self.relay.serve_edge(
             stream,
             ticket.account,
@@ -291,9 +317,13 @@ class EdgeSocket:
         self.relay.link.record("edge.refused", outcome="refused", reason=reason, transport=TRANSPORT)
 
     async def _refuse(
-        self, stream: RecordsEdgeStream, reason: str, code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED
+        self,
+        stream: RecordsEdgeStream,
+        reason: str,
+        code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
+        peer: str = "",
     ) -> NoReturn:
-        """A connection without a valid ticket: audited (``edge.open`` refused) and told why.
+        """A connection without a valid ticket or identity: audited (``edge.open`` refused) and told why.
 
         Anyone who can reach the socket can be refused here, so the records go through the switch's
         refusal aggregator (the WAN port's: the first of each reason at once, repeats counted per
@@ -302,8 +332,20 @@ class EdgeSocket:
         refusals = self.relay.link.refusals
         if refusals is None:
             await self.relay._refuse_open(stream, code, reason, transport=TRANSPORT)
-        refusals.refused("edge.open", "ticket", reason, {"transport": TRANSPORT, "address": self.path})
+        refusals.refused(
+            "edge.open", "ticket", reason, {"transport": TRANSPORT, "address": peer or self.path}
+        )
         await stream.abort(code, reason)
+
+    def _refused_unheard(self, reason: str, peer: str) -> None:
+        """A TCP connection that failed its mutual TLS: audited as ``_refuse`` does, with nothing to tell."""
+        log.info("edge socket connection refused: %s", reason)
+        refusals = self.relay.link.refusals
+        details = {"transport": TRANSPORT, "address": peer}
+        if refusals is None:
+            self.relay.link.record("edge.refused", outcome="refused", reason=reason, **details)
+            return
+        refusals.refused("edge.open", "tls", reason, details)
 
 
 __all__ = ["MAX_UNTICKETED", "STALL_S", "TICKET_WAIT_S", "TRANSPORT", "EdgeSocket", "RecordsEdgeStream"]

@@ -129,7 +129,7 @@ async def start_switch(settings: SwitchSettings, stack: contextlib.AsyncExitStac
     wan, exchanges, grpc_wan_port = wan_server(settings, stack, links, trusts, certs)
     await internal.start()
     await wan.start()
-    edge_socket = await start_edge_socket(settings, stack, relay) if settings.edge_socket else None
+    edge_socket = await start_edge_socket(settings, stack, relay, identity) if settings.edge_socket else None
     frontend = await start_frontend(settings, stack, wan, grpc_wan_port, links, certs)
     start_links(settings, stack, peers, links, exchanges, certs)
     start_background(settings, stack, links, trusts, certs, verifier.revocation_reason, identity)

@@ -15,17 +15,20 @@ from nebula_common.audit.servicer import AUDIT_SERVICE_NAME, add_audit_api
 from nebula_common.auth.interceptor import TokenAuthInterceptor
 from nebula_common.auth.verifier import TokenVerifier
 from nebula_common.rpc import ServiceServer
+from nebula_common.rpc.edge_tls import TLS, edge_address
 from nebula_common.service.identity import ServiceIdentity
 from nebula_common.service.resources import bind_internal, grpc_server, internal_server_options
 from services.switch.certs import CertificateManager
 from services.switch.config import SwitchSettings
-from services.switch.edge_socket import EdgeSocket
+from services.switch.edge_socket import MAX_UNTICKETED, EdgeSocket
 from services.switch.edge_tickets import EdgeTickets
+from services.switch.edge_tls_accept import EdgeTlsAcceptor
 from services.switch.peers import PeerLinks
 from services.switch.relay_servicer import RelayServicer, add_relay_to_server
 from services.switch.throttle import AccountThrottle, Penalties, PenaltyRules
 
 log = logging.getLogger(__name__)
+EDGE_SETTING = "NEBULA_SWITCH_EDGE_SOCKET"
 STOP_GRACE_SECONDS = 2.0
 """How long each of the switch's gRPC servers lets calls finish on stop."""
 
@@ -83,13 +86,23 @@ def internal_server(
 
 
 async def start_edge_socket(
-    settings: SwitchSettings, stack: contextlib.AsyncExitStack, relay: RelayServicer
-) -> None:
+    settings: SwitchSettings,
+    stack: contextlib.AsyncExitStack,
+    relay: RelayServicer,
+    identity: ServiceIdentity,
+) -> EdgeSocket:
     """Serve the edge socket (``edge_socket.py``) in this event loop; the relay then issues its tickets.
 
-    Stopped before the servers drain the edges: its connections end like cancelled calls and record their end.
+    On a TCP port its connections take mutual TLS with this switch's internal identity (a trainer's
+    certificate, checked against the cluster CA and its CRL: ``edge_tls_accept.py``). Stopped before
+    the servers drain the edges: its connections end like cancelled calls and record their end.
     """
-    edge_socket = EdgeSocket(relay, EdgeTickets())
+    tls = None
+    if identity.server is not None and edge_address(settings.edge_socket, EDGE_SETTING)[0] == TLS:
+        tls = EdgeTlsAcceptor(
+            identity.server.pem, settings.cluster_id, lambda: identity.revoked, workers=MAX_UNTICKETED
+        )
+    edge_socket = EdgeSocket(relay, EdgeTickets(), tls=tls)
     path = await edge_socket.start(settings.edge_socket)
     stack.push_async_callback(edge_socket.stop)
     log.info("edge socket listening", extra={"fields": {"path": path}})

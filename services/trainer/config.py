@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from nebula_common.rpc.edge_tls import edge_address
 from nebula_common.service.settings import AuditedServiceSettings, HostPort
 from services.trainer.rank_accounts import RankAccounts
 
@@ -21,11 +22,13 @@ class TrainerSettings(AuditedServiceSettings):
     switch_address: HostPort = Field(description="host:port of this cluster's switch internal port.")
     switch_edge_socket: str = Field(
         "",
-        description="Path of this cluster's switch edge socket (the switch's NEBULA_SWITCH_EDGE_SOCKET, "
-        "on this host): each stage process then carries its edges as records on a connection the trainer "
-        "makes there with a one-time ticket and passes to it (services/trainer/stage_edge_fds.py), instead "
-        "of gRPC through its proxy. A missing or refusing socket is retried naming why, never replaced by "
-        "gRPC. Empty: gRPC edges through the stage's proxy (stages on cluster ranks always use gRPC).",
+        description="This cluster's switch edge socket (the switch's NEBULA_SWITCH_EDGE_SOCKET): a path "
+        "(with a '/') on this host, or host:port of its TCP edge port (mutual TLS 1.3 with this trainer's "
+        "internal identity, then sealed records). Each stage process then carries its edges as records on a "
+        "connection the trainer makes there with a one-time ticket and passes to it "
+        "(services/trainer/stage_edge_fds.py), instead of gRPC through its proxy. A missing or refusing "
+        "socket is retried naming why, never replaced by gRPC. Empty: gRPC edges through the stage's proxy "
+        "(stages on cluster ranks always use gRPC).",
     )
     auth_address: HostPort = Field(description="host:port of this cluster's auth service.")
     torch_threads: int = Field(1, ge=1, le=256, description="Intra-op threads for torch on this trainer.")
@@ -85,6 +88,13 @@ class TrainerSettings(AuditedServiceSettings):
         "code runs in the trainer and the workers), so name only accounts trusted with the whole cluster; "
         "every other account's stage runs in a stage box on this trainer. Default: none.",
     )
+
+    @field_validator("switch_edge_socket")
+    @classmethod
+    def _edge_socket(cls, value: str) -> str:
+        if value:
+            edge_address(value, "NEBULA_TRAINER_SWITCH_EDGE_SOCKET")  # a value of neither form, named
+        return value
 
     @field_validator("ranks_accounts")
     @classmethod

@@ -20,6 +20,8 @@ import torch
 from nebula_common.audit.servicer import AUDIT_SERVICE_NAME, add_audit_api
 from nebula_common.auth.interceptor import TokenAuthInterceptor
 from nebula_common.proto.nebula.v1 import trainer_pb2_grpc
+from nebula_common.rpc.edge_tls import TLS, edge_address
+from nebula_common.rpc.internal_tls import InternalTlsError
 from nebula_common.service.host import ServiceDefinition, Started
 from nebula_common.service.identity import ServiceIdentity, service_identity
 from nebula_common.service.resources import (
@@ -39,6 +41,8 @@ from services.trainer.runtime.rank_gate import RankTls
 from services.trainer.runtime.rank_sources import ClusterRanks
 from services.trainer.sandbox import StageLimits, choose_confinement
 from services.trainer.servicer import TrainerServicer
+
+EDGE_SETTING = "NEBULA_TRAINER_SWITCH_EDGE_SOCKET"
 
 log = logging.getLogger(__name__)
 STOP_GRACE_SECONDS = 2.0
@@ -89,12 +93,23 @@ def _cluster_ranks(
     return ranks
 
 
+def _check_edge_tls(settings: TrainerSettings, identity: ServiceIdentity) -> None:
+    """A TCP switch edge socket is mutual TLS with this trainer's identity: refuse to start without one."""
+    edge = settings.switch_edge_socket
+    if edge and edge_address(edge, EDGE_SETTING)[0] == TLS and identity.client is None:
+        raise InternalTlsError(
+            f"{EDGE_SETTING}={edge!r} is a TCP port, which needs internal TLS (mutual TLS 1.3 with this "
+            "trainer's certificate); give the switch's socket path instead, or internal TLS files"
+        )
+
+
 async def start_trainer(
     settings: TrainerSettings, stack: contextlib.AsyncExitStack
 ) -> Started[TrainerServicer]:
     """Token keys and the audit log, then the server; stages are stopped before the log is sealed."""
     torch.set_num_threads(settings.torch_threads)
     identity = await service_identity(stack, settings, "trainer")
+    _check_edge_tls(settings, identity)
     verifier = await token_verifier(stack, settings.auth_address, settings.cluster_id, tls=identity.client)
     data_dir = settings.resolved_data_dir()
     data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -10,7 +10,10 @@ request (``edge/socket_request.py``, its own ``SOCK_SEQPACKET`` socketpair) the 
 2. asks the switch for a one-time ticket with the stage's job token and its own mutual-TLS identity
    (``StageProxy.issue_ticket``, ``Relay/IssueEdgeTicket``); a refusal is passed on with its status;
 3. connects to the switch's edge socket, presents the ticket as the first record, and passes the
-   connected socket to the stage (``SCM_RIGHTS``), closing its own copy.
+   connected socket to the stage (``SCM_RIGHTS``), closing its own copy. On a TCP edge port (the switch
+   on another host: Kubernetes) the connection is mutual TLS 1.3 with the trainer's internal identity
+   and then sealed records (``nebula_common/rpc/edge_tls.py``); the stage gets that one connection's
+   record state beside the socket, never the trainer's key.
 
 The stage so sees its connection and nothing else: not the token, not the socket's path. A socket
 that is missing or refuses is answered ``UNAVAILABLE`` naming why (the stage retries with backoff);
@@ -36,7 +39,8 @@ import threading
 
 import grpc
 
-from nebula_common.proto.nebula.v1 import relay_pb2
+from nebula_common.rpc.edge_tls import UNIX, dial_edge, edge_address
+from nebula_common.rpc.internal_tls import ClientTls, InternalTlsError, process_client_tls
 from nebula_common.rpc.unix_paths import connect_unix
 from services.trainer.edge.socket_request import MAX_REQUEST_BYTES, parse_request, reply
 from services.trainer.stage_proxy import StageProxy
@@ -65,6 +69,20 @@ def connect_edge_socket(path: str, ticket: bytes) -> socket.socket:
     return sock
 
 
+def connect_edge(
+    address: str, ticket: bytes, tls: ClientTls | None = None
+) -> tuple[socket.socket, dict | None]:
+    """A ticketed connection to the switch's edge socket at ``address`` (a path or host:port) and, on
+    TCP, the sealed records' state to hand over with it (OSError, InternalTlsError if not). ``tls``:
+    the trainer's identity (default: this process's, the trainer service's own)."""
+    if edge_address(address, "NEBULA_TRAINER_SWITCH_EDGE_SOCKET")[0] == UNIX:
+        return connect_edge_socket(address, ticket), None
+    tls = tls or process_client_tls()
+    if tls is None:
+        raise InternalTlsError("a TCP edge socket needs this trainer's internal TLS identity")
+    return dial_edge(address, tls, ticket, CONNECT_TIMEOUT_S)
+
+
 def check_switch_peer(sock: socket.socket, path: str) -> None:
     """Raise PermissionError unless ``sock``'s peer may be this trainer's switch (see the module doc)."""
     _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
@@ -85,8 +103,16 @@ def check_switch_peer(sock: socket.socket, path: str) -> None:
 class StageEdgeFds:
     """Answers one stage's edge requests on ``sock`` (see the module doc), on a thread of its own."""
 
-    def __init__(self, sock: socket.socket, proxy: StageProxy, edge_socket: str, job_id: str) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        proxy: StageProxy,
+        edge_socket: str,
+        job_id: str,
+        tls: ClientTls | None = None,
+    ) -> None:
         self._sock = sock
+        self._tls = tls
         self._proxy = proxy
         self._edge_socket = edge_socket
         self._job_id = job_id
@@ -125,11 +151,11 @@ class StageEdgeFds:
             self._reply(request_id, grpc.StatusCode.PERMISSION_DENIED, refusal)
             return
         try:
-            conn = self._connect(opened)
+            conn, sealing = connect_edge(self._edge_socket, self._proxy.issue_ticket(opened), self._tls)
         except grpc.RpcError as exc:
             self._reply(request_id, exc.code(), exc.details() or "")
             return
-        except OSError as exc:
+        except (OSError, InternalTlsError) as exc:
             reason = f"the switch's edge socket {self._edge_socket}: {exc}"
             log.warning(
                 "no edge connection for a stage", extra={"fields": {"job_id": self._job_id, "reason": reason}}
@@ -137,18 +163,16 @@ class StageEdgeFds:
             self._reply(request_id, grpc.StatusCode.UNAVAILABLE, reason)
             return
         try:
-            socket.send_fds(self._sock, [reply(request_id, grpc.StatusCode.OK)], [conn.fileno()])
+            answer = reply(request_id, grpc.StatusCode.OK, sealing=sealing)
+            socket.send_fds(self._sock, [answer], [conn.fileno()])
         except OSError as exc:
             log.warning("could not pass an edge connection to its stage: %s", exc)
         finally:
             conn.close()
-
-    def _connect(self, opened: relay_pb2.EdgeOpen) -> socket.socket:
-        return connect_edge_socket(self._edge_socket, self._proxy.issue_ticket(opened))
 
     def _reply(self, request_id: int, code: grpc.StatusCode, message: str) -> None:
         with contextlib.suppress(OSError):
             self._sock.send(reply(request_id, code, message))
 
 
-__all__ = ["StageEdgeFds", "check_switch_peer", "connect_edge_socket"]
+__all__ = ["StageEdgeFds", "check_switch_peer", "connect_edge", "connect_edge_socket"]

@@ -336,7 +336,8 @@ def test_a_stage_gets_a_connection_for_its_own_edge_only(pair: SwitchPair) -> No
         assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
         assert f"may not open edge {edge!r} of job {job_id!r}" in refused.value.message
     assert len(refusals) == 2
-    conn = request(_open("s-mine"))  # the trainer still answers, and its own edge opens
+    conn, sealing = request(_open("s-mine"))  # the trainer still answers, and its own edge opens
+    assert sealing is None  # a Unix socket: plain records
     try:
         conn.settimeout(30)
         head = conn.recv(4, socket.MSG_WAITALL)

@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from nebula_common.pki import PkiLayout
+from nebula_common.pki.service_identity import ensure_service_certificates
 from nebula_common.proto.nebula.v1 import trainer_pb2
+from nebula_common.rpc.internal_tls import ClientTls, set_process_client_tls, trust_endpoint
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.jobs import ProgramJob
 from services.switch.config import SwitchSettings
@@ -31,7 +33,7 @@ from services.trainer.runtime.stage import ProgramRunner
 from services.trainer.stage_edge_fds import StageEdgeFds
 from services.trainer.stage_proxy import StageProxy
 from tests.support.accounts import ADMIN_PASSWORD, auth_settings
-from tests.support.servers import SwitchThread, accepting_switch, running_auth
+from tests.support.servers import AuthServerThread, SwitchThread, accepting_switch, running_auth
 from tests.support.waiting import wait_for
 
 
@@ -112,6 +114,8 @@ class SwitchPair:
     auth_addresses: tuple[str, str] = ("", "")
     #: The switches themselves (their audit logs, routers).
     threads: tuple[SwitchThread, ...] = ()
+    #: Each cluster's trainer identity (``switch_pair(edge_sockets="tcp")``: internal TLS on).
+    trainer_tls: tuple[ClientTls | None, ClientTls | None] = (None, None)
 
     def transport(self, carrier: str, index: int, job_id: str, edge: str, epoch: int = 0) -> Any:
         """A transport of cluster ``index``'s end: ``grpc`` (OpenEdge) or ``records`` (the edge socket,
@@ -153,23 +157,63 @@ def stage_records_connector(
         dataset="",
     )
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    StageEdgeFds(ours, proxy, pair.edge_sockets[index], job_id).start()
+    StageEdgeFds(ours, proxy, pair.edge_sockets[index], job_id, tls=pair.trainer_tls[index]).start()
     return EdgeSocketRequester(theirs)
 
 
+def _internal_tls(
+    stack: ExitStack, pki: PkiLayout
+) -> tuple[Callable[[str, str], dict[str, Any]], dict[str, ClientTls]]:
+    """Internal identities of auth, switch and trainer in both clusters: each service's settings, and
+    the trainer's client identity, which the test process presents to its cluster's ports
+    (``trust_endpoint``; the process-wide identity is reset, as services started in one process
+    overwrite it)."""
+    identities = {c: ensure_service_certificates(pki.root, c, ("auth", "switch", "trainer")) for c in "ab"}
+    trainers = {c: ClientTls.for_service(identities[c]["trainer"], c) for c in "ab"}
+    stack.callback(set_process_client_tls, None)
+
+    def settings(cluster: str, service: str) -> dict[str, Any]:
+        return {"internal_tls_dir": identities[cluster][service].dir}
+
+    return settings, trainers
+
+
 @contextmanager
-def switch_pair(work: Path, pki: PkiLayout, edge_sockets: bool = False) -> Iterator[SwitchPair]:
+def switch_pair(work: Path, pki: PkiLayout, edge_sockets: bool | str = False) -> Iterator[SwitchPair]:
     """Clusters a and b, each an auth server and a switch; a dials b over mTLS. Admin tokens of each.
 
-    ``edge_sockets``: each switch also serves its edge socket (``work/<cluster>/edge.sock``).
+    ``edge_sockets``: each switch also serves its edge socket (``True``: ``work/<cluster>/edge.sock``;
+    ``"tcp"``: a TCP port, with internal TLS on for every service, as in Kubernetes). With internal TLS
+    ``addresses`` are the switches' service ports, reached with the trainer's identity.
     """
     with ExitStack() as stack:
         for cluster in "ab":
             (work / cluster).mkdir(parents=True, exist_ok=True)
-        sockets = tuple(str(work / c / "edge.sock") if edge_sockets else "" for c in "ab")
-        auths = {c: stack.enter_context(running_auth(auth_settings(work / c, c))) for c in "ab"}
+        tcp = edge_sockets == "tcp"
+        if tcp:
+            internal, trainers = _internal_tls(stack, pki)
+        else:
+            internal, trainers = (lambda cluster, service: {}), {}
+        sockets = tuple(
+            "127.0.0.1:0" if tcp else str(work / c / "edge.sock") if edge_sockets else "" for c in "ab"
+        )
+        auths = {
+            c: stack.enter_context(running_auth(auth_settings(work / c, c, **internal(c, "auth"))))
+            for c in "ab"
+        }
+        auth_addresses = {c: _auth_address(auths[c], tcp) for c in "ab"}
+        for c in trainers:
+            trust_endpoint(auths[c].address, trainers[c])
+            trust_endpoint(auth_addresses[c], trainers[c])
         b = stack.enter_context(
-            accepting_switch(work / "b", pki.cluster("b"), "a", auths["b"].address, edge_socket=sockets[1])
+            accepting_switch(
+                work / "b",
+                pki.cluster("b"),
+                "a",
+                auth_addresses["b"],
+                edge_socket=sockets[1],
+                **internal("b", "switch"),
+            )
         )
         paths = pki.cluster("a")
         a = SwitchThread(
@@ -181,25 +225,51 @@ def switch_pair(work: Path, pki: PkiLayout, edge_sockets: bool = False) -> Itera
                 tls_cert=paths.switch_cert,
                 tls_key=paths.switch_key,
                 trust_bundle=paths.trust_bundle,
-                auth_address=auths["a"].address,
+                auth_address=auth_addresses["a"],
                 data_dir=work / "a" / "switch",
                 metrics_port=-1,
                 edge_socket=sockets[0],
+                **internal("a", "switch"),
             )
         )
         stack.callback(a.stop)
+        if tcp:
+            set_process_client_tls(None)  # each service set its own; the test presents the trainer's
+        switches = (a, b)
+        addresses = tuple(_switch_address(switch, tcp) for switch in switches)
+        for c, address, switch in zip("ab", addresses, switches, strict=True):
+            if c in trainers:
+                trust_endpoint(address, trainers[c])
+                trust_endpoint(switch.internal_address, trainers[c])
+        served = tuple(
+            (switch.running.edge_socket.path if switch.running.edge_socket else "") if tcp else path
+            for switch, path in zip(switches, sockets, strict=True)
+        )
         wait_for(lambda: a.running.link.state.connected, 30, "the a-b switch link")
         tokens = []
         for cluster in "ab":
             with AuthClient(auths[cluster].address) as client:
                 tokens.append(client.login("admin", ADMIN_PASSWORD).token)
         yield SwitchPair(
-            (a.internal_address, b.internal_address),
+            (addresses[0], addresses[1]),
             (tokens[0], tokens[1]),
-            (sockets[0], sockets[1]),
+            (served[0], served[1]),
             (auths["a"].address, auths["b"].address),
             (a, b),
+            (trainers.get("a"), trainers.get("b")),
         )
+
+
+def _auth_address(auth: AuthServerThread, internal_tls: bool) -> str:
+    """Where a switch asks auth for its token keys: the service port under internal TLS."""
+    return f"127.0.0.1:{auth.service.ports['service_port']}" if internal_tls else auth.address
+
+
+def _switch_address(switch: SwitchThread, internal_tls: bool) -> str:
+    """Where a trainer opens edges and asks for tickets: the service port under internal TLS."""
+    return (
+        f"127.0.0.1:{switch.running.internal.ports['service']}" if internal_tls else switch.internal_address
+    )
 
 
 @dataclass

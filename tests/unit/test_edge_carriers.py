@@ -2,13 +2,15 @@
 
 The rule (docs/deployments.md, "Stages' edges"): where a cluster's switch and trainer share a host,
 every stage carries its edges as records on the switch's edge socket (services/switch/edge_socket.py),
-on connections its trainer makes there and passes to it; where they do not, gRPC through the trainer's
-stage proxy. So in every compose file the switch names its edge socket (NEBULA_SWITCH_EDGE_SOCKET),
+on connections its trainer makes there and passes to it; where they do not (Kubernetes: separate pods),
+as sealed records on the switch's TCP edge port after mutual TLS 1.3. So in every compose file the
+switch names its edge socket (NEBULA_SWITCH_EDGE_SOCKET),
 its cluster's trainer names the same path (NEBULA_TRAINER_SWITCH_EDGE_SOCKET), and the socket's
 directory is a named volume of that cluster that only the two of them mount: the switch read-write (it
 makes the socket), the trainer read-only (connecting needs no write access to the directory). The
 image makes that directory 0711 and owned by the runtime user, which a fresh named volume copies. In
-Kubernetes the switch and the trainer are separate pods: neither setting is set anywhere.
+Kubernetes the switch serves the port (7402), its Service exposes it, the trainer names it, and a
+NetworkPolicy lets only the trainer's pods reach it.
 """
 
 from __future__ import annotations
@@ -97,18 +99,51 @@ def test_an_organisations_cluster_carries_edges_as_records(org: str, monkeypatch
     _check_records_edges(monkeypatch, services, "switch", "trainer", "switch-edges")
 
 
-def test_kubernetes_keeps_grpc_edges_through_the_stage_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Switch and trainer are separate pods (no shared Unix socket): no manifest or overlay names one."""
-    manifests = [p for p in K8S.rglob("*") if p.is_file() and p.suffix in (".yaml", ".yml", ".env")]
-    assert manifests
-    for path in manifests:  # NEBULA_SWITCH_EDGE_SOCKET, NEBULA_TRAINER_SWITCH_EDGE_SOCKET, or a key for them
-        assert "EDGE_SOCKET" not in path.read_text().upper(), f"{path.relative_to(K8S)} names an edge socket"
+K8S_EDGES = 7402
+
+
+def test_kubernetes_carries_edges_as_sealed_records_on_the_switchs_edge_port(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In every overlay the switch serves its edge socket on a TCP port and the trainer names that port
+    of the switch's Service: records after mutual TLS, not gRPC through the stage proxy."""
     for cluster in OVERLAYS:
         config = _overlay_config(cluster)
+        served = named = ""
         for name, _, container in _containers():
             command = container["command"]
-            if command[0] not in ("nebula-switch", "nebula-trainer"):
-                continue
-            settings = _build_settings(monkeypatch, command, _k8s_env(container, config))
-            socket = settings.edge_socket if command[0] == "nebula-switch" else settings.switch_edge_socket
-            assert socket == "", f"k8s {name} (cluster {cluster}) names an edge socket: {socket}"
+            if command[0] == "nebula-switch":
+                served = _build_settings(monkeypatch, command, _k8s_env(container, config)).edge_socket
+                ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+                assert ports.get("edges") == K8S_EDGES, f"k8s {name}: no container port 'edges' {K8S_EDGES}"
+            elif command[0] == "nebula-trainer":
+                named = _build_settings(monkeypatch, command, _k8s_env(container, config)).switch_edge_socket
+        assert served == f"0.0.0.0:{K8S_EDGES}", f"cluster {cluster}: the switch serves {served!r}"
+        assert named == f"nebula-switch:{K8S_EDGES}", f"cluster {cluster}: the trainer names {named!r}"
+
+
+def _k8s_documents(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def test_the_switchs_service_exposes_the_edge_port_to_its_trainer_only() -> None:
+    service = next(
+        doc
+        for doc in _k8s_documents(K8S / "base" / "switch.yaml")
+        if doc["kind"] == "Service" and doc["metadata"]["name"] == "nebula-switch"
+    )
+    assert {"name": "edges", "port": K8S_EDGES, "targetPort": "edges"} in service["spec"]["ports"]
+    policies = [
+        d for d in _k8s_documents(K8S / "base" / "networkpolicy.yaml") if d["kind"] == "NetworkPolicy"
+    ]
+    opening = []
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            if any(port.get("port") == K8S_EDGES for port in rule.get("ports", [])):
+                opening.append((policy["metadata"]["name"], rule.get("from")))
+    assert opening == [
+        (
+            "nebula-allow-switch-edges",
+            [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "nebula-trainer"}}}],
+        )
+    ], f"port {K8S_EDGES} must be open to the trainer's pods only: {opening}"

@@ -2,7 +2,8 @@
 
 Parametrized over the in-memory pair and pairs through two real mTLS switches (clusters a and b, each
 with its own auth server; a dials b): on OpenEdge streams (``grpc``) and as records on the switches'
-edge sockets, through a trainer's tickets and passed descriptors (``records``). Link cuts are not
+edge sockets, through a trainer's tickets and passed descriptors: plain on Unix sockets (``records``)
+and sealed on TCP edge ports after mutual TLS 1.3, internal TLS on (``records-tls``). Link cuts are not
 tested over the switches here: the switch that sends LinkNotice lands separately.
 """
 
@@ -37,9 +38,17 @@ READY, SYNC, EVAL_DONE, RESUME = (
     relay_pb2.SIGNAL_KIND_RESUME,
 )
 _jobs = itertools.count()
+CARRIERS = ["memory", "grpc", "records", "records-tls"]
 
 
-@pytest.fixture(params=["memory", "grpc", "records"])
+def _switches(request: pytest.FixtureRequest) -> tuple[SwitchPair, str]:
+    """The switch pair of a carrier and the carrier its transports take."""
+    if request.param == "records-tls":
+        return request.getfixturevalue("tls_switches"), "records"
+    return request.getfixturevalue("switches"), request.param
+
+
+@pytest.fixture(params=CARRIERS)
 def open_pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     opened: list[EdgeConnection] = []
 
@@ -47,8 +56,8 @@ def open_pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
         if request.param == "memory":
             pair = memory_pair(MemoryLink(max_window_bytes=settings.window_bytes), settings, **codecs)
         else:
-            switches: SwitchPair = request.getfixturevalue("switches")
-            pair = switches.edge_pair(f"contract-{next(_jobs)}", settings, **codecs, carrier=request.param)
+            switches, carrier = _switches(request)
+            pair = switches.edge_pair(f"contract-{next(_jobs)}", settings, **codecs, carrier=carrier)
         opened.extend(pair)
         return pair
 
@@ -171,19 +180,19 @@ def test_a_header_above_max_frame_bytes_fails_the_edge() -> None:
         up.receive_tensor(0, 0, timeout=10)
 
 
-@pytest.fixture(params=["memory", "grpc", "records"])
+@pytest.fixture(params=CARRIERS)
 def open_end(request: pytest.FixtureRequest) -> Iterator[Callable[[int, int], EdgeConnection]]:
     """``open_end(index, epoch)``: one end of this test's edge (0 upstream, 1 downstream) in ``epoch``."""
     opened: list[EdgeConnection] = []
     job = f"epochs-{next(_jobs)}"
     link = MemoryLink(max_window_bytes=SETTINGS.window_bytes)
-    switches: SwitchPair | None = request.getfixturevalue("switches") if request.param != "memory" else None
+    switches, carrier = _switches(request) if request.param != "memory" else (None, "")
 
     def make(index: int, epoch: int) -> EdgeConnection:
         if switches is None:
             transport: object = link.ends[index] if epoch == 0 else link.open_end(index, epoch)
         else:
-            transport = switches.transport(request.param, index, job, "up->down", epoch)
+            transport = switches.transport(carrier, index, job, "up->down", epoch)
         edge = EdgeConnection(
             transport,  # type: ignore[arg-type]
             job_id=job,

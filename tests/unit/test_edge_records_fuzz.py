@@ -4,9 +4,11 @@
   None for anything that is not one, (code, message) otherwise, an unreadable one UNKNOWN;
 * a stage's edge request (``services/trainer/edge/socket_request.py``: ``parse_request``) -> (id, open)
   or ValueError;
-* the stage's record reader (``services/trainer/edge/records_transport.py``) on a real socket: a record,
-  the end, or its documented errors (a record over ``MAX_EDGE_RECORD_BYTES`` fails the edge before any
-  buffer is sized from it).
+* the stage's record readers (``services/trainer/edge/record_io.py``) on a real socket: a record, the
+  end, or their documented errors (a plain record over ``MAX_EDGE_RECORD_BYTES`` fails the edge before
+  any buffer is sized from it; a sealed one that fails authentication is SealedRecordError);
+* the sealed records' state a trainer hands its stage (``RecordSealing.resumed``): a sealing or
+  ValueError naming what is wrong.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from nebula_common.rpc.edge_records import (
     parse_status_record,
     status_record,
 )
-from services.trainer.edge.reconnecting import EdgeFailed
-from services.trainer.edge.records_transport import _Ended, _Reader
+from nebula_common.rpc.sealed_records import RecordSealing, SealedRecordError, sealed_size
+from services.trainer.edge.record_io import Ended, PlainRecords, SealedRecords, TooLarge
 from services.trainer.edge.socket_request import parse_request
 
 pytestmark = pytest.mark.timeout(120)
@@ -72,12 +74,12 @@ def test_the_stage_reader_reads_records_or_fails_as_documented(records: list[byt
     with ours, theirs:
         theirs.sendall(b"".join(len(r).to_bytes(4, "big") + r for r in records) + tail)
         theirs.shutdown(socket.SHUT_WR)
-        reader = _Reader(ours)
+        reader = PlainRecords(ours)
         got: list[bytes] = []
         try:
             while (record := reader.read()) is not None:
                 got.append(bytes(record))
-        except (_Ended, EdgeFailed):
+        except (Ended, TooLarge):
             assert tail, "well-formed records ended in an error"
             return
         assert got[: len(records)] == records
@@ -87,5 +89,100 @@ def test_the_stage_reader_refuses_a_record_over_the_bound_before_reading_it() ->
     ours, theirs = socket.socketpair()
     with ours, theirs:
         theirs.sendall((MAX_EDGE_RECORD_BYTES + 1).to_bytes(4, "big"))
-        with pytest.raises(EdgeFailed, match="limit"):
-            _Reader(ours).read()
+        with pytest.raises(TooLarge, match="limit"):
+            PlainRecords(ours).read()
+
+
+SECRETS = (bytes(range(32)), bytes(range(32, 64)))
+
+
+def _sealed(messages: list[bytes], close: bool, record_bytes: int) -> bytes:
+    sender = RecordSealing(SECRETS[0], SECRETS[1], record_bytes=record_bytes)
+    out = bytearray()
+    for message in messages:
+        buffer = bytearray(sealed_size(len(message), record_bytes))
+        out += buffer[: sender.seal_into(message, memoryview(buffer))]
+    if close:
+        buffer = bytearray(sealed_size(0))
+        out += buffer[: sender.seal_close_into(memoryview(buffer))]
+    return bytes(out)
+
+
+@given(
+    st.lists(st.binary(max_size=3000), max_size=4),
+    st.booleans(),
+    st.sampled_from([64, 1000, 1 << 20]),
+    st.integers(min_value=-1, max_value=40000),
+    st.integers(min_value=0, max_value=255),
+)
+@settings(max_examples=150, deadline=None)
+def test_the_sealed_reader_reads_messages_or_fails_as_documented(
+    messages: list[bytes], close: bool, record_bytes: int, flip_at: int, flip: int
+) -> None:
+    """Sealed records as a switch sends them, whole or with one byte changed or cut short: the messages
+    in order and None after the close, or Ended (cut) / SealedRecordError (changed) before any of a
+    broken record's bytes are handed on."""
+    wire = bytearray(_sealed(messages, close, record_bytes))
+    changed = 0 <= flip_at < len(wire) and flip != 0
+    if changed:
+        wire[flip_at] ^= flip
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(wire)
+        theirs.shutdown(socket.SHUT_WR)
+        reader = SealedRecords(ours, RecordSealing(SECRETS[1], SECRETS[0]))
+        got: list[bytes] = []
+        try:
+            while (message := reader.read()) is not None:
+                got.append(bytes(message))
+        except (Ended, SealedRecordError):
+            assert changed or not close, "well-formed sealed records ended in an error"
+            assert got == messages[: len(got)]
+            return
+        assert close and got == messages
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from(["send", "receive", "sent", "sent_bytes", "opened", "opened_bytes", "record_bytes"]),
+        st.one_of(st.integers(min_value=-5, max_value=1 << 40), st.text(max_size=70), st.none()),
+    )
+)
+@example(
+    {
+        "send": "00" * 32,
+        "receive": "11" * 32,
+        "sent": 1,
+        "sent_bytes": 32,
+        "opened": 0,
+        "opened_bytes": 0,
+        "record_bytes": 1 << 20,
+    }
+)
+@settings(max_examples=300, deadline=None)
+def test_a_sealing_handover_resumes_or_is_refused(state: dict) -> None:
+    try:
+        sealing = RecordSealing.resumed(state)
+    except ValueError:
+        return
+    assert isinstance(sealing, RecordSealing)
+
+
+def test_a_resumed_sealing_continues_where_the_trainer_stopped() -> None:
+    """The trainer seals the ticket, hands over; the stage's next record opens at the switch."""
+    trainer = RecordSealing(SECRETS[0], SECRETS[1])
+    switch = RecordSealing(SECRETS[1], SECRETS[0])
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        reader = SealedRecords(ours, switch)
+        for step in ("ticket", "stage"):  # the trainer's ticket, then the stage's first record
+            sender = trainer if step == "ticket" else RecordSealing.resumed(trainer.handover())
+            buffer = bytearray(sealed_size(5))
+            theirs.sendall(buffer[: sender.seal_into(b"hello", memoryview(buffer))])
+            assert reader.read() == b"hello"
+        again = bytearray(sealed_size(5))  # a record sealed under the handed-over number twice fails
+        theirs.sendall(
+            again[: RecordSealing.resumed(trainer.handover()).seal_into(b"hello", memoryview(again))]
+        )
+        with pytest.raises(SealedRecordError):
+            reader.read()

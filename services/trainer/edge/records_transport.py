@@ -3,8 +3,9 @@
 Why: a stage's edge through gRPC crosses two gRPC hops (stage to its trainer's proxy, proxy to the
 switch), each copying every byte into and out of Python at both ends. Here the stage's trainer hands
 it a socket already connected to the switch's edge socket and ticketed (``socket_request.py``), and
-the edge's items travel on it as ``4-byte big-endian length + bytes`` records: the same serialized
-``EdgeMessage`` items and framed chunks an OpenEdge stream carries (``nebula_common/rpc/edge_records.py``).
+the edge's items travel on it as records: the same serialized ``EdgeMessage`` items and framed chunks
+an OpenEdge stream carries (``nebula_common/rpc/edge_records.py``), plain on a Unix socket or sealed on
+a TCP one (``record_io.py``).
 
 Reconnects, epochs, refusals and the close are the base's (``reconnecting.py``), as for the gRPC
 carrier; the switch's refusals arrive as its final status record, the trainer's as its answer to the
@@ -12,8 +13,8 @@ request for a connection. There is no other carrier to fall back to: a missing o
 is retried, naming why.
 
 Threads: this transport's own thread asks for connections and reads records (into a buffer of the
-record's size, handed on as a view: framed chunks are not copied here); a writer thread drains the
-session's queue with ``sendmsg`` of each record's header and bytes (no join, no copy).
+message's size, handed on as a view: framed chunks are not copied here); a writer thread drains the
+session's queue (plain: ``sendmsg`` of each record's header and bytes, no join, no copy).
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ import threading
 from collections.abc import Callable
 from typing import Unpack
 
-from nebula_common.bulk_memory import uninitialized_bytearray
 from nebula_common.proto.nebula.v1 import relay_pb2
-from nebula_common.rpc.edge_records import MAX_EDGE_RECORD_BYTES, parse_status_record
-from nebula_common.rpc.framing import is_framed
+from nebula_common.rpc.edge_records import parse_status_record
+from nebula_common.rpc.sealed_records import RecordSealing
 from services.trainer.edge.reconnecting import (
     END,
     FATAL_CODES,
@@ -38,65 +38,13 @@ from services.trainer.edge.reconnecting import (
     received,
     serialize,
 )
+from services.trainer.edge.record_io import Ended, PlainRecords, SealedRecords, TooLarge, records
 from services.trainer.edge.socket_request import EdgeSocketRefused
 from services.trainer.edge.transport import TransportHandler
 
-SMALL_RECORD = 64 << 10
-"""Records up to this size are read into a reused buffer and copied out; bigger ones get their own."""
-
-Connector = Callable[[relay_pb2.EdgeOpen], socket.socket]
-"""(the open) -> a socket connected to the switch's edge socket, its ticket presented (EdgeSocketRefused)."""
-
-
-class _Ended(Exception):
-    """The connection ended; the text says how."""
-
-
-def _send_record(sock: socket.socket, data: bytes | memoryview) -> None:
-    """One record, header and bytes in one ``sendmsg`` where the kernel takes them, never joined."""
-    parts = [memoryview(len(data).to_bytes(4, "big")), memoryview(data).cast("B")]
-    while parts:
-        sent = sock.sendmsg(parts)
-        while parts and sent >= len(parts[0]):
-            sent -= len(parts[0])
-            parts.pop(0)
-        if parts and sent:
-            parts[0] = parts[0][sent:]
-
-
-class _Reader:
-    """Whole records from a blocking socket."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._small = bytearray(SMALL_RECORD)
-        self._head = bytearray(4)
-
-    def _fill(self, view: memoryview, first: bool) -> bool:
-        got = 0
-        while got < len(view):
-            n = self.sock.recv_into(view[got:])
-            if n == 0:
-                if first and got == 0:
-                    return False
-                raise _Ended("the switch's edge socket ended inside a record")
-            got += n
-        return True
-
-    def read(self) -> bytes | memoryview | None:
-        """The next record, or None at a clean end between records."""
-        if not self._fill(memoryview(self._head), True):
-            return None
-        size = int.from_bytes(self._head, "big")
-        if size > MAX_EDGE_RECORD_BYTES:
-            raise EdgeFailed(f"the switch sent a {size}-byte record (limit {MAX_EDGE_RECORD_BYTES})")
-        if size <= SMALL_RECORD:
-            view = memoryview(self._small)[:size]
-            self._fill(view, False)
-            return bytes(view)
-        body = memoryview(uninitialized_bytearray(size))
-        self._fill(body, False)
-        return body if is_framed(body) else bytes(body)  # a view only where the parser takes one
+Connector = Callable[[relay_pb2.EdgeOpen], tuple[socket.socket, RecordSealing | None]]
+"""(the open) -> a socket connected to the switch's edge socket, its ticket presented, and the sealed
+records' state on a TCP one (EdgeSocketRefused if none)."""
 
 
 class RecordsEdgeTransport(ReconnectingEdgeTransport):
@@ -115,7 +63,7 @@ class RecordsEdgeTransport(ReconnectingEdgeTransport):
 
     def _carry(self, opened: relay_pb2.EdgeOpen, handler: TransportHandler) -> tuple[bool, bool, str]:
         try:
-            sock = self.connect(opened)
+            sock, sealing = self.connect(opened)
         except EdgeSocketRefused as exc:
             if exc.code in FATAL_CODES:
                 raise EdgeFailed(
@@ -123,9 +71,11 @@ class RecordsEdgeTransport(ReconnectingEdgeTransport):
                 ) from None
             return False, False, f"no edge connection: {exc.code.name}: {exc.message}"
         self.opens += 1
-        return self._run_connection(sock, handler)
+        return self._run_connection(sock, sealing, handler)
 
-    def _run_connection(self, sock: socket.socket, handler: TransportHandler) -> tuple[bool, bool, str]:
+    def _run_connection(
+        self, sock: socket.socket, sealing: RecordSealing | None, handler: TransportHandler
+    ) -> tuple[bool, bool, str]:
         """Run one connection until it ends: (it was ready, the peer closed, how it ended)."""
         sock.settimeout(None)
         outgoing: queue.Queue[object] = queue.Queue()
@@ -134,21 +84,23 @@ class RecordsEdgeTransport(ReconnectingEdgeTransport):
         if self._stopping.is_set():
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+        channel = records(sock, sealing)
         writer = threading.Thread(
-            target=self._write, args=(sock, outgoing), name=f"edge-{self.edge}-writer", daemon=True
+            target=self._write, args=(channel, outgoing), name=f"edge-{self.edge}-writer", daemon=True
         )
         writer.start()
-        reader = _Reader(sock)
         ready = peer_closed = False
         reason = "the switch ended the edge"
         try:
             while True:
                 try:
-                    raw = reader.read()
+                    raw = channel.read()
+                except TooLarge as exc:
+                    raise EdgeFailed(str(exc)) from None
                 except OSError as exc:
                     reason = f"edge connection failed: {exc}"
                     break
-                except _Ended as exc:
+                except Ended as exc:
                     reason = str(exc)
                     break
                 if raw is None:
@@ -173,14 +125,14 @@ class RecordsEdgeTransport(ReconnectingEdgeTransport):
             sock.close()
         return ready, peer_closed, reason
 
-    def _write(self, sock: socket.socket, outgoing: queue.Queue[object]) -> None:
+    def _write(self, channel: PlainRecords | SealedRecords, outgoing: queue.Queue[object]) -> None:
         while True:
             item = outgoing.get()
             if item is END:
                 return
             assert isinstance(item, relay_pb2.EdgeMessage | bytes)
             try:
-                _send_record(sock, serialize(item))
+                channel.send(serialize(item))
             except OSError:
                 return  # the reader sees the connection's end and reports it
             if self._closing and isinstance(item, relay_pb2.EdgeMessage) and item.HasField("close"):

@@ -9,7 +9,8 @@ ticket from the switch, connects, presents the ticket and passes the connected s
 (or the trainer) gave, so the stage's transport fails or retries exactly as over gRPC.
 
 Wire: a request is an 8-byte request id and the serialized ``EdgeOpen``; a reply is JSON
-``{"id", "code", "message"}`` with, when ``code`` is ``OK``, one descriptor attached. Replies carry the
+``{"id", "code", "message"}`` with, when ``code`` is ``OK``, one descriptor attached (and, for a TCP
+connection, ``"sealing"``: its sealed records' state, ``RecordSealing.handover``). Replies carry the
 id so a reply that arrives after its request timed out is dropped, never taken for the next one's.
 """
 
@@ -24,6 +25,7 @@ import threading
 import grpc
 
 from nebula_common.proto.nebula.v1 import relay_pb2
+from nebula_common.rpc.sealed_records import RecordSealing
 
 MAX_REQUEST_BYTES = 4096
 """Largest request a trainer reads (an EdgeOpen is a few dozen bytes)."""
@@ -41,9 +43,12 @@ class EdgeSocketRefused(Exception):
         self.message = message
 
 
-def reply(request_id: int, code: grpc.StatusCode, message: str = "") -> bytes:
-    """A reply packet (the descriptor, for OK, travels beside it)."""
-    return json.dumps({"id": request_id, "code": code.name, "message": message}).encode()
+def reply(request_id: int, code: grpc.StatusCode, message: str = "", sealing: dict | None = None) -> bytes:
+    """A reply packet (the descriptor, for OK, travels beside it, with its sealed records' state on TCP)."""
+    answer: dict[str, object] = {"id": request_id, "code": code.name, "message": message}
+    if sealing is not None:
+        answer["sealing"] = sealing
+    return json.dumps(answer).encode()
 
 
 def parse_request(packet: bytes) -> tuple[int, relay_pb2.EdgeOpen]:
@@ -65,7 +70,7 @@ class EdgeSocketRequester:
         self._lock = threading.Lock()  # one request in flight: a middle stage's two edges take turns
         self._ids = itertools.count(1)
 
-    def __call__(self, open_: relay_pb2.EdgeOpen) -> socket.socket:
+    def __call__(self, open_: relay_pb2.EdgeOpen) -> tuple[socket.socket, RecordSealing | None]:
         with self._lock:
             request_id = next(self._ids)
             try:
@@ -96,7 +101,15 @@ class EdgeSocketRequester:
                 code if code != grpc.StatusCode.OK else grpc.StatusCode.UNKNOWN,
                 str(answer.get("message") or "the trainer sent no connection"),
             )
-        return socket.socket(fileno=fds[0])
+        sock = socket.socket(fileno=fds[0])
+        if "sealing" not in answer:
+            return sock, None
+        try:
+            return sock, RecordSealing.resumed(answer["sealing"])
+        except ValueError as exc:
+            sock.close()
+            why = f"the trainer sent an unusable sealing: {exc}"
+            raise EdgeSocketRefused(grpc.StatusCode.UNKNOWN, why) from None
 
 
 __all__ = [

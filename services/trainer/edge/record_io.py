@@ -1,0 +1,130 @@
+"""A stage's records on its edge connection, blocking: plain (a Unix socket) or sealed (TCP after TLS).
+
+Why apart from ``records_transport.py``: the transport runs one connection the same way whatever
+protects its records; this is the one place that knows the two wire forms. Plain records are
+``4-byte big-endian length + bytes`` (``nebula_common/rpc/edge_records.py``); sealed ones are the
+link's (``nebula_common/rpc/sealed_records.py``, each record authenticated before its bytes are used),
+keyed by the state the trainer handed over with the socket.
+
+Each channel has one reader thread (``read``) and one writer thread (``send``): the two directions
+share no state, sealed ones included (each direction has its own key and record number).
+"""
+
+from __future__ import annotations
+
+import socket
+
+from nebula_common.bulk_memory import uninitialized_bytearray
+from nebula_common.rpc.edge_records import MAX_EDGE_RECORD_BYTES
+from nebula_common.rpc.framing import is_framed
+from nebula_common.rpc.raw_record_bounds import END
+from nebula_common.rpc.sealed_receive import SealedReceiver
+from nebula_common.rpc.sealed_records import MAX_RECORD_BYTES, TAG_BYTES, RecordSealing, sealed_size
+
+SMALL_RECORD = 64 << 10
+"""Plain records up to this size are read into a reused buffer and copied out; bigger ones get their own."""
+
+
+class Ended(Exception):
+    """The connection ended; the text says how."""
+
+
+class TooLarge(Exception):
+    """The switch announced a record over the limit; the text says so."""
+
+
+def _fill(sock: socket.socket, view: memoryview, first: bool) -> bool:
+    """Fill ``view`` from ``sock``; False at a clean end before its first byte (when ``first``)."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if first and got == 0:
+                return False
+            raise Ended("the switch's edge socket ended inside a record")
+        got += n
+    return True
+
+
+def _handed_on(body: memoryview) -> bytes | memoryview:
+    return body if is_framed(body) else bytes(body)  # a view only where the parser takes one
+
+
+class PlainRecords:
+    """Length-prefixed records on a local socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._small = bytearray(SMALL_RECORD)
+        self._head = bytearray(4)
+
+    def read(self) -> bytes | memoryview | None:
+        """The next record, or None at a clean end between records."""
+        if not _fill(self.sock, memoryview(self._head), True):
+            return None
+        size = int.from_bytes(self._head, "big")
+        if size > MAX_EDGE_RECORD_BYTES:
+            raise TooLarge(f"the switch sent a {size}-byte record (limit {MAX_EDGE_RECORD_BYTES})")
+        if size <= SMALL_RECORD:
+            view = memoryview(self._small)[:size]
+            _fill(self.sock, view, False)
+            return bytes(view)
+        body = memoryview(uninitialized_bytearray(size))
+        _fill(self.sock, body, False)
+        return _handed_on(body)
+
+    def send(self, data: bytes | memoryview) -> None:
+        """One record, header and bytes in one ``sendmsg`` where the kernel takes them, never joined."""
+        parts = [memoryview(len(data).to_bytes(4, "big")), memoryview(data).cast("B")]
+        while parts:
+            sent = self.sock.sendmsg(parts)
+            while parts and sent >= len(parts[0]):
+                sent -= len(parts[0])
+                parts.pop(0)
+            if parts and sent:
+                parts[0] = parts[0][sent:]
+
+
+class SealedRecords:
+    """Sealed records on a TCP connection (``RecordSealing.resumed`` from the trainer's handover)."""
+
+    def __init__(self, sock: socket.socket, sealing: RecordSealing) -> None:
+        self.sock = sock
+        self._sealing = sealing
+        fresh = lambda size: memoryview(uninitialized_bytearray(size))  # noqa: E731
+        self._receiver = SealedReceiver(sealing, True, fresh)
+        self._head = bytearray(self._receiver.header_size)
+        self._body = bytearray(MAX_RECORD_BYTES + TAG_BYTES)
+        self._out = bytearray(0)
+
+    def read(self) -> bytes | memoryview | None:
+        """The next message, or None after the switch's sealed close (SealedRecordError if a record
+        fails; an end without the close is a cut)."""
+        while True:
+            if not _fill(self.sock, memoryview(self._head), not self._receiver.inside_message):
+                raise Ended("the switch's edge connection ended without its sealed close: cut")
+            need = self._receiver.header(self._head)
+            body = memoryview(self._body)[:need]
+            _fill(self.sock, body, False)
+            message = self._receiver.body(body)
+            if message is END:
+                return None
+            if message is not None:
+                assert isinstance(message, bytes | memoryview)
+                return _handed_on(message) if isinstance(message, memoryview) else message
+
+    def send(self, data: bytes | memoryview) -> None:
+        """The records of one message, sealed into a reused buffer and sent."""
+        size = sealed_size(len(data), self._sealing.record_bytes)
+        if len(self._out) < size:
+            self._out = bytearray(size)
+        end = self._sealing.seal_into(data, memoryview(self._out))
+        self.sock.sendall(memoryview(self._out)[:end])
+
+
+def records(sock: socket.socket, sealing: RecordSealing | None) -> PlainRecords | SealedRecords:
+    """The channel for a connection the trainer passed (sealed when it handed a sealing over)."""
+    return PlainRecords(sock) if sealing is None else SealedRecords(sock, sealing)
+
+
+__all__ = ["SMALL_RECORD", "Ended", "PlainRecords", "SealedRecords", "TooLarge", "records"]
