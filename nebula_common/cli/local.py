@@ -128,7 +128,7 @@ def summary_lines(description: dict[str, Any]) -> list[str]:
         processes = entry.get("processes", {})
         ports: list[str] = []
         portless: list[str] = []
-        isolation = ""
+        isolation = edges = ""
         for name, process in processes.items():
             service = process.get("service", name.rsplit("-", 1)[0])
             port = process.get(PORT_KEYS.get(service, "grpc_port")) or process.get("grpc_port")
@@ -140,9 +140,12 @@ def summary_lines(description: dict[str, Any]) -> list[str]:
             if service == "switch" and process.get("wan_port"):
                 ports[-1] += f" (WAN :{process['wan_port']})"
             isolation = process.get("stage_isolation") or isolation
+            edges = process.get("stage_edges") or edges
         lines.append(f"cluster {cluster}: {'  '.join(ports + portless)}")
         if isolation:
             lines.append(f"  stages: {isolation}")
+        if edges:
+            lines.append(f"  stage edges: {edges}")
         if entry.get("admin_password_file"):
             lines.append(f"  admin password: {entry['admin_password_file']}")
     emulator = description.get("wan_emulator")
@@ -270,8 +273,9 @@ def deployment_status(run_dir: Path) -> dict:
                     "restarts": info.get("restarts", 0),
                     "ports": {k: v for k, v in info.items() if k.endswith("_port")},
                 }
-                if "stage_isolation" in info:  # how the trainer confines its stages (never silently weak)
-                    status["services"][name]["stage_isolation"] = info["stage_isolation"]
+                for key in ("stage_isolation", "stage_edges"):  # how the trainer confines its stages and
+                    if key in info:  # carries their edges: never silent
+                        status["services"][name][key] = info[key]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         status["error"] = f"{description_file}: unreadable deployment description ({exc})"
     return status
@@ -305,6 +309,8 @@ def status(
             )
             if service.get("stage_isolation"):
                 typer.echo(f"  {'':14} stages: {service['stage_isolation']}")
+            if service.get("stage_edges"):
+                typer.echo(f"  {'':14} stage edges: {service['stage_edges']}")
         if result.get("clusters"):
             typer.echo(f"  clusters: {', '.join(result['clusters'])}")
         if result.get("service_isolation"):

@@ -189,7 +189,17 @@ async def start_trainer(
     announced["stage_isolation"] = confinement.describe()
     if settings.ranks_listen is not None:
         announced["stage_isolation"] += f"; on the cluster's ranks, not confined: {ranks_accounts.describe()}"
+    announced["stage_edges"] = describe_edges(settings.switch_edge_socket)
     return Started(servicer, announced)
+
+
+def describe_edges(edge_socket: str) -> str:
+    """How this trainer's stages carry their edges (``nebula local status`` names it, never silently)."""
+    if not edge_socket:
+        return "gRPC through each stage's proxy (no switch edge socket named)"
+    if edge_address(edge_socket, EDGE_SETTING)[0] == TLS:
+        return f"sealed records on the switch's edge port {edge_socket} (mutual TLS 1.3)"
+    return f"records on the switch's edge socket {edge_socket}"
 
 
 SERVICE = ServiceDefinition("trainer", TrainerSettings, start_trainer)

@@ -196,6 +196,9 @@ def test_local_up_restarts_a_killed_service_and_a_second_up_keeps_every_secret(t
             isolation = services[trainer]["stage_isolation"]
             named = isolation.startswith(("bwrap:", "landlock (ABI")) or "process: the trainer" in isolation
             assert named, isolation
+            edges = services[trainer]["stage_edges"]  # and how its stages' edges travel
+            assert edges.startswith("records on the switch's edge socket "), edges
+            assert edges.endswith("switch.sock"), edges
         # So is what keeps each service from the others' keys: their boxes, or that there are none.
         boxes = json.loads(status.stdout)["service_isolation"]
         assert boxes.startswith(

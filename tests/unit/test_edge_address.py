@@ -17,7 +17,7 @@ from nebula_common.service.identity import ServiceIdentity
 from services.switch.edge_socket import EdgeSocket
 from services.switch.edge_tickets import EdgeTickets
 from services.trainer.config import TrainerSettings
-from services.trainer.server import _check_edge_tls
+from services.trainer.server import _check_edge_tls, describe_edges
 
 
 @pytest.mark.parametrize(
@@ -62,3 +62,15 @@ def test_a_tcp_edge_socket_without_internal_tls_is_refused_on_both_ends() -> Non
     served = EdgeSocket(relay=object(), tickets=EdgeTickets())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"NEBULA_SWITCH_EDGE_SOCKET='127\.0\.0\.1:0' is a TCP port"):
         asyncio.run(served.start("127.0.0.1:0"))
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("", "gRPC through each stage's proxy"),
+        ("/run/a/edges/switch.sock", "records on the switch's edge socket /run/a/edges/switch.sock"),
+        ("nebula-switch:7402", "sealed records on the switch's edge port nebula-switch:7402 (mutual TLS"),
+    ],
+)
+def test_the_trainer_announces_how_its_stages_carry_their_edges(value: str, said: str) -> None:
+    assert describe_edges(value).startswith(said)
