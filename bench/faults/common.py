@@ -64,6 +64,33 @@ def cpu_seconds(pid: int) -> float:
     return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
 
 
+def service_pid(pid: int, module: str) -> int:
+    """The process running ``python -m <module>`` at or below ``pid``, else ``pid`` itself.
+
+    A boxed service is a tree: bubblewrap, then (the trainer) its box's PID 1, then the service; the
+    launcher knows the top. What grows or leaks is the service, so that is the process sampled.
+    """
+    pending, seen = [pid], set()
+    while pending:
+        current = pending.pop(0)
+        if current in seen:
+            continue
+        seen.add(current)
+        try:
+            argv = Path(f"/proc/{current}/cmdline").read_bytes().split(b"\0")
+            tasks = list(Path(f"/proc/{current}/task").iterdir())
+        except OSError:
+            continue
+        if argv[1:3] == [b"-m", module.encode()]:
+            return current
+        for task in tasks:
+            try:
+                pending += [int(child) for child in (task / "children").read_text().split()]
+            except OSError:
+                continue
+    return pid
+
+
 class ProcessSampler:
     """Samples named processes of a deployment every ``interval`` s (the current pid: follows restarts)."""
 
@@ -84,6 +111,8 @@ class ProcessSampler:
             for name in self.names:
                 pid = self.deployment.process(name).pid
                 try:
+                    if pid:
+                        pid = service_pid(pid, "services." + name.rsplit("-", 1)[0])
                     sample = proc_sample(pid) if pid else None
                 except (OSError, ValueError, KeyError):  # the process went away while being read
                     sample = None
