@@ -1,11 +1,14 @@
-"""The switch's edge socket: a stage's edge as length-prefixed records on a Unix socket, no gRPC.
+"""The switch's edge socket: a stage's edge as records on a Unix socket or a TCP port, no gRPC.
 
 Why. A stage process's edge through gRPC costs two gRPC hops (stage to its trainer's proxy, proxy to
 the switch) with a copy into and out of Python at each end of each. Here the trainer obtains a
 one-time ticket on the internal port (``Relay/IssueEdgeTicket``, authenticated and checked as an
 OpenEdge: ``relay_tickets.py``), connects to this socket, presents the ticket as the first record and
 hands the connected socket to its stage process (``services/trainer/stage_edge_fds.py``); the stage
-then speaks the edge itself on it (``services/trainer/edge/records_transport.py``).
+then speaks the edge itself on it (``services/trainer/edge/records_transport.py``). On a Unix socket
+(the trainer on this host) the records are plain ``4-byte length + bytes``; on a TCP port (Kubernetes)
+each connection first passes mutual TLS 1.3 as a trainer of this cluster (``edge_tls_accept.py``) and
+its records are sealed, keyed from the TLS exporter (``nebula_common/rpc/edge_tls.py``).
 
 Each connection: the first record must be a ticket, within ``TICKET_WAIT_S``; a missing, unknown,
 reused or expired ticket (or a record that is not one) is refused with a status record naming why,
@@ -242,7 +245,7 @@ class EdgeSocket:
         else:
             assert self.tls is not None
             try:
-                conn, sealing, _serial, refusal = await self.tls.secure(conn, pushed_out, deadline)
+                conn, sealing, refusal = await self.tls.secure(conn, pushed_out, deadline)
             except EdgeTlsRefused as exc:
                 conn.close()
                 self._refused_unheard(str(exc), peer)

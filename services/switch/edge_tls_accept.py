@@ -9,8 +9,9 @@ connection pushes it out (``edge_socket.MAX_UNTICKETED``), which shuts its socke
 handshake at once.
 
 After the handshake the client certificate must name a trainer of this cluster (the role matrix's
-answer for ``Relay/IssueEdgeTicket``, as on the internal port) that the cluster CA has not revoked; the
-ticket redeemed next must then have been issued to that same certificate (``Ticket.serial``).
+answer for ``Relay/IssueEdgeTicket``, as on the internal port) that the cluster CA has not revoked;
+another service's certificate is told why on the sealed connection (``PERMISSION_DENIED``). The ticket
+redeemed next, as on the Unix socket, decides which edge of which job opens.
 """
 
 from __future__ import annotations
@@ -67,10 +68,10 @@ class EdgeTlsAcceptor:
 
     async def secure(
         self, conn: socket.socket, pushed_out: asyncio.Future[None], deadline: float
-    ) -> tuple[socket.socket, RecordSealing, int, str | None]:
-        """The bare socket, its sealing, the client certificate's serial and why that certificate may not
-        carry an edge (None: it may; the caller tells the peer on the sealed connection). EdgeTlsRefused
-        if the handshake fails, times out or is pushed out."""
+    ) -> tuple[socket.socket, RecordSealing, str | None]:
+        """The bare socket, its sealing and why the client's certificate may not carry an edge (None: it
+        may; the caller tells the peer on the sealed connection). EdgeTlsRefused if the handshake fails,
+        times out or is pushed out."""
         loop = asyncio.get_running_loop()
         blocking_deadline = time.monotonic() + max(0.0, deadline - loop.time())
         work = loop.run_in_executor(self._pool, accept_edge, conn, self._pem(), blocking_deadline)
@@ -88,7 +89,7 @@ class EdgeTlsAcceptor:
             bare, sealing, peer = work.result()
         except OSError as exc:
             raise EdgeTlsRefused(str(exc) or type(exc).__name__) from None
-        return bare, sealing, peer.serial_number, trainer_refusal(peer, self._cluster_id, self._revoked())
+        return bare, sealing, trainer_refusal(peer, self._cluster_id, self._revoked())
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
