@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 
 import grpc
 import pytest
@@ -186,3 +187,48 @@ def test_a_resumed_sealing_continues_where_the_trainer_stopped() -> None:
         )
         with pytest.raises(SealedRecordError):
             reader.read()
+
+
+STALL_S = 0.5
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_a_record_that_stalls_midway_ends_the_connection(sealed: bool) -> None:
+    """Half a record, then nothing: the stage's reader gives up after its stall bound, naming why."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        if sealed:
+            wire = _sealed([b"x" * 5000], False, 1 << 20)
+            reader: PlainRecords | SealedRecords = SealedRecords(
+                ours, RecordSealing(SECRETS[1], SECRETS[0]), stall_s=STALL_S
+            )
+        else:
+            wire = (5000).to_bytes(4, "big") + b"x" * 5000
+            reader = PlainRecords(ours, stall_s=STALL_S)
+        theirs.sendall(wire[: len(wire) // 2])
+        with pytest.raises(Ended, match=r"no byte of an unfinished record for 0\.5 s"):
+            reader.read()
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_an_edge_silent_between_records_waits_without_a_bound(sealed: bool) -> None:
+    """Stages may compute for long between messages: no stall bound applies between records."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        if sealed:
+            wire = _sealed([b"y" * 3000], False, 1 << 20)
+            reader: PlainRecords | SealedRecords = SealedRecords(
+                ours, RecordSealing(SECRETS[1], SECRETS[0]), stall_s=STALL_S
+            )
+        else:
+            wire = (3000).to_bytes(4, "big") + b"y" * 3000
+            reader = PlainRecords(ours, stall_s=STALL_S)
+        got: list[object] = []
+        thread = threading.Thread(target=lambda: got.append(reader.read()), daemon=True)
+        thread.start()
+        thread.join(4 * STALL_S)
+        assert thread.is_alive() and not got, f"the reader gave up on a silent edge: {got}"
+        theirs.sendall(wire)
+        thread.join(30)
+        assert not thread.is_alive(), "the reader did not return the record sent after the silence"
+        assert got and bytes(got[0]) == (b"y" * 3000)  # type: ignore[arg-type]

@@ -8,10 +8,15 @@ keyed by the state the trainer handed over with the socket.
 
 Each channel has one reader thread (``read``) and one writer thread (``send``): the two directions
 share no state, sealed ones included (each direction has its own key and record number).
+
+A record that stays incomplete with no byte arriving for ``STALL_S`` ends the connection (the switch
+does the same to a stage's records); between records an edge may be silent as long as its stages
+compute, so no timeout applies there.
 """
 
 from __future__ import annotations
 
+import select
 import socket
 
 from nebula_common.bulk_memory import uninitialized_bytearray
@@ -23,6 +28,8 @@ from nebula_common.rpc.sealed_records import MAX_RECORD_BYTES, TAG_BYTES, Record
 
 SMALL_RECORD = 64 << 10
 """Plain records up to this size are read into a reused buffer and copied out; bigger ones get their own."""
+STALL_S = 60.0
+"""How long a record may stay incomplete with no byte arriving (the switch's own bound on a stage's)."""
 
 
 class Ended(Exception):
@@ -33,11 +40,28 @@ class TooLarge(Exception):
     """The switch announced a record over the limit; the text says so."""
 
 
-def _fill(sock: socket.socket, view: memoryview, first: bool) -> bool:
-    """Fill ``view`` from ``sock``; False at a clean end before its first byte (when ``first``)."""
+def _fill(sock: socket.socket, view: memoryview, first: bool, stall_s: float) -> bool:
+    """Fill ``view`` from ``sock``; False at a clean end before its first byte (when ``first``).
+
+    Inside a record (``first`` false, or a byte of ``view`` read) the socket is waited on for at most
+    ``stall_s`` at a time; the ``recv`` itself never blocks there, so data already waiting costs no
+    extra call."""
     got = 0
+    poller: select.poll | None = None
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        if first and not got:
+            n = sock.recv_into(view)
+        else:
+            try:
+                n = sock.recv_into(view[got:], 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if poller is None:
+                    poller = select.poll()
+                    poller.register(sock, select.POLLIN)
+                if not poller.poll(stall_s * 1000):
+                    why = f"no byte of an unfinished record for {stall_s:g} s: the switch's edge stalled"
+                    raise Ended(why) from None
+                continue
         if n == 0:
             if first and got == 0:
                 return False
@@ -53,24 +77,25 @@ def _handed_on(body: memoryview) -> bytes | memoryview:
 class PlainRecords:
     """Length-prefixed records on a local socket."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, stall_s: float = STALL_S) -> None:
         self.sock = sock
+        self.stall_s = stall_s
         self._small = bytearray(SMALL_RECORD)
         self._head = bytearray(4)
 
     def read(self) -> bytes | memoryview | None:
         """The next record, or None at a clean end between records."""
-        if not _fill(self.sock, memoryview(self._head), True):
+        if not _fill(self.sock, memoryview(self._head), True, self.stall_s):
             return None
         size = int.from_bytes(self._head, "big")
         if size > MAX_EDGE_RECORD_BYTES:
             raise TooLarge(f"the switch sent a {size}-byte record (limit {MAX_EDGE_RECORD_BYTES})")
         if size <= SMALL_RECORD:
             view = memoryview(self._small)[:size]
-            _fill(self.sock, view, False)
+            _fill(self.sock, view, False, self.stall_s)
             return bytes(view)
         body = memoryview(uninitialized_bytearray(size))
-        _fill(self.sock, body, False)
+        _fill(self.sock, body, False, self.stall_s)
         return _handed_on(body)
 
     def send(self, data: bytes | memoryview) -> None:
@@ -88,8 +113,9 @@ class PlainRecords:
 class SealedRecords:
     """Sealed records on a TCP connection (``RecordSealing.resumed`` from the trainer's handover)."""
 
-    def __init__(self, sock: socket.socket, sealing: RecordSealing) -> None:
+    def __init__(self, sock: socket.socket, sealing: RecordSealing, stall_s: float = STALL_S) -> None:
         self.sock = sock
+        self.stall_s = stall_s
         self._sealing = sealing
         fresh = lambda size: memoryview(uninitialized_bytearray(size))  # noqa: E731
         self._receiver = SealedReceiver(sealing, True, fresh)
@@ -101,11 +127,12 @@ class SealedRecords:
         """The next message, or None after the switch's sealed close (SealedRecordError if a record
         fails; an end without the close is a cut)."""
         while True:
-            if not _fill(self.sock, memoryview(self._head), not self._receiver.inside_message):
+            between = not self._receiver.inside_message
+            if not _fill(self.sock, memoryview(self._head), between, self.stall_s):
                 raise Ended("the switch's edge connection ended without its sealed close: cut")
             need = self._receiver.header(self._head)
             body = memoryview(self._body)[:need]
-            _fill(self.sock, body, False)
+            _fill(self.sock, body, False, self.stall_s)
             message = self._receiver.body(body)
             if message is END:
                 return None
@@ -127,4 +154,4 @@ def records(sock: socket.socket, sealing: RecordSealing | None) -> PlainRecords 
     return PlainRecords(sock) if sealing is None else SealedRecords(sock, sealing)
 
 
-__all__ = ["SMALL_RECORD", "Ended", "PlainRecords", "SealedRecords", "TooLarge", "records"]
+__all__ = ["SMALL_RECORD", "STALL_S", "Ended", "PlainRecords", "SealedRecords", "TooLarge", "records"]
