@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from nebula_common.rpc.unix_paths import bind_unix
@@ -21,26 +22,30 @@ def bind_socket(path: Path) -> socket.socket:
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise ValueError(f"NEBULA_SWITCH_EDGE_SOCKET {path}: exists and is not a socket")
         path.unlink()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
+
+    def bind(listener: socket.socket) -> None:
         bind_unix(listener, str(path))  # at any depth (``unix_paths.py``)
         os.chmod(path, 0o666)
-        listener.listen(128)
-        listener.setblocking(False)
-    except BaseException:
-        listener.close()
-        raise
-    return listener
+
+    return _listening(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), bind)
 
 
 def bind_tcp(address: str) -> socket.socket:
     """A listening TCP socket at host:port (the edge socket across hosts)."""
     host, _, port = address.rpartition(":")
     family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
+
+    def bind(listener: socket.socket) -> None:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host.strip("[]"), int(port)))
+
+    return _listening(socket.socket(family, socket.SOCK_STREAM), bind)
+
+
+def _listening(listener: socket.socket, bind: Callable[[socket.socket], None]) -> socket.socket:
+    """``listener`` bound by ``bind``, listening and non-blocking (closed if any step fails)."""
+    try:
+        bind(listener)
         listener.listen(128)
         listener.setblocking(False)
     except BaseException:
@@ -50,6 +55,7 @@ def bind_tcp(address: str) -> socket.socket:
 
 
 def host_port(address: object) -> str:
+    """``host:port`` (``[host]:port`` for IPv6) of an accepted connection's address."""
     if isinstance(address, tuple) and len(address) >= 2:
         host, port = address[0], address[1]
         return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"

@@ -16,34 +16,21 @@ import pytest
 import torch
 
 from nebula_common.launcher import LocalDeployment
-from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.summary import summarize
 from services.trainer.edge import EdgeSettings
-from tests.support.edges import SwitchPair, finish, stage_runner
+from tests.support.edges import SwitchPair, train_split
 from tests.support.jobs import numbers_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 SETTINGS = EdgeSettings(window_bytes=1 << 20, max_outage_s=30, retransmit_s=1.0, ready_timeout_s=60)
 
 
-def _train(switches: SwitchPair, carrier: str, work: Path) -> tuple[dict[int, float], list[torch.Tensor]]:
-    """Both stages of one job on ``carrier``: the downstream's losses, then every parameter of both."""
-    job = numbers_job(f"carrier-{carrier}", steps=6)
-    runs = [stage_runner(job, index, work, switches, SETTINGS, carrier=carrier) for index in (0, 1)]
-    for run in runs:
-        run.runner.start()
-    for run in runs:
-        finish(run, 240)
-        assert run.final.state == trainer_pb2.STAGE_STATE_SUCCEEDED, run.final.message
-    losses = runs[1].losses()
-    assert len(losses) == 6
-    return losses, [p for run in runs for p in run.parameters()]
-
-
 def test_the_records_carrier_trains_bit_identically_to_grpc(switches: SwitchPair, tmp_path: Path) -> None:
-    grpc_losses, grpc_params = _train(switches, "grpc", tmp_path / "grpc")
-    records_losses, records_params = _train(switches, "records", tmp_path / "records")
+    grpc_losses, grpc_params = train_split(switches, "grpc", tmp_path / "grpc", "carrier-grpc", SETTINGS)
+    records_losses, records_params = train_split(
+        switches, "records", tmp_path / "records", "carrier-records", SETTINGS
+    )
     assert records_losses == grpc_losses
     assert len(records_params) == len(grpc_params)
     for got, want in zip(records_params, grpc_params, strict=True):

@@ -34,8 +34,7 @@ from nebula_common.rpc.unix_paths import SUN_PATH_LIMIT, connect_unix
 from services.switch.edge_socket import MAX_UNTICKETED, EdgeSocket
 from services.trainer.edge.socket_request import EdgeSocketRefused, EdgeSocketRequester
 from services.trainer.stage_edge_fds import StageEdgeFds
-from services.trainer.stage_proxy import StageProxy
-from tests.support.edges import SwitchPair, switch_pair
+from tests.support.edges import SwitchPair, audited, stage_proxy, stage_records_connector, switch_pair
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -78,20 +77,6 @@ def _issue_error(pair: SwitchPair, open_: relay_pb2.EdgeOpen, token: str) -> grp
     with pytest.raises(grpc.RpcError) as raised:
         _ticket(pair, open_, token)
     return raised.value
-
-
-def _records(pair: SwitchPair, event: str) -> list[dict[str, Any]]:
-    path = Path(pair.threads[0].running.audit.path)
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return [record for line in lines if (record := json.loads(line))["event"] == event]
-
-
-def _audited(pair: SwitchPair, event: str, words: str) -> dict[str, Any]:
-    return wait_for(
-        lambda: next((r for r in _records(pair, event) if words in json.dumps(r)), None),
-        10,
-        f"a {event} record saying {words!r}",
-    )
 
 
 class _Client:
@@ -158,15 +143,15 @@ def test_the_ticket_rpc_is_a_trainers_and_a_jobs_as_open_edge_is() -> None:
         assert refusal(ISSUE, role) is not None
 
 
-def test_ticket_refusals_name_why_and_are_audited(pair: SwitchPair) -> None:
+def test_ticket_refusals_name_why_and_areaudited(pair: SwitchPair) -> None:
     token = pair.tokens[0]
     assert _issue_error(pair, _open(""), token).code() == grpc.StatusCode.INVALID_ARGUMENT
     framing = _issue_error(pair, _open("t-framing", link_framing=7), token)
     assert framing.code() == grpc.StatusCode.INVALID_ARGUMENT and "link_framing" in (framing.details() or "")
-    _audited(pair, "edge.open", "t-framing")
+    audited(pair, "edge.open", "t-framing")
     peer = _issue_error(pair, _open("t-peer", peer_cluster="zz"), token)
     assert peer.code() == grpc.StatusCode.NOT_FOUND
-    _audited(pair, "edge.open", "t-peer")
+    audited(pair, "edge.open", "t-peer")
     garbage = _issue_error(pair, _open("t-garbage"), "not-a-token")
     assert garbage.code() == grpc.StatusCode.UNAUTHENTICATED
     other_cluster = _issue_error(pair, _open("t-other-cluster"), pair.tokens[1])
@@ -188,7 +173,7 @@ def test_a_job_token_gets_tickets_for_its_own_job_only(pair: SwitchPair) -> None
     other = _issue_error(pair, _open("t-theirs"), job_token)
     assert other.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "t-mine" in (other.details() or "")
-    _audited(pair, "edge.open", "t-theirs")
+    audited(pair, "edge.open", "t-theirs")
 
 
 def test_garbage_instead_of_a_ticket_is_refused(pair: SwitchPair, client: _Client) -> None:
@@ -196,7 +181,7 @@ def test_garbage_instead_of_a_ticket_is_refused(pair: SwitchPair, client: _Clien
     code, message = client.status()
     assert code == grpc.StatusCode.UNAUTHENTICATED and "ticket" in message
     assert client.closed()
-    _audited(pair, "edge.open", "32-byte edge ticket")
+    audited(pair, "edge.open", "32-byte edge ticket")
     _still_serves(pair, "h-after-garbage")
 
 
@@ -210,7 +195,7 @@ def test_a_connection_that_sends_no_ticket_is_refused_in_time(pair: SwitchPair, 
     finally:
         served.ticket_wait_s = before
     assert code == grpc.StatusCode.UNAUTHENTICATED and "no edge ticket within" in message
-    _audited(pair, "edge.open", "no edge ticket within")
+    audited(pair, "edge.open", "no edge ticket within")
     _still_serves(pair, "h-after-silence")
 
 
@@ -226,7 +211,7 @@ def test_connections_that_never_send_a_ticket_cannot_keep_a_genuine_edge_out(pai
             code, message = pushed.status()
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, message)
             assert "newer edge socket connections waited for a ticket" in message
-        _audited(pair, "edge.open", "newer edge socket connections waited for a ticket")
+        audited(pair, "edge.open", "newer edge socket connections waited for a ticket")
     finally:
         for silent in flood:
             silent.close()
@@ -244,7 +229,7 @@ def test_a_ticket_is_used_once(pair: SwitchPair) -> None:
     assert code == grpc.StatusCode.UNAUTHENTICATED and "unknown or already used" in message
     first.close()
     second.close()
-    _audited(pair, "edge.open", "unknown or already used")
+    audited(pair, "edge.open", "unknown or already used")
 
 
 def test_an_expired_ticket_is_refused(pair: SwitchPair, client: _Client) -> None:
@@ -259,7 +244,7 @@ def test_an_expired_ticket_is_refused(pair: SwitchPair, client: _Client) -> None
     client.send(ticket)
     code, message = client.status()
     assert code == grpc.StatusCode.UNAUTHENTICATED and "expired" in message
-    _audited(pair, "edge.open", "expired")
+    audited(pair, "edge.open", "expired")
 
 
 def test_a_ticketed_edge_cannot_carry_another_jobs_chunks(pair: SwitchPair, client: _Client) -> None:
@@ -269,7 +254,7 @@ def test_a_ticketed_edge_cannot_carry_another_jobs_chunks(pair: SwitchPair, clie
     client.send(chunk)
     code, message = client.status()
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "h-theirs" in message
-    _audited(pair, "edge.refused", "h-theirs")
+    audited(pair, "edge.refused", "h-theirs")
     _still_serves(pair, "h-after-theirs")
 
 
@@ -277,17 +262,17 @@ def test_a_record_over_the_bound_is_refused_before_any_buffer(pair: SwitchPair, 
     client.sock.sendall((MAX_EDGE_RECORD_BYTES + 1).to_bytes(4, "big"))
     code, message = client.status()
     assert code == grpc.StatusCode.INVALID_ARGUMENT and f"limit {MAX_EDGE_RECORD_BYTES}" in message
-    _audited(pair, "edge.open", f"limit {MAX_EDGE_RECORD_BYTES}")
+    audited(pair, "edge.open", f"limit {MAX_EDGE_RECORD_BYTES}")
     _still_serves(pair, "h-after-big")
 
 
-def test_a_record_over_the_bound_on_an_open_edge_ends_it_audited(pair: SwitchPair, client: _Client) -> None:
+def test_a_record_over_the_bound_on_an_open_edge_ends_itaudited(pair: SwitchPair, client: _Client) -> None:
     client.send(_ticket(pair, _open("h-big-open")))
     assert relay_pb2.EdgeMessage.FromString(client.receive()).WhichOneof("body") == "ready"
     client.sock.sendall((MAX_EDGE_RECORD_BYTES + 1).to_bytes(4, "big"))
     wait_for(client.closed, 20, "the switch to end the connection")
-    _audited(pair, "edge.refused", f"limit {MAX_EDGE_RECORD_BYTES}")
-    close = _audited(pair, "edge.close", "h-big-open")
+    audited(pair, "edge.refused", f"limit {MAX_EDGE_RECORD_BYTES}")
+    close = audited(pair, "edge.close", "h-big-open")
     assert close["outcome"] == "failure"
     _still_serves(pair, "h-after-big-open")
 
@@ -303,7 +288,7 @@ def test_a_stall_inside_a_record_ends_the_connection(pair: SwitchPair) -> None:
     finally:
         served.stall_s = before
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "stalled" in message
-    _audited(pair, "edge.open", "stalled")
+    audited(pair, "edge.open", "stalled")
     _still_serves(pair, "h-after-stall")
 
 
@@ -311,20 +296,7 @@ def _requester(
     pair: SwitchPair, job_id: str, refusals: list[str], edge_socket: str = ""
 ) -> EdgeSocketRequester:
     """A stage's requester whose trainer (a real ``StageEdgeFds``) serves job ``job_id``'s one edge."""
-    proxy = StageProxy(
-        str(Path(tempfile.mkdtemp(prefix="nebula-fds-")) / "proxy.sock"),
-        secret="unused",
-        token=lambda: pair.tokens[0],
-        job_id=job_id,
-        edges={"up->down"},
-        switch_address=pair.addresses[0],
-        data_address=None,
-        dataset="",
-        on_refusal=refusals.append,
-    )
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    StageEdgeFds(ours, proxy, edge_socket or pair.edge_sockets[0], job_id).start()
-    return EdgeSocketRequester(theirs)
+    return stage_records_connector(pair, 0, job_id, {"up->down"}, edge_socket=edge_socket, refusals=refusals)
 
 
 def test_a_stage_gets_a_connection_for_its_own_edge_only(pair: SwitchPair) -> None:
@@ -405,17 +377,7 @@ def test_a_socket_of_another_user_gets_no_ticket(pair: SwitchPair) -> None:
 def test_garbage_on_the_stages_request_channel_is_refused(pair: SwitchPair) -> None:
     refusals: list[str] = []
     proxy_side, stage_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    proxy = StageProxy(
-        str(Path(tempfile.mkdtemp(prefix="nebula-fds-")) / "proxy.sock"),
-        secret="unused",
-        token=lambda: pair.tokens[0],
-        job_id="s-garbage",
-        edges={"up->down"},
-        switch_address=pair.addresses[0],
-        data_address=None,
-        dataset="",
-        on_refusal=refusals.append,
-    )
+    proxy = stage_proxy(pair, 0, "s-garbage", {"up->down"}, refusals)
     StageEdgeFds(proxy_side, proxy, pair.edge_sockets[0], "s-garbage").start()
     stage_side.settimeout(30)
     stage_side.send(b"\xff" * 20)

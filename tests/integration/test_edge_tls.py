@@ -15,9 +15,7 @@ import json
 import os
 import socket
 import ssl
-import tempfile
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -25,7 +23,7 @@ import torch
 
 from nebula_common.pki import PkiLayout
 from nebula_common.pki.service_identity import ensure_service_certificates
-from nebula_common.proto.nebula.v1 import relay_pb2, trainer_pb2
+from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc.edge_records import parse_status_record
 from nebula_common.rpc.edge_tls import dial_edge
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION
@@ -34,12 +32,7 @@ from nebula_common.rpc.sealed_records import RecordSealing
 from services.switch.edge_socket import MAX_UNTICKETED
 from services.trainer.edge import EdgeSettings
 from services.trainer.edge.record_io import SealedRecords
-from services.trainer.edge.socket_request import EdgeSocketRequester
-from services.trainer.stage_edge_fds import StageEdgeFds
-from services.trainer.stage_proxy import StageProxy
-from tests.support.edges import SwitchPair, finish, stage_records_connector, stage_runner
-from tests.support.jobs import numbers_job
-from tests.support.waiting import wait_for
+from tests.support.edges import SwitchPair, audit_records, audited, stage_records_connector, train_split
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 SETTINGS = EdgeSettings(window_bytes=1 << 20, max_outage_s=30, retransmit_s=1.0, ready_timeout_s=60)
@@ -50,43 +43,18 @@ def pair(tls_switches: SwitchPair) -> SwitchPair:
     return tls_switches
 
 
-def _train(switches: SwitchPair, carrier: str, work: Path) -> tuple[dict[int, float], list[torch.Tensor]]:
-    job = numbers_job(f"tls-{carrier}", steps=6)
-    runs = [stage_runner(job, index, work, switches, SETTINGS, carrier=carrier) for index in (0, 1)]
-    for run in runs:
-        run.runner.start()
-    for run in runs:
-        finish(run, 240)
-        assert run.final.state == trainer_pb2.STAGE_STATE_SUCCEEDED, run.final.message
-    losses = runs[1].losses()
-    assert len(losses) == 6
-    return losses, [p for run in runs for p in run.parameters()]
-
-
-def _records(pair: SwitchPair, event: str) -> list[dict[str, Any]]:
-    path = Path(pair.threads[0].running.audit.path)
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return [record for line in lines if (record := json.loads(line))["event"] == event]
-
-
-def _audited(pair: SwitchPair, event: str, words: str) -> dict[str, Any]:
-    return wait_for(
-        lambda: next((r for r in _records(pair, event) if words in json.dumps(r)), None),
-        10,
-        f"a {event} record saying {words!r}",
-    )
-
-
 def test_tcp_edges_train_bit_identically_to_grpc(pair: SwitchPair, tmp_path: Path) -> None:
     assert all(":" in address and "/" not in address for address in pair.edge_sockets)
-    grpc_losses, grpc_params = _train(pair, "grpc", tmp_path / "grpc")
-    records_losses, records_params = _train(pair, "records", tmp_path / "records")
+    grpc_losses, grpc_params = train_split(pair, "grpc", tmp_path / "grpc", "tls-grpc", SETTINGS)
+    records_losses, records_params = train_split(
+        pair, "records", tmp_path / "records", "tls-records", SETTINGS
+    )
     assert records_losses == grpc_losses
     for got, want in zip(records_params, grpc_params, strict=True):
         assert torch.equal(got, want)
     opens = [
         r
-        for r in _records(pair, "edge.open")
+        for r in audit_records(pair, "edge.open")
         if r.get("job_id") == "tls-records" and r.get("outcome") == "ok"
     ]
     assert opens and all(r["details"].get("transport") == "records" for r in opens), opens
@@ -135,7 +103,7 @@ def test_a_forged_ticket_from_a_genuine_trainer_is_refused(pair: SwitchPair) -> 
     with sock:
         code, message = _status(sock, RecordSealing.resumed(handover))
     assert code == grpc.StatusCode.UNAUTHENTICATED and "ticket" in message
-    _audited(pair, "edge.open", message)
+    audited(pair, "edge.open", message)
 
 
 def test_a_service_that_is_not_a_trainer_is_refused(pair: SwitchPair, pki_ab: PkiLayout) -> None:
@@ -144,13 +112,13 @@ def test_a_service_that_is_not_a_trainer_is_refused(pair: SwitchPair, pki_ab: Pk
     with sock:
         code, message = _status(sock, RecordSealing.resumed(handover))
     assert code == grpc.StatusCode.PERMISSION_DENIED and "trainer" in message
-    _audited(pair, "edge.open", message)
+    audited(pair, "edge.open", message)
 
 
 def test_another_clusters_trainer_fails_the_handshake(pair: SwitchPair, pki_ab: PkiLayout) -> None:
     with pytest.raises(OSError):
         dial_edge(pair.edge_sockets[0], _identity(pki_ab, "b", "trainer"), os.urandom(32), 10)
-    _audited(pair, "edge.open", "TLS handshake failed")
+    audited(pair, "edge.open", "TLS handshake failed")
 
 
 def _stranger(address: str, ca: Path) -> ssl.SSLSocket:
@@ -173,7 +141,7 @@ def test_a_stranger_without_a_certificate_gets_nothing(pair: SwitchPair) -> None
     except (ssl.SSLError, OSError):
         pass
     assert got == b""
-    _audited(pair, "edge.open", "certificate")
+    audited(pair, "edge.open", "certificate")
 
 
 def test_plaintext_records_are_not_taken_for_tls(pair: SwitchPair) -> None:
@@ -187,7 +155,7 @@ def test_plaintext_records_are_not_taken_for_tls(pair: SwitchPair) -> None:
         except ConnectionResetError:
             pass
     assert len(answer) < 64, f"the switch answered plaintext with {len(answer)} bytes"  # a TLS alert at most
-    _audited(pair, "edge.open", "TLS handshake failed")
+    audited(pair, "edge.open", "TLS handshake failed")
 
 
 def test_silent_connections_cannot_keep_a_genuine_edge_out(pair: SwitchPair) -> None:
@@ -218,21 +186,10 @@ def test_the_trainer_service_dials_with_its_own_identity(pair: SwitchPair) -> No
     """A trainer service gives ``StageEdgeFds`` no identity: it dials with the process's own."""
     tls = pair.trainer_tls[0]
     assert tls is not None
-    proxy = StageProxy(
-        str(Path(tempfile.mkdtemp(prefix="nebula-fds-")) / "proxy.sock"),
-        secret="unused",
-        token=lambda: pair.tokens[0],
-        job_id="t-process",
-        edges={"up->down"},
-        switch_address=pair.addresses[0],
-        data_address=None,
-        dataset="",
-    )
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    StageEdgeFds(ours, proxy, pair.edge_sockets[0], "t-process").start()
+    request = stage_records_connector(pair, 0, "t-process", {"up->down"}, own_identity=True)
     set_process_client_tls(tls)
     try:
-        sock, sealing = EdgeSocketRequester(theirs)(_open("t-process"))
+        sock, sealing = request(_open("t-process"))
     finally:
         set_process_client_tls(None)
     with sock:

@@ -7,6 +7,7 @@ received, so tests can check that every micro-batch was applied exactly once.
 
 from __future__ import annotations
 
+import json
 import socket
 import tempfile
 import threading
@@ -33,6 +34,7 @@ from services.trainer.runtime.stage import ProgramRunner
 from services.trainer.stage_edge_fds import StageEdgeFds
 from services.trainer.stage_proxy import StageProxy
 from tests.support.accounts import ADMIN_PASSWORD, auth_settings
+from tests.support.jobs import numbers_job
 from tests.support.servers import AuthServerThread, SwitchThread, accepting_switch, running_auth
 from tests.support.waiting import wait_for
 
@@ -140,14 +142,12 @@ class SwitchPair:
         return open_pair(open_end)
 
 
-def stage_records_connector(
-    pair: SwitchPair, index: int, job_id: str, edges: set[str]
-) -> EdgeSocketRequester:
-    """What a stage process gets: a requester on a socketpair whose other end a trainer's ``StageEdgeFds``
-    answers (checks, a ticket with cluster ``index``'s token, the connection passed as a descriptor)."""
-    work = Path(tempfile.mkdtemp(prefix="nebula-records-"))
-    proxy = StageProxy(
-        str(work / "proxy.sock"),
+def stage_proxy(
+    pair: SwitchPair, index: int, job_id: str, edges: set[str], refusals: list[str] | None = None
+) -> StageProxy:
+    """A trainer's stage proxy for job ``job_id`` in cluster ``index`` (its token; refusals noted)."""
+    return StageProxy(
+        str(Path(tempfile.mkdtemp(prefix="nebula-records-")) / "proxy.sock"),
         secret="unused",
         token=lambda: pair.tokens[index],
         job_id=job_id,
@@ -155,9 +155,29 @@ def stage_records_connector(
         switch_address=pair.addresses[index],
         data_address=None,
         dataset="",
+        **({"on_refusal": refusals.append} if refusals is not None else {}),
     )
+
+
+def stage_records_connector(
+    pair: SwitchPair,
+    index: int,
+    job_id: str,
+    edges: set[str],
+    *,
+    edge_socket: str = "",
+    refusals: list[str] | None = None,
+    own_identity: bool = False,
+) -> EdgeSocketRequester:
+    """What a stage process gets: a requester on a socketpair whose other end a trainer's ``StageEdgeFds``
+    answers (checks, a ticket with cluster ``index``'s token, the connection passed as a descriptor).
+
+    ``edge_socket``: another socket than the switch's; ``own_identity``: the trainer dials with the
+    process's identity, as the trainer service does, instead of the pair's trainer identity."""
+    proxy = stage_proxy(pair, index, job_id, edges, refusals)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    StageEdgeFds(ours, proxy, pair.edge_sockets[index], job_id, tls=pair.trainer_tls[index]).start()
+    tls = None if own_identity else pair.trainer_tls[index]
+    StageEdgeFds(ours, proxy, edge_socket or pair.edge_sockets[index], job_id, tls=tls).start()
     return EdgeSocketRequester(theirs)
 
 
@@ -417,3 +437,36 @@ def wait_for_step(run: StageRun, steps_done: int, timeout: float = 60.0) -> None
         timeout,
         f"stage {run.final.stage} to finish step {steps_done}",
     )
+
+
+def audit_records(pair: SwitchPair, event: str) -> list[dict[str, Any]]:
+    """Every ``event`` record of cluster a's switch's audit log so far."""
+    path = Path(pair.threads[0].running.audit.path)
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [record for line in lines if (record := json.loads(line))["event"] == event]
+
+
+def audited(pair: SwitchPair, event: str, words: str) -> dict[str, Any]:
+    """The first ``event`` record of cluster a's switch that mentions ``words`` (waited for, 10 s)."""
+    return wait_for(
+        lambda: next((r for r in audit_records(pair, event) if words in json.dumps(r)), None),
+        10,
+        f"a {event} record saying {words!r}",
+    )
+
+
+def train_split(
+    switches: SwitchPair, carrier: str, work: Path, job_id: str, settings: EdgeSettings
+) -> tuple[dict[int, float], list[torch.Tensor]]:
+    """Both stages of a 6-step ``numbers`` job on ``carrier`` through the switches: the downstream's
+    losses, then every parameter of both stages."""
+    job = numbers_job(job_id, steps=6)
+    runs = [stage_runner(job, index, work, switches, settings, carrier=carrier) for index in (0, 1)]
+    for run in runs:
+        run.runner.start()
+    for run in runs:
+        finish(run, 240)
+        assert run.final.state == trainer_pb2.STAGE_STATE_SUCCEEDED, run.final.message
+    losses = runs[1].losses()
+    assert len(losses) == 6
+    return losses, [p for run in runs for p in run.parameters()]

@@ -192,19 +192,23 @@ def test_a_resumed_sealing_continues_where_the_trainer_stopped() -> None:
 STALL_S = 0.5
 
 
+Reader = PlainRecords | SealedRecords
+
+
+def _stall_reader(sock: socket.socket, sealed: bool, payload: bytes) -> tuple[Reader, bytes]:
+    """A stage's reader with the short stall bound, and ``payload`` as its switch would send it."""
+    if sealed:
+        sealing = RecordSealing(SECRETS[1], SECRETS[0])
+        return SealedRecords(sock, sealing, stall_s=STALL_S), _sealed([payload], False, 1 << 20)
+    return PlainRecords(sock, stall_s=STALL_S), len(payload).to_bytes(4, "big") + payload
+
+
 @pytest.mark.parametrize("sealed", [False, True])
 def test_a_record_that_stalls_midway_ends_the_connection(sealed: bool) -> None:
     """Half a record, then nothing: the stage's reader gives up after its stall bound, naming why."""
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        if sealed:
-            wire = _sealed([b"x" * 5000], False, 1 << 20)
-            reader: PlainRecords | SealedRecords = SealedRecords(
-                ours, RecordSealing(SECRETS[1], SECRETS[0]), stall_s=STALL_S
-            )
-        else:
-            wire = (5000).to_bytes(4, "big") + b"x" * 5000
-            reader = PlainRecords(ours, stall_s=STALL_S)
+        reader, wire = _stall_reader(ours, sealed, b"x" * 5000)
         theirs.sendall(wire[: len(wire) // 2])
         with pytest.raises(Ended, match=r"no byte of an unfinished record for 0\.5 s"):
             reader.read()
@@ -215,14 +219,7 @@ def test_an_edge_silent_between_records_waits_without_a_bound(sealed: bool) -> N
     """Stages may compute for long between messages: no stall bound applies between records."""
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        if sealed:
-            wire = _sealed([b"y" * 3000], False, 1 << 20)
-            reader: PlainRecords | SealedRecords = SealedRecords(
-                ours, RecordSealing(SECRETS[1], SECRETS[0]), stall_s=STALL_S
-            )
-        else:
-            wire = (3000).to_bytes(4, "big") + b"y" * 3000
-            reader = PlainRecords(ours, stall_s=STALL_S)
+        reader, wire = _stall_reader(ours, sealed, b"y" * 3000)
         got: list[object] = []
         thread = threading.Thread(target=lambda: got.append(reader.read()), daemon=True)
         thread.start()
