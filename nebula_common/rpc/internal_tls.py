@@ -281,6 +281,12 @@ def trust_endpoint(address: str, tls: ClientTls) -> None:
     _endpoints[address] = tls
 
 
+def forget_endpoint(address: str) -> None:
+    """Stop trusting what ``trust_endpoint`` said about ``address`` (its deployment is gone; the port
+    may next belong to anything)."""
+    _endpoints.pop(address, None)
+
+
 def endpoint_tls(address: str) -> ClientTls | None:
     return _endpoints.get(address)
 

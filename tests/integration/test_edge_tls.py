@@ -197,3 +197,15 @@ def test_the_trainer_service_dials_with_its_own_identity(pair: SwitchPair) -> No
         sock.settimeout(30)
         ready = relay_pb2.EdgeMessage.FromString(bytes(SealedRecords(sock, sealing).read() or b""))
         assert ready.WhichOneof("body") == "ready"
+
+
+def test_a_stopped_pair_leaves_no_trust_behind(tmp_path: Path, pki_ab: PkiLayout) -> None:
+    """Its ports may next be anyone's: a plaintext test server on one must not be met with TLS."""
+    from nebula_common.rpc.internal_tls import endpoint_tls, process_client_tls
+    from tests.support.edges import switch_pair
+
+    with switch_pair(tmp_path, pki_ab, edge_sockets="tcp") as pair:
+        trusted = [*pair.addresses, *pair.auth_addresses]
+        assert all(endpoint_tls(address) is not None for address in trusted)
+    assert [address for address in trusted if endpoint_tls(address) is not None] == []
+    assert process_client_tls() is None

@@ -22,7 +22,7 @@ import torch
 from nebula_common.pki import PkiLayout
 from nebula_common.pki.service_identity import ensure_service_certificates
 from nebula_common.proto.nebula.v1 import trainer_pb2
-from nebula_common.rpc.internal_tls import ClientTls, set_process_client_tls, trust_endpoint
+from nebula_common.rpc.internal_tls import ClientTls, forget_endpoint, set_process_client_tls, trust_endpoint
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.jobs import ProgramJob
 from services.switch.config import SwitchSettings
@@ -223,8 +223,9 @@ def switch_pair(work: Path, pki: PkiLayout, edge_sockets: bool | str = False) ->
         }
         auth_addresses = {c: _auth_address(auths[c], tcp) for c in "ab"}
         for c in trainers:
-            trust_endpoint(auths[c].address, trainers[c])
-            trust_endpoint(auth_addresses[c], trainers[c])
+            for address in (auths[c].address, auth_addresses[c]):
+                trust_endpoint(address, trainers[c])
+                stack.callback(forget_endpoint, address)  # its port may next be anyone's
         b = stack.enter_context(
             accepting_switch(
                 work / "b",
@@ -259,8 +260,9 @@ def switch_pair(work: Path, pki: PkiLayout, edge_sockets: bool | str = False) ->
         addresses = tuple(_switch_address(switch, tcp) for switch in switches)
         for c, address, switch in zip("ab", addresses, switches, strict=True):
             if c in trainers:
-                trust_endpoint(address, trainers[c])
-                trust_endpoint(switch.internal_address, trainers[c])
+                for trusted in (address, switch.internal_address):
+                    trust_endpoint(trusted, trainers[c])
+                    stack.callback(forget_endpoint, trusted)
         served = tuple(
             (switch.running.edge_socket.path if switch.running.edge_socket else "") if tcp else path
             for switch, path in zip(switches, sockets, strict=True)
