@@ -73,6 +73,8 @@ class LinkPumps:
         pacer = self._pacer
         if pacer is None:
             return self.router.next_outbound()
+        if self._lanes is not None:
+            pacer.flows = max(1, len(self._lanes.active))
         if not pacer.has_room():
             return None  # an acknowledgement wakes the writers
         return self.router.next_outbound(pacer.fragment_bytes, pacer.cut_above)

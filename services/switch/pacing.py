@@ -17,7 +17,10 @@ under a cap that leaves about two fragments queued on the path:
 * **Then a standing-queue controller** as TCP Vegas's (Brakmo and Peterson, IEEE JSAC 13(8), 1995):
   once per round trip, the bytes the cap keeps queued are ``cap x (1 - min_rtt / rtt)``, where ``rtt``
   is the round's lowest sample and ``min_rtt`` the lowest of the last ``MIN_RTT_WINDOW_S``; fewer
-  than one fragment grows the cap by one, more than two shrinks it by the excess. Rate estimates
+  than one fragment grows the cap by one, more than two shrinks it by the excess. As Vegas's, the
+  target is per flow: a session striped over ``flows`` connections (``lanes.py``) keeps one to two
+  fragments per connection, because on a lossy long path each loss-limited connection holds its few
+  fragments in its own send queue, and a target of two for all of them starves most. Rate estimates
   from acknowledgement timing are thrown off by every burst on the path (a shaper's bucket, a late
   reader catching up), and a cap set from them keeps that error queued; the round trip itself says
   how much is queued. It only grows while the cap, not the senders, limited the round. Over a
@@ -109,6 +112,9 @@ class LinkPacer:
         self._round_limited = False
         self._round_piece = 0  # the largest write of the round: the controller's unit on a fast link
         self._unit = 0
+        #: Connections the session stripes over. Vegas keeps its queue per flow: each loss-limited
+        #: connection holds a few fragments in its own send queue, so the target scales with them.
+        self.flows = 1
 
     @property
     def inflight(self) -> int:
@@ -178,7 +184,7 @@ class LinkPacer:
             queued = self._cap * (1.0 - self.min_rtt / self._round_rtt)
             # The unit is a fragment, or the largest item written whole (a fast link cuts nothing, and
             # a cap that cannot hold two of its items stalls between them).
-            unit = max(self.fragment_bytes, self._unit)
+            unit = max(self.fragment_bytes, self._unit) * self.flows
             if queued > QUEUE_HIGH_FRAGMENTS * unit:
                 self._cap -= int((queued - QUEUE_HIGH_FRAGMENTS * unit) / 2)
             elif queued < QUEUE_LOW_FRAGMENTS * unit and self._round_limited:

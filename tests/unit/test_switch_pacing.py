@@ -170,11 +170,14 @@ def test_an_acknowledgement_beyond_what_was_sent_is_refused_and_an_older_one_ign
     assert pacer.acked == 600 and pacer.inflight == 400
 
 
-def simulate(rates: list[tuple[float, float]], delay_s: float, seconds: float) -> dict[str, list[float]]:
+def simulate(
+    rates: list[tuple[float, float]], delay_s: float, seconds: float, flows: int = 1
+) -> dict[str, list[float]]:
     """A sender with endless data, paced, through one bottleneck FIFO of ``rates`` [(from time, bytes/s)]
     and ``delay_s`` each way; the receiver acknowledges every byte it reads. Samples every 10 ms."""
     now, dt = 0.0, 0.0005
     pacer = LinkPacer(clock=lambda: now)
+    pacer.flows = flows
     queue: list[int] = []  # bytes of each piece waiting at the bottleneck
     head_left = 0.0
     arrivals: list[tuple[float, int]] = []  # (when the receiver reads it, bytes)
@@ -228,6 +231,18 @@ def test_the_pacer_fills_the_path_and_keeps_its_queue_near_a_fragment() -> None:
     # One to two fragments (4-8 ms) queued; a fixed 1 MiB cap would keep 750 kB (100 ms) there.
     assert mean_queue <= 2.5 * fragment, (mean_queue, bdp)
     assert max(late["queue"]) <= 4 * fragment, max(late["queue"])
+
+
+def test_the_pacer_keeps_one_to_two_fragments_queued_per_connection() -> None:
+    # A session striped over 8 connections (lanes.py): Vegas's target is per flow, and each loss-limited
+    # connection holds its few fragments in its own send queue; a single-flow target starves them.
+    rate, delay, flows = 12.5e6, 0.08, 8  # 100 Mbit/s, 80 ms each way
+    late = window(simulate([(0.0, rate)], delay, 12.0, flows=flows), 6.0, 12.0)
+    throughput = (late["delivered"][-1] - late["delivered"][0]) / (late["t"][-1] - late["t"][0])
+    assert throughput >= 0.95 * rate, throughput
+    mean_queue = sum(late["queue"]) / len(late["queue"])
+    fragment = rate * pacing.FRAGMENT_TIME_S
+    assert 0.8 * flows * fragment <= mean_queue <= 2.5 * flows * fragment, (mean_queue, fragment)
 
 
 def test_the_pacer_follows_a_path_that_slows_down() -> None:
