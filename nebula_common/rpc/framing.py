@@ -165,6 +165,9 @@ class FramedChunk:
     data: memoryview
     frame_size: int
     """``TensorFrame.ByteSize()`` of this chunk: its wire size for credit."""
+    placed: object = None
+    """Set when the receiver read the payload straight into the buffer it belongs in (``data`` is then a
+    view of that buffer, ``raw`` empty): what the receiver's ``place_chunk`` returned for it."""
 
     def WhichOneof(self, group: str) -> str:
         """``"frame"``: a framed chunk stands where an ``EdgeMessage`` with a frame would."""
@@ -212,8 +215,31 @@ def parse_chunk(raw: bytes) -> FramedChunk:
     repeated fields, field number 0, a varint over 64 bits, a job or edge that is not UTF-8), is a
     FramingError, the one error every hop catches."""
     view = memoryview(raw)
-    end = len(view)
-    if not is_framed(raw):
+    chunk, _ = _parse(raw, view, len(view))
+    return chunk
+
+
+def peek_chunk(head: memoryview, size: int) -> tuple[FramedChunk, int] | None:
+    """The header of a ``size``-byte framed chunk from its first bytes ``head``, and where its payload
+    starts: so a receiver can read the payload straight into the buffer it belongs in.
+
+    None unless the header lies wholly in ``head`` and the payload is the last thing in the message
+    (as ``encode_chunk`` writes it): then every header byte precedes the payload, and nothing after
+    ``head`` is read. Anything else (another layout, a chunk that does not parse) is for
+    ``parse_chunk`` on the whole message, which names what is wrong. The chunk's ``data`` is the part
+    of the payload already in ``head``."""
+    try:
+        chunk, (start, stop) = _parse(b"", head, size)
+    except (FramingError, IndexError):  # IndexError: a field lies beyond ``head``
+        return None
+    if stop != size or start > len(head):
+        return None
+    return chunk, start
+
+
+def _parse(raw: bytes, view: memoryview, end: int) -> tuple[FramedChunk, tuple[int, int]]:
+    """``parse_chunk`` of an ``end``-byte message whose first bytes are ``view``, and the payload's span."""
+    if not is_framed(view):
         raise FramingError("not a framed chunk (the first field is not 'framed')")
     length, pos = _read_varint(view, 1, end)
     if pos + length != end:
@@ -234,7 +260,7 @@ def parse_chunk(raw: bytes) -> FramedChunk:
     data_span = chunk.get(3, (chunk_end, chunk_end))
     if not isinstance(data_span, tuple):
         raise FramingError("framed chunk data should be bytes")
-    return FramedChunk(
+    parsed = FramedChunk(
         raw=raw,
         job_id=job_id,
         edge=edge,
@@ -245,6 +271,7 @@ def parse_chunk(raw: bytes) -> FramedChunk:
         data=view[data_span[0] : data_span[1]],
         frame_size=frame_end - frame_start,
     )
+    return parsed, data_span
 
 
 __all__ = [
@@ -260,4 +287,5 @@ __all__ = [
     "framing_refusal",
     "is_framed",
     "parse_chunk",
+    "peek_chunk",
 ]

@@ -96,7 +96,8 @@ class LinkPacer:
         self.sent = 0
         self.acked = 0
         self._writes: deque[_Write] = deque()
-        self._rates: deque[tuple[float, float]] = deque()  # (when, bytes/s)
+        # (when, bytes/s), falling: the window's maximum first (a sample under a newer one never is).
+        self._rates: deque[tuple[float, float]] = deque()
         self.rate = 0.0
         self.min_rtt = 0.0
         self._rtts: deque[tuple[float, float]] = deque()  # (when, rtt), rising: the window's minimum first
@@ -207,10 +208,13 @@ class LinkPacer:
         self.min_rtt = candidates[0][1]
 
     def _rate_sample(self, rate: float, now: float) -> None:
-        self._rates.append((now, rate))
-        while len(self._rates) > 1 and now - self._rates[0][0] > RATE_WINDOW_S:
-            self._rates.popleft()
-        self.rate = max(r for _, r in self._rates)
+        rates = self._rates  # a monotonic queue: one sample per acknowledgement, O(1) each
+        while rates and rates[-1][1] <= rate:
+            rates.pop()
+        rates.append((now, rate))
+        while len(rates) > 1 and now - rates[0][0] > RATE_WINDOW_S:
+            rates.popleft()
+        self.rate = rates[0][1]
         if self.startup:
             if self.rate >= self._startup_best * STARTUP_GROWTH:
                 self._startup_best = self.rate

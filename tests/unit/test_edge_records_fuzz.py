@@ -29,6 +29,7 @@ from nebula_common.rpc.edge_records import (
     parse_status_record,
     status_record,
 )
+from nebula_common.rpc.framing import FramedChunk, encode_chunk
 from nebula_common.rpc.sealed_records import RecordSealing, SealedRecordError, sealed_size
 from services.trainer.edge.record_io import Ended, PlainRecords, SealedRecords, TooLarge
 from services.trainer.edge.socket_request import parse_request
@@ -84,6 +85,38 @@ def test_the_stage_reader_reads_records_or_fails_as_documented(records: list[byt
             assert tail, "well-formed records ended in an error"
             return
         assert got[: len(records)] == records
+
+
+def test_the_stage_reader_places_the_expected_chunks_payload_and_reads_any_other_whole() -> None:
+    payload = bytes(range(256)) * 1200  # 300 KiB: above the reader's small-record size
+    expected, _ = encode_chunk("j", "e", 0, 3, 0, memoryview(payload), True)
+    declined, _ = encode_chunk("j", "e", 0, 4, 0, memoryview(payload), True)
+    unparsable = expected[:-1]  # framed, but one byte short of what it declares
+    frame = bytearray(len(payload))
+    asked: list[tuple[int, int]] = []
+
+    def placer(chunk: FramedChunk, size: int) -> tuple[object, memoryview] | None:
+        asked.append((chunk.frame_id, size))
+        if chunk.frame_id != 3:
+            return None
+        return "frame 3", memoryview(frame)[chunk.offset : chunk.offset + size]
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        writer = PlainRecords(theirs)
+        sender = threading.Thread(
+            target=lambda: [writer.send(r) for r in (expected, declined, unparsable)], daemon=True
+        )
+        sender.start()
+        reader = PlainRecords(ours, placer=placer)
+        first = reader.read()
+        assert isinstance(first, FramedChunk) and first.placed == "frame 3" and first.data.obj is frame
+        assert bytes(frame) == payload and reader.placed_bytes == len(payload)
+        second, third = reader.read(), reader.read()
+        assert not isinstance(second, FramedChunk) and bytes(second) == declined
+        assert not isinstance(third, FramedChunk) and bytes(third) == unparsable
+        assert asked == [(3, len(payload)), (4, len(payload))]  # the unparsable one is never offered
+        sender.join(10)
 
 
 def test_the_stage_reader_refuses_a_record_over_the_bound_before_reading_it() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from nebula_common.codec import TensorStreamEncoder, to_frames
 from nebula_common.jobspec.runtime import ProgramError
 from nebula_common.proto.nebula.v1 import relay_pb2, tensor_pb2
+from nebula_common.rpc.framing import FramedChunk, encode_chunk, parse_chunk
 from services.trainer.edge import INITIAL_WINDOW_BYTES, EdgeClosedError, EdgeConnection, EdgeSettings
 from services.trainer.edge.session import EdgeSession, TransportHandler, wire_size
 from tests.support.edges import wait_for
@@ -165,6 +167,39 @@ def test_a_receiver_ignores_duplicates_gaps_and_stray_chunks_and_restarts_a_repl
     long = frames(torch.arange(100, dtype=torch.float32), 4, chunk=100)
     transport.deliver(long[0], long[1], long[2])  # header and two of four chunks ...
     transport.deliver(*long)  # ... then the replay from the header restarts the frame
+    item = session.receive_item(1, "item")
+    assert torch.equal(torch.frombuffer(bytearray(item.payload), dtype=torch.float32), torch.arange(100.0))
+    assert session.max_over_grant_bytes <= 0
+
+
+def placed(session: EdgeSession, message: relay_pb2.EdgeMessage) -> FramedChunk | None:
+    """A chunk as the plain-records reader hands it on: its payload read straight into the frame."""
+    chunk = message.frame.chunk
+    raw, _ = encode_chunk("j", "e", 0, chunk.frame_id, chunk.offset, chunk.data, chunk.last)
+    framed = parse_chunk(raw)
+    where = session.place_chunk(framed, len(chunk.data))
+    if where is None:
+        return None
+    token, target = where
+    target[:] = chunk.data
+    return dataclasses.replace(framed, data=target, placed=token)
+
+
+def test_a_receiver_places_only_the_next_chunk_and_ignores_one_whose_frame_restarted() -> None:
+    session, transport = receiver()
+    transport.take()
+    long = frames(torch.arange(100, dtype=torch.float32), 1, chunk=100)
+    assert placed(session, long[1]) is None  # no frame yet
+    transport.deliver(long[0])
+    assert placed(session, long[2]) is None  # not the next chunk
+    stale = placed(session, long[1])
+    transport.deliver(long[0])  # the header again (a replay): the frame restarts in a new buffer
+    assert stale is not None
+    transport.deliver(stale)  # read into the old buffer: a stray now, ignored
+    for message in long[1:]:
+        chunk = placed(session, message)
+        assert chunk is not None
+        transport.deliver(chunk)
     item = session.receive_item(1, "item")
     assert torch.equal(torch.frombuffer(bytearray(item.payload), dtype=torch.float32), torch.arange(100.0))
     assert session.max_over_grant_bytes <= 0

@@ -13,6 +13,7 @@ from nebula_common.rpc.framing import (
     encode_chunk,
     is_framed,
     parse_chunk,
+    peek_chunk,
 )
 
 CASES = [
@@ -96,3 +97,96 @@ def test_chunk_size_follows_the_window_within_bounds() -> None:
     assert chunk_size_for(8 << 20) == 1 << 20
     assert chunk_size_for(1 << 20) == MIN_CHUNK_BYTES
     assert chunk_size_for(1 << 30) == MAX_CHUNK_BYTES
+
+
+@pytest.mark.parametrize(("job", "edge", "epoch", "frame_id", "offset", "payload", "last"), CASES[1:])
+def test_a_chunks_header_is_read_from_its_first_bytes_as_from_the_whole(
+    job: str, edge: str, epoch: int, frame_id: int, offset: int, payload: bytes, last: bool
+) -> None:
+    raw, _ = encode_chunk(job, edge, epoch, frame_id, offset, memoryview(payload), last)
+    whole = parse_chunk(raw)
+    peeked = peek_chunk(memoryview(raw)[:1024], len(raw))
+    assert peeked is not None
+    chunk, start = peeked
+    assert (chunk.job_id, chunk.edge, chunk.epoch, chunk.frame_id, chunk.offset, chunk.last) == (
+        job,
+        edge,
+        epoch,
+        frame_id,
+        offset,
+        last,
+    )
+    assert chunk.frame_size == whole.frame_size
+    assert raw[start:] == payload and chunk.data.tobytes() == payload[: 1024 - start]
+    # A head that ends inside the header: nothing to say, the whole message decides.
+    assert peek_chunk(memoryview(raw)[: start - 1], len(raw)) is None
+
+
+def test_a_chunk_whose_payload_is_not_last_is_not_peeked() -> None:
+    """protobuf writes ``last`` (field 4) after ``data`` (field 3): a valid chunk, parsed whole, but the
+    bytes after its first ones are not all payload, so nothing may be read straight into a frame."""
+    payload = bytes(range(256)) * 300
+    chunk = tensor_pb2.TensorChunk(frame_id=5, offset=0, data=payload, last=True)
+    raw = relay_pb2.EdgeMessage(
+        framed=relay_pb2.FramedItem(
+            job_id="j", edge="e", item=relay_pb2.EdgeMessage(frame=tensor_pb2.TensorFrame(chunk=chunk))
+        )
+    ).SerializeToString()
+    assert parse_chunk(raw).data.tobytes() == payload and raw.endswith(b"\x20\x01")
+    assert peek_chunk(memoryview(raw)[:1024], len(raw)) is None
+
+
+def test_a_chunk_followed_by_other_fields_is_not_peeked() -> None:
+    """A framed item whose job id comes after its chunk (protobuf allows any order): the bytes after
+    the payload are the job id, not payload, so the first bytes alone must not place anything."""
+
+    def field(tag: int, body: bytes) -> bytes:
+        return bytes([tag]) + varint(len(body)) + body
+
+    def varint(value: int) -> bytes:
+        out = bytearray()
+        while value >= 0x80:
+            out.append(value & 0x7F | 0x80)
+            value >>= 7
+        return bytes(out + bytes([value]))
+
+    chunk = b"\x08\x05" + b"\x20\x01" + field(0x1A, b"payload!")
+    item = field(0x12, field(0x12, chunk))  # EdgeMessage{frame: TensorFrame{chunk}}
+    routed = field(0x1A, item) + field(0x12, b"e") + field(0x0A, b"j" * 70_000)
+    raw = field(0x4A, routed)
+    whole = parse_chunk(raw)
+    assert whole.data.tobytes() == b"payload!" and whole.job_id == "j" * 70_000
+    assert peek_chunk(memoryview(raw)[:1024], len(raw)) is None
+
+
+def test_peeking_never_reads_a_header_the_whole_message_would_not() -> None:
+    """Mutated chunks: whatever the first bytes say is what parse_chunk says of the whole, or None."""
+    import random
+
+    rng = random.Random(7)
+    raw, _ = encode_chunk("job-1", "up->down", 2, 9, 1 << 21, bytes(range(256)) * 400, False)
+    agreed = declined = 0
+    for _ in range(3000):
+        mutated = bytearray(raw)
+        for _ in range(rng.randint(1, 3)):
+            mutated[rng.randrange(60)] = rng.randrange(256)  # the header lies in the first ~40 bytes
+        cut = rng.choice([len(mutated), len(mutated) - rng.randint(1, 50)])
+        message = bytes(mutated[:cut])
+        peeked = peek_chunk(memoryview(message)[:1024], len(message))
+        if peeked is None:
+            declined += 1
+            continue
+        chunk, start = peeked
+        whole = parse_chunk(message)  # a header peeking accepted must parse whole, the same
+        assert (whole.job_id, whole.edge, whole.epoch, whole.frame_id, whole.offset, whole.last) == (
+            chunk.job_id,
+            chunk.edge,
+            chunk.epoch,
+            chunk.frame_id,
+            chunk.offset,
+            chunk.last,
+        )
+        assert whole.frame_size == chunk.frame_size
+        assert whole.data.obj is message and len(message) - len(whole.data) == start
+        agreed += 1
+    assert agreed > 100 and declined > 100, (agreed, declined)

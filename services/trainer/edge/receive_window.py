@@ -19,6 +19,7 @@ from collections.abc import Callable
 from nebula_common.bulk_memory import uninitialized_bytearray
 from nebula_common.codec import EncodedTensor
 from nebula_common.proto.nebula.v1 import relay_pb2
+from nebula_common.rpc.framing import FramedChunk
 from services.trainer.edge.errors import EdgeTimeout, ProtocolError
 from services.trainer.edge.settings import INITIAL_WINDOW_BYTES, EdgeSettings
 from services.trainer.edge.tensor_frames import FrameAssembly
@@ -57,6 +58,26 @@ class EdgeReceiver:
         over = self._held_bytes + self._assembly_bytes - self._granted
         self.max_over_grant_bytes = max(self.max_over_grant_bytes, over)
 
+    def place_chunk(self, chunk: FramedChunk, size: int) -> tuple[object, memoryview] | None:
+        """Where the reader may put this chunk's ``size``-byte payload: the next bytes of the frame
+        being assembled, when the chunk is exactly the one expected there (else None: the chunk is
+        received whole and judged by ``_on_chunk_locked`` as any other). The reader writes into the
+        frame's buffer outside the lock; only its own delivery of this chunk advances the frame, and a
+        frame restarted meanwhile gets a new buffer and ignores the chunk (the token differs)."""
+        with self._cond:
+            assembly = self._assembly
+            if self._failed is not None or assembly is None:
+                return None
+            end = chunk.offset + size
+            if (
+                chunk.frame_id != assembly.header.frame_id
+                or chunk.offset != assembly.received
+                or end > assembly.header.payload_size
+                or (chunk.last and end != assembly.header.payload_size)
+            ):
+                return None
+            return assembly, memoryview(assembly.payload)[chunk.offset : end]
+
     def _on_frame_locked(self, message: relay_pb2.EdgeMessage) -> None:
         frame = message.frame
         part = frame.WhichOneof("part")
@@ -93,9 +114,13 @@ class EdgeReceiver:
         data: bytes | memoryview,
         last: bool,
         size: int,
+        placed: object = None,
     ) -> None:
-        """One payload chunk (a ``TensorChunk`` or framed), copied once into the frame's buffer."""
+        """One payload chunk (a ``TensorChunk`` or framed), copied once into the frame's buffer, or
+        already there (``placed``: the assembly ``place_chunk`` gave the reader the buffer of)."""
         assembly = self._assembly
+        if placed is not None and placed is not assembly:
+            return  # the frame was restarted or abandoned while its chunk was read: a stray
         if assembly is None or frame_id != assembly.header.frame_id or offset != assembly.received:
             if assembly is not None and frame_id == assembly.header.frame_id and offset > assembly.received:
                 self._out_of_order_locked(self._expected + 1)  # a chunk of this frame was lost in flight
@@ -106,7 +131,8 @@ class EdgeReceiver:
                 f"invalid frame from peer: chunks of frame {frame_id} end at {end} bytes but "
                 f"{assembly.header.payload_size} were declared"
             )
-        assembly.payload[assembly.received : end] = data
+        if placed is None:
+            assembly.payload[assembly.received : end] = data
         assembly.received = end
         self._assembly_bytes += size
         self._check_credit_locked()

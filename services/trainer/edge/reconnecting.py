@@ -75,8 +75,11 @@ def serialize(item: relay_pb2.EdgeMessage | bytes) -> bytes:
     return item if isinstance(item, bytes) else item.SerializeToString()
 
 
-def received(raw: bytes | memoryview, edge: str) -> relay_pb2.EdgeMessage | FramedChunk:
-    """What the switch sent on ``edge``; EdgeFailed naming what it was if it does not parse."""
+def received(raw: bytes | memoryview | FramedChunk, edge: str) -> relay_pb2.EdgeMessage | FramedChunk:
+    """What the switch sent on ``edge``; EdgeFailed naming what it was if it does not parse (a chunk
+    its reader placed is parsed already)."""
+    if isinstance(raw, FramedChunk):
+        return raw
     if is_framed(raw):
         try:
             return parse_chunk(raw)

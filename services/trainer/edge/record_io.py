@@ -16,12 +16,14 @@ compute, so no timeout applies there.
 
 from __future__ import annotations
 
+import dataclasses
 import select
 import socket
+from collections.abc import Callable
 
 from nebula_common.bulk_memory import uninitialized_bytearray
 from nebula_common.rpc.edge_records import MAX_EDGE_RECORD_BYTES
-from nebula_common.rpc.framing import is_framed
+from nebula_common.rpc.framing import FramedChunk, is_framed, peek_chunk
 from nebula_common.rpc.raw_record_bounds import END
 from nebula_common.rpc.sealed_receive import SealedReceiver
 from nebula_common.rpc.sealed_records import MAX_RECORD_BYTES, TAG_BYTES, RecordSealing, sealed_size
@@ -30,6 +32,13 @@ SMALL_RECORD = 64 << 10
 """Plain records up to this size are read into a reused buffer and copied out; bigger ones get their own."""
 STALL_S = 60.0
 """How long a record may stay incomplete with no byte arriving (the switch's own bound on a stage's)."""
+PEEK_BYTES = 1024
+"""How much of a large plain record is read first to find its chunk header (a chunk's header is
+tens of bytes: job id, edge and a few numbers)."""
+
+Placer = Callable[[FramedChunk, int], "tuple[object, memoryview] | None"]
+"""Where a chunk's payload of the given size goes: (a token, a view of exactly that many bytes), or
+None to receive the record whole (``EdgeReceiver.place_chunk``)."""
 
 
 class Ended(Exception):
@@ -77,14 +86,20 @@ def _handed_on(body: memoryview) -> bytes | memoryview:
 class PlainRecords:
     """Length-prefixed records on a local socket."""
 
-    def __init__(self, sock: socket.socket, stall_s: float = STALL_S) -> None:
+    def __init__(self, sock: socket.socket, stall_s: float = STALL_S, placer: Placer | None = None) -> None:
         self.sock = sock
         self.stall_s = stall_s
+        self.placer = placer
         self._small = bytearray(SMALL_RECORD)
         self._head = bytearray(4)
+        self._peek = bytearray(PEEK_BYTES)
+        #: Payload bytes read straight into their destination (no copy on this side).
+        self.placed_bytes = 0
 
-    def read(self) -> bytes | memoryview | None:
-        """The next record, or None at a clean end between records."""
+    def read(self) -> bytes | memoryview | FramedChunk | None:
+        """The next record, or None at a clean end between records. With a placer, a large chunk's
+        payload is read straight into the buffer the placer names, and the chunk comes back parsed
+        (``FramedChunk.placed`` set): the receiver's one copy of each payload byte is saved."""
         if not _fill(self.sock, memoryview(self._head), True, self.stall_s):
             return None
         size = int.from_bytes(self._head, "big")
@@ -94,9 +109,25 @@ class PlainRecords:
             view = memoryview(self._small)[:size]
             _fill(self.sock, view, False, self.stall_s)
             return bytes(view)
-        body = memoryview(uninitialized_bytearray(size))
-        _fill(self.sock, body, False, self.stall_s)
-        return _handed_on(body)
+        if self.placer is None:
+            body = memoryview(uninitialized_bytearray(size))
+            _fill(self.sock, body, False, self.stall_s)
+            return _handed_on(body)
+        head = memoryview(self._peek)[:PEEK_BYTES]
+        _fill(self.sock, head, False, self.stall_s)
+        peeked = peek_chunk(head, size)
+        placed = None if peeked is None else self.placer(peeked[0], size - peeked[1])
+        if placed is None:
+            body = memoryview(uninitialized_bytearray(size))
+            body[:PEEK_BYTES] = head
+            _fill(self.sock, body[PEEK_BYTES:], False, self.stall_s)
+            return _handed_on(body)
+        (chunk, start), (token, target) = peeked, placed  # type: ignore[misc]
+        early = PEEK_BYTES - start
+        target[:early] = head[start:]
+        _fill(self.sock, target[early:], False, self.stall_s)
+        self.placed_bytes += len(target)
+        return dataclasses.replace(chunk, data=target, placed=token)
 
     def send(self, data: bytes | memoryview) -> None:
         """One record, header and bytes in one ``sendmsg`` where the kernel takes them, never joined."""
@@ -149,9 +180,12 @@ class SealedRecords:
         self.sock.sendall(memoryview(self._out)[:end])
 
 
-def records(sock: socket.socket, sealing: RecordSealing | None) -> PlainRecords | SealedRecords:
-    """The channel for a connection the trainer passed (sealed when it handed a sealing over)."""
-    return PlainRecords(sock) if sealing is None else SealedRecords(sock, sealing)
+def records(
+    sock: socket.socket, sealing: RecordSealing | None, placer: Placer | None = None
+) -> PlainRecords | SealedRecords:
+    """The channel for a connection the trainer passed (sealed when it handed a sealing over; plain
+    records place large chunks' payloads with ``placer``)."""
+    return PlainRecords(sock, placer=placer) if sealing is None else SealedRecords(sock, sealing)
 
 
 __all__ = ["SMALL_RECORD", "STALL_S", "Ended", "PlainRecords", "SealedRecords", "TooLarge", "records"]

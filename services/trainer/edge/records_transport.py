@@ -28,6 +28,7 @@ from typing import Unpack
 
 from nebula_common.proto.nebula.v1 import relay_pb2
 from nebula_common.rpc.edge_records import parse_status_record
+from nebula_common.rpc.framing import FramedChunk
 from nebula_common.rpc.sealed_records import RecordSealing
 from services.trainer.edge.reconnecting import (
     END,
@@ -60,6 +61,8 @@ class RecordsEdgeTransport(ReconnectingEdgeTransport):
         super().__init__(job_id, edge, **options)
         self.connect = connect
         self._sock: socket.socket | None = None
+        #: Payload bytes read straight into their frame's buffer (plain records: no copy in this process).
+        self.placed_bytes = 0
 
     def _carry(self, opened: relay_pb2.EdgeOpen, handler: TransportHandler) -> tuple[bool, bool, str]:
         try:
@@ -84,7 +87,7 @@ class RecordsEdgeTransport(ReconnectingEdgeTransport):
         if self._stopping.is_set():
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-        channel = records(sock, sealing)
+        channel = records(sock, sealing, getattr(handler, "place_chunk", None))
         writer = threading.Thread(
             target=self._write, args=(channel, outgoing), name=f"edge-{self.edge}-writer", daemon=True
         )
@@ -105,14 +108,18 @@ class RecordsEdgeTransport(ReconnectingEdgeTransport):
                     break
                 if raw is None:
                     break
-                status = parse_status_record(raw)
+                status = None if isinstance(raw, FramedChunk) else parse_status_record(raw)
                 if status is not None:
                     code, message = status
                     if code in FATAL_CODES and not peer_closed and not self._stopping.is_set():
                         raise EdgeFailed(f"switch refused edge {self.edge!r}: {code.name}: {message}")
                     reason = f"switch ended the edge: {code.name}: {message}"
                     break
-                now_ready, closed = self._deliver(received(raw, self.edge), outgoing, handler)
+                message = received(raw, self.edge)
+                now_ready, closed = self._deliver(message, outgoing, handler)
+                if isinstance(message, FramedChunk) and message.placed is not None:
+                    self.placed_bytes += len(message.data)
+                    message.data.release()  # the frame's buffer: no view of it outlives its delivery
                 ready, peer_closed = ready or now_ready, peer_closed or closed
         finally:
             with self._lock:

@@ -215,6 +215,7 @@ class EdgeSession(EdgeLinkState, EdgeSender, EdgeReplay, EdgeReceiver):
                         message.data,
                         message.last,
                         message.frame_size,
+                        message.placed,
                     )
                 except ProtocolError as exc:
                     violation: str | None = str(exc)
