@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +30,19 @@ from nebula_common.stop_signals import stop_signals_blocked
 
 class ServiceStartError(NebulaError):
     pass
+
+
+def with_parent(command: list[str]) -> list[str]:
+    """``command`` ending with the launcher, however the launcher ends (``kill -9`` included).
+
+    A boxed service has bubblewrap's ``--die-with-parent`` (a nesting box, its lifeline); an unboxed
+    one (the WAN emulator, every service where bubblewrap is missing) would run on orphaned. util-linux's
+    ``setpriv --pdeathsig`` gives it the same parent-death signal, then executes it (its pid stays the
+    service's). As bubblewrap's, the signal comes when the launcher's *thread* that started it ends: the
+    supervisor's, for a restarted service, lives until the deployment stops. Where ``setpriv`` is missing
+    (it is in util-linux, which every Debian has), the command runs as is."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "KILL", "--", *command] if setpriv else command
 
 
 BOX_START_S = 30.0
@@ -98,7 +112,7 @@ class ServiceProcess:
         ):
             if self.box is None:
                 self.popen = subprocess.Popen(
-                    self.command,
+                    with_parent(self.command),
                     env=env,
                     stdout=out,
                     stderr=err,

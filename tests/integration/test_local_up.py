@@ -65,6 +65,26 @@ def test_local_up_runs_until_interrupted_and_leaves_nothing_behind(tmp_path: Pat
     assert_gone(pids)
 
 
+@pytest.mark.faults  # a deployment of its own (`make test-faults`)
+def test_local_up_killed_outright_takes_every_process_it_started_with_it(tmp_path: Path) -> None:
+    """``kill -9`` of `nebula local up`: no handler runs, yet no service and no WAN emulator is left
+    running (boxed services by bubblewrap's parent-death signal, the unboxed emulator by setpriv's)."""
+    run_dir = tmp_path / "run"
+    up, deployment = start_up(run_dir)
+    try:
+        pids = all_pids(deployment)
+        assert len(pids) == 13 and all(alive(pid) for pid in pids.values()), pids
+        up.kill()
+        up.communicate(timeout=30)
+        deadline = time.monotonic() + 5  # issue 29: nothing outlives what started it by more than 5 s
+        while any(alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = {name: pid for name, pid in pids.items() if alive(pid)}
+        assert not left, f"still running 5 s after `nebula local up` was killed: {left}"
+    finally:
+        reap(up, run_dir)
+
+
 def reap(up: subprocess.Popen[str], run_dir: Path) -> str:
     """Stop a `local up` that a failed test leaves behind, with every service it started.
 
