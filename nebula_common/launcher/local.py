@@ -524,15 +524,15 @@ class LocalDeployment:
     def stop(self) -> None:
         """Stop trainers first (they close their edges), then switches, emulators, data, codec, auth, signer.
 
-        The supervisor stops first and every process is marked unwanted before any is signalled,
-        so nothing is restarted while the deployment goes down. The processes of one kind (every
-        cluster's trainer, ...) stop together: one after another, 11 graceful exits took 55 s at
-        load 25, close to `local down`'s and the tests' limits.
+        Every process is marked unwanted before any is signalled, so the supervisor restarts nothing
+        while the deployment goes down; its thread ends last, because a service it restarted gets the
+        parent-death signal when that thread ends (bubblewrap's ``--die-with-parent``, ``setpriv``), which
+        would kill it before its graceful stop. The processes of one kind (every cluster's trainer, ...)
+        stop together: one after another, 11 graceful exits took 55 s at load 25, close to `local down`'s
+        and the tests' limits.
         """
         if self.renewer is not None:
             self.renewer.stop()
-        if self.supervisor is not None:
-            self.supervisor.stop()
         for process in self.all_processes():
             with process.lock:
                 process.wanted = False
@@ -551,6 +551,8 @@ class LocalDeployment:
                 if state.trainer_box is not None:
                     state.trainer_box.release()
         finally:
+            if self.supervisor is not None:
+                self.supervisor.stop()
             self._release_lock()
 
     def write_description(self, path: Path) -> None:

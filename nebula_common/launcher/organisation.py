@@ -192,11 +192,10 @@ class ClusterDeployment:
         atomic_write(path, json.dumps(self.describe(), indent=2).encode(), mode=0o644)
 
     def stop(self) -> None:
-        """Trainer, switch, then data, codec, auth; nothing is restarted while going down."""
+        """Trainer, switch, then data, codec, auth; nothing is restarted while going down (every process
+        is unwanted first), and the supervisor's thread ends last (``LocalDeployment.stop`` says why)."""
         if self.renewer is not None:
             self.renewer.stop()
-        if self.supervisor is not None:
-            self.supervisor.stop()
         state = self.state
         try:
             if state is not None:
@@ -216,6 +215,8 @@ class ClusterDeployment:
                 if state.trainer_box is not None:
                     state.trainer_box.release()
         finally:
+            if self.supervisor is not None:
+                self.supervisor.stop()
             if self._lock is not None:
                 self._lock.close()
                 self._lock = None

@@ -166,3 +166,13 @@ def test_a_second_start_on_the_same_run_dir_keeps_the_admin_password_and_account
             assert admin_login(second, cluster, password)  # the old password still logs in
         ClusterSession.login(second.endpoints("b"), "henry", user_password)
     assert {p: p.read_bytes() for p in secrets_before} == secrets_before
+
+
+def test_a_restarted_service_stops_as_gracefully_as_the_others(tmp_path: Path) -> None:
+    """A service the supervisor restarted has the supervisor's thread as its parent: the deployment's
+    stop must end that thread after the services, or its parent-death signal kills them first."""
+    with LocalDeployment(run_dir=tmp_path / "run", bandwidth_mbit=100.0, delay_ms=5.0) as deployment:
+        kill_and_wait_restart(deployment, "codec-a")
+        restarted, untouched = deployment.process("codec-a"), deployment.process("codec-b")
+    assert restarted.popen is not None and untouched.popen is not None
+    assert (restarted.popen.returncode, untouched.popen.returncode) == (0, 0)
