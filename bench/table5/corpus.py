@@ -6,11 +6,13 @@ licence, reachable with the ordinary clients (``pip download --no-deps``,
 catalogues alone (today's ABNet data) give < 1k short pairs, too few to tell
 1 BLEU apart. The packages are fetched into ``--cache`` (kept between runs),
 their Spanish ``.mo`` catalogues (``es`` and regional ``es_*``) parsed by
-``nebula_common.zoo.catalogues``, cleaned, deduplicated and split leak-free.
+``nebula_common.zoo.catalogues``, cleaned, deduplicated and split into train, dev
+and test with no near copy of a dev or test pair in training
+(``nebula_common.zoo.splits``).
 
-Writes ``<cache>/corpus/{train,held_out}.tsv`` (``spanish<TAB>english``) and
+Writes ``<cache>/corpus/{train,dev,test}.tsv`` (``spanish<TAB>english``) and
 ``manifest.json``: every source with its package version, file digest and the
-pairs it gave, the counts and the SHA-256 of both splits.
+pairs it gave, the counts and the SHA-256 of every split.
 
     .venv/bin/python bench/table5/corpus.py --cache .cache/table5
 """
@@ -30,11 +32,15 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from nebula_common.zoo.catalogues import CatalogueError, Pair, clean_pairs, parse_mo, split
+from nebula_common.zoo.catalogues import CatalogueError, Pair, clean_pairs, parse_mo
+from nebula_common.zoo.splits import NEAR_RATIO, split
 
 MAX_WORDS = 16
-HELD_OUT_FRACTION = 0.05
+DEV_FRACTION = 0.03
+TEST_FRACTION = 0.06
+"""Of the groups, before near copies move to training (about a quarter of the drawn pairs do)."""
 SEED = 13
+SPLITS = ("train", "dev", "test")
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,32 @@ SOURCES = (
     Source("deb", "iso-codes"),
     Source("deb", "wget"),
     Source("deb", "bash"),
+    Source("deb", "libreoffice-l10n-es"),
+    Source("deb", "vlc-l10n"),
+    Source("deb", "inkscape"),
+    Source("deb", "gnucash-common"),
+    Source("deb", "evolution-common"),
+    Source("deb", "pidgin-data"),
+    Source("deb", "darktable"),
+    Source("deb", "cinnamon-l10n"),
+    Source("deb", "audacity-data"),
+    Source("deb", "claws-mail-i18n"),
+    Source("deb", "gnumeric-common"),
+    Source("deb", "util-linux-locales"),
+    Source("deb", "filezilla-common"),
+    Source("deb", "hexchat-common"),
+    Source("deb", "geany-common"),
+    Source("deb", "shotwell-common"),
+    Source("deb", "libsane-common"),
+    Source("deb", "thunar-data"),
+    Source("deb", "gnome-software-common"),
+    Source("deb", "gnome-disk-utility"),
+    Source("deb", "aptitude-common"),
+    Source("deb", "synaptic"),
+    Source("deb", "gedit-common"),
+    Source("deb", "gnome-shell-common"),
+    Source("deb", "poedit-common"),
+    Source("deb", "rhythmbox-data"),
 )
 
 
@@ -183,19 +215,23 @@ def build(cache: Path, sources: tuple[Source, ...] = SOURCES) -> dict:
         )
         print(f"{source.name}: {len(found)} catalogues, {len(own)} entries", file=sys.stderr, flush=True)
     pairs = clean_pairs(entries, MAX_WORDS)
-    train, held = split(pairs, HELD_OUT_FRACTION, SEED)
+    parts = split(pairs, DEV_FRACTION, TEST_FRACTION, SEED)
     out.mkdir(parents=True, exist_ok=True)
-    files = {"train.tsv": _tsv(train), "held_out.tsv": _tsv(held)}
+    files = {f"{name}.tsv": _tsv(getattr(parts, name)) for name in SPLITS}
     for name, data in files.items():
         (out / name).write_bytes(data)
+    for stale in ("held_out.tsv",):  # the two-way split's file: no reader may pick it up by mistake
+        (out / stale).unlink(missing_ok=True)
     manifest = {
         "max_words": MAX_WORDS,
-        "held_out_fraction": HELD_OUT_FRACTION,
+        "dev_fraction": DEV_FRACTION,
+        "test_fraction": TEST_FRACTION,
+        "near_ratio": NEAR_RATIO,
         "seed": SEED,
         "entries": len(entries),
         "pairs": len(pairs),
-        "train": len(train),
-        "held_out": len(held),
+        **{name: len(getattr(parts, name)) for name in SPLITS},
+        "moved_to_train": parts.moved,
         "sha256": {name: _digest(data) for name, data in files.items()},
         "sources": described,
     }
@@ -214,6 +250,19 @@ def read_split(path: Path) -> list[Pair]:
     return pairs
 
 
+def load(cache: Path, evaluated: str) -> tuple[dict, list[Pair], list[Pair]]:
+    """The manifest, the training split and the ``evaluated`` one ("dev" to tune, "test" to report),
+    building the corpus first when the cache has none."""
+    if evaluated not in ("dev", "test"):
+        raise CorpusError(f"the evaluated split is 'dev' or 'test', not {evaluated!r}")
+    folder = cache / "corpus"
+    manifest_path = folder / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+    if manifest is None or not all(f"{name}.tsv" in manifest["sha256"] for name in SPLITS):
+        manifest = build(cache)  # none yet, or the two-way split's: rebuild from the cached archives
+    return manifest, read_split(folder / "train.tsv"), read_split(folder / f"{evaluated}.tsv")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, default=Path(".cache") / "table5")
@@ -222,7 +271,7 @@ def main() -> None:
         manifest = build(args.cache)
     except CorpusError as exc:
         sys.exit(f"corpus: {exc}")
-    summary = {k: manifest[k] for k in ("entries", "pairs", "train", "held_out")}
+    summary = {k: manifest[k] for k in ("entries", "pairs", *SPLITS, "moved_to_train")}
     print(json.dumps(summary))
 
 

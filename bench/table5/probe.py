@@ -4,7 +4,7 @@ Why: with codec none the benchmark's model must reach a BLEU that can tell 1 BLE
 row's BLEU means something. Each probe fine-tunes one setting for ``--steps`` steps (checkpoints at
 ``--every``), and prints JSON lines: step, CPU seconds (``time.process_time``, one torch thread),
 mean loss of the last ``--every`` steps, BLEU/chrF of greedy decoding of the first ``--eval-pairs``
-held-out pairs. ``--diagnose`` also prints per-group gradient norms, the gates, a linear probe of the
+dev pairs. ``--diagnose`` also prints per-group gradient norms, the gates, a linear probe of the
 encoder output (can it give back the source tokens?) and the loss with the sources shuffled (does the
 decoder read the source at all?). ``--unfrozen`` is the ceiling: the same architecture, every weight
 trainable from random initialisation.
@@ -21,7 +21,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import sacrebleu
 import torch
 from torch import nn
 
@@ -41,7 +40,7 @@ def evaluate(
     hyps: list[str] = []
     with torch.no_grad():
         for begin in range(0, pairs, 256):
-            ids = prep.held_es[begin : min(begin + 256, pairs)]
+            ids = prep.eval_es[begin : min(begin + 256, pairs)]
             out = stages.decoder.greedy(
                 stages.receive(stages.send(ids)),
                 prep.config.length,
@@ -49,12 +48,8 @@ def evaluate(
                 no_repeat_ngram=no_repeat_ngram,
             )
             hyps += [decode(prep.en, row[1:].tolist()) for row in out]
-    refs = prep.held_en_text[:pairs]
-    return (
-        sacrebleu.corpus_bleu(hyps, [refs], lowercase=True).score,
-        sacrebleu.corpus_chrf(hyps, [refs]).score,
-        hyps,
-    )
+    bleu, chrf = train.score(hyps, prep.eval_en_text[:pairs])
+    return bleu, chrf, hyps
 
 
 def group_norms(stages: train.Stages) -> dict[str, float]:
@@ -72,8 +67,8 @@ def linear_probe(prep: train.Prepared, stages: train.Stages, steps: int = 100) -
     """Token accuracy of a linear layer reading the source token back from the encoder output."""
     with torch.no_grad():
         states = stages.send(prep.train_es[:512])
-        held = stages.send(prep.held_es[:256])
-    ids, held_ids = prep.train_es[:512], prep.held_es[:256]
+        evaluated = stages.send(prep.eval_es[:256])
+    ids, eval_ids = prep.train_es[:512], prep.eval_es[:256]
     probe = nn.Linear(states.shape[-1], prep.es.get_vocab_size())
     opt = torch.optim.Adam(probe.parameters(), lr=1e-2)
     keep = ids != PAD
@@ -83,17 +78,17 @@ def linear_probe(prep: train.Prepared, stages: train.Stages, steps: int = 100) -
         loss.backward()
         opt.step()
     with torch.no_grad():
-        mask = held_ids != PAD
-        return float((probe(held[mask]).argmax(-1) == held_ids[mask]).float().mean())
+        mask = eval_ids != PAD
+        return float((probe(evaluated[mask]).argmax(-1) == eval_ids[mask]).float().mean())
 
 
 def shuffled_gap(prep: train.Prepared, stages: train.Stages) -> tuple[float, float]:
     """Held-out teacher-forced loss with the right sources, and with the sources of other sentences."""
     with torch.no_grad():
-        src = prep.held_es[:512]
+        src = prep.eval_es[:512]
         from nebula_common.zoo.text_data import encode
 
-        tgt = torch.tensor(encode(prep.en, prep.held_en_text[:512], prep.config.length, bos=True))
+        tgt = torch.tensor(encode(prep.en, prep.eval_en_text[:512], prep.config.length, bos=True))
         right = float(stages.decoder.loss(stages.receive(stages.send(src)), tgt))
         wrong = float(stages.decoder.loss(stages.receive(stages.send(src.roll(1, 0))), tgt))
     return right, wrong
@@ -138,11 +133,9 @@ def main() -> None:
         key, _, value = item.partition("=")
         kind = type(getattr(config, key))
         config = replace(config, **{key: kind(value) if kind is not bool else value == "1"})
-    manifest = json.loads((args.cache / "corpus" / "manifest.json").read_text())
-    train_pairs = corpus.read_split(args.cache / "corpus" / "train.tsv")
-    held = corpus.read_split(args.cache / "corpus" / "held_out.tsv")
+    manifest, train_pairs, dev = corpus.load(args.cache, "dev")  # tuning reads dev, never test
     cpu = time.process_time()
-    prep = train.prepare(train_pairs, held, config, args.cache / "models", manifest["sha256"]["train.tsv"])
+    prep = train.prepare(train_pairs, dev, config, args.cache / "models", manifest["sha256"]["train.tsv"])
     print(
         json.dumps(
             {

@@ -3,7 +3,7 @@
 Why: a full row of the table costs ~95 CPU s per seed plus its link clock; deciding which new
 rows and bottleneck settings belong in the table needs their quality first, seed by seed, with
 the same fine-tuning and decoding as ``run.py`` (``train.fine_tune``: the codecs in the loop,
-greedy decoding with the repetition guard, all held-out pairs by default). No link is measured
+greedy decoding with the repetition guard, all dev pairs by default). No link is measured
 here: the rows' s/step come from ``run.py``. One JSON line per run.
 
     PYTHONPATH=$PWD .venv/bin/python bench/table5/probe_rows.py --rows "BOTTLENECK(16)+INT8" --seeds 0,1,2
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--row", action="append", default=[], help="label=forward,backward,k[,residual]")
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--steps", type=int, default=run.FULL["steps"])
-    parser.add_argument("--eval-pairs", type=int, default=0, help="0: all held-out pairs")
+    parser.add_argument("--eval-pairs", type=int, default=0, help="0: all dev pairs")
     parser.add_argument(
         "--set", nargs="*", default=[], help="ModelConfig overrides of the full plan's, key=value"
     )
@@ -96,11 +96,9 @@ def main() -> None:
         rows.append(by_label[label])
     if not rows:
         raise SystemExit("probe_rows: give --rows or --row")
-    manifest = json.loads((args.cache / "corpus" / "manifest.json").read_text())
-    train_pairs = corpus.read_split(args.cache / "corpus" / "train.tsv")
-    held = corpus.read_split(args.cache / "corpus" / "held_out.tsv")
-    prep = train.prepare(train_pairs, held, config, args.cache / "models", manifest["sha256"]["train.tsv"])
-    pairs = min(args.eval_pairs or len(held), len(held))
+    manifest, train_pairs, dev = corpus.load(args.cache, "dev")  # tuning reads dev, never test
+    prep = train.prepare(train_pairs, dev, config, args.cache / "models", manifest["sha256"]["train.tsv"])
+    pairs = min(args.eval_pairs or len(dev), len(dev))
     for row in rows:
         for seed in (int(s) for s in args.seeds.split(",")):
             cpu = time.process_time()

@@ -16,7 +16,9 @@ link is scaled down instead (default 2 Mbit/s, 10 ms one-way) until codec none's
   rows are (a pipelined schedule would hide part of the compute for every row alike).
 
 Quality comes from full fine-tuning runs with the codecs in the loop (``train.py``), >= 3
-seeds per row in the full run, greedy decoding of the held-out split, sacrebleu BLEU/chrF.
+seeds per row in the full run, greedy decoding of the test split (dev in quick and reduced runs:
+tuning never reads test), sacrebleu BLEU/chrF, each row paired against none (``stats.py``), and the
+lookup baseline (``lookup.py``) on the same pairs.
 Writes ``table5.json``, ``table5.md`` and ``table5-pareto.png`` into ``--out``; with ``--doc``
 also the results section of that markdown file.
 
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import re
@@ -45,9 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import checks
 import corpus
+import lookup
+import report as reporting
 import train
 
-from bench.faults.common import PALETTE, Canvas
 from nebula_common.codec.trial import Candidate, Link, TrialRun, choose_by_trial
 from nebula_common.wan import LinkShape, WanEmulator
 from nebula_common.zoo.adapters import NO_REPEAT_NGRAM
@@ -101,23 +103,20 @@ FULL_MODEL = train.ModelConfig(
 """The full plan's model: the best of the probes (docs/bench/table5.md): LMs pre-trained 400
 steps a side (batch 32, the cached LMs); the adapters and the decoder's output layer fine-tuned with Adam
 at 1e-2 after a 50-step linear warm-up, 128 sentence pairs a step (8.60 BLEU at 300 steps in the probe)."""
-FULL = {"seeds": 3, "steps": 300, "eval_pairs": None, "advisor_steps": 90, "model": FULL_MODEL}
-"""About 40 minutes on 2 cores (docs/bench/table5.md: 39.5 min measured end to end on a loaded host):
-13 rows x 3 seeds + Figure 10's 2 starts x 2 seeds = 43 runs of ~95 CPU s, the advisor's trials (~200 CPU s)
-and the link clock (~1 min), over 2 shards; pre-training (~90 CPU s) once, cached after."""
+FULL = {"seeds": 5, "steps": 300, "eval_pairs": None, "advisor_steps": 90, "model": FULL_MODEL}
+"""13 rows x 5 seeds + Figure 10's 2 starts x 2 seeds = 69 runs of ~130 CPU s (300 steps and the greedy
+decoding of 3,750 test pairs), the advisor's trials (~200 CPU s) and the link clock (~1 min), over 2 shards:
+about 85 minutes on 2 idle cores (docs/bench/table5.md); pre-training (~90 CPU s) once, cached after."""
 FIGURE10_SEEDS = 2
 """Seeds of each later-start Figure 10 point (the 0% point is the row itself, all seeds): even shards."""
 QUICK = {
     "seeds": 2,
-    "steps": 20,
+    "steps": 80,
     "eval_pairs": 64,
     "advisor_steps": 4,
     "model": replace(FULL_MODEL, vocab=2000, pretrain_steps=30, finetune_batch=0),
 }
 
-
-BLEU_BUDGET = 1.0
-"""The quality budget the advisor's pick is checked against: mean BLEU within 1.0 of codec none's."""
 ADVISOR_LOSS_TOLERANCE = 0.02
 """The advisor's own budget (it cannot decode BLEU in a calibration): trial loss within 2% of none's."""
 ADVISOR_PROGRESS_TOLERANCE = 0.10
@@ -126,8 +125,6 @@ mean minus the last half's): a harmful row's gap opens as training starts to pay
 of the loss (the probes of docs/bench/table5.md: at 90 steps the bottleneck rows were +1.6-2.2% over none)."""
 ADVISOR_MAX_TRIALS = 6
 """Rows trained in the trial at most, fastest-predicted first (several bottleneck rows are predicted fast)."""
-ADVISOR_SPEED_RULE = 1.10
-"""Its pick's measured s/step must be within 10% of the fastest row that meets the BLEU budget."""
 
 
 def row_labels(text: str) -> list[str]:
@@ -163,30 +160,6 @@ def advise(prep: train.Prepared, rows: tuple[Row, ...], shape: LinkShape, trial_
     record = {**decision.record(), "seconds": time.perf_counter() - started}
     print(json.dumps({"advisor": record["label"], "seconds": round(record["seconds"], 1)}), flush=True)
     return record
-
-
-def advisor_check(report: dict[str, Any]) -> dict[str, Any] | None:
-    """The 10% rule: the advisor's pick against the fastest row whose mean BLEU is within budget of none's."""
-    advice = report.get("advisor")
-    if not advice:
-        return None
-    rows = {row["label"]: row for row in report["rows"]}
-    floor = statistics.mean(report["rows"][0]["bleu"]) - BLEU_BUDGET
-    within = [row for row in report["rows"] if statistics.mean(row["bleu"]) >= floor]
-    fastest = min(within, key=lambda row: row["step_seconds"])  # none itself is always within
-    pick = rows[advice["label"]]
-    ratio = pick["step_seconds"] / fastest["step_seconds"]
-    pick_within = statistics.mean(pick["bleu"]) >= floor
-    return {
-        "advisor_pick": pick["label"],
-        "advisor_pick_step_seconds": pick["step_seconds"],
-        "advisor_pick_within_budget": pick_within,
-        "fastest_within_budget": fastest["label"],
-        "fastest_within_budget_step_seconds": fastest["step_seconds"],
-        "ratio": ratio,
-        "bleu_budget": BLEU_BUDGET,
-        "ok": pick_within and ratio <= ADVISOR_SPEED_RULE,
-    }
 
 
 async def _link_seconds(shape: LinkShape, forward: bytes, backward: bytes, repeats: int) -> list[float]:
@@ -232,10 +205,6 @@ def link_seconds(shape: LinkShape, forward: bytes, backward: bytes, repeats: int
     return statistics.median(asyncio.run(_link_seconds(shape, forward, backward, repeats)))
 
 
-def _spread(values: list[float]) -> float:
-    return statistics.stdev(values) if len(values) > 1 else 0.0
-
-
 def run_row(
     prep: train.Prepared, row: Row, seeds: int, steps: int, eval_pairs: int, shape: LinkShape, repeats: int
 ) -> dict[str, Any]:
@@ -259,6 +228,9 @@ def run_row(
         **asdict(row),
         "bleu": [r.bleu for r in runs],
         "chrf": [r.chrf for r in runs],
+        "source_gap": [r.source_gap for r in runs],
+        "hypotheses": [r.hypotheses for r in runs],
+        "first_loss": [statistics.mean(r.losses[:3]) for r in runs],
         "final_loss": [statistics.mean(r.losses[-20:]) for r in runs],
         "forward_frame_bytes": len(frames[0]),
         "backward_frame_bytes": len(frames[1]),
@@ -270,7 +242,7 @@ def run_row(
         "step_seconds": compute + link,
         "captured_energy": runs[0].energy,
         "eval_seconds": statistics.mean(r.eval_seconds for r in runs),
-        "samples": runs[0].hypotheses,
+        "samples": runs[0].hypotheses[:6],
     }
 
 
@@ -307,152 +279,6 @@ def figure10_points(report: dict[str, Any]) -> list[dict[str, Any]]:
     return points
 
 
-def pareto_png(path: Path, rows: list[dict[str, Any]]) -> None:
-    """BLEU (y) against speed-up (x, log2), one dot per row, the Pareto front joined in red."""
-    width, height, margin = 640, 360, 30
-    canvas = Canvas(width, height)
-    xs = [row["speedup"] for row in rows]
-    ys = [statistics.mean(row["bleu"]) for row in rows]
-    x_hi = max(2.0, max(xs) * 1.1)
-    y_lo, y_hi = min(ys) - 1, max(ys) + 1
-
-    def px(x: float, y: float) -> tuple[int, int]:
-        fx = (torch.log2(torch.tensor(max(x, 1.0))) / torch.log2(torch.tensor(x_hi))).item()
-        return round(margin + fx * (width - 2 * margin)), round(
-            height - margin - (y - y_lo) / (y_hi - y_lo) * (height - 2 * margin)
-        )
-
-    canvas.line(margin, height - margin, width - margin, height - margin, PALETTE["black"])
-    canvas.line(margin, margin, margin, height - margin, PALETTE["black"])
-    for tick in (1, 2, 4, 8, 16, 32):
-        if tick <= x_hi:
-            x, _ = px(tick, y_lo)
-            canvas.line(x, height - margin, x, height - margin + 6, PALETTE["black"])
-    front = sorted(
-        (
-            r
-            for r in rows
-            if not any(
-                o["speedup"] >= r["speedup"] and statistics.mean(o["bleu"]) > statistics.mean(r["bleu"])
-                for o in rows
-            )
-        ),
-        key=lambda r: r["speedup"],
-    )
-    for a, b in itertools.pairwise(front):
-        canvas.line(
-            *px(a["speedup"], statistics.mean(a["bleu"])),
-            *px(b["speedup"], statistics.mean(b["bleu"])),
-            PALETTE["red"],
-        )
-    for row, x, y in zip(rows, xs, ys, strict=True):
-        colour = (
-            PALETTE["green"]
-            if row["cut_k"]
-            else PALETTE["blue"]
-            if row["forward"] != "none"
-            else PALETTE["black"]
-        )
-        canvas.dot(*px(x, y), colour, r=3)
-    canvas.save(path)
-
-
-def markdown(report: dict[str, Any]) -> str:
-    rows, fig = report["rows"], report["figure10"]
-    none = rows[0]
-    model = report["model"]
-    head = (
-        f"Link {report['bandwidth_mbit']:g} Mbit/s, {report['delay_ms']:g} ms one-way (the WAN emulator); "
-        f"{report['mode']} run: {report['seeds']} seeds x {report['steps']} fine-tuning steps per row, "
-        f"batch {model.get('finetune_batch') or model['batch']} x {model['length']} tokens "
-        f"x d={model['d_model']} (pre-training batch {model['batch']}), "
-        f"{report['eval_pairs']} held-out pairs, pre-training {model['pretrain_steps']} steps per side; "
-        f"greedy decoding with no {report.get('no_repeat_ngram', 0)}-gram twice; "
-        f"{report['wall_seconds'] / 60:.1f} min wall, load average {report['load_before'][0]:.1f} before / "
-        f"{report['load_after'][0]:.1f} after on {report['cpus']} CPUs."
-    )
-    lines = [
-        head,
-        "",
-        f"Codec none: compute-only step {1000 * none['compute_seconds']:.0f} ms (CPU time, one thread; "
-        f"{1000 * none.get('compute_wall_seconds', 0):.0f} ms wall on the shared host), "
-        f"link {1000 * none['link_seconds']:.0f} ms, "
-        f"step / compute = **{none['step_seconds'] / none['compute_seconds']:.1f}x** (target >= 6x).",
-        "",
-        "| row | forward | backward | BLEU | chrF | fwd ratio | bwd ratio | compute ms (CPU) | link ms "
-        "| s/step "
-        "| speed-up |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['label']} | `{row['forward']}` | `{row['backward']}` | "
-            f"{statistics.mean(row['bleu']):.2f} ± {_spread(row['bleu']):.2f} | "
-            f"{statistics.mean(row['chrf']):.1f} ± {_spread(row['chrf']):.1f} | "
-            f"{row['forward_ratio']:.1f}x | {row['backward_ratio']:.1f}x | "
-            f"{1000 * row['compute_seconds']:.0f} | {1000 * row['link_seconds']:.0f} | "
-            f"{row['step_seconds']:.3f} | {row['speedup']:.1f}x |"
-        )
-    lines += [
-        "",
-        "BLEU and chrF: mean ± sample standard deviation over the seeds (sacrebleu, BLEU lower-cased). "
-        "Ratios: raw float32 bytes / frame bytes (header included). Bottleneck rows: the cut is k wide,"
-        " so both ratios include d/k. `zstd` rows: the last step's frames (the size varies by step).",
-    ]
-    if len(fig) > 1:
-        lines += [
-            "",
-            "Figure 10 analogue (" + FIGURE10_ROW.label + ", codec none before the start step):",
-            "",
-            "| compression from | BLEU | seeds | mean s/step |",
-            "|---:|---:|---:|---:|",
-        ]
-    for point in fig if len(fig) > 1 else []:
-        lines.append(
-            f"| {point['start_fraction']:.0%} | {statistics.mean(point['bleu']):.2f} ± "
-            f"{_spread(point['bleu']):.2f} | {len(point['bleu'])} | {point['step_seconds']:.3f} |"
-        )
-    if len(fig) > 1:
-        lines += ["", checks.figure10_trend(fig)]
-    lines += advisor_markdown(report)
-    lines += [
-        "",
-        "![BLEU against speed-up]("
-        + report["png"]
-        + ") x: speed-up over none (log2 axis, ticks at 1, 2, 4, 8, 16, 32), "
-        "y: mean BLEU; black: none, blue: wire codecs, green: learned bottleneck, red: the Pareto front.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def advisor_markdown(report: dict[str, Any]) -> list[str]:
-    """The advisor's reasoning (what ``codec: auto`` would record) and the 10% rule's verdict."""
-    advice, check = report.get("advisor"), report.get("advisor_check")
-    if not advice or not check:
-        return []
-    lines = [
-        "",
-        f"Advisor (`codec: auto`, `nebula_common/codec/trial.py`; {advice['trial_steps']} trial steps per "
-        f"candidate, loss tolerance {advice['loss_tolerance']:.0%}"
-        + (
-            f", progress tolerance {advice['progress_tolerance']:.0%}"
-            if advice.get("progress_tolerance") is not None
-            else ""
-        )
-        + f", {advice['seconds']:.0f} s): "
-        f"picked **{check['advisor_pick']}**.",
-        "",
-        *(f"- {reason}" for reason in advice["reasons"]),
-        "",
-        f"`advisor_pick` {check['advisor_pick']} ({check['advisor_pick_step_seconds']:.3f} s/step, "
-        f"{'within' if check['advisor_pick_within_budget'] else 'outside'} the BLEU budget of "
-        f"{check['bleu_budget']:g}); `fastest_within_budget` {check['fastest_within_budget']} "
-        f"({check['fastest_within_budget_step_seconds']:.3f} s/step); ratio **{check['ratio']:.3f}** "
-        f"(rule: <= {ADVISOR_SPEED_RULE:.2f} and within budget): **{'met' if check['ok'] else 'NOT met'}**.",
-    ]
-    return lines
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -472,6 +298,11 @@ def main() -> None:
         help="Sentence pairs per fine-tuning step (pre-training keeps its batch).",
     )
     parser.add_argument("--eval-pairs", type=int)
+    parser.add_argument(
+        "--split",
+        choices=("dev", "test"),
+        help="The evaluated split (default: test in the full run, dev otherwise: tuning never reads test).",
+    )
     parser.add_argument(
         "--advisor-steps", type=int, help="Trial steps per candidate of the advisor (codec auto)."
     )
@@ -506,6 +337,7 @@ def main() -> None:
             report["rows"] += shard["rows"]
             report["figure10_runs"] += shard["figure10_runs"]
             report["advisor"] = report.get("advisor") or shard.get("advisor")
+            report["lookup"] = report.get("lookup") or shard.get("lookup")
             report["wall_seconds"] = max(report["wall_seconds"], shard["wall_seconds"])
             report["load_after"] = max(report["load_after"], shard["load_after"])
         report["rows"].sort(key=lambda row: order.index(row["label"]))
@@ -561,19 +393,15 @@ def main() -> None:
     mode = "quick" if args.quick else "reduced" if overridden else "full"
     torch.set_num_threads(args.threads)
     started, load_before = time.perf_counter(), os.getloadavg()
+    split = args.split or ("test" if mode == "full" else "dev")
     try:
-        manifest_path = args.cache / "corpus" / "manifest.json"
-        manifest = (
-            json.loads(manifest_path.read_text()) if manifest_path.exists() else corpus.build(args.cache)
-        )
+        manifest, train_pairs, evaluated = corpus.load(args.cache, split)
     except corpus.CorpusError as exc:
         sys.exit(f"table5: corpus: {exc}")
-    train_pairs = corpus.read_split(args.cache / "corpus" / "train.tsv")
-    held = corpus.read_split(args.cache / "corpus" / "held_out.tsv")
-    eval_pairs = min(plan["eval_pairs"] or len(held), len(held))
+    eval_pairs = min(plan["eval_pairs"] or len(evaluated), len(evaluated))
     shape = LinkShape(bandwidth_mbit=args.bandwidth_mbit, delay_ms=args.delay_ms)
     prep = train.prepare(
-        train_pairs, held, plan["model"], args.cache / "models", manifest["sha256"]["train.tsv"]
+        train_pairs, evaluated, plan["model"], args.cache / "models", manifest["sha256"]["train.tsv"]
     )
     if args.prepare_only:
         print(json.dumps({"pretrain_losses": {k: [v[0], v[-1]] for k, v in prep.pretrain_losses.items()}}))
@@ -593,8 +421,11 @@ def main() -> None:
         "seeds": seeds,
         "steps": steps,
         "eval_pairs": eval_pairs,
+        "split": split,
+        "references": prep.eval_en_text[:eval_pairs],
+        "lookup": lookup_baseline(train_pairs, evaluated[:eval_pairs]) if index == 0 else None,
         "model": asdict(plan["model"]),
-        "corpus": {k: manifest[k] for k in ("train", "held_out", "sha256")},
+        "corpus": {k: manifest[k] for k in ("train", "dev", "test", "moved_to_train", "sha256")},
         "pretrain_losses": {k: [v[0], v[-1]] for k, v in prep.pretrain_losses.items()},
         "cpus": os.cpu_count(),
         "threads": args.threads,
@@ -616,19 +447,30 @@ def main() -> None:
     finish(report, args)
 
 
+def lookup_baseline(training: list[corpus.Pair], evaluated: list[corpus.Pair]) -> dict[str, Any]:
+    """The lookup baseline's BLEU and chrF on the evaluated pairs (what codec none must beat)."""
+    outputs = lookup.lookup(training, [pair.spanish for pair in evaluated])
+    bleu, chrf = train.score(outputs, [pair.english for pair in evaluated])
+    return {"bleu": bleu, "chrf": chrf, "hypotheses": outputs}
+
+
 def finish(report: dict[str, Any], args: argparse.Namespace) -> None:
-    """Speed-ups, Figure 10, the PNG, JSON and markdown (and the doc's results section)."""
+    """Speed-ups, paired statistics, Figure 10, the PNG, JSON and markdown (and the doc's results section)."""
     rows = report["rows"]
     for row in rows:
         row["speedup"] = rows[0]["step_seconds"] / row["step_seconds"]
+    checks.compare_rows(report)
     report["figure10"] = figure10_points(report)
-    report["advisor_check"] = advisor_check(report)
+    report["advisor_check"] = checks.advisor_check(report)
     stem = "table5-quick" if report["mode"] == "quick" else "table5"
     report["png"] = f"{stem}-pareto.png"
     args.out.mkdir(parents=True, exist_ok=True)
-    pareto_png(args.out / report["png"], rows)
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    text = markdown(report)
+    reporting.pareto_png(args.out / report["png"], rows)
+    reporting.save_outputs(args.out / f"{stem}-outputs", report)
+    (args.out / f"{stem}.json").write_text(
+        json.dumps(reporting.summary(report), indent=2, ensure_ascii=False) + "\n"
+    )
+    text = reporting.markdown(report, FIGURE10_ROW.label)
     (args.out / f"{stem}.md").write_text(text)
     if args.doc is not None:
         begin, end = "<!-- table5:results -->", "<!-- /table5:results -->"

@@ -131,8 +131,9 @@ class Prepared:
     en: Tokenizer
     train_es: torch.Tensor
     train_en: torch.Tensor
-    held_es: torch.Tensor
-    held_en_text: list[str]
+    eval_es: torch.Tensor
+    """The evaluated split's Spanish side (dev while tuning, test in a reported run), as token ids."""
+    eval_en_text: list[str]
     encoder_state: dict[str, torch.Tensor]
     decoder_state: dict[str, torch.Tensor]
     pretrain_losses: dict[str, list[float]]
@@ -157,14 +158,17 @@ def _pretrain(model: LanguageModel, ids: torch.Tensor, config: ModelConfig, seed
 
 
 def prepare(
-    train: list[Pair], held: list[Pair], config: ModelConfig, cache: Path, corpus_sha: str
+    train: list[Pair], evaluated: list[Pair], config: ModelConfig, cache: Path, corpus_sha: str
 ) -> Prepared:
-    """Tokenizers and pre-trained LMs (cached by config and corpus digest: every row shares them)."""
+    """Tokenizers and pre-trained LMs (cached by config and corpus digest: every row shares them).
+
+    Both are built from ``train`` only; ``evaluated`` (dev or test) is only encoded for decoding.
+    """
     es = train_tokenizer([p.spanish for p in train], config.vocab)
     en = train_tokenizer([p.english for p in train], config.vocab)
     train_es = torch.tensor(encode(es, [p.spanish for p in train], config.length, bos=False))
     train_en = torch.tensor(encode(en, [p.english for p in train], config.length, bos=True))
-    held_es = torch.tensor(encode(es, [p.spanish for p in held], config.length, bos=False))
+    eval_es = torch.tensor(encode(es, [p.spanish for p in evaluated], config.length, bos=False))
     path = cache / f"pretrained-{config.digest(corpus_sha)}.pt"
     if path.exists():
         saved = torch.load(path, weights_only=True)
@@ -191,8 +195,8 @@ def prepare(
         en,
         train_es,
         train_en,
-        held_es,
-        [p.english for p in held],
+        eval_es,
+        [p.english for p in evaluated],
         saved["encoder"],
         saved["decoder"],
         {k: v.tolist() for k, v in saved["losses"].items()},
@@ -276,7 +280,23 @@ class RunResult:
     chrf: float
     energy: float
     eval_seconds: float
+    source_gap: float
+    """Loss with each target's encoder states swapped for another sentence's, minus the matched loss
+    (256 training pairs, no codec): how much the decoder reads what crosses the cut (0: nothing)."""
     hypotheses: list[str]
+    """One output per evaluated pair, in the split's order (saved for paired statistics)."""
+
+
+def score(hypotheses: list[str], references: list[str]) -> tuple[float, float]:
+    """Corpus BLEU and chrF (sacrebleu), both case-insensitive: the tokenizers lower-case the output.
+
+    ``force``: the outputs are the word-level tokenizer's tokens joined by spaces ("open file ."), which
+    sacrebleu's 13a tokenizer makes of the references too, so the counts are right; it only silences
+    sacrebleu's warning about tokenized input.
+    """
+    bleu = sacrebleu.metrics.BLEU(lowercase=True, force=True).corpus_score(hypotheses, [references]).score
+    chrf = sacrebleu.metrics.CHRF(lowercase=True).corpus_score(hypotheses, [references]).score
+    return bleu, chrf
 
 
 def _frame(encoded: Any) -> bytes:
@@ -333,7 +353,7 @@ def train_steps(prep: Prepared, row: Row, seed: int, steps: int) -> Trained:
 
 
 def fine_tune(prep: Prepared, row: Row, seed: int, steps: int, eval_pairs: int) -> RunResult:
-    """Train ``steps`` steps with the row's codecs at the cut, then decode the held-out split greedily."""
+    """Train ``steps`` steps with the row's codecs at the cut, then decode the evaluated split greedily."""
     config = prep.config
     run = train_steps(prep, row, seed, steps)
     stages, (fwd_enc, fwd_dec) = run.stages, run.forward
@@ -341,14 +361,16 @@ def fine_tune(prep: Prepared, row: Row, seed: int, steps: int, eval_pairs: int) 
     hypotheses = []
     with torch.no_grad():
         for begin in range(0, eval_pairs, 256):
-            ids = prep.held_es[begin : min(begin + 256, eval_pairs)]
+            ids = prep.eval_es[begin : min(begin + 256, eval_pairs)]
             encoded = fwd_enc.encode(stages.send(ids), step=steps)  # the states cross once, compressed
             memory = stages.receive(fwd_dec.decode(encoded.header, encoded.payload))
             out = stages.decoder.greedy(memory, config.length, ban_unknown=True)
             hypotheses += [decode(prep.en, row_ids[1:].tolist()) for row_ids in out]
-    references = prep.held_en_text[:eval_pairs]
-    bleu = sacrebleu.corpus_bleu(hypotheses, [references], lowercase=True).score
-    chrf = sacrebleu.corpus_chrf(hypotheses, [references]).score
+    bleu, chrf = score(hypotheses, prep.eval_en_text[:eval_pairs])
+    with torch.no_grad():
+        memory = stages.receive(stages.send(prep.train_es[:256]))
+        target = prep.train_en[:256]
+        gap = stages.decoder.loss(memory.roll(1, dims=0), target) - stages.decoder.loss(memory, target)
     return RunResult(
         run.losses,
         run.compute_seconds,
@@ -360,5 +382,6 @@ def fine_tune(prep: Prepared, row: Row, seed: int, steps: int, eval_pairs: int) 
         chrf,
         stages.energy,
         time.perf_counter() - started,
-        hypotheses[:6],
+        float(gap),
+        hypotheses,
     )

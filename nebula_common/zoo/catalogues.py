@@ -1,4 +1,4 @@
-"""Spanish-English pairs from compiled gettext catalogues (``.mo``), cleaned and split without leaks.
+"""Spanish-English pairs from compiled gettext catalogues (``.mo``), cleaned and deduplicated.
 
 Why ``.mo``: every package that ships translations ships the compiled catalogue
 (Debian packages often ship nothing else), and a ``.mo`` holds only what the
@@ -12,15 +12,11 @@ if either side holds a placeholder (``%s``, ``{0}``, ``${x}``), markup, a path o
 URL, a snake_case identifier (some catalogues use message ids as msgids), no
 letter, too many words, or if the Spanish equals the English (untranslated).
 
-The split is leak-free: pairs that share a normalised Spanish *or* English side
-are one group (union-find), and a whole group goes to one split, chosen by a
-SHA-256 of the group's smallest key and a seed. A held-out reference or source
-sentence is therefore never seen in training, whatever other catalogue repeats it.
+The split into train, dev and test is ``nebula_common.zoo.splits``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
 import struct
 import unicodedata
@@ -126,33 +122,3 @@ def clean_pairs(entries: Iterable[tuple[str, str]], max_words: int) -> list[Pair
             continue
         seen.setdefault((key(es), key(en)), Pair(spanish=es, english=en))
     return sorted(seen.values(), key=lambda p: (key(p.spanish), key(p.english), p.spanish, p.english))
-
-
-def split(pairs: list[Pair], held_out_fraction: float, seed: int) -> tuple[list[Pair], list[Pair]]:
-    """(train, held_out): whole groups of pairs linked by a shared normalised side go to one split."""
-    if not 0 < held_out_fraction < 1:
-        raise ValueError(f"held_out_fraction must be in (0, 1), got {held_out_fraction}")
-    parent: dict[str, str] = {}
-
-    def find(node: str) -> str:
-        root = node
-        while parent[root] != root:
-            root = parent[root]
-        while parent[node] != root:
-            parent[node], node = root, parent[node]
-        return root
-
-    for pair in pairs:
-        a, b = "es:" + key(pair.spanish), "en:" + key(pair.english)
-        parent.setdefault(a, a)
-        parent.setdefault(b, b)
-        ra, rb = find(a), find(b)
-        if ra != rb:
-            parent[max(ra, rb)] = min(ra, rb)  # the smallest key is each group's root
-    threshold = int(held_out_fraction * 2**32)
-    train, held = [], []
-    for pair in pairs:
-        root = find("es:" + key(pair.spanish))
-        digest = hashlib.sha256(f"{seed}:{root}".encode()).digest()
-        (held if int.from_bytes(digest[:4], "big") < threshold else train).append(pair)
-    return train, held
