@@ -3,10 +3,12 @@
 The bootstrap must: give a zero-width interval and a pass for a row identical to none; put a row
 that drops words from every sentence outside a 5% budget; keep a row that differs only in a few
 sentences inside it; refuse unpaired runs; and re-derive the same interval from the same seed.
+The corpus loader reads the split it is asked for and names a bad split or line.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from nebula_common.zoo.catalogues import Pair, clean_pairs, parse_mo
 from nebula_common.zoo.text_data import catalogue_paths
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "table5"))
+import corpus
 import lookup
 import stats
 
@@ -88,3 +91,20 @@ def test_the_lookup_copies_the_nearest_training_translation(pairs: list[Pair]) -
     assert lookup.lookup(training, [typo]) == [training[7].english]
     with pytest.raises(ValueError, match="training pairs"):
         lookup.lookup([], ["hola"])
+
+
+def test_the_corpus_loader_reads_the_named_split_and_refuses_any_other(tmp_path: Path) -> None:
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for name, line in (("train", "Abrir\tOpen\n"), ("dev", "Cerrar\tClose\n"), ("test", "Salir\tQuit\n")):
+        (folder / f"{name}.tsv").write_text(line)
+    digests = {f"{name}.tsv": "x" for name in ("train", "dev", "test")}
+    (folder / "manifest.json").write_text(json.dumps({"sha256": digests}))
+    _, training, evaluated = corpus.load(tmp_path, "test")
+    assert training == [Pair("Abrir", "Open")] and evaluated == [Pair("Salir", "Quit")]
+    assert corpus.load(tmp_path, "dev")[2] == [Pair("Cerrar", "Close")]
+    with pytest.raises(corpus.CorpusError, match="'dev' or 'test', not 'held_out'"):
+        corpus.load(tmp_path, "held_out")
+    (folder / "dev.tsv").write_text("no tab here\n")
+    with pytest.raises(corpus.CorpusError, match=r"dev\.tsv:1: not 'spanish<TAB>english'"):
+        corpus.load(tmp_path, "dev")
