@@ -1,10 +1,12 @@
 """What a Table 5 run must show to count, in every mode: checks a broken model or advisor fails.
 
-* **The models learned.** Each pre-trained half's loss fell by at least ``PRETRAIN_DROP`` from its
-  first step to its last (a broken optimizer, data pipeline or model leaves it flat); codec none's
-  fine-tuning loss fell by ``FINETUNE_DROP``, and its decoder reads what crosses the cut: swapping
-  each target's encoder states for another sentence's raises the loss by ``SOURCE_GAP_FLOOR``
-  (a cut that carries nothing, or adapters that never open, leave the gap at 0), in every mode.
+* **The models learned.** Each pre-training loss (each LM's, and the translation training's) fell by
+  at least ``PRETRAIN_DROP`` from its first step to its last (a broken optimizer, data pipeline or model
+  leaves it flat); codec none's decoder reads what crosses the cut: swapping each target's encoder
+  states for another sentence's raises the loss by ``SOURCE_GAP_FLOOR`` (a cut that carries nothing,
+  or adapters that never open, leave the gap at 0), in every mode. In the quick run, whose halves are
+  barely trained before fine-tuning, codec none's fine-tuning loss must also fall by ``FINETUNE_DROP``
+  (a full run fine-tunes halves that already translate: there the BLEU floor checks the result).
 * **It translates** (full run): codec none scores at least ``BLEU_FLOOR`` and more than the lookup
   baseline on the same test pairs (a model that learned the training strings scores under it).
 * **The advisor kept its rule.** Its pick is within the quality budget and at most 10% slower than
@@ -30,7 +32,7 @@ PRETRAIN_DROP = 0.10
 BLEU_FLOOR = 20.0
 """Codec none's mean test BLEU in a full run at least this (the quick run is too short to translate)."""
 FINETUNE_DROP = 0.05
-"""Codec none's fine-tuning loss: the mean of the last 20 steps at most 95% of the first 3's."""
+"""Quick run, codec none's fine-tuning loss: the mean of the last 20 steps at most 95% of the first 3's."""
 SOURCE_GAP_FLOOR = 0.2
 """Codec none's loss with mismatched encoder states at least this much (nats) above the matched loss
 (the quick run measures ~0.45 after 80 steps; a cut carrying zeros measures 0)."""
@@ -51,7 +53,7 @@ def failures(report: dict[str, Any]) -> list[str]:
     none = rows[0] if rows else None
     if none is not None:
         first, last = statistics.mean(none["first_loss"]), statistics.mean(none["final_loss"])
-        if not last <= (1 - FINETUNE_DROP) * first:
+        if report.get("mode") == "quick" and not last <= (1 - FINETUNE_DROP) * first:
             failed.append(f"codec none's fine-tuning did not learn: loss {first:.3f} -> {last:.3f}")
         gap = statistics.mean(none["source_gap"])
         if not gap >= SOURCE_GAP_FLOOR:

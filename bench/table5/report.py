@@ -88,9 +88,15 @@ def markdown(report: dict[str, Any], figure10_label: str) -> str:
         f"batch {model.get('finetune_batch') or model['batch']} x {model['length']} tokens "
         f"x d={model['d_model']} (pre-training batch {model['batch']}), "
         f"{report['eval_pairs']} {report['split']} pairs, "
-        f"pre-training {model['pretrain_steps']} steps per side; "
-        f"greedy decoding with no {report.get('no_repeat_ngram', 0)}-gram twice; "
-        f"{report['wall_seconds'] / 60:.1f} min wall, load average {report['load_before'][0]:.1f} before / "
+        f"pre-training {model['pretrain_steps']} steps per side"
+        + (
+            f" then {model['translation_steps']} steps of the whole model on the training pairs; "
+            if model.get("translation_steps")
+            else "; "
+        )
+        + f"vocabularies of {model['vocab']} words per side, fine-tuning lr {model['lr']:g}; "
+        + f"greedy decoding with no {report.get('no_repeat_ngram', 0)}-gram twice; "
+        + f"{report['wall_seconds'] / 60:.1f} min wall, load average {report['load_before'][0]:.1f} before / "
         f"{report['load_after'][0]:.1f} after on {report['cpus']} CPUs."
     )
     lines = [

@@ -2,13 +2,18 @@
 
 The model is the built-in ``abnet`` job's (``nebula_common.zoo.adapters``): a masked-LM
 encoder (cluster S) and a causal-LM decoder (cluster T), each pre-trained on its own
-side of the corpus's training split, then frozen; fine-tuning trains only the adapters
-(and the learned bottleneck, when a row has one). What crosses the cut goes through the
-row's real codecs exactly as the trainer sends it: ``TensorStreamEncoder.encode`` ->
-header + payload -> ``TensorStreamDecoder.decode``, the activations forward and their
-gradients backward (error feedback, warm-up and every other stream option included), so
-the bytes counted here are the bytes a switch would carry and the numerics are the
-split run's. The clock part of the step (the link) is measured separately in ``run.py``.
+side of the corpus's training split. The paper's halves come pre-trained on far more text
+than a table row can afford to train, so preparation also trains the whole model (LMs and
+adapters) on the training pairs for ``translation_steps`` (cached, ``make
+bench-table5-prepare``): each row then starts from halves that translate, the LMs frozen,
+and fine-tunes only the adapters (and the learned bottleneck, when a row has one) with its
+codecs in the loop. A row therefore measures what its codec costs a model that translates.
+
+What crosses the cut goes through the row's real codecs exactly as the trainer sends it:
+``TensorStreamEncoder.encode`` -> header + payload -> ``TensorStreamDecoder.decode``, the
+activations forward and their gradients backward (error feedback, warm-up and every other
+stream option included), so the bytes counted here are the bytes a switch would carry and
+the numerics are the split run's. The clock part of the step (the link) is measured separately in ``run.py``.
 """
 
 from __future__ import annotations
@@ -81,6 +86,14 @@ class ModelConfig:
     """Learning rate of the learned bottleneck's projections (0: ``lr``, the adapters'); same warm-up."""
     cut_residual_lr: float = 0.0
     """Learning rate of the bottleneck's residual paths (0: ``cut_lr``, as its projections'); same warm-up."""
+    translation_steps: int = 0
+    """After the LMs' own pre-training, steps of training the whole model (LMs and adapters) on the
+    training pairs with codec none (0: none). Fine-tuning then starts from a model that translates: the
+    LMs stay frozen, the adapters start from these weights."""
+    translation_lr: float = 1e-3
+    """Peak Adam learning rate of that training (linear warm-up over 200 steps, or a tenth of them)."""
+    translation_batch: int = 128
+    """Sentence pairs per step of that training."""
 
     def __post_init__(self) -> None:
         for name in ("batch", "finetune_batch"):
@@ -137,6 +150,8 @@ class Prepared:
     encoder_state: dict[str, torch.Tensor]
     decoder_state: dict[str, torch.Tensor]
     pretrain_losses: dict[str, list[float]]
+    translation_state: dict[str, dict[str, torch.Tensor]]
+    """The adapter-wrapped halves after translation pre-training (``encoder``/``decoder``), or empty."""
 
 
 def _language_model(config: ModelConfig, vocab: int, causal: bool) -> LanguageModel:
@@ -157,10 +172,40 @@ def _pretrain(model: LanguageModel, ids: torch.Tensor, config: ModelConfig, seed
     return losses
 
 
+def _pretrain_translation(
+    encoder_plm: LanguageModel,
+    decoder_plm: LanguageModel,
+    train_es: torch.Tensor,
+    train_en: torch.Tensor,
+    config: ModelConfig,
+) -> tuple[dict[str, dict[str, torch.Tensor]], list[float]]:
+    """The whole model (LMs and adapters) trained on the training pairs; the LMs are updated in place."""
+    encoder = AdapterTransformerEncoder(encoder_plm, config.adapter)
+    decoder = AdapterTransformerDecoder(decoder_plm, config.n_heads, config.adapter)
+    parameters = [*encoder.parameters(), *decoder.parameters()]
+    for parameter in parameters:
+        parameter.requires_grad_(True)
+    optimizer = torch.optim.Adam(parameters, lr=config.translation_lr)
+    generator = torch.Generator().manual_seed(3)
+    warmup = min(200, max(1, config.translation_steps // 10))
+    losses = []
+    for step in range(config.translation_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = config.translation_lr * min(1.0, (step + 1) / warmup)
+        index = torch.randint(len(train_es), (config.translation_batch,), generator=generator)
+        loss = decoder.loss(encoder(train_es[index]), train_en[index])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return {"encoder": encoder.state_dict(), "decoder": decoder.state_dict()}, losses
+
+
 def prepare(
     train: list[Pair], evaluated: list[Pair], config: ModelConfig, cache: Path, corpus_sha: str
 ) -> Prepared:
-    """Tokenizers and pre-trained LMs (cached by config and corpus digest: every row shares them).
+    """Tokenizers, pre-trained LMs and the translation-trained halves (cached by config and corpus digest:
+    every row shares them).
 
     Both are built from ``train`` only; ``evaluated`` (dev or test) is only encoded for decoding.
     """
@@ -172,6 +217,7 @@ def prepare(
     path = cache / f"pretrained-{config.digest(corpus_sha)}.pt"
     if path.exists():
         saved = torch.load(path, weights_only=True)
+        saved.setdefault("translation", {})
     else:
         torch.manual_seed(0)
         encoder = _language_model(config, es.get_vocab_size(), causal=False)
@@ -181,14 +227,22 @@ def prepare(
             "encoder_mlm": _pretrain(encoder, train_es, config, 1),
             "decoder_lm": _pretrain(decoder, train_en, config, 2),
         }
+        translation: dict[str, dict[str, torch.Tensor]] = {}
+        if config.translation_steps:
+            translation, losses["translation"] = _pretrain_translation(
+                encoder, decoder, train_es, train_en, config
+            )
         saved = {
             "encoder": encoder.state_dict(),
             "decoder": decoder.state_dict(),
+            "translation": translation,
             "losses": {k: torch.tensor(v) for k, v in losses.items()},
             "seconds": torch.tensor(time.perf_counter() - started),
         }
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(saved, path)
+        partial = path.with_suffix(".partial")
+        torch.save(saved, partial)
+        partial.replace(path)  # an interrupted preparation leaves no cache entry to trust
     return Prepared(
         config,
         es,
@@ -200,6 +254,7 @@ def prepare(
         saved["encoder"],
         saved["decoder"],
         {k: v.tolist() for k, v in saved["losses"].items()},
+        saved["translation"],
     )
 
 
@@ -215,6 +270,9 @@ class Stages:
         decoder_plm.load_state_dict(prep.decoder_state)
         self.encoder = AdapterTransformerEncoder(encoder_plm, config.adapter)
         self.decoder = AdapterTransformerDecoder(decoder_plm, config.n_heads, config.adapter)
+        if prep.translation_state:  # a model that translates: LMs frozen (as loaded), adapters from there
+            self.encoder.load_state_dict(prep.translation_state["encoder"])
+            self.decoder.load_state_dict(prep.translation_state["decoder"])
         self.down: nn.Module = nn.Identity()
         self.up: nn.Module = nn.Identity()
         self.energy = 1.0

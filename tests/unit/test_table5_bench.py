@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from nebula_common.codec.trial import (
     Candidate,
@@ -28,7 +29,7 @@ from nebula_common.codec.trial import (
 )
 from nebula_common.wan import LinkShape
 from nebula_common.zoo.catalogues import clean_pairs, parse_mo
-from nebula_common.zoo.splits import split
+from nebula_common.zoo.splits import Split, split
 from nebula_common.zoo.text_data import catalogue_paths
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "table5"))
@@ -49,10 +50,15 @@ def one_thread() -> Iterator[None]:
         yield
 
 
+def _parts() -> Split:
+    """Django's installed catalogues, split as the corpus is (train / dev / test)."""
+    entries = [e for p in catalogue_paths() for e in parse_mo(p.with_suffix(".mo").read_bytes(), str(p))]
+    return split(clean_pairs(entries, 16), 0.05, 0.1, seed=13)
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> train.Prepared:
-    entries = [e for p in catalogue_paths() for e in parse_mo(p.with_suffix(".mo").read_bytes(), str(p))]
-    parts = split(clean_pairs(entries, 16), 0.05, 0.1, seed=13)
+    parts = _parts()
     return train.prepare(parts.train, parts.test, TINY, tmp_path_factory.mktemp("models"), "django")
 
 
@@ -141,7 +147,7 @@ def test_the_fine_tuning_batch_is_apart_from_pre_training_and_a_bad_value_is_ref
 ) -> None:
     # Apart from pre-training: the cached LMs' key ignores it; the full plan keeps the batch-32 LMs.
     assert TINY.digest("c") == train.ModelConfig(**{**TINY.__dict__, "finetune_batch": 24}).digest("c")
-    assert run.FULL_MODEL.batch == 32 and run.FULL_MODEL.tune_batch == 128 and run.FULL["steps"] == 300
+    assert run.FULL_MODEL.batch == 32 and run.FULL_MODEL.tune_batch == 64 and run.FULL["steps"] == 300
     assert run.QUICK["model"].tune_batch == run.QUICK["model"].batch  # quick mode as before
     # Used: the steps' cut tensors (forward and gradient) carry finetune_batch sentences, not batch.
     wide = train.Prepared(
@@ -282,3 +288,24 @@ def test_the_advisor_rule_on_recorded_table5_trials_rejects_the_bottleneck_and_k
             progress_tolerance=run.ADVISOR_PROGRESS_TOLERANCE,
         )
         assert excess < run.ADVISOR_LOSS_TOLERANCE and share > run.ADVISOR_PROGRESS_TOLERANCE and not within
+
+
+def test_preparation_trains_halves_that_translate_and_each_row_starts_from_them_with_the_lms_frozen(
+    prepared: train.Prepared, tmp_path: Path
+) -> None:
+    config = replace(TINY, translation_steps=6, translation_batch=8)
+    cache = tmp_path / "models"
+    prep = train.prepare(_parts().train, [], config, cache, "django")
+    losses = prep.pretrain_losses["translation"]
+    assert len(losses) == 6 and all(loss == loss for loss in losses)  # every step trained, no NaN
+    assert [p.name for p in cache.iterdir()] == [f"pretrained-{config.digest('django')}.pt"]  # no .partial
+    stages = train.Stages(prep, train.Row("none"), seed=0)
+    for half, module in (("encoder", stages.encoder), ("decoder", stages.decoder)):
+        for name, value in module.state_dict().items():  # adapters and LMs: the translation-trained weights
+            assert torch.equal(value, prep.translation_state[half][name]), (half, name)
+    frozen = [name for name, p in stages.encoder.named_parameters() if not p.requires_grad]
+    assert frozen and all(name.startswith("plm.") for name in frozen), frozen  # the LM frozen, adapters train
+    again = train.prepare(_parts().train, [], config, cache, "django")  # the cache, not a re-run
+    assert again.pretrain_losses["translation"] == losses
+    untrained = train.Stages(prepared, train.Row("none"), seed=0)  # translation_steps 0: nothing loaded
+    assert not prepared.translation_state and untrained.encoder is not None

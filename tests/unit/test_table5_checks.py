@@ -14,7 +14,7 @@ import checks
 NONE = {"label": "none", "bleu": [24.5, 24.9], "first_loss": [5.6, 5.5], "final_loss": [3.1, 3.0]}
 GOOD = {
     "mode": "full",
-    "pretrain_losses": {"encoder_mlm": [7.9, 5.9], "decoder_lm": [7.8, 5.8]},
+    "pretrain_losses": {"encoder_mlm": [7.9, 5.9], "decoder_lm": [7.8, 5.8], "translation": [6.1, 1.9]},
     "rows": [{**NONE, "source_gap": [1.2, 1.1]}],
     "lookup": {"bleu": 18.4},
     "advisor": {"label": "none"},
@@ -30,11 +30,15 @@ def test_a_run_that_learned_and_kept_the_rule_passes() -> None:
     assert checks.failures(GOOD) == []
     # the quick run is too short to translate: no BLEU floor there, but it must still learn and read the cut
     assert checks.failures({**_none(bleu=[0.0]), "mode": "quick"}) == []
+    # a full run fine-tunes halves that already translate: a flat fine-tuning loss is no failure there
+    assert checks.failures(_none(first_loss=[1.28, 1.27], final_loss=[1.27, 1.26])) == []
 
 
 def test_each_broken_part_is_named() -> None:
     flat = {**GOOD, "pretrain_losses": {"encoder_mlm": [7.9, 7.5], "decoder_lm": [7.8, 5.8]}}
     assert checks.failures(flat) == ["pre-training encoder_mlm did not learn: loss 7.900 -> 7.500"]
+    untranslated = {**GOOD, "pretrain_losses": {**GOOD["pretrain_losses"], "translation": [6.1, 6.0]}}
+    assert checks.failures(untranslated) == ["pre-training translation did not learn: loss 6.100 -> 6.000"]
     stuck = {**_none(final_loss=[5.4, 5.3]), "mode": "quick"}
     assert checks.failures(stuck) == ["codec none's fine-tuning did not learn: loss 5.550 -> 5.350"]
     diverged = {**_none(final_loss=[float("nan"), 3.0], source_gap=[float("nan"), 1.0]), "mode": "quick"}

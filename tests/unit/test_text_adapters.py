@@ -66,3 +66,15 @@ def test_a_checkpoint_of_another_shape_is_refused(pretrained: dict[str, Path]) -
     }
     with pytest.raises(Exception, match="pretrained checkpoint"):
         build_programs(load_spec(BUILTIN_DIR / "abnet" / "job.yaml", overrides))
+
+
+def test_the_score_is_blind_to_case_in_bleu_and_chrf_alike() -> None:
+    """The tokenizer lower-cases the output: a cased reference must not cost chrF every capital letter."""
+    from nebula_common.jobspec.builtin.abnet import target
+
+    references = [("Log out of the Site.", [1]), ("Change Password", [1])]
+    lowered = target.score(["log out of the site.", "change password"], references)
+    assert lowered["bleu"] == pytest.approx(100) and lowered["chrf"] == pytest.approx(100)
+    assert lowered["exact_match"] == 1.0
+    wrong = target.score(["log in to the site.", "change password"], references)
+    assert wrong["chrf"] < 90  # the metric still reads the words

@@ -104,12 +104,13 @@ def decode(model: nn.Module, memory: torch.Tensor, target: torch.Tensor) -> list
 
 
 def score(hypotheses: list[str], examples: list[Example]) -> dict[str, float]:
-    """Corpus BLEU (sacrebleu, 13a tokenisation, lower-cased like the tokenizer) against the references."""
+    """Corpus BLEU and chrF (sacrebleu, 13a tokenisation, both lower-cased: the tokenizer lower-cases the
+    output, so a cased reference would cost every capital letter) against the references."""
     if len(hypotheses) != len(examples):
         raise ValueError(f"{len(hypotheses)} hypotheses for {len(examples)} references")
     references = [text for text, _ in examples]
     bleu = sacrebleu.corpus_bleu(hypotheses, [references], lowercase=True)
-    chrf = sacrebleu.corpus_chrf(hypotheses, [references])
+    chrf = sacrebleu.metrics.CHRF(lowercase=True).corpus_score(hypotheses, [references])
     tokenize = Tokenizer13a()  # "log out ." and "Log out." tokenise alike
     exact = sum(
         tokenize(h.lower()) == tokenize(r.lower()) for h, r in zip(hypotheses, references, strict=True)
