@@ -29,9 +29,13 @@ from nebula_common.sdk.links import LinkProfile
 console = new_console()
 DEMO_JOBS = ("numbers", "electra")
 """Built-in jobs that run from scratch in a couple of minutes on a laptop (``abnet`` needs its text data)."""
-COMPARE_STEPS = 150
+COMPARE_STEPS = 100
 """Steps of each job when the demo compares none with auto: long enough that auto's one-off costs
-(probing the job, measuring the link, its trial: about 4 s on 2 cores) are a small part of the job."""
+(probing the job, measuring the link, advice, its trial: about 12 s on 2 busy cores) are a small part
+of the job, short enough that both jobs fit the demo's 3 minutes on the default link."""
+DEMO_BANDWIDTH_MBIT = 5.0
+"""The demo's WAN: 5 Mbit/s a direction, where the numbers job's step is link-bound (~720 ms with codec
+none against ~100 ms of compute), the regime Nebula is for; at 10 Mbit/s auto's gain was 1.6-2.5x."""
 
 
 def _create_account(deployment: LocalDeployment, cluster: str, username: str) -> ClusterSession:
@@ -57,7 +61,7 @@ def demo(
         help=f"Optimizer steps (default: the job's, 60; {COMPARE_STEPS} when comparing none with auto).",
     ),
     bandwidth_mbit: float = typer.Option(
-        10.0, min=0.001, help="Emulated WAN bandwidth per direction (Mbit/s)."
+        DEMO_BANDWIDTH_MBIT, min=0.001, help="Emulated WAN bandwidth per direction (Mbit/s)."
     ),
     delay_ms: float = typer.Option(20.0, min=0.0, help="Emulated one-way WAN delay (ms)."),
     codec_forward: str = typer.Option(

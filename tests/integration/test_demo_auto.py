@@ -1,7 +1,7 @@
 """`nebula demo` as `make demo` runs it: none, then auto, on the same slow link; auto must pay off.
 
 The demo's default (no codec options): the built-in job with codec none and then with auto on one
-deployment, its emulated WAN at 10 Mbit/s and 20 ms one way. Auto's time counts from submission
+deployment, its emulated WAN at 5 Mbit/s and 20 ms one way. Auto's time counts from submission
 (probing the job, measuring the link, asking the codec service, its trial), so a broken advisor
 (one that picks none, trials too long, or mispredicts the step) fails the speed-up; one that picks a
 harmful codec fails the loss; one whose model is off fails the predictions.
@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from nebula_common.cli.demo import COMPARE_STEPS
+
 # About 100 s on an idle 2-core machine: `make test-faults` (CI), not `make test`.
 pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(900)]
 
@@ -29,13 +31,14 @@ def test_the_demo_shows_auto_faster_than_none_at_the_same_loss(tmp_path: Path) -
     summary = json.loads(out.read_text())
     compared, baseline = summary["comparison"], summary["baseline"]
     assert summary["succeeded"] and baseline["succeeded"]
-    assert summary["steps"] == baseline["steps"] == 150
+    assert summary["steps"] == baseline["steps"] == COMPARE_STEPS
     assert baseline["settings"]["codec_forward"] == baseline["settings"]["codec_backward"] == "none"
     assert "none" not in compared["auto_codecs"], compared
-    # 2.3x (2.9x a step) on an idle machine; 1.46x (2.0x) beside a CI run, whose load slows auto's
-    # probe and trial in the submitter and both jobs' compute, not the link. Auto picking none, a
-    # codec that does not pay or a trial that eats the saving all stay under these floors.
-    assert compared["speedup"] >= 1.25 and compared["step_speedup"] >= 1.6, compared
+    # The issue's bar is 2x from submission. Beside a CI run, whose load slows auto's probe and trial in
+    # the submitter and both jobs' compute (not the link), it measured 2.48x (3.58x a step); the floors
+    # leave room for that load. Auto picking none, a codec that does not pay or a trial that eats the
+    # saving all stay under them.
+    assert compared["speedup"] >= 1.8 and compared["step_speedup"] >= 2.4, compared
     assert compared["within_tolerance"] and compared["loss_excess"] <= 0.05, compared
     # The step model's predictions: on an idle machine within 25% of the steps measured (+1.5% for none,
     # +10% for auto; README). Here the load the probe saw is not the load the jobs see (the probe's
