@@ -159,7 +159,9 @@ def demo(
         job=job_name, bandwidth_mbit=bandwidth_mbit, delay_ms=delay_ms, run_dir=str(run_dir)
     )
     print_summary(summary)
-    if comparison is not None:
+    if comparison is not None and comparison.missing:  # a failed job has nothing to compare
+        console.print(comparison.missing, markup=False, highlight=False)
+    elif comparison is not None:
         console.print(comparison.table())
         console.print(comparison.verdict(), markup=False, highlight=False)
     console.print(

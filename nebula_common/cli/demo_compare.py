@@ -40,6 +40,13 @@ class Comparison:
     codec_choice: dict[str, Any]
 
     @property
+    def missing(self) -> str:
+        """Why the two jobs cannot be compared, or ``""``: a job that failed has no step times or loss."""
+        jobs = (("none", self.baseline), ("auto", self.candidate))
+        gone = [name for name, summary in jobs if not (summary.succeeded and summary.losses)]
+        return f"no comparison: the {' and the '.join(gone)} job did not finish" if gone else ""
+
+    @property
     def speedup(self) -> float:
         """Wall time of ``none`` over ``auto``'s, its probe, advice and trials included."""
         return self.baseline_seconds / self.candidate_seconds if self.candidate_seconds else 0.0
@@ -60,7 +67,15 @@ class Comparison:
         return self.loss_excess <= LOSS_TOLERANCE
 
     def to_json(self) -> dict[str, Any]:
+        if self.missing:
+            return {
+                "complete": False,
+                "reason": self.missing,
+                "none_seconds": self.baseline_seconds,
+                "auto_seconds": self.candidate_seconds,
+            }
         return {
+            "complete": True,
             "speedup": self.speedup,
             "step_speedup": self.step_speedup,
             "none_seconds": self.baseline_seconds,

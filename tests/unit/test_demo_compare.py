@@ -12,6 +12,7 @@ from nebula_common.sdk.summary import JobSummary
 def summary(losses: list[float], step_s: float, forward: int) -> JobSummary:
     done = JobSummary(job_id="j", steps=len(losses), losses=losses, step_seconds=[step_s] * len(losses))
     done.wan = {"forward": {"bytes": forward}, "backward": {"payload_bytes": forward // 2}}
+    done.stage_states = {"encoder": "SUCCEEDED", "decoder": "SUCCEEDED"}
     return done
 
 
@@ -36,7 +37,8 @@ def test_the_speed_up_counts_auto_s_advice_and_trial_time() -> None:
     assert compared.loss_excess == pytest.approx(0.02) and compared.within_tolerance
     assert compared.verdict().startswith("auto: 2.50x faster than none")
     record = compared.to_json()
-    assert record["auto_codecs"] == ["int8", "int8"] and record["loss_tolerance"] == LOSS_TOLERANCE
+    assert record["complete"] and record["auto_codecs"] == ["int8", "int8"]
+    assert record["loss_tolerance"] == LOSS_TOLERANCE
     worse = Comparison(none, 40.0, summary([3.0] * 50 + [1.2] * 10, 0.2, 250_000), 16.0, choice)
     assert not worse.within_tolerance and "beyond the 5% tolerance" in worse.verdict()
 
@@ -49,3 +51,21 @@ def test_the_demo_compares_none_with_auto_where_a_codec_may_touch_the_link() -> 
     assert (none.spec.edge.codec.forward, none.spec.edge.codec.backward) == ("none", "none")
     assert (auto.spec.edge.codec.forward, auto.spec.edge.codec.backward) == ("auto", "auto")
     assert comparison_jobs("electra", {"steps": 20}) is None  # token ids one way, a sync tensor back
+
+
+def test_a_failed_job_is_named_instead_of_compared() -> None:
+    """A stage that never started leaves no losses: the demo says which job failed, never a traceback."""
+    none = summary([3.0] * 20, 0.6, 1_000_000)
+    failed = JobSummary(job_id="k", steps=20)
+    failed.stage_states = {"encoder": "FAILED", "decoder": "FAILED"}
+    compared = Comparison(none, 40.0, failed, 3.0, {"forward": "int8", "backward": "int8"})
+    assert compared.missing == "no comparison: the auto job did not finish"
+    assert compared.to_json() == {
+        "complete": False,
+        "reason": "no comparison: the auto job did not finish",
+        "none_seconds": 40.0,
+        "auto_seconds": 3.0,
+    }
+    both = Comparison(failed, 1.0, failed, 1.0, {})
+    assert both.missing == "no comparison: the none and the auto job did not finish"
+    assert Comparison(none, 40.0, none, 20.0, {"forward": "none", "backward": "none"}).missing == ""
