@@ -57,10 +57,6 @@ from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.summary import summarize
 
-BURST_MS = 20.0
-"""The WAN emulator's token bucket depth in link time (``nebula_common/wan/shaper.py``: 20 ms at the
-rate, at least 32 KiB, which is less than 20 ms at 60 Mbit/s)."""
-
 MODES = {"overlap": None, "serial": "0"}
 """Deployment variants: NEBULA_TRAINER_RECEIVE_AHEAD for the trainers (None: the default depth)."""
 
@@ -315,14 +311,13 @@ def floor_ms(row: dict[str, Any]) -> float:
     step, and the next step's first activation cross before the bottleneck stage can start its
     next step: max(compute, transfer) + the other stage's compute of one micro-batch (its
     fill/drain) + one RTT + one micro-batch's transfer each way (the last gradient and the first
-    activation, each serialised at the link's rate, less the emulator's token-bucket burst of
-    ``BURST_MS`` that an idle link lets through at once: small at batch 128, but 2 x 50 ms of a
-    step at batch 2048) (stages' compute from the same run).
+    activation, each serialised at the link's rate; the emulator lends an idle link only one
+    segment) (stages' compute from the same run).
     """
     computes = sorted(1000 * s["compute_s"] for s in row["stages"].values())
     other = computes[0] if len(computes) > 1 else 0.0
     bound = max(row["compute_ms"], row["transfer_ms"])
-    crossing = 2 * max(0.0, row["transfer_ms"] / row["micro_batches"] - BURST_MS)
+    crossing = 2 * row["transfer_ms"] / row["micro_batches"]
     return bound + other / row["micro_batches"] + row["rtt_ms"] + crossing
 
 

@@ -22,11 +22,6 @@ _IP_TCP_HEADER_BYTES = 52
 # A shaper's backlog: enough to keep the link busy between the proxy's wake-ups, small enough that
 # a fast sender is pushed back by TCP flow control instead of parking megabytes here.
 QUEUE_BYTES = 256 * 1024
-# Token-bucket depth: 20 ms at the link rate (at least two fair turns). A Python event loop on a
-# loaded machine wakes up milliseconds late; a shallower bucket turns each late wake-up into idle
-# link time (measured: 0.90 of the rate with 5 ms). The kernel reference gets the same depth.
-_MIN_BURST_BYTES = 32 * 1024
-_BURST_SECONDS = 0.020
 _MIN_MTU = 576  # the smallest MTU every IPv4 host must accept (RFC 791)
 _MAX_MTU = 65535
 
@@ -93,8 +88,16 @@ class LinkShape:
 
     @property
     def burst_bytes(self) -> int:
-        """Token-bucket depth, the same number the benchmark gives ``tc tbf`` as ``burst``."""
-        return max(_MIN_BURST_BYTES, math.ceil(self.bits_per_second / 8 * _BURST_SECONDS))
+        """Token-bucket depth: one full-size segment on the wire (1514 bytes at MTU 1500).
+
+        An idle link lends no more than one segment's serialisation time, so a message that follows
+        an idle spell (every step's first activation) pays its full transfer time, as on a real
+        circuit. The pacer does not need a deeper bucket to keep a busy link at its rate: it charges
+        each chunk from its arrival on a virtual clock (``nebula_common.wan.shaper``), so a late
+        wake-up is caught up, not lost. The kernel reference (``bench/wan/link.py``) gives ``tc tbf``
+        the same depth.
+        """
+        return self.wire_bytes(self.mss)
 
     @property
     def queue_limit_bytes(self) -> int:

@@ -7,9 +7,10 @@ measured through the emulator would be an artefact. Here every connection of one
 
 - **One serialization clock.** A chunk of ``n`` payload bytes occupies the link for
   ``wire_bytes(n) * 8 / rate`` seconds (headers counted per segment, as the kernel counts them). It
-  is a token bucket of depth ``burst_bytes`` charged from each chunk's *arrival* time: an idle link
-  banks at most one burst, and an event loop that wakes up late (a loaded machine) does not idle a
-  link that had data queued -- it catches up, as the real link would have kept sending.
+  is a token bucket of depth ``burst_bytes`` (one full-size segment) charged from each chunk's
+  *arrival* time: an idle link banks no more than one segment's time, and an event loop that wakes
+  up late (a loaded machine) does not idle a link that had data queued -- it catches up, as the real
+  link would have kept sending.
 - **Fair turns.** Connections with queued data take turns of one chunk (16 KiB) each, round robin,
   like a fair-queueing router; a connection with nothing queued may always queue one chunk, so a
   bulk sender cannot starve a light one by filling the shared queue first.
@@ -210,8 +211,9 @@ class AggregateLink:
         self._burst_s = shape.burst_bytes * 8 * self._seconds_per_bit
         # How far ahead of real time the pacer hands out turns: two turns keep the link busy across
         # one wake-up, while a connection that just became active waits at most that long for its
-        # first turn. Lateness beyond it is made up from the bucket (``_burst_s``).
-        self._lookahead_s = min(self._burst_s, 2 * CHUNK_BYTES * 8 * self._seconds_per_bit)
+        # first turn. Lateness beyond it is made up on the virtual clock: chunks that arrived while
+        # the pacer slept start when the link became free, not when the pacer woke.
+        self._lookahead_s = 2 * CHUNK_BYTES * 8 * self._seconds_per_bit
         self._delay_s = shape.delay_s
         self._clock = -math.inf  # when the link finishes what it has already been given
         self._turns: deque[Flow] = deque()  # flows with pending data, in turn order
