@@ -27,6 +27,7 @@ from nebula_common.codec.base import CodecError, dtype_from_name, matrix_view, n
 from nebula_common.codec.calibration import Calibrator
 from nebula_common.codec.raw_tensor import raw_to_tensor, tensor_to_raw
 from nebula_common.codec.registry import get_codec
+from nebula_common.codec.row_elision import pack, zero_rows
 from nebula_common.proto.nebula.v1 import codec_pb2, tensor_pb2
 
 FORWARD = "forward"
@@ -290,15 +291,26 @@ def _score(
     dtype = dtype_from_name(tensor.dtype)
     shape = tuple(tensor.shape)
     raw = numel(shape) * torch.empty((), dtype=dtype).element_size()
-    payload = codec.encode(sample)
-    decoded = codec.decode(payload, tuple(sample.shape), sample.dtype)
-    error = reconstruction_error(sample, decoded)["rel_l2"]
+    # The stream leaves the sample's zero rows (padding) out of the payload: score what it will send.
+    rows = zero_rows(sample)
+    coded = sample if rows is None else pack(sample, rows)
+    payload = codec.encode(coded)
+    decoded = codec.decode(payload, tuple(coded.shape), coded.dtype)
+    error = reconstruction_error(coded, decoded)["rel_l2"]  # the rows left out come back exactly
+    sent_shape = shape
+    bitmap = 0
+    if rows is not None and len(shape) >= 2 and shape[-1]:
+        whole_rows = numel(shape) // shape[-1]
+        kept = coded.shape[0] / rows.present.numel()
+        sent_shape = (max(1, round(kept * whole_rows)), shape[-1])
+        bitmap = -(-whole_rows // 8)
     if codec.variable_size:
-        sample_raw = sample.numel() * sample.element_size()
-        encoded = math.ceil(raw * (len(payload) / sample_raw)) if sample_raw else 0
+        coded_raw = coded.numel() * coded.element_size()
+        sent_raw = numel(sent_shape) * torch.empty((), dtype=dtype).element_size()
+        encoded = math.ceil(sent_raw * (len(payload) / coded_raw)) + bitmap if coded_raw else 0
     else:
-        encoded = codec.encoded_size(shape, dtype)
-    encode_s, decode_s = calibrator.predict(spec, shape, dtype)
+        encoded = codec.encoded_size(sent_shape, dtype) + bitmap
+    encode_s, decode_s = calibrator.predict(spec, sent_shape, dtype)
     transfer = encoded * 8 / request.bandwidth_bps
     per_step = max(tensor.per_step, 1)
     seconds = per_step * (encode_s + transfer + decode_s) + request.rtt_seconds / 2
@@ -312,7 +324,7 @@ def _score(
         transfer_seconds=transfer,
         direction_seconds=seconds,
         within_budget=error <= budget,
-        note=codec.plan_note(shape, dtype),
+        note=codec.plan_note(sent_shape, dtype),
     )
 
 

@@ -18,6 +18,7 @@ import torch
 from nebula_common.codec.base import CodecError, check_input, reconstruction_error
 from nebula_common.codec.delta_cache import DeltaCache, _base_checksum, _sample_ids
 from nebula_common.codec.registry import get_codec
+from nebula_common.codec.row_elision import Rows, pack, unpack, zero_rows
 from nebula_common.codec.stream_options import StreamOptions, parse_stream_spec
 from nebula_common.codec.wire_header import EncodedTensor, WireFormatError
 from nebula_common.codec.wire_tensor import decode_tensor, encode_tensor
@@ -100,6 +101,9 @@ class TensorStreamEncoder(StreamEnd):
                 self.stats.delta_hits += hits
                 self.stats.delta_rows += len(ids)
         key = (tuple(x.shape), x.dtype)
+        # Rows that are zero in what the trainer sent (padding) stay home; decided before error
+        # feedback adds its residual, which those rows then drop: padding carries no signal to correct.
+        rows: Rows | None = zero_rows(x) if self._cache is None else None
         use_ef = config.error_feedback and compressing
         if use_ef:
             residual = self._residuals.get(key)
@@ -107,20 +111,26 @@ class TensorStreamEncoder(StreamEnd):
                 self.stats.residual_resets += 1  # shape changed: residual of another shape cannot apply
             if residual is not None:
                 target = target + residual
+        sent = target if rows is None else pack(target, rows)
         encoded = encode_tensor(
-            target,
+            sent,
             spec,
             state=self._state,
             delta_base_checksum=base_crc,
-            borrow=borrow,
+            borrow=borrow and rows is None,
+            rows=rows,
             step=step,
             **header_fields,
         )
         need_decoded = use_ef or self._cache is not None or self.measure_error
         if need_decoded:
             decoded = (
-                target if codec.spec == "none" else codec.decode(encoded.payload, tuple(x.shape), x.dtype)
+                sent if codec.spec == "none" else codec.decode(encoded.payload, tuple(sent.shape), x.dtype)
             )
+            if rows is not None:
+                decoded = unpack(decoded, rows)
+                if use_ef:
+                    target = unpack(sent, rows)  # the residual of a row left out is dropped, not carried
             if use_ef:
                 self._residuals = {key: target - decoded}
             if self._cache is not None and ids is not None:

@@ -40,6 +40,7 @@ payload-only CRC of earlier releases) let a header edited from shape [4,4] to [2
 float16 to bfloat16, decode silently wrong, so it is refused."""
 
 _CHECKSUM_DOMAIN = b"nebula.v1.TensorHeader/crc1\0"
+_ROWS_TAG = b"rows\0"
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
 
@@ -50,9 +51,10 @@ def header_checksum(header: tensor_pb2.TensorHeader, payload: bytes | memoryview
     Covered, in this order and encoding: a domain tag; dtype and codec as UTF-8, each
     NUL-terminated; the number of dimensions and each dimension (little-endian
     int64); payload_size and raw_size (little-endian uint64); delta (one byte) and
-    delta_base_checksum (uint64). Routing fields (job, edge, direction, step,
-    micro-batch, frame id) are not covered: the receiver checks them against its
-    schedule, and switches may rely on them without recomputing the CRC.
+    delta_base_checksum (uint64); when rows were left out, a tag, the length of present_rows
+    (uint64) and its bytes, so a frame without them is covered exactly as before. Routing fields
+    (job, edge, direction, step, micro-batch, frame id) are not covered: the receiver checks them
+    against its schedule, and switches may rely on them without recomputing the CRC.
     """
     meta = b"".join(
         [
@@ -65,9 +67,14 @@ def header_checksum(header: tensor_pb2.TensorHeader, payload: bytes | memoryview
             _U64.pack(header.raw_size),
             b"\1" if header.delta else b"\0",
             _U64.pack(header.delta_base_checksum),
+            _rows_part(header.present_rows),
         ]
     )
     return crc32(payload, crc32(meta))
+
+
+def _rows_part(present_rows: bytes) -> bytes:
+    return _ROWS_TAG + _U64.pack(len(present_rows)) + present_rows if present_rows else b""
 
 
 class WireFormatError(CodecError):

@@ -20,6 +20,7 @@ from nebula_common.codec.base import (
     tensor_bytes_view,
 )
 from nebula_common.codec.registry import get_codec
+from nebula_common.codec.row_elision import Rows, read_bitmap, unpack
 from nebula_common.codec.wire_header import (
     CHECKSUM_VERSION,
     HEADER_FIELDS,
@@ -39,6 +40,7 @@ def encode_tensor(
     state: dict[str, object] | None = None,
     delta_base_checksum: int | None = None,
     borrow: bool = False,
+    rows: Rows | None = None,
     **header_fields: Any,
 ) -> EncodedTensor:
     """Encode ``tensor`` with the codec ``spec`` and build its header.
@@ -52,6 +54,8 @@ def encode_tensor(
     ``borrow``: with codec ``none`` the payload is a read-only view of the tensor's memory
     (``tensor_bytes_view``) instead of a copy, for a caller that copies it before the tensor can
     change (the edge, which frames the whole payload while it queues it).
+    ``rows``: ``tensor`` is the present rows of a larger tensor (``row_elision.pack``); the header
+    describes the whole tensor and names the rows in ``present_rows``.
     """
     unknown = set(header_fields) - HEADER_FIELDS
     if unknown:
@@ -65,17 +69,21 @@ def encode_tensor(
     else:
         payload = codec.encode(tensor, state)
     shape = tuple(tensor.shape)
+    if rows is not None and shape != rows.packed_shape:
+        raise CodecError(f"packed rows have shape {list(shape)}, expected {list(rows.packed_shape)}")
     bound = codec.encoded_size(shape, tensor.dtype)
     if len(payload) > bound or (not codec.variable_size and len(payload) != bound):
         # A codec whose size prediction is wrong would have every receiver reject its frames.
         kind = "upper bound" if codec.variable_size else "encoded_size"
         raise CodecError(f"codec {codec.spec} produced {len(payload)} bytes but its {kind} is {bound}")
+    whole = shape if rows is None else rows.shape
     header = tensor_pb2.TensorHeader(
         dtype=dtype_name(tensor.dtype),
-        shape=shape,
+        shape=whole,
         codec=codec.spec,
         payload_size=len(payload),
-        raw_size=tensor.numel() * tensor.element_size(),
+        raw_size=numel(whole) * tensor.element_size(),
+        present_rows=b"" if rows is None else rows.bitmap,
         checksum_version=CHECKSUM_VERSION,
         delta=delta_base_checksum is not None,
         delta_base_checksum=delta_base_checksum or 0,
@@ -113,6 +121,9 @@ def decode_tensor(header: tensor_pb2.TensorHeader, payload: bytes) -> torch.Tens
             f"raw_size: header says {header.raw_size} but shape {list(shape)} of {header.dtype} "
             f"is {raw_size} bytes (shape or raw_size corrupt)"
         )
+    rows = read_bitmap(header.present_rows, shape) if header.present_rows else None
+    if rows is not None:
+        shape = rows.packed_shape  # what the codec encoded: the present rows alone
     if len(payload) != header.payload_size:
         raise WireFormatError(
             f"payload_size: header says {header.payload_size} bytes but the payload has {len(payload)}"
@@ -141,7 +152,8 @@ def decode_tensor(header: tensor_pb2.TensorHeader, payload: bytes) -> torch.Tens
             f"{header.checksum:#010x} (payload or a decode-relevant header field was altered)"
         )
     try:
-        return codec.decode(payload, shape, dtype)
+        decoded = codec.decode(payload, shape, dtype)
+        return decoded if rows is None else unpack(decoded, rows)
     except CodecError as exc:
         raise WireFormatError(f"payload: {exc}") from None
     except (RuntimeError, ValueError, IndexError, OverflowError) as exc:

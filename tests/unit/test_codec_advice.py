@@ -19,6 +19,7 @@ from nebula_common.codec.advice import (
     synthetic_sample,
 )
 from nebula_common.codec.calibration import CALIBRATION_VERSION, Calibrator, host_fingerprint
+from nebula_common.codec.stream import TensorStreamEncoder
 from tests.support.torch_threads import one_torch_thread
 
 pytestmark = pytest.mark.timeout(90)
@@ -128,3 +129,25 @@ def test_closing_a_calibration_in_progress_stops_its_thread_and_wakes_waiters() 
         calibrator.get(timeout=1)
     calibrator.start()  # a late Advise after close does not restart the work
     assert calibrator._thread is thread
+
+
+def test_advice_on_a_padded_sample_predicts_the_bytes_the_stream_really_sends(calibrator: Calibrator) -> None:
+    sample = torch.randn(8, 20, 32, generator=torch.Generator().manual_seed(5))
+    for sentence in range(8):
+        sample[sentence, 2 + 2 * sentence :] = 0  # 2..16 real positions of 20: padding
+    request = AdviceRequest(
+        bandwidth_bps=1e6,
+        rtt_seconds=0.0,
+        candidates=["none", "fp16", "int8", "zstd(int8)"],
+        tensors=[EdgeTensor("e", "forward", (8, 20, 32), sample=sample)],
+    )
+    (direction,) = advise(request, calibrator).directions
+    for option in direction.options:
+        sent = TensorStreamEncoder(option.spec).encode(sample, step=0)
+        assert sent.header.present_rows
+        # Fixed-size codecs exactly (payload + the one-bit-a-row map); zstd from its ratio on the sample.
+        extra = len(sent.header.present_rows)
+        assert option.encoded_bytes == pytest.approx(sent.header.payload_size + extra, rel=0.01), option.spec
+        assert option.rel_error == pytest.approx(0.0, abs=0.02)
+    none = next(o for o in direction.options if o.spec == "none")
+    assert none.encoded_bytes < sample.numel() * 4 / 2  # 72 of 160 positions are real: padding not counted

@@ -30,7 +30,7 @@ from nebula_common.codec.trial import (
 from nebula_common.wan import LinkShape
 from nebula_common.zoo.catalogues import clean_pairs, parse_mo
 from nebula_common.zoo.splits import Split, split
-from nebula_common.zoo.text_data import catalogue_paths
+from nebula_common.zoo.text_data import PAD, catalogue_paths
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "table5"))
 import checks
@@ -62,13 +62,26 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> train.Prepared:
     return train.prepare(parts.train, parts.test, TINY, tmp_path_factory.mktemp("models"), "django")
 
 
+def _real_positions(prepared: train.Prepared, batch: int, steps: int) -> int:
+    """Source positions that are not padding in the last step's batch, drawn as ``train_steps`` draws it
+    (seed 0): only they cross the cut, the padding's rows are left out of the frames."""
+    generator = torch.Generator().manual_seed(1000)
+    for _ in range(steps):
+        index = torch.randint(len(prepared.train_es), (batch,), generator=generator)
+    return int((prepared.train_es[index] != PAD).sum())
+
+
 def test_codecs_and_bottleneck_shrink_the_frames_by_their_ratios(prepared: train.Prepared) -> None:
     raw = TINY.batch * TINY.length * TINY.d_model * 4
     none = train.fine_tune(prepared, train.Row("none"), 0, steps=2, eval_pairs=16)
     cut = train.fine_tune(prepared, train.Row("cut", "int8", "int8", cut_k=4), 0, steps=2, eval_pairs=16)
-    header = none.forward_bytes[-1] - raw
-    assert 0 < header < 200  # a frame is the serialized header plus the payload
-    elements = TINY.batch * TINY.length * 4  # k = 4 of d = 32: what crosses, each way
+    real = _real_positions(prepared, TINY.batch, steps=2)
+    assert real < TINY.batch * TINY.length  # the batch is padded, or this test shows nothing
+    for frames in (none.forward_bytes, none.backward_bytes):
+        # A frame is the serialized header (with its one-bit-a-position map) plus the real positions.
+        header = frames[-1] - real * TINY.d_model * 4
+        assert 0 < header < 200, (frames[-1], raw, real)
+    elements = real * 4  # k = 4 of d = 32 at each real position: what crosses, each way
     for frames in (cut.forward_bytes, cut.backward_bytes):  # one byte each + int8's 4-byte scale + header
         assert elements + 4 < frames[-1] <= elements + 4 + 200
     assert 0 < cut.energy < 1  # the bottleneck started from a real calibration subspace
@@ -154,8 +167,8 @@ def test_the_fine_tuning_batch_is_apart_from_pre_training_and_a_bad_value_is_ref
         **{**prepared.__dict__, "config": train.ModelConfig(**{**TINY.__dict__, "finetune_batch": 24})}
     )
     done = train.train_steps(wide, train.Row("none"), 0, steps=2)
-    raw = 24 * TINY.length * TINY.d_model * 4
-    assert all(raw < size < raw + 200 for size in (*done.forward_bytes, *done.backward_bytes)), (
+    sent = _real_positions(prepared, 24, steps=2) * TINY.d_model * 4
+    assert all(sent < size < sent + 200 for size in (done.forward_bytes[-1], done.backward_bytes[-1])), (
         done.forward_bytes
     )
     for bad in (-1, 2.5, True):
@@ -192,7 +205,7 @@ def test_the_wide_bottleneck_rows_compress_both_directions_by_d_over_k_times_the
     prep = train.Prepared(**{**prepared.__dict__, "config": wide})
     prep.encoder_state = train._language_model(wide, prep.es.get_vocab_size(), causal=False).state_dict()
     prep.decoder_state = train._language_model(wide, prep.en.get_vocab_size(), causal=True).state_dict()
-    positions = wide.batch * wide.length
+    positions = _real_positions(prep, wide.batch, steps=2)  # the padding's rows stay home
     raw = positions * 64 * 4
     for label, payload in (
         ("BOTTLENECK(16)+INT8", positions * 16 + 4),

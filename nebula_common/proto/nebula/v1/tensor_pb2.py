@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16nebula/v1/tensor.proto\x12\tnebula.v1\"\xb7\x02\n\x0cTensorHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04\x65\x64ge\x18\x02 \x01(\t\x12\'\n\tdirection\x18\x03 \x01(\x0e\x32\x14.nebula.v1.Direction\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\r\n\x05\x63odec\x18\x08 \x01(\t\x12\x14\n\x0cpayload_size\x18\t \x01(\x04\x12\x10\n\x08\x63hecksum\x18\n \x01(\r\x12\x10\n\x08raw_size\x18\x0b \x01(\x04\x12\x10\n\x08\x66rame_id\x18\x0c \x01(\x04\x12\x18\n\x10\x63hecksum_version\x18\r \x01(\r\x12\r\n\x05\x64\x65lta\x18\x0e \x01(\x08\x12\x1b\n\x13\x64\x65lta_base_checksum\x18\x0f \x01(\r\"K\n\x0bTensorChunk\x12\x10\n\x08\x66rame_id\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\"i\n\x0bTensorFrame\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.nebula.v1.TensorHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.nebula.v1.TensorChunkH\x00\x42\x06\n\x04part*U\n\tDirection\x12\x19\n\x15\x44IRECTION_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44IRECTION_FORWARD\x10\x01\x12\x16\n\x12\x44IRECTION_BACKWARD\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16nebula/v1/tensor.proto\x12\tnebula.v1\"\xcd\x02\n\x0cTensorHeader\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04\x65\x64ge\x18\x02 \x01(\t\x12\'\n\tdirection\x18\x03 \x01(\x0e\x32\x14.nebula.v1.Direction\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x13\n\x0bmicro_batch\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\r\n\x05\x63odec\x18\x08 \x01(\t\x12\x14\n\x0cpayload_size\x18\t \x01(\x04\x12\x10\n\x08\x63hecksum\x18\n \x01(\r\x12\x10\n\x08raw_size\x18\x0b \x01(\x04\x12\x10\n\x08\x66rame_id\x18\x0c \x01(\x04\x12\x18\n\x10\x63hecksum_version\x18\r \x01(\r\x12\r\n\x05\x64\x65lta\x18\x0e \x01(\x08\x12\x1b\n\x13\x64\x65lta_base_checksum\x18\x0f \x01(\r\x12\x14\n\x0cpresent_rows\x18\x10 \x01(\x0c\"K\n\x0bTensorChunk\x12\x10\n\x08\x66rame_id\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\"i\n\x0bTensorFrame\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.nebula.v1.TensorHeaderH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.nebula.v1.TensorChunkH\x00\x42\x06\n\x04part*U\n\tDirection\x12\x19\n\x15\x44IRECTION_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44IRECTION_FORWARD\x10\x01\x12\x16\n\x12\x44IRECTION_BACKWARD\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nebula.v1.tensor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DIRECTION']._serialized_start=535
-  _globals['_DIRECTION']._serialized_end=620
+  _globals['_DIRECTION']._serialized_start=557
+  _globals['_DIRECTION']._serialized_end=642
   _globals['_TENSORHEADER']._serialized_start=38
-  _globals['_TENSORHEADER']._serialized_end=349
-  _globals['_TENSORCHUNK']._serialized_start=351
-  _globals['_TENSORCHUNK']._serialized_end=426
-  _globals['_TENSORFRAME']._serialized_start=428
-  _globals['_TENSORFRAME']._serialized_end=533
+  _globals['_TENSORHEADER']._serialized_end=371
+  _globals['_TENSORCHUNK']._serialized_start=373
+  _globals['_TENSORCHUNK']._serialized_end=448
+  _globals['_TENSORFRAME']._serialized_start=450
+  _globals['_TENSORFRAME']._serialized_end=555
 # @@protoc_insertion_point(module_scope)

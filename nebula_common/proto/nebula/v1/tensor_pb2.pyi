@@ -17,7 +17,7 @@ DIRECTION_FORWARD: Direction
 DIRECTION_BACKWARD: Direction
 
 class TensorHeader(_message.Message):
-    __slots__ = ("job_id", "edge", "direction", "step", "micro_batch", "dtype", "shape", "codec", "payload_size", "checksum", "raw_size", "frame_id", "checksum_version", "delta", "delta_base_checksum")
+    __slots__ = ("job_id", "edge", "direction", "step", "micro_batch", "dtype", "shape", "codec", "payload_size", "checksum", "raw_size", "frame_id", "checksum_version", "delta", "delta_base_checksum", "present_rows")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EDGE_FIELD_NUMBER: _ClassVar[int]
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class TensorHeader(_message.Message):
     CHECKSUM_VERSION_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DELTA_BASE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_ROWS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     edge: str
     direction: Direction
@@ -48,7 +49,8 @@ class TensorHeader(_message.Message):
     checksum_version: int
     delta: bool
     delta_base_checksum: int
-    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., payload_size: _Optional[int] = ..., checksum: _Optional[int] = ..., raw_size: _Optional[int] = ..., frame_id: _Optional[int] = ..., checksum_version: _Optional[int] = ..., delta: _Optional[bool] = ..., delta_base_checksum: _Optional[int] = ...) -> None: ...
+    present_rows: bytes
+    def __init__(self, job_id: _Optional[str] = ..., edge: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., step: _Optional[int] = ..., micro_batch: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., payload_size: _Optional[int] = ..., checksum: _Optional[int] = ..., raw_size: _Optional[int] = ..., frame_id: _Optional[int] = ..., checksum_version: _Optional[int] = ..., delta: _Optional[bool] = ..., delta_base_checksum: _Optional[int] = ..., present_rows: _Optional[bytes] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("frame_id", "offset", "data", "last")
