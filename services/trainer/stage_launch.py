@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -54,6 +55,9 @@ from services.trainer.stage_proxy import StageProxy
 # The records keep the name they have always had (one logger for the trainer's side of a stage).
 log = logging.getLogger("services.trainer.stage_process")
 STARTUP_TIMEOUT_S = 60.0
+LAST_WORDS_S = 5.0
+"""How long a stage that failed to start is given to exit and its stderr to be read, for its message."""
+LAST_WORDS_LINES = 5
 """How long a new stage process may take to say HELLO (an interpreter starting on a loaded host)."""
 
 
@@ -84,6 +88,23 @@ class StageLaunch:
     _edge_fds: StageEdgeFds | None
     _socket_dir: Path | None
     _group: StageGroup | None
+    _stderr_tail: deque[str]
+    _stderr_relay: threading.Thread | None
+
+    def _last_words(self, deadline_s: float = LAST_WORDS_S) -> str:
+        """Why a stage that never started ended, in its own words: its exit and last stderr lines.
+
+        Waits (up to ``deadline_s``) for the process to exit and its stderr to be read to the end, so
+        the words are the last ones; what is still missing then is not waited for."""
+        process = self._process
+        if process is None:
+            return ""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(deadline_s)
+        if self._stderr_relay is not None and process.returncode is not None:
+            self._stderr_relay.join(deadline_s)
+        words = " | ".join(self._stderr_tail)
+        return f"; its stderr ended: {words}" if words else "; it wrote nothing to stderr"
 
     def _work_dir(self) -> Path:
         """The account's directory of the data dir: its checkpoints (all its jobs', for resumes)."""
@@ -169,9 +190,13 @@ class StageLaunch:
         self.pid = self._process.pid
         self._conn = Connection(ours.detach())
         assert self._process.stderr is not None
-        threading.Thread(
-            target=relay_log, args=(self._process.stderr, self.spec.job_id, self.spec.stage), daemon=True
-        ).start()
+        self._stderr_relay = threading.Thread(
+            target=relay_log,
+            args=(self._process.stderr, self.spec.job_id, self.spec.stage),
+            kwargs={"tail": self._stderr_tail},
+            daemon=True,
+        )
+        self._stderr_relay.start()
         # HELLO: the stage's interpreter runs and waits for START, so every process of the sandbox
         # exists and none of the job's code has run; all of them go into the stage's group now.
         if not self._conn.poll(STARTUP_TIMEOUT_S):
@@ -224,4 +249,4 @@ class StageLaunch:
         )
 
 
-__all__ = ["STARTUP_TIMEOUT_S", "StageLaunch"]
+__all__ = ["LAST_WORDS_S", "STARTUP_TIMEOUT_S", "StageLaunch"]

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import IO
 
@@ -25,6 +26,8 @@ from prometheus_client import Counter
 STAGE_LOG = logging.getLogger("stage")
 """What stage processes write (their records and any other output), marked with their job and stage."""
 MAX_LOG_LINE = 16 << 10
+TAIL_LINE_CHARS = 300
+"""How much of each of a stage's last stderr lines its failure message may quote."""
 """Longest stage log line the trainer passes on (the rest is cut)."""
 LOG_BYTES_PER_S = 4 << 10
 """Sustained rate of a stage's log the trainer passes on: about 20 lines of 200 bytes a second."""
@@ -62,14 +65,25 @@ class LogBudget:
         return True
 
 
-def relay_log(stream: IO[bytes], job_id: str, stage: str, budget: LogBudget | None = None) -> None:
-    """Pass ``stream`` (the stage's stderr) into the trainer's log until it ends (see the module doc)."""
+def relay_log(
+    stream: IO[bytes],
+    job_id: str,
+    stage: str,
+    budget: LogBudget | None = None,
+    tail: deque[str] | None = None,
+) -> None:
+    """Pass ``stream`` (the stage's stderr) into the trainer's log until it ends (see the module doc).
+
+    ``tail`` keeps the last lines, budget or not: a stage that dies before it starts is reported with
+    them (its own words: an import error, a crash of the interpreter), not with the trainer's EOF."""
     budget = budget or LogBudget()
     drops = _Drops(budget)
     for raw in stream:
         line = raw[:MAX_LOG_LINE].decode(errors="replace").rstrip("\n")
         if not line:
             continue
+        if tail is not None:
+            tail.append(line[:TAIL_LINE_CHARS])
         if not budget.take(len(line)):
             drops.add(len(line))
             continue
@@ -129,4 +143,12 @@ def _relay_line(line: str, job_id: str, stage: str) -> None:
     STAGE_LOG.log(level, message, extra={"fields": fields})
 
 
-__all__ = ["LOG_BURST_BYTES", "LOG_BYTES_PER_S", "MAX_LOG_LINE", "STAGE_LOG", "LogBudget", "relay_log"]
+__all__ = [
+    "LOG_BURST_BYTES",
+    "LOG_BYTES_PER_S",
+    "MAX_LOG_LINE",
+    "STAGE_LOG",
+    "TAIL_LINE_CHARS",
+    "LogBudget",
+    "relay_log",
+]

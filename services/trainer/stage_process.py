@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
+from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -49,7 +50,7 @@ from services.trainer.edge import EdgeSettings
 from services.trainer.sandbox import Confinement, StageLimits
 from services.trainer.stage_edge_fds import StageEdgeFds
 from services.trainer.stage_end import CANCEL_GRACE_S, StageEnd
-from services.trainer.stage_launch import STARTUP_TIMEOUT_S, StageLaunch
+from services.trainer.stage_launch import LAST_WORDS_LINES, STARTUP_TIMEOUT_S, StageLaunch
 from services.trainer.stage_proxy import StageProxy
 from services.trainer.stage_supervision import ENDED_GRACE_S, StageSupervision
 from services.trainer.status import StatusBoard
@@ -99,6 +100,8 @@ class StageProcess(StageLaunch, StageSupervision, StageEnd):
         self._on_refusal = on_refusal
         self._switch_edge_socket = switch_edge_socket
         self._edge_fds: StageEdgeFds | None = None
+        self._stderr_tail: deque[str] = deque(maxlen=LAST_WORDS_LINES)
+        self._stderr_relay: threading.Thread | None = None
         self._callbacks: list[Callable[[], None]] = []
         self._done = threading.Event()
         self._send_lock = threading.Lock()
@@ -127,7 +130,9 @@ class StageProcess(StageLaunch, StageSupervision, StageEnd):
         except Exception as exc:
             log.exception("stage process did not start", extra={"fields": {"job_id": self.spec.job_id}})
             if self._process is not None:
-                self._finish(f"it did not start: {type(exc).__name__}: {exc}")
+                # EOF on the channel says only that it died: its exit and stderr say how.
+                what = f"{type(exc).__name__}: {exc}" if str(exc) else "it closed its channel before HELLO"
+                self._finish(f"it did not start ({what}){self._last_words()}")
             else:
                 self._end_now(f"the stage process did not start: {type(exc).__name__}: {exc}")
             return
