@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nebula_common.codec.row_elision import zero_rows
 from nebula_common.codec.stream import TensorStreamDecoder, TensorStreamEncoder
 from nebula_common.codec.wire_header import WireFormatError, header_checksum
 from nebula_common.codec.wire_tensor import decode_tensor, encode_tensor
@@ -179,3 +180,21 @@ def test_any_map_decodes_to_the_declared_shape_or_is_a_named_error(
         except WireFormatError:
             continue
         assert out.shape == (rows, width) and not out.any()
+
+
+def test_rows_that_only_start_with_zeros_are_sent_and_both_search_paths_agree() -> None:
+    """The search narrows candidates by their first columns (ReLU-like rows start with zeros too) and reads
+    a tensor that is mostly padding in one pass: both ways find exactly the rows that are zero."""
+    x = torch.relu(torch.randn(64, 32, generator=torch.Generator().manual_seed(3)))
+    x[:, :8] = 0  # every row starts with eight zeros: all are candidates until read whole
+    x[10, 8:] = 0
+    x[11, :31] = 0  # zero but for its last element: present
+    rows = zero_rows(x)
+    assert rows is not None and rows.present.logical_not().nonzero().flatten().tolist() == [10]
+    few = x.clone()
+    few[:60] = torch.randn(60, 32).abs() + 1  # a few candidates left: gathered and read
+    few_rows = zero_rows(few)
+    assert few_rows is None or few_rows.present.logical_not().nonzero().flatten().tolist() == []
+    few[62] = 0
+    assert zero_rows(few).present.logical_not().nonzero().flatten().tolist() == [62]
+    assert zero_rows(torch.randn(64, 32).abs() + 1) is None  # dense: nothing to leave out
