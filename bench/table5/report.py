@@ -137,8 +137,10 @@ def markdown(report: dict[str, Any], figure10_label: str) -> str:
             if report["mode"] == "quick"
             else ". "
         )
-        + "Ratios: raw float32 bytes / frame bytes (header included). Bottleneck rows: the cut is k wide,"
-        " so both ratios include d/k. `zstd` rows: the last step's frames (the size varies by step).",
+        + "Ratios: the padded batch's raw float32 bytes / frame bytes (header included). No row sends the"
+        " padding (the stream leaves zero rows out, `present_rows`), so none's ratio is the padding's share."
+        " Bottleneck rows: the cut is k wide, so both ratios include d/k. `zstd` rows: the last step's frames"
+        " (the size varies by step).",
     ]
     if len(fig) > 1:
         lines += [

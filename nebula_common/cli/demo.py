@@ -34,8 +34,8 @@ COMPARE_STEPS = 100
 (probing the job, measuring the link, advice, its trial: about 12 s on 2 busy cores) are a small part
 of the job, short enough that both jobs fit the demo's 3 minutes on the default link."""
 DEMO_BANDWIDTH_MBIT = 5.0
-"""The demo's WAN: 5 Mbit/s a direction, where the numbers job's step is link-bound (~720 ms with codec
-none against ~100 ms of compute), the regime Nebula is for; at 10 Mbit/s auto's gain was 1.6-2.5x."""
+"""The demo's WAN: 5 Mbit/s a direction, where the numbers job's step is link-bound (~760 ms with codec
+none against ~100 ms of compute), the regime Nebula is for."""
 
 
 def _create_account(deployment: LocalDeployment, cluster: str, username: str) -> ClusterSession:
