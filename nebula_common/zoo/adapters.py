@@ -167,6 +167,18 @@ def load_pretrained(model: LanguageModel, path: str | None) -> LanguageModel:
     return model
 
 
+def language_model_like(state: dict[str, torch.Tensor], n_heads: int, causal: bool) -> LanguageModel:
+    """An empty ``LanguageModel`` of the shape an adapter stage's state dict holds (its ``plm.*`` weights).
+
+    The vocabulary, width, length and depth are read from the weights, so a stage that loads a saved
+    model needs only the head count, which no weight's shape gives away.
+    """
+    vocab, d_model = state["plm.embed.weight"].shape
+    length = state["plm.position"].shape[0]
+    layers = len({key.split(".")[2] for key in state if key.startswith("plm.blocks.")})
+    return LanguageModel(vocab, length, d_model, n_heads, layers, causal=causal)
+
+
 class AdapterTransformerEncoder(nn.Module):
     """Cluster S: the frozen pre-trained encoder with a trainable adapter after each sub-layer."""
 

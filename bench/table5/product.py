@@ -1,0 +1,315 @@
+"""Table 5 step times through the product: each row's fine-tuning as a real job across two clusters.
+
+``run.py`` times a row as one process's compute plus its frames through the WAN emulator (a
+synchronous step, one micro-batch). This runs the same fine-tuning (the prepared halves, the
+training split, 64 pairs a step, the row's codecs) as a Nebula job (``job/``) on ``nebula local up``'s
+two clusters: real switches, mTLS, boxed stage processes, the emulated WAN at the same shape, and the
+product's pipeline (micro-batches under 1F1B, sender and receive-ahead threads). A row's step time
+here is what a user of the product gets; ``auto`` rows let the product's own advisor choose.
+
+Each cluster holds only its side: the benchmark writes S's encoder and Spanish token ids into
+account a's directory, T's decoder and English ids into account b's (where an earlier job of that
+account would have left them), and the calibrated bottleneck's halves into both.
+
+    .venv/bin/python bench/table5/product.py --out bench-results/table5 [--doc docs/bench/table5.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import corpus
+import run as table
+import train
+
+from nebula_common.cli.job import follow, onboard
+from nebula_common.jobspec import load_spec
+from nebula_common.launcher import LocalDeployment
+from nebula_common.sdk.client import ClusterSession
+from nebula_common.sdk.jobs import ProgramJob
+from nebula_common.sdk.links import LinkProfile
+from nebula_common.zoo.bottleneck import save_halves
+
+JOB = Path(__file__).resolve().parent / "job" / "job.yaml"
+DEFAULT_ROWS = "none,FP16+INT8,ZSTD(INT8) both,BOTTLENECK(16,AE)+INT8,auto"
+AUTO = train.Row("auto", "auto", "auto")
+"""The product's own choice: ``codec: auto`` both ways, told the link (it probes, advises and trials)."""
+SKIP = 5
+"""Steps left out of a row's median: the first pay one-off allocations and the pipeline's first fill."""
+MARK = ("<!-- table5:product -->", "<!-- /table5:product -->")
+
+
+def _rows(text: str) -> list[train.Row]:
+    labels = table.row_labels(text)
+    by_label = {row.label: row for row in (*table.FULL_ROWS, *table.EXTRA_ROWS, AUTO)}
+    unknown = [label for label in labels if label not in by_label]
+    if unknown or labels[0] != "none":
+        sys.exit(f"table5 product: --rows takes labels of {list(by_label)}, 'none' first; got {labels}")
+    return [by_label[label] for label in labels]
+
+
+def _account_dir(deployment: LocalDeployment, cluster: str, account: str) -> Path:
+    """The account's directory of the cluster's trainer, owned as the trainer owns its data dir."""
+    data_dir = deployment.run_dir / cluster / "trainer"
+    folder = data_dir / "accounts" / account / "table5"
+    owner = data_dir.stat()
+    for path in (folder.parent, folder):
+        path.mkdir(mode=0o700, exist_ok=True, parents=True)
+        os.chown(path, owner.st_uid, owner.st_gid)
+    return folder
+
+
+def _place(folder: Path, files: dict[str, Any], owner: os.stat_result) -> dict[str, str]:
+    placed = {}
+    for name, value in files.items():
+        path = folder / name
+        torch.save(value, path)
+        os.chown(path, owner.st_uid, owner.st_gid)
+        placed[name] = str(path)
+    return placed
+
+
+def stage_files(prep: train.Prepared, rows: list[train.Row]) -> dict[str, dict[str, Any]]:
+    """What each cluster holds: its half, its side's token ids, each calibrated bottleneck's halves."""
+    state = prep.translation_state
+    files: dict[str, dict[str, Any]] = {
+        "a": {"encoder.pt": state["encoder"], "es.pt": prep.train_es},
+        "b": {"decoder.pt": state["decoder"], "en.pt": prep.train_en},
+    }
+    for row in rows:
+        if row.cut_pretrain:  # the product's calibrate + cut_init, from the benchmark's own calibration
+            stages = train.Stages(prep, row, seed=0)
+            with tempfile.TemporaryDirectory() as scratch:
+                path = Path(scratch) / "halves.pt"
+                save_halves(str(path), stages.down, stages.up)
+                halves = torch.load(path, weights_only=True)
+            for cluster in files:
+                files[cluster][f"cut-{row.cut_k}.pt"] = halves
+    return files
+
+
+def row_overrides(
+    row: train.Row, placed: dict[str, dict[str, str]], args: argparse.Namespace
+) -> dict[str, Any]:
+    overrides: dict[str, Any] = {
+        "steps": args.steps,
+        "data.micro_batches": args.micro_batches,
+        "data.examples": args.examples,
+        "edges.0.codec.forward": row.forward,
+        "edges.0.codec.backward": row.backward,
+    }
+    for index, (cluster, weights, examples) in enumerate(
+        (("a", "encoder.pt", "es.pt"), ("b", "decoder.pt", "en.pt"))
+    ):
+        stage = f"stages.{index}.options"
+        overrides |= {
+            f"{stage}.weights": placed[cluster][weights],
+            f"{stage}.examples": placed[cluster][examples],
+        }
+        if row.cut_k:
+            overrides |= {f"{stage}.cut_k": row.cut_k}
+        if row.cut_pretrain:
+            overrides |= {
+                f"{stage}.cut_init": placed[cluster][f"cut-{row.cut_k}.pt"],
+                f"{stage}.cut_residual": row.down_residual,
+            }
+    return overrides
+
+
+def run_row(
+    row: train.Row,
+    sessions: dict[str, ClusterSession],
+    placed: dict[str, dict[str, str]],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    job = ProgramJob(load_spec(JOB, row_overrides(row, placed, args)))
+    link = LinkProfile(
+        bandwidth_mbit=args.bandwidth_mbit, rtt_ms=2 * args.delay_ms, source="the emulator's settings"
+    )
+    started = time.perf_counter()
+    summary = follow(job, sessions, quiet=True, link=link)
+    seconds = time.perf_counter() - started
+    steps = summary.step_seconds[SKIP:] or summary.step_seconds
+    sent = sum(traffic[0] for traffic in summary.stage_traffic.values())  # both directions, whole job
+    choice = json.loads(job.codec_choice) if job.codec_choice else {}
+    result = {
+        "label": row.label,
+        "forward": job.codec_forward,
+        "backward": job.codec_backward,
+        "cut_k": row.cut_k,
+        "succeeded": summary.succeeded,
+        "messages": summary.stage_messages,
+        "step_seconds": statistics.median(steps) if steps else math.nan,
+        "steps": summary.step_seconds,
+        "losses": summary.losses,
+        "wan_bytes_per_step": sent / max(summary.steps_done, 1),
+        "submission_to_last_step_seconds": seconds,
+        "advice": {k: choice.get(k) for k in ("source", "predicted_step_seconds", "baseline_step_seconds")},
+    }
+    print(
+        json.dumps(
+            {k: result[k] for k in ("label", "forward", "backward", "step_seconds", "wan_bytes_per_step")}
+        ),
+        flush=True,
+    )
+    return result
+
+
+def _speedups(results: list[dict[str, Any]]) -> None:
+    none = results[0]["step_seconds"]
+    for result in results:
+        result["speedup"] = none / result["step_seconds"] if result["step_seconds"] > 0 else math.nan
+
+
+def failures(results: list[dict[str, Any]], raw_step_bytes: int) -> list[str]:
+    """What fails the run: a job that failed or has no finite loss, a padded none, a row slower than none."""
+    found = []
+    for result in results:
+        label = result["label"]
+        if not result["succeeded"]:
+            found.append(f"{label}: the job did not succeed: {result['messages']}")
+            continue
+        losses = result["losses"]
+        if not losses or not all(math.isfinite(x) for x in losses):
+            found.append(f"{label}: a loss is missing or not finite")
+    none = results[0]
+    if none["succeeded"] and none["wan_bytes_per_step"] > raw_step_bytes / 2:
+        found.append(
+            f"none sent {none['wan_bytes_per_step']:,.0f} bytes a step, more than half the padded batch's "
+            f"{raw_step_bytes:,} (both ways): the padding crosses the link"
+        )
+    for result in results[1:]:
+        if result["succeeded"] and none["succeeded"] and result["speedup"] < 0.97:
+            found.append(
+                f"{result['label']}: {result['speedup']:.2f}x of none's step, slower by more than 3%"
+            )
+    return found
+
+
+def markdown(report: dict[str, Any]) -> str:
+    modelled = report.get("modelled", {})
+    lines = [
+        "Two clusters of `nebula local up` (mTLS, boxed stages), WAN emulator "
+        f"{report['bandwidth_mbit']:g} Mbit/s, {report['delay_ms']:g} ms one-way; {report['steps']} steps of "
+        f"64 pairs in {report['micro_batches']} micro-batches (1F1B), median step after the first {SKIP}; "
+        f"{report['minutes']:.1f} min wall, load average {report['load'][0]:.1f} before / "
+        f"{report['load'][1]:.1f} after on {os.cpu_count()} CPUs.",
+        "",
+        "| row | forward | backward | WAN bytes a step | s/step (product) | speed-up | s/step (run.py model) "
+        "| submission to last step |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        model = modelled.get(r["label"])
+        lines.append(
+            f"| {r['label']} | `{r['forward']}` | `{r['backward']}` | {r['wan_bytes_per_step']:,.0f} | "
+            f"{r['step_seconds']:.3f} | {r['speedup']:.1f}x | {f'{model:.3f}' if model else '-'} | "
+            f"{r['submission_to_last_step_seconds']:.0f} s |"
+        )
+    lines += ["", "Checks: " + ("; ".join(report["failures"]) if report["failures"] else "all passed.")]
+    return "\n".join(lines) + "\n"
+
+
+def _modelled(path: Path) -> dict[str, float]:
+    """run.py's modelled s/step per row, from its last merged report (if there is one)."""
+    try:
+        rows = json.loads(path.read_text())["rows"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {row["label"]: row["step_seconds"] for row in rows if "step_seconds" in row}
+
+
+def write_doc(doc: Path, text: str) -> None:
+    content = doc.read_text()
+    begin, end = content.find(MARK[0]), content.find(MARK[1])
+    if begin < 0 or end < begin:
+        sys.exit(f"table5 product: {doc} has no {MARK[0]} ... {MARK[1]} section")
+    doc.write_text(content[: begin + len(MARK[0])] + "\n" + text + content[end:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache", type=Path, default=Path(".cache/table5"))
+    parser.add_argument(
+        "--rows", default=DEFAULT_ROWS, help=f"Row labels, none first (default {DEFAULT_ROWS})."
+    )
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--bandwidth-mbit", type=float, default=1.0)
+    parser.add_argument("--delay-ms", type=float, default=10.0)
+    parser.add_argument("--out", type=Path, default=Path("bench-results/table5"))
+    parser.add_argument("--doc", type=Path, help="Also rewrite this markdown file's product section.")
+    args = parser.parse_args()
+    if args.steps <= SKIP:
+        sys.exit(f"table5 product: --steps must be more than {SKIP}")
+    rows = _rows(args.rows)
+    started, load_before = time.perf_counter(), os.getloadavg()
+    try:
+        manifest, train_pairs, evaluated = corpus.load(args.cache, "dev")
+    except corpus.CorpusError as exc:
+        sys.exit(f"table5 product: corpus: {exc}")
+    config = table.FULL_MODEL
+    prep = train.prepare(
+        train_pairs, evaluated, config, args.cache / "models", manifest["sha256"]["train.tsv"]
+    )
+    args.examples = len(prep.train_es)
+    files = stage_files(prep, rows)
+    run_dir = Path(tempfile.mkdtemp(prefix="table5-product-"))
+    results = []
+    try:
+        with LocalDeployment(
+            run_dir=run_dir, bandwidth_mbit=args.bandwidth_mbit, delay_ms=args.delay_ms
+        ) as deployment:
+            sessions, placed = {}, {}
+            for cluster, account in (("a", "table5-s"), ("b", "table5-t")):
+                state = deployment.cluster_state[cluster]
+                sessions[cluster] = onboard(deployment.endpoints(cluster), state.admin_password, account)
+                folder = _account_dir(deployment, cluster, account)
+                placed[cluster] = _place(
+                    folder, files[cluster], (deployment.run_dir / cluster / "trainer").stat()
+                )
+            for row in rows:
+                results.append(run_row(row, sessions, placed, args))
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    _speedups(results)
+    raw = 2 * config.tune_batch * config.length * config.d_model * 4
+    report = {
+        "bandwidth_mbit": args.bandwidth_mbit,
+        "delay_ms": args.delay_ms,
+        "steps": args.steps,
+        "micro_batches": args.micro_batches,
+        "rows": results,
+        "modelled": _modelled(args.out / "table5.json"),
+        "failures": failures(results, raw),
+        "minutes": (time.perf_counter() - started) / 60,
+        "load": (load_before[0], os.getloadavg()[0]),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "table5-product.json").write_text(json.dumps(report, indent=2))
+    text = markdown(report)
+    (args.out / "table5-product.md").write_text(text)
+    if args.doc:
+        write_doc(args.doc, text)
+    print(text)
+    if report["failures"]:
+        sys.exit("table5 product: " + "; ".join(report["failures"]))
+
+
+if __name__ == "__main__":
+    main()

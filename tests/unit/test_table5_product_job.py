@@ -1,0 +1,132 @@
+"""The Table 5 timing job (``bench/table5/job``): the benchmark's fine-tuning as a product job.
+
+Run here unsplit (the reference runner, both stages in one process) on a tiny prepared model: the
+frozen LMs stay bit-identical, the adapters and the decoder's output layer train, a calibrated
+bottleneck loads from its halves file, and the benchmark's failure rules name what is wrong.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nebula_common.jobspec import load_spec
+from nebula_common.jobspec.reference import run_unsplit
+from nebula_common.zoo.adapters import AdapterTransformerDecoder, AdapterTransformerEncoder, LanguageModel
+from nebula_common.zoo.bottleneck import DownProjection, UpProjection, save_halves
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ROOT / "bench" / "table5" / "job" / "job.yaml"
+VOCAB, LENGTH, D, HEADS = 40, 8, 16, 2
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("table5-job")
+    torch.manual_seed(0)
+    encoder = AdapterTransformerEncoder(LanguageModel(VOCAB, LENGTH, D, HEADS, 1, causal=False), 8)
+    decoder = AdapterTransformerDecoder(LanguageModel(VOCAB, LENGTH, D, HEADS, 1, causal=True), HEADS, 8)
+    source = torch.randint(4, VOCAB, (64, LENGTH))
+    source[:, 5:] = 0  # padding, as real batches have
+    target = torch.randint(4, VOCAB, (64, LENGTH))
+    paths = {
+        "encoder": folder / "encoder.pt",
+        "decoder": folder / "decoder.pt",
+        "es": folder / "es.pt",
+        "en": folder / "en.pt",
+        "halves": folder / "cut.pt",
+    }
+    torch.save(encoder.state_dict(), paths["encoder"])
+    torch.save(decoder.state_dict(), paths["decoder"])
+    torch.save(source, paths["es"])
+    torch.save(target, paths["en"])
+    save_halves(str(paths["halves"]), DownProjection(D, 4, residual=32), UpProjection(D, 4, residual=32))
+    return paths
+
+
+def _options(prepared: dict[str, Path], **extra: Any) -> dict[str, Any]:
+    options = {
+        "steps": 4,
+        "data.batch_size": 16,
+        "data.examples": 64,
+        "stages.0.options.weights": str(prepared["encoder"]),
+        "stages.0.options.examples": str(prepared["es"]),
+        "stages.1.options.weights": str(prepared["decoder"]),
+        "stages.1.options.examples": str(prepared["en"]),
+    }
+    for index in (0, 1):
+        options |= {f"stages.{index}.options.d_model": D, f"stages.{index}.options.n_heads": HEADS}
+        options |= {f"stages.{index}.options.adapter": 8}
+        options |= {f"stages.{index}.options.{key}": value for key, value in extra.items()}
+    return options
+
+
+def test_the_lms_stay_frozen_while_adapters_and_the_output_layer_train(prepared: dict[str, Path]) -> None:
+    result = run_unsplit(load_spec(JOB, _options(prepared)))
+    assert len(result.losses) == 4 and all(math.isfinite(x) for x in result.losses)
+    encoder, decoder = result.state_dicts["encoder"], result.state_dicts["decoder"]
+    for name, value in torch.load(prepared["encoder"], weights_only=True).items():
+        if name.startswith("plm."):
+            assert torch.equal(encoder[name], value), f"{name}: a frozen encoder weight changed"
+    start = torch.load(prepared["decoder"], weights_only=True)
+    for name, value in start.items():
+        changed = not torch.equal(decoder[name], value)
+        output_layer = name.startswith(("plm.head.", "plm.norm."))
+        if name.startswith("plm.") and not output_layer:
+            assert not changed, f"{name}: a frozen decoder weight changed"
+    assert not torch.equal(decoder["plm.head.weight"], start["plm.head.weight"])  # the output layer trains
+    assert any(
+        not torch.equal(encoder[k], v)
+        for k, v in torch.load(prepared["encoder"], weights_only=True).items()
+        if "adapters" in k
+    )
+
+
+def test_a_calibrated_bottleneck_loads_its_halves_and_trains_at_its_own_rate(
+    prepared: dict[str, Path],
+) -> None:
+    job = load_spec(JOB, _options(prepared, cut_k=4, cut_residual=32, cut_init=str(prepared["halves"])))
+    result = run_unsplit(job)
+    assert all(math.isfinite(x) for x in result.losses)
+    halves = torch.load(prepared["halves"], weights_only=True)
+    encoder = result.state_dicts["encoder"]
+    assert encoder["down.proj.weight"].shape == halves["down"]["proj.weight"].shape == (4, D)
+    assert not torch.equal(encoder["down.proj.weight"], halves["down"]["proj.weight"])  # loaded, then trained
+    fresh = run_unsplit(load_spec(JOB, _options(prepared, cut_k=4, cut_residual=32)))
+    assert not torch.equal(fresh.state_dicts["encoder"]["down.proj.weight"], encoder["down.proj.weight"])
+
+
+def test_a_halves_file_of_another_width_is_refused_by_name(prepared: dict[str, Path]) -> None:
+    job = load_spec(JOB, _options(prepared, cut_k=4, cut_residual=64, cut_init=str(prepared["halves"])))
+    with pytest.raises(Exception, match="does not fit this stage"):
+        run_unsplit(job)
+
+
+def test_the_benchmark_fails_a_padded_none_a_failed_job_and_a_slower_row() -> None:
+    sys.path.insert(0, str(ROOT / "bench" / "table5"))
+    import product
+
+    def row(label: str, seconds: float, sent: float, ok: bool = True) -> dict[str, Any]:
+        return {
+            "label": label,
+            "succeeded": ok,
+            "messages": {} if ok else {"decoder": "FAILED: out of memory"},
+            "losses": [2.0, 1.9],
+            "step_seconds": seconds,
+            "wan_bytes_per_step": sent,
+        }
+
+    good = [row("none", 2.0, 200_000), row("FP16+INT8", 0.8, 80_000)]
+    product._speedups(good)
+    assert product.failures(good, raw_step_bytes=800_000) == []
+    padded = [row("none", 2.0, 700_000), row("ZSTD(INT8) both", 2.1, 90_000), row("auto", 1.0, 1, ok=False)]
+    product._speedups(padded)
+    found = product.failures(padded, raw_step_bytes=800_000)
+    assert any("auto: the job did not succeed" in f and "out of memory" in f for f in found)
+    assert any("padding crosses the link" in f for f in found)
+    assert any(f.startswith("ZSTD(INT8) both: 0.95x") for f in found)
