@@ -49,6 +49,8 @@ JOB = Path(__file__).resolve().parent / "job" / "job.yaml"
 DEFAULT_ROWS = "none,FP16+INT8,ZSTD(INT8) both,BOTTLENECK(16,AE)+INT8,auto"
 AUTO = train.Row("auto", "auto", "auto")
 """The product's own choice: ``codec: auto`` both ways, told the link (it probes, advises and trials)."""
+PREDICTION_TOLERANCE = 0.25
+"""How far ``auto``'s predicted step may be from its job's measured one before the run fails."""
 SKIP = 5
 """Steps left out of a row's median: the first pay one-off allocations and the pipeline's first fill."""
 MARK = ("<!-- table5:product -->", "<!-- /table5:product -->")
@@ -198,7 +200,30 @@ def failures(results: list[dict[str, Any]], raw_step_bytes: int) -> list[str]:
             found.append(
                 f"{result['label']}: {result['speedup']:.2f}x of none's step, slower by more than 3%"
             )
+        predicted = result["advice"].get("predicted_step_seconds")
+        off = abs(predicted / result["step_seconds"] - 1) if predicted and result["succeeded"] else 0.0
+        if off > PREDICTION_TOLERANCE:
+            found.append(
+                f"{result['label']}: auto predicted {predicted:.3f} s a step, measured "
+                f"{result['step_seconds']:.3f} (more than {PREDICTION_TOLERANCE:.0%} off)"
+            )
     return found
+
+
+def advice_lines(results: list[dict[str, Any]]) -> list[str]:
+    """What each ``auto`` row chose and predicted, against what its job and none's measured."""
+    lines = []
+    for result in results:
+        advice = result["advice"]
+        if not advice.get("predicted_step_seconds"):
+            continue
+        lines.append(
+            f"`{result['label']}` ({advice['source']}) chose `{result['forward']}` / `{result['backward']}`: "
+            f"predicted {advice['predicted_step_seconds']:.3f} s a step, measured "
+            f"{result['step_seconds']:.3f}; none predicted {advice['baseline_step_seconds']:.3f}, measured "
+            f"{results[0]['step_seconds']:.3f}."
+        )
+    return lines
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -221,6 +246,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['step_seconds']:.3f} | {r['speedup']:.1f}x | {f'{model:.3f}' if model else '-'} | "
             f"{r['submission_to_last_step_seconds']:.0f} s |"
         )
+    lines += ["", *advice_lines(report["rows"])]
     lines += ["", "Checks: " + ("; ".join(report["failures"]) if report["failures"] else "all passed.")]
     return "\n".join(lines) + "\n"
 

@@ -16,6 +16,7 @@ from rich.markup import escape
 from nebula_common.cli.console import new_console, print_error
 from nebula_common.pki.fingerprint import parse_fingerprint
 from nebula_common.pki.identity import KNOWN_ROLES, validate_cluster_id
+from nebula_common.pki.lifecycle import issue_leaf, renew_switch_certificate, revoke_certificate
 from nebula_common.pki.pins import PinnedCa
 from nebula_common.pki.store import (
     ClusterPaths,
@@ -24,10 +25,7 @@ from nebula_common.pki.store import (
     add_trust,
     init_cluster,
     init_pki,
-    issue_leaf,
     remove_trust,
-    renew_switch_certificate,
-    revoke_certificate,
 )
 from nebula_common.pki.trust import export_ca, list_trust
 

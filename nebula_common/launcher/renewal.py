@@ -23,8 +23,9 @@ from pathlib import Path
 
 from cryptography import x509
 
+from nebula_common.pki.lifecycle import renew_switch_certificate
 from nebula_common.pki.service_identity import ensure_service_certificates, mirror_crl, renewal_due
-from nebula_common.pki.store import ClusterPaths, renew_switch_certificate
+from nebula_common.pki.store import ClusterPaths
 
 log = logging.getLogger(__name__)
 

@@ -33,15 +33,8 @@ from nebula_common.audit import open_service_audit
 from nebula_common.durable import atomic_write
 from nebula_common.pki.ca import issue_certificate
 from nebula_common.pki.identity import Identity, identity_from_certificate
-from nebula_common.pki.store import (
-    ClusterPaths,
-    PkiError,
-    _cert_pem,
-    _exclusive,
-    _key_pem,
-    _read_cert,
-    _read_key,
-)
+from nebula_common.pki.layout import ClusterPaths, PkiError, cert_pem, key_pem, read_cert, read_key
+from nebula_common.pki.store import exclusive
 
 __all__ = [
     "DEFAULT_SERVICE_VALIDITY",
@@ -132,13 +125,13 @@ def _usable(
 ) -> bool:
     """Whether ``files`` hold a matching, CA-issued, not-yet-due, not revoked leaf for ``identity``."""
     try:
-        cert, key = _read_cert(files.cert), _read_key(files.key)
+        cert, key = read_cert(files.cert), read_key(files.key)
         cert.verify_directly_issued_by(ca_cert)
         if identity_from_certificate(cert) != identity or key.public_key() != cert.public_key():
             return False
         if cert.serial_number in revoked:  # `nebula pki revoke`: the next start/pki-init issues a new one
             return False
-        return files.ca.read_bytes() == _cert_pem(ca_cert) and not renewal_due(cert)
+        return files.ca.read_bytes() == cert_pem(ca_cert) and not renewal_due(cert)
     except (PkiError, OSError, ValueError, TypeError, InvalidSignature):
         return False
 
@@ -149,9 +142,9 @@ def _write(
     """CA first, then key, then certificate: a reader between the last two sees a mismatched pair,
     which the server-side loader refuses until the certificate follows (never a torn pair)."""
     files.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    atomic_write(files.ca, _cert_pem(ca_cert), mode=0o644)
-    atomic_write(files.key, _key_pem(key), mode=0o600)
-    atomic_write(files.cert, _cert_pem(cert), mode=0o644)
+    atomic_write(files.ca, cert_pem(ca_cert), mode=0o644)
+    atomic_write(files.key, key_pem(key), mode=0o600)
+    atomic_write(files.cert, cert_pem(cert), mode=0o644)
 
 
 def _audit(paths: ClusterPaths, event: str, cert: x509.Certificate, by: str) -> None:
@@ -196,8 +189,8 @@ def issue_service_certificate(
     _check_service(service)
     paths = ClusterPaths.for_cluster(Path(pki_root), cluster_id)
     files = ServiceTlsFiles.in_dir(service_tls_dir(pki_root, cluster_id, service))
-    with _exclusive(Path(pki_root)):
-        ca_cert, ca_key = _read_cert(paths.ca_cert), _read_key(paths.ca_key)
+    with exclusive(Path(pki_root)):
+        ca_cert, ca_key = read_cert(paths.ca_cert), read_key(paths.ca_key)
         cert = issue_from_ca(ca_cert, ca_key, files, Identity(cluster_id, service), validity=validity)
     _audit(paths, "cert.issue", cert, by)
     return files
@@ -222,8 +215,8 @@ def ensure_service_certificates(
     paths = ClusterPaths.for_cluster(Path(pki_root), cluster_id)
     result: dict[str, ServiceTlsFiles] = {}
     issued: list[x509.Certificate] = []
-    with _exclusive(Path(pki_root)):
-        ca_cert, ca_key = _read_cert(paths.ca_cert), _read_key(paths.ca_key)
+    with exclusive(Path(pki_root)):
+        ca_cert, ca_key = read_cert(paths.ca_cert), read_key(paths.ca_key)
         revoked = _revoked_serials(paths.crl, ca_cert)
         for service in services:
             files = ServiceTlsFiles.in_dir(service_tls_dir(pki_root, cluster_id, service))

@@ -23,7 +23,7 @@ import yaml
 
 from nebula_common.launcher import LocalDeployment
 from nebula_common.launcher.monitoring import described_targets
-from nebula_common.pki.store import renew_switch_certificate
+from nebula_common.pki.lifecycle import renew_switch_certificate
 from tests.integration.test_link_loss import restore_wan
 from tests.support.prometheus import REQUIRE_ENV, Prometheus, prometheus_binary, running_prometheus
 

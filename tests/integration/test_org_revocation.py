@@ -29,7 +29,8 @@ from typer.testing import CliRunner
 
 from nebula_common.cli.pki import app as pki_app
 from nebula_common.pki import ClusterPaths, Identity, channel_credentials_from_files, channel_options
-from nebula_common.pki.store import init_cluster, issue_leaf
+from nebula_common.pki.lifecycle import issue_leaf
+from nebula_common.pki.store import init_cluster
 from nebula_common.proto.nebula.v1 import trust_pb2_grpc
 from services.switch.config import SwitchSettings
 from tests.support.accounts import auth_settings

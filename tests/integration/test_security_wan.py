@@ -29,7 +29,7 @@ from nebula_common.cli.app import app
 from nebula_common.launcher import LocalDeployment
 from nebula_common.metrics import read_metrics
 from nebula_common.pki import Identity, channel_options, create_ca, issue_certificate, load_layout
-from nebula_common.pki.store import renew_switch_certificate
+from nebula_common.pki.lifecycle import renew_switch_certificate
 from nebula_common.proto.nebula.v1 import (
     audit_pb2,
     audit_pb2_grpc,

@@ -22,7 +22,7 @@ import pytest
 from nebula_common.launcher import LocalDeployment
 from nebula_common.launcher.service_box import filter_missing, unavailable
 from nebula_common.launcher.userns import TRAINER_UID
-from nebula_common.pki.store import renew_switch_certificate
+from nebula_common.pki.lifecycle import renew_switch_certificate
 
 pytestmark = pytest.mark.integration
 

@@ -31,7 +31,7 @@ from nebula_common.cli import job as job_cli
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.errors import NebulaError
 from nebula_common.pki import PkiLayout, init_pki
-from nebula_common.pki.store import revoke_certificate
+from nebula_common.pki.lifecycle import revoke_certificate
 from nebula_common.proto.nebula.v1 import relay_pb2, relay_pb2_grpc
 from nebula_common.rpc import bearer_metadata
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION

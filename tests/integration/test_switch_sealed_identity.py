@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
 from nebula_common.pki import Identity, PkiLayout, init_pki, issue_certificate
-from nebula_common.pki.store import revoke_certificate
+from nebula_common.pki.lifecycle import revoke_certificate
 from nebula_common.proto.nebula.v1 import link_pb2
 from nebula_common.rpc.exporter_tls import openssl_context
 from services.switch.link_handshake import PROTOCOL_VERSION, HandshakeError

@@ -519,7 +519,7 @@ def test_pki_init_rerun_after_a_revocation_hands_every_service_the_new_crl(tmp_p
     """`nebula pki revoke`, then pki-init again: every service's crl.pem lists the serial, CA-signed."""
     from cryptography import x509
 
-    from nebula_common.pki.store import revoke_certificate
+    from nebula_common.pki.lifecycle import revoke_certificate
 
     init_pki(tmp_path / "pki", ["a", "b"])
     out = tmp_path / "export"

@@ -18,8 +18,8 @@ from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nebula_common.pki import PkiLayout, init_pki
+from nebula_common.pki.lifecycle import issue_leaf, revoke_certificate
 from nebula_common.pki.service_identity import ServiceTlsFiles, ensure_service_certificates
-from nebula_common.pki.store import issue_leaf, revoke_certificate
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
 from nebula_common.rpc import internal_tls
 from nebula_common.rpc.internal_tls import (

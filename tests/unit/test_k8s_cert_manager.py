@@ -32,7 +32,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from cryptography.x509.verification import PolicyBuilder, Store
 
 from nebula_common.pki import Identity, identity_from_certificate
-from nebula_common.pki.store import _read_key, init_cluster
+from nebula_common.pki.layout import read_key
+from nebula_common.pki.store import init_cluster
 from services.switch.config import SwitchSettings
 from tests.support import k8s_schemas
 
@@ -328,7 +329,7 @@ def test_org_overlay_renders_issuer_certificate_and_a_switch_reading_them(
             ),
             critical=False,
         )
-        .sign(_read_key(paths.ca_key), hashes.SHA256())
+        .sign(read_key(paths.ca_key), hashes.SHA256())
     )
     assert identity_from_certificate(leaf) == identity
     verifier = PolicyBuilder().store(Store([ca])).build_server_verifier(x509.DNSName(identity.dns_name))

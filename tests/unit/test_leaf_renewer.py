@@ -18,8 +18,8 @@ from prometheus_client import REGISTRY
 
 from nebula_common.launcher.renewal import LeafRenewer
 from nebula_common.pki import init_pki
+from nebula_common.pki.lifecycle import renew_switch_certificate
 from nebula_common.pki.service_identity import LAUNCHED_IDENTITIES, ensure_service_certificates
-from nebula_common.pki.store import renew_switch_certificate
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
 from nebula_common.rpc.internal_tls import ClientTls, internal_channel, set_process_client_tls
 from nebula_common.service import identity as service_identity_runtime

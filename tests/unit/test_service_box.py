@@ -26,8 +26,8 @@ from nebula_common.launcher.renewal import LeafRenewer
 from nebula_common.launcher.service_box import REQUIRE_ENV, ServiceBox, filter_missing, unavailable
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor, describe_exit
 from nebula_common.pki import init_pki
+from nebula_common.pki.lifecycle import revoke_certificate
 from nebula_common.pki.service_identity import ensure_service_certificates, mirror_crl
-from nebula_common.pki.store import revoke_certificate
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)

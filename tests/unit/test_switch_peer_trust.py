@@ -17,15 +17,10 @@ from cryptography.hazmat.primitives import serialization
 
 from nebula_common.pki import Identity, issue_certificate
 from nebula_common.pki.crl import CrlError, build_crl, key_id, load_crl_for
+from nebula_common.pki.layout import read_key
+from nebula_common.pki.lifecycle import revoke_certificate
 from nebula_common.pki.pins import load_pinned, pinned_pem
-from nebula_common.pki.store import (
-    ClusterPaths,
-    _read_key,
-    add_trust,
-    init_cluster,
-    remove_trust,
-    revoke_certificate,
-)
+from nebula_common.pki.store import ClusterPaths, add_trust, init_cluster, remove_trust
 from nebula_common.pki.trust import list_trust
 from services.switch.peer_trust import PEER_CRL_STALE, PeerTrust
 from tests.support.rogue_ca import pem as rogue_pem
@@ -110,7 +105,7 @@ def test_a_stale_crl_is_an_alarm_and_fails_closed_only_by_setting(
     orgs: tuple[ClusterPaths, ClusterPaths], tmp_path: Path
 ) -> None:
     a, b = orgs
-    b_ca, b_key = _cert(b.ca_cert), _read_key(b.ca_key)
+    b_ca, b_key = _cert(b.ca_cert), read_key(b.ca_key)
     short = _pem(build_crl(b_ca, b_key, {}, number=5, validity=timedelta(minutes=10)))
     later = datetime.now(UTC) + timedelta(hours=1)
     b_switch = _cert(b.switch_cert)
@@ -197,7 +192,7 @@ def test_a_crl_number_never_repeats_with_other_contents(
     orgs: tuple[ClusterPaths, ClusterPaths], tmp_path: Path
 ) -> None:
     a, b = orgs
-    b_ca, b_key = _cert(b.ca_cert), _read_key(b.ca_key)
+    b_ca, b_key = _cert(b.ca_cert), read_key(b.ca_key)
     trust = _trust(a, tmp_path)
     five = _pem(build_crl(b_ca, b_key, {0x5: datetime.now(UTC)}, number=5))
     assert trust.apply(five, source="link") is not None

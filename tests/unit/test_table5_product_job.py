@@ -111,8 +111,11 @@ def test_the_benchmark_fails_a_padded_none_a_failed_job_and_a_slower_row() -> No
     sys.path.insert(0, str(ROOT / "bench" / "table5"))
     import product
 
-    def row(label: str, seconds: float, sent: float, ok: bool = True) -> dict[str, Any]:
+    def row(
+        label: str, seconds: float, sent: float, ok: bool = True, predicted: float = 0.0
+    ) -> dict[str, Any]:
         return {
+            "advice": {"predicted_step_seconds": predicted} if predicted else {},
             "label": label,
             "succeeded": ok,
             "messages": {} if ok else {"decoder": "FAILED: out of memory"},
@@ -121,12 +124,19 @@ def test_the_benchmark_fails_a_padded_none_a_failed_job_and_a_slower_row() -> No
             "wan_bytes_per_step": sent,
         }
 
-    good = [row("none", 2.0, 200_000), row("FP16+INT8", 0.8, 80_000)]
+    good = [row("none", 2.0, 200_000), row("FP16+INT8", 0.8, 80_000), row("auto", 0.5, 5e4, predicted=0.45)]
     product._speedups(good)
     assert product.failures(good, raw_step_bytes=800_000) == []
-    padded = [row("none", 2.0, 700_000), row("ZSTD(INT8) both", 2.1, 90_000), row("auto", 1.0, 1, ok=False)]
+    padded = [
+        row("none", 2.0, 700_000),
+        row("ZSTD(INT8) both", 2.1, 90_000),
+        row("auto", 1.0, 1, ok=False),
+        row("auto ", 0.5, 5e4, predicted=0.3),
+    ]
     product._speedups(padded)
     found = product.failures(padded, raw_step_bytes=800_000)
     assert any("auto: the job did not succeed" in f and "out of memory" in f for f in found)
     assert any("padding crosses the link" in f for f in found)
     assert any(f.startswith("ZSTD(INT8) both: 0.95x") for f in found)
+    assert any("auto predicted 0.300 s a step, measured 0.500 (more than 25% off)" in f for f in found)
+    assert len(found) == 4
