@@ -70,12 +70,14 @@ FULL_ROWS = (
     Row("EF(TOPK(0.1)) both", "ef(fp16(topk(0.1)))", "ef(fp16(topk(0.1)))"),
     Row("ZSTD(FP16)+ZSTD(INT8)", "zstd(fp16)", "zstd(int8)"),
     Row("ZSTD(INT8) both", "zstd(int8)", "zstd(int8)"),
+    Row("INT4 both", "int4", "int4"),
+    Row("ZSTD(INT4) both", "zstd(int4)", "zstd(int4)"),
     Row("BOTTLENECK(16,AE)+INT8", "int8", "int8", cut_k=16, **CALIBRATED),
     Row("BOTTLENECK(48)+ZSTD(INT8)", "zstd(int8)", "zstd(int8)", cut_k=48),
 )
-"""The full plan's rows: the paper's, lossless zstd over int8 (it takes out the padding rows), and the learned
-bottleneck at 16x both ways (k = 16 calibrated, with int8; the linear start's k = 16 row, 2.2 BLEU short,
-is in EXTRA_ROWS) and with zstd (k = 48). Two shards take the rows alternately:
+"""The full plan's rows: the paper's, lossless zstd over int8, blockwise int4 (alone and under zstd), and
+the learned bottleneck at 16x both ways (k = 16 calibrated, with int8; the linear start's k = 16 row, 2.2
+BLEU short, is in EXTRA_ROWS) and with zstd (k = 48). Two shards take the rows alternately:
 shard 0 also runs the advisor and shard 1 the Figure 10 row's extra runs, so the row count keeps them even."""
 EXTRA_ROWS = (
     Row("BOTTLENECK(16)+INT8", "int8", "int8", cut_k=16),
@@ -118,7 +120,7 @@ adapters and the decoder's output layer at 3e-4 (the bottleneck's projections at
 sentence pairs a step, with its codecs in the loop (on dev, seed 0: none 21.64 BLEU at 64 pairs a step,
 21.86 at 128 for half as much CPU again)."""
 FULL = {"seeds": 5, "steps": 300, "eval_pairs": None, "advisor_steps": 90, "model": FULL_MODEL}
-"""13 rows x 5 seeds + Figure 10's 2 starts x 2 seeds = 69 runs of ~150 CPU s (300 steps of ~310 ms and the
+"""15 rows x 5 seeds + Figure 10's 2 starts x 2 seeds = 79 runs of ~150 CPU s (300 steps of ~310 ms and the
 greedy decoding of 3,750 test pairs), the advisor's trials (~200 CPU s) and the link clock (~1 min), over 2
 shards: about 90 minutes on 2 idle cores (docs/bench/table5.md); preparation once, cached after."""
 FIGURE10_SEEDS = 2
