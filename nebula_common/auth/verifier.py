@@ -18,7 +18,6 @@ waits on the network except for the rate-limited refetch on an unknown key id.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -31,15 +30,22 @@ from typing import Any
 import grpc
 import jwt
 
+from nebula_common.auth.key_source import (
+    ALGORITHM,
+    FETCH_TIMEOUT_SECONDS,
+    ISSUER_PREFIX,
+    AuthKeySource,
+    KeySnapshot,
+    Revocation,
+    fetch_error,
+    issuer_for,
+    parse_jwks,
+)
 from nebula_common.errors import AuthenticationError, NebulaError
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
 from nebula_common.rpc.internal_tls import ClientTls, internal_channel
 
-ALGORITHM = "ES256"
-"""The only signature algorithm tokens may use; pinned so header tricks cannot pick another."""
-
 AUDIENCE = "nebula"
-ISSUER_PREFIX = "nebula-auth/"
 LEEWAY_SECONDS = 30
 """Clock skew tolerated on exp/nbf/iat: the clusters' clocks are not perfectly in sync."""
 
@@ -51,20 +57,12 @@ BACKGROUND_REFRESH_SECONDS = 2.0
 """How often a verifier built from the auth service refetches keys and revocations: the bound on
 how long a disabled account's token keeps working (plus one fetch), at one small call per period."""
 
-FETCH_TIMEOUT_SECONDS = 2.0
-"""Deadline of one refetch, so a hung auth service cannot pile up work in the refresh thread."""
-
 JOB_ROLE = "job"
 """The role claim of a job token: never an account's role, so no role check can mistake it for one."""
 
 REQUIRED_CLAIMS = ("iss", "aud", "sub", "role", "cluster", "iat", "nbf", "exp", "jti")
 
 log = logging.getLogger(__name__)
-
-
-def issuer_for(cluster_id: str) -> str:
-    """The ``iss`` claim the auth service of ``cluster_id`` puts in its tokens."""
-    return ISSUER_PREFIX + cluster_id
 
 
 @dataclass(frozen=True)
@@ -85,34 +83,6 @@ class Principal:
     expires_at: float = field(default=0.0, compare=False)
     """The token's ``exp`` (Unix seconds): a live edge opened with it ends once every service refuses
     it (``exp`` plus :data:`LEEWAY_SECONDS`) unless its trainer renewed it (``Relay/RenewEdges``)."""
-
-
-@dataclass(frozen=True)
-class Revocation:
-    """Tokens of one account whose ``iat`` is before ``not_before_ms`` are refused, saying ``reason``."""
-
-    not_before_ms: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class KeySnapshot:
-    """One GetSigningKeys answer: the key set plus the revocations in force at ``revocation_epoch``."""
-
-    jwks_json: str
-    revocation_epoch: int = 0
-    revocations: Mapping[str, Revocation] = field(default_factory=dict)
-
-    @classmethod
-    def from_reply(cls, reply: auth_pb2.SigningKeys) -> KeySnapshot:
-        revocations: dict[str, Revocation] = {}
-        for entry in reply.revocations:
-            if not entry.username:
-                raise ValueError("token revocation without a username")
-            revocations[entry.username] = Revocation(
-                int(entry.not_before_ms), entry.reason or "token revoked"
-            )
-        return cls(str(reply.jwks_json), int(reply.revocation_epoch), revocations)
 
 
 @dataclass(frozen=True)
@@ -142,7 +112,7 @@ class TokenVerifier:
         self._cluster_id = issuer_cluster_id
         self._issuer = issuer_for(issuer_cluster_id)
         self._state = _State(
-            _parse_jwks(jwks_json), revocation_epoch, MappingProxyType(dict(revocations or {}))
+            parse_jwks(jwks_json), revocation_epoch, MappingProxyType(dict(revocations or {}))
         )
         self._refresh = refresh
         self._refresh_interval_s = refresh_interval_s
@@ -160,7 +130,7 @@ class TokenVerifier:
         A snapshot older than the revocations already enforced (lower epoch) is refused with
         ValueError: it would make revoked tokens valid again.
         """
-        keys = _parse_jwks(snapshot.jwks_json)
+        keys = parse_jwks(snapshot.jwks_json)
         with self._refresh_lock:
             current = self._state
             if snapshot.revocation_epoch < current.epoch:
@@ -280,7 +250,7 @@ class TokenVerifier:
                     auth_pb2.GetSigningKeysRequest(), timeout=timeout, wait_for_ready=True
                 )
             except grpc.RpcError as exc:
-                raise _fetch_error(address, exc) from exc
+                raise fetch_error(address, exc) from exc
         finally:
             channel.close()
         return cls._from_reply(address, cluster_id, reply, tls)
@@ -303,7 +273,7 @@ class TokenVerifier:
                     auth_pb2.GetSigningKeysRequest(), timeout=timeout, wait_for_ready=True
                 )
             except grpc.RpcError as exc:
-                raise _fetch_error(address, exc) from exc
+                raise fetch_error(address, exc) from exc
         finally:
             await channel.close()
         return cls._from_reply(address, cluster_id, reply, tls)
@@ -431,73 +401,3 @@ class TokenVerifier:
             issued_at=float(issued) if isinstance(issued, int | float) else 0.0,
             expires_at=float(expires) if isinstance(expires, int | float) else 0.0,
         )
-
-
-def _parse_jwks(jwks_json: str) -> dict[str, jwt.PyJWK]:
-    """Index the ES256 keys of a JWK set by kid; anything else in it is an error, not ignored."""
-    try:
-        document = json.loads(jwks_json)
-    except (TypeError, ValueError) as exc:
-        raise ValueError("signing keys are not valid JSON") from exc
-    entries = document.get("keys") if isinstance(document, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise ValueError("signing keys must be a JWK set with at least one key")
-    keys: dict[str, jwt.PyJWK] = {}
-    for entry in entries:
-        if not isinstance(entry, dict):
-            raise ValueError("signing key entry is not an object")
-        kid = entry.get("kid")
-        if not isinstance(kid, str) or not kid:
-            raise ValueError("signing key has no kid")
-        if entry.get("kty") != "EC" or entry.get("crv") != "P-256":
-            raise ValueError(f"signing key {kid!r} is not an EC P-256 key")
-        if entry.get("alg", ALGORITHM) != ALGORITHM:
-            raise ValueError(f"signing key {kid!r} is for {entry.get('alg')!r}, expected {ALGORITHM}")
-        if "d" in entry:
-            raise ValueError(f"signing key {kid!r} contains private key material")
-        try:
-            keys[kid] = jwt.PyJWK(entry, algorithm=ALGORITHM)
-        except jwt.PyJWTError as exc:
-            raise ValueError(f"signing key {kid!r} is invalid: {exc}") from exc
-    return keys
-
-
-class AuthKeySource:
-    """Fetches keys and revocations from one auth service over a channel kept open between polls.
-
-    Blocking; used from the verifier's refresh thread and (rate-limited) from ``verify`` on an
-    unknown key id. Each call has a short deadline so an unreachable service costs at most that.
-    """
-
-    def __init__(self, address: str, cluster_id: str, *, tls: ClientTls | None = None) -> None:
-        self._address = address
-        self._cluster_id = cluster_id
-        self._tls = tls
-        self._channel = internal_channel(address, service="auth", tls=tls)
-        self._stub = auth_pb2_grpc.AuthStub(self._channel)
-
-    def __call__(self) -> KeySnapshot:
-        try:
-            reply = self._stub.GetSigningKeys(auth_pb2.GetSigningKeysRequest(), timeout=FETCH_TIMEOUT_SECONDS)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                # A new channel presents the certificate on disk now (the old one keeps the
-                # credentials it was built with, which a renewal has since replaced).
-                self._channel.close()
-                self._channel = internal_channel(self._address, service="auth", tls=self._tls)
-                self._stub = auth_pb2_grpc.AuthStub(self._channel)
-            raise _fetch_error(self._address, exc) from exc
-        if reply.issuer != issuer_for(self._cluster_id):
-            raise NebulaError(f"auth service at {self._address} now issues as {reply.issuer!r}")
-        return KeySnapshot.from_reply(reply)
-
-    def close(self) -> None:
-        self._channel.close()
-
-
-def _fetch_error(address: str, exc: grpc.RpcError) -> NebulaError:
-    # Sync errors are grpc.Call instances, aio ones are AioRpcError; both have code()/details().
-    code = exc.code() if isinstance(exc, grpc.Call | grpc.aio.AioRpcError) else None
-    details = exc.details() if isinstance(exc, grpc.Call | grpc.aio.AioRpcError) else str(exc)
-    name = code.name if code is not None else "error"
-    return NebulaError(f"could not fetch signing keys from auth service at {address}: {name}: {details}")

@@ -23,14 +23,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from jwt.algorithms import ECAlgorithm
 
-from nebula_common.auth.verifier import (
-    ALGORITHM,
-    AUDIENCE,
-    JOB_ROLE,
-    LEEWAY_SECONDS,
-    TokenVerifier,
-    issuer_for,
-)
+from nebula_common.auth.key_source import ALGORITHM, issuer_for
+from nebula_common.auth.verifier import AUDIENCE, JOB_ROLE, LEEWAY_SECONDS, TokenVerifier
 from nebula_common.durable import atomic_write, create_new
 
 logger = logging.getLogger(__name__)
