@@ -20,9 +20,10 @@ import typer
 from nebula_common.cli.console import new_console
 from nebula_common.errors import NebulaError
 from nebula_common.launcher import LocalDeployment
-from nebula_common.launcher.local import CLUSTER_IDS, MAX_CLUSTERS, running_deployment_pid
+from nebula_common.launcher.local import CLUSTER_IDS, MAX_CLUSTERS
 from nebula_common.launcher.organisation import ClusterDeployment
 from nebula_common.launcher.process import ServiceStartError
+from nebula_common.launcher.run_dir import running_deployment_pid
 from nebula_common.launcher.supervisor import RestartPolicy
 from nebula_common.sdk.deployment import ENDPOINTS, DeploymentTarget, write_endpoints_file
 

@@ -32,7 +32,6 @@ same ports (``nebula_common/launcher/supervisor.py``).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import secrets
@@ -45,7 +44,6 @@ from typing import IO, Any
 
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.durable import atomic_write
-from nebula_common.errors import NebulaError
 from nebula_common.launcher import service_box
 from nebula_common.launcher.cluster import (
     BIND_ATTEMPTS,
@@ -60,6 +58,7 @@ from nebula_common.launcher.cluster import (
 from nebula_common.launcher.ports import service_port
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command
 from nebula_common.launcher.renewal import LeafRenewer
+from nebula_common.launcher.run_dir import LocalDeploymentError, check_run_dir, lock_run_dir
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor
 from nebula_common.pki import init_pki
 from nebula_common.pki.service_identity import MONITORING_ROLE, ensure_service_certificates
@@ -68,98 +67,10 @@ from nebula_common.rpc.internal_tls import PLAINTEXT_ENV, plaintext_allowed
 from nebula_common.wan.control import WanControl
 
 LOOPBACK = "127.0.0.1"
-LOCK_FILE = ".nebula-local.lock"
 CONTROL_TOKEN_FILE = "wan-control-token"
-_SQLITE_MAGIC = b"SQLite format 3\x00"
 CLUSTER_IDS = "abcdefgh"
 """Cluster ids of ``nebula local up --clusters N``: the first N letters."""
 MAX_CLUSTERS = len(CLUSTER_IDS)
-
-
-class LocalDeploymentError(NebulaError):
-    pass
-
-
-def check_run_dir(run_dir: Path, clusters: tuple[str, ...]) -> dict[str, str | None]:
-    """Check an existing run directory before anything is started or written.
-
-    Returns each cluster's admin password to reuse (None: none yet, a new one is made). Raises
-    LocalDeploymentError naming the file when the directory is partial or corrupt, e.g. an account
-    database whose admin password file is gone (a new password would not match the stored hash).
-    """
-    if run_dir.exists() and not run_dir.is_dir():
-        raise LocalDeploymentError(f"run directory {run_dir} exists and is not a directory")
-    passwords: dict[str, str | None] = {}
-    for cluster in clusters:
-        password_file = run_dir / cluster / "admin-password"
-        database = run_dir / cluster / "auth" / "accounts.db"
-        if database.exists():
-            try:
-                with database.open("rb") as db:
-                    head = db.read(len(_SQLITE_MAGIC))
-            except OSError as exc:
-                raise LocalDeploymentError(f"cannot read {database}: {exc.strerror or exc}") from None
-            if head and head != _SQLITE_MAGIC:
-                raise LocalDeploymentError(
-                    f"{database} is not a SQLite database (corrupt run directory); "
-                    "restore it from a backup or start in a new --run-dir"
-                )
-        if password_file.exists() or password_file.is_symlink():
-            if not password_file.is_file():
-                raise LocalDeploymentError(f"{password_file} is not a regular file")
-            try:
-                password = password_file.read_text(encoding="utf-8").strip()
-            except (OSError, UnicodeDecodeError) as exc:
-                raise LocalDeploymentError(f"cannot read {password_file}: {exc}") from None
-            if not password:
-                raise LocalDeploymentError(
-                    f"{password_file} is empty; the admin's password is lost. Restore the file or start "
-                    "in a new --run-dir (nothing was changed)"
-                )
-            passwords[cluster] = password
-        elif database.exists():
-            raise LocalDeploymentError(
-                f"{password_file} is missing but cluster {cluster!r} already has accounts ({database}); "
-                "a new admin password would not match the stored one. Restore the file or start in a "
-                "new --run-dir (nothing was changed)"
-            )
-        else:
-            passwords[cluster] = None
-    return passwords
-
-
-def _lock_run_dir(run_dir: Path) -> IO[str]:
-    """Hold an exclusive lock on the run directory for the deployment's life (one `up` per dir)."""
-    handle = (run_dir / LOCK_FILE).open("a+", encoding="utf-8")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "unknown"
-        handle.close()
-        raise LocalDeploymentError(
-            f"run directory {run_dir} is in use by another deployment (pid {holder}); stop it first"
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
-    return handle
-
-
-def running_deployment_pid(run_dir: Path) -> int | None:
-    """The pid of the `nebula local up` holding ``run_dir``'s lock, or None if none holds it."""
-    path = run_dir / LOCK_FILE
-    if not path.exists():
-        return None
-    with path.open("r", encoding="utf-8") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            text = handle.read().strip()
-            return int(text) if text.isdigit() else None
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        return None
 
 
 def _listening(port: int) -> bool:
@@ -244,7 +155,7 @@ class LocalDeployment:
         self._passwords = check_run_dir(self.run_dir, self.clusters)
         self._boxed = service_box.boxes_enabled()  # before anything is written
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = _lock_run_dir(self.run_dir)
+        self._lock = lock_run_dir(self.run_dir)
         try:
             self._passwords = check_run_dir(self.run_dir, self.clusters)  # again, now under the lock
             self.log_dir.mkdir(exist_ok=True)

@@ -36,8 +36,8 @@ from nebula_common.launcher.cluster import (
     cluster_endpoints,
     parse_host_port,
 )
-from nebula_common.launcher.local import _lock_run_dir, check_run_dir
 from nebula_common.launcher.renewal import LeafRenewer
+from nebula_common.launcher.run_dir import check_run_dir, lock_run_dir
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor
 from nebula_common.pki.service_identity import MONITORING_ROLE, service_tls_dir
 from nebula_common.pki.store import ClusterPaths, PkiError, load_layout
@@ -120,7 +120,7 @@ class ClusterDeployment:
         passwords = check_run_dir(self.run_dir, (self.cluster,))
         self._boxed = boxed = service_box.boxes_enabled()  # before anything is written
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._lock = _lock_run_dir(self.run_dir)
+        self._lock = lock_run_dir(self.run_dir)
         self.log_dir.mkdir(exist_ok=True)
         # Every internal port serves mutual TLS with identities from this organisation's own CA.
         launcher = ClusterLauncher(

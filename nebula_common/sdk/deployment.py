@@ -39,7 +39,7 @@ from typing import Any
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.durable import atomic_write
 from nebula_common.errors import NebulaError
-from nebula_common.launcher.local import running_deployment_pid
+from nebula_common.launcher.run_dir import running_deployment_pid
 from nebula_common.metrics import metrics_url, trust_metrics_endpoint
 from nebula_common.pki.service_identity import ServiceTlsFiles
 from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint

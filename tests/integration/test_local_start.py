@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from nebula_common.launcher import LocalDeployment
-from nebula_common.launcher.local import running_deployment_pid
 from nebula_common.launcher.process import ServiceStartError
+from nebula_common.launcher.run_dir import running_deployment_pid
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -1,6 +1,6 @@
 """`nebula local status|down` name the command holding the run directory (`local up` or `cluster up`).
 
-A real child process holds the run directory's lock (the launcher's own ``_lock_run_dir``) and writes
+A real child process holds the run directory's lock (the launcher's own ``lock_run_dir``) and writes
 a deployment.json the way ``nebula cluster up`` does; the CLI commands run in this process.
 """
 
@@ -19,18 +19,18 @@ import pytest
 from typer.testing import CliRunner
 
 from nebula_common.cli.local import app
-from nebula_common.launcher.local import running_deployment_pid
+from nebula_common.launcher.run_dir import running_deployment_pid
 
 pytestmark = pytest.mark.timeout(60)
 
 HOLDER = """
 import json, os, signal, sys, time
 from pathlib import Path
-from nebula_common.launcher.local import _lock_run_dir
+from nebula_common.launcher.run_dir import lock_run_dir
 run_dir = Path(sys.argv[1])
 if sys.argv[3] == "ignore-term":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-lock = _lock_run_dir(run_dir)
+lock = lock_run_dir(run_dir)
 command = {"name": sys.argv[2], "pid": os.getpid()}
 (run_dir / "deployment.json").write_text(json.dumps({"command": command, "clusters": {}}))
 print("ready", flush=True)

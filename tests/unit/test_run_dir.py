@@ -10,11 +10,11 @@ import pytest
 from typer.testing import CliRunner
 
 from nebula_common.cli.app import app
-from nebula_common.launcher.local import (
+from nebula_common.launcher.run_dir import (
     LOCK_FILE,
     LocalDeploymentError,
-    _lock_run_dir,
     check_run_dir,
+    lock_run_dir,
 )
 from nebula_common.pki import init_pki
 
@@ -89,11 +89,11 @@ def test_a_partial_pki_is_refused_with_its_reason(tmp_path: Path) -> None:
 
 def test_one_deployment_per_run_dir(tmp_path: Path) -> None:
     run = existing_run(tmp_path)
-    held = _lock_run_dir(run)
+    held = lock_run_dir(run)
     try:
         result = CliRunner().invoke(app, ["local", "up", "--run-dir", str(run)])
         assert result.exit_code == 1
         assert "is in use by another deployment" in result.output
     finally:
         held.close()
-    _lock_run_dir(run).close()  # released: the next one gets it
+    lock_run_dir(run).close()  # released: the next one gets it
