@@ -161,7 +161,9 @@ def run_row(
         "losses": summary.losses,
         "wan_bytes_per_step": sent / max(summary.steps_done, 1),
         "submission_to_last_step_seconds": seconds,
-        "advice": {k: choice.get(k) for k in ("source", "predicted_step_seconds", "baseline_step_seconds")},
+        "advice": {
+            k: choice.get(k) for k in ("source", "predicted_step_seconds", "baseline_step_seconds", "link")
+        },
     }
     print(
         json.dumps(

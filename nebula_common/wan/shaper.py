@@ -37,6 +37,10 @@ from collections.abc import Callable
 from nebula_common.wan.shape import QUEUE_BYTES, LinkShape
 
 CHUNK_BYTES = 16 * 1024
+PIECE_SECONDS = 0.01
+"""Link time of the pieces a chunk is delivered in: a slow link's bytes arrive as they are serialised
+(a 16 KiB chunk is 0.9 s at 0.15 Mbit/s; delivered whole, four small messages read together would
+arrive together), at no more than about 100 deliveries a second per direction."""
 # Reno's initial window (RFC 6928: 10 segments).
 _INITIAL_WINDOW_SEGMENTS = 10
 
@@ -215,6 +219,10 @@ class AggregateLink:
         # the pacer slept start when the link became free, not when the pacer woke.
         self._lookahead_s = 2 * CHUNK_BYTES * 8 * self._seconds_per_bit
         self._delay_s = shape.delay_s
+        # Whole segments of about PIECE_SECONDS of link time: what a chunk is delivered in (below
+        # about 13 Mbit/s a 16 KiB chunk takes longer than that; faster, a chunk is one piece).
+        segments = int(PIECE_SECONDS * shape.bits_per_second / 8 / shape.wire_bytes(shape.mss))
+        self._piece_bytes = max(1, segments) * shape.mss
         self._clock = -math.inf  # when the link finishes what it has already been given
         self._turns: deque[Flow] = deque()  # flows with pending data, in turn order
         self._work = asyncio.Event()
@@ -314,9 +322,18 @@ class AggregateLink:
             flow.on_loss(now, rtt)
         self.wire_bytes += wire
         self._clock = start + wire * 8 * self._seconds_per_bit
-        # Tokens let a chunk pass at once, never before it arrived.
+        # A link delivers a chunk's bytes as they come off the wire, not all at its end: each piece
+        # leaves when its own segments have been serialised (tokens let it pass at once, never before
+        # the chunk arrived); a lost segment's retransmission delays the last piece, and every piece
+        # arrives ``late`` as fast retransmit holds the stream behind the hole.
+        clock, piece = start, self._piece_bytes
+        for offset in range(0, n - piece, piece):
+            clock += self.shape.wire_bytes(piece) * 8 * self._seconds_per_bit
+            part = chunk[offset : offset + piece]
+            flow.deliveries.put_nowait((max(clock, arrived) + self._delay_s + late, part))
+        tail = chunk[(n - 1) // piece * piece :] if n > piece else chunk
         deliver_at = max(self._clock, arrived) + self._delay_s + late
-        flow.deliveries.put_nowait((deliver_at, chunk))
+        flow.deliveries.put_nowait((deliver_at, tail))
         if flow.windowed:
             # The sender learns of delivery one propagation delay after it.
             loop.call_at(deliver_at + self._delay_s, flow.acked, n)

@@ -332,3 +332,39 @@ def test_a_connection_dropped_during_a_cut_does_not_stop_the_pacer_after_the_res
         pacer.cancel()
 
     asyncio.run(body())
+
+
+def test_a_slow_link_delivers_a_chunk_as_it_is_serialised_not_all_at_its_end() -> None:
+    # Four 4 KiB messages written at once fill one 16 KiB read of the emulator. A link passes them one
+    # after the other, a message's time apart (0.23 s each at 0.15 Mbit/s); delivered as one chunk they
+    # would all arrive at its end, and a probe timing them (services/switch/bandwidth.py) reads four
+    # times the link's rate.
+    shape = LinkShape(bandwidth_mbit=0.15, delay_ms=5.0)
+    message = 4096
+    ideal_gap = shape.wire_bytes(message) * 8 / shape.bits_per_second
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        arrivals: list[float] = []
+        done = asyncio.Event()
+
+        async def sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            for _ in range(4):
+                await reader.readexactly(message)
+                arrivals.append(loop.time())
+            done.set()
+
+        async with serve(sink) as target, WanEmulator("127.0.0.1", target, shape) as emu:
+            _, writer = await asyncio.open_connection("127.0.0.1", emu.port)
+            writer.write(os.urandom(4 * message))
+            await writer.drain()
+            await asyncio.wait_for(done.wait(), DEADLINE_S)
+            writer.close()
+        spread = arrivals[-1] - arrivals[0]
+        print(f"first to last of four messages: {spread:.3f} s (a link: {3 * ideal_gap:.3f} s)")
+        assert spread >= 1.5 * ideal_gap, (
+            f"four messages read as one chunk arrived within {spread:.3f} s of each other; "
+            f"the link serialises them {ideal_gap:.3f} s apart"
+        )
+
+    run(body())
