@@ -9,8 +9,9 @@ from typing import Annotated, Any
 
 import typer
 
+from nebula_common.wan.address import parse_address
 from nebula_common.wan.control import WanControl, WanControlError, control_attacher, read_token
-from nebula_common.wan.emulator import LinkShape, parse_address, run_emulator_forever
+from nebula_common.wan.emulator import LinkShape, run_emulator_forever
 
 app = typer.Typer(help="Emulated WAN link between two switches.", no_args_is_help=True)
 

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from nebula_common.errors import NebulaError
-from nebula_common.wan.emulator import WanEmulator, parse_address
+from nebula_common.wan.address import parse_address
+from nebula_common.wan.emulator import WanEmulator
 
 logger = logging.getLogger(__name__)
 

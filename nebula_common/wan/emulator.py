@@ -29,128 +29,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import itertools
 import logging
 import signal
-import socket
-import struct
 from collections.abc import Awaitable, Callable
 
+from nebula_common.wan.address import parse_address
+from nebula_common.wan.direction import Direction, reset, set_nodelay
 from nebula_common.wan.shape import LinkShape
-from nebula_common.wan.shaper import AggregateLink, Flow, LinkGate
+from nebula_common.wan.shaper import AggregateLink, LinkGate
 
-__all__ = ["LinkShape", "WanEmulator", "parse_address", "run_emulator_forever"]
+__all__ = ["LinkShape", "WanEmulator", "run_emulator_forever"]
 
 logger = logging.getLogger(__name__)
 
 _CONNECT_TIMEOUT_S = 10.0
-
-
-def parse_address(value: str, name: str = "address", *, allow_port_zero: bool = False) -> tuple[str, int]:
-    """Split ``host:port`` (or ``[v6]:port``) so CLI typos fail before any socket is opened."""
-    text = value.strip()
-    host: str
-    port_text: str
-    if text.startswith("["):
-        end = text.find("]")
-        if end == -1 or text[end + 1 : end + 2] != ":":
-            raise ValueError(f"malformed {name} {value!r}: expected [IPV6]:PORT")
-        host, port_text = text[1:end], text[end + 2 :]
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ValueError(f"malformed {name} {value!r}: {host!r} is not an IPv6 address") from None
-    else:
-        host, sep, port_text = text.rpartition(":")
-        if not sep or not host:
-            raise ValueError(f"malformed {name} {value!r}: expected HOST:PORT, e.g. 127.0.0.1:7000")
-        if ":" in host:
-            raise ValueError(f"malformed {name} {value!r}: wrap IPv6 hosts in brackets, e.g. [::1]:7000")
-    if not port_text.isdigit():
-        raise ValueError(f"malformed {name} {value!r}: port {port_text!r} is not a number")
-    port = int(port_text)
-    low = 0 if allow_port_zero else 1
-    if not low <= port <= 65535:
-        raise ValueError(f"malformed {name} {value!r}: port must be in {low}..65535, got {port}")
-    return host, port
-
-
-def _set_nodelay(writer: asyncio.StreamWriter) -> None:
-    # Nagle would hold back small trailing segments and add latency the emulator did not model.
-    sock = writer.get_extra_info("socket")
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _reset(writer: asyncio.StreamWriter) -> None:
-    """Abort with RST so the peer sees a broken link, not a clean (and misleading) end of stream."""
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    writer.transport.abort()
-
-
-class _Direction:
-    """One half of a connection: a reader feeds its flow into the shared link, a writer delivers on time."""
-
-    def __init__(
-        self,
-        src: asyncio.StreamReader,
-        dst: asyncio.StreamWriter,
-        flow: Flow,
-        on_delivered: Callable[[int], None],
-        gate: LinkGate,
-        delay_s: float,
-    ) -> None:
-        self._src = src
-        self._dst = dst
-        self._flow = flow
-        self._on_delivered = on_delivered
-        self._gate = gate
-        self._delay_s = delay_s
-
-    async def read_loop(self) -> None:
-        while True:
-            # Waiting *before* reading leaves data in the kernel, so TCP flow control pushes back
-            # on the sender instead of this process buffering without bound.
-            await self._flow.wait_room()
-            # While the path is cut nothing is read, so the sender's kernel buffers fill up.
-            await self._gate.wait_up()
-            chunk = await self._src.read(self._flow.read_size())
-            # EOF travels the wire behind the data (the shared link orders it after every chunk).
-            self._flow.submit(chunk or None)
-            if not chunk:
-                return
-
-    async def write_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        deliveries = self._flow.deliveries
-        while True:
-            deliver_at, chunk = await deliveries.get()
-            while True:
-                wait = deliver_at - loop.time()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                if self._gate.up:
-                    break
-                # Held during a cut: it arrives no earlier than one propagation delay after the restore.
-                await self._gate.wait_up()
-                deliver_at = max(deliver_at, self._gate.restored_at + self._delay_s)
-            if self._dst.is_closing():
-                raise ConnectionResetError("peer connection closed while data was in flight")
-            if chunk is None:
-                if self._dst.can_write_eof():
-                    self._dst.write_eof()
-                else:
-                    self._dst.close()
-                return
-            self._dst.write(chunk)
-            self._on_delivered(len(chunk))
-            await self._dst.drain()
-            self._flow.written(len(chunk))
 
 
 class WanEmulator:
@@ -363,7 +256,7 @@ class WanEmulator:
         # otherwise stop() could miss a connection accepted in the same loop iteration.
         self._connections_total += 1
         if self._closing:
-            _reset(writer)
+            reset(writer)
             return
         conn_id = next(self._ids)
         task = asyncio.get_running_loop().create_task(
@@ -376,7 +269,7 @@ class WanEmulator:
         self, conn_id: int, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
     ) -> None:
         peer = client_writer.get_extra_info("peername")
-        _set_nodelay(client_writer)
+        set_nodelay(client_writer)
         link = self._link_state()
         try:
             # During a cut the connection is accepted but the far end is not dialled until restore.
@@ -393,12 +286,12 @@ class WanEmulator:
                 self.target_port,
                 exc or type(exc).__name__,
             )
-            _reset(client_writer)
+            reset(client_writer)
             return
         except BaseException:
-            _reset(client_writer)
+            reset(client_writer)
             raise
-        _set_nodelay(target_writer)
+        set_nodelay(target_writer)
 
         def count_up(n: int) -> None:
             self._bytes_upstream += n
@@ -409,8 +302,8 @@ class WanEmulator:
         up_link, down_link = self._links()
         up_flow, down_flow = up_link.flow(), down_link.flow()
         delay_s = self.shape.delay_s
-        up = _Direction(client_reader, target_writer, up_flow, count_up, link, delay_s)
-        down = _Direction(target_reader, client_writer, down_flow, count_down, link, delay_s)
+        up = Direction(client_reader, target_writer, up_flow, count_up, link, delay_s)
+        down = Direction(target_reader, client_writer, down_flow, count_down, link, delay_s)
         clean = False
         try:
             async with asyncio.TaskGroup() as group:
@@ -429,8 +322,8 @@ class WanEmulator:
             down_link.drop(down_flow)
             if not clean:
                 # Covers resets, unexpected errors and cancellation by stop(): no awaiting here.
-                _reset(client_writer)
-                _reset(target_writer)
+                reset(client_writer)
+                reset(target_writer)
         for writer in (client_writer, target_writer):
             writer.close()
         for writer in (client_writer, target_writer):

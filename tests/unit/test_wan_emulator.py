@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from nebula_common.cli.wan import app
 from nebula_common.wan import LinkShape, WanEmulator
-from nebula_common.wan.emulator import parse_address
+from nebula_common.wan.address import parse_address
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
