@@ -30,9 +30,8 @@ from nebula_common.codec.advice import (
     AdviceResult,
     EdgeTensor,
     job_advice_request,
-    request_to_proto,
-    result_from_proto,
 )
+from nebula_common.codec.advice_proto import request_to_proto, result_from_proto
 from nebula_common.codec.base import CodecError
 from nebula_common.proto.nebula.v1 import codec_pb2_grpc
 from nebula_common.rpc import bearer_metadata

@@ -30,7 +30,8 @@ from nebula_common.codec import (
     get_codec,
     to_frames,
 )
-from nebula_common.codec.advice import advise, request_from_proto, result_to_proto
+from nebula_common.codec.advice import advise
+from nebula_common.codec.advice_proto import request_from_proto, result_to_proto
 from nebula_common.codec.base import element_size, numel
 from nebula_common.codec.calibration import Calibrator
 from nebula_common.codec.raw_tensor import raw_to_tensor, tensor_to_raw

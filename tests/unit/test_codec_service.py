@@ -22,8 +22,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
 from nebula_common.codec import CodecError, available_codecs, decode_tensor, encode_tensor, to_frames
-from nebula_common.codec.advice import job_advice_request, request_to_proto, result_from_proto
+from nebula_common.codec.advice import job_advice_request
 from nebula_common.codec.advice_client import AdviceUnavailableError, advise_specs, advise_specs_sync
+from nebula_common.codec.advice_proto import request_to_proto, result_from_proto
 from nebula_common.codec.wire import raw_to_tensor, tensor_to_raw
 from nebula_common.metrics import listen_host
 from nebula_common.proto.nebula.v1 import codec_pb2, codec_pb2_grpc
