@@ -65,6 +65,20 @@ def _rows(text: str) -> list[train.Row]:
     return [by_label[label] for label in labels]
 
 
+def bad_arguments(args: argparse.Namespace) -> str:
+    """What is wrong with the command line, before any file is read or cluster started ('' if nothing)."""
+    if args.steps <= SKIP:
+        return f"--steps must be more than {SKIP} (the first {SKIP} are left out of each row's median)"
+    if not math.isfinite(args.bandwidth_mbit) or args.bandwidth_mbit <= 0:
+        return f"--bandwidth-mbit must be a positive number, got {args.bandwidth_mbit:g}"
+    if not math.isfinite(args.delay_ms) or args.delay_ms < 0:
+        return f"--delay-ms must be a number >= 0, got {args.delay_ms:g}"
+    batch = load_spec(JOB).spec.data.batch_size
+    if args.micro_batches < 1 or batch % args.micro_batches:
+        return f"--micro-batches must divide the batch of {batch} pairs, got {args.micro_batches}"
+    return ""
+
+
 def _account_dir(deployment: LocalDeployment, cluster: str, account: str) -> Path:
     """The account's directory of the cluster's trainer, owned as the trainer owns its data dir."""
     data_dir = deployment.run_dir / cluster / "trainer"
@@ -270,7 +284,7 @@ def write_doc(doc: Path, text: str) -> None:
     doc.write_text(content[: begin + len(MARK[0])] + "\n" + text + content[end:])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, default=Path(".cache/table5"))
     parser.add_argument(
@@ -282,9 +296,10 @@ def main() -> None:
     parser.add_argument("--delay-ms", type=float, default=10.0)
     parser.add_argument("--out", type=Path, default=Path("bench-results/table5"))
     parser.add_argument("--doc", type=Path, help="Also rewrite this markdown file's product section.")
-    args = parser.parse_args()
-    if args.steps <= SKIP:
-        sys.exit(f"table5 product: --steps must be more than {SKIP}")
+    args = parser.parse_args(argv)
+    problem = bad_arguments(args)
+    if problem:
+        sys.exit(f"table5 product: {problem}")
     rows = _rows(args.rows)
     started, load_before = time.perf_counter(), os.getloadavg()
     try:

@@ -140,3 +140,27 @@ def test_the_benchmark_fails_a_padded_none_a_failed_job_and_a_slower_row() -> No
     assert any(f.startswith("ZSTD(INT8) both: 0.95x") for f in found)
     assert any("auto predicted 0.300 s a step, measured 0.500 (more than 25% off)" in f for f in found)
     assert len(found) == 4
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--steps", "5"], "--steps must be more than 5"),
+        (["--bandwidth-mbit", "0"], "--bandwidth-mbit must be a positive number, got 0"),
+        (["--bandwidth-mbit", "nan"], "--bandwidth-mbit must be a positive number"),
+        (["--delay-ms", "-1"], "--delay-ms must be a number >= 0, got -1"),
+        (["--micro-batches", "3"], "--micro-batches must divide the batch of 64 pairs, got 3"),
+        (["--micro-batches", "0"], "--micro-batches must divide the batch of 64 pairs, got 0"),
+    ],
+)
+def test_the_benchmark_names_a_bad_argument_before_reading_anything(
+    argv: list[str], named: str, tmp_path: Path
+) -> None:
+    sys.path.insert(0, str(ROOT / "bench" / "table5"))
+    import product
+
+    missing = tmp_path / "no-cache"
+    with pytest.raises(SystemExit) as stopped:
+        product.main(["--cache", str(missing), "--out", str(tmp_path / "out"), *argv])
+    assert str(stopped.value).startswith("table5 product: ") and named in str(stopped.value)
+    assert not missing.exists() and not (tmp_path / "out").exists()
