@@ -237,7 +237,8 @@ def advice_lines(results: list[dict[str, Any]]) -> list[str]:
             f"`{result['label']}` ({advice['source']}) chose `{result['forward']}` / `{result['backward']}`: "
             f"predicted {advice['predicted_step_seconds']:.3f} s a step, measured "
             f"{result['step_seconds']:.3f}; none predicted {advice['baseline_step_seconds']:.3f}, measured "
-            f"{results[0]['step_seconds']:.3f}."
+            f"{results[0]['step_seconds']:.3f}"
+            + (f"; its link: {link['source']}." if (link := advice.get("link") or {}).get("source") else ".")
         )
     return lines
 
