@@ -10,7 +10,8 @@ measured through the emulator would be an artefact. Here every connection of one
   is a token bucket of depth ``burst_bytes`` (one full-size segment) charged from each chunk's
   *arrival* time: an idle link banks no more than one segment's time, and an event loop that wakes
   up late (a loaded machine) does not idle a link that had data queued -- it catches up, as the real
-  link would have kept sending.
+  link would have kept sending. Its bytes arrive as they are serialised, in pieces of whole segments of
+  about ``PIECE_SECONDS`` of link time, not all at the chunk's end.
 - **Fair turns.** Connections with queued data take turns of one chunk (16 KiB) each, round robin,
   like a fair-queueing router; a connection with nothing queued may always queue one chunk, so a
   bulk sender cannot starve a light one by filling the shared queue first.
