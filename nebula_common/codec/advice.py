@@ -147,7 +147,17 @@ class AdviceResult:
 
 def default_candidates(shape: Sequence[int], direction: str) -> list[str]:
     """Specs worth comparing for ``shape``: quantizers, zstd, top-k for gradients, low rank where it pays."""
-    specs = ["none", "fp16", "bf16", "int8", "int8(scale=row)", "int8(scale=block)", "int4", "zstd(int8)"]
+    specs = [
+        "none",
+        "fp16",
+        "bf16",
+        "int8",
+        "int8(scale=row)",
+        "int8(scale=block)",
+        "int4",
+        "zstd(int8)",
+        "zstd(int4)",
+    ]
     if direction == BACKWARD:
         specs += ["fp16(topk(0.1))", "int8(topk(0.05))"]
     view = matrix_view(shape)
@@ -264,11 +274,16 @@ def _advise_one(request: AdviceRequest, tensor: EdgeTensor, calibrator: Calibrat
     baseline = next((o for o in options if o.spec == "none"), None)
     if baseline is None:
         baseline = _score(request, tensor, "none", sample, calibrator, budget)
+    ranked = options[:top_n]
+    if all(o.spec != "none" for o in ranked):
+        # A caller prices "none" as the baseline from these options: what it would really send (padding
+        # rows left out), not the dense tensor's bytes.
+        ranked.append(baseline)
     return DirectionAdvice(
         edge=tensor.edge,
         direction=tensor.direction,
         shape=tuple(tensor.shape),
-        options=options[:top_n],
+        options=ranked,
         error_source=source,
         error_budget=budget,
         baseline_seconds=baseline.direction_seconds,

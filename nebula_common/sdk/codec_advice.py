@@ -59,7 +59,10 @@ from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.links import AUTO, LinkProfile
 from nebula_common.sdk.step_model import Pipeline
 
-DEFAULT_ERROR_BUDGET = 0.05
+DEFAULT_ERROR_BUDGET = 0.0
+"""The relative-error budget ``auto`` asks the codec service for: 0 takes the service's own per direction
+(``codec.advice.DEFAULT_BUDGET``: tighter on activations, which the next stage reads as they are, than on
+gradients, whose noise an optimizer averages out)."""
 TRIAL_OPTIONS_PER_DIRECTION = 3
 """The codec service's top options per direction that the trial pairs up (at most 3 x 3 pairs)."""
 

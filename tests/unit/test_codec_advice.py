@@ -151,3 +151,24 @@ def test_advice_on_a_padded_sample_predicts_the_bytes_the_stream_really_sends(ca
         assert option.rel_error == pytest.approx(0.0, abs=0.02)
     none = next(o for o in direction.options if o.spec == "none")
     assert none.encoded_bytes < sample.numel() * 4 / 2  # 72 of 160 positions are real: padding not counted
+
+
+def test_none_is_returned_as_the_baseline_even_when_it_ranks_below_top_n(calibrator: Calibrator) -> None:
+    """``auto`` prices ``none`` from the options: when the ranking cut it, the caller fell back to the
+    dense tensor's bytes and predicted none's step 2.7x too slow on a padded batch."""
+    sample = torch.randn(8, 20, 32, generator=torch.Generator().manual_seed(5))
+    sample[:, 6:] = 0  # 6 real positions of 20
+    request = AdviceRequest(
+        bandwidth_bps=1e6,
+        rtt_seconds=0.0,
+        candidates=["fp16", "int8", "zstd(int8)", "none"],
+        top_n=2,
+        tensors=[EdgeTensor("e", "forward", (8, 20, 32), sample=sample)],
+    )
+    (direction,) = advise(request, calibrator).directions
+    assert [o.spec for o in direction.options[:2]] == ["zstd(int8)", "int8"]
+    assert direction.options[-1].spec == "none" and len(direction.options) == 3
+    sent = TensorStreamEncoder("none").encode(sample, step=0)
+    extra = len(sent.header.present_rows)
+    assert direction.options[-1].encoded_bytes == sent.header.payload_size + extra < sample.numel() * 4 / 3
+    assert direction.baseline_seconds == direction.options[-1].direction_seconds

@@ -7,6 +7,7 @@ bottleneck loads from its halves file, and the benchmark's failure rules name wh
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -107,25 +108,37 @@ def test_a_halves_file_of_another_width_is_refused_by_name(prepared: dict[str, P
         run_unsplit(job)
 
 
+def _row(
+    label: str,
+    seconds: float,
+    sent: float,
+    ok: bool = True,
+    predicted: float = 0.0,
+    codecs: tuple[str, str] = ("none", "none"),
+) -> dict[str, Any]:
+    """A product run's row as ``product.run_row`` records it."""
+    return {
+        "advice": {"predicted_step_seconds": predicted} if predicted else {},
+        "label": label,
+        "forward": codecs[0],
+        "backward": codecs[1],
+        "cut_k": 0,
+        "succeeded": ok,
+        "messages": {} if ok else {"decoder": "FAILED: out of memory"},
+        "losses": [2.0, 1.9],
+        "step_seconds": seconds,
+        "wan_bytes_per_step": sent,
+    }
+
+
 def test_the_benchmark_fails_a_padded_none_a_failed_job_and_a_slower_row() -> None:
     sys.path.insert(0, str(ROOT / "bench" / "table5"))
-    import product
+    import product_checks as product
 
-    def row(
-        label: str, seconds: float, sent: float, ok: bool = True, predicted: float = 0.0
-    ) -> dict[str, Any]:
-        return {
-            "advice": {"predicted_step_seconds": predicted} if predicted else {},
-            "label": label,
-            "succeeded": ok,
-            "messages": {} if ok else {"decoder": "FAILED: out of memory"},
-            "losses": [2.0, 1.9],
-            "step_seconds": seconds,
-            "wan_bytes_per_step": sent,
-        }
+    row = _row
 
     good = [row("none", 2.0, 200_000), row("FP16+INT8", 0.8, 80_000), row("auto", 0.5, 5e4, predicted=0.45)]
-    product._speedups(good)
+    product.speedups(good)
     assert product.failures(good, raw_step_bytes=800_000) == []
     padded = [
         row("none", 2.0, 700_000),
@@ -133,13 +146,51 @@ def test_the_benchmark_fails_a_padded_none_a_failed_job_and_a_slower_row() -> No
         row("auto", 1.0, 1, ok=False),
         row("auto ", 0.5, 5e4, predicted=0.3),
     ]
-    product._speedups(padded)
+    product.speedups(padded)
     found = product.failures(padded, raw_step_bytes=800_000)
     assert any("auto: the job did not succeed" in f and "out of memory" in f for f in found)
     assert any("padding crosses the link" in f for f in found)
     assert any(f.startswith("ZSTD(INT8) both: 0.95x") for f in found)
     assert any("auto predicted 0.300 s a step, measured 0.500 (more than 25% off)" in f for f in found)
     assert len(found) == 4
+
+
+def test_auto_is_judged_against_the_fastest_row_within_the_bleu_budget(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "bench" / "table5"))
+    import product_checks as checks
+
+    def verdict(label: str, forward: str, backward: str, within: bool, k: int = 0) -> dict[str, Any]:
+        return {"label": label, "forward": forward, "backward": backward, "cut_k": k,
+                "versus_none": {"within_budget": within}}  # fmt: skip
+
+    report = tmp_path / "table5.json"
+    report.write_text(json.dumps({"rows": [
+        verdict("none", "none", "none", True),
+        verdict("INT4 both", "int4", "int4", True),
+        verdict("BOTTLENECK(16,AE)+INT8", "int8", "int8", False, k=16),
+        verdict("ZSTD(INT8) both", "zstd(int8)", "zstd(int8)", True),
+    ]}))  # fmt: skip
+    judged = checks.judged_rows(report)
+    bottleneck = {**_row("BOTTLENECK(16,AE)+INT8", 0.25, 1.4e4, codecs=("int8", "int8")), "cut_k": 16}
+    base = [_row("none", 1.6, 2.2e5), _row("INT4 both", 0.35, 3.1e4, codecs=("int4", "int4")), bottleneck]
+
+    def judge(seconds: float, codecs: tuple[str, str]) -> tuple[list[str], list[str]]:
+        return checks.auto_rule(
+            [*base, _row("auto", seconds, 3e4, predicted=0.4, codecs=codecs)], judged, "t"
+        )
+
+    lines, found = judge(0.37, ("int4", "int4"))  # the bottleneck is faster but outside the budget
+    assert found == [] and "ratio **1.057** against INT4 both" in lines[0] and lines[0].endswith("met.")
+    _, found = judge(0.42, ("zstd(int8)", "zstd(int8)"))
+    assert found == ["auto: 1.200x the fastest row's step within the BLEU budget (rule: <= 1.10)"]
+    _, found = judge(0.36, ("zstd(int8)", "int4"))
+    assert found == ["auto: its pair `zstd(int8)` / `int4` has no row in t: not judged"]
+    _, found = judge(0.26, ("int8", "int8"))  # the bottleneck's codecs without its bottleneck: no row
+    assert "no row in t" in found[0]
+    assert checks.auto_rule(base, judged, "t") == ([], [])  # no auto row: nothing to judge
+    lines, found = checks.auto_rule([*base, _row("auto", 0.5, 3e4, predicted=0.4)], {}, "t")
+    assert found == [] and "not judged" in lines[0]
+    assert checks.judged_rows(tmp_path / "missing.json") == {}
 
 
 @pytest.mark.parametrize(
