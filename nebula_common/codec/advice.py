@@ -147,17 +147,8 @@ class AdviceResult:
 
 def default_candidates(shape: Sequence[int], direction: str) -> list[str]:
     """Specs worth comparing for ``shape``: quantizers, zstd, top-k for gradients, low rank where it pays."""
-    specs = [
-        "none",
-        "fp16",
-        "bf16",
-        "int8",
-        "int8(scale=row)",
-        "int8(scale=block)",
-        "int4",
-        "zstd(int8)",
-        "zstd(int4)",
-    ]
+    specs = ["none", "fp16", "bf16", "int8", "int8(scale=row)", "int8(scale=block)"]
+    specs += ["int4", "zstd(int8)", "zstd(int4)"]
     if direction == BACKWARD:
         specs += ["fp16(topk(0.1))", "int8(topk(0.05))"]
     view = matrix_view(shape)
