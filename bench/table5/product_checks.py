@@ -10,12 +10,15 @@ import math
 from pathlib import Path
 from typing import Any
 
+from nebula_common.codec.entropy import ZstdCodec
+from nebula_common.codec.registry import get_codec
+
 PREDICTION_TOLERANCE = 0.25
 """How far ``auto``'s predicted step may be from its job's measured one before the run fails."""
 AUTO_RULE = 1.10
 """``auto``'s step may be at most this times the fastest row's within the BLEU budget (the issue's 10%)."""
 Judged = dict[tuple[str, str, int], tuple[str, bool]]
-"""(forward, backward, cut_k) -> (run.py's row label, within the BLEU budget)."""
+"""(forward, backward, cut_k) -> (run.py's row label, within the BLEU budget); specs by ``lossy_part``."""
 
 
 def speedups(results: list[dict[str, Any]]) -> None:
@@ -62,13 +65,7 @@ def judged_rows(path: Path) -> Judged:
     """run.py's verdicts (its merged report at ``path``): which codec pairs are within the BLEU budget."""
     try:
         rows = json.loads(path.read_text())["rows"]
-        return {
-            (row["forward"], row["backward"], int(row.get("cut_k", 0))): (
-                row["label"],
-                bool(row["versus_none"]["within_budget"]),
-            )
-            for row in rows
-        }
+        return {_key(row): (row["label"], bool(row["versus_none"]["within_budget"])) for row in rows}
     except (OSError, ValueError, KeyError, TypeError):
         return {}
 
@@ -105,7 +102,7 @@ def auto_rule(results: list[dict[str, Any]], judged: Judged, source: str) -> tup
             problem = ""
         lines.append(
             f"`{auto['label']}` against the fastest row within the BLEU budget ({source}): "
-            f"{verdict}, its pair {'= ' + label if label else 'not in the table'}: "
+            f"{verdict}, its pair's BLEU {'row: ' + label if label else 'row: none in the table'}: "
             + ("**NOT met**." if problem else "met.")
         )
         if problem:
@@ -113,5 +110,14 @@ def auto_rule(results: list[dict[str, Any]], judged: Judged, source: str) -> tup
     return lines, found
 
 
+def lossy_part(spec: str) -> str:
+    """What decides a codec's effect on quality: ``spec`` without its lossless zstd stages (``zstd(int4)``
+    decodes to exactly what ``int4`` does, so its BLEU row is theirs)."""
+    codec = get_codec(spec)
+    while isinstance(codec, ZstdCodec):
+        codec = codec.inner
+    return codec.spec
+
+
 def _key(result: dict[str, Any]) -> tuple[str, str, int]:
-    return (result["forward"], result["backward"], int(result.get("cut_k", 0)))
+    return (lossy_part(result["forward"]), lossy_part(result["backward"]), int(result.get("cut_k", 0)))

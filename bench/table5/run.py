@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import checks
 import corpus
 import lookup
+import merge
 import report as reporting
 import train
 
@@ -90,8 +91,10 @@ EXTRA_ROWS = (
     Row("BOTTLENECK(4)+INT8", "int8", "int8", cut_k=4),
     Row("BOTTLENECK(16,AE)+ZSTD(INT8)", "zstd(int8)", "zstd(int8)", cut_k=16, **CALIBRATED),
     Row("BOTTLENECK(8,AE)+INT8", "int8", "int8", cut_k=8, **CALIBRATED),
+    Row("ZSTD(INT8)+ZSTD(INT4)", "zstd(int8)", "zstd(int4)"),
 )
-"""Rows of the probes (docs/bench/table5.md), not in the full plan: ``--rows`` can name them."""
+"""Rows of the probes (docs/bench/table5.md), not in the full plan: ``--rows`` can name them. The last is
+the pair the product's ``auto`` picks for this job (``bench/table5/product.py`` judges it by its BLEU)."""
 _BY_LABEL = {row.label: row for row in (*FULL_ROWS, *EXTRA_ROWS)}
 QUICK_ROWS = tuple(
     replace(_BY_LABEL[label], cut_pretrain=min(_BY_LABEL[label].cut_pretrain, 200))
@@ -354,21 +357,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.merge:
-        shards = [json.loads(path.read_text()) for path in args.merge]
-        report = {**shards[0], "rows": [], "figure10_runs": [], "shards": len(shards)}
-        order = report.get("row_labels") or [
-            row.label for row in (QUICK_ROWS if report["mode"] == "quick" else FULL_ROWS)
-        ]
-        for shard in shards:
-            report["rows"] += shard["rows"]
-            report["figure10_runs"] += shard["figure10_runs"]
-            report["advisor"] = report.get("advisor") or shard.get("advisor")
-            report["lookup"] = report.get("lookup") or shard.get("lookup")
-            report["wall_seconds"] = max(report["wall_seconds"], shard["wall_seconds"])
-            report["load_after"] = max(report["load_after"], shard["load_after"])
-        report["rows"].sort(key=lambda row: order.index(row["label"]))
-        if [row["label"] for row in report["rows"]] != order:
-            sys.exit(f"table5: the shards hold rows {[r['label'] for r in report['rows']]}, expected {order}")
+        try:
+            shards = merge.read_shards(args.merge)
+            quick = bool(shards) and shards[0].get("mode") == "quick"
+            report = merge.merge(shards, [row.label for row in (QUICK_ROWS if quick else FULL_ROWS)])
+        except merge.MergeError as exc:
+            sys.exit(f"table5: --merge: {exc}")
         finish(report, args)
         return
     index, count = 0, 1

@@ -34,6 +34,7 @@ from nebula_common.zoo.text_data import PAD, catalogue_paths
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "table5"))
 import checks
+import merge
 import run
 import train
 
@@ -324,3 +325,27 @@ def test_preparation_trains_halves_that_translate_and_each_row_starts_from_them_
     assert again.pretrain_losses["translation"] == losses
     untrained = train.Stages(prepared, train.Row("none"), seed=0)  # translation_steps 0: nothing loaded
     assert not prepared.translation_state and untrained.encoder is not None
+
+
+def test_merge_joins_a_later_runs_rows_and_refuses_shards_of_another_plan(tmp_path: Path) -> None:
+    def shard(labels: list[str], rows: list[str], seeds: int = 5) -> dict:
+        return {"mode": "reduced", "seeds": seeds, "steps": 300, "split": "test", "row_labels": labels,
+                "rows": [{"label": label} for label in rows], "figure10_runs": [], "wall_seconds": 1.0,
+                "load_after": [0.1, 0.1, 0.1], "lookup": None, "advisor": None}  # fmt: skip
+
+    first = shard(["none", "A", "B"], ["none", "B"])
+    second = shard(["none", "A", "B"], ["A"])
+    later = shard(["none", "C"], ["C"])  # a later run of one more row on the same plan
+    report = merge.merge([first, second, later], [])
+    assert [row["label"] for row in report["rows"]] == ["none", "A", "B", "C"] == report["row_labels"]
+    with pytest.raises(merge.MergeError, match=r"differ in \['seeds'\]"):
+        merge.merge([first, second, shard(["none", "C"], ["C"], seeds=2)], [])
+    with pytest.raises(merge.MergeError, match="expected each of"):
+        merge.merge([first, second, second], [])
+    bad = tmp_path / "shard.json"
+    bad.write_text("{not json")
+    with pytest.raises(merge.MergeError, match=r"shard\.json: not a shard report"):
+        merge.read_shards([bad])
+    ok = tmp_path / "ok.json"
+    ok.write_text(json.dumps(first))
+    assert merge.read_shards([ok]) == [first]

@@ -185,8 +185,10 @@ def test_auto_is_judged_against_the_fastest_row_within_the_bleu_budget(tmp_path:
     assert found == ["auto: 1.200x the fastest row's step within the BLEU budget (rule: <= 1.10)"]
     _, found = judge(0.36, ("zstd(int8)", "int4"))
     assert found == ["auto: its pair `zstd(int8)` / `int4` has no row in t: not judged"]
-    _, found = judge(0.26, ("int8", "int8"))  # the bottleneck's codecs without its bottleneck: no row
-    assert "no row in t" in found[0]
+    lines, found = judge(0.36, ("zstd(int4)", "int4"))  # lossless zstd: int4's quality, its row
+    assert found == [] and "BLEU row: INT4 both" in lines[0]
+    lines, found = judge(0.26, ("int8", "int8"))  # the bottleneck's codecs, without its bottleneck
+    assert found == [] and "BLEU row: ZSTD(INT8) both" in lines[0]
     assert checks.auto_rule(base, judged, "t") == ([], [])  # no auto row: nothing to judge
     lines, found = checks.auto_rule([*base, _row("auto", 0.5, 3e4, predicted=0.4)], {}, "t")
     assert found == [] and "not judged" in lines[0]

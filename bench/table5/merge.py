@@ -1,0 +1,64 @@
+"""Combine shard reports of ``run.py`` into one report: rows in plan order, one of each.
+
+A report may also grow by a later run of more rows on the same plan (same seeds, steps, split, model
+and corpus): its shard's rows join the others', after them, and are paired against the same ``none``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SAME_IN_SHARDS = (
+    "mode",
+    "seeds",
+    "steps",
+    "eval_pairs",
+    "split",
+    "model",
+    "corpus",
+    "bandwidth_mbit",
+    "delay_ms",
+)
+"""What the shards of one report must share."""
+
+
+class MergeError(ValueError):
+    """Shards that do not make one report; the message names why."""
+
+
+def read_shards(paths: list[Path]) -> list[dict[str, Any]]:
+    """Each shard's JSON; a missing or malformed file is named."""
+    shards = []
+    for path in paths:
+        try:
+            shards.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            raise MergeError(f"{path}: not a shard report ({exc})") from None
+    return shards
+
+
+def merge(shards: list[dict[str, Any]], default_order: list[str]) -> dict[str, Any]:
+    """One report of ``shards``; ``default_order``: the plan's labels for shards that do not name theirs."""
+    if not shards:
+        raise MergeError("no shards to merge")
+    order: list[str] = []  # every shard's plan in turn: a later run's rows come after the first plan's
+    for shard in shards:
+        order += [label for label in shard.get("row_labels") or default_order if label not in order]
+        differs = [key for key in SAME_IN_SHARDS if shard.get(key) != shards[0].get(key)]
+        if differs:
+            raise MergeError(f"the shards differ in {differs}: they are not runs of one plan")
+    report = {**shards[0], "rows": [], "figure10_runs": [], "shards": len(shards), "row_labels": order}
+    for shard in shards:
+        report["rows"] += shard["rows"]
+        report["figure10_runs"] += shard["figure10_runs"]
+        report["advisor"] = report.get("advisor") or shard.get("advisor")
+        report["lookup"] = report.get("lookup") or shard.get("lookup")
+        report["wall_seconds"] = max(report["wall_seconds"], shard["wall_seconds"])
+        report["load_after"] = max(report["load_after"], shard["load_after"])
+    report["rows"].sort(key=lambda row: order.index(row["label"]))
+    held = [row["label"] for row in report["rows"]]
+    if held != order:
+        raise MergeError(f"the shards hold rows {held}, expected each of {order} once")
+    return report
