@@ -47,7 +47,7 @@ from nebula_common.sdk.links import LinkProfile
 from nebula_common.zoo.bottleneck import save_halves
 
 JOB = Path(__file__).resolve().parent / "job" / "job.yaml"
-DEFAULT_ROWS = "none,FP16+INT8,ZSTD(INT8) both,INT4 both,BOTTLENECK(16,AE)+INT8,auto"
+DEFAULT_ROWS = "none,FP16+INT8,ZSTD(INT8) both,INT4 both,ZSTD(INT4) both,BOTTLENECK(16,AE)+INT8,auto"
 AUTO = train.Row("auto", "auto", "auto")
 """The product's own choice: ``codec: auto`` both ways, told the link (it probes, advises and trials)."""
 SKIP = 5

@@ -27,14 +27,13 @@ from nebula_common.auth import Principal
 from nebula_common.auth.interceptor import caller
 from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2, trainer_pb2_grpc
-from services.trainer import landlock
 from services.trainer.edge import EdgeSettings
 from services.trainer.history import StepHistory, history_path, read_history
 from services.trainer.job_tokens import CHECK_INTERVAL_S, JobTokenError, JobTokens
 from services.trainer.memory import return_freed_memory
 from services.trainer.metrics import REAPER, STAGES_FINISHED, STAGES_RUNNING, record_codecs
-from services.trainer.rank_accounts import SETTING as RANKS_ACCOUNTS_SETTING
-from services.trainer.rank_accounts import RankAccounts, may_use_ranks
+from services.trainer.placement import Placement
+from services.trainer.rank_accounts import RankAccounts
 from services.trainer.records import StageRecord, StageRecords
 from services.trainer.retention import FinishedStages
 from services.trainer.runtime.checkpoint import CheckpointError, CheckpointStore
@@ -85,8 +84,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.log_level = log_level
         self.receive_ahead = receive_ahead
         self.cluster_ranks = cluster_ranks
-        self.ranks_accounts = ranks_accounts or RankAccounts()
-        """Whose stages may run on ``cluster_ranks``, unconfined (``rank_accounts``); others run boxed."""
+        self.where = Placement(confinement, cluster_ranks, ranks_accounts or RankAccounts())
+        """Where each stage runs and how it is confined (``placement``)."""
         self.finished = finished or FinishedStages()
         self.metrics_grace_s = metrics_grace_s
         self.edge_settings = edge_settings or EdgeSettings()
@@ -159,7 +158,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         try:
             # In a thread: a pre-trained directory's check reads files and may import transformers.
             await asyncio.to_thread(validate_stage_spec, spec)
-            self._check_confinement_allows(spec, account)
+            self.where.check_allows(spec, account)
         except InvalidRequestError as exc:
             await self._record(
                 "job.submit", outcome="refused", account=account, job_id=job_id, details={"reason": str(exc)}
@@ -218,7 +217,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             codec_choice=spec.codec_choice,
         )
         # Recorded before the thread starts, so a stage that ends at once cannot log its stop first.
-        started = {"stage": spec.stage, "placement": self.placement(spec, account)}
+        started = {"stage": spec.stage, "placement": self.where.describe(spec, account)}
         await self._record("stage.start", account=account, job_id=job_id, details=started)
         self._launch(runner, account)
         log.info("stage assigned", extra={"fields": {"job_id": job_id, "account": account, **started}})
@@ -239,8 +238,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         record = record or self.records.create(spec, token, owner)
         self.stage_records[spec.job_id] = record
         runner: Stage
-        on_ranks = self.on_cluster_ranks(spec, owner)
-        if self.confinement is None or on_ranks:
+        on_ranks = self.where.on_cluster_ranks(spec, owner)
+        if not self.where.boxed(spec, owner):
             runner = ProgramRunner(
                 spec,
                 token,
@@ -287,46 +286,6 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         runner.lifecycle.add_finish_callback(functools.partial(self.records.store_end, record, runner.board))
         runner.lifecycle.add_finish_callback(history.close)
         return runner
-
-    def on_cluster_ranks(self, spec: trainer_pb2.StageSpec, owner: str) -> bool:
-        """Whether this stage runs on the cluster's ranks, unconfined: only for an account the operator
-        trusts with them (``rank_accounts``); any other runs in a stage box on this trainer."""
-        return self.cluster_ranks is not None and may_use_ranks(spec) and self.ranks_accounts.trusts(owner)
-
-    def placement(self, spec: trainer_pb2.StageSpec, owner: str) -> str:
-        """Where the stage runs and how it is confined, as its submitter and the audit are told."""
-        if self.on_cluster_ranks(spec, owner):
-            assert self.cluster_ranks is not None
-            return (
-                f"the cluster's {self.cluster_ranks.world} ranks, not confined (account trusted by "
-                f"{RANKS_ACCOUNTS_SETTING})"
-            )
-        if self.confinement is None:
-            return "a thread of the trainer"
-        where = f"{self.confinement.mode} box on this trainer"
-        if self.cluster_ranks is not None and may_use_ranks(spec):
-            where += f" (not on the cluster's ranks: {RANKS_ACCOUNTS_SETTING} does not name this account)"
-        return where
-
-    def _check_confinement_allows(self, spec: trainer_pb2.StageSpec, owner: str) -> None:
-        """Refuse what this trainer's confinement cannot run, before anything starts.
-
-        A stage's data-parallel ranks meet over loopback TCP (torch's store and gloo), which Landlock's
-        TCP rule denies; under bubblewrap they share the stage's own network namespace instead.
-        """
-        confined = self.confinement is not None and not self.on_cluster_ranks(spec, owner)
-        if (
-            confined
-            and self.confinement is not None
-            and self.confinement.mode == "landlock"
-            and self.confinement.landlock_abi >= landlock.TCP_ABI
-            and spec.program.replicas > 1
-        ):
-            raise InvalidRequestError(
-                f"program.replicas {spec.program.replicas}: a stage's ranks meet over TCP, which this "
-                f"trainer's Landlock confinement denies its stages ({self.confinement.weaker_because}); "
-                "run the stage with one replica, or on a trainer that has bubblewrap"
-            )
 
     async def renew_job_tokens(self, interval_s: float = CHECK_INTERVAL_S) -> None:
         """Keep every running stage's job token fresh until cancelled (a task of the trainer)."""

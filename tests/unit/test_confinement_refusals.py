@@ -7,22 +7,19 @@ kernel's ``EACCES`` from inside torch's store.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from nebula_common.errors import InvalidRequestError
 from nebula_common.proto.nebula.v1 import trainer_pb2
+from services.trainer.placement import Placement
+from services.trainer.rank_accounts import RankAccounts
 from services.trainer.sandbox import Confinement
-from services.trainer.servicer import TrainerServicer
 
 
 def _check(confinement: Confinement | None, replicas: int, cluster_ranks: object = None) -> None:
     spec = trainer_pb2.StageSpec(job_id="j", stage="s", program=trainer_pb2.ProgramStage(replicas=replicas))
-    trainer = SimpleNamespace(
-        confinement=confinement, on_cluster_ranks=lambda spec, owner: cluster_ranks is not None
-    )
-    TrainerServicer._check_confinement_allows(trainer, spec, "alice")  # type: ignore[arg-type]
+    trusted = RankAccounts.parse("alice")  # the submitter: on the ranks whenever the trainer has them
+    Placement(confinement, cluster_ranks, trusted).check_allows(spec, "alice")  # type: ignore[arg-type]
 
 
 def test_landlock_refuses_replicas_naming_the_reason() -> None:

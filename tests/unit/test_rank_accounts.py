@@ -93,21 +93,21 @@ def test_only_named_accounts_stages_run_on_the_ranks(servicer: TrainerServicer) 
     for owner in ("alice", "team-ml"):
         runner = servicer._make_runner(_spec(f"job-{owner}"), "token", owner)
         assert isinstance(runner, ProgramRunner) and runner.cluster_ranks is servicer.cluster_ranks
-        assert servicer.placement(_spec("j"), owner).startswith("the cluster's 2 ranks, not confined")
+        assert servicer.where.describe(_spec("j"), owner).startswith("the cluster's 2 ranks, not confined")
     boxed = servicer._make_runner(_spec("job-mallory"), "token", "mallory")
     assert isinstance(boxed, StageProcess)
-    placement = servicer.placement(_spec("j"), "mallory")
+    placement = servicer.where.describe(_spec("j"), "mallory")
     assert placement.startswith("landlock box on this trainer")
     assert "NEBULA_TRAINER_RANKS_ACCOUNTS does not name this account" in placement
     # A stage that never computes on ranks runs boxed whoever submits it.
     reader = servicer._make_runner(_spec("job-reader", dataset="corpus"), "token", "alice")
     assert isinstance(reader, StageProcess)
-    assert servicer.placement(_spec("j", dataset="corpus"), "alice") == "landlock box on this trainer"
+    assert servicer.where.describe(_spec("j", dataset="corpus"), "alice") == "landlock box on this trainer"
 
 
 def test_an_untrusted_account_gets_its_box_s_limits(servicer: TrainerServicer) -> None:
     # Landlock denies a stage TCP, so replicas that would meet over it are refused for a boxed stage...
     with pytest.raises(InvalidRequestError, match=r"program\.replicas 2"):
-        servicer._check_confinement_allows(_spec("j", replicas=2), "mallory")
+        servicer.where.check_allows(_spec("j", replicas=2), "mallory")
     # ...while a trusted account's stage runs on the ranks, where replicas do not apply.
-    servicer._check_confinement_allows(_spec("j", replicas=2), "alice")
+    servicer.where.check_allows(_spec("j", replicas=2), "alice")
