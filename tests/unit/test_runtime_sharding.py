@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nebula_common.jobspec.runtime import OptimSettings, StageProgram, example_ids, load_program
-from services.trainer.runtime.parallel import ReplicaCompute
+from services.trainer.runtime.replica_compute import ReplicaCompute
 from services.trainer.runtime.sharding import (
     ShardedCompute,
     backend_for,

@@ -39,33 +39,31 @@ gradients are summed at the step boundary, as upstream.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from nebula_common.jobspec.runtime import StageProgram, example_ids
+from services.trainer.runtime.replica_compute import (
+    DTYPES,
+    DataParallelError,
+    MiddleCompute,
+    ReplicaCompute,
+    UpstreamCompute,
+    sum_gradients,
+)
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 CMD_STOP, CMD_MICRO_BATCH, CMD_STEP, CMD_FORWARD, CMD_BACKWARD = 0, 1, 2, 3, 4
 CMD_RELAY, CMD_RELAY_BACK = 5, 6  # a chain's middle stage: its rows forward, their gradient back
 _HEADER = 16  # cmd, step, micro_batch, dtype index, ndim, up to 11 dims
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)
 _GLOO = dist.ProcessGroup.BackendType.GLOO
-
-
-class DataParallelError(RuntimeError):
-    """A replica failed to start, or a collective failed (a replica died or timed out)."""
 
 
 def make_process_group(store: dist.Store, rank: int, world: int, timeout: float) -> dist.ProcessGroup:
@@ -76,122 +74,6 @@ def make_process_group(store: dist.Store, rank: int, world: int, timeout: float)
     group._set_default_backend(_GLOO)
     group._register_backend(torch.device("cpu"), _GLOO, backend)
     return group
-
-
-class _LossModule(nn.Module):
-    """DDP syncs gradients of what runs through its forward, so the user's loss() is that forward."""
-
-    def __init__(self, program: StageProgram) -> None:
-        super().__init__()
-        self.model = program.model
-        self._loss: Callable[[torch.Tensor, Any], torch.Tensor] = program.loss
-
-    def forward(self, received: torch.Tensor, batch: Any) -> torch.Tensor:
-        return self._loss(received, batch)
-
-
-class ReplicaCompute:
-    """One rank's share of a micro-batch: loss through DDP, gradient of the received rows (backprop)."""
-
-    def __init__(
-        self, program: StageProgram, group: dist.ProcessGroup, micro_batches: int, backprop: bool
-    ) -> None:
-        self.program = program
-        self.micro_batches = micro_batches
-        self.backprop = backprop
-        self.ddp = DistributedDataParallel(_LossModule(program), process_group=group, broadcast_buffers=False)
-
-    def run(self, rows: torch.Tensor, ids: list[int], last: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        received = rows.requires_grad_(True) if self.backprop else rows
-        # Accumulate locally; DDP all-reduces the accumulated gradients once, in the last backward.
-        sync = contextlib.nullcontext() if last else self.ddp.no_sync()
-        with sync:
-            loss = self.ddp(received, self.program.batch(ids)) / self.micro_batches
-            loss.backward()
-        return loss.detach().reshape(1), received.grad if self.backprop else None
-
-
-class UpstreamCompute:
-    """A rank's share of an upstream micro-batch: output rows now, their backward once the gradient comes."""
-
-    def __init__(self, program: StageProgram, group: dist.ProcessGroup) -> None:
-        self.program = program
-        self.group = group
-        self._outputs: dict[int, torch.Tensor] = {}
-
-    def forward(self, micro_batch: int, ids: list[int]) -> torch.Tensor:
-        """Run this rank's rows and keep the graph until their gradient arrives; a detached copy to gather."""
-        out = self.program.forward(self.program.batch(ids))
-        if out.dtype not in _DTYPES:
-            raise DataParallelError(f"cannot gather dtype {out.dtype}")
-        self._outputs[micro_batch] = out
-        return out.detach().contiguous()
-
-    def backward(self, micro_batch: int, grad: torch.Tensor) -> None:
-        out = self._outputs.pop(micro_batch)
-        if grad.shape != out.shape:
-            raise DataParallelError(f"gradient rows {tuple(grad.shape)} != output rows {tuple(out.shape)}")
-        out.backward(grad.to(out.dtype))
-
-    def sum_gradients(self) -> None:
-        sum_gradients(self.program, self.group)
-
-
-class MiddleCompute:
-    """A rank's share of a middle stage: its rows relayed now, their backward when the gradient comes."""
-
-    def __init__(self, program: StageProgram, group: dist.ProcessGroup) -> None:
-        self.program = program
-        self.group = group
-        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def forward(self, micro_batch: int, rows: torch.Tensor, ids: list[int]) -> torch.Tensor:
-        """Relay this rank's received rows, keep the graph; a detached copy of the output rows to gather."""
-        received = rows.requires_grad_(True)
-        out = self.program.relay(received, ids)
-        if out.dtype not in _DTYPES:
-            raise DataParallelError(f"cannot gather dtype {out.dtype}")
-        self._pending[micro_batch] = (received, out)
-        return out.detach().contiguous()
-
-    def backward(self, micro_batch: int, grad: torch.Tensor) -> torch.Tensor:
-        """Backpropagate the output rows' gradient; the gradient of this rank's received rows."""
-        received, out = self._pending.pop(micro_batch)
-        if grad.shape != out.shape:
-            raise DataParallelError(f"gradient rows {tuple(grad.shape)} != output rows {tuple(out.shape)}")
-        out.backward(grad.to(out.dtype))
-        if received.grad is None:
-            raise DataParallelError(
-                "the middle stage's output does not depend on what it received: no gradient to send up"
-            )
-        return received.grad.contiguous()
-
-
-def sum_gradients(program: StageProgram, group: dist.ProcessGroup) -> None:
-    """Sum the ranks' parameter gradients (each rank holds its rows' share of the combined batch's).
-
-    A parameter that got no gradient on any rank keeps ``None``, as in the
-    unsplit run, so the optimizer skips it there too.
-    """
-    params = [p for p in program.model.parameters() if p.requires_grad]
-    present = torch.tensor([0.0 if p.grad is None else 1.0 for p in params])
-    group.allreduce([present]).wait()
-    synced = [p for p, flag in zip(params, present.tolist(), strict=True) if flag > 0]
-    for param in synced:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        elif param.grad.is_sparse:
-            raise DataParallelError(
-                "sparse gradients are not supported on a data-parallel stage that relays rows"
-            )
-    for dtype in sorted({p.grad.dtype for p in synced}, key=str):  # type: ignore[union-attr]
-        grads = [p.grad for p in synced if p.grad is not None and p.grad.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        group.allreduce([flat]).wait()
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
 
 
 def _rows(ids: list[int], rank: int, world: int) -> list[int]:
@@ -279,7 +161,7 @@ class DataParallelGroup:
         if tensor is not None:
             if tensor.dim() > _HEADER - 5:
                 raise DataParallelError(f"cannot scatter a tensor of {tensor.dim()} dimensions")
-            header[3] = _DTYPES.index(tensor.dtype)
+            header[3] = DTYPES.index(tensor.dtype)
             header[4] = tensor.dim()
             header[5 : 5 + tensor.dim()] = torch.tensor(tensor.shape)
         self.group.broadcast(header, 0).wait()
@@ -288,7 +170,7 @@ class DataParallelGroup:
         self, step: int, micro_batch: int, received: torch.Tensor, ids: list[int]
     ) -> tuple[float, torch.Tensor | None]:
         """Scatter a received micro-batch, compute every rank's share; (mean loss, gradient of received)."""
-        if received.dtype not in _DTYPES:
+        if received.dtype not in DTYPES:
             raise DataParallelError(f"cannot scatter dtype {received.dtype}")
         received = received.detach().contiguous()
         self._broadcast_header(CMD_MICRO_BATCH, step, micro_batch, received)
@@ -321,7 +203,7 @@ class DataParallelGroup:
         shape = self._shapes.pop(micro_batch)
         if grad.shape != shape:
             raise DataParallelError(f"gradient shape {tuple(grad.shape)} != activation {tuple(shape)}")
-        if grad.dtype not in _DTYPES:
+        if grad.dtype not in DTYPES:
             raise DataParallelError(f"cannot scatter dtype {grad.dtype}")
         grad = grad.detach().contiguous()
         self._broadcast_header(CMD_BACKWARD, step, micro_batch, grad)
@@ -332,7 +214,7 @@ class DataParallelGroup:
 
     def _scatter(self, cmd: int, step: int, micro_batch: int, tensor: torch.Tensor) -> torch.Tensor:
         """Send every rank its rows of ``tensor`` (after the command header); rank 0's own rows."""
-        if tensor.dtype not in _DTYPES:
+        if tensor.dtype not in DTYPES:
             raise DataParallelError(f"cannot scatter dtype {tensor.dtype}")
         tensor = tensor.detach().contiguous()
         self._broadcast_header(cmd, step, micro_batch, tensor)
@@ -446,7 +328,7 @@ def replica_main(
         ndim = int(header[4])
         shape = [int(v) for v in header[5 : 5 + ndim]]
         shape[0] //= world
-        mine = torch.empty(shape, dtype=_DTYPES[int(header[3])])
+        mine = torch.empty(shape, dtype=DTYPES[int(header[3])])
         group.scatter([mine], [], _scatter_options()).wait()
         if cmd == CMD_BACKWARD and up is not None:
             up.backward(micro_batch, mine)

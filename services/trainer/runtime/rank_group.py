@@ -49,7 +49,6 @@ from services.trainer.runtime.parallel import (
     CMD_MICRO_BATCH,
     CMD_STEP,
     CMD_STOP,
-    DataParallelError,
     _gather_options,
     make_process_group,
 )
@@ -60,6 +59,7 @@ from services.trainer.runtime.rank_main import (
     empty_like_header,
     header,
 )
+from services.trainer.runtime.replica_compute import DataParallelError
 
 log = logging.getLogger(__name__)
 

@@ -21,19 +21,21 @@ import torch.distributed as dist
 from nebula_common.jobspec.runtime import StageProgram, example_ids
 from services.trainer.runtime.checkpoint import CheckpointStore
 from services.trainer.runtime.parallel import (
-    _DTYPES,
     _HEADER,
     CMD_BACKWARD,
     CMD_FORWARD,
     CMD_STEP,
     CMD_STOP,
+    _gather_options,
+    _rows,
+    make_process_group,
+)
+from services.trainer.runtime.replica_compute import (
+    DTYPES,
     DataParallelError,
     MiddleCompute,
     ReplicaCompute,
     UpstreamCompute,
-    _gather_options,
-    _rows,
-    make_process_group,
     sum_gradients,
 )
 from services.trainer.runtime.sharding import (
@@ -60,9 +62,9 @@ def header(cmd: int, step: int, micro_batch: int = 0, tensor: torch.Tensor | Non
     if tensor is not None:
         if tensor.dim() > _HEADER - 5:
             raise DataParallelError(f"cannot send a tensor of {tensor.dim()} dimensions to the ranks")
-        if tensor.dtype not in _DTYPES:
+        if tensor.dtype not in DTYPES:
             raise DataParallelError(f"cannot send dtype {tensor.dtype} to the ranks")
-        out[3] = _DTYPES.index(tensor.dtype)
+        out[3] = DTYPES.index(tensor.dtype)
         out[4] = tensor.dim()
         out[5 : 5 + tensor.dim()] = torch.tensor(tensor.shape)
     return out
@@ -70,7 +72,7 @@ def header(cmd: int, step: int, micro_batch: int = 0, tensor: torch.Tensor | Non
 
 def empty_like_header(command: torch.Tensor) -> torch.Tensor:
     ndim = int(command[4])
-    return torch.empty([int(v) for v in command[5 : 5 + ndim]], dtype=_DTYPES[int(command[3])])
+    return torch.empty([int(v) for v in command[5 : 5 + ndim]], dtype=DTYPES[int(command[3])])
 
 
 def device_type() -> str:

@@ -25,9 +25,10 @@ import time
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from services.trainer.runtime.parallel import HOST, DataParallelError
+from services.trainer.runtime.parallel import HOST
 from services.trainer.runtime.rank_gate import RankGate, RankTls, sign_spec
 from services.trainer.runtime.rank_main import spawned_rank_main
+from services.trainer.runtime.replica_compute import DataParallelError
 
 JOIN_TIMEOUT_S = 300.0
 """How long a stage waits for the cluster's ranks to join (a worker starting: torch import, rendezvous)."""

@@ -74,7 +74,8 @@ def stage_mesh(parallel: str, world: int, shard_size: int, device_type: str = "c
 
 
 class LossRoot(nn.Module):
-    """FSDP root of a downstream stage: its forward is the user's loss (see the module doc)."""
+    """The root DDP or FSDP wraps on a stage that owns the loss: its forward is the user's loss, so the
+    wrapper syncs the gradients of everything that runs through it (see the module doc)."""
 
     def __init__(self, program: StageProgram) -> None:
         super().__init__()
