@@ -47,7 +47,10 @@ from nebula_common.sdk.links import LinkProfile
 from nebula_common.zoo.bottleneck import save_halves
 
 JOB = Path(__file__).resolve().parent / "job" / "job.yaml"
-DEFAULT_ROWS = "none,FP16+INT8,ZSTD(INT8) both,INT4 both,ZSTD(INT4) both,BOTTLENECK(16,AE)+INT8,auto"
+DEFAULT_ROWS = (
+    "none,FP16+INT8,ZSTD(INT8) both,INT4 both,ZSTD(INT4) both,BOTTLENECK(16,AE)+INT8,"
+    "ZSTD(INT8(ERROR=0.04))+ZSTD(INT8(ERROR=0.2)),ZSTD(INT8(ERROR=0.08))+ZSTD(INT8(ERROR=0.25)),auto"
+)
 AUTO = train.Row("auto", "auto", "auto")
 """The product's own choice: ``codec: auto`` both ways, told the link (it probes, advises and trials)."""
 SKIP = 5
@@ -235,11 +238,15 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _modelled(path: Path) -> dict[str, float]:
-    """run.py's modelled s/step per row, from its last merged report (if there is one)."""
+def _modelled(path: Path, bandwidth_mbit: float, delay_ms: float) -> dict[str, float]:
+    """run.py's modelled s/step per row, from its last merged report (if there is one) of the same link:
+    a model of another link's step would sit beside this run's as if comparable."""
     try:
-        rows = json.loads(path.read_text())["rows"]
-    except (OSError, ValueError, KeyError):
+        report = json.loads(path.read_text())
+        rows, link = report["rows"], (float(report["bandwidth_mbit"]), float(report["delay_ms"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if link != (bandwidth_mbit, delay_ms):
         return {}
     return {row["label"]: row["step_seconds"] for row in rows if "step_seconds" in row}
 
@@ -316,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
         "steps": args.steps,
         "micro_batches": args.micro_batches,
         "rows": results,
-        "modelled": _modelled(bleu),
+        "modelled": _modelled(bleu, args.bandwidth_mbit, args.delay_ms),
         "auto_rule": rule_lines,
         "failures": checks.failures(results, raw) + rule_failures,
         "minutes": (time.perf_counter() - started) / 60,

@@ -29,7 +29,6 @@ also the results section of that markdown file.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
@@ -45,15 +44,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import advisor
 import checks
 import corpus
+import figure10
 import lookup
 import merge
 import report as reporting
 import train
+from link_clock import link_seconds
 
-from nebula_common.codec.trial import Candidate, Link, TrialRun, choose_by_trial
-from nebula_common.wan import LinkShape, WanEmulator
+from nebula_common.wan import LinkShape
 from nebula_common.zoo.adapters import NO_REPEAT_NGRAM
 
 Row = train.Row
@@ -92,9 +93,13 @@ EXTRA_ROWS = (
     Row("BOTTLENECK(16,AE)+ZSTD(INT8)", "zstd(int8)", "zstd(int8)", cut_k=16, **CALIBRATED),
     Row("BOTTLENECK(8,AE)+INT8", "int8", "int8", cut_k=8, **CALIBRATED),
     Row("ZSTD(INT8)+ZSTD(INT4)", "zstd(int8)", "zstd(int4)"),
+    Row("ZSTD(INT8(ERROR=0.04))+ZSTD(INT8(ERROR=0.2))", "zstd(int8(error=0.04))", "zstd(int8(error=0.2))"),
+    Row("ZSTD(INT8(ERROR=0.08))+ZSTD(INT8(ERROR=0.25))", "zstd(int8(error=0.08))", "zstd(int8(error=0.25))"),
 )
-"""Rows of the probes (docs/bench/table5.md), not in the full plan: ``--rows`` can name them. The last is
-the pair the product's ``auto`` picks for this job (``bench/table5/product.py`` judges it by its BLEU)."""
+"""Rows of the probes (docs/bench/table5.md), not in the full plan: ``--rows`` can name them. The pair the
+product's ``auto`` picks for this job is among them (``bench/table5/product.py`` judges it by its BLEU):
+``int8(error=E)`` entropy-coded, at 80% of the codec service's default budgets (5% forward, 25% back); the
+last spends more error forward for fewer bytes."""
 _BY_LABEL = {row.label: row for row in (*FULL_ROWS, *EXTRA_ROWS)}
 QUICK_ROWS = tuple(
     replace(_BY_LABEL[label], cut_pretrain=min(_BY_LABEL[label].cut_pretrain, 200))
@@ -146,92 +151,10 @@ QUICK = {
 """The smoke run: LMs barely pre-trained (30 steps each) and no translation training (from LMs that
 young, 30-60 steps of it stay at the unigram loss), so fine-tuning at 1e-2 must visibly learn."""
 
-ADVISOR_LOSS_TOLERANCE = 0.02
-"""The advisor's own budget (it cannot decode BLEU in a calibration): trial loss within 2% of none's."""
-ADVISOR_PROGRESS_TOLERANCE = 0.10
-"""And the trial-loss gap may be at most 10% of what none's loss fell during the trial (the first half's
-mean minus the last half's): a harmful row's gap opens as training starts to pay, when it is still ~1-2%
-of the loss (the probes of docs/bench/table5.md: at 90 steps the bottleneck rows were +1.6-2.2% over none)."""
-ADVISOR_MAX_TRIALS = 6
-"""Rows trained in the trial at most, fastest-predicted first (several bottleneck rows are predicted fast)."""
-
 
 def row_labels(text: str) -> list[str]:
     """``--rows``' labels: split at commas outside parentheses ("BOTTLENECK(16,residual)+INT8" is one)."""
     return [label.strip() for label in re.split(r",(?![^()]*\))", text) if label.strip()]
-
-
-def advise(prep: train.Prepared, rows: tuple[Row, ...], shape: LinkShape, trial_steps: int) -> dict[str, Any]:
-    """``codec: auto`` on the benchmark: the trial advisor (``nebula_common.codec.trial``) over the rows.
-
-    It sees what a job would before it starts: the link's bandwidth and RTT, a few real steps per
-    row (compute and frame bytes -> predicted s/step), and ``trial_steps`` steps of the
-    fastest-predicted rows against none's (seed 0, same data), never the table's BLEU or timings.
-    """
-    by_label = {row.label: row for row in rows}
-
-    def run(candidate: Candidate, steps: int) -> TrialRun:
-        done = train.train_steps(prep, by_label[candidate.label], seed=0, steps=steps)
-        return TrialRun(done.losses, done.compute_seconds, done.forward_bytes[-1], done.backward_bytes[-1])
-
-    started = time.perf_counter()
-    link = Link(bandwidth_bps=shape.bandwidth_mbit * 1e6, rtt_seconds=2 * shape.delay_ms / 1000)
-    decision = choose_by_trial(
-        [Candidate(row.forward, row.backward, row.label) for row in rows[1:]],
-        run,
-        link,
-        tolerance=ADVISOR_LOSS_TOLERANCE,
-        progress_tolerance=ADVISOR_PROGRESS_TOLERANCE,
-        max_trials=ADVISOR_MAX_TRIALS,
-        trial_steps=trial_steps,
-        baseline=Candidate(rows[0].forward, rows[0].backward, rows[0].label),
-    )
-    record = {**decision.record(), "seconds": time.perf_counter() - started}
-    print(json.dumps({"advisor": record["label"], "seconds": round(record["seconds"], 1)}), flush=True)
-    return record
-
-
-async def _link_seconds(shape: LinkShape, forward: bytes, backward: bytes, repeats: int) -> list[float]:
-    """Seconds per (forward frame there, backward frame back) through a real emulated link."""
-
-    done = asyncio.Event()
-
-    async def peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while size := int.from_bytes(await reader.readexactly(4), "big"):  # 0: the sender is done
-                await reader.readexactly(size)
-                writer.write(len(backward).to_bytes(4, "big") + backward)
-                await writer.drain()
-        finally:
-            writer.close()
-            done.set()
-
-    server = await asyncio.start_server(peer, "127.0.0.1", 0)
-    try:
-        target = server.sockets[0].getsockname()[1]
-        async with WanEmulator("127.0.0.1", target, shape) as emulator:
-            reader, writer = await asyncio.open_connection("127.0.0.1", emulator.port)
-            times = []
-            for attempt in range(repeats + 1):  # the first exchange opens the path; not counted
-                started = time.perf_counter()
-                writer.write(len(forward).to_bytes(4, "big") + forward)
-                await writer.drain()
-                size = int.from_bytes(await asyncio.wait_for(reader.readexactly(4), 120), "big")
-                await asyncio.wait_for(reader.readexactly(size), 120)
-                if attempt:
-                    times.append(time.perf_counter() - started)
-            writer.write((0).to_bytes(4, "big"))
-            await writer.drain()
-            await asyncio.wait_for(done.wait(), 60)  # the peer has read the end marker and closed
-            writer.close()
-            return times
-    finally:
-        server.close()
-        await server.wait_closed()
-
-
-def link_seconds(shape: LinkShape, forward: bytes, backward: bytes, repeats: int) -> float:
-    return statistics.median(asyncio.run(_link_seconds(shape, forward, backward, repeats)))
 
 
 def run_row(
@@ -273,39 +196,6 @@ def run_row(
         "eval_seconds": statistics.mean(r.eval_seconds for r in runs),
         "samples": runs[0].hypotheses[:6],
     }
-
-
-def figure10_runs(prep: train.Prepared, seeds: int, steps: int, eval_pairs: int) -> list[dict[str, Any]]:
-    """Compression from 10 / 25 % of training on (the paper's Figure 10); before it, codec none."""
-    runs = []
-    for fraction in FIGURE10_STARTS[1:]:
-        start = round(fraction * steps)
-        row = replace(
-            FIGURE10_ROW,
-            label=f"{FIGURE10_ROW.label} from {fraction:.0%}",
-            forward=f"start({FIGURE10_ROW.forward},{start})",
-            backward=f"start({FIGURE10_ROW.backward},{start})",
-        )
-        bleu = [train.fine_tune(prep, row, seed, steps, eval_pairs).bleu for seed in range(seeds)]
-        runs.append({"start_fraction": fraction, "start": start, "bleu": bleu})
-        print(json.dumps({"figure10": fraction, "bleu": bleu}), flush=True)
-    return runs
-
-
-def figure10_points(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Figure 10's points: BLEU, and the mean s/step of none before the start and the row's after it."""
-    rows = {row["label"]: row for row in report["rows"]}
-    if FIGURE10_ROW.label not in rows:  # a reduced run without that row
-        return []
-    base, none, steps = rows[FIGURE10_ROW.label], report["rows"][0], report["steps"]
-    points = [{"start_fraction": 0.0, "bleu": base["bleu"], "step_seconds": base["step_seconds"]}]
-    for run in report["figure10_runs"]:
-        start = run["start"]
-        mean_step = (start * none["step_seconds"] + (steps - start) * base["step_seconds"]) / steps
-        points.append(
-            {"start_fraction": run["start_fraction"], "bleu": run["bleu"], "step_seconds": mean_step}
-        )
-    return points
 
 
 def main() -> None:
@@ -430,10 +320,12 @@ def main() -> None:
     mine = [row for i, row in enumerate(plan_rows) if i % count == index]
     for row in mine:
         rows.append(run_row(prep, row, seeds, steps, eval_pairs, shape, repeats=3 if args.quick else 5))
-    advisor = advise(prep, plan_rows, shape, advisor_steps) if index == 0 else None
+    advice = advisor.advise(prep, plan_rows, shape, advisor_steps) if index == 0 else None
     fig_runs = []
     if FIGURE10_ROW in mine and not args.no_figure10:
-        fig_runs = figure10_runs(prep, 1 if args.quick else min(seeds, FIGURE10_SEEDS), steps, eval_pairs)
+        fig_seeds = 1 if args.quick else min(seeds, FIGURE10_SEEDS)
+        later = FIGURE10_STARTS[1:]
+        fig_runs = figure10.figure10_runs(prep, FIGURE10_ROW, later, fig_seeds, steps, eval_pairs)
     report = {
         "mode": mode,
         "bandwidth_mbit": args.bandwidth_mbit,
@@ -454,7 +346,7 @@ def main() -> None:
         "wall_seconds": time.perf_counter() - started,
         "rows": rows,
         "figure10_runs": fig_runs,
-        "advisor": advisor,
+        "advisor": advice,
         "row_labels": [row.label for row in plan_rows],
         "no_repeat_ngram": NO_REPEAT_NGRAM,
     }
@@ -480,7 +372,7 @@ def finish(report: dict[str, Any], args: argparse.Namespace) -> None:
     for row in rows:
         row["speedup"] = rows[0]["step_seconds"] / row["step_seconds"]
     checks.compare_rows(report)
-    report["figure10"] = figure10_points(report)
+    report["figure10"] = figure10.figure10_points(report, FIGURE10_ROW.label)
     report["advisor_check"] = checks.advisor_check(report)
     stem = "table5-quick" if report["mode"] == "quick" else "table5"
     report["png"] = f"{stem}-pareto.png"

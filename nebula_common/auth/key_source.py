@@ -20,6 +20,7 @@ from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
 from nebula_common.rpc.internal_tls import ClientTls, internal_channel
 
 ISSUER_PREFIX = "nebula-auth/"
+"""Tokens name their issuer ``nebula-auth/<cluster>``: a verifier accepts only its own cluster's auth."""
 ALGORITHM = "ES256"
 """The only signature algorithm tokens may use; pinned so header tricks cannot pick another."""
 

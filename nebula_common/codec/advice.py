@@ -145,10 +145,18 @@ class AdviceResult:
         return self.best(BACKWARD)
 
 
-def default_candidates(shape: Sequence[int], direction: str) -> list[str]:
-    """Specs worth comparing for ``shape``: quantizers, zstd, top-k for gradients, low rank where it pays."""
+BUDGET_TARGETS = (0.8, 0.5)
+"""``zstd(int8(error=f * budget))`` for each f: quantization aimed just inside the direction's budget (the
+achieved error varies a little with the data; the sample's measured error decides) and one with margin."""
+
+
+def default_candidates(shape: Sequence[int], direction: str, budget: float = 0.0) -> list[str]:
+    """Specs worth comparing for ``shape``: quantizers, zstd, top-k for gradients, low rank where it pays,
+    and, given the direction's error ``budget``, entropy-coded quantization spending just that error."""
     specs = ["none", "fp16", "bf16", "int8", "int8(scale=row)", "int8(scale=block)"]
     specs += ["int4", "zstd(int8)", "zstd(int4)"]
+    if budget > 0:
+        specs += [f"zstd(int8(error={min(1.0, round(f * budget, 4)):g}))" for f in BUDGET_TARGETS]
     if direction == BACKWARD:
         specs += ["fp16(topk(0.1))", "int8(topk(0.05))"]
     view = matrix_view(shape)
@@ -249,7 +257,7 @@ def _advise_one(request: AdviceRequest, tensor: EdgeTensor, calibrator: Calibrat
     if sample is None:
         sample = synthetic_sample(tensor.shape, tensor.direction).to(dtype)
         source = "synthetic"
-    candidates = request.candidates or default_candidates(tensor.shape, tensor.direction)
+    candidates = request.candidates or default_candidates(tensor.shape, tensor.direction, budget)
     options: list[Option] = []
     seen: set[str] = set()
     for text in candidates:

@@ -77,15 +77,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         """The switch's edge socket: stage processes carry their edges there as records (empty: gRPC)."""
         self.job_tokens = job_tokens
         """Where stages get job tokens (``job_tokens``); None: a stage acts with its submitter's token."""
-        self.confinement = confinement
-        """How stages are confined (``sandbox``); None runs them on threads of this process (tests)."""
         self.limits = limits or StageLimits(memory_bytes=8 << 30, cpu_seconds=30 * 24 * 3600, open_files=4096)
         self.torch_threads = torch_threads
         self.log_level = log_level
         self.receive_ahead = receive_ahead
-        self.cluster_ranks = cluster_ranks
         self.where = Placement(confinement, cluster_ranks, ranks_accounts or RankAccounts())
-        """Where each stage runs and how it is confined (``placement``)."""
+        """Where each stage runs and how it is confined (``placement``; no confinement: on threads of this
+        process, as tests run them)."""
         self.finished = finished or FinishedStages()
         self.metrics_grace_s = metrics_grace_s
         self.edge_settings = edge_settings or EdgeSettings()
@@ -251,7 +249,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 epoch=epoch,
                 on_epoch=lambda epoch: self.records.set_epoch(record, epoch),
                 receive_ahead=self.receive_ahead,
-                cluster_ranks=self.cluster_ranks if on_ranks else None,
+                cluster_ranks=self.where.cluster_ranks if on_ranks else None,
             )
         else:
             runner = StageProcess(
@@ -261,7 +259,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 self.checkpoints.root,
                 owner,
                 self.data_service_address,
-                confinement=self.confinement,
+                confinement=self.where.confinement,
                 limits=self.limits,
                 edge_settings=self.edge_settings,
                 epoch=epoch,

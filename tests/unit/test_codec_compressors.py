@@ -57,6 +57,8 @@ CANONICAL = [
     "int8(block=32,scale=block)",
     "int8(rounding=stochastic)",
     "int8(rounding=stochastic,scale=row)",
+    "int8(error=0.04)",
+    "zstd(int8(error=0.2))",
     "int4",
     "int4(block=32)",
     "topk(0.01)",
@@ -108,6 +110,8 @@ def test_every_spec_round_trips_through_the_grammar(spec: str) -> None:
         ("delta(int8,cache=16384)", "delta(int8)"),
         ("start(int8,10,none)", "start(int8,10)"),
         ("svd(1)", "svd(1)"),
+        ("int8(error=.05)", "int8(error=0.05)"),
+        ("int8(error=1)", "int8(error=1.0)"),
     ],
 )
 def test_defaults_are_dropped_from_the_canonical_spelling(text: str, canonical: str) -> None:
@@ -145,6 +149,11 @@ def test_table5_specs_parse_as_written(text: str, forward: str, backward: str) -
         ("int8(scale=row,scale=block)", "given twice"),
         ("int8(scale=row,svd(0.5))", "positional argument after keyword"),
         ("int8(scale=(1))", "needs a number or a word"),
+        ("int8(error=0)", "relative L2 error in (0, 1]"),
+        ("int8(error=1.5)", "relative L2 error in (0, 1]"),
+        ("int8(error=row)", "relative L2 error in (0, 1]"),
+        ("int8(error=0.1,scale=row)", "does not combine with scale=row"),
+        ("int8(error=0.1,rounding=stochastic)", "does not combine with rounding=stochastic"),
         ("ef(0.5)", "ef wraps a codec spec"),
         ("ef(auto)", "resolve auto first"),
         ("start(int8,-1)", "first compressed step"),
@@ -278,6 +287,35 @@ def test_int8_stochastic_rounding_is_unbiased_and_within_one_step() -> None:
     assert abs(float(nearest[1:].mean()) - 0.305) > 4e-3
 
 
+@pytest.mark.parametrize("target", [0.01, 0.04, 0.2])
+def test_int8_error_spends_the_target_in_plain_int8s_layout(target: float) -> None:
+    x = _data((433, 64))  # activation-like: the Table 5 cut's real rows are near-Gaussian
+    payload, y = _round_trip(f"int8(error={target})", x)
+    assert len(payload) == len(get_codec("int8").encode(x))
+    assert get_codec("int8").decode(payload, tuple(x.shape), x.dtype).equal(y)  # decoding is unchanged
+    assert reconstruction_error(x, y)["rel_l2"] == pytest.approx(target, rel=0.05)
+
+
+def test_zstd_of_int8_error_beats_int4_at_int4s_own_error() -> None:
+    x = _data((433, 64))
+    int4_error = reconstruction_error(x, _round_trip("int4", x)[1])["rel_l2"]
+    spec = f"zstd(int8(error={int4_error:.4f}))"
+    payload, y = _round_trip(spec, x)
+    assert reconstruction_error(x, y)["rel_l2"] <= int4_error * 1.02
+    assert len(payload) < 0.95 * len(get_codec("zstd(int4)").encode(x))  # entropy coding, not 4 fixed bits
+    assert len(payload) < 0.6 * len(get_codec("zstd(int8)").encode(x))
+
+
+def test_int8_error_never_clips_an_outlier() -> None:
+    x = _data((64, 64))
+    x[0, 0] = 1000.0  # absmax / 127 is far coarser than the target step: the outlier sets it
+    payload, y = _round_trip("int8(error=0.01)", x)
+    (scale,) = struct.unpack("<f", payload[:4])
+    assert scale == pytest.approx(1000.0 / 127, rel=1e-6)
+    assert float((x - y).abs().max()) <= scale / 2 * (1 + 1e-5)
+    assert float(y[0, 0]) == pytest.approx(1000.0, rel=1e-6)
+
+
 def test_int4_bound_odd_lengths_and_layout() -> None:
     x = _data((3, 7))
     payload, y = _round_trip("int4(block=8)", x)
@@ -294,7 +332,15 @@ def test_int4_bound_odd_lengths_and_layout() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_new_codecs_keep_dtype_and_handle_zeros_and_empty(dtype: torch.dtype) -> None:
-    for spec in ("int8(scale=row)", "int4", "topk(0.5)", "fp16(svd(0.5))", "lowrank(2)", "zstd(int8)"):
+    for spec in (
+        "int8(scale=row)",
+        "int4",
+        "topk(0.5)",
+        "fp16(svd(0.5))",
+        "lowrank(2)",
+        "zstd(int8)",
+        "zstd(int8(error=0.1))",
+    ):
         for x in (torch.zeros(6, 5, dtype=dtype), torch.zeros(0, 5, dtype=dtype), _data((6, 5)).to(dtype)):
             encoded = encode_tensor(x, spec)
             y = decode_tensor(encoded.header, encoded.payload)

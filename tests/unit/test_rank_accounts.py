@@ -92,7 +92,7 @@ def servicer(tmp_path: Path) -> Iterator[TrainerServicer]:
 def test_only_named_accounts_stages_run_on_the_ranks(servicer: TrainerServicer) -> None:
     for owner in ("alice", "team-ml"):
         runner = servicer._make_runner(_spec(f"job-{owner}"), "token", owner)
-        assert isinstance(runner, ProgramRunner) and runner.cluster_ranks is servicer.cluster_ranks
+        assert isinstance(runner, ProgramRunner) and runner.cluster_ranks is servicer.where.cluster_ranks
         assert servicer.where.describe(_spec("j"), owner).startswith("the cluster's 2 ranks, not confined")
     boxed = servicer._make_runner(_spec("job-mallory"), "token", "mallory")
     assert isinstance(boxed, StageProcess)

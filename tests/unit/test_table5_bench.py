@@ -33,7 +33,9 @@ from nebula_common.zoo.splits import Split, split
 from nebula_common.zoo.text_data import PAD, catalogue_paths
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "table5"))
+import advisor
 import checks
+import link_clock
 import merge
 import run
 import train
@@ -92,7 +94,7 @@ def test_codecs_and_bottleneck_shrink_the_frames_by_their_ratios(prepared: train
 def test_the_link_clock_never_beats_the_emulated_cap() -> None:
     shape = LinkShape(bandwidth_mbit=8.0, delay_ms=5.0)
     forward, backward = os.urandom(60_000), os.urandom(20_000)
-    seconds = run.link_seconds(shape, forward, backward, repeats=2)
+    seconds = link_clock.link_seconds(shape, forward, backward, repeats=2)
     floor = (
         2 * shape.delay_ms / 1000
         + (shape.wire_bytes(80_008) - 2 * shape.burst_bytes) * 8 / shape.bits_per_second
@@ -111,7 +113,7 @@ def test_the_advisor_calibrates_the_rows_and_its_pick_is_checked_against_the_ble
     )
     # A slow link, so the frames' bytes decide the prediction, not the few ms of CPU a busy host adds to
     # a tiny model's step (with padding left out, the two rows differ by ~3 kB a step: 120 ms here).
-    advice = run.advise(prepared, rows, LinkShape(bandwidth_mbit=0.2, delay_ms=10.0), trial_steps=3)
+    advice = advisor.advise(prepared, rows, LinkShape(bandwidth_mbit=0.2, delay_ms=10.0), trial_steps=3)
     assert advice["label"] in {row.label for row in rows}
     measured = {c["candidate"]: c for c in advice["candidates"]}
     assert set(measured) == {"FP16+INT8", "cut4"}
@@ -272,18 +274,18 @@ def test_the_advisor_rule_on_recorded_table5_trials_rejects_the_bottleneck_and_k
     candidates = [Candidate(r["forward"], r["backward"], r["label"]) for r in recorded["rows"][1:]]
     baseline = Candidate("none", "none", "none")
     kwargs = dict(
-        trial_steps=run.FULL["advisor_steps"], tolerance=run.ADVISOR_LOSS_TOLERANCE, baseline=baseline
+        trial_steps=run.FULL["advisor_steps"], tolerance=advisor.ADVISOR_LOSS_TOLERANCE, baseline=baseline
     )
     # The old rule (relative trial loss only): BOTTLENECK(32)+INT8 is 1.1% over none at 90 steps: chosen.
-    old = choose_by_trial(candidates, replay, link, max_trials=run.ADVISOR_MAX_TRIALS, **kwargs)
+    old = choose_by_trial(candidates, replay, link, max_trials=advisor.ADVISOR_MAX_TRIALS, **kwargs)
     assert old.chosen.label == "BOTTLENECK(32)+INT8"
     # The benchmark's rule: that gap is 14% of what none learned in the trial: rejected; int8 is 0.02%.
     new = choose_by_trial(
         candidates,
         replay,
         link,
-        max_trials=run.ADVISOR_MAX_TRIALS,
-        progress_tolerance=run.ADVISOR_PROGRESS_TOLERANCE,
+        max_trials=advisor.ADVISOR_MAX_TRIALS,
+        progress_tolerance=advisor.ADVISOR_PROGRESS_TOLERANCE,
         **kwargs,
     )
     assert new.chosen.label == "int8 both", new.reasons
@@ -299,11 +301,12 @@ def test_the_advisor_rule_on_recorded_table5_trials_rejects_the_bottleneck_and_k
         within, excess, share = within_budget(
             trial_loss(rows[label]["losses"]),
             base_loss,
-            tolerance=run.ADVISOR_LOSS_TOLERANCE,
+            tolerance=advisor.ADVISOR_LOSS_TOLERANCE,
             progress=progress,
-            progress_tolerance=run.ADVISOR_PROGRESS_TOLERANCE,
+            progress_tolerance=advisor.ADVISOR_PROGRESS_TOLERANCE,
         )
-        assert excess < run.ADVISOR_LOSS_TOLERANCE and share > run.ADVISOR_PROGRESS_TOLERANCE and not within
+        assert excess < advisor.ADVISOR_LOSS_TOLERANCE and not within
+        assert share > advisor.ADVISOR_PROGRESS_TOLERANCE
 
 
 def test_preparation_trains_halves_that_translate_and_each_row_starts_from_them_with_the_lms_frozen(

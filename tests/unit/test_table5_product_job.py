@@ -195,6 +195,21 @@ def test_auto_is_judged_against_the_fastest_row_within_the_bleu_budget(tmp_path:
     assert checks.judged_rows(tmp_path / "missing.json") == {}
 
 
+def test_the_modelled_column_comes_only_from_a_run_py_report_of_the_same_link(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "bench" / "table5"))
+    import product
+
+    report = tmp_path / "table5.json"
+    rows = [{"label": "none", "step_seconds": 2.2}, {"label": "INT4 both", "step_seconds": 0.57}]
+    report.write_text(json.dumps({"bandwidth_mbit": 1.0, "delay_ms": 10.0, "rows": rows}))
+    assert product._modelled(report, 1.0, 10.0) == {"none": 2.2, "INT4 both": 0.57}
+    assert product._modelled(report, 0.15, 10.0) == {}  # run.py modelled 1 Mbit/s, not this link
+    assert product._modelled(report, 1.0, 40.0) == {}
+    report.write_text(json.dumps({"rows": rows}))  # a report that does not say its link
+    assert product._modelled(report, 1.0, 10.0) == {}
+    assert product._modelled(tmp_path / "missing.json", 1.0, 10.0) == {}
+
+
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
