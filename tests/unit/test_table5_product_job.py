@@ -195,6 +195,33 @@ def test_auto_is_judged_against_the_fastest_row_within_the_bleu_budget(tmp_path:
     assert checks.judged_rows(tmp_path / "missing.json") == {}
 
 
+def test_rounds_pool_a_rows_steps_and_keep_an_auto_that_changed_its_mind_apart() -> None:
+    sys.path.insert(0, str(ROOT / "bench" / "table5"))
+    import product
+
+    def run(
+        label: str, steps: list[float], codecs: tuple[str, str] = ("int4", "int4"), ok: bool = True
+    ) -> dict[str, Any]:
+        return {**_row(label, 0.0, 100.0, ok=ok, codecs=codecs), "steps": steps,
+                "submission_to_last_step_seconds": 10.0}  # fmt: skip
+
+    skip = [9.0] * product.SKIP  # the first steps of every round are left out
+    first = [run("none", [*skip, 1.0, 1.2]), run("INT4 both", [*skip, 0.3, 0.4]), run("auto", [*skip, 0.5])]
+    second = [
+        run("none", [*skip, 1.4]),
+        run("INT4 both", [*skip, 0.36], ok=False),
+        run("auto", [*skip, 0.6], codecs=("zstd(int8)", "int4")),
+    ]
+    pooled = {r["label"]: r for r in product.pool_rounds([first, second])}
+    assert list(pooled) == ["none", "INT4 both", "auto", "auto (round 2)"]
+    assert pooled["none"]["step_seconds"] == pytest.approx(1.2)  # median of 1.0, 1.2, 1.4: skips left out
+    assert pooled["none"]["round_step_seconds"] == [0.0, 0.0] and len(pooled["none"]["steps"]) == 2
+    assert pooled["INT4 both"]["step_seconds"] == pytest.approx(0.36)
+    assert not pooled["INT4 both"]["succeeded"] and "out of memory" in str(pooled["INT4 both"]["messages"])
+    assert (pooled["auto"]["step_seconds"], pooled["auto (round 2)"]["step_seconds"]) == (0.5, 0.6)
+    assert pooled["auto (round 2)"]["forward"] == "zstd(int8)"
+
+
 def test_the_modelled_column_comes_only_from_a_run_py_report_of_the_same_link(tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT / "bench" / "table5"))
     import product
@@ -214,6 +241,7 @@ def test_the_modelled_column_comes_only_from_a_run_py_report_of_the_same_link(tm
     ("argv", "named"),
     [
         (["--steps", "5"], "--steps must be more than 5"),
+        (["--rounds", "0"], "--rounds must be at least 1, got 0"),
         (["--bandwidth-mbit", "0"], "--bandwidth-mbit must be a positive number, got 0"),
         (["--bandwidth-mbit", "nan"], "--bandwidth-mbit must be a positive number"),
         (["--delay-ms", "-1"], "--delay-ms must be a number >= 0, got -1"),
