@@ -12,8 +12,8 @@ Spellings and payloads (scales are little-endian float32, all first):
 * ``int8``: 1 scale, then n int8 (the original layout);
 * ``int8(error=E)``: the same layout with a coarser step chosen for a target relative L2 error E
   (0 < E <= 1): ``scale = max(absmax / 127, E * sqrt(12) * rms)``. Uniform rounding adds noise of
-  ``scale**2 / 12`` per element, so smooth data decodes within about E of itself (exactly E as a
-  relative L2 when no value clips, up to ``sqrt(3) * E`` for data sitting on half-steps), and far
+  ``scale**2 / 12`` per element when values spread over many steps, so such data decodes with a
+  relative L2 error of about E (at most ``sqrt(3) * E`` for data sitting on half-steps), and far
   fewer distinct codes remain: ``zstd(int8(error=0.04))`` entropy-codes them into about 4.7 bits per
   element, where int4's fixed 4 bits give 11% error on the same activations. The step never drops
   below absmax / 127, so nothing clips and an outlier only makes the result more exact;
