@@ -16,7 +16,8 @@ Spellings and payloads (scales are little-endian float32, all first):
   relative L2 error of about E (at most ``sqrt(3) * E`` for data sitting on half-steps), and far
   fewer distinct codes remain: ``zstd(int8(error=0.04))`` entropy-codes them into about 4.7 bits per
   element, where int4's fixed 4 bits give 11% error on the same activations. The step never drops
-  below absmax / 127, so nothing clips and an outlier only makes the result more exact;
+  below absmax / 127, so nothing clips; a tensor whose absmax is more than 127 such steps (a far
+  outlier) gets plain ``int8``'s step and error, above E (the advisor measures what it gets);
 * ``int8(scale=row)``: one scale per row of ``shape[-1]`` elements, then n int8;
 * ``int8(scale=block)`` / ``int8(block=B)``: ``ceil(n / B)`` scales (B = 64 by default), then n int8;
 * ``rounding=stochastic`` (any int8 mode): round up with probability equal to the
