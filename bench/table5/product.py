@@ -5,7 +5,9 @@ synchronous step, one micro-batch). This runs the same fine-tuning (the prepared
 training split, 64 pairs a step, the row's codecs) as a Nebula job (``job/``) on ``nebula local up``'s
 two clusters: real switches, mTLS, boxed stage processes, the emulated WAN at the same shape, and the
 product's pipeline (micro-batches under 1F1B, sender and receive-ahead threads). A row's step time
-here is what a user of the product gets; ``auto`` rows let the product's own advisor choose.
+here is what a user of the product gets; ``auto`` rows let the product's own advisor choose. The rows
+run ``--rounds`` times in turn and each row's steps are pooled (``pool_rounds``), so a slow drift of the
+shared host lands on every row alike.
 
 Each cluster holds only its side: the benchmark writes S's encoder and Spanish token ids into
 account a's directory, T's decoder and English ids into account b's (where an earlier job of that
