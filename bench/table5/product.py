@@ -260,8 +260,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "Two clusters of `nebula local up` (mTLS, boxed stages), WAN emulator "
         f"{report['bandwidth_mbit']:g} Mbit/s, {report['delay_ms']:g} ms one-way; {report['steps']} steps of "
-        f"64 pairs in {report['micro_batches']} micro-batches (1F1B), {report['rounds']} rounds of the rows "
-        f"in turn, the median of every round's steps after the first {SKIP}; "
+        f"64 pairs in {report['micro_batches']} micro-batches (1F1B), "
+        + (f"{report['rounds']} rounds of the rows in turn, " if report["rounds"] > 1 else "one round, ")
+        + f"the median of every round's steps after the first {SKIP}; "
         f"{report['minutes']:.1f} min wall, load average {report['load'][0]:.1f} before / "
         f"{report['load'][1]:.1f} after on {os.cpu_count()} CPUs.",
         "",
