@@ -9,8 +9,9 @@
   (a full run fine-tunes halves that already translate: there the BLEU floor checks the result).
 * **It translates** (full run): codec none scores at least ``BLEU_FLOOR`` and more than the lookup
   baseline on the same test pairs (a model that learned the training strings scores under it).
-* **The advisor kept its rule.** Its pick is within the quality budget and at most 10% slower than
-  the fastest row within it (``advisor_check``), in the quick mode too.
+* **``auto`` kept its rule.** The ``auto`` row (the product's ``codec: auto`` on this job) is within the
+  quality budget and at most 10% slower than the fastest codec row within it (``advisor_check``), in
+  the quick mode too.
 * **Figure 10's trend** (the paper: BLEU rises as compression starts later) is stated as reproduced
   or not, with the numbers, never left for the reader to notice.
 """
@@ -40,7 +41,9 @@ SOURCE_GAP_FLOOR = 0.2
 QUICK_LOSS_BUDGET = 0.02
 """The quick run's quality budget: final fine-tuning loss at most 2% over none's (its BLEU is ~0)."""
 ADVISOR_SPEED_RULE = 1.10
-"""Its pick's measured s/step must be within 10% of the fastest row that meets the BLEU budget."""
+"""The ``auto`` row's s/step must be within 10% of the fastest row that meets the BLEU budget."""
+AUTO_LABEL = "auto"
+"""The row of the product's ``codec: auto`` pick (``advisor.LABEL``)."""
 
 
 def failures(report: dict[str, Any]) -> list[str]:
@@ -69,8 +72,8 @@ def failures(report: dict[str, Any]) -> list[str]:
         if found and bleu <= found["bleu"]:
             failed.append(f"codec none's {bleu:.2f} BLEU does not beat the lookup's {found['bleu']:.2f}")
     check = report.get("advisor_check")
-    if report.get("advisor") and not (check and check["ok"]):
-        failed.append(f"the advisor missed the 10% rule: {check}")
+    if check and not check["ok"]:
+        failed.append(f"auto missed the 10% rule: {check}")
     return failed
 
 
@@ -109,24 +112,32 @@ def compare_rows(report: dict[str, Any]) -> None:
 
 
 def advisor_check(report: dict[str, Any]) -> dict[str, Any] | None:
-    """The 10% rule: the advisor's pick against the fastest row within the quality budget (``stats``)."""
-    advice = report.get("advisor")
-    if not advice:
+    """The 10% rule: the ``auto`` row (the product's pick, ``advisor.py``) against the fastest row within
+    the quality budget (``stats``); None when the run has no ``auto`` row.
+
+    Judged against the wire-codec rows only: a learned bottleneck changes the model (the job's
+    ``cut_k``), which ``codec: auto`` does not choose. In the full run every bottleneck row is outside
+    the BLEU budget anyway; in the quick run, whose budget is a 2% loss, the calibrated one is inside.
+    """
+    pick = next((row for row in report["rows"] if row["label"] == AUTO_LABEL), None)
+    if pick is None:
         return None
-    rows = {row["label"]: row for row in report["rows"]}
-    within = [row for row in report["rows"] if row["versus_none"]["within_budget"]]
+    within = [
+        row
+        for row in report["rows"]
+        if row["versus_none"]["within_budget"] and not row.get("cut_k") and row is not pick
+    ]
     fastest = min(within, key=lambda row: row["step_seconds"])  # none itself is always within
-    pick = rows[advice["label"]]
     ratio = pick["step_seconds"] / fastest["step_seconds"]
     pick_within = pick["versus_none"]["within_budget"]
     return {
-        "advisor_pick": pick["label"],
+        "advisor_pick": f"{pick['forward']} / {pick['backward']}",
         "advisor_pick_step_seconds": pick["step_seconds"],
         "advisor_pick_within_budget": pick_within,
         "fastest_within_budget": fastest["label"],
         "fastest_within_budget_step_seconds": fastest["step_seconds"],
         "ratio": ratio,
-        "bleu_budget": rows[report["rows"][0]["label"]]["versus_none"]["budget"],
+        "bleu_budget": report["rows"][0]["versus_none"]["budget"],
         "budget_basis": pick["versus_none"].get("basis", "bleu"),
         "ok": pick_within and ratio <= ADVISOR_SPEED_RULE,
     }

@@ -50,10 +50,10 @@ def merge(shards: list[dict[str, Any]], default_order: list[str]) -> dict[str, A
         if differs:
             raise MergeError(f"the shards differ in {differs}: they are not runs of one plan")
     report = {**shards[0], "rows": [], "figure10_runs": [], "shards": len(shards), "row_labels": order}
+    report.pop("advisor", None)  # a shard of an older run: its trial advisor is no longer judged
     for shard in shards:
         report["rows"] += shard["rows"]
         report["figure10_runs"] += shard["figure10_runs"]
-        report["advisor"] = report.get("advisor") or shard.get("advisor")
         report["lookup"] = report.get("lookup") or shard.get("lookup")
         report["wall_seconds"] = max(report["wall_seconds"], shard["wall_seconds"])
         report["load_after"] = max(report["load_after"], shard["load_after"])

@@ -30,12 +30,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import corpus
+import job_files
 import product_checks as checks
 import run as table
 import train
@@ -46,9 +45,8 @@ from nebula_common.launcher import LocalDeployment
 from nebula_common.sdk.client import ClusterSession
 from nebula_common.sdk.jobs import ProgramJob
 from nebula_common.sdk.links import LinkProfile
-from nebula_common.zoo.bottleneck import save_halves
 
-JOB = Path(__file__).resolve().parent / "job" / "job.yaml"
+JOB = job_files.JOB
 DEFAULT_ROWS = (
     "none,FP16+INT8,ZSTD(INT8) both,INT4 both,ZSTD(INT4) both,BOTTLENECK(16,AE)+INT8,"
     "ZSTD(INT8(ERROR=0.04))+ZSTD(INT8(ERROR=0.2)),ZSTD(INT8(ERROR=0.08))+ZSTD(INT8(ERROR=0.25)),auto"
@@ -102,70 +100,16 @@ def _account_dir(deployment: LocalDeployment, cluster: str, account: str) -> Pat
     return folder
 
 
-def _place(folder: Path, files: dict[str, Any], owner: os.stat_result) -> dict[str, str]:
-    placed = {}
-    for name, value in files.items():
-        path = folder / name
-        torch.save(value, path)
-        os.chown(path, owner.st_uid, owner.st_gid)
-        placed[name] = str(path)
-    return placed
-
-
-def stage_files(prep: train.Prepared, rows: list[train.Row]) -> dict[str, dict[str, Any]]:
-    """What each cluster holds: its half, its side's token ids, each calibrated bottleneck's halves."""
-    state = prep.translation_state
-    files: dict[str, dict[str, Any]] = {
-        "a": {"encoder.pt": state["encoder"], "es.pt": prep.train_es},
-        "b": {"decoder.pt": state["decoder"], "en.pt": prep.train_en},
-    }
-    for row in rows:
-        if row.cut_pretrain:  # the product's calibrate + cut_init, from the benchmark's own calibration
-            stages = train.Stages(prep, row, seed=0)
-            with tempfile.TemporaryDirectory() as scratch:
-                path = Path(scratch) / "halves.pt"
-                save_halves(str(path), stages.down, stages.up)
-                halves = torch.load(path, weights_only=True)
-            for cluster in files:
-                files[cluster][f"cut-{row.cut_k}.pt"] = halves
-    return files
-
-
-def row_overrides(
-    row: train.Row, placed: dict[str, dict[str, str]], args: argparse.Namespace
-) -> dict[str, Any]:
-    overrides: dict[str, Any] = {
-        "steps": args.steps,
-        "data.micro_batches": args.micro_batches,
-        "data.examples": args.examples,
-        "edges.0.codec.forward": row.forward,
-        "edges.0.codec.backward": row.backward,
-    }
-    for index, (cluster, weights, examples) in enumerate(
-        (("a", "encoder.pt", "es.pt"), ("b", "decoder.pt", "en.pt"))
-    ):
-        stage = f"stages.{index}.options"
-        overrides |= {
-            f"{stage}.weights": placed[cluster][weights],
-            f"{stage}.examples": placed[cluster][examples],
-        }
-        if row.cut_k:
-            overrides |= {f"{stage}.cut_k": row.cut_k}
-        if row.cut_pretrain:
-            overrides |= {
-                f"{stage}.cut_init": placed[cluster][f"cut-{row.cut_k}.pt"],
-                f"{stage}.cut_residual": row.down_residual,
-            }
-    return overrides
-
-
 def run_row(
     row: train.Row,
     sessions: dict[str, ClusterSession],
     placed: dict[str, dict[str, str]],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    job = ProgramJob(load_spec(JOB, row_overrides(row, placed, args)))
+    overrides = job_files.job_overrides(
+        row, placed, steps=args.steps, micro_batches=args.micro_batches, examples=args.examples
+    )
+    job = ProgramJob(load_spec(JOB, overrides))
     link = LinkProfile(
         bandwidth_mbit=args.bandwidth_mbit, rtt_ms=2 * args.delay_ms, source="the emulator's settings"
     )
@@ -340,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         train_pairs, evaluated, config, args.cache / "models", manifest["sha256"]["train.tsv"]
     )
     args.examples = len(prep.train_es)
-    files = stage_files(prep, rows)
+    files = job_files.stage_files(prep, rows)
     run_dir = Path(tempfile.mkdtemp(prefix="table5-product-"))
     rounds: list[list[dict[str, Any]]] = []
     try:
@@ -352,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
                 state = deployment.cluster_state[cluster]
                 sessions[cluster] = onboard(deployment.endpoints(cluster), state.admin_password, account)
                 folder = _account_dir(deployment, cluster, account)
-                placed[cluster] = _place(
+                placed[cluster] = job_files.place(
                     folder, files[cluster], (deployment.run_dir / cluster / "trainer").stat()
                 )
             rounds = [[run_row(row, sessions, placed, args) for row in rows] for _ in range(args.rounds)]

@@ -183,37 +183,37 @@ def lookup_markdown(report: dict[str, Any]) -> list[str]:
 
 
 def advisor_markdown(report: dict[str, Any]) -> list[str]:
-    """The advisor's reasoning (what ``codec: auto`` would record) and the 10% rule's verdict."""
-    advice, check = report.get("advisor"), report.get("advisor_check")
-    if not advice or not check:
+    """How the product's ``auto`` chose the ``auto`` row's pair (what a job records) and the 10% rule."""
+    check = report.get("advisor_check")
+    pick = next((row for row in report["rows"] if row["label"] == checks.AUTO_LABEL), None)
+    if not check or pick is None or "advice" not in pick:
         return []
-    lines = [
+    choice = pick["advice"]["choice"]
+    trial = choice.get("trial") or {}
+    return [
         "",
-        f"Advisor (`codec: auto`, `nebula_common/codec/trial.py`; {advice['trial_steps']} trial steps per "
-        f"candidate, loss tolerance {advice['loss_tolerance']:.0%}"
-        + (
-            f", progress tolerance {advice['progress_tolerance']:.0%}"
-            if advice.get("progress_tolerance") is not None
-            else ""
-        )
-        + f", {advice['seconds']:.0f} s): "
-        f"picked **{check['advisor_pick']}**.",
+        f"`auto` (the product's `codec: auto` on this job: the micro-batch probe, the codec service's "
+        f"ranking on this host's calibration, then the trial when the job pays for one; "
+        f"`bench/table5/advisor.py`, {pick['advice']['seconds']:.0f} s) chose "
+        f"**`{pick['forward']}` / `{pick['backward']}`**: predicted "
+        f"{choice['predicted_step_seconds']:.3f} s a step, none {choice['baseline_step_seconds']:.3f} "
+        f"(the job's pipeline of {pick['advice']['micro_batches']} micro-batches, not this table's "
+        "synchronous model).",
         "",
-        *(f"- {reason}" for reason in advice["reasons"]),
+        *(f"- {reason}" for reason in trial.get("reasons", [])),
         "",
-        f"`advisor_pick` {check['advisor_pick']} ({check['advisor_pick_step_seconds']:.3f} s/step, "
+        f"`auto` ({check['advisor_pick_step_seconds']:.3f} s/step here, "
         f"{'within' if check['advisor_pick_within_budget'] else 'outside'} the "
         + (
             f"loss budget of {checks.QUICK_LOSS_BUDGET:.0%}"
             if check.get("budget_basis") == "loss"
             else f"BLEU budget of {check['bleu_budget']:.2f}"
         )
-        + f"); `fastest_within_budget` {check['fastest_within_budget']} "
-        f"({check['fastest_within_budget_step_seconds']:.3f} s/step); ratio **{check['ratio']:.3f}** "
+        + f") against the fastest codec row within it, {check['fastest_within_budget']} "
+        f"({check['fastest_within_budget_step_seconds']:.3f} s/step): ratio **{check['ratio']:.3f}** "
         f"(rule: <= {checks.ADVISOR_SPEED_RULE:.2f} and within budget): "
         f"**{'met' if check['ok'] else 'NOT met'}**.",
     ]
-    return lines
 
 
 def save_outputs(folder: Path, report: dict[str, Any]) -> None:

@@ -76,11 +76,12 @@ FULL_ROWS = (
     Row("ZSTD(INT4) both", "zstd(int4)", "zstd(int4)"),
     Row("BOTTLENECK(16,AE)+INT8", "int8", "int8", cut_k=16, **CALIBRATED),
     Row("BOTTLENECK(48)+ZSTD(INT8)", "zstd(int8)", "zstd(int8)", cut_k=48),
+    Row(advisor.LABEL, "auto", "auto"),
 )
-"""The full plan's rows: the paper's, lossless zstd over int8, blockwise int4 (alone and under zstd), and
-the learned bottleneck at 16x both ways (k = 16 calibrated, with int8; the linear start's k = 16 row, 2.2
-BLEU short, is in EXTRA_ROWS) and with zstd (k = 48). Two shards take the rows alternately:
-shard 0 also runs the advisor and shard 1 the Figure 10 row's extra runs, so the row count keeps them even."""
+"""The full plan's rows: the paper's, lossless zstd over int8, blockwise int4 (alone and under zstd), the
+learned bottleneck at 16x both ways (k = 16 calibrated, with int8; the linear start's k = 16 row, 2.2
+BLEU short, is in EXTRA_ROWS) and with zstd (k = 48), and last the pair the product's ``codec: auto``
+picks for this job and link (``advisor.py``). Two shards take the rows alternately."""
 EXTRA_ROWS = (
     Row("BOTTLENECK(16)+INT8", "int8", "int8", cut_k=16),
     Row("BOTTLENECK(16)", cut_k=16),
@@ -103,7 +104,7 @@ last spends more error forward for fewer bytes."""
 _BY_LABEL = {row.label: row for row in (*FULL_ROWS, *EXTRA_ROWS)}
 QUICK_ROWS = tuple(
     replace(_BY_LABEL[label], cut_pretrain=min(_BY_LABEL[label].cut_pretrain, 200))
-    for label in ("none", "FP16+INT8", "FP16(SVD(0.2))+INT8", "BOTTLENECK(16,AE)+INT8")
+    for label in ("none", "FP16+INT8", "FP16(SVD(0.2))+INT8", "BOTTLENECK(16,AE)+INT8", advisor.LABEL)
 )
 """A smoke run of every stage: the calibrated row's autoencoder pre-training shortened to 200 steps."""
 FIGURE10_ROW = FULL_ROWS[5]  # the paper's fastest row, FP16(SVD(0.2))+INT8
@@ -127,7 +128,7 @@ batch 128): the cached halves that translate (``make bench-table5-prepare``). Ea
 adapters and the decoder's output layer at 3e-4 (the bottleneck's projections at ``CUT_LR``), 64
 sentence pairs a step, with its codecs in the loop (on dev, seed 0: none 21.64 BLEU at 64 pairs a step,
 21.86 at 128 for half as much CPU again)."""
-FULL = {"seeds": 5, "steps": 300, "eval_pairs": None, "advisor_steps": 90, "model": FULL_MODEL}
+FULL = {"seeds": 5, "steps": 300, "eval_pairs": None, "model": FULL_MODEL}
 """15 rows x 5 seeds + Figure 10's 2 starts x 2 seeds = 79 runs of ~150 CPU s (300 steps of ~310 ms and the
 greedy decoding of 3,750 test pairs), the advisor's trials (~200 CPU s) and the link clock (~1 min), over 2
 shards: about 90 minutes on 2 idle cores (docs/bench/table5.md); preparation once, cached after."""
@@ -137,7 +138,6 @@ QUICK = {
     "seeds": 2,
     "steps": 80,
     "eval_pairs": 64,
-    "advisor_steps": 4,
     "model": replace(
         FULL_MODEL,
         vocab=2000,
@@ -223,9 +223,6 @@ def main() -> None:
         help="The evaluated split (default: test in the full run, dev otherwise: tuning never reads test).",
     )
     parser.add_argument(
-        "--advisor-steps", type=int, help="Trial steps per candidate of the advisor (codec auto)."
-    )
-    parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: stable timings on a shared host)"
     )
     parser.add_argument(
@@ -236,8 +233,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--rows",
-        help="Comma-separated row labels (none first) for a reduced run of a few rows; the advisor "
-        "picks among them",
+        help="Comma-separated row labels (none first) for a reduced run of a few rows ('auto': the "
+        "product's codec auto picks the row's pair)",
     )
     parser.add_argument(
         "--no-figure10", action="store_true", help="Skip the Figure 10 runs (compression started later)."
@@ -275,9 +272,6 @@ def main() -> None:
         if args.finetune_batch < 1:
             sys.exit(f"table5: --finetune-batch must be >= 1, got {args.finetune_batch}")
         plan["model"] = replace(plan["model"], finetune_batch=args.finetune_batch)
-    advisor_steps = args.advisor_steps or plan["advisor_steps"]
-    if advisor_steps < 2:
-        sys.exit("table5: --advisor-steps must be >= 2")
     plan_rows = QUICK_ROWS if args.quick else FULL_ROWS
     if args.rows:
         by_label = {row.label: row for row in (plan_rows if args.quick else (*FULL_ROWS, *EXTRA_ROWS))}
@@ -295,7 +289,6 @@ def main() -> None:
             args.steps,
             args.pretrain_steps,
             args.eval_pairs,
-            args.advisor_steps,
             args.rows,
             args.finetune_batch,
         )
@@ -319,8 +312,12 @@ def main() -> None:
     rows = []
     mine = [row for i, row in enumerate(plan_rows) if i % count == index]
     for row in mine:
+        choice = advisor.auto_pair(prep, shape, steps, args.cache) if row.label == advisor.LABEL else None
+        if choice:
+            row = replace(row, forward=choice["forward"], backward=choice["backward"])
         rows.append(run_row(prep, row, seeds, steps, eval_pairs, shape, repeats=3 if args.quick else 5))
-    advice = advisor.advise(prep, plan_rows, shape, advisor_steps) if index == 0 else None
+        if choice:
+            rows[-1]["advice"] = choice
     fig_runs = []
     if FIGURE10_ROW in mine and not args.no_figure10:
         fig_seeds = 1 if args.quick else min(seeds, FIGURE10_SEEDS)
@@ -346,7 +343,6 @@ def main() -> None:
         "wall_seconds": time.perf_counter() - started,
         "rows": rows,
         "figure10_runs": fig_runs,
-        "advisor": advice,
         "row_labels": [row.label for row in plan_rows],
         "no_repeat_ngram": NO_REPEAT_NGRAM,
     }

@@ -17,7 +17,6 @@ GOOD = {
     "pretrain_losses": {"encoder_mlm": [7.9, 5.9], "decoder_lm": [7.8, 5.8], "translation": [6.1, 1.9]},
     "rows": [{**NONE, "source_gap": [1.2, 1.1]}],
     "lookup": {"bleu": 18.4},
-    "advisor": {"label": "none"},
     "advisor_check": {"ok": True},
 }
 
@@ -58,7 +57,7 @@ def test_each_broken_part_is_named() -> None:
     recall = {**GOOD, "lookup": {"bleu": 28.5}}
     assert checks.failures(recall) == ["codec none's 24.70 BLEU does not beat the lookup's 28.50"]
     off_rule = {**GOOD, "mode": "quick", "advisor_check": {"ok": False, "ratio": 1.4}}
-    assert checks.failures(off_rule) == ["the advisor missed the 10% rule: {'ok': False, 'ratio': 1.4}"]
+    assert checks.failures(off_rule) == ["auto missed the 10% rule: {'ok': False, 'ratio': 1.4}"]
 
 
 def test_figure_10_s_trend_is_stated_reproduced_or_not() -> None:
