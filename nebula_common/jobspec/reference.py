@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from nebula_common.jobspec.hot_start import encode_state_dicts
+from nebula_common.jobspec.loader import LoadedJob
 from nebula_common.jobspec.runtime import OptimSettings, StageProgram, example_ids, load_program
-from nebula_common.jobspec.spec import LoadedJob, required_functions, stage_role
+from nebula_common.jobspec.spec import required_functions, stage_role
 
 
 @dataclass

@@ -65,7 +65,7 @@ def load_job(
     YAML text otherwise. ``overrides`` use dotted keys (``edges.0.codec.forward``) as ``--set`` does.
     """
     from nebula_common.jobspec import SpecError, load_spec
-    from nebula_common.jobspec.spec import _set_dotted, parse_spec
+    from nebula_common.jobspec.loader import parse_spec, set_dotted
 
     if isinstance(spec, Path) or (isinstance(spec, str) and _looks_like_path(spec)):
         return load_spec(Path(spec), overrides)
@@ -82,7 +82,7 @@ def load_job(
         raise SpecError(f"a spec is a path, YAML text or a dict, got {type(spec).__name__}")
     if isinstance(data, dict):
         for dotted, value in (overrides or {}).items():
-            _set_dotted(data, dotted, value, origin)
+            set_dotted(data, dotted, value, origin)
     return parse_spec(data, base_dir=Path(base_dir or Path.cwd()), origin=origin)
 
 
