@@ -3,7 +3,8 @@
 Shared by ``product.py``, which places the files in each account's directory of two real clusters, and
 ``advisor.py``, which places them in one scratch folder to let the product's ``codec: auto`` decide in
 this process. Both therefore run the same job: the prepared halves, the training split's token ids and,
-for a calibrated bottleneck row, the halves its autoencoder pre-training left.
+for a calibrated bottleneck row, the halves its autoencoder pre-training left; a co-trained row's stages
+load that row's own halves and bottleneck (``cotrain.py``).
 """
 
 from __future__ import annotations
@@ -39,15 +40,31 @@ def stage_files(prep: train.Prepared, rows: list[train.Row]) -> dict[str, dict[s
         "b": {"decoder.pt": state["decoder"], "en.pt": prep.train_en},
     }
     for row in rows:
-        if row.cut_pretrain:  # the product's calibrate + cut_init, from the benchmark's own calibration
+        if row.cut_cotrain:  # halves trained with the bottleneck (cotrain.py): their own weights and cut_init
+            state = prep.cut_states[train.cut_key(row)]
+            for cluster, weights, _ in STAGES:
+                files[cluster][_weights_file(row, weights)] = state[weights.removesuffix(".pt")]
+                if row.cut_k:
+                    files[cluster][_cut_file(row)] = {"down": state["down"], "up": state["up"]}
+        elif row.cut_pretrain:  # the product's calibrate + cut_init, from the benchmark's own calibration
             stages = train.Stages(prep, row, seed=0)
             with tempfile.TemporaryDirectory() as scratch:
                 path = Path(scratch) / "halves.pt"
                 save_halves(str(path), stages.down, stages.up)
                 halves = torch.load(path, weights_only=True)
             for cluster in files:
-                files[cluster][f"cut-{row.cut_k}.pt"] = halves
+                files[cluster][_cut_file(row)] = halves
     return files
+
+
+def _weights_file(row: train.Row, weights: str) -> str:
+    """A stage's weights file for ``row``: the shared halves, or a co-trained row's own."""
+    return f"{weights.removesuffix('.pt')}-{train.cut_key(row)}.pt" if row.cut_cotrain else weights
+
+
+def _cut_file(row: train.Row) -> str:
+    """The bottleneck halves file (``cut_init``) of a calibrated or co-trained row."""
+    return f"cut-{train.cut_key(row)}.pt" if row.cut_cotrain else f"cut-{row.cut_k}.pt"
 
 
 def _starting_halves(prep: train.Prepared) -> dict[str, dict[str, torch.Tensor]]:
@@ -80,12 +97,15 @@ def job_overrides(
     }
     for index, (cluster, weights, ids) in enumerate(STAGES):
         stage = f"stages.{index}.options"
-        overrides |= {f"{stage}.weights": placed[cluster][weights], f"{stage}.examples": placed[cluster][ids]}
+        overrides |= {
+            f"{stage}.weights": placed[cluster][_weights_file(row, weights)],
+            f"{stage}.examples": placed[cluster][ids],
+        }
         if row.cut_k:
             overrides |= {f"{stage}.cut_k": row.cut_k}
-        if row.cut_pretrain:
+        if row.cut_k and (row.cut_pretrain or row.cut_cotrain):
             overrides |= {
-                f"{stage}.cut_init": placed[cluster][f"cut-{row.cut_k}.pt"],
+                f"{stage}.cut_init": placed[cluster][_cut_file(row)],
                 f"{stage}.cut_residual": row.down_residual,
             }
     return overrides

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import corpus
+import cotrain
 import job_files
 import product_checks as checks
 import run as table
@@ -48,7 +49,8 @@ from nebula_common.sdk.links import LinkProfile
 
 JOB = job_files.JOB
 DEFAULT_ROWS = (
-    "none,FP16+INT8,ZSTD(INT8) both,INT4 both,ZSTD(INT4) both,BOTTLENECK(16,AE)+INT8,"
+    "none,FP16+INT8,ZSTD(INT8) both,INT4 both,ZSTD(INT4) both,"
+    "BOTTLENECK(16,AE)+INT8,BOTTLENECK(16,JOINT)+INT8,"
     "ZSTD(INT8(ERROR=0.04))+ZSTD(INT8(ERROR=0.2)),ZSTD(INT8(ERROR=0.08))+ZSTD(INT8(ERROR=0.25)),auto"
 )
 AUTO = train.Row("auto", "auto", "auto")
@@ -124,6 +126,7 @@ def run_row(
         "forward": job.codec_forward,
         "backward": job.codec_backward,
         "cut_k": row.cut_k,
+        "cut_cotrain": row.cut_cotrain,
         "succeeded": summary.succeeded,
         "messages": summary.stage_messages,
         "step_seconds": statistics.median(steps) if steps else math.nan,
@@ -283,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     prep = train.prepare(
         train_pairs, evaluated, config, args.cache / "models", manifest["sha256"]["train.tsv"]
     )
+    prep = cotrain.with_cut_states(prep, rows, args.cache / "models", manifest["sha256"]["train.tsv"])
     args.examples = len(prep.train_es)
     files = job_files.stage_files(prep, rows)
     run_dir = Path(tempfile.mkdtemp(prefix="table5-product-"))

@@ -17,8 +17,9 @@ PREDICTION_TOLERANCE = 0.25
 """How far ``auto``'s predicted step may be from its job's measured one before the run fails."""
 AUTO_RULE = 1.10
 """``auto``'s step may be at most this times the fastest row's within the BLEU budget (the issue's 10%)."""
-Judged = dict[tuple[str, str, int], tuple[str, bool]]
-"""(forward, backward, cut_k) -> (run.py's row label, within the BLEU budget); specs by ``lossy_part``."""
+Judged = dict[tuple[str, str, int, int], tuple[str, bool]]
+"""(forward, backward, cut_k, cut_cotrain) -> (run.py's row label, within the BLEU budget); specs by
+``lossy_part``."""
 
 
 def speedups(results: list[dict[str, Any]]) -> None:
@@ -82,8 +83,10 @@ def auto_rule(results: list[dict[str, Any]], judged: Judged, source: str) -> tup
     if not judged:
         return [f"`auto` against the BLEU table: not judged (no run.py report at {source})."], []
     within = [results[0]] + [
-        r for r in results[1:] if r not in autos and r["succeeded"] and judged.get(_key(r), ("", False))[1]
-    ]
+        r
+        for r in results[1:]
+        if r not in autos and r["succeeded"] and not r.get("cut_k") and judged.get(_key(r), ("", False))[1]
+    ]  # a bottleneck row changes the model (cut_k), which auto does not choose: not what it is judged by
     fastest = min(within, key=lambda r: r["step_seconds"])
     lines, found = [], []
     for auto in autos:
@@ -119,5 +122,6 @@ def lossy_part(spec: str) -> str:
     return codec.spec
 
 
-def _key(result: dict[str, Any]) -> tuple[str, str, int]:
-    return (lossy_part(result["forward"]), lossy_part(result["backward"]), int(result.get("cut_k", 0)))
+def _key(result: dict[str, Any]) -> tuple[str, str, int, int]:
+    codecs = (lossy_part(result["forward"]), lossy_part(result["backward"]))
+    return (*codecs, int(result.get("cut_k", 0)), int(result.get("cut_cotrain", 0)))

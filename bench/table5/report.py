@@ -141,6 +141,7 @@ def markdown(report: dict[str, Any], figure10_label: str) -> str:
         " padding (the stream leaves zero rows out, `present_rows`), so none's ratio is the padding's share."
         " Bottleneck rows: the cut is k wide, so both ratios include d/k. `zstd` rows: the last step's frames"
         " (the size varies by step).",
+        *control_markdown(rows),
     ]
     if len(fig) > 1:
         lines += [
@@ -235,3 +236,19 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     lookup_found = {k: v for k, v in found.items() if k != "hypotheses"} if found else None
     kept = {k: v for k, v in report.items() if k != "references"}
     return {**kept, "rows": rows, "lookup": lookup_found}
+
+
+def control_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """A co-trained row against its control: the same extra training without the bottleneck."""
+    lines = []
+    for row in rows:
+        versus = row.get("versus_control")
+        if versus:
+            lines += [
+                "",
+                f"{row['label']} against {versus['control']} (none's halves trained as many more steps, "
+                f"without the bottleneck): BLEU {versus['difference']:+.2f} [{versus['low']:+.2f}, "
+                f"{versus['high']:+.2f}], within budget (-{versus['budget']:.2f}): "
+                f"**{'yes' if versus['within_budget'] else 'no'}**.",
+            ]
+    return lines

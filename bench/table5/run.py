@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import advisor
 import checks
 import corpus
+import cotrain
 import figure10
 import lookup
 import merge
@@ -63,26 +64,34 @@ CALIBRATED = {"down_residual": 256, "up_residual": 256, "cut_pretrain": 3000}
 as an autoencoder on the starting model's cut activations before fine-tuning (``pretrain_bottleneck``;
 the product's ``calibrate`` + ``cut_init``). It keeps 88% of the cut's energy at k = 16, the linear
 start 69%."""
+COTRAIN_STEPS = 3000
+COTRAINED = {**CALIBRATED, "cut_cotrain": COTRAIN_STEPS, "control": f"NONE(+{COTRAIN_STEPS})"}
+"""The co-trained bottleneck (``cotrain.py``): the calibrated start, then the whole model (LMs, adapters
+and bottleneck) trained 3,000 more steps with it in place after preparation; fine-tuning starts there.
+Judged against none and against its control, none's halves trained as many more steps without it."""
 FULL_ROWS = (
     Row("none"),
     Row("FP16+INT8", "fp16", "int8"),
     *(Row(f"FP16(SVD({r}))+INT8", f"fp16(svd({r}))", "int8") for r in (0.9, 0.6, 0.4, 0.2)),
     Row("FP16(LOWRANK(8))+INT8", "fp16(lowrank(8))", "int8"),
-    Row("POWERSGD(8)+INT8", "fp16(powersgd(8))", "int8"),
     Row("EF(TOPK(0.1)) both", "ef(fp16(topk(0.1)))", "ef(fp16(topk(0.1)))"),
     Row("ZSTD(FP16)+ZSTD(INT8)", "zstd(fp16)", "zstd(int8)"),
     Row("ZSTD(INT8) both", "zstd(int8)", "zstd(int8)"),
     Row("INT4 both", "int4", "int4"),
     Row("ZSTD(INT4) both", "zstd(int4)", "zstd(int4)"),
     Row("BOTTLENECK(16,AE)+INT8", "int8", "int8", cut_k=16, **CALIBRATED),
-    Row("BOTTLENECK(48)+ZSTD(INT8)", "zstd(int8)", "zstd(int8)", cut_k=48),
+    Row("BOTTLENECK(16,JOINT)+INT8", "int8", "int8", cut_k=16, **COTRAINED),
+    Row(f"NONE(+{COTRAIN_STEPS})", cut_cotrain=COTRAIN_STEPS),
     Row(advisor.LABEL, "auto", "auto"),
 )
 """The full plan's rows: the paper's, lossless zstd over int8, blockwise int4 (alone and under zstd), the
-learned bottleneck at 16x both ways (k = 16 calibrated, with int8; the linear start's k = 16 row, 2.2
-BLEU short, is in EXTRA_ROWS) and with zstd (k = 48), and last the pair the product's ``codec: auto``
-picks for this job and link (``advisor.py``). Two shards take the rows alternately."""
+learned bottleneck at 16x both ways (k = 16 with int8: calibrated on the shared halves, and co-trained
+with its halves, beside that row's control; the linear start's k = 16 row, 2.2 BLEU short, is in
+EXTRA_ROWS), and last the pair the product's ``codec: auto`` picks for this job and link
+(``advisor.py``). Two shards take the rows alternately."""
 EXTRA_ROWS = (
+    Row("POWERSGD(8)+INT8", "fp16(powersgd(8))", "int8"),
+    Row("BOTTLENECK(48)+ZSTD(INT8)", "zstd(int8)", "zstd(int8)", cut_k=48),
     Row("BOTTLENECK(16)+INT8", "int8", "int8", cut_k=16),
     Row("BOTTLENECK(16)", cut_k=16),
     Row("BOTTLENECK(32)+INT8", "int8", "int8", cut_k=32),
@@ -103,10 +112,15 @@ product's ``auto`` picks for this job is among them (``bench/table5/product.py``
 last spends more error forward for fewer bytes."""
 _BY_LABEL = {row.label: row for row in (*FULL_ROWS, *EXTRA_ROWS)}
 QUICK_ROWS = tuple(
-    replace(_BY_LABEL[label], cut_pretrain=min(_BY_LABEL[label].cut_pretrain, 200))
-    for label in ("none", "FP16+INT8", "FP16(SVD(0.2))+INT8", "BOTTLENECK(16,AE)+INT8", advisor.LABEL)
+    replace(
+        _BY_LABEL[label],
+        cut_pretrain=min(_BY_LABEL[label].cut_pretrain, 200),
+        cut_cotrain=min(_BY_LABEL[label].cut_cotrain, 40),
+    )
+    for label in ("none", "FP16+INT8", "FP16(SVD(0.2))+INT8", "BOTTLENECK(16,JOINT)+INT8", advisor.LABEL)
 )
-"""A smoke run of every stage: the calibrated row's autoencoder pre-training shortened to 200 steps."""
+"""A smoke run of every stage: the co-trained row's autoencoder pre-training shortened to 200 steps, its
+co-training to 40."""
 FIGURE10_ROW = FULL_ROWS[5]  # the paper's fastest row, FP16(SVD(0.2))+INT8
 FIGURE10_STARTS = (0.0, 0.10, 0.25)
 CUT_LR = 1e-3
@@ -306,11 +320,14 @@ def main() -> None:
     prep = train.prepare(
         train_pairs, evaluated, plan["model"], args.cache / "models", manifest["sha256"]["train.tsv"]
     )
+    mine = [row for i, row in enumerate(plan_rows) if i % count == index]
+    # --prepare-only co-trains every co-trained row of the plan; a shard only its own rows
+    cotrained = list(plan_rows if args.prepare_only else mine)
+    prep = cotrain.with_cut_states(prep, cotrained, args.cache / "models", manifest["sha256"]["train.tsv"])
     if args.prepare_only:
         print(json.dumps({"pretrain_losses": {k: [v[0], v[-1]] for k, v in prep.pretrain_losses.items()}}))
         return
     rows = []
-    mine = [row for i, row in enumerate(plan_rows) if i % count == index]
     for row in mine:
         choice = advisor.auto_pair(prep, shape, steps, args.cache) if row.label == advisor.LABEL else None
         if choice:

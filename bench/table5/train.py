@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +133,17 @@ class Row:
     """Hidden width of the up-projection's residual path (0: ``residual``'s default width when it is set)."""
     cut_pretrain: int = 0
     """Steps of training both halves as an autoencoder on calibration activations before fine-tuning."""
+    cut_cotrain: int = 0
+    """Steps of training the whole model on after preparation, with this row's bottleneck in place when it
+    has one (``cotrain.py``, cached); fine-tuning starts from those halves (0: from the shared halves)."""
+    control: str = ""
+    """The label of the row this one's quality is judged against besides none: a co-trained bottleneck's
+    control, none's halves trained as long without it (``checks.compare_rows``)."""
+
+
+def cut_key(row: Row) -> str:
+    """What identifies a co-trained row's halves: its bottleneck's shape and training, not its codecs."""
+    return f"k{row.cut_k}-r{row.down_residual}-{row.up_residual}-ae{row.cut_pretrain}-co{row.cut_cotrain}"
 
 
 @dataclass
@@ -152,6 +163,8 @@ class Prepared:
     pretrain_losses: dict[str, list[float]]
     translation_state: dict[str, dict[str, torch.Tensor]]
     """The adapter-wrapped halves after translation pre-training (``encoder``/``decoder``), or empty."""
+    cut_states: dict[str, dict[str, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    """Co-trained rows' halves and bottleneck by ``cut_key`` (``cotrain.with_cut_states``)."""
 
 
 def _language_model(config: ModelConfig, vocab: int, causal: bool) -> LanguageModel:
@@ -284,11 +297,18 @@ class Stages:
             self.down = DownProjection(config.d_model, row.cut_k, basis, residual=row.down_residual)
             up_residual = row.up_residual or row.residual
             self.up = UpProjection(config.d_model, row.cut_k, basis, residual=up_residual)
-            if row.cut_pretrain:
+            if row.cut_pretrain and not row.cut_cotrain:  # a co-trained row loads its trained halves below
                 with torch.no_grad():
                     more = prep.train_es[: 128 * config.batch]  # 4,096 sentences (~28k non-zero rows)
                     rows = torch.cat([self.encoder(more[i : i + 256]) for i in range(0, len(more), 256)])
                 self.energy = pretrain_bottleneck(self.down, self.up, rows, row.cut_pretrain, seed)
+        if row.cut_cotrain:  # the halves (and bottleneck) trained on after preparation (cotrain.py)
+            state = prep.cut_states.get(cut_key(row))
+            if state is None:
+                raise ValueError(f"row {row.label}: its co-trained halves are not prepared (cotrain.py)")
+            modules = {"encoder": self.encoder, "decoder": self.decoder, "down": self.down, "up": self.up}
+            for name, module in modules.items():
+                module.load_state_dict(state[name])
         if config.train_head:
             for parameter in (*decoder_plm.norm.parameters(), *decoder_plm.head.parameters()):
                 parameter.requires_grad_(True)

@@ -1,0 +1,86 @@
+"""Halves trained with the learned bottleneck in place: the co-trained bottleneck rows' preparation.
+
+Why: a bottleneck inserted into halves that learned to translate without it, then fine-tuned with the
+halves frozen (the paper's recipe), cannot recover what a 16-wide code drops: on dev the calibrated
+k = 16 row stays ~6 BLEU short of none after 2,000 steps (docs/bench/table5.md). A cut meant to be
+narrow is a property of the model, so the model is trained with it: after the shared preparation
+(LMs, then translation with codec none), the whole model (LMs, adapters and the bottleneck, started
+as the calibrated autoencoder) trains ``cut_cotrain`` more steps on the training pairs with the
+bottleneck in place. Fine-tuning then starts from those halves and that bottleneck, the LMs frozen as
+for every row. Cached beside the prepared model, keyed by its digest and the row's bottleneck.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import train
+
+COTRAIN_LR = 1e-3
+"""Peak Adam learning rate of the co-training (half the translation pre-training's: it starts from a model
+that translates)."""
+COTRAIN_WARMUP = 150
+"""Steps of linear warm-up: the bottleneck's start is new to the halves."""
+
+
+def cut_digest(prep: train.Prepared, row: train.Row, corpus_sha: str) -> str:
+    """The cache key of ``row``'s co-trained halves: the prepared model's and the bottleneck's fields."""
+    fields = {
+        "model": prep.config.digest(corpus_sha),
+        "key": train.cut_key(row),
+        "lr": COTRAIN_LR,
+        "warmup": COTRAIN_WARMUP,
+        "batch": prep.config.translation_batch,
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cotrain(prep: train.Prepared, row: train.Row) -> dict[str, dict[str, torch.Tensor]]:
+    """Train the whole model with ``row``'s bottleneck for ``row.cut_cotrain`` steps; the four states."""
+    stages = train.Stages(prep, replace(row, cut_cotrain=0), seed=0)  # the calibrated start
+    modules = (stages.encoder, stages.decoder, stages.down, stages.up)
+    parameters = [p for module in modules for p in module.parameters()]
+    for parameter in parameters:
+        parameter.requires_grad_(True)
+    optimizer = torch.optim.Adam(parameters, lr=COTRAIN_LR)
+    generator = torch.Generator().manual_seed(5)
+    batch = prep.config.translation_batch
+    for step in range(row.cut_cotrain):
+        for group in optimizer.param_groups:
+            group["lr"] = COTRAIN_LR * min(1.0, (step + 1) / COTRAIN_WARMUP)
+        index = torch.randint(len(prep.train_es), (batch,), generator=generator)
+        memory = stages.up(stages.down(stages.encoder(prep.train_es[index])))
+        loss = stages.decoder.loss(memory, prep.train_en[index])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    names = ("encoder", "decoder", "down", "up")
+    return {name: module.state_dict() for name, module in zip(names, modules, strict=True)}
+
+
+def with_cut_states(
+    prep: train.Prepared, rows: list[train.Row], cache: Path, corpus_sha: str
+) -> train.Prepared:
+    """``prep`` holding the co-trained halves of every co-trained row in ``rows`` (trained once, cached)."""
+    states = dict(prep.cut_states)
+    for row in rows:
+        if not row.cut_cotrain or train.cut_key(row) in states:
+            continue
+        path = cache / f"cotrained-{cut_digest(prep, row, corpus_sha)}.pt"
+        if path.exists():
+            states[train.cut_key(row)] = torch.load(path, weights_only=True)
+            continue
+        started = time.perf_counter()
+        state = cotrain(prep, row)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        torch.save(state, partial)
+        partial.replace(path)  # an interrupted co-training leaves no cache entry to trust
+        print(json.dumps({"cotrained": train.cut_key(row), "seconds": round(time.perf_counter() - started)}))
+        states[train.cut_key(row)] = state
+    return replace(prep, cut_states=states)
