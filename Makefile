@@ -128,8 +128,8 @@ bench-wan-table3: $(STAMP)
 # lookup baseline; fetches its corpus once into .cache/table5 (pip download / apt-get download). JSON, markdown,
 # PNG and every run's outputs in bench-results/table5/, results in docs/bench/table5.md (two shards of rows in
 # parallel, one per core, then a merge; never part of `make test`; the time is in docs/bench/table5.md).
-# bench-table5-prepare: the corpus, the pre-trained LMs and the halves trained to translate, once, cached in
-# .cache/table5 (bench-table5 runs it first; a no-op when cached). bench-table5-quick: a smoke run of every stage
+# bench-table5-prepare: the corpus, the pre-trained LMs, the halves trained to translate and the co-trained
+# bottleneck's halves and control, once, cached in .cache/table5 (bench-table5 runs it first; a no-op when cached). bench-table5-quick: a smoke run of every stage
 # with checks that fail a model that does not learn (~1.5 minutes on idle cores).
 TABLE5 := nice -n 10 $(BIN)/python bench/table5/run.py
 bench-table5-prepare: $(STAMP)

@@ -143,9 +143,9 @@ adapters and the decoder's output layer at 3e-4 (the bottleneck's projections at
 sentence pairs a step, with its codecs in the loop (on dev, seed 0: none 21.64 BLEU at 64 pairs a step,
 21.86 at 128 for half as much CPU again)."""
 FULL = {"seeds": 5, "steps": 300, "eval_pairs": None, "model": FULL_MODEL}
-"""15 rows x 5 seeds + Figure 10's 2 starts x 2 seeds = 79 runs of ~150 CPU s (300 steps of ~310 ms and the
-greedy decoding of 3,750 test pairs), the advisor's trials (~200 CPU s) and the link clock (~1 min), over 2
-shards: about 90 minutes on 2 idle cores (docs/bench/table5.md); preparation once, cached after."""
+"""15 rows x 5 seeds + Figure 10's 2 starts x 2 seeds = 79 runs of ~140 CPU s (300 steps of ~270 ms and the
+greedy decoding of 3,750 test pairs), ``auto``'s decision (~15 s) and the link clock (~1 min), over 2
+shards: about 95 minutes on 2 idle cores (docs/bench/table5.md); preparation once, cached after."""
 FIGURE10_SEEDS = 2
 """Seeds of each later-start Figure 10 point (the 0% point is the row itself, all seeds): even shards."""
 QUICK = {
