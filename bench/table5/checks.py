@@ -137,8 +137,8 @@ def advisor_check(report: dict[str, Any]) -> dict[str, Any] | None:
     the quality budget (``stats``); None when the run has no ``auto`` row.
 
     Judged against the wire-codec rows only: a learned bottleneck changes the model (the job's
-    ``cut_k``), which ``codec: auto`` does not choose. In the full run every bottleneck row is outside
-    the BLEU budget anyway; in the quick run, whose budget is a 2% loss, the calibrated one is inside.
+    ``cut_k``, and a co-trained row its halves too), which ``codec: auto`` does not choose, even when
+    such a row is within the budget.
     """
     pick = next((row for row in report["rows"] if row["label"] == AUTO_LABEL), None)
     if pick is None:
