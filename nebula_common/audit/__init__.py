@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nebula_common.audit.log import SEAL_INTERVAL_S, AuditError, AuditLog, record_hash, seal_path_for
+from nebula_common.audit.log import SEAL_INTERVAL_S, AuditLog
 from nebula_common.audit.metrics import watch_audit_disk
 from nebula_common.audit.query import AuditFilter, QueryResult, query_log
+from nebula_common.audit.records import AuditError, record_hash
+from nebula_common.audit.segments import seal_path_for
 from nebula_common.audit.signing import (
     PRIVATE_KEY_NAME,
     PUBLIC_KEY_NAME,

@@ -1,15 +1,6 @@
 """An append-only, hash-chained, periodically signed audit log: one JSON record per line.
 
-Record format (every field always present)::
-
-    {"v": 1, "seq": 7, "ts": "2025-01-01T12:00:00.123456Z", "service": "switch", "cluster": "a",
-     "event": "link.refused", "outcome": "refused", "account": "", "job_id": "",
-     "details": {...}, "prev": "<hash of record 6>", "hash": "<sha256 of this record without 'hash'>"}
-
-``seq`` counts from 1 with no gaps; record 1 (``audit.open`` of a new file) has ``prev`` =
-64 zeros and carries the log's random ``log_id``. ``hash`` is SHA-256 over the canonical JSON of
-the record without ``hash``, so editing any field breaks it and deleting, inserting or reordering
-lines breaks ``seq`` and ``prev``.
+The record format is :mod:`nebula_common.audit.records`'s.
 
 Sealing: every ``seal_every`` records or ``seal_interval_s`` seconds (and on close) the writer
 appends an ``audit.seal`` record whose ``details.sig`` signs ``{log_id, count, head, ts}`` for
@@ -32,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -40,66 +30,36 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from nebula_common.audit.metrics import WRITABLE, WRITE_FAILURES
-from nebula_common.audit.segments import seal_path_for, segment_path, segments, shift_segments
+from nebula_common.audit.records import (
+    FORMAT_VERSION,
+    OPEN_EVENT,
+    OUTCOMES,
+    RESUMED_EVENT,
+    SEAL_EVENT,
+    AuditError,
+    record_hash,
+    seal_payload,
+    utc_timestamp,
+)
+from nebula_common.audit.resume import read_head, unsigned_lines
+from nebula_common.audit.segments import seal_path_for, segment_path, shift_segments
 from nebula_common.audit.signing import AuditSigner, canonical_json
 from nebula_common.durable import atomic_write
 
-__all__ = [
-    "FORMAT_VERSION",
-    "GENESIS_PREV",
-    "SEAL_EVENT",
-    "SEGMENTS_KEPT",
-    "SEGMENT_BYTES",
-    "AuditError",
-    "AuditLog",
-    "record_hash",
-    "seal_path_for",
-    "segment_path",
-    "segments",
-    "utc_timestamp",
-]
+__all__ = ["SEAL_INTERVAL_S", "SEGMENTS_KEPT", "SEGMENT_BYTES", "AuditLog"]
 
-FORMAT_VERSION = 1
-GENESIS_PREV = "0" * 64
-SEAL_EVENT = "audit.seal"
-OPEN_EVENT = "audit.open"
-OUTCOMES = frozenset({"ok", "failure", "refused"})
 SEGMENT_BYTES = 64 << 20
 """Size at which the log file is sealed and rotated."""
 SEGMENTS_KEPT = 8
 """Rotated segments kept beside the current file (``<log>.1`` newest .. ``<log>.8`` oldest)."""
-RESUMED_EVENT = "audit.resumed"
-"""First record after writes failed (a full disk): how many failed and since when."""
 SEAL_INTERVAL_S = 5.0
 """The longest a record stays unsealed while events arrive (a seal also every ``seal_every`` records)."""
 log = logging.getLogger(__name__)
-
-
-class AuditError(Exception):
-    """The audit log cannot be opened or appended to; the message names the file and why."""
-
-
-def utc_timestamp(when: float | None = None) -> str:
-    """RFC 3339 UTC with microseconds: sortable as text and parseable by ``datetime.fromisoformat``."""
-    moment = datetime.fromtimestamp(time.time() if when is None else when, UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def record_hash(record: Mapping[str, Any]) -> str:
-    """SHA-256 (hex) over the canonical JSON of ``record`` without its ``hash`` field."""
-    body = {key: value for key, value in record.items() if key != "hash"}
-    return hashlib.sha256(canonical_json(body)).hexdigest()
-
-
-def seal_payload(log_id: str, count: int, head: str, ts: str) -> dict[str, Any]:
-    """What a seal signs: which log, how many records, the hash of the last one, and when."""
-    return {"log_id": log_id, "count": count, "head": head, "ts": ts}
 
 
 class AuditLog:
@@ -145,10 +105,14 @@ class AuditLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = self._open_file()
         try:
-            self._seq, self._head, self._log_id = self._resume()
+            self._seq, self._head, self._log_id = read_head(self.path)  # the chain continues
             # A signer of its own process (``remote_signer``) is sent the records since its last head.
             remote = getattr(signer, "needs_records", False)
-            self._pending: list[bytes] | None = self._unsigned() if remote else None
+            self._pending: list[bytes] | None = (
+                unsigned_lines(self.path, signer.position, self._seq, self._head, self._log_id)  # type: ignore[attr-defined]
+                if remote
+                else None
+            )
         except BaseException:
             os.close(self._fd)
             raise
@@ -205,77 +169,6 @@ class AuditLog:
         )
         self._unsealed = 1
         self._seal_locked()  # the new file has its seal file from its first record on
-
-    # ------------------------------------------------------------------ reading back on start
-    def _resume(self) -> tuple[int, str, str]:
-        """(last seq, last hash, log id) of an existing log, so the chain continues across restarts.
-
-        Only the first and last lines are read (verification of everything is ``nebula audit
-        verify``'s job); a torn or unparseable last line stops the service rather than chaining
-        new records onto something nobody can check.
-        """
-        with open(self.path, "rb") as handle:
-            first = handle.readline()
-            if not first:
-                return 0, GENESIS_PREV, ""
-            handle.seek(0, os.SEEK_END)
-            size = handle.tell()
-            handle.seek(max(0, size - (1 << 20)))
-            tail = handle.read().splitlines()
-        try:
-            genesis = json.loads(first)
-            last = json.loads(tail[-1])
-            log_id = str(genesis["details"]["log_id"])
-            return int(last["seq"]), str(last["hash"]), log_id
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
-            raise AuditError(
-                f"audit log {self.path} ends in an unreadable record ({exc!r}); "
-                f"run `nebula audit verify {self.path}` and move the file aside before restarting"
-            ) from exc
-
-    def _unsigned(self) -> list[bytes]:
-        """The lines after the signer's last signed head (``RemoteSigner.position``), from this file.
-
-        A rotation seals before it moves the file, so what the signer has not signed is in the current
-        file. A signer that has signed nothing yet starts from this log's last record (a log sealed by a
-        key of its own until now). A log that does not reach the signer's head, or is another log,
-        stops the service here with the reason, rather than at its first seal.
-        """
-        known = self._signer.position  # type: ignore[attr-defined]
-        if not known.log_id:
-            return self._lines_after(self._seq - 1) if self._seq else []
-        if known.log_id != self._log_id or known.count > self._seq:
-            raise AuditError(
-                f"audit log {self.path} is log {self._log_id or '(new)'} with {self._seq} records, but its "
-                f"signer sealed log {known.log_id} up to record {known.count}: the log was cut short or "
-                f"replaced (run `nebula audit verify {self.path}`)"
-            )
-        if known.count == self._seq:
-            if self._head != known.head:
-                raise AuditError(f"audit log {self.path} ends at record {self._seq}, not at the sealed head")
-            return []
-        lines = self._lines_after(known.count)
-        first = json.loads(lines[0]) if lines else {}
-        if first.get("seq") != known.count + 1 or first.get("prev") != known.head:
-            raise AuditError(
-                f"audit log {self.path} no longer holds the records after {known.count} that its signer "
-                f"sealed (run `nebula audit verify {self.path}`)"
-            )
-        return lines
-
-    def _lines_after(self, count: int) -> list[bytes]:
-        """This file's record lines with ``seq`` above ``count``, oldest first (the tail read first)."""
-        with open(self.path, "rb") as handle:
-            size = handle.seek(0, os.SEEK_END)
-            for start in (max(0, size - (4 << 20)), 0):
-                handle.seek(start)
-                lines = handle.read().split(b"\n")
-                if start:
-                    lines = lines[1:]  # the first may be a line's end
-                found = [line for line in lines if line and int(json.loads(line)["seq"]) > count]
-                if not start or len(found) < len(lines) - 1:  # the tail reached back far enough
-                    return found
-        return found
 
     # ------------------------------------------------------------------ writing
     @property

@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from nebula_common.audit.log import segments
+from nebula_common.audit.segments import segments
 
 __all__ = ["DEFAULT_LIMIT", "MAX_LIMIT", "AuditFilter", "QueryResult", "query_log"]
 

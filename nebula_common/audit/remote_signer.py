@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from nebula_common.audit.log import AuditError
+from nebula_common.audit.records import AuditError
 from nebula_common.audit.seal_keeper import SealPosition
 from nebula_common.audit.signing import SealVerifier
 from nebula_common.proto.nebula.v1 import audit_signer_pb2, audit_signer_pb2_grpc

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nebula_common.audit.log import GENESIS_PREV, OPEN_EVENT, record_hash, seal_payload
+from nebula_common.audit.records import GENESIS_PREV, OPEN_EVENT, record_hash, seal_payload
 from nebula_common.audit.signing import AuditSigner, canonical_json
 from nebula_common.durable import atomic_write
 

@@ -28,16 +28,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from nebula_common.audit.log import (
+from nebula_common.audit.records import (
     FORMAT_VERSION,
     GENESIS_PREV,
     OPEN_EVENT,
     SEAL_EVENT,
     record_hash,
-    seal_path_for,
     seal_payload,
-    segments,
 )
+from nebula_common.audit.segments import seal_path_for, segments
 from nebula_common.audit.signing import SealVerifier
 
 __all__ = ["REQUIRED_FIELDS", "VerifyResult", "verify_log", "verify_segments"]

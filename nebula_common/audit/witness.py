@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nebula_common.audit.log import segments
+from nebula_common.audit.segments import segments
 
 __all__ = ["WITNESS_EVENT", "WitnessResult", "check_witnessed", "witnessed_heads"]
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from nebula_common.audit import AuditLog
-from nebula_common.audit.log import utc_timestamp
+from nebula_common.audit.records import utc_timestamp
 from nebula_common.audit.witness import WITNESS_EVENT
 from nebula_common.proto.nebula.v1 import link_pb2
 from services.switch.metrics import AUDIT_WITNESSED

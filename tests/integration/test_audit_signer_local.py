@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from nebula_common.audit import AuditError, SealVerifier, record_hash
-from nebula_common.audit.log import GENESIS_PREV, seal_payload
+from nebula_common.audit.records import GENESIS_PREV, seal_payload
 from nebula_common.audit.remote_signer import RemoteSigner
 from nebula_common.audit.verify import verify_log
 from nebula_common.launcher import LocalDeployment

@@ -16,7 +16,8 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from nebula_common.audit import AuditFilter, AuditLog, AuditSigner, query_log
-from nebula_common.audit.log import SEGMENT_BYTES, SEGMENTS_KEPT, seal_path_for, segment_path, segments
+from nebula_common.audit.log import SEGMENT_BYTES, SEGMENTS_KEPT
+from nebula_common.audit.segments import seal_path_for, segment_path, segments
 from nebula_common.audit.verify import verify_segments
 from nebula_common.audit.witness import check_witnessed
 from nebula_common.cli.audit import app

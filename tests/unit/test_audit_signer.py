@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from nebula_common.audit import AuditError, AuditLog, SealVerifier, open_service_audit, record_hash
-from nebula_common.audit.log import GENESIS_PREV, seal_payload
+from nebula_common.audit.records import GENESIS_PREV, seal_payload
 from nebula_common.audit.remote_signer import RemoteSigner
 from nebula_common.audit.signing import PRIVATE_KEY_NAME, PUBLIC_KEY_NAME, AuditSigner
 from nebula_common.audit.verify import verify_log, verify_segments

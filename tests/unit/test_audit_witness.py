@@ -17,7 +17,8 @@ import pytest
 from typer.testing import CliRunner
 
 from nebula_common.audit import AuditLog, AuditSigner, open_service_audit, record_hash, verify_log
-from nebula_common.audit.log import SEAL_EVENT, seal_path_for, seal_payload
+from nebula_common.audit.records import SEAL_EVENT, seal_payload
+from nebula_common.audit.segments import seal_path_for
 from nebula_common.audit.signing import canonical_json
 from nebula_common.audit.witness import WITNESS_EVENT, check_witnessed
 from nebula_common.cli.audit import app
