@@ -11,7 +11,7 @@ from rich.markup import escape
 
 from nebula_common.cli.console import new_console
 from nebula_common.cli.local import _print_event, serve_until_stopped
-from nebula_common.launcher.cluster import ClusterDeploymentError, parse_host_port, parse_peer
+from nebula_common.launcher.addresses import ClusterDeploymentError, parse_host_port, parse_peer
 from nebula_common.launcher.organisation import ClusterDeployment
 from nebula_common.launcher.supervisor import RestartPolicy
 from nebula_common.pki.identity import validate_cluster_id

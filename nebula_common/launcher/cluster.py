@@ -9,7 +9,6 @@ own CA's CRL to send to the peer over the WAN port (services/switch/crl_exchange
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,15 +16,14 @@ from pathlib import Path
 
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.durable import atomic_write
-from nebula_common.errors import NebulaError
+from nebula_common.launcher.addresses import ClusterDeploymentError, SwitchPeer
 from nebula_common.launcher.edge_socket import edge_socket_path
-from nebula_common.launcher.ports import service_port
-from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command, wait_healthy
-from nebula_common.launcher.service_box import ServiceBox, boxes_enabled
+from nebula_common.launcher.pinned import LOOPBACK, launch_pinned
+from nebula_common.launcher.process import ServiceProcess, wait_healthy
+from nebula_common.launcher.service_box import ServiceBox, boxes_enabled, for_service
 from nebula_common.launcher.signer import SignerLayout, signer_layout
 from nebula_common.launcher.trainer_box import TrainerBox
 from nebula_common.metrics import metrics_url, trust_metrics_endpoint
-from nebula_common.pki.identity import validate_cluster_id
 from nebula_common.pki.service_identity import (
     MONITORING_ROLE,
     ServiceTlsFiles,
@@ -35,12 +33,6 @@ from nebula_common.pki.service_identity import (
 from nebula_common.pki.store import ClusterPaths
 from nebula_common.rpc.internal_tls import ClientTls, trust_endpoint
 
-LOOPBACK = "127.0.0.1"
-BIND_ATTEMPTS = 3
-# How long a starting process may take to listen. Its imports alone took over 30 s on 2 cores shared
-# by four test runs (a deployment then failed to start); the supervisor allows a restart 90 s.
-START_TIMEOUT_S = 90.0
-BIND_FAILURE = re.compile(r"could not bind|address already in use", re.IGNORECASE)
 # Ready-line port -> the setting that binds it. The launcher picks each port (outside the ephemeral
 # range, ``ports.py``) and keeps it in the service's env, so a restart comes back on the same port.
 LISTEN_PINS = {"grpc_port": "LISTEN", "service_port": "SERVICE_LISTEN", "metrics_port": "METRICS_PORT"}
@@ -50,51 +42,11 @@ SWITCH_PINS = {
     "wan_port": "WAN_LISTEN",
     "metrics_port": "METRICS_PORT",
 }
-_HOST_PORT = re.compile(r"^(?P<host>\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(?P<port>\d{1,5})$")
-
-
-class ClusterDeploymentError(NebulaError):
-    pass
 
 
 def write_secret(path: Path, value: str) -> None:
     """Write a secret file readable by its owner only (0600 even if the file already existed)."""
     atomic_write(path, value.encode(), mode=0o600)
-
-
-def parse_host_port(value: str, what: str) -> str:
-    """``host:port`` checked (port 1-65535), or ``ClusterDeploymentError`` naming ``what``."""
-    match = _HOST_PORT.fullmatch(value.strip())
-    if match is None or not 0 < int(match["port"]) < 65536:
-        raise ClusterDeploymentError(f"{what} must be HOST:PORT (port 1-65535), got {value!r}")
-    return value.strip()
-
-
-def parse_peer(value: str) -> tuple[str, str | None]:
-    """``b=HOST:PORT`` (dial or be dialled by b there) or ``b`` (only accept b's link)."""
-    peer, _, address = value.partition("=")
-    try:
-        validate_cluster_id(peer.strip())
-    except ValueError as exc:
-        raise ClusterDeploymentError(f"--peer {value!r}: {exc}") from None
-    return peer.strip(), parse_host_port(address, f"--peer {peer}=...") if address else None
-
-
-@dataclass(frozen=True)
-class SwitchPeer:
-    """One peer of a switch with several (``NEBULA_SWITCH_PEERS``): where to dial it, its CA's CRL file."""
-
-    cluster_id: str
-    address: str | None = None  # None: the peer dials this switch
-    crl: Path | None = None
-
-    def setting(self) -> dict[str, str]:
-        entry = {"cluster_id": self.cluster_id}
-        if self.address is not None:
-            entry["address"] = self.address
-        if self.crl is not None:
-            entry["crl"] = str(self.crl)
-        return entry
 
 
 @dataclass
@@ -179,28 +131,17 @@ class ClusterLauncher:
         pki: ClusterPaths | None = None,
         writable: tuple[Path, ...] = (),
     ) -> ServiceBox | None:
-        """What ``service`` sees: its state directory, ``files``, its cluster's PKI less others' secrets."""
+        """``service``'s box (``service_box.for_service``), or None where services run unboxed."""
         if self.boxed is None:
             self.boxed = boxes_enabled()
         if not self.boxed:
             return None
-        read_only, hidden, shown = list(files), [], []
         own = state.service_tls[service].dir if service in state.service_tls else None
-        if self.pki_dir is not None and service == "switch":
-            # The switch reads its WAN certificate and key, the trust bundle, peers' CAs and CRLs from
-            # the cluster's directory, which the operator's `nebula pki` and the launcher rewrite: the
-            # directory is bound (a file bound alone would keep its old contents), less the CA key
-            # (written once, at `pki init`), the PKI's audit log and key, and other services' identities.
-            paths = pki or ClusterPaths.for_cluster(self.pki_dir, state.cluster_id)
-            read_only.append(paths.dir)
-            hidden += [paths.ca_key, paths.audit_dir]
-            if own is not None:
-                hidden.append(own.parent)
-                shown.append(own)
-        elif own is not None:  # its identity and its copy of the CRL (``mirror_crl``): nothing else
-            read_only.append(own)
-        writable = ((state_dir,) if state_dir is not None else ()) + writable
-        return ServiceBox(tuple(read_only), writable, tuple(hidden), tuple(shown))
+        if self.pki_dir is None or service != "switch":
+            pki = None  # only the switch sees its cluster's PKI directory, and only with TLS on
+        elif pki is None:
+            pki = ClusterPaths.for_cluster(self.pki_dir, state.cluster_id)
+        return for_service(service, own, pki, state_dir, files, writable)
 
     def _trust(self, state: ClusterProcesses, process: ServiceProcess) -> None:
         """Let this process's clients (health checks, SDK, CLI) verify ``process``'s ports."""
@@ -416,47 +357,8 @@ class ClusterLauncher:
         fixed: dict[str, str] | None = None,
         box: ServiceBox | None = None,
     ) -> ServiceProcess:
-        """Start a service on ports of its own, outside the ephemeral range (see ``ports.py``).
-
-        The ports go into its environment, so a restart binds the same ones and its peers find it
-        again. If another program took one of them between the check and the service's bind, the
-        start is retried with new ports (a bind failure only; any other failure is raised). ``fixed``
-        settings (an operator's WAN port, opened in a firewall) are never replaced.
-        """
-        fixed = fixed or {}
-        for attempt in range(1, BIND_ATTEMPTS + 1):
-            chosen = {setting: service_port() for setting in pins.values() if setting not in fixed}
-            env = {prefix + key: value for key, value in settings.items()}
-            for setting, port in chosen.items():
-                env[prefix + setting] = str(port) if setting == "METRICS_PORT" else f"{LOOPBACK}:{port}"
-            env.update({prefix + key: value for key, value in fixed.items()})
-            process = ServiceProcess(
-                name=name,
-                command=console_command(module),
-                env=env,
-                log_dir=self.log_dir,
-                holds_early_stop=True,
-                box=box,
-            )
-            process.start()
-            try:
-                info = process.wait_ready(START_TIMEOUT_S)
-            except ServiceStartError as exc:  # not yet in any state, so stop() would not know it
-                process.stop()
-                if attempt < BIND_ATTEMPTS and chosen and BIND_FAILURE.search(str(exc)):
-                    continue
-                raise
-            except BaseException:
-                process.stop()
-                raise
-            for key, setting in pins.items():
-                if setting in chosen and info.get(key) not in (None, -1, chosen[setting]):
-                    process.stop()
-                    raise ServiceStartError(
-                        f"{name} reported {key} {info.get(key)}, but was told {chosen[setting]}"
-                    )
-            return process
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        """Start a service on ports of its own (``pinned.launch_pinned``), logging to ``log_dir``."""
+        return launch_pinned(name, module, prefix, settings, pins, self.log_dir, fixed=fixed, box=box)
 
 
 def cluster_endpoints(state: ClusterProcesses) -> ClusterEndpoints:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,18 +44,16 @@ from typing import IO, Any
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.durable import atomic_write
 from nebula_common.launcher import service_box
+from nebula_common.launcher.addresses import SwitchPeer
 from nebula_common.launcher.cluster import (
-    BIND_ATTEMPTS,
-    BIND_FAILURE,
-    START_TIMEOUT_S,
     ClusterLauncher,
     ClusterProcesses,
-    SwitchPeer,
     cluster_endpoints,
     write_secret,
 )
-from nebula_common.launcher.ports import service_port
-from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command
+from nebula_common.launcher.emulator import launch_emulator
+from nebula_common.launcher.pinned import LOOPBACK
+from nebula_common.launcher.process import ServiceProcess
 from nebula_common.launcher.renewal import LeafRenewer
 from nebula_common.launcher.run_dir import LocalDeploymentError, check_run_dir, lock_run_dir
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor
@@ -66,16 +63,10 @@ from nebula_common.pki.store import PkiError
 from nebula_common.rpc.internal_tls import PLAINTEXT_ENV, plaintext_allowed
 from nebula_common.wan.control import WanControl
 
-LOOPBACK = "127.0.0.1"
 CONTROL_TOKEN_FILE = "wan-control-token"
 CLUSTER_IDS = "abcdefgh"
 """Cluster ids of ``nebula local up --clusters N``: the first N letters."""
 MAX_CLUSTERS = len(CLUSTER_IDS)
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex((LOOPBACK, port)) == 0
 
 
 @dataclass
@@ -237,50 +228,10 @@ class LocalDeployment:
         self.emulator, self.emulator_port, self.control_port = emulator
 
     def _launch_emulator(self, acceptor_wan: int, name: str) -> tuple[ServiceProcess, int, int]:
-        """Start the WAN emulator in front of the acceptor's WAN port, on fresh ports if one was taken.
-
-        A port free when chosen can be taken by another process before the emulator binds it (other
-        test runs share the machine); like the services (``BIND_ATTEMPTS``), it is retried on new ports.
-        """
-        for attempt in range(1, BIND_ATTEMPTS + 1):
-            emulator_port = service_port()
-            control_port = service_port()
-            emulator = ServiceProcess(
-                name=name,
-                command=console_command(  # the `wan` group alone: `nebula`'s other commands import torch
-                    "nebula_common.cli.wan",
-                    "emulate",
-                    "--listen",
-                    f"{LOOPBACK}:{emulator_port}",
-                    "--target",
-                    f"{LOOPBACK}:{acceptor_wan}",
-                    "--bandwidth-mbit",
-                    str(self.bandwidth_mbit),
-                    "--delay-ms",
-                    str(self.delay_ms),
-                    "--control",
-                    f"{LOOPBACK}:{control_port}",
-                    "--control-token-file",
-                    str(self.control_token_file),
-                ),
-                env={},
-                log_dir=self.log_dir,
-                ready_probe=lambda port=emulator_port: _listening(port),
-            )
-            emulator.start()
-            try:
-                self._wait_listening(emulator, emulator_port)
-                self._wait_listening(emulator, control_port)
-            except ServiceStartError as exc:
-                emulator.stop()
-                if attempt < BIND_ATTEMPTS and BIND_FAILURE.search(str(exc)):
-                    continue
-                raise
-            except BaseException:
-                emulator.stop()
-                raise
-            return emulator, emulator_port, control_port
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        """The WAN emulator ``name`` in front of the acceptor's WAN port, at this deployment's shape."""
+        return launch_emulator(
+            name, acceptor_wan, self.bandwidth_mbit, self.delay_ms, self.control_token_file, self.log_dir
+        )
 
     def all_processes(self) -> list[ServiceProcess]:
         """Every process of the deployment, the WAN emulator included."""
@@ -334,20 +285,6 @@ class LocalDeployment:
 
     def _start_trainer(self, cluster: str) -> None:
         self.launcher.start_trainer(self.cluster_state[cluster])
-
-    @staticmethod
-    def _wait_listening(process: ServiceProcess, port: int, timeout: float = START_TIMEOUT_S) -> None:
-        import time
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if process.popen is not None and process.popen.poll() is not None:
-                raise ServiceStartError(f"{process.name} exited during start-up:\n{process.tail()}")
-            with socket.socket() as sock:
-                if sock.connect_ex((LOOPBACK, port)) == 0:
-                    return
-            time.sleep(0.05)
-        raise ServiceStartError(f"{process.name} not listening on {port} within {timeout:.0f}s")
 
     @staticmethod
     def address(process: ServiceProcess | None) -> str:

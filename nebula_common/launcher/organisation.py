@@ -28,14 +28,8 @@ from typing import IO, Any
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.durable import atomic_write
 from nebula_common.launcher import service_box
-from nebula_common.launcher.cluster import (
-    ClusterDeploymentError,
-    ClusterLauncher,
-    ClusterProcesses,
-    SwitchPeer,
-    cluster_endpoints,
-    parse_host_port,
-)
+from nebula_common.launcher.addresses import ClusterDeploymentError, SwitchPeer, parse_host_port
+from nebula_common.launcher.cluster import ClusterLauncher, ClusterProcesses, cluster_endpoints
 from nebula_common.launcher.renewal import LeafRenewer
 from nebula_common.launcher.run_dir import check_run_dir, lock_run_dir
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor

@@ -42,6 +42,7 @@ from nebula_common import seccomp
 from nebula_common.bwrap import code_roots, system_binds
 from nebula_common.errors import NebulaError
 from nebula_common.launcher import userns
+from nebula_common.pki.store import ClusterPaths
 
 SERVICE_ETC = (
     "/etc/ld.so.cache",
@@ -142,6 +143,33 @@ class ServiceBox:
         if lifeline_fd is not None:
             entry += ["--lifeline", str(lifeline_fd)]
         return [*entry, "--", *command]
+
+
+def for_service(
+    service: str,
+    own: Path | None,
+    pki: ClusterPaths | None,
+    state_dir: Path | None,
+    files: tuple[Path, ...] = (),
+    writable: tuple[Path, ...] = (),
+) -> ServiceBox:
+    """What ``service`` sees: its state directory, ``files``, its identity ``own`` and, for the switch,
+    its cluster's PKI directory ``pki`` less others' secrets."""
+    read_only, hidden, shown = list(files), [], []
+    if pki is not None and service == "switch":
+        # The switch reads its WAN certificate and key, the trust bundle, peers' CAs and CRLs from
+        # the cluster's directory, which the operator's `nebula pki` and the launcher rewrite: the
+        # directory is bound (a file bound alone would keep its old contents), less the CA key
+        # (written once, at `pki init`), the PKI's audit log and key, and other services' identities.
+        read_only.append(pki.dir)
+        hidden += [pki.ca_key, pki.audit_dir]
+        if own is not None:
+            hidden.append(own.parent)
+            shown.append(own)
+    elif own is not None:  # its identity and its copy of the CRL (``mirror_crl``): nothing else
+        read_only.append(own)
+    writable = ((state_dir,) if state_dir is not None else ()) + writable
+    return ServiceBox(tuple(read_only), writable, tuple(hidden), tuple(shown))
 
 
 def _searchable_parents(paths: list[Path]) -> list[str]:
