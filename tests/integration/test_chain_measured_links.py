@@ -20,7 +20,8 @@ from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.codec.advice import AdviceRequest, AdviceResult, advise
 from nebula_common.codec.calibration import Calibrator
 from nebula_common.pki import PkiLayout, init_pki
-from nebula_common.sdk.client import ClusterSession, switch_link
+from nebula_common.sdk.auto_resolve import switch_link
+from nebula_common.sdk.client import ClusterSession
 from nebula_common.sdk.codec_advice import LinkProfile, resolve_chain_codecs
 from nebula_common.wan.emulator import LinkShape
 from tests.support.switch_mesh import CHAIN, Chain, switch_chain
