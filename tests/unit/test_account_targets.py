@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from nebula_common.cli.account import AccountCommandError, load_deployment
+from nebula_common.cli.account_targets import AccountCommandError, load_deployment
 from nebula_common.cli.app import app
 
 
