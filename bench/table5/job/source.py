@@ -10,13 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nebula_common.zoo.adapters import (
-    AdapterTransformerEncoder,
-    CutEncoder,
-    cut_half,
-    cut_param_groups,
-    language_model_like,
-)
+from nebula_common.zoo.adapters import AdapterTransformerEncoder, language_model_like
+from nebula_common.zoo.cut_stages import CutEncoder, cut_half, cut_param_groups
 
 
 def build(options: dict[str, Any]) -> nn.Module:

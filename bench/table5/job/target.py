@@ -10,13 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nebula_common.zoo.adapters import (
-    AdapterTransformerDecoder,
-    CutDecoder,
-    cut_half,
-    cut_param_groups,
-    language_model_like,
-)
+from nebula_common.zoo.adapters import AdapterTransformerDecoder, language_model_like
+from nebula_common.zoo.cut_stages import CutDecoder, cut_half, cut_param_groups
 
 
 def build(options: dict[str, Any]) -> nn.Module:

@@ -18,14 +18,8 @@ import torch
 from torch import nn
 
 from nebula_common.pretrained import load_dir
-from nebula_common.zoo.adapters import (
-    AdapterTransformerEncoder,
-    CutEncoder,
-    LanguageModel,
-    cut_half,
-    cut_param_groups,
-    load_pretrained,
-)
+from nebula_common.zoo.adapters import AdapterTransformerEncoder, LanguageModel, load_pretrained
+from nebula_common.zoo.cut_stages import CutEncoder, cut_half, cut_param_groups
 from nebula_common.zoo.hf_adapters import PretrainedAdapterEncoder
 from nebula_common.zoo.text_data import encode, side, side_tokenizer, split_pairs
 

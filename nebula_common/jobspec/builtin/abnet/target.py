@@ -20,14 +20,8 @@ from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 from torch import nn
 
 from nebula_common.pretrained import load_dir
-from nebula_common.zoo.adapters import (
-    AdapterTransformerDecoder,
-    CutDecoder,
-    LanguageModel,
-    cut_half,
-    cut_param_groups,
-    load_pretrained,
-)
+from nebula_common.zoo.adapters import AdapterTransformerDecoder, LanguageModel, load_pretrained
+from nebula_common.zoo.cut_stages import CutDecoder, cut_half, cut_param_groups
 from nebula_common.zoo.hf_adapters import PretrainedAdapterDecoder
 from nebula_common.zoo.text_data import decode as decode_ids
 from nebula_common.zoo.text_data import encode, side, side_tokenizer, split_pairs
