@@ -33,14 +33,13 @@ from nebula_common.errors import NebulaError
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.client import ClusterSession, JobHandle, submit_job
 from nebula_common.sdk.deployment import Credentials, DeploymentTarget, read_credentials
+from nebula_common.sdk.job_logs import command_log_records, job_log_records
 from nebula_common.sdk.job_records import (
     CANCEL_WAIT_S,
     JobNotFoundError,
     JobRecord,
     cancel_job,
-    command_log_records,
     get_job,
-    job_log_records,
     list_jobs,
     list_recorded_jobs,
     recorded_history,

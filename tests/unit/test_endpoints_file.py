@@ -10,7 +10,7 @@ import pytest
 from nebula_common.cli.compose import declared_ports
 from nebula_common.errors import NebulaError
 from nebula_common.sdk.deployment import DeploymentFileError, DeploymentTarget, write_endpoints_file
-from nebula_common.sdk.job_records import command_log_records
+from nebula_common.sdk.job_logs import command_log_records
 
 
 def endpoints(tmp_path: Path, **changes: object) -> Path:
