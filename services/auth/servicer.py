@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import time
-from typing import NoReturn
 
 import grpc
 from argon2 import PasswordHasher
@@ -22,6 +21,7 @@ from nebula_common.auth.verifier import LEEWAY_SECONDS, KeySnapshot, Principal, 
 from nebula_common.errors import AuthenticationError, InvalidRequestError
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
 from services.auth import metrics
+from services.auth.account_admin import AccountAdminRpc, abort
 from services.auth.job_tokens import JobTokenRpc
 from services.auth.passwords import (
     DEFAULT_HASHER,
@@ -42,7 +42,7 @@ LOGIN_FAILED = "invalid username or password"
 """One message for every login failure, so callers cannot tell which names exist."""
 
 
-class AuthServicer(JobTokenRpc, auth_pb2_grpc.AuthServicer):
+class AuthServicer(AccountAdminRpc, JobTokenRpc, auth_pb2_grpc.AuthServicer):
     def __init__(
         self,
         store: AccountStore,
@@ -104,12 +104,12 @@ class AuthServicer(JobTokenRpc, auth_pb2_grpc.AuthServicer):
         try:
             validate_new_account(request.username, request.password, role)
         except InvalidRequestError as exc:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         password_hash = await asyncio.to_thread(hash_password, request.password, self._hasher)
         try:
             record = await asyncio.to_thread(self._store.create, request.username, password_hash, role)
         except AccountExistsError as exc:
-            await _abort(context, grpc.StatusCode.ALREADY_EXISTS, str(exc))
+            await abort(context, grpc.StatusCode.ALREADY_EXISTS, str(exc))
         metrics.ACCOUNTS_CREATED.inc()
         await self._record(
             "account.create", account=admin.username, details={"target": record.username, "role": record.role}
@@ -154,7 +154,7 @@ class AuthServicer(JobTokenRpc, auth_pb2_grpc.AuthServicer):
                     }
                 },
             )
-            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, LOGIN_FAILED)
+            await abort(context, grpc.StatusCode.UNAUTHENTICATED, LOGIN_FAILED)
         await self._wait_past_revocation(record.username)
         if needs_rehash(record.password_hash, self._hasher):
             # Upgrade hashes made with weaker parameters while we hold the plaintext.
@@ -266,7 +266,7 @@ class AuthServicer(JobTokenRpc, auth_pb2_grpc.AuthServicer):
         principal = current_caller().principal
         record = await asyncio.to_thread(self._store.get, principal.username)
         if record is None or record.disabled:  # disabled or deleted since the interceptor looked
-            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "account is disabled or no longer exists")
+            await abort(context, grpc.StatusCode.UNAUTHENTICATED, "account is disabled or no longer exists")
         return principal, record
 
     async def account_check(self, principal: Principal) -> str | None:
@@ -283,62 +283,6 @@ class AuthServicer(JobTokenRpc, auth_pb2_grpc.AuthServicer):
             return f"this call requires an admin of cluster {self._issuer.cluster_id}"
         return None
 
-    async def ListAccounts(
-        self, request: auth_pb2.ListAccountsRequest, context: grpc.aio.ServicerContext
-    ) -> auth_pb2.ListAccountsResponse:
-        await self._require_admin(context)
-        records = await asyncio.to_thread(self._store.list)
-        return auth_pb2.ListAccountsResponse(accounts=[self._account(r) for r in records])
-
-    async def _existing(self, username: str, context: grpc.aio.ServicerContext) -> AccountRecord:
-        record = await asyncio.to_thread(self._store.get, username)
-        if record is None:
-            await _abort(context, grpc.StatusCode.NOT_FOUND, f"no account {username!r}")
-        return record
-
-    async def _refuse_last_admin(self, record: AccountRecord, context: grpc.aio.ServicerContext) -> None:
-        if (
-            record.role == "admin"
-            and not record.disabled
-            and await asyncio.to_thread(self._store.count_admins) <= 1
-        ):
-            await _abort(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"{record.username!r} is the last enabled admin of cluster {self._issuer.cluster_id}",
-            )
-
-    async def DisableAccount(
-        self, request: auth_pb2.AccountRef, context: grpc.aio.ServicerContext
-    ) -> auth_pb2.Account:
-        admin = await self._require_admin(context)
-        record = await self._existing(request.username, context)
-        await self._refuse_last_admin(record, context)
-        await asyncio.to_thread(self._store.set_disabled, record.username, True)
-        await self._revoke_tokens(record.username, "account disabled")
-        await self._record("account.disable", account=admin.username, details={"target": record.username})
-        return self._account(await self._existing(record.username, context))
-
-    async def EnableAccount(
-        self, request: auth_pb2.AccountRef, context: grpc.aio.ServicerContext
-    ) -> auth_pb2.Account:
-        admin = await self._require_admin(context)
-        record = await self._existing(request.username, context)
-        await asyncio.to_thread(self._store.set_disabled, record.username, False)
-        await self._record("account.enable", account=admin.username, details={"target": record.username})
-        return self._account(await self._existing(record.username, context))
-
-    async def DeleteAccount(
-        self, request: auth_pb2.AccountRef, context: grpc.aio.ServicerContext
-    ) -> auth_pb2.DeleteAccountResponse:
-        admin = await self._require_admin(context)
-        record = await self._existing(request.username, context)
-        await self._refuse_last_admin(record, context)
-        await asyncio.to_thread(self._store.delete, record.username)
-        await self._revoke_tokens(record.username, "account deleted")
-        await self._record("account.delete", account=admin.username, details={"target": record.username})
-        return auth_pb2.DeleteAccountResponse()
-
     async def ChangePassword(
         self, request: auth_pb2.ChangePasswordRequest, context: grpc.aio.ServicerContext
     ) -> auth_pb2.Account:
@@ -346,12 +290,12 @@ class AuthServicer(JobTokenRpc, auth_pb2_grpc.AuthServicer):
         is_admin = principal.role == "admin" and caller.role == "admin"
         if principal.username != request.username and not is_admin:
             # Another account's existence is not the caller's business: same answer as a missing one.
-            await _abort(context, grpc.StatusCode.NOT_FOUND, f"no account {request.username!r}")
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"no account {request.username!r}")
         target = await self._existing(request.username, context)
         try:
             validate_password(request.new_password)
         except InvalidRequestError as exc:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if principal.username == request.username and not is_admin:
             ok = await asyncio.to_thread(
                 verify_password,
@@ -366,7 +310,7 @@ class AuthServicer(JobTokenRpc, auth_pb2_grpc.AuthServicer):
                     account=principal.username,
                     details={"target": target.username, "reason": "wrong current password"},
                 )
-                await _abort(context, grpc.StatusCode.PERMISSION_DENIED, "current password is wrong")
+                await abort(context, grpc.StatusCode.PERMISSION_DENIED, "current password is wrong")
         new_hash = await asyncio.to_thread(hash_password, request.new_password, self._hasher)
         await asyncio.to_thread(self._store.set_password_hash, target.username, new_hash)
         # Whoever held the old password may hold a token from it: those tokens end here.
@@ -397,22 +341,6 @@ class AuthServicer(JobTokenRpc, auth_pb2_grpc.AuthServicer):
     ) -> None:
         """Append to the audit log off the event loop (the write is fsynced)."""
         await asyncio.to_thread(self._audit.append, event, outcome=outcome, account=account, details=details)
-
-    def _account(self, record: AccountRecord) -> auth_pb2.Account:
-        return auth_pb2.Account(
-            username=record.username,
-            role=record.role,
-            cluster_id=self._issuer.cluster_id,
-            created_at=record.created_at,
-            disabled=record.disabled,
-            locked_until=record.locked_until if record.locked() else 0,
-        )
-
-
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
-    """``context.abort`` typed as NoReturn so the code after it is known unreachable."""
-    await context.abort(code, details)
-    raise RuntimeError("context.abort returned instead of raising")
 
 
 def _compact_json(document: dict[str, object]) -> str:
