@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import corpus
-import run
+import plan
 import train
 
 from nebula_common.codec.trial import trial_loss
@@ -71,26 +71,26 @@ def parse_row(text: str) -> train.Row:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", type=Path, default=Path(".cache") / "table5")
-    parser.add_argument("--rows", default="", help="comma-separated labels of run.FULL_ROWS or EXTRA_ROWS")
+    parser.add_argument("--rows", default="", help="comma-separated labels of plan.FULL_ROWS or EXTRA_ROWS")
     parser.add_argument("--row", action="append", default=[], help="label=forward,backward,k[,residual]")
     parser.add_argument("--seeds", default="0")
-    parser.add_argument("--steps", type=int, default=run.FULL["steps"])
+    parser.add_argument("--steps", type=int, default=plan.FULL["steps"])
     parser.add_argument("--eval-pairs", type=int, default=0, help="0: all dev pairs")
     parser.add_argument(
         "--set", nargs="*", default=[], help="ModelConfig overrides of the full plan's, key=value"
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    config = run.FULL_MODEL
+    config = plan.FULL_MODEL
     for item in args.set:
         key, _, value = item.partition("=")
         if not hasattr(config, key):
             raise SystemExit(f"probe_rows: ModelConfig has no field {key!r}")
         kind = type(getattr(config, key))
         config = replace(config, **{key: kind(value) if kind is not bool else value == "1"})
-    by_label = {row.label: row for row in (*run.FULL_ROWS, *run.EXTRA_ROWS)}
+    by_label = {row.label: row for row in (*plan.FULL_ROWS, *plan.EXTRA_ROWS)}
     rows = [parse_row(text) for text in args.row]
-    for label in run.row_labels(args.rows):
+    for label in plan.row_labels(args.rows):
         if label not in by_label:
             raise SystemExit(f"probe_rows: no row {label!r}; rows: {sorted(by_label)}")
         rows.append(by_label[label])

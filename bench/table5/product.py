@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import corpus
 import cotrain
 import job_files
+import plan
 import product_checks as checks
-import run as table
 import train
 
 from nebula_common.cli.job import follow, onboard
@@ -67,8 +67,8 @@ REFERENCE = Path(__file__).resolve().parents[2] / "bench" / "results" / "table5"
 
 
 def _rows(text: str) -> list[train.Row]:
-    labels = table.row_labels(text)
-    by_label = {row.label: row for row in (*table.FULL_ROWS, *table.EXTRA_ROWS, AUTO)}
+    labels = plan.row_labels(text)
+    by_label = {row.label: row for row in (*plan.FULL_ROWS, *plan.EXTRA_ROWS, AUTO)}
     unknown = [label for label in labels if label not in by_label]
     if unknown or labels[0] != "none":
         sys.exit(f"table5 product: --rows takes labels of {list(by_label)}, 'none' first; got {labels}")
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
         manifest, train_pairs, evaluated = corpus.load(args.cache, "dev")
     except corpus.CorpusError as exc:
         sys.exit(f"table5 product: corpus: {exc}")
-    config = table.FULL_MODEL
+    config = plan.FULL_MODEL
     prep = train.prepare(
         train_pairs, evaluated, config, args.cache / "models", manifest["sha256"]["train.tsv"]
     )

@@ -37,6 +37,7 @@ import advisor
 import checks
 import link_clock
 import merge
+import plan
 import run
 import train
 
@@ -169,8 +170,8 @@ def test_the_fine_tuning_batch_is_apart_from_pre_training_and_a_bad_value_is_ref
 ) -> None:
     # Apart from pre-training: the cached LMs' key ignores it; the full plan keeps the batch-32 LMs.
     assert TINY.digest("c") == train.ModelConfig(**{**TINY.__dict__, "finetune_batch": 24}).digest("c")
-    assert run.FULL_MODEL.batch == 32 and run.FULL_MODEL.tune_batch == 64 and run.FULL["steps"] == 300
-    assert run.QUICK["model"].tune_batch == run.QUICK["model"].batch  # quick mode as before
+    assert plan.FULL_MODEL.batch == 32 and plan.FULL_MODEL.tune_batch == 64 and plan.FULL["steps"] == 300
+    assert plan.QUICK["model"].tune_batch == plan.QUICK["model"].batch  # quick mode as before
     # Used: the steps' cut tensors (forward and gradient) carry finetune_batch sentences, not batch.
     wide = train.Prepared(
         **{**prepared.__dict__, "config": train.ModelConfig(**{**TINY.__dict__, "finetune_batch": 24})}
@@ -209,7 +210,7 @@ def test_the_wide_bottleneck_rows_compress_both_directions_by_d_over_k_times_the
     # The table's bottleneck rows at d = 64 (the full plan's width): k = 16 with int8 both ways is 16x
     # fewer bytes each way than float32 (4x fewer elements, 1 byte each instead of 4), k = 32 + int8 and
     # k = 16 + fp16 are 8x. Real frames of a real step (on a 1-layer d = 64 model).
-    rows = {row.label: row for row in (*run.FULL_ROWS, *run.EXTRA_ROWS)}
+    rows = {row.label: row for row in (*plan.FULL_ROWS, *plan.EXTRA_ROWS)}
     wide = replace(TINY, d_model=64, n_heads=4)
     prep = train.Prepared(**{**prepared.__dict__, "config": wide})
     prep.encoder_state = train._language_model(wide, prep.es.get_vocab_size(), causal=False).state_dict()
@@ -227,10 +228,10 @@ def test_the_wide_bottleneck_rows_compress_both_directions_by_d_over_k_times_the
             assert payload < frames[-1] < payload + 200, (label, frames, payload)
         assert round(raw / payload) in (16, 8)
     assert raw // (positions * 16 + 4) == 15  # 16x the elements; the 4-byte scale and header take a hair
-    assert {r.label for r in run.QUICK_ROWS} <= set(rows) and run.QUICK_ROWS[0].label == "none"
+    assert {r.label for r in plan.QUICK_ROWS} <= set(rows) and plan.QUICK_ROWS[0].label == "none"
     # Two shards take the rows alternately: the Figure 10 row (its later starts are more runs) on shard 1,
     # the product's auto row last.
-    assert run.FULL_ROWS.index(run.FIGURE10_ROW) % 2 == 1 and run.FULL_ROWS[-1].label == advisor.LABEL
+    assert plan.FULL_ROWS.index(plan.FIGURE10_ROW) % 2 == 1 and plan.FULL_ROWS[-1].label == advisor.LABEL
 
 
 def test_the_bottleneck_has_its_own_learning_rate_under_the_same_warm_up(prepared: train.Prepared) -> None:
@@ -250,7 +251,7 @@ def test_the_bottleneck_has_its_own_learning_rate_under_the_same_warm_up(prepare
 
 
 def test_row_labels_keep_a_comma_inside_parentheses() -> None:
-    assert run.row_labels("none, BOTTLENECK(16,residual)+INT8,FP16(SVD(0.2))+INT8") == [
+    assert plan.row_labels("none, BOTTLENECK(16,residual)+INT8,FP16(SVD(0.2))+INT8") == [
         "none",
         "BOTTLENECK(16,residual)+INT8",
         "FP16(SVD(0.2))+INT8",
