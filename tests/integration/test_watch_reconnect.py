@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -67,13 +67,33 @@ def start_trainer(
     return ServiceThread(TRAINER_SERVICE, settings, timeout=30)
 
 
-def wait_for(condition: object, what: str, timeout: float = 30.0) -> None:
+def wait_for(
+    condition: Callable[[], bool], what: str, detail: Callable[[], str], timeout: float = 30.0
+) -> None:
+    """Poll ``condition``; on timeout fail with ``detail()``: what the watch saw, so a failure says why."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if condition():  # type: ignore[operator]
+        if condition():
             return
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting until {what}")
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting until {what}; {detail()}")
+
+
+def listeners(port: int) -> list[str]:
+    """The local addresses of every listening TCP socket on ``port`` (the kernel's table): more than one
+    means something else shares the trainer's port."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state = fields[1], fields[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                found.append(f"{local} inode {fields[9]}")
+    return found
 
 
 @pytest.mark.faults  # restarts a trainer under a watch (`make test-faults`)
@@ -102,10 +122,19 @@ def test_a_watch_rides_through_a_trainer_restart_and_ends_once(
         except BaseException as exc:
             errors.append(exc)
 
+    def observed() -> str:
+        states = [f"{trainer_pb2.StageState.Name(s.state)}@{s.epoch}: {s.message}" for s in seen]
+        return (
+            f"the watch saw {states}, errors {errors!r}; trainer at 127.0.0.1:{port}, "
+            f"listening sockets on that port: {listeners(port)}"
+        )
+
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     wait_for(
-        lambda: any(s.state == trainer_pb2.STAGE_STATE_RECOVERING for s in seen), "the stage is RECOVERING"
+        lambda: any(s.state == trainer_pb2.STAGE_STATE_RECOVERING for s in seen),
+        "the stage is RECOVERING",
+        observed,
     )
     recovering = next(s for s in seen if s.state == trainer_pb2.STAGE_STATE_RECOVERING)
     assert recovering.epoch == 1 and "trainer restarted" in recovering.message
@@ -117,6 +146,7 @@ def test_a_watch_rides_through_a_trainer_restart_and_ends_once(
         wait_for(
             lambda: any(s.state == trainer_pb2.STAGE_STATE_RECOVERING and s.epoch == 2 for s in seen),
             "the stage is resumed at epoch 2 by the restarted trainer",
+            observed,
         )
         session.cancel("job-w")  # only a cancel ends it
         watcher.join(30)
