@@ -48,6 +48,8 @@ TRUSTED = "smoke-a-*"
 """The accounts trainer-a lets on its ranks (NEBULA_RANKS_ACCOUNTS): docker/smoke.py's in cluster a."""
 AUDIT = "/var/lib/nebula/trainer/audit.log"
 RANKS = ("trainer-a-rank-0", "trainer-a-rank-1")
+BOXED = re.compile(r"stages run in a weaker box than bubblewrap's \(.*\): (landlock \(ABI \d+\)[^;]*)")
+"""A worker's start-up line naming the box its stages get (``rank_box``)."""
 HEALTH_TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 180.0
 # switch internal, trainer, auth, switch metrics (docker/smoke.py's --host-ports-*)
@@ -88,6 +90,10 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
         found = group.search(text)
         check(found is not None, f"{service} logged no group:\n{text[-800:]}")
         workers[service] = {"rank": rank, "backend": found.group(2), "device": found.group(3)}  # type: ignore[union-attr]
+        # A container cannot make bubblewrap's namespaces: each worker boxes its stages with Landlock.
+        boxed = BOXED.search(text)
+        check(boxed is not None, f"{service} did not say how it boxes its stages:\n{text[-800:]}")
+        workers[service]["box"] = boxed.group(1)  # type: ignore[union-attr]
     lap("both workers joined")
 
     # A stranger inside cluster a's network (the data service's container: no worker certificate)

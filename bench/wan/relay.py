@@ -524,9 +524,9 @@ class Deployment:
         # This bench measures the switch's WAN path; its internal ports run plaintext under the
         # explicit development flag (the services and this process's clients inherit it).
         os.environ["NEBULA_INTERNAL_PLAINTEXT"] = "1"
-        from nebula_common.launcher.ports import service_port
         from nebula_common.launcher.process import ServiceProcess, console_command, wait_healthy
         from nebula_common.pki import init_pki
+        from nebula_common.ports import service_port
         from nebula_common.sdk.auth_client import AuthClient
 
         pki = init_pki(self.root / "pki", ["a", "b"])
@@ -632,7 +632,7 @@ class Deployment:
     def edge_socket(self, cluster: str) -> str:
         """Where switch ``cluster`` serves its edge socket (``relay-staged``, ``relay-staged-tls``)."""
         if self.staged == "records-tls":
-            from nebula_common.launcher.ports import service_port
+            from nebula_common.ports import service_port
 
             return f"127.0.0.1:{self._edge_ports.setdefault(cluster, service_port())}"
         directory = self.root / cluster / "edges"

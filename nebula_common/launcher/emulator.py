@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from nebula_common.launcher.pinned import BIND_ATTEMPTS, BIND_FAILURE, LOOPBACK, START_TIMEOUT_S
-from nebula_common.launcher.ports import service_port
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command
+from nebula_common.ports import service_port
 
 __all__ = ["launch_emulator", "wait_listening"]
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from nebula_common.launcher.ports import service_port
 from nebula_common.launcher.process import ServiceProcess, ServiceStartError, console_command
 from nebula_common.launcher.service_box import ServiceBox
+from nebula_common.ports import service_port
 
 __all__ = ["BIND_ATTEMPTS", "BIND_FAILURE", "LOOPBACK", "START_TIMEOUT_S", "launch_pinned"]
 

@@ -84,8 +84,9 @@ class TrainerSettings(AuditedServiceSettings):
     ranks_accounts: str = Field(
         "",
         description="Comma-separated accounts whose stages may run on ranks_listen's ranks: exact names, "
-        "prefixes ending in '*' (team-*), or '*' for every account. A stage there is not confined (the job's "
-        "code runs in the trainer and the workers), so name only accounts trusted with the whole cluster; "
+        "prefixes ending in '*' (team-*), or '*' for every account. Each worker boxes its part of such a "
+        "stage, but the trainer drives it unconfined (the job's code runs in the trainer too), so name only "
+        "accounts trusted with the whole cluster; "
         "every other account's stage runs in a stage box on this trainer. Default: none.",
     )
 
@@ -110,7 +111,7 @@ class TrainerSettings(AuditedServiceSettings):
         "no signal or ptrace outside; start-up fails if unavailable), 'process' (a separate process as "
         "the trainer's user), 'auto' (the first of bwrap, landlock, process that works here, with a "
         "warning naming why when it is not bwrap). Stages of the accounts that ranks_accounts names run on "
-        "the cluster's ranks instead (not confined).",
+        "the cluster's ranks instead (each rank's part boxed by its worker, the driver not confined).",
     )
     stage_memory_mb: int = Field(
         8192, ge=256, description="Address-space limit of each stage process (MiB; RLIMIT_AS)."

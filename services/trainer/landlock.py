@@ -11,7 +11,9 @@ work), and they hold for everything the stage starts:
   declares, its own ``/proc/<pid>``; read and write only its account's directory, a private
   temporary directory and its proxy socket's directory. No key, password, record or other account's
   directory is reachable, whatever the file permissions say;
-* network (ABI 4): no TCP connect or bind at all (its way out is the trainer's Unix socket);
+* network (ABI 4): no TCP connect or bind at all (its way out is the trainer's Unix socket); a rank's
+  box (``rank_box``) connects only to ports of its host's ephemeral range (``tcp_ports``), where its
+  ranks' gloo and NCCL listen, and never to a service's or a rank store's port, all outside it;
 * processes (ABI 6): no signal to, and no abstract Unix socket of, anything outside its own box;
   Landlock always forbids ptrace (and so ``/proc/<pid>/mem`` and ``environ``) of processes outside it.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import landlockpy
 from landlockpy import AccessFS, AccessNet, Ruleset, Scope
@@ -76,7 +79,7 @@ def rules(
     return {"read": readable, "write": writable}
 
 
-def enforce(allowed: dict[str, list[str]]) -> int:
+def enforce(allowed: dict[str, Any]) -> int:
     """Restrict this process (which must have no other thread) and its future children; its ABI.
 
     Raises ``OSError`` when the kernel refuses, and ``RuntimeError`` without Landlock: a stage never
@@ -85,11 +88,17 @@ def enforce(allowed: dict[str, list[str]]) -> int:
     version = abi()
     if version < 1:
         raise RuntimeError("Landlock is not available in this kernel")
+    ports = allowed.get("tcp_ports")
+    if "read" not in allowed:  # a bubblewrap box's TCP rule alone (``rank_box``): its files are bwrap's
+        return _enforce_tcp_ports(ports)
+    # A rank's box keeps TCP connections to ``tcp_ports`` only: its ranks meet over it (``rank_box``).
+    tcp = AccessNet.CONNECT_TCP if ports else AccessNet.BIND_TCP | AccessNet.CONNECT_TCP
     with Ruleset(
         handled_fs=landlockpy.fs_for_abi(version),
-        handled_net=AccessNet.BIND_TCP | AccessNet.CONNECT_TCP | AccessNet.BIND_UDP,
+        handled_net=tcp | AccessNet.BIND_UDP,
         scoped=Scope.ABSTRACT_UNIX_SOCKET | Scope.SIGNAL,
     ) as ruleset:
+        _allow_ports(ruleset, ports)
         everything = ruleset.handled_fs
         for path in [*allowed["read"], f"/proc/{os.getpid()}"]:
             if os.path.exists(path):
@@ -100,6 +109,24 @@ def enforce(allowed: dict[str, list[str]]) -> int:
             if os.path.exists(device):
                 writes = AccessFS.WRITE_FILE | AccessFS.IOCTL_DEV if mode == "rw" else AccessFS.NONE
                 ruleset.allow_path(device, AccessFS.READ_FILE | writes)
+        ruleset.restrict()
+    return version
+
+
+def _allow_ports(ruleset: Ruleset, ports: list[int] | None) -> None:
+    """TCP connections to ``ports`` (an inclusive [low, high]: the host's ephemeral range, where the
+    ranks' gloo and NCCL listen) and to no other port: not the rank stores, not any service."""
+    if ports:
+        for port in range(int(ports[0]), int(ports[1]) + 1):
+            ruleset.allow_port(port, AccessNet.CONNECT_TCP)
+
+
+def _enforce_tcp_ports(ports: list[int] | None) -> int:
+    version = abi()
+    if not ports or version < TCP_ABI:
+        raise RuntimeError(f"Landlock ABI {version} cannot limit TCP connections (needs {TCP_ABI})")
+    with Ruleset(handled_fs=AccessFS.NONE, handled_net=AccessNet.CONNECT_TCP) as ruleset:
+        _allow_ports(ruleset, ports)
         ruleset.restrict()
     return version
 

@@ -1,7 +1,8 @@
 """Where a stage runs and how it is confined: the trainer's placement policy, decided at submission.
 
 A stage runs in a stage box on this trainer (``sandbox``), on a thread of the trainer when it has no
-confinement (tests), or on the cluster's data-parallel ranks, unconfined, only for an account the
+confinement (tests), or on the cluster's data-parallel ranks (each rank's part in a box on its worker,
+``rank_box``, but driven from a trainer thread that loads the job's module), only for an account the
 operator trusts with them (``rank_accounts``). The policy also refuses, before anything starts, what
 the box cannot run.
 """
@@ -43,8 +44,8 @@ class Placement:
         if self.on_cluster_ranks(spec, owner):
             assert self.cluster_ranks is not None
             return (
-                f"the cluster's {self.cluster_ranks.world} ranks, not confined (account trusted by "
-                f"{RANKS_ACCOUNTS_SETTING})"
+                f"the cluster's {self.cluster_ranks.world} ranks, each rank's part boxed, driven unconfined "
+                f"by the trainer (account trusted by {RANKS_ACCOUNTS_SETTING})"
             )
         if self.confinement is None:
             return "a thread of the trainer"

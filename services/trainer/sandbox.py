@@ -35,8 +35,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from nebula_common.bwrap import code_roots, system_binds
+from nebula_common.bwrap import SYSTEM_ETC, code_roots, system_binds
+from nebula_common.ports import ephemeral_range
 from services.trainer import cgroup, landlock, seccomp_filter
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,12 @@ STAGE_UID = 40000
 INSIDE_SOCKET_DIR = "/run/nebula-stage"
 """Where the stage finds its trainer's socket (bound from a private directory of the host)."""
 PROBE_TIMEOUT_S = 60.0
+NETWORK_ETC = ("/etc/hosts", "/etc/hostname", "/etc/resolv.conf", "/etc/host.conf", "/etc/gai.conf")
+"""What a box that keeps TCP reads of /etc besides: how its host's name and its peers' resolve (gloo
+binds to the address its host name resolves to, and falls back to loopback, unreachable from other
+hosts, when it cannot)."""
+NETWORK_SYS = ("/sys/class/net", "/sys/bus/pci/devices", "/sys/devices")
+"""And of /sys, read-only: the interfaces and devices gloo and NCCL look their network devices up in."""
 
 
 class SandboxError(RuntimeError):
@@ -81,6 +89,8 @@ class Confinement:
     """Why stages get no system-call filter here ("" when they do: ``seccomp_filter``)."""
     cgroup_parent: str = cgroup.PARENT
     """The control-group folder stage groups are made in (``NEBULA_TRAINER_STAGE_CGROUP``)."""
+    network: bool = False
+    """Whether the box keeps TCP (a rank's box, whose ranks meet over it: ``rank_box``)."""
 
     def describe(self) -> str:
         groups = (
@@ -95,12 +105,20 @@ class Confinement:
             else f"; no seccomp filter ({self.seccomp_missing})"
         )
         if self.mode == "bwrap":
-            return f"bwrap: own user, PID and network namespaces, sees its code and account only; {groups}"
+            net = "network namespaces"
+            if self.network:
+                net = "the host's network (TCP " + (
+                    "to its host's ephemeral ports only, by Landlock)"
+                    if self.landlock_abi >= landlock.TCP_ABI
+                    else f"to any port: Landlock ABI {self.landlock_abi} cannot limit it)"
+                )
+            return f"bwrap: own user, PID and {net}, sees its code and account only; {groups}"
         if self.mode == "landlock":
-            gaps = landlock.gaps(self.landlock_abi)
+            gaps = [gap for gap in landlock.gaps(self.landlock_abi) if not (self.network and "TCP" in gap)]
             left = f"; not covered: {', '.join(gaps)}" if gaps else ""
+            tcp = "TCP to its host's ephemeral ports only" if self.network else "no TCP"
             return (
-                f"landlock (ABI {self.landlock_abi}): reads its code and account only, no TCP, no signal "
+                f"landlock (ABI {self.landlock_abi}): reads its code and account only, {tcp}, no signal "
                 f"or ptrace outside its box; the trainer's user, no namespaces ({self.weaker_because})"
                 f"{left}; {groups}"
             )
@@ -115,11 +133,23 @@ def _code_roots() -> list[Path]:
     return code_roots((nebula_common, services))
 
 
-def bwrap_command(work_dir: Path, socket_dir: Path, read_only: list[Path], command: list[str]) -> list[str]:
-    """``command`` in a bubblewrap sandbox (see the module doc); ``work_dir`` read-write at its own path."""
+def bwrap_command(
+    work_dir: Path,
+    socket_dir: Path | None,
+    read_only: list[Path],
+    command: list[str],
+    *,
+    network: bool = False,
+) -> list[str]:
+    """``command`` in a bubblewrap sandbox (see the module doc); ``work_dir`` read-write at its own path.
+
+    ``network``: keep the host's network namespace (a rank's box, whose ranks meet over TCP: ``rank_box``);
+    else the box has none. ``socket_dir``: bound at ``INSIDE_SOCKET_DIR`` (a stage's proxy socket).
+    """
     args = [
         shutil.which("bwrap") or "bwrap",
         "--unshare-all",  # user, ipc, pid, net, uts, cgroup namespaces
+        *(["--share-net"] if network else []),
         "--unshare-user",
         "--uid",
         str(STAGE_UID),
@@ -129,7 +159,7 @@ def bwrap_command(work_dir: Path, socket_dir: Path, read_only: list[Path], comma
         "--new-session",
         "--cap-drop",
         "ALL",
-        *system_binds(),
+        *system_binds(SYSTEM_ETC + NETWORK_ETC if network else SYSTEM_ETC),
         "--proc",
         "/proc",
         "--dev",
@@ -142,14 +172,22 @@ def bwrap_command(work_dir: Path, socket_dir: Path, read_only: list[Path], comma
     for path in read_only:
         args += ["--ro-bind", str(path), str(path)]
     args += ["--bind", str(work_dir), str(work_dir)]
-    args += ["--bind", str(socket_dir), INSIDE_SOCKET_DIR]
+    if socket_dir is not None:
+        args += ["--bind", str(socket_dir), INSIDE_SOCKET_DIR]
     args += ["--chdir", str(work_dir), "--"]
     return args + command
 
 
-def landlock_rules(work_dir: Path, private_dirs: list[Path], read_only: list[Path]) -> dict[str, list[str]]:
-    """What a stage in ``landlock`` mode may read and write (``landlock.enforce`` in the stage)."""
-    return landlock.rules(_code_roots(), work_dir, private_dirs, read_only)
+def landlock_rules(
+    work_dir: Path, private_dirs: list[Path], read_only: list[Path], *, network: bool = False
+) -> dict[str, Any]:
+    """What a stage in ``landlock`` mode may read and write (``landlock.enforce`` in the stage), and
+    whether it keeps TCP (``network``: a rank's box)."""
+    rules = landlock.rules(_code_roots(), work_dir, private_dirs, read_only)
+    if not network:
+        return rules
+    names = [name for name in (*NETWORK_ETC, *NETWORK_SYS) if Path(name).exists()]
+    return {**rules, "read": [*rules["read"], *names], "tcp_ports": list(ephemeral_range())}
 
 
 def stage_environment(home: Path, tmp: str = "/tmp") -> dict[str, str]:
@@ -165,12 +203,13 @@ def stage_environment(home: Path, tmp: str = "/tmp") -> dict[str, str]:
     }
 
 
-def _probe_bwrap(scratch: Path) -> str:
+def _probe_bwrap(scratch: Path, network: bool = False) -> str:
     """Why bubblewrap cannot run a stage here ("" when it can): a real sandbox running the interpreter."""
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed"
     scratch.mkdir(parents=True, exist_ok=True)
-    command = bwrap_command(scratch, scratch, [], [sys.executable, "-c", "import nebula_common"])
+    probe = [sys.executable, "-c", "import nebula_common"]
+    command = bwrap_command(scratch, scratch, [], probe, network=network)
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=stage_environment(scratch)
@@ -213,31 +252,40 @@ def _probe_landlock(scratch: Path) -> tuple[int, str]:
     return version, ""
 
 
-def choose_confinement(requested: str, scratch: Path, cgroup_parent: str = cgroup.PARENT) -> Confinement:
-    """The confinement for ``requested`` (``auto``: the strongest that works), probed for real."""
+def choose_confinement(
+    requested: str,
+    scratch: Path,
+    cgroup_parent: str = cgroup.PARENT,
+    *,
+    network: bool = False,
+    setting: str = "NEBULA_TRAINER_STAGE_ISOLATION",
+) -> Confinement:
+    """The confinement for ``requested`` (``auto``: the strongest that works), probed for real.
+
+    ``network``: boxes that keep TCP (a worker's rank boxes); ``setting``: the variable ``requested``
+    came from, named in every message.
+    """
     if requested not in MODES:
         expected = ", ".join(MODES)
-        raise SandboxError(f"NEBULA_TRAINER_STAGE_ISOLATION={requested!r}: expected one of {expected}")
-    confinement = _choose(requested, scratch, cgroup.available(parent=cgroup_parent))
-    return dataclasses.replace(confinement, cgroup_parent=cgroup_parent)
+        raise SandboxError(f"{setting}={requested!r}: expected one of {expected}")
+    confinement = _choose(requested, scratch, cgroup.available(parent=cgroup_parent), network, setting)
+    return dataclasses.replace(confinement, cgroup_parent=cgroup_parent, network=network)
 
 
-def _choose(requested: str, scratch: Path, groups: str) -> Confinement:
+def _choose(requested: str, scratch: Path, groups: str, network: bool, setting: str) -> Confinement:
     no_filter = seccomp_filter.unavailable()
     if requested == "process":
-        return Confinement(
-            "process", "NEBULA_TRAINER_STAGE_ISOLATION=process", groups, seccomp_missing=no_filter
-        )
-    why = _probe_bwrap(scratch) if requested != "landlock" else "NEBULA_TRAINER_STAGE_ISOLATION=landlock"
+        return Confinement("process", f"{setting}=process", groups, seccomp_missing=no_filter)
+    why = _probe_bwrap(scratch, network) if requested != "landlock" else f"{setting}=landlock"
     if not why:
         return Confinement("bwrap", "", groups, seccomp_missing=no_filter)
     if requested == "bwrap":
-        raise SandboxError(f"NEBULA_TRAINER_STAGE_ISOLATION=bwrap, but {why}")
+        raise SandboxError(f"{setting}=bwrap, but {why}")
     version, no_landlock = _probe_landlock(scratch)
     if not no_landlock:
         return Confinement("landlock", why, groups, landlock_abi=version, seccomp_missing=no_filter)
     if requested == "landlock":
-        raise SandboxError(f"NEBULA_TRAINER_STAGE_ISOLATION=landlock, but {no_landlock}")
+        raise SandboxError(f"{setting}=landlock, but {no_landlock}")
     return Confinement("process", f"{why}; {no_landlock}", groups, seccomp_missing=no_filter)
 
 

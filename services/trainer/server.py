@@ -123,7 +123,7 @@ async def start_trainer(
     ranks_accounts = RankAccounts.parse(settings.ranks_accounts)
     if settings.ranks_listen is not None:
         log.warning(
-            "stages on cluster ranks run in the trainer and its workers, not confined",
+            "stages on cluster ranks are driven unconfined on a trainer thread (each worker boxes its part)",
             extra={"fields": {"ranks_listen": settings.ranks_listen, "ranks_for": ranks_accounts.describe()}},
         )
     if confinement.weaker_because:
@@ -188,7 +188,10 @@ async def start_trainer(
     }
     announced["stage_isolation"] = confinement.describe()
     if settings.ranks_listen is not None:
-        announced["stage_isolation"] += f"; on the cluster's ranks, not confined: {ranks_accounts.describe()}"
+        announced["stage_isolation"] += (
+            f"; on the cluster's ranks (driven unconfined, each rank's part boxed by its worker): "
+            f"{ranks_accounts.describe()}"
+        )
     announced["stage_edges"] = describe_edges(settings.switch_edge_socket)
     return Started(servicer, announced)
 

@@ -61,6 +61,31 @@ LAST_WORDS_LINES = 5
 """How long a new stage process may take to say HELLO (an interpreter starting on a loaded host)."""
 
 
+def declared_read_only(spec: trainer_pb2.StageSpec) -> list[Path]:
+    """The pre-trained folders the spec's module declares (validated before the stage started): what
+    a stage's box may read beside its code and its account's directory."""
+    program = spec.program
+    options: dict[str, Any] = {}
+    with contextlib.suppress(ValueError):
+        options = json.loads(program.options_json or "{}")
+    paths = []
+    for option in declared_dirs(program.module_source, program.module_name or "<stage>"):
+        value = options.get(option)
+        if isinstance(value, str) and value and Path(value).is_dir():
+            paths.append(Path(value).resolve())
+    return paths
+
+
+def account_dir(data_dir: Path, spec: trainer_pb2.StageSpec, owner: str) -> Path:
+    """The account's directory of the data dir, made if missing (absolute: a box's cwd and bind source)."""
+    store = CheckpointStore(data_dir)
+    account = store.stage_dir(owner, spec.job_id, spec.stage).parents[2]
+    account.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Absolute: it is the stage's cwd, and bubblewrap resolves its bind sources from there (a
+    # relative data dir, as `make demo`'s runs/demo gives, named a path that did not exist).
+    return account.resolve()
+
+
 class StageLaunch:
     """Its work dir, read-only folders and edges, and starting it (part of ``StageProcess``)."""
 
@@ -108,25 +133,10 @@ class StageLaunch:
 
     def _work_dir(self) -> Path:
         """The account's directory of the data dir: its checkpoints (all its jobs', for resumes)."""
-        store = CheckpointStore(self._data_dir)
-        account = store.stage_dir(self.owner, self.spec.job_id, self.spec.stage).parents[2]
-        account.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # Absolute: it is the stage's cwd, and bubblewrap resolves its bind sources from there (a
-        # relative data dir, as `make demo`'s runs/demo gives, named a path that did not exist).
-        return account.resolve()
+        return account_dir(self._data_dir, self.spec, self.owner)
 
     def _read_only(self) -> list[Path]:
-        """The pre-trained folders the spec's module declares (validated before the stage started)."""
-        program = self.spec.program
-        options: dict[str, Any] = {}
-        with contextlib.suppress(ValueError):
-            options = json.loads(program.options_json or "{}")
-        paths = []
-        for option in declared_dirs(program.module_source, program.module_name or "<stage>"):
-            value = options.get(option)
-            if isinstance(value, str) and value and Path(value).is_dir():
-                paths.append(Path(value).resolve())
-        return paths
+        return declared_read_only(self.spec)
 
     def _peers(self) -> dict[str, str]:
         """Each edge of the stage and the cluster at its other end."""
@@ -249,4 +259,4 @@ class StageLaunch:
         )
 
 
-__all__ = ["LAST_WORDS_S", "STARTUP_TIMEOUT_S", "StageLaunch"]
+__all__ = ["LAST_WORDS_S", "STARTUP_TIMEOUT_S", "StageLaunch", "account_dir", "declared_read_only"]

@@ -8,6 +8,12 @@ once (gloo on CPU, NCCL when CUDA is present); then each joins its cluster's tra
 stages the trainer posts there, one after the other, as the trainer's stage thread drives them
 (``runtime/rank_group.py``). Only the trainer talks to the switch; a worker never leaves the cluster.
 
+A stage's code never runs in the worker: each stage runs in a box of its own (``rank_box``: bubblewrap
+where the host allows it, else Landlock, as ``NEBULA_WORKER_STAGE_ISOLATION`` asks, default ``auto``),
+with its limits (``NEBULA_WORKER_STAGE_MEMORY_MB``, ``NEBULA_WORKER_STAGE_CPU_SECONDS``,
+``NEBULA_WORKER_STAGE_OPEN_FILES``) and its stage's keys of the rank store only; the worker logs the
+box at start-up, with a warning when it is weaker than bubblewrap's.
+
 The rank store is reached through mutual TLS (``runtime/rank_gate.py``): ``NEBULA_WORKER_INTERNAL_TLS_DIR``
 holds the worker's identity (``ca.crt``, ``service.crt``, ``service.key``; role ``worker`` of the
 cluster: ``nebula pki issue-service --service worker``), and a worker runs only specs its cluster's
@@ -37,7 +43,10 @@ import torch.distributed as dist
 from nebula_common.errors import NebulaError
 from nebula_common.pki.service_identity import ServiceTlsFiles
 from nebula_common.rpc.internal_tls import cluster_of_ca, plaintext_allowed
+from services.trainer.rank_box import SETTING as RANK_BOX_SETTING
+from services.trainer.rank_box import RankBoxes, adopt_orphans
 from services.trainer.runtime.rank_gate import RankAuthError, RankTls, RankTunnel, verify_spec
+from services.trainer.sandbox import MODES, SandboxError, StageLimits
 
 log = logging.getLogger("nebula.trainer.worker")
 POLL_S = 30.0
@@ -87,7 +96,20 @@ def settings() -> dict[str, object]:
         "data_dir": Path(_env("NEBULA_WORKER_DATA_DIR")),
         "threads": _int("NEBULA_WORKER_TORCH_THREADS", "1", low=1),
         "timeout": float(_int("NEBULA_WORKER_TIMEOUT_S", "300", low=1)),
+        "isolation": _isolation(),
+        "limits": StageLimits(
+            memory_bytes=_int("NEBULA_WORKER_STAGE_MEMORY_MB", "8192", low=256) << 20,
+            cpu_seconds=_int("NEBULA_WORKER_STAGE_CPU_SECONDS", str(30 * 24 * 3600), low=10),
+            open_files=_int("NEBULA_WORKER_STAGE_OPEN_FILES", "4096", low=64),
+        ),
     }
+
+
+def _isolation() -> str:
+    value = os.environ.get(RANK_BOX_SETTING, "auto") or "auto"
+    if value not in MODES:
+        raise WorkerConfigError(f"{RANK_BOX_SETTING} must be one of {', '.join(MODES)}, got {value!r}")
+    return value
 
 
 def _tls_dir() -> Path | None:
@@ -119,8 +141,8 @@ def load_tls(directory: Path | None) -> RankTls | None:
 
 
 def serve(config: dict[str, object]) -> None:
-    """Join the ranks' group and the trainer's rank store; run every stage posted there."""
-    from services.trainer.runtime.rank_main import follow, join_compute_group, report_failure
+    """Join the ranks' group and the trainer's rank store; run every stage posted there, each in a box."""
+    from services.trainer.runtime.rank_main import join_compute_group, report_failure
 
     rank, world = int(config["rank"]), int(config["world"])  # type: ignore[call-overload]
     timeout = float(config["timeout"])  # type: ignore[arg-type]
@@ -137,9 +159,11 @@ def serve(config: dict[str, object]) -> None:
         device,
         "torchrun's agent store" if os.environ.get("TORCHELASTIC_RUN_ID") else "MASTER_ADDR/MASTER_PORT",
     )
+    boxes = config["boxes"]
+    assert isinstance(boxes, RankBoxes)
     tls = config.get("tls")
-    if isinstance(tls, RankTls):  # the store's clients (this one, the heartbeat's) go through the tunnel
-        tunnel = RankTunnel(str(config["trainer"]), tls)
+    if isinstance(tls, RankTls):  # the store's two clients (this one, the heartbeat's): then it closes
+        tunnel = RankTunnel(str(config["trainer"]), tls, max_connections=2)
         config["trainer_host"], config["trainer_port"] = "127.0.0.1", tunnel.port
     trainer = dist.TCPStore(
         str(config["trainer_host"]),
@@ -147,14 +171,19 @@ def serve(config: dict[str, object]) -> None:
         is_master=False,
         timeout=span,  # type: ignore[call-overload]
     )
+    beats = dist.TCPStore(str(config["trainer_host"]), int(config["trainer_port"]), is_master=False)  # type: ignore[call-overload]
     number = _first_stage(trainer)
-    identity = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}
+    identity = {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "isolation": boxes.describe(),
+    }
     trainer.set(f"worker/{rank}", json.dumps(identity))
     log.info("rank %d of %d joined the trainer's rank store", rank, world)
     current = [number]
-    threading.Thread(
-        target=_heartbeat, args=(config, rank, current), name="rank-heartbeat", daemon=True
-    ).start()
+    beat = threading.Thread(target=_heartbeat, args=(beats, rank, current), name="heartbeat", daemon=True)
+    beat.start()
     while True:
         key = f"stage/{number}/spec"
         try:
@@ -184,9 +213,10 @@ def serve(config: dict[str, object]) -> None:
                 continue
         log.info("rank %d: stage %d posted; joining its command group", rank, number)
         try:
-            follow(spec, rank, world, stage, config["data_dir"], owner, timeout)  # type: ignore[arg-type]
+            boxes.run(spec, rank, world, stage, config["data_dir"], owner)  # type: ignore[arg-type]
         except Exception as exc:
-            report_failure(stage, rank, exc)
+            if not stage.check([f"error/{rank}"]):  # the box said why itself, unless it could not
+                report_failure(stage, rank, exc)
             raise
         stage.set(f"done/{rank}", "1")
         number += 1
@@ -203,11 +233,10 @@ def _first_stage(trainer: dist.Store) -> int:
     return posted if ended else last
 
 
-def _heartbeat(config: dict[str, object], rank: int, current: list[int]) -> None:
+def _heartbeat(store: dist.Store, rank: int, current: list[int]) -> None:
     """Beat every HEARTBEAT_S (the trainer tells a dead rank from a live one by it), and leave at once
     when the trainer aborted the stage this rank runs: a rank blocked in a collective with a dead peer
     would otherwise wait out the whole collective timeout. Its process manager starts it again."""
-    store = dist.TCPStore(str(config["trainer_host"]), int(config["trainer_port"]), is_master=False)  # type: ignore[call-overload]
     while True:
         try:
             store.add(f"beats/{rank}", 1)
@@ -227,9 +256,25 @@ def main() -> int:
     try:
         config = settings()
         config["tls"] = load_tls(config["tls_dir"])  # type: ignore[arg-type]
-    except WorkerConfigError as exc:
+        config["boxes"] = boxes = RankBoxes.probe(
+            str(config["isolation"]),
+            config["limits"],  # type: ignore[arg-type]
+            int(config["threads"]),  # type: ignore[call-overload]
+            float(config["timeout"]),  # type: ignore[arg-type]
+        )
+    except (WorkerConfigError, SandboxError) as exc:
         print(f"nebula trainer worker: {exc}", file=sys.stderr)
         return 2
+    adopt_orphans()
+    if boxes.confinement.weaker_because:  # never silently weaker than bubblewrap
+        log.warning(
+            "rank %s: stages run in a weaker box than bubblewrap's (%s): %s",
+            config["rank"],
+            boxes.confinement.weaker_because,
+            boxes.describe(),
+        )
+    else:
+        log.info("rank %s: stages run boxed: %s", config["rank"], boxes.describe())
     try:
         serve(config)
     except KeyboardInterrupt:

@@ -20,7 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 from nebula_common.cli.pki import app as pki_app
-from nebula_common.launcher.ports import service_port
+from nebula_common.ports import service_port
 from nebula_common.sdk.client import submit_job
 from nebula_common.sdk.deployment import endpoints_from_description, onboard
 from nebula_common.sdk.summary import summarize

@@ -34,7 +34,7 @@ import torch
 
 from nebula_common.audit.query import AuditFilter, query_log
 from nebula_common.launcher import LocalDeployment
-from nebula_common.launcher.ports import ephemeral_range
+from nebula_common.ports import ephemeral_range
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.client import ClusterSession, submit_job
 from tests.support.accounts import create_account, make_user

@@ -21,8 +21,8 @@ import torch
 
 from nebula_common.clients.endpoints import ClusterEndpoints
 from nebula_common.errors import NebulaError
-from nebula_common.launcher.ports import service_port
 from nebula_common.pki import PkiLayout
+from nebula_common.ports import service_port
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.auth_client import AuthClient
 from nebula_common.sdk.client import ClusterSession

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from nebula_common.launcher.monitoring import ScrapeTarget, prometheus_config
-from nebula_common.launcher.ports import service_port
+from nebula_common.ports import service_port
 
 REQUIRE_ENV = "NEBULA_REQUIRE_PROMETHEUS"  # set by .ci/run and `make check-dashboards`: absent = failure
 

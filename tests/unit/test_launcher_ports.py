@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from nebula_common.launcher import ports
-from nebula_common.launcher.ports import (
+from nebula_common import ports
+from nebula_common.ports import (
     FALLBACK_EPHEMERAL,
     HIGHEST_PORT,
     LOWEST_PORT,

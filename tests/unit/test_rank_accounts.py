@@ -93,7 +93,9 @@ def test_only_named_accounts_stages_run_on_the_ranks(servicer: TrainerServicer) 
     for owner in ("alice", "team-ml"):
         runner = servicer._make_runner(_spec(f"job-{owner}"), "token", owner)
         assert isinstance(runner, ProgramRunner) and runner.cluster_ranks is servicer.where.cluster_ranks
-        assert servicer.where.describe(_spec("j"), owner).startswith("the cluster's 2 ranks, not confined")
+        assert servicer.where.describe(_spec("j"), owner).startswith(
+            "the cluster's 2 ranks, each rank's part boxed, driven unconfined"
+        )
     boxed = servicer._make_runner(_spec("job-mallory"), "token", "mallory")
     assert isinstance(boxed, StageProcess)
     placement = servicer.where.describe(_spec("j"), "mallory")

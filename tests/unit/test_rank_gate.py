@@ -73,6 +73,31 @@ def test_a_worker_of_the_cluster_reaches_the_store_through_its_tunnel(
         tunnel.close()
 
 
+def test_a_tunnel_closes_after_the_workers_own_clients_so_its_box_cannot_use_it(
+    identities: dict[str, ServiceTlsFiles], gate: tuple[dist.TCPStore, RankGate]
+) -> None:
+    _, running = gate
+    tunnel = RankTunnel(f"127.0.0.1:{running.port}", RankTls(identities["worker"], "a"), max_connections=2)
+    try:
+        ours = [dist.TCPStore("127.0.0.1", tunnel.port, is_master=False, timeout=SHORT) for _ in range(2)]
+        ours[0].set("worker/0", "hello")
+        assert ours[1].get("worker/0") == b"hello"
+
+        def refused() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", tunnel.port), timeout=2).close()
+            except ConnectionRefusedError:
+                return True
+            return False
+
+        wait_for(refused, 10, "the tunnel's port to close after the worker's two clients")
+        with pytest.raises((RuntimeError, OSError)):  # a third client (a box on the worker's host)
+            dist.TCPStore("127.0.0.1", tunnel.port, is_master=False, timeout=SHORT)
+        assert ours[0].get("worker/0") == b"hello"  # the worker's own clients carry on
+    finally:
+        tunnel.close()
+
+
 def _answer(port: int, context: ssl.SSLContext) -> bytes:
     """Connect with ``context`` and send bytes; what comes back before the gate hangs up (b"": nothing)."""
     try:

@@ -77,6 +77,11 @@ class _Pipes:
         self._server = asyncio.run_coroutine_threadsafe(start(), self.loop).result(30)
         return int(self._server.sockets[0].getsockname()[1])
 
+    def stop_listening(self) -> None:
+        """Accept no new connection (on the loop's thread; the ones accepted go on)."""
+        if self._server is not None:
+            self._server.close()
+
     def close(self) -> None:
         async def stop() -> None:
             if self._server is not None:
@@ -178,12 +183,17 @@ class RankGate:
 
 
 class RankTunnel:
-    """The worker's side: a loopback port whose connections reach the trainer's gate as this worker."""
+    """The worker's side: a loopback port whose connections reach the trainer's gate as this worker.
 
-    def __init__(self, trainer: str, tls: RankTls) -> None:
+    ``max_connections``: the port closes after that many (the worker's own store clients), so nothing
+    else on the host (a stage's box shares the worker's network) reaches the store as this worker.
+    """
+
+    def __init__(self, trainer: str, tls: RankTls, max_connections: int | None = None) -> None:
         host, _, port = trainer.rpartition(":")
         self._host, self._port = host.strip("[]"), int(port)
         self._tls = tls
+        self._left = max_connections
         self._pipes = _Pipes("rank-tunnel")
         self.port = self._pipes.serve(self._serve, "127.0.0.1", 0)
 
@@ -203,6 +213,13 @@ class RankTunnel:
         return reader, writer
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._left is not None:
+            if self._left <= 0:  # accepted before the port closed: past the worker's own clients
+                writer.close()
+                return
+            self._left -= 1
+            if self._left == 0:
+                self._pipes.stop_listening()
         try:
             gate = await self.connect()
         except (OSError, ssl.SSLError, RankAuthError) as exc:

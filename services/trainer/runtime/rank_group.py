@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -60,6 +61,9 @@ from services.trainer.runtime.rank_main import (
     header,
 )
 from services.trainer.runtime.replica_compute import DataParallelError
+
+JOIN_POLL_S = 0.2
+"""How often the driver looks for a rank's failure while the command group forms."""
 
 log = logging.getLogger(__name__)
 
@@ -120,14 +124,40 @@ class RankGroup:
         # A middle's micro-batches in flight: shape and dtype of a rank's received rows, output shape.
         self._relayed: dict[int, tuple[torch.Size, torch.dtype, torch.Size]] = {}
         try:
-            cmd = dist.PrefixStore("cmd/", ranks.store)
-            self.group = make_process_group(cmd, 0, self.ranks + 1, timeout)
+            self.group = self._join_commands(timeout)
             self._ready()
             self.parameter_bytes = [int(ranks.store.get(f"parameter_bytes/{r}")) for r in range(self.ranks)]
         except Exception as exc:
             why = ranks.why(exc)
             self.abort()
             raise DataParallelError(f"the stage's ranks did not start: {why}") from exc
+
+    def _join_commands(self, timeout: float) -> dist.ProcessGroup:
+        """The command group, formed on a thread while this one watches for a rank that said it failed
+        (``error/<rank>``, e.g. a rank's box that could not start): gloo's own wait for a rank that
+        never comes is the whole timeout."""
+        formed: dict[str, Any] = {}
+        # A client of its own: gloo's blocking gets would hold the shared client's lock against the checks.
+        joining_store = self._ranks.store.clone()
+
+        def join() -> None:
+            try:
+                cmd = dist.PrefixStore("cmd/", joining_store)
+                formed["group"] = make_process_group(cmd, 0, self.ranks + 1, timeout)
+            except BaseException as exc:  # handed to the watching thread
+                formed["error"] = exc
+
+        joining = threading.Thread(target=join, name="rank-commands-join", daemon=True)
+        joining.start()
+        while joining.is_alive():
+            joining.join(JOIN_POLL_S)
+            if joining.is_alive() and any(
+                self._ranks.store.check([f"error/{rank}"]) for rank in range(self.ranks)
+            ):
+                raise DataParallelError("a rank failed before it joined the stage's command group")
+        if "error" in formed:
+            raise formed["error"]
+        return formed["group"]
 
     def _collective(self, work: Any) -> None:
         try:

@@ -146,6 +146,15 @@ class _Compute:
         self.program.finish_step()
 
 
+def join_commands(stage_store: dist.Store, rank: int, world: int, timeout: float) -> dist.ProcessGroup:
+    """This rank's place in the stage's command group (the driver is its rank 0).
+
+    A rank's box joins it first, before its compute group: a box that dies after this breaks the
+    driver's collectives at once (and the driver says which rank), rather than leaving it waiting.
+    """
+    return make_process_group(dist.PrefixStore("cmd/", stage_store), rank + 1, world + 1, timeout)
+
+
 def follow(
     spec_bytes: bytes,
     rank: int,
@@ -154,18 +163,20 @@ def follow(
     data_dir: Path,
     owner: str,
     timeout: float,
+    commands: dist.ProcessGroup | None = None,
 ) -> None:
     """Build this rank's part of the stage, say ready, then follow the driver until CMD_STOP.
 
     The default group (``join_compute_group``) must exist already; ``stage_store`` is this stage's
-    command store.
+    command store (``commands``: the command group, when this rank joined it already).
     """
     from nebula_common.proto.nebula.v1 import trainer_pb2
     from services.trainer.runtime.program import build_program, load_starting_state
 
     spec = trainer_pb2.StageSpec.FromString(spec_bytes)
     cfg = spec.program
-    commands = make_process_group(dist.PrefixStore("cmd/", stage_store), rank + 1, world + 1, timeout)
+    if commands is None:
+        commands = join_commands(stage_store, rank, world, timeout)
     device = device_type()
     store = CheckpointStore(data_dir)
     program = build_program(spec)
@@ -276,6 +287,7 @@ __all__ = [
     "empty_like_header",
     "follow",
     "header",
+    "join_commands",
     "join_compute_group",
     "report_failure",
     "spawned_rank_main",

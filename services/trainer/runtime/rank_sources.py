@@ -25,6 +25,7 @@ import time
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nebula_common.ports import service_port
 from services.trainer.runtime.parallel import HOST
 from services.trainer.runtime.rank_gate import RankGate, RankTls, sign_spec
 from services.trainer.runtime.rank_main import spawned_rank_main
@@ -101,10 +102,8 @@ class ClusterRanks:
         span = datetime.timedelta(seconds=timeout)
         # With TLS (always, but for the plaintext development flag) the store itself is on loopback
         # and ``listen`` is its gate (``rank_gate``): only this cluster's workers get through.
-        store_host, store_port = ("127.0.0.1", 0) if tls is not None else (host, int(port))
-        self.store = dist.TCPStore(
-            store_host, store_port, world + 1, is_master=True, timeout=span, wait_for_workers=False
-        )
+        # On a port outside the ephemeral range: a rank's box connects only inside it (``rank_box``).
+        self.store = _store(("127.0.0.1", 0) if tls is not None else (host, int(port)), world, span)
         self.gate = RankGate(listen, self.store.port, tls) if tls is not None else None
         self.port = self.gate.port if self.gate is not None else self.store.port
         self._busy = threading.Lock()
@@ -154,6 +153,21 @@ class ClusterRanks:
 
     def release(self) -> None:
         self._busy.release()
+
+
+def _store(address: tuple[str, int], world: int, span: datetime.timedelta) -> dist.TCPStore:
+    """The rank store's master on ``address``; port 0 takes one outside the ephemeral range (a few
+    tries: another program may take a port between its choice and the bind)."""
+    host, port = address
+    for attempt in range(5):
+        try:
+            return dist.TCPStore(
+                host, port or service_port(), world + 1, is_master=True, timeout=span, wait_for_workers=False
+            )
+        except (RuntimeError, OSError):  # torch's DistNetworkError for a port in use
+            if port or attempt == 4:
+                raise
+    raise AssertionError("unreachable")
 
 
 class AttachedRanks:

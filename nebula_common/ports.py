@@ -13,6 +13,10 @@ one), must accept a bind on the loopback address at the time of choosing, and is
 twice by one process. That still leaves a window between the check and the service's own bind,
 in which another program could take it: the launcher then retries the start with new ports
 (``LocalDeployment._launch``).
+
+The trainer's rank store takes its port here too: a rank's box may connect only to ports inside the
+ephemeral range, where its ranks' gloo and NCCL listen (``services/trainer/rank_box.py``), so a store
+outside it is out of the box's reach even on the trainer's own host.
 """
 
 from __future__ import annotations
