@@ -141,6 +141,7 @@ def run(
         "forged_edge_ticket": forged,
         "job_id": job.job_id,
         "account": mallory["a"].username,
+        "victim_job_id": victim_job.job_id,
     }
 
 

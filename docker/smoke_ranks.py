@@ -9,15 +9,16 @@ join it), then checks, failing with the first thing that is not as expected:
 
 1. every service is healthy and both worker containers joined trainer-a's rank store, each from
    its own container (the workers' log lines name their rank and group);
-2. the numbers job (docker/smoke.py: encoder in a, decoder in b) succeeds, its encoder's edge at
-   switch-a over gRPC (a stage on cluster ranks), its decoder's at switch-b as records on the edge socket;
+2. the numbers job (docker/smoke.py: encoder in a, decoder in b) succeeds, each stage's edge as records
+   on its switch's edge socket (the encoder's from its stage box too, though it computes on the ranks);
 3. the encoder stage ran on the two ranks: trainer-a's "program stage running" record says
    ``ranks: 2`` and names the two worker containers' hosts, and each worker joined that stage's
    command group;
-4. an account trainer-a was not told to trust (``NEBULA_RANKS_ACCOUNTS`` names docker/smoke.py's
-   ``smoke-a-*`` only) runs docker/smoke_hostile.py's stage written to break out: it runs in trainer-a's
-   Landlock box, not on the ranks (its ``stage.start`` audit record says so, the trusted stage's names
-   the ranks), and every attempt fails.
+4. docker/smoke_hostile.py's stage written to break out, of an account trainer-a puts on its ranks
+   (``NEBULA_RANKS_ACCOUNTS`` names docker/smoke.py's ``smoke-a-*`` and the attacker's ``mallory-*``):
+   its driver runs in a Landlock box in trainer-a, where every attempt fails, and its ``stage.start``
+   audit record says so, as the numbers job's does; its victim's account, not named, computes in
+   trainer-a's box alone.
 
 Keeps the image (``--image``, default ``localhost/nebula:dev``) fresh with a cached
 ``podman-compose build`` (nothing new when the sources did not change; ``--no-build`` skips it).
@@ -44,8 +45,9 @@ import smoke_hostile
 from compose_support import ROOT, Compose, Timings, add_arguments, check, logs, run_smoke, wait
 
 FILES = ("docker-compose.yml", "docker-compose.ranks.yml")
-TRUSTED = "smoke-a-*"
-"""The accounts trainer-a lets on its ranks (NEBULA_RANKS_ACCOUNTS): docker/smoke.py's in cluster a."""
+NAMED = "smoke-a-*,mallory-*"
+"""The accounts trainer-a puts on its ranks (NEBULA_RANKS_ACCOUNTS): docker/smoke.py's in cluster a and
+docker/smoke_hostile.py's attacker; its victim computes in trainer-a's box alone."""
 AUDIT = "/var/lib/nebula/trainer/audit.log"
 RANKS = ("trainer-a-rank-0", "trainer-a-rank-1")
 BOXED = re.compile(r"stages run in a weaker box than bubblewrap's \(.*\): (landlock \(ABI \d+\)[^;]*)")
@@ -151,7 +153,7 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
         [sys.executable, str(ROOT / "docker" / "smoke.py"), "--steps", str(args.steps),
          "--ca-a", str(cas / "a-ca.crt"), "--ca-b", str(cas / "b-ca.crt"),
          "--host-ports-a", ports["a"], "--host-ports-b", ports["b"],
-         "--edge-transports", "switch-a=grpc,switch-b=records",
+         "--edge-transports", "switch-a=records,switch-b=records",
          "--audit-exec", shlex.join([*compose.base, "exec", "-T"])],
         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
     )  # fmt: skip
@@ -170,10 +172,10 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
     for service in RANKS:
         text = logs(names[service])
         check("posted; joining its command group" in text, f"{service} never joined a stage:\n{text[-800:]}")
-    lap("the trusted account's stage on both ranks")
+    lap("the numbers job's stage on both ranks")
 
-    # An account the operator did not name (TRUSTED) runs a stage written to break out: it must get
-    # trainer-a's Landlock box, never the ranks, and every attempt of docker/smoke_hostile.py must fail.
+    # A stage written to break out, of an account named for the ranks: its driver runs in trainer-a's
+    # Landlock box, and every attempt of docker/smoke_hostile.py must fail there.
     hostile = smoke_hostile.run(
         compose,
         cas={c: ca for c, (_, ca) in secrets.items()},
@@ -185,16 +187,16 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
         for r in map(json.loads, filter(None, compose("exec", "-T", "trainer-a", "cat", AUDIT).splitlines()))
         if r.get("event") == "stage.start"
     }
-    check(
-        starts.get(summary["job_id"], "").startswith("the cluster's 2 ranks"),
-        f"the trusted account's stage.start names no ranks: {starts.get(summary['job_id'])}",
-    )
-    boxed = starts.get(hostile["job_id"], "")
+    on_ranks = "the cluster's 2 ranks, each rank's part boxed, driven from a landlock box on this trainer"
+    for job_id, whose in ((summary["job_id"], "the numbers job"), (hostile["job_id"], "the hostile stage")):
+        placement = starts.get(job_id, "")
+        check(placement.startswith(on_ranks), f"{whose}'s stage.start names no boxed driver: {placement!r}")
+    boxed = starts.get(hostile["victim_job_id"], "")
     check(
         boxed.startswith("landlock box") and "NEBULA_TRAINER_RANKS_ACCOUNTS" in boxed,
-        f"the untrusted account's stage was not boxed off the ranks: {boxed!r}",
+        f"the unnamed account's stage was not kept in trainer-a's box: {boxed!r}",
     )
-    lap("an untrusted account's hostile stage boxed, off the ranks")
+    lap("a hostile stage on the ranks, its driver boxed; an unnamed account's off them")
     return {
         "job_id": summary["job_id"],
         "succeeded": summary["succeeded"],
@@ -203,8 +205,8 @@ def run(args: argparse.Namespace, compose: Compose, timings: Timings) -> dict[st
         "encoder_stage": {"ranks": record["ranks"], "rank_hosts": hosts},
         "workers": workers,
         "edge_transports": summary["edge_transports"],
-        "untrusted_hostile_stage": {
-            "placement": boxed,
+        "hostile_stage": {
+            "placement": starts.get(hostile["job_id"], ""),
             "attempts_refused": hostile["attempts_refused"],
             "forged_edge_ticket": hostile["forged_edge_ticket"],
         },
@@ -216,7 +218,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     add_arguments(parser, project="nebula-ranks", up_timeout=1200.0)  # `up -d`: ~3 min on a quiet machine
     args = parser.parse_args()
-    os.environ["NEBULA_RANKS_ACCOUNTS"] = TRUSTED  # compose interpolates it into trainer-a's settings
+    os.environ["NEBULA_RANKS_ACCOUNTS"] = NAMED  # compose interpolates it into trainer-a's settings
     return run_smoke("smoke-ranks", args, FILES, lambda compose, timings: run(args, compose, timings))
 
 

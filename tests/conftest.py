@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import hypothesis  # noqa: F401  (imported at collection: see below)
 import pytest
 
 from nebula_common.pki import PkiLayout, init_pki
@@ -13,6 +14,11 @@ from nebula_common.rpc.internal_tls import PLAINTEXT_ENV
 
 if TYPE_CHECKING:
     from tests.support.edges import SwitchPair
+
+# hypothesis is imported above, at collection: its pytest plugin imports it at the session's end
+# otherwise, when pytest compiles it to an AST while daemon threads of the tests may still format
+# tracebacks (Python 3.11's carets parse source too), and CPython 3.11 fails such concurrent parses
+# with "SystemError: AST constructor recursion depth mismatch" (gh-106905), failing a green run.
 
 
 @pytest.fixture(scope="module")

@@ -82,12 +82,11 @@ class TrainerSettings(AuditedServiceSettings):
         None, ge=1, le=64, description="How many rank processes join ranks_listen (their WORLD_SIZE)."
     )
     ranks_accounts: str = Field(
-        "",
-        description="Comma-separated accounts whose stages may run on ranks_listen's ranks: exact names, "
-        "prefixes ending in '*' (team-*), or '*' for every account. Each worker boxes its part of such a "
-        "stage, but the trainer drives it unconfined (the job's code runs in the trainer too), so name only "
-        "accounts trusted with the whole cluster; "
-        "every other account's stage runs in a stage box on this trainer. Default: none.",
+        "*",
+        description="Comma-separated accounts whose stages compute on ranks_listen's ranks (one stage at a "
+        "time): exact names, prefixes ending in '*' (team-*), or '*' for every account (the default). Such "
+        "a stage's driver runs in its stage box on this trainer and each worker boxes its part; every other "
+        "account's stage computes in its stage box on this trainer alone. Empty: no account.",
     )
 
     @field_validator("switch_edge_socket")
@@ -110,8 +109,9 @@ class TrainerSettings(AuditedServiceSettings):
         "'landlock' (the kernel's Landlock, for containers: reads only its code and account, no TCP, "
         "no signal or ptrace outside; start-up fails if unavailable), 'process' (a separate process as "
         "the trainer's user), 'auto' (the first of bwrap, landlock, process that works here, with a "
-        "warning naming why when it is not bwrap). Stages of the accounts that ranks_accounts names run on "
-        "the cluster's ranks instead (each rank's part boxed by its worker, the driver not confined).",
+        "warning naming why when it is not bwrap). A stage on the cluster's ranks (ranks_accounts) is "
+        "driven from such a box that keeps TCP to its ranks (to the host's ephemeral ports only where "
+        "Landlock has TCP rules), each rank's part boxed by its worker.",
     )
     stage_memory_mb: int = Field(
         8192, ge=256, description="Address-space limit of each stage process (MiB; RLIMIT_AS)."

@@ -1,10 +1,10 @@
 """Where a stage runs and how it is confined: the trainer's placement policy, decided at submission.
 
-A stage runs in a stage box on this trainer (``sandbox``), on a thread of the trainer when it has no
-confinement (tests), or on the cluster's data-parallel ranks (each rank's part in a box on its worker,
-``rank_box``, but driven from a trainer thread that loads the job's module), only for an account the
-operator trusts with them (``rank_accounts``). The policy also refuses, before anything starts, what
-the box cannot run.
+Every stage runs in a stage box on this trainer (``sandbox``), or on a thread of the trainer when it
+has no confinement (tests). A stage of an account the operator named (``rank_accounts``) computes on
+the cluster's data-parallel ranks: its driver in its box here (``stage_ranks``), each rank's part in a
+box on its worker (``rank_box``). The policy also refuses, before anything starts, what the box cannot
+run.
 """
 
 from __future__ import annotations
@@ -28,24 +28,26 @@ class Placement:
     """How stages are confined; None runs them on threads of the trainer (tests)."""
     cluster_ranks: ClusterRanks | None = None
     ranks_accounts: RankAccounts = field(default_factory=RankAccounts)
-    """Whose stages may run on ``cluster_ranks``, unconfined; others run boxed."""
+    """Whose stages compute on ``cluster_ranks``; others compute in their box on this trainer alone."""
 
     def on_cluster_ranks(self, spec: trainer_pb2.StageSpec, owner: str) -> bool:
-        """Whether this stage runs on the cluster's ranks, unconfined: only for an account the operator
-        trusts with them; any other runs in a stage box on this trainer."""
-        return self.cluster_ranks is not None and may_use_ranks(spec) and self.ranks_accounts.trusts(owner)
+        """Whether this stage computes on the cluster's ranks: only for an account the operator named
+        (they run one stage at a time); any other computes in its stage box alone."""
+        return self.cluster_ranks is not None and may_use_ranks(spec) and self.ranks_accounts.includes(owner)
 
     def boxed(self, spec: trainer_pb2.StageSpec, owner: str) -> bool:
         """Whether the stage runs in a stage process of its own (else on a thread of the trainer)."""
-        return self.confinement is not None and not self.on_cluster_ranks(spec, owner)
+        return self.confinement is not None
 
     def describe(self, spec: trainer_pb2.StageSpec, owner: str) -> str:
         """Where the stage runs and how it is confined, as its submitter and the audit are told."""
         if self.on_cluster_ranks(spec, owner):
             assert self.cluster_ranks is not None
+            box = self.confinement
+            driver = "a thread of the trainer" if box is None else f"a {box.mode} box"
             return (
-                f"the cluster's {self.cluster_ranks.world} ranks, each rank's part boxed, driven unconfined "
-                f"by the trainer (account trusted by {RANKS_ACCOUNTS_SETTING})"
+                f"the cluster's {self.cluster_ranks.world} ranks, each rank's part boxed, driven from "
+                f"{driver} on this trainer (account named by {RANKS_ACCOUNTS_SETTING})"
             )
         if self.confinement is None:
             return "a thread of the trainer"
@@ -63,7 +65,7 @@ class Placement:
         confinement = self.confinement
         if (
             confinement is not None
-            and self.boxed(spec, owner)
+            and not self.on_cluster_ranks(spec, owner)  # a driver's box keeps TCP (to its ranks)
             and confinement.mode == "landlock"
             and confinement.landlock_abi >= landlock.TCP_ABI
             and spec.program.replicas > 1

@@ -1,11 +1,10 @@
-"""Which accounts' stages may run on the cluster's ranks, where a stage's code is not confined.
+"""Which accounts' stages compute on the cluster's ranks (``NEBULA_TRAINER_RANKS_ACCOUNTS``).
 
-A stage on cluster ranks (``NEBULA_TRAINER_RANKS_LISTEN``) is driven from a thread of the trainer and
-computed in long-lived worker processes: the job's module is loaded in both, next to the trainer's
-service identity, every running job's token and the workers' rank identity. That is only safe for
-code the cluster's operator trusts with the whole cluster, so the operator names those accounts
-(``NEBULA_TRAINER_RANKS_ACCOUNTS``); every other account's stage runs in a stage box like on any
-trainer (``sandbox``), on this trainer alone. The default names no one.
+A stage on cluster ranks (``NEBULA_TRAINER_RANKS_LISTEN``) is driven from its stage box on the trainer
+(``stage_ranks``) and computed in boxes on long-lived worker processes (``rank_box``): the job's code
+is confined either way. The ranks run one stage at a time, so the operator may keep them for some
+accounts: every other account's stage computes in its stage box on this trainer alone. The default
+names every account (``*``).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ _ENTRY = re.compile(r"\*|[a-z0-9][a-z0-9._-]{0,63}\*?")
 
 @dataclass(frozen=True)
 class RankAccounts:
-    """The accounts trusted with the cluster's ranks: exact names and ``prefix*`` entries."""
+    """The accounts whose stages compute on the cluster's ranks: exact names and ``prefix*`` entries."""
 
     entries: tuple[str, ...] = ()
 
@@ -38,7 +37,7 @@ class RankAccounts:
                 )
         return cls(entries)
 
-    def trusts(self, account: str) -> bool:
+    def includes(self, account: str) -> bool:
         for entry in self.entries:
             if entry == account or (entry.endswith("*") and account.startswith(entry[:-1])):
                 return True
@@ -46,8 +45,11 @@ class RankAccounts:
 
     def describe(self) -> str:
         if not self.entries:
-            return f"no account ({SETTING} is empty): every stage runs confined on this trainer"
-        return f"accounts {', '.join(self.entries)} only; every other account's stage runs confined here"
+            return f"no account ({SETTING} is empty): every stage computes in its box on this trainer alone"
+        if "*" in self.entries:
+            return "every account"
+        named = ", ".join(self.entries)
+        return f"accounts {named} only; every other account's stage computes in its box here"
 
 
 def may_use_ranks(spec: trainer_pb2.StageSpec) -> bool:

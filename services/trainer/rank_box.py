@@ -46,6 +46,7 @@ from nebula_common.proto.nebula.v1 import trainer_pb2
 from services.trainer import landlock
 from services.trainer.runtime.store_bridge import StoreBridge
 from services.trainer.sandbox import (
+    NETWORK_ENV,
     Confinement,
     StageLimits,
     bwrap_command,
@@ -57,8 +58,6 @@ from services.trainer.stage_launch import account_dir, declared_read_only
 
 log = logging.getLogger("nebula.trainer.worker")
 SETTING = "NEBULA_WORKER_STAGE_ISOLATION"
-PASSED_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES", "LOCAL_RANK")
-"""What of the worker's environment a box gets: how its ranks reach each other and which device is its."""
 KILL_GRACE_S = 5.0
 PR_SET_CHILD_SUBREAPER = 36
 TAIL_LINES = 5
@@ -125,7 +124,7 @@ class RankBoxes:
             tmp = str(private)
             rules = landlock_rules(work, [private], read_only, network=True)
         env = stage_environment(work, tmp)
-        env.update({name: os.environ[name] for name in PASSED_ENV if name in os.environ})
+        env.update({name: os.environ[name] for name in NETWORK_ENV if name in os.environ})
         passed = [control_theirs, store_theirs]
         try:
             process = subprocess.Popen(

@@ -55,6 +55,8 @@ binds to the address its host name resolves to, and falls back to loopback, unre
 hosts, when it cannot)."""
 NETWORK_SYS = ("/sys/class/net", "/sys/bus/pci/devices", "/sys/devices")
 """And of /sys, read-only: the interfaces and devices gloo and NCCL look their network devices up in."""
+NETWORK_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES", "LOCAL_RANK")
+"""What of its service's environment a box with TCP gets: how ranks reach each other, which device."""
 
 
 class SandboxError(RuntimeError):

@@ -31,6 +31,7 @@ from nebula_common.service.resources import (
     start_internal,
     token_verifier,
 )
+from services.trainer import landlock
 from services.trainer.config import TrainerSettings
 from services.trainer.edge import EdgeSettings
 from services.trainer.job_tokens import JobTokens
@@ -122,10 +123,19 @@ async def start_trainer(
     )
     ranks_accounts = RankAccounts.parse(settings.ranks_accounts)
     if settings.ranks_listen is not None:
-        log.warning(
-            "stages on cluster ranks are driven unconfined on a trainer thread (each worker boxes its part)",
-            extra={"fields": {"ranks_listen": settings.ranks_listen, "ranks_for": ranks_accounts.describe()}},
-        )
+        fields = {"ranks_listen": settings.ranks_listen, "ranks_for": ranks_accounts.describe()}
+        if landlock.abi() < landlock.TCP_ABI:  # a driver's box keeps the host's network, every port of it
+            log.warning(
+                "stages on cluster ranks are driven from their stage box, which reaches every TCP port of "
+                "this host: the kernel's Landlock has no TCP rule (ABI 4, Linux 6.7)",
+                extra={"fields": fields},
+            )
+        else:
+            log.info(
+                "stages on cluster ranks are driven from their stage box (TCP to ephemeral ports only), "
+                "each worker boxes its part",
+                extra={"fields": fields},
+            )
     if confinement.weaker_because:
         log.warning(
             "stages run under Landlock, without namespaces"
@@ -189,7 +199,7 @@ async def start_trainer(
     announced["stage_isolation"] = confinement.describe()
     if settings.ranks_listen is not None:
         announced["stage_isolation"] += (
-            f"; on the cluster's ranks (driven unconfined, each rank's part boxed by its worker): "
+            f"; on the cluster's ranks (driven from the stage's box, each rank's part boxed by its worker): "
             f"{ranks_accounts.describe()}"
         )
     announced["stage_edges"] = describe_edges(settings.switch_edge_socket)

@@ -269,6 +269,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 log_level=self.log_level,
                 on_refusal=functools.partial(self._stage_refused, owner, spec.job_id),
                 switch_edge_socket=self.switch_edge_socket,
+                cluster_ranks=self.where.cluster_ranks if on_ranks else None,
             )
         # Every step goes to the stage's history file (``history``); a restored stage's watchers see
         # the steps before the restart first.

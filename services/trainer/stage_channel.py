@@ -9,6 +9,11 @@ Trainer -> stage: ``START`` (JSON: the settings below), ``SPEC`` (a ``StageSpec`
 loads anything: the trainer puts it into its control group now, then sends ``START``), ``STATUS`` (a
 ``StageStatus``: the stage's board, in order), ``STEP`` (JSON: one step's numbers for ``/metrics``),
 ``EPOCH`` (JSON: the stage is about to open this epoch; it waits for ``EPOCH_OK``).
+
+A stage on the cluster's ranks also asks for them: ``RANKS`` (JSON ``{"op": ...}``: ``attach`` with the
+attempt's ``resume_step`` or null, ``why`` with the error its group saw, ``finish``, ``abort``), each
+answered in order by one ``RANKS_REPLY`` (JSON: the op's result, or ``{"error": ...}``) but ``abort``,
+which has no answer (``stage_ranks``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 START, SPEC, CANCEL, EPOCH_OK = b"A", b"P", b"C", b"K"
 STATUS, STEP, EPOCH, HELLO = b"S", b"M", b"E", b"H"
+RANKS, RANKS_REPLY = b"R", b"Y"
 MAX_MESSAGE_BYTES = 64 << 20
 """Largest message either side accepts (a spec carries the module source and a hot start's weights)."""
 
@@ -66,6 +72,8 @@ __all__ = [
     "EPOCH_OK",
     "HELLO",
     "MAX_MESSAGE_BYTES",
+    "RANKS",
+    "RANKS_REPLY",
     "SPEC",
     "START",
     "STATUS",

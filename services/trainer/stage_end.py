@@ -32,6 +32,7 @@ from services.trainer.cgroup import StageGroup
 from services.trainer.sandbox import StageLimits
 from services.trainer.stage_edge_fds import StageEdgeFds
 from services.trainer.stage_proxy import StageProxy
+from services.trainer.stage_ranks import StageRanks
 from services.trainer.status import StatusBoard
 
 # The records keep the name they have always had (one logger for the trainer's side of a stage).
@@ -58,6 +59,7 @@ class StageEnd:
     _group: StageGroup | None
     _cancelled: bool
     _draining: bool
+    _ranks: StageRanks | None
     _peers: Callable[[], dict[str, str]]  # stage_launch
 
     def _kill(self) -> None:
@@ -140,6 +142,7 @@ class StageEnd:
         self._kill()
         if self._process is not None:
             self._process.wait()
+        self._release_ranks()
         if self._conn is not None:
             self._conn.close()
         self._stop_edge_fds()
@@ -158,7 +161,13 @@ class StageEnd:
         self._run_callbacks()
         self._close_proxy()
 
+    def _release_ranks(self) -> None:
+        """The cluster's ranks it held are free, whatever it said: it is gone (``stage_ranks``)."""
+        if self._ranks is not None:
+            self._ranks.close()
+
     def _run_callbacks(self) -> None:
+        self._release_ranks()
         for callback in self._callbacks:
             try:
                 callback()

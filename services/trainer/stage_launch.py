@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import secrets
 import socket
 import subprocess
@@ -33,15 +34,19 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from nebula_common.ports import ephemeral_range
 from nebula_common.pretrained import declared_dirs
 from nebula_common.proto.nebula.v1 import trainer_pb2
+from services.trainer import landlock
 from services.trainer import stage_channel as channel
 from services.trainer.cgroup import StageGroup
 from services.trainer.edge import EdgeSettings
 from services.trainer.runtime.chain import edge_views
 from services.trainer.runtime.checkpoint import CheckpointStore
+from services.trainer.runtime.rank_sources import ClusterRanks
 from services.trainer.sandbox import (
     INSIDE_SOCKET_DIR,
+    NETWORK_ENV,
     Confinement,
     StageLimits,
     bwrap_command,
@@ -51,6 +56,7 @@ from services.trainer.sandbox import (
 from services.trainer.stage_edge_fds import StageEdgeFds
 from services.trainer.stage_log import relay_log
 from services.trainer.stage_proxy import StageProxy
+from services.trainer.stage_ranks import StageRanks
 
 # The records keep the name they have always had (one logger for the trainer's side of a stage).
 log = logging.getLogger("services.trainer.stage_process")
@@ -115,6 +121,8 @@ class StageLaunch:
     _group: StageGroup | None
     _stderr_tail: deque[str]
     _stderr_relay: threading.Thread | None
+    _cluster_ranks: ClusterRanks | None
+    _ranks: StageRanks | None
 
     def _last_words(self, deadline_s: float = LAST_WORDS_S) -> str:
         """Why a stage that never started ended, in its own words: its exit and last stderr lines.
@@ -171,23 +179,43 @@ class StageLaunch:
             edge_fd = edge_theirs.fileno()
             self._edge_fds = StageEdgeFds(edge_ours, self._proxy, self._switch_edge_socket, self.spec.job_id)
             self._edge_fds.start()
+        ranks_config = None
+        if self._cluster_ranks is not None:  # its driver's ranks, through this trainer (``stage_ranks``)
+            self._ranks = StageRanks(
+                self._cluster_ranks,
+                self.spec,
+                self.owner,
+                lambda body: self._send(channel.RANKS_REPLY, json.dumps(body).encode()),
+            )
+            passed += self._ranks.box_ends
+            ranks_config = {
+                "fds": [end.fileno() for end in self._ranks.box_ends],
+                "world": self._cluster_ranks.world,
+                "timeout": self._cluster_ranks.timeout,
+            }
+        network = ranks_config is not None  # a driver meets its ranks over TCP (gloo)
         command = [sys.executable, "-m", "services.trainer.stage_main", str(theirs.fileno())]
         socket_inside = str(self._socket_dir / "edge.sock")
         tmp = "/tmp"
         rules = None
         if self.confinement.mode == "bwrap":
-            command = bwrap_command(work, self._socket_dir, self._read_only(), command)
+            command = bwrap_command(work, self._socket_dir, self._read_only(), command, network=network)
             socket_inside = f"{INSIDE_SOCKET_DIR}/edge.sock"
+            if network and landlock.abi() >= landlock.TCP_ABI:  # and Landlock's TCP rule inside
+                rules = {"tcp_ports": list(ephemeral_range())}
         elif self.confinement.mode == "landlock":
             private_tmp = self._socket_dir / "tmp"  # goes with the socket's directory at the end
             private_tmp.mkdir(mode=0o700)
             tmp = str(private_tmp)
-            rules = landlock_rules(work, [self._socket_dir], self._read_only())
+            rules = landlock_rules(work, [self._socket_dir], self._read_only(), network=network)
+        env = stage_environment(work, tmp)
+        if network:
+            env.update({name: os.environ[name] for name in NETWORK_ENV if name in os.environ})
         try:
             self._process = subprocess.Popen(
                 command,
                 pass_fds=[each.fileno() for each in passed],
-                env=stage_environment(work, tmp),
+                env=env,
                 cwd=work,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -235,6 +263,7 @@ class StageLaunch:
             "torch_threads": self._torch_threads,
             "log_level": self._log_level,
             "landlock": rules,
+            "ranks": ranks_config,
             "seccomp": not self.confinement.seccomp_missing,
             # Memory: the control group's limit where there is one (a stage past it is OOM-killed and
             # its end says so); else the address-space rlimit (a MemoryError inside the stage).

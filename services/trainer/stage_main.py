@@ -8,7 +8,9 @@ open files), forbids ptrace, core dumps and new privileges, and loads its system
 edges and dataset reads going to the trainer's proxy socket under the stage's secret (``stage_proxy``)
 or, with a switch edge socket, its edges as records on connections the trainer passes it (``stage_edge_fds``),
 its status board and step numbers to the trainer over the channel, and its checkpoints into its
-account's directory. It exits when the stage has ended.
+account's directory. A stage on the cluster's ranks also gets its ranks through the trainer
+(``runtime/boxed_ranks``: asked over the channel, its stage's store keys on two more socketpairs) and
+keeps TCP to the host's ephemeral ports, where it meets them. It exits when the stage has ended.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -115,6 +118,7 @@ def run(conn: Connection, config: dict[str, Any], spec_bytes: bytes) -> int:
         edge_factory = records_edge_factory(
             EdgeSocketRequester(socket.socket(fileno=int(config["edge_fds"])))
         )
+    asker, cluster_ranks = _cluster_ranks(config, spec, send)
     runner = ProgramRunner(
         spec,
         config["secret"],  # the proxy's key; the owner's token stays with the trainer
@@ -128,6 +132,7 @@ def run(conn: Connection, config: dict[str, Any], spec_bytes: bytes) -> int:
         receive_ahead=config.get("receive_ahead"),
         step_sink=on_step,
         edge_factory=edge_factory,
+        cluster_ranks=cluster_ranks,
     )
     runner.board.update(
         codec_forward=spec.codec_forward, codec_backward=spec.codec_backward, codec_choice=spec.codec_choice
@@ -157,14 +162,18 @@ def run(conn: Connection, config: dict[str, Any], spec_bytes: bytes) -> int:
     def listen() -> None:
         while True:
             try:
-                kind, _ = channel.receive(conn)
+                kind, payload = channel.receive(conn)
             except (EOFError, channel.ChannelError):
+                if asker is not None:
+                    asker.answer(None)
                 runner.cancel()  # the trainer is gone: nobody may keep training in its name
                 return
             if kind == channel.CANCEL:
                 runner.cancel()
             elif kind == channel.EPOCH_OK:
                 epoch_ok.set()
+            elif kind == channel.RANKS_REPLY and asker is not None:
+                asker.answer(channel.parse_json(payload))
 
     escaped: list[BaseException] = []
 
@@ -187,6 +196,28 @@ def run(conn: Connection, config: dict[str, Any], spec_bytes: bytes) -> int:
         runner.board.update(state=trainer_pb2.STAGE_STATE_FAILED, message=why)
     logging.shutdown()
     return 0
+
+
+def _cluster_ranks(
+    config: dict[str, Any], spec: Any, send: Callable[[bytes, bytes], None]
+) -> tuple[Any, Any]:
+    """The cluster's ranks as this stage's driver gets them through its trainer (``boxed_ranks``), and
+    the asker the channel's reader hands the trainer's answers to; (None, None) off the ranks."""
+    ranks = config.get("ranks")
+    if not ranks:
+        return None, None
+    import datetime
+    import json
+
+    from services.trainer import stage_channel as channel
+    from services.trainer.runtime.boxed_ranks import BoxedRanks, RanksAsker
+    from services.trainer.runtime.store_bridge import BridgedStore
+
+    asker = RanksAsker(lambda body: send(channel.RANKS, json.dumps(body).encode()))
+    store_fd, clone_fd = (int(fd) for fd in ranks["fds"])
+    store = BridgedStore(Connection(store_fd), Connection(clone_fd))
+    store.set_timeout(datetime.timedelta(seconds=float(ranks["timeout"])))
+    return asker, BoxedRanks(asker, int(ranks["world"]), store, spec)
 
 
 def _chain(exc: BaseException) -> str:

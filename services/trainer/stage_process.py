@@ -47,11 +47,13 @@ from nebula_common.proto.nebula.v1 import trainer_pb2
 from services.trainer import stage_channel as channel
 from services.trainer.cgroup import StageGroup
 from services.trainer.edge import EdgeSettings
+from services.trainer.runtime.rank_sources import ClusterRanks
 from services.trainer.sandbox import Confinement, StageLimits
 from services.trainer.stage_edge_fds import StageEdgeFds
 from services.trainer.stage_end import CANCEL_GRACE_S, StageEnd
 from services.trainer.stage_launch import LAST_WORDS_LINES, STARTUP_TIMEOUT_S, StageLaunch
 from services.trainer.stage_proxy import StageProxy
+from services.trainer.stage_ranks import StageRanks
 from services.trainer.stage_supervision import ENDED_GRACE_S, StageSupervision
 from services.trainer.status import StatusBoard
 
@@ -80,6 +82,7 @@ class StageProcess(StageLaunch, StageSupervision, StageEnd):
         log_level: str = "INFO",
         on_refusal: Callable[[str], None] | None = None,
         switch_edge_socket: str = "",
+        cluster_ranks: ClusterRanks | None = None,
     ) -> None:
         self.spec = spec
         self.token = token
@@ -100,6 +103,9 @@ class StageProcess(StageLaunch, StageSupervision, StageEnd):
         self._on_refusal = on_refusal
         self._switch_edge_socket = switch_edge_socket
         self._edge_fds: StageEdgeFds | None = None
+        self._cluster_ranks = cluster_ranks
+        """The cluster's ranks this stage's compute runs on, driven from its box (``stage_ranks``)."""
+        self._ranks: StageRanks | None = None
         self._stderr_tail: deque[str] = deque(maxlen=LAST_WORDS_LINES)
         self._stderr_relay: threading.Thread | None = None
         self._callbacks: list[Callable[[], None]] = []

@@ -3,7 +3,8 @@
 Why a module of its own: everything the stage process says is untrusted (it runs a tenant's code),
 so what the trainer takes from it should be read in one place. It mirrors the stage's status board
 (every status, in order, made this stage's whatever it says, one end only), stores each epoch
-before the stage may open it (``on_epoch``, then EPOCH_OK) and puts each step on ``/metrics``. A
+before the stage may open it (``on_epoch``, then EPOCH_OK), puts each step on ``/metrics`` and hands a
+driver's requests for the cluster's ranks to ``stage_ranks``. A
 message the protocol does not allow ends the stage, as does a channel closed by the stage or a
 kill deadline passed: a cancel (``CANCEL_GRACE_S``) or a posted end (``ENDED_GRACE_S``) that the
 process did not follow by exiting.
@@ -25,6 +26,7 @@ from google.protobuf.message import DecodeError
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from services.trainer import stage_channel as channel
 from services.trainer.metrics import record_step
+from services.trainer.stage_ranks import StageRanks
 from services.trainer.status import TERMINAL_STATES, StatusBoard
 
 ENDED_GRACE_S = 2.0
@@ -44,6 +46,7 @@ class StageSupervision:
     _kill_at: float | None
     _cancelled: bool
     _finish: Callable[[str], None]  # stage_end
+    _ranks: StageRanks | None
 
     def _send(self, kind: bytes, payload: bytes = b"") -> None:
         conn = self._conn
@@ -106,6 +109,8 @@ class StageSupervision:
             if self._on_epoch is not None:
                 self._on_epoch(epoch)
             self._send(channel.EPOCH_OK)
+        elif kind == channel.RANKS and self._ranks is not None:
+            self._ranks.handle(channel.parse_json(payload))
         else:
             raise ValueError(f"unknown message kind {kind!r}")
 

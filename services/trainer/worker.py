@@ -5,8 +5,9 @@ sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; c10d rendezvous
 manager, compose service or StatefulSet that sets them. The ranks form their own default group
 once (gloo on CPU, NCCL when CUDA is present); then each joins its cluster's trainer's rank store
 (``NEBULA_WORKER_TRAINER=host:port``, the trainer's ``NEBULA_TRAINER_RANKS_LISTEN``) and runs the
-stages the trainer posts there, one after the other, as the trainer's stage thread drives them
-(``runtime/rank_group.py``). Only the trainer talks to the switch; a worker never leaves the cluster.
+stages the trainer posts there, one after the other, as each stage's driver (in its stage box on
+the trainer) drives them (``runtime/rank_group.py``). Only the trainer's stage boxes talk to the
+switch; a worker never leaves the cluster.
 
 A stage's code never runs in the worker: each stage runs in a box of its own (``rank_box``: bubblewrap
 where the host allows it, else Landlock, as ``NEBULA_WORKER_STAGE_ISOLATION`` asks, default ``auto``),

@@ -53,8 +53,9 @@ def test_cluster_a_gets_two_rank_containers_wired_to_its_trainer(
     trainer = rendered["trainer-a"]
     trainer_env = _env(trainer)
     assert len(ranks) == int(trainer_env["NEBULA_TRAINER_RANKS"]) == 2
-    # A stage on the ranks is not confined: no account gets them unless the operator names it.
-    assert trainer_env["NEBULA_TRAINER_RANKS_ACCOUNTS"] == os.environ.get("NEBULA_RANKS_ACCOUNTS", "")
+    # Every account's stage computes on the ranks (its driver boxed in trainer-a) unless the operator
+    # names fewer.
+    assert trainer_env["NEBULA_TRAINER_RANKS_ACCOUNTS"] == os.environ.get("NEBULA_RANKS_ACCOUNTS", "*")
     listen_port = int(trainer_env["NEBULA_TRAINER_RANKS_LISTEN"].rsplit(":", 1)[1])
     data_mount = next(
         v for v in trainer["volumes"] if v.endswith(":" + trainer_env["NEBULA_TRAINER_DATA_DIR"])

@@ -18,8 +18,8 @@ from services.trainer.sandbox import Confinement
 
 def _check(confinement: Confinement | None, replicas: int, cluster_ranks: object = None) -> None:
     spec = trainer_pb2.StageSpec(job_id="j", stage="s", program=trainer_pb2.ProgramStage(replicas=replicas))
-    trusted = RankAccounts.parse("alice")  # the submitter: on the ranks whenever the trainer has them
-    Placement(confinement, cluster_ranks, trusted).check_allows(spec, "alice")  # type: ignore[arg-type]
+    named = RankAccounts.parse("alice")  # the submitter: on the ranks whenever the trainer has them
+    Placement(confinement, cluster_ranks, named).check_allows(spec, "alice")  # type: ignore[arg-type]
 
 
 def test_landlock_refuses_replicas_naming_the_reason() -> None:

@@ -132,7 +132,7 @@ def test_rank_workers_rendezvous_through_headless_services_and_reach_the_trainer
     world = ranks["spec"]["replicas"]
     assert world >= 2 and ranks["spec"]["podManagementPolicy"] == "Parallel"
     assert int(rank_env["WORLD_SIZE"]) == world == int(trainer_env["NEBULA_TRAINER_RANKS"])
-    assert trainer_env["NEBULA_TRAINER_RANKS_ACCOUNTS"] == ""  # a stage there is not confined: no one
+    assert trainer_env["NEBULA_TRAINER_RANKS_ACCOUNTS"] == "*"  # every account's driver is boxed too
     assert rank_env["RANK"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
     # MASTER_ADDR: rank 0's stable name through the ranks' headless Service; the port is a rank port.
     rank_service = _one(docs, "Service", ranks["spec"]["serviceName"])

@@ -1,10 +1,11 @@
-"""Only the accounts the operator names run stages on the cluster's ranks, where nothing confines them.
+"""The accounts the operator names compute on the cluster's ranks; every stage is boxed either way.
 
-A stage on cluster ranks loads the job's module in the trainer and the workers. An account the
-operator did not name (``NEBULA_TRAINER_RANKS_ACCOUNTS``) gets a stage box on the trainer instead, is
-told so in the submission's answer and the audit, and a bad entry in the setting is named at start-up.
-The hostile side of this boundary runs for real in ``make smoke-ranks-containers``
-(``docker/smoke_ranks.py``: an untrusted account's stage written to break out, in trainer-a's box).
+A stage on cluster ranks is driven from its stage box on the trainer (``stage_ranks``) with its
+cluster ranks, and each rank's part runs in a box on its worker. An account the operator did not name
+(``NEBULA_TRAINER_RANKS_ACCOUNTS``, default every account) computes in its stage box alone, is told so
+in the submission's answer and the audit, and a bad entry in the setting is named at start-up. The
+hostile side runs for real in ``make smoke-ranks-containers`` (``docker/smoke_ranks.py``: a stage
+written to break out, its driver in trainer-a's box on the ranks) and ``test_stage_ranks.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from nebula_common.proto.nebula.v1 import trainer_pb2
 from services.trainer.config import TrainerSettings
 from services.trainer.rank_accounts import RankAccounts, may_use_ranks
 from services.trainer.runtime.rank_sources import ClusterRanks
-from services.trainer.runtime.stage import ProgramRunner
 from services.trainer.sandbox import Confinement
 from services.trainer.servicer import TrainerServicer
 from services.trainer.stage_process import StageProcess
@@ -30,11 +30,11 @@ from tests.support.trainer_audit import trainer_audit
 def test_entries_are_names_prefixes_or_everyone() -> None:
     accounts = RankAccounts.parse(" alice, team-* ,,")
     assert accounts.entries == ("alice", "team-*")
-    assert accounts.trusts("alice") and accounts.trusts("team-ml") and accounts.trusts("team-")
-    assert not accounts.trusts("alice2") and not accounts.trusts("teamx") and not accounts.trusts("mallory")
-    assert RankAccounts.parse("*").trusts("anyone")
+    assert accounts.includes("alice") and accounts.includes("team-ml") and accounts.includes("team-")
+    assert not any(accounts.includes(name) for name in ("alice2", "teamx", "mallory"))
+    assert RankAccounts.parse("*").includes("anyone")
     nobody = RankAccounts.parse("")
-    assert not nobody.trusts("alice") and "no account" in nobody.describe()
+    assert not nobody.includes("alice") and "no account" in nobody.describe()
 
 
 @pytest.mark.parametrize("entry", ["Alice", "a b", "team*x", "../etc", "-x", "*team", "x" * 65])
@@ -55,7 +55,7 @@ def test_the_trainer_names_a_bad_setting_at_start(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("NEBULA_TRAINER_RANKS_ACCOUNTS", "alice,team-*")
     assert TrainerSettings().ranks_accounts == "alice,team-*"
     monkeypatch.delenv("NEBULA_TRAINER_RANKS_ACCOUNTS")
-    assert not RankAccounts.parse(TrainerSettings().ranks_accounts).entries  # default: nobody
+    assert RankAccounts.parse(TrainerSettings().ranks_accounts).includes("anyone")  # default: everyone
 
 
 def _spec(job_id: str, **program: object) -> trainer_pb2.StageSpec:
@@ -92,12 +92,12 @@ def servicer(tmp_path: Path) -> Iterator[TrainerServicer]:
 def test_only_named_accounts_stages_run_on_the_ranks(servicer: TrainerServicer) -> None:
     for owner in ("alice", "team-ml"):
         runner = servicer._make_runner(_spec(f"job-{owner}"), "token", owner)
-        assert isinstance(runner, ProgramRunner) and runner.cluster_ranks is servicer.where.cluster_ranks
+        assert isinstance(runner, StageProcess) and runner._cluster_ranks is servicer.where.cluster_ranks
         assert servicer.where.describe(_spec("j"), owner).startswith(
-            "the cluster's 2 ranks, each rank's part boxed, driven unconfined"
+            "the cluster's 2 ranks, each rank's part boxed, driven from a landlock box on this trainer"
         )
     boxed = servicer._make_runner(_spec("job-mallory"), "token", "mallory")
-    assert isinstance(boxed, StageProcess)
+    assert isinstance(boxed, StageProcess) and boxed._cluster_ranks is None
     placement = servicer.where.describe(_spec("j"), "mallory")
     assert placement.startswith("landlock box on this trainer")
     assert "NEBULA_TRAINER_RANKS_ACCOUNTS does not name this account" in placement
@@ -107,9 +107,9 @@ def test_only_named_accounts_stages_run_on_the_ranks(servicer: TrainerServicer) 
     assert servicer.where.describe(_spec("j", dataset="corpus"), "alice") == "landlock box on this trainer"
 
 
-def test_an_untrusted_account_gets_its_box_s_limits(servicer: TrainerServicer) -> None:
+def test_an_unnamed_account_gets_its_box_s_limits(servicer: TrainerServicer) -> None:
     # Landlock denies a stage TCP, so replicas that would meet over it are refused for a boxed stage...
     with pytest.raises(InvalidRequestError, match=r"program\.replicas 2"):
         servicer.where.check_allows(_spec("j", replicas=2), "mallory")
-    # ...while a trusted account's stage runs on the ranks, where replicas do not apply.
+    # ...while a named account's stage computes on the ranks, where replicas do not apply.
     servicer.where.check_allows(_spec("j", replicas=2), "alice")

@@ -134,8 +134,13 @@ def cluster(
         ranks.close()
 
 
-def hostile_job(tmp_path: Path, targets: dict[str, object]) -> ProgramJob:
-    """The digit-sum job whose labels stage probes its box first."""
+def hostile_job(
+    tmp_path: Path,
+    targets: dict[str, object],
+    fields: dict[str, object] | None = None,
+    job_id: str = "hostile-ranks",
+) -> ProgramJob:
+    """The digit-sum job whose labels stage probes its box first (``fields``: the job's settings)."""
     folder = tmp_path / "job"
     folder.mkdir()
     for name in ("job.yaml", "features.py"):
@@ -143,7 +148,7 @@ def hostile_job(tmp_path: Path, targets: dict[str, object]) -> ProgramJob:
     labels = (EXAMPLE.parent / "labels.py").read_text()
     labels = labels.replace("from typing import Any", "import json\nfrom typing import Any")
     (folder / "labels.py").write_text(labels + PROBE.replace("__TARGETS__", repr(json.dumps(targets))))
-    fields = {
+    fields = fields or {
         "steps": 4,
         "data.batch_size": 32,
         "data.micro_batches": 2,
@@ -151,7 +156,7 @@ def hostile_job(tmp_path: Path, targets: dict[str, object]) -> ProgramJob:
         "lr_schedule": {"name": "constant"},
         "checkpoint.interval": 2,
     }
-    return ProgramJob(load_spec(folder / "job.yaml", fields), "hostile-ranks")
+    return ProgramJob(load_spec(folder / "job.yaml", fields), job_id)
 
 
 def test_a_hostile_stage_on_the_ranks_reaches_nothing_of_its_workers_and_still_trains(

@@ -30,18 +30,21 @@ STEPS = 6
 SUCCEEDED = trainer_pb2.STAGE_STATE_SUCCEEDED
 
 
+SMALL = {
+    "steps": STEPS,
+    "data.batch_size": 32,
+    "data.micro_batches": 2,
+    "edges.0.codec": {"forward": "none", "backward": "none"},
+    "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+    "lr_schedule": {"name": "constant"},
+    "checkpoint.interval": 3,
+}
+"""The small job's settings (SGD: Adam would turn reassociation noise in near-zero gradients into steps)."""
+
+
 def small(job_id: str | None = None, resume_from: str = "", **overrides: object) -> ProgramJob:
-    """A small numbers job (SGD: Adam would turn reassociation noise in near-zero gradients into steps)."""
-    fields = {
-        "steps": STEPS,
-        "data.batch_size": 32,
-        "data.micro_batches": 2,
-        "edges.0.codec": {"forward": "none", "backward": "none"},
-        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
-        "lr_schedule": {"name": "constant"},
-        "checkpoint.interval": 3,
-        **overrides,
-    }
+    """A small numbers job (``SMALL``, with ``overrides``)."""
+    fields = {**SMALL, **overrides}
     loaded = load_spec(EXAMPLE, fields)
     if resume_from:
         return ProgramJob(loaded, job_id, resume_job_id=resume_from, resume_step=3)

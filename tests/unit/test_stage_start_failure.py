@@ -45,7 +45,7 @@ def test_a_sandbox_that_dies_at_once_is_reported_with_its_stderr(
     # What an unprivileged container without user namespaces gives bubblewrap: it writes why, exits 1.
     words = ["setting up the sandbox", "bwrap: No permissions to create new namespace"]
     script = "; ".join(f"echo '{line}' >&2" for line in words) + "; exit 1"
-    monkeypatch.setattr(stage_launch, "bwrap_command", lambda *_args: ["sh", "-c", script])
+    monkeypatch.setattr(stage_launch, "bwrap_command", lambda *_args, **_kwargs: ["sh", "-c", script])
     message = _failed_message(_stage(tmp_path))
     assert message.startswith("the stage process exited (1) before the stage ended: it did not start")
     assert "it closed its channel before HELLO" in message and "EOFError" not in message
@@ -53,7 +53,7 @@ def test_a_sandbox_that_dies_at_once_is_reported_with_its_stderr(
 
 
 def test_a_silent_death_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stage_launch, "bwrap_command", lambda *_args: ["sh", "-c", "kill -9 $$"])
+    monkeypatch.setattr(stage_launch, "bwrap_command", lambda *_args, **_kwargs: ["sh", "-c", "kill -9 $$"])
     message = _failed_message(_stage(tmp_path))
     assert message.startswith("the stage process was killed by signal 9 before the stage ended")
     assert message.endswith("; it wrote nothing to stderr"), message
@@ -65,7 +65,7 @@ def test_only_the_last_lines_are_quoted_and_each_is_cut(
     script = (
         "for i in $(seq 1 40); do echo line-$i >&2; done; head -c 2000 /dev/zero | tr '\\0' x >&2; exit 2"
     )
-    monkeypatch.setattr(stage_launch, "bwrap_command", lambda *_args: ["sh", "-c", script])
+    monkeypatch.setattr(stage_launch, "bwrap_command", lambda *_args, **_kwargs: ["sh", "-c", script])
     message = _failed_message(_stage(tmp_path))
     quoted = message.split("its stderr ended: ", 1)[1].split(" | ")
     assert quoted[:4] == ["line-37", "line-38", "line-39", "line-40"]

@@ -87,6 +87,21 @@ class Ranks(Protocol):
         ...
 
 
+class RankSource(Protocol):
+    """Where a stage's driver gets the cluster's ranks: ``ClusterRanks`` in the trainer (tests), or
+    ``BoxedRanks`` in a stage process, through its trainer."""
+
+    world: int
+
+    def attach(self, spec_bytes: bytes, owner: str) -> Ranks:
+        """The ranks, running this attempt of the stage."""
+        ...
+
+    def joined(self) -> list[dict[str, object]]:
+        """The workers that joined (at least their ``host``)."""
+        ...
+
+
 class RankGroup:
     """The driver of a stage whose compute runs on rank processes (see the module doc).
 

@@ -47,8 +47,7 @@ from services.trainer.runtime.evaluation import evaluate, evaluates
 from services.trainer.runtime.lifecycle import StageLifecycle
 from services.trainer.runtime.parallel import DataParallelGroup
 from services.trainer.runtime.program import build_program, load_starting_state
-from services.trainer.runtime.rank_group import RankGroup
-from services.trainer.runtime.rank_sources import ClusterRanks
+from services.trainer.runtime.rank_group import RankGroup, RankSource
 from services.trainer.runtime.resume import (
     PeerAlreadyFinished,
     conclude_finished,
@@ -93,7 +92,7 @@ class ProgramRunner:
         epoch: int = 0,
         on_epoch: Callable[[int], None] | None = None,
         receive_ahead: int | None = None,
-        cluster_ranks: ClusterRanks | None = None,
+        cluster_ranks: RankSource | None = None,
         step_sink: StepSink = record_step,
     ) -> None:
         if epoch < 0:

@@ -13,19 +13,19 @@ from nebula_common.proto.nebula.v1 import trainer_pb2
 from services.trainer.rank_accounts import may_use_ranks
 from services.trainer.runtime.checkpoint import CheckpointStore
 from services.trainer.runtime.parallel import DataParallelGroup
-from services.trainer.runtime.rank_group import RankGroup, Ranks
-from services.trainer.runtime.rank_sources import AttachedRanks, ClusterRanks, SpawnedRanks
+from services.trainer.runtime.rank_group import RankGroup, Ranks, RankSource
+from services.trainer.runtime.rank_sources import SpawnedRanks
 from services.trainer.runtime.sharding import SHARDED
 
 
 def rank_processes(
-    spec: trainer_pb2.StageSpec, cluster_ranks: ClusterRanks | None, store: CheckpointStore, owner: str
+    spec: trainer_pb2.StageSpec, cluster_ranks: RankSource | None, store: CheckpointStore, owner: str
 ) -> Ranks | None:
     """The rank processes this attempt computes on, if not the stage thread itself (or DDP replicas).
 
-    The cluster's own ranks (``ClusterRanks``) take every stage that may run data-parallel,
-    whatever its ``replicas``: the same spec runs on 1 rank or many. A sharded stage on a
-    trainer without them gets ``replicas`` spawned ranks.
+    The cluster's own ranks (``ClusterRanks``, or ``BoxedRanks`` from a stage process) take every
+    stage that may run data-parallel, whatever its ``replicas``: the same spec runs on 1 rank or
+    many. A sharded stage on a trainer without them gets ``replicas`` spawned ranks.
     """
     cfg = spec.program
     if cluster_ranks is not None and may_use_ranks(spec):  # see validation: one process
@@ -46,7 +46,7 @@ def rank_processes(
 def compute_group(
     start_spec: trainer_pb2.StageSpec,
     program: StageProgram,
-    cluster_ranks: ClusterRanks | None,
+    cluster_ranks: RankSource | None,
     store: CheckpointStore,
     owner: str,
 ) -> tuple[DataParallelGroup | RankGroup | None, dict[str, object]]:
@@ -61,7 +61,7 @@ def compute_group(
     backprop = cfg.mode != "one_way"
     ranks = rank_processes(start_spec, cluster_ranks, store, owner)
     placement: dict[str, object] = {"ranks": ranks.world if ranks is not None else max(cfg.replicas, 1)}
-    if isinstance(ranks, AttachedRanks) and cluster_ranks is not None:
+    if cluster_ranks is not None and ranks is not None and not isinstance(ranks, SpawnedRanks):
         placement["rank_hosts"] = [str(w.get("host", "?")) for w in cluster_ranks.joined()]
     if ranks is not None:
         group = RankGroup(

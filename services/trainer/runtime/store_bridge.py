@@ -39,6 +39,10 @@ OK, FAILED, TIMED_OUT = b"\x00", b"\x01", b"\x02"
 VALUES = {"set": 1, "compare_set": 2}
 """How many value frames follow each operation's header."""
 OPERATIONS = ("set", "get", "add", "compare_set", "check", "wait", "delete_key", "num_keys")
+WRITES = ("set", "add", "compare_set", "delete_key")
+POSTED = frozenset({"spec", "owner", "signature", "signer", "finished"})
+"""The keys the trainer posts a stage with, and its end: a box reads them, never writes them (a worker
+that joins the stage later reads the spec and owner it finds there)."""
 
 
 class BridgeError(RuntimeError):
@@ -46,12 +50,22 @@ class BridgeError(RuntimeError):
 
 
 class BridgedStore(dist.Store):
-    """The box's side: every call a request to the worker (one at a time: a lock orders them)."""
+    """The box's side: every call a request to the worker (one at a time: a lock orders them).
 
-    def __init__(self, conn: Connection) -> None:
+    ``spare``: a second connection to the same stage, which ``clone`` hands out (one store over it,
+    whoever asks): a driver forms its command group on one while it watches the ranks on the other."""
+
+    def __init__(self, conn: Connection, spare: Connection | None = None) -> None:
         super().__init__()
         self._conn = conn
         self._lock = threading.Lock()
+        self._spare = BridgedStore(spare) if spare is not None else None
+
+    def clone(self) -> BridgedStore:
+        if self._spare is None:
+            raise RuntimeError("this bridged store has no second connection to clone onto")
+        self._spare.set_timeout(self.timeout)
+        return self._spare
 
     def _call(self, op: str, values: tuple[bytes, ...] = (), **fields: Any) -> bytes:
         with self._lock:
@@ -65,7 +79,7 @@ class BridgedStore(dist.Store):
         message = payload.decode(errors="replace")
         if status == TIMED_OUT:
             raise dist.DistStoreError(f"timeout: {message}")
-        raise RuntimeError(f"the worker's store bridge refused {op}: {message}")
+        raise RuntimeError(f"the store bridge refused {op}: {message}")
 
     def _timeout_ms(self, timeout: datetime.timedelta | None = None) -> int:
         span = timeout if timeout is not None else self.timeout
@@ -101,10 +115,12 @@ def _bytes(value: bytes | str) -> bytes:
 
 
 class StoreBridge:
-    """The worker's side: answers one box's requests against ``stage`` (its stage's ``PrefixStore``)
-    on a thread, until the box closes its end, breaks the protocol, or ``stop`` is called."""
+    """The worker's (or trainer's) side: answers one box's requests against ``stage`` (its stage's
+    ``PrefixStore``) on a thread, until the box closes its end, breaks the protocol, or ``stop`` is
+    called. A stage's driver in its box is bridged to each of its attempts' stages in turn (``use``);
+    until the first, every request fails. The keys of ``POSTED`` are read-only."""
 
-    def __init__(self, conn: Connection, stage: dist.Store, name: str = "store-bridge") -> None:
+    def __init__(self, conn: Connection, stage: dist.Store | None, name: str = "store-bridge") -> None:
         self._conn = conn
         self._stage = stage
         self._stopped = threading.Event()
@@ -112,6 +128,10 @@ class StoreBridge:
         """Why the box's connection was dropped ("" while it was not): the stage's failure may say so."""
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+
+    def use(self, stage: dist.Store | None) -> None:
+        """Answer later requests against ``stage`` (a re-attempt's; None: none until the next)."""
+        self._stage = stage
 
     def stop(self, timeout: float = 5.0) -> None:
         """End the thread (a poll in progress notices within ``POLL_S``) and close the connection."""
@@ -156,6 +176,10 @@ class StoreBridge:
 
     def _answer(self, request: dict[str, Any], values: list[bytes]) -> bytes:
         op, stage = request["op"], self._stage
+        if stage is None:
+            raise LookupError("no stage is bridged yet: ask for the ranks first")
+        if op in WRITES and request["key"] in POSTED:
+            raise PermissionError(f"{request['key']!r} is the trainer's to write, not the box's")
         if op == "set":
             stage.set(request["key"], values[0])
             return b""
@@ -176,8 +200,9 @@ class StoreBridge:
         return str(stage.num_keys()).encode()  # num_keys: the whole store's, as a TCPStore's is
 
     def _until_present(self, keys: list[str], timeout_ms: int) -> None:
-        deadline = time.monotonic() + timeout_ms / 1000
-        while not self._stage.check(keys):
+        deadline, stage = time.monotonic() + timeout_ms / 1000, self._stage
+        assert stage is not None
+        while not stage.check(keys):
             if self._stopped.is_set():
                 raise TimeoutError("the worker stopped this stage's store bridge")
             if time.monotonic() >= deadline:
@@ -220,4 +245,4 @@ def _key(key: object) -> None:
         raise BridgeError(f"a key must be a string of 1 to {MAX_KEY_CHARS} characters, got {str(key)[:80]!r}")
 
 
-__all__ = ["BridgeError", "BridgedStore", "StoreBridge"]
+__all__ = ["POSTED", "BridgeError", "BridgedStore", "StoreBridge"]
