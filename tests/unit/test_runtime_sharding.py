@@ -141,6 +141,9 @@ def _rank_main(rank: int, world: int, port: int, job: dict, out: str) -> None:
             )
         if dist.is_initialized():
             dist.barrier()  # no rank leaves while another still needs the group
+            # Torn down here, not by the interpreter's exit: gloo's threads destroyed there while a peer
+            # closes its end aborted a rank once ("terminate called without an active exception", -6).
+            dist.destroy_process_group()
     except BaseException:
         (Path(out) / f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
