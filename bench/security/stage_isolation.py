@@ -5,7 +5,9 @@ defaults a new user gets) once per tree, alternating, so both see the same machi
 the median over rounds of the mean step time (the first step, which includes warm-up, left out) and of
 the start overhead (training wall time minus the sum of step times: from submission to the first step
 and from the last step to the end). The baseline tree is any checkout of Nebula, e.g.
-``git worktree add /tmp/nebula-baseline <commit>``; it runs with this tree's virtual environment.
+``git worktree add /tmp/nebula-baseline <commit>``; it runs with this tree's virtual environment and
+this tree's WAN emulator (``EMULATOR``, copied over it): the emulator has since stopped lending an idle
+link a free burst, so the baseline's own would time a cheaper link, not the stage box.
 
     python bench/security/stage_isolation.py --baseline /tmp/nebula-baseline --rounds 5
 
@@ -25,6 +27,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[2]
+EMULATOR = ("nebula_common/wan/shape.py", "nebula_common/wan/shaper.py")
+"""The WAN emulator's link model: both trees pay the same link."""
 
 
 def run_demo(tree: Path, steps: int) -> dict[str, float]:
@@ -60,6 +64,8 @@ def main() -> int:
     if not (args.baseline / "services" / "trainer").is_dir():
         parser.error(f"--baseline {args.baseline}: not a Nebula checkout (no services/trainer)")
     trees = {"this": HERE, "baseline": args.baseline.resolve()}
+    for name in EMULATOR:
+        (trees["baseline"] / name).write_bytes((HERE / name).read_bytes())
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
     for number in range(args.rounds):
         order = list(trees) if number % 2 == 0 else list(reversed(trees))
