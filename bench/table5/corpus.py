@@ -45,8 +45,23 @@ SPLITS = ("train", "dev", "test")
 
 @dataclass(frozen=True)
 class Source:
+    """One package whose Spanish catalogues join the corpus, pinned to one version so that every machine
+    builds the same corpus (Debian's security updates otherwise change it under a committed table)."""
+
     kind: str  # "pypi" or "deb"
-    name: str  # requirement (pypi, pinned) or package name (deb, the archive's current version)
+    name: str  # requirement with its ``==`` pin (pypi) or package name (deb)
+    version: str = ""  # deb: the archive version (``apt-get download name=version``)
+
+    @property
+    def requirement(self) -> str:
+        """What the client is asked for: the pinned requirement, or ``name=version`` for apt."""
+        return f"{self.name}={self.version}" if self.kind == "deb" else self.name
+
+    def archive_matches(self, archive: str) -> bool:
+        """Whether a cached archive is this pin's (apt names an epoch ``1:`` as ``1%3a``)."""
+        if self.kind != "deb":
+            return True
+        return archive.startswith(f"{self.name}_{self.version.replace(':', '%3a')}_")
 
 
 SOURCES = (
@@ -55,54 +70,54 @@ SOURCES = (
     Source("pypi", "plone.app.locales==7.0.4"),
     Source("pypi", "Sphinx==8.2.3"),
     Source("pypi", "Weblate==5.14.3"),
-    Source("deb", "git"),
-    Source("deb", "binutils-common"),
-    Source("deb", "postgresql-15"),
-    Source("deb", "postgresql-client-15"),
-    Source("deb", "libgtk-3-common"),
-    Source("deb", "libgtk2.0-common"),
-    Source("deb", "libgtk-4-common"),
-    Source("deb", "gnome-control-center-data"),
-    Source("deb", "nautilus-data"),
-    Source("deb", "evolution-data-server-common"),
-    Source("deb", "gnupg-l10n"),
-    Source("deb", "libc-l10n"),
-    Source("deb", "coreutils"),
-    Source("deb", "libglib2.0-data"),
-    Source("deb", "dpkg"),
-    Source("deb", "xkb-data"),
-    Source("deb", "shared-mime-info"),
-    Source("deb", "gettext"),
-    Source("deb", "appstream"),
-    Source("deb", "iso-codes"),
-    Source("deb", "wget"),
-    Source("deb", "bash"),
-    Source("deb", "libreoffice-l10n-es"),
-    Source("deb", "vlc-l10n"),
-    Source("deb", "inkscape"),
-    Source("deb", "gnucash-common"),
-    Source("deb", "evolution-common"),
-    Source("deb", "pidgin-data"),
-    Source("deb", "darktable"),
-    Source("deb", "cinnamon-l10n"),
-    Source("deb", "audacity-data"),
-    Source("deb", "claws-mail-i18n"),
-    Source("deb", "gnumeric-common"),
-    Source("deb", "util-linux-locales"),
-    Source("deb", "filezilla-common"),
-    Source("deb", "hexchat-common"),
-    Source("deb", "geany-common"),
-    Source("deb", "shotwell-common"),
-    Source("deb", "libsane-common"),
-    Source("deb", "thunar-data"),
-    Source("deb", "gnome-software-common"),
-    Source("deb", "gnome-disk-utility"),
-    Source("deb", "aptitude-common"),
-    Source("deb", "synaptic"),
-    Source("deb", "gedit-common"),
-    Source("deb", "gnome-shell-common"),
-    Source("deb", "poedit-common"),
-    Source("deb", "rhythmbox-data"),
+    Source("deb", "git", "1:2.39.5-0+deb12u3"),
+    Source("deb", "binutils-common", "2.40-2"),
+    Source("deb", "postgresql-15", "15.18-0+deb12u1"),
+    Source("deb", "postgresql-client-15", "15.18-0+deb12u1"),
+    Source("deb", "libgtk-3-common", "3.24.38-2~deb12u3"),
+    Source("deb", "libgtk2.0-common", "2.24.33-2+deb12u1"),
+    Source("deb", "libgtk-4-common", "4.8.3+ds-2+deb12u1"),
+    Source("deb", "gnome-control-center-data", "1:43.6-2~deb12u1"),
+    Source("deb", "nautilus-data", "43.2-1"),
+    Source("deb", "evolution-data-server-common", "3.46.4-2"),
+    Source("deb", "gnupg-l10n", "2.2.40-1.1+deb12u2"),
+    Source("deb", "libc-l10n", "2.36-9+deb12u14"),
+    Source("deb", "coreutils", "9.1-1"),
+    Source("deb", "libglib2.0-data", "2.74.6-2+deb12u9"),
+    Source("deb", "dpkg", "1.21.23"),
+    Source("deb", "xkb-data", "2.35.1-1"),
+    Source("deb", "shared-mime-info", "2.2-1"),
+    Source("deb", "gettext", "0.21-12"),
+    Source("deb", "appstream", "0.16.1-2+b1"),
+    Source("deb", "iso-codes", "4.15.0-1"),
+    Source("deb", "wget", "1.21.3-1+deb12u1"),
+    Source("deb", "bash", "5.2.15-2+b13"),
+    Source("deb", "libreoffice-l10n-es", "4:7.4.7-1+deb12u14"),
+    Source("deb", "vlc-l10n", "3.0.23-0+deb12u1"),
+    Source("deb", "inkscape", "1.2.2-2+b1"),
+    Source("deb", "gnucash-common", "1:4.13-1"),
+    Source("deb", "evolution-common", "3.46.4-2+deb12u1"),
+    Source("deb", "pidgin-data", "2.14.12-1"),
+    Source("deb", "darktable", "4.2.1-4"),
+    Source("deb", "cinnamon-l10n", "5.6.1-2"),
+    Source("deb", "audacity-data", "3.2.4+dfsg-1"),
+    Source("deb", "claws-mail-i18n", "4.1.1-2"),
+    Source("deb", "gnumeric-common", "1.12.55-1"),
+    Source("deb", "util-linux-locales", "2.38.1-5+deb12u3"),
+    Source("deb", "filezilla-common", "3.63.0-1+deb12u3"),
+    Source("deb", "hexchat-common", "2.16.1-1"),
+    Source("deb", "geany-common", "1.38-1"),
+    Source("deb", "shotwell-common", "0.30.17-1"),
+    Source("deb", "libsane-common", "1.2.1-2"),
+    Source("deb", "thunar-data", "4.18.4-1"),
+    Source("deb", "gnome-software-common", "43.5-1~deb12u2"),
+    Source("deb", "gnome-disk-utility", "43.0-1"),
+    Source("deb", "aptitude-common", "0.8.13-5"),
+    Source("deb", "synaptic", "0.91.3"),
+    Source("deb", "gedit-common", "44.2-1"),
+    Source("deb", "gnome-shell-common", "43.9-0+deb12u2"),
+    Source("deb", "poedit-common", "3.2.2-1"),
+    Source("deb", "rhythmbox-data", "3.4.6-2"),
 )
 
 
@@ -121,8 +136,10 @@ def fetch(source: Source, downloads: Path) -> Path:
     """The source's archive in ``downloads`` (fetched once; a later run reuses it)."""
     folder = downloads / source.kind / source.name.replace("/", "_")
     found = sorted(folder.glob("*.whl")) + sorted(folder.glob("*.tar.gz")) + sorted(folder.glob("*.deb"))
-    if found:
+    if found and source.archive_matches(found[0].name):
         return found[0]
+    for stale in found:  # another version than the pin's, from an older tree: fetch the pinned one
+        stale.unlink()
     folder.mkdir(parents=True, exist_ok=True)
     if source.kind == "pypi":
         pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(folder)]
@@ -130,7 +147,7 @@ def fetch(source: Source, downloads: Path) -> Path:
     elif source.kind == "deb":
         if shutil.which("apt-get") is None:
             raise CorpusError(f"{source.name}: a Debian package, but apt-get is not on this machine")
-        command = ["apt-get", "download", "-o", "APT::Sandbox::User=root", source.name]
+        command = ["apt-get", "download", "-o", "APT::Sandbox::User=root", source.requirement]
         try:
             _run(command, folder)
         except CorpusError:
@@ -140,8 +157,9 @@ def fetch(source: Source, downloads: Path) -> Path:
     else:
         raise CorpusError(f"unknown source kind {source.kind!r}")
     found = sorted(folder.iterdir())
-    if len(found) != 1:
-        raise CorpusError(f"{source.name}: expected one archive in {folder}, found {len(found)}")
+    if len(found) != 1 or not source.archive_matches(found[0].name):
+        names = [path.name for path in found]
+        raise CorpusError(f"{source.requirement}: expected its one archive in {folder}, found {names}")
     return found[0]
 
 
@@ -250,6 +268,14 @@ def read_split(path: Path) -> list[Pair]:
     return pairs
 
 
+def _pinned(manifest: dict, sources: tuple[Source, ...] = SOURCES) -> bool:
+    """Whether a cached corpus was built from exactly these sources at their pinned versions."""
+    built = {(entry["kind"], entry["name"]): entry["archive"] for entry in manifest.get("sources", [])}
+    return len(built) == len(sources) and all(
+        (s.kind, s.name) in built and s.archive_matches(built[(s.kind, s.name)]) for s in sources
+    )
+
+
 def load(cache: Path, evaluated: str) -> tuple[dict, list[Pair], list[Pair]]:
     """The manifest, the training split and the ``evaluated`` one ("dev" to tune, "test" to report),
     building the corpus first when the cache has none."""
@@ -258,8 +284,12 @@ def load(cache: Path, evaluated: str) -> tuple[dict, list[Pair], list[Pair]]:
     folder = cache / "corpus"
     manifest_path = folder / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
-    if manifest is None or not all(f"{name}.tsv" in manifest["sha256"] for name in SPLITS):
-        manifest = build(cache)  # none yet, or the two-way split's: rebuild from the cached archives
+    if (
+        manifest is None
+        or not all(f"{name}.tsv" in manifest["sha256"] for name in SPLITS)
+        or not _pinned(manifest)
+    ):
+        manifest = build(cache)  # none yet, the two-way split's, or other versions': rebuild
     return manifest, read_split(folder / "train.tsv"), read_split(folder / f"{evaluated}.tsv")
 
 

@@ -22,6 +22,8 @@ import corpus
 import lookup
 import stats
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 @pytest.fixture(scope="module")
 def pairs() -> list[Pair]:
@@ -99,7 +101,11 @@ def test_the_corpus_loader_reads_the_named_split_and_refuses_any_other(tmp_path:
     for name, line in (("train", "Abrir\tOpen\n"), ("dev", "Cerrar\tClose\n"), ("test", "Salir\tQuit\n")):
         (folder / f"{name}.tsv").write_text(line)
     digests = {f"{name}.tsv": "x" for name in ("train", "dev", "test")}
-    (folder / "manifest.json").write_text(json.dumps({"sha256": digests}))
+    # built from the pinned sources (a manifest of other versions would be rebuilt: test_table5_corpus_pins)
+    sources = json.loads((ROOT / "bench" / "results" / "table5" / "corpus-manifest.json").read_text())[
+        "sources"
+    ]
+    (folder / "manifest.json").write_text(json.dumps({"sha256": digests, "sources": sources}))
     _, training, evaluated = corpus.load(tmp_path, "test")
     assert training == [Pair("Abrir", "Open")] and evaluated == [Pair("Salir", "Quit")]
     assert corpus.load(tmp_path, "dev")[2] == [Pair("Cerrar", "Close")]
