@@ -130,6 +130,21 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r} on this trainer")
         return principal, runner
 
+    async def _refuse(
+        self,
+        context: grpc.aio.ServicerContext,
+        code: grpc.StatusCode,
+        message: str,
+        account: str,
+        job_id: str,
+        reason: str = "",
+        submitted: dict[str, object] | None = None,
+    ) -> None:
+        """Audit a refused submission (with the reason, ``message`` unless given), then abort the call."""
+        details = {**(submitted or {}), "reason": reason or message}
+        await self._record("job.submit", outcome="refused", account=account, job_id=job_id, details=details)
+        await context.abort(code, message)
+
     async def AssignStage(
         self, request: trainer_pb2.AssignStageRequest, context: grpc.aio.ServicerContext
     ) -> trainer_pb2.AssignStageResponse:
@@ -158,62 +173,37 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             await asyncio.to_thread(validate_stage_spec, spec)
             self.where.check_allows(spec, account)
         except InvalidRequestError as exc:
-            await self._record(
-                "job.submit", outcome="refused", account=account, job_id=job_id, details={"reason": str(exc)}
-            )
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), account, job_id)
         self._forget(self.finished.expire())
         if job_id in self.runners:
             # Same answer whoever holds the id: job ids are global here, like account names, and the
             # reply must not tell another account anything about the job that has it.
-            await self._record(
-                "job.submit",
-                outcome="refused",
-                account=account,
-                job_id=job_id,
-                details={"reason": "id taken"},
-            )
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS, f"job id {job_id!r} is not available on this trainer"
-            )
+            message = f"job id {job_id!r} is not available on this trainer"
+            await self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, message, account, job_id, "id taken")
         resume = spec.program.resume_job_id
         if resume:
             held = self.checkpoints.steps(account, resume, spec.stage)
             submitted["resume"] = {"job_id": resume, "step": spec.program.resume_step}
             if spec.program.resume_step not in held:
-                await self._record(
-                    "job.submit",
-                    outcome="refused",
-                    account=account,
-                    job_id=job_id,
-                    details={**submitted, "reason": "no such checkpoint for this account"},
-                )
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                message = (
                     f"no checkpoint of job {resume!r} stage {spec.stage!r} at step "
-                    f"{spec.program.resume_step} for this account on cluster {self.cluster_id}",
+                    f"{spec.program.resume_step} for this account on cluster {self.cluster_id}"
                 )
+                reason = "no such checkpoint for this account"
+                code = grpc.StatusCode.FAILED_PRECONDITION
+                await self._refuse(context, code, message, account, job_id, reason, submitted)
         if self.job_tokens is not None:
             try:
                 token = await self.job_tokens.issue(token, job_id)
             except JobTokenError as exc:
-                await self._record(
-                    "job.submit",
-                    outcome="refused",
-                    account=account,
-                    job_id=job_id,
-                    details={**submitted, "reason": str(exc)},
-                )
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                code = grpc.StatusCode.UNAVAILABLE
+                await self._refuse(context, code, str(exc), account, job_id, str(exc), submitted)
         await self._record("job.submit", account=account, job_id=job_id, details=submitted)
         runner = self._make_runner(spec, token, principal.username)
         self.runners[spec.job_id] = runner
         self.owners[spec.job_id] = principal.username
-        runner.board.update(
-            codec_forward=spec.codec_forward,
-            codec_backward=spec.codec_backward,
-            codec_choice=spec.codec_choice,
-        )
+        codecs = {"codec_forward": spec.codec_forward, "codec_backward": spec.codec_backward}
+        runner.board.update(**codecs, codec_choice=spec.codec_choice)
         # Recorded before the thread starts, so a stage that ends at once cannot log its stop first.
         started = {"stage": spec.stage, "placement": self.where.describe(spec, account)}
         await self._record("stage.start", account=account, job_id=job_id, details=started)
