@@ -51,7 +51,8 @@ JOB = job_files.JOB
 DEFAULT_ROWS = (
     "none,FP16+INT8,ZSTD(INT8) both,INT4 both,ZSTD(INT4) both,"
     "BOTTLENECK(16,AE)+INT8,BOTTLENECK(16,JOINT)+INT8,"
-    "ZSTD(INT8(ERROR=0.04))+ZSTD(INT8(ERROR=0.2)),ZSTD(INT8(ERROR=0.08))+ZSTD(INT8(ERROR=0.25)),auto"
+    "ZSTD(INT8(ERROR=0.04))+ZSTD(INT8(ERROR=0.2)),ZSTD(INT8(ERROR=0.08))+ZSTD(INT8(ERROR=0.2)),"
+    "ZSTD(INT8(ERROR=0.08))+ZSTD(INT8(ERROR=0.25)),auto"
 )
 AUTO = train.Row("auto", "auto", "auto")
 """The product's own choice: ``codec: auto`` both ways, told the link (it probes, advises and trials)."""

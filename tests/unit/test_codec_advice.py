@@ -120,10 +120,10 @@ def test_default_candidates_only_offer_low_rank_where_it_pays() -> None:
 
 def test_the_advisor_spends_each_directions_budget_with_entropy_coded_int8(calibrator: Calibrator) -> None:
     """Given no candidates, the advisor adds ``zstd(int8(error=...))`` aimed inside each direction's budget
-    (5% forward, 25% back by default) and, on a slow link, picks one: fewer bytes than int4 at less error."""
+    (10% forward, 25% back by default) and, on a slow link, picks one: fewer bytes than int4 at less error."""
     torch.manual_seed(0)
     activation, gradient = torch.randn(64, 24, 64), torch.randn(64, 24, 64) ** 3  # gradients: heavy-tailed
-    assert "zstd(int8(error=0.04))" in default_candidates(activation.shape, "forward", 0.05)
+    assert "zstd(int8(error=0.08))" in default_candidates(activation.shape, "forward", 0.1)
     assert not any("error" in spec for spec in default_candidates(activation.shape, "forward"))
     request = job_advice_request(
         bandwidth_bps=1e6,
@@ -134,9 +134,9 @@ def test_the_advisor_spends_each_directions_budget_with_entropy_coded_int8(calib
     )
     result = advise(request, calibrator)
     picked = {advice.direction: advice.best for advice in result.directions}
-    assert picked["forward"].spec == "zstd(int8(error=0.04))"
+    assert picked["forward"].spec == "zstd(int8(error=0.08))"
     assert picked["backward"].spec == "zstd(int8(error=0.2))"
-    for direction, budget in (("forward", 0.05), ("backward", 0.25)):
+    for direction, budget in (("forward", 0.1), ("backward", 0.25)):
         assert picked[direction].within_budget and picked[direction].rel_error <= budget
 
 
