@@ -143,7 +143,7 @@ def fetch(source: Source, downloads: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     if source.kind == "pypi":
         pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(folder)]
-        _run([*pip, source.name], folder)
+        _run([*pip, source.requirement], folder)
     elif source.kind == "deb":
         if shutil.which("apt-get") is None:
             raise CorpusError(f"{source.name}: a Debian package, but apt-get is not on this machine")
@@ -153,7 +153,13 @@ def fetch(source: Source, downloads: Path) -> Path:
         except CorpusError:
             # A fresh machine (CI) may have no package lists yet: read them once, then try again.
             _run(["apt-get", "update", "-qq"], folder)
-            _run(command, folder)
+            try:
+                _run(command, folder)
+            except CorpusError as exc:
+                raise CorpusError(
+                    f"{exc} (the pinned version {source.version} of {source.name} is not in this machine's "
+                    "package lists: a new pin in corpus.SOURCES changes the corpus and the table)"
+                ) from None
     else:
         raise CorpusError(f"unknown source kind {source.kind!r}")
     found = sorted(folder.iterdir())

@@ -32,8 +32,9 @@ FORWARD = "forward"
 BACKWARD = "backward"
 DEFAULT_BUDGET = {FORWARD: 0.10, BACKWARD: 0.25}
 """Relative L2 error budgets when the request gives none. Activations feed the next stage as they are, so
-theirs is tighter: on Table 5's translation cut (``docs/bench/table5.md``) 8% forward cost 2.5% of
-none's BLEU on test (5 seeds) and int4's 11.6% 4.4% on dev, inside a 5% quality budget. Gradient
+theirs is tighter. Chosen on Table 5's translation cut (``docs/bench/table5.md``): 8% forward cost 1.3% of
+none's BLEU on dev (2 seeds), the 8% / 25% row 2.5% on test (5 seeds), int4's 11.6% 4.4% on dev, all
+inside a 5% quality budget. Gradient
 noise of 25% is averaged out by SGD-like optimizers (the paper ran INT8 gradients). A job's trial still
 rejects a pair whose loss falls behind ``none``'s."""
 DEFAULT_TOP_N = 8

@@ -76,3 +76,24 @@ def test_a_cached_archive_of_another_version_is_replaced_not_read(tmp_path: Path
     assert archive.read_bytes() == b"pinned"
     assert [p.name for p in folder.iterdir()] == [archive.name]
     assert "vlc-l10n=3.0.23-0+deb12u1" in log.read_text()
+
+
+def test_a_pin_gone_from_the_package_lists_stops_the_build_naming_it(tmp_path: Path) -> None:
+    """apt-get refuses a version its lists no longer hold; the error names the pin and leaves no archive."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    apt = bin_dir / "apt-get"
+    apt.write_text(
+        '#!/bin/sh\ncase "$1" in update) exit 0;; esac\n'
+        "echo \"E: Version '3.0.23-0+deb12u1' for 'vlc-l10n' was not found\" >&2\nexit 100\n"
+    )
+    apt.chmod(0o755)
+    source = corpus.Source("deb", "vlc-l10n", "3.0.23-0+deb12u1")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+        with pytest.raises(corpus.CorpusError) as raised:
+            corpus.fetch(source, tmp_path / "downloads")
+    message = str(raised.value)
+    assert "vlc-l10n=3.0.23-0+deb12u1 failed (100)" in message and "was not found" in message
+    assert "pinned version 3.0.23-0+deb12u1 of vlc-l10n" in message
+    assert not list((tmp_path / "downloads").rglob("*.deb"))
