@@ -3,8 +3,10 @@ a cached corpus of other versions is rebuilt, and a stale archive in the cache i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,20 @@ import corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "bench" / "results" / "table5" / "corpus-manifest.json"
+VLC = corpus.Source("deb", "vlc-l10n", "3.0.23-0+deb12u1")
+
+
+@contextlib.contextmanager
+def _apt_get(tmp_path: Path, script: str) -> Iterator[None]:
+    """A stand-in ``apt-get`` (this shell ``script``) first on PATH: the fetch runs it as it runs apt's."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    apt = bin_dir / "apt-get"
+    apt.write_text("#!/bin/sh\n" + script)
+    apt.chmod(0o755)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+        yield
 
 
 def test_every_source_is_pinned_to_the_committed_manifests_archive() -> None:
@@ -56,22 +72,15 @@ def test_a_cached_archive_of_another_version_is_replaced_not_read(tmp_path: Path
     folder = tmp_path / "downloads" / "deb" / "vlc-l10n"
     folder.mkdir(parents=True)
     (folder / "vlc-l10n_3.0.24-0+deb12u1_all.deb").write_bytes(b"newer")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
     log = tmp_path / "apt.log"
-    apt = bin_dir / "apt-get"
-    apt.write_text(
-        "#!/bin/sh\n"
+    script = (
         f'echo "$@" >> {log}\n'
         "for last; do :; done\n"
         "name=${last%%=*}; version=${last#*=}\n"
         'printf pinned > "${name}_${version}_all.deb"\n'
     )
-    apt.chmod(0o755)
-    source = corpus.Source("deb", "vlc-l10n", "3.0.23-0+deb12u1")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
-        archive = corpus.fetch(source, tmp_path / "downloads")
+    with _apt_get(tmp_path, script):
+        archive = corpus.fetch(VLC, tmp_path / "downloads")
     assert archive.name == "vlc-l10n_3.0.23-0+deb12u1_all.deb"
     assert archive.read_bytes() == b"pinned"
     assert [p.name for p in folder.iterdir()] == [archive.name]
@@ -80,19 +89,12 @@ def test_a_cached_archive_of_another_version_is_replaced_not_read(tmp_path: Path
 
 def test_a_pin_gone_from_the_package_lists_stops_the_build_naming_it(tmp_path: Path) -> None:
     """apt-get refuses a version its lists no longer hold; the error names the pin and leaves no archive."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    apt = bin_dir / "apt-get"
-    apt.write_text(
-        '#!/bin/sh\ncase "$1" in update) exit 0;; esac\n'
+    script = (
+        'case "$1" in update) exit 0;; esac\n'
         "echo \"E: Version '3.0.23-0+deb12u1' for 'vlc-l10n' was not found\" >&2\nexit 100\n"
     )
-    apt.chmod(0o755)
-    source = corpus.Source("deb", "vlc-l10n", "3.0.23-0+deb12u1")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
-        with pytest.raises(corpus.CorpusError) as raised:
-            corpus.fetch(source, tmp_path / "downloads")
+    with _apt_get(tmp_path, script), pytest.raises(corpus.CorpusError) as raised:
+        corpus.fetch(VLC, tmp_path / "downloads")
     message = str(raised.value)
     assert "vlc-l10n=3.0.23-0+deb12u1 failed (100)" in message and "was not found" in message
     assert "pinned version 3.0.23-0+deb12u1 of vlc-l10n" in message
