@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import tempfile
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -430,7 +432,18 @@ def run_stages(
 def finish(run: StageRun, timeout: float = 240.0) -> None:
     """Wait for ``run``'s stage to end (any terminal state)."""
     run.runner.join(timeout)
-    assert run.runner.board.finished, f"stage {run.final.stage} did not finish in {timeout:.0f}s"
+    assert run.runner.board.finished, (
+        f"stage {run.final.stage} did not finish in {timeout:.0f}s; threads:\n{thread_stacks()}"
+    )
+
+
+def thread_stacks() -> str:
+    """Every thread's stack, for a wait that timed out: where a stage hung is the failure's only clue."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    return "\n".join(
+        f"--- {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame))}"
+        for ident, frame in sys._current_frames().items()
+    )
 
 
 def wait_for_step(run: StageRun, steps_done: int, timeout: float = 60.0) -> None:

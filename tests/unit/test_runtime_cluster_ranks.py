@@ -13,9 +13,12 @@ into the store by job code on a worker, say) is refused by every rank and never 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +28,7 @@ import torch.distributed as dist
 from nebula_common.pki import PkiLayout
 from nebula_common.proto.nebula.v1 import trainer_pb2
 from services.trainer.edge.memory import MemoryLink
-from services.trainer.runtime.rank_sources import ClusterRanks
+from services.trainer.runtime.rank_sources import LOST_AFTER_S, ClusterRanks
 from tests.support.edges import StageRun, finish, stage_runner, wait_for, wait_for_step
 from tests.support.ranks import gated_ranks
 from tests.unit.test_runtime_sharded_stage import SETTINGS, reference, same_training, small
@@ -142,6 +145,46 @@ def test_a_rank_that_dies_fails_the_stage_naming_it_and_the_other_ranks_leave_it
         "the surviving rank to exit (the trainer aborted its stage)",
     )
     assert workers.processes[0].returncode == 1
+
+
+def test_a_rank_whose_host_froze_fails_the_stage_by_its_heartbeat_not_the_collective_timeout(
+    cluster: tuple[Workers, Path],
+) -> None:
+    """A host that stops (power, kernel, partition) closes no socket: only the heartbeat tells."""
+    workers, work = cluster
+    up, down = run_on_ranks(small("frozen", **{"steps": 200}), work, workers.ranks)
+    wait_for_step(down, 4, 120)
+    assert not down.runner.board.finished, down.final.message
+    frozen = freeze(workers.processes[1].pid)  # rank 1's worker and its box, sockets left open
+    try:
+        started = time.monotonic()
+        for run in (up, down):
+            finish(run, 90)  # the group's collective timeout is 300 s
+        took = time.monotonic() - started
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert down.final.state == trainer_pb2.STAGE_STATE_FAILED
+    said = down.final.message
+    assert "a rank of the stage failed: rank(s) 1 died (no heartbeat" in said, said
+    assert took < LOST_AFTER_S + 60, took
+    wait_for(lambda: workers.processes[0].poll() is not None, 30, "the surviving rank to exit")
+
+
+def freeze(root: int) -> list[int]:
+    """SIGSTOP ``root`` and every process below it (children first found, then theirs); their pids."""
+    found, queue = [], [root]
+    while queue:
+        pid = queue.pop()
+        os.kill(pid, signal.SIGSTOP)
+        found.append(pid)
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                        queue.append(int(entry.name))
+    return found
 
 
 def test_after_a_rank_died_the_restarted_ranks_resume_the_job_from_its_checkpoint(

@@ -64,6 +64,8 @@ from services.trainer.runtime.replica_compute import DataParallelError
 
 JOIN_POLL_S = 0.2
 """How often the driver looks for a rank's failure while the command group forms."""
+WATCH_S = 1.0
+"""How often the driver looks for a failed or lost rank while a collective waits."""
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +168,7 @@ class RankGroup:
         joining.start()
         while joining.is_alive():
             joining.join(JOIN_POLL_S)
-            if joining.is_alive() and any(
-                self._ranks.store.check([f"error/{rank}"]) for rank in range(self.ranks)
-            ):
+            if joining.is_alive() and self._gone():
                 raise DataParallelError("a rank failed before it joined the stage's command group")
         if "error" in formed:
             raise formed["error"]
@@ -176,10 +176,26 @@ class RankGroup:
 
     def _collective(self, work: Any) -> None:
         try:
-            work.wait()
+            self._wait(work)
         except Exception as exc:
             self._abort_group()  # ranks still waiting on the driver fail now, and say why
             raise DataParallelError(f"a rank of the stage failed: {self._ranks.why(exc)}") from exc
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a collective, looking every ``WATCH_S`` for a rank that failed (``error/<rank>``) or
+        that its trainer found lost (``lost/<rank>``, ``rank_sources``): gloo learns of a dead peer only
+        from its sockets, and the collective's own timeout is the whole stage's patience."""
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _: done.set())
+        while not done.wait(WATCH_S):
+            if gone := self._gone():
+                raise DataParallelError(f"rank(s) {', '.join(map(str, gone))} left the stage's collective")
+        work.wait()  # its result: raises if it failed
+
+    def _gone(self) -> list[int]:
+        """The ranks that said they failed or were found lost."""
+        store = self._ranks.store
+        return [r for r in range(self.ranks) if store.check([f"error/{r}"]) or store.check([f"lost/{r}"])]
 
     def _abort_group(self) -> None:
         group = getattr(self, "group", None)

@@ -35,6 +35,11 @@ JOIN_TIMEOUT_S = 300.0
 """How long a stage waits for the cluster's ranks to join (a worker starting: torch import, rendezvous)."""
 WHY_WAIT_S = 2.0
 """How long a failed stage watches the ranks' heartbeats (``worker.HEARTBEAT_S``) to tell the dead."""
+LOST_AFTER_S = 10.0
+"""A rank whose heartbeat (every ``worker.HEARTBEAT_S``) stood still this long while it runs a stage is
+lost (``lost/<rank>``): long enough that a loaded host's late beats never fail a healthy stage."""
+WATCH_S = 0.5
+"""How often the trainer reads the heartbeats of the ranks running a stage."""
 
 
 class SpawnedRanks:
@@ -179,6 +184,28 @@ class AttachedRanks:
         self.store = store
         self._released = False
         self._finished = False
+        self._ended = threading.Event()
+        # A client of its own: the driver's collectives and gets hold the shared one's lock.
+        beats, marks = cluster.store.clone(), store.clone()
+        threading.Thread(target=self._watch, args=(beats, marks), name="rank-heartbeats", daemon=True).start()
+
+    def _watch(self, beats: dist.Store, marks: dist.Store) -> None:
+        """Mark a rank whose heartbeat stood still for ``LOST_AFTER_S`` as ``lost/<rank>`` in the stage's
+        keys, where its driver looks while a collective waits (``RankGroup``): a killed rank's peers
+        may otherwise wait out the whole collective timeout for sockets that never say it is gone."""
+        last = [(beats.add(f"beats/{rank}", 0), time.monotonic()) for rank in range(self.world)]
+        lost: set[int] = set()
+        while not self._ended.wait(WATCH_S):
+            try:
+                for rank in set(range(self.world)) - lost:
+                    now, beat = time.monotonic(), beats.add(f"beats/{rank}", 0)
+                    if beat != last[rank][0]:
+                        last[rank] = (beat, now)
+                    elif now - last[rank][1] >= LOST_AFTER_S:
+                        lost.add(rank)
+                        marks.set(f"lost/{rank}", f"no heartbeat for {now - last[rank][1]:.0f} s")
+            except (RuntimeError, OSError):  # the store is closing with the trainer
+                return
 
     def why(self, exc: BaseException) -> str:
         """Which ranks died (their heartbeat stopped) and what the others said."""
@@ -206,11 +233,13 @@ class AttachedRanks:
                 return
             time.sleep(0.05)
         self._finished = True
+        self._ended.set()
         self.store.set("finished", "1")  # a worker that (re)joins later does not take this stage
 
     def abort(self) -> None:
         """Free the ranks for the next stage. Ranks still inside this one (it failed or was cancelled)
         see ``aborted`` and exit, and their process manager starts them again."""
+        self._ended.set()
         if not self._released:
             self._released = True
             if not self._finished:
