@@ -133,7 +133,7 @@ bench-wan-table3: $(STAMP)
 # with checks that fail a model that does not learn (~1.5 minutes on idle cores).
 TABLE5 := nice -n 10 $(BIN)/python bench/table5/run.py
 bench-table5-prepare: $(STAMP)
-	$(TABLE5) --prepare-only --threads 2
+	$(TABLE5) --prepare-only
 bench-table5: bench-table5-prepare
 	$(TABLE5) --shard 0/2 --out bench-results/table5 & pid=$$!; \
 	$(TABLE5) --shard 1/2 --out bench-results/table5 || { kill $$pid; exit 1; }; wait $$pid

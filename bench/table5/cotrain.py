@@ -64,23 +64,33 @@ def cotrain(prep: train.Prepared, row: train.Row) -> dict[str, dict[str, torch.T
 
 
 def with_cut_states(
-    prep: train.Prepared, rows: list[train.Row], cache: Path, corpus_sha: str
+    prep: train.Prepared,
+    rows: list[train.Row],
+    cache: Path,
+    corpus_sha: str,
+    threads: int = train.PREPARE_THREADS,
 ) -> train.Prepared:
-    """``prep`` holding the co-trained halves of every co-trained row in ``rows`` (trained once, cached)."""
+    """``prep`` holding the co-trained halves of every co-trained row in ``rows`` (trained once on ``threads``
+    torch threads, cached)."""
     states = dict(prep.cut_states)
     for row in rows:
         if not row.cut_cotrain or train.cut_key(row) in states:
             continue
         path = cache / f"cotrained-{cut_digest(prep, row, corpus_sha)}.pt"
-        if path.exists():
-            states[train.cut_key(row)] = torch.load(path, weights_only=True)
+        saved = train.cached(path, threads)
+        if saved is not None:
+            saved.pop("threads")
+            states[train.cut_key(row)] = saved
             continue
         started = time.perf_counter()
-        state = cotrain(prep, row)
+        with train.torch_threads(threads):
+            state = cotrain(prep, row)
+        state["threads"] = torch.tensor(threads)  # type: ignore[assignment]
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
         torch.save(state, partial)
         partial.replace(path)  # an interrupted co-training leaves no cache entry to trust
         print(json.dumps({"cotrained": train.cut_key(row), "seconds": round(time.perf_counter() - started)}))
+        state.pop("threads")
         states[train.cut_key(row)] = state
     return replace(prep, cut_states=states)

@@ -19,6 +19,8 @@ the numerics are the split run's. The clock part of the step (the link) is measu
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,11 +98,71 @@ def _pretrain_translation(
     return {"encoder": encoder.state_dict(), "decoder": decoder.state_dict()}, losses
 
 
+def _pretrain_all(
+    train_es: torch.Tensor, train_en: torch.Tensor, config: ModelConfig, es_vocab: int, en_vocab: int
+) -> dict[str, Any]:
+    """The LMs pre-trained on their sides, then the whole model on the pairs; what the cache keeps."""
+    torch.manual_seed(0)
+    encoder = _language_model(config, es_vocab, causal=False)
+    decoder = _language_model(config, en_vocab, causal=True)
+    started = time.perf_counter()
+    losses = {
+        "encoder_mlm": _pretrain(encoder, train_es, config, 1),
+        "decoder_lm": _pretrain(decoder, train_en, config, 2),
+    }
+    translation: dict[str, dict[str, torch.Tensor]] = {}
+    if config.translation_steps:
+        translation, losses["translation"] = _pretrain_translation(
+            encoder, decoder, train_es, train_en, config
+        )
+    return {
+        "encoder": encoder.state_dict(),
+        "decoder": decoder.state_dict(),
+        "translation": translation,
+        "losses": {k: torch.tensor(v) for k, v in losses.items()},
+        "seconds": torch.tensor(time.perf_counter() - started),
+    }
+
+
+PREPARE_THREADS = 2
+"""torch threads of every preparation (pre-training here, co-training in ``cotrain``), whatever the rows'
+``--threads``: the halves' numbers depend on it (one thread and two differ in the loss's fourth digit,
+and so in every row's BLEU), so a cached preparation is used only at the thread count it was made with."""
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Run the block on ``threads`` torch threads, then restore the caller's count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def cached(path: Path, threads: int) -> dict[str, Any] | None:
+    """The preparation cached at ``path`` if it was made on ``threads`` threads, else None (made again)."""
+    if not path.exists():
+        return None
+    saved = torch.load(path, weights_only=True)
+    made_on = int(saved.get("threads", torch.tensor(0)))
+    if made_on != threads:
+        print(f"table5: {path.name} was prepared on {made_on or 'unrecorded'} threads, not {threads}: again")
+        return None
+    return saved
+
+
 def prepare(
-    train: list[Pair], evaluated: list[Pair], config: ModelConfig, cache: Path, corpus_sha: str
+    train: list[Pair],
+    evaluated: list[Pair],
+    config: ModelConfig,
+    cache: Path,
+    corpus_sha: str,
+    threads: int = PREPARE_THREADS,
 ) -> Prepared:
-    """Tokenizers, pre-trained LMs and the translation-trained halves (cached by config and corpus digest:
-    every row shares them).
+    """Tokenizers, pre-trained LMs and the translation-trained halves (cached by config and corpus digest,
+    on ``threads`` torch threads: every row shares them).
 
     Both are built from ``train`` only; ``evaluated`` (dev or test) is only encoded for decoding.
     """
@@ -110,30 +172,13 @@ def prepare(
     train_en = torch.tensor(encode(en, [p.english for p in train], config.length, bos=True))
     eval_es = torch.tensor(encode(es, [p.spanish for p in evaluated], config.length, bos=False))
     path = cache / f"pretrained-{config.digest(corpus_sha)}.pt"
-    if path.exists():
-        saved = torch.load(path, weights_only=True)
+    saved = cached(path, threads)
+    if saved is not None:
         saved.setdefault("translation", {})
     else:
-        torch.manual_seed(0)
-        encoder = _language_model(config, es.get_vocab_size(), causal=False)
-        decoder = _language_model(config, en.get_vocab_size(), causal=True)
-        started = time.perf_counter()
-        losses = {
-            "encoder_mlm": _pretrain(encoder, train_es, config, 1),
-            "decoder_lm": _pretrain(decoder, train_en, config, 2),
-        }
-        translation: dict[str, dict[str, torch.Tensor]] = {}
-        if config.translation_steps:
-            translation, losses["translation"] = _pretrain_translation(
-                encoder, decoder, train_es, train_en, config
-            )
-        saved = {
-            "encoder": encoder.state_dict(),
-            "decoder": decoder.state_dict(),
-            "translation": translation,
-            "losses": {k: torch.tensor(v) for k, v in losses.items()},
-            "seconds": torch.tensor(time.perf_counter() - started),
-        }
+        with torch_threads(threads):
+            saved = _pretrain_all(train_es, train_en, config, es.get_vocab_size(), en.get_vocab_size())
+        saved["threads"] = torch.tensor(threads)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
         torch.save(saved, partial)

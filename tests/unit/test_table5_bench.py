@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -65,7 +66,9 @@ def _parts() -> Split:
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> train.Prepared:
     parts = _parts()
-    return train.prepare(parts.train, parts.test, TINY, tmp_path_factory.mktemp("models"), "django")
+    return train.prepare(
+        parts.train, parts.test, TINY, tmp_path_factory.mktemp("models"), "django", threads=1
+    )
 
 
 def _real_positions(prepared: train.Prepared, batch: int, steps: int) -> int:
@@ -313,11 +316,19 @@ def test_the_advisor_rule_on_recorded_table5_trials_rejects_the_bottleneck_and_k
 
 
 def test_preparation_trains_halves_that_translate_and_each_row_starts_from_them_with_the_lms_frozen(
-    prepared: train.Prepared, tmp_path: Path
+    prepared: train.Prepared, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = replace(TINY, translation_steps=6, translation_batch=8)
     cache = tmp_path / "models"
-    prep = train.prepare(_parts().train, [], config, cache, "django")
+    trained_on: list[int] = []
+    pretrain_all = train._pretrain_all
+
+    def recorded(*args: Any) -> dict[str, Any]:
+        trained_on.append(torch.get_num_threads())
+        return pretrain_all(*args)
+
+    monkeypatch.setattr(train, "_pretrain_all", recorded)
+    prep = train.prepare(_parts().train, [], config, cache, "django", threads=1)
     losses = prep.pretrain_losses["translation"]
     assert len(losses) == 6 and all(loss == loss for loss in losses)  # every step trained, no NaN
     assert [p.name for p in cache.iterdir()] == [f"pretrained-{config.digest('django')}.pt"]  # no .partial
@@ -327,8 +338,13 @@ def test_preparation_trains_halves_that_translate_and_each_row_starts_from_them_
             assert torch.equal(value, prep.translation_state[half][name]), (half, name)
     frozen = [name for name, p in stages.encoder.named_parameters() if not p.requires_grad]
     assert frozen and all(name.startswith("plm.") for name in frozen), frozen  # the LM frozen, adapters train
-    again = train.prepare(_parts().train, [], config, cache, "django")  # the cache, not a re-run
-    assert again.pretrain_losses["translation"] == losses
+    again = train.prepare(_parts().train, [], config, cache, "django", threads=1)  # the cache, not a re-run
+    assert again.pretrain_losses["translation"] == losses and trained_on == [1]
+    with train.torch_threads(3):  # the rows' --threads: not the preparation's, which is made again
+        train.prepare(_parts().train, [], config, cache, "django", threads=2)
+        assert torch.get_num_threads() == 3
+    assert trained_on == [1, 2]
+    assert int(torch.load(cache / f"pretrained-{config.digest('django')}.pt")["threads"]) == 2
     untrained = train.Stages(prepared, train.Row("none"), seed=0)  # translation_steps 0: nothing loaded
     assert not prepared.translation_state and untrained.encoder is not None
 

@@ -50,7 +50,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[train.Prepared, 
     parts = split(clean_pairs(entries, 16), 0.05, 0.1, seed=13)
     cache = tmp_path_factory.mktemp("models")
     with one_torch_thread():
-        return train.prepare(parts.train, parts.test, TINY, cache, "django"), cache
+        return train.prepare(parts.train, parts.test, TINY, cache, "django", threads=1), cache
 
 
 def _states(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -65,7 +65,7 @@ def test_co_training_trains_the_whole_model_with_the_bottleneck_once_and_fine_tu
         train.Stages(prep, ROW, seed=0)  # never a silent fall-back to the shared halves
     with one_torch_thread():
         start = train.Stages(prep, replace(ROW, cut_cotrain=0), seed=0)  # the calibrated start
-        ready = cotrain.with_cut_states(prep, [train.Row("none"), ROW, CONTROL], cache, "django")
+        ready = cotrain.with_cut_states(prep, [train.Row("none"), ROW, CONTROL], cache, "django", threads=1)
     key = train.cut_key(ROW)
     assert list(ready.cut_states) == [key, train.cut_key(CONTROL)]  # none trains nothing more
     state = ready.cut_states[key]
@@ -85,7 +85,7 @@ def test_co_training_trains_the_whole_model_with_the_bottleneck_once_and_fine_tu
         pytest.fail("co-trained again instead of read from the cache")
 
     monkeypatch.setattr(cotrain, "cotrain", retrained)
-    again = cotrain.with_cut_states(prep, [ROW], cache, "django")
+    again = cotrain.with_cut_states(prep, [ROW], cache, "django", threads=1)
     stages = train.Stages(again, ROW, seed=1)
     for name, module in (("encoder", stages.encoder), ("decoder", stages.decoder), ("down", stages.down)):
         for field, value in module.state_dict().items():
@@ -105,7 +105,7 @@ def test_the_product_job_of_a_co_trained_row_starts_from_that_rows_halves_and_bo
 ) -> None:
     prep, cache = prepared
     with one_torch_thread():
-        ready = cotrain.with_cut_states(prep, [ROW, CONTROL], cache, "django")
+        ready = cotrain.with_cut_states(prep, [ROW, CONTROL], cache, "django", threads=1)
     state = ready.cut_states[train.cut_key(ROW)]
     files = job_files.stage_files(ready, [ROW, CONTROL])
     placed = {}
