@@ -2,6 +2,8 @@
 
 A report may also grow by a later run of more rows on the same plan (same seeds, steps, split, model
 and corpus): its shard's rows join the others', after them, and are paired against the same ``none``.
+A later run that also ran ``none`` must have scored it exactly as the report did, seed for seed (the
+same prepared halves; the preparation's thread count alone changes them), and its ``none`` is dropped.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ SAME_IN_SHARDS = (
     "delay_ms",
 )
 """What the shards of one report must share."""
+BASELINE = "none"
+"""The row every other is paired against; a later run repeats it, and must score exactly the same."""
 
 
 class MergeError(ValueError):
@@ -51,8 +55,20 @@ def merge(shards: list[dict[str, Any]], default_order: list[str]) -> dict[str, A
             raise MergeError(f"the shards differ in {differs}: they are not runs of one plan")
     report = {**shards[0], "rows": [], "figure10_runs": [], "shards": len(shards), "row_labels": order}
     report.pop("advisor", None)  # a shard of an older run: its trial advisor is no longer judged
+    baseline: dict[str, Any] | None = None
     for shard in shards:
-        report["rows"] += shard["rows"]
+        rows = shard["rows"]
+        again = [row for row in rows if row["label"] == BASELINE]
+        if baseline is not None and again:  # a later run: its none proves it trained from the same halves
+            if again[0].get("bleu") != baseline.get("bleu"):
+                raise MergeError(
+                    f"a later run's {BASELINE} scored {again[0].get('bleu')}, the report's "
+                    f"{baseline.get('bleu')}: its rows did not start from the same prepared halves and "
+                    "cannot be paired with the report's"
+                )
+            rows = [row for row in rows if row["label"] != BASELINE]
+        baseline = baseline or (again[0] if again else None)
+        report["rows"] += rows
         report["figure10_runs"] += shard["figure10_runs"]
         report["lookup"] = report.get("lookup") or shard.get("lookup")
         report["wall_seconds"] = max(report["wall_seconds"], shard["wall_seconds"])

@@ -364,6 +364,17 @@ def test_merge_joins_a_later_runs_rows_and_refuses_shards_of_another_plan(tmp_pa
         merge.merge([first, second, shard(["none", "C"], ["C"], seeds=2)], [])
     with pytest.raises(merge.MergeError, match="expected each of"):
         merge.merge([first, second, second], [])
+    first["rows"][0]["bleu"] = [22.1, 21.9]
+    rerun = shard(["none", "C"], ["none", "C"])  # a later run with its own none: the same halves
+    rerun["rows"][0]["bleu"] = [22.1, 21.9]
+    grown = merge.merge([first, second, rerun], [])
+    assert [row["label"] for row in grown["rows"]] == ["none", "A", "B", "C"]
+    assert grown["rows"][0] is first["rows"][0]
+    rerun["rows"][0]["bleu"] = [22.1, 21.8]  # other halves (e.g. prepared on another thread count)
+    with pytest.raises(
+        merge.MergeError, match=r"later run's none scored \[22.1, 21.8\], the report's \[22.1, 21.9\]"
+    ):
+        merge.merge([first, second, rerun], [])
     bad = tmp_path / "shard.json"
     bad.write_text("{not json")
     with pytest.raises(merge.MergeError, match=r"shard\.json: not a shard report"):

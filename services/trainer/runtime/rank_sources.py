@@ -175,6 +175,39 @@ def _store(address: tuple[str, int], world: int, span: datetime.timedelta) -> di
     raise AssertionError("unreachable")
 
 
+class HeartbeatWatch:
+    """Which ranks are lost, from their heartbeat counters read every ``WATCH_S``.
+
+    A rank is lost when its counter stood still for ``LOST_AFTER_S`` while this watch ran on time and,
+    with other ranks, while another's moved: a trainer too busy to read the beats, or a rank store
+    that stalls for everyone, is not a rank that died.
+    """
+
+    def __init__(self, counts: list[int], now: float) -> None:
+        self._last = [(count, now) for count in counts]  # each rank's counter, and when it last moved
+        self._read = now
+        self._lost: set[int] = set()
+
+    def observe(self, counts: list[int], now: float) -> list[tuple[int, float]]:
+        """The ranks newly lost at this reading, with how long each stood still."""
+        if now - self._read > 4 * WATCH_S:  # this watch was late: the beats may be as late as it was
+            self._last = [(count, now) for count, _ in self._last]
+        self._read = now
+        for rank, count in enumerate(counts):
+            if count != self._last[rank][0]:
+                self._last[rank] = (count, now)
+        found = []
+        for rank, (_, moved) in enumerate(self._last):
+            if rank in self._lost or now - moved < LOST_AFTER_S:
+                continue
+            others = [at for r, (_, at) in enumerate(self._last) if r != rank and r not in self._lost]
+            if others and max(others) - moved < LOST_AFTER_S / 2:
+                continue  # no other rank beat since long after this one stopped: the store, not the rank
+            self._lost.add(rank)
+            found.append((rank, now - moved))
+        return found
+
+
 class AttachedRanks:
     """Cluster ranks while they run one stage."""
 
@@ -190,22 +223,17 @@ class AttachedRanks:
         threading.Thread(target=self._watch, args=(beats, marks), name="rank-heartbeats", daemon=True).start()
 
     def _watch(self, beats: dist.Store, marks: dist.Store) -> None:
-        """Mark a rank whose heartbeat stood still for ``LOST_AFTER_S`` as ``lost/<rank>`` in the stage's
-        keys, where its driver looks while a collective waits (``RankGroup``): a killed rank's peers
-        may otherwise wait out the whole collective timeout for sockets that never say it is gone."""
-        last = [(beats.add(f"beats/{rank}", 0), time.monotonic()) for rank in range(self.world)]
-        lost: set[int] = set()
-        while not self._ended.wait(WATCH_S):
-            try:
-                for rank in set(range(self.world)) - lost:
-                    now, beat = time.monotonic(), beats.add(f"beats/{rank}", 0)
-                    if beat != last[rank][0]:
-                        last[rank] = (beat, now)
-                    elif now - last[rank][1] >= LOST_AFTER_S:
-                        lost.add(rank)
-                        marks.set(f"lost/{rank}", f"no heartbeat for {now - last[rank][1]:.0f} s")
-            except (RuntimeError, OSError):  # the store is closing with the trainer
-                return
+        """Mark a lost rank (``HeartbeatWatch``) as ``lost/<rank>`` in the stage's keys, where its driver
+        looks while a collective waits (``RankGroup``): a rank whose host stopped closes no socket, and
+        its peers would otherwise wait out the whole collective timeout."""
+        try:
+            watch = HeartbeatWatch([beats.add(f"beats/{r}", 0) for r in range(self.world)], time.monotonic())
+            while not self._ended.wait(WATCH_S):
+                counts = [beats.add(f"beats/{rank}", 0) for rank in range(self.world)]
+                for rank, still in watch.observe(counts, time.monotonic()):
+                    marks.set(f"lost/{rank}", f"no heartbeat for {still:.0f} s")
+        except (RuntimeError, OSError):  # the store is closing with the trainer
+            return
 
     def why(self, exc: BaseException) -> str:
         """Which ranks died (their heartbeat stopped) and what the others said."""
@@ -247,4 +275,4 @@ class AttachedRanks:
             self._cluster.release()
 
 
-__all__ = ["AttachedRanks", "ClusterRanks", "SpawnedRanks"]
+__all__ = ["AttachedRanks", "ClusterRanks", "HeartbeatWatch", "SpawnedRanks"]
