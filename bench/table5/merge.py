@@ -4,6 +4,8 @@ A report may also grow by a later run of more rows on the same plan (same seeds,
 and corpus): its shard's rows join the others', after them, and are paired against the same ``none``.
 A later run that also ran ``none`` must have scored it exactly as the report did, seed for seed (the
 same prepared halves; the preparation's thread count alone changes them), and its ``none`` is dropped.
+Shards may be summaries (a committed ``table5.json``, without per-sentence outputs): each row then keeps
+the paired statistics its own run computed, against a ``none`` equal to the report's.
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ def merge(shards: list[dict[str, Any]], default_order: list[str]) -> dict[str, A
         if differs:
             raise MergeError(f"the shards differ in {differs}: they are not runs of one plan")
     report = {**shards[0], "rows": [], "figure10_runs": [], "shards": len(shards), "row_labels": order}
+    if any("references" not in shard for shard in shards):  # a summary among them: no outputs to pair
+        report.pop("references", None)
+        for shard in shards:
+            shard["rows"] = [{k: v for k, v in row.items() if k != "hypotheses"} for row in shard["rows"]]
     report.pop("advisor", None)  # a shard of an older run: its trial advisor is no longer judged
     baseline: dict[str, Any] | None = None
     for shard in shards:

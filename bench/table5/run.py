@@ -283,14 +283,18 @@ def finish(report: dict[str, Any], args: argparse.Namespace) -> None:
     rows = report["rows"]
     for row in rows:
         row["speedup"] = rows[0]["step_seconds"] / row["step_seconds"]
-    checks.compare_rows(report)
+    if "references" in report:
+        checks.compare_rows(report)
+    elif any("versus_none" not in row for row in rows):  # merged summaries: each run paired its own rows
+        sys.exit("table5: --merge: a summary report's rows must carry their paired statistics (versus_none)")
     report["figure10"] = figure10.figure10_points(report, FIGURE10_ROW.label)
     report["advisor_check"] = checks.advisor_check(report)
     stem = "table5-quick" if report["mode"] == "quick" else "table5"
     report["png"] = f"{stem}-pareto.png"
     args.out.mkdir(parents=True, exist_ok=True)
     reporting.pareto_png(args.out / report["png"], rows)
-    reporting.save_outputs(args.out / f"{stem}-outputs", report)
+    if "references" in report:  # a merge of summaries has no per-sentence outputs to write
+        reporting.save_outputs(args.out / f"{stem}-outputs", report)
     (args.out / f"{stem}.json").write_text(
         json.dumps(reporting.summary(report), indent=2, ensure_ascii=False) + "\n"
     )

@@ -168,6 +168,24 @@ def test_a_reduced_run_of_a_few_rows_refuses_an_unknown_row_or_none_not_first(tm
         assert "Traceback" not in done.stderr and not list(tmp_path.iterdir())
 
 
+def test_merging_summaries_whose_rows_carry_no_paired_statistics_is_refused(tmp_path: Path) -> None:
+    rows = [{"label": label, "bleu": [22.0], "step_seconds": 1.0} for label in ("none", "A")]
+    summary = {"mode": "reduced", "seeds": 1, "steps": 300, "split": "test", "row_labels": ["none", "A"],
+               "figure10_runs": [], "wall_seconds": 1.0, "load_after": [0.1, 0.1, 0.1], "lookup": None,
+               "rows": rows}  # fmt: skip
+    (tmp_path / "a.json").write_text(json.dumps(summary))
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(Path(run.__file__)), "--merge", str(tmp_path / "a.json"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode == 1, done
+    assert "rows must carry their paired statistics (versus_none)" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not out.exists()
+
+
 def test_the_fine_tuning_batch_is_apart_from_pre_training_and_a_bad_value_is_refused(
     prepared: train.Prepared, tmp_path: Path
 ) -> None:
@@ -370,6 +388,12 @@ def test_merge_joins_a_later_runs_rows_and_refuses_shards_of_another_plan(tmp_pa
     grown = merge.merge([first, second, rerun], [])
     assert [row["label"] for row in grown["rows"]] == ["none", "A", "B", "C"]
     assert grown["rows"][0] is first["rows"][0]
+    full = shard(["none", "D"], ["none", "D"])  # a run with its outputs, merged into a committed summary
+    full["references"] = ["a cat"]
+    full["rows"] = [{**row, "bleu": [22.1, 21.9], "hypotheses": [["a cat"]]} for row in full["rows"]]
+    onto_summary = merge.merge([first, second, full], [])
+    assert "references" not in onto_summary  # nothing to pair a summary's rows with: each keeps its own
+    assert all("hypotheses" not in row for row in onto_summary["rows"])
     rerun["rows"][0]["bleu"] = [22.1, 21.8]  # other halves (e.g. prepared on another thread count)
     with pytest.raises(
         merge.MergeError, match=r"later run's none scored \[22.1, 21.8\], the report's \[22.1, 21.9\]"
