@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -375,6 +376,7 @@ def test_a_strangers_flood_of_handshakes_leaves_a_handful_of_audit_records(
     handshakes_without_certificate(address, attempts)
     counted = f"{attempts} refusals counted on b's WAN port"
     _wait_for(lambda: _wan_refusals(deployment) - before >= attempts, 60, counted)
+    flood_s = time.time() - since  # until the switch had refused the last one
 
     # The repeats arrive as counted records at the end of the interval (2 s in these tests).
     def counted_records() -> list[dict[str, Any]]:
@@ -382,6 +384,14 @@ def test_a_strangers_flood_of_handshakes_leaves_a_handful_of_audit_records(
         return records if sum(r["details"]["count"] for r in records) >= attempts else []
 
     records = _wait_for(counted_records, 30, f"audit records counting the {attempts} refusals")
-    print(f"{attempts} refused handshakes: {len(records)} audit records")
-    assert len(records) <= 5, [r["details"] for r in records]
+    interval = max(r["details"].get("repeats_within_s", 0.0) for r in records)
+    assert interval > 0, [r["details"] for r in records]  # some repeats were counted, not written
+    # Per interval the flood touched and per layer and reason: its first refusal at once, its repeats as
+    # one counted record. On a busy host the 300 handshakes span more intervals; one record per handshake
+    # fails either bound.
+    spanned = math.ceil(flood_s / interval) + 1
+    keys = len({(r["details"]["layer"], r["details"]["reason"]) for r in records})
+    print(f"{attempts} refused handshakes in {flood_s:.1f} s: {len(records)} audit records, {keys} reasons")
+    bound = min(2 * spanned * keys, attempts // 10)
+    assert len(records) <= bound, (flood_s, [r["details"] for r in records])
     assert sessions["b"].link_status().connected
