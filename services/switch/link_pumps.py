@@ -77,7 +77,10 @@ class LinkPumps:
             pacer.flows = max(1, len(self._lanes.active))
         if not pacer.has_room():
             return None  # an acknowledgement wakes the writers
-        return self.router.next_outbound(pacer.fragment_bytes, pacer.cut_above)
+        message = self.router.next_outbound(pacer.fragment_bytes, pacer.cut_above)
+        if message is None:
+            pacer.on_idle()  # room and nothing to send: the next samples measure us, not the path
+        return message
 
     async def _pump_out(self, write: WriteFn, lane: int = 0) -> None:
         wake = self.router.outbound_wake

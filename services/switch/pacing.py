@@ -26,6 +26,9 @@ under a cap that leaves about two fragments queued on the path:
   how much is queued. It only grows while the cap, not the senders, limited the round. Over a
   bottleneck shared with loss-based TCP flows the link yields to the queue they build (it keeps at
   least ``MIN_INFLIGHT_BYTES`` in flight).
+* **Application-limited samples** as BBR's: a delivery-rate sample of bytes written after the writer found
+  nothing to send measures the sender, not the path, so it may raise the estimate but never lowers it
+  or ends start-up (a link's first traffic is a job's small control messages, then its tensors).
 
 Items that take more than ``CUT_ABOVE_S`` of link time at the estimated rate are cut into
 ``LinkFragment``s of ``FRAGMENT_TIME_S`` (16 KiB to 4 MiB), so a small item waits behind at most one
@@ -86,6 +89,8 @@ class _Write:
     delivered: int
     delivered_time: float
     first_sent: float
+    app_limited: bool
+    """Sent while the writer had room and nothing to send: its sample measures the sender, not the path."""
 
 
 class LinkPacer:
@@ -113,6 +118,17 @@ class LinkPacer:
         self._round_limited = False
         self._round_piece = 0  # the largest write of the round: the controller's unit on a fast link
         self._unit = 0
+        # Application-limited writes (BBR's "app-limited" samples): from the writer finding nothing to send
+        # until the bytes then written are acknowledged. Their rate samples may raise the estimate, never
+        # lower it or end start-up; and until one sample was not application-limited (``_measured``) the
+        # sizes below stay at least their initial ones. A link that carried only a job's small control
+        # messages first otherwise ended start-up at a few kB/s, then cut the first bulk tensors into
+        # 16 KiB fragments under a 128 KiB cap (on loopback a first GB cost twice the CPU of the next).
+        self._app_limited = True  # as Linux TCP's: a session's first writes are, until one is acknowledged
+        self._app_limited_end = 0
+        self._measured = False
+        # Acknowledged writes, oldest first, back to the newest that began a full sample (_delivery_sample).
+        self._acked_writes: deque[_Write] = deque(maxlen=4096)
         #: Connections the session stripes over. Vegas keeps its queue per flow: each loss-limited
         #: connection holds a few fragments in its own send queue, so the target scales with them.
         self.flows = 1
@@ -123,9 +139,8 @@ class LinkPacer:
 
     @property
     def fragment_bytes(self) -> int:
-        if not self.rate:
-            return INITIAL_FRAGMENT_BYTES
-        return int(min(MAX_FRAGMENT_BYTES, max(MIN_FRAGMENT_BYTES, self.rate * FRAGMENT_TIME_S)))
+        size = int(min(MAX_FRAGMENT_BYTES, max(MIN_FRAGMENT_BYTES, self.rate * FRAGMENT_TIME_S)))
+        return size if self._measured else max(size, INITIAL_FRAGMENT_BYTES)
 
     @property
     def cut_above(self) -> int:
@@ -136,7 +151,8 @@ class LinkPacer:
 
     def cap(self) -> int:
         if self.startup and self.rate and self.min_rtt:
-            return int(max(MIN_INFLIGHT_BYTES, STARTUP_GAIN * self.rate * self.min_rtt))
+            cap = int(max(MIN_INFLIGHT_BYTES, STARTUP_GAIN * self.rate * self.min_rtt))
+            return cap if self._measured else max(cap, INITIAL_INFLIGHT_BYTES)
         return self._cap
 
     def has_room(self) -> bool:
@@ -145,6 +161,12 @@ class LinkPacer:
         self._round_limited = True
         return False
 
+    def on_idle(self) -> None:
+        """The writer had room under the cap and nothing to send: what it writes until those bytes are
+        acknowledged is application-limited."""
+        self._app_limited = True
+        self._app_limited_end = self.sent
+
     def on_sent(self, size: int) -> None:
         now = self._clock()
         if self.inflight == 0:
@@ -152,7 +174,9 @@ class LinkPacer:
             self._first_sent = self._delivered_time = now
         self.sent += size
         self._round_piece = max(self._round_piece, size)
-        self._writes.append(_Write(self.sent, now, self.acked, self._delivered_time, self._first_sent))
+        self._writes.append(
+            _Write(self.sent, now, self.acked, self._delivered_time, self._first_sent, self._app_limited)
+        )
 
     def on_ack(self, received: int) -> None:
         """The peer has read ``received`` bytes of this session's data messages (acknowledgements may
@@ -163,17 +187,18 @@ class LinkPacer:
             return  # an older acknowledgement that crossed on another lane after a newer one
         now = self._clock()
         self.acked = received
+        if self._app_limited and received > self._app_limited_end:
+            self._app_limited = False  # what was written before the sender ran dry has arrived
         newest = None
         while self._writes and self._writes[0].end <= received:
             newest = self._writes.popleft()
+            self._acked_writes.append(newest)
         if newest is None:
             return
         rtt = now - newest.sent_at
         self._rtt_sample(rtt, now)
         self._round_rtt = min(self._round_rtt, rtt) if self._round_rtt else rtt
-        interval = max(newest.sent_at - newest.first_sent, now - newest.delivered_time)
-        if interval >= max(self.min_rtt, MIN_RATE_INTERVAL_S):
-            self._rate_sample((received - newest.delivered) / interval, now)
+        self._delivery_sample(newest, received, now)
         self._first_sent = newest.sent_at
         self._delivered_time = now
         if received >= self._round_end:
@@ -196,6 +221,27 @@ class LinkPacer:
         self._round_limited = False
         self._unit, self._round_piece = self._round_piece, 0
 
+    def _delivery_sample(self, newest: _Write, received: int, now: float) -> None:
+        """A delivery-rate sample over at least ``MIN_RATE_INTERVAL_S`` (and the round trip) up to ``now``.
+
+        It starts at the delivery state of the newest acknowledged write old enough for that span, not
+        only at ``newest``'s: where acknowledgements come faster than the span (a fast link), samples
+        from ``newest`` alone would be taken only after a stall, and the estimate would sit at the
+        stalls' rate (on loopback about a tenth of what the link carried).
+        """
+        span = max(self.min_rtt, MIN_RATE_INTERVAL_S)
+        acked = self._acked_writes
+        app_limited = False
+        for index in range(len(acked) - 1, -1, -1):
+            start = acked[index]
+            app_limited = app_limited or start.app_limited
+            interval = max(newest.sent_at - start.first_sent, now - start.delivered_time)
+            if interval >= span:
+                for _ in range(index):  # later samples span longer from these: never needed again
+                    acked.popleft()
+                self._rate_sample((received - start.delivered) / interval, now, app_limited)
+                return
+
     def _rtt_sample(self, rtt: float, now: float) -> None:
         """The lowest sample of the last ``MIN_RTT_WINDOW_S`` (a monotonic queue of the candidates)."""
         rtt = max(rtt, 1e-6)
@@ -207,7 +253,9 @@ class LinkPacer:
             candidates.popleft()
         self.min_rtt = candidates[0][1]
 
-    def _rate_sample(self, rate: float, now: float) -> None:
+    def _rate_sample(self, rate: float, now: float, app_limited: bool = False) -> None:
+        if app_limited and rate <= self.rate:
+            return  # a sender that ran dry measured itself: the path may carry more
         rates = self._rates  # a monotonic queue: one sample per acknowledgement, O(1) each
         while rates and rates[-1][1] <= rate:
             rates.pop()
@@ -215,6 +263,9 @@ class LinkPacer:
         while len(rates) > 1 and now - rates[0][0] > RATE_WINDOW_S:
             rates.popleft()
         self.rate = rates[0][1]
+        if app_limited:
+            return  # it raised the estimate; only a sender with more to send may end start-up
+        self._measured = True
         if self.startup:
             if self.rate >= self._startup_best * STARTUP_GROWTH:
                 self._startup_best = self.rate

@@ -171,23 +171,41 @@ def test_an_acknowledgement_beyond_what_was_sent_is_refused_and_an_older_one_ign
 
 
 def simulate(
-    rates: list[tuple[float, float]], delay_s: float, seconds: float, flows: int = 1
+    rates: list[tuple[float, float]], delay_s: float, seconds: float, flows: int = 1, quiet_until: float = 0.0
 ) -> dict[str, list[float]]:
     """A sender with endless data, paced, through one bottleneck FIFO of ``rates`` [(from time, bytes/s)]
-    and ``delay_s`` each way; the receiver acknowledges every byte it reads. Samples every 10 ms."""
+    and ``delay_s`` each way; the receiver acknowledges every byte it reads. Samples every 10 ms.
+
+    Until ``quiet_until`` the sender has only a 40-byte message every 50 ms (a job's control traffic)
+    and tells the pacer when it has nothing to send, as the link's writer does."""
     now, dt = 0.0, 0.0005
     pacer = LinkPacer(clock=lambda: now)
     pacer.flows = flows
+    next_small = 0.0
     queue: list[int] = []  # bytes of each piece waiting at the bottleneck
     head_left = 0.0
     arrivals: list[tuple[float, int]] = []  # (when the receiver reads it, bytes)
     acks: list[tuple[float, int]] = []  # (when the sender reads it, cumulative bytes)
     received = 0
-    samples: dict[str, list[float]] = {"t": [], "queue": [], "delivered": [], "rate": [], "rtt": []}
+    samples: dict[str, list[float]] = {
+        "t": [],
+        "queue": [],
+        "delivered": [],
+        "rate": [],
+        "rtt": [],
+        "fragment": [],
+    }
     next_sample = 0.0
     while now < seconds:
         rate = [r for start, r in rates if start <= now][-1]
-        while pacer.has_room():
+        if now < quiet_until:
+            if now >= next_small and pacer.has_room():
+                pacer.on_sent(40)
+                queue.append(40)
+                next_small += 0.05
+            elif pacer.has_room():
+                pacer.on_idle()
+        while now >= quiet_until and pacer.has_room():
             piece = pacer.fragment_bytes
             pacer.on_sent(piece)
             queue.append(piece)
@@ -202,6 +220,7 @@ def simulate(
         while acks and acks[0][0] <= now:
             pacer.on_ack(heapq.heappop(acks)[1])
         if now >= next_sample:
+            samples["fragment"].append(pacer.fragment_bytes)
             samples["t"].append(now)
             samples["queue"].append(sum(queue))
             samples["delivered"].append(received)
@@ -254,6 +273,65 @@ def test_the_pacer_follows_a_path_that_slows_down() -> None:
     assert mean_queue <= 3 * pacing.MIN_FRAGMENT_BYTES, mean_queue  # 16 KiB fragments at 20 Mbit/s
     throughput = (late["delivered"][-1] - late["delivered"][0]) / (late["t"][-1] - late["t"][0])
     assert throughput >= 0.95 * slow, throughput
+
+
+@pytest.mark.parametrize(("rate", "delay"), [(7.5e6, 0.02), (100e6, 0.002)])
+def test_a_link_that_carried_only_small_messages_first_starts_its_tensors_as_fast_as_a_new_one(
+    rate: float, delay: float
+) -> None:
+    # 60 Mbit/s with 20 ms each way, and 100 MB/s with 2 ms: three seconds of a job's control
+    # messages, then tensors. Those samples measured the sender (a few kB/s); taken for the path, they
+    # ended start-up there and cut the tensors into 16 KiB fragments under the smallest cap.
+    quiet = 3.0
+    cold = simulate([(0.0, rate)], delay, 2.0)
+    warm = simulate([(0.0, rate)], delay, quiet + 2.0, quiet_until=quiet)
+    for seconds in (0.5, 2.0):
+        fresh = window(cold, 0.0, seconds)["delivered"][-1]
+        after = window(warm, quiet, quiet + seconds)
+        moved = after["delivered"][-1] - after["delivered"][0]
+        assert moved >= 0.9 * fresh, (seconds, moved, fresh)
+    late = window(warm, quiet + 1.5, quiet + 2.0)
+    assert late["fragment"][-1] == pytest.approx(
+        min(pacing.MAX_FRAGMENT_BYTES, max(pacing.MIN_FRAGMENT_BYTES, rate * pacing.FRAGMENT_TIME_S)),
+        rel=0.15,
+    )
+    throughput = (late["delivered"][-1] - late["delivered"][0]) / (late["t"][-1] - late["t"][0])
+    assert throughput >= 0.9 * rate, throughput
+
+
+def _feed(pacer: LinkPacer, clock: list[float], piece: int, every: float, rtt: float, seconds: float) -> None:
+    """Writes of ``piece`` bytes every ``every`` seconds, each acknowledged ``rtt`` after it was sent."""
+    pending: list[tuple[float, int]] = []
+    end = clock[0] + seconds
+    while clock[0] < end:
+        pacer.on_sent(piece)
+        pending.append((clock[0] + rtt, pacer.sent))
+        clock[0] += every
+        while pending and pending[0][0] <= clock[0]:
+            pacer.on_ack(pending.pop(0)[1])
+        if every > rtt:
+            pacer.on_idle()  # the writer ran dry between its messages
+
+
+def test_the_delivery_rate_is_measured_where_acknowledgements_come_faster_than_a_sample_spans() -> None:
+    # A fast link (a data centre, or loopback): 64 KiB every 0.4 ms, 160 MB/s, each acknowledged within
+    # a millisecond. Samples of one write span under MIN_RATE_INTERVAL_S and were skipped; only those
+    # across a stall were taken, and the estimate sat at the stalls' rate.
+    clock = [0.0]
+    pacer = LinkPacer(clock=lambda: clock[0])
+    _feed(pacer, clock, 64 << 10, 0.0004, 0.001, 0.5)
+    assert pacer.rate == pytest.approx((64 << 10) / 0.0004, rel=0.1)
+    assert pacer.fragment_bytes == pytest.approx(pacer.rate * pacing.FRAGMENT_TIME_S, rel=0.01)
+
+
+def test_a_sender_with_little_to_send_never_lowers_the_rate_it_measured() -> None:
+    clock = [0.0]
+    pacer = LinkPacer(clock=lambda: clock[0])
+    _feed(pacer, clock, 64 << 10, 0.004, 0.04, 2.0)  # 16 MB/s behind a 40 ms round trip
+    bulk, fragment = pacer.rate, pacer.fragment_bytes
+    assert bulk == pytest.approx((64 << 10) / 0.004, rel=0.1)
+    _feed(pacer, clock, 40, 0.05, 0.04, 5.0)  # then a job's control messages only, 800 B/s
+    assert (pacer.rate, pacer.fragment_bytes) == (bulk, fragment)
 
 
 async def _inbound(router: Router, route: object, attachment: object, count: int) -> list[object]:
