@@ -75,12 +75,7 @@ class LinkPumps:
             return self.router.next_outbound()
         if self._lanes is not None:
             pacer.flows = max(1, len(self._lanes.active))
-        if not pacer.has_room():
-            return None  # an acknowledgement wakes the writers
-        message = self.router.next_outbound(pacer.fragment_bytes, pacer.cut_above)
-        if message is None:
-            pacer.on_idle()  # room and nothing to send: the next samples measure us, not the path
-        return message
+        return self.router.next_paced(pacer)  # None: an acknowledgement or a new item wakes the writers
 
     async def _pump_out(self, write: WriteFn, lane: int = 0) -> None:
         wake = self.router.outbound_wake

@@ -161,6 +161,11 @@ class LinkPacer:
         self._round_limited = True
         return False
 
+    def may_pass(self) -> bool:
+        """Whether a sparse source's small message may still be written over a full cap: the overshoot of
+        all of them together stays under one fragment (``LinkScheduler.sparse_next``)."""
+        return self.inflight < self.cap() + self.fragment_bytes
+
     def on_idle(self) -> None:
         """The writer had room under the cap and nothing to send: what it writes until those bytes are
         acknowledged is application-limited."""

@@ -7,15 +7,18 @@ of routes the switch dropped, then the routes' items by deficit round robin over
 Varghese, 1995): each route with items gets a quantum of bytes per round (times its account's
 weight), so a big tensor of one job never holds up a small item of another, and two busy routes share
 the link by bytes, not by items. A route that had nothing queued goes first, as a new flow in
-FQ-CoDel (RFC 8290). On a paced link (``pacing.py``) items larger than the link's fragment size leave
-as fragments, one per turn. Within a route, frames, signals and close keep their order.
+FQ-CoDel (RFC 8290). On a paced link (``pacing.py``, :meth:`LinkScheduler.next_paced`) items larger
+than the link's fragment size leave as fragments, one per turn, while the pacer has room; over a full
+cap only acks and such a new flow's first item, when no longer than a fragment, may pass (one fragment
+over the cap at most, all of them together), so a small job does not wait for the next acknowledgement
+behind a link a big job keeps full. Within a route, frames, signals and close keep their order.
 """
 
 from __future__ import annotations
 
 from nebula_common.proto.nebula.v1 import link_pb2
 from nebula_common.rpc.framing import FramedChunk
-from services.switch.pacing import Fragment
+from services.switch.pacing import Fragment, LinkPacer
 from services.switch.route_state import Item, Outbound, Route
 from services.switch.route_table import RouteTable
 
@@ -35,6 +38,7 @@ class LinkScheduler(RouteTable):
             # job that sends little waits for no busy route's turn. It gets one quantum like any
             # other, then joins the round; a busy route is never empty, so it never jumps the queue.
             route.in_ready = True
+            route.sparse = True
             self._ready.appendleft(route)
         self.outbound_wake.set()
 
@@ -65,6 +69,7 @@ class LinkScheduler(RouteTable):
                 weight = self.weights.get(route.owner, 1)
                 route.deficit += weight * (fragment_bytes or QUANTUM_BYTES)
                 route.turn = True
+                route.sparse = False
                 if route.deficit <= 0:  # still paying for an item larger than its quanta
                     route.turn = False
                     self._ready.rotate(-1)
@@ -79,10 +84,42 @@ class LinkScheduler(RouteTable):
             return piece
         return None
 
+    def next_paced(self, pacer: LinkPacer) -> Outbound | Fragment | None:
+        """The next message for a paced link: while ``pacer`` has room, or a sparse source's small one
+        (``sparse_next``) over a full cap, one fragment over it at most for all of them together."""
+        sparse = pacer.may_pass() and self.sparse_next(pacer.fragment_bytes)
+        if not pacer.has_room() and not sparse:
+            return None
+        message = self.next_outbound(pacer.fragment_bytes, pacer.cut_above)
+        if message is None:
+            pacer.on_idle()  # room and nothing to send: the next samples measure us, not the path
+        return message
+
+    def sparse_next(self, limit: int) -> bool:
+        """Whether the next message is small and from a source that sends little: an ack, or the first
+        item (at most ``limit`` bytes) of a route that joined the round with nothing queued.
+
+        Such a message may pass a full pacer (``link_pumps``): behind a link kept full by a big job, a
+        small job's message would otherwise wait for the next acknowledgement, a fragment's link time,
+        on every crossing. A busy route is never sparse, so this cannot carry a big job's bytes.
+        """
+        if self._acks:
+            return True
+        if self._control or not self._ready:
+            return False
+        route = self._ready[0]
+        return (
+            route.sparse
+            and route.sending is None
+            and bool(route.outbound)
+            and route.outbound[0].size <= limit
+        )
+
     def _leave_ready(self) -> None:
         """The route at the front has nothing more to send: out of the round, its deficit forgotten."""
         route = self._ready.popleft()
         route.in_ready = False
+        route.sparse = False
         route.turn = False
         route.deficit = 0
         route.sending, route.sending_raw = None, b""  # an item cut short was purged: forget its bytes

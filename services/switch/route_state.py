@@ -111,6 +111,9 @@ class Route:
     outbound: deque[Item] = field(default_factory=deque)
     outbound_bytes: int = 0
     in_ready: bool = False
+    #: It joined the round with nothing queued before and its turn has not begun (FQ-CoDel's new flow):
+    #: a small first item of it may pass a full pacer (``LinkScheduler.sparse_next``).
+    sparse: bool = False
     #: Stream position of the last frame part or signal queued each way (see ``RouteTable._supersede``).
     last_outbound: Position | None = None
     last_inbound: Position | None = None

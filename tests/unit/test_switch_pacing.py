@@ -115,6 +115,52 @@ def test_on_a_fast_link_items_shorter_than_the_cut_leave_whole_without_a_copy() 
     assert router.next_outbound(pacer.fragment_bytes, pacer.cut_above) is item
 
 
+def _full_pacer() -> LinkPacer:
+    pacer = LinkPacer(clock=lambda: 0.0)
+    pacer.rate = 7.5e6  # 60 Mbit/s: 15 kB fragments
+    pacer.startup = False
+    pacer.on_sent(pacer.cap())  # the cap is full: the next acknowledgement makes room
+    return pacer
+
+
+def test_over_a_full_cap_a_small_jobs_message_passes_and_a_busy_jobs_bytes_wait() -> None:
+    router = Router(cluster_id="a")
+    big, big_at = router.attach(("big", "e"), "alice")
+    small, small_at = router.attach(("small", "e"), "bob")
+    for i in range(4):
+        router.accept_local(big, big_at, framed("big", 1, 2 << 20, i * (2 << 20)))
+    pacer = _full_pacer()
+    assert router.next_paced(pacer) is None  # the busy route waits for room
+    router.accept_local(small, small_at, header(7))  # a small job's message, its route idle before
+    piece = router.next_paced(pacer)
+    assert isinstance(piece, link_pb2.LinkMessage) and piece.routed.job_id == "small"
+    pacer.on_sent(size_of(piece))
+    assert router.next_paced(pacer) is None  # and the big route still waits
+    # A second message of the small job right behind the first is not sparse any more: it waits its turn.
+    router.accept_local(small, small_at, header(8))
+    router.accept_local(small, small_at, header(9))
+    assert router.next_paced(pacer) is not None  # the route left the round when it emptied: sparse again
+    assert router.next_paced(pacer) is None
+
+
+def test_a_tenant_with_many_small_jobs_passes_a_full_cap_by_one_fragment_at_most() -> None:
+    # A hostile tenant opens 120 routes over 4 accounts (32 each at most) and keeps a small item on
+    # each, hoping every one passes the cap.
+    router = Router(cluster_id="a")
+    pacer = _full_pacer()
+    cap = pacer.cap()
+    for job in range(120):
+        route, attachment = router.attach((f"j{job}", "e"), f"mallory-{job % 4}")
+        router.accept_local(route, attachment, framed(f"j{job}", 1, 4 << 10))
+    passed = 0
+    while (piece := router.next_paced(pacer)) is not None:
+        pacer.on_sent(size_of(piece))
+        passed += 1
+    # One fragment's worth of them (and the one that crossed the line), not all 120.
+    assert 0 < passed <= pacer.fragment_bytes // (4 << 10) + 1, passed
+    assert pacer.inflight <= cap + pacer.fragment_bytes + (5 << 10)
+
+
 def test_an_item_replaced_in_mid_send_restarts_its_stream() -> None:
     router = Router(cluster_id="a")
     route, attachment = router.attach(("job", "e"), "alice")
