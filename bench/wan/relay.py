@@ -791,10 +791,12 @@ def render(result: dict[str, Any]) -> str:
         "stage proxy. "
         "With several rounds (the paths take turns each round) MB/s are medians and the ratio is "
         "theirs, followed by the range of the per-round ratios. CPU-s per GB: user + system CPU of each "
-        "process over the run, per 10^9 payload bytes.",
+        "process over the run, per 10^9 payload bytes; whole path: all of them together (the data plane's "
+        "target for the default path is at most 2.5).",
         "",
-        "| tensor | path | MB/s | / TLS hop | switches' CPU-s per GB | CPU-s per GB of each process |",
-        "|---|---|---|---|---|---|",
+        "| tensor | path | MB/s | / TLS hop | switches' CPU-s per GB | CPU-s per GB of each process "
+        "| whole path |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         mb = row["mb_s"]
@@ -810,9 +812,10 @@ def render(result: dict[str, Any]) -> str:
             switches = row.get("switch_cpu_s_per_gb" + suffix) if suffix is not None else None
             split = row.get("cpu_s" + suffix, {}) if suffix is not None else {}
             parts = ", ".join(f"{name} {seconds / gb:.2f}" for name, seconds in split.items())
+            whole = f"{sum(split.values()) / gb:.2f}" if split else "-"
             lines.append(
                 f"| {row['size_mib']} MiB x {row['count']}{rounds} | {path} | {value:.0f} | {ratio} "
-                f"| {f'{switches:.2f}' if switches is not None else '-'} | {parts or '-'} |"
+                f"| {f'{switches:.2f}' if switches is not None else '-'} | {parts or '-'} | {whole} |"
             )
     return "\n".join([*lines, ""])
 
