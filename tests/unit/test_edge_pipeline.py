@@ -45,12 +45,17 @@ def expected_received(steps: int, micro_batches: int) -> list[tuple[int, int]]:
     return [(step, mb) for step in range(steps) for mb in range(micro_batches)]
 
 
-def cut_and_restore(at_step: int, outage_s: float = 0.5) -> Callable[[StageRun, StageRun, MemoryLink], None]:
-    """After ``at_step``, cut the link mid-tensor (items in flight are lost), restore it later."""
+def cut_and_restore(
+    at_step: int | None, outage_s: float = 0.5
+) -> Callable[[StageRun, StageRun, MemoryLink], None]:
+    """After ``at_step``, cut the link mid-tensor (items in flight are lost), restore it later. With
+    ``at_step`` None the test set the cut before the run (``MemoryLink.cut_after``): a stage that need
+    not wait for its peer may have sent all it had by the time it reports a step."""
 
     def during(up: StageRun, down: StageRun, link: MemoryLink) -> None:
-        wait_for_step(up, at_step)
-        link.cut_after(3)
+        if at_step is not None:
+            wait_for_step(up, at_step)
+            link.cut_after(3)
         ends = (up, down)
         wait_for(
             lambda: all(run.runner.edge is not None and not run.runner.edge.session.link_up for run in ends),
@@ -164,7 +169,8 @@ def test_electra_one_way_syncs_and_exact_int64_ids_on_the_memory_edge(tmp_path: 
     }
     job = ProgramJob(load_spec(builtin_spec("electra"), fields))
     link = MemoryLink()
-    up, down = run_stages(job, tmp_path, link, SETTINGS, during=cut_and_restore(at_step=1))
+    link.cut_after(5)  # mid-run, of 8 tensors: the generator sends without waiting for the sync
+    up, down = run_stages(job, tmp_path, link, SETTINGS, during=cut_and_restore(at_step=None))
     for run in (up, down):
         assert run.final.state == SUCCEEDED, run.final.message
     assert down.received == expected_received(4, 2)
