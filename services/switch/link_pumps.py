@@ -18,8 +18,6 @@ and delivered to the router in mark order.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections import deque
 
 import grpc
@@ -28,7 +26,6 @@ from nebula_common.pki import Identity
 from nebula_common.proto.nebula.v1 import link_pb2
 from nebula_common.rpc.framing import FramedChunk, FramingError, is_framed, parse_chunk
 from services.switch.bandwidth import BandwidthMeter
-from services.switch.express import EXPRESS_LANE
 from services.switch.lanes import LaneGapError, SessionLanes
 from services.switch.link_handshake import HandshakeError, parse_link_message
 from services.switch.link_transport import ReadFn, WriteFn
@@ -42,10 +39,6 @@ from services.switch.witness import AuditWitness
 
 ROUTED_KINDS = ("frame", "signal", "ack", "close")
 """Edge items that may cross the link (never open, ready or notice)."""
-
-
-READ_SLICE_S = 0.002
-"""How long one connection's reader may run before the other tasks of the loop get a turn."""
 
 
 class LinkPumps:
@@ -67,44 +60,22 @@ class LinkPumps:
     _pacer: LinkPacer | None
     _rx_bytes: int
     _ack_due: bool
-    _acked_last: bool = False  # the last message a writer took was our acknowledgement
     _reassembly: Reassembler
 
     # ----- writing ---------------------------------------------------------------------------
-    def _next_message(self, lane: int = 0) -> Outbound | Fragment | None:
-        """Our acknowledgement of bytes read first, but never twice in a row while anything else waits
-        (a peer whose messages keep coming would otherwise have our writers acknowledge each one and
-        send nothing else); then pings and pongs; then items."""
-        if self._ack_due and not self._acked_last:
-            return self._link_ack()
-        message = self._next_item(lane)
-        if message is not None:
-            self._acked_last = False
-            return message
-        return self._link_ack() if self._ack_due else None
-
-    def _link_ack(self) -> link_pb2.LinkMessage:
-        self._ack_due, self._acked_last = False, True
-        return link_pb2.LinkMessage(received=link_pb2.LinkReceived(bytes=self._rx_bytes))
-
-    def _next_item(self, lane: int) -> Outbound | Fragment | None:
-        """Pings and pongs, then items while the pacer has room (on the express connection only sparse
-        ones, ``express.py``, which the other connections then leave to it)."""
-        pacer = self._pacer
-        if lane == EXPRESS_LANE:
-            message = self.router.next_express(pacer) if pacer is not None else None
-            if message is not None:
-                self.router.outbound_wake.set()  # the other writers may have left it to this one
-            return message
+    def _next_message(self) -> Outbound | Fragment | None:
+        """Our acknowledgement, pings and pongs first; then items while the pacer has room."""
+        if self._ack_due:
+            self._ack_due = False
+            return link_pb2.LinkMessage(received=link_pb2.LinkReceived(bytes=self._rx_bytes))
         if self._priority:
             return self._priority.popleft()
+        pacer = self._pacer
         if pacer is None:
             return self.router.next_outbound()
-        lanes = self._lanes
-        if lanes is not None:
-            pacer.flows = max(1, len(lanes.active))
-        express = lanes is not None and lanes.express is not None and lanes.express.up
-        return self.router.next_paced(pacer, express)  # None: an acknowledgement or a new item wakes them
+        if self._lanes is not None:
+            pacer.flows = max(1, len(self._lanes.active))
+        return self.router.next_paced(pacer)  # None: an acknowledgement or a new item wakes the writers
 
     async def _pump_out(self, write: WriteFn, lane: int = 0) -> None:
         wake = self.router.outbound_wake
@@ -113,32 +84,27 @@ class LinkPumps:
             if lanes is not None and lane in lanes.retiring:
                 await write(link_pb2.LinkMessage(mark=link_pb2.LaneMark(last=True)).SerializeToString())
                 return
-            message = self._next_message(lane)
+            message = self._next_message()
             if message is None:
                 wake.clear()
-                message = self._next_message(lane)  # anything queued between the check and the clear
+                message = self._next_message()  # anything queued between the check and the clear
                 if message is None:
                     await wake.wait()
                     continue
-            key = self.router.picked
             self._writing += 1
             try:
-                await self._write_item(write, message, lanes, lane, key)
+                await self._write_item(write, message, lanes, lane)
             finally:
                 self._writing -= 1
 
     async def _write_item(
-        self,
-        write: WriteFn,
-        message: Outbound | Fragment,
-        lanes: SessionLanes | None,
-        lane: int,
-        key: tuple[str, str] = ("", ""),
+        self, write: WriteFn, message: Outbound | Fragment, lanes: SessionLanes | None, lane: int
     ) -> None:
         data = isinstance(message, FramedChunk | Fragment) or message.WhichOneof("body") == "routed"
         if lanes is not None and lanes.marking and data:
+            lanes.send_seq += 1
             lanes.written[lane] = lanes.written.get(lane, 0) + 1
-            await write(self._mark(lanes, lane, key).SerializeToString())
+            await write(link_pb2.LinkMessage(mark=link_pb2.LaneMark(seq=lanes.send_seq)).SerializeToString())
         if isinstance(message, Fragment):
             raw = message.encode()
             if self._pacer is not None:
@@ -164,19 +130,6 @@ class LinkPumps:
             self.keepalive.ping_sent(message.ping.nonce)
         await write(message.SerializeToString())
         self._count_sent(message)
-
-    @staticmethod
-    def _mark(lanes: SessionLanes, lane: int, key: tuple[str, str]) -> link_pb2.LinkMessage:
-        """The lane mark of the next item of route ``key`` on ``lane``: its number, and what of its route
-        it must follow on the other kind of connection (``express.py``)."""
-        express = lanes.express
-        if lane == EXPRESS_LANE and express is not None:
-            express.send_no += 1
-            after = express.routes.express(key, express.send_no)
-            return link_pb2.LinkMessage(mark=link_pb2.LaneMark(seq=express.send_no, after=after))
-        lanes.send_seq += 1
-        after = express.routes.striping(key, lanes.send_seq) if express is not None else 0
-        return link_pb2.LinkMessage(mark=link_pb2.LaneMark(seq=lanes.send_seq, after=after))
 
     def _count_sent(self, message: Outbound) -> None:
         if isinstance(message, FramedChunk):
@@ -211,27 +164,16 @@ class LinkPumps:
             LINK_RTT.labels(self.expected_peer.cluster_id).set(self.rtt.srtt or 0.0)
 
     # ----- reading ---------------------------------------------------------------------------
-    def _deliver(
-        self,
-        key: tuple[str, str],
-        item: object,
-        epoch: int,
-        mark: link_pb2.LaneMark | None,
-        lane: int = 0,
-        size: int = 0,
-    ) -> None:
+    def _deliver(self, key: tuple[str, str], item: object, epoch: int, seq: int | None) -> None:
         """Hand an item to the router, in lane-mark order when the session stripes over lanes."""
         lanes = self._lanes
         if lanes is None or not lanes.marking:
             self._in_order(key, item, epoch)
             return
-        if mark is None:
+        if seq is None:
             raise HandshakeError("peer sent an item without its lane mark")
         try:
-            if lane == EXPRESS_LANE:
-                lanes.order.put_express(mark.seq, key, (key, item, epoch), mark.after, size)
-            else:
-                lanes.order.put(mark.seq, (key, item, epoch), mark.after)
+            lanes.reorder.put(seq, (key, item, epoch))
         except LaneGapError as exc:
             raise HandshakeError(str(exc)) from exc
 
@@ -279,15 +221,8 @@ class LinkPumps:
 
     async def _pump_in(self, read: ReadFn, lane: int = 0) -> None:
         lanes = self._lanes
-        mark: link_pb2.LaneMark | None = None  # the lane mark of the next item on this connection
-        slice_end = time.monotonic() + READ_SLICE_S
+        seq: int | None = None  # the lane mark of the next item on this connection
         while True:
-            if time.monotonic() >= slice_end:
-                # A read returns at once while its connection has messages buffered: without a turn for the
-                # others, one busy connection's reader would keep the loop for seconds while the express
-                # connection's small items (and our writers' acknowledgements) wait behind it.
-                await asyncio.sleep(0)
-                slice_end = time.monotonic() + READ_SLICE_S
             raw = await read()
             if raw is grpc.aio.EOF:
                 if lane:
@@ -297,8 +232,8 @@ class LinkPumps:
                 self.keepalive.heard()
                 self._read_data(len(raw))
                 key, item, epoch = self._data_item(raw)
-                self._deliver(key, item, epoch, mark, lane, len(raw))
-                mark = None
+                self._deliver(key, item, epoch, seq)
+                seq = None
                 continue
             message = parse_link_message(raw)
             self.keepalive.heard()
@@ -306,15 +241,15 @@ class LinkPumps:
                 if lanes is None or not lanes.marking:
                     raise HandshakeError("peer sent a lane mark on a session without lanes")
                 if message.mark.last:
-                    if lane in (0, EXPRESS_LANE):
-                        raise HandshakeError(f"peer tried to retire connection {lane}, which stays")
+                    if lane == 0:
+                        raise HandshakeError("peer tried to retire the session's first connection")
                     if lane not in lanes.retiring:  # the peer retires it: answer with our own last mark
                         lanes.retiring.add(lane)
                         self.router.outbound_wake.set()
                     return
-                if mark is not None:
+                if seq is not None:
                     raise HandshakeError("peer sent two lane marks in a row")
-                mark = message.mark
+                seq = message.mark.seq
                 continue
             kind = message.WhichOneof("body")
             if kind not in ("routed", "fragment"):  # items are counted whole (_data_item)
@@ -323,16 +258,14 @@ class LinkPumps:
             if kind == "routed":
                 self._read_data(len(raw))  # type: ignore[arg-type]
                 # Never waits; drops items of an epoch the route has left behind.
-                self._deliver(*self._routed(message), mark, lane, len(raw))  # type: ignore[arg-type]
-                mark = None
+                self._deliver(*self._routed(message), seq)
+                seq = None
             elif kind == "fragment":
                 if self._pacer is None:
                     raise HandshakeError("peer sent a fragment on a session that is not paced")
-                if lane == EXPRESS_LANE:
-                    raise HandshakeError("peer sent a fragment on the express connection (whole items only)")
                 self._read_data(len(raw))  # type: ignore[arg-type]
-                self._deliver(("", ""), message.fragment, 0, mark, lane)
-                mark = None
+                self._deliver(("", ""), message.fragment, 0, seq)
+                seq = None
             elif kind == "received":
                 if self._pacer is None:
                     raise HandshakeError("peer acknowledged bytes on a session that is not paced")
