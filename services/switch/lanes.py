@@ -104,6 +104,18 @@ class SessionLanes:
     failure: str = ""
     #: Items written per lane (a lane's share of the striping, for status and tests).
     written: dict[int, int] = field(default_factory=dict)
+    #: A paced session's data bytes per lane: written, acknowledged by the peer on that lane, and read
+    #: (``LinkReceived.lane_bytes``), and the lanes whose reads we have yet to acknowledge.
+    sent_bytes: dict[int, int] = field(default_factory=dict)
+    acked_bytes: dict[int, int] = field(default_factory=dict)
+    read_bytes: dict[int, int] = field(default_factory=dict)
+    acks_due: set[int] = field(default_factory=set)
+    #: The peer acknowledges per lane (a switch that does not leaves each lane unbounded, as before).
+    lane_acks: bool = False
+
+    def unacked(self, lane: int) -> int:
+        """Data bytes written on ``lane`` that the peer has not acknowledged reading there."""
+        return self.sent_bytes.get(lane, 0) - self.acked_bytes.get(lane, 0)
 
     def fail(self, reason: str) -> None:
         if not self.failed.is_set():

@@ -63,18 +63,28 @@ class LinkPumps:
     _reassembly: Reassembler
 
     # ----- writing ---------------------------------------------------------------------------
-    def _next_message(self) -> Outbound | Fragment | None:
-        """Our acknowledgement, pings and pongs first; then items while the pacer has room."""
-        if self._ack_due:
+    def _next_message(self, lane: int = 0) -> Outbound | Fragment | None:
+        """Our acknowledgement, pings and pongs first; then items while the pacer has room (and this
+        connection its share of it, ``LinkPacer.lane_has_room``)."""
+        lanes = self._lanes
+        if self._ack_due or (lanes is not None and lane in lanes.acks_due):
             self._ack_due = False
-            return link_pb2.LinkMessage(received=link_pb2.LinkReceived(bytes=self._rx_bytes))
+            lane_bytes = 0
+            if lanes is not None and lanes.marking:
+                lanes.acks_due.discard(lane)
+                lane_bytes = lanes.read_bytes.get(lane, 0)
+            return link_pb2.LinkMessage(
+                received=link_pb2.LinkReceived(bytes=self._rx_bytes, lane_bytes=lane_bytes)
+            )
         if self._priority:
             return self._priority.popleft()
         pacer = self._pacer
         if pacer is None:
             return self.router.next_outbound()
-        if self._lanes is not None:
-            pacer.flows = max(1, len(self._lanes.active))
+        if lanes is not None:
+            pacer.flows = max(1, len(lanes.active))
+            if lanes.lane_acks and not pacer.lane_has_room(lanes.unacked(lane)):
+                return None  # its acknowledgement, on this connection, wakes the writers
         return self.router.next_paced(pacer)  # None: an acknowledgement or a new item wakes the writers
 
     async def _pump_out(self, write: WriteFn, lane: int = 0) -> None:
@@ -84,10 +94,10 @@ class LinkPumps:
             if lanes is not None and lane in lanes.retiring:
                 await write(link_pb2.LinkMessage(mark=link_pb2.LaneMark(last=True)).SerializeToString())
                 return
-            message = self._next_message()
+            message = self._next_message(lane)
             if message is None:
                 wake.clear()
-                message = self._next_message()  # anything queued between the check and the clear
+                message = self._next_message(lane)  # anything queued between the check and the clear
                 if message is None:
                     await wake.wait()
                     continue
@@ -107,22 +117,20 @@ class LinkPumps:
             await write(link_pb2.LinkMessage(mark=link_pb2.LaneMark(seq=lanes.send_seq)).SerializeToString())
         if isinstance(message, Fragment):
             raw = message.encode()
-            if self._pacer is not None:
-                self._pacer.on_sent(len(raw))
+            self._on_sent(lanes, lane, len(raw))
             await write(raw)
             if message.whole is not None:
                 self._count_sent(message.whole)  # type: ignore[arg-type]
             return
         if isinstance(message, FramedChunk):
             raw = message.raw
-            if self._pacer is not None:
-                self._pacer.on_sent(len(raw))
+            self._on_sent(lanes, lane, len(raw))
             await write(raw)
             self._count_sent(message)
             return
         if data and self._pacer is not None:
             raw = message.SerializeToString()
-            self._pacer.on_sent(len(raw))
+            self._on_sent(lanes, lane, len(raw))
             await write(raw)
             self._count_sent(message)
             return
@@ -130,6 +138,14 @@ class LinkPumps:
             self.keepalive.ping_sent(message.ping.nonce)
         await write(message.SerializeToString())
         self._count_sent(message)
+
+    def _on_sent(self, lanes: SessionLanes | None, lane: int, size: int) -> None:
+        """``size`` bytes of a data message go out on ``lane`` (a paced session counts them)."""
+        if self._pacer is None:
+            return
+        self._pacer.on_sent(size)
+        if lanes is not None and lanes.marking:
+            lanes.sent_bytes[lane] = lanes.sent_bytes.get(lane, 0) + size
 
     def _count_sent(self, message: Outbound) -> None:
         if isinstance(message, FramedChunk):
@@ -212,12 +228,28 @@ class LinkPumps:
             raise HandshakeError("peer routed an item that may not cross the link")
         return (routed.job_id, routed.edge), routed.item, routed.epoch
 
-    def _read_data(self, size: int) -> None:
-        """``size`` bytes of data messages were read: acknowledge them (a paced session)."""
+    def _read_data(self, size: int, lane: int) -> None:
+        """``size`` bytes of data messages were read on ``lane``: acknowledge them (a paced session), the
+        session's count on any connection, this connection's on itself."""
         self._rx_bytes += size
         if self._pacer is not None:
             self._ack_due = True
+            lanes = self._lanes
+            if lanes is not None and lanes.marking:
+                lanes.read_bytes[lane] = lanes.read_bytes.get(lane, 0) + size
+                lanes.acks_due.add(lane)
             self.router.outbound_wake.set()
+
+    @staticmethod
+    def _lane_acked(lanes: SessionLanes, lane: int, lane_bytes: int) -> None:
+        """The peer has read ``lane_bytes`` of our data on ``lane`` (it says so on that connection)."""
+        if lane_bytes > lanes.sent_bytes.get(lane, 0):
+            raise HandshakeError(
+                f"peer acknowledged {lane_bytes} bytes on connection {lane}, "
+                f"but only {lanes.sent_bytes.get(lane, 0)} were sent there"
+            )
+        lanes.acked_bytes[lane] = max(lanes.acked_bytes.get(lane, 0), lane_bytes)
+        lanes.lane_acks = lanes.lane_acks or lane_bytes > 0
 
     async def _pump_in(self, read: ReadFn, lane: int = 0) -> None:
         lanes = self._lanes
@@ -230,7 +262,7 @@ class LinkPumps:
                 return
             if isinstance(raw, bytes | memoryview) and is_framed(raw):
                 self.keepalive.heard()
-                self._read_data(len(raw))
+                self._read_data(len(raw), lane)
                 key, item, epoch = self._data_item(raw)
                 self._deliver(key, item, epoch, seq)
                 seq = None
@@ -256,14 +288,14 @@ class LinkPumps:
                 self.received.count(message)
                 self.ledger.observe("received", message)
             if kind == "routed":
-                self._read_data(len(raw))  # type: ignore[arg-type]
+                self._read_data(len(raw), lane)  # type: ignore[arg-type]
                 # Never waits; drops items of an epoch the route has left behind.
                 self._deliver(*self._routed(message), seq)
                 seq = None
             elif kind == "fragment":
                 if self._pacer is None:
                     raise HandshakeError("peer sent a fragment on a session that is not paced")
-                self._read_data(len(raw))  # type: ignore[arg-type]
+                self._read_data(len(raw), lane)  # type: ignore[arg-type]
                 self._deliver(("", ""), message.fragment, 0, seq)
                 seq = None
             elif kind == "received":
@@ -273,6 +305,8 @@ class LinkPumps:
                     self._pacer.on_ack(message.received.bytes)
                 except PacingError as exc:
                     raise HandshakeError(f"peer broke the paced link protocol: {exc}") from exc
+                if lanes is not None and lanes.marking:
+                    self._lane_acked(lanes, lane, message.received.lane_bytes)
                 self.router.outbound_wake.set()
             elif kind == "ping":
                 self._queue_priority(link_pb2.LinkMessage(pong=link_pb2.Pong(nonce=message.ping.nonce)))

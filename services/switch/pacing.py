@@ -26,6 +26,13 @@ under a cap that leaves about two fragments queued on the path:
   how much is queued. It only grows while the cap, not the senders, limited the round. Over a
   bottleneck shared with loss-based TCP flows the link yields to the queue they build (it keeps at
   least ``MIN_INFLIGHT_BYTES`` in flight).
+* **A share per connection.** On a session striped over several connections (``lanes.py``) each side
+  also acknowledges, on each connection, what it read there (``LinkReceived.lane_bytes``), and a
+  connection takes items only while it holds less than its share of the cap and a fragment
+  (:meth:`LinkPacer.lane_has_room`). A loss halves one connection's window and holds its bytes a round
+  trip; a writer that kept handing that connection items would park most of the cap in its socket,
+  the others idle; the controller would read that backlog as a queue and cut the cap, and on a lossy
+  long path more connections would carry no more (``docs/bench/wan-link.md``).
 * **Application-limited samples** as BBR's: a delivery-rate sample of bytes written after the writer found
   nothing to send measures the sender, not the path, so it may raise the estimate but never lowers it
   or ends start-up (a link's first traffic is a job's small control messages, then its tensors).
@@ -157,6 +164,15 @@ class LinkPacer:
 
     def has_room(self) -> bool:
         if self.inflight < self.cap():
+            return True
+        self._round_limited = True
+        return False
+
+    def lane_has_room(self, unacked: int) -> bool:
+        """Whether one connection of ``flows``, holding ``unacked`` bytes the peer has not acknowledged
+        reading there, may take more: its share of the cap and a fragment (see the module doc). A
+        connection held at its share counts as the cap limiting the round: every share grows with it."""
+        if self.flows <= 1 or unacked < self.cap() / self.flows + self.fragment_bytes:
             return True
         self._round_limited = True
         return False

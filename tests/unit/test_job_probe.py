@@ -74,4 +74,10 @@ def test_a_crowded_cpu_does_not_inflate_the_compute_estimate() -> None:
         child.wait(30)
     (alone, alone_wall), (crowded, crowded_wall) = times["alone"], times["crowded"]
     assert crowded_wall >= 2 * alone_wall, f"no crowd: {crowded_wall:.2f} s against {alone_wall:.2f} s"
-    assert crowded <= 1.5 * alone, f"{crowded * 1e3:.1f} ms crowded against {alone * 1e3:.1f} ms alone"
+    # A probe on the wall clock would grow as the wall clock did. CPU time grows a little too where the
+    # host is a busy VM (each stop costs the caches; up to 1.6x once, with the wall clock at 4.5x).
+    inflation, wall_inflation = crowded / alone, crowded_wall / alone_wall
+    assert inflation <= max(1.5, 0.6 * wall_inflation), (
+        f"{crowded * 1e3:.1f} ms crowded against {alone * 1e3:.1f} ms alone; "
+        f"wall {crowded_wall:.2f} s against {alone_wall:.2f} s"
+    )

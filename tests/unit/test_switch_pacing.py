@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -13,6 +14,7 @@ from nebula_common.rpc.framing import FramedChunk, encode_chunk, parse_chunk
 from services.switch import pacing
 from services.switch.link import PeerLink
 from services.switch.pacing import Fragment, LinkPacer, PacingError, Reassembler
+from services.switch.route_state import Attachment, Route
 from services.switch.routing import Router
 
 
@@ -442,6 +444,15 @@ def test_two_paced_switches_carry_big_and_small_items_whole_through_fragments() 
     assert pacer.sent > 3 << 20 and pacer.acked == pacer.sent
 
 
+def _last_notice(router: Router, route: Route, attachment: Attachment) -> str:
+    """The reason of the last notice the route's trainer got (why its session ended)."""
+    notices = []
+    while (item := router.pop_inbound(route, attachment)) is not None:
+        if item.WhichOneof("body") == "notice":
+            notices.append(item.notice.reason)
+    return notices[-1]
+
+
 @pytest.mark.parametrize(
     ("paced", "messages", "reason"),
     [
@@ -490,10 +501,81 @@ def test_a_hostile_peer_that_breaks_the_paced_protocol_ends_its_session_saying_w
             body = "fragment" if isinstance(message, link_pb2.LinkFragment) else "received"
             await inbox.put(link_pb2.LinkMessage(**{body: message}).SerializeToString())
         await asyncio.wait_for(session, 5)
-        notices = []
-        while (item := router.pop_inbound(route, attachment)) is not None:
-            if item.WhichOneof("body") == "notice":
-                notices.append(item.notice.reason)
-        return notices[-1]
+        return _last_notice(router, route, attachment)
 
     assert reason in asyncio.run(scenario())
+
+
+async def _marked_session(
+    router: Router, write: Callable[[bytes], Awaitable[None]]
+) -> tuple[PeerLink, asyncio.Queue[bytes], asyncio.Task[None]]:
+    """A paced link session with lanes (both ends announced them), read from the returned queue."""
+    link = PeerLink("a", "b", router)
+    inbox: asyncio.Queue[bytes] = asyncio.Queue()
+    session = asyncio.create_task(
+        link.run_session(
+            inbox.get,
+            write,
+            Identity("b", "switch"),
+            "dialer",
+            session_id=b"s",
+            marking=True,
+            peer_paced=True,
+        )
+    )
+    assert await link.wait_connected(5)
+    return link, inbox, session
+
+
+def test_a_connection_holds_no_more_than_its_share_of_the_cap_until_the_peer_acknowledges_it() -> None:
+    # A lossy long path: a lost segment halves one connection's window and holds its bytes a round trip.
+    # Its writer must not keep taking items into that connection's socket (the other connections idle
+    # below the cap while it holds it); it takes more once the peer says, on that connection, that it
+    # read them. The pacer's cap is shared: 2 connections, each a half and a fragment.
+    async def write(message: bytes) -> None:
+        return None
+
+    async def scenario() -> None:
+        router = Router(cluster_id="a")
+        link, _, session = await _marked_session(router, write)
+        lanes, pacer = link._lanes, link._pacer
+        assert lanes is not None and pacer is not None
+        lanes.active.add(1)
+        lanes.lane_acks = True  # the peer acknowledges per connection (it did once on any)
+        route, attachment = router.attach(("j", "e"), "alice")
+        for i in range(64):
+            router.accept_local(route, attachment, framed("j", i, 60 << 10))
+        share = pacer.cap() / 2 + pacer.fragment_bytes
+        while (message := link._next_message(1)) is not None:
+            await link._write_item(write, message, lanes, 1)
+        assert share <= lanes.unacked(1) < share + (64 << 10), (lanes.unacked(1), share)
+        assert link._next_message(0) is not None  # the other connection still takes items
+        # The peer read half of what connection 1 carried and says so there: it may take more.
+        half = lanes.sent_bytes[1] // 2
+        link._lane_acked(lanes, 1, half)
+        assert lanes.unacked(1) == lanes.sent_bytes[1] - half
+        while (message := link._next_message(1)) is not None:
+            await link._write_item(write, message, lanes, 1)
+        # A peer that never acknowledged per connection (an older switch) leaves each one unbounded.
+        lanes.lane_acks = False
+        assert link._next_message(1) is not None
+        session.cancel()
+        await asyncio.gather(session, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_a_peer_that_acknowledges_more_than_a_connection_carried_ends_the_session() -> None:
+    async def write(message: bytes) -> None:
+        return None
+
+    async def scenario() -> str:
+        router = Router(cluster_id="a")
+        route, attachment = router.attach(("j", "e"), "alice")
+        _, inbox, session = await _marked_session(router, write)
+        forged = link_pb2.LinkReceived(bytes=0, lane_bytes=5)
+        await inbox.put(link_pb2.LinkMessage(received=forged).SerializeToString())
+        await asyncio.wait_for(session, 5)
+        return _last_notice(router, route, attachment)
+
+    assert "peer acknowledged 5 bytes on connection 0, but only 0 were sent there" in asyncio.run(scenario())

@@ -45,10 +45,12 @@ class LinkFragment(_message.Message):
     def __init__(self, stream: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
 
 class LinkReceived(_message.Message):
-    __slots__ = ("bytes",)
+    __slots__ = ("bytes", "lane_bytes")
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    LANE_BYTES_FIELD_NUMBER: _ClassVar[int]
     bytes: int
-    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
+    lane_bytes: int
+    def __init__(self, bytes: _Optional[int] = ..., lane_bytes: _Optional[int] = ...) -> None: ...
 
 class AuditHead(_message.Message):
     __slots__ = ("log_id", "count", "head", "read_at")
