@@ -12,6 +12,7 @@ import json
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from nebula_common.clients.endpoints import ClusterEndpoints
@@ -22,6 +23,7 @@ from nebula_common.launcher.pinned import LOOPBACK, launch_pinned
 from nebula_common.launcher.process import ServiceProcess, wait_healthy
 from nebula_common.launcher.service_box import ServiceBox, boxes_enabled, for_service
 from nebula_common.launcher.signer import SignerLayout, signer_layout
+from nebula_common.launcher.together import start_together
 from nebula_common.launcher.trainer_box import TrainerBox
 from nebula_common.metrics import metrics_url, trust_metrics_endpoint
 from nebula_common.pki.service_identity import (
@@ -200,12 +202,17 @@ class ClusterLauncher:
         )
         self._trust(state, state.auth)
         wait_healthy(self.address(state.auth), "nebula.v1.Auth")
+        # Codec and data need only auth: they start together (``together.py``).
+        start_together([partial(self._start_codec, state), partial(self._start_data, state)], cluster)
+
+    def _start_codec(self, state: ClusterProcesses) -> None:
+        cluster = state.cluster_id
         state.codec = self.launch(
             f"codec-{cluster}",
             "services.codec",
             "NEBULA_CODEC_",
             {
-                **common,
+                "LOG_LEVEL": self.log_level,
                 "CLUSTER_ID": cluster,
                 "AUTH_ADDRESS": self.service_address(state.auth),
                 **self._tls_settings(state, "codec"),
@@ -215,12 +222,16 @@ class ClusterLauncher:
         )
         self._trust(state, state.codec)
         wait_healthy(self.address(state.codec), "nebula.v1.Codec")
+
+    def _start_data(self, state: ClusterProcesses) -> None:
+        cluster = state.cluster_id
+        cluster_dir = self.run_dir / cluster
         state.data = self.launch(
             f"data-{cluster}",
             "services.data",
             "NEBULA_DATA_",
             {
-                **common,
+                "LOG_LEVEL": self.log_level,
                 "CLUSTER_ID": cluster,
                 "AUTH_ADDRESS": self.service_address(state.auth),
                 "DATA_DIR": str(cluster_dir / "data"),

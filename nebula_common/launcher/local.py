@@ -38,6 +38,7 @@ import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -57,6 +58,7 @@ from nebula_common.launcher.process import ServiceProcess
 from nebula_common.launcher.renewal import LeafRenewer
 from nebula_common.launcher.run_dir import LocalDeploymentError, check_run_dir, lock_run_dir
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor
+from nebula_common.launcher.together import start_together
 from nebula_common.pki import init_pki
 from nebula_common.pki.service_identity import MONITORING_ROLE, ensure_service_certificates
 from nebula_common.pki.store import PkiError
@@ -165,14 +167,14 @@ class LocalDeployment:
             self._release_lock()
             raise
         try:
-            for cluster in self.clusters:
-                self._start_cluster_services(cluster)
+            # The clusters' core services need nothing of each other, nor do the trainers: they start
+            # together (``together.py``); the switches in the order their WAN ports are dialled.
+            start_together([partial(self._start_cluster_services, c) for c in self.clusters], "core")
             if len(self.clusters) > 2:
                 self._start_mesh(layout)
             else:
                 self._start_pair(layout)
-            for cluster in self.clusters:
-                self._start_trainer(cluster)
+            start_together([partial(self._start_trainer, c) for c in self.clusters], "trainers")
             if self.internal_tls:  # the one issuer of the services' certificates: they hold no CA key
                 self.renewer = LeafRenewer(self.pki_dir, self.clusters)
                 self.renewer.start()

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,11 +39,31 @@ def with_parent(command: list[str]) -> list[str]:
     A boxed service has bubblewrap's ``--die-with-parent`` (a nesting box, its lifeline); an unboxed
     one (the WAN emulator, every service where bubblewrap is missing) would run on orphaned. util-linux's
     ``setpriv --pdeathsig`` gives it the same parent-death signal, then executes it (its pid stays the
-    service's). As bubblewrap's, the signal comes when the launcher's *thread* that started it ends: the
-    supervisor's, for a restarted service, lives until the deployment stops. Where ``setpriv`` is missing
-    (it is in util-linux, which every Debian has), the command runs as is."""
+    service's). As bubblewrap's, the signal comes when the launcher's *thread* that started it ends:
+    every service is started by the launcher's spawner thread (``_spawner``), which lives as long as the
+    launcher. Where ``setpriv`` is missing (it is in util-linux, which every Debian has), the command
+    runs as is."""
     setpriv = shutil.which("setpriv")
     return [setpriv, "--pdeathsig", "KILL", "--", *command] if setpriv else command
+
+
+_SPAWNER: ThreadPoolExecutor | None = None
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _spawner() -> ThreadPoolExecutor:
+    """The one thread that starts every service process of this launcher, living as long as it does.
+
+    A service's parent-death signal (``with_parent``, bubblewrap's ``--die-with-parent``) comes when the
+    *thread* that started it ends: a deployment's parts start together on short-lived threads
+    (``together.py``), whose ends must not kill what they started. The signal mask that holds an early
+    stop is the spawner's too, set around each start (``stop_signals_blocked``).
+    """
+    global _SPAWNER
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None:
+            _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
+        return _SPAWNER
 
 
 BOX_START_S = 30.0
@@ -102,10 +123,17 @@ class ServiceProcess:
         return self.log_dir / f"{self.name}.log"
 
     def start(self) -> None:
+        """Start the process from the launcher's spawner thread (``_spawner``), whichever thread asks.
+
+        The asking thread holds ``lock`` meanwhile (a supervisor asks holding it already).
+        """
+        with self.lock:
+            _spawner().submit(self._spawn).result()
+
+    def _spawn(self) -> None:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         held = stop_signals_blocked() if self.holds_early_stop else contextlib.nullcontext()
         with (
-            self.lock,
             open(self.stdout_path, "wb") as out,
             open(self.log_path, "ab") as err,
             held,  # a stop before its handler exists waits for it (stop_signals.py)

@@ -12,7 +12,7 @@ Each of the six services (the audit signer included) is started as its own proce
 * ``serving``: after its ready line; for codec that is while its start-up calibration runs in
   torch on a background thread, the race that used to abort it.
 
-``NEBULA_STOP_REPEAT`` repeats every case (default 1; ``make test-stop`` runs 20).
+``NEBULA_STOP_REPEAT`` repeats every case (default 1; ``make test-stop`` runs 5).
 """
 
 from __future__ import annotations
