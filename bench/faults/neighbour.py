@@ -82,6 +82,8 @@ def beside_big(
     big_handle, big = follow(job(BIG_SPEC, f"big-{label}", 100_000), big_users)
     deadline = time.monotonic() + TIMEOUT_S
     while big.done_steps("sink") < 3:  # the big job is streaming before the small one starts
+        if big.final:  # a stage ended (failed to start, say): nothing will stream
+            raise SystemExit(f"the big job ({label}) ended before its third step: {big.outcome()}")
         if time.monotonic() > deadline:
             raise SystemExit("the big job did not reach its third step")
         time.sleep(0.2)

@@ -125,10 +125,17 @@ class ServiceProcess:
     def start(self) -> None:
         """Start the process from the launcher's spawner thread (``_spawner``), whichever thread asks.
 
-        The asking thread holds ``lock`` meanwhile (a supervisor asks holding it already).
+        The asking thread holds ``lock`` meanwhile (a supervisor asks holding it already). An interrupt
+        (Ctrl-C) while it waits lets the start finish first, so a ``stop()`` after it finds the process.
         """
         with self.lock:
-            _spawner().submit(self._spawn).result()
+            spawned = _spawner().submit(self._spawn)
+            try:
+                spawned.result()
+            except BaseException:
+                with contextlib.suppress(BaseException):
+                    spawned.result()
+                raise
 
     def _spawn(self) -> None:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
