@@ -6,7 +6,8 @@ job waits behind a big tensor of another. The link writer takes items with
 of routes the switch dropped, then the routes' items by deficit round robin over bytes (Shreedhar and
 Varghese, 1995): each route with items gets a quantum of bytes per round (times its account's
 weight), so a big tensor of one job never holds up a small item of another, and two busy routes share
-the link by bytes, not by items. A route that had nothing queued goes first, as a new flow in
+the link by bytes, not by items; an item costs at least ``ITEM_COST_BYTES``, so a flood of tiny items
+takes a few dozen per turn, not thousands. A route that had nothing queued goes first, as a new flow in
 FQ-CoDel (RFC 8290). On a paced link (``pacing.py``, :meth:`LinkScheduler.next_paced`) items larger
 than the link's fragment size leave as fragments, one per turn, while the pacer has room; over a full
 cap only acks and such a new flow's first item, when no longer than a fragment, may pass (one fragment
@@ -24,6 +25,10 @@ from services.switch.route_table import RouteTable
 
 QUANTUM_BYTES = 256 << 10
 """A route's bytes per round of the scheduler on a link that is not paced (a paced link: one fragment)."""
+ITEM_COST_BYTES = 4 << 10
+"""What an item costs its route's deficit at least: the peer's switch spends about as much on a 60-byte
+header frame as on a fragment, so by bytes alone a flood of tiny items took a quantum of thousands of
+them per turn, seconds of the peer's work ahead of every other job's next message."""
 
 
 class LinkScheduler(RouteTable):
@@ -75,7 +80,7 @@ class LinkScheduler(RouteTable):
                     self._ready.rotate(-1)
                     continue
             piece, size = self._piece(route, fragment_bytes, cut_above or fragment_bytes)
-            route.deficit -= size
+            route.deficit -= max(size, ITEM_COST_BYTES)
             if not route.outbound:
                 self._leave_ready()
             elif route.deficit <= 0:

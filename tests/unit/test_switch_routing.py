@@ -13,6 +13,7 @@ from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, tensor_pb2
 from services.switch.link import PeerLink
 from services.switch.liveness import MIN_RTT_WINDOW_S, LivenessPolicy, RttEstimator
 from services.switch.route_limits import INITIAL_WINDOW_BYTES, SLACK_BYTES, UNATTACHED_MAX_ITEMS, Limits
+from services.switch.route_scheduler import ITEM_COST_BYTES, QUANTUM_BYTES
 from services.switch.route_state import Attachment, Route, RouteInUseError, RouteLimitError, StaleEpochError
 from services.switch.routing import Router
 
@@ -173,6 +174,32 @@ def test_scheduler_sends_acks_first_then_each_route_a_quantum_of_bytes_in_turn()
         assert small_positions == [1, 2, 3, 4, 5, 6]
         small_items = [o[1] for o in order if o[0] == "small"][1:]
         assert small_items == ["frame", "signal"] * 3  # order kept within the route
+
+    run(scenario)
+
+
+def test_a_route_of_tiny_items_takes_a_quantum_of_item_costs_per_turn_not_thousands_of_items() -> None:
+    """Each item costs at least ITEM_COST_BYTES: by bytes alone one turn of a flood of header frames held
+    2,000 of them (seconds of the peer's work) ahead of another busy route's next item."""
+
+    async def scenario() -> None:
+        router = Router(cluster_id="a")
+        flood, flood_attachment = router.attach(("flood", "e"), "mallory")
+        other, other_attachment = router.attach(("other", "e"), "alice")
+        for frame_id in range(1, 2001):
+            router.accept_local(flood, flood_attachment, header(frame_id))
+        for frame_id in range(1, 101):
+            router.accept_local(other, other_attachment, header(frame_id))
+        order = [m.routed.job_id for m in drain(router)]
+        assert order.count("flood") == 2000 and order.count("other") == 100
+        last_other = len(order) - 1 - order[::-1].index("other")
+        runs, run_length = [], 0
+        contested = order[: last_other + 1]  # while both routes have items
+        for previous, job in zip(["other", *contested], contested, strict=False):
+            run_length = run_length + 1 if job == "flood" and previous == "flood" else int(job == "flood")
+            runs.append(run_length)
+        assert max(runs) == QUANTUM_BYTES // ITEM_COST_BYTES, max(runs)
+        assert order.index("other") <= 1  # one quantum of the flood at most before the other's first item
 
     run(scenario)
 
