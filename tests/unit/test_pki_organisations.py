@@ -28,7 +28,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _invoke(*args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(app, [str(a) for a in args])
+    # Wide enough that rich never wraps a path of pytest's temporary directories inside an error panel.
+    result = CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "1000"})
     assert "Traceback" not in result.output + result.stderr
     return result.exit_code, result.stdout, result.stderr
 
