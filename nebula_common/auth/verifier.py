@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -41,13 +41,10 @@ from nebula_common.auth.key_source import (
     issuer_for,
     parse_jwks,
 )
+from nebula_common.auth.principal import AUDIENCE, JOB_ROLE, LEEWAY_SECONDS, Principal
 from nebula_common.errors import AuthenticationError, NebulaError
 from nebula_common.proto.nebula.v1 import auth_pb2, auth_pb2_grpc
 from nebula_common.rpc.internal_tls import ClientTls, internal_channel
-
-AUDIENCE = "nebula"
-LEEWAY_SECONDS = 30
-"""Clock skew tolerated on exp/nbf/iat: the clusters' clocks are not perfectly in sync."""
 
 REFRESH_INTERVAL_SECONDS = 10.0
 """Least time between two key refetches: an unknown kid is either a rotation (refetch once) or
@@ -57,32 +54,9 @@ BACKGROUND_REFRESH_SECONDS = 2.0
 """How often a verifier built from the auth service refetches keys and revocations: the bound on
 how long a disabled account's token keeps working (plus one fetch), at one small call per period."""
 
-JOB_ROLE = "job"
-"""The role claim of a job token: never an account's role, so no role check can mistake it for one."""
-
 REQUIRED_CLAIMS = ("iss", "aud", "sub", "role", "cluster", "iat", "nbf", "exp", "jti")
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Principal:
-    """Who authorised a call: an account of ``cluster_id`` with ``role``.
-
-    ``job_id`` is set for a job token (role ``job``, ``auth.proto`` IssueJobToken): it acts for
-    ``username`` in that one job only (``policy.JOB_METHODS``).
-    """
-
-    username: str
-    role: str
-    cluster_id: str
-    job_id: str = ""
-    issued_at: float = field(default=0.0, compare=False)
-    """The token's ``iat`` (Unix seconds): a live edge opened with it ends once the account's tokens
-    issued before some time are revoked (``revocation_reason``). Not part of who the principal is."""
-    expires_at: float = field(default=0.0, compare=False)
-    """The token's ``exp`` (Unix seconds): a live edge opened with it ends once every service refuses
-    it (``exp`` plus :data:`LEEWAY_SECONDS`) unless its trainer renewed it (``Relay/RenewEdges``)."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated
@@ -13,62 +12,26 @@ from cryptography.hazmat.primitives import hashes
 from rich.console import Console
 from rich.markup import escape
 
-from nebula_common.cli.console import new_console, print_error
-from nebula_common.pki.fingerprint import parse_fingerprint
-from nebula_common.pki.identity import KNOWN_ROLES, validate_cluster_id
+from nebula_common.cli.console import new_console
+from nebula_common.cli.pki_args import (
+    check_cluster,
+    check_clusters,
+    check_optional_cluster,
+    fail,
+    parse_clusters,
+)
+from nebula_common.cli.pki_trust import trust_app
+from nebula_common.pki.identity import KNOWN_ROLES
 from nebula_common.pki.lifecycle import issue_leaf, renew_switch_certificate, revoke_certificate
-from nebula_common.pki.pins import PinnedCa
 from nebula_common.pki.store import (
     ClusterPaths,
-    FingerprintMismatch,
     PkiError,
-    add_trust,
     init_cluster,
     init_pki,
-    remove_trust,
 )
-from nebula_common.pki.trust import export_ca, list_trust
+from nebula_common.pki.trust import export_ca
 
 app = typer.Typer(help="Certificates for the clusters' switches.", no_args_is_help=True)
-
-
-def _fail(message: str) -> typer.Exit:
-    """Report an operational error (bad state on disk, unreadable file) as exit code 1."""
-    print_error(message)
-    return typer.Exit(code=1)
-
-
-def _parse_clusters(value: str) -> list[str]:
-    """Split ``a,b`` into validated, distinct cluster ids; usage errors exit with code 2."""
-    ids = [part.strip() for part in value.split(",") if part.strip()]
-    try:
-        for cid in ids:
-            validate_cluster_id(cid)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    if len(set(ids)) != len(ids):
-        raise typer.BadParameter(f"cluster ids must be distinct, got {value!r}")
-    if len(ids) < 2:
-        raise typer.BadParameter(f"need at least two clusters separated by commas, got {value!r}")
-    return ids
-
-
-def _check_clusters(value: str | None) -> str | None:
-    # Validate during parsing so Typer reports "Invalid value for '--clusters'" with usage help.
-    if value is not None:
-        _parse_clusters(value)
-    return value
-
-
-def _check_optional_cluster(value: str | None) -> str | None:
-    return None if value is None else _check_cluster(value)
-
-
-def _check_cluster(value: str) -> str:
-    try:
-        return validate_cluster_id(value)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
 
 
 @app.command()
@@ -78,14 +41,14 @@ def init(
         str | None,
         typer.Option(
             help="ONE organisation's cluster id: its CA and switch only (no peer).",
-            callback=_check_optional_cluster,
+            callback=check_optional_cluster,
         ),
     ] = None,
     clusters: Annotated[
         str | None,
         typer.Option(
             help="Demo: comma-separated cluster ids, e.g. 'a,b', all in one directory.",
-            callback=_check_clusters,
+            callback=check_clusters,
         ),
     ] = None,
     leaf_validity_hours: Annotated[
@@ -109,7 +72,7 @@ def init(
         try:
             paths, created = init_cluster(pki_dir, cluster, leaf_validity=validity, force=force)
         except (PkiError, OSError) as exc:
-            raise _fail(str(exc)) from None
+            raise fail(str(exc)) from None
         verb = "Wrote" if created else "Reusing existing"
         console.print(f"[bold]{verb} PKI of cluster {cluster} at {escape(str(paths.dir))}[/]", soft_wrap=True)
         console.print(f"  switch identity: {paths.switch_identity.uri}", soft_wrap=True)
@@ -122,11 +85,11 @@ def init(
         )
         return
     assert clusters is not None
-    ids = _parse_clusters(clusters)
+    ids = parse_clusters(clusters)
     try:
         layout = init_pki(pki_dir, ids, leaf_validity=validity, force=force)
     except (PkiError, OSError) as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
 
     verb = "Wrote" if layout.created else "Reusing existing"
     console.print(f"[bold]{verb} PKI at {escape(str(layout.root))}[/]", soft_wrap=True)
@@ -144,7 +107,7 @@ def init(
 @app.command("export-ca")
 def export_ca_command(
     pki_dir: Annotated[Path, typer.Option("--dir", help="PKI root directory.")],
-    cluster: Annotated[str, typer.Option(help="Your cluster id.", callback=_check_cluster)],
+    cluster: Annotated[str, typer.Option(help="Your cluster id.", callback=check_cluster)],
     out: Annotated[Path, typer.Option(help="File (or directory) to write the CA certificate to.")],
 ) -> None:
     """Write your cluster's CA certificate (public, safe to send) and print its SHA-256 fingerprint.
@@ -155,109 +118,23 @@ def export_ca_command(
     try:
         path, fingerprint = export_ca(pki_dir, cluster, out)
     except (PkiError, OSError) as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     new_console(stderr=True).print(
         f"wrote the CA certificate of cluster {cluster} to {escape(str(path))}", soft_wrap=True
     )
     typer.echo(fingerprint)
 
 
-trust_app = typer.Typer(
-    help="Which peer organisations' CAs this cluster trusts on the WAN.", no_args_is_help=True
-)
 app.add_typer(trust_app, name="trust")
-
-
-@trust_app.command("add")
-def trust_add(
-    pki_dir: Annotated[Path, typer.Option("--dir", help="PKI root directory.")],
-    cluster: Annotated[str, typer.Option(help="Your cluster id.", callback=_check_cluster)],
-    peer: Annotated[str, typer.Option(help="The peer organisation's cluster id.", callback=_check_cluster)],
-    ca: Annotated[Path, typer.Option("--ca", help="The peer's CA certificate (from its `pki export-ca`).")],
-    fingerprint: Annotated[
-        str, typer.Option(help="The SHA-256 fingerprint the peer read to you out of band (SHA256:AB:CD:...).")
-    ],
-) -> None:
-    """Trust a peer organisation's CA, only if its fingerprint matches what they told you.
-
-    A mismatch is refused (exit 2) and nothing is written. A running switch picks the new trust up
-    for new connections within seconds.
-    """
-    try:
-        expected = parse_fingerprint(fingerprint)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="'--fingerprint'") from None
-    try:
-        pem = ca.read_bytes()
-    except FileNotFoundError:
-        raise typer.BadParameter(f"{ca} does not exist", param_hint="'--ca'") from None
-    except OSError as exc:
-        raise _fail(f"cannot read {ca}: {exc}") from None
-    try:
-        path = add_trust(pki_dir, cluster, peer, pem, expected_fingerprint=expected)
-    except FingerprintMismatch as exc:
-        new_console(stderr=True).print(f"[bold red]refused:[/] {escape(str(exc))}", soft_wrap=True)
-        raise typer.Exit(code=2) from None
-    except (PkiError, OSError) as exc:
-        raise _fail(str(exc)) from None
-    scope = PinnedCa(x509.load_pem_x509_certificate(path.read_bytes()), peer).scope()
-    new_console().print(
-        f"cluster {cluster} now trusts peer {peer} ({escape(str(path))}); it may certify {scope}",
-        soft_wrap=True,
-    )
-
-
-@trust_app.command("list")
-def trust_list(
-    pki_dir: Annotated[Path, typer.Option("--dir", help="PKI root directory.")],
-    cluster: Annotated[str, typer.Option(help="Your cluster id.", callback=_check_cluster)],
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
-) -> None:
-    """The peer CAs this cluster trusts, with the fingerprints to compare and what each may certify."""
-    try:
-        peers = list_trust(pki_dir, cluster)
-    except (PkiError, OSError) as exc:
-        raise _fail(str(exc)) from None
-    if as_json:
-        typer.echo(json.dumps([p.as_dict() for p in peers], indent=2))
-        return
-    if not peers:
-        typer.echo(f"cluster {cluster} trusts no peer CA")
-        return
-    for p in peers:
-        if p.crl_error is not None:
-            crl = f"unreadable CRL: {p.crl_error}"
-        elif p.crl_number is not None:
-            crl = f"CRL #{p.crl_number}"
-        else:
-            crl = "no CRL file (the switch gets it over the link)"
-        typer.echo(f"{p.peer}  {p.fingerprint}  until {p.not_after.isoformat()}  {crl}")
-        typer.echo(f"    may certify: {p.scope}")
-
-
-@trust_app.command("remove")
-def trust_remove(
-    pki_dir: Annotated[Path, typer.Option("--dir", help="PKI root directory.")],
-    cluster: Annotated[str, typer.Option(help="Your cluster id.", callback=_check_cluster)],
-    peer: Annotated[str, typer.Option(help="The peer to stop trusting.", callback=_check_cluster)],
-) -> None:
-    """Stop trusting a peer's CA (offboarding); a running switch closes its link within seconds."""
-    try:
-        removed = remove_trust(pki_dir, cluster, peer)
-    except (PkiError, OSError) as exc:
-        raise _fail(str(exc)) from None
-    new_console().print(f"cluster {cluster} no longer trusts peer {peer}; removed:", soft_wrap=True)
-    for path in removed:
-        new_console().print(f"  {escape(str(path))}", soft_wrap=True)
 
 
 def _describe(console: Console, title: str, path: Path) -> None:
     try:
         cert = x509.load_pem_x509_certificate(path.read_bytes())
     except FileNotFoundError:
-        raise _fail(f"missing certificate {path}") from None
+        raise fail(f"missing certificate {path}") from None
     except ValueError as exc:
-        raise _fail(f"{path} is not a PEM certificate: {exc}") from None
+        raise fail(f"{path} is not a PEM certificate: {exc}") from None
 
     now = datetime.now(UTC)
     if now < cert.not_valid_before_utc:
@@ -291,9 +168,7 @@ def _describe(console: Console, title: str, path: Path) -> None:
 @app.command()
 def show(
     pki_dir: Annotated[Path, typer.Option("--dir", help="PKI root directory.")],
-    cluster: Annotated[
-        str, typer.Option(help="Cluster whose certificates to show.", callback=_check_cluster)
-    ],
+    cluster: Annotated[str, typer.Option(help="Cluster whose certificates to show.", callback=check_cluster)],
 ) -> None:
     """Print subject, SAN, serial and validity of a cluster's CA, switch and trusted peer CAs.
 
@@ -301,7 +176,7 @@ def show(
     """
     paths = ClusterPaths.for_cluster(pki_dir, cluster)
     if not paths.dir.is_dir():
-        raise _fail(f"no PKI for cluster {cluster!r}: {paths.dir} does not exist")
+        raise fail(f"no PKI for cluster {cluster!r}: {paths.dir} does not exist")
     console = new_console()
     _describe(console, f"cluster {cluster} CA", paths.ca_cert)
     _describe(console, f"cluster {cluster} switch", paths.switch_cert)
@@ -321,9 +196,9 @@ def _serial_of(serial: str | None, cert: Path | None) -> int:
         try:
             return x509.load_pem_x509_certificate(cert.read_bytes()).serial_number
         except FileNotFoundError:
-            raise _fail(f"missing certificate {cert}") from None
+            raise fail(f"missing certificate {cert}") from None
         except ValueError as exc:
-            raise _fail(f"{cert} is not a PEM certificate: {exc}") from None
+            raise fail(f"{cert} is not a PEM certificate: {exc}") from None
     assert serial is not None
     try:
         value = int(serial.replace(":", ""), 16)
@@ -338,7 +213,7 @@ def _serial_of(serial: str | None, cert: Path | None) -> int:
 def revoke(
     pki_dir: Annotated[Path, typer.Option("--dir", help="PKI root directory.")],
     cluster: Annotated[
-        str, typer.Option(help="Cluster whose CA issued the certificate.", callback=_check_cluster)
+        str, typer.Option(help="Cluster whose CA issued the certificate.", callback=check_cluster)
     ],
     serial: Annotated[str | None, typer.Option(help="Serial number in hex.")] = None,
     cert: Annotated[Path | None, typer.Option(help="PEM certificate to revoke.")] = None,
@@ -355,7 +230,7 @@ def revoke(
     try:
         written = revoke_certificate(pki_dir, cluster, number, reason=reason)
     except (PkiError, OSError) as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     console = new_console()
     console.print(f"revoked serial {number:x} of cluster {cluster}; wrote:", soft_wrap=True)
     for path in written:
@@ -366,7 +241,7 @@ def revoke(
 def renew(
     pki_dir: Annotated[Path, typer.Option("--dir", help="PKI root directory.")],
     cluster: Annotated[
-        str, typer.Option(help="Cluster whose switch certificate to renew.", callback=_check_cluster)
+        str, typer.Option(help="Cluster whose switch certificate to renew.", callback=check_cluster)
     ],
     validity_hours: Annotated[float, typer.Option(min=0.001, help="Lifetime of the new certificate.")] = 24.0,
 ) -> None:
@@ -374,7 +249,7 @@ def renew(
     try:
         cert_obj = renew_switch_certificate(pki_dir, cluster, validity=timedelta(hours=validity_hours))
     except (PkiError, OSError, ValueError) as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     new_console().print(
         f"renewed switch of cluster {cluster}: serial {cert_obj.serial_number:x}, "
         f"valid until {cert_obj.not_valid_after_utc.isoformat()}",
@@ -386,7 +261,7 @@ def renew(
 def issue(
     pki_dir: Annotated[Path, typer.Option("--dir", help="PKI root directory.")],
     cluster: Annotated[
-        str, typer.Option(help="Cluster whose CA issues the certificate.", callback=_check_cluster)
+        str, typer.Option(help="Cluster whose CA issues the certificate.", callback=check_cluster)
     ],
     role: Annotated[str, typer.Option(help=f"One of: {', '.join(sorted(KNOWN_ROLES))}.")],
     out: Annotated[Path, typer.Option(help="Directory for <role>.crt and <role>.key.")],
@@ -400,5 +275,5 @@ def issue(
             pki_dir, cluster, role, out, validity=timedelta(hours=validity_hours)
         )
     except (PkiError, OSError, ValueError) as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     new_console().print(f"wrote {escape(str(cert_path))} and {escape(str(key_path))}", soft_wrap=True)

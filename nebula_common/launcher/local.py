@@ -33,7 +33,6 @@ same ports (``nebula_common/launcher/supervisor.py``).
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +51,7 @@ from nebula_common.launcher.cluster import (
     cluster_endpoints,
     write_secret,
 )
+from nebula_common.launcher.description import describe_deployment
 from nebula_common.launcher.emulator import launch_emulator
 from nebula_common.launcher.pinned import LOOPBACK
 from nebula_common.launcher.process import ServiceProcess
@@ -60,7 +60,7 @@ from nebula_common.launcher.run_dir import LocalDeploymentError, check_run_dir, 
 from nebula_common.launcher.supervisor import RestartPolicy, Supervisor
 from nebula_common.launcher.together import start_together
 from nebula_common.pki import init_pki
-from nebula_common.pki.service_identity import MONITORING_ROLE, ensure_service_certificates
+from nebula_common.pki.service_identity import ensure_service_certificates
 from nebula_common.pki.store import PkiError
 from nebula_common.rpc.internal_tls import PLAINTEXT_ENV, plaintext_allowed
 from nebula_common.wan.control import WanControl
@@ -308,68 +308,14 @@ class LocalDeployment:
     def endpoints(self, cluster: str) -> ClusterEndpoints:
         return cluster_endpoints(self.cluster_state[cluster])
 
+    @property
+    def boxed(self) -> bool:
+        """Whether the services run in boxes of their own (decided at start)."""
+        return bool(self._boxed)
+
     def describe(self) -> dict[str, Any]:
-        """Everything an operator needs to poke at the running deployment (pids, restarts, ports)."""
-        supervision = self.supervisor.status() if self.supervisor is not None else {}
-
-        def entry(p: ServiceProcess) -> dict[str, Any]:
-            status = supervision.get(p.name, {"state": "running", "restarts": 0, "last_exit": None})
-            return {**p.info, "pid": p.pid, **status}
-
-        clusters = {}
-        for cluster, state in self.cluster_state.items():
-            clusters[cluster] = {
-                "processes": {p.name: entry(p) for p in state.processes()},
-                "admin_password_file": str(self.run_dir / cluster / "admin-password"),
-                # The trainer's stage records: `nebula job list` reads them once the deployment stopped.
-                "trainer_data_dir": str(self.run_dir / cluster / "trainer"),
-            }
-            if self.internal_tls:  # every internal port of the cluster serves TLS verified against this CA
-                clusters[cluster]["ca_cert"] = str(self.ca_cert(cluster))
-                # The scraper's identity (role monitoring): /metrics refuse readers without it.
-                scraper = state.service_tls.get(MONITORING_ROLE)
-                if scraper is not None:
-                    clusters[cluster]["monitoring_tls"] = str(scraper.dir)
-        emulator = entry(self.emulator) if self.emulator is not None else {}
-        return {
-            # Which command holds the run directory's lock (``nebula local status|down`` name it).
-            "command": {"name": "nebula local up", "pid": os.getpid()},
-            "run_dir": str(self.run_dir),
-            "pki_dir": str(self.pki_dir),
-            "service_isolation": service_box.describe(bool(self._boxed)),
-            "trainer_shares": [str(path) for path in self.shares],
-            "log_dir": str(self.log_dir),
-            "supervisor_log": str(self.log_dir / "supervisor.jsonl"),
-            "wan_emulator": {
-                "port": self.emulator_port,
-                "bandwidth_mbit": self.bandwidth_mbit,
-                "delay_ms": self.delay_ms,
-                "control": f"{LOOPBACK}:{self.control_port}",
-                "control_token_file": str(self.control_token_file),
-                "pid": emulator.get("pid"),
-                "state": emulator.get("state"),
-                "restarts": emulator.get("restarts", 0),
-            },
-            **self._describe_mesh(entry),
-            "clusters": clusters,
-        }
-
-    def _describe_mesh(self, entry: Callable[[ServiceProcess], dict[str, Any]]) -> dict[str, Any]:
-        """With three or more clusters: the emulator in front of each accepting switch (by cluster)."""
-        if not self.emulators:
-            return {}
-        mesh = {}
-        for cluster, process in self.emulators.items():
-            port, control = self.emulator_ports[cluster]
-            info = entry(process)
-            mesh[cluster] = {
-                "port": port,
-                "control": f"{LOOPBACK}:{control}",
-                "pid": info.get("pid"),
-                "state": info.get("state"),
-                "restarts": info.get("restarts", 0),
-            }
-        return {"wan_emulators": mesh}
+        """Everything an operator needs to poke at the running deployment (``description.py``)."""
+        return describe_deployment(self)
 
     def stop(self) -> None:
         """Stop trainers first (they close their edges), then switches, emulators, data, codec, auth, signer.
