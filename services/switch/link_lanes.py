@@ -85,6 +85,19 @@ class LinkLanes(LinkPumps):
             if self._lanes is lanes:
                 LINK_CONNECTIONS.labels(self.expected_peer.cluster_id).set(len(lanes.active))
 
+    def _carried(self) -> tuple[object, int]:
+        """Bytes the link carried both ways so far, and the session's pacer they count in.
+
+        On a paced session: what the peer acknowledged reading of ours and what we read of its, byte by
+        byte. The link's item counters count an item whole as its first fragment leaves: with 1 MiB
+        tensors over a 2 s interval a path carrying 0.5 to 1.5 MB/s measured in steps of half a MB/s,
+        so the tuner judged a doubling on which interval a tensor happened to start in, far above its
+        5% gain."""
+        pacer = self._pacer
+        if pacer is None:
+            return None, self.sent.bytes + self.received.bytes
+        return pacer, pacer.acked + self._rx_bytes
+
     def lane_counts(self) -> dict[int, int]:
         """Items written per connection in the current session ({} without lanes)."""
         lanes = self._lanes
@@ -131,15 +144,17 @@ class LinkLanes(LinkPumps):
                             lanes[index] = lane
                 for index in sorted(lanes, reverse=True)[: max(0, len(lanes) + 1 - target)]:
                     self.retire_lane(index)
-                sent, busy, samples = self.sent.bytes + self.received.bytes, 0, 0
+                session, carried = self._carried()
+                busy, samples = 0, 0
                 started = time.monotonic()
                 while time.monotonic() - started < LANE_INTERVAL_S:
                     await asyncio.sleep(LANE_SAMPLE_S)
                     samples += 1
                     busy += self.link_busy()
                 if tuner is not None:
-                    rate = (self.sent.bytes + self.received.bytes - sent) / (time.monotonic() - started)
-                    target = tuner.observe(rate, busy * 2 >= samples)
+                    now_session, now_carried = self._carried()
+                    rate = (now_carried - carried) / (time.monotonic() - started)
+                    target = tuner.observe(rate, busy * 2 >= samples and now_session is session)
                 elif self.connections is not None:
                     target = self.connections  # a changed fixed count applies from the next interval
         finally:

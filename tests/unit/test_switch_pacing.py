@@ -579,3 +579,34 @@ def test_a_peer_that_acknowledges_more_than_a_connection_carried_ends_the_sessio
         return _last_notice(router, route, attachment)
 
     assert "peer acknowledged 5 bytes on connection 0, but only 0 were sent there" in asyncio.run(scenario())
+
+
+def test_the_lane_tuner_measures_the_bytes_the_link_carried_not_whole_items() -> None:
+    """A 1 MiB item takes seconds on a lossy long path: counted whole when its first fragment left, a 2 s
+    interval measured 0, 1 or 2 items, and the tuner judged each doubling on that noise. A paced session
+    counts what the peer acknowledged of ours and what we read of its, fragment by fragment."""
+
+    async def write(message: bytes) -> None:
+        return None
+
+    async def scenario() -> None:
+        router = Router(cluster_id="a")
+        link, _, session = await _marked_session(router, write)
+        pacer = link._pacer
+        assert pacer is not None
+        route, attachment = router.attach(("j", "e"), "alice")
+        router.accept_local(route, attachment, framed("j", 1, 1 << 20))
+        counted, before = link._carried()
+        written = 0
+        while written < 300_000 and (message := link._next_message(0)) is not None:
+            assert isinstance(message, Fragment), message  # cut: the item is not whole yet
+            await link._write_item(write, message, link._lanes, 0)
+            written = pacer.sent
+        pacer.on_ack(200_000)
+        link._read_data(50_000, 0)
+        assert link.sent.bytes > 1 << 20  # the old count: the whole item, of which 300 kB left
+        assert link._carried() == (counted, before + 250_000)
+        session.cancel()
+        await asyncio.gather(session, return_exceptions=True)
+
+    asyncio.run(scenario())
