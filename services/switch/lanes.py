@@ -27,7 +27,14 @@ losses fall by more than one connection adds.
   MSS / RTT x sqrt(3 / 2p)), so such a path takes as many connections as its capacity holds flows.
   A doubling is kept, and doubling goes on up to ``max_lanes``, while it raised throughput by more than
   ``gain`` (5%): on a loss-limited path the gain is about x2, far above the noise of where losses fall,
-  on a full path about nothing. A doubling that gained no more than that is undone.
+  on a full path about nothing. A doubling that gained no more than that is undone, and judged once
+  more before the undo stands: the count before it is measured afresh and the doubling tried again
+  against that. On a lossy long path the intervals after a doubling carry its new connections'
+  slow-start overshoot (each runs far above its steady rate until its first losses halve it), so the
+  mean that becomes the next doubling's baseline is inflated; judged against it, a doubling that
+  scales the path can measure no gain. Undoing one costs the path most of what it could carry for
+  the next hold, keeping one that does not help costs a few idle connections, so an undo needs two
+  measurements and a kept doubling one.
 * **Halving**, after a hold: lanes added while the link was still ramping up, or a path that needs
   fewer later, are walked back while throughput stays within ``gain``; a halving that cost more is
   undone. Holds alternate the direction, so the count follows a path that changes either way, and each
@@ -148,6 +155,11 @@ class LaneTuner:
     _undone: int = 0  # probes undone in a row (each doubles the next hold); a kept change resets it
     _settle: int = 0  # intervals left before the change's judging intervals begin
     _busy_run: int = 0  # busy intervals since the last idle one
+    _retry: bool = False  # a doubling was undone once: measure the count before it afresh, then retry
+    _retrying: bool = False  # the doubling being judged is that retry: no gain undoes it for good
+    _first_try: float = 0.0  # the mean the undone doubling measured
+    _fresh: bool = False  # the mean just measured followed a kept doubling: its new connections' overshoot
+    _suspect: bool = False  # the change being judged was measured against such a mean
 
     def observe(self, throughput: float, busy: bool) -> int:
         """One interval's throughput (bytes/s) and whether the link was busy; returns the lane count."""
@@ -171,20 +183,35 @@ class LaneTuner:
         self._window.clear()
         if self._baseline is not None:
             self._judge(mean)
-            if self._hold > 0:
-                return self.lanes
+            if self._hold > 0 or self._retry:
+                return self.lanes  # a hold, or an undone doubling whose count is measured afresh first
         self._probe(mean)
         return self.lanes
 
     def _judge(self, mean: float) -> None:
         """Keep or undo the change made after ``_baseline`` was measured."""
         assert self._baseline is not None
-        ratio = mean / self._baseline if self._baseline > 0 else float("inf")
-        self._baseline = None
+        baseline, self._baseline = self._baseline, None
+        ratio = mean / baseline if baseline > 0 else float("inf")
+        retrying, self._retrying = self._retrying, False
+        if retrying:
+            # Kept only if both tries beat the fresh baseline: on a path the count already fills, two
+            # tries must not double the odds that noise keeps a doubling.
+            ratio = min(ratio, self._first_try / baseline if baseline > 0 else float("inf"))
         if self.lanes > self._previous:
+            if ratio <= 1 + self.gain and self._suspect and not retrying:
+                # No gain, judged once: undo it, measure the count before afresh, then try it again
+                # against that (see the module doc), without a hold.
+                self.lanes = self._previous
+                self._settle = self.settle_intervals
+                self._retry = True
+                self._first_try = mean
+                self._window.clear()
+                return
             if ratio > 1 + self.gain:
                 self._undone = 0
                 if self.lanes < self.max_lanes:
+                    self._fresh = True
                     return  # the path gives more with more connections: double again (from this mean)
             else:
                 self.lanes = self._previous  # no gain: undo
@@ -203,6 +230,10 @@ class LaneTuner:
             self._direction = 1
         if self._direction > 0 and self.lanes >= self.max_lanes:
             self._direction = -1
+        self._retrying, self._retry = self._retry, False
+        self._suspect, self._fresh = self._fresh, False
+        if self._retrying:
+            self._direction = 1
         self._previous = self.lanes
         if self._direction > 0:
             self.lanes = min(self.max_lanes, self.lanes * 2)
