@@ -27,14 +27,13 @@ losses fall by more than one connection adds.
   MSS / RTT x sqrt(3 / 2p)), so such a path takes as many connections as its capacity holds flows.
   A doubling is kept, and doubling goes on up to ``max_lanes``, while it raised throughput by more than
   ``gain`` (5%): on a loss-limited path the gain is about x2, far above the noise of where losses fall,
-  on a full path about nothing. A doubling that gained no more than that is undone, and judged once
-  more before the undo stands: the count before it is measured afresh and the doubling tried again
-  against that. On a lossy long path the intervals after a doubling carry its new connections'
-  slow-start overshoot (each runs far above its steady rate until its first losses halve it), so the
-  mean that becomes the next doubling's baseline is inflated; judged against it, a doubling that
-  scales the path can measure no gain. Undoing one costs the path most of what it could carry for
-  the next hold, keeping one that does not help costs a few idle connections, so an undo needs two
-  measurements and a kept doubling one.
+  on a full path about nothing. A doubling that gained no more than that is undone. One judged against
+  the mean measured right after a kept doubling is judged once more before the undo stands: the count
+  before it is measured afresh and the doubling tried again, kept only if both tries beat that mean.
+  On a lossy long path the intervals after a doubling carry its new connections' slow-start overshoot
+  (each runs far above its steady rate until its first losses halve it), so the mean that becomes the
+  next doubling's baseline is inflated, and judged against it a doubling that scales the path can
+  measure no gain; an undo then holds the path at a few connections for the next hold.
 * **Halving**, after a hold: lanes added while the link was still ramping up, or a path that needs
   fewer later, are walked back while throughput stays within ``gain``; a halving that cost more is
   undone. Holds alternate the direction, so the count follows a path that changes either way, and each
