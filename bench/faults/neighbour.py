@@ -10,7 +10,9 @@ Per round, side by side: the small job alone, the big job alone, the big job wit
 it on the same link, and (the control) the small job beside a big job that runs on a second deployment
 of its own: the same CPUs, another link. Reported: the small job's mean step beside the big one against
 alone (the ratio a tenant feels), the same for the control (what sharing two cores costs it, which no
-switch can remove), and the big job's step in the mix against alone (what it keeps of the link). Step
+switch can remove), and the big job's step in the mix against alone (what it keeps of the link), with
+its own control: its step beside the small job running on the other deployment (what the small job's
+CPU costs it). Step
 times are the trainers' own (``StageStatus.step_seconds``), steps after the second.
 
 Usage: ``python bench/faults/neighbour.py [--out DIR] [--rounds N] [--small-steps N]``; writes
@@ -112,8 +114,9 @@ def one_round(
     finished(big, "the big job alone")
     big_alone = big.mean_reported_step_seconds("sink")
     small_mix, big_steps_mix = beside_big(users["small"], users["big"], small_steps, "mix")
-    small_control, _ = beside_big(users["small"], control_users, small_steps, "control")
+    small_control, big_steps_control = beside_big(users["small"], control_users, small_steps, "control")
     big_mix = statistics.mean(big_steps_mix) if big_steps_mix else None
+    big_control = statistics.mean(big_steps_control) if big_steps_control else None
     if not (small_alone and big_alone):
         raise SystemExit(f"a step time is missing: {small_alone=} {big_alone=}")
     return {
@@ -126,6 +129,8 @@ def one_round(
         "big_mix_s": round(big_mix, 4) if big_mix else None,
         "big_mix_steps": len(big_steps_mix),
         "big_share": round(big_alone / big_mix, 3) if big_mix else None,
+        "big_control_s": round(big_control, 4) if big_control else None,
+        "big_control_share": round(big_alone / big_control, 3) if big_control else None,
         "big_alone_mbit_each_way": round(BIG_BYTES_PER_STEP * 8 / big_alone / 1e6, 1),
         "load": load_info(),
     }
@@ -143,6 +148,8 @@ def report(result: dict[str, Any]) -> str:
             r["big_alone_s"],
             r["big_mix_s"],
             r["big_share"],
+            r["big_control_s"],
+            r["big_control_share"],
             r["big_alone_mbit_each_way"],
         ]
         for i, r in enumerate(result["rounds"])
@@ -157,6 +164,8 @@ def report(result: dict[str, Any]) -> str:
         "big alone s",
         "big beside s",
         "big keeps",
+        "big beside small elsewhere s",
+        "big keeps, CPU only",
         "big alone Mbit/s each way",
     ]
     return (
@@ -164,7 +173,7 @@ def report(result: dict[str, Any]) -> str:
         + md_table(head, rows)
         + f"\n\nMedian ratio: **{result['median_small_ratio']}** (CPU-only control: "
         f"{result['median_control_ratio']}); the big job keeps **{result['median_big_share']}** of its "
-        "alone throughput.\n"
+        f"alone throughput (CPU-only control: {result['median_big_control_share']}).\n"
     )
 
 
@@ -200,6 +209,7 @@ def main() -> None:
         "median_small_ratio": statistics.median(r["small_ratio"] for r in rounds),
         "median_control_ratio": statistics.median(r["control_ratio"] for r in rounds),
         "median_big_share": statistics.median(r["big_share"] or 0.0 for r in rounds),
+        "median_big_control_share": statistics.median(r["big_control_share"] or 0.0 for r in rounds),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "faults-neighbour.json", result)
