@@ -37,6 +37,7 @@ from common import JobFollower, load_info, md_table, write_json
 
 from nebula_common.jobspec import load_spec
 from nebula_common.launcher import LocalDeployment
+from nebula_common.proto.nebula.v1 import trainer_pb2
 from nebula_common.sdk.client import ClusterSession, submit_job
 from nebula_common.sdk.jobs import ProgramJob
 from tests.support.accounts import make_user
@@ -47,6 +48,7 @@ BIG_SPEC = Path(__file__).resolve().parent / "big_neighbour" / "job.yaml"
 BANDWIDTH_MBIT, DELAY_MS = 60.0, 20.0
 BIG_BYTES_PER_STEP = 4 * (4 << 20)  # each way: 4 micro-batches x 4 MiB
 TIMEOUT_S = 900.0
+SUCCEEDED = trainer_pb2.STAGE_STATE_SUCCEEDED
 
 
 def job(spec: Path, label: str, steps: int) -> ProgramJob:
@@ -59,9 +61,20 @@ def follow(program: ProgramJob, sessions: dict[str, ClusterSession]) -> tuple[An
     return handle, JobFollower(handle.job.job_id, handle.stages, give_up_s=TIMEOUT_S)
 
 
+def stop_if_ended(follower: JobFollower, what: str) -> None:
+    """A stage that ended otherwise than succeeded (a trainer that could not start it, say) fails the bench
+    at once: the job's other stages may wait for their peer until the bench's timeout."""
+    ended = {stage: status.message for stage, status in follower.final.items() if status.state != SUCCEEDED}
+    if ended:
+        raise SystemExit(f"{what} ended early: {ended}")
+
+
 def finished(follower: JobFollower, what: str) -> None:
-    if not follower.wait(TIMEOUT_S):
-        raise SystemExit(f"{what} did not finish within {TIMEOUT_S:.0f} s")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not follower.wait(1.0):
+        stop_if_ended(follower, what)
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what} did not finish within {TIMEOUT_S:.0f} s")
     states = {o["state"] for o in follower.outcome().values()}
     if states != {"succeeded"}:
         raise SystemExit(f"{what} ended {states}: {follower.outcome()}")
@@ -84,8 +97,7 @@ def beside_big(
     big_handle, big = follow(job(BIG_SPEC, f"big-{label}", 100_000), big_users)
     deadline = time.monotonic() + TIMEOUT_S
     while big.done_steps("sink") < 3:  # the big job is streaming before the small one starts
-        if big.final:  # a stage ended (failed to start, say): nothing will stream
-            raise SystemExit(f"the big job ({label}) ended before its third step: {big.outcome()}")
+        stop_if_ended(big, f"the big job ({label})")
         if time.monotonic() > deadline:
             raise SystemExit("the big job did not reach its third step")
         time.sleep(0.2)

@@ -32,7 +32,8 @@ from nebula_common.audit.aggregate import RefusalAggregator
 from nebula_common.pki import Identity
 from nebula_common.proto.nebula.v1 import link_pb2
 from services.switch.bandwidth import BandwidthMeter, BandwidthProbeError, Measurement
-from services.switch.lanes import ReorderBuffer, SessionLanes
+from services.switch.express import ExpressLane
+from services.switch.lanes import SessionLanes, SessionOrder
 from services.switch.link_dialer import LinkDialer
 from services.switch.link_handshake import (
     HANDSHAKE_TIMEOUT_S,
@@ -130,6 +131,7 @@ class PeerLink(LinkDialer):
         self.connections = connections
         self._lanes: SessionLanes | None = None
         self._lane_channels: dict[int, tuple[Closeable, asyncio.Task[None]]] = {}
+        self._lanes_changed = asyncio.Event()
         self.expected_peer = Identity(cluster_id=peer_cluster_id, role="switch")
         self.router = router
         if router.record is None:
@@ -252,12 +254,13 @@ class PeerLink(LinkDialer):
         transport: str = "grpc",
         peer_witness: bool = False,
         peer_paced: bool = False,
+        express: bool = False,
     ) -> None:
         """Pump frames both ways until either side ends; only one session runs at a time.
 
         ``read`` returns the raw bytes of each message (or EOF), ``write`` takes raw bytes;
-        ``peer_witness`` and ``peer_paced`` are what the peer's handshake announced. This connection
-        is lane 0; with ``marking`` (both ends announced lanes) further connections may join with
+        ``peer_witness``, ``peer_paced`` and ``express`` are what the peer's handshake announced. This
+        connection is lane 0; with ``marking`` (both ends announced lanes) further connections may join with
         ``run_lane``.
 
         A new session supersedes the current one: when a peer reconnects, the old stream is
@@ -290,13 +293,16 @@ class PeerLink(LinkDialer):
             self._peer_witness = peer_witness
             self._pacer = LinkPacer() if peer_paced else None
             self._rx_bytes, self._ack_due, self._reassembly = 0, False, Reassembler()
+            self._acked_last = False
             self.witness.session_started()
             self.keepalive.session_started()
             lanes = self._lanes = SessionLanes(
                 session_id=session_id,
                 marking=marking,
-                reorder=ReorderBuffer(lambda item: self._in_order(*item)),
+                order=SessionOrder(lambda item: self._in_order(*item)),
+                express=ExpressLane() if marking and express and self._pacer is not None else None,
             )
+            self.session_started()
             LINK_CONNECTIONS.labels(self.expected_peer.cluster_id).set(1)
             self.router.link_came_up()
             writer = asyncio.create_task(self._pump_out(write), name="link-writer")

@@ -91,7 +91,7 @@ class LinkDialer(LinkLanes, PeerChecks):
                     raise HandshakeError(refused[1])
                 offer_raw = self.raw_dialer is not None
                 session_id = os.urandom(16)
-                striping = self.connections != 1
+                striping = True  # every session is marked: its express connection and any lanes join it
                 async with grpc.aio.secure_channel(address, credentials(), options=options) as channel:
                     # Raw bytes both ways: messages are (de)serialized by the session itself.
                     call = channel.stream_stream(LINK_METHOD)()
@@ -177,12 +177,13 @@ class LinkDialer(LinkLanes, PeerChecks):
                 transport=transport,
                 peer_witness=reply.hello.audit_witness,
                 peer_paced=reply.hello.paced,
+                express=reply.hello.express,
             ),
             name="link-session",
         )
         manager = None
         if marking:
-            manager = asyncio.create_task(self._manage_lanes(open_lane), name="link-lanes")
+            manager = asyncio.create_task(self._manage_lanes(open_lane, session_id), name="link-lanes")
         try:
             await session
         finally:
@@ -235,7 +236,7 @@ class LinkDialer(LinkLanes, PeerChecks):
                 self.refuse(*refused, serial=serial)
                 raise HandshakeError(refused[1])
             hello = self.hello(
-                lanes=self.connections != 1,
+                lanes=True,
                 session_id=session_id,
                 lane=lane,
                 raw_link=RAW_LINK_VERSION,
@@ -279,7 +280,7 @@ class LinkDialer(LinkLanes, PeerChecks):
         async def open_raw_lane(index: int) -> tuple[Closeable, asyncio.Task[None]]:
             lane, _ = await self._raw_connect(session_id, index)
             return lane, asyncio.create_task(
-                self.run_lane(index, lane.read, lane.write), name=f"link-lane-{index}"
+                self.run_lane(index, lane.read, lane.write, session_id), name=f"link-lane-{index}"
             )
 
         try:
@@ -319,5 +320,5 @@ class LinkDialer(LinkLanes, PeerChecks):
             await channel.close()
             raise
         return channel, asyncio.create_task(
-            self.run_lane(index, call.read, grpc_writer(call.write)), name=f"link-lane-{index}"
+            self.run_lane(index, call.read, grpc_writer(call.write), session_id), name=f"link-lane-{index}"
         )

@@ -75,7 +75,8 @@ def hello_message(
     raw_link: int = 0,
     raw_preamble: bytes = b"",
 ) -> link_pb2.LinkMessage:
-    """This switch's handshake: its protocol, cluster and what it offers (lanes, raw, witness, pacing)."""
+    """This switch's handshake: its protocol, cluster and what it offers (lanes, raw, witness, pacing,
+    express)."""
     return link_pb2.LinkMessage(
         hello=link_pb2.Handshake(
             protocol_version=PROTOCOL_VERSION,
@@ -89,6 +90,7 @@ def hello_message(
             raw_preamble=raw_preamble,
             audit_witness=True,
             paced=True,
+            express=True,
         )
     )
 

@@ -17,6 +17,7 @@ import time
 
 import grpc
 
+from services.switch.express import EXPRESS_LANE
 from services.switch.lanes import MAX_LANES, LaneTuner
 from services.switch.link_handshake import HandshakeError
 from services.switch.link_pumps import LinkPumps
@@ -36,13 +37,36 @@ class LinkLanes(LinkPumps):
     #: Connections the dialer keeps per session: a fixed count, or None to self-tune (lanes.py).
     connections: int | None
     _lane_channels: dict[int, tuple[Closeable, asyncio.Task[None]]]
+    _express_channel: tuple[Closeable, asyncio.Task[None]] | None = None
+
+    _lanes_changed: asyncio.Event
 
     def joins_current_session(self, session_id: bytes) -> bool:
         """True if a further connection with ``session_id`` may join the running session as a lane."""
         lanes = self._lanes
         return lanes is not None and lanes.marking and bool(session_id) and lanes.session_id == session_id
 
-    async def run_lane(self, lane: int, read: ReadFn, write: WriteFn) -> None:
+    def session_started(self) -> None:
+        """The running session changed (``run_session``): wake connections waiting to join it."""
+        changed, self._lanes_changed = self._lanes_changed, asyncio.Event()
+        changed.set()
+
+    async def await_session(self, session_id: bytes, timeout_s: float) -> bool:
+        """Whether a further connection with ``session_id`` may join the running session, waiting up to
+        ``timeout_s`` for that session to start: the dialer opens its connections right after our reply
+        to the first, which may reach us while the session before still winds down."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self.joins_current_session(session_id):
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._lanes_changed.wait(), remaining)
+            except TimeoutError:
+                return False
+        return True
+
+    async def run_lane(self, lane: int, read: ReadFn, write: WriteFn, session_id: bytes = b"") -> None:
         """Carry the current session's items over one more connection until it is retired or lost.
 
         A lane that fails (read or write error, EOF without a retiring mark) ends the whole session:
@@ -50,10 +74,17 @@ class LinkLanes(LinkPumps):
         retired (``retire_lane``, or the peer's last mark) ends alone once both last marks crossed.
         """
         lanes = self._lanes
-        if lanes is None or not lanes.marking:
+        if lanes is None or not lanes.marking or (session_id and lanes.session_id != session_id):
             raise HandshakeError(f"lane {lane} has no session to join")
-        lanes.active.add(lane)
-        LINK_CONNECTIONS.labels(self.expected_peer.cluster_id).set(len(lanes.active))
+        express = lanes.express if lane == EXPRESS_LANE else None
+        if lane == EXPRESS_LANE:
+            if express is None or express.up:
+                raise HandshakeError("the session has no express connection to open, or runs one already")
+            express.up = True
+        else:
+            lanes.striped = True  # marks on every item from now on (SessionLanes)
+            lanes.active.add(lane)
+            LINK_CONNECTIONS.labels(self.expected_peer.cluster_id).set(len(lanes.active))
         writer = asyncio.create_task(self._pump_out(write, lane), name=f"link-writer-{lane}")
         reader = asyncio.create_task(self._pump_in(read, lane), name=f"link-reader-{lane}")
         ended = asyncio.create_task(lanes.failed.wait(), name=f"link-lane-{lane}-session")
@@ -80,10 +111,26 @@ class LinkLanes(LinkPumps):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+            if express is not None:
+                express.up = False  # sparse items go on the other connections again
+                self.router.outbound_wake.set()
             lanes.active.discard(lane)
             lanes.retiring.discard(lane)
             if self._lanes is lanes:
                 LINK_CONNECTIONS.labels(self.expected_peer.cluster_id).set(len(lanes.active))
+
+    async def _open_express(self, open_lane: LaneOpenFn, session_id: bytes) -> None:
+        """Open the session's express connection (``express.py``) if both ends announced it and it is
+        not open; a failure is logged and tried again next interval (small items then go on the others)."""
+        session = self._lanes
+        if session is None or session.express is None or self._express_channel is not None:
+            return
+        if session.session_id != session_id:
+            return  # the session before this one still winds down
+        try:
+            self._express_channel = await open_lane(EXPRESS_LANE)
+        except (grpc.aio.AioRpcError, HandshakeError, TimeoutError, OSError) as exc:
+            log.warning("cannot open the link's express connection: %s (retry later)", exc)
 
     def _carried(self) -> tuple[object, int]:
         """Bytes the link carried both ways so far, and the session's pacer they count in.
@@ -106,7 +153,7 @@ class LinkLanes(LinkPumps):
     async def drop_connection(self, lane: int) -> bool:
         """Fault control: close one extra connection abruptly (no retiring). The session ends, the
         link reconnects and the trainers replay (lanes.py). False if this switch has no such lane."""
-        entry = self._lane_channels.get(lane)
+        entry = self._express_channel if lane == EXPRESS_LANE else self._lane_channels.get(lane)
         if entry is None:
             return False
         await entry[0].close()
@@ -119,7 +166,7 @@ class LinkLanes(LinkPumps):
             lanes.retiring.add(lane)
             self.router.outbound_wake.set()
 
-    async def _manage_lanes(self, open_lane: LaneOpenFn) -> None:
+    async def _manage_lanes(self, open_lane: LaneOpenFn, session_id: bytes = b"") -> None:
         """Keep the session's connection count at its target: fixed, or self-tuned (lanes.py)."""
         tuner = LaneTuner() if self.connections is None else None
         target = self.connections or 1
@@ -127,6 +174,7 @@ class LinkLanes(LinkPumps):
         self._lane_channels = lanes
         try:
             while True:
+                await self._open_express(open_lane, session_id)
                 for index, (channel, task) in list(lanes.items()):
                     if task.done():
                         del lanes[index]
@@ -158,7 +206,8 @@ class LinkLanes(LinkPumps):
                 elif self.connections is not None:
                     target = self.connections  # a changed fixed count applies from the next interval
         finally:
-            for channel, task in lanes.values():
+            express, self._express_channel = self._express_channel, None
+            for channel, task in [*lanes.values(), *([express] if express is not None else [])]:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task

@@ -18,6 +18,8 @@ and delivered to the router in mark order.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import deque
 
 import grpc
@@ -26,6 +28,7 @@ from nebula_common.pki import Identity
 from nebula_common.proto.nebula.v1 import link_pb2
 from nebula_common.rpc.framing import FramedChunk, FramingError, is_framed, parse_chunk
 from services.switch.bandwidth import BandwidthMeter
+from services.switch.express import EXPRESS_LANE
 from services.switch.lanes import LaneGapError, SessionLanes
 from services.switch.link_handshake import HandshakeError, parse_link_message
 from services.switch.link_transport import ReadFn, WriteFn
@@ -39,6 +42,10 @@ from services.switch.witness import AuditWitness
 
 ROUTED_KINDS = ("frame", "signal", "ack", "close")
 """Edge items that may cross the link (never open, ready or notice)."""
+
+
+READ_SLICE_S = 0.002
+"""How long one connection's reader may run before the other tasks of the loop get a turn."""
 
 
 class LinkPumps:
@@ -65,8 +72,15 @@ class LinkPumps:
     # ----- writing ---------------------------------------------------------------------------
     def _next_message(self, lane: int = 0) -> Outbound | Fragment | None:
         """Our acknowledgement, pings and pongs first; then items while the pacer has room (and this
-        connection its share of it, ``LinkPacer.lane_has_room``)."""
+        connection its share of it, ``LinkPacer.lane_has_room``). The express connection carries sparse
+        items only (``express.py``), never an acknowledgement: a loss on it would hold every one."""
         lanes = self._lanes
+        pacer = self._pacer
+        if lane == EXPRESS_LANE:
+            message = self.router.next_express(pacer) if pacer is not None else None
+            if message is not None:
+                self.router.outbound_wake.set()  # the other writers may have left it to this one
+            return message
         if self._ack_due or (lanes is not None and lane in lanes.acks_due):
             self._ack_due = False
             lane_bytes = 0
@@ -78,14 +92,14 @@ class LinkPumps:
             )
         if self._priority:
             return self._priority.popleft()
-        pacer = self._pacer
         if pacer is None:
             return self.router.next_outbound()
         if lanes is not None:
             pacer.flows = max(1, len(lanes.active))
             if lanes.lane_acks and not pacer.lane_has_room(lanes.unacked(lane)):
                 return None  # its acknowledgement, on this connection, wakes the writers
-        return self.router.next_paced(pacer)  # None: an acknowledgement or a new item wakes the writers
+        express = lanes is not None and lanes.express is not None and lanes.express.up
+        return self.router.next_paced(pacer, express)  # None: an acknowledgement or a new item wakes them
 
     async def _pump_out(self, write: WriteFn, lane: int = 0) -> None:
         wake = self.router.outbound_wake
@@ -101,20 +115,27 @@ class LinkPumps:
                 if message is None:
                     await wake.wait()
                     continue
+            key = self.router.picked
             self._writing += 1
             try:
-                await self._write_item(write, message, lanes, lane)
+                await self._write_item(write, message, lanes, lane, key)
             finally:
                 self._writing -= 1
 
     async def _write_item(
-        self, write: WriteFn, message: Outbound | Fragment, lanes: SessionLanes | None, lane: int
+        self,
+        write: WriteFn,
+        message: Outbound | Fragment,
+        lanes: SessionLanes | None,
+        lane: int,
+        key: tuple[str, str] = ("", ""),
     ) -> None:
         data = isinstance(message, FramedChunk | Fragment) or message.WhichOneof("body") == "routed"
         if lanes is not None and lanes.marking and data:
-            lanes.send_seq += 1
             lanes.written[lane] = lanes.written.get(lane, 0) + 1
-            await write(link_pb2.LinkMessage(mark=link_pb2.LaneMark(seq=lanes.send_seq)).SerializeToString())
+            mark = self._mark(lanes, lane, key)
+            if mark is not None:
+                await write(mark.SerializeToString())
         if isinstance(message, Fragment):
             raw = message.encode()
             self._on_sent(lanes, lane, len(raw))
@@ -146,6 +167,22 @@ class LinkPumps:
         self._pacer.on_sent(size)
         if lanes is not None and lanes.marking:
             lanes.sent_bytes[lane] = lanes.sent_bytes.get(lane, 0) + size
+
+    @staticmethod
+    def _mark(lanes: SessionLanes, lane: int, key: tuple[str, str]) -> link_pb2.LinkMessage | None:
+        """The lane mark of the next item of route ``key`` on ``lane``: its number, and what of its route
+        it must follow on the other kind of connection (``express.py``); None where the receiver can tell
+        both (the first connection, alone, nothing new to follow: ``SessionLanes``)."""
+        express = lanes.express
+        if lane == EXPRESS_LANE and express is not None:
+            express.send_no += 1
+            after = express.routes.express(key, express.send_no)
+            return link_pb2.LinkMessage(mark=link_pb2.LaneMark(seq=express.send_no, after=after))
+        lanes.send_seq += 1
+        after = express.routes.striping(key, lanes.send_seq) if express is not None else 0
+        if lane == 0 and not lanes.striped and not after:
+            return None
+        return link_pb2.LinkMessage(mark=link_pb2.LaneMark(seq=lanes.send_seq, after=after))
 
     def _count_sent(self, message: Outbound) -> None:
         if isinstance(message, FramedChunk):
@@ -180,16 +217,33 @@ class LinkPumps:
             LINK_RTT.labels(self.expected_peer.cluster_id).set(self.rtt.srtt or 0.0)
 
     # ----- reading ---------------------------------------------------------------------------
-    def _deliver(self, key: tuple[str, str], item: object, epoch: int, seq: int | None) -> None:
+    def _deliver(
+        self,
+        key: tuple[str, str],
+        item: object,
+        epoch: int,
+        mark: link_pb2.LaneMark | None,
+        lane: int = 0,
+        size: int = 0,
+    ) -> None:
         """Hand an item to the router, in lane-mark order when the session stripes over lanes."""
         lanes = self._lanes
         if lanes is None or not lanes.marking:
             self._in_order(key, item, epoch)
             return
-        if seq is None:
-            raise HandshakeError("peer sent an item without its lane mark")
+        if mark is not None:
+            seq, after = mark.seq, mark.after
+        elif lane == 0:  # unmarked: the item after the one read on this connection before (SessionLanes)
+            seq, after = lanes.first_seq + 1, 0
+        else:
+            raise HandshakeError(f"peer sent an item without its lane mark on connection {lane}")
         try:
-            lanes.reorder.put(seq, (key, item, epoch))
+            if lane == EXPRESS_LANE:
+                lanes.order.put_express(seq, key, (key, item, epoch), after, size)
+                return
+            if lane == 0:
+                lanes.first_seq = seq
+            lanes.order.put(seq, (key, item, epoch), after)
         except LaneGapError as exc:
             raise HandshakeError(str(exc)) from exc
 
@@ -253,8 +307,15 @@ class LinkPumps:
 
     async def _pump_in(self, read: ReadFn, lane: int = 0) -> None:
         lanes = self._lanes
-        seq: int | None = None  # the lane mark of the next item on this connection
+        mark: link_pb2.LaneMark | None = None  # the lane mark of the next item on this connection
+        slice_end = time.monotonic() + READ_SLICE_S
         while True:
+            if time.monotonic() >= slice_end:
+                # A read returns at once while its connection has messages buffered: without a turn for the
+                # others, one busy connection's reader would keep the loop for seconds while the express
+                # connection's small items (and our writers' acknowledgements) wait behind it.
+                await asyncio.sleep(0)
+                slice_end = time.monotonic() + READ_SLICE_S
             raw = await read()
             if raw is grpc.aio.EOF:
                 if lane:
@@ -264,8 +325,8 @@ class LinkPumps:
                 self.keepalive.heard()
                 self._read_data(len(raw), lane)
                 key, item, epoch = self._data_item(raw)
-                self._deliver(key, item, epoch, seq)
-                seq = None
+                self._deliver(key, item, epoch, mark, lane, len(raw))
+                mark = None
                 continue
             message = parse_link_message(raw)
             self.keepalive.heard()
@@ -273,15 +334,15 @@ class LinkPumps:
                 if lanes is None or not lanes.marking:
                     raise HandshakeError("peer sent a lane mark on a session without lanes")
                 if message.mark.last:
-                    if lane == 0:
-                        raise HandshakeError("peer tried to retire the session's first connection")
+                    if lane in (0, EXPRESS_LANE):
+                        raise HandshakeError(f"peer tried to retire connection {lane}, which stays")
                     if lane not in lanes.retiring:  # the peer retires it: answer with our own last mark
                         lanes.retiring.add(lane)
                         self.router.outbound_wake.set()
                     return
-                if seq is not None:
+                if mark is not None:
                     raise HandshakeError("peer sent two lane marks in a row")
-                seq = message.mark.seq
+                mark = message.mark
                 continue
             kind = message.WhichOneof("body")
             if kind not in ("routed", "fragment"):  # items are counted whole (_data_item)
@@ -290,14 +351,16 @@ class LinkPumps:
             if kind == "routed":
                 self._read_data(len(raw), lane)  # type: ignore[arg-type]
                 # Never waits; drops items of an epoch the route has left behind.
-                self._deliver(*self._routed(message), seq)
-                seq = None
+                self._deliver(*self._routed(message), mark, lane, len(raw))  # type: ignore[arg-type]
+                mark = None
             elif kind == "fragment":
                 if self._pacer is None:
                     raise HandshakeError("peer sent a fragment on a session that is not paced")
+                if lane == EXPRESS_LANE:
+                    raise HandshakeError("peer sent a fragment on the express connection (whole items only)")
                 self._read_data(len(raw), lane)  # type: ignore[arg-type]
-                self._deliver(("", ""), message.fragment, 0, seq)
-                seq = None
+                self._deliver(("", ""), message.fragment, 0, mark, lane)
+                mark = None
             elif kind == "received":
                 if self._pacer is None:
                     raise HandshakeError("peer acknowledged bytes on a session that is not paced")

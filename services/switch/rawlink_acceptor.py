@@ -60,7 +60,7 @@ async def serve_raw(links: PeerLinks, connection: RawConnection, handshake_timeo
             link.refuse("transport", reason, address=peer, serial=serial, identity=certified.uri)
             log.warning("refused raw WAN link from %s: %s", certified.uri, reason)
             return
-        if lane and not link.joins_current_session(session_id):
+        if lane and not await link.await_session(session_id, handshake_timeout_s):
             raise HandshakeError(f"connection {lane} names no running session of this link")
     except (HandshakeError, TimeoutError) as exc:
         link.refuse("handshake", str(exc) or "no handshake in time", address=peer, serial=serial)
@@ -72,7 +72,7 @@ async def serve_raw(links: PeerLinks, connection: RawConnection, handshake_timeo
         ).SerializeToString()
     )
     if lane:
-        await link.run_lane(lane, connection.read, connection.write)
+        await link.run_lane(lane, connection.read, connection.write, session_id)
         return
     await link.run_session(
         connection.read,
@@ -85,6 +85,7 @@ async def serve_raw(links: PeerLinks, connection: RawConnection, handshake_timeo
         transport=connection.transport,
         peer_witness=hello.hello.audit_witness,
         peer_paced=hello.hello.paced,
+        express=hello.hello.express,
     )
 
 

@@ -114,6 +114,9 @@ class Route:
     #: It joined the round with nothing queued before and its turn has not begun (FQ-CoDel's new flow):
     #: a small first item of it may pass a full pacer (``LinkScheduler.sparse_next``).
     sparse: bool = False
+    #: Until when (monotonic seconds) it counts as bulk: it sent a fragment since then minus
+    #: ``BULK_HOLD_S``. Its small items never take the express connection (``express.py``).
+    bulk_until: float = 0.0
     #: Stream position of the last frame part or signal queued each way (see ``RouteTable._supersede``).
     last_outbound: Position | None = None
     last_inbound: Position | None = None

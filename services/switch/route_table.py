@@ -78,6 +78,8 @@ class RouteTable:
         self._acks: OrderedDict[RouteKey, Item] = OrderedDict()
         self._control: deque[link_pb2.LinkMessage] = deque(maxlen=CONTROL_MAX)
         self._ready: deque[Route] = deque()
+        #: The route of the message ``next_outbound`` returned last (a lane mark names its route).
+        self.picked: RouteKey = ("", "")
         #: Account -> weight of its routes in the deficit round robin (absent: 1).
         self.weights: dict[str, int] = dict(weights or {})
         self._streams = 0

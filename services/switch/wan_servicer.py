@@ -62,7 +62,7 @@ class SwitchLinkServicer:
             hello = parse_link_message(raw)
             link.check_hello(hello, certified)
             lane, session_id = hello.hello.lane, hello.hello.session_id
-            if lane and not link.joins_current_session(session_id):
+            if lane and not await link.await_session(session_id, HANDSHAKE_TIMEOUT_S):
                 raise HandshakeError(f"connection {lane} names no running session of this link")
         except (HandshakeError, TimeoutError) as exc:
             link.refuse(
@@ -84,7 +84,7 @@ class SwitchLinkServicer:
             return
         await context.write(link.hello(session_id=session_id, lane=lane).SerializeToString())
         if lane:
-            await link.run_lane(lane, context.read, grpc_writer(context.write))
+            await link.run_lane(lane, context.read, grpc_writer(context.write), session_id)
             return
         await link.run_session(
             context.read,
@@ -96,6 +96,7 @@ class SwitchLinkServicer:
             marking=hello.hello.lanes and bool(session_id),
             peer_witness=hello.hello.audit_witness,
             peer_paced=hello.hello.paced,
+            express=hello.hello.express,
         )
 
 

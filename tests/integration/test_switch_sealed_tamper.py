@@ -296,7 +296,8 @@ def _the_link_breaks_and_recovers(
         # The link's state is set just before its link.up record is written (on the switch's own loop).
         ups = [r["details"] for r in wait_for(lambda: pair.audit("b", "link.up"), 10, "b's link.up record")]
         assert [up["transport"] for up in ups] == ["records"], ups
-        assert proxy.sealed_connections == 1, proxy.sealed_connections
+        # The session's first connection (the one the proxy acts on) and its express connection.
+        wait_for(lambda: proxy.sealed_connections == 2, 10, "the session's two connections")
         sender = EdgeClient(pair.a, accounts["a"].tokens["alice"], f"{action}-before")
         receiver = EdgeClient(pair.b, accounts["b"].tokens["alice"], f"{action}-before")
         for end in (sender, receiver):
@@ -325,7 +326,7 @@ def _the_link_breaks_and_recovers(
         wait_for(lambda: len(pair.audit("b", "link.up")) >= 2, 30, "switch b to audit the link up again")
         ups = [r["details"] for r in pair.audit("b", "link.up")]
         assert ups[-1]["transport"] == "records", ups
-        assert proxy.sealed_connections >= 2, proxy.sealed_connections
+        assert proxy.sealed_connections >= 3, proxy.sealed_connections
         wait_for(lambda: pair.a.running.link.connected and pair.b.running.link.connected, 30, "the link up")
         assert pair.a.running.link.state.transport == "records"
         wait_for(lambda: told(True), 30, "the receiving trainer to be told the link is up again")

@@ -125,12 +125,18 @@ def _full_pacer() -> LinkPacer:
     return pacer
 
 
-def test_over_a_full_cap_a_small_jobs_message_passes_and_a_busy_jobs_bytes_wait() -> None:
+def busy_and_idle_routes() -> tuple[Router, Route, Attachment]:
+    """A router whose route of job ``big`` holds 8 MiB, and the idle route of job ``small``."""
     router = Router(cluster_id="a")
     big, big_at = router.attach(("big", "e"), "alice")
     small, small_at = router.attach(("small", "e"), "bob")
     for i in range(4):
         router.accept_local(big, big_at, framed("big", 1, 2 << 20, i * (2 << 20)))
+    return router, small, small_at
+
+
+def test_over_a_full_cap_a_small_jobs_message_passes_and_a_busy_jobs_bytes_wait() -> None:
+    router, small, small_at = busy_and_idle_routes()
     pacer = _full_pacer()
     assert router.next_paced(pacer) is None  # the busy route waits for room
     router.accept_local(small, small_at, header(7))  # a small job's message, its route idle before
@@ -138,16 +144,61 @@ def test_over_a_full_cap_a_small_jobs_message_passes_and_a_busy_jobs_bytes_wait(
     assert isinstance(piece, link_pb2.LinkMessage) and piece.routed.job_id == "small"
     pacer.on_sent(size_of(piece))
     assert router.next_paced(pacer) is None  # and the big route still waits
-    # A second message of the small job right behind the first is not sparse any more: it waits its turn.
+    # Two more right behind it pass within its first quantum (a fragment's bytes) ...
     router.accept_local(small, small_at, header(8))
     router.accept_local(small, small_at, header(9))
-    assert router.next_paced(pacer) is not None  # the route left the round when it emptied: sparse again
+    assert router.next_paced(pacer) is not None
+    assert router.next_paced(pacer) is not None
     assert router.next_paced(pacer) is None
+    # ... but once the quantum is spent the route waits its turn like any other.
+    for i in range(4):
+        router.accept_local(small, small_at, framed("small", 2, pacer.fragment_bytes // 2, i))
+    passed = 0
+    while (piece := router.next_paced(pacer)) is not None:
+        pacer.on_sent(size_of(piece))
+        passed += 1
+    assert passed == 2, passed  # the first two fill its quantum; the rest wait for room
+
+
+def test_over_a_full_cap_acks_never_wait_for_a_busy_route_and_take_turns_with_a_sparse_one() -> None:
+    """An ack and an item take turns only where the item could pass as well: a busy route's fragment
+    waits for room, and an ack taking turns with it would wait too."""
+    router = Router(cluster_id="a")
+    big, big_at = router.attach(("big", "e"), "alice")
+    small, small_at = router.attach(("small", "e"), "bob")
+    for i in range(4):
+        router.accept_local(big, big_at, framed("big", 1, 2 << 20, i * (2 << 20)))
+    pacer = _full_pacer()
+    ack = relay_pb2.EdgeMessage(ack=relay_pb2.EdgeAck(received=1, max_bytes=1 << 20))
+    kinds = []
+    for received in range(1, 4):  # a new ack of the big route before every pick: all of them pass
+        ack.ack.received = received
+        router.accept_local(big, big_at, ack)
+        piece = router.next_paced(pacer)
+        assert isinstance(piece, link_pb2.LinkMessage), piece
+        kinds.append(piece.routed.item.WhichOneof("body"))
+    assert kinds == ["ack"] * 3
+    router.accept_local(small, small_at, header(7))
+    router.accept_local(small, small_at, header(8))
+    kinds = []
+    for received in range(4, 8):  # beside a sparse route, acks and its items alternate
+        ack.ack.received = received
+        router.accept_local(big, big_at, ack)
+        piece = router.next_paced(pacer)
+        assert isinstance(piece, link_pb2.LinkMessage), piece
+        kinds.append((piece.routed.job_id, piece.routed.item.WhichOneof("body")))
+    assert kinds == [("small", "frame"), ("big", "ack"), ("small", "frame"), ("big", "ack")], kinds
 
 
 def test_a_tenant_with_many_small_jobs_passes_a_full_cap_by_one_fragment_at_most() -> None:
-    # A hostile tenant opens 120 routes over 4 accounts (32 each at most) and keeps a small item on
-    # each, hoping every one passes the cap.
+    many_small_jobs_pass_a_full_cap_by_one_fragment_at_most(Router.next_paced)
+
+
+def many_small_jobs_pass_a_full_cap_by_one_fragment_at_most(
+    take: Callable[[Router, LinkPacer], object | None],
+) -> None:
+    """A hostile tenant opens 120 routes over 4 accounts (32 each at most) and keeps a small item on
+    each, hoping every one passes the cap; ``take`` is the writer's call (one kind of connection)."""
     router = Router(cluster_id="a")
     pacer = _full_pacer()
     cap = pacer.cap()
@@ -155,7 +206,7 @@ def test_a_tenant_with_many_small_jobs_passes_a_full_cap_by_one_fragment_at_most
         route, attachment = router.attach((f"j{job}", "e"), f"mallory-{job % 4}")
         router.accept_local(route, attachment, framed(f"j{job}", 1, 4 << 10))
     passed = 0
-    while (piece := router.next_paced(pacer)) is not None:
+    while (piece := take(router, pacer)) is not None:
         pacer.on_sent(size_of(piece))
         passed += 1
     # One fragment's worth of them (and the one that crossed the line), not all 120.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -200,6 +201,46 @@ def test_a_route_of_tiny_items_takes_a_quantum_of_item_costs_per_turn_not_thousa
             runs.append(run_length)
         assert max(runs) == QUANTUM_BYTES // ITEM_COST_BYTES, max(runs)
         assert order.index("other") <= 1  # one quantum of the flood at most before the other's first item
+
+
+def test_a_route_that_keeps_acks_coming_cannot_hold_the_other_routes_items() -> None:
+    """A flood into a route keeps an ack of it queued; acks and items then take turns, and acks go back to
+    back again once no route waits (an ack picked before every item would hold the healthy route)."""
+
+    async def scenario() -> None:
+        router = Router(cluster_id="a")
+        flooded, flooded_attachment = router.attach(("flooded", "e"), "mallory")
+        healthy, healthy_attachment = router.attach(("healthy", "e"), "alice")
+        for frame_id in range(1, 6):
+            router.accept_local(healthy, healthy_attachment, header(frame_id))
+        order = []
+        for received in range(1, 11):
+            router.accept_local(flooded, flooded_attachment, ack(received))  # a new ack before every pick
+            message = router.next_outbound()
+            assert message is not None
+            order.append((message.routed.job_id, message.routed.item.WhichOneof("body")))
+        assert order == [("flooded", "ack"), ("healthy", "frame")] * 5, order
+        router.accept_local(flooded, flooded_attachment, ack(11))
+        router.accept_local(healthy, healthy_attachment, ack(1))
+        assert [m.routed.job_id for m in drain(router)] == ["flooded", "healthy"]
+
+    run(scenario)
+
+
+def test_a_route_of_tiny_items_takes_a_turn_of_a_few_hundred_not_of_its_bytes_worth() -> None:
+    """Each item costs both switches CPU whatever its size: a turn charges every item at least
+    ``ITEM_COST_BYTES``, so a flood of headers does not take thousands of items per turn."""
+
+    async def scenario() -> None:
+        router = Router(cluster_id="a")
+        first, first_at = router.attach(("first", "e"), "alice")
+        second, second_at = router.attach(("second", "e"), "mallory")
+        for frame_id in range(1, 601):
+            router.accept_local(first, first_at, header(frame_id))
+            router.accept_local(second, second_at, header(frame_id))
+        jobs = [m.routed.job_id for m in drain(router)]
+        turns = [len(list(run)) for _, run in itertools.groupby(jobs)]
+        assert turns[:4] == [QUANTUM_BYTES // ITEM_COST_BYTES] * 4, turns
 
     run(scenario)
 

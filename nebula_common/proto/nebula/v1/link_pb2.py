@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from nebula_common.proto.nebula.v1 import relay_pb2 as nebula_dot_v1_dot_relay__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14nebula/v1/link.proto\x12\tnebula.v1\x1a\x15nebula/v1/relay.proto\"\xe8\x01\n\tHandshake\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\ncluster_id\x18\x02 \x01(\t\x12\x18\n\x10software_version\x18\x03 \x01(\t\x12\x14\n\x0clink_framing\x18\x04 \x01(\r\x12\r\n\x05lanes\x18\x05 \x01(\x08\x12\x12\n\nsession_id\x18\x06 \x01(\x0c\x12\x0c\n\x04lane\x18\x07 \x01(\r\x12\x10\n\x08raw_link\x18\x08 \x01(\r\x12\x14\n\x0craw_preamble\x18\t \x01(\x0c\x12\x15\n\raudit_witness\x18\n \x01(\x08\x12\r\n\x05paced\x18\x0b \x01(\x08\"J\n\x0cLinkFragment\x12\x0e\n\x06stream\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\"1\n\x0cLinkReceived\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x12\n\nlane_bytes\x18\x02 \x01(\x04\"I\n\tAuditHead\x12\x0e\n\x06log_id\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\x12\x0c\n\x04head\x18\x03 \x01(\t\x12\x0f\n\x07read_at\x18\x04 \x01(\t\"%\n\x08LaneMark\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04last\x18\x02 \x01(\x08\"_\n\nRoutedItem\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04\x65\x64ge\x18\x02 \x01(\t\x12$\n\x04item\x18\x03 \x01(\x0b\x32\x16.nebula.v1.EdgeMessage\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"&\n\x04Ping\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x0f\n\x07padding\x18\x02 \x01(\x0c\"\x15\n\x04Pong\x12\r\n\x05nonce\x18\x01 \x01(\x04\"\x95\x03\n\x0bLinkMessage\x12%\n\x05hello\x18\x01 \x01(\x0b\x32\x14.nebula.v1.HandshakeH\x00\x12\'\n\x06routed\x18\x04 \x01(\x0b\x32\x15.nebula.v1.RoutedItemH\x00\x12\x1f\n\x04ping\x18\x05 \x01(\x0b\x32\x0f.nebula.v1.PingH\x00\x12\x1f\n\x04pong\x18\x06 \x01(\x0b\x32\x0f.nebula.v1.PongH\x00\x12\'\n\x06\x66ramed\x18\t \x01(\x0b\x32\x15.nebula.v1.FramedItemH\x00\x12#\n\x04mark\x18\x07 \x01(\x0b\x32\x13.nebula.v1.LaneMarkH\x00\x12*\n\naudit_head\x18\n \x01(\x0b\x32\x14.nebula.v1.AuditHeadH\x00\x12+\n\x08\x66ragment\x18\x0b \x01(\x0b\x32\x17.nebula.v1.LinkFragmentH\x00\x12+\n\x08received\x18\x0c \x01(\x0b\x32\x17.nebula.v1.LinkReceivedH\x00\x42\x06\n\x04\x62odyJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\x05\x66rameR\x05\x63lose2H\n\nSwitchLink\x12:\n\x04Link\x12\x16.nebula.v1.LinkMessage\x1a\x16.nebula.v1.LinkMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14nebula/v1/link.proto\x12\tnebula.v1\x1a\x15nebula/v1/relay.proto\"\xf9\x01\n\tHandshake\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x12\n\ncluster_id\x18\x02 \x01(\t\x12\x18\n\x10software_version\x18\x03 \x01(\t\x12\x14\n\x0clink_framing\x18\x04 \x01(\r\x12\r\n\x05lanes\x18\x05 \x01(\x08\x12\x12\n\nsession_id\x18\x06 \x01(\x0c\x12\x0c\n\x04lane\x18\x07 \x01(\r\x12\x10\n\x08raw_link\x18\x08 \x01(\r\x12\x14\n\x0craw_preamble\x18\t \x01(\x0c\x12\x15\n\raudit_witness\x18\n \x01(\x08\x12\r\n\x05paced\x18\x0b \x01(\x08\x12\x0f\n\x07\x65xpress\x18\x0c \x01(\x08\"J\n\x0cLinkFragment\x12\x0e\n\x06stream\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\"1\n\x0cLinkReceived\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x12\n\nlane_bytes\x18\x02 \x01(\x04\"I\n\tAuditHead\x12\x0e\n\x06log_id\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x04\x12\x0c\n\x04head\x18\x03 \x01(\t\x12\x0f\n\x07read_at\x18\x04 \x01(\t\"4\n\x08LaneMark\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04last\x18\x02 \x01(\x08\x12\r\n\x05\x61\x66ter\x18\x03 \x01(\x04\"_\n\nRoutedItem\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04\x65\x64ge\x18\x02 \x01(\t\x12$\n\x04item\x18\x03 \x01(\x0b\x32\x16.nebula.v1.EdgeMessage\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"&\n\x04Ping\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x0f\n\x07padding\x18\x02 \x01(\x0c\"\x15\n\x04Pong\x12\r\n\x05nonce\x18\x01 \x01(\x04\"\x95\x03\n\x0bLinkMessage\x12%\n\x05hello\x18\x01 \x01(\x0b\x32\x14.nebula.v1.HandshakeH\x00\x12\'\n\x06routed\x18\x04 \x01(\x0b\x32\x15.nebula.v1.RoutedItemH\x00\x12\x1f\n\x04ping\x18\x05 \x01(\x0b\x32\x0f.nebula.v1.PingH\x00\x12\x1f\n\x04pong\x18\x06 \x01(\x0b\x32\x0f.nebula.v1.PongH\x00\x12\'\n\x06\x66ramed\x18\t \x01(\x0b\x32\x15.nebula.v1.FramedItemH\x00\x12#\n\x04mark\x18\x07 \x01(\x0b\x32\x13.nebula.v1.LaneMarkH\x00\x12*\n\naudit_head\x18\n \x01(\x0b\x32\x14.nebula.v1.AuditHeadH\x00\x12+\n\x08\x66ragment\x18\x0b \x01(\x0b\x32\x17.nebula.v1.LinkFragmentH\x00\x12+\n\x08received\x18\x0c \x01(\x0b\x32\x17.nebula.v1.LinkReceivedH\x00\x42\x06\n\x04\x62odyJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\x05\x66rameR\x05\x63lose2H\n\nSwitchLink\x12:\n\x04Link\x12\x16.nebula.v1.LinkMessage\x1a\x16.nebula.v1.LinkMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nebula.v1.link_pb2', _globa
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_HANDSHAKE']._serialized_start=59
-  _globals['_HANDSHAKE']._serialized_end=291
-  _globals['_LINKFRAGMENT']._serialized_start=293
-  _globals['_LINKFRAGMENT']._serialized_end=367
-  _globals['_LINKRECEIVED']._serialized_start=369
-  _globals['_LINKRECEIVED']._serialized_end=418
-  _globals['_AUDITHEAD']._serialized_start=420
-  _globals['_AUDITHEAD']._serialized_end=493
-  _globals['_LANEMARK']._serialized_start=495
-  _globals['_LANEMARK']._serialized_end=532
-  _globals['_ROUTEDITEM']._serialized_start=534
-  _globals['_ROUTEDITEM']._serialized_end=629
-  _globals['_PING']._serialized_start=631
-  _globals['_PING']._serialized_end=669
-  _globals['_PONG']._serialized_start=671
-  _globals['_PONG']._serialized_end=692
-  _globals['_LINKMESSAGE']._serialized_start=695
-  _globals['_LINKMESSAGE']._serialized_end=1100
-  _globals['_SWITCHLINK']._serialized_start=1102
-  _globals['_SWITCHLINK']._serialized_end=1174
+  _globals['_HANDSHAKE']._serialized_end=308
+  _globals['_LINKFRAGMENT']._serialized_start=310
+  _globals['_LINKFRAGMENT']._serialized_end=384
+  _globals['_LINKRECEIVED']._serialized_start=386
+  _globals['_LINKRECEIVED']._serialized_end=435
+  _globals['_AUDITHEAD']._serialized_start=437
+  _globals['_AUDITHEAD']._serialized_end=510
+  _globals['_LANEMARK']._serialized_start=512
+  _globals['_LANEMARK']._serialized_end=564
+  _globals['_ROUTEDITEM']._serialized_start=566
+  _globals['_ROUTEDITEM']._serialized_end=661
+  _globals['_PING']._serialized_start=663
+  _globals['_PING']._serialized_end=701
+  _globals['_PONG']._serialized_start=703
+  _globals['_PONG']._serialized_end=724
+  _globals['_LINKMESSAGE']._serialized_start=727
+  _globals['_LINKMESSAGE']._serialized_end=1132
+  _globals['_SWITCHLINK']._serialized_start=1134
+  _globals['_SWITCHLINK']._serialized_end=1206
 # @@protoc_insertion_point(module_scope)

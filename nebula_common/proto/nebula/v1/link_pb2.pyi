@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Handshake(_message.Message):
-    __slots__ = ("protocol_version", "cluster_id", "software_version", "link_framing", "lanes", "session_id", "lane", "raw_link", "raw_preamble", "audit_witness", "paced")
+    __slots__ = ("protocol_version", "cluster_id", "software_version", "link_framing", "lanes", "session_id", "lane", "raw_link", "raw_preamble", "audit_witness", "paced", "express")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class Handshake(_message.Message):
     RAW_PREAMBLE_FIELD_NUMBER: _ClassVar[int]
     AUDIT_WITNESS_FIELD_NUMBER: _ClassVar[int]
     PACED_FIELD_NUMBER: _ClassVar[int]
+    EXPRESS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     cluster_id: str
     software_version: str
@@ -30,7 +31,8 @@ class Handshake(_message.Message):
     raw_preamble: bytes
     audit_witness: bool
     paced: bool
-    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., software_version: _Optional[str] = ..., link_framing: _Optional[int] = ..., lanes: _Optional[bool] = ..., session_id: _Optional[bytes] = ..., lane: _Optional[int] = ..., raw_link: _Optional[int] = ..., raw_preamble: _Optional[bytes] = ..., audit_witness: _Optional[bool] = ..., paced: _Optional[bool] = ...) -> None: ...
+    express: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., cluster_id: _Optional[str] = ..., software_version: _Optional[str] = ..., link_framing: _Optional[int] = ..., lanes: _Optional[bool] = ..., session_id: _Optional[bytes] = ..., lane: _Optional[int] = ..., raw_link: _Optional[int] = ..., raw_preamble: _Optional[bytes] = ..., audit_witness: _Optional[bool] = ..., paced: _Optional[bool] = ..., express: _Optional[bool] = ...) -> None: ...
 
 class LinkFragment(_message.Message):
     __slots__ = ("stream", "offset", "data", "last")
@@ -65,12 +67,14 @@ class AuditHead(_message.Message):
     def __init__(self, log_id: _Optional[str] = ..., count: _Optional[int] = ..., head: _Optional[str] = ..., read_at: _Optional[str] = ...) -> None: ...
 
 class LaneMark(_message.Message):
-    __slots__ = ("seq", "last")
+    __slots__ = ("seq", "last", "after")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
     seq: int
     last: bool
-    def __init__(self, seq: _Optional[int] = ..., last: _Optional[bool] = ...) -> None: ...
+    after: int
+    def __init__(self, seq: _Optional[int] = ..., last: _Optional[bool] = ..., after: _Optional[int] = ...) -> None: ...
 
 class RoutedItem(_message.Message):
     __slots__ = ("job_id", "edge", "item", "epoch")
