@@ -17,6 +17,7 @@ import time
 
 import grpc
 
+from nebula_common.cancellation import raise_if_cancelling
 from services.switch.express import EXPRESS_LANE
 from services.switch.lanes import MAX_LANES, LaneTuner
 from services.switch.link_handshake import HandshakeError
@@ -175,6 +176,10 @@ class LinkLanes(LinkPumps):
         try:
             while True:
                 await self._open_express(open_lane, session_id)
+                # A session that ends while a connection opens cancels us inside the handshake's
+                # wait_for, which on Python 3.11 may swallow the cancel when the reply arrives at once:
+                # without this the session's end would wait on us forever.
+                raise_if_cancelling()
                 for index, (channel, task) in list(lanes.items()):
                     if task.done():
                         del lanes[index]
@@ -183,6 +188,7 @@ class LinkLanes(LinkPumps):
                 if missing > 0:  # dialled together: a doubling waits one handshake, not one each
                     free = [i for i in range(1, MAX_LANES) if i not in lanes][:missing]
                     opened = await asyncio.gather(*(open_lane(i) for i in free), return_exceptions=True)
+                    raise_if_cancelling()
                     for index, lane in zip(free, opened, strict=True):
                         if isinstance(lane, grpc.aio.AioRpcError | HandshakeError | TimeoutError | OSError):
                             log.warning("cannot open link connection %d: %s (retry later)", index, lane)
