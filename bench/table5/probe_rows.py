@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import corpus
+import cotrain
 import plan
 import train
 
@@ -36,8 +37,9 @@ from nebula_common.codec.trial import trial_loss
 def parse_row(text: str) -> train.Row:
     """``label=forward,backward,k[,flags]`` (k 0: no bottleneck; flags: ``1`` or ``u`` the up-projection's
     residual, ``dN`` the down-projection's residual of hidden width N (``d``: 256), ``uN`` the same
-    for the up-projection, ``pN`` N steps of autoencoder pre-training of both halves; e.g.
-    ``d256u256p3000``)."""
+    for the up-projection, ``pN`` N steps of autoencoder pre-training of both halves, ``jN`` N steps of
+    co-training the whole model with the cut in place (``cotrain.py``; with k 0 a co-trained row's
+    control); e.g. ``d256u256p3000j3000``, the co-trained row of the plan)."""
     label, _, spec = text.partition("=")
     parts = [part.strip() for part in spec.split(",")]
     if not label or len(parts) not in (3, 4):
@@ -48,7 +50,7 @@ def parse_row(text: str) -> train.Row:
         raise SystemExit(f"probe_rows: --row {text!r}: k must be an integer, got {parts[2]!r}") from None
     flags = parts[3] if len(parts) == 4 else ""
     width = {}
-    for letter in "dupq":
+    for letter in "dupqj":
         if letter in flags:
             digits = ""
             for char in flags.split(letter, 1)[1]:
@@ -65,6 +67,7 @@ def parse_row(text: str) -> train.Row:
         down_residual=width.get("d", 0),
         up_residual=width.get("u", 0),
         cut_pretrain=width.get("p", 0),
+        cut_cotrain=width.get("j", 0),
     )
 
 
@@ -98,6 +101,7 @@ def main() -> None:
         raise SystemExit("probe_rows: give --rows or --row")
     manifest, train_pairs, dev = corpus.load(args.cache, "dev")  # tuning reads dev, never test
     prep = train.prepare(train_pairs, dev, config, args.cache / "models", manifest["sha256"]["train.tsv"])
+    prep = cotrain.with_cut_states(prep, rows, args.cache / "models", manifest["sha256"]["train.tsv"])
     pairs = min(args.eval_pairs or len(dev), len(dev))
     for row in rows:
         for seed in (int(s) for s in args.seeds.split(",")):
@@ -112,6 +116,7 @@ def main() -> None:
                         "cut_k": row.cut_k,
                         "residual": row.residual,
                         "down_residual": row.down_residual,
+                        "cut_cotrain": row.cut_cotrain,
                         "set": args.set,
                         "seed": seed,
                         "bleu": round(result.bleu, 2),
