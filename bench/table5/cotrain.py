@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 import train
+from torch import nn
+
+from nebula_common.zoo.text_data import PAD
 
 COTRAIN_LR = 1e-3
 """Peak Adam learning rate of the co-training (half the translation pre-training's: it starts from a model
@@ -40,9 +43,42 @@ def cut_digest(prep: train.Prepared, row: train.Row, corpus_sha: str) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def cotrain(prep: train.Prepared, row: train.Row) -> dict[str, dict[str, torch.Tensor]]:
-    """Train the whole model with ``row``'s bottleneck for ``row.cut_cotrain`` steps; the four states."""
-    stages = train.Stages(prep, replace(row, cut_cotrain=0), seed=0)  # the calibrated start
+def control_row(row: train.Row) -> train.Row:
+    """The row whose halves ``row``'s co-training starts from or distils (none's, trained as long)."""
+    return train.Row(f"control of {row.label}", cut_cotrain=row.cut_cotrain)
+
+
+def _from_halves(prep: train.Prepared, halves: dict[str, dict[str, torch.Tensor]] | None) -> train.Prepared:
+    """``prep`` whose translating halves are ``halves`` (a control's co-trained ones), or ``prep``."""
+    if halves is None:
+        return prep
+    return replace(prep, translation_state={"encoder": halves["encoder"], "decoder": halves["decoder"]})
+
+
+def distillation(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) of the next-token distributions, averaged over the real target positions
+    (Hinton et al., "Distilling the Knowledge in a Neural Network", 2015, at temperature 1)."""
+    real = target != PAD
+    teacher_log = nn.functional.log_softmax(teacher[real], dim=-1)
+    student_log = nn.functional.log_softmax(student[real], dim=-1)
+    return (teacher_log.exp() * (teacher_log - student_log)).sum(-1).mean()
+
+
+def cotrain(
+    prep: train.Prepared, row: train.Row, control: dict[str, dict[str, torch.Tensor]] | None = None
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Train the whole model with ``row``'s bottleneck for ``row.cut_cotrain`` steps; the four states.
+
+    ``control``: the control's co-trained halves, which a ``cut_warm`` row starts from and a
+    ``cut_teacher`` row distils."""
+    if (row.cut_warm or row.cut_teacher) and control is None:
+        raise ValueError(f"row {row.label}: its control's halves are needed first")
+    start = _from_halves(prep, control if row.cut_warm else None)
+    stages = train.Stages(start, replace(row, cut_cotrain=0), seed=0)  # the calibrated start
+    teacher = None
+    if row.cut_teacher:  # the control's halves, loaded as the shared ones are
+        teacher = train.Stages(_from_halves(prep, control), train.Row("teacher"), seed=0)
+    weight = row.cut_teacher / 100
     modules = (stages.encoder, stages.decoder, stages.down, stages.up)
     parameters = [p for module in modules for p in module.parameters()]
     for parameter in parameters:
@@ -55,7 +91,16 @@ def cotrain(prep: train.Prepared, row: train.Row) -> dict[str, dict[str, torch.T
             group["lr"] = COTRAIN_LR * min(1.0, (step + 1) / COTRAIN_WARMUP)
         index = torch.randint(len(prep.train_es), (batch,), generator=generator)
         memory = stages.up(stages.down(stages.encoder(prep.train_es[index])))
-        loss = stages.decoder.loss(memory, prep.train_en[index])
+        if teacher is None:
+            loss = stages.decoder.loss(memory, prep.train_en[index])
+        else:
+            source, target = prep.train_en[index][:, :-1], prep.train_en[index][:, 1:]
+            logits = stages.decoder(source, memory)
+            with torch.no_grad():
+                wanted = teacher.decoder(source, teacher.encoder(prep.train_es[index]))
+            loss = (1 - weight) * nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=PAD
+            ) + weight * distillation(logits, wanted, target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -69,23 +114,28 @@ def with_cut_states(
     cache: Path,
     corpus_sha: str,
     threads: int = train.PREPARE_THREADS,
+    control_threads: int | None = None,
 ) -> train.Prepared:
     """``prep`` holding the co-trained halves of every co-trained row in ``rows`` (trained once on ``threads``
-    torch threads, cached)."""
+    torch threads, cached), and of the controls they start from or distil (on ``control_threads``,
+    ``threads`` by default: a probe on one thread still reads the plan's controls)."""
     states = dict(prep.cut_states)
-    for row in rows:
+    needed = [control_row(row) for row in rows if row.cut_warm or row.cut_teacher]
+    for row in [*needed, *rows]:  # a control before the rows that start from or distil it
         if not row.cut_cotrain or train.cut_key(row) in states:
             continue
         path = cache / f"cotrained-{cut_digest(prep, row, corpus_sha)}.pt"
-        saved = train.cached(path, threads)
+        made_on = (control_threads or threads) if row in needed else threads
+        saved = train.cached(path, made_on)
         if saved is not None:
             saved.pop("threads")
             states[train.cut_key(row)] = saved
             continue
         started = time.perf_counter()
-        with train.torch_threads(threads):
-            state = cotrain(prep, row)
-        state["threads"] = torch.tensor(threads)  # type: ignore[assignment]
+        with train.torch_threads(made_on):
+            control = states.get(train.cut_key(control_row(row))) if row.cut_warm or row.cut_teacher else None
+            state = cotrain(prep, row, control)
+        state["threads"] = torch.tensor(made_on)  # type: ignore[assignment]
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
         torch.save(state, partial)

@@ -101,6 +101,12 @@ class Row:
     cut_cotrain: int = 0
     """Steps of training the whole model on after preparation, with this row's bottleneck in place when it
     has one (``cotrain.py``, cached); fine-tuning starts from those halves (0: from the shared halves)."""
+    cut_teacher: int = 0
+    """Co-training only: the weight, in percent, of distilling the control's next-token distributions
+    (the same steps' co-training without a bottleneck) into this row's (0: cross-entropy alone)."""
+    cut_warm: bool = False
+    """Co-training only: start from the control's halves (calibrating the bottleneck on them) rather than
+    the shared ones, so the row is the control compressed."""
     control: str = ""
     """The label of the row this one's quality is judged against besides none: a co-trained bottleneck's
     control, none's halves trained as long without it (``checks.compare_rows``)."""
@@ -108,7 +114,8 @@ class Row:
 
 def cut_key(row: Row) -> str:
     """What identifies a co-trained row's halves: its bottleneck's shape and training, not its codecs."""
-    return f"k{row.cut_k}-r{row.down_residual}-{row.up_residual}-ae{row.cut_pretrain}-co{row.cut_cotrain}"
+    key = f"k{row.cut_k}-r{row.down_residual}-{row.up_residual}-ae{row.cut_pretrain}-co{row.cut_cotrain}"
+    return key + (f"-kd{row.cut_teacher}" if row.cut_teacher else "") + ("-warm" if row.cut_warm else "")
 
 
 @dataclass

@@ -36,10 +36,12 @@ from nebula_common.codec.trial import trial_loss
 
 def parse_row(text: str) -> train.Row:
     """``label=forward,backward,k[,flags]`` (k 0: no bottleneck; flags: ``1`` or ``u`` the up-projection's
-    residual, ``dN`` the down-projection's residual of hidden width N (``d``: 256), ``uN`` the same
-    for the up-projection, ``pN`` N steps of autoencoder pre-training of both halves, ``jN`` N steps of
-    co-training the whole model with the cut in place (``cotrain.py``; with k 0 a co-trained row's
-    control); e.g. ``d256u256p3000j3000``, the co-trained row of the plan)."""
+        residual, ``dN`` the down-projection's residual of hidden width N (``d``: 256), ``uN`` the same
+        for the up-projection, ``pN`` N steps of autoencoder pre-training of both halves, ``jN`` N steps of
+        co-training the whole model with the cut in place (``cotrain.py``; with k 0 a co-trained row's
+        control), ``tN`` distilling that control's next-token distributions at weight N% while
+    co-training, ``w`` co-training from the control's halves; e.g. ``d256u256p3000j3000``, the co-trained
+    row of the plan)."""
     label, _, spec = text.partition("=")
     parts = [part.strip() for part in spec.split(",")]
     if not label or len(parts) not in (3, 4):
@@ -50,7 +52,7 @@ def parse_row(text: str) -> train.Row:
         raise SystemExit(f"probe_rows: --row {text!r}: k must be an integer, got {parts[2]!r}") from None
     flags = parts[3] if len(parts) == 4 else ""
     width = {}
-    for letter in "dupqj":
+    for letter in "dupqjt":
         if letter in flags:
             digits = ""
             for char in flags.split(letter, 1)[1]:
@@ -58,6 +60,8 @@ def parse_row(text: str) -> train.Row:
                     break
                 digits += char
             width[letter] = int(digits or 256)
+    if not 0 <= width.get("t", 0) <= 100:
+        raise SystemExit(f"probe_rows: --row {text!r}: the distillation weight t is a percentage, 0 to 100")
     return train.Row(
         label,
         parts[0],
@@ -68,6 +72,8 @@ def parse_row(text: str) -> train.Row:
         up_residual=width.get("u", 0),
         cut_pretrain=width.get("p", 0),
         cut_cotrain=width.get("j", 0),
+        cut_teacher=width.get("t", 0),
+        cut_warm="w" in flags,
     )
 
 
@@ -78,6 +84,12 @@ def main() -> None:
     parser.add_argument("--row", action="append", default=[], help="label=forward,backward,k[,residual]")
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--steps", type=int, default=plan.FULL["steps"])
+    parser.add_argument(
+        "--cotrain-threads",
+        type=int,
+        default=train.PREPARE_THREADS,
+        help="torch threads of a co-training (cached per count: two probes side by side take 1 each)",
+    )
     parser.add_argument("--eval-pairs", type=int, default=0, help="0: all dev pairs")
     parser.add_argument(
         "--set", nargs="*", default=[], help="ModelConfig overrides of the full plan's, key=value"
@@ -101,7 +113,10 @@ def main() -> None:
         raise SystemExit("probe_rows: give --rows or --row")
     manifest, train_pairs, dev = corpus.load(args.cache, "dev")  # tuning reads dev, never test
     prep = train.prepare(train_pairs, dev, config, args.cache / "models", manifest["sha256"]["train.tsv"])
-    prep = cotrain.with_cut_states(prep, rows, args.cache / "models", manifest["sha256"]["train.tsv"])
+    sha = manifest["sha256"]["train.tsv"]
+    prep = cotrain.with_cut_states(
+        prep, rows, args.cache / "models", sha, args.cotrain_threads, control_threads=train.PREPARE_THREADS
+    )
     pairs = min(args.eval_pairs or len(dev), len(dev))
     for row in rows:
         for seed in (int(s) for s in args.seeds.split(",")):
@@ -117,6 +132,7 @@ def main() -> None:
                         "residual": row.residual,
                         "down_residual": row.down_residual,
                         "cut_cotrain": row.cut_cotrain,
+                        "cut_key": train.cut_key(row),
                         "set": args.set,
                         "seed": seed,
                         "bleu": round(result.bleu, 2),

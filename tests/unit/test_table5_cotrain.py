@@ -157,3 +157,34 @@ def test_a_co_trained_row_is_judged_against_its_control_as_well_as_none() -> Non
     report["rows"][1] = close
     checks.compare_rows(report)
     assert close["versus_control"]["within_budget"] and close["versus_control"]["difference"] == 0
+
+
+def test_a_distilled_or_warm_row_is_co_trained_after_its_control_and_from_it(
+    prepared: tuple[train.Prepared, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prep, cache = prepared
+    warm = replace(ROW, label="BOTTLENECK(4,KD,WARM)+INT8", cut_teacher=50, cut_warm=True)
+    distilled = replace(ROW, label="BOTTLENECK(4,KD)+INT8", cut_teacher=100)
+    assert len({train.cut_key(row) for row in (ROW, warm, distilled)}) == 3  # cached apart
+    assert train.cut_key(ROW) == "k4-r16-16-ae5-co6"  # the plan's keys (its cache files) unchanged
+    with pytest.raises(ValueError, match=r"KD,WARM\)\+INT8: its control's halves are needed first"):
+        cotrain.cotrain(prep, warm)
+    with one_torch_thread():
+        ready = cotrain.with_cut_states(prep, [warm, distilled], cache, "django", threads=1)
+        monkeypatch.setattr(cotrain, "COTRAIN_LR", 0.0)  # nothing moves: each row keeps its start
+        still = {row.label: cotrain.cotrain(prep, row, ready.cut_states[train.cut_key(CONTROL)])
+                 for row in (warm, distilled)}  # fmt: skip
+    assert list(ready.cut_states) == [train.cut_key(CONTROL), train.cut_key(warm), train.cut_key(distilled)]
+    control = ready.cut_states[train.cut_key(CONTROL)]
+    lm = "plm.blocks.0.ff.0.weight"
+    assert torch.equal(still[warm.label]["encoder"][lm], control["encoder"][lm])  # the control's halves
+    shared = train.Stages(prep, train.Row("none"), seed=0).encoder.state_dict()[lm]
+    assert torch.equal(still[distilled.label]["encoder"][lm], shared)  # the shared ones
+    assert not torch.equal(ready.cut_states[train.cut_key(distilled)]["encoder"][lm], shared)
+    logits = torch.randn(2, 5, 11)
+    target = torch.tensor([[4, 5, 6, 0, 0], [7, 8, 0, 0, 0]])
+    assert float(cotrain.distillation(logits, logits, target)) == pytest.approx(0.0, abs=1e-6)
+    assert float(cotrain.distillation(logits, torch.randn(2, 5, 11), target)) > 0
+    padded = logits.clone()
+    padded[0, 3:] = torch.randn(2, 11)  # padding positions never count
+    assert float(cotrain.distillation(logits, padded, target)) == pytest.approx(0.0, abs=1e-6)
