@@ -60,6 +60,8 @@ def parse_row(text: str) -> train.Row:
                     break
                 digits += char
             width[letter] = int(digits or 256)
+    if ("t" in width or "w" in flags) and not width.get("j"):
+        raise SystemExit(f"probe_rows: --row {text!r}: t and w shape a co-training, so they need jN")
     if not 0 <= width.get("t", 0) <= 100:
         raise SystemExit(f"probe_rows: --row {text!r}: the distillation weight t is a percentage, 0 to 100")
     return train.Row(

@@ -188,3 +188,14 @@ def test_a_distilled_or_warm_row_is_co_trained_after_its_control_and_from_it(
     padded = logits.clone()
     padded[0, 3:] = torch.randn(2, 11)  # padding positions never count
     assert float(cotrain.distillation(logits, padded, target)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_probe_rows_names_a_distillation_flag_it_cannot_honour() -> None:
+    import probe_rows
+
+    row = probe_rows.parse_row("kd=int8,int8,16,d256u256p3000j3000t50w")
+    assert (row.cut_teacher, row.cut_warm, row.cut_cotrain) == (50, True, 3000)
+    with pytest.raises(SystemExit, match="t and w shape a co-training, so they need jN"):
+        probe_rows.parse_row("kd=int8,int8,16,d256t50")
+    with pytest.raises(SystemExit, match="distillation weight t is a percentage"):
+        probe_rows.parse_row("kd=int8,int8,16,j3000t150")
