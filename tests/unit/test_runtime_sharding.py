@@ -10,6 +10,8 @@ are reduced in the last micro-batch's backward, the optimizer steps once per ste
 from __future__ import annotations
 
 import json
+import os
+import time
 import traceback
 from pathlib import Path
 
@@ -141,12 +143,13 @@ def _rank_main(rank: int, world: int, port: int, job: dict, out: str) -> None:
             )
         if dist.is_initialized():
             dist.barrier()  # no rank leaves while another still needs the group
-            # Torn down here, not by the interpreter's exit: gloo's threads destroyed there while a peer
-            # closes its end aborted a rank once ("terminate called without an active exception", -6).
-            dist.destroy_process_group()
     except BaseException:
         (Path(out) / f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
+    (Path(out) / f"done-{rank}").touch()
+    # Ended as the trainer's ranks end: gloo's teardown (in destroy_process_group or the interpreter's
+    # exit) has hung a rank after the closing barrier and aborted another while a peer closed its end.
+    os._exit(0)
 
 
 def run(world: int, out: Path, **job: object) -> dict:
@@ -163,16 +166,31 @@ def run(world: int, out: Path, **job: object) -> dict:
     ]
     for process in processes:
         process.start()
-    for process in processes:
-        process.join(150)  # generous: the shared test machine may be busy
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-            process.join(5)
+    done = [out / f"done-{rank}" for rank in range(world)]
+    deadline = time.monotonic() + 150  # generous: the shared test machine may be busy
+    try:
+        # Finished when every rank has marked its work done, or one has failed or ended without it.
+        while not all(marker.exists() for marker in done):
+            ended = [
+                p
+                for p, marker in zip(processes, done, strict=True)
+                if not p.is_alive() and not marker.exists()
+            ]
+            if ended or any(out.glob("error-*.txt")) or time.monotonic() > deadline:
+                break
+            processes[0].join(0.1)
+        for process in processes:
+            process.join(max(0.0, min(10.0, deadline - time.monotonic())))
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
     errors = {p.name: p.read_text() for p in sorted(out.glob("error-*.txt"))}
+    finished = [marker.exists() for marker in done]
     codes = [p.exitcode for p in processes]
-    assert not errors and codes == [0] * world, (
-        f"{json.dumps(job)} on {world} ranks: exit codes {codes}\n{errors}"
+    assert not errors and all(finished) and codes == [0] * world, (
+        f"{json.dumps(job)} on {world} ranks: finished {finished}, exit codes {codes}\n{errors}"
     )
     return torch.load(out / "result.pt", weights_only=True)
 
