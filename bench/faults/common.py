@@ -11,7 +11,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,12 +64,8 @@ def cpu_seconds(pid: int) -> float:
     return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
 
 
-def service_pid(pid: int, module: str) -> int:
-    """The process running ``python -m <module>`` at or below ``pid``, else ``pid`` itself.
-
-    A boxed service is a tree: bubblewrap, then (the trainer) its box's PID 1, then the service; the
-    launcher knows the top. What grows or leaks is the service, so that is the process sampled.
-    """
+def process_tree(pid: int) -> Iterator[int]:
+    """``pid`` and every live process below it, breadth first (a boxed service is a tree)."""
     pending, seen = [pid], set()
     while pending:
         current = pending.pop(0)
@@ -77,18 +73,36 @@ def service_pid(pid: int, module: str) -> int:
             continue
         seen.add(current)
         try:
-            argv = Path(f"/proc/{current}/cmdline").read_bytes().split(b"\0")
             tasks = list(Path(f"/proc/{current}/task").iterdir())
         except OSError:
             continue
-        if argv[1:3] == [b"-m", module.encode()]:
-            return current
+        yield current
         for task in tasks:
             try:
                 pending += [int(child) for child in (task / "children").read_text().split()]
             except OSError:
                 continue
+
+
+def service_pid(pid: int, module: str) -> int:
+    """The process running ``python -m <module>`` at or below ``pid``, else ``pid`` itself.
+
+    A boxed service is a tree: bubblewrap, then (the trainer) its box's PID 1, then the service; the
+    launcher knows the top. What grows or leaks is the service, so that is the process sampled.
+    """
+    for current in process_tree(pid):
+        try:
+            argv = Path(f"/proc/{current}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:3] == [b"-m", module.encode()]:
+            return current
     return pid
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` and every live process below it."""
+    return sum(cpu_seconds(current) for current in process_tree(pid))
 
 
 class ProcessSampler:

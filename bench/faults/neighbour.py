@@ -13,7 +13,9 @@ alone (the ratio a tenant feels), the same for the control (what sharing two cor
 switch can remove), and the big job's step in the mix against alone (what it keeps of the link), with
 its own control: its step beside the small job running on the other deployment (what the small job's
 CPU costs it). Step
-times are the trainers' own (``StageStatus.step_seconds``), steps after the second.
+times are the trainers' own (``StageStatus.step_seconds``), steps after the second. While the big job
+runs alone, from its second step to its end, the CPU of the two switches and the WAN emulator (each
+process tree's user + system time in ``/proc``, in cores): what its bytes cost the data path.
 
 Usage: ``python bench/faults/neighbour.py [--out DIR] [--rounds N] [--small-steps N]``; writes
 ``faults-neighbour.json`` and ``.md``. ``--quick`` (one round, fewer steps) fails when the small job's
@@ -33,7 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import JobFollower, load_info, md_table, write_json
+from common import JobFollower, load_info, md_table, tree_cpu_seconds, wait_until, write_json
 
 from nebula_common.jobspec import load_spec
 from nebula_common.launcher import LocalDeployment
@@ -113,7 +115,23 @@ def beside_big(
     return mean, reported_between(big, "sink", started, ended)
 
 
+def path_cpu(deployment: LocalDeployment) -> tuple[float, dict[str, float]]:
+    """When, and the CPU seconds so far of each switch and the WAN emulator(s) (by role)."""
+    used: dict[str, float] = {}
+    for process in deployment.all_processes():
+        role = "switches" if process.name.startswith("switch-") else "emulator"
+        if process.pid and (process.name.startswith("switch-") or process.name.startswith("wan-emulator")):
+            used[role] = used.get(role, 0.0) + tree_cpu_seconds(process.pid)
+    return time.monotonic(), used
+
+
+def cores(start: tuple[float, dict[str, float]], end: tuple[float, dict[str, float]]) -> dict[str, float]:
+    seconds = max(end[0] - start[0], 1e-9)
+    return {role: round((end[1][role] - start[1].get(role, 0.0)) / seconds, 3) for role in end[1]}
+
+
 def one_round(
+    deployment: LocalDeployment,
     users: dict[str, dict[str, ClusterSession]],
     control_users: dict[str, ClusterSession],
     small_steps: int,
@@ -123,7 +141,10 @@ def one_round(
     finished(small, "the small job alone")
     small_alone = small.mean_reported_step_seconds("head")
     _, big = follow(job(BIG_SPEC, "big-alone", big_steps), users["big"])
+    wait_until(lambda: big.done_steps("sink") >= 2 or big.final, TIMEOUT_S, "the big job's second step")
+    path_start = path_cpu(deployment)
     finished(big, "the big job alone")
+    path_end = path_cpu(deployment)
     big_alone = big.mean_reported_step_seconds("sink")
     small_mix, big_steps_mix = beside_big(users["small"], users["big"], small_steps, "mix")
     small_control, big_steps_control = beside_big(users["small"], control_users, small_steps, "control")
@@ -144,6 +165,7 @@ def one_round(
         "big_control_s": round(big_control, 4) if big_control else None,
         "big_control_share": round(big_alone / big_control, 3) if big_control else None,
         "big_alone_mbit_each_way": round(BIG_BYTES_PER_STEP * 8 / big_alone / 1e6, 1),
+        "big_alone_cores": cores(path_start, path_end),
         "load": load_info(),
     }
 
@@ -163,6 +185,8 @@ def report(result: dict[str, Any]) -> str:
             r["big_control_s"],
             r["big_control_share"],
             r["big_alone_mbit_each_way"],
+            r["big_alone_cores"].get("switches"),
+            r["big_alone_cores"].get("emulator"),
         ]
         for i, r in enumerate(result["rounds"])
     ]
@@ -179,13 +203,17 @@ def report(result: dict[str, Any]) -> str:
         "big beside small elsewhere s",
         "big keeps, CPU only",
         "big alone Mbit/s each way",
+        "big alone: switches' cores",
+        "emulator's cores",
     ]
     return (
         f"# Small job beside a big neighbour ({BANDWIDTH_MBIT:g} Mbit/s, {DELAY_MS:g} ms each way)\n\n"
         + md_table(head, rows)
         + f"\n\nMedian ratio: **{result['median_small_ratio']}** (CPU-only control: "
         f"{result['median_control_ratio']}); the big job keeps **{result['median_big_share']}** of its "
-        f"alone throughput (CPU-only control: {result['median_big_control_share']}).\n"
+        f"alone throughput (CPU-only control: {result['median_big_control_share']}). Alone, its bytes "
+        f"cost the two switches **{result['median_switch_cores']}** cores and the WAN emulator "
+        f"{result['median_emulator_cores']} (medians).\n"
     )
 
 
@@ -212,7 +240,7 @@ def main() -> None:
         users = {u: {c: make_user(deployment, c, u) for c in ("a", "b")} for u in ("small", "big")}
         control_users = {c: make_user(control, c, "big") for c in ("a", "b")}
         for k in range(args.rounds):
-            rounds.append(one_round(users, control_users, args.small_steps, args.big_steps))
+            rounds.append(one_round(deployment, users, control_users, args.small_steps, args.big_steps))
             print(f"round {k + 1}: {rounds[-1]}", flush=True)
     result = {
         "bandwidth_mbit": BANDWIDTH_MBIT,
@@ -222,6 +250,8 @@ def main() -> None:
         "median_control_ratio": statistics.median(r["control_ratio"] for r in rounds),
         "median_big_share": statistics.median(r["big_share"] or 0.0 for r in rounds),
         "median_big_control_share": statistics.median(r["big_control_share"] or 0.0 for r in rounds),
+        "median_switch_cores": statistics.median(r["big_alone_cores"].get("switches", 0.0) for r in rounds),
+        "median_emulator_cores": statistics.median(r["big_alone_cores"].get("emulator", 0.0) for r in rounds),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "faults-neighbour.json", result)

@@ -31,6 +31,7 @@ from nebula_common.audit import AuditLog
 from nebula_common.audit.aggregate import RefusalAggregator
 from nebula_common.pki import Identity
 from nebula_common.proto.nebula.v1 import link_pb2
+from services.switch.acks import AckSchedule
 from services.switch.bandwidth import BandwidthMeter, BandwidthProbeError, Measurement
 from services.switch.express import ExpressLane
 from services.switch.lanes import SessionLanes, SessionOrder
@@ -148,6 +149,7 @@ class PeerLink(LinkDialer):
         self._pacer: LinkPacer | None = None
         self._rx_bytes = 0
         self._ack_due = False
+        self._acks = AckSchedule(self._acks_owed)
         self._reassembly = Reassembler()
         # Refusals by strangers on the WAN port: one record per source, layer and reason per interval
         # (the switch shares one aggregator among its links).
@@ -293,6 +295,7 @@ class PeerLink(LinkDialer):
             self._peer_witness = peer_witness
             self._pacer = LinkPacer() if peer_paced else None
             self._rx_bytes, self._ack_due, self._reassembly = 0, False, Reassembler()
+            self._acks.reset()
             self._acked_last = False
             self.witness.session_started()
             self.keepalive.session_started()
@@ -351,6 +354,7 @@ class PeerLink(LinkDialer):
                     self._current_session = None
                 self._connected.clear()
                 self._priority.clear()
+                self._acks.reset()  # no timer of this session fires into the next
                 self.ledger.flush_all()
                 self.state = LinkState(connected=False, role=role, sessions=self._sessions)
                 self._publish_up(False)

@@ -4,8 +4,8 @@ The reader hands each item to the router, which never waits (it buffers per rout
 over its bound); the writer takes the router's next message (acks first, then the routes by deficit
 round robin over bytes), on a paced session only while what the peer has not read yet is under the
 pacer's cap, cutting large items into fragments (``pacing.py``). Ahead of every item go this switch's
-acknowledgement of bytes read (a paced session), then Pings and Pongs (``liveness.py``), bandwidth
-probes (``bandwidth.py``) and audit heads (``witness.py``).
+acknowledgement of bytes read (a paced session, every second data message: ``acks.py``), then Pings
+and Pongs (``liveness.py``), bandwidth probes (``bandwidth.py``) and audit heads (``witness.py``).
 
 Raw bytes on the stream (link framing, ``nebula_common/rpc/framing.py``): a trainer's framed chunk
 (``LinkMessage.framed``) is forwarded byte for byte, reading only its header, so no payload is decoded
@@ -21,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Iterable
 
 import grpc
 
 from nebula_common.pki import Identity
 from nebula_common.proto.nebula.v1 import link_pb2
 from nebula_common.rpc.framing import FramedChunk, FramingError, is_framed, parse_chunk
+from services.switch.acks import AckSchedule
 from services.switch.bandwidth import BandwidthMeter
 from services.switch.express import EXPRESS_LANE
 from services.switch.lanes import LaneGapError, SessionLanes
@@ -67,6 +69,7 @@ class LinkPumps:
     _pacer: LinkPacer | None
     _rx_bytes: int
     _ack_due: bool
+    _acks: AckSchedule  # when what we read is acknowledged (acks.py)
     _reassembly: Reassembler
 
     # ----- writing ---------------------------------------------------------------------------
@@ -87,6 +90,9 @@ class LinkPumps:
             if lanes is not None and lanes.marking:
                 lanes.acks_due.discard(lane)
                 lane_bytes = lanes.read_bytes.get(lane, 0)
+                self._acks.sent(lane)
+            else:
+                self._acks.sent(None)
             return link_pb2.LinkMessage(
                 received=link_pb2.LinkReceived(bytes=self._rx_bytes, lane_bytes=lane_bytes)
             )
@@ -283,16 +289,23 @@ class LinkPumps:
         return (routed.job_id, routed.edge), routed.item, routed.epoch
 
     def _read_data(self, size: int, lane: int) -> None:
-        """``size`` bytes of data messages were read on ``lane``: acknowledge them (a paced session), the
-        session's count on any connection, this connection's on itself."""
+        """``size`` bytes of data messages were read on ``lane``: on a paced session they are acknowledged
+        when ``acks.py`` says (the session's count on any connection, this connection's on itself)."""
         self._rx_bytes += size
         if self._pacer is not None:
-            self._ack_due = True
             lanes = self._lanes
             if lanes is not None and lanes.marking:
                 lanes.read_bytes[lane] = lanes.read_bytes.get(lane, 0) + size
-                lanes.acks_due.add(lane)
-            self.router.outbound_wake.set()
+            self._acks.read(lane, size)
+
+    def _acks_owed(self, lanes_read: Iterable[int]) -> None:
+        """Acknowledgements are due (``AckSchedule``): the next writer sends the session's, each of
+        ``lanes_read`` its own."""
+        self._ack_due = True
+        lanes = self._lanes
+        if lanes is not None and lanes.marking:
+            lanes.acks_due.update(lanes_read)
+        self.router.outbound_wake.set()
 
     @staticmethod
     def _lane_acked(lanes: SessionLanes, lane: int, lane_bytes: int) -> None:

@@ -12,6 +12,7 @@ from nebula_common.pki import Identity
 from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, tensor_pb2
 from nebula_common.rpc.framing import FramedChunk, encode_chunk, parse_chunk
 from services.switch import pacing
+from services.switch.acks import AckSchedule
 from services.switch.link import PeerLink
 from services.switch.pacing import Fragment, LinkPacer, PacingError, Reassembler
 from services.switch.route_state import Attachment, Route
@@ -269,11 +270,38 @@ def test_an_acknowledgement_beyond_what_was_sent_is_refused_and_an_older_one_ign
     assert pacer.acked == 600 and pacer.inflight == 400
 
 
+class VirtualTimers:
+    """``loop.call_later`` on the simulation's clock."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, list[Callable[[], None] | None]]] = []
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> VirtualTimer:
+        slot: list[Callable[[], None] | None] = [callback]
+        heapq.heappush(self._due, (when, len(self._due) + id(slot), slot))
+        return VirtualTimer(slot)
+
+    def run_until(self, now: float) -> None:
+        while self._due and self._due[0][0] <= now:
+            callback = heapq.heappop(self._due)[2][0]
+            if callback is not None:
+                callback()
+
+
+class VirtualTimer:
+    def __init__(self, slot: list[Callable[[], None] | None]) -> None:
+        self._slot = slot
+
+    def cancel(self) -> None:
+        self._slot[0] = None
+
+
 def simulate(
     rates: list[tuple[float, float]], delay_s: float, seconds: float, flows: int = 1, quiet_until: float = 0.0
 ) -> dict[str, list[float]]:
     """A sender with endless data, paced, through one bottleneck FIFO of ``rates`` [(from time, bytes/s)]
-    and ``delay_s`` each way; the receiver acknowledges every byte it reads. Samples every 10 ms.
+    and ``delay_s`` each way; the receiver acknowledges what it reads as the switch does (``AckSchedule``:
+    every second piece, an odd one within ``ACK_DELAY_S``). Samples every 10 ms.
 
     Until ``quiet_until`` the sender has only a 40-byte message every 50 ms (a job's control traffic)
     and tells the pacer when it has nothing to send, as the link's writer does."""
@@ -286,7 +314,16 @@ def simulate(
     arrivals: list[tuple[float, int]] = []  # (when the receiver reads it, bytes)
     acks: list[tuple[float, int]] = []  # (when the sender reads it, cumulative bytes)
     received = 0
+    sent_acks = [0]
+    timers = VirtualTimers()
+
+    def acknowledge(lanes: object) -> None:
+        heapq.heappush(acks, (now + delay_s, received))
+        sent_acks[0] += 1
+
+    owed = AckSchedule(acknowledge, call_later=lambda after, callback: timers.call_at(now + after, callback))
     samples: dict[str, list[float]] = {
+        "acks": [],
         "t": [],
         "queue": [],
         "delivered": [],
@@ -314,8 +351,10 @@ def simulate(
             heapq.heappush(arrivals, (now + delay_s, queue.pop(0)))
         head_left = budget if queue else 0.0
         while arrivals and arrivals[0][0] <= now:
-            received += heapq.heappop(arrivals)[1]
-            heapq.heappush(acks, (now + delay_s, received))
+            piece = heapq.heappop(arrivals)[1]
+            received += piece
+            owed.read(0, piece)
+        timers.run_until(now)
         while acks and acks[0][0] <= now:
             pacer.on_ack(heapq.heappop(acks)[1])
         if now >= next_sample:
@@ -323,6 +362,7 @@ def simulate(
             samples["t"].append(now)
             samples["queue"].append(sum(queue))
             samples["delivered"].append(received)
+            samples["acks"].append(sent_acks[0])
             samples["rate"].append(pacer.rate)
             samples["rtt"].append(pacer.min_rtt)
             next_sample += 0.01
@@ -346,9 +386,14 @@ def test_the_pacer_fills_the_path_and_keeps_its_queue_near_a_fragment() -> None:
     assert 2 * delay <= late["rtt"][-1] <= 2 * delay + 2 * pacing.FRAGMENT_TIME_S
     mean_queue = sum(late["queue"]) / len(late["queue"])
     fragment = rate * pacing.FRAGMENT_TIME_S
-    # One to two fragments (4-8 ms) queued; a fixed 1 MiB cap would keep 750 kB (100 ms) there.
-    assert mean_queue <= 2.5 * fragment, (mean_queue, bdp)
-    assert max(late["queue"]) <= 4 * fragment, max(late["queue"])
+    # The controller keeps one to two fragments (4-8 ms) queued, and an acknowledgement of two frees
+    # room for two at once; a fixed 1 MiB cap would keep 750 kB (100 ms) there.
+    assert mean_queue <= 3 * fragment, (mean_queue, bdp)
+    assert max(late["queue"]) <= 5 * fragment, max(late["queue"])
+    # Every second fragment acknowledged (acks.py): half as many acknowledgements as fragments.
+    fragments = (late["delivered"][-1] - late["delivered"][0]) / pacing.MIN_FRAGMENT_BYTES
+    acknowledgements = late["acks"][-1] - late["acks"][0]
+    assert 0.45 * fragments <= acknowledgements <= 0.55 * fragments, (acknowledgements, fragments)
 
 
 def test_the_pacer_keeps_one_to_two_fragments_queued_per_connection() -> None:
