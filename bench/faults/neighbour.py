@@ -118,9 +118,10 @@ def beside_big(
 def path_cpu(deployment: LocalDeployment) -> tuple[float, dict[str, float]]:
     """When, and the CPU seconds so far of each switch and the WAN emulator(s) (by role)."""
     used: dict[str, float] = {}
+    roles = {"switch-": "switches", "wan-emulator": "emulator"}
     for process in deployment.all_processes():
-        role = "switches" if process.name.startswith("switch-") else "emulator"
-        if process.pid and (process.name.startswith("switch-") or process.name.startswith("wan-emulator")):
+        role = next((role for prefix, role in roles.items() if process.name.startswith(prefix)), None)
+        if role is not None and process.pid:
             used[role] = used.get(role, 0.0) + tree_cpu_seconds(process.pid)
     return time.monotonic(), used
 

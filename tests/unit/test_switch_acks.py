@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 
 import pytest
 
-from services.switch.acks import ACK_DELAY_S, AckSchedule
+from services.switch.acks import ACK_AT_ONCE_BYTES, ACK_DELAY_S, AckSchedule
 
 
 class Timers:
@@ -60,6 +60,16 @@ def test_every_second_message_on_a_connection_is_acknowledged_at_once_and_an_odd
     acks.read(0)
     timers.fire()
     assert owed == [[0], [0]] and acks.pending == 0
+
+
+def test_a_large_message_is_acknowledged_at_once_and_a_small_one_just_under_waits() -> None:
+    # A fast link's whole items: an acknowledgement held for the next one reads to the pacer as a queue.
+    acks, owed, timers = schedule()
+    acks.read(0, ACK_AT_ONCE_BYTES - 1)
+    assert owed == [] and len(timers.live()) == 1
+    acks.sent(0)
+    acks.read(0, ACK_AT_ONCE_BYTES)
+    assert owed == [[0]] and acks.pending == 0 and timers.live() == []
 
 
 def test_connections_are_counted_apart_and_the_timer_covers_every_one_left_waiting() -> None:
