@@ -29,6 +29,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nebula_common import pysource
+
 if TYPE_CHECKING:  # torch only where a model is loaded: checking a job spec must stay light
     from torch import nn
 
@@ -53,7 +55,7 @@ def _offline() -> None:
 def declared_dirs(source: str, filename: str = "<stage>") -> dict[str, dict[str, str]]:
     """A module's ``PRETRAINED_DIRS`` (read with ``ast``, never executed); {} when it declares none."""
     try:
-        tree = ast.parse(source, filename=filename)
+        tree = pysource.parse(source, filename=filename)
     except (SyntaxError, ValueError, RecursionError):
         return {}  # the module checks report the syntax error
     for node in tree.body:

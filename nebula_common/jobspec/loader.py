@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from nebula_common import pysource
 from nebula_common.jobspec.spec import (
     MAX_MODULE_BYTES,
     JobSpec,
@@ -77,7 +78,7 @@ def _check_module(
     except YamlInputError as exc:
         raise SpecError(f"{origin}: {field}: {exc}") from None
     try:
-        tree = ast.parse(source, filename=str(path))
+        tree = pysource.parse(source, filename=str(path))
     except SyntaxError as exc:
         raise SpecError(f"{origin}: {field}: {path}:{exc.lineno}: syntax error: {exc.msg}") from None
     except (ValueError, RecursionError, MemoryError) as exc:

@@ -19,7 +19,6 @@ deterministic: the same corpus gives the same vocabulary on every machine.
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import re
 from collections import Counter
@@ -28,6 +27,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+from nebula_common import pysource
 
 PAD, BOS, EOS, UNK, MASK = 0, 1, 2, 3, 4
 SPECIALS = ("[PAD]", "[BOS]", "[EOS]", "[UNK]", "[MASK]")
@@ -62,7 +63,7 @@ def catalogue_paths() -> list[Path]:
 
 def _unquote(line: str, path: Path, number: int) -> str:
     try:
-        value = ast.literal_eval(line)
+        value = pysource.literal(line)
     except (ValueError, SyntaxError) as exc:
         raise TextDataError(f"{path}:{number}: not a quoted PO string: {line[:60]!r}") from exc
     if not isinstance(value, str):
