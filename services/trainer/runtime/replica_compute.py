@@ -10,6 +10,7 @@ reducer, because under 1F1B earlier micro-batches' backwards still come after th
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,18 @@ from services.trainer.runtime.sharding import LossRoot
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64)
 """The dtypes rows may have between ranks (their index goes in ``parallel``'s command header)."""
+
+
+def _no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's keyword for "no buffer broadcast before each forward", in the installed torch's spelling.
+
+    torch 2.13 deprecates ``broadcast_buffers`` (a FutureWarning in every data-parallel stage's log) for
+    ``forward_sync_buffers``, which still broadcasts rank 0's buffers once at construction. Every replica
+    already starts from the same state, so that one broadcast changes no value; older torch lacks it.
+    """
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 class DataParallelError(RuntimeError):
@@ -35,7 +48,8 @@ class ReplicaCompute:
         self.program = program
         self.micro_batches = micro_batches
         self.backprop = backprop
-        self.ddp = DistributedDataParallel(LossRoot(program), process_group=group, broadcast_buffers=False)
+        sync = _no_forward_buffer_sync()
+        self.ddp = DistributedDataParallel(LossRoot(program), process_group=group, **sync)
 
     def run(self, rows: torch.Tensor, ids: list[int], last: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         received = rows.requires_grad_(True) if self.backprop else rows
