@@ -97,6 +97,7 @@ class Int8Codec(Codec):
         # agree exactly; a scale that underflows float32 is bumped to the smallest
         # subnormal, which still keeps |x / scale| well inside [-127, 127].
         scale = max(_SCALE.unpack(_SCALE.pack(step))[0], _FLOAT32_SMALLEST_SUBNORMAL)
+        scale = min(scale, _scale_cap(tensor.dtype, _QMAX))
         work = _work_dtype(tensor.dtype, scale)
         # numpy with one temporary updated in place: torch's out-of-place elementwise
         # ops allocate per step and were several times slower on CPU.
@@ -115,8 +116,9 @@ class Int8Codec(Codec):
         if bool(np.any(codes == -128)):
             raise CodecError("int8 payload holds code -128, which the encoder never produces")
         values = codes.astype(_NUMPY_WORK[work])
-        values *= _NUMPY_WORK[work](scale)
-        return torch.from_numpy(values).reshape(shape).to(dtype)
+        with np.errstate(over="ignore"):  # an overflow is refused just below
+            values *= _NUMPY_WORK[work](scale)
+        return _refuse_overflow(torch.from_numpy(values).reshape(shape).to(dtype), "int8", scale * _QMAX)
 
 
 class GroupQuantCodec(Codec):
@@ -170,6 +172,7 @@ class GroupQuantCodec(Codec):
             )
         scales = (absmax / self.qmax).astype(np.float32)
         scales[(scales == 0) & (absmax > 0)] = _FLOAT32_SMALLEST_SUBNORMAL
+        np.minimum(scales, np.float32(_scale_cap(tensor.dtype, self.qmax)), out=scales)
         # Divide by the float32 scale actually stored so encoder and decoder agree exactly;
         # scale 0 only occurs for all-zero groups, whose quotient is 0 with divisor 1.
         divisor = np.where(scales == 0, 1.0, scales.astype(np.float64)).astype(work)
@@ -219,8 +222,10 @@ class GroupQuantCodec(Codec):
         work = np.float64 if dtype == torch.float64 or float(scales.min()) < _FLOAT32_TINY else np.float32
         padded = np.zeros(groups * length, dtype=work)
         padded[:n] = codes
-        values = padded.reshape(groups, length) * scales.astype(work)[:, None]
-        return torch.from_numpy(np.ascontiguousarray(values.reshape(-1)[:n])).reshape(shape).to(dtype)
+        with np.errstate(over="ignore"):  # an overflow is refused just below
+            values = padded.reshape(groups, length) * scales.astype(work)[:, None]
+        decoded = torch.from_numpy(np.ascontiguousarray(values.reshape(-1)[:n])).reshape(shape).to(dtype)
+        return _refuse_overflow(decoded, self.spec, float(scales.max()) * self.qmax)
 
 
 def _check_options(name: str, scale: object, block: object, rounding: object) -> tuple[str, int, str]:
@@ -321,6 +326,35 @@ def _int4(inner: Codec | None = None, *, block: int | None = None) -> Codec:
         return leaf
     spec = format_spec("int4", inner.spec, block=size if size != DEFAULT_BLOCK else None)
     return wrap_transform("int4", inner, leaf, spec)
+
+
+def _scale_cap(dtype: torch.dtype, qmax: int) -> float:
+    """The largest float32 scale whose ``qmax`` codes stay finite in ``dtype`` once decoded.
+
+    absmax / qmax rounded to float32 can round up, and for an absmax at the top of the dtype's range
+    qmax times that scale is infinity; the encoder stores at most this scale (such values then
+    lose one float32 step, where they would otherwise decode to infinity).
+    """
+    limit = float(torch.finfo(dtype).max)
+    cap = np.float32(min(limit / qmax, _FLOAT32_MAX))
+    while float(cap) * qmax > limit:
+        cap = np.nextafter(cap, np.float32(0))
+    return float(cap)
+
+
+def _refuse_overflow(decoded: torch.Tensor, spec: str, bound: float) -> torch.Tensor:
+    """``decoded``, unless a scale times a code overflowed its dtype to infinity.
+
+    The encoders derive each scale from a finite absmax of the same dtype, so their codes times their
+    scales stay finite; a peer's larger scale would hand the model infinities. Only a payload whose
+    largest possible value (``bound``) is beyond the dtype's range pays for the check.
+    """
+    if bound > torch.finfo(decoded.dtype).max and not bool(torch.isfinite(decoded).all()):
+        raise CodecError(
+            f"{spec} payload's scales overflow {str(decoded.dtype).removeprefix('torch.')} "
+            "to infinity, which the encoder never produces"
+        )
+    return decoded
 
 
 def _work_dtype(dtype: torch.dtype, scale: float) -> torch.dtype:

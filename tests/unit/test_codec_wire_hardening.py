@@ -8,6 +8,8 @@ and dtype or a CodecError, never another exception.
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -171,6 +173,39 @@ def test_fuzz_new_codecs_through_the_wire(
     assert tuple(y.shape) == tuple(shape) and y.dtype == dtype
 
 
+@pytest.mark.parametrize(
+    ("spec", "dtype", "scale"),
+    [
+        ("int8", torch.float32, 3e38),
+        ("int4", torch.float32, 3e38),
+        ("int8(scale=row)", torch.float16, 1000.0),
+        ("int4(block=3)", torch.bfloat16, 1e38),
+    ],
+)
+def test_a_scale_that_overflows_the_dtype_is_refused(spec: str, dtype: torch.dtype, scale: float) -> None:
+    """A peer's finite scale times the largest code beyond the dtype's range would hand the model inf."""
+    encoded = encode_tensor(torch.randn(6, 4).to(dtype), spec)
+    payload = bytearray(encoded.payload)
+    payload[0:4] = struct.pack("<f", scale)  # the first (or only) scale; its group holds a code of +-qmax
+    header = _copy(encoded.header)
+    header.checksum = header_checksum(header, bytes(payload))
+    with pytest.raises(WireFormatError, match="overflow"):
+        decode_tensor(header, bytes(payload))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("spec", ["int8", "int8(scale=row)", "int8(error=0.05)", "int4", "int4(block=3)"])
+def test_values_at_the_top_of_the_dtype_s_range_decode_finite(spec: str, dtype: torch.dtype) -> None:
+    """absmax / qmax rounded up to float32 would decode the largest value to inf; the encoder caps it."""
+    top = torch.finfo(dtype).max
+    x = torch.tensor([[top, -top], [1.0, 0.5]], dtype=dtype)
+    encoded = encode_tensor(x, spec)
+    y = decode_tensor(encoded.header, encoded.payload)
+    assert bool(torch.isfinite(y).all()), y
+    assert float(y[0, 0]) == pytest.approx(top, rel=1e-6)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # an overflow is refused, never computed and warned
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     spec=st.sampled_from(FUZZ_SPECS),
