@@ -214,11 +214,6 @@ class AggregateLink:
         self._gate = gate
         self._seconds_per_bit = 1.0 / shape.bits_per_second
         self._burst_s = shape.burst_bytes * 8 * self._seconds_per_bit
-        # How far ahead of real time the pacer hands out turns: two turns keep the link busy across
-        # one wake-up, while a connection that just became active waits at most that long for its
-        # first turn. Lateness beyond it is made up on the virtual clock: chunks that arrived while
-        # the pacer slept start when the link became free, not when the pacer woke.
-        self._lookahead_s = 2 * CHUNK_BYTES * 8 * self._seconds_per_bit
         self._delay_s = shape.delay_s
         # Whole segments of about PIECE_SECONDS of link time: what a chunk is delivered in (below
         # about 13 Mbit/s a 16 KiB chunk takes longer than that; faster, a chunk is one piece).
@@ -274,7 +269,11 @@ class AggregateLink:
                 # them): nothing is left to pace, so wait for new work instead of taking a turn.
                 continue
             now = loop.time()
-            ahead = self._clock - now - self._lookahead_s
+            # The next turn is chosen when the link frees, as a router's scheduler chooses the next
+            # packet, so a connection that just became active waits for the chunk on the wire only.
+            # A pacer that wakes late loses no link time: chunks that arrived while it slept start
+            # on the virtual clock, when the link became free, not when the pacer woke.
+            ahead = self._clock - now
             if ahead > 0:
                 await asyncio.sleep(ahead)
                 continue

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from nebula_common.cli.wan import app
 from nebula_common.wan import LinkShape, WanEmulator
 from nebula_common.wan.shape import QUEUE_BYTES
-from nebula_common.wan.shaper import SegmentLoss
+from nebula_common.wan.shaper import CHUNK_BYTES, SegmentLoss
 from tests.unit.test_wan_emulator import run, serve
 
 pytestmark = pytest.mark.timeout(90)
@@ -177,6 +177,53 @@ def test_a_light_connection_waits_turns_not_behind_a_bulk_queue() -> None:
             f" (behind a full FIFO queue: {fifo_queueing_s * 1000:.0f} ms)"
         )
         assert queueing < fifo_queueing_s / 2, one_way
+
+    run(body())
+
+
+def test_a_light_connection_waits_for_the_chunk_on_the_wire_not_for_turns_handed_out_ahead() -> None:
+    """The next turn is chosen when the link frees: a ping waits for the bulk chunk being serialised
+    and its turn, not for turns handed out ahead of time (each a whole chunk of link time here)."""
+    shape = LinkShape(bandwidth_mbit=2.0, delay_ms=5.0)
+    chunk_s = shape.wire_bytes(CHUNK_BYTES) * 8 / shape.bits_per_second  # ~68 ms
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+
+        async def target(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            if await reader.readexactly(1) == b"b":
+                while await reader.read(1 << 16):
+                    pass
+                return
+            while data := await reader.read(64):  # echo pings
+                writer.write(data)
+                await writer.drain()
+
+        async with serve(target) as port, WanEmulator("127.0.0.1", port, shape) as emu:
+            _bulk_reader, bulk = await asyncio.open_connection("127.0.0.1", emu.port)
+            bulk.write(b"b" + os.urandom(1_500_000))  # ~6 s of link time
+            reader, writer = await asyncio.open_connection("127.0.0.1", emu.port)
+            writer.write(b"p")
+            deadline = loop.time() + DEADLINE_S
+            while emu.bytes_upstream < 4 * CHUNK_BYTES:
+                assert loop.time() < deadline, "bulk transfer never started"
+                await asyncio.sleep(0.01)
+            one_way: list[float] = []
+            for i in range(9):
+                sent = loop.time()
+                writer.write(bytes([i]) * 64)
+                await writer.drain()
+                assert await asyncio.wait_for(reader.readexactly(64), DEADLINE_S) == bytes([i]) * 64
+                one_way.append((loop.time() - sent) / 2)
+            assert emu.bytes_upstream < 1_400_000, "bulk finished before the pings: the test measured nothing"
+            bulk.close()
+            writer.close()
+        # Upstream the ping waits for the rest of the chunk on the wire and, round robin, at most the
+        # bulk connection's next turn (about 1.9 chunks measured); the way back is idle. With two turns
+        # handed out ahead of the link it waited about 3.8 chunks.
+        waited = statistics.median(one_way) * 2 - 2 * shape.delay_s
+        print(f"ping waited {waited * 1000:.0f} ms upstream; a chunk is {chunk_s * 1000:.0f} ms of link")
+        assert waited < 2.5 * chunk_s, one_way
 
     run(body())
 
