@@ -162,7 +162,7 @@ def measure(
     # the connection count (a switch that does not know the setting ignores it).
     settings = {
         "NEBULA_WAN_LOSS": str(loss),
-        "NEBULA_WAN_SEED": "1",
+        "NEBULA_WAN_SEED": os.environ.get("NEBULA_WAN_SEED", "1"),
         "NEBULA_SWITCH_LINK_CONNECTIONS": connections,
     }
     saved = {key: os.environ.get(key) for key in settings}
