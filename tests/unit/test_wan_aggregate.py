@@ -132,17 +132,17 @@ def test_connections_sharing_the_link_get_equal_shares() -> None:
     run(body())
 
 
-def test_a_light_connection_waits_turns_not_behind_a_bulk_queue() -> None:
-    shape = LinkShape(bandwidth_mbit=10.0, delay_ms=10.0)
-    fifo_queueing_s = QUEUE_BYTES * 8 / shape.bits_per_second  # ~210 ms behind a full shared queue
+def _pings_behind_bulk(shape: LinkShape, bulk_bytes: int, started_bytes: int, count: int) -> list[float]:
+    """One connection sends ``bulk_bytes`` upstream; once ``started_bytes`` of it went, another sends
+    ``count`` 64-byte echo pings. Each ping's half round trip (fails if the bulk ended before them)."""
+    one_way: list[float] = []
 
     async def body() -> None:
         loop = asyncio.get_running_loop()
         bulk_done = asyncio.Event()
 
         async def target(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            kind = await reader.readexactly(1)
-            if kind == b"b":
+            if await reader.readexactly(1) == b"b":
                 while await reader.read(1 << 16):
                     pass
                 bulk_done.set()
@@ -153,16 +153,14 @@ def test_a_light_connection_waits_turns_not_behind_a_bulk_queue() -> None:
 
         async with serve(target) as port, WanEmulator("127.0.0.1", port, shape) as emu:
             _bulk_reader, bulk = await asyncio.open_connection("127.0.0.1", emu.port)
-            bulk.write(b"b" + os.urandom(2_000_000))  # ~1.7 s of link time, far more than the queue
+            bulk.write(b"b" + os.urandom(bulk_bytes))
             reader, writer = await asyncio.open_connection("127.0.0.1", emu.port)
             writer.write(b"p")
-            # Wait until the bulk connection has filled the shared queue.
             deadline = loop.time() + DEADLINE_S
-            while emu.bytes_upstream < 200_000:
+            while emu.bytes_upstream < started_bytes:
                 assert loop.time() < deadline, "bulk transfer never started"
                 await asyncio.sleep(0.01)
-            one_way: list[float] = []
-            for i in range(8):
+            for i in range(count):
                 sent = loop.time()
                 writer.write(bytes([i]) * 64)
                 await writer.drain()
@@ -171,14 +169,22 @@ def test_a_light_connection_waits_turns_not_behind_a_bulk_queue() -> None:
             assert not bulk_done.is_set(), "bulk finished before the pings: the test measured nothing"
             bulk.close()
             writer.close()
-        queueing = statistics.median(one_way) - shape.delay_s
-        print(
-            f"ping one-way beyond the delay: median {queueing * 1000:.1f} ms"
-            f" (behind a full FIFO queue: {fifo_queueing_s * 1000:.0f} ms)"
-        )
-        assert queueing < fifo_queueing_s / 2, one_way
 
     run(body())
+    return one_way
+
+
+def test_a_light_connection_waits_turns_not_behind_a_bulk_queue() -> None:
+    shape = LinkShape(bandwidth_mbit=10.0, delay_ms=10.0)
+    fifo_queueing_s = QUEUE_BYTES * 8 / shape.bits_per_second  # ~210 ms behind a full shared queue
+    # ~1.7 s of link time, far more than the queue; the pings start once the bulk has filled it.
+    one_way = _pings_behind_bulk(shape, 2_000_000, 200_000, 8)
+    queueing = statistics.median(one_way) - shape.delay_s
+    print(
+        f"ping one-way beyond the delay: median {queueing * 1000:.1f} ms"
+        f" (behind a full FIFO queue: {fifo_queueing_s * 1000:.0f} ms)"
+    )
+    assert queueing < fifo_queueing_s / 2, one_way
 
 
 def test_a_light_connection_waits_for_the_chunk_on_the_wire_not_for_turns_handed_out_ahead() -> None:
@@ -186,46 +192,13 @@ def test_a_light_connection_waits_for_the_chunk_on_the_wire_not_for_turns_handed
     and its turn, not for turns handed out ahead of time (each a whole chunk of link time here)."""
     shape = LinkShape(bandwidth_mbit=2.0, delay_ms=5.0)
     chunk_s = shape.wire_bytes(CHUNK_BYTES) * 8 / shape.bits_per_second  # ~68 ms
-
-    async def body() -> None:
-        loop = asyncio.get_running_loop()
-
-        async def target(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            if await reader.readexactly(1) == b"b":
-                while await reader.read(1 << 16):
-                    pass
-                return
-            while data := await reader.read(64):  # echo pings
-                writer.write(data)
-                await writer.drain()
-
-        async with serve(target) as port, WanEmulator("127.0.0.1", port, shape) as emu:
-            _bulk_reader, bulk = await asyncio.open_connection("127.0.0.1", emu.port)
-            bulk.write(b"b" + os.urandom(1_500_000))  # ~6 s of link time
-            reader, writer = await asyncio.open_connection("127.0.0.1", emu.port)
-            writer.write(b"p")
-            deadline = loop.time() + DEADLINE_S
-            while emu.bytes_upstream < 4 * CHUNK_BYTES:
-                assert loop.time() < deadline, "bulk transfer never started"
-                await asyncio.sleep(0.01)
-            one_way: list[float] = []
-            for i in range(9):
-                sent = loop.time()
-                writer.write(bytes([i]) * 64)
-                await writer.drain()
-                assert await asyncio.wait_for(reader.readexactly(64), DEADLINE_S) == bytes([i]) * 64
-                one_way.append((loop.time() - sent) / 2)
-            assert emu.bytes_upstream < 1_400_000, "bulk finished before the pings: the test measured nothing"
-            bulk.close()
-            writer.close()
-        # Upstream the ping waits for the rest of the chunk on the wire and, round robin, at most the
-        # bulk connection's next turn (about 1.9 chunks measured); the way back is idle. With two turns
-        # handed out ahead of the link it waited about 3.8 chunks.
-        waited = statistics.median(one_way) * 2 - 2 * shape.delay_s
-        print(f"ping waited {waited * 1000:.0f} ms upstream; a chunk is {chunk_s * 1000:.0f} ms of link")
-        assert waited < 2.5 * chunk_s, one_way
-
-    run(body())
+    one_way = _pings_behind_bulk(shape, 1_500_000, 4 * CHUNK_BYTES, 9)  # ~6 s of link time
+    # Upstream the ping waits for the rest of the chunk on the wire and, round robin, at most the
+    # bulk connection's next turn (about 1.9 chunks measured); the way back is idle. With two turns
+    # handed out ahead of the link it waited about 3.8 chunks.
+    waited = statistics.median(one_way) * 2 - 2 * shape.delay_s
+    print(f"ping waited {waited * 1000:.0f} ms upstream; a chunk is {chunk_s * 1000:.0f} ms of link")
+    assert waited < 2.5 * chunk_s, one_way
 
 
 def test_wire_bytes_count_headers_per_segment() -> None:
