@@ -101,7 +101,7 @@ class LinkPumps:
         if pacer is None:
             return self.router.next_outbound()
         if lanes is not None:
-            pacer.flows = max(1, len(lanes.active))
+            pacer.set_flows(max(1, len(lanes.active)))
             if lanes.lane_acks and not pacer.lane_has_room(lanes.unacked(lane)):
                 return None  # its acknowledgement, on this connection, wakes the writers
         express = lanes is not None and lanes.express is not None and lanes.express.up

@@ -13,7 +13,14 @@ under a cap that leaves about two fragments queued on the path:
 * **Start-up** as BBR's (Cardwell et al., "BBR: Congestion-Based Congestion Control", ACM Queue 14(5),
   2016): cap = 2 x rate x min_rtt, the rate being the highest delivery-rate sample (bytes acknowledged
   since a write was sent, over the longer of its send and acknowledgement intervals), until three
-  samples in a row fail to raise it by a quarter.
+  round trips in a row fail to raise it by a quarter (round trips, not samples: acknowledgements come
+  several a round trip, and three of them pass before any write sent at the larger cap is acknowledged).
+* **Start-up again when connections are added** (:meth:`LinkPacer.set_flows`), never below the cap it
+  had: the lane tuner adds connections because more may carry more, and judges them on what they
+  carried two seconds later. The controller alone grows one unit a round trip, and on a lossy long path
+  it reads each connection's loss recovery as a queue and holds the cap where fewer connections left
+  it: a doubling that scales the path then measures no gain, and 100 Mbit/s with 80 ms and 0.1% loss
+  stays at 0.06 of the link (``docs/bench/wan-link.md``).
 * **Then a standing-queue controller** as TCP Vegas's (Brakmo and Peterson, IEEE JSAC 13(8), 1995):
   once per round trip, the bytes the cap keeps queued are ``cap x (1 - min_rtt / rtt)``, where ``rtt``
   is the round's lowest sample and ``min_rtt`` the lowest of the last ``MIN_RTT_WINDOW_S``; fewer
@@ -118,6 +125,7 @@ class LinkPacer:
         self.startup = True
         self._flat_rounds = 0
         self._startup_best = 0.0
+        self._startup_floor = 0  # a re-entered start-up never lowers the cap the controller had (set_flows)
         self._cap = INITIAL_INFLIGHT_BYTES
         # The controller's round: it ends when the write that was newest at its start is acknowledged.
         self._round_end = 0
@@ -140,6 +148,15 @@ class LinkPacer:
         #: connection holds a few fragments in its own send queue, so the target scales with them.
         self.flows = 1
 
+    def set_flows(self, flows: int) -> None:
+        """The session now stripes over ``flows`` connections; more re-enter start-up (module doc)."""
+        if flows > self.flows and not self.startup and self._measured:
+            self.startup = True
+            self._startup_best = self.rate
+            self._flat_rounds = 0
+            self._startup_floor = self._cap
+        self.flows = flows
+
     @property
     def inflight(self) -> int:
         return self.sent - self.acked
@@ -158,7 +175,7 @@ class LinkPacer:
 
     def cap(self) -> int:
         if self.startup and self.rate and self.min_rtt:
-            cap = int(max(MIN_INFLIGHT_BYTES, STARTUP_GAIN * self.rate * self.min_rtt))
+            cap = int(max(MIN_INFLIGHT_BYTES, self._startup_floor, STARTUP_GAIN * self.rate * self.min_rtt))
             return cap if self._measured else max(cap, INITIAL_INFLIGHT_BYTES)
         return self._cap
 
@@ -226,8 +243,20 @@ class LinkPacer:
             self._end_round()
 
     def _end_round(self) -> None:
-        """Vegas's step, once per round trip after start-up: keep one to two fragments queued."""
-        if not self.startup and self._round_rtt and self.min_rtt:
+        """Once per round trip: in start-up, whether the rate still grows; after it, Vegas's step (keep
+        one to two fragments queued)."""
+        if self.startup and self._measured and not self._app_limited:
+            if self.rate >= self._startup_best * STARTUP_GROWTH:
+                self._startup_best = self.rate
+                self._flat_rounds = 0
+            else:
+                self._flat_rounds += 1
+                if self._flat_rounds >= STARTUP_ROUNDS:
+                    # The controller starts from one bandwidth-delay product and finds the rest.
+                    self.startup = False
+                    self._cap = int(max(MIN_INFLIGHT_BYTES, self._startup_floor, self.rate * self.min_rtt))
+                    self._startup_floor = 0
+        elif not self.startup and self._round_rtt and self.min_rtt:
             queued = self._cap * (1.0 - self.min_rtt / self._round_rtt)
             # The unit is a fragment, or the largest item written whole (a fast link cuts nothing, and
             # a cap that cannot hold two of its items stalls between them).
@@ -287,16 +316,6 @@ class LinkPacer:
         if app_limited:
             return  # it raised the estimate; only a sender with more to send may end start-up
         self._measured = True
-        if self.startup:
-            if self.rate >= self._startup_best * STARTUP_GROWTH:
-                self._startup_best = self.rate
-                self._flat_rounds = 0
-            else:
-                self._flat_rounds += 1
-                if self._flat_rounds >= STARTUP_ROUNDS:
-                    # The controller starts from one bandwidth-delay product and finds the rest.
-                    self.startup = False
-                    self._cap = int(max(MIN_INFLIGHT_BYTES, self.rate * self.min_rtt))
 
 
 @dataclass

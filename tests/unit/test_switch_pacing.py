@@ -14,6 +14,7 @@ from nebula_common.rpc.framing import FramedChunk, encode_chunk, parse_chunk
 from services.switch import pacing
 from services.switch.acks import AckSchedule
 from services.switch.link import PeerLink
+from services.switch.link_lanes import LANE_INTERVAL_S
 from services.switch.pacing import Fragment, LinkPacer, PacingError, Reassembler
 from services.switch.route_state import Attachment, Route
 from services.switch.routing import Router
@@ -297,17 +298,23 @@ class VirtualTimer:
 
 
 def simulate(
-    rates: list[tuple[float, float]], delay_s: float, seconds: float, flows: int = 1, quiet_until: float = 0.0
+    rates: list[tuple[float, float]],
+    delay_s: float,
+    seconds: float,
+    flows: int = 1,
+    quiet_until: float = 0.0,
+    more_flows: tuple[float, int] | None = None,
 ) -> dict[str, list[float]]:
     """A sender with endless data, paced, through one bottleneck FIFO of ``rates`` [(from time, bytes/s)]
     and ``delay_s`` each way; the receiver acknowledges what it reads as the switch does (``AckSchedule``:
     every second piece, an odd one within ``ACK_DELAY_S``). Samples every 10 ms.
 
     Until ``quiet_until`` the sender has only a 40-byte message every 50 ms (a job's control traffic)
-    and tells the pacer when it has nothing to send, as the link's writer does."""
+    and tells the pacer when it has nothing to send, as the link's writer does. ``more_flows`` (when,
+    how many): the session's connection count changes then, as the lane tuner changes it."""
     now, dt = 0.0, 0.0005
     pacer = LinkPacer(clock=lambda: now)
-    pacer.flows = flows
+    pacer.set_flows(flows)
     next_small = 0.0
     queue: list[int] = []  # bytes of each piece waiting at the bottleneck
     head_left = 0.0
@@ -330,10 +337,13 @@ def simulate(
         "rate": [],
         "rtt": [],
         "fragment": [],
+        "cap": [],
     }
     next_sample = 0.0
     while now < seconds:
         rate = [r for start, r in rates if start <= now][-1]
+        if more_flows is not None and now >= more_flows[0]:
+            pacer.set_flows(more_flows[1])
         if now < quiet_until:
             if now >= next_small and pacer.has_room():
                 pacer.on_sent(40)
@@ -359,6 +369,7 @@ def simulate(
             pacer.on_ack(heapq.heappop(acks)[1])
         if now >= next_sample:
             samples["fragment"].append(pacer.fragment_bytes)
+            samples["cap"].append(pacer.cap())
             samples["t"].append(now)
             samples["queue"].append(sum(queue))
             samples["delivered"].append(received)
@@ -417,6 +428,44 @@ def test_the_pacer_follows_a_path_that_slows_down() -> None:
     assert mean_queue <= 3 * pacing.MIN_FRAGMENT_BYTES, mean_queue  # 16 KiB fragments at 20 Mbit/s
     throughput = (late["delivered"][-1] - late["delivered"][0]) / (late["t"][-1] - late["t"][0])
     assert throughput >= 0.95 * slow, throughput
+
+
+def test_added_connections_carry_what_the_path_now_holds_within_the_lane_tuners_settling() -> None:
+    # 100 Mbit/s, 80 ms each way, loss-limited: each connection carries 2.5 MB/s, so the path holds
+    # four times as much once the lane tuner goes from one connection to four (at 6 s). The tuner judges
+    # the change after LANE_INTERVAL_S of settling: by then the new connections must carry their part,
+    # or a doubling that scales the path measures no gain. The controller alone adds one unit per round
+    # trip (it took about 3 s here); re-probing as in start-up fills the path within a second.
+    per_flow, delay, change = 2.5e6, 0.08, 6.0
+    samples = simulate(
+        [(0.0, per_flow), (change, 4 * per_flow)], delay, 16.0, flows=1, more_flows=(change, 4)
+    )
+    before = window(samples, change - 1.0, change)
+    cap_before = before["cap"][-1]
+    assert all(cap >= cap_before for cap in window(samples, change, 16.0)["cap"])  # never lower
+    settled = window(samples, change + 1.0, change + LANE_INTERVAL_S)
+    carried = (settled["delivered"][-1] - settled["delivered"][0]) / (settled["t"][-1] - settled["t"][0])
+    assert carried >= 0.9 * 4 * per_flow, carried
+    # Start-up ends again once the rate stops growing: the queue goes back to the controller's target.
+    late = window(samples, change + 6.0, 16.0)
+    fragment = 4 * per_flow * pacing.FRAGMENT_TIME_S
+    mean_queue = sum(late["queue"]) / len(late["queue"])
+    assert mean_queue <= 2.5 * 4 * fragment, (mean_queue, fragment)
+
+
+def test_fewer_or_as_many_connections_and_an_unmeasured_link_leave_the_pacer_as_it_was() -> None:
+    clock = [0.0]
+    pacer = LinkPacer(clock=lambda: clock[0])
+    pacer.set_flows(4)  # before any measurement: start-up has not ended, nothing to re-probe
+    assert (pacer.startup, pacer.flows) == (True, 4)
+    _feed(pacer, clock, 64 << 10, 0.004, 0.04, 3.0)  # 16 MB/s behind a 40 ms round trip
+    assert not pacer.startup
+    cap = pacer.cap()
+    for flows in (4, 2, 1):
+        pacer.set_flows(flows)
+        assert (pacer.startup, pacer.flows, pacer.cap()) == (False, flows, cap)
+    pacer.set_flows(2)
+    assert pacer.startup and pacer.cap() >= cap
 
 
 @pytest.mark.parametrize(("rate", "delay"), [(7.5e6, 0.02), (100e6, 0.002)])
