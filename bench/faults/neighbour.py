@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import JobFollower, load_info, md_table, tree_cpu_seconds, wait_until, write_json
 
+from bench.wan.utilisation import switch_connections
 from nebula_common.jobspec import load_spec
 from nebula_common.launcher import LocalDeployment
 from nebula_common.proto.nebula.v1 import trainer_pb2
@@ -147,7 +148,11 @@ def one_round(
     finished(big, "the big job alone")
     path_end = path_cpu(deployment)
     big_alone = big.mean_reported_step_seconds("sink")
+    # The dialing switch's connection count (its default, `auto`, may add some for a link-bound job).
+    connections_url = deployment.endpoints("a").metrics.get("switch-a", "")
+    connections_alone = switch_connections(connections_url)
     small_mix, big_steps_mix = beside_big(users["small"], users["big"], small_steps, "mix")
+    connections_mix = switch_connections(connections_url)
     small_control, big_steps_control = beside_big(users["small"], control_users, small_steps, "control")
     big_mix = statistics.mean(big_steps_mix) if big_steps_mix else None
     big_control = statistics.mean(big_steps_control) if big_steps_control else None
@@ -167,6 +172,7 @@ def one_round(
         "big_control_share": round(big_alone / big_control, 3) if big_control else None,
         "big_alone_mbit_each_way": round(BIG_BYTES_PER_STEP * 8 / big_alone / 1e6, 1),
         "big_alone_cores": cores(path_start, path_end),
+        "link_connections": [connections_alone, connections_mix],
         "load": load_info(),
     }
 
@@ -188,6 +194,7 @@ def report(result: dict[str, Any]) -> str:
             r["big_alone_mbit_each_way"],
             r["big_alone_cores"].get("switches"),
             r["big_alone_cores"].get("emulator"),
+            " / ".join("-" if c is None else f"{c:g}" for c in r["link_connections"]),
         ]
         for i, r in enumerate(result["rounds"])
     ]
@@ -206,6 +213,7 @@ def report(result: dict[str, Any]) -> str:
         "big alone Mbit/s each way",
         "big alone: switches' cores",
         "emulator's cores",
+        "link connections after big alone / beside",
     ]
     return (
         f"# Small job beside a big neighbour ({BANDWIDTH_MBIT:g} Mbit/s, {DELAY_MS:g} ms each way)\n\n"

@@ -58,7 +58,7 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def _switch_connections_metric(url: str) -> float | None:
+def switch_connections(url: str) -> float | None:
     """The switch's ``nebula_switch_link_connections`` gauge, or None if it does not export one."""
     try:
         text = read_metrics(url)
@@ -183,9 +183,7 @@ def measure(
                 """Sleep until ``deadline``, reading the switch's connection count about once a second."""
                 while (left := deadline - time.monotonic()) > 0:
                     time.sleep(min(1.0, left))
-                    trace.append(
-                        (round(time.monotonic() - started, 1), _switch_connections_metric(metrics_url))
-                    )
+                    trace.append((round(time.monotonic() - started, 1), switch_connections(metrics_url)))
 
             sample_until(started + warmup_s)  # slow start and the first windows; nothing is asserted on it
             wan = deployment.wan
@@ -194,7 +192,7 @@ def measure(
             t1, s1 = time.monotonic(), wan.status()
             if stream.error is not None:
                 raise RuntimeError(f"the benchmark edge failed: {stream.error}")
-            metric = _switch_connections_metric(metrics_url)
+            metric = switch_connections(metrics_url)
             capacity_bits = rate * 1e6 * (t1 - t0)
             wire = int(s1["wire_bytes_upstream"]) - int(s0["wire_bytes_upstream"])
             row.update(

@@ -11,7 +11,7 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 
 from nebula_common.rpc.edge_tls import edge_address
 from nebula_common.service.settings import AuditedServiceSettings, ClusterId, HostPort
-from services.switch.lanes import parse_connections
+from services.switch.lane_tuner import parse_connections
 
 LinkRole = Literal["auto", "dial", "accept"]
 
@@ -165,10 +165,11 @@ class SwitchSettings(AuditedServiceSettings):
         256, ge=1, description="Routes the peer may create that no local trainer has attached to yet."
     )
     link_connections: str = Field(
-        "1",
-        description="Connections the dialing switch stripes the link over: a number (1-32) or 'auto' "
-        "(start with one, double while that raises throughput by more than 5%, as on a lossy long path, "
-        "halve while it does not need them; up to 32).",
+        "auto",
+        description="Connections the dialing switch stripes the link over: 'auto' (start with one; while "
+        "items wait for the link in nine samples of ten, double while that raises throughput by more "
+        "than 5%, as on a lossy long path, and halve while it does not need them; up to 32) or a fixed "
+        "number (1-32).",
     )
     link_carrier: Literal["records", "grpc"] = Field(
         "records",

@@ -1,6 +1,6 @@
 """The link's lanes at work: further connections joining a session, retiring, and how many to keep.
 
-The lane protocol and its algorithms (marks, in-order delivery, the tuner) are ``lanes.py``; this module
+The lane protocol (marks, in-order delivery) is ``lanes.py``, how many lanes ``lane_tuner.py``; this module
 runs them on a :class:`~services.switch.link.PeerLink`. Both roles run a joined connection the same way
 (:meth:`LinkLanes.run_lane`): a lane that fails ends the whole session, since what it carried may be
 lost, a gap no other lane can fill; a retired lane ends alone once both last marks crossed. Only the
@@ -19,7 +19,7 @@ import grpc
 
 from nebula_common.cancellation import raise_if_cancelling
 from services.switch.express import EXPRESS_LANE
-from services.switch.lanes import MAX_LANES, LaneTuner
+from services.switch.lane_tuner import MAX_LANES, LaneTuner, busy_interval
 from services.switch.link_handshake import HandshakeError
 from services.switch.link_pumps import LinkPumps
 from services.switch.link_transport import Closeable, LaneOpenFn, ReadFn, WriteFn
@@ -208,7 +208,7 @@ class LinkLanes(LinkPumps):
                 if tuner is not None:
                     now_session, now_carried = self._carried()
                     rate = (now_carried - carried) / (time.monotonic() - started)
-                    target = tuner.observe(rate, busy * 2 >= samples and now_session is session)
+                    target = tuner.observe(rate, busy_interval(busy, samples) and now_session is session)
                 elif self.connections is not None:
                     target = self.connections  # a changed fixed count applies from the next interval
         finally:

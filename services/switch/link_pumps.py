@@ -203,7 +203,7 @@ class LinkPumps:
 
         With one connection a full link shows as a router backlog; with several, the backlog moves
         into the connections' writes (their HTTP/2 and socket buffers) and the router is empty
-        although the link is full. The lane tuner only judges busy intervals (lanes.py).
+        although the link is full. The lane tuner only judges busy intervals (lane_tuner.py).
         """
         return self.router.has_outbound() or self._writing > 0
 

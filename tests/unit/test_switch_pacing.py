@@ -13,6 +13,7 @@ from nebula_common.proto.nebula.v1 import link_pb2, relay_pb2, tensor_pb2
 from nebula_common.rpc.framing import FramedChunk, encode_chunk, parse_chunk
 from services.switch import pacing
 from services.switch.acks import AckSchedule
+from services.switch.lane_tuner import MAX_LANES
 from services.switch.link import PeerLink
 from services.switch.link_lanes import LANE_INTERVAL_S
 from services.switch.pacing import Fragment, LinkPacer, PacingError, Reassembler
@@ -304,6 +305,7 @@ def simulate(
     flows: int = 1,
     quiet_until: float = 0.0,
     more_flows: tuple[float, int] | None = None,
+    flows_at: Callable[[float], int] | None = None,
 ) -> dict[str, list[float]]:
     """A sender with endless data, paced, through one bottleneck FIFO of ``rates`` [(from time, bytes/s)]
     and ``delay_s`` each way; the receiver acknowledges what it reads as the switch does (``AckSchedule``:
@@ -311,7 +313,8 @@ def simulate(
 
     Until ``quiet_until`` the sender has only a 40-byte message every 50 ms (a job's control traffic)
     and tells the pacer when it has nothing to send, as the link's writer does. ``more_flows`` (when,
-    how many): the session's connection count changes then, as the lane tuner changes it."""
+    how many): the session's connection count changes then, as the lane tuner changes it; ``flows_at``
+    (time -> count): the count at every step, as a peer's dialer may set it."""
     now, dt = 0.0, 0.0005
     pacer = LinkPacer(clock=lambda: now)
     pacer.set_flows(flows)
@@ -344,6 +347,8 @@ def simulate(
         rate = [r for start, r in rates if start <= now][-1]
         if more_flows is not None and now >= more_flows[0]:
             pacer.set_flows(more_flows[1])
+        if flows_at is not None:
+            pacer.set_flows(flows_at(now))
         if now < quiet_until:
             if now >= next_small and pacer.has_room():
                 pacer.on_sent(40)
@@ -451,6 +456,26 @@ def test_added_connections_carry_what_the_path_now_holds_within_the_lane_tuners_
     fragment = 4 * per_flow * pacing.FRAGMENT_TIME_S
     mean_queue = sum(late["queue"]) / len(late["queue"])
     assert mean_queue <= 2.5 * 4 * fragment, (mean_queue, fragment)
+
+
+def test_a_peer_that_opens_and_retires_connections_over_and_over_keeps_our_queue_bounded() -> None:
+    # The dialer decides the connection count (lanes.py), so a hostile peer can open 31 lanes and retire
+    # them every 2 s for a minute, each time making the pacer re-enter start-up. It must not ratchet the
+    # cap up: the queue toward that peer stays within three bandwidth-delay products and two fragments
+    # per connection (the start-ups' round trips are measured over a queue that never drains, so the
+    # lowest round trip creeps from 40 to about 52 ms and settles: 1.74 MB at most here, about 230 ms),
+    # no higher at the end than at the start, and the link still carries its rate. Only this peer's
+    # link pays: the queue is on the path to it.
+    rate, delay = 7.5e6, 0.02  # 60 Mbit/s, 20 ms each way: one bandwidth-delay product is 300 kB
+    bdp, fragment = rate * 2 * delay, rate * pacing.FRAGMENT_TIME_S
+    samples = simulate([(0.0, rate)], delay, 60.0, flows_at=lambda t: MAX_LANES if int(t / 2) % 2 else 1)
+    bound = 3 * bdp + 2 * MAX_LANES * fragment
+    assert max(samples["queue"]) <= bound, (max(samples["queue"]), bound)
+    first, last = window(samples, 4.0, 20.0), window(samples, 44.0, 60.0)
+    assert max(last["queue"]) <= 1.1 * max(first["queue"]), (max(first["queue"]), max(last["queue"]))
+    assert max(last["cap"]) <= 1.1 * max(first["cap"]), (max(first["cap"]), max(last["cap"]))
+    carried = (last["delivered"][-1] - last["delivered"][0]) / (last["t"][-1] - last["t"][0])
+    assert carried >= 0.95 * rate, carried
 
 
 def test_fewer_or_as_many_connections_and_an_unmeasured_link_leave_the_pacer_as_it_was() -> None:
