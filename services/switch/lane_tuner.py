@@ -7,8 +7,8 @@ writer blocked in a write, ``PeerLink.link_busy``; :func:`busy_interval`); the f
 an idle one are a start (slow start, partly idle), neither judged nor a baseline. A job that leaves the
 link idle between its bursts (a pipeline computing, a link faster than the job) is limited by its own
 pace, not by its connections: counted busy at half its samples, a job sending 4 MiB micro-batches at
-60 Mbit/s had the tuner double to 2-8 connections for 13-20% more throughput, and the switches' CPU for
-them (0.42-0.73 cores against 0.26) slowed another tenant's small job on the same two cores 1.3-2.4x
+60 Mbit/s had the tuner add connections for 7-21% more throughput, and the switches' CPU for them
+(0.42-0.73 cores against 0.26) slowed another tenant's small job on the same two cores 1.4-2.4x
 (``docs/bench/neighbour.md``). A link-bound sender, a loss-limited long path's above all, waits on the
 link in every sample. A change is judged on the mean throughput of
 ``judge_intervals`` busy intervals after it (the first ``settle_intervals`` after it skipped: new

@@ -189,7 +189,7 @@ _BURSTY_BUSY = [9, 20, 13, 20, 14, 19, 13, 20, 13, 17, 6, 15, 14, 16, 16, 18, 15
 
 
 def test_a_job_that_leaves_the_link_idle_between_bursts_keeps_one_connection() -> None:
-    # More connections would move its bursts 15% faster (33.5 -> 38.5 Mbit/s measured with them), but the
+    # More connections move it 7-21% faster (33.5 -> 35.7-40.4 Mbit/s measured; 15% here), but the
     # switches' CPU for them slows every other tenant; a link-bound sender waits in every sample.
     tuner = LaneTuner()
     counts = []
