@@ -176,7 +176,7 @@ class LaneTuner:
 
 
 def parse_connections(value: str) -> int | None:
-    """``auto`` -> None (self-tuned), else a fixed count of 1 .. 16 (ValueError naming the value)."""
+    """``auto`` -> None (self-tuned), else a fixed count of 1 .. MAX_LANES (ValueError naming the value)."""
     text = value.strip().lower()
     if text == "auto":
         return None
