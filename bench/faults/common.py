@@ -106,10 +106,19 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 class ProcessSampler:
-    """Samples named processes of a deployment every ``interval`` s (the current pid: follows restarts)."""
+    """Samples named processes of a deployment every ``interval`` s (the current pid: follows restarts),
+    and ``gauges`` (name -> a reading, None when it cannot be read: a service's metric) as rows of
+    ``{"t", "name", "value"}``."""
 
-    def __init__(self, deployment: LocalDeployment, names: list[str], interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        deployment: LocalDeployment,
+        names: list[str],
+        interval: float = 1.0,
+        gauges: dict[str, Callable[[], float | None]] | None = None,
+    ) -> None:
         self.deployment, self.names, self.interval = deployment, names, interval
+        self.gauges = gauges or {}
         self.t0 = time.monotonic()
         self.rows: list[dict[str, Any]] = []
         self._stop = threading.Event()
@@ -132,6 +141,8 @@ class ProcessSampler:
                     sample = None
                 if sample is not None:
                     self.rows.append({"t": now, "name": name, "pid": pid, **sample})
+            for name, read in self.gauges.items():
+                self.rows.append({"t": now, "name": name, "value": read()})
             self._stop.wait(self.interval)
 
     def stop(self) -> list[dict[str, Any]]:

@@ -45,8 +45,19 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PALETTE, Canvas, JobFollower, Plot, ProcessSampler, jain, load_info, md_table, write_json
+from common import (
+    PALETTE,
+    Canvas,
+    JobFollower,
+    Plot,
+    ProcessSampler,
+    jain,
+    load_info,
+    md_table,
+    write_json,
+)
 
+from bench.wan.utilisation import switch_connections
 from nebula_common.errors import NebulaError
 from nebula_common.jobspec import load_spec
 from nebula_common.launcher import LocalDeployment
@@ -333,7 +344,10 @@ def main() -> None:
     with LocalDeployment(run_dir=run_dir, bandwidth_mbit=BANDWIDTH_MBIT, delay_ms=DELAY_MS) as deployment:
         users = {u: {c: make_user(deployment, c, u) for c in ("a", "b")} for u in ACCOUNTS}
         mallory = make_user(deployment, "a", "mallory")
-        sampler = ProcessSampler(deployment, ["switch-a", "switch-b"], 0.5).start()
+        # The dialing switch's link connections (its default, `auto`, adds some only for a link-bound path).
+        url = deployment.endpoints("a").metrics.get("switch-a", "")
+        gauges = {"connections": lambda: switch_connections(url)}
+        sampler = ProcessSampler(deployment, ["switch-a", "switch-b"], 0.5, gauges).start()
         marks: dict[str, float] = {}
 
         def healthy(n: int) -> list[tuple[str, ProgramJob, dict[str, ClusterSession]]]:
@@ -396,7 +410,16 @@ def main() -> None:
         }
     load_after = load_info()
     result = assemble(
-        args, started, load_before, load_after, alone, alone_slow, healthy_mix, rounds, samples, marks
+        args,
+        started,
+        load_before,
+        load_after,
+        alone,
+        alone_slow,
+        healthy_mix,
+        rounds,
+        samples,
+        marks,
     )
     result["loads"] = loads
     result["audit_route_closed"] = audit
@@ -494,6 +517,19 @@ def assemble(
                 span = inside[-1]["t"] - inside[0]["t"]
                 used = inside[-1]["cpu_s"] - inside[0]["cpu_s"]
                 cpu[name][phase] = round(used / span, 3) if span > 0 else 0.0
+    link_connections: dict[str, dict[str, Any]] = {}
+    for phase, start, end in phases:
+        values = [
+            r["value"]
+            for r in samples
+            if r["name"] == "connections" and marks[start] <= r["t"] <= marks[end] and r["value"] is not None
+        ]
+        if values:
+            link_connections[phase] = {
+                "max": max(values),
+                "above_one": sum(v > 1 for v in values),
+                "samples": len(values),
+            }
     switch_stats = {}
     for name in ("switch-a", "switch-b"):
         rows = [r for r in samples if r["name"] == name]
@@ -520,6 +556,7 @@ def assemble(
         "full_mix": fm,
         "rounds": rounds,
         "switch_cpu_cores": cpu,
+        "link_connections_switch_a": link_connections,
         "per_job": per_job,
         "fairness": fairness,
         "slow_receiver": {"alone_s": slow_alone, "full_mix_s": fm.get("user3/slow", {}).get("mean_step_s")},
@@ -538,6 +575,7 @@ def assemble(
 def render(path: Path, samples: list[dict[str, Any]], marks: dict[str, float]) -> None:
     width, height = 1200, 500
     canvas = Canvas(width, height)
+    samples = [r for r in samples if r["name"] in ("switch-a", "switch-b")]  # not the gauges' rows
     t_end = max((r["t"] for r in samples), default=1.0)
     panels = (("rss_kib", (60, 20, width - 20, 230)), ("fds", (60, 270, width - 20, height - 20)))
     rounds = sorted(int(k.split("_")[2]) for k in marks if k.startswith("full_mix_") and k.endswith("_end"))
@@ -642,6 +680,15 @@ def report(r: dict[str, Any], stem: str = "faults-fairness") -> str:
             + ", ".join(f"{k} {v:.4f}" for k, v in fair.items() if k[-1].isdigit() or k == "healthy_mix")
             + " (target >= 0.95).",
             f"- Switch CPU (cores used on average, per phase): {json.dumps(r['switch_cpu_cores'])}.",
+            "- Switch a's link connections (`nebula_switch_link_connections`, read every 0.5 s), per phase: "
+            + (
+                "; ".join(
+                    f"{phase} at most {v['max']:g} ({v['above_one']} of {v['samples']} readings above 1)"
+                    for phase, v in r.get("link_connections_switch_a", {}).items()
+                )
+                or "not read"
+            )
+            + ".",
             f"- Submissions that failed: {len(r['submit_failures'])} "
             f"{[(f['job'], f['reason'][:160]) for f in r['submit_failures']]}.",
             f"- Slow receiver: {ms(r['slow_receiver']['alone_s'])} ms per step alone, "

@@ -3,15 +3,18 @@
 With ``NEBULA_SWITCH_LINK_CONNECTIONS=auto`` (the default; :class:`LaneTuner`): start with one and
 double while the link scales, halve while it does not need them. Only intervals in which the link was
 busy count (items waited for a lane in nine samples of ten or more: queued in the router, or a lane's
-writer blocked in a write, ``PeerLink.link_busy``; :func:`busy_interval`); the first busy intervals after
-an idle one are a start (slow start, partly idle), neither judged nor a baseline. A job that leaves the
-link idle between its bursts (a pipeline computing, a link faster than the job) is limited by its own
-pace, not by its connections: counted busy at half its samples, a job sending 4 MiB micro-batches at
-60 Mbit/s had the tuner add connections for 7-21% more throughput, and the switches' CPU for them
-(0.42-0.73 cores against 0.26) slowed another tenant's small job on the same two cores 1.4-2.4x
-(``docs/bench/neighbour.md``). A link-bound sender, a loss-limited long path's above all, waits on the
-link in every sample. A change is judged on the mean throughput of
-``judge_intervals`` busy intervals after it (the first ``settle_intervals`` after it skipped: new
+writer inside a write, while what is written and not yet read fills the path, ``PeerLink.link_busy``;
+:func:`busy_interval`); the first busy intervals after an idle one are a start (slow start, partly idle),
+neither judged nor a baseline. Items that wait while the path is not full wait for this switch: beside
+a flooder's header-only frames on a loaded host, items waited in 17-19 samples of 19 with at most 36 kB
+of a 128 kB cap in flight, and the tuner, judging doublings on noise, gave them 2-8 connections. A job
+that leaves the link idle between its bursts (a pipeline computing, a link faster than the job) is
+limited by its own pace, not by its connections: counted busy at half its samples, a job sending 4 MiB
+micro-batches at 60 Mbit/s had the tuner add connections for 7-21% more throughput, and the switches'
+CPU for them (0.42-0.73 cores against 0.26) slowed another tenant's small job on the same two cores
+1.4-2.4x (``docs/bench/neighbour.md``). A link-bound sender, a loss-limited long path's above all, waits
+on the link in every sample. A change is judged on the mean throughput of ``judge_intervals`` busy
+intervals after it (the first ``settle_intervals`` after it skipped: new
 connections dial, leave slow start, and the link's pacer grows its cap to carry them) against the mean
 of as many before it, because on a lossy long path one interval's throughput moves with where the
 losses fall by more than one connection adds.

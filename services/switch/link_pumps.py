@@ -33,7 +33,7 @@ from services.switch.bandwidth import BandwidthMeter
 from services.switch.express import EXPRESS_LANE
 from services.switch.lanes import LaneGapError, SessionLanes
 from services.switch.link_handshake import HandshakeError, parse_link_message
-from services.switch.link_transport import ReadFn, WriteFn
+from services.switch.link_transport import LINK_WINDOW_BYTES, ReadFn, WriteFn
 from services.switch.liveness import Keepalive, RttEstimator
 from services.switch.metrics import LINK_RTT, DirectionCounters
 from services.switch.pacing import Fragment, LinkPacer, PacingError, Reassembler
@@ -199,13 +199,14 @@ class LinkPumps:
             self.ledger.observe("sent", message)
 
     def link_busy(self) -> bool:
-        """Items wait for the link: queued in the router, or a writer is blocked in a write.
-
-        With one connection a full link shows as a router backlog; with several, the backlog moves
-        into the connections' writes (their HTTP/2 and socket buffers) and the router is empty
-        although the link is full. The lane tuner only judges busy intervals (lane_tuner.py).
-        """
-        return self.router.has_outbound() or self._writing > 0
+        """Items wait for the link (queued in the router, or a writer inside a write: with several
+        connections the backlog sits in their writes) while what is written and unread fills the path
+        (``LinkPacer.fills_pipe``; on an unpaced session, always). A backlog that does not fill the
+        path waits for this switch's CPU, which more connections cannot speed up (``lane_tuner.py``)."""
+        backlog = self.router.has_outbound() or self._writing > 0
+        if not backlog or self._pacer is None:
+            return backlog
+        return self._pacer.fills_pipe(LINK_WINDOW_BYTES)
 
     def _queue_priority(self, message: link_pb2.LinkMessage) -> None:
         self._priority.append(message)

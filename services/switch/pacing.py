@@ -194,6 +194,14 @@ class LinkPacer:
         self._round_limited = True
         return False
 
+    def fills_pipe(self, window: int) -> bool:
+        """Whether what is written and not yet read fills the path, within a fragment: the cap, or each
+        connection's transport ``window`` (a writer blocked in a write holds at least that much unread).
+        Items that wait while it does wait for the link; items that wait while it does not wait for this
+        switch to write them (a CPU it shares, a flood of tiny items), which more connections cannot
+        speed up (``lane_tuner.py``)."""
+        return self.inflight + self.fragment_bytes >= min(self.cap(), self.flows * window)
+
     def may_pass(self) -> bool:
         """Whether a sparse source's small message may still be written over a full cap: the overshoot of
         all of them together stays under one fragment (``LinkScheduler.sparse_next``)."""

@@ -32,6 +32,7 @@ from services.switch.certs import CertificateManager
 from services.switch.config import SwitchSettings
 from services.switch.edge_socket import EdgeSocket
 from services.switch.link import PeerLink
+from services.switch.link_transport import LINK_WINDOW_BYTES
 from services.switch.peer_trust import PeerTrust
 from services.switch.peers import PeerLinks
 from services.switch.routing import Router
@@ -49,7 +50,7 @@ from services.switch.server_tasks import (
     maintain,
     start_background,
 )
-from services.switch.server_wan import LINK_WINDOW_BYTES, start_frontend, wan_server, window_options
+from services.switch.server_wan import start_frontend, wan_server, window_options
 from services.switch.tls_refusals import StderrTap
 from services.switch.wan_frontend import WanFrontend
 

@@ -21,6 +21,7 @@ from services.switch.config import PeerSettings, SwitchSettings
 from services.switch.crl_exchange import CrlExchange, exchange_forever
 from services.switch.link import PeerLink
 from services.switch.link_handshake import fetch_server_certificate
+from services.switch.link_transport import LINK_WINDOW_BYTES
 from services.switch.peer_trust import PeerTrust
 from services.switch.peers import PeerLinks
 from services.switch.rawlink_connection import RawConnection
@@ -29,7 +30,7 @@ from services.switch.route_limits import Limits
 from services.switch.route_table import SharedRoutes
 from services.switch.routing import Router
 from services.switch.server_tasks import cancel
-from services.switch.server_wan import LINK_WINDOW_BYTES, window_options
+from services.switch.server_wan import window_options
 
 log = logging.getLogger("services.switch.server")  # the name these records always had
 

@@ -15,16 +15,12 @@ from nebula_common.service.resources import grpc_server
 from services.switch.certs import CertificateManager
 from services.switch.config import SwitchSettings
 from services.switch.crl_exchange import CrlExchange, OwnCrl, add_trust_to_server
+from services.switch.link_transport import LINK_WINDOW_BYTES
 from services.switch.peer_trust import PeerTrust
 from services.switch.peers import PeerLinks
 from services.switch.server_internal import STOP_GRACE_SECONDS
 from services.switch.wan_frontend import WanFrontend
 from services.switch.wan_servicer import SwitchLinkServicer, add_link_to_server
-
-LINK_WINDOW_BYTES = 1 << 20
-"""Fixed HTTP/2 receive window (and raw link send buffer) of a WAN link: it bounds what waits first-in
-first-out below the switch's fair scheduler, and caps one link connection at window / RTT (1 MiB:
-84 Mbit/s at 100 ms RTT; the link stripes over more connections for more)."""
 
 
 def window_options() -> list[tuple[str, object]]:

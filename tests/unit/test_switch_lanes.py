@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 from pydantic import ValidationError
 
+from nebula_common.pki import Identity
+from services.switch import pacing
 from services.switch.config import SwitchSettings
 from services.switch.lane_tuner import MAX_LANES, LaneTuner, busy_interval, parse_connections
 from services.switch.lanes import LaneGapError, ReorderBuffer
+from services.switch.link import PeerLink
+from services.switch.pacing import LinkPacer
+from services.switch.routing import Router
+from tests.unit.test_switch_pacing import framed, header
 
 
 def test_items_arriving_in_any_order_are_delivered_in_sequence() -> None:
@@ -232,3 +239,76 @@ def test_link_connections_setting_is_a_count_or_auto() -> None:
     assert SwitchSettings(**fields, link_connections="AUTO").connections() is None
     with pytest.raises(ValidationError, match="link_connections must be"):
         SwitchSettings(**fields, link_connections="lots")
+
+
+def _paced_session(
+    router: Router, write: Callable[[bytes], Awaitable[None]]
+) -> tuple[PeerLink, asyncio.Task[None]]:
+    link = PeerLink("a", "b", router)
+
+    async def read() -> object:
+        await asyncio.Event().wait()  # the peer never writes: nothing it was sent is acknowledged
+        return None
+
+    session = asyncio.create_task(
+        link.run_session(read, write, Identity("b", "switch"), "dialer", peer_paced=True)
+    )
+    return link, session
+
+
+def test_a_flood_of_tiny_items_that_leaves_the_path_empty_is_not_a_busy_link() -> None:
+    """A flooder's header-only frames queue in the router in every sample while this switch shares a
+    loaded CPU, with a few kB in flight: the link is not what they wait for, and more connections would
+    only spend more CPU (the fairness bench logged the tuner at 2-8 connections for such a flooder).
+    Items wait for the link once what is written and unread fills the pacer's cap."""
+
+    async def write(message: bytes) -> None:
+        await asyncio.sleep(0)  # a transport that takes everything (the peer reads nothing back)
+
+    async def scenario() -> tuple[bool, bool, bool, bool, int]:
+        router = Router(cluster_id="a")
+        link, session = _paced_session(router, write)
+        assert await link.wait_connected(5)
+        route, attachment = router.attach(("flood", "e"), "mallory")
+        for frame_id in range(1, 4097):  # queued before the writer runs: a starved switch
+            router.accept_local(route, attachment, header(frame_id))
+        flood = (router.has_outbound(), link.link_busy())
+        deadline = asyncio.get_running_loop().time() + 5
+        while router.has_outbound():
+            assert asyncio.get_running_loop().time() < deadline, "the writer did not take the flood in 5 s"
+            await asyncio.sleep(0.01)
+        assert link._pacer is not None
+        tiny_inflight = link._pacer.inflight
+        bulk, bulk_at = router.attach(("bulk", "e"), "alice")
+        for i in range(64):
+            router.accept_local(bulk, bulk_at, framed("bulk", i + 1, 64 << 10, i << 16))
+        deadline = asyncio.get_running_loop().time() + 5
+        while link._pacer.has_room():
+            assert asyncio.get_running_loop().time() < deadline, "the writer did not fill the cap in 5 s"
+            await asyncio.sleep(0.01)
+        full = (router.has_outbound(), link.link_busy())
+        session.cancel()
+        await asyncio.gather(session, return_exceptions=True)
+        return *flood, *full, tiny_inflight
+
+    queued, flood_busy, waiting, full_busy, tiny_inflight = asyncio.run(scenario())
+    assert queued and not flood_busy  # 4096 items waiting, a few kB of them: not the link's
+    assert tiny_inflight < 256 << 10
+    assert waiting and full_busy  # the cap is full and items wait for its acknowledgements
+
+
+def test_the_path_is_full_at_the_cap_or_at_every_connections_transport_window() -> None:
+    pacer = LinkPacer()
+    window = 1 << 20
+    assert pacer.cap() == pacing.INITIAL_INFLIGHT_BYTES
+    pacer.on_sent(pacing.INITIAL_INFLIGHT_BYTES - pacer.fragment_bytes - 1)
+    assert not pacer.fills_pipe(window)
+    pacer.on_sent(1)
+    assert pacer.fills_pipe(window)  # within a fragment of the cap
+    pacer = LinkPacer()
+    pacer._cap, pacer.startup = 64 << 20, False  # a long fat path's cap, over 2 connections
+    pacer.set_flows(2)
+    pacer.on_sent(window)
+    assert not pacer.fills_pipe(window)  # one connection's window: the other still takes items
+    pacer.on_sent(window - pacer.fragment_bytes)
+    assert pacer.fills_pipe(window)  # both blocked in their writes
