@@ -26,7 +26,6 @@ import grpc
 from cryptography import x509
 
 from nebula_common.cancellation import raise_if_cancelling
-from nebula_common.pki import identity_from_certificate
 from nebula_common.proto.nebula.v1 import link_pb2
 from nebula_common.rpc.exporter_tls import TlsHandshakeError
 from nebula_common.rpc.sealed_records import SealedRecordError
@@ -38,6 +37,7 @@ from services.switch.link_handshake import (
     PreambleError,
     carrier_mismatch,
     parse_link_message,
+    raw_peer_identity,
 )
 from services.switch.link_lanes import LinkLanes
 from services.switch.link_transport import (
@@ -220,15 +220,7 @@ class LinkDialer(LinkLanes, PeerChecks):
             cert = connection.peer_cert
             serial = f"{cert.serial_number:x}" if cert is not None else ""
             try:
-                if cert is None:
-                    raise PermissionError("peer presented no certificate on the raw link")
-                try:
-                    certified = identity_from_certificate(cert)
-                except ValueError as exc:
-                    raise PermissionError(
-                        f"peer's certificate carries no valid Nebula identity: {exc}"
-                    ) from exc
-                self.check_identity(certified)
+                self.check_identity(raw_peer_identity(cert, "peer"))
             except PermissionError as exc:
                 self.refuse("identity", str(exc), serial=serial)
                 raise HandshakeError(str(exc)) from exc

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 from cryptography import x509
 
 from nebula_common.audit.aggregate import RefusalAggregator
-from nebula_common.pki import Identity
+from nebula_common.pki import Identity, identity_from_certificate
 from nebula_common.proto.nebula.v1 import link_pb2
 from nebula_common.rpc.framing import LINK_FRAMING_VERSION, framing_refusal
+from services.switch.link_transport import ReadFn
 from services.switch.metrics import AUTH_REFUSALS
 from services.switch.peer_trust import PeerTrust
 
@@ -110,6 +113,36 @@ def check_hello(message: object, certified: Identity) -> None:
         raise HandshakeError(
             f"peer claims cluster {hello.cluster_id!r} but its certificate says {certified.cluster_id!r}"
         )
+
+
+def raw_peer_identity(cert: x509.Certificate | None, who: str) -> Identity:
+    """The Nebula identity a raw link connection's verified certificate names (``who``: "peer" on the
+    dialer, "caller" on the acceptor); a PermissionError saying why there is none."""
+    if cert is None:
+        raise PermissionError(f"{who} presented no verified certificate on the raw link")
+    try:
+        return identity_from_certificate(cert)
+    except ValueError as exc:
+        raise PermissionError(
+            f"{who}'s verified certificate carries no valid Nebula identity: {exc}"
+        ) from exc
+
+
+async def read_hello(
+    read: ReadFn,
+    check: Callable[[link_pb2.LinkMessage, Identity], None],
+    certified: Identity,
+    timeout_s: float = HANDSHAKE_TIMEOUT_S,
+) -> link_pb2.LinkMessage:
+    """The dialer's hello on an accepted connection of either carrier, checked (``check``: the link's
+    :func:`check_hello`) against the identity its certificate names; a HandshakeError or TimeoutError
+    saying why not."""
+    raw = await asyncio.wait_for(read(), timeout_s)
+    if raw is grpc.aio.EOF:
+        raise HandshakeError("peer closed the link during the handshake")
+    hello = parse_link_message(raw)
+    check(hello, certified)
+    return hello
 
 
 def check_identity(certified: Identity, expected: Identity) -> None:

@@ -8,13 +8,9 @@ crossed in clear. Every refusal is audited ``link.refused`` with its layer.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
-import grpc
-
-from nebula_common.pki import identity_from_certificate
-from services.switch.link_handshake import RAW_LINK_VERSION, HandshakeError, parse_link_message
+from services.switch.link_handshake import RAW_LINK_VERSION, HandshakeError, raw_peer_identity, read_hello
 from services.switch.peers import PeerLinks
 from services.switch.rawlink_connection import RawConnection
 
@@ -27,14 +23,7 @@ async def serve_raw(links: PeerLinks, connection: RawConnection, handshake_timeo
     serial = f"{cert.serial_number:x}" if cert is not None else ""
     peer = connection.peer
     try:
-        if cert is None:
-            raise PermissionError("caller presented no verified client certificate on the raw link")
-        try:
-            certified = identity_from_certificate(cert)
-        except ValueError as exc:
-            raise PermissionError(
-                f"caller's verified certificate carries no valid Nebula identity: {exc}"
-            ) from exc
+        certified = raw_peer_identity(cert, "caller")
         link = links.select(certified)
     except PermissionError as exc:
         links.refuse("identity", str(exc), address=peer, serial=serial)
@@ -46,11 +35,7 @@ async def serve_raw(links: PeerLinks, connection: RawConnection, handshake_timeo
         log.warning("refused raw WAN link: %s", reason, extra={"fields": {"peer": peer}})
         return
     try:
-        raw = await asyncio.wait_for(connection.read(), handshake_timeout_s)
-        if raw is grpc.aio.EOF:
-            raise HandshakeError("peer closed the link during the handshake")
-        hello = parse_link_message(raw)
-        link.check_hello(hello, certified)
+        hello = await read_hello(connection.read, link.check_hello, certified, handshake_timeout_s)
         lane, session_id = hello.hello.lane, hello.hello.session_id
         if hello.hello.raw_preamble != connection.preamble:
             reason = (

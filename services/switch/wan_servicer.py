@@ -16,7 +16,6 @@ Both switches carry the link the same way (``link_carrier``): a dialer of the re
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -28,7 +27,7 @@ from services.switch.link_handshake import (
     RAW_LINK_VERSION,
     HandshakeError,
     carrier_mismatch,
-    parse_link_message,
+    read_hello,
 )
 from services.switch.link_transport import grpc_writer
 from services.switch.peers import PeerLinks
@@ -56,11 +55,7 @@ class SwitchLinkServicer:
             log.warning("refused WAN link: %s", reason, extra={"fields": {"peer": context.peer()}})
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
         try:
-            raw = await asyncio.wait_for(context.read(), HANDSHAKE_TIMEOUT_S)
-            if raw is grpc.aio.EOF:
-                raise HandshakeError("peer closed the link during the handshake")
-            hello = parse_link_message(raw)
-            link.check_hello(hello, certified)
+            hello = await read_hello(context.read, link.check_hello, certified)
             lane, session_id = hello.hello.lane, hello.hello.session_id
             if lane and not await link.await_session(session_id, HANDSHAKE_TIMEOUT_S):
                 raise HandshakeError(f"connection {lane} names no running session of this link")
